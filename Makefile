@@ -1,0 +1,46 @@
+# Two commands do all set-up on a fresh Debian machine: `make demo` and `make test`.
+# Everything else here is what they are made of.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := fuse3 libfuse3-dev libcap-dev pkg-config fuse-overlayfs sqlite3 git
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench torture fuzz lint setup system-packages clean
+
+demo: setup
+	$(PY) -m jukebox.demo
+
+test: setup
+	$(VENV)/bin/ruff check shadowfs jukebox tests bench
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m bench
+
+lint: setup
+	$(VENV)/bin/ruff check shadowfs jukebox tests bench
+
+setup: system-packages $(STAMP)
+
+# Only calls apt-get when something is actually missing, so repeated runs stay fast and offline.
+system-packages:
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO="sudo"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
