@@ -1,0 +1,76 @@
+"""The `jukebox` command.
+
+Sub-commands import their machinery lazily: `jukebox replay` of a 50-frame tape, interpreter start
+included, must stay well under 150 ms, so nothing heavy is imported at module level here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from jukebox import __version__
+
+
+class JukeboxGroup(click.Group):
+    """Turns the errors we raise on purpose into one line and the documented exit code."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        from jukebox.errors import JukeboxError
+        from shadowfs.errors import ConflictError, ShadowfsError
+
+        try:
+            return super().invoke(ctx)
+        except JukeboxError as error:
+            fail(str(error), error.exit_code)
+        except ConflictError as error:
+            fail(str(error), 1)
+        except ShadowfsError as error:
+            fail(str(error), 2)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as error:
+            name = error.filename or ""
+            fail(f"{error.strerror}: {name}: check the path and its permissions", 2)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as error:  # a bug of ours: still one line unless asked for more
+            if os.environ.get("JUKEBOX_DEBUG"):
+                raise
+            fail(
+                f"internal error: {type(error).__name__}: {error} "
+                "(rerun with JUKEBOX_DEBUG=1 for a traceback and report it)",
+                70,
+            )
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"jukebox: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=JukeboxGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="jukebox")
+def cli() -> None:
+    """Jukebox: the flight recorder and undo button for AI agents.
+
+    TAPE is a .jbx path or a tape id in the tape dir ($JUKEBOX_TAPE_DIR, else ./tapes);
+    TAPE@N selects frame N (frames count from 0).
+    """
+
+
+def main() -> None:
+    from jukebox.cli import booth, tapes  # noqa: F401  (registers the sub-commands)
+
+    try:
+        code = cli.main(prog_name="jukebox", standalone_mode=False)
+    except click.UsageError as error:
+        where = error.ctx.command_path if error.ctx else "jukebox"
+        fail(f"{error.format_message()} (see `{where} --help`)", 2)
+    except click.ClickException as error:
+        fail(error.format_message(), error.exit_code)
+    except click.Abort:
+        fail("interrupted", 130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,92 @@
+"""Where tapes live, and how a TAPE argument on the command line names one.
+
+A tape dir holds `<tape id>.jbx` files and, hidden beside them, the object store and the records of
+pending booths. One store per tape dir keeps dedup across runs and lets gc see every reference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from jukebox.errors import UsageError
+
+TAPE_SUFFIX = ".jbx"
+STATE_DIRNAME = ".jukebox"
+_TAPE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def default_tape_dir() -> Path:
+    return Path(os.environ.get("JUKEBOX_TAPE_DIR") or "./tapes")
+
+
+def check_tape_id(tape_id: str) -> str:
+    if not _TAPE_ID.match(tape_id) or tape_id.endswith(TAPE_SUFFIX):
+        raise UsageError(
+            f"bad tape id {tape_id!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return tape_id
+
+
+@dataclass(frozen=True)
+class TapeDir:
+    path: Path
+
+    @classmethod
+    def resolve(cls, path: str | os.PathLike[str] | None) -> TapeDir:
+        return cls(Path(path) if path is not None else default_tape_dir())
+
+    @property
+    def state(self) -> Path:
+        return self.path / STATE_DIRNAME
+
+    @property
+    def store_path(self) -> Path:
+        return self.state / "store"
+
+    @property
+    def booths_path(self) -> Path:
+        return self.state / "booths"
+
+    def tape_path(self, tape_id: str) -> Path:
+        return self.path / f"{check_tape_id(tape_id)}{TAPE_SUFFIX}"
+
+    def tape_paths(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return sorted(p for p in self.path.iterdir() if p.suffix == TAPE_SUFFIX and p.is_file())
+
+
+@dataclass(frozen=True)
+class TapeRef:
+    """A TAPE[@N] argument resolved to a file, its tape dir, and an optional frame."""
+
+    path: Path
+    tape_dir: TapeDir
+    frame: int | None
+
+    @classmethod
+    def parse(cls, text: str, tape_dir: str | os.PathLike[str] | None = None) -> TapeRef:
+        name, frame = text, None
+        at = text.rfind("@")
+        if at > 0 and not Path(text).exists():
+            name, frame_text = text[:at], text[at + 1 :]
+            if not frame_text.isdigit():
+                raise UsageError(f"bad frame selector '@{frame_text}' in {text!r}: write TAPE@N with N a frame number from 0")
+            frame = int(frame_text)
+        candidate = Path(name)
+        if candidate.suffix == TAPE_SUFFIX or os.sep in name or candidate.exists():
+            if not candidate.exists():
+                raise UsageError(f"no tape at {name}: check the path, or list tapes with `jukebox ls`")
+            if candidate.is_dir():
+                raise UsageError(f"{name} is a directory, not a tape: name a .jbx file or a tape id")
+            home = TapeDir(Path(tape_dir)) if tape_dir is not None else TapeDir(candidate.parent)
+            return cls(candidate, home, frame)
+        home = TapeDir.resolve(tape_dir)
+        path = home.tape_path(name)
+        if not path.exists():
+            raise UsageError(f"no tape {name!r} in {home.path}: list tapes with `jukebox ls --tape-dir {home.path}`")
+        return cls(path, home, frame)

@@ -1,0 +1,30 @@
+"""Suite-wide fixtures. File-system fixtures that mount things live in tests/fs/conftest.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def jukebox_cli(tmp_path: Path):
+    """Runs the real `jukebox` console script in a subprocess, as a user would."""
+    import subprocess
+
+    def run(*args: str, check: bool = False, **kwargs) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, **kwargs.pop("env", {}))
+        env.setdefault("JUKEBOX_TAPE_DIR", str(tmp_path / "tapes"))
+        exe = Path(sys.executable).parent / "jukebox"
+        proc = subprocess.run(
+            [str(exe), *args], capture_output=True, text=True, env=env, cwd=kwargs.pop("cwd", tmp_path), **kwargs
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"jukebox {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    return run
