@@ -1,0 +1,608 @@
+"""Immutable Merkle directory trees: encode, build from a directory, walk, diff, materialize.
+
+A tree object lists one directory's entries; a sub-directory entry points at the sub-tree's id, so
+a tree id commits to every byte and every piece of metadata beneath it, and an unchanged sub-tree
+keeps its id (git's object model). Trees are stored as objects of kind ``tree``.
+
+Encoding (version 1). All integers are big-endian and unsigned unless noted::
+
+    tree    := version:u8 (= 1) entry*            entries strictly ascending by name bytes
+    entry   := kind:u8 mode:u16 name_len:u8 size:u64 mtime_ns:i64 name[name_len] ref
+    ref     := oid[32]                            kind 1 (file): blob or chunks id
+                                                  kind 2 (dir):  tree id
+             | target_len:u16 target[target_len]  kind 3 (symlink)
+
+- ``name`` is 1..255 bytes (NAME_MAX), never ``.`` or ``..``, never containing ``/`` or NUL; any
+  other bytes are allowed (spaces, newlines, invalid UTF-8).
+- ``mode`` is the permission part of st_mode (``st_mode & 0o7777``, setuid/setgid/sticky included);
+  the file type lives in ``kind`` alone.
+- ``size`` is the file size for files, the target length for symlinks, and 0 for directories (a
+  directory's st_size depends on the file system, not on its contents).
+- ``mtime_ns`` is signed nanoseconds since the epoch.
+- ``target`` is 1..4095 bytes without NUL (Linux's limit for a symlink target).
+- No trailing bytes. An empty directory encodes as the single version byte.
+
+The encoding is canonical: one directory state has exactly one encoding, hence one id. Decoding
+rejects anything that does not re-encode to the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import BinaryIO, Protocol
+
+from shadowfs.errors import TreeError
+from shadowfs.oid import OID_SIZE, ObjectId
+
+FILE = "file"
+DIR = "dir"
+SYMLINK = "symlink"
+
+TREE_VERSION = 1
+NAME_MAX = 255
+TARGET_MAX = 4095
+MODE_MASK = 0o7777
+
+# A file whose mtime lies this close to (or after) the reference time may have been written again
+# within the same timestamp tick after it was read, so its stat alone cannot prove it unchanged
+# (git's "racily clean" entries). Two seconds covers coarse file systems (1 s, FAT's 2 s).
+RACY_NS = 2_000_000_000
+
+# Recursion in build_tree/materialize is bounded so a hostile tree cannot exhaust the stack or
+# the fd table; real trees stay far below this (PATH_MAX alone caps path-based access).
+MAX_DEPTH = 400
+
+_KIND_CODES = {FILE: 1, DIR: 2, SYMLINK: 3}
+_KINDS = {1: FILE, 2: DIR, 3: SYMLINK}
+_HEAD = struct.Struct(">BHBQq")
+_TARGET_LEN = struct.Struct(">H")
+_VERSION_BYTE = bytes([TREE_VERSION])
+_U64_MAX = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: should a regular file be swapped for a fifo between lstat and open, do not hang.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class TreeStore(Protocol):
+    """What trees need from a store (shadowfs.store.Store provides it)."""
+
+    def put(self, kind: str, data: bytes) -> ObjectId: ...
+    def get(self, oid: ObjectId) -> bytes: ...
+    def put_file(self, path_or_fd: int | str | bytes | os.PathLike[str]) -> ObjectId: ...
+    def read_file_into(self, oid: ObjectId, fileobj: BinaryIO) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    name: bytes
+    kind: str
+    mode: int
+    size: int
+    mtime_ns: int
+    oid: ObjectId | None
+    target: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One path that differs between two trees.
+
+    status: ``added`` | ``deleted`` | ``modified`` (content or symlink target; the mode may have
+    changed too) | ``mode`` (only the permission bits) | ``type`` (kind changed). Apply ``new``
+    wholesale; ``old`` is what was there.
+    """
+
+    path: bytes
+    status: str
+    old: Entry | None
+    new: Entry | None
+
+
+SkipCallback = Callable[[bytes, str], None]
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def _check_name(name: bytes) -> str | None:
+    """Why a name is not a safe single path component, or None when it is."""
+    if not name:
+        return "an empty name"
+    if len(name) > NAME_MAX:
+        return f"a name longer than {NAME_MAX} bytes"
+    if name == b"." or name == b"..":
+        return f"the name {name!r}"
+    if b"/" in name:
+        return f"the name {name!r}, which contains '/'"
+    if b"\0" in name:
+        return f"the name {name!r}, which contains NUL"
+    return None
+
+
+def _check_entry(e: Entry) -> str | None:
+    bad = _check_name(e.name)
+    if bad:
+        return bad
+    if e.kind not in _KIND_CODES:
+        return f"unknown kind {e.kind!r} for {e.name!r}"
+    if not 0 <= e.mode <= MODE_MASK:
+        return f"mode {e.mode:#o} of {e.name!r} has bits outside 0o7777"
+    if not 0 <= e.size <= _U64_MAX:
+        return f"size {e.size} of {e.name!r} is out of range"
+    if not _I64_MIN <= e.mtime_ns <= _I64_MAX:
+        return f"mtime_ns {e.mtime_ns} of {e.name!r} is out of range"
+    if e.kind == SYMLINK:
+        t = e.target
+        if e.oid is not None or t is None:
+            return f"symlink {e.name!r} must have a target and no oid"
+        if not 0 < len(t) <= TARGET_MAX or b"\0" in t:
+            return f"symlink {e.name!r} has an invalid target {t[:64]!r}"
+        if e.size != len(t):
+            return f"symlink {e.name!r} has size {e.size}, not its target length {len(t)}"
+    else:
+        if e.target is not None or e.oid is None or len(e.oid) != OID_SIZE:
+            return f"{e.kind} {e.name!r} must have a {OID_SIZE}-byte oid and no target"
+        if e.kind == DIR and e.size != 0:
+            return f"directory {e.name!r} has size {e.size}; directories are stored with size 0"
+    return None
+
+
+def _pack(entries: list[Entry]) -> bytes:
+    """Encode entries already validated and sorted by name."""
+    parts = [_VERSION_BYTE]
+    append = parts.append
+    head = _HEAD.pack
+    tlen = _TARGET_LEN.pack
+    for e in entries:
+        append(head(_KIND_CODES[e.kind], e.mode, len(e.name), e.size, e.mtime_ns))
+        append(e.name)
+        if e.target is None:
+            append(e.oid)  # type: ignore[arg-type]
+        else:
+            append(tlen(len(e.target)))
+            append(e.target)
+    return b"".join(parts)
+
+
+def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
+    """The canonical bytes of a directory holding ``entries`` (any order; names must be unique)."""
+    ordered = sorted(entries, key=attrgetter("name"))
+    prev: bytes | None = None
+    for e in ordered:
+        bad = _check_entry(e)
+        if bad:
+            raise TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
+        if e.name == prev:
+            raise TreeError(f"cannot encode a tree with two entries named {e.name!r}; keep one")
+        prev = e.name
+    return _pack(ordered)
+
+
+def decode_tree(data: bytes) -> list[Entry]:
+    """Parse tree bytes, refusing anything that is not the canonical encoding of a safe tree."""
+    return list(_decode(data).values())
+
+
+def _malformed(why: str) -> TreeError:
+    return TreeError(f"malformed tree object: {why}; the store holds a bad or hostile tree")
+
+
+def _decode(data: bytes) -> dict[bytes, Entry]:
+    n = len(data)
+    if n == 0 or data[0] != TREE_VERSION:
+        got = "no bytes" if n == 0 else f"version {data[0]}"
+        raise _malformed(f"expected version {TREE_VERSION}, found {got}")
+    out: dict[bytes, Entry] = {}
+    unpack_head = _HEAD.unpack_from
+    head_size = _HEAD.size
+    pos = 1
+    prev = b""
+    while pos < n:
+        if pos + head_size > n:
+            raise _malformed(f"truncated entry header at byte {pos}")
+        code, mode, name_len, size, mtime_ns = unpack_head(data, pos)
+        pos += head_size
+        end = pos + name_len
+        if end > n:
+            raise _malformed(f"name at byte {pos} runs past the end")
+        name = data[pos:end]
+        pos = end
+        bad = _check_name(name)
+        if bad:
+            raise _malformed(f"it holds {bad}")
+        if name <= prev:
+            what = "a duplicate" if name == prev else "an out-of-order"
+            raise _malformed(f"{what} entry {name!r} after {prev!r}")
+        prev = name
+        kind = _KINDS.get(code)
+        if kind is None:
+            raise _malformed(f"unknown kind code {code} for {name!r}")
+        if mode > MODE_MASK:
+            raise _malformed(f"mode {mode:#o} of {name!r} has bits outside 0o7777")
+        if kind == SYMLINK:
+            if pos + 2 > n:
+                raise _malformed(f"truncated symlink target length for {name!r}")
+            (tlen,) = _TARGET_LEN.unpack_from(data, pos)
+            pos += 2
+            end = pos + tlen
+            if end > n:
+                raise _malformed(f"symlink target of {name!r} runs past the end")
+            target = data[pos:end]
+            pos = end
+            if not 0 < tlen <= TARGET_MAX or b"\0" in target:
+                raise _malformed(f"symlink {name!r} has an invalid target {target[:64]!r}")
+            if size != tlen:
+                raise _malformed(f"symlink {name!r} has size {size}, not its target length {tlen}")
+            out[name] = Entry(name, kind, mode, size, mtime_ns, None, target)
+        else:
+            end = pos + OID_SIZE
+            if end > n:
+                raise _malformed(f"object id of {name!r} runs past the end")
+            if kind == DIR and size != 0:
+                raise _malformed(f"directory {name!r} has size {size}, not 0")
+            out[name] = Entry(name, kind, mode, size, mtime_ns, ObjectId(data[pos:end]), None)
+            pos = end
+    return out
+
+
+# --- reading, with a cache --------------------------------------------------------------------
+
+_CACHE_SIZE = 4096
+_cache: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _cache_put(oid: ObjectId, entries: dict[bytes, Entry]) -> None:
+    with _cache_lock:
+        _cache[oid] = entries
+        if len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+
+
+def _entries(store: TreeStore, tree_id: ObjectId) -> dict[bytes, Entry]:
+    """Entries of a tree by name, in name order. Cached by id: a tree's id fixes its bytes, so the
+    cache can never go stale; callers must not mutate the dict."""
+    with _cache_lock:
+        hit = _cache.get(tree_id)
+        if hit is not None:
+            _cache.move_to_end(tree_id)
+            return hit
+    entries = _decode(store.get(tree_id))
+    _cache_put(tree_id, entries)
+    return entries
+
+
+def read_tree(store: TreeStore, tree_id: ObjectId) -> list[Entry]:
+    """The entries of one tree, sorted by name."""
+    return list(_entries(store, tree_id).values())
+
+
+def clear_cache() -> None:
+    """Forget cached trees (for benchmarks measuring cold reads)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _join(prefix: bytes, name: bytes) -> bytes:
+    return prefix + b"/" + name if prefix else name
+
+
+def walk(store: TreeStore, tree_id: ObjectId, prefix: bytes = b"") -> Iterator[tuple[bytes, Entry]]:
+    """Every entry under a tree, depth first (a directory before its contents), names in order."""
+    stack = [(prefix, iter(_entries(store, tree_id).values()))]
+    while stack:
+        base, it = stack[-1]
+        e = next(it, None)
+        if e is None:
+            stack.pop()
+            continue
+        path = _join(base, e.name)
+        yield path, e
+        if e.kind == DIR:
+            stack.append((path, iter(_entries(store, e.oid).values())))  # type: ignore[arg-type]
+
+
+def lookup(store: TreeStore, tree_id: ObjectId, path: bytes) -> Entry | None:
+    """The entry at a relative path (b"a/b/c"), or None when nothing is there."""
+    parts = [p for p in path.split(b"/") if p]
+    if not parts:
+        return None
+    tree = tree_id
+    for i, part in enumerate(parts):
+        e = _entries(store, tree).get(part)
+        if e is None:
+            return None
+        if i == len(parts) - 1:
+            return e
+        if e.kind != DIR:
+            return None
+        tree = e.oid  # type: ignore[assignment]
+    return None
+
+
+def reachable(store: TreeStore, tree_id: ObjectId) -> set[ObjectId]:
+    """The tree's own id and every tree, blob and chunks id beneath it."""
+    seen: set[ObjectId] = {tree_id}
+    stack = [tree_id]
+    while stack:
+        for e in _entries(store, stack.pop()).values():
+            oid = e.oid
+            if oid is not None and oid not in seen:
+                seen.add(oid)
+                if e.kind == DIR:
+                    stack.append(oid)
+    return seen
+
+
+# --- building from a directory ----------------------------------------------------------------
+
+
+_SKIP_REASONS = {
+    stat.S_IFIFO: "fifo",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+}
+
+
+def build_tree(
+    store: TreeStore,
+    path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    *,
+    previous: ObjectId | None = None,
+    previous_started_ns: int | None = None,
+    on_skip: SkipCallback | None = None,
+) -> ObjectId:
+    """Store the directory at ``path`` and everything beneath it; return the root tree id.
+
+    Symlinks are recorded, never followed. Fifos, sockets and devices are skipped and reported to
+    ``on_skip(relative_path, reason)``; so are entries that vanish during the scan.
+
+    With ``previous`` (a tree built earlier from the same directory), a regular file whose size,
+    mtime_ns and mode equal the previous entry's keeps that entry's object id without being read.
+    Like git's racily-clean rule, a file whose mtime is within RACY_NS of the reference time is
+    always re-read: it could have been rewritten within the same timestamp tick right after the
+    earlier build read it, leaving its stat unchanged. The reference is ``previous_started_ns``
+    (``time.time_ns()`` taken just before the earlier build) when given, which makes the rule
+    exact; otherwise it is this build's start, which covers back-to-back builds but not a
+    same-size rewrite within one tick of an earlier build long ago.
+    """
+    root = os.fsencode(path)
+    ref = previous_started_ns if previous_started_ns is not None else time.time_ns()
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TreeError(
+            f"cannot read directory {os.fsdecode(root)!r} ({exc.strerror}); "
+            "pass an existing, readable directory"
+        ) from None
+    try:
+        return _Builder(store, ref - RACY_NS, on_skip).build(fd, b"", previous, 0)
+    finally:
+        os.close(fd)
+
+
+class _Builder:
+    __slots__ = ("cutoff", "on_skip", "store")
+
+    def __init__(self, store: TreeStore, cutoff: int, on_skip: SkipCallback | None) -> None:
+        self.store = store
+        self.cutoff = cutoff
+        self.on_skip = on_skip
+
+    def skip(self, rel: bytes, reason: str) -> None:
+        if self.on_skip is not None:
+            self.on_skip(rel, reason)
+
+    def build(self, dfd: int, rel: bytes, previous: ObjectId | None, depth: int) -> ObjectId:
+        if depth > MAX_DEPTH:
+            raise TreeError(
+                f"directory {rel!r} is nested deeper than {MAX_DEPTH} levels; flatten it"
+            )
+        prev = _entries(self.store, previous) if previous is not None else None
+        entries: list[Entry] = []
+        with os.scandir(dfd) as it:
+            for de in it:
+                name = os.fsencode(de.name)
+                try:
+                    e = self.entry(dfd, name, de, rel, prev, depth)
+                except FileNotFoundError:
+                    self.skip(_join(rel, name), "vanished during the scan")
+                    continue
+                if e is not None:
+                    entries.append(e)
+        entries.sort(key=attrgetter("name"))
+        oid = self.store.put("tree", _pack(entries))
+        _cache_put(oid, {e.name: e for e in entries})
+        return oid
+
+    def entry(
+        self,
+        dfd: int,
+        name: bytes,
+        de: os.DirEntry[str],
+        rel: bytes,
+        prev: dict[bytes, Entry] | None,
+        depth: int,
+    ) -> Entry | None:
+        st = de.stat(follow_symlinks=False)
+        fmt = stat.S_IFMT(st.st_mode)
+        mode = st.st_mode & MODE_MASK
+        if fmt == stat.S_IFREG:
+            old = prev.get(name) if prev is not None else None
+            if (
+                old is not None
+                and old.kind == FILE
+                and old.size == st.st_size
+                and old.mtime_ns == st.st_mtime_ns
+                and old.mode == mode
+                and st.st_mtime_ns < self.cutoff
+            ):
+                return old
+            return self.file(dfd, name, rel)
+        if fmt == stat.S_IFDIR:
+            old = prev.get(name) if prev is not None else None
+            sub_prev = old.oid if old is not None and old.kind == DIR else None
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                oid = self.build(sub, _join(rel, name), sub_prev, depth + 1)
+            finally:
+                os.close(sub)
+            return Entry(name, DIR, mode, 0, st.st_mtime_ns, oid, None)
+        if fmt == stat.S_IFLNK:
+            target = os.readlink(name, dir_fd=dfd)
+            return Entry(name, SYMLINK, mode, len(target), st.st_mtime_ns, None, target)
+        self.skip(_join(rel, name), _SKIP_REASONS.get(fmt, f"file type {fmt:#o}"))
+        return None
+
+    def file(self, dfd: int, name: bytes, rel: bytes) -> Entry | None:
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):
+                self.skip(_join(rel, name), "changed type during the scan")
+                return None
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise TreeError(
+                f"cannot read {os.fsdecode(_join(rel, name))!r} ({exc.strerror}); "
+                "make it readable or remove it"
+            ) from None
+        try:
+            # Stat before reading: a write racing the read then leaves a newer mtime behind, so
+            # the next build with `previous` re-reads the file instead of trusting a stale id.
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self.skip(_join(rel, name), "changed type during the scan")
+                return None
+            oid = self.store.put_file(fd)
+        finally:
+            os.close(fd)
+        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, st.st_mtime_ns, oid, None)
+
+
+# --- diff -------------------------------------------------------------------------------------
+
+
+def _under(store: TreeStore, e: Entry, path: bytes, status: str, out: list[Change]) -> None:
+    if e.kind != DIR:
+        return
+    added = status == "added"
+    for p, sub in walk(store, e.oid, path):  # type: ignore[arg-type]
+        out.append(Change(p, status, None, sub) if added else Change(p, status, sub, None))
+
+
+def diff_trees(store: TreeStore, a: ObjectId | None, b: ObjectId | None) -> list[Change]:
+    """What changed from tree ``a`` to tree ``b`` (None is the empty tree), sorted by path.
+
+    Sub-trees with equal ids are skipped unread. An added or deleted directory is listed along with
+    every path beneath it; so is the directory side of a ``type`` change. A directory whose
+    contents changed appears only through its contents (plus ``mode`` if its bits changed).
+    mtime-only differences are not changes.
+    """
+    out: list[Change] = []
+    stack = [(b"", a, b)]
+    while stack:
+        prefix, ta, tb = stack.pop()
+        if ta == tb:
+            continue
+        old_entries = _entries(store, ta) if ta is not None else {}
+        new_entries = _entries(store, tb) if tb is not None else {}
+        for name, old in old_entries.items():
+            new = new_entries.get(name)
+            path = _join(prefix, name)
+            if new is None:
+                out.append(Change(path, "deleted", old, None))
+                _under(store, old, path, "deleted", out)
+            elif old.kind != new.kind:
+                out.append(Change(path, "type", old, new))
+                _under(store, old, path, "deleted", out)
+                _under(store, new, path, "added", out)
+            elif old.kind == DIR:
+                if old.mode != new.mode:
+                    out.append(Change(path, "mode", old, new))
+                if old.oid != new.oid:
+                    stack.append((path, old.oid, new.oid))
+            elif old.oid != new.oid or old.target != new.target:
+                out.append(Change(path, "modified", old, new))
+            elif old.mode != new.mode:
+                out.append(Change(path, "mode", old, new))
+        for name, new in new_entries.items():
+            if name not in old_entries:
+                path = _join(prefix, name)
+                out.append(Change(path, "added", None, new))
+                _under(store, new, path, "added", out)
+    out.sort(key=attrgetter("path"))
+    return out
+
+
+# --- materialize ------------------------------------------------------------------------------
+
+
+def materialize(
+    store: TreeStore, tree_id: ObjectId, dest: str | bytes | os.PathLike[str] | os.PathLike[bytes]
+) -> None:
+    """Recreate a tree in ``dest``, which must be absent or an empty directory.
+
+    Every write goes through a directory fd with O_NOFOLLOW/O_EXCL, and names are validated when
+    the tree is decoded, so a hostile tree cannot place anything outside ``dest``. Modes and mtimes
+    are restored; a directory's are set after its contents. ``dest`` itself keeps its own. On error
+    ``dest`` is left partly filled; remove it.
+    """
+    root = os.fsencode(dest)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o700)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if os.listdir(fd):
+            raise TreeError(
+                f"cannot materialize into {os.fsdecode(root)!r}: it is not empty; "
+                "pass an empty or absent directory"
+            )
+        _fill(store, tree_id, fd, 0)
+    finally:
+        os.close(fd)
+
+
+def _fill(store: TreeStore, tree_id: ObjectId, dfd: int, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise TreeError(f"tree {tree_id} nests deeper than {MAX_DEPTH} levels; refusing it")
+    for e in _entries(store, tree_id).values():
+        name = e.name
+        times = (e.mtime_ns, e.mtime_ns)
+        if e.kind == FILE:
+            fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
+            with open(fd, "wb", closefd=True) as f:
+                store.read_file_into(e.oid, f)  # type: ignore[arg-type]
+                f.flush()
+                # After the data: a write by a non-root owner would clear setuid/setgid bits.
+                os.fchmod(fd, e.mode)
+                os.utime(fd, ns=times)
+        elif e.kind == DIR:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            try:
+                _fill(store, e.oid, sub, depth + 1)  # type: ignore[arg-type]
+                # After the contents: creating them would bump the mtime, and a read-only mode
+                # would forbid creating them.
+                os.fchmod(sub, e.mode)
+                os.utime(sub, ns=times)
+            finally:
+                os.close(sub)
+        else:
+            os.symlink(e.target, name, dir_fd=dfd)  # type: ignore[arg-type]
+            os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)

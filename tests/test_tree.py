@@ -1,0 +1,595 @@
+"""Merkle trees: canonical encoding, building from real directories, diff, materialize, safety."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shadowfs import tree
+from shadowfs.errors import TreeError
+from shadowfs.oid import ObjectId, hash_object
+from shadowfs.tree import (
+    Change,
+    Entry,
+    build_tree,
+    decode_tree,
+    diff_trees,
+    encode_tree,
+    lookup,
+    materialize,
+    reachable,
+    read_tree,
+    walk,
+)
+
+OLD_NS = 1_600_000_000_123_456_789  # 2020: well outside the racy window
+OID_A = hash_object("blob", b"a")
+OID_B = hash_object("blob", b"b")
+
+
+class DictStore:
+    """Stand-in until shadowfs.store lands: same put/get/put_file/read_file_into contract."""
+
+    def __init__(self) -> None:
+        self.objects: dict[ObjectId, tuple[str, bytes]] = {}
+        self.gets: list[ObjectId] = []
+
+    def put(self, kind: str, data: bytes) -> ObjectId:
+        oid = hash_object(kind, data)
+        self.objects[oid] = (kind, data)
+        return oid
+
+    def put_file(self, path_or_fd: int | str | bytes | os.PathLike[str]) -> ObjectId:
+        if isinstance(path_or_fd, int):
+            chunks = []
+            while chunk := os.read(path_or_fd, 1 << 20):
+                chunks.append(chunk)
+            return self.put("blob", b"".join(chunks))
+        with open(path_or_fd, "rb") as f:
+            return self.put("blob", f.read())
+
+    def get(self, oid: ObjectId) -> bytes:
+        self.gets.append(oid)
+        return self.objects[oid][1]
+
+    def read_file_into(self, oid: ObjectId, fileobj) -> None:  # type: ignore[no-untyped-def]
+        fileobj.write(self.objects[oid][1])
+
+
+@pytest.fixture
+def store() -> Iterator[DictStore]:
+    tree.clear_cache()
+    yield DictStore()
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def raw_entry(
+    name: bytes,
+    code: int = 1,
+    mode: int = 0o644,
+    size: int = 1,
+    mtime: int = 0,
+    ref: bytes = bytes(OID_A),
+) -> bytes:
+    """One entry in the documented layout, written independently of the encoder under test."""
+    return struct.pack(">BHBQq", code, mode, len(name), size, mtime) + name + ref
+
+
+def raw_tree(*entries: bytes) -> bytes:
+    return b"\x01" + b"".join(entries)
+
+
+def snapshot(root: Path) -> dict[bytes, tuple]:
+    """Everything lstat and read can tell about a directory tree, keyed by relative bytes path."""
+    out: dict[bytes, tuple] = {}
+
+    def visit(dirpath: bytes, rel: bytes) -> None:
+        for name in os.listdir(dirpath):
+            full = os.path.join(dirpath, name)
+            path = rel + b"/" + name if rel else name
+            st = os.lstat(full)
+            fmt = stat.S_IFMT(st.st_mode)
+            if fmt == stat.S_IFDIR:
+                visit(full, path)
+                out[path] = ("dir", stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+            elif fmt == stat.S_IFLNK:
+                out[path] = ("symlink", os.readlink(full), st.st_mtime_ns)
+            else:
+                with open(full, "rb") as f:
+                    data = f.read()
+                out[path] = ("file", stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, data)
+
+    visit(os.fsencode(root), b"")
+    return out
+
+
+def settle(root: Path, mtime_ns: int = OLD_NS) -> None:
+    """Give every entry under root an old, fixed mtime, directories after their contents."""
+    for dirpath, dirnames, filenames in os.walk(os.fsencode(root), topdown=False):
+        for name in filenames + dirnames:
+            os.utime(os.path.join(dirpath, name), ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+
+
+ODD_NAMES = [b"with space", b"new\nline", b"\xff\xfe", b"x" * 255, b"-dash", b".hidden", b"tab\tx"]
+
+
+def make_sample(root: Path) -> None:
+    root.mkdir()
+    r = os.fsencode(root)
+    (root / "empty").write_bytes(b"")
+    (root / "hello.txt").write_text("hello\n")
+    (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "suid").write_bytes(b"s")
+    os.chmod(root / "suid", 0o4750)
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "a" / "b" / "c" / "deep.bin").write_bytes(os.urandom(3000))
+    (root / "a" / "b" / "empty-dir").mkdir()
+    (root / "sticky").mkdir()
+    os.chmod(root / "sticky", 0o1777)
+    os.symlink("hello.txt", root / "link-rel")
+    os.symlink("/etc/passwd", root / "link-abs")
+    os.symlink("nowhere/at/all", root / "a" / "dangling")
+    os.symlink("b", root / "a" / "link-to-dir")
+    for i, name in enumerate(ODD_NAMES):
+        with open(os.path.join(r, name), "wb") as f:
+            f.write(b"odd %d" % i)
+    os.mkdir(os.path.join(r, b"dir \xff\n"))
+    with open(os.path.join(r, b"dir \xff\n", b"inner"), "wb") as f:
+        f.write(b"inner")
+    settle(root)
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+valid_names = st.binary(min_size=1, max_size=255).filter(
+    lambda n: n not in (b".", b"..") and b"/" not in n and b"\0" not in n
+)
+
+
+@st.composite
+def entries(draw: st.DrawFn) -> list[Entry]:
+    names = draw(st.lists(valid_names, max_size=12, unique=True))
+    out = []
+    for name in names:
+        kind = draw(st.sampled_from(["file", "dir", "symlink"]))
+        mode = draw(st.integers(0, 0o7777))
+        mtime = draw(st.integers(-(1 << 63), (1 << 63) - 1))
+        if kind == "symlink":
+            target = draw(st.binary(min_size=1, max_size=300).filter(lambda t: b"\0" not in t))
+            out.append(Entry(name, kind, mode, len(target), mtime, None, target))
+        else:
+            oid = ObjectId(draw(st.binary(min_size=32, max_size=32)))
+            size = 0 if kind == "dir" else draw(st.integers(0, (1 << 64) - 1))
+            out.append(Entry(name, kind, mode, size, mtime, oid, None))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries(), st.randoms())
+def test_encode_decode_round_trip_is_canonical(items: list[Entry], rnd) -> None:  # type: ignore[no-untyped-def]
+    data = encode_tree(items)
+    shuffled = list(items)
+    rnd.shuffle(shuffled)
+    assert encode_tree(shuffled) == data
+    decoded = decode_tree(data)
+    assert decoded == sorted(items, key=lambda e: e.name)
+    assert all(isinstance(e.oid, ObjectId) for e in decoded if e.kind != "symlink")
+    assert encode_tree(decoded) == data
+
+
+def test_empty_tree_is_the_version_byte() -> None:
+    assert encode_tree([]) == b"\x01"
+    assert decode_tree(b"\x01") == []
+
+
+def test_layout_matches_the_documented_bytes() -> None:
+    e = Entry(b"f", "file", 0o755, 3, -5, OID_A, None)
+    link = Entry(b"l", "symlink", 0o777, 2, 7, None, b"/x")
+    expected = raw_tree(
+        raw_entry(b"f", 1, 0o755, 3, -5, bytes(OID_A)),
+        raw_entry(b"l", 3, 0o777, 2, 7, b"\x00\x02/x"),
+    )
+    assert encode_tree([link, e]) == expected
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"", "version"),
+        (b"\x02", "version"),
+        (raw_tree(raw_entry(b"..")), ".."),
+        (raw_tree(raw_entry(b".")), "'.'"),
+        (raw_tree(raw_entry(b"")), "empty name"),
+        (raw_tree(raw_entry(b"a/b")), "contains '/'"),
+        (raw_tree(raw_entry(b"a\0b")), "contains NUL"),
+        (raw_tree(raw_entry(b"b"), raw_entry(b"a")), "out-of-order"),
+        (raw_tree(raw_entry(b"a"), raw_entry(b"a")), "duplicate"),
+        (raw_tree(raw_entry(b"a", code=9)), "unknown kind"),
+        (raw_tree(raw_entry(b"a", mode=0o17777)), "mode"),
+        (raw_tree(raw_entry(b"a", code=2, size=4096)), "size 4096"),
+        (raw_tree(raw_entry(b"a", code=3, size=5, ref=b"\x00\x02ab")), "target length"),
+        (raw_tree(raw_entry(b"a", code=3, size=0, ref=b"\x00\x00")), "invalid target"),
+        (raw_tree(raw_entry(b"a", code=3, size=3, ref=b"\x00\x03a\0b")), "invalid target"),
+        (raw_tree(raw_entry(b"a", code=3, size=9, ref=b"\x00\x09ab")), "past the end"),
+        (raw_tree(raw_entry(b"a"))[:-1], "past the end"),
+        (raw_tree(raw_entry(b"a")) + b"\x01\x00", "truncated entry header"),
+        (b"\x01" + struct.pack(">BHBQq", 1, 0o644, 10, 0, 0) + b"abc", "past the end"),
+    ],
+)
+def test_decode_rejects_malformed_and_hostile_trees(data: bytes, why: str) -> None:
+    with pytest.raises(TreeError, match="malformed tree object") as info:
+        decode_tree(data)
+    assert why in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Entry(b"..", "file", 0o644, 1, 0, OID_A, None),
+        Entry(b"a/b", "file", 0o644, 1, 0, OID_A, None),
+        Entry(b"x" * 256, "file", 0o644, 1, 0, OID_A, None),
+        Entry(b"a", "fifo", 0o644, 1, 0, OID_A, None),
+        Entry(b"a", "file", 0o644, 1, 0, None, None),
+        Entry(b"a", "file", 0o100644, 1, 0, OID_A, None),
+        Entry(b"a", "dir", 0o755, 4096, 0, OID_A, None),
+        Entry(b"a", "symlink", 0o777, 1, 0, OID_A, b"x"),
+        Entry(b"a", "symlink", 0o777, 3, 0, None, b"x"),
+    ],
+)
+def test_encode_refuses_invalid_entries(bad: Entry) -> None:
+    with pytest.raises(TreeError, match="cannot encode"):
+        encode_tree([bad])
+
+
+def test_encode_refuses_duplicate_names() -> None:
+    e = Entry(b"a", "file", 0o644, 1, 0, OID_A, None)
+    with pytest.raises(TreeError, match="two entries named"):
+        encode_tree([e, Entry(b"a", "file", 0o644, 1, 0, OID_B, None)])
+
+
+# --- build, walk, materialize ----------------------------------------------------------------
+
+
+def test_build_then_materialize_reproduces_the_directory(tmp_path: Path, store: DictStore) -> None:
+    src, dest = tmp_path / "src", tmp_path / "out" / "dest"
+    make_sample(src)
+    (tmp_path / "out").mkdir()
+    root = build_tree(store, src)
+
+    expected = snapshot(src)
+    walked = {path: e for path, e in walk(store, root)}
+    assert set(walked) == set(expected)
+    for path, e in walked.items():
+        want = expected[path]
+        assert e.kind == want[0], path
+        if e.kind == "file":
+            assert (e.mode, e.size, e.mtime_ns) == want[1:4], path
+        elif e.kind == "symlink":
+            assert (e.target, e.mtime_ns, e.size) == (want[1], want[2], len(want[1])), path
+        else:
+            assert (e.mode, e.mtime_ns) == want[1:], path
+
+    materialize(store, root, dest)
+    assert snapshot(dest) == expected
+    assert build_tree(store, dest) == root
+
+
+def test_walk_is_depth_first_with_relative_bytes_paths(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "f").write_bytes(b"1")
+    (src / "a-c").write_bytes(b"2")
+    (src / "z").write_bytes(b"3")
+    root = build_tree(store, src)
+    assert [p for p, _ in walk(store, root)] == [b"a", b"a/b", b"a/b/f", b"a-c", b"z"]
+    sub = lookup(store, root, b"a")
+    assert sub is not None and sub.oid is not None
+    assert [p for p, _ in walk(store, sub.oid, b"a")] == [b"a/b", b"a/b/f"]
+
+
+def test_lookup_and_read_tree(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    make_sample(src)
+    root = build_tree(store, src)
+    deep = lookup(store, root, b"a/b/c/deep.bin")
+    assert deep is not None and deep.kind == "file" and deep.size == 3000
+    assert lookup(store, root, b"/a/b/c/deep.bin/") == deep
+    assert lookup(store, root, b"a/b/nope") is None
+    assert lookup(store, root, b"hello.txt/x") is None  # through a file
+    assert lookup(store, root, b"link-to-dir/c") is None  # symlinks are never followed
+    assert lookup(store, root, b"") is None
+    assert lookup(store, root, b"x" * 255) is not None
+    names = [e.name for e in read_tree(store, root)]
+    assert names == sorted(names) and b"\xff\xfe" in names and b"new\nline" in names
+
+
+def test_materialize_streams_large_files(tmp_path: Path, store: DictStore) -> None:
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    big = os.urandom(9 * 1024 * 1024 + 17)
+    (src / "big").write_bytes(big)
+    root = build_tree(store, src)
+    materialize(store, root, dest)
+    assert (dest / "big").read_bytes() == big
+
+
+def test_materialize_refuses_a_non_empty_destination(tmp_path: Path, store: DictStore) -> None:
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    dest.mkdir()
+    (dest / "keep").write_bytes(b"mine")
+    with pytest.raises(TreeError, match="not empty"):
+        materialize(store, build_tree(store, src), dest)
+    assert os.listdir(dest) == ["keep"]
+
+
+def test_build_refuses_a_missing_directory(tmp_path: Path, store: DictStore) -> None:
+    with pytest.raises(TreeError, match="cannot read directory"):
+        build_tree(store, tmp_path / "absent")
+
+
+def test_special_files_are_skipped_and_reported(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "keep").write_bytes(b"k")
+    os.mkfifo(src / "sub" / "pipe")
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(src / "sock"))
+        skipped: list[tuple[bytes, str]] = []
+        root = build_tree(store, src, on_skip=lambda p, why: skipped.append((p, why)))
+    finally:
+        sock.close()
+    assert sorted(skipped) == [(b"sock", "socket"), (b"sub/pipe", "fifo")]
+    assert [p for p, _ in walk(store, root)] == [b"keep", b"sub"]
+    # Without a callback a special file is still skipped, not fatal.
+    assert build_tree(store, src) == root
+
+
+# --- sharing and reuse ------------------------------------------------------------------------
+
+
+def test_unchanged_subtrees_share_ids(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    make_sample(src)
+    first = build_tree(store, src)
+    (src / "a" / "b" / "c" / "deep.bin").write_bytes(b"changed")
+    settle(src)
+    second = build_tree(store, src)
+
+    def ids(root: ObjectId) -> dict[bytes, ObjectId | None]:
+        return {p: e.oid for p, e in walk(store, root) if e.kind == "dir"}
+
+    one, two = ids(first), ids(second)
+    assert first != second
+    for changed in (b"a", b"a/b", b"a/b/c"):
+        assert one[changed] != two[changed]
+    for same in (b"sticky", b"a/b/empty-dir", b"dir \xff\n"):
+        assert one[same] == two[same]
+
+    # Identical content and metadata at two places is one object.
+    twin = tmp_path / "twin"
+    (twin / "x").mkdir(parents=True)
+    (twin / "y").mkdir()
+    for d in ("x", "y"):
+        (twin / d / "f").write_bytes(b"same")
+    settle(twin)
+    root = build_tree(store, twin)
+    x, y = lookup(store, root, b"x"), lookup(store, root, b"y")
+    assert x is not None and y is not None and x.oid == y.oid
+
+
+def test_previous_reuses_files_without_reading_them(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "kept").write_bytes(b"original")
+    (src / "touched").write_bytes(b"original")
+    settle(src)
+    first = build_tree(store, src)
+    kept_before = lookup(store, first, b"d/kept")
+    assert kept_before is not None
+
+    # Same size, same mtime, same mode, different bytes: only reading the file could notice.
+    (src / "d" / "kept").write_bytes(b"ORIGINAL")
+    os.utime(src / "d" / "kept", ns=(OLD_NS, OLD_NS))
+    # A genuine change with the same size is caught by its mtime.
+    (src / "touched").write_bytes(b"ORIGINAL")
+    os.utime(src / "touched", ns=(OLD_NS + 1, OLD_NS + 1))
+
+    second = build_tree(store, src, previous=first)
+    assert lookup(store, second, b"d/kept") == kept_before
+    touched = lookup(store, second, b"touched")
+    assert touched is not None and touched.oid == hash_object("blob", b"ORIGINAL")
+
+    # Without `previous` the bytes are read.
+    fresh = build_tree(store, src)
+    kept_now = lookup(store, fresh, b"d/kept")
+    assert kept_now is not None and kept_now.oid == hash_object("blob", b"ORIGINAL")
+
+
+def test_previous_not_trusted_for_racy_or_chmod_files(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "recent").write_bytes(b"aaaa")
+    (src / "chmod").write_bytes(b"aaaa")
+    os.utime(src / "chmod", ns=(OLD_NS, OLD_NS))
+    first = build_tree(store, src)
+    recent = lookup(store, first, b"recent")
+    assert recent is not None
+
+    # Rewritten within the racy window with stat unchanged: must be re-read.
+    (src / "recent").write_bytes(b"bbbb")
+    os.utime(src / "recent", ns=(recent.mtime_ns, recent.mtime_ns))
+    # A mode change alone also forces a fresh entry.
+    (src / "chmod").write_bytes(b"cccc")
+    os.utime(src / "chmod", ns=(OLD_NS, OLD_NS))
+    os.chmod(src / "chmod", 0o600)
+
+    second = build_tree(store, src, previous=first)
+    assert lookup(store, second, b"recent").oid == hash_object("blob", b"bbbb")  # type: ignore[union-attr]
+    chmod = lookup(store, second, b"chmod")
+    assert chmod is not None and (chmod.mode, chmod.oid) == (0o600, hash_object("blob", b"cccc"))
+
+    # With the earlier build's start time the rule is exact: an old file is trusted.
+    (src / "chmod").write_bytes(b"dddd")
+    os.utime(src / "chmod", ns=(OLD_NS, OLD_NS))
+    third = build_tree(store, src, previous=second, previous_started_ns=OLD_NS + 10 * tree.RACY_NS)
+    assert lookup(store, third, b"chmod") == chmod
+
+
+# --- diff -------------------------------------------------------------------------------------
+
+
+def statuses(changes: list[Change]) -> list[tuple[bytes, str]]:
+    return [(c.path, c.status) for c in changes]
+
+
+def test_diff_reports_every_kind_of_change(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("content", "mode", "to-link", "to-dir", "deleted", "same"):
+        (src / name).write_bytes(b"v1")
+    (src / "gone" / "inner").mkdir(parents=True)
+    (src / "gone" / "inner" / "f").write_bytes(b"g")
+    (src / "dir-to-file").mkdir()
+    (src / "dir-to-file" / "x").write_bytes(b"x")
+    (src / "keep").mkdir()
+    (src / "keep" / "k").write_bytes(b"k")
+    (src / "chmod-dir").mkdir()
+    os.symlink("t1", src / "retarget")
+    settle(src)
+    a = build_tree(store, src)
+
+    (src / "content").write_bytes(b"v2!")
+    os.chmod(src / "mode", 0o755)
+    os.unlink(src / "to-link")
+    os.symlink("same", src / "to-link")
+    os.unlink(src / "to-dir")
+    (src / "to-dir").mkdir()
+    (src / "to-dir" / "new").write_bytes(b"n")
+    os.unlink(src / "deleted")
+    (src / "gone" / "inner" / "f").unlink()
+    (src / "gone" / "inner").rmdir()
+    (src / "gone").rmdir()
+    (src / "dir-to-file" / "x").unlink()
+    (src / "dir-to-file").rmdir()
+    (src / "dir-to-file").write_bytes(b"now a file")
+    (src / "added" / "sub").mkdir(parents=True)
+    (src / "added" / "sub" / "f").write_bytes(b"a")
+    os.chmod(src / "chmod-dir", 0o700)
+    os.unlink(src / "retarget")
+    os.symlink("t2", src / "retarget")
+    settle(src)
+    os.utime(src / "same", ns=(OLD_NS + 5, OLD_NS + 5))  # an mtime-only change is not a change
+    b = build_tree(store, src)
+
+    changes = diff_trees(store, a, b)
+    assert statuses(changes) == [
+        (b"added", "added"),
+        (b"added/sub", "added"),
+        (b"added/sub/f", "added"),
+        (b"chmod-dir", "mode"),
+        (b"content", "modified"),
+        (b"deleted", "deleted"),
+        (b"dir-to-file", "type"),
+        (b"dir-to-file/x", "deleted"),
+        (b"gone", "deleted"),
+        (b"gone/inner", "deleted"),
+        (b"gone/inner/f", "deleted"),
+        (b"mode", "mode"),
+        (b"retarget", "modified"),
+        (b"to-dir", "type"),
+        (b"to-dir/new", "added"),
+        (b"to-link", "type"),
+    ]
+    by_path = {c.path: c for c in changes}
+    assert by_path[b"content"].old.size == 2 and by_path[b"content"].new.size == 3  # type: ignore[union-attr]
+    assert by_path[b"to-link"].new.target == b"same"  # type: ignore[union-attr]
+    assert by_path[b"gone/inner/f"].new is None and by_path[b"added"].old is None
+
+    # Reversed, every addition is a deletion and vice versa.
+    back = {c.path: c.status for c in diff_trees(store, b, a)}
+    assert back[b"added/sub/f"] == "deleted" and back[b"gone/inner/f"] == "added"
+    assert diff_trees(store, a, a) == []
+    assert diff_trees(store, None, None) == []
+    assert statuses(diff_trees(store, None, a)) == [(p, "added") for p, _ in sorted(walk(store, a))]
+
+
+def test_diff_does_not_read_identical_subtrees(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    (src / "big" / "deeper").mkdir(parents=True)
+    (src / "big" / "deeper" / "f").write_bytes(b"f")
+    (src / "small").write_bytes(b"1")
+    settle(src)
+    a = build_tree(store, src)
+    (src / "small").write_bytes(b"2")
+    settle(src)
+    b = build_tree(store, src)
+    shared = lookup(store, a, b"big")
+    assert shared is not None and shared.oid is not None
+
+    tree.clear_cache()
+    store.gets.clear()
+    assert statuses(diff_trees(store, a, b)) == [(b"small", "modified")]
+    assert store.gets == [a, b]
+
+
+# --- hostile trees ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [b"..", b"a/b", b".", b"x\0y"])
+def test_materialize_refuses_hostile_names(tmp_path: Path, store: DictStore, name: bytes) -> None:
+    blob = store.put("blob", b"pwned")
+    inner = store.put("tree", raw_tree(raw_entry(name, 1, 0o644, 5, 0, bytes(blob))))
+    outer = store.put("tree", raw_tree(raw_entry(b"sub", 2, 0o755, 0, 0, bytes(inner))))
+    arena = tmp_path / "arena"
+    arena.mkdir()
+    with pytest.raises(TreeError, match="malformed tree object"):
+        materialize(store, outer, arena / "dest")
+    # It stopped at the bad tree: nothing was written inside or outside the destination.
+    assert os.listdir(arena) == ["dest"]
+    assert os.listdir(arena / "dest") == ["sub"]
+    assert os.listdir(arena / "dest" / "sub") == []
+    assert os.listdir(tmp_path) == ["arena"]
+
+
+def test_materialize_never_follows_symlinks_it_created(tmp_path: Path, store: DictStore) -> None:
+    # A symlink cannot be used to redirect a later entry: names never contain "/" and the
+    # link's own name cannot repeat in one tree, so the tree below is the worst that decodes.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = Entry(b"esc", "symlink", 0o777, len(os.fsencode(outside)), 0, None, os.fsencode(outside))
+    root = store.put("tree", encode_tree([link]))
+    materialize(store, root, tmp_path / "dest")
+    assert os.readlink(tmp_path / "dest" / "esc") == str(outside)
+    assert os.listdir(outside) == []
+    dup = raw_tree(
+        raw_entry(b"esc", 3, 0o777, 1, 0, b"\x00\x01/"),
+        raw_entry(b"esc", 1, 0o644, 1, 0, bytes(OID_A)),
+    )
+    with pytest.raises(TreeError, match="duplicate"):
+        materialize(store, store.put("tree", dup), tmp_path / "dest2")
+
+
+# --- reachability -----------------------------------------------------------------------------
+
+
+def test_reachable_lists_every_tree_and_file_object(tmp_path: Path, store: DictStore) -> None:
+    src = tmp_path / "src"
+    make_sample(src)
+    root = build_tree(store, src)
+    expected = {root} | {e.oid for _, e in walk(store, root) if e.oid is not None}
+    assert reachable(store, root) == expected
+    assert all(store.objects[o][0] in ("tree", "blob", "chunks") for o in expected)
