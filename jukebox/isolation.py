@@ -1,0 +1,472 @@
+"""Process isolation for a booth: namespaces, mounts, capabilities, prctl and resource limits.
+
+Two steps, in two processes:
+
+* The supervisor calls `enter_private_namespace()` once, before it starts any thread: a private
+  mount namespace (and, when not root, a user namespace mapping the caller to root inside, which
+  is what lets an unprivileged user mount at all). The layer is then mounted over the tree there,
+  invisible to everybody outside.
+* Each sandboxed command (the agent, the verifier) is started through a small exec shim,
+  `python -m jukebox.isolation exec`, rather than a `preexec_fn`: the supervisor has threads (the
+  FUSE server, the control socket), and running Python between fork and exec in a threaded
+  process can deadlock. The shim enters a mount namespace of its own (a child of the
+  supervisor's, so it still sees the layer), hides what the agent must not see, makes the host
+  read-only, sets limits, cuts capabilities, sets PR_SET_NO_NEW_PRIVS and PR_SET_PDEATHSIG, and
+  execs the command. It reports a failed set-up over a close-on-exec pipe: an empty pipe means
+  the command is running.
+
+Python 3.11 has no `os.unshare`, so the namespace and mount calls go through ctypes on libc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+
+# These three syscalls have one number on every architecture (they postdate the table merge).
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+SYS_MOUNT_SETATTR = 442
+OPEN_TREE_CLONE = 0x1
+AT_RECURSIVE = 0x8000
+AT_EMPTY_PATH = 0x1000
+AT_FDCWD = -100
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+
+# What the agent must never hold, even as root: these are the ways out of a mount namespace
+# (mount, umount, pivot_root, chroot, ptrace of the supervisor, raw devices, modules) or around
+# the limits set here (CAP_SYS_RESOURCE raises rlimits).
+DROPPED_CAPS: tuple[str, ...] = (
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_CHROOT",
+    "CAP_MKNOD",
+    "CAP_SYS_RAWIO",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_SYS_BOOT",
+    "CAP_SETFCAP",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_PACCT",
+    "CAP_NET_ADMIN",
+    "CAP_MAC_ADMIN",
+    "CAP_MAC_OVERRIDE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SYSLOG",
+    "CAP_BPF",
+    "CAP_PERFMON",
+    "CAP_SETPCAP",
+)
+
+RLIMITS: dict[str, int] = {
+    "cpu_seconds": resource.RLIMIT_CPU,
+    "memory_bytes": resource.RLIMIT_AS,
+    "open_files": resource.RLIMIT_NOFILE,
+    "processes": resource.RLIMIT_NPROC,
+}
+
+SETUP_FAILED_STATUS = 125  # what the shim exits with when it could not set the sandbox up
+
+
+class IsolationError(Exception):
+    """The sandbox could not be set up; the message names the step and what to do."""
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def _b(path: str | os.PathLike[str] | None) -> bytes | None:
+    return None if path is None else os.fsencode(path)
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), f"unshare({flags:#x})")
+
+
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
+    result = _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data))
+    _check(result, f"mount {target}")
+
+
+def umount(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(_b(target), flags), f"umount {target}")
+
+
+def mount_setattr(
+    path: str, attr_set: int, attr_clr: int = 0, recursive: bool = False, dfd: int = AT_FDCWD
+) -> None:
+    attr = struct.pack("=QQQQ", attr_set, attr_clr, 0, 0)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    flags = AT_RECURSIVE if recursive else 0
+    if not path:
+        flags |= AT_EMPTY_PATH
+    result = _libc.syscall(
+        SYS_MOUNT_SETATTR,
+        ctypes.c_int(dfd),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.c_uint(flags),
+        buf,
+        ctypes.c_size_t(len(attr)),
+    )
+    _check(result, f"mount_setattr {path or dfd}")
+
+
+def open_tree_clone(path: str) -> int:
+    """A detached copy of the mount tree at `path`, to be attached again after covering it."""
+    flags = OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
+    result = _libc.syscall(
+        SYS_OPEN_TREE,
+        ctypes.c_int(AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.c_uint(flags),
+    )
+    return _check(result, f"open_tree {path}")
+
+
+def move_mount(fd: int, target: str) -> None:
+    result = _libc.syscall(
+        SYS_MOVE_MOUNT,
+        ctypes.c_int(fd),
+        ctypes.c_char_p(b""),
+        ctypes.c_int(AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(target)),
+        ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH),
+    )
+    _check(result, f"move_mount to {target}")
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# --------------------------------------------------------------------------- the supervisor side
+
+
+def enter_private_namespace() -> bool:
+    """Moves this process into a private mount namespace; returns True if a user namespace was made.
+
+    Must run before any thread starts: the kernel refuses CLONE_NEWUSER in a threaded process,
+    and CLONE_NEWNS would move only the calling thread.
+    """
+    if thread_count() != 1:
+        raise IsolationError(
+            "cannot enter a booth namespace from a process that already runs threads: "
+            "start the booth from a fresh process (the `jukebox booth run` command does)"
+        )
+    uid, gid = os.geteuid(), os.getegid()
+    userns = uid != 0
+    try:
+        unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0))
+    except OSError as error:
+        hint = (
+            "unprivileged user namespaces are disabled here (see the sysctls"
+            " kernel.unprivileged_userns_clone and user.max_user_namespaces);"
+            " enable them or run as root"
+            if userns
+            else "the process lacks CAP_SYS_ADMIN"
+        )
+        raise IsolationError(
+            f"cannot create the booth's namespace ({error.strerror}): {hint}"
+        ) from error
+    if userns:
+        # setgroups must be denied before an unprivileged process may write gid_map.
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
+        Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+    # Private, recursively: nothing mounted in the booth may propagate back to the host.
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    return userns
+
+
+# --------------------------------------------------------------------------- the child's spec
+
+
+@dataclass
+class ChildSpec:
+    """Everything the exec shim needs; travels to it as JSON over a pipe (never on argv, where
+    the environment's secret values would be world-readable in /proc/PID/cmdline)."""
+
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    keep: list[str] = field(
+        default_factory=list
+    )  # mounts that stay reachable (the tree, the socket dir)
+    hide: list[str] = field(
+        default_factory=list
+    )  # covered by an empty read-only tmpfs (or /dev/null for files)
+    readonly_root: bool = True
+    private_tmp: bool = True
+    limits: dict[str, int] = field(default_factory=dict)  # keys of RLIMITS
+    net: str = "host"  # "host" | "none"
+    parent_pid: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ChildSpec:
+        return cls(**json.loads(data))
+
+
+class Child:
+    """A sandboxed command started through the exec shim."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], status_fd: int) -> None:
+        self.proc = proc
+        self._status_fd = status_fd
+        self.setup_error: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_started(self) -> bool:
+        """Blocks until the command was exec'd (True) or its set-up failed (False: setup_error)."""
+        if self._status_fd < 0:
+            return self.setup_error is None
+        chunks = []
+        while True:
+            chunk = os.read(self._status_fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(self._status_fd)
+        self._status_fd = -1
+        if chunks:
+            self.setup_error = b"".join(chunks).decode(errors="replace")
+        return self.setup_error is None
+
+
+def spawn(spec: ChildSpec, *, stdin: Any = None, stdout: Any = None, stderr: Any = None) -> Child:
+    """Starts `spec.argv` in the sandbox through the exec shim; returns without waiting for it."""
+    spec.parent_pid = os.getpid()
+    spec_r, spec_w = os.pipe()
+    status_r, status_w = os.pipe()
+    try:
+        # -I: the agent's PYTHON* variables must not steer the shim (they are meant for the agent).
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-m", "jukebox.isolation", "exec", str(spec_r), str(status_w)],
+            pass_fds=(spec_r, status_w),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            close_fds=True,
+        )
+    finally:
+        os.close(spec_r)
+        os.close(status_w)
+    # Written after the start: a spec larger than the pipe buffer would otherwise block forever.
+    data = spec.to_json()
+    with os.fdopen(spec_w, "wb") as pipe, contextlib.suppress(BrokenPipeError):
+        pipe.write(data)
+    return Child(proc, status_r)
+
+
+# --------------------------------------------------------------------------- the shim side
+
+
+def _cover_dir(path: str) -> None:
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+
+
+def _cover_file(path: str) -> None:
+    mount("/dev/null", path, None, MS_BIND)
+
+
+def _lo_up() -> None:
+    # SIOCGIFFLAGS / SIOCSIFFLAGS on "lo": a fresh network namespace starts with loopback down.
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sh14x", b"lo", 0)
+        flags = struct.unpack("16sh14x", fcntl.ioctl(s.fileno(), siocgifflags, req))[1]
+        fcntl.ioctl(s.fileno(), siocsifflags, struct.pack("16sh14x", b"lo", flags | iff_up))
+
+
+def _same_object(path: str, fd: int) -> bool:
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def build_view(spec: ChildSpec) -> None:
+    """Shapes this process's (new) mount namespace as the image asks. Order matters:
+
+    the kept mounts are cloned first, so making the host read-only and covering /tmp or a home
+    directory cannot take them away; covers are mounted writable so the kept paths can be
+    re-created inside them, then turned read-only.
+    """
+    unshare(CLONE_NEWNS | (CLONE_NEWNET if spec.net == "none" else 0))
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if spec.net == "none":
+        _lo_up()
+    keep = sorted({os.path.realpath(p) for p in spec.keep})
+    clones = {path: open_tree_clone(path) for path in keep}
+    if spec.readonly_root:
+        mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
+    if spec.private_tmp:
+        for path in ("/tmp", "/dev/shm"):
+            if os.path.isdir(path):
+                mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    hidden_ro: list[str] = []
+    for raw in sorted(spec.hide, key=lambda p: p.count("/")):
+        path = os.path.realpath(raw)
+        if os.path.isdir(path):
+            _cover_dir(path)
+            hidden_ro.append(path)
+        elif os.path.lexists(path):
+            _cover_file(path)
+            hidden_ro.append(path)
+    # Put back every kept mount a cover swallowed, at its own path.
+    for path, fd in clones.items():
+        if not _same_object(path, fd):
+            os.makedirs(path, exist_ok=True)
+            move_mount(fd, path)
+        os.close(fd)
+    for path in hidden_ro:
+        # The keep-paths re-created inside a cover stay reachable; the cover itself is frozen.
+        if os.path.isdir(path):
+            mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+        else:
+            mount_setattr(path, MOUNT_ATTR_RDONLY)
+
+
+def set_limits(limits: Mapping[str, int]) -> None:
+    for key, value in limits.items():
+        which = RLIMITS[key]
+        _soft, hard = resource.getrlimit(which)
+        new = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (new, new))
+
+
+def drop_privileges(cap_names: Sequence[str] = DROPPED_CAPS) -> None:
+    """Cuts the bounding set (so no exec can regain the capabilities) and the live sets."""
+    import prctl
+
+    caps = [getattr(prctl, name) for name in cap_names if hasattr(prctl, name)]
+    if prctl.cap_effective.setpcap:
+        for cap in caps:
+            prctl.capbset_drop(cap)
+    prctl.cap_inheritable.drop(*caps)
+    prctl.cap_effective.drop(*caps)
+    prctl.cap_permitted.drop(*caps)
+    prctl.set_no_new_privs(1)
+
+
+def _shim_main(spec_fd: int, status_fd: int) -> None:
+    import prctl
+
+    os.set_inheritable(status_fd, False)
+    # First: should the supervisor die from now on, so does this process and what it execs.
+    prctl.set_pdeathsig(signal.SIGKILL)
+    chunks = []
+    while True:
+        chunk = os.read(spec_fd, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(spec_fd)
+    spec = ChildSpec.from_json(b"".join(chunks))
+    if spec.parent_pid and os.getppid() != spec.parent_pid:
+        os._exit(SETUP_FAILED_STATUS)  # the supervisor died before pdeathsig was armed
+    step = "building the booth's view of the file system"
+    try:
+        build_view(spec)
+        step = "setting resource limits"
+        set_limits(spec.limits)
+        step = "dropping privileges"
+        drop_privileges()
+        step = f"entering the working directory {spec.cwd}"
+        os.chdir(spec.cwd)
+        # The supervisor blocks the signals it waits for; the command must not inherit that.
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        step = f"starting {spec.argv[0]!r}"
+        os.execvpe(spec.argv[0], spec.argv, spec.env)
+    except OSError as error:
+        message = f"booth set-up failed while {step}: {error.strerror or error}"
+        code = SETUP_FAILED_STATUS
+        if step.startswith("starting"):
+            code = 127 if error.errno == errno.ENOENT else 126
+            message = (
+                f"cannot run {spec.argv[0]!r}: {error.strerror}; check the command and its PATH"
+            )
+        os.write(status_fd, message.encode())
+        os._exit(code)
+    except Exception as error:  # a bug of ours: still report it rather than hang the supervisor
+        os.write(
+            status_fd, f"booth set-up failed while {step}: {type(error).__name__}: {error}".encode()
+        )
+        os._exit(SETUP_FAILED_STATUS)
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) != 3 or argv[0] != "exec":
+        sys.stderr.write(
+            "usage: python -m jukebox.isolation exec SPEC_FD STATUS_FD (internal to jukebox)\n"
+        )
+        sys.exit(2)
+    _shim_main(int(argv[1]), int(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
