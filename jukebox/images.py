@@ -1,0 +1,241 @@
+"""Sandbox images: what of the host a booth shows its agent, its network, limits and verifier.
+
+An image is a TOML file; `--image NAME` picks `sandbox_images/NAME.toml`, `--image PATH` any
+file. The keys (see sandbox_images/host.toml):
+
+    name, description, net ("host" | "none"), verify (a default verifier command)
+    [fs]      readonly_host, private_tmp, only (top-level dirs kept; the rest hidden), hide
+    [env]     allow (glob patterns of names passed to the agent), secret (patterns of names whose
+              values are secret: passed only if allowed, marked on the tape), set (fixed values)
+    [limits]  cpu_seconds, memory (bytes, or "512M", "8G"), open_files, processes
+
+Validation is strict: an unknown key or a wrong type is an error naming the file, the key and
+the valid values, since a typo in a sandbox spec silently weakens the sandbox.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jukebox.errors import UsageError
+
+IMAGES_DIR = Path(__file__).resolve().parent.parent / "sandbox_images"
+DEFAULT_IMAGE = "host"
+NET_MODES = ("host", "none")
+SECRET_PATTERNS = ("*_KEY", "*_TOKEN", "*SECRET*", "*PASSWORD*")
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ImageError(UsageError):
+    pass
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str
+    path: Path
+    description: str = ""
+    net: str = "host"
+    verify: str | None = None
+    readonly_host: bool = True
+    private_tmp: bool = True
+    only: tuple[str, ...] = ()
+    hide: tuple[str, ...] = ()
+    env_allow: tuple[str, ...] = ("*",)
+    env_secret: tuple[str, ...] = SECRET_PATTERNS
+    env_set: Mapping[str, str] = field(default_factory=dict)
+    limits: Mapping[str, int] = field(default_factory=dict)
+
+    def is_secret(self, name: str) -> bool:
+        return _matches(name, self.env_secret)
+
+    def filter_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The agent's environment: allowed names from `environ`, then the image's fixed values."""
+        env = {k: v for k, v in environ.items() if _matches(k, self.env_allow)}
+        env.update(self.env_set)
+        return env
+
+    def describe_env(self, env: Mapping[str, str]) -> dict[str, list[str]]:
+        """What a tape may say about an environment: names only, secret-looking ones apart."""
+        names = sorted(env)
+        return {
+            "names": [n for n in names if not self.is_secret(n)],
+            "secret_names": [n for n in names if self.is_secret(n)],
+        }
+
+    def hidden_paths(self, root: str = "/") -> list[str]:
+        """Paths to cover: the explicit list plus every top-level directory `only` leaves out."""
+        hidden = list(self.hide)
+        if self.only:
+            keep = {os.path.normpath(p) for p in self.only}
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    path = os.path.join(root, entry.name)
+                    # A top-level symlink (merged /usr: /bin -> usr/bin) resolves inside what is
+                    # kept or hidden anyway; covering it would cover its target.
+                    if path not in keep and entry.is_dir(follow_symlinks=False):
+                        hidden.append(path)
+        return hidden
+
+    def policy(self) -> dict[str, Any]:
+        """The image as recorded on the tape's run_start frame."""
+        return {
+            "image": self.name,
+            "image_path": str(self.path),
+            "net": self.net,
+            "readonly_host": self.readonly_host,
+            "private_tmp": self.private_tmp,
+            "only": list(self.only),
+            "hide": list(self.hide),
+            "env_allow": list(self.env_allow),
+            "limits": dict(self.limits),
+            "verify": self.verify,
+        }
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def image_path(name_or_path: str) -> Path:
+    if name_or_path.endswith(".toml") or os.sep in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ImageError(f"no sandbox image file at {name_or_path}: check the path")
+        return path
+    path = IMAGES_DIR / f"{name_or_path}.toml"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name_or_path) or not path.is_file():
+        raise ImageError(
+            f"unknown sandbox image {name_or_path!r}: use one of {', '.join(available())} "
+            "or a path to a .toml file"
+        )
+    return path
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in IMAGES_DIR.glob("*.toml"))
+
+
+def load_image(name_or_path: str | None = None) -> Image:
+    path = image_path(name_or_path or DEFAULT_IMAGE)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ImageError(f"sandbox image {path} is not valid TOML: {error}") from None
+    return parse_image(data, path)
+
+
+class _Reader:
+    """Takes keys out of one table, checking types, and complains about what is left over."""
+
+    def __init__(self, path: Path, table: Mapping[str, Any], prefix: str = "") -> None:
+        self.path, self.table, self.prefix = path, dict(table), prefix
+
+    def fail(self, key: str, wanted: str) -> ImageError:
+        return ImageError(f"sandbox image {self.path}: key '{self.prefix}{key}' {wanted}")
+
+    def take(self, key: str, kind: type | tuple[type, ...], default: Any, wanted: str) -> Any:
+        if key not in self.table:
+            return default
+        value = self.table.pop(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(key, f"is {value!r}: {wanted}")
+        return value
+
+    def strings(self, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        value = self.take(key, list, None, "must be a list of strings")
+        if value is None:
+            return default
+        if not all(isinstance(v, str) and v for v in value):
+            raise self.fail(key, f"is {value!r}: must be a list of non-empty strings")
+        return tuple(value)
+
+    def table_(self, key: str) -> _Reader:
+        value = self.take(key, dict, {}, "must be a table")
+        return _Reader(self.path, value, f"{self.prefix}{key}.")
+
+    def done(self, valid: tuple[str, ...]) -> None:
+        if self.table:
+            key = sorted(self.table)[0]
+            raise self.fail(key, f"is unknown: valid keys here are {', '.join(valid)}")
+
+
+def parse_size(value: int | str) -> int:
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(value)
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def parse_image(data: Mapping[str, Any], path: Path) -> Image:
+    top = _Reader(path, data)
+    name = top.take("name", str, path.stem, "must be a string")
+    description = top.take("description", str, "", "must be a string")
+    net = top.take("net", str, "host", "must be a string")
+    if net not in NET_MODES:
+        raise top.fail("net", f"is {net!r}: valid values are {', '.join(map(repr, NET_MODES))}")
+    verify = top.take("verify", str, None, "must be a command line (a string)") or None
+
+    fs = top.table_("fs")
+    readonly_host = fs.take("readonly_host", bool, True, "must be true or false")
+    private_tmp = fs.take("private_tmp", bool, True, "must be true or false")
+    only = fs.strings("only", ())
+    hide = fs.strings("hide", ())
+    for key, paths in (("only", only), ("hide", hide)):
+        for p in paths:
+            if not p.startswith("/"):
+                raise fs.fail(key, f"holds {p!r}: paths must be absolute")
+    fs.done(("readonly_host", "private_tmp", "only", "hide"))
+
+    env = top.table_("env")
+    allow = env.strings("allow", ("*",))
+    secret = env.strings("secret", SECRET_PATTERNS)
+    env_set = env.take("set", dict, {}, 'must be a table of NAME = "value"')
+    if not all(isinstance(v, str) for v in env_set.values()):
+        raise env.fail("set", "must map names to string values")
+    env.done(("allow", "secret", "set"))
+
+    lim = top.table_("limits")
+    limits: dict[str, int] = {}
+    for key in ("cpu_seconds", "open_files", "processes"):
+        value = lim.take(key, int, None, "must be a positive integer")
+        if value is not None:
+            if value <= 0:
+                raise lim.fail(key, f"is {value}: must be a positive integer")
+            limits[key] = value
+    memory = lim.take("memory", (int, str), None, 'must be a size in bytes or like "512M", "8G"')
+    if memory is not None:
+        try:
+            limits["memory_bytes"] = parse_size(memory)
+        except ValueError:
+            raise lim.fail(
+                "memory", f'is {memory!r}: use bytes or a size like "512M", "8G"'
+            ) from None
+    lim.done(("cpu_seconds", "memory", "open_files", "processes"))
+    top.done(("name", "description", "net", "verify", "fs", "env", "limits"))
+
+    return Image(
+        name=name,
+        path=path,
+        description=description,
+        net=net,
+        verify=verify,
+        readonly_host=readonly_host,
+        private_tmp=private_tmp,
+        only=only,
+        hide=hide,
+        env_allow=allow,
+        env_secret=secret,
+        env_set=dict(env_set),
+        limits=limits,
+    )
