@@ -41,3 +41,7 @@ class ConflictError(ShadowfsError):
             f"started ({shown}); nothing was applied — rebase the work or discard it"
         )
         self.conflicts = conflicts
+
+
+class StoreBusy(StoreError):
+    """gc needs the store to itself while another process is writing to it."""

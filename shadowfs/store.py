@@ -1,0 +1,930 @@
+"""The content-addressed store: objects in append-only packs, found through a sqlite index.
+
+    STORE/
+      packs/pack-<random>.pack   records (see shadowfs.pack); one writer per pack, flock-ed
+      index.sqlite               WAL; oid -> place in a pack; rebuilt from the packs when missing
+      index.lock                 serialises that rebuild
+      lock                       flock: writers hold it shared, gc exclusive
+
+Every read re-hashes the object against its id. Durability is per batch: `flush()` fsyncs the
+writer's pack once, then commits the index rows of everything put since the last flush. A crash
+before that loses the batch but cannot damage the store: the unindexed tail of a pack is adopted
+(when intact) or cut off the next time a process opens the store or writes to that pack.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import zstandard
+
+from shadowfs import pack as pk
+from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
+from shadowfs.oid import OID_SIZE, ObjectId, hash_object
+from shadowfs.store_index import IndexEntry, StoreIndex
+
+CHUNK_SIZE = 4 * 1024 * 1024
+MAX_DELTA_DEPTH = 8
+# A writer starts a new pack once its pack passes this size (checked at flush).
+PACK_TARGET = 256 * 1024 * 1024
+# How many existing packs a new writer tries before starting its own.
+_REUSE_TRIES = 8
+_MAX_OPEN_PACKS = 256
+
+Progress = Callable[[int, int], None]
+
+_CHUNK_ENTRY = struct.Struct("<32sQ")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One bad thing verify found. oid is None when the damage hides which object it was."""
+
+    oid: ObjectId | None
+    pack: str
+    offset: int
+    reason: str
+
+    def __str__(self) -> str:
+        who = f"object {self.oid}" if self.oid is not None else "unknown object"
+        return f"{who} in {self.pack} at offset {self.offset}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    kept: int
+    removed: int
+    bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    objects: int
+    raw_bytes: int
+    stored_bytes: int
+    packs: int
+    pack_bytes: int
+
+
+def encode_chunks(chunks: list[tuple[ObjectId, int]]) -> bytes:
+    """The canonical `chunks` body: per chunk its 32-byte id and its size as u64 little-endian."""
+    return b"".join(_CHUNK_ENTRY.pack(oid, size) for oid, size in chunks)
+
+
+def decode_chunks(raw: bytes) -> list[tuple[ObjectId, int]]:
+    if len(raw) % _CHUNK_ENTRY.size:
+        raise StoreError(
+            f"a chunks object must be a multiple of {_CHUNK_ENTRY.size} bytes, got {len(raw)}; "
+            "it was not made by encode_chunks"
+        )
+    out = [(ObjectId(o), n) for o, n in _CHUNK_ENTRY.iter_unpack(raw)]
+    if any(not 0 < n <= CHUNK_SIZE for _, n in out):
+        raise StoreError(f"a chunks object lists a chunk size outside 1..{CHUNK_SIZE} bytes")
+    return out
+
+
+def _where(pack: str, offset: int) -> str:
+    return f"pack {pack} offset {offset}"
+
+
+class Store:
+    """Use `Store.open(path)`; a context manager whose exit flushes and closes."""
+
+    def __init__(self, root: Path, level: int) -> None:
+        self.root = root
+        self.level = level
+        self._packs_dir = root / "packs"
+        self._mutex = threading.RLock()
+        self._cctx = zstandard.ZstdCompressor(level=level)
+        self._dctx = zstandard.ZstdDecompressor()
+        self._fds: dict[str, int] = {}
+        self._pending: dict[ObjectId, IndexEntry] = {}
+        self._writer: pk.PackWriter | None = None
+        self._lock_fd = -1
+        self._lock_mode = 0
+        self._lost: str | None = None
+        self._index: StoreIndex | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ opening and closing
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], create: bool = True, level: int = 3) -> Store:
+        root = Path(path)
+        if not (root / "packs").is_dir():
+            if not create:
+                raise StoreError(
+                    f"no store at {root}; check the path or open it with create=True"
+                )
+            try:
+                (root / "packs").mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create a store at {root} ({exc.strerror})") from None
+        store = cls(root, level)
+        try:
+            store._open_index()
+            store._recover_packs()
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flushes what was put, then lets go of packs, locks and the index. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._index is not None:
+                self.flush()
+        finally:
+            self._closed = True
+            self._drop_writer()
+            self._unlock()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._index is not None:
+                self._index.close()
+
+    def _idx(self) -> StoreIndex:
+        if self._closed or self._index is None:
+            raise StoreError(f"the store at {self.root} is closed; open it again to use it")
+        return self._index
+
+    def _open_index(self) -> None:
+        path = self.root / "index.sqlite"
+        if not path.exists():
+            lfd = os.open(self.root / "index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(lfd, fcntl.LOCK_EX)
+                if not path.exists():
+                    self._build_index_file(path)
+            finally:
+                os.close(lfd)
+        self._index = StoreIndex.open(path)
+
+    def _build_index_file(self, path: Path) -> None:
+        """Builds a fresh index from the packs beside it and only then names it index.sqlite."""
+        for stale in self.root.glob("index.sqlite.tmp-*"):
+            stale.unlink(missing_ok=True)
+        tmp = self.root / f"index.sqlite.tmp-{secrets.token_hex(8)}"
+        self._index = StoreIndex.open(tmp, wal=False)
+        try:
+            with self._index.write():
+                self._rebuild_rows(None)
+        finally:
+            self._index.close()
+            self._index = None
+        # A WAL left by a deleted index would otherwise be replayed into the new one.
+        for suffix in ("-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        os.rename(tmp, path)
+        _fsync_dir(self.root)
+
+    # ------------------------------------------------------------------ locks
+
+    def _lock(self, mode: int, block: bool) -> bool:
+        if self._lock_fd < 0:
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            self._lock_fd = os.open(self.root / "lock", flags, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, mode | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        self._lock_mode = mode
+        return True
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0 and self._lock_mode:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        self._lock_mode = 0
+
+    # ------------------------------------------------------------------ pack files
+
+    def _pack_names(self) -> list[str]:
+        return sorted(n for n in os.listdir(self._packs_dir) if pk.pack_name_ok(n))
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            if len(self._fds) >= _MAX_OPEN_PACKS:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = os.open(self._packs_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+            self._fds[name] = fd
+        return fd
+
+    def _forget_fd(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _writer_for_put(self) -> pk.PackWriter:
+        if self._writer is not None:
+            return self._writer
+        # Shared for as long as this store writes: gc (exclusive) then never runs under a writer.
+        if self._lock_mode == 0:
+            self._lock(fcntl.LOCK_SH, block=True)
+        idx = self._idx()
+        sizes = sorted(idx.pack_sizes().items(), key=lambda kv: kv[1])
+        for name, size in [kv for kv in sizes if kv[1] < PACK_TARGET][:_REUSE_TRIES]:
+            try:
+                fd = os.open(self._packs_dir / name, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                end = os.fstat(fd).st_size
+                if end != size:
+                    end = self._recover_tail(name, fd, size)
+                if end is not None:
+                    self._writer = pk.PackWriter(self._packs_dir / name, fd, end, fresh=False)
+                    return self._writer
+            except BlockingIOError:
+                pass
+            os.close(fd)
+        self._writer = pk.PackWriter.create(self._packs_dir)
+        return self._writer
+
+    def _drop_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _recover_packs(self) -> None:
+        """Adopts intact records that a crashed writer left past what the index covers."""
+        idx = self._idx()
+        sizes = idx.pack_sizes()
+        suspects = []
+        for name in self._pack_names():
+            try:
+                if os.stat(self._packs_dir / name).st_size != sizes.get(name):
+                    suspects.append(name)
+            except FileNotFoundError:
+                continue
+        if not suspects:
+            return
+        had_lock = self._lock_mode
+        if not had_lock and not self._lock(fcntl.LOCK_SH, block=False):
+            return  # gc is running; the next open recovers
+        try:
+            for name in suspects:
+                try:
+                    fd = os.open(self._packs_dir / name, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self._recover_tail(name, fd, sizes.get(name))
+                except BlockingIOError:
+                    pass  # a live writer owns it
+                finally:
+                    os.close(fd)
+        finally:
+            if not had_lock:
+                self._unlock()
+
+    def _recover_tail(self, name: str, fd: int, known: int | None) -> int | None:
+        """With the pack's flock held: indexes intact records past `known`, cuts a torn tail.
+
+        Returns the pack's new end, or None when the pack is shorter than the index says or is
+        not a pack at all (left alone for verify to report).
+        """
+        end = os.fstat(fd).st_size
+        if known is None:
+            if not pk.read_pack_magic(fd):
+                return None
+            known = pk.PACK_HEADER_LEN
+        if end < known:
+            return None
+        idx = self._idx()
+        new_end = end
+        with idx.write():
+            for item in pk.scan(fd, known, end):
+                if isinstance(item, pk.TornTail):
+                    new_end = item.offset
+                elif isinstance(item, pk.Found) and not idx.has(item.header.oid):
+                    payload = os.pread(fd, item.header.stored_len, item.payload_offset)
+                    try:
+                        raw = self._decode(item.header, payload, _where(name, item.offset))
+                    except StoreError:
+                        continue  # left in place; verify names it
+                    idx.insert([self._entry_for(name, item.offset, item.header, raw)])
+            if new_end < end:
+                os.ftruncate(fd, new_end)
+                os.fsync(fd)
+            idx.set_pack_size(name, new_end)
+        return new_end
+
+    def _entry_for(self, pack: str, offset: int, h: pk.RecordHeader, raw: bytes) -> IndexEntry:
+        depth = 0
+        if h.base is not None:
+            base = self._locate(h.base)
+            depth = (base.depth if base is not None else MAX_DELTA_DEPTH) + 1
+        size = sum(n for _, n in decode_chunks(raw)) if h.kind == "chunks" else h.raw_len
+        return IndexEntry(
+            h.oid, h.kind, pack, offset, h.stored_len, h.raw_len, size, h.base, depth, h.created
+        )
+
+    # ------------------------------------------------------------------ reading
+
+    def _locate(self, oid: ObjectId) -> IndexEntry | None:
+        entry = self._pending.get(oid)
+        return entry if entry is not None else self._idx().lookup(oid)
+
+    def _read_record(self, e: IndexEntry) -> tuple[pk.RecordHeader, memoryview]:
+        length = e.record_len
+        buf = None
+        w = self._writer
+        if w is not None and e.pack == w.name:
+            buf = w.buffered(e.offset, length)
+        if buf is None:
+            buf = os.pread(self._fd(e.pack), length, e.offset)
+        where = _where(e.pack, e.offset)
+        if len(buf) != length:
+            raise ObjectCorrupt(e.oid, f"{where}: the pack ends before the object does")
+        try:
+            h = pk.parse_header(buf)
+        except pk.RecordError as exc:
+            raise ObjectCorrupt(e.oid, f"{where}: {exc}") from None
+        if h.oid != e.oid or h.stored_len != e.stored_len or h.raw_len != e.raw_len:
+            raise ObjectCorrupt(e.oid, f"{where}: the record there is not the one the index names")
+        return h, memoryview(buf)[h.header_len :]
+
+    def _decode(
+        self, h: pk.RecordHeader, payload: bytes | memoryview, where: str, depth: int = 0
+    ) -> bytes:
+        base_raw = None
+        if h.base is not None:
+            if depth > MAX_DELTA_DEPTH:
+                raise ObjectCorrupt(h.oid, f"{where}: its delta chain is longer than allowed")
+            base = self._locate(h.base)
+            if base is None:
+                raise ObjectMissing(h.base, f"it is the delta base of {h.oid} ({where})")
+            base_raw = self._raw(base, depth + 1)
+        try:
+            raw = pk.decode_payload(h, payload, base_raw, self._dctx)
+        except pk.RecordError as exc:
+            raise ObjectCorrupt(h.oid, f"{where}: {exc}") from None
+        if hash_object(h.kind, raw) != h.oid:
+            raise ObjectCorrupt(h.oid, where)
+        return raw
+
+    def _raw(self, e: IndexEntry, depth: int = 0) -> bytes:
+        h, payload = self._read_record(e)
+        return self._decode(h, payload, _where(e.pack, e.offset), depth)
+
+    def get(self, oid: ObjectId) -> bytes:
+        """The object's bytes, verified against its id."""
+        with self._mutex:
+            entry = self._locate(oid)
+            if entry is None:
+                raise ObjectMissing(oid)
+            try:
+                return self._raw(entry)
+            except FileNotFoundError:
+                # gc moved it to a new pack between the lookup and the read: look again.
+                entry = self._idx().lookup(oid)
+                if entry is None:
+                    raise ObjectMissing(oid) from None
+                try:
+                    return self._raw(entry)
+                except FileNotFoundError:
+                    raise ObjectMissing(
+                        oid, f"its pack {entry.pack} is gone; restore the store from a copy"
+                    ) from None
+
+    def has(self, oid: ObjectId) -> bool:
+        with self._mutex:
+            return oid in self._pending or self._idx().has(oid)
+
+    def _entry(self, oid: ObjectId) -> IndexEntry:
+        with self._mutex:
+            entry = self._locate(oid)
+        if entry is None:
+            raise ObjectMissing(oid)
+        return entry
+
+    def kind(self, oid: ObjectId) -> str:
+        return self._entry(oid).kind
+
+    def size(self, oid: ObjectId) -> int:
+        """The content size: the raw size, or for a `chunks` object the size of the whole file."""
+        return self._entry(oid).size
+
+    def read_file_into(self, oid: ObjectId, fileobj: BinaryIO) -> int:
+        """Writes a blob's or chunked file's bytes to fileobj, chunk by chunk; returns the size."""
+        kind = self.kind(oid)
+        if kind == "blob":
+            data = self.get(oid)
+            _write_all(fileobj, data)
+            return len(data)
+        if kind != "chunks":
+            raise StoreError(
+                f"object {oid} is a {kind}, not file content; pass a blob or chunks id"
+            )
+        total = 0
+        for chunk, size in decode_chunks(self.get(oid)):
+            data = self.get(chunk)
+            if len(data) != size:
+                raise ObjectCorrupt(oid, f"chunk {chunk} holds {len(data)} bytes, listed as {size}")
+            _write_all(fileobj, data)
+            total += size
+        return total
+
+    def read_bytes(self, oid: ObjectId) -> bytes:
+        """A blob's or chunked file's whole content in memory (for content known to be small)."""
+        if self.kind(oid) != "chunks":
+            return self.get(oid)
+        return b"".join(self.get(c) for c, _ in decode_chunks(self.get(oid)))
+
+    def iter_oids(self) -> Iterator[ObjectId]:
+        with self._mutex:
+            oids = set(self._pending)
+            oids.update(self._idx().oids())
+        yield from oids
+
+    def stats(self) -> StoreStats:
+        with self._mutex:
+            count, raw, stored = self._idx().totals()
+            count += len(self._pending)
+            raw += sum(e.raw_len for e in self._pending.values())
+            stored += sum(e.stored_len for e in self._pending.values())
+            names = self._pack_names()
+        pack_bytes = 0
+        for name in names:
+            try:
+                pack_bytes += os.stat(self._packs_dir / name).st_size
+            except FileNotFoundError:
+                continue
+        return StoreStats(count, raw, stored, len(names), pack_bytes)
+
+    # ------------------------------------------------------------------ writing
+
+    def put(self, kind: str, data: bytes, delta_base: ObjectId | None = None) -> ObjectId:
+        """Stores data as an object of this kind (once: existing ids are not stored again).
+
+        With delta_base, the object is stored as a zstd delta against that object when that is
+        smaller than compressing it alone and the base's delta chain is not already at the cap.
+        """
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        if kind == "blob" and len(data) > CHUNK_SIZE:
+            raise StoreError(
+                f"a blob holds at most {CHUNK_SIZE} bytes, got {len(data)}; "
+                "store large content with put_file, which chunks it"
+            )
+        size = sum(n for _, n in decode_chunks(data)) if kind == "chunks" else len(data)
+        oid = hash_object(kind, data)
+        with self._mutex:
+            if oid in self._pending or self._idx().has(oid):
+                return oid
+            self._append(oid, kind, data, size, delta_base)
+        return oid
+
+    def _append(
+        self, oid: ObjectId, kind: str, data: bytes, size: int, delta_base: ObjectId | None
+    ) -> None:
+        flags, payload = pk.encode_plain(data, self._cctx)
+        base_id: ObjectId | None = None
+        depth = 0
+        if delta_base is not None and data:
+            base = self._locate(delta_base)
+            if base is not None and base.depth < MAX_DELTA_DEPTH and base.raw_len:
+                try:
+                    base_raw = self._raw(base)
+                except (StoreError, FileNotFoundError):
+                    base_raw = None  # a damaged base only costs the delta
+                if base_raw:
+                    delta = pk.encode_delta(data, base_raw, self.level)
+                    if len(delta) < len(payload):
+                        flags, payload = pk.FLAG_ZSTD | pk.FLAG_DELTA, delta
+                        base_id, depth = delta_base, base.depth + 1
+        created = int(time.time())
+        header = pk.encode_header(oid, kind, flags, created, len(data), len(payload), base_id)
+        try:
+            writer = self._writer_for_put()
+        except OSError as exc:
+            raise StoreError(
+                f"cannot start a pack in {self._packs_dir} ({exc.strerror}); check its permissions"
+            ) from None
+        try:
+            offset = writer.append([header, payload])
+        except OSError as exc:
+            self._lose_batch(exc)
+            raise StoreError(
+                f"cannot write to {writer.path} ({exc.strerror}); free space and retry"
+            ) from None
+        self._pending[oid] = IndexEntry(
+            oid, kind, writer.name, offset, len(payload), len(data), size, base_id, depth, created
+        )
+
+    def _lose_batch(self, exc: OSError) -> None:
+        """A failed write leaves the pack tail unknown: drop the writer and the unflushed batch."""
+        self._lost = (
+            f"{len(self._pending)} object(s) put since the last flush were lost when a pack "
+            f"write failed ({exc.strerror}); put them again"
+        )
+        self._pending.clear()
+        self._drop_writer()
+
+    def put_file(self, path_or_fd: int | str | bytes | os.PathLike[str]) -> ObjectId:
+        """Stores a file's content, streaming; files over CHUNK_SIZE become a `chunks` object.
+
+        An fd is read from its current position to its end and left open.
+        """
+        if isinstance(path_or_fd, int):
+            f = open(path_or_fd, "rb", closefd=False)  # noqa: SIM115 - closed below
+        else:
+            f = open(path_or_fd, "rb")  # noqa: SIM115
+        with f:
+            first = _read_full(f, CHUNK_SIZE)
+            if len(first) < CHUNK_SIZE:
+                return self.put("blob", first)
+            piece = _read_full(f, CHUNK_SIZE)
+            if not piece:
+                return self.put("blob", first)
+            chunks = [(self.put("blob", first), len(first))]
+            del first
+            while piece:
+                chunks.append((self.put("blob", piece), len(piece)))
+                piece = b""  # let the old chunk go before the next one is read
+                piece = _read_full(f, CHUNK_SIZE)
+        return self.put("chunks", encode_chunks(chunks))
+
+    def flush(self) -> None:
+        """The durability boundary: one fsync of this writer's pack, then one index commit."""
+        with self._mutex:
+            idx = self._idx()
+            if self._lost is not None:
+                lost, self._lost = self._lost, None
+                raise StoreError(lost)
+            w = self._writer
+            if not self._pending and (w is None or not w.dirty):
+                return
+            if w is not None:
+                try:
+                    w.sync()
+                except OSError as exc:
+                    self._lose_batch(exc)
+                    lost, self._lost = self._lost, None
+                    raise StoreError(lost or "a pack write failed") from None
+            with idx.write():
+                idx.insert(self._pending.values())
+                if w is not None:
+                    idx.set_pack_size(w.name, w.end)
+            self._pending.clear()
+            if w is not None and w.end >= PACK_TARGET:
+                self._drop_writer()
+
+    # ------------------------------------------------------------------ rebuild
+
+    def rebuild_index(self, progress: Progress | None = None) -> int:
+        """Rebuilds the index from the packs alone in one transaction; returns objects indexed.
+
+        Records whose bytes do not verify are left out (verify names them).
+        """
+        with self._mutex:
+            self.flush()
+            idx = self._idx()
+            with idx.write():
+                return self._rebuild_rows(progress)
+
+    def _rebuild_rows(self, progress: Progress | None) -> int:
+        idx = self._idx()
+        idx.clear()
+        copies: dict[ObjectId, list[tuple[str, pk.Found]]] = {}
+        ends: dict[str, int] = {}
+        names = self._pack_names()
+        total = sum(_size_or_zero(self._packs_dir / n) for n in names)
+        done = 0
+        for name in names:
+            try:
+                fd = os.open(self._packs_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                end = os.fstat(fd).st_size
+                valid_end = pk.PACK_HEADER_LEN
+                for item in pk.scan(fd, pk.PACK_HEADER_LEN, end):
+                    if isinstance(item, pk.Found):
+                        copies.setdefault(item.header.oid, []).append((name, item))
+                        valid_end = item.end
+                    elif isinstance(item, pk.Damaged):
+                        valid_end = item.end
+            finally:
+                os.close(fd)
+            ends[name] = valid_end
+            done += end
+            if progress is not None:
+                progress(done, total)
+        # Every first copy goes in unverified so delta bases resolve through the index; then each
+        # object is verified in base-first order, falling back to another copy if one is bad.
+        first = [self._entry_guess(name, f) for name, f in (cps[0] for cps in copies.values())]
+        idx.insert(first)
+        verified: dict[ObjectId, IndexEntry | None] = {}
+
+        def settle(oid: ObjectId, visiting: set[ObjectId]) -> IndexEntry | None:
+            if oid in verified:
+                return verified[oid]
+            if oid in visiting or oid not in copies or len(visiting) > MAX_DELTA_DEPTH:
+                return None
+            visiting.add(oid)
+            result = None
+            for name, f in copies[oid]:
+                h = f.header
+                if h.base is not None and settle(h.base, visiting) is None:
+                    continue
+                entry = self._entry_guess(name, f)
+                idx.upsert([entry])
+                try:
+                    raw = self._raw(entry)
+                except (StoreError, OSError):
+                    continue
+                result = self._entry_for(name, f.offset, h, raw)
+                idx.upsert([result])
+                break
+            visiting.discard(oid)
+            if result is None:
+                idx.delete([oid])
+            verified[oid] = result
+            return result
+
+        for oid in copies:
+            settle(oid, set())
+        for name, end in ends.items():
+            idx.set_pack_size(name, end)
+        return sum(1 for e in verified.values() if e is not None)
+
+    @staticmethod
+    def _entry_guess(name: str, f: pk.Found) -> IndexEntry:
+        h = f.header
+        return IndexEntry(
+            h.oid, h.kind, name, f.offset, h.stored_len, h.raw_len, h.raw_len, h.base, 0, h.created
+        )
+
+    # ------------------------------------------------------------------ verify
+
+    def verify(self, progress: Progress | None = None) -> list[Problem]:
+        """Re-hashes every record of every pack, indexed or not; returns what is bad.
+
+        progress(done, total) counts pack bytes.
+        """
+        with self._mutex:
+            self.flush()
+            idx = self._idx()
+            problems: list[Problem] = []
+            by_pack: dict[str, dict[int, ObjectId]] = {}
+            for oid, pack, offset in idx.locations():
+                by_pack.setdefault(pack, {})[offset] = oid
+            names = self._pack_names()
+            total = sum(_size_or_zero(self._packs_dir / n) for n in names)
+            done = 0
+            for name in names:
+                indexed = by_pack.pop(name, {})
+                # Its own fd: reading delta bases may evict cached ones.
+                try:
+                    fd = os.open(self._packs_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    by_pack[name] = indexed
+                    continue
+                try:
+                    end = os.fstat(fd).st_size
+                    problems.extend(self._verify_pack(name, fd, end, indexed))
+                finally:
+                    os.close(fd)
+                done += end
+                if progress is not None:
+                    progress(done, total)
+            for pack, offsets in by_pack.items():
+                for offset, oid in sorted(offsets.items()):
+                    problems.append(Problem(oid, pack, offset, "its pack file is missing"))
+            return problems
+
+    def _verify_pack(
+        self, name: str, fd: int, end: int, indexed: dict[int, ObjectId]
+    ) -> list[Problem]:
+        problems: list[Problem] = []
+        if not pk.read_pack_magic(fd):
+            problems.append(Problem(None, name, 0, "the pack file header is damaged"))
+        good: set[int] = set()
+        bad: set[int] = set()
+        for item in pk.scan(fd, pk.PACK_HEADER_LEN, end):
+            if isinstance(item, pk.Damaged):
+                problems.append(Problem(indexed.get(item.offset), name, item.offset, item.reason))
+                bad.add(item.offset)
+            elif isinstance(item, pk.Found):
+                reason = self._check_record(name, fd, item, indexed.get(item.offset))
+                if reason is None:
+                    good.add(item.offset)
+                else:
+                    problems.append(Problem(item.header.oid, name, item.offset, reason))
+                    bad.add(item.offset)
+        for offset, oid in sorted(indexed.items()):
+            if offset not in good and offset not in bad:
+                reason = "the index points here but no intact record starts here"
+                problems.append(Problem(oid, name, offset, reason))
+        return problems
+
+    def _check_record(self, name: str, fd: int, f: pk.Found, expect: ObjectId | None) -> str | None:
+        h = f.header
+        if expect is not None and expect != h.oid:
+            return f"the index expects object {expect} here"
+        try:
+            payload = os.pread(fd, h.stored_len, f.payload_offset)
+            raw = self._decode(h, payload, _where(name, f.offset))
+            if h.kind == "chunks":
+                for chunk, _ in decode_chunks(raw):
+                    if not self.has(chunk):
+                        return f"its chunk {chunk} is missing"
+        except ObjectMissing as exc:
+            return f"its delta base {exc.oid} is missing"
+        except ObjectCorrupt as exc:
+            if exc.oid != h.oid:
+                return f"its delta base {exc.oid} is corrupt"
+            detail = exc.where[len(_where(name, f.offset)) :].lstrip(": ")
+            return detail or "its bytes do not hash to its id"
+        except StoreError as exc:
+            return str(exc)
+        except OSError as exc:
+            return f"unreadable ({exc.strerror})"
+        return None
+
+    # ------------------------------------------------------------------ gc
+
+    def gc(
+        self,
+        live: set[ObjectId],
+        grace_seconds: float = 3600,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+    ) -> GcReport:
+        """Removes objects neither live, nor needed by a live object, nor younger than the grace.
+
+        Packs holding anything removable are rewritten into a new pack and deleted. Raises
+        StoreBusy while another process writes to the store. progress counts records copied.
+        """
+        with self._mutex:
+            self.flush()
+            self._drop_writer()  # its pack may be rewritten; the next put starts afresh
+            self._unlock()
+            if not self._lock(fcntl.LOCK_EX, block=False):
+                raise StoreBusy(
+                    f"gc needs the store at {self.root} to itself but another process is writing "
+                    "to it; retry when that run ends"
+                )
+            try:
+                self._recover_packs()
+                return self._gc_locked(live, grace_seconds, dry_run, progress)
+            finally:
+                self._unlock()
+
+    def _gc_locked(
+        self, live: set[ObjectId], grace: float, dry_run: bool, progress: Progress | None
+    ) -> GcReport:
+        idx = self._idx()
+        entries = {e.oid: e for e in idx.entries()}
+        cutoff = time.time() - grace
+        stack = [o for o in live if o in entries]
+        stack += [o for o, e in entries.items() if e.created > cutoff]
+        keep: set[ObjectId] = set()
+        while stack:
+            oid = stack.pop()
+            if oid in keep:
+                continue
+            keep.add(oid)
+            e = entries[oid]
+            if e.delta_base is not None and e.delta_base in entries:
+                stack.append(e.delta_base)
+            if e.kind == "chunks":
+                stack += [c for c, _ in decode_chunks(self._raw(e)) if c in entries]
+        dead = [o for o in entries if o not in keep]
+
+        per_pack: dict[str, list[IndexEntry]] = {}
+        for oid in keep:
+            per_pack.setdefault(entries[oid].pack, []).append(entries[oid])
+        dead_packs = {entries[o].pack for o in dead}
+        rewrite: list[str] = []
+        old_bytes = 0
+        for name in self._pack_names():
+            size = _size_or_zero(self._packs_dir / name)
+            kept_len = sum(e.record_len for e in per_pack.get(name, []))
+            if name in dead_packs or size != pk.PACK_HEADER_LEN + kept_len:
+                rewrite.append(name)
+                old_bytes += size
+        moving = [e for name in rewrite for e in per_pack.get(name, [])]
+        moving.sort(key=lambda e: (e.pack, e.offset))
+        new_bytes = sum(e.record_len for e in moving)
+        if moving:
+            new_bytes += pk.PACK_HEADER_LEN * (1 + new_bytes // PACK_TARGET)
+        report = GcReport(len(keep), len(dead), max(0, old_bytes - new_bytes))
+        if dry_run or not rewrite:
+            return report
+
+        moved: list[IndexEntry] = []
+        writers: list[pk.PackWriter] = []
+        try:
+            for i, e in enumerate(moving):
+                self._raw(e)  # never carry a damaged object into the new pack unnoticed
+                record = os.pread(self._fd(e.pack), e.record_len, e.offset)
+                if not writers or writers[-1].end >= PACK_TARGET:
+                    writers.append(pk.PackWriter.create(self._packs_dir))
+                w = writers[-1]
+                moved.append(e.moved(w.name, w.append([record])))
+                if progress is not None:
+                    progress(i + 1, len(moving))
+            for w in writers:
+                w.sync()
+            with idx.write():
+                idx.upsert(moved)
+                idx.delete(dead)
+                idx.drop_packs(rewrite)
+                for w in writers:
+                    idx.set_pack_size(w.name, w.end)
+        except BaseException:
+            for w in writers:
+                w.close()
+                w.path.unlink(missing_ok=True)
+            raise
+        for w in writers:
+            w.close()
+        for name in rewrite:
+            self._forget_fd(name)
+            (self._packs_dir / name).unlink(missing_ok=True)
+        for stale in self._packs_dir.glob("*.tmp"):
+            stale.unlink(missing_ok=True)
+        _fsync_dir(self._packs_dir)
+        return report
+
+
+def _read_full(f: BinaryIO, n: int) -> bytes:
+    data = f.read(n)
+    if data is None:  # a non-blocking fd with nothing ready
+        raise StoreError(
+            "put_file needs a blocking file descriptor; open the file without O_NONBLOCK"
+        )
+    if len(data) == n or not data:
+        return data
+    parts = [data]
+    got = len(data)
+    while got < n:
+        more = f.read(n - got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _write_all(fileobj: BinaryIO, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = fileobj.write(view)
+        if n is None or n >= len(view):
+            return
+        view = view[n:]
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "CHUNK_SIZE",
+    "MAX_DELTA_DEPTH",
+    "OID_SIZE",
+    "GcReport",
+    "Problem",
+    "Store",
+    "StoreStats",
+    "decode_chunks",
+    "encode_chunks",
+]
