@@ -117,6 +117,19 @@ def _first_line(cmd: Sequence[str]) -> str | None:
     return text.splitlines()[0].strip() if text else None
 
 
+def _version_line(cmd: Sequence[str], word: str) -> str | None:
+    """The line of a multi-line --version output that names `word` (fuse-overlayfs prints
+    fusermount3's version first)."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        for line in (proc.stdout + proc.stderr).splitlines():
+            if line.startswith(word):
+                return line.strip()
+    return _first_line(cmd)
+
+
 def _meminfo_total() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -164,7 +177,8 @@ def environment() -> dict[str, str]:
         "memory": _meminfo_total(),
         "kernel": f"{platform.system()} {platform.release()}",
         "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "fuse-overlayfs": _first_line(["fuse-overlayfs", "--version"]) or "not installed",
+        "fuse-overlayfs": _version_line(["fuse-overlayfs", "--version"], "fuse-overlayfs")
+        or "not installed",
         "libfuse3": _first_line(["pkg-config", "--modversion", "fuse3"])
         or _first_line(["fusermount3", "--version"])
         or "unknown",
@@ -281,10 +295,10 @@ def fmt(value: Any, key: str = "") -> str:
             text = f"{value:,.0f}"
         elif abs(value) >= 100:
             text = f"{value:.1f}"
-        elif abs(value) >= 1:
+        elif abs(value) >= 1 or value == 0:
             text = f"{value:.2f}"
         else:
-            text = f"{value:.3f}"
+            text = f"{value:.3g}"  # three significant digits keep 0.00042 s readable
     else:
         text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
