@@ -1,0 +1,676 @@
+"""The copy-on-write layer on kernel OverlayFS: the fast path for heavy workloads.
+
+The kernel does the copy-on-write; this module only reads and rewrites the upper directory:
+
+- ``snapshot()`` harvests the upper directory (copied-up files and symlinks, whiteouts, opaque
+  directories) and combines it with the base tree by path copying: only directories present in
+  the upper directory get new tree objects, every other sub-tree keeps its base id. A stat cache
+  (inode, size, mtime, ctime) from the previous snapshot spares re-hashing unchanged upper files.
+- ``restore(tree_id)`` freezes the mount's users, rewrites the upper directory to represent
+  diff(base, target) and makes the kernel forget what it cached (see docs/overlay-backend.md for
+  exactly what a process that keeps running observes).
+
+The mount uses ``redirect_dir=off`` and ``metacopy=off`` so every change is spelled out in the
+upper directory itself (renaming a lower directory then fails with EXDEV and tools fall back to
+copying, as on fuse-overlayfs), and ``index=off`` so a remount over the same upper is allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shadowfs.errors import ShadowfsError
+from shadowfs.oid import ObjectId
+from shadowfs.tree import DIR, FILE, MODE_MASK, SYMLINK, Entry, TreeStore, build_tree, encode_tree
+from shadowfs.tree import read_tree as _read_tree
+
+_MS_REMOUNT = 32
+_MS_BIND = 4096
+_MS_PRIVATE = 1 << 18
+_MNT_DETACH = 2
+# Not exported by the time module; the coarse clock is the one the kernel stamps ctimes with.
+_CLOCK_REALTIME_COARSE = 5
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_FREEZE_WAIT_S = 5.0
+
+
+class OverlayError(ShadowfsError):
+    pass
+
+
+class _Stat(NamedTuple):
+    """What proves an upper file unchanged since it was hashed."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    oid: ObjectId
+
+
+@dataclass
+class SnapshotStats:
+    """What the last snapshot did: hashed files were read, cache hits were trusted by stat."""
+
+    hashed: int = 0
+    cache_hits: int = 0
+    upper_dirs: int = 0
+    trees_written: int = 0
+
+
+@dataclass
+class RestoreStats:
+    """What the last restore did, and how the kernel was made to forget its caches."""
+
+    written: int = 0
+    removed: int = 0
+    whiteouts: int = 0
+    frozen: int = 0
+    # "offline" (not mounted), "remounted" (unmounted and mounted again: nobody held the mount)
+    # or "in-place" (held: upper rewritten under the live mount, then MS_REMOUNT to shrink the
+    # mount's dentry cache).
+    method: str = ""
+
+
+def _coarse_now() -> int:
+    return time.clock_gettime_ns(_CLOCK_REALTIME_COARSE)
+
+
+def _mount(source: bytes | None, target: bytes, fstype: bytes | None, flags: int,
+           data: bytes | None) -> None:
+    if _libc.mount(source, target, fstype, flags, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fsdecode(target))
+
+
+def _umount(target: bytes, flags: int = 0) -> None:
+    if _libc.umount2(target, flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fsdecode(target))
+
+
+def _join(prefix: bytes, name: bytes) -> bytes:
+    return prefix + b"/" + name if prefix else name
+
+
+def _entries(store: TreeStore, oid: ObjectId | None) -> dict[bytes, Entry]:
+    if oid is None:
+        return {}
+    return {e.name: e for e in _read_tree(store, oid)}
+
+
+class OverlayLayer:
+    """A kernel overlay mount of ``base`` whose changes live under ``booth_dir``.
+
+    ``base`` is read, never written. ``booth_dir`` (created; it must be absent or empty, on a file
+    system with nanosecond timestamps such as ext4, xfs, btrfs or tmpfs, and outside ``base``)
+    holds ``upper/``, ``work/``, a ``tmp/`` for staging restores and, when needed, ``lower/``, a
+    private bind of the base. ``base_tree`` is the tree id of ``base``; when omitted it is built
+    now. With ``userxattr`` the mount uses ``user.overlay.*`` xattrs (a user namespace); with
+    ``cgroup`` (a cgroup v2 directory holding every user of the mount) restore freezes that cgroup
+    instead of stopping processes one by one.
+    """
+
+    def __init__(
+        self,
+        base: str | os.PathLike[str],
+        store: TreeStore,
+        booth_dir: str | os.PathLike[str],
+        base_tree: ObjectId | None = None,
+        *,
+        userxattr: bool = False,
+        cgroup: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.base = os.fsencode(os.path.realpath(base))
+        self.store = store
+        self.booth_dir = os.fsencode(os.path.abspath(booth_dir))
+        self.userxattr = userxattr
+        self.cgroup = os.fsencode(cgroup) if cgroup is not None else None
+        self._xattr = b"user.overlay." if userxattr else b"trusted.overlay."
+        if not os.path.isdir(self.base):
+            raise OverlayError(f"base {os.fsdecode(self.base)!r} is not a directory; pass the "
+                               "working tree to layer over")
+        real_booth = os.fsencode(os.path.realpath(booth_dir))
+        if real_booth == self.base or real_booth.startswith(self.base + b"/"):
+            raise OverlayError(f"booth dir {os.fsdecode(real_booth)!r} lies inside the base "
+                               f"{os.fsdecode(self.base)!r}; overlayfs refuses overlapping "
+                               "layers, so put the booth dir elsewhere")
+        for bad in (b",", b":", b"\\"):
+            if bad in self.booth_dir:
+                raise OverlayError(f"booth dir {os.fsdecode(self.booth_dir)!r} contains "
+                                   f"{bad.decode()!r}, which overlay mount options cannot carry; "
+                                   "choose a plainer path")
+        os.makedirs(self.booth_dir, exist_ok=True)
+        if os.listdir(self.booth_dir):
+            raise OverlayError(f"booth dir {os.fsdecode(self.booth_dir)!r} is not empty; pass an "
+                               "absent or empty directory")
+        self.upper = self.booth_dir + b"/upper"
+        self.work = self.booth_dir + b"/work"
+        self.tmp = self.booth_dir + b"/tmp"
+        self._lower_bind = self.booth_dir + b"/lower"
+        for d in (self.upper, self.work, self.tmp):
+            os.mkdir(d, 0o700)
+        # The merged root takes its attributes from the upper root.
+        st = os.stat(self.base)
+        os.chmod(self.upper, stat.S_IMODE(st.st_mode))
+        if os.geteuid() == 0:
+            os.chown(self.upper, st.st_uid, st.st_gid)
+        os.utime(self.upper, ns=(st.st_atime_ns, st.st_mtime_ns))
+        self.base_tree: ObjectId = base_tree if base_tree is not None else build_tree(store,
+                                                                                      self.base)
+        self.mountpoint: bytes | None = None
+        self._lowerdir = self.base
+        self._bound = False
+        self._staged = 0
+        self._cache: dict[bytes, _Stat] = {}
+        self._dir_cache: dict[bytes, tuple[bytes, ObjectId]] = {}
+        self.last_tree: ObjectId = self.base_tree
+        self.snapshot_stats = SnapshotStats()
+        self.restore_stats = RestoreStats()
+
+    # --- mounting -----------------------------------------------------------------------------
+
+    def _options(self) -> bytes:
+        opts = [b"lowerdir=" + self._lowerdir, b"upperdir=" + self.upper, b"workdir=" + self.work]
+        if self.userxattr:
+            opts.append(b"userxattr")
+        else:
+            opts += [b"redirect_dir=off", b"metacopy=off", b"index=off"]
+        return b",".join(opts)
+
+    def mount(self, mountpoint: str | os.PathLike[str]) -> None:
+        """Mount the overlay at ``mountpoint`` (which may be the base path itself)."""
+        if self.mountpoint is not None:
+            raise OverlayError(f"the layer is already mounted at {os.fsdecode(self.mountpoint)!r}; "
+                               "unmount it first")
+        mp = os.fsencode(os.path.realpath(mountpoint))
+        needs_bind = mp == self.base or any(c in self.base for c in (b",", b":", b"\\"))
+        if needs_bind and not self._bound:
+            # Once the overlay covers the base's own path the base must stay reachable for
+            # remounts and commit: a private bind under the booth dir keeps it so.
+            os.mkdir(self._lower_bind, 0o700)
+            _mount(self.base, self._lower_bind, None, _MS_BIND, None)
+            _mount(None, self._lower_bind, None, _MS_PRIVATE, None)
+            self._bound = True
+            self._lowerdir = self._lower_bind
+        try:
+            _mount(b"overlay", mp, b"overlay", 0, self._options())
+        except OSError as exc:
+            raise OverlayError(f"cannot mount overlay at {os.fsdecode(mp)!r} ({exc.strerror}); "
+                               "it needs root (or userxattr in a user namespace) and an existing "
+                               "directory as mount point") from None
+        self.mountpoint = mp
+
+    @property
+    def lower_path(self) -> bytes:
+        """Where the untouched base is reachable while the overlay covers it."""
+        return self._lowerdir
+
+    def unmount(self, lazy: bool = False) -> None:
+        """Unmount the overlay; the layer's state stays in the booth dir for snapshot/commit."""
+        if self.mountpoint is None:
+            return
+        try:
+            _umount(self.mountpoint, _MNT_DETACH if lazy else 0)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            raise OverlayError(f"cannot unmount {os.fsdecode(self.mountpoint)!r}: processes still "
+                               "use it; stop them first or unmount lazily") from None
+        self.mountpoint = None
+
+    def _unbind(self) -> None:
+        if self._bound:
+            with contextlib.suppress(OSError):
+                _umount(self._lower_bind, _MNT_DETACH)
+            self._bound = False
+            self._lowerdir = self.base
+
+    def discard(self) -> None:
+        """Throw the layer away: unmount, remove the booth dir entirely; the base is untouched."""
+        if self.mountpoint is not None:
+            try:
+                self.unmount()
+            except OverlayError:
+                self.unmount(lazy=True)
+        self._unbind()
+        if os.path.lexists(self.booth_dir):
+            shutil.rmtree(self.booth_dir)
+        self._cache.clear()
+        self._dir_cache.clear()
+
+    def commit(self, journal_dir: str | os.PathLike[str]) -> ObjectId:
+        """Snapshot, unmount and apply the layer to the base crash-safely; return the new tree."""
+        from shadowfs.commit import apply  # the commit module is optional for mount-only users
+
+        tree = self.snapshot()
+        self.unmount()
+        self._unbind()
+        apply(self.store, os.fsdecode(self.base), self.base_tree, tree, journal_dir=journal_dir)
+        return tree
+
+    # --- snapshot -----------------------------------------------------------------------------
+
+    def snapshot(self) -> ObjectId:
+        """The tree id of base + layer now. Cost follows the size of the upper dir, and only
+        files whose stat changed since the previous snapshot are read.
+
+        Processes may keep writing meanwhile; a file changing during the harvest is captured as
+        of its read and re-read at the next snapshot (its ctime moved)."""
+        self.snapshot_stats = SnapshotStats()
+        cutoff = _coarse_now()
+        new_cache: dict[bytes, _Stat] = {}
+        new_dirs: dict[bytes, tuple[bytes, ObjectId]] = {}
+        tree = self._harvest(self.upper, b"", self.base_tree, False, cutoff, new_cache, new_dirs)
+        self._cache = new_cache
+        self._dir_cache = new_dirs
+        self.last_tree = tree
+        return tree
+
+    def _opaque(self, path: bytes) -> bool:
+        try:
+            return os.getxattr(path, self._xattr + b"opaque", follow_symlinks=False) == b"y"
+        except OSError:
+            return False
+
+    def _harvest(
+        self,
+        upath: bytes,
+        rel: bytes,
+        base_oid: ObjectId | None,
+        opaque: bool,
+        cutoff: int,
+        new_cache: dict[bytes, _Stat],
+        new_dirs: dict[bytes, tuple[bytes, ObjectId]],
+    ) -> ObjectId:
+        stats = self.snapshot_stats
+        stats.upper_dirs += 1
+        entries = {} if opaque else _entries(self.store, base_oid)
+        with os.scandir(upath) as it:
+            for de in it:
+                name = os.fsencode(de.name)
+                path = upath + b"/" + name
+                r = _join(rel, name)
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                fmt = stat.S_IFMT(st.st_mode)
+                if fmt == stat.S_IFREG:
+                    e = self._file(path, r, name, st, cutoff, new_cache)
+                    if e is None:
+                        entries.pop(name, None)
+                    else:
+                        entries[name] = e
+                elif fmt == stat.S_IFDIR:
+                    sub_opaque = self._opaque(path)
+                    below = entries.get(name)
+                    sub_base = below.oid if below is not None and below.kind == DIR else None
+                    sub = self._harvest(path, r, None if sub_opaque else sub_base, sub_opaque,
+                                        cutoff, new_cache, new_dirs)
+                    entries[name] = Entry(name, DIR, st.st_mode & MODE_MASK, 0, st.st_mtime_ns,
+                                          sub, None)
+                elif fmt == stat.S_IFLNK:
+                    target = os.readlink(path)
+                    entries[name] = Entry(name, SYMLINK, st.st_mode & MODE_MASK, len(target),
+                                          st.st_mtime_ns, None, target)
+                else:
+                    # A whiteout (0/0 character device) deletes the lower entry; fifos, sockets
+                    # and devices are not recorded by trees at all, so they hide it too.
+                    entries.pop(name, None)
+        data = encode_tree(list(entries.values()))
+        cached = self._dir_cache.get(rel)
+        if cached is not None and cached[0] == data:
+            oid = cached[1]
+        else:
+            oid = self.store.put("tree", data)
+            stats.trees_written += 1
+        new_dirs[rel] = (data, oid)
+        return oid
+
+    def _file(self, path: bytes, rel: bytes, name: bytes, st: os.stat_result, cutoff: int,
+              new_cache: dict[bytes, _Stat]) -> Entry | None:
+        c = self._cache.get(rel)
+        if (c is not None and c.ino == st.st_ino and c.size == st.st_size
+                and c.mtime_ns == st.st_mtime_ns and c.ctime_ns == st.st_ctime_ns):
+            self.snapshot_stats.cache_hits += 1
+            new_cache[rel] = c
+            return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, st.st_mtime_ns, c.oid,
+                         None)
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        try:
+            # The stat taken before reading goes into the entry and the cache, so a write racing
+            # the read leaves a newer ctime behind and the next snapshot reads the file again.
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            oid = self.store.put_file(fd)
+        finally:
+            os.close(fd)
+        self.snapshot_stats.hashed += 1
+        # A ctime in the current coarse tick could repeat for a write still to come in the same
+        # tick ("racily clean"); such files are simply hashed again next time.
+        if st.st_ctime_ns < cutoff:
+            new_cache[rel] = _Stat(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, oid)
+        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, st.st_mtime_ns, oid, None)
+
+    # --- restore ------------------------------------------------------------------------------
+
+    def restore(self, tree_id: ObjectId) -> None:
+        """Bring the mount to the state of ``tree_id`` (any tree; normally an earlier snapshot).
+
+        The mount's users are frozen meanwhile. When nobody holds the mount it is unmounted,
+        the upper dir rewritten and the overlay mounted again; otherwise the upper dir is
+        rewritten under the live mount and an MS_REMOUNT makes the kernel drop the mount's
+        cached dentries, so the next open or stat sees the restored state."""
+        self.restore_stats = RestoreStats()
+        if self.mountpoint is None:
+            self.restore_stats.method = "offline"
+            self._rewrite(tree_id, None)
+            return
+        with self._frozen():
+            mp = self.mountpoint
+            try:
+                _umount(mp)
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                self.restore_stats.method = "in-place"
+                self._rewrite(tree_id, mp)
+                _mount(None, mp, None, _MS_REMOUNT, None)
+            else:
+                self.restore_stats.method = "remounted"
+                try:
+                    self._rewrite(tree_id, None)
+                finally:
+                    _mount(b"overlay", mp, b"overlay", 0, self._options())
+        self.last_tree = tree_id
+
+    def _rewrite(self, tree_id: ObjectId, live: bytes | None) -> None:
+        if live is not None:
+            # A directory that exists only in the lower layer gets its upper twin through the
+            # mount itself, so the kernel's (possibly pinned: a cwd) dentry learns of it; a
+            # directory created behind the kernel's back would stay invisible through it.
+            for rel in self._plan_copy_ups(self.upper, b"", self.base_tree, tree_id):
+                path = live + b"/" + rel
+                st = os.lstat(path)
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+        self._dir_cache.clear()
+        self._sync_dir(self.upper, b"", self.base_tree, tree_id, False)
+
+    def _plan_copy_ups(self, upath: bytes, rel: bytes, base_oid: ObjectId | None,
+                       target_oid: ObjectId) -> Iterator[bytes]:
+        if base_oid == target_oid:
+            return
+        base = _entries(self.store, base_oid)
+        for name, t in _entries(self.store, target_oid).items():
+            b = base.get(name)
+            if t.kind != DIR or b is None or b.kind != DIR or b == t:
+                continue
+            path = upath + b"/" + name
+            r = _join(rel, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                yield r
+                yield from self._plan_copy_ups(path, r, b.oid, t.oid)  # type: ignore[arg-type]
+                continue
+            if stat.S_ISDIR(st.st_mode) and not self._opaque(path):
+                yield from self._plan_copy_ups(path, r, b.oid, t.oid)  # type: ignore[arg-type]
+
+    def _sync_dir(self, upath: bytes, rel: bytes, base_oid: ObjectId | None,
+                  target_oid: ObjectId, opaque: bool) -> None:
+        """Make the upper dir ``upath`` say "target" on top of lower ``base_oid``."""
+        base = {} if opaque else _entries(self.store, base_oid)
+        target = _entries(self.store, target_oid)
+        existing: dict[bytes, os.stat_result] = {}
+        with os.scandir(upath) as it:
+            for de in it:
+                existing[os.fsencode(de.name)] = de.stat(follow_symlinks=False)
+        for name in base.keys() | target.keys() | existing.keys():
+            self._sync_entry(upath, _join(rel, name), name, base.get(name), target.get(name),
+                             existing.get(name))
+
+    def _sync_entry(self, upath: bytes, rel: bytes, name: bytes, b: Entry | None,
+                    t: Entry | None, x: os.stat_result | None) -> None:
+        path = upath + b"/" + name
+        if t is None:
+            if b is None:
+                if x is not None:
+                    self._remove(path, rel, x)
+            elif x is None or not _is_whiteout(x):
+                if x is not None:
+                    self._remove(path, rel, x)
+                os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+                self.restore_stats.whiteouts += 1
+            return
+        if t.kind == DIR:
+            if x is not None and stat.S_ISDIR(x.st_mode):
+                # An existing upper dir is kept (a frozen process may sit in it), and so is its
+                # opacity: an opaque dir is simply filled with the whole target sub-tree.
+                opaque = self._opaque(path)
+            elif b is not None and b == t:
+                if x is not None:
+                    self._remove(path, rel, x)
+                return
+            else:
+                if x is not None:
+                    self._remove(path, rel, x)
+                os.mkdir(path, 0o700)
+                self._own(path, rel)
+                opaque = False
+            lower = b.oid if b is not None and b.kind == DIR and not opaque else None
+            self._sync_dir(path, rel, lower, t.oid, opaque)  # type: ignore[arg-type]
+            os.chmod(path, t.mode)
+            os.utime(path, ns=(t.mtime_ns, t.mtime_ns))
+            return
+        if b is not None and b == t:
+            if x is not None:
+                self._remove(path, rel, x)
+            return
+        if t.kind == FILE:
+            c = self._cache.get(rel)
+            if (x is not None and stat.S_ISREG(x.st_mode) and c is not None and c.oid == t.oid
+                    and c.ino == x.st_ino and c.size == x.st_size
+                    and c.mtime_ns == x.st_mtime_ns and c.ctime_ns == x.st_ctime_ns):
+                if x.st_mode & MODE_MASK != t.mode:
+                    os.chmod(path, t.mode)
+                if x.st_mtime_ns != t.mtime_ns:
+                    os.utime(path, ns=(t.mtime_ns, t.mtime_ns))
+                self._cache.pop(rel, None)
+                return
+            self._write_file(path, rel, t, x)
+            return
+        # A symlink.
+        if x is not None and stat.S_ISLNK(x.st_mode) and os.readlink(path) == t.target:
+            if x.st_mtime_ns != t.mtime_ns:
+                os.utime(path, ns=(t.mtime_ns, t.mtime_ns), follow_symlinks=False)
+            return
+        staged = self._staging_name()
+        os.symlink(t.target, staged)  # type: ignore[arg-type]
+        os.utime(staged, ns=(t.mtime_ns, t.mtime_ns), follow_symlinks=False)
+        self._replace(staged, path, rel, x)
+
+    def _write_file(self, path: bytes, rel: bytes, t: Entry, x: os.stat_result | None) -> None:
+        staged = self._staging_name()
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
+            self.store.read_file_into(t.oid, f)  # type: ignore[arg-type]
+            f.flush()
+            self._own(staged, rel, fd=fd)
+            os.fchmod(fd, t.mode)
+            os.utime(fd, ns=(t.mtime_ns, t.mtime_ns))
+        self._replace(staged, path, rel, x)
+        self.restore_stats.written += 1
+
+    def _replace(self, staged: bytes, path: bytes, rel: bytes, x: os.stat_result | None) -> None:
+        if x is not None and stat.S_ISDIR(x.st_mode):
+            self._remove(path, rel, x)
+        os.rename(staged, path)
+        # Written now, so its ctime is in this tick: the next snapshot reads it again.
+        self._cache.pop(rel, None)
+
+    def _staging_name(self) -> bytes:
+        self._staged += 1
+        return b"%s/r%d" % (self.tmp, self._staged)
+
+    def _remove(self, path: bytes, rel: bytes, x: os.stat_result) -> None:
+        if stat.S_ISDIR(x.st_mode):
+            shutil.rmtree(path)
+            prefix = rel + b"/"
+            for k in [k for k in self._cache if k.startswith(prefix)]:
+                del self._cache[k]
+        else:
+            os.unlink(path)
+        self._cache.pop(rel, None)
+        self.restore_stats.removed += 1
+
+    def _own(self, path: bytes, rel: bytes, fd: int | None = None) -> None:
+        """Give a restored entry the owner of the lower entry it shadows (else of its parent):
+        trees keep no owners, and files created by root would otherwise surprise the agent."""
+        if os.geteuid() != 0:
+            return
+        try:
+            st = os.lstat(self._lowerdir + b"/" + rel)
+        except OSError:
+            parent = rel.rpartition(b"/")[0]
+            st = os.lstat(self.upper + b"/" + parent if parent else self.upper)
+        if fd is not None:
+            os.fchown(fd, st.st_uid, st.st_gid)
+        else:
+            os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
+
+    # --- freezing the mount's users -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        if self.cgroup is not None and os.path.exists(self.cgroup + b"/cgroup.freeze"):
+            with _cgroup_frozen(self.cgroup):
+                yield
+            return
+        assert self.mountpoint is not None
+        stopped: list[int] = []
+        try:
+            _stop_users(self.mountpoint, stopped)
+            self.restore_stats.frozen = len(stopped)
+            yield
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _cgroup_frozen(cgroup: bytes) -> Iterator[None]:
+    with open(cgroup + b"/cgroup.freeze", "w") as f:
+        f.write("1")
+    try:
+        deadline = time.monotonic() + _FREEZE_WAIT_S
+        while time.monotonic() < deadline:
+            with open(cgroup + b"/cgroup.events") as ev:
+                if "frozen 1" in ev.read():
+                    break
+            time.sleep(0.001)
+        else:
+            raise OverlayError(f"cgroup {os.fsdecode(cgroup)!r} did not freeze within "
+                               f"{_FREEZE_WAIT_S:.0f} s; a task is stuck in the kernel, retry "
+                               "later")
+        yield
+    finally:
+        with open(cgroup + b"/cgroup.freeze", "w") as f:
+            f.write("0")
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _uses(pid: str, prefix: str, root: str) -> bool:
+    """Whether process ``pid`` has its cwd, root, an open fd or a mapping under the mount."""
+    base = f"/proc/{pid}/"
+    for link in ("cwd", "root"):
+        with contextlib.suppress(OSError):
+            t = os.readlink(base + link)
+            if t == root or t.startswith(prefix):
+                return True
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(base + "fd"):
+            with contextlib.suppress(OSError):
+                t = os.readlink(base + "fd/" + fd)
+                if t == root or t.startswith(prefix):
+                    return True
+    with contextlib.suppress(OSError), open(base + "maps", errors="surrogateescape") as f:
+        for line in f:
+            p = line.split(None, 5)
+            if len(p) == 6 and p[5].startswith(prefix):
+                return True
+    return False
+
+
+def _stopped(pid: str) -> bool:
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0]
+            if state not in (b"T", b"t", b"Z", b"X"):
+                return False
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return True
+
+
+def _stop_users(mountpoint: bytes, stopped: list[int]) -> None:
+    """SIGSTOP every process using the mount, until a scan finds no new one (a process may fork
+    between scans), and wait until each is really stopped."""
+    root = os.fsdecode(mountpoint)
+    prefix = root.rstrip("/") + "/"
+    me = os.getpid()
+    seen: set[int] = set()
+    while True:
+        found = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            pid = int(d)
+            if pid == me or pid in seen:
+                continue
+            if _uses(d, prefix, root):
+                seen.add(pid)
+                if _stopped(d):
+                    continue  # stopped by someone else: leave it for them to continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    found.append(d)
+        deadline = time.monotonic() + _FREEZE_WAIT_S
+        for d in found:
+            while not _stopped(d):
+                if time.monotonic() > deadline:
+                    raise OverlayError(f"process {d} using {root!r} did not stop within "
+                                       f"{_FREEZE_WAIT_S:.0f} s; it is stuck in the kernel, "
+                                       "retry later")
+                time.sleep(0.0005)
+        if not found:
+            return
+
+
+__all__ = ["OverlayError", "OverlayLayer", "RestoreStats", "SnapshotStats"]
