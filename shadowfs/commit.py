@@ -1,0 +1,933 @@
+"""Crash-safe, all-or-nothing apply of a tree change set onto a real directory, and its recovery.
+
+A commit runs in four steps, so a crash at any instant leaves the target recoverable to exactly
+the old or exactly the new state:
+
+1. **Check.** Every touched path must still hold what the base tree says (kind, mode, size and
+   content for files, target for symlinks, absence for added paths, no extra entries in a
+   directory about to be removed). Any mismatch raises ConflictError having written nothing.
+2. **Stage.** New files and symlinks are written next to their targets under hidden names
+   (``.jbx-stage-<token>-<n>``) with their final mode and mtime, and fsynced. A *prepare* record
+   in the journal directory names the token and the staging directories first, so a crash while
+   staging leaves residue that recovery can find without walking the whole tree.
+3. **Journal.** A redo journal (every operation, in a safe order) is written, fsynced, renamed
+   into place and the journal directory fsynced. Its presence is the commit point. It carries a
+   BLAKE3 checksum, so a torn journal counts as absent (the commit did not happen).
+4. **Apply.** The operations run (each idempotent: a redo after a crash runs them all again),
+   every touched directory is fsynced, then the journal and the prepare record are removed.
+
+``recover`` runs on the next open: a valid journal is redone to the new state; otherwise staged
+residue is removed and the tree is exactly the old one.
+
+Every operation on the target goes through directory fds opened with O_NOFOLLOW, one component
+at a time, so a symlink planted in a path can never redirect a write outside the target.
+
+Fault injection for crash tests: ``SHADOWFS_CRASH_AT`` names a point (``prepare``, ``stage:K``,
+``staged``, ``torn-journal``, ``journal``, ``op:K``, ``applied``, ``journal-deleted``, and in
+recovery ``recover-op:K``, ``recover-applied``) or an integer step index counting every point
+``apply`` passes; the process SIGKILLs itself there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import signal
+import stat
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from blake3 import blake3
+
+from shadowfs.errors import ConflictError, ShadowfsError, TreeError
+from shadowfs.oid import ObjectHasher, ObjectId
+from shadowfs.tree import DIR, SYMLINK, Change, Entry, lookup, read_tree, walk
+
+__all__ = [
+    "CRASH_ENV",
+    "STAGE_PREFIX",
+    "CommitReport",
+    "Progress",
+    "apply",
+    "clean_residue",
+    "recover",
+]
+
+CRASH_ENV = "SHADOWFS_CRASH_AT"
+STAGE_PREFIX = b".jbx-stage-"
+
+JOURNAL_NAME = "commit.journal"
+PREPARE_NAME = "commit.prepare"
+_MAGIC = b"JBXCOMMIT1"
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: should a file be swapped for a fifo underneath us, never hang on open.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_JOURNAL_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_SIZE = 1 << 20
+# Directory fds kept open at once; LRU beyond that so a commit touching many directories stays
+# well inside the default 1024-fd limit.
+_MAX_DIR_FDS = 256
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+
+Progress = Callable[[str, int, int], None]
+"""progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops)."""
+
+
+class CommitStore(Protocol):
+    """What a commit needs from a store (shadowfs.store.Store provides it)."""
+
+    def get(self, oid: ObjectId) -> bytes: ...
+    def kind(self, oid: ObjectId) -> str: ...
+    def read_file_into(self, oid: ObjectId, fileobj: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CommitReport:
+    changed: int  # paths that differed between the two trees (metadata-only changes included)
+    bytes_written: int  # file content bytes staged and renamed into place
+
+
+# --- paths ------------------------------------------------------------------------------------
+
+
+def _check_path(path: bytes) -> bytes:
+    """Refuse any path that could leave the target; trees validate names, journals may not."""
+    parts = path.split(b"/")
+    if b"\0" in path or any(part in (b"", b".", b"..") for part in parts):
+        raise TreeError(f"refusing hostile path {path!r} in a commit; the change set is corrupt")
+    return path
+
+
+def _parent(path: bytes) -> bytes:
+    return path.rpartition(b"/")[0]
+
+
+def _name(path: bytes) -> bytes:
+    return path.rpartition(b"/")[2]
+
+
+def _depth(path: bytes) -> int:
+    return path.count(b"/")
+
+
+def _show(path: bytes) -> str:
+    return path.decode("utf-8", "backslashreplace")
+
+
+def _enc(path: bytes) -> str:
+    # surrogateescape round-trips any bytes through JSON, independent of the locale.
+    return path.decode("utf-8", "surrogateescape")
+
+
+def _dec(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+class _Dirs:
+    """Directory fds under the target, opened one component at a time with O_NOFOLLOW."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root = root_fd
+        self.cache: OrderedDict[bytes, int] = OrderedDict()
+
+    def get(self, path: bytes) -> int:
+        """An fd for the directory at ``path`` (b"" is the target); raises OSError if it is not
+        a real directory there (missing, a file, or a symlink: ELOOP/ENOTDIR)."""
+        if not path:
+            return self.root
+        fd = self.cache.get(path)
+        if fd is not None:
+            self.cache.move_to_end(path)
+            return fd
+        parent = self.get(_parent(path))
+        fd = os.open(_name(path), _DIR_FLAGS, dir_fd=parent)
+        self.cache[path] = fd
+        if len(self.cache) > _MAX_DIR_FDS:
+            os.close(self.cache.popitem(last=False)[1])
+        return fd
+
+    def forget(self, path: bytes) -> None:
+        """Drop a removed directory and everything cached beneath it."""
+        prefix = path + b"/"
+        for key in [k for k in self.cache if k == path or k.startswith(prefix)]:
+            os.close(self.cache.pop(key))
+
+    def close(self) -> None:
+        for fd in self.cache.values():
+            os.close(fd)
+        self.cache.clear()
+
+
+def _lstat(dirs: _Dirs, path: bytes) -> os.stat_result | None:
+    """lstat through O_NOFOLLOW parents; None when nothing (reachable) is there."""
+    try:
+        return os.stat(_name(path), dir_fd=dirs.get(_parent(path)), follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+
+
+def _open_target(target: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> int:
+    try:
+        return os.open(os.fsencode(target), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ShadowfsError(
+            f"cannot open commit target {os.fsdecode(target)!r} ({exc.strerror}); "
+            "pass the existing real directory the layer sits on"
+        ) from None
+
+
+# --- fault injection --------------------------------------------------------------------------
+
+
+class _Crash:
+    """Kills the process at a named point; read once per apply so the check costs a compare."""
+
+    __slots__ = ("point", "step")
+
+    def __init__(self, *, steps: bool = True) -> None:
+        self.point = os.environ.get(CRASH_ENV) or None
+        # Step indices count apply's points only; recovery is addressed by name.
+        self.step = 0 if steps else -(1 << 62)
+
+    def at(self, name: str) -> None:
+        if self.point is None:
+            return
+        step = self.step
+        self.step += 1
+        if self.point == name or self.point == str(step):
+            _die()
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- the diff a commit needs ------------------------------------------------------------------
+
+
+def _changes(store: CommitStore, a: ObjectId, b: ObjectId) -> list[Change]:
+    """Every path whose entry differs between two trees, mtime-only differences included.
+
+    tree.diff_trees deliberately ignores mtime-only differences; a commit must carry them, or the
+    real tree would not equal the new tree (a directory's mtime moves with every entry change).
+    Status ``mtime`` marks an mtime-only change; everything else matches diff_trees.
+    """
+    out: list[Change] = []
+    stack: list[tuple[bytes, ObjectId, ObjectId]] = [(b"", a, b)]
+    while stack:
+        prefix, ta, tb = stack.pop()
+        if ta == tb:
+            continue
+        olds = {e.name: e for e in read_tree(store, ta)}
+        news = {e.name: e for e in read_tree(store, tb)}
+        for name, old in olds.items():
+            path = prefix + b"/" + name if prefix else name
+            new = news.get(name)
+            if new is None:
+                out.append(Change(path, "deleted", old, None))
+                _below(store, old, path, out, added=False)
+            elif old.kind != new.kind:
+                out.append(Change(path, "type", old, new))
+                _below(store, old, path, out, added=False)
+                _below(store, new, path, out, added=True)
+            elif old != new:
+                if old.kind == DIR:
+                    status = "mode" if old.mode != new.mode else "mtime"
+                    if old.mode != new.mode or old.mtime_ns != new.mtime_ns:
+                        out.append(Change(path, status, old, new))
+                    stack.append((path, old.oid, new.oid))  # type: ignore[arg-type]
+                elif old.oid != new.oid or old.target != new.target:
+                    out.append(Change(path, "modified", old, new))
+                else:
+                    status = "mode" if old.mode != new.mode else "mtime"
+                    out.append(Change(path, status, old, new))
+        for name, new in news.items():
+            if name not in olds:
+                path = prefix + b"/" + name if prefix else name
+                out.append(Change(path, "added", None, new))
+                _below(store, new, path, out, added=True)
+    return out
+
+
+def _below(store: CommitStore, e: Entry, path: bytes, out: list[Change], *, added: bool) -> None:
+    if e.kind != DIR:
+        return
+    for p, sub in walk(store, e.oid, path):  # type: ignore[arg-type]
+        out.append(Change(p, "added", None, sub) if added else Change(p, "deleted", sub, None))
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Stage:
+    path: bytes  # final place
+    dir: bytes  # existing directory the staged entry is written in
+    name: bytes  # staged name inside dir
+    entry: Entry
+
+
+@dataclass(slots=True)
+class _Plan:
+    changes: list[Change]
+    stages: list[_Stage]
+    ops: list[list[Any]]  # journal operations, paths still bytes
+    fsync: list[bytes]
+    removed_dirs: dict[bytes, set[bytes]]  # dir -> names base says it holds
+
+
+def _plan(store: CommitStore, new_tree: ObjectId, changes: list[Change], token: str) -> _Plan:
+    created: set[bytes] = set()  # directories this commit makes
+    removed: dict[bytes, set[bytes]] = {}  # directories this commit removes -> expected names
+    new_dirs: dict[bytes, Entry] = {}  # directories present afterwards whose entry we know
+    for c in changes:
+        _check_path(c.path)
+        o, n = c.old, c.new
+        if o is not None and o.kind == DIR and (n is None or n.kind != DIR):
+            removed[c.path] = set()
+        if n is not None and n.kind == DIR:
+            new_dirs[c.path] = n
+            if o is None or o.kind != DIR:
+                created.add(c.path)
+    for c in changes:
+        if c.old is not None and _parent(c.path) in removed:
+            removed[_parent(c.path)].add(_name(c.path))
+
+    removals: list[list[Any]] = []
+    mkdirs: list[list[Any]] = []
+    renames: list[list[Any]] = []
+    inplace: list[list[Any]] = []
+    stages: list[_Stage] = []
+    touched: set[bytes] = set()  # directories whose entries change: their mtime and fsync
+    prefix = STAGE_PREFIX + token.encode() + b"-"
+    for c in changes:
+        p, o, n = c.path, c.old, c.new
+        parent = _parent(p)
+        if parent not in removed:
+            touched.add(parent)
+        if o is not None and (n is None or (o.kind != n.kind and DIR in (o.kind, n.kind))):
+            removals.append(["rmdir" if o.kind == DIR else "unlink", p])
+        if n is None:
+            continue
+        if n.kind == DIR:
+            if p in created:
+                mkdirs.append(["mkdir", p])
+            continue
+        if o is None or o.kind != n.kind or o.oid != n.oid or o.target != n.target:
+            # Stage in the nearest directory that exists both before and after, so the staged
+            # entry is on the target's file system and inside the tree from the start.
+            sdir = parent
+            while sdir in created:
+                sdir = _parent(sdir)
+            touched.add(sdir)
+            s = _Stage(p, sdir, prefix + str(len(stages)).encode(), n)
+            stages.append(s)
+            renames.append(["rename", s.dir, s.name, p])
+        else:
+            if o.mode != n.mode:
+                inplace.append(["chmod", p, n.mode])
+            if o.mtime_ns != n.mtime_ns:
+                inplace.append(["utime", p, n.mtime_ns])
+
+    # Directory modes and mtimes go last, deepest first: creating entries would bump an mtime
+    # set earlier, and a read-only mode would forbid creating them.
+    touched.discard(b"")
+    by_path = {c.path: c for c in changes}
+    dirmeta: list[list[Any]] = []
+    for d in sorted(touched | new_dirs.keys(), key=_depth, reverse=True):
+        if d in removed:
+            continue
+        n = new_dirs.get(d) or lookup(store, new_tree, d)
+        if n is None or n.kind != DIR:
+            raise TreeError(f"directory {_show(d)!r} is missing from the new tree; it is corrupt")
+        old = by_path[d].old if d in new_dirs else n
+        if d in created or (old is not None and old.mode != n.mode):
+            dirmeta.append(["chmod", d, n.mode])
+        dirmeta.append(["utime", d, n.mtime_ns])
+
+    removals.sort(key=lambda op: (-_depth(op[1]), op[1]))
+    mkdirs.sort(key=lambda op: (_depth(op[1]), op[1]))
+    ops = removals + mkdirs + renames + inplace + dirmeta
+    fsync = sorted(({b""} | touched | new_dirs.keys()) - removed.keys(), key=_depth, reverse=True)
+    return _Plan(changes, stages, ops, fsync, removed)
+
+
+# --- conflict check ---------------------------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    pass
+
+
+class _CompareSink:
+    """A write-only file object that compares what the store streams with a real file."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            got = os.read(self.fd, min(len(view), _READ_SIZE))
+            if not got or got != view[: len(got)]:
+                raise _Mismatch
+            view = view[len(got) :]
+        return len(data)
+
+
+def _same_content(store: CommitStore, fd: int, size: int, oid: ObjectId) -> bool:
+    if store.kind(oid) == "blob":
+        hasher = ObjectHasher("blob", size)
+        left = size
+        while left:
+            chunk = os.read(fd, min(left, _READ_SIZE))
+            if not chunk:
+                return False
+            hasher.update(chunk)
+            left -= len(chunk)
+        return hasher.oid() == oid and not os.read(fd, 1)
+    # A chunked object's id is over its chunk list, not the bytes: compare the streams instead.
+    try:
+        store.read_file_into(oid, _CompareSink(fd))
+    except _Mismatch:
+        return False
+    return not os.read(fd, 1)
+
+
+def _holds(store: CommitStore, dirs: _Dirs, path: bytes, e: Entry) -> bool:
+    """Does the real tree still hold exactly ``e`` at ``path``?"""
+    st = _lstat(dirs, path)
+    if st is None:
+        return False
+    fmt = stat.S_IFMT(st.st_mode)
+    if e.kind == DIR:
+        return fmt == stat.S_IFDIR and stat.S_IMODE(st.st_mode) == e.mode
+    if e.kind == SYMLINK:
+        if fmt != stat.S_IFLNK:
+            return False
+        return os.readlink(_name(path), dir_fd=dirs.get(_parent(path))) == e.target
+    if fmt != stat.S_IFREG or stat.S_IMODE(st.st_mode) != e.mode or st.st_size != e.size:
+        return False
+    try:
+        fd = os.open(_name(path), _READ_FLAGS, dir_fd=dirs.get(_parent(path)))
+    except OSError as exc:
+        if exc.errno in (*_GONE, errno.ENXIO):
+            return False
+        raise
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and _same_content(store, fd, e.size, e.oid)  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+
+
+def _conflicts(
+    store: CommitStore, dirs: _Dirs, plan: _Plan, progress: Progress | None
+) -> list[str]:
+    created = {op[1] for op in plan.ops if op[0] == "mkdir"}
+    bad: list[bytes] = []
+    total = len(plan.changes)
+    for i, c in enumerate(plan.changes):
+        if progress is not None and i % 256 == 0:
+            progress("check", i, total)
+        if _parent(c.path) in created:
+            continue  # beneath a directory this commit creates: the directory's check covers it
+        if c.old is None:
+            if _lstat(dirs, c.path) is not None or not _reachable_dir(dirs, _parent(c.path)):
+                bad.append(c.path)
+        elif not _holds(store, dirs, c.path, c.old):
+            bad.append(c.path)
+    for d, names in plan.removed_dirs.items():
+        if d in bad:
+            continue
+        try:
+            real = {os.fsencode(n) for n in os.listdir(dirs.get(d))}
+        except OSError as exc:
+            if exc.errno in _GONE:
+                continue  # already reported through the directory's own entry
+            raise
+        bad.extend(d + b"/" + extra for extra in sorted(real - names))
+    if progress is not None:
+        progress("check", total, total)
+    return [_show(p) for p in sorted(set(bad))]
+
+
+def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
+    try:
+        dirs.get(path)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return False
+        raise
+    return True
+
+
+# --- staging ----------------------------------------------------------------------------------
+
+
+class _WriteSink:
+    __slots__ = ("fd", "written")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        self.written += len(data)
+        return len(data)
+
+
+def _stage_one(store: CommitStore, dirs: _Dirs, s: _Stage) -> int:
+    dfd = dirs.get(s.dir)
+    e = s.entry
+    times = (e.mtime_ns, e.mtime_ns)
+    if e.kind == SYMLINK:
+        os.symlink(e.target, s.name, dir_fd=dfd)  # type: ignore[arg-type]
+        os.utime(s.name, ns=times, dir_fd=dfd, follow_symlinks=False)
+        return 0
+    fd = os.open(s.name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
+    try:
+        sink = _WriteSink(fd)
+        store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
+        if sink.written != e.size:
+            raise ShadowfsError(
+                f"the store gave {sink.written} bytes for {_show(s.path)!r}, whose tree entry "
+                f"says {e.size}; run `jukebox verify` on the store"
+            )
+        # After the data: a write by a non-root owner would clear setuid/setgid bits.
+        os.fchmod(fd, e.mode)
+        os.utime(fd, ns=times)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return e.size
+
+
+def _mtime(dirs: _Dirs, d: bytes) -> int:
+    return os.fstat(dirs.get(d)).st_mtime_ns
+
+
+def _undo_staging(dirs: _Dirs, prepare: dict[str, Any]) -> None:
+    """Remove everything staged under a prepare record and restore the staging directories'
+    mtimes: the tree is then exactly what it was before the commit began."""
+    prefix = STAGE_PREFIX + str(prepare["token"]).encode() + b"-"
+    for enc, mtime_ns in prepare["dirs"]:
+        d = _dec(enc)
+        if d:
+            _check_path(d)
+        try:
+            dfd = dirs.get(d)
+        except OSError as exc:
+            if exc.errno in _GONE:
+                continue
+            raise
+        with os.scandir(dfd) as it:
+            names = [os.fsencode(de.name) for de in it if os.fsencode(de.name).startswith(prefix)]
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+        os.utime(dfd, ns=(os.fstat(dfd).st_atime_ns, mtime_ns))
+        os.fsync(dfd)
+
+
+# --- journal files ----------------------------------------------------------------------------
+
+
+def _seal(record: dict[str, Any]) -> bytes:
+    body = json.dumps(record, separators=(",", ":")).encode("ascii")
+    return _MAGIC + b" " + blake3(body).hexdigest().encode("ascii") + b"\n" + body
+
+
+def _unseal(data: bytes) -> dict[str, Any] | None:
+    """The record, or None when the bytes are torn or damaged (a commit that never happened)."""
+    head, sep, body = data.partition(b"\n")
+    parts = head.split(b" ")
+    if not sep or len(parts) != 2 or parts[0] != _MAGIC:
+        return None
+    if blake3(body).hexdigest().encode("ascii") != parts[1]:
+        return None
+    try:
+        record = json.loads(body)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_sealed(jfd: int, name: str, data: bytes) -> None:
+    """Write a file durably and atomically: temp, fsync, rename, fsync the directory."""
+    tmp = name + ".tmp"
+    fd = os.open(tmp, _JOURNAL_FLAGS, 0o600, dir_fd=jfd)
+    try:
+        _WriteSink(fd).write(data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=jfd, dst_dir_fd=jfd)
+    os.fsync(jfd)
+
+
+def _read_sealed(jfd: int, name: str) -> tuple[bool, dict[str, Any] | None]:
+    """(file exists, its valid record or None)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=jfd)
+    except FileNotFoundError:
+        return False, None
+    try:
+        chunks = []
+        while chunk := os.read(fd, _READ_SIZE):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return True, _unseal(b"".join(chunks))
+
+
+def _remove(jfd: int, *names: str) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=jfd)
+
+
+@contextlib.contextmanager
+def _journal_dir(journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> Iterator[int]:
+    """The journal directory's fd, exclusively flocked: one commit or recovery at a time."""
+    path = os.fsencode(journal_dir)
+    os.makedirs(path, exist_ok=True)
+    jfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(jfd, fcntl.LOCK_EX)
+        yield jfd
+    finally:
+        os.close(jfd)
+
+
+def _identity(fd: int) -> list[int]:
+    st = os.fstat(fd)
+    return [st.st_dev, st.st_ino]
+
+
+# --- running operations (apply and redo share this path) --------------------------------------
+
+
+def _chmod(dirs: _Dirs, path: bytes, mode: int) -> None:
+    pfd = dirs.get(_parent(path))
+    try:
+        fd = os.open(_name(path), _READ_FLAGS, dir_fd=pfd)
+    except PermissionError:
+        # An unreadable file cannot be opened to fchmod; O_PATH reaches it without following a
+        # symlink, and /proc/self/fd resolves to exactly that inode.
+        fd = os.open(_name(path), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        try:
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                return
+            os.chmod(f"/proc/self/fd/{fd}", mode)
+        finally:
+            os.close(fd)
+        return
+    try:
+        os.fchmod(fd, mode)
+        os.fsync(fd)  # inode metadata is not covered by the directory fsync
+    finally:
+        os.close(fd)
+
+
+def _run_op(dirs: _Dirs, op: list[Any]) -> None:
+    """One journal operation, idempotent: running it again after it took effect is a no-op."""
+    kind = op[0]
+    if kind == "rename":
+        sdir, sname, path = op[1], op[2], op[3]
+        try:
+            dst = dirs.get(_parent(path))
+            os.rename(sname, _name(path), src_dir_fd=dirs.get(sdir), dst_dir_fd=dst)
+        except OSError as exc:
+            if exc.errno not in _GONE or _lstat(dirs, sdir + b"/" + sname if sdir else sname):
+                raise
+        return
+    path = op[1]
+    if kind in ("unlink", "rmdir"):
+        st = _lstat(dirs, path)  # None also when a parent is already gone: nothing to remove
+        if st is None or stat.S_ISDIR(st.st_mode) != (kind == "rmdir"):
+            return  # already removed, or already replaced by the new entry
+        pfd = dirs.get(_parent(path))
+        if kind == "rmdir":
+            dirs.forget(path)
+            os.rmdir(_name(path), dir_fd=pfd)
+        else:
+            os.unlink(_name(path), dir_fd=pfd)
+    elif kind == "mkdir":
+        try:
+            os.mkdir(_name(path), 0o700, dir_fd=dirs.get(_parent(path)))
+        except FileExistsError:
+            st = _lstat(dirs, path)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                raise
+    elif kind == "chmod":
+        _chmod(dirs, path, op[2])
+    elif kind == "utime":
+        pfd = dirs.get(_parent(path))
+        os.utime(_name(path), ns=(op[2], op[2]), dir_fd=pfd, follow_symlinks=False)
+    else:
+        raise ShadowfsError(f"unknown commit journal operation {kind!r}; the journal is corrupt")
+
+
+def _decode_ops(record: dict[str, Any]) -> tuple[list[list[Any]], list[bytes]]:
+    ops: list[list[Any]] = []
+    for op in record["ops"]:
+        if op[0] == "rename":
+            sdir = _dec(op[1])
+            if sdir:
+                _check_path(sdir)
+            sname = _dec(op[2])
+            if not sname.startswith(STAGE_PREFIX) or b"/" in sname:
+                raise TreeError(f"refusing staged name {sname!r}; the commit journal is corrupt")
+            ops.append(["rename", sdir, sname, _check_path(_dec(op[3]))])
+        else:
+            ops.append([op[0], _check_path(_dec(op[1])), *op[2:]])
+    fsync = [_dec(d) for d in record["fsync"]]
+    for d in fsync:
+        if d:
+            _check_path(d)
+    return ops, fsync
+
+
+def _redo(
+    dirs: _Dirs,
+    ops: list[list[Any]],
+    fsync: list[bytes],
+    crash: _Crash,
+    point: str,
+    progress: Progress | None,
+) -> None:
+    total = len(ops)
+    for i, op in enumerate(ops):
+        _run_op(dirs, op)
+        crash.at(f"{point}op:{i}")
+        if progress is not None and i % 256 == 0:
+            progress("apply", i, total)
+    for d in fsync:
+        try:
+            os.fsync(dirs.get(d))
+        except OSError as exc:
+            if exc.errno not in _GONE:
+                raise
+    if progress is not None:
+        progress("apply", total, total)
+
+
+# --- public API -------------------------------------------------------------------------------
+
+
+def apply(
+    store: CommitStore,
+    target: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    base_tree: ObjectId,
+    new_tree: ObjectId,
+    *,
+    journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    progress: Progress | None = None,
+) -> CommitReport:
+    """Make the real directory ``target`` go from ``base_tree`` to ``new_tree``, all or nothing.
+
+    Raises ConflictError (writing nothing) when a touched path no longer holds what ``base_tree``
+    says. An interrupted earlier commit in ``journal_dir`` is recovered first. If this process
+    dies midway, ``recover(target, journal_dir)`` brings the tree to exactly the old or the new
+    state. ``journal_dir`` should live on the target's file system and outside the target.
+    """
+    if base_tree == new_tree:
+        return CommitReport(0, 0)
+    crash = _Crash()
+    with _journal_dir(journal_dir) as jfd:
+        root = _open_target(target)
+        dirs = _Dirs(root)
+        try:
+            _recover_locked(dirs, jfd, _Crash(steps=False))
+            return _apply_locked(store, dirs, jfd, base_tree, new_tree, crash, progress)
+        finally:
+            dirs.close()
+            os.close(root)
+
+
+def _apply_locked(
+    store: CommitStore,
+    dirs: _Dirs,
+    jfd: int,
+    base_tree: ObjectId,
+    new_tree: ObjectId,
+    crash: _Crash,
+    progress: Progress | None,
+) -> CommitReport:
+    changes = _changes(store, base_tree, new_tree)
+    if not changes:
+        return CommitReport(0, 0)
+    token = secrets.token_hex(8)
+    plan = _plan(store, new_tree, changes, token)
+    conflicts = _conflicts(store, dirs, plan, progress)
+    if conflicts:
+        raise ConflictError(conflicts)
+
+    identity = _identity(dirs.root)
+    # Staging bumps these directories' mtimes; undoing it must put them back, or the tree would
+    # not be exactly the old one.
+    stage_dirs = [[_enc(d), _mtime(dirs, d)] for d in sorted({s.dir for s in plan.stages})]
+    prepare = {"target": identity, "token": token, "dirs": stage_dirs}
+    _write_sealed(jfd, PREPARE_NAME, _seal(prepare))
+    crash.at("prepare")
+    written = 0
+    try:
+        total = len(plan.stages)
+        for i, s in enumerate(plan.stages):
+            written += _stage_one(store, dirs, s)
+            crash.at(f"stage:{i}")
+            if progress is not None:
+                progress("stage", i + 1, total)
+        for d, _ in stage_dirs:
+            os.fsync(dirs.get(_dec(d)))
+        crash.at("staged")
+        record = {
+            "target": identity,
+            "token": token,
+            "ops": [[o[0], *(_enc(x) if isinstance(x, bytes) else x for x in o[1:])]
+                    for o in plan.ops],
+            "fsync": [_enc(d) for d in plan.fsync],
+        }
+        sealed = _seal(record)
+        if crash.point == "torn-journal":
+            _tear(jfd, sealed)
+        _write_sealed(jfd, JOURNAL_NAME, sealed)
+    except BaseException:
+        _undo_staging(dirs, prepare)
+        _remove(jfd, PREPARE_NAME, JOURNAL_NAME + ".tmp")
+        os.fsync(jfd)
+        raise
+    crash.at("journal")
+    # Committed. A failure from here on leaves the journal for recover() to finish the job.
+    try:
+        _redo(dirs, plan.ops, plan.fsync, crash, "", progress)
+    except OSError as exc:
+        raise ShadowfsError(
+            f"the commit into the target is recorded but could not be completed ({exc}); fix the "
+            "cause and run recovery, which finishes it"
+        ) from exc
+    crash.at("applied")
+    _remove(jfd, JOURNAL_NAME)
+    os.fsync(jfd)
+    crash.at("journal-deleted")
+    _remove(jfd, PREPARE_NAME)
+    os.fsync(jfd)
+    return CommitReport(len(changes), written)
+
+
+def _tear(jfd: int, sealed: bytes) -> None:
+    """Fault injection: leave a half-written journal at its final name, then die."""
+    fd = os.open(JOURNAL_NAME, _JOURNAL_FLAGS, 0o600, dir_fd=jfd)
+    os.write(fd, sealed[: len(sealed) // 2])
+    os.fsync(fd)
+    os.fsync(jfd)
+    _die()
+
+
+def recover(
+    target: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+) -> bool:
+    """Finish or undo an interrupted commit. Returns True when a committed journal was redone
+    (the target now holds the new tree), False when there was nothing to redo (any staged residue
+    is removed and the target holds the old tree). Safe to call at every open, and again after a
+    crash during recovery itself."""
+    if not os.path.isdir(os.fsencode(journal_dir)):
+        return False
+    with _journal_dir(journal_dir) as jfd:
+        root = _open_target(target)
+        dirs = _Dirs(root)
+        try:
+            return _recover_locked(dirs, jfd, _Crash(steps=False))
+        finally:
+            dirs.close()
+            os.close(root)
+
+
+def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash) -> bool:
+    has_journal, journal = _read_sealed(jfd, JOURNAL_NAME)
+    has_prepare, prepare = _read_sealed(jfd, PREPARE_NAME)
+    if not has_journal and not has_prepare:
+        return False
+    identity = _identity(dirs.root)
+    for record in (journal, prepare):
+        if record is not None and record.get("target") != identity:
+            raise ShadowfsError(
+                "the commit journal in the journal directory belongs to another directory; "
+                "recover it against the directory it was written for"
+            )
+    redone = False
+    if journal is not None:
+        ops, fsync = _decode_ops(journal)
+        _redo(dirs, ops, fsync, crash, "recover-", None)
+        crash.at("recover-applied")
+        redone = True
+    elif prepare is not None:
+        # Died before the commit point: drop what was staged, and the tree is the old one.
+        _undo_staging(dirs, prepare)
+    _remove(jfd, JOURNAL_NAME, JOURNAL_NAME + ".tmp")
+    os.fsync(jfd)
+    _remove(jfd, PREPARE_NAME, PREPARE_NAME + ".tmp")
+    os.fsync(jfd)
+    return redone
+
+
+def clean_residue(
+    target: int | str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    *,
+    dirs: Iterable[bytes] | None = None,
+    prefix: bytes = STAGE_PREFIX,
+) -> int:
+    """Remove stray staged entries (names starting with ``prefix``) and return how many.
+
+    ``target`` is a path or an open directory fd. With ``dirs`` (relative paths) only those
+    directories are searched; without, the whole tree is, never following symlinks.
+    """
+    own = not isinstance(target, int)
+    root = _open_target(target) if own else target  # type: ignore[arg-type]
+    walker = _Dirs(root)
+    removed = 0
+    try:
+        pending = list(dirs) if dirs is not None else [b""]
+        recurse = dirs is None
+        while pending:
+            d = pending.pop()
+            if d:
+                _check_path(d)
+            try:
+                dfd = walker.get(d)
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    continue
+                raise
+            touched = False
+            with os.scandir(dfd) as it:
+                entries = [(os.fsencode(de.name), de.is_dir(follow_symlinks=False)) for de in it]
+            for name, is_dir in entries:
+                if name.startswith(prefix) and not is_dir:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dfd)
+                        removed += 1
+                        touched = True
+                elif is_dir and recurse:
+                    pending.append(d + b"/" + name if d else name)
+            if touched:
+                os.fsync(dfd)
+    finally:
+        walker.close()
+        if own:
+            os.close(root)
+    return removed
