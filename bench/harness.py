@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(res)
 
     report = render_report(results, environment(), command, args.quick, started)
-    print(report)
+    sys.stdout.write(report)
     if args.out:
         args.out.write_text(report)
     if args.json:

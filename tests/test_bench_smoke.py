@@ -1,0 +1,97 @@
+"""The benchmark harness runs end to end and reports what it measured (behaviour, never timing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import harness
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str, dict]:
+    out_md, out_json = tmp_path / "report.md", tmp_path / "rows.json"
+    env = dict(os.environ, JUKEBOX_BENCH_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", *args, "--out", str(out_md), "--json",
+         str(out_json)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, out_md.read_text(), json.loads(out_json.read_text())
+
+
+def test_quick_git_baseline_reports_a_table_with_every_case(tmp_path: Path) -> None:
+    proc, report, data = _bench(tmp_path, "--only", "git_baseline")
+
+    assert "--only git_baseline" in report  # the exact command is recorded
+    assert "quick pass" in report
+    assert "## git_baseline" in report
+    assert "| case | system | p50 (µs) | p99 (µs)" in report
+    for k in (1, 10, 100):
+        assert f"git add -A && git commit, {k} changed, 1,000-file repo" in report
+    rows = data["rows"]
+    assert {(r["files_changed"], r["repo_files"]) for r in rows} == {
+        (1, 1000),
+        (10, 1000),
+        (100, 1000),
+    }
+    assert all(r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] for r in rows)
+    assert data["quick"] is True
+    assert proc.stdout == report  # stdout carries the same report
+
+
+def test_quick_fs_suite_runs_side_by_side_and_reports_missing_backends(tmp_path: Path) -> None:
+    systems = ["native", "kernel-overlay"] if os.geteuid() == 0 else ["native"]
+    _, report, data = _bench(
+        tmp_path, "--only", "fs", "--fs-backends", ",".join([*systems, "shadowfs-fuse"]),
+        "--fs-workloads", "untar,edit",
+    )  # fmt: skip
+
+    assert "| workload | " + " | ".join([*systems, "shadowfs-fuse"]) + " |" in report
+    assert "| **geometric mean** |" in report
+    rows = data["rows"]
+    timed = {(r["workload"], r["system"]) for r in rows if "seconds" in r}
+    assert timed == {(w, s) for w in ("untar", "edit") for s in systems}
+    native = [r for r in rows if r.get("system") == "native" and "seconds" in r]
+    assert all(r["ratio_native"] == pytest.approx(1.0) for r in native)
+    fuse = [r for r in rows if r["system"] == "shadowfs-fuse"]
+    # Either shadowfs-fuse has landed and was timed, or it is one row saying why not.
+    assert any("seconds" in r for r in fuse) or any("not available" in r["note"] for r in fuse)
+
+
+def test_write_docs_keeps_the_hand_written_intro(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nWritten by hand.\n\n{harness.MARKER}\n\nold table\n")
+
+    harness.write_docs("# Results\n\nnew table\n", doc)
+    harness.write_docs("# Results\n\nnewer table\n", doc)
+
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nWritten by hand.\n")
+    assert text.count(harness.MARKER) == 1
+    assert "newer table" in text and "old table" not in text and "new table\n" not in text
+
+
+def test_a_suite_that_fails_becomes_a_row_not_a_crash() -> None:
+    result = harness.run_suite(harness.Suite("ghost", "bench.no_such_suite"), True, {})
+
+    assert result.error is not None
+    assert result.rows == [
+        {"group": "ghost", "case": "(suite)", "system": "-", "note": result.error}
+    ]
+    assert "ModuleNotFoundError" in result.error
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    assert harness.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert harness.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)
+    assert harness.geomean([1.0, 4.0]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="at least one sample"):
+        harness.percentile([], 50)
