@@ -31,36 +31,47 @@ def node_hash(left: bytes, right: bytes) -> bytes:
 class Accumulator:
     """Merkle root of a growing list of leaves, O(log n) memory.
 
-    `_stack` holds (size, root) of perfect subtrees, largest first; their sizes are the set bits of
-    the leaf count. Folding them right to left gives exactly RFC 6962's MTH, because MTH splits off
-    the largest power of two first.
+    `_stack` holds the roots of perfect subtrees, largest first; their sizes are the set bits of
+    `count`, so appending merges one pair per trailing 1 bit, like a binary counter carrying.
+    Folding the stack right to left gives exactly RFC 6962's MTH, because MTH splits off the
+    largest power of two first.
     """
 
-    __slots__ = ("_stack", "count")
+    __slots__ = ("_hasher", "_stack", "count")
 
     def __init__(self) -> None:
-        self._stack: list[tuple[int, bytes]] = []
+        self._stack: list[bytes] = []
         self.count = 0
+        # Resetting one hasher is about three times cheaper than constructing one per node. It
+        # makes an Accumulator unsafe to share between threads without a lock.
+        self._hasher = blake3()
+
+    def _h(self, data: bytes) -> bytes:
+        hasher = self._hasher
+        hasher.update(data)
+        out = hasher.digest()
+        hasher.reset()
+        return out
 
     def append(self, data: bytes) -> None:
-        self.append_leaf_hash(blake3(b"\x00" + data).digest())
+        self.append_leaf_hash(self._h(b"\x00" + data))
 
     def append_leaf_hash(self, h: bytes) -> None:
         stack = self._stack
-        size = 1
-        while stack and stack[-1][0] == size:
-            h = blake3(b"\x01" + stack.pop()[1] + h).digest()
-            size <<= 1
-        stack.append((size, h))
+        n = self.count
+        while n & 1:
+            h = self._h(b"\x01" + stack.pop() + h)
+            n >>= 1
+        stack.append(h)
         self.count += 1
 
     def root(self) -> bytes:
         stack = self._stack
         if not stack:
             return EMPTY_ROOT
-        h = stack[-1][1]
+        h = stack[-1]
         for i in range(len(stack) - 2, -1, -1):
-            h = blake3(b"\x01" + stack[i][1] + h).digest()
+            h = self._h(b"\x01" + stack[i] + h)
         return h
 
     def copy(self) -> Accumulator:
