@@ -2,9 +2,176 @@
 
 from __future__ import annotations
 
+import json
+import sys
+import time
+
+import click
+
 from jukebox.cli import cli
 
 
 @cli.group()
 def booth() -> None:
     """Run any agent over its working tree in a copy-on-write booth."""
+
+
+@booth.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.option("--tree", default=".", show_default=True, help="The agent's working tree.")
+@click.option("--tape-dir", default=None, help="Where tapes go ($JUKEBOX_TAPE_DIR, else ./tapes).")
+@click.option("--tape-id", default=None, help="The tape's id (also the booth's id).")
+@click.option("--name", default=None, help="A name for the run, recorded on the tape.")
+@click.option("--fs", type=click.Choice(["fuse", "overlay"]), default="fuse", show_default=True)
+@click.option("--image", default=None, help="Sandbox image name or .toml path (default: host).")
+@click.option(
+    "--commit",
+    "commit_mode",
+    type=click.Choice(["auto", "ask", "never"]),
+    default="auto",
+    show_default=True,
+    help="auto: commit on success, roll back on failure; ask; never: keep the booth pending.",
+)
+@click.option("--verify", "verify_cmd", default=None, help="Verifier command run in the booth.")
+@click.option("--net", type=click.Choice(["host", "none"]), default=None, help="Network access.")
+@click.option(
+    "--checkpoint-every", type=float, default=None, help="Automatic checkpoint every N seconds."
+)
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(
+    tree: str,
+    tape_dir: str | None,
+    tape_id: str | None,
+    name: str | None,
+    fs: str,
+    image: str | None,
+    commit_mode: str,
+    verify_cmd: str | None,
+    net: str | None,
+    checkpoint_every: float | None,
+    cmd: tuple[str, ...],
+) -> None:
+    """Run CMD in a booth over the tree; CMD's exit status is the run's."""
+    from jukebox.booth import run_booth
+
+    code = run_booth(
+        list(cmd),
+        tree=tree,
+        tape_dir=tape_dir,
+        tape_id=tape_id,
+        name=name,
+        fs=fs,
+        image=image,
+        commit_mode=commit_mode,
+        verify_cmd=verify_cmd,
+        net=net,
+        checkpoint_every=checkpoint_every,
+    )
+    sys.exit(code)
+
+
+def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
+    from jukebox.tapedir import TapeDir
+
+    return TapeDir.resolve(tape_dir)
+
+
+@booth.command("ls")
+@click.option("--tape-dir", default=None)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per booth.")
+def ls(tape_dir: str | None, as_json: bool) -> None:
+    """List pending booths."""
+    from jukebox.booth import list_booths
+
+    records = list_booths(_tape_dir(tape_dir))
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in records], indent=1))
+        return
+    if not records:
+        click.echo("no pending booths")
+        return
+    for r in records:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
+        label = f"  {r.name}" if r.name else ""
+        click.echo(f"{r.id}  {r.status:<8} {created}  {r.tree}{label}")
+
+
+@booth.command("diff")
+@click.argument("booth_id")
+@click.option("--tape-dir", default=None)
+def diff(booth_id: str, tape_dir: str | None) -> None:
+    """What a pending booth would change in its real tree."""
+    from jukebox.booth import booth_diff
+
+    lines = booth_diff(_tape_dir(tape_dir), booth_id)
+    for line in lines:
+        click.echo(line)
+    if not lines:
+        click.echo("no changes")
+
+
+@booth.command("commit")
+@click.argument("booth_id")
+@click.option("--tape-dir", default=None)
+def commit(booth_id: str, tape_dir: str | None) -> None:
+    """Apply a pending booth to its real tree (exit 1 listing conflicts if it changed)."""
+    from jukebox.booth import commit_booth
+
+    lines = commit_booth(_tape_dir(tape_dir), booth_id)
+    click.echo(f"committed booth {booth_id}: {len(lines)} change(s)")
+
+
+@booth.command("discard")
+@click.argument("booth_id")
+@click.option("--tape-dir", default=None)
+def discard(booth_id: str, tape_dir: str | None) -> None:
+    """Drop a pending booth; its real tree is untouched."""
+    from jukebox.booth import discard_booth
+
+    discard_booth(_tape_dir(tape_dir), booth_id)
+    click.echo(f"discarded booth {booth_id}")
+
+
+@booth.command("checkpoint")
+@click.option("--label", default=None, help="A name to roll back to later.")
+@click.option("--json", "as_json", is_flag=True)
+def checkpoint(label: str | None, as_json: bool) -> None:
+    """Checkpoint the booth this runs in (uses $JUKEBOX_SOCKET)."""
+    from jukebox.control import request
+
+    req: dict[str, object] = {"op": "checkpoint"}
+    if label is not None:
+        req["label"] = label
+    response = request(req)
+    if as_json:
+        click.echo(json.dumps(response))
+    else:
+        click.echo(f"checkpoint {response['checkpoint']}" + (f" ({label})" if label else ""))
+
+
+@booth.command("rollback")
+@click.option("--to", "to", required=True, help="A checkpoint label or number (0 is the start).")
+def rollback(to: str) -> None:
+    """Roll the booth this runs in back to a checkpoint, while it keeps running."""
+    from jukebox.control import request
+
+    target: str | int = int(to) if to.isdigit() else to
+    response = request({"op": "rollback", "to": target})
+    click.echo(f"rolled back to checkpoint {response['checkpoint']}")
+
+
+@booth.command("status")
+@click.option("--json", "as_json", is_flag=True)
+def status(as_json: bool) -> None:
+    """The booth this runs in: id, tape, checkpoints."""
+    from jukebox.control import request
+
+    response = request({"op": "status"})
+    if as_json:
+        click.echo(json.dumps(response))
+        return
+    click.echo(f"booth {response['booth']}  tree {response['tree']}  tape {response['tape']}")
+    for cp in response["checkpoints"]:
+        click.echo(f"  {cp['n']}  {cp['label'] or ''}  {cp['tree'][:16]}")

@@ -1,0 +1,953 @@
+"""One sandboxed run: the booth supervisor, its verdict, and the pending booths it leaves behind.
+
+`run_booth` is the whole life of a booth, in this order:
+
+1. open the store and a new tape; hash the real tree (the base tree); write run_start (argv, cwd,
+   image and policy, base tree, host facts, the environment's names — never its values);
+2. record the booth in `<tape dir>/.jukebox/booths/<id>.json` (status `running`), so even a crash
+   leaves a trace `jukebox booth ls` can show;
+3. block the signals it will wait for, then enter a private mount namespace (a user namespace
+   too when not root) — before any thread exists, as the kernel demands;
+4. mount the copy-on-write layer over the tree's own path (the layer reaches the real tree
+   through an fd opened before the mount), start the control socket, start CMD through the
+   isolation shim (tape dir hidden, host read-only, capabilities cut, limits set);
+5. wait: the first Ctrl-C reaches the agent, a second one kills it; `--checkpoint-every` takes
+   automatic checkpoints; checkpoints and rollbacks from inside arrive over the socket;
+6. on exit: kill stragglers, snapshot (an `fs` frame), an `exit` frame (status, signal,
+   rusage), the verifier inside the booth (a `verify` frame with its output, truncated);
+7. unmount, then the verdict: `auto` commits (a `commit` frame) when CMD exited 0 and the
+   verifier passed, else rolls back (a `rollback` frame and an alert); `ask` shows the diff and
+   asks; `never` — or any interruption — keeps the booth pending for `jukebox booth commit ID`.
+
+The layer is a seam (`BoothLayer`): the FUSE layer and the kernel overlay both fit behind it,
+and so can anything else that mounts a snapshot-able view at a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from jukebox import isolation
+from jukebox.control import SOCKET_ENV, ControlServer, Peer
+from jukebox.errors import CheckFailed, JukeboxError, UsageError
+from jukebox.images import Image, load_image
+from jukebox.tapedir import TapeDir, check_tape_id
+from shadowfs.oid import ObjectId
+
+COMMIT_MODES = ("auto", "ask", "never")
+FS_KINDS = ("fuse", "overlay")
+VERIFY_OUTPUT_MAX = 64 * 1024
+BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
+TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
+SI_KERNEL = 0x80  # si_code of a signal the terminal sent (Ctrl-C), as opposed to kill(2)
+WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}
+
+
+class BoothError(JukeboxError):
+    pass
+
+
+# --------------------------------------------------------------------------- the layer seam
+
+
+class BoothLayer(Protocol):
+    """What the supervisor needs from a copy-on-write layer mounted over the tree."""
+
+    def mount(self) -> None:
+        """Serve base + layer at the tree's own path, in the current mount namespace."""
+
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        """(tree id, write-journal blob id or None) of the layer now; objects are in the store."""
+
+    def restore(self, tree_id: ObjectId) -> None:
+        """Make the mounted view show `tree_id`, while processes keep running."""
+
+    def unmount(self) -> None: ...
+
+    def discard(self) -> None:
+        """Remove the layer's scratch state; the real tree is untouched."""
+
+
+@dataclass
+class LayerContext:
+    fs: str
+    tree: str  # real path of the tree; also the mount point
+    tree_fd: int  # opened before the namespace and the mount
+    store: Any
+    scratch: Path  # empty, outside the tree, hidden from the agent
+    base_tree: ObjectId
+    userns: bool
+
+
+LayerFactory = Callable[[LayerContext], BoothLayer]
+
+
+class _OverlayBoothLayer:
+    def __init__(self, ctx: LayerContext) -> None:
+        from shadowfs.overlay import OverlayLayer
+
+        self.tree = ctx.tree
+        self.inner = OverlayLayer(
+            ctx.tree, ctx.store, ctx.scratch, ctx.base_tree, userxattr=ctx.userns
+        )
+
+    def mount(self) -> None:
+        self.inner.mount(self.tree)
+
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        return self.inner.snapshot(), None
+
+    def restore(self, tree_id: ObjectId) -> None:
+        self.inner.restore(tree_id)
+
+    def unmount(self) -> None:
+        self.inner.unmount(lazy=True)
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+
+class _FuseBoothLayer:
+    """shadowfs.layer.Layer served by shadowfs.fuse from a background thread."""
+
+    def __init__(self, ctx: LayerContext) -> None:
+        from shadowfs.layer import Layer
+
+        self.tree = ctx.tree
+        self.scratch = ctx.scratch
+        self.layer = Layer(ctx.tree, ctx.store, ctx.scratch, base_tree=ctx.base_tree)
+        self._mounted: contextlib.AbstractContextManager[Any] | None = None
+
+    def mount(self) -> None:
+        from shadowfs import fuse
+
+        self._mounted = fuse.mount(self.layer, self.tree)
+        self._mounted.__enter__()
+
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        tree, journal = self.layer.snapshot()
+        return tree, journal
+
+    def restore(self, tree_id: ObjectId) -> None:
+        self.layer.restore(tree_id)
+
+    def unmount(self) -> None:
+        if self._mounted is not None:
+            mounted, self._mounted = self._mounted, None
+            mounted.__exit__(None, None, None)
+
+    def discard(self) -> None:
+        close = getattr(self.layer, "close", None)
+        if close is not None:
+            close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def default_layer_factory(ctx: LayerContext) -> BoothLayer:
+    if ctx.fs == "overlay":
+        return _OverlayBoothLayer(ctx)
+    try:
+        return _FuseBoothLayer(ctx)
+    except ImportError as error:
+        raise BoothError(
+            f"the FUSE layer is not available in this build ({error}); run with --fs overlay"
+        ) from None
+
+
+# --------------------------------------------------------------------------- pending booths
+
+
+@dataclass
+class BoothRecord:
+    id: str
+    tree: str
+    base_tree: str
+    tape: str
+    created: float
+    status: str  # running | pending | conflict
+    name: str | None = None
+    final_tree: str | None = None
+    pid: int | None = None
+    agent_status: int | None = None
+    verify: dict[str, Any] | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _record_path(tape_dir: TapeDir, booth_id: str) -> Path:
+    return tape_dir.booths_path / f"{check_tape_id(booth_id)}.json"
+
+
+def save_record(tape_dir: TapeDir, record: BoothRecord) -> None:
+    path = _record_path(tape_dir, record.id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record.to_json(), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
+    path = _record_path(tape_dir, booth_id)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(
+            f"no pending booth {booth_id!r} in {tape_dir.path}: list them with "
+            f"`jukebox booth ls --tape-dir {tape_dir.path}`"
+        ) from None
+    return BoothRecord(**data)
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_booths(tape_dir: TapeDir) -> list[BoothRecord]:
+    out = []
+    if not tape_dir.booths_path.is_dir():
+        return out
+    for path in sorted(tape_dir.booths_path.glob("*.json")):
+        try:
+            record = BoothRecord(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            continue
+        if record.status == "running" and not _alive(record.pid):
+            record.status = "crashed"  # its supervisor died: nothing to commit, discard it
+        out.append(record)
+    return out
+
+
+@contextlib.contextmanager
+def _locked(tape_dir: TapeDir, booth_id: str) -> Iterator[BoothRecord]:
+    """The record, held under an exclusive lock so two processes never commit one booth twice."""
+    path = _record_path(tape_dir, booth_id)
+    record = load_record(tape_dir, booth_id)
+    lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = load_record(tape_dir, booth_id)  # re-read: another process may have finished it
+        yield record
+    finally:
+        os.close(lock)
+
+
+def _finish(tape_dir: TapeDir, booth_id: str) -> None:
+    path = _record_path(tape_dir, booth_id)
+    for p in (path, path.with_suffix(".lock")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _open_store(tape_dir: TapeDir) -> Any:
+    from shadowfs.store import Store
+
+    return Store.open(tape_dir.store_path, create=True)
+
+
+def _append_to_tape(
+    store: Any, tape_path: str, kind: str, payload: dict[str, Any], tree: Any = None
+) -> None:
+    from jukebox.tape import TapeWriter
+
+    with TapeWriter.open_append(tape_path, store) as writer:
+        writer.append(kind, payload, tree=tree)
+
+
+def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
+    """One line per changed path: `A`dded, `M`odified, `D`eleted, `T`ype or mode changed."""
+    from shadowfs.tree import diff_trees
+
+    letters = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
+    lines = []
+    for change in diff_trees(store, base, final):
+        entry = change.new or change.old
+        size = f"  ({entry.size} bytes)" if entry is not None and entry.kind == "file" else ""
+        path = change.path.decode(errors="backslashreplace")
+        lines.append(f"{letters.get(change.status, '?')} {path}{size}")
+    return lines
+
+
+def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
+    if record.final_tree is None:
+        raise UsageError(
+            f"booth {record.id} has no final tree (status {record.status}): its run did not "
+            f"finish; discard it with `jukebox booth discard {record.id}`"
+        )
+    return ObjectId.from_hex(record.base_tree), ObjectId.from_hex(record.final_tree)
+
+
+def booth_diff(tape_dir: TapeDir, booth_id: str) -> list[str]:
+    record = load_record(tape_dir, booth_id)
+    base, final = _pending_trees(record)
+    with _open_store(tape_dir) as store:
+        return change_summary(store, base, final)
+
+
+def commit_tree(
+    store: Any, tape_dir: TapeDir, tree: str, base: ObjectId, final: ObjectId, booth_id: str
+) -> Any:
+    from shadowfs.commit import apply
+
+    journal = tape_dir.state / "commit-journals" / booth_id
+    journal.mkdir(parents=True, exist_ok=True)
+    report = apply(store, tree, base, final, journal_dir=journal)
+    shutil.rmtree(journal, ignore_errors=True)
+    return report
+
+
+def commit_booth(tape_dir: TapeDir, booth_id: str) -> list[str]:
+    """Applies a pending booth to its real tree; raises CheckFailed listing every conflict."""
+    from shadowfs.errors import ConflictError
+
+    with _locked(tape_dir, booth_id) as record:
+        if record.status == "running" and _alive(record.pid):
+            raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
+        base, final = _pending_trees(record)
+        with _open_store(tape_dir) as store:
+            summary = change_summary(store, base, final)
+            try:
+                commit_tree(store, tape_dir, record.tree, base, final, booth_id)
+            except ConflictError as error:
+                _append_to_tape(
+                    store,
+                    record.tape,
+                    "commit",
+                    {"ok": False, "conflicts": error.conflicts, "by": "booth commit"},
+                )
+                raise CheckFailed(
+                    f"commit of booth {booth_id} refused: {len(error.conflicts)} path(s) changed "
+                    f"in {record.tree} since the booth started: "
+                    + ", ".join(error.conflicts)
+                    + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
+                ) from None
+            _append_to_tape(
+                store,
+                record.tape,
+                "commit",
+                {"ok": True, "changes": len(summary), "by": "booth commit"},
+                tree=final,
+            )
+        _finish(tape_dir, booth_id)
+        return summary
+
+
+def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
+    with _locked(tape_dir, booth_id) as record:
+        if record.status == "running" and _alive(record.pid):
+            raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
+        if os.path.exists(record.tape):
+            with (
+                _open_store(tape_dir) as store,
+                contextlib.suppress(JukeboxError, OSError, ValueError),
+            ):
+                _append_to_tape(store, record.tape, "discard", {"by": "booth discard"})
+        shutil.rmtree(tape_dir.state / "scratch" / booth_id, ignore_errors=True)
+        _finish(tape_dir, booth_id)
+
+
+# --------------------------------------------------------------------------- the supervisor
+
+
+def new_booth_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def host_facts() -> dict[str, Any]:
+    uname = os.uname()
+    return {
+        "kernel": uname.release,
+        "machine": uname.machine,
+        "hostname": socket.gethostname(),
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+    }
+
+
+def _is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+@dataclass
+class Checkpoint:
+    n: int
+    label: str | None
+    tree: ObjectId
+    frame: int | None
+
+
+@dataclass
+class _Run:
+    """The live state the control handlers and the wait loop share."""
+
+    booth_id: str
+    tree: str
+    writer: Any
+    layer: BoothLayer
+    started: float
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    rollbacks: int = 0
+
+    def checkpoint(
+        self, label: str | None, peer: Peer | None, reason: str = "request"
+    ) -> Checkpoint:
+        with self.lock:
+            tree, journal = self.layer.snapshot()
+            n = len(self.checkpoints)
+            payload: dict[str, Any] = {"n": n, "label": label, "reason": reason}
+            if journal is not None:
+                payload["journal"] = journal.hex()
+            if peer is not None:
+                payload["peer"] = peer.as_dict()
+            frame = self.writer.append(
+                "checkpoint", payload, refs=[journal] if journal is not None else (), tree=tree
+            )
+            cp = Checkpoint(n, label, tree, frame.seq)
+            self.checkpoints.append(cp)
+            return cp
+
+    def find(self, to: str | int) -> Checkpoint:
+        if isinstance(to, int):
+            if to >= len(self.checkpoints):
+                raise ValueError(
+                    f"no checkpoint {to}: this booth has 0..{len(self.checkpoints) - 1} "
+                    "(0 is the start)"
+                )
+            return self.checkpoints[to]
+        for cp in reversed(self.checkpoints):
+            if cp.label == to:
+                return cp
+        known = sorted({c.label for c in self.checkpoints if c.label})
+        raise ValueError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
+
+    def rollback(self, to: str | int, peer: Peer | None) -> Checkpoint:
+        with self.lock:
+            cp = self.find(to)
+            self.layer.restore(cp.tree)
+            payload: dict[str, Any] = {"to": cp.n, "label": cp.label, "reason": "request"}
+            if peer is not None:
+                payload["peer"] = peer.as_dict()
+            self.writer.append("rollback", payload, tree=cp.tree)
+            self.rollbacks += 1
+            return cp
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any], Peer], dict[str, Any]]]:
+        def checkpoint(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            cp = self.checkpoint(req.get("label"), peer)
+            return {"checkpoint": cp.n, "label": cp.label, "tree": cp.tree.hex(), "frame": cp.frame}
+
+        def rollback(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            cp = self.rollback(req["to"], peer)
+            return {"checkpoint": cp.n, "label": cp.label, "tree": cp.tree.hex()}
+
+        def status(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            return {
+                "booth": self.booth_id,
+                "tree": self.tree,
+                "tape": os.fspath(self.writer.path),
+                "frames": self.writer.count,
+                "uptime_s": round(time.monotonic() - self.started, 3),
+                "rollbacks": self.rollbacks,
+                "checkpoints": [
+                    {"n": c.n, "label": c.label, "tree": c.tree.hex(), "frame": c.frame}
+                    for c in self.checkpoints
+                ],
+            }
+
+        return {"checkpoint": checkpoint, "rollback": rollback, "status": status}
+
+
+def _exit_code(status: int) -> tuple[int | None, int | None]:
+    """(exit status, terminating signal) from a wait status."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.waitstatus_to_exitcode(status), None
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _reap_stragglers() -> int:
+    """Kills what the agent left running (we are its subreaper), so nothing writes after the
+    final snapshot and nothing holds the mount."""
+    killed = 0
+    for _ in range(50):
+        kids = _children_of(os.getpid())
+        if not kids:
+            break
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        for pid in kids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+    return killed
+
+
+def _read_capped(fd: int, limit: int) -> tuple[str, bool]:
+    """All of a pipe, keeping the head and the tail when it exceeds `limit` bytes."""
+    head = b""
+    tail = bytearray()
+    total = 0
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        total += len(chunk)
+        if len(head) < limit // 2:
+            take = limit // 2 - len(head)
+            head += chunk[:take]
+            chunk = chunk[take:]
+        tail += chunk
+        if len(tail) > limit // 2:
+            del tail[: len(tail) - limit // 2]
+    truncated = total > len(head) + len(tail)
+    text = head.decode(errors="replace")
+    if truncated:
+        text += f"\n[... {total - len(head) - len(tail)} bytes left out ...]\n"
+    return text + bytes(tail).decode(errors="replace"), truncated
+
+
+def _alert(message: str) -> None:
+    sys.stderr.write(f"jukebox: {message}\n")
+    sys.stderr.flush()
+
+
+def _ask(summary: list[str], booth_id: str) -> str:
+    """'commit', 'discard' or 'keep', asked on the terminal."""
+    shown = summary[:50]
+    sys.stderr.write(f"booth {booth_id}: {len(summary)} change(s)\n")
+    for line in shown:
+        sys.stderr.write(f"  {line}\n")
+    if len(summary) > len(shown):
+        sys.stderr.write(
+            f"  ... and {len(summary) - len(shown)} more (`jukebox booth diff {booth_id}`)\n"
+        )
+    try:
+        tty = open("/dev/tty", "r+")  # noqa: SIM115
+    except OSError:
+        return "keep"
+    with tty:
+        while True:
+            tty.write(
+                "commit these changes to the real tree? [y]es / [N]o, discard / [k]eep pending: "
+            )
+            tty.flush()
+            answer = tty.readline().strip().lower()
+            if answer in ("y", "yes"):
+                return "commit"
+            if answer in ("", "n", "no"):
+                return "discard"
+            if answer in ("k", "keep"):
+                return "keep"
+
+
+def run_booth(
+    argv: Sequence[str],
+    tree: str | os.PathLike[str] = ".",
+    tape_dir: str | os.PathLike[str] | None = None,
+    tape_id: str | None = None,
+    name: str | None = None,
+    fs: str = "fuse",
+    image: str | None = None,
+    commit_mode: str = "auto",
+    verify_cmd: str | None = None,
+    net: str | None = None,
+    checkpoint_every: float | None = None,
+    *,
+    layer_factory: LayerFactory | None = None,
+) -> int:
+    """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
+
+    CMD's own status, except: 1 when CMD exited 0 but `--commit auto` did not commit (the
+    verifier failed or the commit conflicted); 125-127 when the sandbox could not start CMD.
+    """
+    argv = list(argv)
+    if not argv:
+        raise UsageError("no command to run: write `jukebox booth run [OPTIONS] -- CMD ...`")
+    if commit_mode not in COMMIT_MODES:
+        raise UsageError(f"bad --commit {commit_mode!r}: use one of {', '.join(COMMIT_MODES)}")
+    if fs not in FS_KINDS:
+        raise UsageError(f"bad --fs {fs!r}: use one of {', '.join(FS_KINDS)}")
+    if checkpoint_every is not None and checkpoint_every <= 0:
+        raise UsageError("--checkpoint-every must be a positive number of seconds")
+    tree_path = os.path.realpath(tree)
+    if not os.path.isdir(tree_path):
+        raise UsageError(f"the tree {tree} is not a directory: pass --tree DIR")
+    if tree_path == "/":
+        raise UsageError(
+            "the tree cannot be / itself: pass --tree with the agent's working directory"
+        )
+    tapes = TapeDir.resolve(tape_dir)
+    tapes.path.mkdir(parents=True, exist_ok=True)
+    tapes = TapeDir(Path(os.path.realpath(tapes.path)))
+    if _is_under(str(tapes.path), tree_path) or _is_under(tree_path, str(tapes.path)):
+        raise UsageError(
+            f"the tape dir {tapes.path} and the tree {tree_path} overlap: the booth would record "
+            "its own tapes; point --tape-dir (or JUKEBOX_TAPE_DIR) outside the tree"
+        )
+    img: Image = load_image(image)
+    net = net or img.net
+    if net not in ("host", "none"):
+        raise UsageError(f"bad --net {net!r}: use host or none")
+    verify = verify_cmd if verify_cmd is not None else img.verify
+    booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
+    tape_path = tapes.tape_path(booth_id)
+    if tape_path.exists():
+        raise UsageError(
+            f"a tape {booth_id!r} already exists in {tapes.path}: pick another --tape-id"
+        )
+    cwd = os.getcwd()
+    agent_cwd = cwd if _is_under(os.path.realpath(cwd), tree_path) else tree_path
+    agent_cwd = os.path.realpath(agent_cwd)
+
+    from jukebox.tape import TapeWriter
+    from shadowfs.tree import build_tree
+
+    factory = layer_factory or default_layer_factory
+    store = _open_store(tapes)
+    sock_dir = ""
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
+    layer: BoothLayer | None = None
+    server: ControlServer | None = None
+    tree_fd = -1
+    writer: Any = None
+    record: BoothRecord | None = None
+    try:
+        env = img.filter_env(os.environ)
+        base_tree = build_tree(store, tree_path)
+        writer = TapeWriter.create(tape_path, store, booth_id)
+        writer.append(
+            "run_start",
+            {
+                "tape_id": booth_id,
+                "booth": booth_id,
+                "name": name,
+                "argv": argv,
+                "cwd": agent_cwd,
+                "tree": tree_path,
+                "base_tree": base_tree.hex(),
+                "image": img.name,
+                "policy": {
+                    **img.policy(),
+                    "net": net,
+                    "verify": verify,
+                    "commit": commit_mode,
+                    "fs": fs,
+                    "checkpoint_every": checkpoint_every,
+                },
+                "host": host_facts(),
+                "env": img.describe_env(env),
+            },
+            tree=base_tree,
+        )
+        record = BoothRecord(
+            id=booth_id,
+            name=name,
+            tree=tree_path,
+            base_tree=base_tree.hex(),
+            tape=str(tape_path),
+            created=time.time(),
+            status="running",
+            pid=os.getpid(),
+        )
+        save_record(tapes, record)
+        tree_fd = os.open(tree_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+        # From here on this process lives in the booth's mount namespace.
+        userns = isolation.enter_private_namespace()
+        with contextlib.suppress(OSError):
+            import prctl
+
+            prctl.set_child_subreaper(1)
+        scratch = tapes.state / "scratch" / booth_id
+        scratch.parent.mkdir(parents=True, exist_ok=True)
+        layer = factory(LayerContext(fs, tree_path, tree_fd, store, scratch, base_tree, userns))
+        layer.mount()
+        run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
+        run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
+        sock_dir = tempfile.mkdtemp(prefix=f"jukebox-{booth_id}-")
+        sock_path = os.path.join(sock_dir, "control.sock")
+        server = ControlServer(sock_path, run.handlers()).start()
+        env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
+        spec = isolation.ChildSpec(
+            argv=argv,
+            cwd=agent_cwd,
+            env=env,
+            keep=[tree_path, sock_dir],
+            hide=[*img.hidden_paths(), str(tapes.path)],
+            readonly_root=img.readonly_host,
+            private_tmp=img.private_tmp,
+            limits=dict(img.limits),
+            net=net,
+        )
+        status, interrupted = _supervise(spec, run, checkpoint_every)
+        server.close()
+        server = None
+        _reap_stragglers()
+
+        # The verdict.
+        exit_status, exit_signal = status["status"], status["signal"]
+        final_tree, journal = layer.snapshot()
+        fs_payload: dict[str, Any] = {"reason": "exit"}
+        if journal is not None:
+            fs_payload["journal"] = journal.hex()
+        writer.append(
+            "fs", fs_payload, refs=[journal] if journal is not None else (), tree=final_tree
+        )
+        writer.append("exit", status)
+        agent_ok = exit_status == 0 and not status.get("setup_error")
+        verified: dict[str, Any] | None = None
+        if verify and not interrupted:
+            if agent_ok:
+                verified = _run_verifier(spec, verify)
+            else:
+                verified = {"command": verify, "skipped": "the agent failed", "passed": False}
+            writer.append("verify", verified)
+        layer.unmount()
+
+        record.final_tree = final_tree.hex()
+        record.agent_status = exit_status if exit_status is not None else 128 + (exit_signal or 0)
+        record.verify = {k: v for k, v in (verified or {}).items() if k != "output"} or None
+        passed = verified is None or bool(verified.get("passed"))
+        code = record.agent_status
+        if status.get("setup_error"):
+            _alert(status["setup_error"])
+
+        decision: str
+        reason = ""
+        if interrupted:
+            decision, reason = "keep", "interrupted"
+        elif commit_mode == "never":
+            decision = "keep"
+        elif commit_mode == "ask":
+            decision = (
+                "commit"
+                if final_tree == base_tree
+                else _ask(change_summary(store, base_tree, final_tree), booth_id)
+            )
+        elif agent_ok and passed:
+            decision = "commit"
+        else:
+            decision = "discard"
+            reason = (
+                f"the verifier failed (exit {verified.get('status')})"
+                if agent_ok and verified
+                else (status.get("setup_error") or f"the agent exited with {_describe(status)}")
+            )
+
+        if decision == "commit":
+            decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
+        if decision == "discard":
+            writer.append(
+                "rollback", {"reason": reason or "rejected", "to": 0, "residue": 0}, tree=base_tree
+            )
+            if reason:
+                _alert(
+                    f"booth {booth_id} rolled back: {reason}; the real tree {tree_path} was not "
+                    f"touched (tape {tape_path})"
+                )
+                if verified and not verified.get("passed") and verified.get("output"):
+                    sys.stderr.write(verified["output"][-4000:])
+                if commit_mode == "auto" and code == 0:
+                    code = 1
+            _finish(tapes, booth_id)
+        elif decision == "keep":
+            record.status = "pending" if record.status == "running" else record.status
+            record.pid = None
+            record.note = reason or None
+            save_record(tapes, record)
+            _alert(
+                f"booth {booth_id} kept pending{f' ({reason})' if reason else ''}: "
+                f"`jukebox booth diff {booth_id}`, then `jukebox booth commit {booth_id}` or "
+                f"`jukebox booth discard {booth_id}` (with --tape-dir {tapes.path})"
+            )
+            if interrupted and code == 0:
+                code = 130
+        layer.discard()
+        layer = None
+        return code
+    finally:
+        if server is not None:
+            server.close()
+        if layer is not None:
+            with contextlib.suppress(Exception):
+                layer.unmount()
+            with contextlib.suppress(Exception):
+                layer.discard()
+        if sock_dir:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        if tree_fd >= 0:
+            os.close(tree_fd)
+        if writer is not None:
+            writer.close()
+        store.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _describe(status: dict[str, Any]) -> str:
+    if status.get("signal"):
+        return f"signal {status['signal']} ({signal.Signals(status['signal']).name})"
+    return f"status {status.get('status')}"
+
+
+def _commit_run(
+    store: Any,
+    tapes: TapeDir,
+    writer: Any,
+    record: BoothRecord,
+    base: ObjectId,
+    final: ObjectId,
+    code: int,
+) -> tuple[str, int]:
+    from shadowfs.errors import ConflictError
+
+    if final == base:
+        writer.append("commit", {"ok": True, "changes": 0}, tree=final)
+        _finish(tapes, record.id)
+        return "done", code
+    summary = change_summary(store, base, final)
+    try:
+        commit_tree(store, tapes, record.tree, base, final, record.id)
+    except ConflictError as error:
+        writer.append("commit", {"ok": False, "conflicts": error.conflicts})
+        record.status = "conflict"
+        _alert(
+            f"commit of booth {record.id} refused: the real tree changed under it at "
+            + ", ".join(error.conflicts[:10])
+        )
+        return "keep", 1
+    writer.append("commit", {"ok": True, "changes": len(summary)}, tree=final)
+    _finish(tapes, record.id)
+    return "done", code
+
+
+def _supervise(
+    spec: isolation.ChildSpec, run: _Run, checkpoint_every: float | None
+) -> tuple[dict[str, Any], bool]:
+    """Starts CMD and waits for it, relaying signals; returns (exit payload, interrupted)."""
+    started = time.monotonic()
+    child = isolation.spawn(spec)
+    ok = child.wait_started()
+    run.writer.append("note", {"event": "agent_started", "pid": child.pid, "ok": ok})
+    interrupts = 0
+    next_auto = time.monotonic() + checkpoint_every if checkpoint_every else None
+    while True:
+        pid, wstatus, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        timeout = max(0.0, next_auto - time.monotonic()) if next_auto is not None else 3600.0
+        info = signal.sigtimedwait(WAITED_SIGNALS, timeout)
+        if info is None:
+            if next_auto is not None and time.monotonic() >= next_auto:
+                with contextlib.suppress(Exception):
+                    run.checkpoint("auto", None, reason="timer")
+                next_auto = time.monotonic() + (checkpoint_every or 0)
+            continue
+        if info.si_signo == signal.SIGCHLD:
+            continue
+        interrupts += 1
+        if interrupts == 1:
+            # Ctrl-C from the terminal already reached the agent (same process group).
+            if not (info.si_signo == signal.SIGINT and info.si_code == SI_KERNEL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, info.si_signo)
+            _alert("interrupt: passed to the agent; interrupt again to kill it")
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+    child.proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here, not by Popen
+    exit_status, exit_signal = _exit_code(wstatus)
+    payload: dict[str, Any] = {
+        "status": exit_status,
+        "signal": exit_signal,
+        "seconds": round(time.monotonic() - started, 6),
+        "rusage": {
+            "utime_s": round(usage.ru_utime, 6),
+            "stime_s": round(usage.ru_stime, 6),
+            "maxrss_kb": usage.ru_maxrss,
+            "inblock": usage.ru_inblock,
+            "oublock": usage.ru_oublock,
+        },
+    }
+    if not ok:
+        payload["setup_error"] = child.setup_error
+    return payload, interrupts > 0
+
+
+def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
+    vspec = isolation.ChildSpec(
+        **{**spec.__dict__, "argv": ["/bin/sh", "-c", command], "cwd": spec.keep[0]}
+    )
+    read_fd, write_fd = os.pipe()
+    started = time.monotonic()
+    try:
+        child = isolation.spawn(vspec, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd)
+    finally:
+        os.close(write_fd)
+    try:
+        output, truncated = _read_capped(read_fd, VERIFY_OUTPUT_MAX)
+    finally:
+        os.close(read_fd)
+    child.wait_started()
+    _, wstatus, _ = os.wait4(child.pid, 0)
+    child.proc.returncode = os.waitstatus_to_exitcode(wstatus)
+    exit_status, exit_signal = _exit_code(wstatus)
+    result: dict[str, Any] = {
+        "command": command,
+        "status": exit_status,
+        "signal": exit_signal,
+        "passed": exit_status == 0,
+        "seconds": round(time.monotonic() - started, 6),
+        "output": output,
+        "truncated": truncated,
+    }
+    if child.setup_error:
+        result["setup_error"] = child.setup_error
+    return result
