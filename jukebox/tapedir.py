@@ -75,18 +75,28 @@ class TapeRef:
         if at > 0 and not Path(text).exists():
             name, frame_text = text[:at], text[at + 1 :]
             if not frame_text.isdigit():
-                raise UsageError(f"bad frame selector '@{frame_text}' in {text!r}: write TAPE@N with N a frame number from 0")
+                raise UsageError(
+                    f"bad frame selector '@{frame_text}' in {text!r}: "
+                    "write TAPE@N with N a frame number from 0"
+                )
             frame = int(frame_text)
         candidate = Path(name)
         if candidate.suffix == TAPE_SUFFIX or os.sep in name or candidate.exists():
             if not candidate.exists():
-                raise UsageError(f"no tape at {name}: check the path, or list tapes with `jukebox ls`")
+                raise UsageError(
+                    f"no tape at {name}: check the path, or list tapes with `jukebox ls`"
+                )
             if candidate.is_dir():
-                raise UsageError(f"{name} is a directory, not a tape: name a .jbx file or a tape id")
+                raise UsageError(
+                    f"{name} is a directory, not a tape: name a .jbx file or a tape id"
+                )
             home = TapeDir(Path(tape_dir)) if tape_dir is not None else TapeDir(candidate.parent)
             return cls(candidate, home, frame)
         home = TapeDir.resolve(tape_dir)
         path = home.tape_path(name)
         if not path.exists():
-            raise UsageError(f"no tape {name!r} in {home.path}: list tapes with `jukebox ls --tape-dir {home.path}`")
+            raise UsageError(
+                f"no tape {name!r} in {home.path}: "
+                f"list tapes with `jukebox ls --tape-dir {home.path}`"
+            )
         return cls(path, home, frame)

@@ -1,0 +1,429 @@
+"""The read side: ls, log, verify, replay, diff, gc."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from jukebox.cli import cli
+
+tape_dir_option = click.option(
+    "--tape-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ./tapes).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+def emit_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def open_store(tape_dir, *, create: bool = False):
+    """The tape dir's store, or None when there is none yet (a tape with no objects needs none)."""
+    from shadowfs.store import Store
+
+    if not create and not tape_dir.store_path.is_dir():
+        return None
+    return Store.open(tape_dir.store_path, create=create)
+
+
+def load(ref):
+    from jukebox.tape import Tape
+
+    return Tape.load(ref.path, open_store(ref.tape_dir))
+
+
+def check_frame(tape, ref) -> int:
+    n = ref.frame if ref.frame is not None else len(tape.frames) - 1
+    if not 0 <= n < len(tape.frames):
+        from jukebox.errors import UsageError
+
+        raise UsageError(
+            f"{ref.path} has {len(tape.frames)} frame(s), numbered 0 to {len(tape.frames) - 1}: "
+            f"there is no frame {n}"
+        )
+    return n
+
+
+@cli.command("ls")
+@tape_dir_option
+@json_option
+def ls_command(tape_dir: Path | None, as_json: bool) -> None:
+    """List the tapes in the tape dir: track id, agent, frames, cost, status."""
+    from jukebox.errors import JukeboxError
+    from jukebox.render import money, table
+    from jukebox.tape import Tape
+    from jukebox.tapedir import TapeDir
+
+    home = TapeDir.resolve(tape_dir)
+    if tape_dir is not None and not home.path.exists():
+        raise JukeboxError(
+            f"no tape dir at {home.path}: check the path, or run a booth to create it"
+        )
+    rows = []
+    for path in home.tape_paths():
+        try:
+            summary = Tape.load(path).summary()
+        except JukeboxError as error:
+            summary = {
+                "path": str(path),
+                "tape_id": path.stem,
+                "status": "UNREADABLE",
+                "error": str(error),
+            }
+        summary.setdefault("tape_id", path.stem)
+        summary["tape_id"] = summary.get("tape_id") or path.stem
+        rows.append(summary)
+    rows.sort(key=lambda r: r.get("started_ns") or 0)
+    if as_json:
+        emit_json(rows)
+        return
+    if not rows:
+        click.echo(f"no tapes in {home.path}")
+        return
+    click.echo(
+        table(
+            ["TRACK ID", "AGENT NAME", "FRAMES", "COST", "STATUS"],
+            (
+                [
+                    r["tape_id"],
+                    r.get("name") or "-",
+                    r.get("frames", "-"),
+                    money(r.get("cost_usd") or 0.0),
+                    r["status"] + (" (torn)" if r.get("torn") else ""),
+                ]
+                for r in rows
+            ),
+            right=(2, 3),
+        )
+    )
+
+
+def frame_rows(tape) -> list[dict[str, Any]]:
+    start = tape.frames[0].time_ns if tape.frames else 0
+    return [
+        {
+            "seq": f.seq,
+            "kind": f.kind,
+            "time_ns": f.time_ns,
+            "offset_ns": f.time_ns - start,
+            "id": f.id.hex(),
+            "tree": f.tree.hex() if f.tree else None,
+            "payload": f.payload,
+        }
+        for f in tape.frames
+    ]
+
+
+def timeline(tape) -> str:
+    from jukebox.render import describe, seconds, table
+
+    rows = []
+    for row in frame_rows(tape):
+        tree = row["tree"][:12] if row["tree"] else ""
+        rows.append(
+            [
+                f"@{row['seq']}",
+                "+" + seconds(row["offset_ns"]),
+                row["kind"],
+                tree,
+                describe(row["kind"], row["payload"]),
+            ]
+        )
+    return table(["FRAME", "AT", "KIND", "TREE", "WHAT"], rows, right=(1,))
+
+
+def tape_argument(name: str = "tape"):
+    return click.argument(name, metavar="TAPE")
+
+
+@cli.command("log")
+@tape_argument()
+@tape_dir_option
+@json_option
+def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
+    """Show a tape's frames as a readable timeline."""
+    from jukebox.tapedir import TapeRef
+
+    ref = TapeRef.parse(tape, tape_dir)
+    loaded = load(ref)
+    if as_json:
+        emit_json(
+            {"path": str(ref.path), "summary": loaded.summary(), "frames": frame_rows(loaded)}
+        )
+        return
+    summary = loaded.summary()
+    click.echo(
+        f"tape {summary['tape_id']}  ({summary.get('name') or 'unnamed'}, "
+        f"{summary['status']}, {ref.path})"
+    )
+    click.echo(timeline(loaded))
+    if loaded.torn_tail is not None:
+        click.echo(
+            f"warning: torn tail at byte {loaded.torn_tail.offset}: {loaded.torn_tail.reason}",
+            err=True,
+        )
+
+
+def verify_report(tape) -> dict[str, Any]:
+    report = tape.verify(check_objects=tape.store is not None)
+    return {
+        "ok": report.ok,
+        "head": report.head.to_json(),
+        "problems": [str(p) for p in report.problems],
+        "objects_checked": tape.store is not None,
+        "_report": report,
+    }
+
+
+@cli.command("verify")
+@tape_argument()
+@tape_dir_option
+@json_option
+def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
+    """Check a tape's hash chain, Merkle root and every object it references. Exit 1 if altered."""
+    from jukebox.tapedir import TapeRef
+
+    ref = TapeRef.parse(tape, tape_dir)
+    result = verify_report(load(ref))
+    report = result.pop("_report")
+    if as_json:
+        emit_json(result)
+        sys.exit(0 if report.ok else 1)
+    if not report.ok:
+        report.raise_for_problems()
+    head = report.head
+    click.echo(
+        f"ok: {head.count} frame(s) verified; "
+        f"head {head.last_frame_id.hex() if head.last_frame_id else '-'}"
+        f", merkle root {head.merkle_root.hex()}"
+        + ("" if result["objects_checked"] else " (no store beside the tape: objects not checked)")
+    )
+
+
+def reconstruct_states(tape, progress=None) -> int:
+    """Walks every file state the tape names and checks each object it needs is in the store.
+
+    Shared subtrees are walked once, so a long tape of small steps costs what changed.
+    """
+    from jukebox.tape_errors import MissingObject
+    from shadowfs import tree
+
+    store = tape.store
+    seen: set[bytes] = set()
+    states = 0
+    for frame in tape.frames:
+        if frame.tree is None:
+            continue
+        states += 1
+        if store is None:
+            raise MissingObject(tape.path, frame.seq, frame.tree)
+        pending = [frame.tree]
+        while pending:
+            oid = pending.pop()
+            if oid in seen:
+                continue
+            seen.add(oid)
+            if not store.has(oid):
+                raise MissingObject(tape.path, frame.seq, oid)
+            for entry in tree.read_tree(store, oid):
+                if entry.kind == "dir":
+                    pending.append(entry.oid)
+                elif entry.oid is not None and entry.oid not in seen:
+                    seen.add(entry.oid)
+                    if not store.has(entry.oid):
+                        raise MissingObject(tape.path, frame.seq, entry.oid)
+        if progress:
+            progress(frame.seq + 1, len(tape.frames))
+    return states
+
+
+@cli.command("replay")
+@tape_argument()
+@tape_dir_option
+@json_option
+def replay_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
+    """Verify a tape, then walk every frame rebuilding the file state at each, offline."""
+    from jukebox.tapedir import TapeRef
+
+    ref = TapeRef.parse(tape, tape_dir)
+    loaded = load(ref)
+    result = verify_report(loaded)
+    report = result.pop("_report")
+    if not report.ok:
+        if as_json:
+            emit_json(result)
+            sys.exit(1)
+        report.raise_for_problems()
+    states = reconstruct_states(loaded)
+    summary = loaded.summary()
+    if as_json:
+        emit_json(
+            {**result, "summary": summary, "file_states": states, "frames": frame_rows(loaded)}
+        )
+        return
+    from jukebox.render import money, seconds
+
+    click.echo(timeline(loaded))
+    head = report.head
+    click.echo(
+        f"replayed {head.count} frame(s) of {summary['tape_id']} offline: {states} file state(s) "
+        f"rebuilt, {money(summary['cost_usd'])} recorded, "
+        f"{seconds(summary['duration_ns'])} of run time, "
+        f"status {summary['status']}"
+    )
+    click.echo(f"verified: hash chain and merkle root {head.merkle_root.hex()}")
+
+
+@cli.command("diff")
+@click.argument("first", metavar="TAPE@N")
+@click.argument("second", metavar="[TAPE@M]", required=False)
+@tape_dir_option
+@click.option("-p", "--patch", is_flag=True, help="Show line diffs of changed text files.")
+@json_option
+def diff_command(
+    first: str, second: str | None, tape_dir: Path | None, patch: bool, as_json: bool
+) -> None:
+    """What changed in the files between two frames (by default: frame N against the one before)."""
+    from jukebox.errors import UsageError
+    from jukebox.tapedir import TapeRef
+    from shadowfs import tree
+
+    ref_a = TapeRef.parse(first, tape_dir)
+    tape_a = load(ref_a)
+    n = check_frame(tape_a, ref_a)
+    if second is None:
+        old_tree = tape_a.tree_at(n - 1) if n > 0 else None
+        new_tree, tape_b = tape_a.tree_at(n), tape_a
+        label = f"{ref_a.path}@{n - 1 if n else 0} → @{n}"
+    else:
+        ref_b = TapeRef.parse(second, tape_dir)
+        tape_b = load(ref_b)
+        m = check_frame(tape_b, ref_b)
+        old_tree, new_tree = tape_a.tree_at(n), tape_b.tree_at(m)
+        label = f"{ref_a.path}@{n} → {ref_b.path}@{m}"
+    store = tape_a.store or tape_b.store
+    if store is None and (old_tree or new_tree):
+        raise UsageError(
+            f"no store beside {ref_a.path}: diff needs the tape dir the run was recorded in"
+        )
+    changes = tree.diff_trees(store, old_tree, new_tree) if store else []
+    if as_json:
+        emit_json(
+            {
+                "from_tree": old_tree.hex() if old_tree else None,
+                "to_tree": new_tree.hex() if new_tree else None,
+                "changes": [
+                    {"path": c.path.decode("utf-8", "backslashreplace"), "status": c.status}
+                    for c in changes
+                ],
+            }
+        )
+        return
+    click.echo(f"diff {label}: {len(changes)} change(s)")
+    letters = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
+    for change in changes:
+        click.echo(
+            f"  {letters.get(change.status, '?')}  "
+            f"{change.path.decode('utf-8', 'backslashreplace')}"
+        )
+        if (
+            patch
+            and change.status == "modified"
+            and change.old
+            and change.new
+            and change.new.kind == "file"
+        ):
+            click.echo(text_patch(store, change), nl=False)
+
+
+def text_patch(store, change) -> str:
+    import difflib
+
+    limit = 1 << 20
+    if change.old.size > limit or change.new.size > limit:
+        return "     (large file: no line diff)\n"
+    old, new = store.read_bytes(change.old.oid), store.read_bytes(change.new.oid)
+    if b"\0" in old[:8192] or b"\0" in new[:8192]:
+        return "     (binary file)\n"
+    name = change.path.decode("utf-8", "backslashreplace")
+    lines = difflib.unified_diff(
+        old.decode("utf-8", "replace").splitlines(keepends=True),
+        new.decode("utf-8", "replace").splitlines(keepends=True),
+        f"a/{name}",
+        f"b/{name}",
+    )
+    return "".join(
+        "     " + line if line.endswith("\n") else "     " + line + "\n" for line in lines
+    )
+
+
+@cli.command("gc")
+@tape_dir_option
+@click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
+@click.option(
+    "--grace",
+    "grace_seconds",
+    type=click.IntRange(min=0),
+    default=3600,
+    show_default=True,
+    help="Keep unreferenced objects younger than this many seconds (a run may still need them).",
+)
+@json_option
+def gc_command(tape_dir: Path | None, dry_run: bool, grace_seconds: int, as_json: bool) -> None:
+    """Remove store objects that no tape and no pending booth references."""
+    from jukebox.liveness import live_objects
+    from jukebox.tapedir import TapeDir
+
+    home = TapeDir.resolve(tape_dir)
+    store = open_store(home)
+    if store is None:
+        if as_json:
+            emit_json({"kept": 0, "removed": 0, "bytes_freed": 0, "dry_run": dry_run})
+        else:
+            click.echo(f"nothing to collect: no store in {home.path}")
+        return
+    show = progress_printer(as_json)
+    with store:
+        live = live_objects(home, store, progress=show("scanning tapes"))
+        report = store.gc(
+            live, grace_seconds=grace_seconds, dry_run=dry_run, progress=show("collecting")
+        )
+    if as_json:
+        emit_json(
+            {
+                "kept": report.kept,
+                "removed": report.removed,
+                "bytes_freed": report.bytes_freed,
+                "dry_run": dry_run,
+            }
+        )
+        return
+    verb = "would remove" if dry_run else "removed"
+    click.echo(
+        f"{verb} {report.removed} object(s), {report.bytes_freed} byte(s); kept {report.kept}"
+    )
+
+
+def progress_printer(quiet: bool):
+    """Progress on stderr for long operations, only when a person is watching."""
+
+    def make(label: str):
+        if quiet or not sys.stderr.isatty():
+            return None
+
+        def show(done: int, total: int) -> None:
+            end = "\n" if done >= total else ""
+            click.echo(f"\r{label}: {done}/{total}", err=True, nl=False)
+            if end:
+                click.echo("", err=True)
+
+        return show
+
+    return make

@@ -1,0 +1,94 @@
+"""Text for people: frame one-liners, aligned tables, durations and money.
+
+Plain strings on purpose: importing a rich console costs tens of milliseconds, and `jukebox log`
+and `replay` must start fast. Everything here is pure formatting; nothing reads a tape.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+WIDTH_FALLBACK = 120
+
+
+def terminal_width() -> int:
+    return shutil.get_terminal_size((WIDTH_FALLBACK, 24)).columns
+
+
+def money(value: float) -> str:
+    return f"${value:.4f}"
+
+
+def seconds(ns: int) -> str:
+    s = ns / 1e9
+    if s < 1:
+        return f"{s * 1000:.1f}ms"
+    if s < 120:
+        return f"{s:.2f}s"
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def short(text: Any, limit: int = 60) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
+    """Columns sized to their content; `right` names columns to right-align (numbers)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    align_right = set(right)
+    lines = []
+    for row in cells:
+        parts = [
+            (c.rjust(widths[i]) if i in align_right else c.ljust(widths[i]))
+            for i, c in enumerate(row)
+        ]
+        lines.append("   ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def describe(kind: str, payload: dict[str, Any]) -> str:
+    """One human line for a frame's payload, by kind (fields as in docs/tape-format.md)."""
+    p = payload
+    cost = p.get("cost_usd")
+    priced = f" {money(cost)}" if isinstance(cost, int | float) and cost else ""
+    if kind == "run_start":
+        argv = p.get("argv")
+        what = " ".join(map(str, argv)) if isinstance(argv, list) else p.get("function", "")
+        return f"{p.get('name') or ''} {short(what, 50)}".strip()
+    if kind == "agent_turn":
+        who = p.get("agent_name") or p.get("agent") or "agent"
+        model = f" [{p['model']}]" if p.get("model") else ""
+        return f"{who}: {short(p.get('message', p.get('text', '')))}{model}{priced}"
+    if kind == "llm_turn":
+        tokens_in = p.get("tokens_in", (p.get("usage") or {}).get("input"))
+        tokens_out = p.get("tokens_out", (p.get("usage") or {}).get("output"))
+        tokens = f" {tokens_in}→{tokens_out} tok" if tokens_in is not None else ""
+        return f"{p.get('provider', '?')} {p.get('model', '?')}{tokens}{priced}"
+    if kind == "tool_call":
+        return f"{p.get('tool', '?')}({short(p.get('args', ''), 40)})"
+    if kind in ("fs", "checkpoint"):
+        label = f"'{p['label']}' " if p.get("label") else ""
+        paths = p.get("paths")
+        changed = f"{len(paths)} path(s): {short(', '.join(map(str, paths)), 50)}" if paths else ""
+        return (label + changed).strip() or "file state"
+    if kind == "rollback":
+        target = f"to {p['to']} " if p.get("to") is not None else ""
+        return target + short(p.get("reason", ""))
+    if kind == "verify":
+        cmd = p.get("cmd")
+        cmd_text = " ".join(map(str, cmd)) if isinstance(cmd, list) else str(cmd or "")
+        return f"{'passed' if p.get('ok') else 'FAILED'} {short(cmd_text, 40)}".strip()
+    if kind == "commit":
+        return f"{p['changes']} change(s) applied" if "changes" in p else "committed"
+    if kind == "discard":
+        return short(p.get("reason", "discarded"))
+    if kind == "breaker":
+        return f"tripped {p.get('rule', '?')}: {short(p.get('detail', ''))}"
+    if kind == "exit":
+        signal = f", signal {p['signal']}" if p.get("signal") else ""
+        return f"exit {p.get('code')}{signal}"
+    return short(", ".join(f"{k}={short(v, 20)}" for k, v in sorted(p.items())), 70)

@@ -1,0 +1,140 @@
+"""The read side of the CLI, run as a user runs it: the real console script in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from jukebox.tape import TapeWriter
+from jukebox.tapedir import TapeDir
+from shadowfs import tree
+from shadowfs.store import Store
+
+
+def record_run(
+    tape_dir: Path, work: Path, tape_id: str = "tr_demo", name: str = "demo-agent"
+) -> Path:
+    """A small run: two file states, a paid turn and a verdict, written with the real writer."""
+    home = TapeDir(tape_dir)
+    tape_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "notes.txt").write_text("line one\nline two\n")
+    with Store.open(home.store_path) as store:
+        base = tree.build_tree(store, work)
+        writer = TapeWriter.create(home.tape_path(tape_id), store, tape_id)
+        writer.append("run_start", {"tape_id": tape_id, "name": name, "argv": ["agent"]}, tree=base)
+        writer.append(
+            "agent_turn", {"agent_name": "planner", "message": "edit notes", "cost_usd": 0.008}
+        )
+        (work / "notes.txt").write_text("line one\nline 2\n")
+        (work / "new file.py").write_text("print('hi')\n")
+        after = tree.build_tree(store, work, previous=base)
+        writer.append("checkpoint", {"label": "edited"}, tree=after)
+        writer.append("commit", {"changes": 2}, tree=after)
+        writer.close()
+    return home.tape_path(tape_id)
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> Path:
+    return record_run(tmp_path / "tapes", tmp_path / "work")
+
+
+def test_ls_lists_tapes_as_table_and_json(recorded: Path, jukebox_cli) -> None:
+    out = jukebox_cli("ls", check=True).stdout
+    header, row = out.splitlines()
+    assert header.split() == ["TRACK", "ID", "AGENT", "NAME", "FRAMES", "COST", "STATUS"]
+    assert row.split() == ["tr_demo", "demo-agent", "4", "$0.0080", "COMMITTED"]
+    rows = json.loads(jukebox_cli("ls", "--json", check=True).stdout)
+    assert [(r["tape_id"], r["frames"], r["status"]) for r in rows] == [("tr_demo", 4, "COMMITTED")]
+
+
+def test_log_shows_every_frame(recorded: Path, jukebox_cli) -> None:
+    out = jukebox_cli("log", "tr_demo", check=True).stdout
+    for marker in ("@0", "run_start", "planner: edit notes", "'edited'", "commit"):
+        assert marker in out
+    frames = json.loads(jukebox_cli("log", str(recorded), "--json", check=True).stdout)["frames"]
+    assert [f["kind"] for f in frames] == ["run_start", "agent_turn", "checkpoint", "commit"]
+
+
+def test_verify_and_replay_succeed_on_an_intact_tape(recorded: Path, jukebox_cli) -> None:
+    assert jukebox_cli("verify", "tr_demo", check=True).stdout.startswith("ok: 4 frame(s) verified")
+    out = jukebox_cli("replay", str(recorded), check=True).stdout
+    assert "replayed 4 frame(s) of tr_demo offline: 3 file state(s) rebuilt" in out
+    data = json.loads(jukebox_cli("replay", "tr_demo", "--json", check=True).stdout)
+    assert data["ok"] and data["file_states"] == 3
+
+
+def one_line_error(proc, code: int) -> str:
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_flipped_byte_is_tampering_exit_1(recorded: Path, jukebox_cli) -> None:
+    data = bytearray(recorded.read_bytes())
+    data[60] ^= 0x01
+    recorded.write_bytes(bytes(data))
+    line = one_line_error(jukebox_cli("verify", "tr_demo"), 1)
+    assert "altered at frame 0" in line
+    one_line_error(jukebox_cli("replay", "tr_demo"), 1)
+
+
+def test_truncated_tape_is_torn_exit_1(recorded: Path, jukebox_cli) -> None:
+    os.truncate(recorded, recorded.stat().st_size - 5)
+    line = one_line_error(jukebox_cli("verify", "tr_demo"), 1)
+    assert "torn record" in line and "3 frame(s) before it are intact" in line
+
+
+def test_foreign_file_is_input_error_exit_2(tmp_path: Path, jukebox_cli) -> None:
+    foreign = tmp_path / "notes.jbx"
+    foreign.write_text("just some text\n")
+    assert "is not a Jukebox tape" in one_line_error(jukebox_cli("verify", str(foreign)), 2)
+
+
+def test_missing_object_is_named_exit_1(recorded: Path, tmp_path: Path, jukebox_cli) -> None:
+    home = TapeDir(tmp_path / "tapes")
+    with Store.open(home.store_path) as store:
+        kept = store.gc(set(), grace_seconds=0)
+    assert kept.removed > 0
+    assert "missing from the store" in one_line_error(jukebox_cli("verify", "tr_demo"), 1)
+
+
+def test_bad_arguments_get_one_line_exit_2(recorded: Path, jukebox_cli) -> None:
+    assert "no tape 'nope'" in one_line_error(jukebox_cli("log", "nope"), 2)
+    assert "there is no frame 9" in one_line_error(jukebox_cli("diff", "tr_demo@9"), 2)
+    assert "bad frame selector" in one_line_error(jukebox_cli("diff", "tr_demo@x"), 2)
+    assert "--bogus" in one_line_error(jukebox_cli("ls", "--bogus"), 2)
+
+
+def test_diff_between_frames_names_changes(recorded: Path, jukebox_cli) -> None:
+    out = jukebox_cli("diff", "tr_demo@0", "tr_demo@2", "--patch", check=True).stdout
+    assert "2 change(s)" in out
+    assert "M  notes.txt" in out and "A  new file.py" in out
+    assert "-line two" in out and "+line 2" in out
+    assert "0 change(s)" in jukebox_cli("diff", "tr_demo@3", check=True).stdout
+    data = json.loads(jukebox_cli("diff", "tr_demo@2", "--json", check=True).stdout)
+    assert sorted((c["path"], c["status"]) for c in data["changes"]) == [
+        ("new file.py", "added"),
+        ("notes.txt", "modified"),
+    ]
+
+
+def test_gc_keeps_what_tapes_reference_and_drops_the_rest(
+    recorded: Path, tmp_path: Path, jukebox_cli
+) -> None:
+    home = TapeDir(tmp_path / "tapes")
+    with Store.open(home.store_path) as store:
+        orphan = store.put("blob", b"nobody references me")
+        store.flush()
+    dry = json.loads(jukebox_cli("gc", "--grace", "0", "--dry-run", "--json", check=True).stdout)
+    assert dry["removed"] == 1 and dry["dry_run"]
+    done = json.loads(jukebox_cli("gc", "--grace", "0", "--json", check=True).stdout)
+    assert done["removed"] == 1
+    with Store.open(home.store_path) as store:
+        assert not store.has(orphan)
+    assert jukebox_cli("replay", "tr_demo").returncode == 0
