@@ -76,6 +76,20 @@ def header_len(kind: str, delta: bool) -> int:
     return FIXED_LEN + len(kind) + (OID_SIZE if delta else 0)
 
 
+def check_kind(kind: str) -> None:
+    if kind in _GOOD_KINDS:
+        return
+    kind_b = kind.encode("ascii", "replace")
+    if not (0 < len(kind_b) <= MAX_KIND_LEN and _plain_word(kind_b)):
+        raise StoreError(
+            f"object kind {kind!r} must be 1 to {MAX_KIND_LEN} ASCII letters, digits or '_'"
+        )
+    _GOOD_KINDS.add(kind)
+
+
+_GOOD_KINDS: set[str] = set()
+
+
 def encode_header(
     oid: ObjectId,
     kind: str,
@@ -85,9 +99,8 @@ def encode_header(
     stored_len: int,
     base: ObjectId | None,
 ) -> bytes:
+    check_kind(kind)
     kind_b = kind.encode("ascii")
-    if not 0 < len(kind_b) <= MAX_KIND_LEN:
-        raise StoreError(f"object kind {kind!r} must be 1 to {MAX_KIND_LEN} ASCII characters")
     fixed = _FIXED.pack(RECORD_MAGIC, flags, len(kind_b), 0, created, raw_len, stored_len, oid)
     return b"".join((fixed, _CRC.pack(zlib.crc32(fixed)), kind_b, base or b""))
 
@@ -109,6 +122,10 @@ def _parse_fixed(buf: bytes | memoryview) -> tuple[int, int, int, int, int, byte
     return flags, kind_len, created, raw_len, stored_len, oid
 
 
+def _plain_word(kind: bytes) -> bool:
+    return kind.isascii() and kind.replace(b"_", b"").isalnum()
+
+
 def parse_header(buf: bytes | memoryview) -> RecordHeader:
     """Parses a full record header from the start of buf; raises RecordError if it is damaged."""
     fixed = _parse_fixed(buf)
@@ -125,7 +142,7 @@ def parse_header(buf: bytes | memoryview) -> RecordHeader:
         base = ObjectId(base_b)
     if len(kind_b) != kind_len:
         raise RecordError("record header cut short")
-    if not (kind_b.isascii() and kind_b.replace(b"_", b"").isalnum()):
+    if not _plain_word(kind_b):
         raise RecordError("record kind is not a plain ASCII word")
     kind = kind_b.decode("ascii")
     return RecordHeader(ObjectId(oid), kind, flags, created, raw_len, stored_len, base)

@@ -484,6 +484,7 @@ class Store:
         With delta_base, the object is stored as a zstd delta against that object when that is
         smaller than compressing it alone and the base's delta chain is not already at the cap.
         """
+        pk.check_kind(kind)
         if not isinstance(data, bytes):
             data = bytes(data)
         if kind == "blob" and len(data) > CHUNK_SIZE:

@@ -1,0 +1,522 @@
+"""The content-addressed store, against real packs, a real sqlite index and real processes."""
+
+from __future__ import annotations
+
+import filecmp
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
+from shadowfs.oid import ObjectId, hash_object
+from shadowfs.pack import PACK_HEADER_LEN
+from shadowfs.store import (
+    CHUNK_SIZE,
+    MAX_DELTA_DEPTH,
+    Store,
+    decode_chunks,
+    encode_chunks,
+)
+from shadowfs.store_index import StoreIndex
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+
+
+def packs(root: Path) -> list[Path]:
+    return sorted((root / "packs").glob("pack-*.pack"))
+
+
+def text(n: int, seed: int = 0) -> bytes:
+    """Compressible, source-like bytes that differ by seed."""
+    line = f"def f_{seed}(x):\n    return x * {seed} + 1  # a comment\n".encode()
+    return (line * (n // len(line) + 1))[:n]
+
+
+def run_py(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, cwd=REPO, timeout=120, check=False,
+    )
+
+
+def drop_index(root: Path) -> None:
+    for name in ("index.sqlite", "index.sqlite-wal", "index.sqlite-shm"):
+        (root / name).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize(
+    "size",
+    [0, 1, 1000, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 2 * CHUNK_SIZE, 9 * MiB],
+)
+def test_file_round_trip(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size // 2) + text(size - size // 2)
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    with Store.open(tmp_path / "store") as store:
+        oid = store.put_file(src)
+        if size <= CHUNK_SIZE:
+            assert store.kind(oid) == "blob"
+            assert oid == hash_object("blob", data) == store.put("blob", data)
+        else:
+            assert store.kind(oid) == "chunks"
+            chunks = decode_chunks(store.get(oid))
+            assert [n for _, n in chunks] == [
+                min(CHUNK_SIZE, size - i) for i in range(0, size, CHUNK_SIZE)
+            ]
+        assert store.size(oid) == size
+        out = io.BytesIO()
+        assert store.read_file_into(oid, out) == size
+        assert out.getvalue() == data
+    with Store.open(tmp_path / "store", create=False) as store:
+        assert store.read_bytes(oid) == data
+        assert store.verify() == []
+
+
+def test_put_file_reads_from_an_fd_and_leaves_it_open(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.write_bytes(b"abc" * 1000)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with Store.open(tmp_path / "store") as store:
+            oid = store.put_file(fd)
+            assert store.get(oid) == b"abc" * 1000
+        os.fstat(fd)  # still open
+    finally:
+        os.close(fd)
+
+
+def test_kinds_are_part_of_the_id_and_objects_survive_reopen(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        a = store.put("blob", b"same bytes")
+        b = store.put("tree", b"same bytes")
+        assert a != b
+        assert (store.kind(a), store.kind(b)) == ("blob", "tree")
+    with Store.open(tmp_path) as store:
+        assert store.get(a) == store.get(b) == b"same bytes"
+        assert set(store.iter_oids()) == {a, b}
+
+
+def test_a_blob_over_the_chunk_size_is_refused(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store, pytest.raises(StoreError, match="put_file"):
+        store.put("blob", bytes(CHUNK_SIZE + 1))
+
+
+def test_open_without_create_and_use_after_close_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no store at"):
+        Store.open(tmp_path / "nowhere", create=False)
+    store = Store.open(tmp_path / "s")
+    store.close()
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.get(hash_object("blob", b""))
+
+
+# ---------------------------------------------------------------------------- dedup and deltas
+
+
+def test_put_dedups_within_a_batch_and_across_opens(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        oids = {store.put("json", b'{"n": %d}' % (i % 10)) for i in range(100)}
+        assert len(oids) == 10
+        store.flush()
+        before = store.stats()
+    with Store.open(tmp_path) as store:
+        for i in range(10):
+            store.put("json", b'{"n": %d}' % i)
+        store.flush()
+        after = store.stats()
+    assert after.objects == before.objects == 10
+    assert after.pack_bytes == before.pack_bytes
+
+
+def test_delta_round_trip_is_smaller_than_plain(tmp_path: Path) -> None:
+    base_data = os.urandom(64 * 1024)  # incompressible alone, so only a delta can shrink an edit
+    edited = base_data[:1000] + b"EDIT" + base_data[1004:]
+    with Store.open(tmp_path) as store:
+        base = store.put("blob", base_data)
+        oid = store.put("blob", edited, delta_base=base)
+        plain = store.put("blob", edited[::-1])
+        assert store.get(oid) == edited
+        store.flush()
+        stats = store.stats()
+    idx = StoreIndex.open(tmp_path / "index.sqlite")
+    try:
+        entry, plain_entry = idx.lookup(oid), idx.lookup(plain)
+        assert entry is not None and plain_entry is not None
+        assert entry.delta_base == base and entry.depth == 1
+        assert entry.stored_len < 1000 < plain_entry.stored_len
+    finally:
+        idx.close()
+    assert stats.stored_bytes < stats.raw_bytes
+    with Store.open(tmp_path) as store:
+        assert store.get(oid) == edited
+        assert store.verify() == []
+
+
+def test_delta_chains_are_capped_and_survive_a_rebuild(tmp_path: Path) -> None:
+    versions = [text(20_000, 1) + b"v%d" % i for i in range(3 * MAX_DELTA_DEPTH)]
+    with Store.open(tmp_path) as store:
+        prev = None
+        oids = []
+        for v in versions:
+            prev = store.put("blob", v, delta_base=prev)
+            oids.append(prev)
+        assert [store.get(o) for o in oids] == versions
+    idx = StoreIndex.open(tmp_path / "index.sqlite")
+    try:
+        depths = [idx.lookup(o).depth for o in oids]  # type: ignore[union-attr]
+    finally:
+        idx.close()
+    assert max(depths) == MAX_DELTA_DEPTH
+    assert depths[MAX_DELTA_DEPTH + 1] == 0  # past the cap the next version starts a new chain
+    drop_index(tmp_path)
+    with Store.open(tmp_path) as store:
+        assert [store.get(o) for o in oids] == versions
+        assert store.verify() == []
+    idx = StoreIndex.open(tmp_path / "index.sqlite")
+    try:
+        assert [idx.lookup(o).depth for o in oids] == depths  # type: ignore[union-attr]
+    finally:
+        idx.close()
+
+
+def test_a_missing_delta_base_stores_plainly(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        ghost = hash_object("blob", b"never stored")
+        oid = store.put("blob", b"data" * 100, delta_base=ghost)
+        assert store.get(oid) == b"data" * 100
+
+
+# ---------------------------------------------------------------------------- missing and corrupt
+
+
+def test_missing_object(tmp_path: Path) -> None:
+    ghost = hash_object("blob", b"nope")
+    with Store.open(tmp_path) as store:
+        assert not store.has(ghost)
+        for call in (store.get, store.kind, store.size):
+            with pytest.raises(ObjectMissing, match=str(ghost)):
+                call(ghost)
+
+
+def test_a_flipped_payload_byte_names_the_pack_and_offset(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        keep = store.put("blob", b"fine" * 50)
+        bad = store.put("blob", text(5000))
+    pack = packs(tmp_path)[0]
+    raw = bytearray(pack.read_bytes())
+    raw[-10] ^= 0x01  # inside the last record's payload
+    pack.write_bytes(raw)
+    with Store.open(tmp_path) as store:
+        assert store.get(keep) == b"fine" * 50
+        with pytest.raises(ObjectCorrupt) as info:
+            store.get(bad)
+        assert pack.name in str(info.value) and "offset" in str(info.value)
+        problems = store.verify()
+        assert [(p.oid, p.pack) for p in problems] == [(bad, pack.name)]
+        assert problems[0].offset > 0
+
+
+def _small_mixed_store(root: Path) -> dict[ObjectId, bytes]:
+    """One small pack holding every record shape: zstd, raw, empty, delta, chunks, another kind."""
+    contents: dict[ObjectId, bytes] = {}
+    with Store.open(root) as store:
+        a = store.put("blob", text(300))
+        contents[a] = text(300)
+        r = os.urandom(40)
+        contents[store.put("blob", r)] = r
+        contents[store.put("blob", b"")] = b""
+        d = text(300) + b"tail"
+        contents[store.put("blob", d, delta_base=a)] = d
+        c = encode_chunks([(a, 300)])
+        contents[store.put("chunks", c)] = c
+        contents[store.put("tree", b"t" * 20)] = b"t" * 20
+    assert len(packs(root)) == 1
+    return contents
+
+
+def test_every_flipped_byte_of_a_pack_is_caught(tmp_path: Path) -> None:
+    contents = _small_mixed_store(tmp_path)
+    pack = packs(tmp_path)[0]
+    original = pack.read_bytes()
+    missed = []
+    for offset in range(len(original)):
+        for mask in (0x01, 0xFF) if offset % 5 == 0 else (0x01,):
+            damaged = bytearray(original)
+            damaged[offset] ^= mask
+            pack.write_bytes(damaged)
+            try:
+                store = Store.open(tmp_path)
+            except StoreError:
+                continue
+            with store:
+                if not store.verify():
+                    missed.append((offset, mask))
+                for oid, data in contents.items():
+                    try:
+                        got = store.get(oid)
+                    except StoreError:
+                        continue
+                    assert got == data, f"flip at {offset} returned wrong bytes silently"
+    pack.write_bytes(original)
+    assert missed == []
+    with Store.open(tmp_path) as store:
+        assert store.verify() == []
+
+
+def test_verify_checks_packs_the_index_does_not_know(tmp_path: Path) -> None:
+    contents = _small_mixed_store(tmp_path)
+    pack = packs(tmp_path)[0]
+    stray = pack.with_name("pack-" + "ab" * 16 + ".pack")
+    raw = bytearray(pack.read_bytes())
+    raw[-3] ^= 0x01
+    stray.write_bytes(raw)
+    with Store.open(tmp_path) as store:
+        problems = store.verify()
+        assert [p.pack for p in problems] == [stray.name]
+        for oid, data in contents.items():
+            assert store.get(oid) == data  # the index still points at the intact copies
+
+
+# ---------------------------------------------------------------------------- index and crashes
+
+
+def test_index_is_rebuilt_from_packs_when_deleted(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        blobs = {store.put("blob", text(100 + i, i)): text(100 + i, i) for i in range(200)}
+        big = tmp_path / "big"
+        big.write_bytes(os.urandom(CHUNK_SIZE + 10))
+        chunked = store.put_file(big)
+    drop_index(tmp_path)
+    with Store.open(tmp_path) as store:
+        for oid, data in blobs.items():
+            assert store.get(oid) == data
+        assert store.size(chunked) == CHUNK_SIZE + 10
+        assert store.verify() == []
+        assert store.rebuild_index() == len(blobs) + 3  # two chunks and the chunks object
+        assert store.stats().objects == len(blobs) + 3
+
+
+def test_damaged_index_is_a_clear_error(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        store.put("blob", b"x")
+    drop_index(tmp_path)
+    (tmp_path / "index.sqlite").write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="delete it and reopen"):
+        Store.open(tmp_path)
+
+
+CRASH_WRITER = """
+import os, sys
+from shadowfs.store import Store
+root = sys.argv[1]
+store = Store.open(root)
+store.put("blob", b"flushed")
+store.flush()
+# Big enough to bypass the write buffer, so the records reach the pack but are never indexed.
+store.put("blob", os.urandom(2 << 20))
+store.put("blob", os.urandom(2 << 20))
+os._exit(0)
+"""
+
+
+def test_torn_pack_tail_is_cut_and_intact_unflushed_records_adopted(tmp_path: Path) -> None:
+    proc = run_py(CRASH_WRITER, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    pack = packs(tmp_path)[0]
+    full = pack.stat().st_size
+    os.truncate(pack, full - 1000)  # the second big record was cut short by the "crash"
+    with Store.open(tmp_path) as store:
+        assert store.get(hash_object("blob", b"flushed")) == b"flushed"
+        assert store.stats().objects == 2  # the flushed one and the intact unflushed one
+        assert store.verify() == []
+    cut = pack.stat().st_size
+    assert cut < full - 1000
+    # A zero-filled tail (lost data blocks after a crash) is also an unfinished write.
+    with open(pack, "ab") as f:
+        f.write(bytes(4096))
+    drop_index(tmp_path)  # and rebuild skips it too
+    with Store.open(tmp_path) as store:
+        assert store.stats().objects == 2
+        assert store.verify() == []
+        oid = store.put("blob", b"after the crash")
+        store.flush()
+    with Store.open(tmp_path) as store:
+        assert store.get(oid) == b"after the crash"
+        assert store.verify() == []
+
+
+def test_a_writer_reuses_an_unlocked_pack(tmp_path: Path) -> None:
+    for i in range(3):
+        with Store.open(tmp_path) as store:
+            store.put("blob", b"object %d" % i)
+    assert len(packs(tmp_path)) == 1
+    with Store.open(tmp_path) as one, Store.open(tmp_path) as two:
+        one.put("blob", b"from one")
+        two.put("blob", b"from two")  # the shared pack is taken: a second one appears
+        assert len(packs(tmp_path)) == 2
+
+
+def test_objects_become_visible_to_other_stores_at_flush(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as writer, Store.open(tmp_path) as reader:
+        oid = writer.put("blob", b"soon")
+        assert not reader.has(oid)
+        writer.flush()
+        assert reader.get(oid) == b"soon"
+
+
+CONCURRENT_WRITER = """
+import sys
+from shadowfs.store import Store
+root, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Store.open(root) as store:
+    for i in range(n):
+        store.put("blob", b"%s own object %d " % (tag.encode(), i) * 3)
+        store.put("blob", b"shared object %d" % i)
+        if i % 50 == 0:
+            store.flush()
+"""
+
+
+def test_two_processes_write_one_store_at_once(tmp_path: Path) -> None:
+    n = 3000
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT_WRITER, str(tmp_path), tag, str(n)],
+            cwd=REPO, stderr=subprocess.PIPE, text=True,
+        )
+        for tag in ("a", "b")
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    with Store.open(tmp_path) as store:
+        for i in range(n):
+            for tag in (b"a", b"b"):
+                data = b"%s own object %d " % (tag, i) * 3
+                assert store.get(hash_object("blob", data)) == data
+            shared = b"shared object %d" % i
+            assert store.get(hash_object("blob", shared)) == shared
+        assert store.stats().objects == 3 * n
+        assert store.verify() == []
+
+
+# ---------------------------------------------------------------------------- gc
+
+
+def _gc_fixture(root: Path) -> tuple[dict[str, ObjectId], Path]:
+    big = root.parent / "big"
+    big.write_bytes(os.urandom(CHUNK_SIZE) + b"tail")
+    with Store.open(root) as store:
+        oids = {
+            "live": store.put("blob", text(3000, 1)),
+            "dead": store.put("blob", text(3000, 2)),
+            "base": store.put("blob", text(3000, 3)),
+            "chunked": store.put_file(big),
+        }
+        oids["delta"] = store.put("blob", text(3000, 3) + b"!", delta_base=oids["base"])
+        oids["dead_delta"] = store.put("blob", text(3000, 3) + b"?", delta_base=oids["base"])
+        chunks = decode_chunks(store.get(oids["chunked"]))
+        oids["chunk0"], oids["chunk1"] = chunks[0][0], chunks[1][0]
+    return oids, big
+
+
+def test_gc_keeps_young_objects_within_the_grace_period(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    oids, _ = _gc_fixture(root)
+    with Store.open(root) as store:
+        report = store.gc({oids["live"]})
+        assert (report.removed, report.kept) == (0, len(oids))
+        assert all(store.has(o) for o in oids.values())
+
+
+def test_gc_removes_what_nothing_live_needs(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    oids, big = _gc_fixture(root)
+    live = {oids["live"], oids["delta"], oids["chunked"]}
+    with Store.open(root) as store:
+        before = store.stats()
+        dry = store.gc(live, grace_seconds=0, dry_run=True)
+        assert (dry.kept, dry.removed) == (6, 2)
+        assert store.stats() == before
+        seen: list[tuple[int, int]] = []
+        report = store.gc(live, grace_seconds=0, progress=lambda d, t: seen.append((d, t)))
+        assert (report.kept, report.removed) == (6, 2)
+        assert report.bytes_freed > 0
+        assert seen and seen[-1][0] == seen[-1][1]
+        for name in ("dead", "dead_delta"):
+            with pytest.raises(ObjectMissing):
+                store.get(oids[name])
+        assert store.get(oids["live"]) == text(3000, 1)
+        assert store.get(oids["delta"]) == text(3000, 3) + b"!"
+        out = io.BytesIO()
+        store.read_file_into(oids["chunked"], out)
+        assert out.getvalue() == big.read_bytes()
+        assert store.verify() == []
+        after = store.stats()
+        assert after.objects == 6 and after.pack_bytes < before.pack_bytes
+        # The store keeps working after its writer's pack was rewritten.
+        again = store.put("blob", b"written after gc")
+    drop_index(root)  # the rewritten packs alone describe the same store
+    with Store.open(root) as store:
+        assert store.stats().objects == 7
+        assert store.get(again) == b"written after gc"
+        assert store.verify() == []
+
+
+def test_gc_refuses_while_another_store_is_writing(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as writer, Store.open(tmp_path) as other:
+        writer.put("blob", b"in flight")
+        with pytest.raises(StoreBusy, match="retry"):
+            other.gc(set(), grace_seconds=0)
+        writer.flush()
+    with Store.open(tmp_path) as store:
+        assert store.gc(set(), grace_seconds=0).removed == 1
+
+
+# ---------------------------------------------------------------------------- bounded memory
+
+
+STREAMER = """
+import json, os, resource, sys
+from shadowfs.store import Store
+root, src, dst = sys.argv[1:4]
+with open(src, "wb") as f:
+    for i in range(64):
+        f.write(os.urandom(1 << 19) + bytes([i]) * (1 << 19))
+with Store.open(root) as store:
+    store.put("blob", b"warm up the compressor")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    oid = store.put_file(src)
+    store.flush()
+    with open(dst, "wb") as f:
+        size = store.read_file_into(oid, f)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"growth_kib": after - before, "size": size, "kind": store.kind(oid)}))
+"""
+
+
+def test_a_64_mib_file_streams_in_bounded_memory(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    proc = run_py(STREAMER, str(tmp_path / "store"), str(src), str(dst))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["size"] == 64 * MiB and result["kind"] == "chunks"
+    assert result["growth_kib"] < 40 * 1024, result  # well under the 64 MiB file
+    assert filecmp.cmp(src, dst, shallow=False)
+
+
+def test_pack_files_start_with_their_header(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as store:
+        store.put("blob", b"x")
+    assert packs(tmp_path)[0].read_bytes()[:PACK_HEADER_LEN] == b"SFPACK\x00\x01"
