@@ -335,14 +335,6 @@ def _lo_up() -> None:
         fcntl.ioctl(s.fileno(), siocsifflags, struct.pack("16sh14x", b"lo", flags | iff_up))
 
 
-def _same_object(path: str, fd: int) -> bool:
-    try:
-        a, b = os.stat(path), os.fstat(fd)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
@@ -366,27 +358,38 @@ def build_view(spec: ChildSpec) -> None:
         for path in ("/tmp", "/dev/shm"):
             if os.path.isdir(path):
                 mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
-    hidden_ro: list[str] = []
-    for raw in sorted(spec.hide, key=lambda p: p.count("/")):
-        path = os.path.realpath(raw)
-        if os.path.isdir(path):
-            _cover_dir(path)
-            hidden_ro.append(path)
-        elif os.path.lexists(path):
-            _cover_file(path)
-            hidden_ro.append(path)
-    # Put back every kept mount a cover swallowed, at its own path.
+    hides = sorted({os.path.realpath(p) for p in spec.hide}, key=lambda p: p.count("/"))
+    # Covers over an ancestor of a kept path go first, so the kept mount is put back on top of
+    # them; covers inside a kept path (a hidden directory in the tree) go last, on top of it.
+    above = [h for h in hides if any(_is_under(k, h) for k in keep)]
+    below = [h for h in hides if h not in above]
+    hidden_ro = _cover_all(above)
+    # Every kept mount goes back at its own path, on top of whatever now lies there: the
+    # read-only host, a cover, or the private /tmp. The clones predate all of that.
     for path, fd in clones.items():
-        if not _same_object(path, fd):
-            os.makedirs(path, exist_ok=True)
-            move_mount(fd, path)
+        os.makedirs(path, exist_ok=True)
+        move_mount(fd, path)
         os.close(fd)
+    hidden_ro += _cover_all(below)
     for path in hidden_ro:
-        # The keep-paths re-created inside a cover stay reachable; the cover itself is frozen.
         if os.path.isdir(path):
             mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         else:
             mount_setattr(path, MOUNT_ATTR_RDONLY)
+
+
+def _cover_all(paths: list[str]) -> list[str]:
+    """Covers each existing path (a path already gone under an earlier cover needs none)."""
+    covered = []
+    for path in paths:
+        if os.path.isdir(path):
+            _cover_dir(path)
+        elif os.path.lexists(path):
+            _cover_file(path)
+        else:
+            continue
+        covered.append(path)
+    return covered
 
 
 def set_limits(limits: Mapping[str, int]) -> None:

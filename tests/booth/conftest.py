@@ -1,0 +1,105 @@
+"""Fixtures for booth tests: real namespaces, real mounts, real processes.
+
+Unprivileged runs use `setpriv` to become `nobody`. The venv's interpreter lives under /root
+(mode 0700 here), out of nobody's reach, so those runs use the system Python 3.11 with a tiny venv
+whose .pth pulls in this checkout and the project venv's packages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NOBODY = 65534
+
+
+def run_py(
+    code: str,
+    *args: str,
+    python: str = sys.executable,
+    user: int | None = None,
+    timeout: float = 30,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    cmd = [python, "-c", code, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or "/")
+
+
+def last_json(proc: subprocess.CompletedProcess[str]) -> dict:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no JSON in output (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="session")
+def root_only() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create mount namespaces and become nobody")
+
+
+@pytest.fixture(scope="session")
+def nobody_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run as nobody")
+    system = shutil.which("python3.11", path="/usr/bin:/usr/local/bin")
+    if system is None:
+        pytest.skip("no system python3.11 readable by nobody")
+    base = Path("/tmp") / f"jukebox-test-nobody-venv-{os.getpid()}"
+    subprocess.run([system, "-m", "venv", "--without-pip", str(base)], check=True)
+    site = next((base / "lib").glob("python3*/site-packages"))
+    ours = next((Path(sys.prefix) / "lib").glob("python3*/site-packages"))
+    (site / "jukebox-dev.pth").write_text(f"import site; site.addsitedir({str(ours)!r})\n")
+    python = str(base / "bin" / "python")
+    probe = run_py("import jukebox.isolation, prctl", python=python, user=NOBODY)
+    if probe.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"the system python cannot load the project as nobody: {probe.stderr[-300:]}")
+    userns = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "unshare",
+            "-Urm",
+            "true",
+        ],
+        capture_output=True,
+    )
+    if userns.returncode != 0:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip("the kernel forbids unprivileged user namespaces here")
+    yield python
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def open_dev_fuse() -> Iterator[None]:
+    """/dev/fuse is 0600 on this machine; an unprivileged booth needs to open it."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse")
+    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+    os.chmod("/dev/fuse", 0o666)
+    yield
+    os.chmod("/dev/fuse", mode)
+
+
+@pytest.fixture
+def nobody_dir(tmp_path: Path) -> Path:
+    """A directory nobody can reach and own: /tmp/<name>, since pytest's tmp root is 0700."""
+    d = Path("/tmp") / f"jukebox-nobody-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    os.chown(d, NOBODY, NOBODY)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
