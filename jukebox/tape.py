@@ -164,10 +164,12 @@ class Tape:
             start = pos + LENGTH.size
             end = start + length + ID_SIZE
             if end > end_of_file or length > MAX_FRAME_SIZE:
-                torn = TornTail(
-                    pos,
-                    f"the record needs {end - pos} bytes but only {end_of_file - pos} remain",
+                reason = (
+                    f"the record needs {end - pos} bytes but only {end_of_file - pos} remain"
+                    if length <= MAX_FRAME_SIZE
+                    else f"its length prefix claims {length} bytes, more than any frame holds"
                 )
+                torn = TornTail(pos, reason)
                 break
             raw = data[start : start + length]
             update((header % length) + raw)
@@ -200,10 +202,13 @@ class Tape:
         """The run_start payload's tape_id, or the latest fork frame's for a forked tape."""
         tape_id = None
         for f in self.frames:
-            if f.kind == "run_start" or f.kind == "fork":
-                value = f.payload.get("tape_id")
-                if isinstance(value, str):
-                    tape_id = value
+            try:
+                if f.kind == "run_start" or f.kind == "fork":
+                    value = f.payload.get("tape_id")
+                    if isinstance(value, str):
+                        tape_id = value
+            except TamperedTape:
+                continue  # verify() reports it; the id is still worth showing
         return tape_id
 
     @property
@@ -227,7 +232,10 @@ class Tape:
                 f"there is no frame {n}"
             )
         for i in range(n, -1, -1):
-            tree = self.frames[i].tree
+            try:
+                tree = self.frames[i].tree
+            except TamperedTape as e:
+                raise TamperedTape(self.path, i, e.what) from None
             if tree is not None:
                 return tree
         return None
@@ -240,14 +248,21 @@ class Tape:
         return merkle.consistency_proof([f._id for f in self.frames], m)
 
     def summary(self) -> dict[str, Any]:
-        """One row of `jukebox ls`."""
+        """One row of `jukebox ls`. Frames that do not decode are skipped and flag `damaged`."""
         name = None
         cost = 0.0
         status: str | None = None
         exited = False
+        damaged = False
+        times: list[int] = []
         for f in self.frames:
-            kind = f.kind
-            payload = f.payload
+            try:
+                kind = f.kind
+                payload = f.payload
+                times.append(f.time_ns)
+            except TamperedTape:
+                damaged = True
+                continue
             c = payload.get("cost_usd")
             if isinstance(c, int | float) and not isinstance(c, bool):
                 cost += c
@@ -267,8 +282,8 @@ class Tape:
                 status, exited = None, False
         if status is None:
             status = "EXITED" if exited else "RUNNING"
-        started = self.frames[0].time_ns if self.frames else None
-        duration = self.frames[-1].time_ns - self.frames[0].time_ns if self.frames else 0
+        started = times[0] if times else None
+        duration = times[-1] - times[0] if times else 0
         tape_id = self.tape_id
         return {
             "tape_id": tape_id,
@@ -280,6 +295,7 @@ class Tape:
             "started_ns": started,
             "duration_ns": duration,
             "torn": self.torn_tail is not None,
+            "damaged": damaged,
             "path": os.fspath(self.path),
         }
 

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,23 @@ def test_writer_refuses_bad_frames(tmp_path: Path, store: Store) -> None:
     assert len(Tape.load(tmp_path / "t.jbx").frames) == 1
 
 
+def test_concurrent_appends_keep_one_chain(tmp_path: Path) -> None:
+    with TapeWriter.create(tmp_path / "t.jbx", None, "t", fsync=False) as w:
+        w.append("run_start", {})
+
+        def spam(k: int) -> None:
+            for i in range(50):
+                w.append("note", {"thread": k, "i": i})
+
+        threads = [threading.Thread(target=spam, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    tape = Tape.load(tmp_path / "t.jbx")
+    assert len(tape.frames) == 201 and tape.verify().ok
+
+
 def test_large_payload_values_go_to_the_store(tmp_path: Path, store: Store) -> None:
     big = {"messages": [{"role": "user", "content": "x" * SPILL_THRESHOLD}]}
     with TapeWriter.create(tmp_path / "t.jbx", store, "t") as w:
@@ -196,6 +214,10 @@ def test_non_canonical_frame_with_valid_id_is_tampering(tmp_path: Path) -> None:
     assert any(isinstance(p, TamperedTape) and p.seq == 1 for p in report.problems)
     with pytest.raises(TamperedTape, match="not a canonical version 1 frame"):
         _ = Tape.load(path).frames[1].payload
+    with pytest.raises(TamperedTape, match=f"{path} was altered at frame 1"):
+        Tape.load(path).tree_at(1)
+    summary = Tape.load(path).summary()
+    assert summary["damaged"] is True and summary["frames"] == 2 and summary["tape_id"] == "t"
 
 
 def test_tree_at(tmp_path: Path, store: Store) -> None:
