@@ -12,6 +12,7 @@ import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from shadowfs.errors import StoreError
 from shadowfs.oid import ObjectId
@@ -133,48 +134,56 @@ class StoreIndex:
             ) from None
         try:
             yield
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise _damaged(self.path, exc) from None
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            self._rollback()
             raise
         try:
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
-            self._conn.execute("ROLLBACK")
+            self._rollback()
             raise StoreError(f"cannot commit the store index {self.path} ({exc}); retry") from None
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.execute("ROLLBACK")
+
+    def _all(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self._conn.execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise _damaged(self.path, exc) from None
 
     # ---- reads
 
     def lookup(self, oid: ObjectId) -> IndexEntry | None:
-        row = self._conn.execute(
-            f"SELECT {_COLUMNS} FROM objects WHERE oid=?", (bytes(oid),)
-        ).fetchone()
-        return None if row is None else _entry(row)
+        rows = self._all(f"SELECT {_COLUMNS} FROM objects WHERE oid=?", (bytes(oid),))
+        return _entry(rows[0]) if rows else None
 
     def has(self, oid: ObjectId) -> bool:
-        return (
-            self._conn.execute("SELECT 1 FROM objects WHERE oid=?", (bytes(oid),)).fetchone()
-            is not None
-        )
+        return bool(self._all("SELECT 1 FROM objects WHERE oid=?", (bytes(oid),)))
 
     def entries(self) -> Iterator[IndexEntry]:
-        for row in self._conn.execute(f"SELECT {_COLUMNS} FROM objects").fetchall():
+        for row in self._all(f"SELECT {_COLUMNS} FROM objects"):
             yield _entry(row)
 
     def oids(self) -> list[ObjectId]:
-        return [ObjectId(r[0]) for r in self._conn.execute("SELECT oid FROM objects")]
+        return [ObjectId(r[0]) for r in self._all("SELECT oid FROM objects")]
 
     def locations(self) -> list[tuple[ObjectId, str, int]]:
-        rows = self._conn.execute("SELECT oid, pack, offset FROM objects").fetchall()
+        rows = self._all("SELECT oid, pack, offset FROM objects")
         return [(ObjectId(o), p, off) for o, p, off in rows]
 
     def pack_sizes(self) -> dict[str, int]:
-        return dict(self._conn.execute("SELECT name, size FROM packs").fetchall())
+        return dict(self._all("SELECT name, size FROM packs"))
 
     def totals(self) -> tuple[int, int, int]:
         """(objects, raw bytes, stored bytes)."""
-        count, raw, stored = self._conn.execute(
+        [(count, raw, stored)] = self._all(
             "SELECT count(*), coalesce(sum(raw_len), 0), coalesce(sum(stored_len), 0) FROM objects"
-        ).fetchone()
+        )
         return count, raw, stored
 
     # ---- writes (inside write())

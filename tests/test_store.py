@@ -255,6 +255,8 @@ def test_every_flipped_byte_of_a_pack_is_caught(tmp_path: Path) -> None:
             damaged = bytearray(original)
             damaged[offset] ^= mask
             pack.write_bytes(damaged)
+            if offset % 3 == 0:
+                drop_index(tmp_path)  # a rebuild must not launder damage either
             try:
                 store = Store.open(tmp_path)
             except StoreError:
@@ -471,6 +473,35 @@ def test_gc_removes_what_nothing_live_needs(tmp_path: Path) -> None:
     with Store.open(root) as store:
         assert store.stats().objects == 7
         assert store.get(again) == b"written after gc"
+        assert store.verify() == []
+
+
+def test_a_reader_keeps_reading_across_a_gc(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    oids, _ = _gc_fixture(root)
+    with Store.open(root) as reader, Store.open(root) as collector:
+        assert reader.get(oids["live"]) == text(3000, 1)  # caches the old pack's fd
+        collector.gc({oids["live"]}, grace_seconds=0)
+        assert reader.get(oids["live"]) == text(3000, 1)
+        with pytest.raises(ObjectMissing):
+            reader.get(oids["dead"])
+
+
+def test_gc_interrupted_before_deleting_old_packs_leaves_a_sound_store(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    oids, _ = _gc_fixture(root)
+    old = {p: p.read_bytes() for p in packs(root)}
+    with Store.open(root) as store:
+        store.gc({oids["live"]}, grace_seconds=0)
+    for path, data in old.items():  # as if the process died between commit and unlink
+        path.write_bytes(data)
+    with Store.open(root) as store:
+        assert store.get(oids["live"]) == text(3000, 1)
+        assert store.verify() == []
+        store.gc({oids["live"]}, grace_seconds=0)
+        assert [p for p in packs(root) if p in old] == []
+        assert store.get(oids["live"]) == text(3000, 1)
+        assert store.stats().objects == 1
         assert store.verify() == []
 
 
