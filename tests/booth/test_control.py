@@ -1,0 +1,161 @@
+"""The control socket: round trips, peer credentials, and hostile input that must not hurt it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from jukebox import control
+from jukebox.control import ControlClient, ControlError, ControlServer, Peer
+
+
+class Booth:
+    """Handlers with real state: a list of checkpoints and a current position."""
+
+    def __init__(self) -> None:
+        self.checkpoints: list[str | None] = ["start"]
+        self.at = 0
+        self.peers: list[Peer] = []
+        self.lock = threading.Lock()
+
+    def checkpoint(self, req: dict, peer: Peer) -> dict:
+        with self.lock:
+            self.peers.append(peer)
+            self.checkpoints.append(req.get("label"))
+            self.at = len(self.checkpoints) - 1
+            return {"checkpoint": self.at, "label": req.get("label")}
+
+    def rollback(self, req: dict, peer: Peer) -> dict:
+        to = req["to"]
+        if isinstance(to, str):
+            if to not in self.checkpoints:
+                raise ValueError(f"no checkpoint labelled {to!r}")
+            to = len(self.checkpoints) - 1 - self.checkpoints[::-1].index(to)
+        if to >= len(self.checkpoints):
+            raise ValueError(f"no checkpoint {to}")
+        self.at = to
+        return {"checkpoint": to}
+
+    def status(self, req: dict, peer: Peer) -> dict:
+        return {"at": self.at, "count": len(self.checkpoints), "peer": peer.as_dict()}
+
+    def handlers(self) -> dict:
+        return {"checkpoint": self.checkpoint, "rollback": self.rollback, "status": self.status}
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    booth = Booth()
+    path = str(tmp_path / "c.sock")
+    with ControlServer(path, booth.handlers()) as server:
+        yield booth, path, server
+
+
+def test_round_trips(served) -> None:
+    booth, path, _ = served
+    assert control.request({"op": "checkpoint", "label": "one"}, path)["checkpoint"] == 1
+    assert control.request({"op": "checkpoint"}, path)["checkpoint"] == 2
+    assert control.request({"op": "rollback", "to": "one"}, path)["checkpoint"] == 1
+    assert control.request({"op": "rollback", "to": 0}, path)["checkpoint"] == 0
+    status = control.request({"op": "status"}, path)
+    assert status["ok"] is True and status["at"] == 0 and status["count"] == 3
+    me = Peer(os.getpid(), os.getuid(), os.getgid())
+    assert status["peer"] == me.as_dict()
+    assert booth.peers == [me, me]
+
+
+def test_handler_refusal_becomes_an_error_response(served) -> None:
+    _, path, _ = served
+    with pytest.raises(ControlError, match="no checkpoint labelled 'nope'"):
+        control.request({"op": "rollback", "to": "nope"}, path)
+    with ControlClient(path) as client:
+        assert client.call({"op": "rollback", "to": 99}) == {
+            "ok": False,
+            "error": "no checkpoint 99",
+        }
+        assert client.call({"op": "status"})["ok"] is True  # same connection still served
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"op": "format-disk"}', "unknown op"),
+        (b'{"op": 7}', "unknown op"),
+        (b'{"op": "status", "x": 1}', "unexpected key"),
+        (b'{"op": "rollback"}', "needs 'to'"),
+        (b'{"op": "rollback", "to": true}', "'to' must be"),
+        (b'{"op": "rollback", "to": -1}', ">= 0"),
+        (b'{"op": "rollback", "to": [1]}', "'to' must be"),
+        (b'{"op": "checkpoint", "label": ""}', "non-empty"),
+        (b'{"op": "checkpoint", "label": "a\\nb"}', "printable"),
+        (b'{"op": "checkpoint", "label": 3}', "non-empty string"),
+        (b"\xff\xfe", "not JSON"),
+    ],
+)
+def test_malformed_requests(served, line: bytes, error: str) -> None:
+    booth, path, _ = served
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(line + b"\n")
+        response = json.loads(s.makefile("rb").readline())
+    assert response["ok"] is False and error in response["error"]
+    assert booth.checkpoints == ["start"]  # nothing happened
+    assert control.request({"op": "status"}, path)["ok"]
+
+
+def test_oversized_and_abandoned_connections_do_not_kill_the_server(served) -> None:
+    _, path, _server = served
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(b"x" * (control.MAX_LINE + 10))
+        response = json.loads(s.makefile("rb").readline())
+    assert "longer than" in response["error"]
+    for _ in range(5):  # connect and vanish, or vanish mid-line
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        s.sendall(b'{"op": "sta')
+        s.close()
+    results = []
+
+    def ask() -> None:
+        results.append(control.request({"op": "checkpoint", "label": "t"}, path)["checkpoint"])
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(1, 9))  # serialised: every checkpoint got its own number
+
+
+def test_pipelined_requests_on_one_connection(served) -> None:
+    _, path, _ = served
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(b'{"op":"checkpoint","label":"a"}\n{"op":"checkpoint"}\n{"op":"status"}\n')
+        f = s.makefile("rb")
+        answers = [json.loads(f.readline()) for _ in range(3)]
+    assert [a.get("checkpoint") for a in answers[:2]] == [1, 2] and answers[2]["count"] == 3
+
+
+def test_client_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(control.SOCKET_ENV, raising=False)
+    with pytest.raises(ControlError, match="JUKEBOX_SOCKET is not set"):
+        control.request({"op": "status"})
+    with pytest.raises(ControlError, match="is the booth still running"):
+        control.request({"op": "status"}, str(tmp_path / "gone.sock"))
+
+
+def test_socket_is_private_and_removed_on_close(tmp_path: Path) -> None:
+    path = tmp_path / "c.sock"
+    server = ControlServer(str(path), Booth().handlers()).start()
+    assert (path.stat().st_mode & 0o777) == 0o600
+    server.close()
+    assert not path.exists()

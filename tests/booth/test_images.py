@@ -1,0 +1,100 @@
+"""Sandbox images: the shipped ones load, bad specs are refused by name, env filtering."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jukebox.images import ImageError, available, load_image
+
+
+def test_shipped_images_load() -> None:
+    assert {"host", "minimal"} <= set(available())
+    host = load_image(None)
+    assert host.name == "host" and host.readonly_host and host.private_tmp and host.net == "host"
+    minimal = load_image("minimal")
+    assert "/home" in minimal.hide and "/etc/shadow" in minimal.hide and "/root" in minimal.hide
+    assert minimal.limits["memory_bytes"] == 16 << 30
+    assert set(minimal.limits) == {"cpu_seconds", "memory_bytes", "open_files", "processes"}
+
+
+def test_env_filtering_and_secret_names() -> None:
+    environ = {
+        "PATH": "/bin",
+        "OPENAI_API_KEY": "sk-1",
+        "GITHUB_TOKEN": "ghp",
+        "DB_PASSWORD": "pw",
+        "HOME": "/root",
+        "LC_ALL": "C",
+        "AWS_SECRET_ACCESS_KEY": "x",
+    }
+    host = load_image("host")
+    env = host.filter_env(environ)
+    assert env == environ
+    described = host.describe_env(env)
+    assert described["secret_names"] == [
+        "AWS_SECRET_ACCESS_KEY",
+        "DB_PASSWORD",
+        "GITHUB_TOKEN",
+        "OPENAI_API_KEY",
+    ]
+    assert described["names"] == ["HOME", "LC_ALL", "PATH"]
+    assert "sk-1" not in repr(described)
+    minimal = load_image("minimal")
+    env = minimal.filter_env(environ)
+    assert env["HOME"] == "/tmp"  # fixed by the image
+    assert {"PATH", "LC_ALL", "OPENAI_API_KEY"} <= set(env)
+    assert not {"GITHUB_TOKEN", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY"} & set(env)
+
+
+def test_only_hides_every_other_top_level_directory(tmp_path: Path) -> None:
+    for d in ("usr", "home", "srv", "etc"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "bin").symlink_to("usr/bin")
+    spec = tmp_path / "img.toml"
+    spec.write_text(f'[fs]\nonly = ["{tmp_path}/usr", "{tmp_path}/etc"]\nhide = ["/x"]\n')
+    hidden = load_image(str(spec)).hidden_paths(str(tmp_path))
+    assert sorted(hidden) == sorted(["/x", f"{tmp_path}/home", f"{tmp_path}/srv"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('net = "wifi"', "key 'net' is 'wifi': valid values are 'host', 'none'"),
+        ("colour = 1", "key 'colour' is unknown: valid keys here are name, description"),
+        (
+            "[fs]\nreadonly = true",
+            "key 'fs.readonly' is unknown: valid keys here are readonly_host",
+        ),
+        ('[fs]\nhide = ["relative"]', "key 'fs.hide' holds 'relative': paths must be absolute"),
+        ("[fs]\nprivate_tmp = 1", "key 'fs.private_tmp' is 1: must be true or false"),
+        ('[env]\nallow = "*"', "key 'env.allow' is '*': must be a list of strings"),
+        ("[env]\nset = { A = 1 }", "key 'env.set' must map names to string values"),
+        ("[limits]\nopen_files = 0", "key 'limits.open_files' is 0: must be a positive integer"),
+        ("[limits]\nprocesses = true", "key 'limits.processes' is True"),
+        ('[limits]\nmemory = "lots"', "key 'limits.memory' is 'lots'"),
+        ("name = [", "is not valid TOML"),
+    ],
+)
+def test_validation_names_file_key_and_valid_values(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    spec = tmp_path / "bad.toml"
+    spec.write_text(text + "\n")
+    with pytest.raises(ImageError) as info:
+        load_image(str(spec))
+    assert str(spec) in str(info.value) and message in str(info.value)
+
+
+def test_unknown_image_lists_the_known_ones() -> None:
+    with pytest.raises(ImageError, match="unknown sandbox image 'nope': use one of host, minimal"):
+        load_image("nope")
+    with pytest.raises(ImageError, match="no sandbox image file"):
+        load_image("/nonexistent/x.toml")
+
+
+def test_memory_sizes(tmp_path: Path) -> None:
+    spec = tmp_path / "m.toml"
+    spec.write_text('[limits]\nmemory = "512M"\ncpu_seconds = 10\n')
+    assert dict(load_image(str(spec)).limits) == {"memory_bytes": 512 << 20, "cpu_seconds": 10}
