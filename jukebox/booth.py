@@ -133,30 +133,27 @@ class _FuseBoothLayer:
         self.tree = ctx.tree
         self.scratch = ctx.scratch
         self.layer = Layer(ctx.tree, ctx.store, ctx.scratch, base_tree=ctx.base_tree)
-        self._mounted: contextlib.AbstractContextManager[Any] | None = None
+        self._mount: Any = None
 
     def mount(self) -> None:
         from shadowfs import fuse
 
-        self._mounted = fuse.mount(self.layer, self.tree)
-        self._mounted.__enter__()
+        self._mount = fuse.mount(self.layer, self.tree).start()
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
-        tree, journal = self.layer.snapshot()
+        tree, journal = self._mount.snapshot() if self._mount else self.layer.snapshot()
         return tree, journal
 
     def restore(self, tree_id: ObjectId) -> None:
-        self.layer.restore(tree_id)
+        (self._mount or self.layer).restore(tree_id)
 
     def unmount(self) -> None:
-        if self._mounted is not None:
-            mounted, self._mounted = self._mounted, None
-            mounted.__exit__(None, None, None)
+        if self._mount is not None:
+            mount, self._mount = self._mount, None
+            mount.stop()
 
     def discard(self) -> None:
-        close = getattr(self.layer, "close", None)
-        if close is not None:
-            close()
+        self.layer.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -341,8 +338,8 @@ def commit_booth(tape_dir: TapeDir, booth_id: str) -> list[str]:
                 _append_to_tape(
                     store,
                     record.tape,
-                    "commit",
-                    {"ok": False, "conflicts": error.conflicts, "by": "booth commit"},
+                    "note",
+                    {"event": "commit_refused", "conflicts": error.conflicts, "by": "booth commit"},
                 )
                 raise CheckFailed(
                     f"commit of booth {booth_id} refused: {len(error.conflicts)} path(s) changed "
@@ -426,7 +423,7 @@ class _Run:
         with self.lock:
             tree, journal = self.layer.snapshot()
             n = len(self.checkpoints)
-            payload: dict[str, Any] = {"n": n, "label": label, "reason": reason}
+            payload: dict[str, Any] = {"id": n, "label": label, "reason": reason}
             if journal is not None:
                 payload["journal"] = journal.hex()
             if peer is not None:
@@ -733,7 +730,7 @@ def run_booth(
         _reap_stragglers()
 
         # The verdict.
-        exit_status, exit_signal = status["status"], status["signal"]
+        exit_status, exit_signal = status["code"], status["signal"]
         final_tree, journal = layer.snapshot()
         fs_payload: dict[str, Any] = {"reason": "exit"}
         if journal is not None:
@@ -748,14 +745,14 @@ def run_booth(
             if agent_ok:
                 verified = _run_verifier(spec, verify)
             else:
-                verified = {"command": verify, "skipped": "the agent failed", "passed": False}
+                verified = {"cmd": verify, "skipped": "the agent failed", "ok": False}
             writer.append("verify", verified)
         layer.unmount()
 
         record.final_tree = final_tree.hex()
         record.agent_status = exit_status if exit_status is not None else 128 + (exit_signal or 0)
         record.verify = {k: v for k, v in (verified or {}).items() if k != "output"} or None
-        passed = verified is None or bool(verified.get("passed"))
+        passed = verified is None or bool(verified.get("ok"))
         code = record.agent_status
         if status.get("setup_error"):
             _alert(status["setup_error"])
@@ -777,7 +774,7 @@ def run_booth(
         else:
             decision = "discard"
             reason = (
-                f"the verifier failed (exit {verified.get('status')})"
+                f"the verifier failed (exit {verified.get('exit')})"
                 if agent_ok and verified
                 else (status.get("setup_error") or f"the agent exited with {_describe(status)}")
             )
@@ -786,14 +783,16 @@ def run_booth(
             decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
         if decision == "discard":
             writer.append(
-                "rollback", {"reason": reason or "rejected", "to": 0, "residue": 0}, tree=base_tree
+                "rollback",
+                {"reason": reason or "rejected", "to": 0, "final": True, "residue": 0},
+                tree=base_tree,
             )
             if reason:
                 _alert(
                     f"booth {booth_id} rolled back: {reason}; the real tree {tree_path} was not "
                     f"touched (tape {tape_path})"
                 )
-                if verified and not verified.get("passed") and verified.get("output"):
+                if verified and not verified.get("ok") and verified.get("output"):
                     sys.stderr.write(verified["output"][-4000:])
                 if commit_mode == "auto" and code == 0:
                     code = 1
@@ -834,7 +833,7 @@ def run_booth(
 def _describe(status: dict[str, Any]) -> str:
     if status.get("signal"):
         return f"signal {status['signal']} ({signal.Signals(status['signal']).name})"
-    return f"status {status.get('status')}"
+    return f"status {status.get('code')}"
 
 
 def _commit_run(
@@ -856,7 +855,7 @@ def _commit_run(
     try:
         commit_tree(store, tapes, record.tree, base, final, record.id)
     except ConflictError as error:
-        writer.append("commit", {"ok": False, "conflicts": error.conflicts})
+        writer.append("note", {"event": "commit_refused", "conflicts": error.conflicts})
         record.status = "conflict"
         _alert(
             f"commit of booth {record.id} refused: the real tree changed under it at "
@@ -905,7 +904,7 @@ def _supervise(
     child.proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here, not by Popen
     exit_status, exit_signal = _exit_code(wstatus)
     payload: dict[str, Any] = {
-        "status": exit_status,
+        "code": exit_status,
         "signal": exit_signal,
         "seconds": round(time.monotonic() - started, 6),
         "rusage": {
@@ -940,10 +939,10 @@ def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
     child.proc.returncode = os.waitstatus_to_exitcode(wstatus)
     exit_status, exit_signal = _exit_code(wstatus)
     result: dict[str, Any] = {
-        "command": command,
-        "status": exit_status,
+        "cmd": command,
+        "exit": exit_status,
         "signal": exit_signal,
-        "passed": exit_status == 0,
+        "ok": exit_status == 0,
         "seconds": round(time.monotonic() - started, 6),
         "output": output,
         "truncated": truncated,
