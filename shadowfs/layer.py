@@ -1,0 +1,1423 @@
+"""The copy-on-write layer over a base directory: an inode table, snapshots and restores.
+
+The base is the real tree; the layer never writes it. It reaches the base only through a directory
+fd opened when the layer is created (``O_PATH|O_DIRECTORY``) and ``*at`` calls relative to it, so
+the layer can be mounted over the base's own path afterwards.
+
+Model
+-----
+Every file, directory and symlink the layer has seen is a `Node` in an inode table (``ino ->
+Node``). Inode numbers are the layer's own, never reused, and do not change on copy-up. Lookup
+counts and ``forget`` follow the FUSE protocol: an unlinked node stays in the table while the kernel
+knows it or a handle is open, and is dropped (with its scratch file) when both reach zero.
+
+A directory is *unloaded* until something looks inside it; its state is then just a tree id
+(``Node.oid``). Loading decodes that tree into child nodes, after which the directory's ``children``
+map is authoritative. This covers what an overlay calls whiteouts and opaque directories: a base
+entry removed from a loaded directory is simply absent from its map (a whiteout), and a directory
+created in the layer starts loaded and empty and never consults the base (opaque). The base itself
+is never listed: the root starts as the base's tree (``tree.build_tree`` at creation unless given),
+so listings, snapshots and restores all speak the same Merkle trees.
+
+A file's content lives in one of three places (``Node.src``):
+
+- ``SRC_BASE``: the base file at ``base_path``, read through the base dir fd;
+- ``SRC_STORE``: a blob or chunks object ``oid`` not materialised yet (after a restore). Opening it
+  streams it into a scratch file first, as a cache that does not count as a change;
+- ``SRC_SCRATCH``: ``scratch_dir/<ino>``, a staged file of the layer's own.
+
+Copy-up happens on write intent only (open for writing, truncate, setattr size), never on a
+read-only open. It streams (``copy_file_range``, falling back to ``sendfile``) into
+``scratch_dir/<ino>.tmp`` which is then renamed to ``scratch_dir/<ino>``; a truncation copies only
+the bytes it keeps. The copy is split into `CopyJob.run` (pure I/O, safe on a worker thread) and
+`Layer.finish_copy` (state), so the FUSE server keeps its event loop free during big copies.
+
+Base nodes take mode, size and mtime from the base tree and uid, gid, atime and ctime from one
+lazy ``lstat`` of the base, on first need. Nodes made from snapshot trees take the layer root's
+owner. Extended attributes of base nodes are read through to the base until the first change,
+which copies them into the node; xattrs are not part of snapshots (trees do not carry them).
+
+Snapshots: O(what changed)
+--------------------------
+Each directory keeps ``dirty_names``: the names whose entry may differ from the directory's tree
+``oid``. Any change marks the name in its parent and the parent's name in the grandparent, up to
+the root, stopping at the first already-marked name. A file whose content changed is ``dirty``.
+`Layer.snapshot` walks only marked names from the root: dirty files go to the store
+(``put_file``, or ``put(..., delta_base=previous)`` for files up to `DELTA_MAX`), marked directories
+are re-encoded from their previous tree plus the marked names (path copying: every unmarked entry,
+including whole sub-trees, keeps its id). The journal since the previous snapshot goes to the store
+as a ``journal`` object (see `shadowfs.journal`), and the store is flushed once.
+
+Restore: O(difference)
+----------------------
+`Layer.restore` first folds unsnapshotted changes into a tree (without taking the journal), then
+reconciles the node tree with the target: directories with equal ids are skipped, unloaded
+directories just take the target's sub-tree id, and within a differing loaded directory each
+differing name is fixed. A file whose content or mtime differs gets a *new node* (new inode
+number) at that path, the old one behaving like an unlinked file: processes holding it open keep
+reading what they opened, the next open or stat sees the restored content. This is forced by the
+kernel's writeback cache, which trusts its own cached size and mtime of a regular file over the
+server's, even after invalidation; a fresh inode is the only way to make it take the restored ones.
+Directories, symlinks and mode-only changes keep their inode numbers. The kernel caches to drop are
+queued as invalidations (`Layer.take_invalidations`) for the FUSE side to send from outside its
+request handlers.
+
+Threading: a Layer is not thread-safe. The FUSE server runs every call on its event-loop thread;
+other threads go through the mount handle (`shadowfs.mountctl.Mount.call`). In-process mutation
+while mounted should go through the mount so the kernel sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from shadowfs import tree as trees
+from shadowfs.journal import Journal, encode_journal
+from shadowfs.oid import ObjectId
+from shadowfs.tree import DIR, FILE, SYMLINK, Entry
+
+SRC_BASE = 0
+SRC_STORE = 1
+SRC_SCRATCH = 2
+
+S_IFREG = stat.S_IFREG
+S_IFDIR = stat.S_IFDIR
+S_IFLNK = stat.S_IFLNK
+_FMT_KIND = {S_IFREG: FILE, S_IFDIR: DIR, S_IFLNK: SYMLINK}
+_KIND_FMT = {FILE: S_IFREG, DIR: S_IFDIR, SYMLINK: S_IFLNK}
+
+ROOT_INO = 1
+NAME_MAX = 255
+TARGET_MAX = 4095
+DIR_SIZE = 4096
+# Rewritten files up to this size are read whole and offered to the store as a delta against
+# their previous version; larger ones stream through put_file.
+DELTA_MAX = 1024 * 1024
+# Below this a delta saves next to nothing and its zstd dictionary set-up costs more than it saves.
+DELTA_MIN = 4096
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+XATTR_CREATE = 1
+XATTR_REPLACE = 2
+
+_BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_COPY_STEP = 64 * 1024 * 1024
+
+
+def _err(code: int, what: str = "") -> OSError:
+    return OSError(code, os.strerror(code), what) if what else OSError(code, os.strerror(code))
+
+
+def _by_name(e: Entry) -> bytes:
+    return e.name
+
+
+def _entries(store: Any, oid: ObjectId | None) -> dict[bytes, Entry]:
+    """A tree's entries by name (cached and shared by shadowfs.tree: never mutate the result)."""
+    if oid is None:
+        return {}
+    return trees._entries(store, oid)
+
+
+class Node:
+    """One inode. Fields are public to the FUSE module; change them only through the Layer."""
+
+    __slots__ = (
+        "atime_ns",
+        "backing",
+        "base_oid",
+        "base_path",
+        "children",
+        "ctime_ns",
+        "dirty",
+        "dirty_names",
+        "fmt",
+        "gid",
+        "ino",
+        "links",
+        "lookups",
+        "mode",
+        "mtime_ns",
+        "oid",
+        "opens",
+        "size",
+        "src",
+        "stat_base",
+        "target",
+        "uid",
+        "xattrs",
+    )
+
+    def __init__(self, ino: int, fmt: int, mode: int, uid: int, gid: int, mtime_ns: int) -> None:
+        self.ino = ino
+        self.fmt = fmt
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.size = 0
+        self.mtime_ns = mtime_ns
+        self.atime_ns = mtime_ns
+        self.ctime_ns = mtime_ns
+        # file: content id at the last snapshot (still the previous id while dirty); dir: the tree
+        # its state derives from (None: a new, empty directory).
+        self.oid: ObjectId | None = None
+        self.src = SRC_SCRATCH
+        self.dirty = False
+        # Where in the base this node comes from: files only while their content equals it, dirs
+        # whenever a base directory of that name exists (its tree id is base_oid).
+        self.base_path: bytes | None = None
+        self.base_oid: ObjectId | None = None
+        self.stat_base = False
+        self.target: bytes | None = None
+        self.children: dict[bytes, Node] | None = None
+        self.dirty_names: set[bytes] = set()
+        self.links: list[tuple[Node, bytes]] = []
+        self.lookups = 0
+        self.opens = 0
+        self.backing: Backing | None = None
+        self.xattrs: dict[bytes, bytes] | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.fmt == S_IFDIR
+
+    @property
+    def nlink(self) -> int:
+        # Directories report 1, like btrfs: "unknown", so tools do not infer sub-directory counts.
+        return 1 if self.fmt == S_IFDIR else len(self.links)
+
+    def __repr__(self) -> str:
+        return f"<Node {self.ino} {oct(self.fmt | self.mode)}>"
+
+
+class Backing:
+    """An fd holding a node's current content, shared by all its handles.
+
+    ``refs`` counts the node's use of it plus in-flight I/O on worker threads, so a copy-up or
+    restore never closes an fd under a running pread.
+    """
+
+    __slots__ = ("fd", "refs", "writable")
+
+    def __init__(self, fd: int, writable: bool) -> None:
+        self.fd = fd
+        self.writable = writable
+        self.refs = 1
+
+    def release(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Handle:
+    __slots__ = ("fh", "node", "path", "pid", "writable")
+
+    def __init__(self, fh: int, node: Node, writable: bool, path: bytes, pid: int) -> None:
+        self.fh = fh
+        self.node = node
+        self.writable = writable
+        self.path = path
+        self.pid = pid
+
+
+class CopyJob:
+    """The I/O half of a copy-up: fills ``tmp_fd`` from the base file or the store."""
+
+    __slots__ = ("keep", "node", "src_fd", "src_oid", "store", "tmp_fd", "tmp_path", "write")
+
+    def __init__(self, node: Node, write: bool, keep: int, tmp_path: str, tmp_fd: int) -> None:
+        self.node = node
+        self.write = write
+        self.keep = keep
+        self.tmp_path = tmp_path
+        self.tmp_fd = tmp_fd
+        self.src_fd = -1
+        self.src_oid: ObjectId | None = None
+        self.store: Any = None
+
+    def run(self) -> None:
+        """Copy; safe to call on a worker thread (touches no layer state)."""
+        if self.src_oid is not None:
+            with open(self.tmp_fd, "wb", closefd=False) as f:
+                self.store.read_file_into(self.src_oid, f)
+            if self.keep < self.node.size:
+                os.ftruncate(self.tmp_fd, self.keep)
+        elif self.src_fd >= 0 and self.keep > 0:
+            _copy_fd(self.src_fd, self.tmp_fd, self.keep)
+
+
+def _copy_fd(src: int, dst: int, length: int) -> None:
+    off = 0
+    try:
+        while off < length:
+            n = os.copy_file_range(src, dst, min(_COPY_STEP, length - off), off, off)
+            if n == 0:
+                break
+            off += n
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+    os.lseek(dst, off, os.SEEK_SET)
+    while off < length:
+        n = os.sendfile(dst, src, off, min(_COPY_STEP, length - off))
+        if n == 0:
+            break
+        off += n
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStat:
+    st_mode: int
+    st_ino: int
+    st_nlink: int
+    st_uid: int
+    st_gid: int
+    st_size: int
+    st_atime_ns: int
+    st_mtime_ns: int
+    st_ctime_ns: int
+    st_blocks: int
+
+
+PathLike = str | bytes | os.PathLike[str]
+_F = Any
+
+
+def _routed(sync: bool = False) -> Callable[[_F], _F]:
+    """While mounted, run the method on the FUSE thread (see shadowfs.mountctl.Mount.call)."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def method(self: Layer, *args: Any, **kwargs: Any) -> Any:
+            m = self._mount
+            if m is not None and not m.on_loop():
+                return m.call(fn, self, *args, sync=sync, **kwargs)
+            return fn(self, *args, **kwargs)
+
+        return method
+
+    return wrap
+
+
+def _split(path: PathLike) -> list[bytes]:
+    raw = os.fsencode(path)
+    parts = [p for p in raw.split(b"/") if p and p != b"."]
+    if b".." in parts:
+        raise ValueError(
+            f"layer paths must not contain '..': {raw!r}; pass a path inside the layer"
+        )
+    return parts
+
+
+class Layer:
+    """Copy-on-write state over ``base``; see the module docstring.
+
+    ``store`` is a `shadowfs.store.Store`; ``scratch_dir`` holds staged files (created if missing,
+    emptied of the layer's files by `close`). ``base_tree`` is the base's tree id when known;
+    otherwise it is built now, which reads the whole base once.
+    """
+
+    def __init__(
+        self,
+        base: PathLike,
+        store: Any,
+        scratch_dir: PathLike,
+        *,
+        base_tree: ObjectId | None = None,
+    ) -> None:
+        self.store = store
+        self.base = os.fsdecode(base)
+        self.scratch_dir = os.fsdecode(scratch_dir)
+        self._made_scratch = not os.path.isdir(self.scratch_dir)
+        os.makedirs(self.scratch_dir, exist_ok=True)
+        self.base_fd = os.open(self.base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            st = os.stat(self.base_fd)
+            if base_tree is None:
+                # Through /proc/self/fd: the same directory even if something is mounted over it.
+                base_tree = trees.build_tree(store, f"/proc/self/fd/{self.base_fd}")
+                store.flush()
+        except BaseException:
+            os.close(self.base_fd)
+            raise
+        self.base_tree: ObjectId = base_tree
+        self._proc_base = f"/proc/self/fd/{self.base_fd}"
+        self.uid = st.st_uid
+        self.gid = st.st_gid
+        self.journal = Journal()
+        self._next_ino = ROOT_INO
+        self._next_fh = 1
+        self.inodes: dict[int, Node] = {}
+        self.handles: dict[int, Handle] = {}
+        self._inval: list[tuple[Any, ...]] = []
+        self._empty_tree: ObjectId | None = None
+        root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+        root.uid, root.gid = st.st_uid, st.st_gid
+        root.atime_ns, root.ctime_ns = st.st_atime_ns, st.st_ctime_ns
+        root.oid = root.base_oid = base_tree
+        root.base_path = b""
+        root.lookups = 1 << 62  # the kernel never forgets the root
+        self.root = root
+        self.last_tree: ObjectId = base_tree
+        self._mount: Any = None
+        self._closed = False
+
+    def attach(self, mount: Any) -> None:
+        """Called by a mount serving this layer: calls from other threads now go through it."""
+        self._mount = mount
+
+    def detach(self, mount: Any) -> None:
+        if self._mount is mount:
+            self._mount = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    def close(self) -> None:
+        """Close fds and remove the layer's scratch files (the base is untouched). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for node in self.inodes.values():
+            if node.backing is not None:
+                node.backing.release()
+                node.backing = None
+        self.handles.clear()
+        os.close(self.base_fd)
+        with os.scandir(self.scratch_dir) as it:
+            names = [e.name for e in it]
+        for name in names:
+            stem = name.removesuffix(".tmp")
+            if stem.isdigit():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.scratch_dir, name))
+        if self._made_scratch:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.scratch_dir)
+
+    def __enter__(self) -> Layer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ nodes
+
+    def _new(self, fmt: int, mode: int, mtime_ns: int) -> Node:
+        node = Node(self._next_ino, fmt, mode, self.uid, self.gid, mtime_ns)
+        self._next_ino += 1
+        self.inodes[node.ino] = node
+        if fmt == S_IFDIR:
+            node.size = DIR_SIZE
+        return node
+
+    def _from_entry(self, e: Entry, be: Entry | None, base_path: bytes | None) -> Node:
+        """A node for tree entry ``e``; ``be`` is the base's entry of the same name, if any."""
+        node = self._new(_KIND_FMT[e.kind], e.mode, e.mtime_ns)
+        node.oid = e.oid
+        if e.kind == FILE:
+            node.size = e.size
+            if be is not None and be.kind == FILE and be.oid == e.oid:
+                node.src = SRC_BASE
+                node.base_path = base_path
+            else:
+                node.src = SRC_STORE
+        elif e.kind == DIR:
+            if be is not None and be.kind == DIR:
+                node.base_path = base_path
+                node.base_oid = be.oid
+        else:
+            node.target = e.target
+            node.size = e.size
+            if be is not None and be.kind == SYMLINK and be.target == e.target:
+                node.base_path = base_path
+        node.stat_base = be is not None and be == e and base_path is not None
+        return node
+
+    def _load(self, d: Node) -> dict[bytes, Node]:
+        children = d.children
+        if children is not None:
+            return children
+        children = {}
+        entries = _entries(self.store, d.oid)
+        base: dict[bytes, Entry] = {}
+        if d.base_path is not None and d.base_oid is not None:
+            base = entries if d.base_oid == d.oid else _entries(self.store, d.base_oid)
+        prefix = d.base_path + b"/" if d.base_path else b""
+        for name, e in entries.items():
+            child = self._from_entry(e, base.get(name), prefix + name)
+            child.links.append((d, name))
+            children[name] = child
+        d.children = children
+        return children
+
+    def _fill(self, node: Node) -> None:
+        """Take uid, gid, atime and ctime from the base file this node mirrors."""
+        node.stat_base = False
+        try:
+            if node.base_path:
+                st = os.stat(node.base_path, dir_fd=self.base_fd, follow_symlinks=False)
+            else:
+                st = os.stat(self.base_fd)
+        except OSError:
+            return
+        node.uid, node.gid = st.st_uid, st.st_gid
+        node.atime_ns, node.ctime_ns = st.st_atime_ns, st.st_ctime_ns
+
+    def node(self, ino: int) -> Node:
+        node = self.inodes.get(ino)
+        if node is None:
+            raise _err(errno.ENOENT)
+        return node
+
+    def _dir(self, ino: int) -> Node:
+        d = self.node(ino)
+        if d.fmt != S_IFDIR:
+            raise _err(errno.ENOTDIR)
+        self._load(d)
+        return d
+
+    def attrs(self, node: Node) -> Node:
+        """The node with every attribute resolved (call before reading its fields)."""
+        if node.stat_base:
+            self._fill(node)
+        return node
+
+    def blocks(self, node: Node) -> int:
+        if node.fmt == S_IFREG and node.src == SRC_SCRATCH:
+            try:
+                if node.backing is not None:
+                    return os.fstat(node.backing.fd).st_blocks
+                return os.stat(self._scratch(node)).st_blocks
+            except OSError:
+                pass
+        return (node.size + 511) // 512
+
+    def lookup(self, parent: int, name: bytes) -> Node:
+        d = self._dir(parent)
+        if name == b".":
+            return d
+        if name == b"..":
+            return d.links[0][0] if d.links else d
+        child = d.children.get(name)  # type: ignore[union-attr]
+        if child is None:
+            raise _err(errno.ENOENT)
+        return child
+
+    def children(self, ino: int) -> list[tuple[bytes, Node]]:
+        return list(self._dir(ino).children.items())  # type: ignore[union-attr]
+
+    def alive(self, node: Node) -> bool:
+        return self.inodes.get(node.ino) is node
+
+    def forget(self, ino: int, n: int) -> None:
+        node = self.inodes.get(ino)
+        if node is not None:
+            node.lookups = max(0, node.lookups - n)
+            self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Node) -> None:
+        if node.links or node.lookups or node.opens or node is self.root:
+            return
+        del self.inodes[node.ino]
+        if node.backing is not None:
+            node.backing.release()
+            node.backing = None
+        if node.fmt == S_IFREG and node.src == SRC_SCRATCH:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._scratch(node))
+        if node.children:
+            # Only a restore detaches a non-empty directory; let its sub-tree go too.
+            kids = node.children
+            node.children = {}
+            for name, child in kids.items():
+                self._unlink_child(node, name, child)
+
+    def _scratch(self, node: Node) -> str:
+        return f"{self.scratch_dir}/{node.ino}"
+
+    # ------------------------------------------------------------------ paths and dirtiness
+
+    def path_of(self, d: Node, name: bytes = b"") -> bytes:
+        """The node's path relative to the root (its first link), with ``name`` appended."""
+        parts = [name] if name else []
+        while d.links:
+            d, n = d.links[0]
+            parts.append(n)
+        return b"/".join(reversed(parts))
+
+    def _touch(self, d: Node, name: bytes) -> None:
+        """Mark ``name`` in ``d`` as possibly differing from the last snapshot, up to the root."""
+        marks = d.dirty_names
+        if name in marks:
+            return
+        marks.add(name)
+        while d.links:
+            p, pname = d.links[0]
+            if pname in p.dirty_names:
+                return
+            p.dirty_names.add(pname)
+            d = p
+
+    def _touch_node(self, node: Node) -> None:
+        for d, name in node.links:
+            self._touch(d, name)
+
+    def _changed_dir(self, d: Node, now: int) -> None:
+        if d.stat_base:
+            self._fill(d)
+        d.mtime_ns = d.ctime_ns = now
+        self._touch_node(d)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether anything changed since the last snapshot."""
+        return bool(self.root.dirty_names)
+
+    # ------------------------------------------------------------------ content
+
+    def _open_backing(self, node: Node) -> Backing:
+        b = node.backing
+        if b is not None:
+            return b
+        if node.src == SRC_BASE:
+            fd = os.open(node.base_path, _BASE_READ, dir_fd=self.base_fd)
+            b = Backing(fd, False)
+        elif node.src == SRC_SCRATCH:
+            b = Backing(os.open(self._scratch(node), os.O_RDWR | os.O_CLOEXEC), True)
+        else:
+            raise AssertionError("store content is materialised before it is opened")
+        node.backing = b
+        return b
+
+    def needs_copy(self, node: Node, write: bool) -> bool:
+        """Whether opening ``node`` (for writing if ``write``) must copy its content first."""
+        return node.src == SRC_STORE or (write and node.src != SRC_SCRATCH)
+
+    def start_copy(self, node: Node, write: bool, keep: int | None = None) -> CopyJob:
+        """Begin a copy-up (write) or a materialisation from the store (read): the I/O is
+        `CopyJob.run`, then `finish_copy`. ``keep`` limits the bytes copied (truncation)."""
+        keep = node.size if keep is None else min(keep, node.size)
+        tmp = self._scratch(node) + ".tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        job = CopyJob(node, write, keep, tmp, fd)
+        try:
+            if node.src == SRC_STORE:
+                job.src_oid = node.oid
+                job.store = self.store
+            elif node.src == SRC_BASE and keep > 0:
+                if node.backing is not None:
+                    job.src_fd = os.dup(node.backing.fd)
+                else:
+                    job.src_fd = os.open(node.base_path, _BASE_READ, dir_fd=self.base_fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        return job
+
+    def finish_copy(self, job: CopyJob) -> None:
+        node = job.node
+        if job.src_fd >= 0:
+            os.close(job.src_fd)
+        if node.src == SRC_SCRATCH:
+            # Someone else finished a copy of this node first; theirs stands.
+            os.close(job.tmp_fd)
+            os.unlink(job.tmp_path)
+        else:
+            os.rename(job.tmp_path, self._scratch(node))
+            old = node.backing
+            node.backing = None
+            if old is not None:
+                node.backing = Backing(job.tmp_fd, True)
+                old.release()
+            else:
+                os.close(job.tmp_fd)
+            node.src = SRC_SCRATCH
+            if job.keep != node.size:
+                node.size = job.keep
+                job.write = True
+        if job.write and not node.dirty:
+            node.dirty = True
+            self._touch_node(node)
+
+    def abort_copy(self, job: CopyJob) -> None:
+        os.close(job.tmp_fd)
+        if job.src_fd >= 0:
+            os.close(job.src_fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(job.tmp_path)
+
+    def copy_up(self, node: Node, write: bool = True, keep: int | None = None) -> None:
+        job = self.start_copy(node, write, keep)
+        try:
+            job.run()
+        except BaseException:
+            self.abort_copy(job)
+            raise
+        self.finish_copy(job)
+
+    def _content_changed(self, node: Node, now: int) -> None:
+        node.mtime_ns = node.ctime_ns = now
+        if not node.dirty:
+            node.dirty = True
+            self._touch_node(node)
+
+    # ------------------------------------------------------------------ handles
+
+    def open(self, ino: int, flags: int, pid: int = 0) -> Handle:
+        node = self.node(ino)
+        if node.fmt == S_IFDIR:
+            raise _err(errno.EISDIR)
+        if node.fmt != S_IFREG:
+            raise _err(errno.ELOOP)
+        write = flags & os.O_ACCMODE != os.O_RDONLY
+        trunc = bool(flags & os.O_TRUNC)
+        if self.needs_copy(node, write or trunc):
+            self.copy_up(node, write or trunc, 0 if trunc else None)
+        return self.open_copied(node, flags, pid)
+
+    def open_copied(self, node: Node, flags: int, pid: int = 0) -> Handle:
+        """The second half of `open`, once any copy `needs_copy` asked for is done."""
+        if flags & os.O_TRUNC and node.size:
+            self._truncate(node, 0, pid)
+        return self._handle(node, flags & os.O_ACCMODE != os.O_RDONLY, pid)
+
+    def _handle(self, node: Node, write: bool, pid: int) -> Handle:
+        self._open_backing(node)
+        node.opens += 1
+        fh = self._next_fh
+        self._next_fh += 1
+        path = self.path_of(node.links[0][0], node.links[0][1]) if node.links else b""
+        h = Handle(fh, node, write, path, pid)
+        self.handles[fh] = h
+        return h
+
+    def handle(self, fh: int) -> Handle:
+        h = self.handles.get(fh)
+        if h is None:
+            raise _err(errno.EBADF)
+        return h
+
+    def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        node = h.node
+        node.opens -= 1
+        if node.opens == 0 and node.backing is not None:
+            node.backing.release()
+            node.backing = None
+        self._maybe_drop(node)
+
+    def pin(self, h: Handle, write: bool) -> Backing:
+        """The fd to do I/O on for handle ``h``, kept open until `Backing.release`."""
+        node = h.node
+        if write and node.src != SRC_SCRATCH:
+            self.copy_up(node)
+        b = self._open_backing(node)
+        b.refs += 1
+        return b
+
+    def read(self, h: Handle, off: int, size: int) -> bytes:
+        b = self.pin(h, False)
+        try:
+            return os.pread(b.fd, size, off)
+        finally:
+            b.release()
+
+    def write(self, h: Handle, off: int, data: bytes | memoryview) -> int:
+        b = self.pin(h, True)
+        try:
+            n = os.pwrite(b.fd, data, off)
+        finally:
+            b.release()
+        self.wrote(h, off, n)
+        return n
+
+    def wrote(self, h: Handle, off: int, n: int) -> None:
+        """Account for ``n`` bytes written at ``off`` through ``h`` (also after threaded I/O)."""
+        node = h.node
+        end = off + n
+        if end > node.size:
+            node.size = end
+        self._content_changed(node, time.time_ns())
+        self.journal.write(h.fh, h.path, h.pid, off, n)
+
+    # ------------------------------------------------------------------ creating
+
+    def _check_name(self, name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        if not name or b"/" in name or name in (b".", b".."):
+            raise _err(errno.EINVAL)
+
+    def _link(self, d: Node, name: bytes, node: Node, now: int) -> None:
+        d.children[name] = node  # type: ignore[index]
+        node.links.append((d, name))
+        self._changed_dir(d, now)
+        self._touch(d, name)
+
+    def _add(
+        self, parent: int, name: bytes, fmt: int, mode: int, uid: int, gid: int
+    ) -> tuple[Node, Node]:
+        d = self._dir(parent)
+        self._check_name(name)
+        if name in d.children:  # type: ignore[operator]
+            raise _err(errno.EEXIST)
+        now = time.time_ns()
+        node = self._new(fmt, stat.S_IMODE(mode), now)
+        node.uid, node.gid = uid, gid
+        if d.mode & stat.S_ISGID:
+            node.gid = d.gid
+            if fmt == S_IFDIR:
+                node.mode |= stat.S_ISGID
+        return d, node
+
+    def create(
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        flags: int,
+        uid: int | None = None,
+        gid: int | None = None,
+        pid: int = 0,
+    ) -> tuple[Handle, Node]:
+        d, node = self._add(parent, name, S_IFREG, mode, self._u(uid), self._g(gid))
+        fd = os.open(self._scratch(node), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        node.backing = Backing(fd, True)
+        node.dirty = True
+        self._link(d, name, node, node.mtime_ns)
+        self.journal.record("create", (self.path_of(d, name),), pid, arg=node.mode)
+        h = self._handle(node, flags & os.O_ACCMODE != os.O_RDONLY, pid)
+        return h, node
+
+    def mknod(
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int | None = None,
+        gid: int | None = None,
+        pid: int = 0,
+    ) -> Node:
+        if stat.S_IFMT(mode) not in (0, S_IFREG):
+            # Trees hold files, directories and symlinks only; a fifo or device could not be
+            # snapshotted or committed.
+            raise _err(errno.EPERM)
+        h, node = self.create(parent, name, mode, os.O_RDONLY, uid, gid, pid)
+        self.release(h.fh)
+        return node
+
+    def mkdir_in(
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int | None = None,
+        gid: int | None = None,
+        pid: int = 0,
+    ) -> Node:
+        d, node = self._add(parent, name, S_IFDIR, mode, self._u(uid), self._g(gid))
+        node.children = {}
+        self._link(d, name, node, node.mtime_ns)
+        self.journal.record("mkdir", (self.path_of(d, name),), pid, arg=node.mode)
+        return node
+
+    def symlink(
+        self,
+        parent: int,
+        name: bytes,
+        target: bytes,
+        uid: int | None = None,
+        gid: int | None = None,
+        pid: int = 0,
+    ) -> Node:
+        if not target:
+            raise _err(errno.ENOENT)
+        if len(target) > TARGET_MAX or b"\0" in target:
+            raise _err(errno.ENAMETOOLONG)
+        d, node = self._add(parent, name, S_IFLNK, 0o777, self._u(uid), self._g(gid))
+        node.target = target
+        node.size = len(target)
+        self._link(d, name, node, node.mtime_ns)
+        self.journal.record("symlink", (self.path_of(d, name),), pid, extra=target)
+        return node
+
+    def link(self, ino: int, parent: int, name: bytes, pid: int = 0) -> Node:
+        node = self.node(ino)
+        if node.fmt == S_IFDIR:
+            raise _err(errno.EPERM)
+        d = self._dir(parent)
+        self._check_name(name)
+        if name in d.children:  # type: ignore[operator]
+            raise _err(errno.EEXIST)
+        if not node.links:
+            raise _err(errno.ENOENT)
+        self.attrs(node)
+        now = time.time_ns()
+        old = self.path_of(node.links[0][0], node.links[0][1])
+        self._link(d, name, node, now)
+        node.ctime_ns = now
+        self.journal.record("link", (old, self.path_of(d, name)), pid)
+        return node
+
+    def readlink(self, ino: int) -> bytes:
+        node = self.node(ino)
+        if node.fmt != S_IFLNK:
+            raise _err(errno.EINVAL)
+        return node.target  # type: ignore[return-value]
+
+    def _u(self, uid: int | None) -> int:
+        return self.uid if uid is None else uid
+
+    def _g(self, gid: int | None) -> int:
+        return self.gid if gid is None else gid
+
+    # ------------------------------------------------------------------ removing and renaming
+
+    def _unlink_child(self, d: Node, name: bytes, child: Node) -> None:
+        with contextlib.suppress(ValueError):
+            child.links.remove((d, name))
+        self._maybe_drop(child)
+
+    def unlink(self, parent: int, name: bytes, pid: int = 0) -> Node:
+        d = self._dir(parent)
+        child = d.children.get(name)  # type: ignore[union-attr]
+        if child is None:
+            raise _err(errno.ENOENT)
+        if child.fmt == S_IFDIR:
+            raise _err(errno.EISDIR)
+        self.journal.record("unlink", (self.path_of(d, name),), pid)
+        return self._remove(d, name, child)
+
+    def rmdir(self, parent: int, name: bytes, pid: int = 0) -> Node:
+        d = self._dir(parent)
+        child = d.children.get(name)  # type: ignore[union-attr]
+        if child is None:
+            raise _err(errno.ENOENT)
+        if child.fmt != S_IFDIR:
+            raise _err(errno.ENOTDIR)
+        if self._load(child):
+            raise _err(errno.ENOTEMPTY)
+        self.journal.record("rmdir", (self.path_of(d, name),), pid)
+        return self._remove(d, name, child)
+
+    def _remove(self, d: Node, name: bytes, child: Node) -> Node:
+        now = time.time_ns()
+        del d.children[name]  # type: ignore[union-attr]
+        self._touch(d, name)
+        self._changed_dir(d, now)
+        if child.stat_base:
+            self._fill(child)
+        child.ctime_ns = now
+        self._unlink_child(d, name, child)
+        return child
+
+    def rename(
+        self,
+        old_parent: int,
+        old_name: bytes,
+        new_parent: int,
+        new_name: bytes,
+        flags: int = 0,
+        pid: int = 0,
+    ) -> None:
+        od = self._dir(old_parent)
+        nd = self._dir(new_parent)
+        self._check_name(new_name)
+        src = od.children.get(old_name)  # type: ignore[union-attr]
+        if src is None:
+            raise _err(errno.ENOENT)
+        dst = nd.children.get(new_name)  # type: ignore[union-attr]
+        paths = (self.path_of(od, old_name), self.path_of(nd, new_name))
+        if flags & RENAME_EXCHANGE:
+            if dst is None:
+                raise _err(errno.ENOENT)
+            if src.fmt == S_IFDIR:
+                self._check_not_inside(nd, src)
+            if dst.fmt == S_IFDIR:
+                self._check_not_inside(od, dst)
+            self.journal.record("rename", paths, pid, arg=flags)
+            now = time.time_ns()
+            src.links.remove((od, old_name))
+            dst.links.remove((nd, new_name))
+            od.children[old_name] = dst  # type: ignore[index]
+            nd.children[new_name] = src  # type: ignore[index]
+            dst.links.append((od, old_name))
+            src.links.append((nd, new_name))
+            for d, n in ((od, old_name), (nd, new_name)):
+                self._touch(d, n)
+                self._changed_dir(d, now)
+            return
+        if dst is not None:
+            if flags & RENAME_NOREPLACE:
+                raise _err(errno.EEXIST)
+            if dst is src:
+                return
+            if src.fmt == S_IFDIR:
+                if dst.fmt != S_IFDIR:
+                    raise _err(errno.ENOTDIR)
+                if self._load(dst):
+                    raise _err(errno.ENOTEMPTY)
+            elif dst.fmt == S_IFDIR:
+                raise _err(errno.EISDIR)
+        if src.fmt == S_IFDIR:
+            self._check_not_inside(nd, src)
+        self.journal.record("rename", paths, pid, arg=flags)
+        now = time.time_ns()
+        del od.children[old_name]  # type: ignore[union-attr]
+        src.links.remove((od, old_name))
+        self._touch(od, old_name)
+        self._changed_dir(od, now)
+        if dst is not None:
+            del nd.children[new_name]  # type: ignore[union-attr]
+            dst.ctime_ns = now
+            self._unlink_child(nd, new_name, dst)
+        if src.stat_base:
+            self._fill(src)
+        src.ctime_ns = now
+        self._link(nd, new_name, src, now)
+
+    def _check_not_inside(self, d: Node, moved: Node) -> None:
+        """Refuse to move a directory into itself or its own sub-tree."""
+        p: Node | None = d
+        while p is not None:
+            if p is moved:
+                raise _err(errno.EINVAL)
+            p = p.links[0][0] if p.links else None
+
+    # ------------------------------------------------------------------ attributes
+
+    def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+        pid: int = 0,
+    ) -> Node:
+        node = self.attrs(self.node(ino))
+        now = time.time_ns()
+        path = self.path_of(node.links[0][0], node.links[0][1]) if node.links else b""
+        if size is not None and (node.fmt != S_IFREG or size != node.size):
+            if node.fmt == S_IFDIR:
+                raise _err(errno.EISDIR)
+            if node.fmt != S_IFREG:
+                raise _err(errno.EINVAL)
+            if node.src != SRC_SCRATCH:
+                self.copy_up(node, True, size)
+            if size != node.size:
+                self._truncate(node, size, pid)
+            self.journal.record("truncate", (path,), pid, length=size)
+        changed = False
+        if mode is not None:
+            node.mode = stat.S_IMODE(mode)
+            changed = True
+            self.journal.record("chmod", (path,), pid, arg=node.mode)
+        if uid is not None or gid is not None:
+            if uid is not None:
+                node.uid = uid
+            if gid is not None:
+                node.gid = gid
+            self.journal.record("chown", (path,), pid, arg=(node.uid << 32) | node.gid)
+        if atime_ns is not None or mtime_ns is not None:
+            if atime_ns is not None:
+                node.atime_ns = atime_ns
+            if mtime_ns is not None:
+                node.mtime_ns = mtime_ns
+                changed = True
+            self.journal.record("utimens", (path,), pid, offset=max(node.mtime_ns, 0))
+        node.ctime_ns = now
+        if changed:
+            self._touch_node(node)
+        return node
+
+    def _truncate(self, node: Node, size: int, pid: int) -> None:
+        b = self._open_backing(node)
+        try:
+            os.ftruncate(b.fd, size)
+        finally:
+            if node.opens == 0:
+                b.release()
+                node.backing = None
+        node.size = size
+        self._content_changed(node, time.time_ns())
+
+    # ------------------------------------------------------------------ xattrs
+
+    def _base_xattr_path(self, node: Node) -> str | None:
+        if node.base_path is None:
+            return None
+        rel = os.fsdecode(node.base_path)
+        return f"{self._proc_base}/{rel}" if rel else self._proc_base
+
+    def _own_xattrs(self, node: Node) -> dict[bytes, bytes]:
+        if node.xattrs is None:
+            node.xattrs = {}
+            path = self._base_xattr_path(node)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    for name in os.listxattr(path, follow_symlinks=False):
+                        with contextlib.suppress(OSError):
+                            node.xattrs[os.fsencode(name)] = os.getxattr(
+                                path, name, follow_symlinks=False
+                            )
+        return node.xattrs
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        node = self.node(ino)
+        if node.xattrs is None:
+            path = self._base_xattr_path(node)
+            if path is not None:
+                try:
+                    return os.getxattr(path, os.fsdecode(name), follow_symlinks=False)
+                except OSError:
+                    pass
+            raise _err(errno.ENODATA)
+        value = node.xattrs.get(name)
+        if value is None:
+            raise _err(errno.ENODATA)
+        return value
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        node = self.node(ino)
+        if node.xattrs is None:
+            path = self._base_xattr_path(node)
+            if path is None:
+                return []
+            try:
+                return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=False)]
+            except OSError:
+                return []
+        return list(node.xattrs)
+
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0, pid: int = 0) -> None:
+        node = self.node(ino)
+        xattrs = self._own_xattrs(node)
+        if flags & XATTR_CREATE and name in xattrs:
+            raise _err(errno.EEXIST)
+        if flags & XATTR_REPLACE and name not in xattrs:
+            raise _err(errno.ENODATA)
+        xattrs[name] = bytes(value)
+        node.ctime_ns = time.time_ns()
+        self.journal.record("setxattr", (self._path_of_node(node),), pid, extra=name)
+
+    def removexattr(self, ino: int, name: bytes, pid: int = 0) -> None:
+        node = self.node(ino)
+        xattrs = self._own_xattrs(node)
+        if xattrs.pop(name, None) is None:
+            raise _err(errno.ENODATA)
+        node.ctime_ns = time.time_ns()
+        self.journal.record("removexattr", (self._path_of_node(node),), pid, extra=name)
+
+    def _path_of_node(self, node: Node) -> bytes:
+        return self.path_of(node.links[0][0], node.links[0][1]) if node.links else b""
+
+    def statfs(self) -> os.statvfs_result:
+        return os.statvfs(self.scratch_dir)
+
+    # ------------------------------------------------------------------ snapshot
+
+    def _empty(self) -> ObjectId:
+        if self._empty_tree is None:
+            self._empty_tree = self.store.put("tree", trees.encode_tree([]))
+        return self._empty_tree
+
+    def _store_content(self, node: Node) -> ObjectId:
+        path = self._scratch(node)
+        prev = node.oid
+        if prev is not None and DELTA_MIN <= node.size <= DELTA_MAX:
+            with open(path, "rb") as f:
+                data = f.read(DELTA_MAX + 1)
+            if len(data) <= DELTA_MAX:
+                return self.store.put("blob", data, delta_base=prev)
+        return self.store.put_file(path)
+
+    def _entry(self, node: Node, name: bytes) -> Entry:
+        fmt = node.fmt
+        if fmt == S_IFDIR:
+            if node.dirty_names:
+                self._build(node)
+            oid = node.oid
+            if oid is None:
+                oid = node.oid = self._empty()
+            return Entry(name, DIR, node.mode, 0, node.mtime_ns, oid, None)
+        if fmt == S_IFREG:
+            if node.dirty:
+                node.oid = self._store_content(node)
+                node.dirty = False
+            return Entry(name, FILE, node.mode, node.size, node.mtime_ns, node.oid, None)
+        t = node.target
+        return Entry(name, SYMLINK, node.mode, len(t), node.mtime_ns, None, t)  # type: ignore[arg-type]
+
+    def _build(self, d: Node) -> None:
+        new = dict(_entries(self.store, d.oid))
+        children = d.children
+        assert children is not None
+        for name in d.dirty_names:
+            child = children.get(name)
+            if child is None:
+                new.pop(name, None)
+            else:
+                new[name] = self._entry(child, name)
+        d.dirty_names.clear()
+        entries = sorted(new.values(), key=_by_name)
+        oid = self.store.put("tree", trees.encode_tree(entries))
+        # The next snapshot or restore starts from this tree: keep it decoded.
+        trees._cache_put(oid, {e.name: e for e in entries})
+        d.oid = oid
+
+    def _fold(self) -> ObjectId:
+        """Turn the changes since the last snapshot into a tree (without taking the journal)."""
+        root = self.root
+        if root.dirty_names:
+            self._build(root)
+            self.last_tree = root.oid  # type: ignore[assignment]
+        return self.last_tree
+
+    @_routed(sync=True)
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        """Store what changed since the last snapshot; return (tree id, journal id or None)."""
+        tree_id = self._fold()
+        journal_id = None
+        if len(self.journal):
+            journal_id = self.store.put("journal", encode_journal(self.journal.take()))
+        self.store.flush()
+        return tree_id, journal_id
+
+    # ------------------------------------------------------------------ restore
+
+    @_routed(sync=True)
+    def restore(self, tree_id: ObjectId, pid: int = 0) -> None:
+        """Bring the layer to the state of tree ``tree_id`` (any snapshot of this layer, or any
+        tree in the store). Unsnapshotted changes are stored first, so nothing is lost from the
+        store; their journal stays pending for the next snapshot, followed by a ``restore`` op.
+        Kernel invalidations are queued (see `take_invalidations`)."""
+        self._fold()
+        if tree_id != self.root.oid:
+            self._reconcile(self.root, tree_id, time.time_ns())
+        self.root.oid = self.last_tree = tree_id
+        self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
+        self.store.flush()
+
+    def _reconcile(self, d: Node, target: ObjectId, now: int) -> None:
+        if d.children is None:
+            d.oid = target
+            return
+        old = _entries(self.store, d.oid)
+        new = _entries(self.store, target)
+        children = d.children
+        known = d.lookups > 0
+        inval = self._inval
+        base: dict[bytes, Entry] | None = None
+        changed = False
+        for name, oe in old.items():
+            ne = new.get(name)
+            if ne == oe:
+                continue
+            child = children[name]
+            if ne is not None and ne.kind == oe.kind:
+                if oe.kind == DIR:
+                    child.mode, child.mtime_ns, child.ctime_ns = ne.mode, ne.mtime_ns, now
+                    if oe.oid != ne.oid:
+                        self._reconcile(child, ne.oid, now)  # type: ignore[arg-type]
+                    if child.lookups:
+                        inval.append(("inode", child.ino, True))
+                    continue
+                if oe.oid == ne.oid and oe.target == ne.target and oe.mtime_ns == ne.mtime_ns:
+                    child.mode, child.ctime_ns = ne.mode, now
+                    if child.lookups:
+                        inval.append(("inode", child.ino, True))
+                    continue
+            changed = True
+            del children[name]
+            if child.lookups:
+                inval.append(("entry", d.ino, name))
+            self._unlink_child(d, name, child)
+            if ne is not None:
+                if base is None:
+                    base = self._base_entries(d)
+                self._attach(d, name, ne, base)
+        for name, ne in new.items():
+            if name not in old:
+                changed = True
+                if base is None:
+                    base = self._base_entries(d)
+                self._attach(d, name, ne, base)
+        d.oid = target
+        if changed and known:
+            inval.append(("inode", d.ino, True))
+
+    def _base_entries(self, d: Node) -> dict[bytes, Entry]:
+        if d.base_path is None or d.base_oid is None:
+            return {}
+        return _entries(self.store, d.base_oid)
+
+    def _attach(self, d: Node, name: bytes, e: Entry, base: dict[bytes, Entry]) -> None:
+        prefix = d.base_path + b"/" if d.base_path else b""
+        child = self._from_entry(
+            e, base.get(name), prefix + name if d.base_path is not None else None
+        )
+        d.children[name] = child  # type: ignore[index]
+        child.links.append((d, name))
+
+    def take_invalidations(self) -> list[tuple[Any, ...]]:
+        """Kernel cache entries made stale by a restore: ``("entry", parent_ino, name)`` and
+        ``("inode", ino, attr_only)``. The FUSE side sends them outside its request handlers."""
+        out = self._inval
+        self._inval = []
+        return out
+
+    # ------------------------------------------------------------------ path-level API
+
+    def resolve(self, path: PathLike) -> Node:
+        """The node at ``path`` (relative to the layer root; symlinks are not followed)."""
+        node = self.root
+        for part in _split(path):
+            if node.fmt != S_IFDIR:
+                raise _err(errno.ENOTDIR, os.fsdecode(path))
+            child = self._load(node).get(part)
+            if child is None:
+                raise _err(errno.ENOENT, os.fsdecode(path))
+            node = child
+        return node
+
+    def _parent(self, path: PathLike) -> tuple[Node, bytes]:
+        parts = _split(path)
+        if not parts:
+            raise _err(errno.EINVAL, os.fsdecode(path))
+        d = self.resolve(b"/".join(parts[:-1]))
+        if d.fmt != S_IFDIR:
+            raise _err(errno.ENOTDIR, os.fsdecode(path))
+        self._load(d)
+        return d, parts[-1]
+
+    @_routed()
+    def exists(self, path: PathLike) -> bool:
+        try:
+            self.resolve(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
+
+    @_routed()
+    def stat(self, path: PathLike) -> NodeStat:
+        node = self.attrs(self.resolve(path))
+        return NodeStat(
+            node.fmt | node.mode,
+            node.ino,
+            node.nlink,
+            node.uid,
+            node.gid,
+            node.size,
+            node.atime_ns,
+            node.mtime_ns,
+            node.ctime_ns,
+            self.blocks(node),
+        )
+
+    @_routed()
+    def listdir(self, path: PathLike = b"") -> list[Any]:
+        d = self.resolve(path)
+        if d.fmt != S_IFDIR:
+            raise _err(errno.ENOTDIR, os.fsdecode(path))
+        names = sorted(self._load(d))
+        return names if isinstance(path, bytes) else [os.fsdecode(n) for n in names]
+
+    @_routed()
+    def read_file(self, path: PathLike) -> bytes:
+        node = self.resolve(path)
+        if node.fmt != S_IFREG:
+            raise _err(errno.EISDIR if node.fmt == S_IFDIR else errno.EINVAL, os.fsdecode(path))
+        h = self.open(node.ino, os.O_RDONLY)
+        try:
+            chunks = []
+            off = 0
+            while True:
+                piece = self.read(h, off, 1 << 20)
+                if not piece:
+                    return b"".join(chunks)
+                chunks.append(piece)
+                off += len(piece)
+        finally:
+            self.release(h.fh)
+
+    @_routed()
+    def write_file(self, path: PathLike, data: bytes, mode: int = 0o644) -> None:
+        """Create or replace the file at ``path`` (its directory must exist)."""
+        d, name = self._parent(path)
+        pid = os.getpid()
+        node = d.children.get(name)  # type: ignore[union-attr]
+        if node is None:
+            h, node = self.create(d.ino, name, mode, os.O_WRONLY, pid=pid)
+        else:
+            h = self.open(node.ino, os.O_WRONLY | os.O_TRUNC, pid)
+        try:
+            off = 0
+            view = memoryview(data)
+            while off < len(view):
+                off += self.write(h, off, view[off : off + (1 << 20)])
+        finally:
+            self.release(h.fh)
+
+    @_routed()
+    def mkdir(
+        self, path: PathLike, mode: int = 0o755, *, parents: bool = False, exist_ok: bool = False
+    ) -> None:
+        parts = _split(path)
+        node = self.root
+        pid = os.getpid()
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            child = self._load(node).get(part)
+            if child is None:
+                if not (last or parents):
+                    raise _err(errno.ENOENT, os.fsdecode(path))
+                child = self.mkdir_in(node.ino, part, mode, pid=pid)
+            elif last and not exist_ok:
+                raise _err(errno.EEXIST, os.fsdecode(path))
+            elif child.fmt != S_IFDIR:
+                raise _err(errno.ENOTDIR, os.fsdecode(path))
+            node = child
+
+    @_routed()
+    def delete(self, path: PathLike, *, recursive: bool = False) -> None:
+        d, name = self._parent(path)
+        node = d.children.get(name)  # type: ignore[union-attr]
+        if node is None:
+            raise _err(errno.ENOENT, os.fsdecode(path))
+        pid = os.getpid()
+        if node.fmt != S_IFDIR:
+            self.unlink(d.ino, name, pid)
+            return
+        if recursive:
+            for child_name in list(self._load(node)):
+                self.delete(os.fsencode(path) + b"/" + child_name, recursive=True)
+        self.rmdir(d.ino, name, pid)
+
+    def walk(self) -> Iterator[tuple[bytes, Node]]:
+        """Every (path, node) in the layer, depth first (loads every directory)."""
+        stack = [(b"", self.root)]
+        while stack:
+            prefix, d = stack.pop()
+            for name, child in sorted(self._load(d).items()):
+                path = prefix + b"/" + name if prefix else name
+                yield path, child
+                if child.fmt == S_IFDIR:
+                    stack.append((path, child))
