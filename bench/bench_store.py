@@ -91,7 +91,7 @@ def _mb_s(nbytes: int, seconds: float) -> float:
 
 def run(quick: bool = False) -> list[dict]:
     rows: list[dict[str, Any]] = []
-    reps = 2 if quick else 7
+    reps = 1 if quick else 7
     files = _small_files()
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         base = Path(tmp)

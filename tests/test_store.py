@@ -304,7 +304,9 @@ def test_index_is_rebuilt_from_packs_when_deleted(tmp_path: Path) -> None:
         for oid, data in blobs.items():
             assert store.get(oid) == data
         assert store.size(chunked) == CHUNK_SIZE + 10
-        assert store.verify() == []
+        seen: list[tuple[int, int]] = []
+        assert store.verify(progress=lambda d, t: seen.append((d, t))) == []
+        assert seen[-1][0] == seen[-1][1] == store.stats().pack_bytes
         assert store.rebuild_index() == len(blobs) + 3  # two chunks and the chunks object
         assert store.stats().objects == len(blobs) + 3
 
