@@ -1,0 +1,220 @@
+"""`jukebox booth run` end to end: real namespaces, the real FUSE layer, real commits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.booth.conftest import NOBODY
+
+pytestmark = pytest.mark.usefixtures("root_only")
+
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+
+
+@pytest.fixture(autouse=True)
+def _layer_available() -> None:
+    try:
+        import shadowfs.fuse
+        import shadowfs.layer  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"the FUSE layer is not importable yet: {error}")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse")
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> tuple[Path, Path]:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    (tree / "keep.txt").write_text("untouched\n")
+    return tree, tapes
+
+
+def jb(
+    *args: str,
+    cwd: Path | None = None,
+    env: dict | None = None,
+    python: str | None = None,
+    user: int | None = None,
+) -> subprocess.CompletedProcess[str]:
+    cmd = [JUKEBOX, *args] if python is None else [python, "-m", "jukebox.cli.__main__", *args]
+    if python is not None:
+        cmd = [python, "-c", "from jukebox.cli import main; main()", *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    full_env = dict(
+        os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}", **(env or {})
+    )
+    return subprocess.run(
+        cmd, capture_output=True, text=True, cwd=cwd or "/", env=full_env, timeout=60
+    )
+
+
+def booth_run(
+    tree: Path, tapes: Path, script: str, *opts: str, **kw
+) -> subprocess.CompletedProcess[str]:
+    return jb(
+        "booth",
+        "run",
+        "--tree",
+        str(tree),
+        "--tape-dir",
+        str(tapes),
+        "--tape-id",
+        "t1",
+        *opts,
+        "--",
+        "sh",
+        "-c",
+        script,
+        **kw,
+    )
+
+
+def frames(tapes: Path, tape_id: str = "t1") -> list[dict]:
+    proc = jb("log", str(tapes / f"{tape_id}.jbx"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    return data["frames"] if isinstance(data, dict) else data
+
+
+def leftovers(tapes: Path) -> list[str]:
+    state = tapes / ".jukebox"
+    return sorted(
+        str(p.relative_to(state))
+        for sub in ("booths", "scratch")
+        if (state / sub).is_dir()
+        for p in (state / sub).iterdir()
+    )
+
+
+EDIT = (
+    "echo two >> a.txt && echo new > b.txt && jukebox booth checkpoint --label good && "
+    "echo MISTAKE > a.txt && rm keep.txt && jukebox booth rollback --to good && "
+    "cat a.txt && test -f keep.txt"
+)
+
+
+def test_auto_commit_after_rollback_from_inside_and_passing_verifier(work) -> None:
+    tree, tapes = work
+    proc = booth_run(tree, tapes, EDIT, "--verify", "grep -q two a.txt && test -f b.txt")
+    assert proc.returncode == 0, proc.stderr
+    assert "one\ntwo\n" in proc.stdout  # the agent saw the rollback while it kept running
+    assert (tree / "a.txt").read_text() == "one\ntwo\n"
+    assert (tree / "b.txt").read_text() == "new\n"
+    assert (tree / "keep.txt").read_text() == "untouched\n"
+    kinds = [f["kind"] for f in frames(tapes)]
+    for kind in ("run_start", "checkpoint", "rollback", "fs", "exit", "verify", "commit"):
+        assert kind in kinds, kinds
+    assert leftovers(tapes) == []
+
+
+def test_failing_verifier_rolls_back_with_zero_residue(work) -> None:
+    tree, tapes = work
+    before = sorted(os.listdir(tree))
+    proc = booth_run(
+        tree,
+        tapes,
+        "echo broken > a.txt; mkdir d; touch d/x",
+        "--verify",
+        "echo verifier says no; false",
+    )
+    assert proc.returncode == 1
+    assert "rolled back" in proc.stderr and "verifier says no" in proc.stderr
+    assert sorted(os.listdir(tree)) == before and (tree / "a.txt").read_text() == "one\n"
+    verify = next(f for f in frames(tapes) if f["kind"] == "verify")
+    payload = verify.get("payload", verify)
+    assert payload["ok"] is False and "verifier says no" in payload["output"]
+    assert leftovers(tapes) == []
+
+
+def test_agent_status_is_the_run_status_and_failure_rolls_back(work) -> None:
+    tree, tapes = work
+    proc = booth_run(tree, tapes, "echo x > a.txt; exit 7")
+    assert proc.returncode == 7
+    assert (tree / "a.txt").read_text() == "one\n"
+
+
+def test_never_keeps_pending_then_commit_from_another_process(work) -> None:
+    tree, tapes = work
+    proc = booth_run(tree, tapes, "echo two >> a.txt; echo new > b.txt", "--commit", "never")
+    assert proc.returncode == 0, proc.stderr
+    assert (tree / "a.txt").read_text() == "one\n" and not (tree / "b.txt").exists()
+    listed = json.loads(jb("booth", "ls", "--json", "--tape-dir", str(tapes)).stdout)
+    assert [(b["id"], b["status"]) for b in listed] == [("t1", "pending")]
+    diff = jb("booth", "diff", "t1", "--tape-dir", str(tapes))
+    assert diff.returncode == 0 and "M a.txt" in diff.stdout and "A b.txt" in diff.stdout
+    done = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
+    assert done.returncode == 0, done.stderr
+    assert (tree / "a.txt").read_text() == "one\ntwo\n" and (tree / "b.txt").read_text() == "new\n"
+    assert json.loads(jb("booth", "ls", "--json", "--tape-dir", str(tapes)).stdout) == []
+    assert frames(tapes)[-1]["kind"] == "commit"
+
+
+def test_pending_commit_conflict_exits_1_and_lists_paths_then_discard(work) -> None:
+    tree, tapes = work
+    assert booth_run(tree, tapes, "echo agent > a.txt", "--commit", "never").returncode == 0
+    (tree / "a.txt").write_text("someone else\n")
+    proc = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
+    assert proc.returncode == 1 and "a.txt" in proc.stderr
+    assert (tree / "a.txt").read_text() == "someone else\n"
+    assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
+    assert leftovers(tapes) == [] and (tree / "a.txt").read_text() == "someone else\n"
+
+
+def test_run_start_records_env_names_never_values(work) -> None:
+    tree, tapes = work
+    env = {"MY_API_KEY": "sk-very-secret-value", "PLAIN_SETTING": "visible-name-only"}
+    proc = booth_run(tree, tapes, 'test "${#MY_API_KEY}" = 20', env=env)
+    assert proc.returncode == 0, proc.stderr  # the agent got the value
+    raw = (tapes / "t1.jbx").read_bytes()
+    store = b"".join(
+        p.read_bytes() for p in (tapes / ".jukebox" / "store").rglob("*") if p.is_file()
+    )
+    assert b"sk-very-secret-value" not in raw and b"visible-name-only" not in raw
+    assert b"sk-very-secret-value" not in store
+    start = frames(tapes)[0]
+    text = json.dumps(start)
+    assert "MY_API_KEY" in text and "PLAIN_SETTING" in text
+
+
+def test_tape_dir_inside_the_tree_is_refused(work) -> None:
+    tree, _ = work
+    proc = booth_run(tree, tree / "tapes", "true")
+    assert proc.returncode == 2 and "outside the tree" in proc.stderr
+
+
+def test_unprivileged_booth(nobody_python: str, nobody_dir: Path, open_dev_fuse: None) -> None:
+    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    os.chown(tree, NOBODY, NOBODY)
+    os.chown(tree / "a.txt", NOBODY, NOBODY)
+    script = 'echo two >> a.txt && umount . 2>/dev/null; test "$(id -u)" = 0 && echo new > b.txt'
+    proc = jb(
+        "booth",
+        "run",
+        "--tree",
+        str(tree),
+        "--tape-dir",
+        str(tapes),
+        "--tape-id",
+        "u1",
+        "--",
+        "sh",
+        "-c",
+        script,
+        python=nobody_python,
+        user=NOBODY,
+        cwd=nobody_dir,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tree / "a.txt").read_text() == "one\ntwo\n" and (tree / "b.txt").exists()
+    assert (tree / "b.txt").stat().st_uid == NOBODY  # root inside, nobody outside
