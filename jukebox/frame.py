@@ -258,7 +258,7 @@ class Frame:
             # so a decoded frame must re-encode to exactly what was hashed.
             if len(obj) != 9 or canonical_json(obj) != self._raw:
                 raise ValueError(what)
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise TamperedTape(None, self._seq_hint(), what) from None
         self._seq = seq
         self._time_ns = time_ns

@@ -497,17 +497,32 @@ class TapeWriter:
 
     @classmethod
     def open_append(
-        cls, path: str | os.PathLike[str], store: ObjectStore | None, *, fsync: bool = True
+        cls,
+        path: str | os.PathLike[str],
+        store: ObjectStore | None,
+        *,
+        fsync: bool = True,
+        tape_id: str | None = None,
     ) -> TapeWriter:
-        """Reopen a tape to append to it, cutting off (and logging) a torn tail first."""
+        """Reopen a tape to append to it, cutting off (and logging) a torn tail first.
+
+        `tape_id` is needed only for a tape with no frames yet (its writer died before run_start).
+        """
         tape = Tape.load(path)
         problems, acc = tape._check_chain()
         problems = tape._split_problems + problems
         if problems:
             raise problems[0]
-        tape_id = tape.tape_id
-        if tape_id is None:
-            raise TamperedTape(path, 0, "it has no run_start frame naming its tape id")
+        if tape.frames:
+            found = tape.tape_id
+            if found is None:
+                raise TamperedTape(path, 0, "its run_start frame names no tape id")
+            tape_id = found
+        elif tape_id is None:
+            raise ValueError(
+                f"{os.fspath(path)} has no frames yet, so it names no tape id; "
+                "pass tape_id= to open_append"
+            )
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         torn = tape.torn_tail
         size = os.fstat(fd).st_size

@@ -526,3 +526,19 @@ def test_any_payload_round_trips_and_verifies(tmp_path: Path, payloads: list) ->
     for p, f in zip(payloads, tape.frames[1:], strict=True):
         assert f.payload == json.loads(canonical_json(p))
     path.unlink()
+
+
+def test_open_append_on_a_tape_with_no_frames_yet(tmp_path: Path) -> None:
+    path = tmp_path / "t.jbx"
+    TapeWriter.create(path, None, "early").close()
+    with pytest.raises(ValueError, match="pass tape_id="):
+        TapeWriter.open_append(path, None)
+    with TapeWriter.open_append(path, None, tape_id="early") as w:
+        w.append("run_start", {"name": "late"})
+    tape = Tape.load(path)
+    assert tape.verify().ok and tape.tape_id == "early"
+    foreign = tmp_path / "foreign.jbx"
+    foreign.write_bytes(b"SQLite format 3\x00" + bytes(100))
+    with pytest.raises(NotATape):
+        TapeWriter.open_append(foreign, None)
+    assert foreign.read_bytes().startswith(b"SQLite")
