@@ -22,10 +22,11 @@ residue is removed and the tree is exactly the old one.
 Every operation on the target goes through directory fds opened with O_NOFOLLOW, one component
 at a time, so a symlink planted in a path can never redirect a write outside the target.
 
-Fault injection for crash tests: ``SHADOWFS_CRASH_AT`` names a point (``prepare``, ``stage:K``,
-``staged``, ``torn-journal``, ``journal``, ``op:K``, ``applied``, ``journal-deleted``, and in
-recovery ``recover-op:K``, ``recover-applied``) or an integer step index counting every point
-``apply`` passes; the process SIGKILLs itself there.
+Fault injection for crash tests: ``SHADOWFS_CRASH_AT`` names a point where the process SIGKILLs
+itself. In ``apply``, in order: ``prepare``, ``stage:K``, ``staged``, ``journal``, ``op:K``,
+``applied``, ``prepare-deleted`` (``torn-journal`` instead leaves half a journal and dies), or an
+integer step index into that sequence. In ``recover``: ``recover-op:K``, ``recover-applied``,
+``recover-prepare-deleted``.
 """
 
 from __future__ import annotations
@@ -820,11 +821,7 @@ def _apply_locked(
             "cause and run recovery, which finishes it"
         ) from exc
     crash.at("applied")
-    _remove(jfd, JOURNAL_NAME)
-    os.fsync(jfd)
-    crash.at("journal-deleted")
-    _remove(jfd, PREPARE_NAME)
-    os.fsync(jfd)
+    _finish(jfd, crash, "prepare-deleted")
     return CommitReport(len(changes), written)
 
 
@@ -878,11 +875,18 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash) -> bool:
     elif prepare is not None:
         # Died before the commit point: drop what was staged, and the tree is the old one.
         _undo_staging(dirs, prepare)
-    _remove(jfd, JOURNAL_NAME, JOURNAL_NAME + ".tmp")
-    os.fsync(jfd)
+    _finish(jfd, crash, "recover-prepare-deleted")
+    return redone
+
+
+def _finish(jfd: int, crash: _Crash, point: str) -> None:
+    """Retire the journal files. The prepare record goes first: a prepare without a journal
+    means "undo the staging", which must never run over a tree the journal already changed."""
     _remove(jfd, PREPARE_NAME, PREPARE_NAME + ".tmp")
     os.fsync(jfd)
-    return redone
+    crash.at(point)
+    _remove(jfd, JOURNAL_NAME, JOURNAL_NAME + ".tmp")
+    os.fsync(jfd)
 
 
 def clean_residue(
