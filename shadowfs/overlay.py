@@ -27,11 +27,13 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
-from shadowfs.tree import DIR, FILE, MODE_MASK, SYMLINK, Entry, TreeStore, build_tree, encode_tree
+from shadowfs.tree import DIR, FILE, MODE_MASK, SYMLINK, Entry, TreeStore, build_tree
+from shadowfs.tree import _pack as _pack_sorted_entries
 from shadowfs.tree import read_tree as _read_tree
 
 _MS_REMOUNT = 32
@@ -82,9 +84,8 @@ class RestoreStats:
     removed: int = 0
     whiteouts: int = 0
     frozen: int = 0
-    # "offline" (not mounted), "remounted" (unmounted and mounted again: nobody held the mount)
-    # or "in-place" (held: upper rewritten under the live mount, then MS_REMOUNT to shrink the
-    # mount's dentry cache).
+    # "offline" (not mounted) or "in-place" (the upper rewritten under the live mount, then an
+    # MS_REMOUNT to shrink the mount's dentry cache).
     method: str = ""
 
 
@@ -172,14 +173,15 @@ class OverlayLayer:
         if os.geteuid() == 0:
             os.chown(self.upper, st.st_uid, st.st_gid)
         os.utime(self.upper, ns=(st.st_atime_ns, st.st_mtime_ns))
-        self.base_tree: ObjectId = base_tree if base_tree is not None else build_tree(store,
-                                                                                      self.base)
+        self.base_tree: ObjectId = (
+            base_tree if base_tree is not None else build_tree(store, self.base)
+        )
         self.mountpoint: bytes | None = None
         self._lowerdir = self.base
         self._bound = False
         self._staged = 0
         self._cache: dict[bytes, _Stat] = {}
-        self._dir_cache: dict[bytes, tuple[bytes, ObjectId]] = {}
+        self._dir_cache: dict[bytes, tuple[tuple[object, ...], ObjectId]] = {}
         self.last_tree: ObjectId = self.base_tree
         self.snapshot_stats = SnapshotStats()
         self.restore_stats = RestoreStats()
@@ -268,15 +270,17 @@ class OverlayLayer:
     # --- snapshot -----------------------------------------------------------------------------
 
     def snapshot(self) -> ObjectId:
-        """The tree id of base + layer now. Cost follows the size of the upper dir, and only
-        files whose stat changed since the previous snapshot are read.
+        """The tree id of base + layer now.
 
-        Processes may keep writing meanwhile; a file changing during the harvest is captured as
-        of its read and re-read at the next snapshot (its ctime moved)."""
+        Cost follows the upper dir: one stat per upper entry; a file is read only when its stat
+        changed since the previous snapshot, and a directory whose upper entries all kept their
+        stat keeps its tree id without re-encoding the merged listing. Processes may keep
+        writing meanwhile; a file changing during the harvest is captured as of its read and
+        read again at the next snapshot (its ctime moved)."""
         self.snapshot_stats = SnapshotStats()
         cutoff = _coarse_now()
         new_cache: dict[bytes, _Stat] = {}
-        new_dirs: dict[bytes, tuple[bytes, ObjectId]] = {}
+        new_dirs: dict[bytes, tuple[tuple[object, ...], ObjectId]] = {}
         tree = self._harvest(self.upper, b"", self.base_tree, False, cutoff, new_cache, new_dirs)
         self._cache = new_cache
         self._dir_cache = new_dirs
@@ -297,51 +301,91 @@ class OverlayLayer:
         opaque: bool,
         cutoff: int,
         new_cache: dict[bytes, _Stat],
-        new_dirs: dict[bytes, tuple[bytes, ObjectId]],
+        new_dirs: dict[bytes, tuple[tuple[object, ...], ObjectId]],
     ) -> ObjectId:
         stats = self.snapshot_stats
         stats.upper_dirs += 1
-        entries = {} if opaque else _entries(self.store, base_oid)
+        base = {} if opaque else _entries(self.store, base_oid)
+        # First the upper entries' stats (and sub-trees): together with the lower tree they
+        # decide this directory's tree, so an unchanged signature means an unchanged id.
+        children: list[tuple[bytes, os.stat_result, ObjectId | None]] = []
+        sig: list[object] = [base_oid, opaque]
         with os.scandir(upath) as it:
             for de in it:
                 name = os.fsencode(de.name)
-                path = upath + b"/" + name
-                r = _join(rel, name)
                 try:
                     st = de.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                fmt = stat.S_IFMT(st.st_mode)
-                if fmt == stat.S_IFREG:
-                    e = self._file(path, r, name, st, cutoff, new_cache)
-                    if e is None:
-                        entries.pop(name, None)
-                    else:
-                        entries[name] = e
-                elif fmt == stat.S_IFDIR:
+                sub = None
+                if stat.S_ISDIR(st.st_mode):
+                    path = upath + b"/" + name
                     sub_opaque = self._opaque(path)
-                    below = entries.get(name)
+                    below = base.get(name)
                     sub_base = below.oid if below is not None and below.kind == DIR else None
-                    sub = self._harvest(path, r, None if sub_opaque else sub_base, sub_opaque,
-                                        cutoff, new_cache, new_dirs)
-                    entries[name] = Entry(name, DIR, st.st_mode & MODE_MASK, 0, st.st_mtime_ns,
-                                          sub, None)
-                elif fmt == stat.S_IFLNK:
-                    target = os.readlink(path)
-                    entries[name] = Entry(name, SYMLINK, st.st_mode & MODE_MASK, len(target),
-                                          st.st_mtime_ns, None, target)
-                else:
-                    # A whiteout (0/0 character device) deletes the lower entry; fifos, sockets
-                    # and devices are not recorded by trees at all, so they hide it too.
-                    entries.pop(name, None)
-        data = encode_tree(list(entries.values()))
+                    sub = self._harvest(
+                        path,
+                        _join(rel, name),
+                        None if sub_opaque else sub_base,
+                        sub_opaque,
+                        cutoff,
+                        new_cache,
+                        new_dirs,
+                    )
+                children.append((name, st, sub))
+                sig.append(
+                    (name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sub)
+                )
+        signature = tuple(sig)
         cached = self._dir_cache.get(rel)
-        if cached is not None and cached[0] == data:
-            oid = cached[1]
-        else:
-            oid = self.store.put("tree", data)
-            stats.trees_written += 1
-        new_dirs[rel] = (data, oid)
+        if cached is not None and cached[0] == signature:
+            prefix = _join(rel, b"")
+            files = [prefix + name for name, st, _sub in children if stat.S_ISREG(st.st_mode)]
+            if all(r in self._cache for r in files):
+                for r in files:
+                    new_cache[r] = self._cache[r]
+                stats.cache_hits += len(files)
+                new_dirs[rel] = cached
+                return cached[1]
+        entries = dict(base)
+        trusted = True
+        for name, st, sub in children:
+            fmt = stat.S_IFMT(st.st_mode)
+            if fmt == stat.S_IFREG:
+                r = _join(rel, name)
+                e = self._file(upath + b"/" + name, r, name, st, cutoff, new_cache)
+                if e is None:
+                    entries.pop(name, None)
+                else:
+                    entries[name] = e
+                trusted = trusted and r in new_cache
+            elif fmt == stat.S_IFDIR:
+                entries[name] = Entry(
+                    name, DIR, st.st_mode & MODE_MASK, 0, st.st_mtime_ns, sub, None
+                )
+            elif fmt == stat.S_IFLNK:
+                try:
+                    target = os.readlink(upath + b"/" + name)
+                except FileNotFoundError:
+                    entries.pop(name, None)
+                    trusted = False
+                    continue
+                entries[name] = Entry(
+                    name, SYMLINK, st.st_mode & MODE_MASK, len(target), st.st_mtime_ns, None, target
+                )
+            else:
+                # A whiteout (0/0 character device) deletes the lower entry; fifos, sockets
+                # and devices are not recorded by trees at all, so they hide it too.
+                entries.pop(name, None)
+        # Every entry is valid by construction (decoded lower entries, names and stats from the
+        # upper file system), so encode_tree's per-entry checks -- half the cost of a large
+        # directory -- are skipped; only the order must be restored.
+        ordered = sorted(entries.values(), key=attrgetter("name"))
+        oid = self.store.put("tree", _pack_sorted_entries(ordered))
+        stats.trees_written += 1
+        if trusted:
+            # The signature stands for the contents only when no file in it was racily clean.
+            new_dirs[rel] = (signature, oid)
         return oid
 
     def _file(self, path: bytes, rel: bytes, name: bytes, st: os.stat_result, cutoff: int,
@@ -378,31 +422,23 @@ class OverlayLayer:
     def restore(self, tree_id: ObjectId) -> None:
         """Bring the mount to the state of ``tree_id`` (any tree; normally an earlier snapshot).
 
-        The mount's users are frozen meanwhile. When nobody holds the mount it is unmounted,
-        the upper dir rewritten and the overlay mounted again; otherwise the upper dir is
-        rewritten under the live mount and an MS_REMOUNT makes the kernel drop the mount's
-        cached dentries, so the next open or stat sees the restored state."""
+        The mount's users are frozen meanwhile; the upper dir is rewritten under the live mount
+        and an MS_REMOUNT makes the kernel drop the mount's unused cached dentries, so the next
+        open or stat by any process sees the restored state. Unmounting instead would sync the
+        upper file system (milliseconds) and, while unmounted, show whatever lies beneath the
+        mount point -- the real tree, when the overlay covers the base's own path."""
         self.restore_stats = RestoreStats()
         if self.mountpoint is None:
             self.restore_stats.method = "offline"
             self._rewrite(tree_id, None)
-            return
-        with self._frozen():
-            mp = self.mountpoint
-            try:
-                _umount(mp)
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    raise
+        else:
+            with self._frozen():
                 self.restore_stats.method = "in-place"
-                self._rewrite(tree_id, mp)
-                _mount(None, mp, None, _MS_REMOUNT, None)
-            else:
-                self.restore_stats.method = "remounted"
+                mp = self.mountpoint
                 try:
-                    self._rewrite(tree_id, None)
+                    self._rewrite(tree_id, mp)
                 finally:
-                    _mount(b"overlay", mp, b"overlay", 0, self._options())
+                    _mount(None, mp, None, _MS_REMOUNT, None)
         self.last_tree = tree_id
 
     def _rewrite(self, tree_id: ObjectId, live: bytes | None) -> None:
@@ -565,6 +601,8 @@ class OverlayLayer:
     def _frozen(self) -> Iterator[None]:
         if self.cgroup is not None and os.path.exists(self.cgroup + b"/cgroup.freeze"):
             with _cgroup_frozen(self.cgroup):
+                with open(self.cgroup + b"/cgroup.procs", "rb") as f:
+                    self.restore_stats.frozen = len(f.read().split())
                 yield
             return
         assert self.mountpoint is not None
@@ -605,9 +643,11 @@ def _is_whiteout(st: os.stat_result) -> bool:
 
 
 def _uses(pid: str, prefix: str, root: str) -> bool:
-    """Whether process ``pid`` has its cwd, root, an open fd or a mapping under the mount."""
+    """Whether process ``pid`` has its cwd, root, executable, an open fd or a mapping (a shared
+    library, say) under the mount. Reading every process's maps is most of the scan's cost;
+    a cgroup makes freezing O(1) instead."""
     base = f"/proc/{pid}/"
-    for link in ("cwd", "root"):
+    for link in ("cwd", "root", "exe"):
         with contextlib.suppress(OSError):
             t = os.readlink(base + link)
             if t == root or t.startswith(prefix):
@@ -618,11 +658,9 @@ def _uses(pid: str, prefix: str, root: str) -> bool:
                 t = os.readlink(base + "fd/" + fd)
                 if t == root or t.startswith(prefix):
                     return True
-    with contextlib.suppress(OSError), open(base + "maps", errors="surrogateescape") as f:
-        for line in f:
-            p = line.split(None, 5)
-            if len(p) == 6 and p[5].startswith(prefix):
-                return True
+    # A mapping's path follows the columns, after spaces: enough to spot the mount's prefix.
+    with contextlib.suppress(OSError), open(base + "maps", "rb") as f:
+        return b" " + os.fsencode(prefix) in f.read()
     return False
 
 
