@@ -259,6 +259,9 @@ class Store:
                     return self._writer
             except BlockingIOError:
                 pass
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
         self._writer = pk.PackWriter.create(self._packs_dir)
         return self._writer
@@ -329,7 +332,9 @@ class Store:
                     idx.insert([self._entry_for(name, item.offset, item.header, raw)])
             if new_end < end:
                 os.ftruncate(fd, new_end)
-                os.fsync(fd)
+            # The crashed writer never fsynced these records: make them durable before the
+            # index vouches for them.
+            os.fsync(fd)
             idx.set_pack_size(name, new_end)
         return new_end
 
