@@ -1,4 +1,4 @@
-"""Builds the golden tape tests/data/golden/tape.jbx and its store tests/data/golden/store/.
+"""Builds the golden tape tests/data/golden/tape.jbx and its store (golden/.jukebox/store/).
 
 DO NOT re-run this for the committed files. The golden tape guards compatibility: every later
 version of jukebox must still read the bytes committed today. Re-create it only when the tape
@@ -33,7 +33,7 @@ def build(target: Path) -> Tape:
             f"{target} exists; the golden tape is never re-made in place (see the docstring)"
         )
     target.mkdir(parents=True)
-    with Store.open(target / "store", create=True) as store:
+    with Store.open(target / ".jukebox" / "store", create=True) as store:
         hello = store.put("blob", HELLO)
         readme = store.put("blob", README)
         tree = store.put(
@@ -92,7 +92,7 @@ def build(target: Path) -> Tape:
             w.append("commit", {"tree": tree.hex(), "changes": 2}, tree=tree,
                      time_ns=T0 + 1_400_000_000)
             w.append("exit", {"code": 0}, time_ns=T0 + 1_450_000_000)
-    with Store.open(target / "store", create=False) as store:
+    with Store.open(target / ".jukebox" / "store", create=False) as store:
         tape = Tape.load(target / "tape.jbx", store)
         report = tape.verify(deep=True)
         report.raise_for_problems()

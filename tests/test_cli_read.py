@@ -138,3 +138,15 @@ def test_gc_keeps_what_tapes_reference_and_drops_the_rest(
     with Store.open(home.store_path) as store:
         assert not store.has(orphan)
     assert jukebox_cli("replay", "tr_demo").returncode == 0
+
+
+def test_golden_tape_verifies_from_the_command_line(tmp_path: Path, jukebox_cli) -> None:
+    import shutil
+
+    golden = Path(__file__).parent / "data" / "golden"
+    copy = tmp_path / "golden"
+    shutil.copytree(golden, copy)  # opening a store writes lock files: never touch the original
+    out = jukebox_cli("verify", str(copy / "tape.jbx"), check=True).stdout
+    assert out.startswith("ok: 10 frame(s) verified")
+    assert "objects not checked" not in out
+    assert "status COMMITTED" in jukebox_cli("replay", str(copy / "tape.jbx"), check=True).stdout

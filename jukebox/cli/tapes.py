@@ -172,7 +172,7 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
 
 
 def verify_report(tape) -> dict[str, Any]:
-    report = tape.verify(check_objects=tape.store is not None)
+    report = tape.verify(check_objects=tape.store is not None, deep=True)
     return {
         "ok": report.ok,
         "head": report.head.to_json(),
