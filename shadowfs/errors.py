@@ -12,7 +12,9 @@ class StoreError(ShadowfsError):
 
 
 class ObjectMissing(StoreError):
-    def __init__(self, oid: object, hint: str = "the store is incomplete; restore it from a copy") -> None:
+    def __init__(
+        self, oid: object, hint: str = "the store is incomplete; restore it from a copy"
+    ) -> None:
         super().__init__(f"object {oid} is missing from the store: {hint}")
         self.oid = oid
 
@@ -35,7 +37,9 @@ class ConflictError(ShadowfsError):
     """A commit found the real tree changed underneath the layer; nothing was applied."""
 
     def __init__(self, conflicts: list[str]) -> None:
-        shown = ", ".join(conflicts[:5]) + (f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else "")
+        shown = ", ".join(conflicts[:5]) + (
+            f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else ""
+        )
         super().__init__(
             f"commit refused: {len(conflicts)} path(s) changed in the real tree since the layer "
             f"started ({shown}); nothing was applied — rebase the work or discard it"

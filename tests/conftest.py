@@ -21,10 +21,17 @@ def jukebox_cli(tmp_path: Path):
         env.setdefault("JUKEBOX_TAPE_DIR", str(tmp_path / "tapes"))
         exe = Path(sys.executable).parent / "jukebox"
         proc = subprocess.run(
-            [str(exe), *args], capture_output=True, text=True, env=env, cwd=kwargs.pop("cwd", tmp_path), **kwargs
+            [str(exe), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=kwargs.pop("cwd", tmp_path),
+            **kwargs,
         )
         if check and proc.returncode != 0:
-            raise AssertionError(f"jukebox {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+            raise AssertionError(
+                f"jukebox {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}"
+            )
         return proc
 
     return run
