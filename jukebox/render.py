@@ -71,13 +71,21 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
     if kind == "tool_call":
         return f"{p.get('tool', '?')}({short(p.get('args', ''), 40)})"
     if kind in ("fs", "checkpoint"):
+        number = f"#{p['id']} " if p.get("id") is not None else ""
         label = f"'{p['label']}' " if p.get("label") else ""
         paths = p.get("paths")
         changed = f"{len(paths)} path(s): {short(', '.join(map(str, paths)), 50)}" if paths else ""
-        return (label + changed).strip() or "file state"
+        why = f"({p['reason']})" if kind == "fs" and p.get("reason") and not changed else ""
+        return (number + label + changed + why).strip() or "file state"
     if kind == "rollback":
-        target = f"to {p['to']} " if p.get("to") is not None else ""
-        return target + short(p.get("reason", ""))
+        target = f"to #{p['to']} " if p.get("to") is not None else ""
+        label = f"'{p['label']}' " if p.get("label") else ""
+        reason = p.get("reason", "")
+        return (target + label + ("" if reason == "request" else short(reason))).strip()
+    if kind == "note":
+        rest = {k: v for k, v in p.items() if k != "event"}
+        details = ", ".join(f"{k}={short(v, 20)}" for k, v in sorted(rest.items()))
+        return short(f"{p.get('event', '')} {details}".strip(), 70)
     if kind == "verify":
         cmd = p.get("cmd")
         cmd_text = " ".join(map(str, cmd)) if isinstance(cmd, list) else str(cmd or "")
