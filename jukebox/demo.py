@@ -63,7 +63,8 @@ step("done")
 
 
 def run(cmd: list[str], **kwargs) -> int:
-    print(f"\n$ {' '.join(cmd)}", flush=True)
+    shown = ["<agent.py source>" if "\n" in arg else arg for arg in cmd]
+    print(f"\n$ {' '.join(shown)}", flush=True)
     return subprocess.run(cmd, **kwargs).returncode
 
 
@@ -75,7 +76,7 @@ def main() -> int:
     project.mkdir(parents=True)
     (project / "calc.py").write_text(CALC)
     (project / "test_calc.py").write_text(TESTS)
-    (root / "agent.py").write_text(AGENT)
+    (root / "agent.py").write_text(AGENT)  # for reading; it runs from argv, as /tmp is private
     bin_dir = str(Path(sys.executable).parent)
     env = dict(
         os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}", JUKEBOX_TAPE_DIR=str(tapes)
@@ -106,7 +107,8 @@ def main() -> int:
             "python3 test_calc.py",
             "--",
             "python3",
-            str(root / "agent.py"),
+            "-c",
+            AGENT,
         ],
         env=env,
         cwd=project,
