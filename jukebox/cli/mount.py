@@ -1,0 +1,76 @@
+"""`jukebox mount TAPE[@N] DIR` and `jukebox umount DIR`: the files at any frame, read-only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from jukebox.cli import cli
+from jukebox.cli.tapes import check_frame, load, tape_dir_option
+
+
+@cli.command("mount")
+@click.argument("tape", metavar="TAPE[@N]")
+@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+@tape_dir_option
+def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
+    """Show the files at frame N (default: the last) read-only at DIR until `jukebox umount`."""
+    from jukebox.errors import UsageError
+    from jukebox.tapedir import TapeRef
+
+    ref = TapeRef.parse(tape, tape_dir)
+    loaded = load(ref)
+    n = check_frame(loaded, ref)
+    tree_id = loaded.tree_at(n)
+    if tree_id is None:
+        raise UsageError(
+            f"frame {n} of {ref.path} comes before any file state was recorded: "
+            "pick a later frame (see `jukebox log`)"
+        )
+    if loaded.store is None:
+        raise UsageError(f"no store beside {ref.path}: mount needs the tape dir it was recorded in")
+    if not directory.is_dir():
+        raise UsageError(f"mount point {directory} is not a directory: create it first")
+    if os.path.ismount(directory):
+        raise UsageError(
+            f"{directory} is already a mount point: `jukebox umount {directory}` first"
+        )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shadowfs.view",
+            str(ref.tape_dir.store_path),
+            tree_id.hex(),
+            str(directory),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        message = (proc.stderr.strip().splitlines() or ["the view daemon failed"])[-1]
+        raise UsageError(
+            f"could not mount {ref.path}@{n} at {directory}: {message.removeprefix('error: ')}"
+        )
+    click.echo(
+        f"mounted {ref.path}@{n} (tree {tree_id.hex()[:12]}) read-only at {directory}; "
+        f"`jukebox umount {directory}` to unmount"
+    )
+
+
+@cli.command("umount")
+@click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
+def umount_command(directory: Path) -> None:
+    """Unmount a tape mounted with `jukebox mount`."""
+    from jukebox.errors import UsageError
+    from shadowfs.view import unmount
+
+    target = os.path.realpath(directory)
+    if not os.path.ismount(target):
+        raise UsageError(f"{directory} is not a mount point: nothing to unmount")
+    unmount(target)
+    click.echo(f"unmounted {directory}")

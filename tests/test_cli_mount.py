@@ -1,0 +1,48 @@
+"""`jukebox mount` / `umount`: any frame's files, read-only, through a real FUSE mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli_read import one_line_error, record_run
+
+pytestmark = pytest.mark.fuse
+
+
+def test_mount_shows_each_frame_read_only(tmp_path: Path, jukebox_cli) -> None:
+    record_run(tmp_path / "tapes", tmp_path / "work")
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir()
+    after.mkdir()
+    jukebox_cli("mount", "tr_demo@0", str(before), check=True)
+    try:
+        jukebox_cli("mount", "tr_demo", str(after), check=True)
+        try:
+            assert (before / "notes.txt").read_text() == "line one\nline two\n"
+            assert not (before / "new file.py").exists()
+            assert (after / "notes.txt").read_text() == "line one\nline 2\n"
+            assert (after / "new file.py").read_text() == "print('hi')\n"
+            with pytest.raises(OSError) as refused:
+                (after / "notes.txt").write_text("no")
+            assert refused.value.errno == errno.EROFS
+        finally:
+            jukebox_cli("umount", str(after), check=True)
+    finally:
+        jukebox_cli("umount", str(before), check=True)
+    assert not os.path.ismount(before) and not os.path.ismount(after)
+    assert os.listdir(after) == []
+
+
+def test_mount_errors_are_one_line(tmp_path: Path, jukebox_cli) -> None:
+    record_run(tmp_path / "tapes", tmp_path / "work")
+    assert "is not a directory" in one_line_error(
+        jukebox_cli("mount", "tr_demo@1", str(tmp_path / "absent")), 2
+    )
+    assert "there is no frame 7" in one_line_error(
+        jukebox_cli("mount", "tr_demo@7", str(tmp_path)), 2
+    )
+    assert "is not a mount point" in one_line_error(jukebox_cli("umount", str(tmp_path)), 2)
