@@ -36,11 +36,13 @@ import errno
 import fcntl
 import json
 import os
+import resource
 import secrets
 import signal
 import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -490,7 +492,54 @@ class _WriteSink:
         return len(data)
 
 
-def _stage_one(store: CommitStore, dirs: _Dirs, s: _Stage) -> int:
+class _Syncer:
+    """fsyncs staged files in concurrent batches.
+
+    One fsync at a time costs a journal commit each; the file system folds concurrent fsyncs into
+    shared commits, which makes a 1,000-file commit several times faster. Only fds wait here, never
+    data, so memory stays constant; the batch bound keeps the fd count low.
+    """
+
+    BATCH = 512
+    THREADS = 16
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.pool: ThreadPoolExecutor | None = None
+        # Bigger batches fold more fsyncs together; a quarter of the fd limit leaves the rest
+        # of the process (directory fds, the store) room.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        unlimited = soft == resource.RLIM_INFINITY
+        self.batch = self.BATCH if unlimited else max(1, min(self.BATCH, soft // 4))
+
+    def add(self, fd: int) -> None:
+        self.fds.append(fd)
+        if len(self.fds) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        fds, self.fds = self.fds, []
+        try:
+            if len(fds) == 1:
+                os.fsync(fds[0])
+            elif fds:
+                if self.pool is None:
+                    self.pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="jbx-fsync")
+                for _ in self.pool.map(os.fsync, fds):
+                    pass
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown()
+
+
+def _stage_one(store: CommitStore, dirs: _Dirs, s: _Stage, syncer: _Syncer) -> int:
     dfd = dirs.get(s.dir)
     e = s.entry
     times = (e.mtime_ns, e.mtime_ns)
@@ -510,9 +559,10 @@ def _stage_one(store: CommitStore, dirs: _Dirs, s: _Stage) -> int:
         # After the data: a write by a non-root owner would clear setuid/setgid bits.
         os.fchmod(fd, e.mode)
         os.utime(fd, ns=times)
-        os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    syncer.add(fd)
     return e.size
 
 
@@ -787,11 +837,15 @@ def _apply_locked(
     written = 0
     try:
         total = len(plan.stages)
-        for i, s in enumerate(plan.stages):
-            written += _stage_one(store, dirs, s)
-            crash.at(f"stage:{i}")
-            if progress is not None:
-                progress("stage", i + 1, total)
+        syncer = _Syncer()
+        try:
+            for i, s in enumerate(plan.stages):
+                written += _stage_one(store, dirs, s, syncer)
+                crash.at(f"stage:{i}")
+                if progress is not None:
+                    progress("stage", i + 1, total)
+        finally:
+            syncer.close()
         for d, _ in stage_dirs:
             os.fsync(dirs.get(_dec(d)))
         crash.at("staged")
