@@ -912,6 +912,8 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash) -> bool:
     has_journal, journal = _read_sealed(jfd, JOURNAL_NAME)
     has_prepare, prepare = _read_sealed(jfd, PREPARE_NAME)
     if not has_journal and not has_prepare:
+        # A crash while the prepare record was written leaves at most its temp file: no staging.
+        _remove(jfd, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
         return False
     identity = _identity(dirs.root)
     for record in (journal, prepare):
