@@ -5,15 +5,14 @@ whose contents start equal to `lower`; everything written goes to scratch space 
 exit, and `lower` itself is never modified (so fixtures can be cached and shared). Backends that
 cannot run here say why through `unavailable()` instead of raising, so a report still has a row.
 
-The two shadowfs backends are looked up lazily through the hook functions at the bottom
-(`shadowfs_fuse_mount`, `shadowfs_overlay_mount`): they are written alongside this suite and may
-not exist yet.
+The two shadowfs backends are looked up lazily through the hook functions near the bottom
+(`shadowfs_fuse_helper`, `shadowfs_overlay_helper`): they are written alongside this suite, and a
+missing or broken module makes them "not available yet" rather than crashing the run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import shutil
 import subprocess
@@ -22,7 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 NATIVE = "native"
 KERNEL_OVERLAY = "kernel-overlay"
@@ -169,10 +167,14 @@ class FuseOverlayfs(Backend):
             unmount(mnt)
 
 
+# (lower, mountpoint, state) -> a context manager serving the booth at mountpoint
+MountHelper = Callable[[Path, Path, Path], AbstractContextManager[Path]]
+
+
 class _Hooked(Backend):
     """A shadowfs backend reached through a hook function that may not be importable yet."""
 
-    load_helper: Callable[[], Callable[..., AbstractContextManager[Any]]]
+    load_helper: Callable[[], MountHelper]
 
     def _probe(self) -> str | None:
         try:
@@ -186,44 +188,49 @@ class _Hooked(Backend):
         mnt, state = scratch / "mnt", scratch / "state"
         mnt.mkdir()
         state.mkdir()
-        with _call_helper(type(self).load_helper(), lower, mnt, state) as yielded:
-            # A helper that picks its own mount point says so by yielding it.
-            yield Path(yielded) if isinstance(yielded, (str, os.PathLike)) else mnt
+        with type(self).load_helper()(lower, mnt, state) as served:
+            yield served
 
 
 # ----------------------------------------------------------------------------------------------
-# HOOKS(lead): the shadowfs backends. Each hook returns the mount helper: a callable returning a
-# context manager that serves `lower` at `mountpoint` (scratch state under `state`) and unmounts
-# on exit. `_call_helper` maps the helper's parameter names onto (lower, mountpoint, state). When
-# shadowfs.fuse / shadowfs.overlay land with another name or signature, adapt these hooks only.
-# The timed workloads run in child processes, so an in-process (threaded) daemon is not slowed
-# down by the harness holding the GIL.
+# HOOKS(lead): the shadowfs backends, wired to the APIs as they landed. Each hook imports what it
+# needs (an ImportError here makes the backend "not available yet", a row with a note) and
+# returns `mounted(lower, mountpoint, state)`: a context manager that sets up a booth over
+# `lower` with its store and scratch under `state`, serves it at `mountpoint`, and tears it all
+# down on exit. Set-up (opening the store, building the base tree) is not timed. If the shadowfs
+# APIs change, adapt these two functions only. The timed workloads run in child processes, so
+# the FUSE thread living in the harness process is not slowed by the harness holding the GIL.
 # ----------------------------------------------------------------------------------------------
 
 
-def shadowfs_fuse_helper() -> Callable[..., AbstractContextManager[Any]]:
-    from shadowfs.fuse import mounted
+def shadowfs_fuse_helper() -> MountHelper:
+    """shadowfs.layer.Layer served by shadowfs.mountctl (pyfuse3 + trio on a thread)."""
+    from shadowfs.layer import Layer
+    from shadowfs.mountctl import mounted as serve
+    from shadowfs.store import Store
+
+    @contextlib.contextmanager
+    def mounted(lower: Path, mountpoint: Path, state: Path) -> Iterator[Path]:
+        with Store.open(state / "store", create=True) as store:
+            layer = Layer(lower, store, state / "scratch")
+            try:
+                with serve(layer, mountpoint):
+                    yield mountpoint
+            finally:
+                layer.close()
 
     return mounted
 
 
-def shadowfs_overlay_helper() -> Callable[..., AbstractContextManager[Any]]:
-    try:
-        from shadowfs.overlay import mounted  # a ready-made helper wins once it exists
-    except ImportError:
-        return _overlay_layer_mounted()
-    return mounted
-
-
-def _overlay_layer_mounted() -> Callable[[Path, Path, Path], AbstractContextManager[Path]]:
-    """The booth's set-up on shadowfs.overlay.OverlayLayer: a store, the base tree, the mount."""
+def shadowfs_overlay_helper() -> MountHelper:
+    """shadowfs.overlay.OverlayLayer: kernel overlayfs with the booth's own mount options."""
     from shadowfs.overlay import OverlayLayer
     from shadowfs.store import Store
 
     @contextlib.contextmanager
     def mounted(lower: Path, mountpoint: Path, state: Path) -> Iterator[Path]:
         with Store.open(state / "store", create=True) as store:
-            layer = OverlayLayer(lower, store, state / "booth")  # builds the base tree: untimed
+            layer = OverlayLayer(lower, store, state / "booth")
             layer.mount(mountpoint)
             try:
                 yield mountpoint
@@ -233,44 +240,9 @@ def _overlay_layer_mounted() -> Callable[[Path, Path, Path], AbstractContextMana
     return mounted
 
 
-_LOWER_NAMES = ("base", "lower", "lower_dir", "base_dir", "tree", "root", "source")
-_MNT_NAMES = ("mountpoint", "mount_point", "mnt", "target", "where")
-_STATE_NAMES = ("state", "booth", "booth_dir", "state_dir", "layer_dir", "scratch", "upper", "work")
-
-
-def _call_helper(
-    helper: Callable[..., AbstractContextManager[Any]], lower: Path, mnt: Path, state: Path
-) -> AbstractContextManager[Any]:
-    """Calls a mount helper by its parameter names when they are recognisable, else positionally."""
-    try:
-        params = list(inspect.signature(helper).parameters.values())
-    except (TypeError, ValueError):
-        return helper(lower, mnt, state)
-    kwargs: dict[str, Path] = {}
-    for p in params:
-        name = p.name.lower()
-        if name in _LOWER_NAMES:
-            kwargs[p.name] = lower
-        elif name in _MNT_NAMES:
-            kwargs[p.name] = mnt
-        elif name in _STATE_NAMES:
-            kwargs[p.name] = state
-        elif name in ("store", "store_dir", "store_path"):
-            kwargs[p.name] = state / "store"
-    required = [
-        p
-        for p in params
-        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    if all(p.name in kwargs for p in required) and kwargs:
-        return helper(**kwargs)
-    positional = [lower, mnt, state][: max(len(required), 2)]
-    return helper(*positional)
-
-
 class ShadowfsFuse(_Hooked):
     name = SHADOWFS_FUSE
-    description = "shadowfs pyfuse3 layer (shadowfs.fuse.mounted)"
+    description = "shadowfs.layer.Layer served by pyfuse3 (shadowfs.mountctl, in-process thread)"
     load_helper = staticmethod(shadowfs_fuse_helper)
 
 

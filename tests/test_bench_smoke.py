@@ -58,12 +58,13 @@ def test_quick_fs_suite_runs_side_by_side_and_reports_missing_backends(tmp_path:
     assert "| **geometric mean** |" in report
     rows = data["rows"]
     timed = {(r["workload"], r["system"]) for r in rows if "seconds" in r}
-    assert timed == {(w, s) for w in ("untar", "edit") for s in systems}
+    expected = {(w, s) for w in ("untar", "edit") for s in systems}
+    assert expected <= timed <= expected | {(w, "shadowfs-fuse") for w in ("untar", "edit")}
     native = [r for r in rows if r.get("system") == "native" and "seconds" in r]
     assert all(r["ratio_native"] == pytest.approx(1.0) for r in native)
     fuse = [r for r in rows if r["system"] == "shadowfs-fuse"]
-    # Either shadowfs-fuse has landed and was timed, or it is one row saying why not.
-    assert any("seconds" in r for r in fuse) or any("not available" in r["note"] for r in fuse)
+    # shadowfs-fuse is timed, or (missing, broken) each of its rows says why not: never a crash.
+    assert fuse and all("seconds" in r or r.get("note") for r in fuse)
 
 
 def test_write_docs_keeps_the_hand_written_intro(tmp_path: Path) -> None:
