@@ -622,7 +622,8 @@ def run(
         known = ", ".join(all_w)
         raise ValueError(f"unknown fs workload(s) {', '.join(unknown)}; choose from {known}.")
     chosen_w = [all_w[w] for w in wanted] if wanted else list(all_w.values())
-    n = runs or (1 if quick else 3)
+    # Five runs: this is often a small shared VM, and a median of three still wobbles.
+    n = runs or (1 if quick else 5)
 
     scratch = Path(tempfile.mkdtemp(prefix="jukebox-bench-scratch-"))
     try:

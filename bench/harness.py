@@ -126,7 +126,7 @@ def _version_line(cmd: Sequence[str], word: str) -> str | None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
         for line in (proc.stdout + proc.stderr).splitlines():
             if line.startswith(word):
-                return line.strip()
+                return line.removeprefix(word).strip(" :")
     return _first_line(cmd)
 
 
