@@ -20,6 +20,10 @@ test: setup
 bench: setup
 	$(PY) -m bench
 
+# Crash consistency at scale: hundreds of SIGKILLed commits, each recovered to exactly old or new.
+torture: setup
+	JUKEBOX_TORTURE_TRIALS=200 $(PY) -m pytest -q tests/fs/test_commit_crash.py
+
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench
 
