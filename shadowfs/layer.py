@@ -302,7 +302,7 @@ def _routed(sync: bool = False) -> Callable[[_F], _F]:
         def method(self: Layer, *args: Any, **kwargs: Any) -> Any:
             m = self._mount
             if m is not None and not m.on_loop():
-                return m.call(fn, self, *args, sync=sync, **kwargs)
+                return m.call_layer(fn, *args, sync=sync, **kwargs)
             return fn(self, *args, **kwargs)
 
         return method
@@ -689,8 +689,10 @@ class Layer:
 
     def open_copied(self, node: Node, flags: int, pid: int = 0) -> Handle:
         """The second half of `open`, once any copy `needs_copy` asked for is done."""
-        if flags & os.O_TRUNC and node.size:
-            self._truncate(node, 0, pid)
+        if flags & os.O_TRUNC:
+            if node.size:
+                self._truncate(node, 0, pid)
+            self.journal.record("truncate", (self._path_of_node(node),), pid)
         return self._handle(node, flags & os.O_ACCMODE != os.O_RDONLY, pid)
 
     def _handle(self, node: Node, write: bool, pid: int) -> Handle:

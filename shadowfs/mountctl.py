@@ -1,0 +1,409 @@
+"""Running a layer's FUSE mount from a background thread; mount checks and unmounting.
+
+``with Mount(layer, path) as m:`` (or ``shadowfs.fuse.mount(layer, path)``) starts
+`shadowfs.fuse.serve` on a daemon thread, waits until the kernel lists the new mount in
+/proc/self/mountinfo, and on exit terminates the loop and unmounts (lazily, so a process still
+sitting in the mount does not keep it alive).
+
+While mounted, the layer belongs to the FUSE thread. `Mount.call` runs a function there and
+afterwards sends the kernel invalidations the call queued (a restore's), from the calling thread:
+`pyfuse3.invalidate_entry` and `invalidate_inode` block until related requests finish, so they
+must never run inside a request handler. The layer routes its own `snapshot`, `restore` and
+path-level methods through `call` when attached, so the booth can call them from any thread.
+Before a snapshot or restore, `call(..., sync=True)` runs syncfs(2) on the mount: with the
+writeback cache, data written through still-open files may sit in the kernel's page cache, and a
+checkpoint must include it.
+
+The mount point may be the base's own path (a booth mounts over the tree): the layer reaches the
+base through a directory fd opened before the mount.
+
+``Mount(..., process=True)`` serves from a forked child instead (PR_SET_PDEATHSIG kills it with
+its parent). The layer then lives in the child; the parent's layer object forwards its routed
+methods there over a socketpair, and the child reopens the store so no sqlite connection is
+shared across the fork. Use it when the serving process itself touches the mount in ways that
+hold the GIL inside the kernel (page faults on mmap'd files would need the FUSE thread, which
+needs the GIL: a deadlock), and in tests, where a child that dies takes its FUSE connection with
+it instead of leaving the test process blocked on its own mount at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pyfuse3
+import trio
+
+from shadowfs.errors import ShadowfsError
+from shadowfs.fuse import TIMEOUT, mount_options, serve
+from shadowfs.layer import Layer
+
+FSTYPE = "fuse.shadowfs"
+PR_SET_PDEATHSIG = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class MountError(ShadowfsError):
+    pass
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out = []
+    i = 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 4 <= len(field):
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_at(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """(mount id, fstype) of every mount whose mount point is ``path``, oldest first."""
+    want = os.path.abspath(os.fspath(path))
+    out = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            head, _, tail = line.partition(" - ")
+            fields = head.split(" ")
+            if len(fields) >= 5 and _unescape(fields[4]) == want:
+                out.append((int(fields[0]), tail.split(" ", 1)[0]))
+    return out
+
+
+def is_mounted(path: str | os.PathLike[str], fstype: str | None = FSTYPE) -> bool:
+    """Whether the top mount at ``path`` is of ``fstype`` (any type when None)."""
+    found = mounts_at(path)
+    return bool(found) and (fstype is None or found[-1][1] == fstype)
+
+
+def unmount(path: str | os.PathLike[str], *, lazy: bool = True) -> None:
+    """Unmount a FUSE mount (fusermount3, falling back to umount); quiet when not mounted."""
+    p = os.fspath(path)
+    if not mounts_at(p):
+        return
+    tools = []
+    if shutil.which("fusermount3"):
+        tools.append(["fusermount3", "-u", *(["-z"] if lazy else []), p])
+    if shutil.which("umount"):
+        tools.append(["umount", *(["-l"] if lazy else []), p])
+    for argv in tools:
+        if subprocess.run(argv, capture_output=True).returncode == 0:
+            return
+    raise MountError(f"cannot unmount {p}; close the processes using it and run fusermount3 -u")
+
+
+class Mount:
+    """A layer served at ``mountpoint`` from a background thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        layer: Layer,
+        mountpoint: str | os.PathLike[str],
+        *,
+        allow_other: bool | None = None,
+        start_timeout: float = 10.0,
+        timeout: float = TIMEOUT,
+        process: bool = False,
+    ) -> None:
+        self.layer = layer
+        self.mountpoint = os.path.abspath(os.fspath(mountpoint))
+        self.process = process
+        self._allow_other = allow_other
+        self._options = mount_options(allow_other=allow_other)
+        self._start_timeout = start_timeout
+        self._timeout = timeout
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._loop_ident = -1
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._pid = 0
+        self._conn: Connection | None = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    def __enter__(self) -> Mount:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> Mount:
+        if self._thread is not None or self._pid:
+            raise MountError(f"{self.mountpoint} is already served by this Mount; stop it first")
+        if self.process:
+            return self._start_child()
+        before = {mid for mid, _ in mounts_at(self.mountpoint)}
+        self._thread = threading.Thread(target=self._serve, name="shadowfs-fuse", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self._start_timeout
+        while not self._ready.wait(0.01):
+            if self._done.is_set() or time.monotonic() > deadline:
+                self._thread.join(1.0)
+                why = self._error or "it did not come up in time"
+                raise MountError(
+                    f"cannot mount shadowfs at {self.mountpoint} ({why}); "
+                    "check /dev/fuse, fusermount3 and that the mount point is a directory"
+                )
+        while True:
+            new = [(m, t) for m, t in mounts_at(self.mountpoint) if m not in before]
+            if any(t == FSTYPE for _, t in new):
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise MountError(
+                    f"shadowfs started but {self.mountpoint} is not in /proc/self/mountinfo; "
+                    "is the mount point in another mount namespace?"
+                )
+            time.sleep(0.005)
+        self.layer.attach(self)
+        return self
+
+    def _serve(self) -> None:
+        try:
+            serve(
+                self.layer,
+                self.mountpoint,
+                ready=self._on_ready,
+                options=self._options,
+                timeout=self._timeout,
+            )
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._token = None
+            self._done.set()
+
+    def _on_ready(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self._loop_ident = threading.get_ident()
+        self._ready.set()
+
+    def _start_child(self) -> Mount:
+        mine, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                mine.close()
+                _child(self, Connection(theirs.detach()))
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        self._pid = pid
+        self._conn = Connection(mine.detach())
+        ok = self._conn.poll(self._start_timeout)
+        status, detail = self._conn.recv() if ok else ("error", "it did not come up in time")
+        if status != "ready":
+            self.stop()
+            raise MountError(
+                f"cannot mount shadowfs at {self.mountpoint} ({detail}); "
+                "check /dev/fuse, fusermount3 and that the mount point is a directory"
+            )
+        self.layer.attach(self)
+        return self
+
+    def _stop_child(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        deadline = time.monotonic() + 30.0
+        while True:
+            done, _ = os.waitpid(self._pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(self._pid, signal.SIGKILL)
+                os.waitpid(self._pid, 0)
+                break
+            time.sleep(0.005)
+        self._pid = 0
+        if conn is not None:
+            conn.close()
+        if is_mounted(self.mountpoint):
+            unmount(self.mountpoint)
+
+    def stop(self) -> None:
+        """Stop serving and unmount. Idempotent."""
+        self.layer.detach(self)
+        if self._pid:
+            self._stop_child()
+            return
+        thread = self._thread
+        if thread is None:
+            return
+        token = self._token
+        if token is not None and not self._done.is_set():
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=token)
+        thread.join(30.0)
+        self._thread = None
+        if mounts_at(self.mountpoint) and is_mounted(self.mountpoint):
+            unmount(self.mountpoint)
+
+    @property
+    def running(self) -> bool:
+        if self._pid:
+            return os.waitpid(self._pid, os.WNOHANG)[0] == 0
+        return self._thread is not None and not self._done.is_set()
+
+    # ------------------------------------------------------------------ calls into the loop
+
+    def on_loop(self) -> bool:
+        return threading.get_ident() == self._loop_ident
+
+    def call_layer(
+        self, fn: Callable[..., Any], *args: Any, sync: bool = False, **kwargs: Any
+    ) -> Any:
+        """``fn(layer, *args, **kwargs)`` where the layer lives (the FUSE thread or the child)."""
+        conn = self._conn
+        if conn is None:
+            return self.call(fn, self.layer, *args, sync=sync, **kwargs)
+        conn.send((fn.__name__, args, kwargs, sync))
+        status, value = conn.recv()
+        if status == "err":
+            raise value
+        return value
+
+    def call(self, fn: Callable[..., Any], *args: Any, sync: bool = False, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the FUSE thread and return its result; then send the
+        kernel invalidations it queued. ``sync`` first flushes the kernel's dirty pages."""
+        if self.on_loop():
+            result = fn(*args, **kwargs)
+            self._invalidate(self.layer.take_invalidations(), blocking=False)
+            return result
+        token = self._token
+        if token is None:
+            raise MountError(f"the shadowfs mount at {self.mountpoint} is not running; start it")
+        if sync:
+            self.sync()
+
+        def run() -> tuple[Any, list[tuple[Any, ...]]]:
+            return fn(*args, **kwargs), self.layer.take_invalidations()
+
+        result, inval = trio.from_thread.run_sync(run, trio_token=token)
+        self._invalidate(inval, blocking=True)
+        return result
+
+    def sync(self) -> None:
+        """Write the kernel's dirty pages for this mount back into the layer."""
+        if self.on_loop():
+            return
+        # Not pyfuse3.syncfs: it keeps the GIL during the call, and writeback needs the FUSE
+        # thread of this very process to run. ctypes calls release the GIL.
+        try:
+            fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            _libc.syncfs(fd)
+        finally:
+            os.close(fd)
+
+    def _invalidate(self, items: list[tuple[Any, ...]], *, blocking: bool) -> None:
+        if not items:
+            return
+        if not blocking:
+            # On the loop thread the blocking calls could wait on a request this thread serves.
+            entries = [it for it in items if it[0] == "entry"]
+            for _, parent, name in entries:
+                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+            rest = [it for it in items if it[0] != "entry"]
+            if rest:
+                threading.Thread(
+                    target=self._invalidate, args=(rest,), kwargs={"blocking": True}, daemon=True
+                ).start()
+            return
+        for it in items:
+            # ENOENT: the kernel forgot that inode or entry already; nothing to drop.
+            with contextlib.suppress(OSError):
+                if it[0] == "entry":
+                    pyfuse3.invalidate_entry(it[1], it[2])
+                else:
+                    pyfuse3.invalidate_inode(it[1], attr_only=it[2])
+
+    # ------------------------------------------------------------------ conveniences
+
+    def snapshot(self) -> Any:
+        return self.layer.snapshot()
+
+    def restore(self, tree_id: Any) -> None:
+        self.layer.restore(tree_id)
+
+
+def _child(parent: Mount, conn: Connection) -> None:  # pragma: no cover - runs in the child
+    """A forked child serving the layer; answers (method, args, kwargs, sync) from the parent."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        return
+    layer = parent.layer
+    store = layer.store
+    reopen = getattr(type(store), "open", None)
+    if reopen is not None and hasattr(store, "root"):
+        layer.store = reopen(store.root)
+    m = Mount(
+        layer,
+        parent.mountpoint,
+        allow_other=parent._allow_other,
+        start_timeout=parent._start_timeout,
+        timeout=parent._timeout,
+    )
+    try:
+        m.start()
+    except BaseException as exc:
+        conn.send(("error", str(exc)))
+        return
+    conn.send(("ready", None))
+    try:
+        while True:
+            try:
+                req = conn.recv()
+            except EOFError:
+                break
+            if req is None:
+                break
+            name, args, kwargs, sync = req
+            try:
+                fn = getattr(type(layer), name)
+                value = m.call(getattr(fn, "__wrapped__", fn), layer, *args, sync=sync, **kwargs)
+                conn.send(("ok", value))
+            except BaseException as exc:
+                conn.send(("err", exc))
+    finally:
+        m.stop()
+        close = getattr(layer.store, "close", None)
+        if close is not None and layer.store is not store:
+            close()
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def mounted(layer: Layer, mountpoint: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``with mounted(layer, path) as m:`` — a started `Mount`, stopped on exit."""
+    m = Mount(layer, mountpoint, **kwargs).start()
+    try:
+        yield m
+    finally:
+        m.stop()

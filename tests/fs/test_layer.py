@@ -1,0 +1,301 @@
+"""The copy-on-write layer used in process, with no mount: reads, writes, snapshots, restores."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from shadowfs import tree
+from shadowfs.journal import Journal, JournalOp, decode_journal, encode_journal
+from shadowfs.layer import RENAME_EXCHANGE, RENAME_NOREPLACE, SRC_BASE, Layer
+from shadowfs.store import Store
+
+BAD = b"bad-\xff\xfe.txt"
+
+
+def scratch_files(tmp_path: Path) -> list[str]:
+    d = tmp_path / "scratch"
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+def test_reads_the_base_through_the_layer(layer: Layer, base: Path) -> None:
+    assert layer.read_file("src/main.py") == b"print('hello')\n"
+    assert layer.read_file("big.bin") == (base / "big.bin").read_bytes()
+    assert layer.listdir("") == sorted(os.listdir(base))
+    assert layer.listdir(b"") == sorted(os.listdir(os.fsencode(base)))
+    assert layer.read_file(BAD) == b"invalid utf-8 name\n"
+    assert layer.read_file("new\nline.txt") == b"newline\n"
+    assert layer.exists("docs/deep/er/note.md") and not layer.exists("docs/nope")
+    st = layer.stat("run.sh")
+    assert st.st_mode & 0o777 == 0o755
+    assert st.st_mtime_ns == os.stat(base / "run.sh").st_mtime_ns
+    assert st.st_uid == os.stat(base / "run.sh").st_uid
+
+
+def test_writes_stay_in_the_layer(layer: Layer, base: Path) -> None:
+    # The fixture asserts the base is unchanged at the end.
+    layer.write_file("README", b"changed\n")
+    layer.write_file("src/new.py", b"x = 1\n")
+    layer.delete("src/util.py")
+    layer.mkdir("made/deeper", parents=True)
+    layer.delete("docs", recursive=True)
+    assert layer.read_file("README") == b"changed\n"
+    assert layer.read_file("src/new.py") == b"x = 1\n"
+    assert not layer.exists("src/util.py") and not layer.exists("docs")
+    assert layer.listdir("made") == ["deeper"]
+    with pytest.raises(FileNotFoundError):
+        layer.read_file("src/util.py")
+    with pytest.raises(FileNotFoundError):
+        layer.write_file("no/such/dir.txt", b"")
+
+
+def test_copy_up_only_on_write_intent_and_inode_numbers_stay(layer: Layer, tmp_path: Path) -> None:
+    node = layer.resolve("README")
+    ino = node.ino
+    h = layer.open(ino, os.O_RDONLY)
+    assert layer.read(h, 0, 100) == b"readme\n"
+    layer.release(h.fh)
+    assert node.src == SRC_BASE and scratch_files(tmp_path) == []
+    h = layer.open(ino, os.O_RDWR)
+    assert scratch_files(tmp_path) == [str(ino)]
+    layer.write(h, 0, b"R")
+    layer.release(h.fh)
+    assert layer.resolve("README").ino == ino
+    assert layer.read_file("README") == b"Readme\n"
+
+
+def test_truncating_copy_up_copies_only_what_it_keeps(layer: Layer, tmp_path: Path) -> None:
+    node = layer.resolve("big.bin")
+    layer.setattr(node.ino, size=10)
+    assert os.path.getsize(tmp_path / "scratch" / str(node.ino)) == 10
+    assert layer.stat("big.bin").st_size == 10
+    layer.write_file("README", b"")
+    assert layer.read_file("README") == b""
+
+
+def test_snapshot_costs_nothing_when_nothing_changed(layer: Layer) -> None:
+    t0, j0 = layer.snapshot()
+    assert t0 == layer.base_tree and j0 is None
+    layer.read_file("README")
+    assert layer.snapshot() == (t0, None)
+
+
+def test_snapshot_records_exactly_the_changes(layer: Layer, store: Store) -> None:
+    t0, _ = layer.snapshot()
+    layer.write_file("src/main.py", b"print('bye')\n")
+    layer.write_file("added.txt", b"a")
+    layer.delete("link")
+    t1, j1 = layer.snapshot()
+    changes = {(c.path, c.status) for c in tree.diff_trees(store, t0, t1)}
+    assert changes == {(b"src/main.py", "modified"), (b"added.txt", "added"), (b"link", "deleted")}
+    # Untouched sub-trees keep their ids (path copying, not a rebuild).
+    assert tree.lookup(store, t1, b"docs") == tree.lookup(store, t0, b"docs")
+    assert tree.lookup(store, t1, b"src").oid != tree.lookup(store, t0, b"src").oid
+    assert store.read_bytes(tree.lookup(store, t1, b"added.txt").oid) == b"a"
+    ops = decode_journal(store.get(j1))
+    assert [(o.op, o.paths, o.offset, o.length) for o in ops] == [
+        ("truncate", (b"src/main.py",), 0, 0),
+        ("write", (b"src/main.py",), 0, 13),
+        ("create", (b"added.txt",), 0, 0),
+        ("write", (b"added.txt",), 0, 1),
+        ("unlink", (b"link",), 0, 0),
+    ]
+    assert all(o.pid == os.getpid() for o in ops)
+    assert layer.snapshot() == (t1, None), "the journal was taken by the snapshot"
+
+
+def test_snapshot_matches_a_fresh_build_of_the_same_tree(
+    layer: Layer, store: Store, tmp_path: Path
+) -> None:
+    layer.write_file("src/main.py", b"v2\n")
+    layer.write_file(b"fresh \xff name", b"odd")
+    layer.delete("docs/deep", recursive=True)
+    layer.mkdir("docs/deep")
+    layer.write_file("docs/deep/only.txt", b"only")
+    t1, _ = layer.snapshot()
+    out = tmp_path / "out"
+    tree.materialize(store, t1, out)
+    assert (out / "docs" / "deep" / "only.txt").read_bytes() == b"only"
+    assert not (out / "docs" / "deep" / "er").exists(), "a re-created dir must be opaque"
+    assert (out / "src" / "main.py").read_bytes() == b"v2\n"
+    assert (out / "big.bin").read_bytes() == layer.read_file("big.bin")
+    assert os.readlink(out / "link") == "README"
+
+
+def test_restore_goes_back_and_forth(layer: Layer, store: Store) -> None:
+    t0, _ = layer.snapshot()
+    readme_ino = layer.resolve("README").ino
+    src_ino = layer.resolve("src").ino
+    layer.write_file("src/main.py", b"changed\n")
+    layer.delete("docs", recursive=True)
+    layer.write_file("new.txt", b"new")
+    t1, _ = layer.snapshot()
+    layer.restore(t0)
+    assert layer.read_file("src/main.py") == b"print('hello')\n"
+    assert layer.read_file("docs/deep/er/note.md") == b"# note\n"
+    assert not layer.exists("new.txt")
+    assert layer.resolve("README").ino == readme_ino, "unchanged paths keep their inode"
+    assert layer.resolve("src").ino == src_ino, "directories keep their inode"
+    assert layer.snapshot()[0] == t0
+    layer.restore(t1)
+    assert layer.read_file("src/main.py") == b"changed\n"
+    assert layer.read_file("new.txt") == b"new"
+    assert not layer.exists("docs")
+    # Content restored from the store is written through a copy from the store.
+    layer.restore(t0)
+    node = layer.resolve("src/main.py")
+    assert node.src == SRC_BASE, "content equal to the base is served from the base again"
+    layer.restore(t1)
+    h = layer.open(layer.resolve("new.txt").ino, os.O_RDWR)
+    layer.write(h, 3, b"er")
+    layer.release(h.fh)
+    assert layer.read_file("new.txt") == b"newer"
+    t2, _ = layer.snapshot()
+    assert store.read_bytes(tree.lookup(store, t2, b"new.txt").oid) == b"newer"
+
+
+def test_restore_folds_unsnapshotted_work_into_the_store(layer: Layer, store: Store) -> None:
+    t0, _ = layer.snapshot()
+    layer.write_file("README", b"unsaved work\n")
+    layer.restore(t0)
+    assert layer.read_file("README") == b"readme\n"
+    _, journal = layer.snapshot()
+    ops = [o.op for o in decode_journal(store.get(journal))]
+    assert ops[-1] == "restore" and "truncate" in ops
+
+
+def test_restore_to_an_unrelated_tree(layer: Layer, store: Store, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    (other / "src").mkdir(parents=True)
+    (other / "src" / "main.py").write_text("other\n")
+    (other / "README").mkdir()
+    target = tree.build_tree(store, other)
+    layer.restore(target)
+    assert layer.listdir("") == ["README", "src"]
+    assert layer.listdir("README") == []
+    assert layer.read_file("src/main.py") == b"other\n"
+    assert layer.snapshot()[0] == target
+
+
+def test_hard_links_share_content(layer: Layer, store: Store) -> None:
+    readme = layer.resolve("README")
+    root = layer.root.ino
+    layer.link(readme.ino, root, b"hard")
+    assert layer.stat("hard").st_nlink == 2 and layer.stat("hard").st_ino == readme.ino
+    h = layer.open(readme.ino, os.O_WRONLY)
+    layer.write(h, 0, b"X")
+    layer.release(h.fh)
+    assert layer.read_file("hard") == b"Xeadme\n"
+    t, _ = layer.snapshot()
+    assert tree.lookup(store, t, b"hard").oid == tree.lookup(store, t, b"README").oid
+    layer.delete("README")
+    assert layer.stat("hard").st_nlink == 1 and layer.read_file("hard") == b"Xeadme\n"
+
+
+def test_rename_rules(layer: Layer) -> None:
+    root = layer.root.ino
+    src = layer.resolve("src").ino
+    with pytest.raises(OSError) as e:
+        layer.rename(root, b"README", root, b"run.sh", RENAME_NOREPLACE)
+    assert e.value.errno == errno.EEXIST
+    layer.rename(root, b"README", root, b"run.sh", RENAME_EXCHANGE)
+    assert layer.read_file("run.sh") == b"readme\n"
+    assert layer.read_file("README").startswith(b"#!/bin/sh")
+    with pytest.raises(OSError) as e:
+        layer.rename(root, b"src", src, b"inside")
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as e:
+        layer.rename(root, b"empty", root, b"docs")
+    assert e.value.errno == errno.ENOTEMPTY
+    with pytest.raises(OSError) as e:
+        layer.rename(root, b"README", root, b"empty")
+    assert e.value.errno == errno.EISDIR
+    layer.rename(root, b"docs", src, b"docs")
+    assert layer.read_file("src/docs/deep/er/note.md") == b"# note\n"
+    layer.rename(src, b"main.py", root, b"main.py")
+    assert layer.read_file("main.py") == b"print('hello')\n"
+
+
+def test_rename_of_an_unloaded_base_directory_keeps_its_content(layer: Layer) -> None:
+    root = layer.root.ino
+    layer.rename(root, b"docs", root, b"moved")
+    layer.write_file("moved/deep/er/more.md", b"more")
+    t, _ = layer.snapshot()
+    layer.restore(layer.base_tree)
+    assert layer.read_file("docs/deep/er/note.md") == b"# note\n"
+    layer.restore(t)
+    assert layer.read_file("moved/deep/er/note.md") == b"# note\n"
+    assert layer.read_file("moved/deep/er/more.md") == b"more"
+
+
+def test_symlinks(layer: Layer, store: Store) -> None:
+    root = layer.root.ino
+    assert layer.readlink(layer.resolve("link").ino) == b"README"
+    layer.symlink(root, b"l2", b"src/main.py")
+    t, _ = layer.snapshot()
+    e = tree.lookup(store, t, b"l2")
+    assert e.kind == tree.SYMLINK and e.target == b"src/main.py"
+    with pytest.raises(OSError):
+        layer.symlink(root, b"l3", b"")
+
+
+def test_xattrs_are_kept_in_the_layer(layer: Layer, base: Path) -> None:
+    try:
+        os.setxattr(base / "README", "user.origin", b"base")
+    except OSError:
+        pytest.skip("the temp file system has no user xattrs")
+    node = layer.resolve("README")
+    assert layer.getxattr(node.ino, b"user.origin") == b"base"
+    layer.setxattr(node.ino, b"user.added", b"layer")
+    assert sorted(layer.listxattr(node.ino)) == [b"user.added", b"user.origin"]
+    layer.removexattr(node.ino, b"user.origin")
+    with pytest.raises(OSError):
+        layer.getxattr(node.ino, b"user.origin")
+    assert os.getxattr(base / "README", "user.origin") == b"base"
+    assert os.listxattr(base / "README") == ["user.origin"]
+
+
+def test_given_base_tree_is_used_as_is(base: Path, store: Store, tmp_path: Path) -> None:
+    built = tree.build_tree(store, base)
+    with Layer(base, store, tmp_path / "s2", base_tree=built) as lay:
+        assert lay.base_tree == built and lay.snapshot()[0] == built
+
+
+def test_close_leaves_no_residue(base: Path, store: Store, tmp_path: Path) -> None:
+    lay = Layer(base, store, tmp_path / "scratch2")
+    lay.write_file("README", b"x")
+    lay.write_file("n.txt", b"y")
+    assert os.listdir(tmp_path / "scratch2")
+    lay.close()
+    assert not (tmp_path / "scratch2").exists()
+
+
+def test_journal_coalesces_sequential_writes_and_round_trips() -> None:
+    j = Journal()
+    j.record("create", (b"a",), 7, arg=0o644)
+    for i in range(100):
+        j.write(3, b"a", 7, i * 10, 10)
+    j.write(3, b"a", 7, 5000, 1)
+    j.write(4, b"b \xff\n", 8, 0, 2)
+    j.record("rename", (b"a", b"c"), 9, arg=1)
+    ops = j.take()
+    assert len(j) == 0
+    assert [(o.op, o.offset, o.length) for o in ops] == [
+        ("create", 0, 0),
+        ("write", 0, 1000),
+        ("write", 5000, 1),
+        ("write", 0, 2),
+        ("rename", 0, 0),
+    ]
+    data = encode_journal(ops)
+    assert decode_journal(data) == ops
+    assert encode_journal(decode_journal(data)) == data
+    with pytest.raises(ValueError):
+        decode_journal(data[:-1])
+    with pytest.raises(ValueError):
+        decode_journal(b"XXXX\x01")
+    with pytest.raises(ValueError):
+        encode_journal([JournalOp("explode", (), 0, 0)])
