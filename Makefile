@@ -20,6 +20,10 @@ test: setup
 bench: setup
 	$(PY) -m bench
 
+# Long fuzzing of every decoder that reads untrusted bytes (make test runs a short pass).
+fuzz: setup
+	JUKEBOX_FUZZ_SECONDS=$${JUKEBOX_FUZZ_SECONDS:-300} $(PY) -m tests.fuzz
+
 # Crash consistency at scale: hundreds of SIGKILLed commits, each recovered to exactly old or new.
 torture: setup
 	JUKEBOX_TORTURE_TRIALS=200 $(PY) -m pytest -q tests/fs/test_commit_crash.py
