@@ -310,6 +310,13 @@ def _routed(sync: bool = False) -> Callable[[_F], _F]:
     return wrap
 
 
+def _check_xattr(name: bytes) -> None:
+    # system.* holds POSIX ACLs and the like, which the layer does not implement: storing them
+    # as plain bytes would make tools (cp -a, tar) believe an ACL set the mode and skip chmod.
+    if name.startswith(b"system."):
+        raise _err(errno.EOPNOTSUPP)
+
+
 def _split(path: PathLike) -> list[bytes]:
     raw = os.fsencode(path)
     parts = [p for p in raw.split(b"/") if p and p != b"."]
@@ -1076,6 +1083,8 @@ class Layer:
             if path is not None:
                 with contextlib.suppress(OSError):
                     for name in os.listxattr(path, follow_symlinks=False):
+                        if name.startswith("system."):
+                            continue
                         with contextlib.suppress(OSError):
                             node.xattrs[os.fsencode(name)] = os.getxattr(
                                 path, name, follow_symlinks=False
@@ -1084,6 +1093,7 @@ class Layer:
 
     def getxattr(self, ino: int, name: bytes) -> bytes:
         node = self.node(ino)
+        _check_xattr(name)
         if node.xattrs is None:
             path = self._base_xattr_path(node)
             if path is not None:
@@ -1104,13 +1114,15 @@ class Layer:
             if path is None:
                 return []
             try:
-                return [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=False)]
+                names = [os.fsencode(n) for n in os.listxattr(path, follow_symlinks=False)]
             except OSError:
                 return []
+            return [n for n in names if not n.startswith(b"system.")]
         return list(node.xattrs)
 
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0, pid: int = 0) -> None:
         node = self.node(ino)
+        _check_xattr(name)
         xattrs = self._own_xattrs(node)
         if flags & XATTR_CREATE and name in xattrs:
             raise _err(errno.EEXIST)
@@ -1122,6 +1134,7 @@ class Layer:
 
     def removexattr(self, ino: int, name: bytes, pid: int = 0) -> None:
         node = self.node(ino)
+        _check_xattr(name)
         xattrs = self._own_xattrs(node)
         if xattrs.pop(name, None) is None:
             raise _err(errno.ENODATA)
