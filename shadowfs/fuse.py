@@ -13,6 +13,10 @@ why handles never carry their own fds: every handle of a node shares one read-wr
 ``keep_cache``: content only changes through the kernel, or through a restore that gives the
 changed files new inode numbers.
 
+``flush`` is not implemented: the first close gets ENOSYS and the kernel stops sending it, which
+saves a round trip per close(2); with the writeback cache the kernel still writes a file's dirty
+pages back on close before it would have sent the flush.
+
 ``fsync`` is a no-op on purpose: staged files are not a durability boundary (the inode table
 lives in memory), snapshots are, through the store's flush. sqlite and git fsync a lot.
 
@@ -310,9 +314,6 @@ class Operations(pyfuse3.Operations):
             b.release()
         layer.wrote(h, off, n)
         return n
-
-    async def flush(self, fh: int) -> None:
-        return None
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         return None

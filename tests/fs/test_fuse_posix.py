@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shadowfs import tree
+from shadowfs.journal import decode_journal
 from shadowfs.layer import Layer
 from shadowfs.mountctl import Mount, is_mounted
 from shadowfs.store import Store
@@ -323,3 +324,26 @@ def test_mount_over_the_base_path(base: Path, store: Store, tmp_path: Path) -> N
     assert not is_mounted(base)
     assert tree_state(base) == before
     assert tree.lookup(store, t, b"src/added.py") is not None
+
+
+def test_journal_names_the_process_behind_each_change(
+    mount: Path, layer: Layer, store: Store
+) -> None:
+    code = (
+        "import os,sys\n"
+        "d=sys.argv[1]\n"
+        "open(d+'/by_child','w').write('x'*100)\n"
+        "os.rename(d+'/README', d+'/README.old')\n"
+        "print(os.getpid())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(mount)], capture_output=True, text=True, check=True
+    )
+    pid = int(out.stdout)
+    _, journal = layer.snapshot()
+    ops = decode_journal(store.get(journal))
+    mine = [(o.op, o.paths) for o in ops if o.pid == pid]
+    assert ("create", (b"by_child",)) in mine
+    assert ("rename", (b"README", b"README.old")) in mine
+    writes = [o for o in ops if o.op == "write" and o.paths == (b"by_child",)]
+    assert sum(o.length for o in writes) == 100 and writes[0].pid == pid
