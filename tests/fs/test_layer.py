@@ -11,6 +11,7 @@ import pytest
 from shadowfs import tree
 from shadowfs.journal import Journal, JournalOp, decode_journal, encode_journal
 from shadowfs.layer import RENAME_EXCHANGE, RENAME_NOREPLACE, SRC_BASE, Layer
+from shadowfs.oid import ObjectId
 from shadowfs.store import Store
 
 BAD = b"bad-\xff\xfe.txt"
@@ -299,3 +300,58 @@ def test_journal_coalesces_sequential_writes_and_round_trips() -> None:
         decode_journal(b"XXXX\x01")
     with pytest.raises(ValueError):
         encode_journal([JournalOp("explode", (), 0, 0)])
+
+
+BIG_CHILD = r"""
+import os, resource, sys
+from shadowfs.layer import Layer
+from shadowfs.oid import ObjectId
+from shadowfs.store import Store
+base, store_dir, scratch, tree_hex, size = sys.argv[1:6]
+size = int(size)
+st = Store.open(store_dir)
+lay = Layer(base, st, scratch, base_tree=ObjectId.from_hex(tree_hex))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+node = lay.resolve("huge")
+h = lay.open(node.ino, os.O_RDWR)  # copy-up, streamed
+lay.write(h, size - 4, b"tail")
+lay.release(h.fh)
+tree_id, _ = lay.snapshot()  # the rewritten file streams into the store
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(before, after, tree_id.hex())
+"""
+
+
+def test_big_file_copy_up_and_snapshot_in_constant_memory(tmp_path: Path, store: Store) -> None:
+    import subprocess
+    import sys
+
+    size = 256 * 1024 * 1024
+    base = tmp_path / "bigbase"
+    base.mkdir()
+    with open(base / "huge", "wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.truncate(size)
+    base_tree = tree.build_tree(store, base)
+    store.flush()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BIG_CHILD,
+            str(base),
+            str(store.root),
+            str(tmp_path / "sc"),
+            base_tree.hex(),
+            str(size),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    before, after, tree_hex = out.stdout.split()
+    assert int(after) - int(before) < 64 * 1024, "peak RSS grew by more than 64 MiB"
+    e = tree.lookup(store, ObjectId.from_hex(tree_hex), b"huge")
+    assert e is not None and e.size == size and store.size(e.oid) == size
+    assert os.path.getsize(base / "huge") == size
