@@ -116,6 +116,9 @@ def _err(code: int, what: str = "") -> OSError:
     return OSError(code, os.strerror(code), what) if what else OSError(code, os.strerror(code))
 
 
+_NO_NAMES: frozenset[bytes] = frozenset()
+
+
 def _by_name(e: Entry) -> bytes:
     return e.name
 
@@ -178,7 +181,9 @@ class Node:
         self.stat_base = False
         self.target: bytes | None = None
         self.children: dict[bytes, Node] | None = None
-        self.dirty_names: set[bytes] = set()
+        # Only directories have names to mark; the rest share one empty set (216 bytes saved per
+        # file, which adds up on a 100,000-file tree).
+        self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
         self.links: list[tuple[Node, bytes]] = []
         self.lookups = 0
         self.opens = 0
