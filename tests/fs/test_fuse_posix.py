@@ -6,6 +6,7 @@ import ctypes
 import errno
 import mmap
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -198,6 +199,23 @@ def test_chmod_chown_utimens(mount: Path) -> None:
     assert stat.S_IMODE(os.stat(mount / "src").st_mode) == 0o700
 
 
+def test_base_xattrs_read_through(layer: Layer, base: Path, tmp_path: Path) -> None:
+    try:
+        os.setxattr(base / "README", "user.origin", b"base")
+    except OSError:
+        pytest.skip("the temp file system has no user xattrs")
+    mnt = tmp_path / "xmnt"
+    mnt.mkdir()
+    with Mount(layer, mnt, process=True):
+        assert os.getxattr(mnt / "README", "user.origin") == b"base"
+        os.setxattr(mnt / "README", "user.origin", b"layer")
+        assert os.getxattr(mnt / "README", "user.origin") == b"layer"
+        with pytest.raises(OSError) as e:
+            os.setxattr(mnt / "README", "system.posix_acl_access", b"\x02\0\0\0")
+        assert e.value.errno == errno.EOPNOTSUPP
+    assert os.getxattr(base / "README", "user.origin") == b"base"
+
+
 def test_xattrs(mount: Path) -> None:
     p = mount / "README"
     os.setxattr(p, "user.k", b"v")
@@ -310,6 +328,18 @@ def test_snapshot_and_restore_through_the_mount(mount: Path, layer: Layer) -> No
     layer.restore(t1)
     assert (mount / "README").read_text() == "v1 longer content\n"
     assert (mount / "added").read_text() == "a" and not (mount / "run.sh").exists()
+    # A kind change under cached entries: a file becomes a directory and back.
+    os.listdir(mount / "src")
+    shutil.rmtree(mount / "src")
+    (mount / "src").write_text("now a file")
+    os.rmdir(mount / "empty")
+    (mount / "empty").write_text("file")
+    t2, _ = layer.snapshot()
+    layer.restore(t1)
+    assert (mount / "src" / "main.py").read_text() == "print('hello')\n"
+    assert (mount / "empty").is_dir()
+    layer.restore(t2)
+    assert (mount / "src").read_text() == "now a file" and (mount / "empty").is_file()
 
 
 def test_mount_over_the_base_path(base: Path, store: Store, tmp_path: Path) -> None:

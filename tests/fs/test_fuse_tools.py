@@ -10,6 +10,8 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,68 @@ def test_python_tools_shutil_copytree_and_rmtree(mount: Path, base: Path) -> Non
     assert (mount / "tree" / "big.bin").read_bytes() == (base / "big.bin").read_bytes()
     shutil.rmtree(mount / "tree")
     assert not (mount / "tree").exists()
+
+
+def make_wheel(dest: Path) -> Path:
+    """A minimal pure-Python wheel, built by hand so the test needs no network or build tools."""
+    whl = dest / "tinypkg-1.0-py3-none-any.whl"
+    files = {
+        "tinypkg/__init__.py": "VALUE = 42\n",
+        "tinypkg/data.txt": "payload\n",
+        "tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        record = "".join(f"{n},,\n" for n in files) + "tinypkg-1.0.dist-info/RECORD,,\n"
+        z.writestr("tinypkg-1.0.dist-info/RECORD", record)
+    return whl
+
+
+def test_pip_install_a_local_wheel(mount: Path, tmp_path: Path) -> None:
+    whl = make_wheel(tmp_path)
+    site = mount / "site"
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(whl),
+        ],
+        tmp_path,
+    )
+    out = run(
+        [sys.executable, "-c", "import tinypkg; print(tinypkg.VALUE)"],
+        tmp_path,
+        PYTHONPATH=str(site),
+    )
+    assert out.strip() == "42"
+    assert (site / "tinypkg" / "data.txt").read_text() == "payload\n"
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--upgrade",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(whl),
+        ],
+        tmp_path,
+    )
+    assert (site / "tinypkg" / "__init__.py").read_text() == "VALUE = 42\n"
