@@ -28,7 +28,9 @@ Limits are inclusive — a run may use exactly its budget:
   error is the same as the one before, for the same call. The call is the turn's own tool calls
   if it has any, else the last tool calls seen (a proxy learns that a call failed from the tool
   result in the *next* request). Errors compare after collapsing whitespace and masking hex
-  addresses (`0x7f3a...`). A turn without `failed` ends the run; a different error or call
+  addresses (`0x7f3a...`). `failed=True` is a failure with no error text (all alike), and
+  `failed=False` is the same as None; pass the error text when there is one, so that different
+  failures are told apart. A turn without `failed` ends the run; a different error or call
   starts a new run at 1. The rule trips when the run reaches N. The CLI's `--max-repeat N` sets
   both repeat rules to N.
 
@@ -302,7 +304,7 @@ class CircuitBreaker:
         tokens: int = 0,
         text: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
-        failed: str | None = None,
+        failed: str | bool | None = None,
     ) -> Trip | None:
         """After one turn: adds it up and returns the trip standing afterwards, if any."""
         if not (_is_int(cost_usd) or isinstance(cost_usd, float)) or not cost_usd >= 0:
@@ -316,6 +318,9 @@ class CircuitBreaker:
             or not all(isinstance(c, Mapping) for c in tool_calls)
         ):
             raise ValueError("tool_calls must be a list of dicts (one per call) or None")
+        if isinstance(failed, bool):
+            # A caller that knows only *that* a call failed: every such failure looks alike.
+            failed = "failed" if failed else None
         if failed is not None and not isinstance(failed, str):
             raise ValueError(f"failed must be an error string or None, not {type(failed).__name__}")
         if not math.isfinite(cost_usd):
@@ -351,7 +356,7 @@ class CircuitBreaker:
         tokens: int = 0,
         text: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
-        failed: str | None = None,
+        failed: str | bool | None = None,
     ) -> None:
         """`observe()`, raising BreakerTripped when the breaker is (or now becomes) tripped."""
         trip = self.observe(

@@ -175,6 +175,16 @@ def test_failure_of_the_last_calls_reported_later_and_hex_addresses_masked() -> 
     assert trip is not None and trip.value == 2 and "x.bin" in trip.detail
 
 
+def test_failed_as_a_flag() -> None:
+    b = CircuitBreaker(max_repeat_failures=2)
+    b.observe(tool_calls=[read_file("a")], failed=True)
+    b.observe(failed=False)  # a success
+    assert b.totals["failure_run"] == 0
+    b.observe(failed=True)
+    trip = b.observe(failed=True)
+    assert trip is not None and trip.rule == "max_repeat_failures" and trip.value == 2
+
+
 # --------------------------------------------------------------------------- trips stand
 
 
