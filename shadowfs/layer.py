@@ -1029,13 +1029,13 @@ class Layer:
         node = self.attrs(self.node(ino))
         now = time.time_ns()
         path = self.path_of(node.links[0][0], node.links[0][1]) if node.links else b""
-        if size is not None and (node.fmt != S_IFREG or size != node.size):
+        if size is not None:
             if node.fmt == S_IFDIR:
                 raise _err(errno.EISDIR)
             if node.fmt != S_IFREG:
                 raise _err(errno.EINVAL)
-            if node.src != SRC_SCRATCH:
-                self.copy_up(node, True, size)
+            if node.src != SRC_SCRATCH and size != node.size:
+                self.copy_up(node, True, size)  # a shrinking copy-up copies only what it keeps
             if size != node.size:
                 self._truncate(node, size, pid)
             self.journal.record("truncate", (path,), pid, length=size)

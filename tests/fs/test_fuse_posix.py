@@ -65,7 +65,7 @@ def test_append_from_shell_and_python(mount: Path) -> None:
     assert (mount / "README").read_text() == "readme\none\ntwo\nthree\nfour\n"
 
 
-def test_truncate_and_ftruncate(mount: Path) -> None:
+def test_truncate_and_ftruncate(mount: Path, layer: Layer, store: Store) -> None:
     p = mount / "big.bin"
     original = p.read_bytes()
     os.truncate(p, 1000)
@@ -76,6 +76,9 @@ def test_truncate_and_ftruncate(mount: Path) -> None:
         assert f.read() == original[:10]
         f.truncate(20)
     assert p.read_bytes() == original[:10] + b"\0" * 10
+    _, journal = layer.snapshot()
+    ops = [(o.op, o.length) for o in decode_journal(store.get(journal)) if o.op == "truncate"]
+    assert ops == [("truncate", 1000), ("truncate", 10), ("truncate", 20)]
 
 
 def test_sparse_file(mount: Path) -> None:
