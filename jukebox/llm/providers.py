@@ -1,0 +1,287 @@
+"""The two wire protocols: which paths are model calls, and what a call's bodies say.
+
+The agent reaches the proxy at `/openai/v1/...` and `/anthropic/...` (the base URLs the booth
+sets); everything after that prefix is appended to the upstream base URL unchanged, so
+`OPENAI_BASE_URL=http://127.0.0.1:P/openai/v1` and the SDK's `/chat/completions` become
+`https://api.openai.com/v1/chat/completions`. Three endpoints are model calls and are recorded:
+OpenAI Chat Completions, OpenAI Responses and Anthropic Messages; the rest pass through.
+
+`summarize` reads a finished exchange (a JSON body or the list of stream events) into the
+numbers a frame carries: model, token usage, tool calls and the text the model produced.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+OPENAI = "openai"
+ANTHROPIC = "anthropic"
+PREFIXES = {OPENAI: "/openai/v1", ANTHROPIC: "/anthropic"}
+DEFAULT_UPSTREAMS = {OPENAI: "https://api.openai.com/v1", ANTHROPIC: "https://api.anthropic.com"}
+BASE_URL_ENV = {OPENAI: "OPENAI_BASE_URL", ANTHROPIC: "ANTHROPIC_BASE_URL"}
+
+CHAT = "chat.completions"
+RESPONSES = "responses"
+MESSAGES = "messages"
+OTHER = "other"
+
+_ENDPOINTS = {
+    (OPENAI, "/chat/completions"): CHAT,
+    (OPENAI, "/responses"): RESPONSES,
+    (ANTHROPIC, "/v1/messages"): MESSAGES,
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    provider: str
+    endpoint: str  # CHAT, RESPONSES, MESSAGES or OTHER
+    rest: str  # the path and query after the provider prefix, appended to the upstream base
+
+    @property
+    def recorded(self) -> bool:
+        return self.endpoint != OTHER
+
+
+def route(method: str, target: str) -> Route | None:
+    """The provider and endpoint a request target addresses, or None if it is not ours."""
+    for provider, prefix in PREFIXES.items():
+        if target == prefix or target.startswith((prefix + "/", prefix + "?")):
+            rest = target[len(prefix) :] or "/"
+            path = rest.split("?", 1)[0].rstrip("/")
+            endpoint = _ENDPOINTS.get((provider, path), OTHER) if method == "POST" else OTHER
+            return Route(provider, endpoint, rest)
+    return None
+
+
+def error_body(provider: str, message: str, code: str = "jukebox_error") -> bytes:
+    """An error in the provider's own shape, so its SDK raises it with the message intact."""
+    if provider == ANTHROPIC:
+        body: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": message},
+        }
+    else:
+        body = {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        }
+    return json.dumps(body).encode()
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+@dataclass
+class Summary:
+    model: str | None = None
+    input: int = 0  # every prompt token, cached or not
+    output: int = 0
+    cached: int = 0  # prompt tokens read from the provider's cache
+    cache_write: int = 0  # prompt tokens written to the cache (Anthropic bills them apart)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""
+
+    def usage(self) -> dict[str, int]:
+        out = {"input": self.input, "output": self.output, "cached": self.cached}
+        if self.cache_write:
+            out["cache_write"] = self.cache_write
+        return out
+
+
+def _args(value: Any) -> Any:
+    """Tool arguments as a JSON value when they parse, else as the string the model wrote."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else {}
+        except ValueError:
+            return value
+    return value
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def summarize(
+    provider: str,
+    endpoint: str,
+    request: Any,
+    response: Any = None,
+    events: list[Any] | None = None,
+) -> Summary:
+    """Reads a JSON response (`response`) or a stream (`events`: parsed data of each event)."""
+    s = Summary()
+    try:
+        if endpoint == CHAT:
+            _chat(s, response, events)
+        elif endpoint == RESPONSES:
+            _responses(s, response, events)
+        elif endpoint == MESSAGES:
+            _messages(s, response, events)
+    except (AttributeError, TypeError, KeyError, IndexError):
+        pass  # a malformed upstream body: record what was understood, never fail the call
+    if s.model is None and isinstance(request, dict) and isinstance(request.get("model"), str):
+        s.model = request["model"]
+    return s
+
+
+def _chat(s: Summary, response: Any, events: list[Any] | None) -> None:
+    if events is None:
+        if not isinstance(response, dict):
+            return
+        s.model = response.get("model")
+        _chat_usage(s, response.get("usage"))
+        for choice in response.get("choices") or []:
+            message = choice.get("message") or {}
+            if isinstance(message.get("content"), str):
+                s.text += message["content"]
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                s.tool_calls.append(
+                    {"name": fn.get("name"), "arguments": _args(fn.get("arguments"))}
+                )
+        return
+    calls: dict[tuple[int, int], dict[str, Any]] = {}
+    for data in events:
+        if not isinstance(data, dict):
+            continue
+        s.model = data.get("model") or s.model
+        _chat_usage(s, data.get("usage"))
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str):
+                s.text += delta["content"]
+            for part in delta.get("tool_calls") or []:
+                key = (choice.get("index", 0), part.get("index", 0))
+                call = calls.setdefault(key, {"name": None, "arguments": ""})
+                fn = part.get("function") or {}
+                if fn.get("name"):
+                    call["name"] = fn["name"]
+                if isinstance(fn.get("arguments"), str):
+                    call["arguments"] += fn["arguments"]
+    for key in sorted(calls):
+        s.tool_calls.append(
+            {"name": calls[key]["name"], "arguments": _args(calls[key]["arguments"])}
+        )
+
+
+def _chat_usage(s: Summary, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    s.input = _int(usage.get("prompt_tokens"))
+    s.output = _int(usage.get("completion_tokens"))
+    s.cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+
+
+def _responses(s: Summary, response: Any, events: list[Any] | None) -> None:
+    if events is not None:
+        final = None
+        text = []
+        for data in events:
+            if not isinstance(data, dict):
+                continue
+            kind = data.get("type", "")
+            if kind in ("response.completed", "response.incomplete", "response.failed"):
+                final = data.get("response")
+            elif kind == "response.created" and final is None:
+                s.model = (data.get("response") or {}).get("model")
+            elif kind == "response.output_text.delta" and isinstance(data.get("delta"), str):
+                text.append(data["delta"])
+            elif kind == "response.output_item.done":
+                _response_item(s, data.get("item") or {}, with_text=False)
+        if final is None:
+            s.text = "".join(text)
+            return
+        s.tool_calls.clear()
+        response = final
+    if not isinstance(response, dict):
+        return
+    s.model = response.get("model") or s.model
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        s.input = _int(usage.get("input_tokens"))
+        s.output = _int(usage.get("output_tokens"))
+        s.cached = _int((usage.get("input_tokens_details") or {}).get("cached_tokens"))
+    for item in response.get("output") or []:
+        _response_item(s, item, with_text=True)
+
+
+def _response_item(s: Summary, item: dict[str, Any], *, with_text: bool) -> None:
+    kind = item.get("type")
+    if kind == "function_call":
+        s.tool_calls.append({"name": item.get("name"), "arguments": _args(item.get("arguments"))})
+    elif kind == "custom_tool_call":
+        s.tool_calls.append({"name": item.get("name"), "arguments": item.get("input")})
+    elif kind == "message" and with_text:
+        for part in item.get("content") or []:
+            if part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                s.text += part["text"]
+
+
+def _messages(s: Summary, response: Any, events: list[Any] | None) -> None:
+    if events is None:
+        if not isinstance(response, dict):
+            return
+        s.model = response.get("model")
+        _anthropic_usage(s, response.get("usage"))
+        for block in response.get("content") or []:
+            if block.get("type") == "text":
+                s.text += block.get("text") or ""
+            elif block.get("type") in ("tool_use", "server_tool_use"):
+                s.tool_calls.append({"name": block.get("name"), "arguments": block.get("input")})
+        return
+    blocks: dict[int, dict[str, Any]] = {}
+    for data in events:
+        if not isinstance(data, dict):
+            continue
+        kind = data.get("type")
+        if kind == "message_start":
+            message = data.get("message") or {}
+            s.model = message.get("model")
+            _anthropic_usage(s, message.get("usage"))
+        elif kind == "content_block_start":
+            block = dict(data.get("content_block") or {})
+            block["partial"] = ""
+            blocks[data.get("index", 0)] = block
+        elif kind == "content_block_delta":
+            delta = data.get("delta") or {}
+            block = blocks.setdefault(data.get("index", 0), {"type": "text", "partial": ""})
+            if delta.get("type") == "text_delta":
+                s.text += delta.get("text") or ""
+            elif delta.get("type") == "input_json_delta":
+                block["partial"] += delta.get("partial_json") or ""
+        elif kind == "message_delta":
+            _anthropic_usage(s, data.get("usage"), partial=True)
+    for index in sorted(blocks):
+        block = blocks[index]
+        if block.get("type") in ("tool_use", "server_tool_use"):
+            args = _args(block["partial"]) if block["partial"] else block.get("input") or {}
+            s.tool_calls.append({"name": block.get("name"), "arguments": args})
+
+
+def _anthropic_usage(s: Summary, usage: Any, partial: bool = False) -> None:
+    """Anthropic's input_tokens excludes cache reads and writes; ours counts every prompt token.
+
+    message_delta carries cumulative counts, sometimes only output_tokens: absent fields keep
+    what message_start said.
+    """
+    if not isinstance(usage, dict):
+        return
+    fresh = usage.get("input_tokens")
+    read = usage.get("cache_read_input_tokens")
+    write = usage.get("cache_creation_input_tokens")
+    if not partial or any(isinstance(v, int) for v in (fresh, read, write)):
+        base = s.input - s.cached - s.cache_write
+        fresh_n = _int(fresh) if isinstance(fresh, int) or not partial else base
+        s.cached = _int(read) if isinstance(read, int) or not partial else s.cached
+        s.cache_write = _int(write) if isinstance(write, int) or not partial else s.cache_write
+        s.input = fresh_n + s.cached + s.cache_write
+    if isinstance(usage.get("output_tokens"), int):
+        s.output = usage["output_tokens"]

@@ -1,0 +1,141 @@
+"""From one finished exchange to the payload of its `llm_turn` frame.
+
+The payload (docs/llm-proxy.md has the full list): provider, endpoint, model, status,
+latency_ms, stream, usage {input, output, cached}, tool_calls [{name, arguments}], cost_usd,
+request (the JSON body), response (the JSON body, or for a stream the list of its events with
+chunk index and millisecond offset). Request and response larger than 4 KiB land in the store
+through the tape writer's spill. Every recorded byte passes the scrubber first, and headers are
+recorded redacted, so no key reaches the tape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jukebox.llm.pricing import PriceTable
+from jukebox.llm.providers import Summary, summarize
+from jukebox.llm.redact import Scrubber, redact_headers
+from jukebox.llm.sse import SSEEvent
+
+LLM_TURN = "llm_turn"
+
+# Response headers worth nothing on a tape (transport details) or unsafe there (cookies).
+_DROP_RESPONSE_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+        "set-cookie",
+        "alt-svc",
+        "cf-ray",
+        "strict-transport-security",
+    }
+)
+_DROP_REQUEST_HEADERS = frozenset(
+    {"connection", "keep-alive", "content-length", "host", "accept-encoding", "user-agent"}
+)
+
+FrameSink = Callable[[str, dict[str, Any]], Any]
+
+
+@dataclass
+class Exchange:
+    """One request and its response as the proxy saw them (bytes unscrubbed, in memory only)."""
+
+    provider: str
+    endpoint: str
+    method: str
+    path: str
+    request_headers: list[tuple[str, str]]
+    request_body: bytes
+    status: int = 0
+    response_headers: list[tuple[str, str]] = field(default_factory=list)
+    response_body: bytes | None = None  # JSON (or any non-stream) body
+    events: list[SSEEvent] | None = None  # a stream's events, in order
+    latency_ms: float = 0.0
+    error: str | None = None  # the upstream failed or the client went away
+    replayed_from: int | None = None  # seq of the frame served in its place, during replay
+    rewritten: bool = False  # a RequestRewriter changed the request before it was sent
+
+    @property
+    def stream(self) -> bool:
+        return self.events is not None
+
+
+@dataclass
+class Turn:
+    payload: dict[str, Any]
+    summary: Summary
+    cost_usd: float | None
+
+
+def parse_body(data: bytes) -> Any:
+    """A body as a JSON value, or as text when it is not JSON (still recorded, still scrubbed)."""
+    if not data:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {"$text": data.decode("utf-8", errors="replace")}
+
+
+def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> Turn:
+    request = parse_body(scrubber.bytes(ex.request_body))
+    events: list[dict[str, Any]] | None = None
+    response: Any
+    if ex.events is not None:
+        events = []
+        for event in ex.events:
+            event.data = scrubber.text(event.data)
+            events.append(event.to_record())
+        datas = [e.get("data") for e in events]
+        summary = summarize(ex.provider, ex.endpoint, request, events=datas)
+        response = events
+    else:
+        response = parse_body(scrubber.bytes(ex.response_body or b""))
+        ok = 200 <= ex.status < 300
+        summary = summarize(ex.provider, ex.endpoint, request, response if ok else None)
+    usage = summary.usage()
+    cost = None
+    if ex.replayed_from is not None:
+        cost = 0.0  # served from a tape: nobody paid for it this time
+    elif prices is not None and 200 <= ex.status < 300:
+        cost = prices.cost(summary.model, usage)
+    payload: dict[str, Any] = {
+        "provider": ex.provider,
+        "endpoint": ex.endpoint,
+        "model": summary.model,
+        "status": ex.status,
+        "latency_ms": round(ex.latency_ms, 3),
+        "stream": ex.stream,
+        "usage": usage,
+        "tool_calls": summary.tool_calls,
+        "cost_usd": cost,
+        "request": request,
+        "response": response,
+        "path": ex.path,
+        "request_headers": {
+            k: scrubber.text(v)
+            for k, v in redact_headers(ex.request_headers).items()
+            if k not in _DROP_REQUEST_HEADERS
+        },
+        "response_headers": {
+            k: scrubber.text(v)
+            for k, v in redact_headers(ex.response_headers).items()
+            if k not in _DROP_RESPONSE_HEADERS
+        },
+    }
+    if ex.error is not None:
+        payload["error"] = scrubber.text(ex.error)
+    if ex.replayed_from is not None:
+        payload["replayed_from"] = ex.replayed_from
+    if ex.rewritten:
+        payload["rewritten"] = True
+    return Turn(payload, summary, cost)

@@ -1,0 +1,288 @@
+"""Serving recorded exchanges back: the replay source, request matching and divergences.
+
+A `ReplaySource` holds a tape's llm_turn frames as queues, one per (provider, endpoint). Each
+request the agent makes takes the next recorded exchange of its endpoint:
+
+* strict: the request must equal the recorded one after normalization (JSON parsed, volatile
+  fields dropped, keys sorted). Requests that were in flight together when recorded (their
+  recorded time spans overlap) may arrive in either order: any of them may match. The first
+  request that matches none is a `Divergence` naming the frame it was expected to match, what
+  was expected, what came and a compact diff — the way Temporal reports non-determinism.
+  After a divergence, the recording no longer describes the run, so every later call fails too.
+* loose: served by order per endpoint, whatever the request says.
+
+A request past the end of its endpoint's recording is a divergence too, unless `until` was
+given: then the recording serves frames up to `until` and everything after goes live.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from jukebox.frame import canonical_json
+from jukebox.llm.recorder import LLM_TURN
+from jukebox.llm.sse import SSEEvent, event_from_record
+
+MODES = ("strict", "loose")
+
+# Top-level request fields that change between identical runs or say nothing about the prompt.
+VOLATILE_FIELDS = frozenset(
+    {
+        "stream_options",
+        "user",
+        "metadata",
+        "prompt_cache_key",
+        "safety_identifier",
+        "service_tier",
+        "store",
+    }
+)
+
+DIFF_LINES = 8
+SHOW_CHARS = 120
+
+
+@dataclass
+class Recorded:
+    """One recorded exchange, ready to be served."""
+
+    seq: int
+    provider: str
+    endpoint: str
+    request: Any
+    status: int
+    headers: dict[str, str]
+    response: Any = None  # the JSON body
+    events: list[SSEEvent] | None = None  # or the stream
+    start_ns: int = 0
+    end_ns: int = 0
+
+    @property
+    def stream(self) -> bool:
+        return self.events is not None
+
+    def body(self) -> bytes:
+        if isinstance(self.response, dict) and set(self.response) == {"$text"}:
+            return self.response["$text"].encode()
+        return json.dumps(self.response, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class Live:
+    """The answer of `take` when the request is past `until`: forward it upstream."""
+
+
+LIVE = Live()
+
+
+class Divergence(Exception):
+    """The run stopped matching its tape."""
+
+    def __init__(
+        self,
+        kind: str,
+        provider: str,
+        endpoint: str,
+        seq: int | None,
+        expected: Any,
+        got: Any,
+        diff: list[str],
+        exchange: int,
+    ) -> None:
+        self.kind = kind  # "request_mismatch" | "beyond_recording"
+        self.provider = provider
+        self.endpoint = endpoint
+        self.seq = seq
+        self.expected = expected
+        self.got = got
+        self.diff = diff
+        self.exchange = exchange  # how many calls to this endpoint came before this one
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        where = f"{self.provider} {self.endpoint} call #{self.exchange + 1}"
+        if self.kind == "beyond_recording":
+            return (
+                f"replay diverged: {where} goes beyond the recording (the tape holds "
+                f"{self.exchange} such call(s)); a replay never reaches the network — "
+                "replay with --until N to go live after frame N"
+            )
+        lines = [
+            f"replay diverged at frame {self.seq} ({where}): the request differs from the "
+            "recorded one",
+            f"  expected: {_show(self.expected)}",
+            f"  got:      {_show(self.got)}",
+            "  diff:",
+            *(f"    {line}" for line in self.diff),
+        ]
+        return "\n".join(lines)
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "event": "divergence",
+            "kind": self.kind,
+            "provider": self.provider,
+            "endpoint": self.endpoint,
+            "frame": self.seq,
+            "call": self.exchange + 1,
+            "diff": self.diff,
+            "message": self.message(),
+        }
+
+
+def _show(value: Any) -> str:
+    text = canonical_json(value).decode()
+    return text if len(text) <= SHOW_CHARS else text[: SHOW_CHARS - 3] + "..."
+
+
+def normalize(body: Any) -> Any:
+    """What strict matching compares: the body without volatile fields (keys sort on compare)."""
+    if isinstance(body, dict):
+        return {k: v for k, v in body.items() if k not in VOLATILE_FIELDS}
+    return body
+
+
+def json_diff(expected: Any, got: Any, path: str = "", out: list[str] | None = None) -> list[str]:
+    """Paths where two JSON values differ, one line each, at most DIFF_LINES lines."""
+    out = [] if out is None else out
+    if len(out) >= DIFF_LINES:
+        return out
+    if isinstance(expected, dict) and isinstance(got, dict):
+        for key in sorted(set(expected) | set(got)):
+            sub = f"{path}.{key}" if path else key
+            if key not in got:
+                out.append(f"{sub}: missing (expected {_short(expected[key])})")
+            elif key not in expected:
+                out.append(f"{sub}: unexpected {_short(got[key])}")
+            else:
+                json_diff(expected[key], got[key], sub, out)
+            if len(out) >= DIFF_LINES:
+                break
+        return out
+    if isinstance(expected, list) and isinstance(got, list):
+        for i in range(min(len(expected), len(got))):
+            json_diff(expected[i], got[i], f"{path}[{i}]", out)
+            if len(out) >= DIFF_LINES:
+                return out
+        if len(expected) != len(got):
+            out.append(f"{path}: {len(expected)} items expected, {len(got)} came")
+        return out
+    if expected != got or type(expected) is not type(got):
+        out.append(f"{path or '(body)'}: {_short(expected)} -> {_short(got)}")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = canonical_json(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass
+class _Queue:
+    items: deque[Recorded] = field(default_factory=deque)
+    served: int = 0
+
+
+class ReplaySource:
+    """Recorded exchanges served in place of the upstream. Thread-safe enough for one proxy:
+    all calls come from the proxy's single event loop."""
+
+    def __init__(
+        self,
+        exchanges: list[Recorded],
+        mode: str = "strict",
+        until: int | None = None,
+        honor_timing: bool = False,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"bad replay mode {mode!r}: use strict or loose")
+        self.mode = mode
+        self.until = until
+        self.honor_timing = honor_timing
+        self._queues: dict[tuple[str, str], _Queue] = {}
+        for ex in exchanges:
+            if until is None or ex.seq <= until:
+                self._queues.setdefault((ex.provider, ex.endpoint), _Queue()).items.append(ex)
+        self.total = sum(len(q.items) for q in self._queues.values())
+        self.divergence: Divergence | None = None
+
+    @classmethod
+    def from_tape(
+        cls,
+        tape: Any,
+        store: Any,
+        mode: str = "strict",
+        until: int | None = None,
+        honor_timing: bool = False,
+    ) -> ReplaySource:
+        """Every successful llm_turn frame of `tape` (a jukebox.tape.Tape), through `until`."""
+        exchanges = []
+        for frame in tape.frames:
+            if frame.kind != LLM_TURN:
+                continue
+            p = frame.resolve_payload(store)
+            if p.get("error") is not None or not isinstance(p.get("status"), int):
+                continue  # the upstream never answered: nothing to serve
+            events = None
+            if p.get("stream"):
+                events = [event_from_record(e) for e in p.get("response") or []]
+            latency_ns = int(float(p.get("latency_ms") or 0) * 1e6)
+            exchanges.append(
+                Recorded(
+                    seq=frame.seq,
+                    provider=p["provider"],
+                    endpoint=p["endpoint"],
+                    request=p.get("request"),
+                    status=p["status"],
+                    headers=dict(p.get("response_headers") or {}),
+                    response=None if events is not None else p.get("response"),
+                    events=events,
+                    start_ns=frame.time_ns - latency_ns,
+                    end_ns=frame.time_ns,
+                )
+            )
+        return cls(exchanges, mode=mode, until=until, honor_timing=honor_timing)
+
+    def remaining(self) -> int:
+        return sum(len(q.items) for q in self._queues.values())
+
+    def take(self, provider: str, endpoint: str, request: Any) -> Recorded | Live:
+        """The recorded exchange to serve for `request`, LIVE, or raises Divergence."""
+        if self.divergence is not None and self.mode == "strict":
+            raise self.divergence
+        queue = self._queues.setdefault((provider, endpoint), _Queue())
+        if not queue.items:
+            if self.until is not None:
+                return LIVE
+            self.divergence = Divergence(
+                "beyond_recording", provider, endpoint, None, None, request, [], queue.served
+            )
+            raise self.divergence
+        head = queue.items[0]
+        if self.mode == "loose":
+            queue.items.popleft()
+            queue.served += 1
+            return head
+        got = normalize(request)
+        # Calls that were in flight together may come back in any order.
+        for i, candidate in enumerate(queue.items):
+            if i and candidate.start_ns >= head.end_ns:
+                break
+            if canonical_json(normalize(candidate.request)) == canonical_json(got):
+                del queue.items[i]
+                queue.served += 1
+                return candidate
+        expected = normalize(head.request)
+        self.divergence = Divergence(
+            "request_mismatch",
+            provider,
+            endpoint,
+            head.seq,
+            expected,
+            got,
+            json_diff(expected, got),
+            queue.served,
+        )
+        raise self.divergence

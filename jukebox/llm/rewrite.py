@@ -1,0 +1,58 @@
+"""Request overrides for forks: another model or another system prompt on every request.
+
+Applied by the proxy to each live request before it is forwarded (and before it is recorded, so
+the tape shows what was really sent). The agent's own request is what replay matching sees.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from jukebox.llm.providers import ANTHROPIC, CHAT, MESSAGES, RESPONSES
+
+
+@dataclass(frozen=True)
+class RequestRewriter:
+    model: str | None = None
+    system_prompt: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.model is not None or self.system_prompt is not None
+
+    def apply(self, provider: str, endpoint: str, body: Any) -> Any:
+        """A rewritten copy of `body` (the original is left alone); non-dicts pass unchanged."""
+        if not self.active or not isinstance(body, dict):
+            return body
+        out = copy.deepcopy(body)
+        if self.model is not None:
+            out["model"] = self.model
+        if self.system_prompt is None:
+            return out
+        if provider == ANTHROPIC and endpoint == MESSAGES:
+            out["system"] = self.system_prompt
+        elif endpoint == CHAT:
+            out["messages"] = _replace_system(out.get("messages"), self.system_prompt, "system")
+        elif endpoint == RESPONSES:
+            out["instructions"] = self.system_prompt
+            if isinstance(out.get("input"), list):
+                out["input"] = [
+                    item
+                    for item in out["input"]
+                    if not (isinstance(item, dict) and item.get("role") in ("system", "developer"))
+                ]
+        return out
+
+
+def _replace_system(messages: Any, prompt: str, role: str) -> Any:
+    """The first system or developer message gets `prompt`; without one, it is put first."""
+    if not isinstance(messages, list):
+        return messages
+    out = list(messages)
+    for i, message in enumerate(out):
+        if isinstance(message, dict) and message.get("role") in ("system", "developer"):
+            out[i] = {**message, "content": prompt}
+            return out
+    return [{"role": role, "content": prompt}, *out]

@@ -1,0 +1,548 @@
+"""The recording proxy: an HTTP/1.1 server on 127.0.0.1 between the agent and its model APIs.
+
+It runs its own trio loop in a background thread (h11 for the agent's side, an httpx async
+client upstream), so a booth or a test just starts it and points the SDKs at `base_urls()`.
+Per model call, in order:
+
+1. the circuit breaker's verdict (a trip answers 400 in the provider's error shape);
+2. replay: the call is served from the tape (or is a divergence, answered 400); or live: the
+   request is rewritten (fork overrides) and forwarded, and a stream is passed on chunk by chunk
+   as it arrives;
+3. the `llm_turn` frame is written *before* the agent sees the end of the response (the last
+   chunk is held back until then), so the tape's order of llm_turn and checkpoint frames is the
+   order the agent observed;
+4. the breaker observes the exchange; a trip fails the next call.
+
+Errors the proxy itself answers use status 400: the SDKs retry 408, 409, 429 and 5xx, and a
+retry would only repeat the refusal. An unreachable upstream is 502, which they do retry, as
+they would without the proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import h11
+import httpx
+import trio
+
+from jukebox.llm.pricing import PriceTable
+from jukebox.llm.providers import (
+    BASE_URL_ENV,
+    DEFAULT_UPSTREAMS,
+    PREFIXES,
+    Route,
+    error_body,
+    route,
+)
+from jukebox.llm.recorder import LLM_TURN, Exchange, FrameSink, Turn, build_turn, parse_body
+from jukebox.llm.redact import Scrubber
+from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
+from jukebox.llm.rewrite import RequestRewriter
+from jukebox.llm.sse import SSEParser, encode_event
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        # httpx negotiates and decodes compression upstream; the agent gets plain bytes.
+        "accept-encoding",
+    }
+)
+_HOP_RESPONSE = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
+)
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+READ_SIZE = 65536
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=30.0, read=600.0, write=60.0, pool=60.0)
+BREAKER_CODE = "jukebox_circuit_breaker"
+REPLAY_CODE = "jukebox_replay_divergence"
+
+
+def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The user's own base URLs become the upstreams; the providers' public APIs otherwise."""
+    out = {}
+    for provider, default in DEFAULT_UPSTREAMS.items():
+        out[provider] = (environ.get(BASE_URL_ENV[provider]) or default).rstrip("/")
+    return out
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class ProxyServer:
+    """Start with `start()`, point agents at `base_urls()`, stop with `stop()` (or `with`).
+
+    `record(kind, payload)` receives each frame (`writer.append` of a TapeWriter fits); it is
+    called from a worker thread. `breaker` needs `admit() -> Trip | None` and
+    `observe(cost_usd=, tokens=, text=, tool_calls=, failed=) -> Trip | None`; `on_trip(trip)`
+    and `on_divergence(divergence)` are called once, from a worker thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        upstreams: Mapping[str, str] | None = None,
+        record: FrameSink | None = None,
+        replay: ReplaySource | None = None,
+        rewriter: RequestRewriter | None = None,
+        breaker: Any = None,
+        on_trip: Callable[[Any], Any] | None = None,
+        on_divergence: Callable[[Divergence], Any] | None = None,
+        secrets: list[str] | tuple[str, ...] = (),
+        prices: PriceTable | None = None,
+        sock: socket.socket | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        record_passthrough: bool = True,
+    ) -> None:
+        self.upstreams = dict(upstreams or upstreams_from_env({}))
+        self.record = record
+        self.replay = replay
+        self.rewriter = rewriter if rewriter is not None and rewriter.active else None
+        self.breaker = breaker
+        self.on_trip = on_trip
+        self.on_divergence = on_divergence
+        self.scrubber = Scrubber(secrets)
+        self.prices = prices if prices is not None else PriceTable.shipped()
+        self.record_passthrough = record_passthrough
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        sock.listen(128)
+        self._sock = sock
+        self.host, self.port = sock.getsockname()[:2]
+        self.trip: Any = None
+        self.turns: list[Turn] = []  # every recorded turn, for callers without a tape
+        self.keep_turns = record is None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._scope: trio.CancelScope | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ life cycle
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def base_urls(self) -> dict[str, str]:
+        """The environment that points an agent's SDKs at this proxy."""
+        return {BASE_URL_ENV[p]: self.url + prefix for p, prefix in PREFIXES.items()}
+
+    def start(self) -> ProxyServer:
+        self._thread = threading.Thread(target=self._run, name="jukebox-llm-proxy", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        if self._token is not None and self._scope is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+        self._thread.join()
+        self._thread = None
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> ProxyServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as error:  # reported to start() if it happens before ready
+            self._error = error
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
+        async with httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, http2=False) as client:
+            self._client = client
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                self._ready.set()
+                await trio.serve_listeners(self._connection, [listener])
+
+    # ------------------------------------------------------------------ one connection
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone):
+            async with stream:
+                while True:
+                    try:
+                        request, body = await self._read_request(conn, stream)
+                    except h11.RemoteProtocolError as error:
+                        await self._fail_protocol(conn, stream, error)
+                        return
+                    if request is None:
+                        return
+                    await self._handle(conn, stream, request, body)
+                    if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                        return
+                    try:
+                        conn.start_next_cycle()
+                    except h11.LocalProtocolError:
+                        return
+
+    async def _next_event(self, conn: h11.Connection, stream: trio.SocketStream) -> Any:
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await stream.receive_some(READ_SIZE)
+            conn.receive_data(data)
+
+    async def _read_request(
+        self, conn: h11.Connection, stream: trio.SocketStream
+    ) -> tuple[h11.Request | None, bytes]:
+        event = await self._next_event(conn, stream)
+        if not isinstance(event, h11.Request):
+            return None, b""
+        parts = []
+        size = 0
+        while True:
+            part = await self._next_event(conn, stream)
+            if isinstance(part, h11.Data):
+                size += len(part.data)
+                if size > MAX_REQUEST_BYTES:
+                    raise h11.RemoteProtocolError("request body too large", 413)
+                parts.append(bytes(part.data))
+            elif isinstance(part, h11.EndOfMessage):
+                return event, b"".join(parts)
+            elif isinstance(part, h11.ConnectionClosed):
+                raise _ClientGone()
+
+    async def _fail_protocol(
+        self, conn: h11.Connection, stream: trio.SocketStream, error: h11.RemoteProtocolError
+    ) -> None:
+        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            body = json.dumps({"error": {"message": f"bad request: {error}"}}).encode()
+            await self._send_simple(conn, stream, error.error_status_hint, body)
+
+    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, event: Any) -> None:
+        data = conn.send(event)
+        if data:
+            try:
+                await stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise _ClientGone() from None
+
+    async def _send_simple(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        status: int,
+        body: bytes,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> None:
+        hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in _HOP_RESPONSE]
+        if not any(k.lower() == "content-type" for k, _ in hdrs):
+            hdrs.append(("content-type", "application/json"))
+        hdrs.append(("content-length", str(len(body))))
+        await self._send(conn, stream, h11.Response(status_code=status, headers=hdrs))
+        await self._send(conn, stream, h11.Data(data=body))
+        await self._send(conn, stream, h11.EndOfMessage())
+
+    # ------------------------------------------------------------------ one request
+
+    async def _handle(
+        self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request, body: bytes
+    ) -> None:
+        target = request.target.decode("latin-1")
+        method = request.method.decode("ascii")
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
+        where = route(method, target)
+        if where is None:
+            message = (
+                f"jukebox proxy: no route for {target}; it serves /openai/v1/... and "
+                "/anthropic/... (set OPENAI_BASE_URL and ANTHROPIC_BASE_URL to them)"
+            )
+            await self._send_simple(conn, stream, 404, error_body("openai", message))
+            return
+        self.scrubber.learn_headers(headers)
+        ex = Exchange(where.provider, where.endpoint, method, where.rest, headers, body)
+        if not where.recorded:
+            await self._passthrough(conn, stream, where, ex)
+            return
+        if self.trip is not None:
+            await self._refuse_trip(conn, stream, where.provider)
+            return
+        if self.breaker is not None:
+            trip = self.breaker.admit()
+            if trip is not None:
+                await self._tripped(trip)
+                await self._refuse_trip(conn, stream, where.provider)
+                return
+        if self.replay is not None:
+            request_json = parse_body(self.scrubber.bytes(body))
+            try:
+                served = self.replay.take(where.provider, where.endpoint, request_json)
+            except Divergence as divergence:
+                await self._diverged(divergence)
+                message = f"jukebox {divergence.message()}"
+                await self._send_simple(
+                    conn, stream, 400, error_body(where.provider, message, REPLAY_CODE)
+                )
+                return
+            if served is not LIVE:
+                assert isinstance(served, Recorded)
+                await self._serve_recorded(conn, stream, ex, served)
+                return
+        if self.rewriter is not None:
+            original = parse_body(body)
+            changed = self.rewriter.apply(where.provider, where.endpoint, original)
+            if changed != original:
+                ex.request_body = json.dumps(changed, ensure_ascii=False).encode()
+                ex.rewritten = True
+        await self._forward(conn, stream, where, ex)
+
+    # ------------------------------------------------------------------ live forwarding
+
+    def _upstream_request(self, where: Route, ex: Exchange) -> httpx.Request:
+        url = self.upstreams[where.provider] + where.rest
+        headers = [(k, v) for k, v in ex.request_headers if k.lower() not in _HOP]
+        return self._client.build_request(ex.method, url, headers=headers, content=ex.request_body)
+
+    async def _forward(
+        self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
+        except httpx.HTTPError as error:
+            ex.latency_ms = (time.perf_counter() - started) * 1000
+            ex.status = 502
+            ex.error = f"upstream {self.upstreams[where.provider]} failed: {error!r}"
+            message = f"jukebox proxy: {ex.error}"
+            ex.response_body = error_body(where.provider, message)
+            await self._finish(ex)
+            await self._send_simple(conn, stream, 502, ex.response_body)
+            return
+        try:
+            ex.status = upstream.status_code
+            ex.response_headers = list(upstream.headers.multi_items())
+            out_headers = [(k, v) for k, v in ex.response_headers if k.lower() not in _HOP_RESPONSE]
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                await self._pipe_stream(conn, stream, upstream, ex, out_headers, started)
+                return
+            ex.response_body = await upstream.aread()
+            ex.latency_ms = (time.perf_counter() - started) * 1000
+        except httpx.HTTPError as error:
+            ex.latency_ms = (time.perf_counter() - started) * 1000
+            ex.error = f"upstream read failed: {error!r}"
+            await self._finish(ex)
+            raise _ClientGone() from None  # the agent sees a broken response, as it would
+        finally:
+            await upstream.aclose()
+        await self._finish(ex)
+        await self._send_simple(conn, stream, ex.status, ex.response_body, out_headers)
+
+    async def _pipe_stream(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        upstream: httpx.Response,
+        ex: Exchange,
+        headers: list[tuple[str, str]],
+        started: float,
+    ) -> None:
+        parser = SSEParser()
+        opened = time.perf_counter()
+        await self._send(conn, stream, h11.Response(status_code=ex.status, headers=headers))
+        held: bytes | None = None  # the latest chunk, sent once the next one (or the frame) is in
+        client_gone = False
+        try:
+            async for chunk in upstream.aiter_bytes():
+                if not chunk:
+                    continue
+                parser.feed(chunk, (time.perf_counter() - opened) * 1000)
+                if held is not None and not client_gone:
+                    try:
+                        await self._send(conn, stream, h11.Data(data=held))
+                    except _ClientGone:
+                        client_gone = True
+                        break
+                held = chunk
+        except httpx.HTTPError as error:
+            ex.error = f"upstream stream broke: {error!r}"
+        parser.close((time.perf_counter() - opened) * 1000)
+        ex.events = parser.events
+        ex.latency_ms = (time.perf_counter() - started) * 1000
+        if client_gone:
+            ex.error = ex.error or "the agent closed the connection mid-stream"
+        await self._finish(ex)
+        if client_gone or ex.error is not None:
+            raise _ClientGone()
+        if held is not None:
+            await self._send(conn, stream, h11.Data(data=held))
+        await self._send(conn, stream, h11.EndOfMessage())
+
+    async def _passthrough(
+        self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
+    ) -> None:
+        """Paths that are not model calls: forwarded byte for byte, noted but not recorded."""
+        if self.replay is not None and self.replay.until is None:
+            message = (
+                f"jukebox replay: {ex.method} {where.rest} is not a recorded model call and a "
+                "replay never reaches the network"
+            )
+            await self._send_simple(conn, stream, 400, error_body(where.provider, message))
+            return
+        started = time.perf_counter()
+        try:
+            upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
+        except httpx.HTTPError as error:
+            message = f"jukebox proxy: upstream failed: {error!r}"
+            await self._send_simple(conn, stream, 502, error_body(where.provider, message))
+            return
+        try:
+            headers = [
+                (k, v) for k, v in upstream.headers.multi_items() if k.lower() not in _HOP_RESPONSE
+            ]
+            await self._send(
+                conn, stream, h11.Response(status_code=upstream.status_code, headers=headers)
+            )
+            async for chunk in upstream.aiter_bytes():
+                await self._send(conn, stream, h11.Data(data=chunk))
+            await self._send(conn, stream, h11.EndOfMessage())
+        finally:
+            await upstream.aclose()
+        if self.record is not None and self.record_passthrough:
+            note = {
+                "event": "llm_passthrough",
+                "provider": where.provider,
+                "method": ex.method,
+                "path": self.scrubber.text(where.rest),
+                "status": upstream.status_code,
+                "latency_ms": round((time.perf_counter() - started) * 1000, 3),
+            }
+            await trio.to_thread.run_sync(self.record, "note", note)
+
+    # ------------------------------------------------------------------ replay
+
+    async def _serve_recorded(
+        self, conn: h11.Connection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
+    ) -> None:
+        started = time.perf_counter()
+        ex.status = rec.status
+        ex.replayed_from = rec.seq
+        headers = [(k, v) for k, v in rec.headers.items() if k not in _HOP_RESPONSE]
+        if rec.events is None:
+            ex.response_body = rec.body()
+            ex.response_headers = headers
+            ex.latency_ms = (time.perf_counter() - started) * 1000
+            await self._finish(ex)
+            await self._send_simple(conn, stream, rec.status, ex.response_body, headers)
+            return
+        if not any(k == "content-type" for k, _ in headers):
+            headers.append(("content-type", "text/event-stream"))
+        ex.response_headers = headers
+        ex.events = rec.events
+        await self._send(conn, stream, h11.Response(status_code=rec.status, headers=headers))
+        chunks: list[list[bytes]] = []
+        last = None
+        for event in rec.events:
+            if event.chunk != last:
+                chunks.append([])
+                last = event.chunk
+            chunks[-1].append(encode_event(event))
+        times = []
+        for event in rec.events:
+            if not times or event.chunk != times[-1][0]:
+                times.append((event.chunk, event.t_ms))
+        for i, parts in enumerate(chunks):
+            if self.replay is not None and self.replay.honor_timing:
+                delay = times[i][1] / 1000 - (time.perf_counter() - started)
+                if delay > 0:
+                    await trio.sleep(delay)
+            if i == len(chunks) - 1:
+                ex.latency_ms = (time.perf_counter() - started) * 1000
+                await self._finish(ex)
+            await self._send(conn, stream, h11.Data(data=b"".join(parts)))
+        if not chunks:
+            await self._finish(ex)
+        await self._send(conn, stream, h11.EndOfMessage())
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    async def _finish(self, ex: Exchange) -> None:
+        """Records the exchange and lets the breaker see it, off the event loop."""
+        turn = await trio.to_thread.run_sync(self._record_turn, ex)
+        if self.breaker is not None and self.trip is None:
+            s = turn.summary
+            trip = self.breaker.observe(
+                cost_usd=turn.cost_usd or 0.0,
+                tokens=s.input + s.output,
+                text=s.text,
+                tool_calls=s.tool_calls,
+                failed=ex.error is not None or ex.status >= 400,
+            )
+            if trip is not None:
+                await self._tripped(trip)
+
+    def _record_turn(self, ex: Exchange) -> Turn:
+        turn = build_turn(ex, self.scrubber, self.prices)
+        if self.record is not None:
+            self.record(LLM_TURN, turn.payload)
+        if self.keep_turns:
+            self.turns.append(turn)
+        return turn
+
+    async def _tripped(self, trip: Any) -> None:
+        if self.trip is not None:
+            return
+        self.trip = trip
+        if self.on_trip is not None:
+            await trio.to_thread.run_sync(self.on_trip, trip)
+
+    async def _diverged(self, divergence: Divergence) -> None:
+        first = getattr(self, "_divergence_seen", None) is None
+        self._divergence_seen = divergence
+        if not first:
+            return
+        if self.record is not None:
+            await trio.to_thread.run_sync(self.record, "note", divergence.to_payload())
+        if self.on_divergence is not None:
+            await trio.to_thread.run_sync(self.on_divergence, divergence)
+
+    async def _refuse_trip(
+        self, conn: h11.Connection, stream: trio.SocketStream, provider: str
+    ) -> None:
+        trip = self.trip
+        rule = getattr(trip, "rule", "?")
+        limit = getattr(trip, "limit", None)
+        value = getattr(trip, "value", None)
+        detail = getattr(trip, "detail", "") or ""
+        message = (
+            f"jukebox circuit breaker tripped: {rule} (limit {limit}, reached {value})"
+            + (f": {detail}" if detail else "")
+            + "; the booth stops this agent"
+        )
+        await self._send_simple(conn, stream, 400, error_body(provider, message, BREAKER_CODE))

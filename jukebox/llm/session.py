@@ -1,0 +1,85 @@
+"""The proxy as one booth uses it: started with the booth, recording onto its tape, and, under
+`--net none`, listening inside the agent's private network.
+
+`LlmOptions` is what a caller of `run_booth` chooses: record (the default), replay from a tape,
+fork overrides, a circuit breaker. The booth supplies the tape writer and the trip callback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from jukebox.llm.netns import PrivateNetwork
+from jukebox.llm.pricing import PriceTable
+from jukebox.llm.recorder import FrameSink
+from jukebox.llm.replay import Divergence, ReplaySource
+from jukebox.llm.rewrite import RequestRewriter
+from jukebox.llm.server import ProxyServer, upstreams_from_env
+
+T = TypeVar("T")
+
+
+@dataclass
+class LlmOptions:
+    replay: ReplaySource | None = None
+    rewriter: RequestRewriter | None = None
+    breaker: Any = None  # jukebox.breaker.CircuitBreaker or anything with admit()/observe()
+    upstreams: Mapping[str, str] | None = None  # default: the user's *_BASE_URL, else public
+    on_divergence: Callable[[Divergence], Any] | None = None
+
+
+class LlmSession:
+    def __init__(self, proxy: ProxyServer, network: PrivateNetwork | None) -> None:
+        self.proxy = proxy
+        self.network = network
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        record: FrameSink,
+        environ: Mapping[str, str],
+        secrets: list[str],
+        tape_dir: str | os.PathLike[str] | None,
+        private_network: bool,
+        options: LlmOptions | None = None,
+        on_trip: Callable[[Any], Any] | None = None,
+    ) -> LlmSession:
+        options = options or LlmOptions()
+        network = PrivateNetwork() if private_network else None
+        try:
+            proxy = ProxyServer(
+                upstreams=options.upstreams or upstreams_from_env(environ),
+                record=record,
+                replay=options.replay,
+                rewriter=options.rewriter,
+                breaker=options.breaker,
+                on_trip=on_trip,
+                on_divergence=options.on_divergence,
+                secrets=secrets,
+                prices=PriceTable.load(tape_dir, environ),
+                sock=network.listen() if network is not None else None,
+            ).start()
+        except BaseException:
+            if network is not None:
+                network.close()
+            raise
+        return cls(proxy, network)
+
+    def agent_env(self) -> dict[str, str]:
+        return self.proxy.base_urls()
+
+    def spawn(self, spawn: Callable[[Any], T], spec: Any) -> T:
+        """Starts the agent with `spawn(spec)`, inside the private network when there is one
+        (the spec then says `host`: the shim must not make yet another, empty, namespace)."""
+        if self.network is None:
+            return spawn(spec)
+        return self.network.call(spawn, replace(spec, net="host"))
+
+    def close(self) -> None:
+        self.proxy.stop()
+        if self.network is not None:
+            self.network.close()

@@ -1,0 +1,134 @@
+"""Server-sent events: an incremental parser that keeps chunk boundaries, and the encoder.
+
+The proxy forwards upstream bytes untouched and feeds the same bytes to `SSEParser` on the side,
+so recording never delays or alters what the agent sees. Each event remembers the chunk (the
+upstream read) it completed in and when, which is what replay needs to re-emit a stream with the
+same boundaries and, optionally, the same timing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+@dataclass
+class SSEEvent:
+    data: str
+    event: str | None = None
+    id: str | None = None
+    chunk: int = 0  # index of the upstream read in which the event completed
+    t_ms: float = 0.0  # milliseconds since the response headers arrived
+
+    def json(self) -> Any:
+        """The data parsed as JSON, or None when it is not JSON (`[DONE]`)."""
+        if not self.data or self.data[0] not in "{[":
+            return None
+        try:
+            return json.loads(self.data)
+        except ValueError:
+            return None
+
+    def to_record(self) -> dict[str, Any]:
+        """The event as stored on the tape: JSON data as a value, anything else as a string."""
+        value = self.json()
+        out: dict[str, Any] = {"chunk": self.chunk, "t_ms": round(self.t_ms, 3)}
+        if value is not None:
+            out["data"] = value
+        else:
+            out["text"] = self.data
+        if self.event is not None:
+            out["event"] = self.event
+        if self.id is not None:
+            out["id"] = self.id
+        return out
+
+
+def event_from_record(record: dict[str, Any]) -> SSEEvent:
+    if "data" in record:
+        data = json.dumps(record["data"], separators=(",", ":"), ensure_ascii=False)
+    else:
+        data = record.get("text", "")
+    return SSEEvent(
+        data=data,
+        event=record.get("event"),
+        id=record.get("id"),
+        chunk=int(record.get("chunk", 0)),
+        t_ms=float(record.get("t_ms", 0.0)),
+    )
+
+
+def encode_event(event: SSEEvent) -> bytes:
+    lines = []
+    if event.event is not None:
+        lines.append(f"event: {event.event}")
+    if event.id is not None:
+        lines.append(f"id: {event.id}")
+    for line in event.data.split("\n"):
+        lines.append(f"data: {line}")
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+class SSEParser:
+    """Feed it bytes as they arrive; it returns the events each feed completed."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._id: str | None = None
+        self.chunks = 0
+        self.events: list[SSEEvent] = []
+
+    def feed(self, chunk: bytes, t_ms: float) -> list[SSEEvent]:
+        index = self.chunks
+        self.chunks += 1
+        return self._consume(chunk, index, t_ms)
+
+    def _consume(self, chunk: bytes, index: int, t_ms: float) -> list[SSEEvent]:
+        self._buf += chunk
+        done: list[SSEEvent] = []
+        pos = 0
+        buf = self._buf
+        while True:
+            match = _EOL.search(buf, pos)
+            # A lone \r at the very end may be the first half of \r\n: wait for more.
+            if match is None or (match.group() == b"\r" and match.end() == len(buf)):
+                break
+            line = buf[pos : match.start()].decode("utf-8", errors="replace")
+            pos = match.end()
+            event = self._line(line, index, t_ms)
+            if event is not None:
+                done.append(event)
+        self._buf = buf[pos:]
+        self.events.extend(done)
+        return done
+
+    def _line(self, line: str, chunk: int, t_ms: float) -> SSEEvent | None:
+        if not line:
+            if not self._data and self._event is None:
+                return None
+            event = SSEEvent("\n".join(self._data), self._event, self._id, chunk, t_ms)
+            self._data, self._event = [], None
+            return event
+        if line.startswith(":"):
+            return None  # a comment (keep-alive)
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            self._id = value
+        return None
+
+    def close(self, t_ms: float) -> list[SSEEvent]:
+        """Completes an event the upstream left unterminated at the end of the stream."""
+        if not (self._buf or self._data):
+            return []
+        return self._consume(b"\n\n", max(self.chunks - 1, 0), t_ms)
