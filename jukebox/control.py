@@ -67,6 +67,9 @@ def validate(raw: bytes) -> dict[str, Any]:
         request = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(f"request is not JSON: {error}") from None
+    except RecursionError:
+        # A line of 100,000 '[' once escaped as a RecursionError and killed the server thread.
+        raise RequestError("request nests too deeply to be a control request") from None
     if not isinstance(request, dict):
         raise RequestError("request must be a JSON object with an 'op' key")
     op = request.get("op")
