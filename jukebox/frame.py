@@ -342,9 +342,23 @@ class Frame:
             out = dict(self.payload)
             for key, value in out.items():
                 if isinstance(value, dict) and len(value) == 1 and BLOB_KEY in value:
-                    out[key] = json.loads(store.get(ObjectId.from_hex(value[BLOB_KEY])))
+                    out[key] = self._load_spilled(store, key, value[BLOB_KEY])
             self._resolved = out
         return self._resolved
+
+    def _load_spilled(self, store: ObjectStore, key: str, ref: object) -> Any:
+        # A hostile tape can chain valid ids over any payload, so the reference and the bytes it
+        # names are untrusted (fuzzing found a non-hex ref escaping as a bare ValueError).
+        try:
+            if not isinstance(ref, str):
+                raise ValueError
+            return json.loads(store.get(ObjectId.from_hex(ref)))
+        except (ValueError, RecursionError):
+            raise TamperedTape(
+                None,
+                self.seq,
+                f"payload value {key!r} does not name a stored JSON value ({BLOB_KEY} {ref!r:.80})",
+            ) from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Frame) and other._raw == self._raw
