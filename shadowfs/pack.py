@@ -53,8 +53,16 @@ class RecordError(StoreError):
     """A pack record whose bytes do not parse; the message says what is wrong with it."""
 
 
-def pack_name_ok(name: str) -> bool:
-    return name.startswith("pack-") and name.endswith(".pack")
+def pack_name_ok(name: object) -> bool:
+    # Names also come from the index, which is only a cache and may be damaged: one holding "/"
+    # or NUL must never steer a read or an append outside packs/.
+    return (
+        isinstance(name, str)
+        and name.startswith("pack-")
+        and name.endswith(".pack")
+        and "/" not in name
+        and "\0" not in name
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from shadowfs.errors import StoreError
-from shadowfs.oid import ObjectId
-from shadowfs.pack import header_len
+from shadowfs.oid import OID_SIZE, ObjectId
+from shadowfs.pack import header_len, pack_name_ok
 
 FORMAT = "1"
 BUSY_TIMEOUT_S = 60.0
@@ -71,12 +71,45 @@ class IndexEntry:
         )
 
 
-def _entry(row: tuple[object, ...]) -> IndexEntry:
+# No object the store writes comes near this; a larger length in a row is damage, and reading
+# it would try to allocate that much memory.
+MAX_RECORD_LEN = 1 << 31
+
+
+def _is_oid(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == OID_SIZE
+
+
+def _is_len(value: object, limit: int = MAX_RECORD_LEN) -> bool:
+    return type(value) is int and 0 <= value <= limit
+
+
+def _entry(path: Path, row: tuple[object, ...]) -> IndexEntry:
     oid, kind, pack, offset, stored_len, raw_len, size, base, depth, created = row
+    # The index is a cache anyone with access to the store dir can damage: a row must not turn
+    # into a bare ValueError, a huge allocation or a path outside packs/ (found by fuzzing).
+    if not (
+        _is_oid(oid)
+        and isinstance(kind, str)
+        and pack_name_ok(pack)
+        and _is_len(offset, 1 << 62)
+        and _is_len(stored_len)
+        and _is_len(raw_len)
+        and _is_len(size, 1 << 62)
+        and (base is None or _is_oid(base))
+        and _is_len(depth)
+        and type(created) is int
+    ):
+        raise _damaged(path, ValueError(f"a malformed row for object {oid!r:.80}"))
     return IndexEntry(
         ObjectId(oid), kind, pack, offset, stored_len, raw_len, size,  # type: ignore[arg-type]
         None if base is None else ObjectId(base), depth, created,  # type: ignore[arg-type]
     )
+
+
+# sqlite3 decodes TEXT values as UTF-8 as it reads them: a damaged file can hold invalid bytes
+# there, and fuzzing found the UnicodeDecodeError escaping bare from the WAL pragma.
+_UNREADABLE = (sqlite3.Error, UnicodeDecodeError)
 
 
 def _damaged(path: Path, exc: Exception) -> StoreError:
@@ -108,7 +141,7 @@ class StoreIndex:
             conn.executescript(_SCHEMA)
             conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
             (fmt,) = conn.execute("SELECT value FROM meta WHERE key='format'").fetchone()
-        except sqlite3.Error as exc:
+        except (*_UNREADABLE, TypeError, ValueError) as exc:
             conn.close()
             raise _damaged(path, exc) from None
         if fmt != FORMAT:
@@ -153,31 +186,39 @@ class StoreIndex:
     def _all(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         try:
             return self._conn.execute(sql, params).fetchall()
-        except sqlite3.Error as exc:
+        except _UNREADABLE as exc:
             raise _damaged(self.path, exc) from None
 
     # ---- reads
 
     def lookup(self, oid: ObjectId) -> IndexEntry | None:
         rows = self._all(f"SELECT {_COLUMNS} FROM objects WHERE oid=?", (bytes(oid),))
-        return _entry(rows[0]) if rows else None
+        return _entry(self.path, rows[0]) if rows else None
 
     def has(self, oid: ObjectId) -> bool:
         return bool(self._all("SELECT 1 FROM objects WHERE oid=?", (bytes(oid),)))
 
     def entries(self) -> Iterator[IndexEntry]:
         for row in self._all(f"SELECT {_COLUMNS} FROM objects"):
-            yield _entry(row)
+            yield _entry(self.path, row)
 
     def oids(self) -> list[ObjectId]:
-        return [ObjectId(r[0]) for r in self._all("SELECT oid FROM objects")]
+        rows = self._all("SELECT oid FROM objects")
+        if not all(_is_oid(r[0]) for r in rows):
+            raise _damaged(self.path, ValueError("an object id that is not 32 bytes"))
+        return [ObjectId(r[0]) for r in rows]
 
     def locations(self) -> list[tuple[ObjectId, str, int]]:
         rows = self._all("SELECT oid, pack, offset FROM objects")
+        if not all(_is_oid(o) and pack_name_ok(p) and _is_len(off, 1 << 62) for o, p, off in rows):
+            raise _damaged(self.path, ValueError("a malformed object location"))
         return [(ObjectId(o), p, off) for o, p, off in rows]
 
     def pack_sizes(self) -> dict[str, int]:
-        return dict(self._all("SELECT name, size FROM packs"))
+        rows = self._all("SELECT name, size FROM packs")
+        if not all(pack_name_ok(n) and _is_len(size, 1 << 62) for n, size in rows):
+            raise _damaged(self.path, ValueError("a malformed pack row"))
+        return dict(rows)
 
     def totals(self) -> tuple[int, int, int]:
         """(objects, raw bytes, stored bytes)."""
