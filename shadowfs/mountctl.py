@@ -137,6 +137,8 @@ class Mount:
         self._error: BaseException | None = None
         self._pid = 0
         self._conn: Connection | None = None
+        # One request at a time on the socket to the child, whichever thread asks.
+        self._conn_lock = threading.Lock()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -225,7 +227,8 @@ class Mount:
         return self
 
     def _stop_child(self) -> None:
-        conn, self._conn = self._conn, None
+        with self._conn_lock:
+            conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.send(None)
@@ -281,8 +284,9 @@ class Mount:
         conn = self._conn
         if conn is None:
             return self.call(fn, self.layer, *args, sync=sync, **kwargs)
-        conn.send((fn.__name__, args, kwargs, sync))
-        status, value = conn.recv()
+        with self._conn_lock:
+            conn.send((fn.__name__, args, kwargs, sync))
+            status, value = conn.recv()
         if status == "err":
             raise value
         return value
