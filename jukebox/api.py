@@ -1,0 +1,643 @@
+"""The Python API: `Jukebox`, `SandboxPolicy`, `track`, and `Tape` with fork and replay.
+
+An agent written in Python gets the booth's guarantees in its own process::
+
+    jb = Jukebox(tape_dir="./tapes", sandbox=SandboxPolicy(), breaker=CircuitBreaker(...))
+
+    @jb.track(name="my-agent")
+    async def agent(task: str) -> dict:
+        async with jb.transaction() as tx:     # a tape of its own: tapes/tr_<8 hex>.jbx
+            tx.record_agent_turn("planner", "...", model="gpt-4o", cost_usd=0.01)
+            tx.stage_file_write("out/report.md", "...")   # invisible on disk until commit
+            await tx.commit()
+
+`track` records which function ran with which arguments (its import path and JSON-safe
+arguments, secrets redacted), so a fork can re-execute it; each transaction opened inside the
+call writes a tape whose run_start carries that, and the call's end appends an exit frame to each.
+Transactions are documented in `jukebox.transaction`, the memory they carry in `jukebox.state`,
+and the whole API in docs/python-api.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import re
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from jukebox import tape as _tape
+from jukebox.breaker import CircuitBreaker
+from jukebox.state import StateVersion
+from jukebox.tapedir import TapeDir, check_tape_id, default_tape_dir
+from jukebox.transaction import (
+    FILESYSTEM_MODES,
+    MCP_MODES,
+    Run,
+    Transaction,
+    _json_safe,
+    current_run,
+    new_tape_id,
+    recover_commits,
+)
+
+__all__ = ["BSide", "Jukebox", "Report", "SandboxPolicy", "Tape", "track"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+REDACTED = "[REDACTED]"
+# Argument names that hold secrets; the same markers the LLM proxy uses for headers.
+_SECRET_MARKERS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
+# Values that are credentials whatever the argument is called.
+_SECRET_VALUE = re.compile(
+    r"(sk-[A-Za-z0-9_\-]{16,}|sk-ant-[A-Za-z0-9_\-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}"
+    r"|xox[abposr]-[A-Za-z0-9\-]{10,}|AKIA[0-9A-Z]{16}|AIza[0-9A-Za-z_\-]{30,})"
+)
+_SECRET_ENV_MIN = 8
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def _check_choice(field: str, value: object, valid: Mapping[str, str]) -> None:
+    if value not in valid:
+        options = "; ".join(f"{k!r}: {v}" for k, v in valid.items())
+        raise ValueError(
+            f"unknown SandboxPolicy {field} {value!r}: use one of {', '.join(map(repr, valid))} "
+            f"({options})"
+        )
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """How a transaction isolates what the agent does.
+
+    filesystem: ``copy_on_write`` (default) stages every write and applies them all at commit;
+    ``passthrough`` reads and writes the real files (recorded, never undone).
+    mcp_mode: ``staged_acid`` (default) holds staged side effects for the commit; ``deny``
+    refuses them.
+    root: the directory the layer covers (default: the working directory when a transaction
+    opens). Opening a transaction reads this tree once per process (later opens re-read only
+    files whose size or mtime changed), so point it at the project, not at $HOME.
+    """
+
+    filesystem: str = "copy_on_write"
+    mcp_mode: str = "staged_acid"
+    root: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("filesystem", self.filesystem, FILESYSTEM_MODES)
+        _check_choice("mcp_mode", self.mcp_mode, MCP_MODES)
+        if self.root is not None and not isinstance(self.root, str | os.PathLike):
+            raise TypeError(f"SandboxPolicy root must be a path, got {type(self.root).__name__}")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "filesystem": self.filesystem,
+            "mcp_mode": self.mcp_mode,
+            "root": os.fspath(self.root) if self.root is not None else None,
+        }
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _secret_env_values() -> list[str]:
+    out = []
+    for name, value in os.environ.items():
+        lowered = name.lower()
+        if len(value) >= _SECRET_ENV_MIN and any(m in lowered for m in _SECRET_MARKERS):
+            out.append(value)
+    return out
+
+
+def _scrub(value: Any, env_secrets: list[str]) -> tuple[Any, bool]:
+    """(value with credential-looking strings replaced, whether anything was)."""
+    if isinstance(value, str):
+        hit = bool(_SECRET_VALUE.search(value)) or any(s in value for s in env_secrets)
+        return (REDACTED, True) if hit else (value, False)
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        found = False
+        for k, v in value.items():
+            if isinstance(k, str) and any(m in k.lower() for m in _SECRET_MARKERS):
+                out[k], hit = REDACTED, True
+            else:
+                out[k], hit = _scrub(v, env_secrets)
+            found = found or hit
+        return out, found
+    if isinstance(value, list):
+        pairs = [_scrub(v, env_secrets) for v in value]
+        return [p[0] for p in pairs], any(p[1] for p in pairs)
+    return value, False
+
+
+def _is_native(value: Any) -> bool:
+    """Does the JSON-safe form of `value` give back an equal value?"""
+    if value is None or isinstance(value, bool | int | str):
+        return True
+    if isinstance(value, float):
+        return value == value and value not in (float("inf"), float("-inf"))
+    if isinstance(value, list):
+        return all(_is_native(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_native(v) for k, v in value.items())
+    return False
+
+
+def describe_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict:
+    """The recorded arguments of one call: JSON-safe, secrets redacted, replayability noted."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        items = list(bound.arguments.items())
+        kinds = {n: p.kind for n, p in bound.signature.parameters.items()}
+    except (TypeError, ValueError):
+        items = [(f"arg{i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+        kinds = {}
+    env_secrets = _secret_env_values()
+    recorded: dict[str, Any] = {}
+    redacted: list[str] = []
+    opaque: list[str] = []
+    for name, value in items:
+        if kinds.get(name) == inspect.Parameter.VAR_POSITIONAL:
+            value = list(value)
+        if any(m in name.lower() for m in _SECRET_MARKERS):
+            recorded[name] = REDACTED
+            redacted.append(name)
+            continue
+        if not _is_native(value):
+            opaque.append(name)
+        safe, hit = _scrub(_json_safe(value), env_secrets)
+        if hit:
+            redacted.append(name)
+        recorded[name] = safe
+    return {
+        "values": recorded,
+        "redacted": redacted,
+        "opaque": opaque,
+        "replayable": not redacted and not opaque,
+    }
+
+
+def describe_function(fn: Callable[..., Any]) -> dict[str, Any]:
+    module = getattr(fn, "__module__", None) or "?"
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "?")
+    try:
+        source = inspect.getsourcefile(fn)
+    except TypeError:
+        source = None
+    return {
+        "module": module,
+        "qualname": qualname,
+        "import_path": f"{module}:{qualname}",
+        "file": os.path.abspath(source) if source else None,
+        "async": inspect.iscoroutinefunction(fn),
+    }
+
+
+def _error_payload(error: BaseException) -> dict[str, Any]:
+    return {"type": type(error).__name__, "message": str(error)[:2000]}
+
+
+# --------------------------------------------------------------------------- Jukebox
+
+
+class Jukebox:
+    """One tape dir, a sandbox policy and a breaker: the factory for tracked runs and
+    transactions. Opening it settles any commit a killed process left midway."""
+
+    def __init__(
+        self,
+        tape_dir: str | os.PathLike[str] | None = "./tapes",
+        sandbox: SandboxPolicy | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        if sandbox is None:
+            sandbox = SandboxPolicy()
+        elif not isinstance(sandbox, SandboxPolicy):
+            raise TypeError(
+                f"sandbox must be a SandboxPolicy, got {type(sandbox).__name__}: "
+                "pass sandbox=SandboxPolicy(filesystem=..., mcp_mode=...)"
+            )
+        if breaker is not None and not isinstance(breaker, CircuitBreaker):
+            raise TypeError(
+                f"breaker must be a CircuitBreaker, got {type(breaker).__name__}: "
+                "pass breaker=CircuitBreaker(max_cost_usd=...)"
+            )
+        path = Path(tape_dir) if tape_dir is not None else default_tape_dir()
+        # Absolute now, so a later chdir by the agent does not move the tapes.
+        self.tapes = TapeDir(Path(os.path.abspath(path)))
+        self.sandbox = sandbox
+        self.breaker = breaker
+        self.recovered: list[tuple[str, str]] = []
+        self._store: Any = None
+        self._lock = threading.Lock()
+        self._base_cache: dict[str, Any] = {}
+        self.tapes.path.mkdir(parents=True, exist_ok=True)
+        state = self.tapes.state
+        if (state / "commits").is_dir() or (state / "scratch").is_dir():
+            self.recovered = recover_commits(self.tapes, self.store)
+
+    @property
+    def tape_dir(self) -> Path:
+        return self.tapes.path
+
+    @property
+    def store(self) -> Any:
+        """The tape dir's content-addressed store, opened on first use."""
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    from shadowfs.store import Store
+
+                    store = Store.open(self.tapes.store_path, create=True)
+                    # Flushed and unlocked at exit even if nobody calls close().
+                    weakref.finalize(self, store.close)
+                    self._store = store
+        return self._store
+
+    def close(self) -> None:
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+    def __enter__(self) -> Jukebox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Jukebox(tape_dir={str(self.tapes.path)!r}, sandbox={self.sandbox!r})"
+
+    # -- transactions --------------------------------------------------------------------------
+
+    def transaction(
+        self,
+        tape_id: str | None = None,
+        *,
+        name: str | None = None,
+        state: Mapping[str, Any] | StateVersion | None = None,
+    ) -> Transaction:
+        """A new transaction; use it with ``with`` or ``async with``.
+
+        tape_id: the tape's id (default ``tr_<8 hex>``); reusing an id moves the earlier tape to
+        ``<id>.<n>.jbx``. name: the agent name `jukebox ls` shows (default: the tracked run's).
+        state: the memory to start from.
+        """
+        return Transaction(
+            tapes=self.tapes,
+            store_factory=lambda: self.store,
+            tape_id=tape_id,
+            name=name,
+            filesystem=self.sandbox.filesystem,
+            mcp_mode=self.sandbox.mcp_mode,
+            root=self.sandbox.root,
+            breaker=self.breaker,
+            base_cache=self._base_cache,
+            policy=self.sandbox.describe(),
+            initial_state=state,
+        )
+
+    # -- tracking ------------------------------------------------------------------------------
+
+    def track(self, fn: F | None = None, *, name: str | None = None) -> Any:
+        """Decorate a sync or async function as a tracked agent run (``@jb.track`` or
+        ``@jb.track(name=...)``)."""
+
+        def decorate(f: F) -> F:
+            if inspect.isasyncgenfunction(f) or inspect.isgeneratorfunction(f):
+                raise TypeError(
+                    f"@track cannot wrap the generator {f.__qualname__}: track a function that "
+                    "returns its result"
+                )
+            run_name = name or getattr(f, "__qualname__", "agent")
+            function = describe_function(f)
+
+            if inspect.iscoroutinefunction(f):
+
+                @functools.wraps(f)
+                async def run_async(*args: Any, **kwargs: Any) -> Any:
+                    run, token = self._begin(run_name, function, f, args, kwargs)
+                    try:
+                        result = await f(*args, **kwargs)
+                    except BaseException as error:
+                        self._end(run, token, {"code": 1, "error": _error_payload(error)})
+                        raise
+                    self._end(run, token, {"code": 0, "result": _result(result)})
+                    return result
+
+                wrapper: Any = run_async
+            else:
+
+                @functools.wraps(f)
+                def run_sync(*args: Any, **kwargs: Any) -> Any:
+                    run, token = self._begin(run_name, function, f, args, kwargs)
+                    try:
+                        result = f(*args, **kwargs)
+                    except BaseException as error:
+                        self._end(run, token, {"code": 1, "error": _error_payload(error)})
+                        raise
+                    self._end(run, token, {"code": 0, "result": _result(result)})
+                    return result
+
+                wrapper = run_sync
+            wrapper.__jukebox_track__ = {"name": run_name, **function}
+            return wrapper  # type: ignore[no-any-return]
+
+        return decorate(fn) if fn is not None else decorate
+
+    def _begin(
+        self,
+        run_name: str,
+        function: dict[str, Any],
+        f: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Run, Any]:
+        run = Run(
+            id="run_" + secrets.token_hex(6),
+            name=run_name,
+            function=function,
+            args=describe_call(f, args, kwargs),
+            breaker=CircuitBreaker(**self.breaker.limits) if self.breaker is not None else None,
+        )
+        return run, current_run.set(run)
+
+    def _end(self, run: Run, token: Any, payload: dict[str, Any]) -> None:
+        current_run.reset(token)
+        run.finish({**payload, "run": run.id})
+
+
+def _result(value: Any) -> Any:
+    safe, _ = _scrub(_json_safe(value), _secret_env_values())
+    return safe
+
+
+_default: Jukebox | None = None
+_default_lock = threading.Lock()
+
+
+def default_jukebox() -> Jukebox:
+    """The Jukebox module-level `track` uses: $JUKEBOX_TAPE_DIR, else ./tapes."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Jukebox(tape_dir=None)
+        return _default
+
+
+def track(fn: F | None = None, *, name: str | None = None) -> Any:
+    """``@jukebox.track``: `Jukebox.track` on the default Jukebox (created on the first call of
+    a tracked function, so decorating costs nothing)."""
+
+    def decorate(f: F) -> F:
+        tracked: dict[str, Any] = {}
+
+        def resolve() -> Any:
+            if "fn" not in tracked:
+                tracked["fn"] = default_jukebox().track(f, name=name)
+            return tracked["fn"]
+
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def lazy_async(*args: Any, **kwargs: Any) -> Any:
+                return await resolve()(*args, **kwargs)
+
+            return lazy_async  # type: ignore[return-value]
+
+        @functools.wraps(f)
+        def lazy(*args: Any, **kwargs: Any) -> Any:
+            return resolve()(*args, **kwargs)
+
+        return lazy  # type: ignore[return-value]
+
+    return decorate(fn) if fn is not None else decorate
+
+
+# --------------------------------------------------------------------------- tapes and forks
+
+
+def _open_store_for(path: Path) -> Any:
+    store_path = TapeDir(path.parent).store_path
+    if not (store_path / "packs").is_dir():
+        return None
+    from shadowfs.store import Store
+
+    return Store.open(store_path, create=False)
+
+
+class Tape(_tape.Tape):
+    """A loaded tape (`jukebox.tape.Tape`) that can also be forked and replayed."""
+
+    def fork(
+        self,
+        at_frame: int,
+        override_model: str | None = None,
+        override_system_prompt: str | None = None,
+        *,
+        tape_id: str | None = None,
+    ) -> BSide:
+        """Plan a B side: frames 0..at_frame-1 shared with this tape, then the tracked function
+        re-executed with the overrides. Nothing is written until `BSide.replay_and_diff`."""
+        n = len(self.frames)
+        if isinstance(at_frame, bool) or not isinstance(at_frame, int) or not 1 <= at_frame <= n:
+            raise ValueError(
+                f"cannot fork {os.fspath(self.path)} at frame {at_frame!r}: it has {n} frames "
+                f"(0..{n - 1}), so fork at 1..{n}"
+            )
+        if tape_id is not None:
+            check_tape_id(tape_id)
+        start = self.frames[0].payload if self.frames else {}
+        run = start.get("run") if isinstance(start, dict) else None
+        return BSide(
+            origin=self,
+            at_frame=at_frame,
+            override_model=override_model,
+            override_system_prompt=override_system_prompt,
+            tape_id=tape_id or new_tape_id(),
+            function=run.get("function") if isinstance(run, dict) else None,
+            arguments=run.get("args") if isinstance(run, dict) else None,
+        )
+
+
+@dataclass
+class BSide:
+    """A planned fork of a tape (see `Tape.fork`)."""
+
+    origin: Tape
+    at_frame: int
+    override_model: str | None
+    override_system_prompt: str | None
+    tape_id: str
+    function: dict[str, Any] | None
+    arguments: dict[str, Any] | None
+
+    @property
+    def path(self) -> Path:
+        return Path(os.fspath(self.origin.path)).parent / f"{self.tape_id}.jbx"
+
+    def replay_and_diff(self, endpoint: str | None = None) -> Report:
+        """Re-execute the tracked function from `at_frame` and compare the two sides.
+
+        Frames before `at_frame` answer model calls from the tape; after it, calls go to
+        ``endpoint`` (default: the provider's live API) with the overrides applied.
+        """
+        if self.function is None:
+            raise ValueError(
+                f"{os.fspath(self.origin.path)} was not recorded by a @jb.track function, so "
+                "there is nothing to re-execute: fork tapes whose run_start names a function"
+            )
+        raise NotImplementedError(
+            "replay_and_diff needs the in-process LLM recording proxy (jukebox.llm: a replay "
+            "source for the frames before the fork, a RequestRewriter for the overrides, and "
+            "track() routing SDK calls through it), which this build of jukebox.api does not "
+            "wire up yet; Report.between(tape_a, tape_b) compares two recorded tapes today"
+        )
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _side(tape: _tape.Tape, store: Any) -> dict[str, Any]:
+    summary = tape.summary()
+    models: list[str] = []
+    messages: list[dict[str, Any]] = []
+    kinds: list[str] = []
+    final_tree = None
+    for f in tape.frames:
+        kinds.append(f.kind)
+        if f.tree is not None:
+            final_tree = f.tree
+        if f.kind not in ("agent_turn", "llm_turn"):
+            continue
+        p = f.payload
+        model = p.get("model")
+        if isinstance(model, str) and model not in models:
+            models.append(model)
+        text = p.get("text")
+        if text is None and f.kind == "llm_turn":
+            resp = p.get("response")
+            text = resp.get("content") if isinstance(resp, dict) else None
+        messages.append(
+            {"frame": f.seq, "agent": p.get("agent"), "model": model,
+             "text": text if isinstance(text, str) else json.dumps(text)}
+        )
+    return {
+        "tape_id": summary["tape_id"],
+        "path": summary["path"],
+        "status": summary["status"],
+        "frames": summary["frames"],
+        "cost_usd": summary["cost_usd"],
+        "models": models,
+        "messages": messages,
+        "kinds": kinds,
+        "final_tree": final_tree,
+    }
+
+
+class Report:
+    """What differs between two tapes (an A side and its B side): frames, models, messages,
+    files and cost."""
+
+    def __init__(self, a: dict[str, Any], b: dict[str, Any], files: list[dict[str, str]]) -> None:
+        self.a = a
+        self.b = b
+        self.files = files
+        self.first_difference = next(
+            (i for i, (x, y) in enumerate(zip(a["kinds"], b["kinds"], strict=False)) if x != y),
+            None if len(a["kinds"]) == len(b["kinds"]) else min(len(a["kinds"]), len(b["kinds"])),
+        )
+
+    @classmethod
+    def between(cls, a: _tape.Tape | str | os.PathLike[str], b: _tape.Tape | str | os.PathLike[str]
+                ) -> Report:
+        """Compare two recorded tapes (paths or loaded tapes)."""
+        ta = a if isinstance(a, _tape.Tape) else Tape.load(a)
+        tb = b if isinstance(b, _tape.Tape) else Tape.load(b)
+        store = ta.store or tb.store
+        own = None
+        if store is None:
+            store = own = _open_store_for(Path(os.fspath(ta.path)))
+        try:
+            sa, sb = _side(ta, store), _side(tb, store)
+            files: list[dict[str, str]] = []
+            if store is not None and sa["final_tree"] != sb["final_tree"]:
+                from shadowfs import tree as trees
+
+                for c in trees.diff_trees(store, sa["final_tree"], sb["final_tree"]):
+                    files.append(
+                        {"path": c.path.decode("utf-8", "backslashreplace"), "status": c.status}
+                    )
+        finally:
+            if own is not None:
+                own.close()
+        return cls(sa, sb, files)
+
+    def to_json(self) -> dict[str, Any]:
+        def side(s: dict[str, Any]) -> dict[str, Any]:
+            out = {k: v for k, v in s.items() if k not in ("kinds", "final_tree")}
+            out["final_tree"] = s["final_tree"].hex() if s["final_tree"] is not None else None
+            return out
+
+        return {
+            "a": side(self.a),
+            "b": side(self.b),
+            "first_different_frame": self.first_difference,
+            "files": self.files,
+            "cost_delta_usd": round(self.b["cost_usd"] - self.a["cost_usd"], 10),
+        }
+
+    def to_markdown(self) -> str:
+        a, b = self.a, self.b
+        lines = [
+            f"# {a['tape_id']} vs {b['tape_id']}",
+            "",
+            "| | A | B |",
+            "|---|---|---|",
+            f"| tape | `{a['tape_id']}` | `{b['tape_id']}` |",
+            f"| status | {a['status']} | {b['status']} |",
+            f"| frames | {a['frames']} | {b['frames']} |",
+            f"| models | {', '.join(a['models']) or '-'} | {', '.join(b['models']) or '-'} |",
+            f"| cost | ${a['cost_usd']:.4f} | ${b['cost_usd']:.4f} |",
+            "",
+        ]
+        if self.first_difference is None:
+            lines.append("The frame sequences have the same kinds.")
+        else:
+            lines.append(f"The frame sequences first differ at frame {self.first_difference}.")
+        lines += ["", "## Messages", ""]
+        pairs = max(len(a["messages"]), len(b["messages"]))
+        if not pairs:
+            lines.append("No agent or model turns on either side.")
+        for i in range(pairs):
+            ma = a["messages"][i] if i < len(a["messages"]) else None
+            mb = b["messages"][i] if i < len(b["messages"]) else None
+            same = ma is not None and mb is not None and ma["text"] == mb["text"] and (
+                ma["model"] == mb["model"]
+            )
+            lines.append(f"- turn {i + 1}: {'same' if same else 'differs'}")
+            if not same:
+                for tag, m in (("A", ma), ("B", mb)):
+                    if m is None:
+                        lines.append(f"  - {tag}: (none)")
+                    else:
+                        text = (m["text"] or "").replace("\n", " ")
+                        text = text if len(text) <= 200 else text[:197] + "..."
+                        lines.append(f"  - {tag} ({m['model'] or 'no model'}): {text}")
+        lines += ["", "## Files", ""]
+        if not self.files:
+            lines.append("Both sides end with the same files.")
+        for c in self.files:
+            lines.append(f"- {c['status']}: `{c['path']}`")
+        return "\n".join(lines) + "\n"
