@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from jukebox.breaker import BreakerTripped, CircuitBreaker, Trip
 from jukebox.errors import CheckFailed, UsageError
+from jukebox.tape import Tape
 
 
 def read_file(path: str, call_id: str = "call_0") -> dict:
@@ -392,3 +398,123 @@ def test_concurrent_observers_lose_nothing() -> None:
         t.join()
     assert b.totals["tokens"] == 800 and b.totals["turns"] == 800
     assert b.totals["cost_usd"] == pytest.approx(0.8)
+
+
+# --------------------------------------------------------------------------- through a booth
+
+AGENT = """\
+import json, os, sys, urllib.error, urllib.request
+base = os.environ["OPENAI_BASE_URL"].rstrip("/")
+open("written.txt", "w").write("the agent was here\\n")
+for i in range(int(sys.argv[1])):
+    prompt = sys.argv[2] if len(sys.argv) > 2 else f"step {i}"
+    body = {"model": "fake-echo", "messages": [{"role": "user", "content": prompt}]}
+    req = urllib.request.Request(
+        base + "/chat/completions", json.dumps(body).encode(),
+        {"content-type": "application/json", "authorization": "Bearer sk-test-secret"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=20) as response:
+            print("ok", i, flush=True)
+    except urllib.error.HTTPError as error:
+        print("refused", i, error.code, flush=True)
+        sys.exit(3)
+"""
+
+
+@pytest.fixture
+def booth_env(tmp_path: Path):
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("booth runs need root and /dev/fuse")
+    try:
+        import jukebox.llm.session
+        from tests.llm.upstream import FakeUpstream
+    except ImportError as error:
+        pytest.skip(f"the LLM proxy or its fake upstream is not importable: {error}")
+    upstream = FakeUpstream().start()
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.txt").write_text("base\n")
+    agent = tree / "agent.py"  # the booth's /tmp is private: the agent lives in its tree
+    agent.write_text(AGENT)
+    jukebox = str(Path(sys.executable).parent / "jukebox")
+
+    def run(*args: str, tape_id: str) -> tuple[int, list, str]:
+        env = {**os.environ, "OPENAI_BASE_URL": upstream.openai_url}
+        proc = subprocess.run(
+            [
+                jukebox,
+                "booth",
+                "run",
+                "--tree",
+                str(tree),
+                "--tape-dir",
+                str(tmp_path / "tapes"),
+                "--tape-id",
+                tape_id,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=90,
+        )
+        tape = Tape.load(tmp_path / "tapes" / f"{tape_id}.jbx")
+        return proc.returncode, [(f.kind, f.payload) for f in tape.frames], proc.stderr
+
+    yield run, tree, agent, tmp_path / "tapes"
+    upstream.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "rule", "limit", "value", "turns"),
+    [
+        (["--max-turns", "2"], "max_turns", 2, 3, 2),
+        # The fake model answers 9 prompt + 3 completion tokens: 24 > 20 on the second call.
+        (["--max-tokens", "20"], "max_tokens", 20, 24, 2),
+    ],
+)
+def test_booth_trip_stops_the_agent_and_rolls_back(booth_env, flags, rule, limit, value, turns):
+    run, tree, agent, _ = booth_env
+    code, frames, stderr = run(*flags, "--", "python3", str(agent), "5", tape_id="trip")
+    kinds = [k for k, _ in frames]
+    assert code != 0
+    assert kinds.count("llm_turn") == turns
+    breaker = [p for k, p in frames if k == "breaker"]
+    assert len(breaker) == 1
+    assert {k: breaker[0][k] for k in ("rule", "limit", "value")} == {
+        "rule": rule,
+        "limit": limit,
+        "value": value,
+    }
+    assert rule in breaker[0]["detail"]
+    assert kinds[-1] == "rollback" and rule in frames[-1][1]["reason"]
+    assert f"circuit breaker tripped ({rule})" in stderr
+    assert sorted(p.name for p in tree.iterdir()) == ["a.txt", "agent.py"]  # no written.txt
+    start = frames[0][1]
+    assert start["policy"]["breaker"][rule] == limit
+
+
+def test_booth_semantic_repeat_under_commit_never_stays_pending(booth_env):
+    run, tree, agent, tapes = booth_env
+    code, frames, _ = run(
+        "--max-repeat",
+        "3",
+        "--commit",
+        "never",
+        "--",
+        "python3",
+        str(agent),
+        "6",
+        "please read config.py",
+        tape_id="loop",
+    )
+    assert code != 0
+    breaker = [p for k, p in frames if k == "breaker"]
+    assert [(p["rule"], p["limit"], p["value"]) for p in breaker] == [("max_semantic_repeat", 3, 3)]
+    assert [k for k, _ in frames].count("llm_turn") == 3
+    assert "rollback" not in [k for k, _ in frames]
+    record = json.loads((tapes / ".jukebox" / "booths" / "loop.json").read_text())
+    assert record["status"] == "pending"
+    assert not (tree / "written.txt").exists()
