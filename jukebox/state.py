@@ -16,8 +16,9 @@ trees and equal ids.
 their child by id: a Merkle tree. The root's id is the version id a frame records. A node knows
 its id once saved, so saving the next version stores only the nodes the changes created.
 
-Values are frozen on the way in: lists become tuples, dicts become `FrozenDict`, so a version can
-never change under a checkpoint that holds it.
+Values are frozen on the way in: lists become `FrozenList`, dicts `FrozenDict` (they compare equal
+to, and serialise like, the plain ones but refuse changes), so a version can never change under a
+checkpoint that holds it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from zlib import crc32
 
 from shadowfs.oid import ObjectId
 
-__all__ = ["FrozenDict", "State", "StateVersion", "freeze", "thaw"]
+__all__ = ["FrozenDict", "FrozenList", "State", "StateVersion", "freeze", "thaw"]
 
 _BITS = 5
 _MASK = (1 << _BITS) - 1
@@ -81,6 +82,29 @@ class FrozenDict(dict):  # type: ignore[type-arg]
         return (FrozenDict, (dict(self),))
 
 
+class FrozenList(list):  # type: ignore[type-arg]
+    """A list that refuses changes: the form nested lists take inside the state (equal to the
+    plain list it came from, and serialised by `json` like one)."""
+
+    __slots__ = ()
+
+    _refuse = FrozenDict._refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self))
+
+    def __copy__(self) -> FrozenList:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenList:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenList, (list(self),))
+
+
 _SCALARS = (str, int, bool, type(None))
 
 
@@ -95,7 +119,7 @@ def freeze(value: Any) -> Any:
                 f"state values must be finite numbers, got {value!r}: store it as a string"
             )
         return value
-    if t is FrozenDict:
+    if t is FrozenDict or t is FrozenList:
         return value
     if isinstance(value, Mapping):
         out = {}
@@ -108,7 +132,7 @@ def freeze(value: Any) -> Any:
             out[k] = freeze(v)
         return FrozenDict(out)
     if isinstance(value, list | tuple):
-        return tuple(freeze(v) for v in value)
+        return FrozenList([freeze(v) for v in value])
     raise TypeError(
         f"state values are JSON-like data (None, bool, int, float, str, list, dict); got "
         f"{type(value).__name__}: convert it to one of those first"
@@ -116,10 +140,10 @@ def freeze(value: Any) -> Any:
 
 
 def thaw(value: Any) -> Any:
-    """A plain, mutable copy of a frozen value (tuples become lists, FrozenDicts dicts)."""
+    """A plain, mutable copy of a frozen value."""
     if isinstance(value, dict):
         return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
+    if isinstance(value, list | tuple):
         return [thaw(v) for v in value]
     return value
 
