@@ -317,7 +317,8 @@ def commit_tree(
 
     journal = tape_dir.state / "commit-journals" / booth_id
     journal.mkdir(parents=True, exist_ok=True)
-    report = apply(store, tree, base, final, journal_dir=journal)
+    # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
+    report = apply(store, tree, base, final, journal_dir=journal, drop_setid=True)
     shutil.rmtree(journal, ignore_errors=True)
     return report
 

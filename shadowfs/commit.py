@@ -43,7 +43,7 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from blake3 import blake3
@@ -70,6 +70,8 @@ PREPARE_NAME = "commit.prepare"
 _MAGIC = b"JBXCOMMIT1"
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Bits a commit of untrusted work drops from the files it writes (see `apply`'s drop_setid).
+_SETID = stat.S_ISUID | stat.S_ISGID
 # O_NONBLOCK: should a file be swapped for a fifo underneath us, never hang on open.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -289,7 +291,13 @@ class _Plan:
     removed_dirs: dict[bytes, set[bytes]]  # dir -> names base says it holds
 
 
-def _plan(store: CommitStore, new_tree: ObjectId, changes: list[Change], token: str) -> _Plan:
+def _plan(
+    store: CommitStore,
+    new_tree: ObjectId,
+    changes: list[Change],
+    token: str,
+    drop_setid: bool = False,
+) -> _Plan:
     created: set[bytes] = set()  # directories this commit makes
     removed: dict[bytes, set[bytes]] = {}  # directories this commit removes -> expected names
     new_dirs: dict[bytes, Entry] = {}  # directories present afterwards whose entry we know
@@ -326,6 +334,8 @@ def _plan(store: CommitStore, new_tree: ObjectId, changes: list[Change], token: 
             if p in created:
                 mkdirs.append(["mkdir", p])
             continue
+        if drop_setid and n.mode & _SETID:
+            n = replace(n, mode=n.mode & ~_SETID)
         if o is None or o.kind != n.kind or o.oid != n.oid or o.target != n.target:
             # Stage in the nearest directory that exists both before and after, so the staged
             # entry is on the target's file system and inside the tree from the start.
@@ -787,6 +797,7 @@ def apply(
     *,
     journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes],
     progress: Progress | None = None,
+    drop_setid: bool = False,
 ) -> CommitReport:
     """Make the real directory ``target`` go from ``base_tree`` to ``new_tree``, all or nothing.
 
@@ -794,6 +805,10 @@ def apply(
     says. An interrupted earlier commit in ``journal_dir`` is recovered first. If this process
     dies midway, ``recover(target, journal_dir)`` brings the tree to exactly the old or the new
     state. ``journal_dir`` should live on the target's file system and outside the target.
+
+    ``drop_setid`` clears setuid/setgid on every file the commit writes or re-modes (files it
+    does not touch keep theirs): committing a sandboxed agent's work as root must not mint a
+    setuid-root program the sandbox never let the agent use itself.
     """
     if base_tree == new_tree:
         return CommitReport(0, 0)
@@ -803,7 +818,9 @@ def apply(
         dirs = _Dirs(root)
         try:
             _recover_locked(dirs, jfd, _Crash(steps=False))
-            return _apply_locked(store, dirs, jfd, base_tree, new_tree, crash, progress)
+            return _apply_locked(
+                store, dirs, jfd, base_tree, new_tree, crash, progress, drop_setid
+            )
         finally:
             dirs.close()
             os.close(root)
@@ -817,12 +834,13 @@ def _apply_locked(
     new_tree: ObjectId,
     crash: _Crash,
     progress: Progress | None,
+    drop_setid: bool = False,
 ) -> CommitReport:
     changes = _changes(store, base_tree, new_tree)
     if not changes:
         return CommitReport(0, 0)
     token = secrets.token_hex(8)
-    plan = _plan(store, new_tree, changes, token)
+    plan = _plan(store, new_tree, changes, token, drop_setid)
     conflicts = _conflicts(store, dirs, plan, progress)
     if conflicts:
         raise ConflictError(conflicts)
