@@ -13,7 +13,6 @@ bytes (see `jukebox.frame.FAST_FRAME`).
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import threading
@@ -57,7 +56,6 @@ __all__ = [
     "VerifyReport",
 ]
 
-log = logging.getLogger(__name__)
 
 MAGIC = b"JBX\x00TAPE"
 HEADER = struct.Struct("<8sHHI")  # magic, format version, reserved (0), reserved (0)
@@ -521,7 +519,10 @@ class TapeWriter:
         torn = tape.torn_tail
         size = os.fstat(fd).st_size
         if torn is not None:
-            log.warning(
+            # logging costs ~10 ms to import: only this rare path pays for it
+            import logging
+
+            logging.getLogger(__name__).warning(
                 "%s",
                 TornTape(path, torn.offset, torn.reason, len(tape.frames)),
             )

@@ -81,7 +81,7 @@ class TapeRef:
                 )
             frame = int(frame_text)
         candidate = Path(name)
-        if candidate.suffix == TAPE_SUFFIX or os.sep in name or candidate.exists():
+        if candidate.suffix == TAPE_SUFFIX or os.sep in name or candidate.is_file():
             if not candidate.exists():
                 raise UsageError(
                     f"no tape at {name}: check the path, or list tapes with `jukebox ls`"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -332,7 +331,7 @@ class PackWriter:
     @classmethod
     def create(cls, packs_dir: Path) -> PackWriter:
         """A new empty pack, named only once its header is written and it is locked."""
-        name = f"pack-{secrets.token_hex(16)}.pack"
+        name = f"pack-{os.urandom(16).hex()}.pack"
         tmp = packs_dir / (name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import struct
 import threading
 import time
@@ -185,7 +184,7 @@ class Store:
         """Builds a fresh index from the packs beside it and only then names it index.sqlite."""
         for stale in self.root.glob("index.sqlite.tmp-*"):
             stale.unlink(missing_ok=True)
-        tmp = self.root / f"index.sqlite.tmp-{secrets.token_hex(8)}"
+        tmp = self.root / f"index.sqlite.tmp-{os.urandom(8).hex()}"
         self._index = StoreIndex.open(tmp, wal=False)
         try:
             with self._index.write():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +38,8 @@ def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
         raise UsageError(
             f"{directory} is already a mount point: `jukebox umount {directory}` first"
         )
+    import subprocess
+
     proc = subprocess.run(
         [
             sys.executable,
