@@ -81,6 +81,17 @@ def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def _failure(ex: Exchange) -> str | None:
+    """How a call failed, worded so the same failure repeated reads the same (for the breaker)."""
+    if ex.error is None and ex.status < 400:
+        return None
+    message = ex.error or ""
+    if not message and ex.response_body:
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            message = json.loads(ex.response_body)["error"]["message"]
+    return f"HTTP {ex.status}: {message}"[:500]
+
+
 class _ClientGone(Exception):
     pass
 
@@ -502,7 +513,7 @@ class ProxyServer:
                 tokens=s.input + s.output,
                 text=s.text,
                 tool_calls=s.tool_calls,
-                failed=ex.error is not None or ex.status >= 400,
+                failed=_failure(ex),
             )
             if trip is not None:
                 await self._tripped(trip)

@@ -406,7 +406,9 @@ class FakeUpstream:
         return self.server.seen
 
     def start(self) -> FakeUpstream:
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
         self._thread.start()
         return self
 
