@@ -1,6 +1,6 @@
 """Near-duplicate detection for agent outputs: hashed n-gram vectors and their cosine similarity.
 
-No model, no download, no numpy: a text becomes a sparse vector over 2**16 buckets, and two
+No model, no download, no numpy: a text becomes a sparse vector of hashed n-grams, and two
 outputs are near-duplicates when the cosine of their vectors reaches a threshold. The circuit
 breaker (`jukebox.breaker`) compares each model output with the one before it.
 
@@ -41,10 +41,14 @@ file has similarity 0.0 (exact part only) or at most 0.5 (when its long argument
 An **output** — one model response — joins its text and its tool calls (each call unit-scaled,
 summed, then scaled to unit length) in equal weights. An output with neither has no vector.
 
-Hashing is `zlib.crc32` of the UTF-8 feature string with a one-letter namespace prefix, masked to
-16 bits: deterministic in every process (Python's own `hash()` of a string is salted per process),
-and a C call per distinct feature. Vectors are plain `dict[int, float]` of unit length, built once
-and never mutated, so a caller can keep one by reference.
+Hashing is `zlib.crc32` of the UTF-8 feature, seeded with a short namespace ("w", "c", "x",
+plus the argument path for long tool arguments): deterministic in every process (Python's own
+`hash()` of a string is salted per process) and one C call per distinct feature. The buckets are
+the full 32 bits (`DIM = 2**32`) rather than 2**12..2**16: vectors are sparse `dict[int, float]`,
+so the dimension costs nothing, while 16 bits would make a 10 KB text's ~2,000 features collide
+a few dozen times (CRC-32 is even collision-free on inputs of 4 bytes or less, so ASCII 3-grams
+never share a bucket). Features that do collide add up. Vectors are unit length, built once and
+never mutated, so a caller can keep one by reference.
 """
 
 from __future__ import annotations
@@ -55,10 +59,12 @@ import math
 import re
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from itertools import repeat
+from operator import mul
 from typing import Any
 
-DIM_BITS = 16
+DIM_BITS = 32  # CRC-32 values as they come: sparse vectors make a large dimension free
 DIM = 1 << DIM_BITS
 CHAR_GRAM = 3
 CHAR_WINDOW = 1024  # characters kept from each end of a long text for its char 3-grams
@@ -67,7 +73,7 @@ LONG_ARG = 64  # string arguments longer than this are compared as text, not exa
 Vector = dict[int, float]
 
 _WORD = re.compile(r"\w+")
-_MASK = DIM - 1
+_HALF = math.sqrt(0.5)  # the length of each of two equal parts of a unit vector
 
 # Function words and an agent's filler ("let me", "now I'll try again"): rewordings of one step
 # differ mostly in these, so they are left out of the features.
@@ -82,41 +88,49 @@ _STOPWORD_TEXT = """
 STOPWORDS = frozenset(_STOPWORD_TEXT.split())
 
 
-def _hashed(features: Iterable[str], counts: Iterable[float], prefix: str) -> Vector:
-    """Buckets counted features; features that collide add up (that is what hashing costs)."""
-    crc = zlib.crc32
-    seed = crc(prefix.encode())
-    out: Vector = {}
-    get = out.get
-    for feature, count in zip(features, counts, strict=True):
-        # crc32's running-value argument namespaces the feature without building a new string.
-        key = crc(feature.encode(), seed) & _MASK
-        out[key] = get(key, 0.0) + count
-    return out
+def _hashed(counts: Mapping[str, float], prefix: str, scale: float) -> Vector:
+    """Counted features as a vector of length `scale`, each feature's bucket its CRC-32 (seeded
+    with the namespace `prefix`); features that share a bucket add up."""
+    if not counts:
+        return {}
+    seed = zlib.crc32(prefix.encode())
+    # Whole-list C loops (map, zip, dict) instead of a Python loop per feature: the hot path.
+    keys = list(map(zlib.crc32, map(str.encode, counts), repeat(seed, len(counts))))
+    values = list(counts.values())
+    norm = math.sqrt(sum(map(mul, values, values)))
+    factor = scale / norm
+    out = dict(zip(keys, [v * factor for v in values], strict=True))
+    if len(out) == len(keys):
+        return out
+    merged: dict[int, float] = {}
+    for key, value in zip(keys, values, strict=True):
+        merged[key] = merged.get(key, 0.0) + value
+    return _scaled(merged, scale)
 
 
-def _unit(vec: Vector) -> Vector:
+def _scaled(vec: Vector, scale: float = 1.0) -> Vector:
     norm = math.sqrt(sum(v * v for v in vec.values()))
     if norm == 0.0:
         return {}
-    scale = 1.0 / norm
-    return {k: v * scale for k, v in vec.items()}
+    factor = scale / norm
+    return {k: v * factor for k, v in vec.items()}
 
 
-def _mix(parts: Sequence[Vector]) -> Vector:
-    """Unit vectors in equal weights, as one unit vector: the cosine of two mixes with the same
-    shape is about the mean of their parts' cosines."""
-    parts = [p for p in parts if p]
-    if not parts:
-        return {}
-    if len(parts) == 1:
-        return parts[0]
+def _join(parts: Sequence[Vector]) -> Vector:
+    """The sum of parts built in disjoint namespaces, each already scaled to its share."""
     out: Vector = {}
-    get = out.get
+    total = 0
+    for part in parts:
+        out.update(part)
+        total += len(part)
+    if len(out) == total:
+        return out
+    # Two namespaces met in one bucket (about one feature pair in 2**32): add them up properly.
+    summed: Vector = {}
     for part in parts:
         for k, v in part.items():
-            out[k] = get(k, 0.0) + v
-    return _unit(out)
+            summed[k] = summed.get(k, 0.0) + v
+    return _scaled(summed)
 
 
 def _content_words(lowered: str) -> list[str]:
@@ -126,25 +140,29 @@ def _content_words(lowered: str) -> list[str]:
     return content or words
 
 
-def _char_part(content: list[str], namespace: str) -> Vector:
+def _char_counts(content: list[str]) -> Counter[str]:
     joined = " ".join(content)
     if len(joined) > 2 * CHAR_WINDOW:
         joined = joined[:CHAR_WINDOW] + "\n" + joined[-CHAR_WINDOW:]
     n = len(joined) - CHAR_GRAM + 1
     if n <= 0:
-        return _unit(_hashed([joined], [1.0], "c" + namespace))
-    counts = Counter([joined[i : i + CHAR_GRAM] for i in range(n)])
-    return _unit(_hashed(counts.keys(), counts.values(), "c" + namespace))
+        return Counter([joined])
+    return Counter([joined[i : i + CHAR_GRAM] for i in range(n)])
 
 
-def text_vector(text: str, namespace: str = "") -> Vector:
-    """The unit vector of a text; empty (`{}`) when the text has no word characters."""
+def text_vector(text: str, namespace: str = "", scale: float = 1.0) -> Vector:
+    """The vector of a text, of length `scale` (1: a unit vector); `{}` when the text has no
+    word characters."""
     content = _content_words(text.lower())
     if not content:
         return {}
-    counts = Counter(content)
-    words = _unit(_hashed(counts.keys(), counts.values(), "w" + namespace))
-    return _mix([words, _char_part(content, namespace)])
+    half = scale * _HALF
+    return _join(
+        [
+            _hashed(Counter(content), "w" + namespace, half),
+            _hashed(_char_counts(content), "c" + namespace, half),
+        ]
+    )
 
 
 def canonical_json(value: Any) -> str:
@@ -186,29 +204,43 @@ def _leaves(value: Any, path: str, exact: dict[str, Any], long: list[tuple[str, 
         exact[path] = value
 
 
-def tool_call_vector(call: Mapping[str, Any]) -> Vector:
-    """The unit vector of one tool call (see the module docstring for its two parts)."""
+def tool_call_vector(call: Mapping[str, Any], scale: float = 1.0) -> Vector:
+    """The vector of one tool call, of length `scale` (see the module docstring for its parts)."""
     name, args = split_tool_call(call)
     exact: dict[str, Any] = {}
     long: list[tuple[str, str]] = []
     _leaves(args, "", exact, long)
-    exact_part = _hashed([name + " " + canonical_json(exact)], [1.0], "x")
-    text_parts = [text_vector(text, name + path) for path, text in long]
-    if not text_parts:
-        return exact_part
-    return _mix([exact_part, _mix(text_parts)])
+    long = [(path, text) for path, text in long if _WORD.search(text)]  # punctuation: no vector
+    signature = {name + " " + canonical_json(exact): 1.0}
+    if not long:
+        return _hashed(signature, "x", scale)
+    share = scale * _HALF / math.sqrt(len(long))
+    return _join(
+        [_hashed(signature, "x", scale * _HALF)]
+        + [text_vector(text, name + path, share) for path, text in long]
+    )
 
 
 def output_vector(
     text: str | None, tool_calls: Sequence[Mapping[str, Any]] | None = None
 ) -> Vector:
     """The unit vector of one model output: its text and its tool calls; `{}` when it has none."""
-    parts: list[Vector] = []
-    if text:
-        parts.append(text_vector(text))
-    if tool_calls:
-        parts.append(_mix([tool_call_vector(c) for c in tool_calls]))
-    return _mix(parts)
+    text_vec = text_vector(text, "", _HALF if tool_calls else 1.0) if text else {}
+    if not tool_calls:
+        return text_vec
+    scale = _HALF if text_vec else 1.0
+    if len(tool_calls) == 1:
+        calls = tool_call_vector(tool_calls[0], scale)
+    else:
+        # Calls in one output may repeat each other, so their sum is scaled as a whole.
+        summed: Vector = {}
+        for call in tool_calls:
+            for k, v in tool_call_vector(call).items():
+                summed[k] = summed.get(k, 0.0) + v
+        calls = _scaled(summed, scale)
+    if not text_vec:
+        return calls
+    return _join([text_vec, calls])
 
 
 def cosine(a: Vector, b: Vector) -> float:
