@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
 from jukebox.control import SOCKET_ENV, ControlServer, Peer
@@ -50,6 +50,9 @@ from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
 from jukebox.tapedir import TapeDir, check_tape_id
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from jukebox.llm.session import LlmOptions
 
 COMMIT_MODES = ("auto", "ask", "never")
 FS_KINDS = ("fuse", "overlay")
@@ -417,6 +420,19 @@ class _Run:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rollbacks: int = 0
+    # How the agent is started: through the LLM proxy's session, which under --net none spawns
+    # it inside the private network the proxy listens in.
+    spawn: Callable[[isolation.ChildSpec], isolation.Child] = isolation.spawn
+    agent_pid: int | None = None
+    trip: Any = None  # the circuit breaker's Trip, once one fired
+
+    def on_trip(self, trip: Any) -> None:
+        """The breaker fired (called from the proxy's thread): record it and stop the agent."""
+        self.trip = trip
+        self.writer.append("breaker", trip.to_payload())
+        if self.agent_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.agent_pid, signal.SIGKILL)
 
     def checkpoint(
         self, label: str | None, peer: Peer | None, reason: str = "request"
@@ -600,6 +616,8 @@ def run_booth(
     checkpoint_every: float | None = None,
     *,
     layer_factory: LayerFactory | None = None,
+    llm: LlmOptions | None = None,
+    breaker: Any = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
@@ -615,6 +633,14 @@ def run_booth(
         raise UsageError(f"bad --fs {fs!r}: use one of {', '.join(FS_KINDS)}")
     if checkpoint_every is not None and checkpoint_every <= 0:
         raise UsageError("--checkpoint-every must be a positive number of seconds")
+    if breaker is not None:
+        # A jukebox.breaker.CircuitBreaker (the --max-* flags): the LLM proxy admits and
+        # observes every model call through it and calls `_Run.on_trip` when it trips.
+        import dataclasses
+
+        from jukebox.llm.session import LlmOptions
+
+        llm = dataclasses.replace(llm or LlmOptions(), breaker=breaker)
     tree_path = os.path.realpath(tree)
     if not os.path.isdir(tree_path):
         raise UsageError(f"the tree {tree} is not a directory: pass --tree DIR")
@@ -654,6 +680,7 @@ def run_booth(
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
     layer: BoothLayer | None = None
     server: ControlServer | None = None
+    llm_session: Any = None
     tree_fd = -1
     writer: Any = None
     record: BoothRecord | None = None
@@ -679,6 +706,7 @@ def run_booth(
                     "commit": commit_mode,
                     "fs": fs,
                     "checkpoint_every": checkpoint_every,
+                    "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
                 },
                 "host": host_facts(),
                 "env": img.describe_env(env),
@@ -713,6 +741,19 @@ def run_booth(
         sock_dir = tempfile.mkdtemp(prefix=f"jukebox-{booth_id}-")
         sock_path = os.path.join(sock_dir, "control.sock")
         server = ControlServer(sock_path, run.handlers()).start()
+        from jukebox.llm.session import LlmSession
+
+        llm_session = LlmSession.start(
+            record=writer.append,
+            environ=os.environ,
+            secrets=[value for key, value in env.items() if img.is_secret(key)],
+            tape_dir=tapes.path,
+            private_network=net == "none",
+            options=llm,
+            on_trip=run.on_trip,
+        )
+        run.spawn = lambda child_spec: llm_session.spawn(isolation.spawn, child_spec)
+        env.update(llm_session.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         spec = isolation.ChildSpec(
             argv=argv,
@@ -728,6 +769,8 @@ def run_booth(
         status, interrupted = _supervise(spec, run, checkpoint_every)
         server.close()
         server = None
+        llm_session.close()
+        llm_session = None
         _reap_stragglers()
 
         # The verdict.
@@ -760,7 +803,10 @@ def run_booth(
 
         decision: str
         reason = ""
-        if interrupted:
+        if run.trip is not None:
+            decision = "keep" if commit_mode == "never" else "discard"
+            reason = f"the circuit breaker tripped ({run.trip.rule})"
+        elif interrupted:
             decision, reason = "keep", "interrupted"
         elif commit_mode == "never":
             decision = "keep"
@@ -816,6 +862,8 @@ def run_booth(
     finally:
         if server is not None:
             server.close()
+        if llm_session is not None:
+            llm_session.close()
         if layer is not None:
             with contextlib.suppress(Exception):
                 layer.unmount()
@@ -873,7 +921,8 @@ def _supervise(
 ) -> tuple[dict[str, Any], bool]:
     """Starts CMD and waits for it, relaying signals; returns (exit payload, interrupted)."""
     started = time.monotonic()
-    child = isolation.spawn(spec)
+    child = run.spawn(spec)
+    run.agent_pid = child.pid
     ok = child.wait_started()
     run.writer.append("note", {"event": "agent_started", "pid": child.pid, "ok": ok})
     interrupts = 0
