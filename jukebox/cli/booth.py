@@ -39,6 +39,21 @@ def booth() -> None:
 @click.option(
     "--checkpoint-every", type=float, default=None, help="Automatic checkpoint every N seconds."
 )
+@click.option(
+    "--max-cost-usd", type=float, default=None, help="Circuit breaker: stop past this spend (USD)."
+)
+@click.option(
+    "--max-tokens", type=int, default=None, help="Circuit breaker: stop past this many tokens."
+)
+@click.option(
+    "--max-turns", type=int, default=None, help="Circuit breaker: at most this many model calls."
+)
+@click.option(
+    "--max-repeat",
+    type=int,
+    default=None,
+    help="Circuit breaker: stop at N near-duplicate outputs (or N same failures) in a row.",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     tree: str,
@@ -51,10 +66,23 @@ def run(
     verify_cmd: str | None,
     net: str | None,
     checkpoint_every: float | None,
+    max_cost_usd: float | None,
+    max_tokens: int | None,
+    max_turns: int | None,
+    max_repeat: int | None,
     cmd: tuple[str, ...],
 ) -> None:
-    """Run CMD in a booth over the tree; CMD's exit status is the run's."""
+    """Run CMD in a booth over the tree; CMD's exit status is the run's.
+
+    A circuit breaker flag that trips stops the agent and rolls the booth back (kept pending
+    under --commit never); see docs/breaker.md.
+    """
     from jukebox.booth import run_booth
+    from jukebox.breaker import CircuitBreaker
+
+    breaker = CircuitBreaker.from_options(
+        max_cost_usd=max_cost_usd, max_tokens=max_tokens, max_turns=max_turns, max_repeat=max_repeat
+    )
 
     code = run_booth(
         list(cmd),
@@ -68,6 +96,7 @@ def run(
         verify_cmd=verify_cmd,
         net=net,
         checkpoint_every=checkpoint_every,
+        breaker=breaker,
     )
     sys.exit(code)
 
