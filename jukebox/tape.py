@@ -173,10 +173,18 @@ class Tape:
             digest = digest_of()
             reset()
             if digest != data[end - ID_SIZE : end]:
-                if end == end_of_file:
-                    # A crash can leave the last record's blocks unwritten (zeros) even when the
-                    # file size already covers it, so a bad final record counts as torn.
-                    torn = TornTail(pos, "the last record's bytes do not hash to its frame id")
+                # A crash can leave the last record's blocks unwritten (zeros) even when the
+                # file size already covers it, so a bad final record counts as torn. Zeros
+                # longer than a record parse as zero-length records and must count as torn too:
+                # a record in flight left 4 KiB of zeros, and each 36 of them was once reported
+                # as a tampered frame.
+                if end == end_of_file or data.count(0, end) == end_of_file - end:
+                    torn = TornTail(
+                        pos,
+                        "the last record's bytes do not hash to its frame id"
+                        if end == end_of_file
+                        else "the tape ends in zeros where a record was being written",
+                    )
                     break
                 problems.append(
                     TamperedTape(
