@@ -102,6 +102,42 @@ class TransactionClosed(UsageError):
     """The transaction already has its verdict (or was never opened); start a new one."""
 
 
+# --------------------------------------------------------------------------- tapes
+
+
+class TapeLog:
+    """A transaction's tape writer with grouped syncs.
+
+    Every frame reaches the file with one write(2), so a killed process loses nothing. The
+    fdatasync that makes frames survive a power loss runs at the points that matter — before a
+    commit touches the real tree, after each verdict, at exit — instead of once per frame: it is
+    the whole cost of a rollback_to on a real disk (about 70 us of a 0.19 ms budget, and far more
+    under load). A power loss can cost the frames after the last sync, never a verdict.
+    """
+
+    def __init__(self, path: Path, store: Any, tape_id: str) -> None:
+        self.writer = TapeWriter.create(path, store, tape_id, fsync=False)
+        # fdatasync works on the inode through any descriptor; this one is ours to hold.
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def append(self, kind: str, payload: Mapping[str, Any], *, durable: bool = False,
+               **kw: Any) -> Frame:
+        frame = self.writer.append(kind, payload, **kw)
+        if durable:
+            self.sync()
+        return frame
+
+    def sync(self) -> None:
+        if self._fd >= 0:
+            os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        self.writer.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 # --------------------------------------------------------------------------- runs
 
 
@@ -115,22 +151,22 @@ class Run:
     function: dict[str, Any] | None = None
     args: dict[str, Any] | None = None
     breaker: CircuitBreaker | None = None
-    writers: list[TapeWriter] = field(default_factory=list)
+    logs: list[TapeLog] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def adopt(self, writer: TapeWriter) -> None:
+    def adopt(self, log: TapeLog) -> None:
         with self.lock:
-            self.writers.append(writer)
+            self.logs.append(log)
 
     def finish(self, payload: Mapping[str, Any]) -> None:
         """Append the exit frame to every tape the run opened, then close them."""
         with self.lock:
-            writers, self.writers = self.writers, []
-        for w in writers:
+            logs, self.logs = self.logs, []
+        for log in logs:
             try:
-                w.append("exit", payload)
+                log.append("exit", payload, durable=True)
             finally:
-                w.close()
+                log.close()
 
 
 current_run: contextvars.ContextVar[Run | None] = contextvars.ContextVar(
@@ -487,7 +523,7 @@ class Transaction:
         self.checkpoints: list[Checkpoint] = []
         self._lock = threading.RLock()
         self._layer: Layer | None = None
-        self._writer: TapeWriter | None = None
+        self._log: TapeLog | None = None
         self._store: Any = None
         self._run: Run | None = None
         self._breaker: CircuitBreaker | None = None
@@ -529,7 +565,7 @@ class Transaction:
             tape_id = self._requested_id or self._fresh_id()
             self.tape_id = tape_id
             self.tape_path, self.archived = claim_tape_path(self._tapes, tape_id)
-            self._writer = TapeWriter.create(self.tape_path, store, tape_id)
+            self._log = TapeLog(self.tape_path, store, tape_id)
             payload: dict[str, Any] = {
                 "tape_id": tape_id,
                 "name": self._name or (run.name if run is not None else None) or _script_name(),
@@ -552,14 +588,14 @@ class Transaction:
                 payload["previous_run"] = self.archived.name
             if self.base_tree is not None:
                 payload["base_tree"] = self.base_tree.hex()
-            self._writer.append("run_start", payload, tree=self.base_tree)
+            self._log.append("run_start", payload, tree=self.base_tree)
         except BaseException:
             self._cleanup()
-            if self._writer is not None:
-                self._writer.close()
+            if self._log is not None:
+                self._log.close()
             raise
         if run is not None:
-            run.adopt(self._writer)
+            run.adopt(self._log)
         self._start = self.state.version
         self.status = OPEN
         return self
@@ -619,8 +655,8 @@ class Transaction:
             )
 
     def _append(self, kind: str, payload: Mapping[str, Any], **kw: Any) -> Frame:
-        assert self._writer is not None
-        return self._writer.append(kind, payload, **kw)
+        assert self._log is not None
+        return self._log.append(kind, payload, **kw)
 
     def record_agent_turn(
         self,
@@ -807,7 +843,9 @@ class Transaction:
                     refs.append(journal)
             elif self._staged:
                 payload["files_restored"] = False
-            frame = self._append("rollback", payload, refs=refs, tree=self.base_tree)
+            frame = self._append(
+                "rollback", payload, refs=refs, tree=self.base_tree, durable=True
+            )
         finally:
             self.status = ROLLED_BACK
             self.state.restore(self._start)
@@ -828,6 +866,7 @@ class Transaction:
                     "commit", {"changes": self._staged, "state": state_id.hex(),
                                "passthrough": True},
                     refs=[state_id],
+                    durable=True,
                 )
                 self.status = COMMITTED
                 self._cleanup()
@@ -840,7 +879,9 @@ class Transaction:
                 refs.append(journal)
             assert self.base_tree is not None
             if final == self.base_tree:
-                frame = self._append("commit", {**payload, "changes": 0}, refs=refs, tree=final)
+                frame = self._append(
+                    "commit", {**payload, "changes": 0}, refs=refs, tree=final, durable=True
+                )
             else:
                 with _CommitGuard(self._tapes, self.root, self._store) as guard:
                     guard.claim(
@@ -854,6 +895,9 @@ class Transaction:
                             "pid": os.getpid(),
                         }
                     )
+                    # The tape up to here must outlive any change to the real tree.
+                    assert self._log is not None
+                    self._log.sync()
                     try:
                         report = apply_commit(
                             self._store, self.root, self.base_tree, final,
@@ -870,6 +914,7 @@ class Transaction:
                         {**payload, "changes": report.changed, "bytes": report.bytes_written},
                         refs=refs,
                         tree=final,
+                        durable=True,
                     )
                     guard.release_claim()
             if self._base_cache is not None:
@@ -905,8 +950,8 @@ class Transaction:
         if self._scratch_lock >= 0:
             os.close(self._scratch_lock)
             self._scratch_lock = -1
-        if self.status in (COMMITTED, ROLLED_BACK) and self._run is None and self._writer:
-            self._writer.close()
+        if self.status in (COMMITTED, ROLLED_BACK) and self._run is None and self._log:
+            self._log.close()
 
     def __repr__(self) -> str:
         return f"<Transaction {self.tape_id or '(unopened)'} {self.status}>"
