@@ -85,8 +85,16 @@ def jb(
 
 def booth_argv(tree: Path, tapes: Path, tape_id: str, *opts: str) -> list[str]:
     return [
-        "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", tape_id,
-        *opts, "--",
+        "booth",
+        "run",
+        "--tree",
+        str(tree),
+        "--tape-dir",
+        str(tapes),
+        "--tape-id",
+        tape_id,
+        *opts,
+        "--",
     ]
 
 

@@ -824,8 +824,9 @@ def test_setuid_and_absolute_symlinks_in_a_forged_tree_commit_as_plain_entries(
     base = treemod.build_tree(store, target)
     blob = store.put("blob", b"pwned\n")
     entries = [
-        treemod.Entry(b"link", treemod.SYMLINK, 0o777, len(str(outside)), 0, None,
-                      os.fsencode(outside)),
+        treemod.Entry(
+            b"link", treemod.SYMLINK, 0o777, len(str(outside)), 0, None, os.fsencode(outside)
+        ),
     ]
     new = store.put("tree", treemod.encode_tree(entries))
     apply(store, target, base, new, journal_dir=tmp_path / "journal")
@@ -834,8 +835,13 @@ def test_setuid_and_absolute_symlinks_in_a_forged_tree_commit_as_plain_entries(
     # Now the same name as a file: the commit replaces the link, never writes through it.
     base2 = treemod.build_tree(store, target)
     entries = [treemod.Entry(b"link", treemod.FILE, 0o644, 6, 0, blob, None)]
-    apply(store, target, base2, store.put("tree", treemod.encode_tree(entries)),
-          journal_dir=tmp_path / "journal")
+    apply(
+        store,
+        target,
+        base2,
+        store.put("tree", treemod.encode_tree(entries)),
+        journal_dir=tmp_path / "journal",
+    )
     assert not (target / "link").is_symlink() and (target / "link").read_text() == "pwned\n"
     assert outside.read_text() == "outside\n"
 
