@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -59,6 +60,7 @@ FS_KINDS = ("fuse", "overlay")
 VERIFY_OUTPUT_MAX = 64 * 1024
 BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
 TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
+BREAKER_GRACE_S = 3.0  # seconds an agent stopped by the circuit breaker gets before SIGKILL
 SI_KERNEL = 0x80  # si_code of a signal the terminal sent (Ctrl-C), as opposed to kill(2)
 WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}
 
@@ -427,12 +429,12 @@ class _Run:
     trip: Any = None  # the circuit breaker's Trip, once one fired
 
     def on_trip(self, trip: Any) -> None:
-        """The breaker fired (called from the proxy's thread): record it and stop the agent."""
+        """The breaker fired (called from the proxy's thread): record it and stop the agent
+        (SIGTERM, then SIGKILL after BREAKER_GRACE_S)."""
         self.trip = trip
         self.writer.append("breaker", trip.to_payload())
         if self.agent_pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.agent_pid, signal.SIGKILL)
+            _terminate(self.agent_pid, BREAKER_GRACE_S)
 
     def checkpoint(
         self, label: str | None, peer: Peer | None, reason: str = "request"
@@ -501,6 +503,32 @@ class _Run:
             }
 
         return {"checkpoint": checkpoint, "rollback": rollback, "status": status}
+
+
+def _terminate(pid: int, grace: float) -> None:
+    """SIGTERM now and SIGKILL if it still runs after `grace` seconds, through a pidfd so that
+    a pid the supervisor has reaped and the kernel recycled is never hit."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    except ProcessLookupError:
+        os.close(pidfd)
+        return
+
+    def kill_after_grace() -> None:
+        try:
+            # A pidfd turns readable when its process exits.
+            exited, _, _ = select.select([pidfd], [], [], grace)
+            if not exited:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+
+    threading.Thread(target=kill_after_grace, name="breaker-stop", daemon=True).start()
 
 
 def _exit_code(status: int) -> tuple[int | None, int | None]:

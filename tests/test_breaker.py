@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from jukebox.booth import BREAKER_GRACE_S
 from jukebox.breaker import BreakerTripped, CircuitBreaker, Trip
 from jukebox.errors import CheckFailed, UsageError
 from jukebox.tape import Tape
@@ -403,8 +404,10 @@ def test_concurrent_observers_lose_nothing() -> None:
 # --------------------------------------------------------------------------- through a booth
 
 AGENT = """\
-import json, os, sys, urllib.error, urllib.request
+import json, os, signal, sys, time, urllib.error, urllib.request
 base = os.environ["OPENAI_BASE_URL"].rstrip("/")
+if os.environ.get("AGENT_IGNORES_SIGTERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 open("written.txt", "w").write("the agent was here\\n")
 for i in range(int(sys.argv[1])):
     prompt = sys.argv[2] if len(sys.argv) > 2 else f"step {i}"
@@ -418,6 +421,8 @@ for i in range(int(sys.argv[1])):
             print("ok", i, flush=True)
     except urllib.error.HTTPError as error:
         print("refused", i, error.code, flush=True)
+        if os.environ.get("AGENT_IGNORES_SIGTERM"):
+            time.sleep(60)  # hangs: only SIGKILL ends it
         sys.exit(3)
 """
 
@@ -439,8 +444,8 @@ def booth_env(tmp_path: Path):
     agent.write_text(AGENT)
     jukebox = str(Path(sys.executable).parent / "jukebox")
 
-    def run(*args: str, tape_id: str) -> tuple[int, list, str]:
-        env = {**os.environ, "OPENAI_BASE_URL": upstream.openai_url}
+    def run(*args: str, tape_id: str, env: dict | None = None) -> tuple[int, list, str]:
+        env = {**os.environ, "OPENAI_BASE_URL": upstream.openai_url, **(env or {})}
         proc = subprocess.run(
             [
                 jukebox,
@@ -518,3 +523,18 @@ def test_booth_semantic_repeat_under_commit_never_stays_pending(booth_env):
     record = json.loads((tapes / ".jukebox" / "booths" / "loop.json").read_text())
     assert record["status"] == "pending"
     assert not (tree / "written.txt").exists()
+
+
+@pytest.mark.parametrize(("ignores", "signal_number"), [(False, 15), (True, 9)])
+def test_booth_stops_the_agent_with_sigterm_then_sigkill(booth_env, ignores, signal_number):
+    run, _, agent, _ = booth_env
+    code, frames, _ = run(
+        "--max-turns", "1", "--", "python3", str(agent), "5",
+        tape_id="stop",
+        env={"AGENT_IGNORES_SIGTERM": "1"} if ignores else {},
+    )  # fmt: skip
+    exit_payload = next(p for k, p in frames if k == "exit")
+    assert exit_payload["signal"] == signal_number
+    if ignores:
+        assert exit_payload["seconds"] >= BREAKER_GRACE_S
+    assert code == 128 + signal_number
