@@ -48,6 +48,11 @@ class _Missing:
 
 _MISSING: Any = _Missing()
 
+# The canonical JSON of a state value (the same rules as a frame payload's).
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
+)
+
 
 # --------------------------------------------------------------------------- frozen values
 
@@ -157,7 +162,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class _Node:
-    """One trie node. ``items`` holds, in bit order, leaves ``(key, value)`` and child nodes.
+    """One trie node. ``items`` holds, in bit order, leaves and child nodes. A leaf is a tuple
+    ``(key, value, encoded)``: its canonical JSON is made once, when it is set, so saving a
+    version only joins strings.
 
     A collision bucket (below the last shift) has bitmap 0 and only leaves, sorted by key.
     """
@@ -175,6 +182,14 @@ class _Node:
 _EMPTY = _Node(0, ())
 
 
+def _leaf(key: str, value: Any) -> tuple[str, Any, str]:
+    return (key, value, _ENCODER.encode([key, value]))
+
+
+def _first(leaf: tuple[str, Any, str]) -> str:
+    return leaf[0]
+
+
 def _hash(key: str) -> int:
     return crc32(key.encode("utf-8", "surrogatepass"))
 
@@ -183,9 +198,9 @@ def _get(node: _Node, key: str, h: int) -> Any:
     shift = 0
     while True:
         if shift > _LAST_SHIFT:
-            for k, v in node.items:
-                if k == key:
-                    return v
+            for leaf in node.items:
+                if leaf[0] == key:
+                    return leaf[1]
             return _MISSING
         bit = 1 << ((h >> shift) & _MASK)
         bitmap = node.bitmap
@@ -199,7 +214,8 @@ def _get(node: _Node, key: str, h: int) -> Any:
         return item[1] if item[0] == key else _MISSING
 
 
-def _pair(a: tuple[str, Any], ha: int, b: tuple[str, Any], hb: int, shift: int) -> _Node:
+def _pair(a: tuple[str, Any, str], ha: int, b: tuple[str, Any, str], hb: int, shift: int
+          ) -> _Node:
     """The smallest subtree at ``shift`` holding two leaves whose hashes agree above it."""
     if shift > _LAST_SHIFT:
         return _Node(0, (a, b) if a[0] < b[0] else (b, a))
@@ -214,17 +230,17 @@ def _set(node: _Node, key: str, h: int, value: Any, shift: int) -> tuple[_Node, 
     """(new node, whether the key is new). Returns ``node`` itself when nothing changes."""
     items = node.items
     if shift > _LAST_SHIFT:
-        for i, (k, v) in enumerate(items):
-            if k == key:
-                if _same(v, value):
+        for i, leaf in enumerate(items):
+            if leaf[0] == key:
+                if _same(leaf[1], value):
                     return node, False
-                return _Node(0, (*items[:i], (key, value), *items[i + 1 :])), False
-        return _Node(0, tuple(sorted((*items, (key, value))))), True
+                return _Node(0, (*items[:i], _leaf(key, value), *items[i + 1 :])), False
+        return _Node(0, tuple(sorted((*items, _leaf(key, value)), key=_first))), True
     bit = 1 << ((h >> shift) & _MASK)
     bitmap = node.bitmap
     idx = (bitmap & (bit - 1)).bit_count()
     if not bitmap & bit:
-        return _Node(bitmap | bit, (*items[:idx], (key, value), *items[idx:])), True
+        return _Node(bitmap | bit, (*items[:idx], _leaf(key, value), *items[idx:])), True
     item = items[idx]
     if type(item) is _Node:
         child, added = _set(item, key, h, value, shift + _BITS)
@@ -233,9 +249,9 @@ def _set(node: _Node, key: str, h: int, value: Any, shift: int) -> tuple[_Node, 
     elif item[0] == key:
         if _same(item[1], value):
             return node, False
-        child, added = (key, value), False  # type: ignore[assignment]
+        child, added = _leaf(key, value), False  # type: ignore[assignment]
     else:
-        child, added = _pair(item, _hash(item[0]), (key, value), h, shift + _BITS), True
+        child, added = _pair(item, _hash(item[0]), _leaf(key, value), h, shift + _BITS), True
     return _Node(bitmap, (*items[:idx], child, *items[idx + 1 :])), added
 
 
@@ -243,8 +259,8 @@ def _delete(node: _Node, key: str, h: int, shift: int) -> _Node:
     """The node without ``key``; ``node`` itself when the key is absent."""
     items = node.items
     if shift > _LAST_SHIFT:
-        for i, (k, _) in enumerate(items):
-            if k == key:
+        for i, leaf in enumerate(items):
+            if leaf[0] == key:
                 return _Node(0, (*items[:i], *items[i + 1 :]))
         return node
     bit = 1 << ((h >> shift) & _MASK)
@@ -274,14 +290,11 @@ def _leaves(node: _Node) -> Iterator[tuple[str, Any]]:
             if type(item) is _Node:
                 stack.append(item)
             else:
-                yield item
+                yield item[0], item[1]
 
 
 # --------------------------------------------------------------------------- store encoding
 
-_ENCODER = json.JSONEncoder(
-    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
-)
 
 
 def _save(root: _Node, store: Any) -> ObjectId:
@@ -299,11 +312,12 @@ def _save(root: _Node, store: Any) -> ObjectId:
                 (c, False) for c in node.items if type(c) is _Node and c.home is not store
             )
             continue
-        slots = [
-            {"n": item.oid.hex()} if type(item) is _Node else [item[0], item[1]]
+        # The canonical encoding of {"b": bitmap, "e": [leaf | {"n": child id}, ...]}.
+        slots = ",".join(
+            f'{{"n":"{item.oid.hex()}"}}' if type(item) is _Node else item[2]
             for item in node.items
-        ]
-        data = _ENCODER.encode({"b": node.bitmap, "e": slots}).encode("utf-8")
+        )
+        data = f'{{"b":{node.bitmap},"e":[{slots}]}}'.encode()
         node.oid = store.put("json", data)
         node.home = store
     return root.oid  # type: ignore[return-value]
@@ -327,11 +341,16 @@ def _load(store: Any, oid: ObjectId, depth: int = 0) -> tuple[_Node, int]:
     count = 0
     for slot in slots:
         if isinstance(slot, dict):
-            child, n = _load(store, ObjectId.from_hex(slot["n"]), depth + 1)
+            ref = slot.get("n")
+            if not isinstance(ref, str) or len(ref) != 64:
+                raise ValueError(f"state node {oid.hex()} holds a malformed child {slot!r:.80}")
+            child, n = _load(store, ObjectId.from_hex(ref), depth + 1)
             items.append(child)
             count += n
         else:
-            items.append((slot[0], freeze(slot[1])))
+            if not isinstance(slot, list) or len(slot) != 2 or type(slot[0]) is not str:
+                raise ValueError(f"state node {oid.hex()} holds a malformed entry {slot!r:.80}")
+            items.append(_leaf(slot[0], freeze(slot[1])))
             count += 1
     node = _Node(bitmap, tuple(items))
     node.oid, node.home = oid, store
@@ -482,7 +501,7 @@ def _diff(
     if a is b or (a.oid is not None and a.oid == b.oid):
         return
     if shift > _LAST_SHIFT:
-        pairs = [(dict(a.items), dict(b.items))]
+        pairs = [({x[0]: x[1] for x in a.items}, {x[0]: x[1] for x in b.items})]
     else:
         sa, sb = _slot_map(a), _slot_map(b)
         pairs = []
