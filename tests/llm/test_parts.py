@@ -1,0 +1,74 @@
+"""The proxy's parts on their own: SSE parsing, prices, redaction, summaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jukebox.errors import UsageError
+from jukebox.llm.pricing import PriceTable
+from jukebox.llm.providers import summarize
+from jukebox.llm.redact import Scrubber, redact_headers
+from jukebox.llm.sse import SSEParser, encode_event, event_from_record
+
+
+def test_sse_parser_handles_split_lines_crlf_comments_and_an_unterminated_tail() -> None:
+    p = SSEParser()
+    assert p.feed(b": keep-alive\r\nevent: a\r\nda", 1.0) == []
+    first, second = p.feed(b'ta: {"x": 1}\r\n\r\ndata: line1\ndata: line2\n\ndata: [DO', 2.0)
+    assert (first.event, first.json(), first.chunk) == ("a", {"x": 1}, 1)
+    assert second.data == "line1\nline2" and p.events == [first, second]
+    (tail,) = p.close(3.0)
+    assert tail.data == "[DO" and tail.chunk == 1
+    again = event_from_record(first.to_record())
+    assert encode_event(again) == b'event: a\ndata: {"x":1}\n\n'
+
+
+def test_prices_match_by_longest_prefix_and_user_files_override(tmp_path: Path) -> None:
+    shipped = PriceTable.shipped()
+    assert shipped.lookup("gpt-4o-mini-2024-07-18") == shipped.prices["gpt-4o-mini"]
+    assert shipped.lookup("gpt-4o-2024-08-06") == shipped.prices["gpt-4o"]
+    assert shipped.cost("nobody-knows", {"input": 5}) is None
+    (tmp_path / "prices.toml").write_text('[models."gpt-4o"]\ninput = 1.0\noutput = 2.0\n')
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[models."my-model"]\ninput = 10\noutput = 20\ncached_input = 1\n')
+    table = PriceTable.load(tmp_path, {"JUKEBOX_PRICES": str(mine)})
+    assert table.cost("gpt-4o", {"input": 1_000_000, "output": 0}) == 1.0
+    # 500k uncached at $10, 500k cached at $1, 1M out at $20.
+    usage = {"input": 1_000_000, "cached": 500_000, "output": 1_000_000}
+    assert table.cost("my-model-v2", usage) == 5.0 + 0.5 + 20.0
+    mine.write_text('[models."bad"]\ninput = "x"\n')
+    with pytest.raises(UsageError, match="numeric"):
+        PriceTable.load(None, {"JUKEBOX_PRICES": str(mine)})
+
+
+def test_redaction_of_headers_and_scrubbing_of_learned_values() -> None:
+    headers = [
+        ("Authorization", "Bearer sk-abcdefgh123"),
+        ("X-Api-Key", "ant-12345678"),
+        ("x-ratelimit-remaining-tokens", "99"),
+        ("Content-Type", "application/json"),
+    ]
+    assert redact_headers(headers) == {
+        "authorization": "[REDACTED]",
+        "x-api-key": "[REDACTED]",
+        "x-ratelimit-remaining-tokens": "99",
+        "content-type": "application/json",
+    }
+    s = Scrubber(["short", "env-value-123456"])
+    s.learn_headers(headers)
+    text = b"sk-abcdefgh123 ant-12345678 env-value-123456 short"
+    assert s.bytes(text) == b"[REDACTED] [REDACTED] [REDACTED] short"
+
+
+def test_anthropic_usage_counts_cache_reads_and_writes_as_input() -> None:
+    usage = {"input_tokens": 10, "output_tokens": 5,
+             "cache_read_input_tokens": 100, "cache_creation_input_tokens": 20}  # fmt: skip
+    response = {"model": "claude-haiku-4-5", "content": [], "usage": usage}
+    s = summarize("anthropic", "messages", {}, response)
+    assert s.usage() == {"input": 130, "output": 5, "cached": 100, "cache_write": 20}
+    events = [{"type": "message_start", "message": {"model": "m", "usage": response["usage"]}},
+              {"type": "message_delta", "usage": {"output_tokens": 9}}]  # fmt: skip
+    assert summarize("anthropic", "messages", {}, events=events).usage()["input"] == 130
+    assert summarize("anthropic", "messages", {}, events=events).output == 9
