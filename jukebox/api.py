@@ -41,8 +41,10 @@ from jukebox.transaction import (
     FILESYSTEM_MODES,
     MCP_MODES,
     Run,
+    TapeLog,
     Transaction,
     _json_safe,
+    claim_tape_path,
     current_run,
     new_tape_id,
     recover_commits,
@@ -207,6 +209,114 @@ def _error_payload(error: BaseException) -> dict[str, Any]:
     return {"type": type(error).__name__, "message": str(error)[:2000]}
 
 
+# --------------------------------------------------------------------------- model calls
+
+_SDK_MODULES = ("openai", "anthropic")
+CAPTURE_MODES = ("auto", "always", "never")
+
+
+class _LlmCapture:
+    """The recording proxy for the tracked runs of this process.
+
+    While a tracked call runs, OPENAI_BASE_URL and ANTHROPIC_BASE_URL point at an in-process
+    `jukebox.llm` proxy (the booth's code path), so SDK clients made inside the call send their
+    requests through it; each exchange becomes an llm_turn frame on the innermost open
+    transaction's tape, or on a tape of the run's own. The variables are process-wide: calls
+    overlapping in time share the proxy, and the innermost one started receives the frames.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: list[Run] = []
+        self._proxy: Any = None
+        self._saved: dict[str, str | None] = {}
+
+    def enter(self, run: Run, tape_dir: Path) -> None:
+        with self._lock:
+            self._runs.append(run)
+            if self._proxy is not None:
+                return
+            from jukebox.llm.pricing import PriceTable
+            from jukebox.llm.server import ProxyServer, upstreams_from_env
+
+            proxy = ProxyServer(
+                upstreams=upstreams_from_env(os.environ),
+                record=self._record,
+                breaker=_RunBreaker(self),
+                on_trip=self._on_trip,
+                secrets=_secret_env_values(),
+                prices=PriceTable.load(tape_dir, os.environ),
+            ).start()
+            self._proxy = proxy
+            for name, url in proxy.base_urls().items():
+                self._saved[name] = os.environ.get(name)
+                os.environ[name] = url
+
+    def leave(self, run: Run) -> None:
+        with self._lock:
+            if run in self._runs:
+                self._runs.remove(run)
+            if self._runs or self._proxy is None:
+                return
+            proxy, self._proxy = self._proxy, None
+            for name, old in self._saved.items():
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
+            self._saved.clear()
+        proxy.stop()
+
+    def run(self) -> Run | None:
+        with self._lock:
+            return self._runs[-1] if self._runs else None
+
+    def _record(self, kind: str, payload: dict[str, Any]) -> Any:
+        run = self.run()
+        log = run.current() if run is not None else None
+        if log is None:
+            return None
+        return log.append(kind, payload)
+
+    def _on_trip(self, trip: Any) -> None:
+        run = self.run()
+        log = run.current() if run is not None else None
+        if log is not None:
+            log.append("breaker", {**trip.to_payload(), "source": "llm"}, durable=True)
+
+
+class _RunBreaker:
+    """The proxy's breaker: whichever tracked run is current owns the budget."""
+
+    def __init__(self, capture: _LlmCapture) -> None:
+        self._capture = capture
+
+    def _breaker(self) -> CircuitBreaker | None:
+        run = self._capture.run()
+        return run.breaker if run is not None else None
+
+    def admit(self) -> Any:
+        b = self._breaker()
+        return b.admit() if b is not None else None
+
+    def observe(self, **kwargs: Any) -> Any:
+        b = self._breaker()
+        return b.observe(**kwargs) if b is not None else None
+
+
+_capture = _LlmCapture()
+
+
+def _wants_capture(mode: str) -> bool:
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    import sys
+
+    return any(m in sys.modules for m in _SDK_MODULES)
+
+
 # --------------------------------------------------------------------------- Jukebox
 
 
@@ -219,7 +329,15 @@ class Jukebox:
         tape_dir: str | os.PathLike[str] | None = "./tapes",
         sandbox: SandboxPolicy | None = None,
         breaker: CircuitBreaker | None = None,
+        *,
+        capture_llm: str = "auto",
     ) -> None:
+        if capture_llm not in CAPTURE_MODES:
+            raise ValueError(
+                f"unknown capture_llm {capture_llm!r}: use 'auto' (record OpenAI and Anthropic "
+                "SDK calls when an SDK is imported), 'always' or 'never'"
+            )
+        self.capture_llm = capture_llm
         if sandbox is None:
             sandbox = SandboxPolicy()
         elif not isinstance(sandbox, SandboxPolicy):
@@ -370,12 +488,40 @@ class Jukebox:
             function=function,
             args=describe_call(f, args, kwargs),
             breaker=CircuitBreaker(**self.breaker.limits) if self.breaker is not None else None,
+            fallback=self._run_tape,
         )
-        return run, current_run.set(run)
+        token = current_run.set(run)
+        if _wants_capture(self.capture_llm):
+            try:
+                _capture.enter(run, self.tapes.path)
+            except BaseException:
+                current_run.reset(token)
+                raise
+        return run, token
 
     def _end(self, run: Run, token: Any, payload: dict[str, Any]) -> None:
         current_run.reset(token)
-        run.finish({**payload, "run": run.id})
+        try:
+            _capture.leave(run)
+        finally:
+            run.finish({**payload, "run": run.id})
+
+    def _run_tape(self, run: Run) -> TapeLog:
+        """A tape for a run's model calls made outside any transaction."""
+        tape_id = new_tape_id()
+        path, _ = claim_tape_path(self.tapes, tape_id)
+        log = TapeLog(path, self.store, tape_id)
+        log.append(
+            "run_start",
+            {
+                "tape_id": tape_id,
+                "name": run.name,
+                "cwd": os.getcwd(),
+                "pid": os.getpid(),
+                "run": {"id": run.id, "function": run.function, "args": run.args},
+            },
+        )
+        return log
 
 
 def _result(value: Any) -> Any:

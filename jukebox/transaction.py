@@ -152,11 +152,34 @@ class Run:
     args: dict[str, Any] | None = None
     breaker: CircuitBreaker | None = None
     logs: list[TapeLog] = field(default_factory=list)
+    # Tapes of transactions open right now, innermost last: where model calls are recorded.
+    active: list[TapeLog] = field(default_factory=list)
+    # Makes a tape for model calls made while no transaction is open (set by jukebox.api).
+    fallback: Any = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def adopt(self, log: TapeLog) -> None:
         with self.lock:
             self.logs.append(log)
+            self.active.append(log)
+
+    def settled(self, log: TapeLog) -> None:
+        with self.lock:
+            if log in self.active:
+                self.active.remove(log)
+
+    def current(self) -> TapeLog | None:
+        """The tape a model call made now belongs on (creating the run's own if needed)."""
+        with self.lock:
+            if self.active:
+                return self.active[-1]
+            if self.fallback is None:
+                return None
+            log = self.fallback(self)
+            self.logs.append(log)
+            self.fallback = None
+            self.active.append(log)  # stays current for later calls outside transactions
+            return log
 
     def finish(self, payload: Mapping[str, Any]) -> None:
         """Append the exit frame to every tape the run opened, then close them."""
@@ -941,6 +964,8 @@ class Transaction:
         return self._layer  # type: ignore[return-value]
 
     def _cleanup(self) -> None:
+        if self._run is not None and self._log is not None and self.status != OPEN:
+            self._run.settled(self._log)
         if self._layer is not None:
             self._layer.close()
             self._layer = None

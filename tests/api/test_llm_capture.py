@@ -1,0 +1,116 @@
+"""Model calls made with the real OpenAI and Anthropic SDKs inside @jb.track reach the tape."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jukebox.api import Jukebox
+from jukebox.breaker import CircuitBreaker
+from jukebox.tape import Tape
+from tests.llm.upstream import FakeUpstream
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+OPENAI_KEY = "sk-test-" + "Q" * 24
+ANTHROPIC_KEY = "sk-ant-test-" + "Z" * 24
+
+
+@pytest.fixture
+def upstream(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeUpstream]:
+    """The fake provider, named by the same variables a user sets for a real one."""
+    up = FakeUpstream().start()
+    monkeypatch.setenv("OPENAI_BASE_URL", up.openai_url)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", up.url)
+    monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", ANTHROPIC_KEY)
+    yield up
+    up.stop()
+
+
+def test_sdk_calls_land_on_the_open_transactions_tape(
+    jb: Jukebox, upstream: FakeUpstream, work: Path
+) -> None:
+    @jb.track(name="sdk-agent")
+    def agent(question: str) -> str:
+        # Clients made inside the call, configured only by the environment, as users write them.
+        o = openai.OpenAI(max_retries=0)
+        a = anthropic.Anthropic(max_retries=0)
+        with jb.transaction(tape_id="sdk") as tx:
+            first = o.chat.completions.create(
+                model="gpt-4o-mini", messages=[{"role": "user", "content": question}]
+            )
+            second = a.messages.create(
+                model="claude-3-5-haiku-latest", max_tokens=50,
+                messages=[{"role": "user", "content": "and again"}],
+            )
+            tx.stage_file_write("answer.txt", first.choices[0].message.content or "")
+            tx.commit()
+        # Outside any transaction: the run gets a tape of its own for this call.
+        o.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "after"}]
+        )
+        return second.content[0].text
+
+    assert agent("hello there") == "echo: and again"
+    assert os.environ["OPENAI_BASE_URL"] == upstream.openai_url  # put back after the run
+    assert len(upstream.seen) == 3
+    tape = Tape.load(jb.tapes.tape_path("sdk"))
+    kinds = [f.kind for f in tape.frames]
+    assert kinds == ["run_start", "llm_turn", "llm_turn", "fs", "commit", "exit"]
+    turns = [f.payload for f in tape.frames if f.kind == "llm_turn"]
+    assert [(t["provider"], t["endpoint"]) for t in turns] == [
+        ("openai", "chat.completions"), ("anthropic", "messages")
+    ]
+    assert (work / "answer.txt").read_text() == "echo: hello there"
+    raw = jb.tapes.tape_path("sdk").read_bytes()
+    assert OPENAI_KEY.encode() not in raw and ANTHROPIC_KEY.encode() not in raw
+    others = [p for p in jb.tapes.tape_paths() if p.name != "sdk.jbx"]
+    assert len(others) == 1
+    own = Tape.load(others[0])
+    assert [f.kind for f in own.frames] == ["run_start", "llm_turn", "exit"]
+    assert own.frames[0].payload["run"]["id"] == tape.frames[0].payload["run"]["id"]
+    assert own.verify().ok and tape.verify().ok
+
+
+def test_the_breaker_stops_sdk_calls_and_the_transaction_rolls_back(
+    work: Path, upstream: FakeUpstream
+) -> None:
+    jb = Jukebox(tape_dir="tapes", breaker=CircuitBreaker(max_turns=1))
+
+    @jb.track(name="looping")
+    def agent() -> None:
+        o = openai.OpenAI(max_retries=0)
+        with jb.transaction(tape_id="loop") as tx:
+            tx.stage_file_write("out.txt", "x")
+            for _ in range(3):
+                o.chat.completions.create(
+                    model="gpt-4o-mini", messages=[{"role": "user", "content": "again"}]
+                )
+            tx.commit()
+
+    with pytest.raises(openai.BadRequestError, match="circuit breaker"):
+        agent()
+    tape = Tape.load(jb.tapes.tape_path("loop"))
+    kinds = [f.kind for f in tape.frames]
+    assert "breaker" in kinds and kinds[-2:] == ["rollback", "exit"]
+    assert tape.summary()["status"] == "ROLLED_BACK"
+    assert not (work / "out.txt").exists()
+    jb.close()
+
+
+def test_capture_can_be_turned_off(jb: Jukebox, upstream: FakeUpstream) -> None:
+    quiet = Jukebox(tape_dir=jb.tapes.path, capture_llm="never")
+
+    @quiet.track
+    def agent() -> None:
+        assert os.environ["OPENAI_BASE_URL"] == upstream.openai_url
+
+    agent()
+    with pytest.raises(ValueError, match="capture_llm"):
+        Jukebox(tape_dir=jb.tapes.path, capture_llm="sometimes")
+    quiet.close()
