@@ -645,10 +645,12 @@ class BSide:
                 "there is nothing to re-execute: fork tapes whose run_start names a function"
             )
         raise NotImplementedError(
-            "replay_and_diff needs the in-process LLM recording proxy (jukebox.llm: a replay "
-            "source for the frames before the fork, a RequestRewriter for the overrides, and "
-            "track() routing SDK calls through it), which this build of jukebox.api does not "
-            "wire up yet; Report.between(tape_a, tape_b) compares two recorded tapes today"
+            "replay_and_diff is not built yet: re-executing a tracked function still needs the "
+            "re-run's frames before at_frame matched against the original instead of written, "
+            "and a scratch copy of the tape's base tree as the B side's root so its commits "
+            "never reach the real tree (the model side is ready: jukebox.llm's "
+            "ReplaySource.from_tape(until=...) and RequestRewriter); compare two recorded "
+            "tapes with Report.between(tape_a, tape_b) today"
         )
 
 

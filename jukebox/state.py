@@ -297,8 +297,9 @@ def _leaves(node: _Node) -> Iterator[tuple[str, Any]]:
 
 
 
-def _save(root: _Node, store: Any) -> ObjectId:
-    """Store every node of ``root`` not yet in ``store`` (children first); the root's id."""
+def _save(root: _Node, store: Any, written: list[ObjectId] | None = None) -> ObjectId:
+    """Store every node of ``root`` not yet in ``store`` (children first); the root's id.
+    The ids of the nodes stored now are appended to ``written``."""
     if root.home is store:
         return root.oid  # type: ignore[return-value]
     stack: list[tuple[_Node, bool]] = [(root, False)]
@@ -320,6 +321,8 @@ def _save(root: _Node, store: Any) -> ObjectId:
         data = f'{{"b":{node.bitmap},"e":[{slots}]}}'.encode()
         node.oid = store.put("json", data)
         node.home = store
+        if written is not None:
+            written.append(node.oid)
     return root.oid  # type: ignore[return-value]
 
 
@@ -451,9 +454,12 @@ class StateVersion(Mapping[str, Any]):
 
     # -- the store ---------------------------------------------------------------------------
 
-    def save(self, store: Any) -> ObjectId:
-        """Store this version (only nodes not yet in ``store``) and return its id."""
-        return _save(self._root, store)
+    def save(self, store: Any, written: list[ObjectId] | None = None) -> ObjectId:
+        """Store this version (only nodes not yet in ``store``) and return its id; the ids of
+        the nodes stored by this call are appended to ``written``. A frame lists those in its
+        refs, so `jukebox gc` (which expands trees, not state nodes) keeps every node a tape's
+        versions need."""
+        return _save(self._root, store, written)
 
     @property
     def saved_id(self) -> ObjectId | None:

@@ -773,13 +773,14 @@ class Transaction:
         with self._lock:
             self._check_open()
             version = self.state.version
-            state_id = version.save(self._store)
+            refs: list[ObjectId] = []
+            state_id = version.save(self._store, refs)
             tree = journal = None
             if self._layer is not None:
                 tree, journal = self._layer.snapshot()
             n = len(self.checkpoints)
             payload: dict[str, Any] = {"id": n, "label": label, "state": state_id.hex()}
-            refs = [state_id]
+            refs.append(state_id)
             if journal is not None:
                 payload["journal"] = journal.hex()
                 refs.append(journal)
@@ -853,7 +854,7 @@ class Transaction:
         try:
             if discarded is not self._start or self.checkpoints:
                 # The memory that is thrown away is still worth having on the tape.
-                discarded_id = discarded.save(self._store)
+                discarded_id = discarded.save(self._store, refs)
                 payload["discarded_state"] = discarded_id.hex()
                 refs.append(discarded_id)
             if self._layer is not None:
@@ -883,12 +884,14 @@ class Transaction:
         """
         with self._lock:
             self._check_open()
-            state_id = self.state.version.save(self._store)
+            refs: list[ObjectId] = []
+            state_id = self.state.version.save(self._store, refs)
+            refs.append(state_id)
             if self._layer is None:
                 frame = self._append(
                     "commit", {"changes": self._staged, "state": state_id.hex(),
                                "passthrough": True},
-                    refs=[state_id],
+                    refs=refs,
                     durable=True,
                 )
                 self.status = COMMITTED
@@ -896,7 +899,6 @@ class Transaction:
                 return Outcome(COMMITTED, frame.seq)
             final, journal = self._layer.snapshot()
             payload: dict[str, Any] = {"state": state_id.hex(), "root": self.root}
-            refs = [state_id]
             if journal is not None:
                 payload["journal"] = journal.hex()
                 refs.append(journal)

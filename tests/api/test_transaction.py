@@ -289,3 +289,30 @@ def test_checkpoint_without_changes_and_bad_targets(jb: Jukebox) -> None:
             tx.rollback_to("x")
         tx.commit()
     assert tx.status == "COMMITTED"
+
+
+def test_gc_keeps_every_node_of_a_checkpointed_memory(work: Path) -> None:
+    jb = Jukebox(tape_dir="tapes")
+    with jb.transaction(tape_id="mem") as tx:
+        tx.state.update({f"fact{i}": {"n": i} for i in range(300)})
+        cp = tx.checkpoint("many facts")
+        tx.state["fact7"] = "changed"
+        tx.checkpoint("one change")
+        tx.rollback("keep nothing on disk")
+    jb.close()
+    gc = subprocess.run(
+        [str(Path(sys.executable).parent / "jukebox"), "gc", "--tape-dir", "tapes",
+         "--grace", "0"], cwd=work, capture_output=True, text=True, timeout=60,
+    )
+    assert gc.returncode == 0, gc.stderr
+    from jukebox.state import StateVersion
+    from shadowfs.store import Store
+
+    with Store.open(work / "tapes" / ".jukebox" / "store", create=False) as store:
+        tape = Tape.load(work / "tapes" / "mem.jbx", store)
+        assert tape.verify().ok
+        for frame in tape.frames:
+            if frame.kind == "checkpoint":
+                version = StateVersion.load(store, frame.payload["state"])
+                assert len(version) == 300
+        assert StateVersion.load(store, cp.state_id) == cp.state
