@@ -182,13 +182,22 @@ def _lstat(dirs: _Dirs, path: bytes) -> os.stat_result | None:
 
 
 def _open_target(target: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> int:
+    """The target's fd, exclusively flocked until closed. The journal dir's lock serialises one
+    booth's commits only; two booths committing onto one tree journal apart, and without this
+    both could pass the conflict check before either wrote: a lost update."""
     try:
-        return os.open(os.fsencode(target), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(os.fsencode(target), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise ShadowfsError(
             f"cannot open commit target {os.fsdecode(target)!r} ({exc.strerror}); "
             "pass the existing real directory the layer sits on"
         ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # --- fault injection --------------------------------------------------------------------------
