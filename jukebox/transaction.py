@@ -236,39 +236,6 @@ class Outcome:
 # --------------------------------------------------------------------------- base trees
 
 
-class _BaseScan(trees._Builder):
-    """tree.build_tree, minus the tape dir's own state and tapes (see the module docstring).
-
-    Reuses shadowfs's builder so the base tree is exactly what a commit checks against.
-    """
-
-    __slots__ = ("state_rel", "tape_rel")
-
-    def __init__(self, store: Any, cutoff: int, tape_rel: bytes | None) -> None:
-        super().__init__(store, cutoff, None)
-        self.tape_rel = tape_rel
-        self.state_rel = (
-            None
-            if tape_rel is None
-            else (tape_rel + b"/" + _STATE_DIR.encode() if tape_rel else _STATE_DIR.encode())
-        )
-
-    def entry(
-        self,
-        dfd: int,
-        name: bytes,
-        de: os.DirEntry[str],
-        rel: bytes,
-        prev: dict[bytes, trees.Entry] | None,
-        depth: int,
-    ) -> trees.Entry | None:
-        if self.tape_rel is not None and rel == self.tape_rel:
-            path = rel + b"/" + name if rel else name
-            if path == self.state_rel or name.endswith(TAPE_SUFFIX.encode()):
-                return None
-        return super().entry(dfd, name, de, rel, prev, depth)
-
-
 def _relative(path: str, root: str) -> str | None:
     """``path`` relative to ``root`` ("" for the root itself), or None when outside it."""
     if path == root:
@@ -286,16 +253,24 @@ def build_base(
     and when its build started), unchanged files are not read again (git's racy-clean rule)."""
     rel = _relative(tape_dir, root)
     tape_rel = os.fsencode(rel) if rel is not None else None
+    state_rel = None if tape_rel is None else os.path.join(tape_rel, _STATE_DIR.encode())
+    tape_suffix = TAPE_SUFFIX.encode()
+
+    def is_tape_record(path: bytes) -> bool:
+        """The tape dir's own state and tapes are records of the run, not part of the tree."""
+        if tape_rel is None or os.path.dirname(path) != tape_rel:
+            return False
+        return path == state_rel or path.endswith(tape_suffix)
+
     started = time.time_ns()
     previous = cache.get(root) if cache is not None else None
-    ref = previous[1] if previous is not None else started
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        oid = _BaseScan(store, ref - trees.RACY_NS, tape_rel).build(
-            fd, b"", previous[0] if previous is not None else None, 0
-        )
-    finally:
-        os.close(fd)
+    oid = trees.build_tree(
+        store,
+        root,
+        previous=previous[0] if previous is not None else None,
+        previous_started_ns=previous[1] if previous is not None else started,
+        exclude=is_tape_record,
+    )
     if cache is not None:
         cache[root] = (oid, started)
     return oid

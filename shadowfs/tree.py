@@ -402,6 +402,7 @@ def build_tree(
     previous: ObjectId | None = None,
     previous_started_ns: int | None = None,
     on_skip: SkipCallback | None = None,
+    exclude: Callable[[bytes], bool] | None = None,
 ) -> ObjectId:
     """Store the directory at ``path`` and everything beneath it; return the root tree id.
 
@@ -416,6 +417,9 @@ def build_tree(
     (``time.time_ns()`` taken just before the earlier build) when given, which makes the rule
     exact; otherwise it is this build's start, which covers back-to-back builds but not a
     same-size rewrite within one tick of an earlier build long ago.
+
+    ``exclude(relative_path)`` returning True leaves that entry (and all beneath it) out, silently:
+    for state that lives inside a tree but is not part of it (a tape dir inside a project).
     """
     root = os.fsencode(path)
     ref = previous_started_ns if previous_started_ns is not None else time.time_ns()
@@ -427,18 +431,25 @@ def build_tree(
             "pass an existing, readable directory"
         ) from None
     try:
-        return _Builder(store, ref - RACY_NS, on_skip).build(fd, b"", previous, 0)
+        return _Builder(store, ref - RACY_NS, on_skip, exclude).build(fd, b"", previous, 0)
     finally:
         os.close(fd)
 
 
 class _Builder:
-    __slots__ = ("cutoff", "on_skip", "store")
+    __slots__ = ("cutoff", "exclude", "on_skip", "store")
 
-    def __init__(self, store: TreeStore, cutoff: int, on_skip: SkipCallback | None) -> None:
+    def __init__(
+        self,
+        store: TreeStore,
+        cutoff: int,
+        on_skip: SkipCallback | None,
+        exclude: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self.store = store
         self.cutoff = cutoff
         self.on_skip = on_skip
+        self.exclude = exclude
 
     def skip(self, rel: bytes, reason: str) -> None:
         if self.on_skip is not None:
@@ -454,6 +465,8 @@ class _Builder:
         with os.scandir(dfd) as it:
             for de in it:
                 name = de.name.encode(_FS_ENCODING, _FS_ERRORS)
+                if self.exclude is not None and self.exclude(_join(rel, name)):
+                    continue
                 try:
                     e = self.entry(dfd, name, de, rel, prev, depth)
                 except FileNotFoundError:

@@ -585,3 +585,16 @@ def test_reachable_lists_every_tree_and_file_object(tmp_path: Path, store: Count
     expected = {root} | {e.oid for _, e in walk(store, root) if e.oid is not None}
     assert reachable(store, root) == expected
     assert {store.kind(o) for o in expected} == {"tree", "blob"}
+
+
+def test_build_tree_exclude_leaves_paths_out(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "tapes" / ".jukebox").mkdir(parents=True)
+    (src / "tapes" / "run.jbx").write_bytes(b"tape")
+    (src / "tapes" / "kept.json").write_text("{}")
+    (src / "code.py").write_text("x = 1\n")
+    with Store.open(tmp_path / "store") as store:
+        root = build_tree(
+            store, src, exclude=lambda p: p == b"tapes/.jukebox" or p.endswith(b".jbx")
+        )
+        assert sorted(p for p, _ in walk(store, root)) == [b"code.py", b"tapes", b"tapes/kept.json"]

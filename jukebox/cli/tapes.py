@@ -77,8 +77,10 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
                 "status": "UNREADABLE",
                 "error": str(error),
             }
-        summary.setdefault("tape_id", path.stem)
         summary["tape_id"] = summary.get("tape_id") or path.stem
+        # Reruns under one tape id keep older tapes as `<id>.<n>.jbx`: the file stem is what
+        # names each one to `jukebox log`, so it is the track id a user can act on.
+        summary["track_id"] = path.stem
         rows.append(summary)
     rows.sort(key=lambda r: r.get("started_ns") or 0)
     if as_json:
@@ -92,7 +94,7 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
             ["TRACK ID", "AGENT NAME", "FRAMES", "COST", "STATUS"],
             (
                 [
-                    r["tape_id"],
+                    r["track_id"],
                     r.get("name") or "-",
                     r.get("frames", "-"),
                     money(r.get("cost_usd") or 0.0),
