@@ -23,6 +23,7 @@ import shutil
 import stat
 import struct
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -412,8 +413,8 @@ class Battery:
     committed: dict[str, object]
 
 
-def _prepare(work: Path, owner: int | None) -> tuple[Path, Path]:
-    tree, tapes = work / "tree", work / "tapes"
+def _prepare(work: Path, owner: int | None, tapes: Path | None = None) -> tuple[Path, Path]:
+    tree, tapes = work / "tree", tapes or work / "tapes"
     (tree / "sub").mkdir(parents=True)
     (tree / "d").mkdir()
     (tree / "a.txt").write_text("one\n")
@@ -423,7 +424,7 @@ def _prepare(work: Path, owner: int | None) -> tuple[Path, Path]:
     (tapes / "canary.txt").write_text("a file the agent must not see or change\n")
     (work / "outside.txt").write_text("beside the tree, on the host\n")
     if owner is not None:
-        for p in [work, *work.rglob("*")]:
+        for p in [work, *work.rglob("*"), tapes, *tapes.rglob("*")]:
             os.chown(p, owner, owner, follow_symlinks=False)
     return tree, tapes
 
@@ -459,8 +460,11 @@ def battery(
         work.mkdir()
     else:
         work = tmp_path_factory.mktemp("escapes")
+    # As root the tape dir sits outside /tmp, where only the booth's cover hides it (under the
+    # private /tmp it would simply not exist); as nobody it stays beside the tree.
+    far = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="jukebox-escapes-"))
     try:
-        tree, tapes = _prepare(work, user)
+        tree, tapes = _prepare(work, user, far / "tapes" if user is None else None)
         handle, handle_type = file_handle(tree / "a.txt")
         tree_before, tapes_before = tree_state(tree), tree_state(tapes)
         canaries_before = canaries.state()
@@ -516,6 +520,7 @@ def battery(
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(far, ignore_errors=True)
 
 
 # ------------------------------------------------------------------- what the agent was told
@@ -734,23 +739,23 @@ def test_stragglers_die_with_the_run(booth_ready: None, tmp_path: Path) -> None:
 
 
 def test_big_file_and_many_files_round_trip(booth_ready: None, tmp_path: Path) -> None:
-    """Limits the layer must carry: a file over the 4 MiB chunk size and 2,000 new files."""
+    """Limits the layer must carry: a file over the 4 MiB chunk size and 1,000 new files."""
     tree, tapes = _prepare(tmp_path, None)
     script = (
         "import os\n"
         "with open('big.bin', 'wb') as f:\n"
-        "    for i in range(24):\n"
+        "    for i in range(12):\n"
         "        f.write(bytes([i]) * (1 << 20))\n"
         "os.mkdir('many')\n"
-        "for i in range(2000):\n"
+        "for i in range(1000):\n"
         "    open(f'many/{i}', 'w').write(str(i))\n"
     )
     run = jb(*booth_argv(tree, tapes, "big"), AGENT_PYTHON, "-c", script, cwd=tree)
     assert run.returncode == 0, run.stderr
     big = (tree / "big.bin").read_bytes()
-    assert len(big) == 24 << 20 and big[-1] == 23 and big[(5 << 20) + 7] == 5
+    assert len(big) == 12 << 20 and big[-1] == 11 and big[(5 << 20) + 7] == 5
     names = os.listdir(tree / "many")
-    assert len(names) == 2000 and (tree / "many" / "1999").read_text() == "1999"
+    assert len(names) == 1000 and (tree / "many" / "999").read_text() == "999"
 
 
 # ------------------------------------------------------------------- hostile tree objects
