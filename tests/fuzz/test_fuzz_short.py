@@ -154,6 +154,25 @@ def test_a_deeply_nested_request_body_is_recorded_as_text() -> None:
     llm_input(bytes([0x20]) + b"[" * 100_000)
 
 
+def test_an_index_placing_a_delta_base_in_a_missing_pack_does_not_break_open(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    with Store.open(root) as store:
+        text = b"shared text of some length\n" * 50
+        base = store.put("blob", text)
+        delta = store.put("blob", text + b"more", delta_base=base)
+    conn = sqlite3.connect(root / "index.sqlite")
+    conn.execute("UPDATE objects SET pack=? WHERE oid=?", ("pack-" + "cd" * 16 + ".pack", base))
+    conn.execute("DELETE FROM objects WHERE oid=?", (delta,))
+    conn.execute("UPDATE packs SET size=8")  # so the next open re-adopts the delta record
+    conn.commit()
+    conn.close()
+    with Store.open(root) as store:
+        assert store.verify()
+        assert not store.has(delta)
+
+
 # --------------------------------------------------------------------- the long runner itself
 
 
