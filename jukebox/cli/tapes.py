@@ -249,11 +249,62 @@ def reconstruct_states(tape, progress=None) -> int:
 @cli.command("replay")
 @tape_argument()
 @tape_dir_option
+@click.option(
+    "--exec",
+    "exec_",
+    is_flag=True,
+    help="Re-run the recorded command in a fresh offline booth against the tape.",
+)
+@click.option(
+    "--strict/--loose",
+    "strict",
+    default=None,
+    help="--exec: model requests must match the recorded ones (default), or are served by order.",
+)
+@click.option(
+    "--until",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="--exec: serve the recording through frame N, go live after it.",
+)
+@click.option(
+    "--record/--no-record",
+    default=True,
+    help="--exec: keep the replay's own tape <id>-replay-<n> (default) or remove it.",
+)
+@click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="--exec layer.")
 @json_option
-def replay_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
-    """Verify a tape, then walk every frame rebuilding the file state at each, offline."""
+def replay_command(
+    tape: str,
+    tape_dir: Path | None,
+    exec_: bool,
+    strict: bool | None,
+    until: int | None,
+    record: bool,
+    fs: str | None,
+    as_json: bool,
+) -> None:
+    """Verify a tape, then walk every frame rebuilding the file state at each, offline.
+
+    With --exec, re-run the recorded command in a fresh booth over the recorded base tree, the
+    model calls answered from the tape and no network; the first difference from the tape (a
+    request, a checkpoint's files, the final files, the exit status) ends it with exit 1.
+    """
     from jukebox.tapedir import TapeRef
 
+    if exec_:
+        from jukebox.cli.timetravel import run_replay_exec
+
+        mode = "loose" if strict is False else "strict"
+        run_replay_exec(tape, tape_dir, mode, until, record, fs, as_json)
+        return
+    if strict is not None or until is not None or fs is not None or not record:
+        from jukebox.errors import UsageError
+
+        raise UsageError(
+            "--strict, --loose, --until, --no-record and --fs re-execute the run: add --exec"
+        )
     ref = TapeRef.parse(tape, tape_dir)
     loaded = load(ref)
     result = verify_report(loaded)
@@ -288,16 +339,57 @@ def replay_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
 @click.argument("second", metavar="[TAPE@M]", required=False)
 @tape_dir_option
 @click.option("-p", "--patch", is_flag=True, help="Show line diffs of changed text files.")
+@click.option(
+    "--markdown",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="TAPE_A TAPE_B: write the comparison report to FILE (.md).",
+)
 @json_option
 def diff_command(
-    first: str, second: str | None, tape_dir: Path | None, patch: bool, as_json: bool
+    first: str,
+    second: str | None,
+    tape_dir: Path | None,
+    patch: bool,
+    markdown: Path | None,
+    as_json: bool,
 ) -> None:
-    """What changed in the files between two frames (by default: frame N against the one before)."""
+    """What changed in the files between two frames (by default: frame N against the one before).
+
+    `jukebox diff TAPE_A TAPE_B` (two tapes, no @) compares two whole runs instead: the shared
+    prefix, then frames, models, messages, tool calls, files, tokens and cost of each side.
+    """
     from jukebox.errors import UsageError
     from jukebox.tapedir import TapeRef
     from shadowfs import tree
 
     ref_a = TapeRef.parse(first, tape_dir)
+    if second is not None:
+        ref_b = TapeRef.parse(second, tape_dir)
+        if ref_a.frame is None and ref_b.frame is None:
+            from jukebox.cli.timetravel import print_comparison
+
+            store = open_store(ref_a.tape_dir)
+            if ref_b.tape_dir.path.resolve() == ref_a.tape_dir.path.resolve():
+                store_b = store
+            else:
+                store_b = open_store(ref_b.tape_dir)
+            from jukebox.tape import Tape
+
+            print_comparison(
+                Tape.load(ref_a.path, store),
+                Tape.load(ref_b.path, store_b),
+                store,
+                markdown,
+                as_json,
+                (ref_a.path.stem, ref_b.path.stem),
+            )
+            return
+    if markdown is not None:
+        raise UsageError(
+            "--markdown reports on two whole tapes: write `jukebox diff TAPE_A TAPE_B`"
+        )
     tape_a = load(ref_a)
     n = check_frame(tape_a, ref_a)
     if second is None:
@@ -305,7 +397,6 @@ def diff_command(
         new_tree, tape_b = tape_a.tree_at(n), tape_a
         label = f"{ref_a.path}@{n - 1 if n else 0} → @{n}"
     else:
-        ref_b = TapeRef.parse(second, tape_dir)
         tape_b = load(ref_b)
         m = check_frame(tape_b, ref_b)
         old_tree, new_tree = tape_a.tree_at(n), tape_b.tree_at(m)

@@ -1,0 +1,133 @@
+"""Time travel on the command line: `jukebox fork`, and what `replay --exec` and
+`diff TAPE_A TAPE_B` run (their commands live with the other read-side commands in tapes.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from jukebox.cli import cli
+from jukebox.cli.tapes import emit_json, tape_argument, tape_dir_option
+
+
+def run_replay_exec(
+    tape: str,
+    tape_dir: Path | None,
+    mode: str,
+    until: int | None,
+    record: bool,
+    fs: str | None,
+    as_json: bool,
+) -> None:
+    """`jukebox replay TAPE --exec`: exits 0 when the run matched its tape, 1 at a divergence."""
+    from jukebox.tapedir import TapeRef
+    from jukebox.timetravel import replay_exec
+
+    ref = TapeRef.parse(tape, tape_dir)
+    result = replay_exec(ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs)
+    # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
+    # except the --json result, which comes last on stdout.
+    if as_json:
+        click.echo(json.dumps(result.to_json(), sort_keys=True))
+    if result.difference:
+        click.echo(f"jukebox: {result.difference}", err=True)
+    click.echo(f"jukebox: {result.summary()}", err=True)
+    sys.exit(result.code)
+
+
+@cli.command("fork")
+@tape_argument()
+@click.option("--at", "at", type=int, required=True, help="Share frames 0..N-1; fork at frame N.")
+@click.option("--model", default=None, help="Model for every request from frame N on.")
+@click.option(
+    "--system-prompt", default=None, help="System prompt for every request from frame N on."
+)
+@click.option(
+    "--exec",
+    "exec_",
+    is_flag=True,
+    help="Re-run the command: calls before frame N from the tape, live with the overrides after.",
+)
+@click.option(
+    "--strict/--loose",
+    "strict",
+    default=True,
+    help="How --exec matches the re-run's calls before frame N (default strict).",
+)
+@click.option("--tape-id", default=None, help="The new tape's id (default: <id>-fork-<n>).")
+@click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="Booth layer.")
+@tape_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def fork_command(
+    tape: str,
+    at: int,
+    model: str | None,
+    system_prompt: str | None,
+    exec_: bool,
+    strict: bool,
+    tape_id: str | None,
+    fs: str | None,
+    tape_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Make a new tape sharing TAPE's frames 0..N-1, with overrides for what follows.
+
+    With --exec the recorded command runs again in a fresh offline booth over the recorded base
+    tree (a process cannot resume mid-run): model calls recorded before frame N are served from
+    the tape, later ones go live (to $OPENAI_BASE_URL / $ANTHROPIC_BASE_URL, else the public
+    APIs) with the overrides, and the fork tape gets the frames produced from frame N on.
+    """
+    from jukebox.tapedir import TapeRef
+    from jukebox.timetravel import fork
+
+    ref = TapeRef.parse(tape, tape_dir)
+    result = fork(
+        ref.path,
+        at,
+        tape_dir=ref.tape_dir.path,
+        model=model,
+        system_prompt=system_prompt,
+        exec_=exec_,
+        mode="strict" if strict else "loose",
+        tape_id=tape_id,
+        fs=fs,
+    )
+    if as_json:
+        emit_json(result.to_json())
+        sys.exit(result.code)
+    overrides = ", ".join(f"{k}={v!r}" for k, v in result.overrides.items()) or "none"
+    out = click.echo if not exec_ else lambda text: click.echo(text, err=True)
+    out(
+        f"forked {ref.path} at frame {at} into {result.tape_id} ({result.tape_path}): "
+        f"frames 0..{at - 1} shared, overrides: {overrides}"
+    )
+    if result.executed:
+        if result.difference:
+            click.echo(f"jukebox: {result.difference}", err=True)
+        out(
+            f"re-executed: {result.llm_served} LLM call(s) served from the tape before frame "
+            f"{at}, {result.llm_live} live after it, {result.appended} frame(s) appended, "
+            f"${result.spent_usd:.4f} spent; agent exit status {result.agent_status}"
+        )
+    sys.exit(result.code)
+
+
+def print_comparison(
+    tape_a, tape_b, store, markdown: Path | None, as_json: bool, labels: tuple[str, str]
+) -> None:
+    """`jukebox diff TAPE_A TAPE_B`: the full report, as markdown text (or JSON)."""
+    from jukebox.compare import compare_tapes
+
+    comparison = compare_tapes(tape_a, tape_b, store, label_a=labels[0], label_b=labels[1])
+    if as_json:
+        emit_json(comparison.to_json())
+        return
+    text = comparison.to_markdown()
+    if markdown is not None:
+        markdown.write_text(text)
+        click.echo(f"wrote {markdown}")
+        return
+    click.echo(text, nl=False)

@@ -1,0 +1,690 @@
+"""Time travel: re-executing a recorded booth run (`replay --exec`) and forking it (`fork`).
+
+**Replay.** `replay_exec` re-runs the tape's recorded argv in a fresh booth whose tree is a
+temporary directory holding the recorded base tree (materialized from the tape dir's store; the
+recorded cwd relative to the tree is kept; argv words naming the recorded tree are pointed at
+the copy). The agent gets no network (`--net none`), the proxy serves the recorded responses
+(`ReplaySource`: strict or loose) and has no reachable upstream unless `until` is given, the
+verdict is `--commit never`, and at the end the booth is discarded and the temporary tree
+removed: nothing reaches the user's tree. The run is recorded as a new tape
+`<id>-replay-<n>` beside the original (removed again with `record=False`).
+
+The replay is checked against the tape in the manner of Temporal's non-determinism errors: the
+first difference ends it (the agent is stopped there) and is reported with the original frame,
+what was expected, what came and a compact diff. Differences looked for, in run order: a model
+request that does not match (`Divergence` from the proxy), a checkpoint whose label or files
+differ from the recorded checkpoint of the same rank (timer checkpoints are not compared: their
+timing is not the agent's), fewer or more checkpoints, different final files, a different exit
+status, and recorded calls never asked for. Files compare by content and mode
+(`diff_trees`): mtimes always differ between two runs.
+
+**Fork.** `fork` writes `<id>-fork-<n>` sharing frames 0..at-1 byte for byte
+(`TapeWriter.fork_from`); its `fork` frame records the overrides. A process cannot be resumed
+mid-run, so `exec_=True` re-executes the command from the start as a replay does, with the
+model calls recorded before frame `at` served from the tape and every later call live (the
+upstreams are the caller's `OPENAI_BASE_URL` / `ANTHROPIC_BASE_URL`) with the overrides applied
+(`RequestRewriter`). The re-executed prefix must match the tape (else the fork fails with the
+difference); its frames are not written again: the fork tape keeps the shared prefix and gets
+only the frames the re-execution produced after the point matching frame at-1.
+
+Both run a booth, which enters a private mount namespace in the calling process: call them from
+a process of their own (the CLI is one), single-threaded when they start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jukebox.errors import UsageError
+from jukebox.tapedir import TapeDir
+from shadowfs.oid import ObjectId
+
+MODES = ("strict", "loose")
+# The proxy of an offline replay needs upstream URLs; these reach nothing (port 9 is discard),
+# and a replay without `until` refuses every call that would need them anyway.
+OFFLINE_UPSTREAMS = {"openai": "http://127.0.0.1:9/v1", "anthropic": "http://127.0.0.1:9"}
+AGENT_EVENTS = frozenset({"llm_turn", "checkpoint", "rollback"})
+SHOW_PATHS = 8
+
+
+@dataclass
+class Recorded:
+    """What a booth tape says about its run: enough to run it again."""
+
+    tape_id: str
+    argv: list[str]
+    tree: str
+    cwd: str
+    base_tree: ObjectId
+    image: str | None
+    fs: str
+
+
+@dataclass
+class CheckpointMark:
+    seq: int
+    n: int  # rank among compared checkpoints, from 1
+    label: str | None
+    tree: ObjectId
+
+
+@dataclass
+class ReplayResult:
+    code: int  # 0: the run matched its tape; 1: it diverged (see `difference`)
+    tape_id: str
+    tape_path: Path | None  # the replay's own tape (None when not kept)
+    difference: str | None
+    recorded_frames: int
+    frames: int  # frames on the replay's tape
+    checkpoints_matched: int
+    checkpoints_expected: int
+    llm_served: int
+    llm_live: int
+    spent_usd: float
+    seconds: float
+    agent_status: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["tape_path"] = os.fspath(self.tape_path) if self.tape_path else None
+        out["ok"] = self.code == 0
+        return out
+
+    def summary(self) -> str:
+        kept = f" on tape {self.tape_id}" if self.tape_path else ""
+        live = f", {self.llm_live} live" if self.llm_live else ""
+        return (
+            f"replayed {self.recorded_frames} recorded frame(s) as {self.frames} new frame(s)"
+            f"{kept}: {self.checkpoints_matched}/{self.checkpoints_expected} checkpoint(s) "
+            f"matched, {self.llm_served} LLM call(s) served from the tape{live}, "
+            f"{self.seconds:.2f}s, ${self.spent_usd:.2f} spent"
+        )
+
+
+@dataclass
+class ForkResult:
+    code: int
+    tape_id: str
+    tape_path: Path
+    at: int
+    overrides: dict[str, str]
+    executed: bool = False
+    appended: int = 0  # frames the re-execution added after the shared prefix and fork frame
+    llm_served: int = 0
+    llm_live: int = 0
+    spent_usd: float = 0.0
+    agent_status: int | None = None
+    difference: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out["tape_path"] = os.fspath(self.tape_path)
+        return out
+
+
+# --------------------------------------------------------------------------- reading the tape
+
+
+def recorded_run(tape: Any) -> Recorded:
+    """The run a booth tape records, or a UsageError when it is not a booth run."""
+    start = tape.frames[0].payload if tape.frames else {}
+    argv, base = start.get("argv"), start.get("base_tree")
+    if tape.frames and tape.frames[0].kind == "run_start" and isinstance(argv, list) and base:
+        policy = start.get("policy") if isinstance(start.get("policy"), dict) else {}
+        tree = str(start.get("tree") or "")
+        return Recorded(
+            tape_id=tape.tape_id or Path(os.fspath(tape.path)).stem,
+            argv=[str(a) for a in argv],
+            tree=tree,
+            cwd=str(start.get("cwd") or tree),
+            base_tree=ObjectId.from_hex(base),
+            image=start.get("image") if isinstance(start.get("image"), str) else None,
+            fs=policy.get("fs") if policy.get("fs") in ("fuse", "overlay") else "fuse",
+        )
+    raise UsageError(
+        f"{os.fspath(tape.path)} was not recorded by `jukebox booth run` (its run_start has no "
+        "argv and base tree): there is no command to re-execute"
+    )
+
+
+def checkpoint_marks(tape: Any, through: int | None = None) -> list[CheckpointMark]:
+    """The checkpoints the agent asked for (timer ones excluded), through frame `through`."""
+    marks = []
+    for frame in tape.frames:
+        if through is not None and frame.seq > through:
+            break
+        if frame.kind != "checkpoint" or frame.tree is None:
+            continue
+        if frame.payload.get("reason") == "timer":
+            continue
+        marks.append(
+            CheckpointMark(frame.seq, len(marks) + 1, frame.payload.get("label"), frame.tree)
+        )
+    return marks
+
+
+def final_fs(tape: Any) -> tuple[int, ObjectId] | None:
+    for frame in reversed(tape.frames):
+        if frame.kind == "fs" and frame.tree is not None and frame.payload.get("reason") == "exit":
+            return frame.seq, frame.tree
+    return None
+
+
+def exit_code(tape: Any) -> int | None:
+    for frame in reversed(tape.frames):
+        if frame.kind == "exit":
+            code = frame.payload.get("code")
+            return code if isinstance(code, int) else None
+    return None
+
+
+def same_files(store: Any, a: ObjectId | None, b: ObjectId | None) -> list[str]:
+    """The paths that differ (content, kind or mode; not mtimes), as `M path` lines."""
+    if a == b:
+        return []
+    from shadowfs.tree import diff_trees
+
+    letters = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
+    return [
+        f"{letters.get(c.status, '?')} {c.path.decode('utf-8', 'backslashreplace')}"
+        for c in diff_trees(store, a, b)
+    ]
+
+
+def next_tape_id(tapes: TapeDir, base: str, what: str) -> str:
+    n = 1
+    while tapes.tape_path(f"{base}-{what}-{n}").exists():
+        n += 1
+    return f"{base}-{what}-{n}"
+
+
+# --------------------------------------------------------------------------- the watched booth
+
+
+def _stop_agent() -> None:
+    """Kills this process's children: in a booth supervisor, the agent (and a verifier)."""
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(b")") + 2 :].split()[1].decode() == me:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+
+
+class _Watch:
+    """Compares each snapshot the booth takes with the recorded checkpoint of the same rank and
+    stops the agent at the first difference; the report is built afterwards from the tapes."""
+
+    def __init__(self, marks: list[CheckpointMark]) -> None:
+        self.marks = marks
+        self.snapshots = 0
+        self.stopped: str | None = None
+
+    def layer_factory(self, inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        watch = self
+
+        class WatchedLayer:
+            def __init__(self, ctx: Any) -> None:
+                self.inner = inner(ctx)
+                self.store = ctx.store
+
+            def mount(self) -> None:
+                self.inner.mount()
+
+            def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+                tree, journal = self.inner.snapshot()
+                watch.observe(self.store, tree)
+                return tree, journal
+
+            def restore(self, tree_id: ObjectId) -> None:
+                self.inner.restore(tree_id)
+
+            def unmount(self) -> None:
+                self.inner.unmount()
+
+            def discard(self) -> None:
+                self.inner.discard()
+
+        return WatchedLayer
+
+    def observe(self, store: Any, tree: ObjectId) -> None:
+        i, self.snapshots = self.snapshots, self.snapshots + 1
+        if (
+            self.stopped is None
+            and i < len(self.marks)
+            and same_files(store, self.marks[i].tree, tree)
+        ):
+            self.stop(f"checkpoint #{i + 1}")
+
+    def on_divergence(self, divergence: Any) -> None:
+        self.stop("llm")
+
+    def stop(self, why: str) -> None:
+        if self.stopped is None:
+            self.stopped = why
+            _stop_agent()
+
+
+@contextlib.contextmanager
+def _scratch_tree(store: Any, run: Recorded) -> Iterator[tuple[str, str, list[str]]]:
+    """A temporary copy of the base tree: (tree path, cwd for the agent, argv), removed after."""
+    from shadowfs.tree import materialize
+
+    root = tempfile.mkdtemp(prefix="jukebox-replay-")
+    try:
+        tree = os.path.join(root, "tree")
+        materialize(store, run.base_tree, tree)
+        rel = os.path.relpath(run.cwd, run.tree) if run.tree else "."
+        cwd = os.path.normpath(os.path.join(tree, rel))
+        if rel.startswith("..") or not os.path.isdir(cwd):
+            cwd = tree
+        prefix = run.tree.rstrip("/") + "/"
+        argv = [
+            tree if a == run.tree else tree + "/" + a[len(prefix) :] if a.startswith(prefix) else a
+            for a in run.argv
+        ] if run.tree else list(run.argv)  # fmt: skip
+        yield tree, cwd, argv
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_watched(
+    store_path: Path,
+    run: Recorded,
+    tapes: TapeDir,
+    tape_id: str,
+    llm: Any,
+    watch: _Watch,
+    fs: str | None,
+    name: str,
+) -> tuple[int, float]:
+    """Runs the recorded command in a fresh, offline, never-committing booth; returns
+    (booth status, seconds). The booth is discarded and the scratch tree removed."""
+    from jukebox.booth import default_layer_factory, discard_booth, run_booth
+    from shadowfs.store import Store
+
+    with Store.open(store_path, create=False) as store, _scratch_tree(store, run) as scratch:
+        tree, cwd, argv = scratch
+        old_cwd = os.getcwd()
+        os.chdir(cwd)  # the booth starts the agent in the caller's cwd when it is in the tree
+        started = time.monotonic()
+        try:
+            status = run_booth(
+                argv,
+                tree,
+                tapes.path,
+                tape_id=tape_id,
+                name=name,
+                fs=fs or run.fs,
+                image=run.image,
+                commit_mode="never",
+                verify_cmd="",  # the verifier judges a run for commit; a replay never commits
+                net="none",
+                layer_factory=watch.layer_factory(default_layer_factory),
+                llm=llm,
+            )
+        finally:
+            seconds = time.monotonic() - started
+            os.chdir(old_cwd)
+            with contextlib.suppress(UsageError):
+                discard_booth(tapes, tape_id)
+    return status, seconds
+
+
+def _llm_counts(tape: Any, store: Any) -> tuple[int, int, float]:
+    """(calls served from a tape, live calls, dollars spent on the live ones)."""
+    served = live = 0
+    spent = 0.0
+    for frame in tape.frames:
+        if frame.kind != "llm_turn":
+            continue
+        p = frame.payload
+        if p.get("replayed_from") is not None:
+            served += 1
+        else:
+            live += 1
+            cost = p.get("cost_usd")
+            spent += float(cost) if isinstance(cost, int | float) else 0.0
+    return served, live, spent
+
+
+def _first_difference(
+    original: Any,
+    replay: Any,
+    store: Any,
+    marks: list[CheckpointMark],
+    *,
+    whole_run: bool,
+    remaining: int,
+) -> tuple[str | None, int]:
+    """The first way the replay differs from the original, as a report, and how many
+    checkpoints matched before it."""
+    got = checkpoint_marks(replay)
+    divergence = next(
+        (f for f in replay.frames if f.kind == "note" and f.payload.get("event") == "divergence"),
+        None,
+    )
+    matched = 0
+    for i, mark in enumerate(marks):
+        came = got[i] if i < len(got) else None
+        if divergence is not None and (came is None or divergence.seq < came.seq):
+            return str(divergence.payload.get("message")), matched
+        if came is None:
+            if not whole_run:
+                return None, matched  # past `until`, the recording no longer binds the run
+            return (
+                f"replay diverged at frame {mark.seq} (checkpoint #{mark.n}"
+                f"{_label(mark.label)}): the run ended without it\n"
+                f"  expected: checkpoint #{mark.n}{_label(mark.label)}, "
+                f"tree {mark.tree.hex()[:16]}\n"
+                f"  got:      {len(got)} checkpoint(s) in all, then the run ended"
+            ), matched
+        paths = same_files(store, mark.tree, came.tree)
+        if paths or came.label != mark.label:
+            return _checkpoint_report(mark, came, paths), matched
+        matched += 1
+    if divergence is not None:
+        return str(divergence.payload.get("message")), matched
+    if not whole_run:
+        return None, matched
+    if len(got) > len(marks):
+        extra = got[len(marks)]
+        return (
+            f"replay diverged after the last recorded checkpoint: checkpoint #{extra.n}"
+            f"{_label(extra.label)} (replay frame {extra.seq}) was not on the tape\n"
+            f"  expected: {len(marks)} checkpoint(s)\n"
+            f"  got:      {len(got)}"
+        ), matched
+    want, have = final_fs(original), final_fs(replay)
+    if want is not None and have is not None:
+        paths = same_files(store, want[1], have[1])
+        if paths:
+            return (
+                f"replay diverged at frame {want[0]} (the files at exit): they differ from "
+                "the recorded ones\n"
+                f"  expected: tree {want[1].hex()[:16]}\n"
+                f"  got:      tree {have[1].hex()[:16]} (replay frame {have[0]})\n"
+                + _paths_block(paths)
+            ), matched
+    want_code, have_code = exit_code(original), exit_code(replay)
+    if want_code != have_code:
+        return (
+            "replay diverged at the exit: the agent's status differs\n"
+            f"  expected: exit status {want_code}\n"
+            f"  got:      exit status {have_code}"
+        ), matched
+    if remaining:
+        return (
+            f"replay diverged at the end: the run made fewer model calls than the tape holds "
+            f"({remaining} recorded call(s) never asked for)"
+        ), matched
+    return None, matched
+
+
+def _label(label: Any) -> str:
+    return f' "{label}"' if label else ""
+
+
+def _checkpoint_report(mark: CheckpointMark, came: CheckpointMark, paths: list[str]) -> str:
+    what = "files" if paths else "label"
+    lines = [
+        f"replay diverged at frame {mark.seq} (checkpoint #{mark.n}{_label(mark.label)}): "
+        f"its {what} differ from the recorded ones",
+        f"  expected: checkpoint{_label(mark.label)}, tree {mark.tree.hex()[:16]}",
+        f"  got:      checkpoint{_label(came.label)}, tree {came.tree.hex()[:16]} "
+        f"(replay frame {came.seq})",
+    ]
+    if paths:
+        lines.append(_paths_block(paths).rstrip("\n"))
+    return "\n".join(lines)
+
+
+def _paths_block(paths: list[str]) -> str:
+    shown = [f"    {p}" for p in paths[:SHOW_PATHS]]
+    if len(paths) > SHOW_PATHS:
+        shown.append(f"    ... and {len(paths) - SHOW_PATHS} more")
+    return "  diff:\n" + "\n".join(shown) + "\n"
+
+
+# --------------------------------------------------------------------------- replay --exec
+
+
+def replay_exec(
+    tape_path: str | os.PathLike[str],
+    tape_dir: str | os.PathLike[str] | None = None,
+    mode: str = "strict",
+    until: int | None = None,
+    *,
+    record: bool = True,
+    fs: str | None = None,
+) -> ReplayResult:
+    """Re-runs a recorded booth run offline and checks it against its tape (see the module)."""
+    from jukebox.llm.replay import ReplaySource
+    from jukebox.llm.server import upstreams_from_env
+    from jukebox.llm.session import LlmOptions
+    from jukebox.tape import Tape
+    from shadowfs.store import Store
+
+    if mode not in MODES:
+        raise UsageError(f"bad replay mode {mode!r}: use --strict or --loose")
+    tapes = TapeDir.resolve(tape_dir if tape_dir is not None else Path(tape_path).parent)
+    if not (tapes.store_path / "packs").is_dir():
+        raise UsageError(
+            f"no store in {tapes.path}: a replay needs the tape dir the run was recorded in"
+        )
+    with Store.open(tapes.store_path, create=False) as store:
+        original = Tape.load(tape_path, store)
+        if until is not None and not 0 <= until < len(original.frames):
+            raise UsageError(
+                f"--until {until} is not a frame of {tape_path}: it has frames 0 to "
+                f"{len(original.frames) - 1}"
+            )
+        run = recorded_run(original)
+        source = ReplaySource.from_tape(original, store, mode=mode, until=until)
+    marks = checkpoint_marks(original, through=until)
+    watch = _Watch(marks)
+    tape_id = next_tape_id(tapes, run.tape_id, "replay")
+    llm = LlmOptions(
+        replay=source,
+        upstreams=OFFLINE_UPSTREAMS if until is None else upstreams_from_env(os.environ),
+        on_divergence=watch.on_divergence,
+    )
+    status, seconds = _run_watched(
+        tapes.store_path, run, tapes, tape_id, llm, watch, fs, f"replay of {run.tape_id}"
+    )
+    replay_path = tapes.tape_path(tape_id)
+    with Store.open(tapes.store_path, create=False) as store:
+        original = Tape.load(tape_path, store)
+        replayed = Tape.load(replay_path, store)
+        difference, matched = _first_difference(
+            original,
+            replayed,
+            store,
+            marks,
+            whole_run=until is None,
+            remaining=source.remaining() if until is None else 0,
+        )
+        served, live, spent = _llm_counts(replayed, store)
+        frames = len(replayed.frames)
+    if not record:
+        replay_path.unlink(missing_ok=True)
+    return ReplayResult(
+        code=1 if difference else 0,
+        tape_id=tape_id,
+        tape_path=replay_path if record else None,
+        difference=difference,
+        recorded_frames=len(original.frames),
+        frames=frames,
+        checkpoints_matched=matched,
+        checkpoints_expected=len(marks),
+        llm_served=served,
+        llm_live=live,
+        spent_usd=spent,
+        seconds=seconds,
+        agent_status=status,
+    )
+
+
+# --------------------------------------------------------------------------- fork
+
+
+def _fork_writer(extra: dict[str, Any]) -> type:
+    """A TapeWriter whose `fork` frame also carries `extra` (the overrides)."""
+    from jukebox.tape import TapeWriter
+
+    class ForkWriter(TapeWriter):
+        def append(self, kind: str, payload: Any, *args: Any, **kwargs: Any) -> Any:
+            if kind == "fork" and "forked_from" in payload and "overrides" not in payload:
+                payload = {**payload, **extra}
+            return super().append(kind, payload, *args, **kwargs)
+
+    return ForkWriter
+
+
+def fork(
+    tape_path: str | os.PathLike[str],
+    at: int,
+    *,
+    tape_dir: str | os.PathLike[str] | None = None,
+    model: str | None = None,
+    system_prompt: str | None = None,
+    exec_: bool = False,
+    mode: str = "strict",
+    tape_id: str | None = None,
+    fs: str | None = None,
+) -> ForkResult:
+    """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs."""
+    from jukebox.tape import Tape
+    from jukebox.tapedir import check_tape_id
+    from shadowfs.store import Store
+
+    if mode not in MODES:
+        raise UsageError(f"bad replay mode {mode!r}: use --strict or --loose")
+    tapes = TapeDir.resolve(tape_dir if tape_dir is not None else Path(tape_path).parent)
+    overrides = {
+        k: v for k, v in (("model", model), ("system_prompt", system_prompt)) if v is not None
+    }
+    with Store.open(tapes.store_path, create=True) as store:
+        origin = Tape.load(tape_path, store)
+        n = len(origin.frames)
+        if not 1 <= at <= n:
+            raise UsageError(
+                f"cannot fork {tape_path} at frame {at}: it has {n} frame(s) (0..{n - 1}), "
+                f"so fork at 1..{n}"
+            )
+        run = recorded_run(origin) if exec_ else None
+        base_id = origin.tape_id or Path(os.fspath(tape_path)).stem
+        new_id = check_tape_id(tape_id) if tape_id else next_tape_id(tapes, base_id, "fork")
+        new_path = tapes.tape_path(new_id)
+        if new_path.exists():
+            raise UsageError(f"a tape {new_id!r} already exists in {tapes.path}: pick another id")
+        extra = {"overrides": overrides, "exec": exec_}
+        writer = _fork_writer(extra).fork_from(origin, at, new_path, new_id, store=store)
+        writer.close()
+    result = ForkResult(0, new_id, new_path, at, overrides)
+    if run is None:
+        return result
+    try:
+        _fork_exec(result, Path(tape_path), tapes, run, mode, fs)
+    except BaseException:
+        new_path.unlink(missing_ok=True)  # a fork whose re-execution never ran is no fork
+        raise
+    return result
+
+
+def _fork_exec(
+    result: ForkResult, origin_path: Path, tapes: TapeDir, run: Recorded, mode: str, fs: str | None
+) -> None:
+    from jukebox.llm.replay import ReplaySource
+    from jukebox.llm.rewrite import RequestRewriter
+    from jukebox.llm.server import upstreams_from_env
+    from jukebox.llm.session import LlmOptions
+    from jukebox.tape import Tape, TapeWriter
+    from shadowfs.store import Store
+
+    at = result.at
+    with Store.open(tapes.store_path, create=False) as store:
+        origin = Tape.load(origin_path, store)
+        source = ReplaySource.from_tape(origin, store, mode=mode, until=at - 1)
+        prefix_events = sum(1 for f in origin.frames[1:at] if f.kind in AGENT_EVENTS)
+    marks = checkpoint_marks(origin, through=at - 1)
+    watch = _Watch(marks)
+    scratch_id = f"{result.tape_id}.exec"
+    llm = LlmOptions(
+        replay=source,
+        rewriter=RequestRewriter(
+            model=result.overrides.get("model"),
+            system_prompt=result.overrides.get("system_prompt"),
+        ),
+        upstreams=upstreams_from_env(os.environ),
+        on_divergence=watch.on_divergence,
+    )
+    scratch_path = tapes.tape_path(scratch_id)
+    try:
+        status, _ = _run_watched(
+            tapes.store_path, run, tapes, scratch_id, llm, watch, fs,
+            f"fork of {run.tape_id} at frame {at}",
+        )  # fmt: skip
+        result.executed = True
+        result.agent_status = status
+        with Store.open(tapes.store_path, create=False) as store:
+            origin = Tape.load(origin_path, store)
+            scratch = Tape.load(scratch_path, store)
+            difference, _ = _first_difference(
+                origin, scratch, store, marks, whole_run=False, remaining=0
+            )
+            frames = scratch.frames[1:]
+            seen = 0
+            while frames and seen < prefix_events:
+                if frames[0].kind in AGENT_EVENTS:
+                    seen += 1
+                frames = frames[1:]
+            if seen < prefix_events and difference is None:
+                difference = (
+                    f"fork diverged before frame {at}: the re-executed run ended after "
+                    f"{seen} of the {prefix_events} recorded agent event(s) it had to replay"
+                )
+            with TapeWriter.open_append(result.tape_path, store) as writer:
+                if difference is not None:
+                    writer.append("note", {"event": "fork_exec_failed", "message": difference})
+                else:
+                    for frame in frames:
+                        if frame.kind == "discard":
+                            continue  # the scratch booth's own clean-up, not the run's
+                        writer.append(
+                            frame.kind,
+                            frame.resolve_payload(store),
+                            refs=frame.refs,
+                            tree=frame.tree,
+                            time_ns=frame.time_ns,
+                        )
+                        result.appended += 1
+            fork_tape = Tape.load(result.tape_path, store)
+            live_frames = fork_tape.frames[at + 1 :]
+            result.llm_served = sum(
+                1 for f in scratch.frames if f.kind == "llm_turn" and "replayed_from" in f.payload
+            )
+            result.llm_live = sum(1 for f in live_frames if f.kind == "llm_turn")
+            result.spent_usd = sum(
+                float(f.payload.get("cost_usd") or 0.0) for f in live_frames if f.kind == "llm_turn"
+            )
+        result.difference = difference
+        result.code = 1 if difference is not None else 0
+    finally:
+        scratch_path.unlink(missing_ok=True)

@@ -1,0 +1,72 @@
+"""The agent of the time-travel tests: turns of tool use over the real OpenAI SDK, then one
+Anthropic call, editing a file and taking a checkpoint (over the booth's control socket) per turn.
+
+Every model reply is printed on stdout as one JSON line, so a recorded run and its replay can be
+compared by their output. Steered by the environment, since a replay re-runs the same argv:
+JB_TURNS (default 3), JB_PROMPT (default "write hello") and JB_PROMPT_<i> for turn i alone,
+JB_STRAY=1 writes an extra file in turn 1, JB_DELAY_MS asks the fake upstream to be slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+
+def checkpoint(label: str) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(os.environ["JUKEBOX_SOCKET"])
+        sock.sendall(json.dumps({"op": "checkpoint", "label": label}).encode() + b"\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            part = sock.recv(65536)
+            if not part:
+                break
+            reply += part
+    if not json.loads(reply).get("ok"):
+        sys.exit(f"checkpoint failed: {reply!r}")
+
+
+def main() -> None:
+    import anthropic
+    import openai
+
+    delay = os.environ.get("JB_DELAY_MS")
+    headers = {"x-fake-delay-ms": delay} if delay else None
+    o = openai.OpenAI(api_key="sk-test-SECRET123", max_retries=0, default_headers=headers)
+    a = anthropic.Anthropic(api_key="sk-ant-test-SECRET456xyz", max_retries=0,
+                            default_headers=headers)  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
+    turns = int(os.environ.get("JB_TURNS", "3"))
+    for i in range(1, turns + 1):
+        prompt = os.environ.get(f"JB_PROMPT_{i}") or os.environ.get("JB_PROMPT", "write hello")
+        reply = o.chat.completions.create(
+            model="gpt-4o-mini",
+            messages=[
+                {"role": "system", "content": "You are a file agent."},
+                {"role": "user", "content": f"{prompt} #{i}"},
+            ],
+            tools=tools,
+        )
+        print(reply.model_dump_json(), flush=True)
+        args = json.loads(reply.choices[0].message.tool_calls[0].function.arguments)
+        with open(f"file{i}.txt", "w") as f:
+            f.write(args["text"] + "\n")
+        if i == 1 and os.environ.get("JB_STRAY"):
+            with open("stray.txt", "w") as f:
+                f.write("not on the tape\n")
+        checkpoint(f"turn-{i}")
+    msg = a.messages.create(
+        model="claude-haiku-4-5",
+        max_tokens=64,
+        messages=[{"role": "user", "content": f"summarize {turns} turns"}],
+    )
+    print(msg.model_dump_json(), flush=True)
+    with open("summary.txt", "w") as f:
+        f.write(msg.content[0].text + "\n")
+
+
+if __name__ == "__main__":
+    main()
