@@ -1,5 +1,6 @@
-"""The agent of the time-travel tests: turns of tool use over the real OpenAI SDK, then one
-Anthropic call, editing a file and taking a checkpoint (over the booth's control socket) per turn.
+"""The agent of the time-travel tests: turns of tool use over the real OpenAI SDK, editing a file
+and taking a checkpoint (over the booth's control socket) per turn, then a streamed Responses
+call. (Only the openai SDK: importing anthropic costs seconds per run; tests/llm covers it.)
 
 Every model reply is printed on stdout as one JSON line, so a recorded run and its replay can be
 compared by their output. Steered by the environment, since a replay re-runs the same argv:
@@ -30,14 +31,11 @@ def checkpoint(label: str) -> None:
 
 
 def main() -> None:
-    import anthropic
     import openai
 
     delay = os.environ.get("JB_DELAY_MS")
     headers = {"x-fake-delay-ms": delay} if delay else None
     o = openai.OpenAI(api_key="sk-test-SECRET123", max_retries=0, default_headers=headers)
-    a = anthropic.Anthropic(api_key="sk-ant-test-SECRET456xyz", max_retries=0,
-                            default_headers=headers)  # fmt: skip
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
     turns = int(os.environ.get("JB_TURNS", "3"))
     for i in range(1, turns + 1):
@@ -58,14 +56,13 @@ def main() -> None:
             with open("stray.txt", "w") as f:
                 f.write("not on the tape\n")
         checkpoint(f"turn-{i}")
-    msg = a.messages.create(
-        model="claude-haiku-4-5",
-        max_tokens=64,
-        messages=[{"role": "user", "content": f"summarize {turns} turns"}],
-    )
-    print(msg.model_dump_json(), flush=True)
+    text = []
+    for event in o.responses.create(model="gpt-4.1", input=f"summarize {turns} turns", stream=True):
+        print(event.model_dump_json(), flush=True)
+        if event.type == "response.output_text.delta":
+            text.append(event.delta)
     with open("summary.txt", "w") as f:
-        f.write(msg.content[0].text + "\n")
+        f.write("".join(text) + "\n")
 
 
 if __name__ == "__main__":
