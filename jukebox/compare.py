@@ -261,8 +261,10 @@ def compare_tapes(
     """Compares two loaded `jukebox.tape.Tape`s; `store` holds their spilled payloads and trees
     (default: tape_a's, else tape_b's)."""
     store = store if store is not None else (tape_a.store or tape_b.store)
-    a = read_side(tape_a, store, label_a)
-    b = read_side(tape_b, store, label_b)
+    # Each tape's payloads come from its own store (two tape dirs, two stores); the trees are
+    # compared in `store`.
+    a = read_side(tape_a, tape_a.store or store, label_a)
+    b = read_side(tape_b, tape_b.store or store, label_b)
     prefix = 0
     for fa, fb in zip(tape_a.frames, tape_b.frames, strict=False):
         if fa.id != fb.id:
@@ -282,12 +284,16 @@ def compare_tapes(
     if a.final_tree == b.final_tree:
         files = []
     elif store is not None:
+        from shadowfs.errors import ShadowfsError
         from shadowfs.tree import diff_trees
 
-        files = [
-            FileChange(c.status, c.path.decode("utf-8", "backslashreplace"))
-            for c in diff_trees(store, a.final_tree, b.final_tree)
-        ]
+        try:
+            files = [
+                FileChange(c.status, c.path.decode("utf-8", "backslashreplace"))
+                for c in diff_trees(store, a.final_tree, b.final_tree)
+            ]
+        except ShadowfsError:
+            files = None  # one side's trees live in another tape dir's store
     return Comparison(a, b, prefix, differing, first, files)
 
 
