@@ -859,10 +859,10 @@ def _apply_locked(
     # not be exactly the old one.
     stage_dirs = [[_enc(d), _mtime(dirs, d)] for d in sorted({s.dir for s in plan.stages})]
     prepare = {"target": identity, "token": token, "dirs": stage_dirs}
-    _write_sealed(jfd, PREPARE_NAME, _seal(prepare))
-    crash.at("prepare")
     written = 0
     try:
+        _write_sealed(jfd, PREPARE_NAME, _seal(prepare))
+        crash.at("prepare")
         total = len(plan.stages)
         syncer = _Syncer()
         try:
@@ -887,10 +887,16 @@ def _apply_locked(
         if crash.point == "torn-journal":
             _tear(jfd, sealed)
         _write_sealed(jfd, JOURNAL_NAME, sealed)
-    except BaseException:
+    except BaseException as exc:
         _undo_staging(dirs, prepare)
-        _remove(jfd, PREPARE_NAME, JOURNAL_NAME + ".tmp")
+        _remove(jfd, PREPARE_NAME, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
         os.fsync(jfd)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ShadowfsError(
+                f"commit stopped before the commit point: {exc.strerror} while staging "
+                f"{written} byte(s); nothing was applied — free space on the tree's file system "
+                "and commit again"
+            ) from None
         raise
     crash.at("journal")
     # Committed. A failure from here on leaves the journal for recover() to finish the job.

@@ -82,7 +82,7 @@ def parse_body(data: bytes) -> Any:
         return None
     try:
         return json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting past the parser's depth is not JSON to us
         return {"$text": data.decode("utf-8", errors="replace")}
 
 

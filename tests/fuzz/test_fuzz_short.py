@@ -143,11 +143,6 @@ def test_an_index_with_invalid_utf8_text_is_a_clear_store_error(tmp_path: Path) 
         Store.open(root)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jukebox/llm/recorder.py parse_body lets json's RecursionError escape; it should fall "
-    "back to {'$text': ...} as it does for any other body that is not JSON",
-)
 def test_a_deeply_nested_request_body_is_recorded_as_text() -> None:
     from tests.fuzz.fuzz_llm import llm_input
 

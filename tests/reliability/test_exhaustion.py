@@ -140,6 +140,7 @@ def _commit_under_limit(
         except (ShadowfsError, OSError) as exc:
             assert is_disk_full(exc), f"not a clear disk-full error: {exc!r}"
             committed = "recorded" in str(exc)
+            assert committed or isinstance(exc, ShadowfsError), f"a raw error escaped: {exc!r}"
         else:
             assert build_tree(store, target) == new
             assert residue(target) == []
