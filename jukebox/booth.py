@@ -612,16 +612,19 @@ def _ask(summary: list[str], booth_id: str) -> str:
             f"  ... and {len(summary) - len(shown)} more (`jukebox booth diff {booth_id}`)\n"
         )
     try:
-        tty = open("/dev/tty", "r+")  # noqa: SIM115
+        # An unbuffered byte stream: a text-mode "r+" open of a tty fails (it is not seekable).
+        tty = open("/dev/tty", "r+b", buffering=0)  # noqa: SIM115
     except OSError:
         return "keep"
     with tty:
         while True:
             tty.write(
-                "commit these changes to the real tree? [y]es / [N]o, discard / [k]eep pending: "
+                b"commit these changes to the real tree? [y]es / [N]o, discard / [k]eep pending: "
             )
-            tty.flush()
-            answer = tty.readline().strip().lower()
+            line = tty.readline()
+            if not line:  # the terminal went away: keep the work rather than guess
+                return "keep"
+            answer = line.decode(errors="replace").strip().lower()
             if answer in ("y", "yes"):
                 return "commit"
             if answer in ("", "n", "no"):
