@@ -39,12 +39,14 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
-from shadowfs.layer import SRC_SCRATCH, Layer, Node
+from shadowfs.layer import S_IFDIR, S_IFREG, SRC_SCRATCH, Layer, Node
 
 log = logging.getLogger(__name__)
 
 TIMEOUT = 300.0
 THREAD_IO = 1024 * 1024
+# What pyfuse3 puts in a new EntryAttributes.
+_DEFAULT_TIMEOUT = pyfuse3.EntryAttributes().entry_timeout
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -84,21 +86,28 @@ class Operations(pyfuse3.Operations):
     # ------------------------------------------------------------------ helpers
 
     def _attr(self, node: Node) -> pyfuse3.EntryAttributes:
-        layer = self.layer
-        layer.attrs(node)
+        # Hot: runs for every lookup, getattr and readdirplus entry. A fresh EntryAttributes
+        # already holds generation 0, rdev 0 and blksize 4096; only what differs is set.
+        if node.stat_base:
+            self.layer.attrs(node)
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
-        a.generation = 0
-        a.entry_timeout = self.timeout
-        a.attr_timeout = self.timeout
-        a.st_mode = node.fmt | node.mode
-        a.st_nlink = node.nlink
+        timeout = self.timeout
+        if timeout != _DEFAULT_TIMEOUT:
+            a.entry_timeout = timeout
+            a.attr_timeout = timeout
+        fmt = node.fmt
+        a.st_mode = fmt | node.mode
+        if fmt != S_IFDIR:
+            a.st_nlink = len(node.links)
         a.st_uid = node.uid
         a.st_gid = node.gid
-        a.st_rdev = 0
         a.st_size = node.size
-        a.st_blksize = 4096
-        a.st_blocks = layer.blocks(node)
+        a.st_blocks = (
+            self.layer.blocks(node)
+            if node.src == SRC_SCRATCH and fmt == S_IFREG
+            else (node.size + 511) // 512
+        )
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = node.mtime_ns
         a.st_ctime_ns = node.ctime_ns
