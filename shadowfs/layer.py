@@ -1300,10 +1300,15 @@ class Layer:
             if child is None:
                 new.pop(name, None)
             else:
-                new[name] = self._entry(child, name)
+                e = new[name] = self._entry(child, name)
+                # Only changed entries need checking: the rest come from a decoded (so
+                # validated) tree, and re-validating a big directory cost most of a snapshot.
+                bad = trees._check_entry(e)
+                if bad:
+                    raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
         d.dirty_names.clear()
         entries = sorted(new.values(), key=_by_name)
-        oid = self.store.put("tree", trees.encode_tree(entries))
+        oid = self.store.put("tree", trees._pack(entries))
         # The next snapshot or restore starts from this tree: keep it decoded.
         trees._cache_put(oid, {e.name: e for e in entries})
         d.oid = oid
@@ -1354,7 +1359,8 @@ class Layer:
         changed = False
         for name, oe in old.items():
             ne = new.get(name)
-            if ne == oe:
+            # Trees built from one another share their unchanged Entry objects: identity first.
+            if ne is oe or ne == oe:
                 continue
             child = children[name]
             if ne is not None and ne.kind == oe.kind:

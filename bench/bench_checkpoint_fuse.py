@@ -1,0 +1,285 @@
+"""Checkpoint, rollback and memory of the FUSE shadow booth (shadowfs-fuse).
+
+A step changes 1, 10 or 100 small files through a real mount (appends, so each is copied up),
+then `layer.snapshot()` is timed as a booth calls it: from another thread, through the mount
+handle (a syncfs of the mount, then the snapshot on the FUSE thread). Rows match the git
+baseline on `files_changed` and `repo_files`; the git figures are measured in the same run with
+`bench.bench_git_baseline.bench_repo`, and `vs_git` is git's p50 over ours (higher is better).
+
+Rollback is `layer.restore()` to the checkpoint before a step of 10 changed files, called in
+process on an unmounted layer (the target), and through the mount handle (which adds the hop to
+the FUSE thread and the kernel cache invalidations).
+
+Memory runs in child processes so each figure is that process's own: the serving process's RSS
+after a full walk of a 100,000-file tree through the mount, and the peak RSS (ru_maxrss) above
+the post-mount baseline while a big base file is copied up through the mount by a 1-byte
+append, snapshotted and committed into the real tree (`shadowfs.commit.apply`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.bench_git_baseline import bench_repo as git_rows
+from bench.fs_workloads import REPO_ROOT, cached, write_small_tree
+from bench.harness import summarize_us
+
+GROUP = "checkpoint"
+SYSTEM = "shadowfs-fuse"
+CHANGED = (1, 10, 100)
+MIB = 1024 * 1024
+
+
+def _change(mnt: Path, paths: list[str], k: int, round_: int) -> None:
+    # The same step as the git baseline: k files edited in place, each differently every round.
+    for i in range(k):
+        rel = paths[(round_ * 7919 + i * 104729) % len(paths)]
+        with open(mnt / rel, "a") as f:
+            f.write(f"# round {round_} edit {i}\n")
+
+
+def _tree(n_files: int) -> tuple[Path, list[str]]:
+    lower = cached(f"small-tree-{n_files}", lambda tmp: write_small_tree(tmp, n_files))
+    return lower, sorted(str(p.relative_to(lower)) for p in lower.rglob("*.py"))
+
+
+def bench_tree(n_files: int, reps: int, git: dict[int, float]) -> list[dict[str, Any]]:
+    from shadowfs.layer import Layer
+    from shadowfs.mountctl import mounted
+    from shadowfs.store import Store
+
+    lower, paths = _tree(n_files)
+    scratch = Path(tempfile.mkdtemp(prefix="jukebox-bench-ckpt-fuse-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        mnt = scratch / "mnt"
+        mnt.mkdir()
+        with Store.open(scratch / "store", create=True) as store:
+            layer = Layer(lower, store, scratch / "scratch")
+            try:
+                with mounted(layer, mnt):
+                    round_ = 0
+                    for k in CHANGED:
+                        snaps: list[float] = []
+                        rollbacks: list[float] = []
+                        for rep in range(reps + 1):  # the first round warms caches; dropped
+                            round_ += 1
+                            before, _ = layer.snapshot()
+                            _change(mnt, paths, k, round_)
+                            t0 = time.perf_counter_ns()
+                            layer.snapshot()
+                            t1 = time.perf_counter_ns()
+                            if rep:
+                                snaps.append((t1 - t0) / 1000.0)
+                            if k == 10 and rep:
+                                t0 = time.perf_counter_ns()
+                                layer.restore(before)
+                                rollbacks.append((time.perf_counter_ns() - t0) / 1000.0)
+                        row = {
+                            "group": GROUP,
+                            "case": f"snapshot after {k} changed files, {n_files:,}-file tree",
+                            "system": SYSTEM,
+                            **summarize_us(snaps),
+                            "files_changed": k,
+                            "repo_files": n_files,
+                            "note": "written via the mount; syncfs, snapshot on the FUSE thread",
+                        }
+                        if k in git:
+                            row["vs_git"] = round(git[k] / row["p50_us"], 1)
+                        rows.append(row)
+                        if rollbacks:
+                            rows.append({
+                                "group": GROUP,
+                                "case": f"rollback to the previous checkpoint, {k} changed files, "
+                                        f"{n_files:,}-file tree, through the mount",
+                                "system": SYSTEM,
+                                **summarize_us(rollbacks),
+                                "files_changed": k,
+                                "repo_files": n_files,
+                                "note": "FUSE-thread hop + kernel cache invalidations",
+                            })
+            finally:
+                layer.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
+
+
+def bench_restore_in_process(n_files: int, reps: int, k: int = 10) -> dict[str, Any]:
+    from shadowfs.layer import Layer
+    from shadowfs.store import Store
+
+    lower, paths = _tree(n_files)
+    scratch = Path(tempfile.mkdtemp(prefix="jukebox-bench-restore-"))
+    try:
+        with Store.open(scratch / "store", create=True) as store:
+            layer = Layer(lower, store, scratch / "scratch")
+            try:
+                samples: list[float] = []
+                for rep in range(reps + 1):
+                    before, _ = layer.snapshot()
+                    for i in range(k):
+                        rel = paths[(rep * 7919 + i * 104729) % len(paths)]
+                        data = layer.read_file(rel)
+                        layer.write_file(rel, data + f"# round {rep} edit {i}\n".encode())
+                    layer.snapshot()
+                    t0 = time.perf_counter_ns()
+                    layer.restore(before)
+                    if rep:
+                        samples.append((time.perf_counter_ns() - t0) / 1000.0)
+            finally:
+                layer.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "group": GROUP,
+        "case": f"rollback to the previous checkpoint, {k} changed files, {n_files:,}-file tree, "
+                "in process",
+        "system": SYSTEM,
+        **summarize_us(samples),
+        "files_changed": k,
+        "repo_files": n_files,
+        "note": "layer.restore on an unmounted layer; target <= 200 µs",
+    }
+
+
+# ---------------------------------------------------------------------------- memory (children)
+
+_WALK_CHILD = r"""
+import json, os, subprocess, sys
+from pathlib import Path
+from shadowfs.layer import Layer
+from shadowfs.mountctl import mounted
+from shadowfs.store import Store
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+lower, state = sys.argv[1:3]
+state = Path(state)
+(state / "mnt").mkdir()
+with Store.open(state / "store", create=True) as store:
+    layer = Layer(lower, store, state / "scratch")
+    with mounted(layer, state / "mnt"):
+        built = rss()
+        subprocess.run(["find", str(state / "mnt"), "-printf", "%s\n"], check=True,
+                       stdout=subprocess.DEVNULL)
+        walked = rss()
+        nodes = len(layer.inodes)
+    layer.close()
+print(json.dumps({"built": built, "walked": walked, "nodes": nodes}))
+"""
+
+_BIG_CHILD = r"""
+import json, os, resource, sys
+from pathlib import Path
+from shadowfs.commit import apply
+from shadowfs.layer import Layer
+from shadowfs.mountctl import mounted
+from shadowfs.store import Store
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base, state = sys.argv[1:3]
+state = Path(state)
+(state / "mnt").mkdir()
+with Store.open(state / "store", create=True) as store:
+    layer = Layer(base, store, state / "scratch")
+    try:
+        with mounted(layer, state / "mnt"):
+            before = peak()
+            with open(state / "mnt" / "big.bin", "ab") as f:  # copy-up of the whole file
+                f.write(b"!")
+            tree_id, _ = layer.snapshot()
+        report = apply(store, base, layer.base_tree, tree_id, journal_dir=state / "journal")
+        after = peak()
+    finally:
+        layer.close()
+print(json.dumps({"before": before, "after": after, "written": report.bytes_written,
+                  "size": os.stat(os.path.join(base, "big.bin")).st_size}))
+"""
+
+
+def _child(code: str, *args: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory child failed: {proc.stderr.strip()[-400:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_walk_rss(n_files: int) -> dict[str, Any]:
+    lower, _ = _tree(n_files)
+    state = Path(tempfile.mkdtemp(prefix="jukebox-bench-rss-"))
+    try:
+        got = _child(_WALK_CHILD, str(lower), str(state))
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    return {
+        "group": GROUP,
+        "case": f"serving process RSS after a full walk, {n_files:,}-file tree",
+        "system": SYSTEM,
+        "rss_mib": round(got["walked"] / MIB, 1),
+        "repo_files": n_files,
+        "note": f"{got['nodes']:,} inodes known; RSS mounted before the walk "
+                f"{got['built'] / MIB:.1f} MiB",
+    }
+
+
+def bench_big_copy_up(size: int) -> dict[str, Any]:
+    state = Path(tempfile.mkdtemp(prefix="jukebox-bench-big-"))
+    try:
+        base = state / "base"
+        base.mkdir()
+        block = os.urandom(MIB)
+        with open(base / "big.bin", "wb") as f:
+            for i in range(size // MIB):
+                # Distinct blocks, so the store cannot shrink the file to a few references.
+                f.write(i.to_bytes(8, "little") + block[8:])
+        inner = state / "state"
+        inner.mkdir()
+        t0 = time.perf_counter()
+        got = _child(_BIG_CHILD, str(base), str(inner))
+        seconds = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+    if got["size"] != size + 1:
+        raise RuntimeError(f"commit left big.bin at {got['size']} bytes, expected {size + 1}")
+    extra = (got["after"] - got["before"]) / MIB
+    return {
+        "group": GROUP,
+        "case": f"copy-up (1-byte append) + snapshot + commit of a {size // MIB:,} MiB file",
+        "system": SYSTEM,
+        "seconds": round(seconds, 2),
+        "rss_mib": round(extra, 1),
+        "note": f"peak RSS above the mounted baseline ({got['before'] / MIB:.0f} MiB); "
+                f"goal <= 64 MiB: {'met' if extra <= 64 else 'not met'}",
+    }
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    sizes = [(1_000, 5 if quick else 40)]
+    if not quick:
+        sizes.append((100_000, 20))
+    rows: list[dict[str, Any]] = []
+    for n_files, reps in sizes:
+        t0 = time.perf_counter()
+        git = {r["files_changed"]: r["p50_us"] for r in git_rows(n_files, 3 if quick else 5)}
+        rows += bench_tree(n_files, reps, git)
+        rows.append(bench_restore_in_process(n_files, 10 if quick else 50))
+        print(f"bench: checkpoint_fuse {n_files:,}-file tree {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
+    if not quick:
+        rows.append(bench_walk_rss(100_000))
+    rows.append(bench_big_copy_up((256 if quick else 2048) * MIB))
+    return rows
