@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from jukebox.llm.session import LlmOptions
 
 COMMIT_MODES = ("auto", "ask", "never")
+# Not a --commit choice: replays and forks run scratch booths that end discarded, quietly,
+# with a `discard` frame (no "kept pending" notice for a booth nobody will ever commit).
+DISCARD = "discard"
 FS_KINDS = ("fuse", "overlay")
 VERIFY_OUTPUT_MAX = 64 * 1024
 BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
@@ -658,7 +661,7 @@ def run_booth(
     argv = list(argv)
     if not argv:
         raise UsageError("no command to run: write `jukebox booth run [OPTIONS] -- CMD ...`")
-    if commit_mode not in COMMIT_MODES:
+    if commit_mode not in COMMIT_MODES and commit_mode != DISCARD:
         raise UsageError(f"bad --commit {commit_mode!r}: use one of {', '.join(COMMIT_MODES)}")
     if fs not in FS_KINDS:
         raise UsageError(f"bad --fs {fs!r}: use one of {', '.join(FS_KINDS)}")
@@ -837,6 +840,8 @@ def run_booth(
         if run.trip is not None:
             decision = "keep" if commit_mode == "never" else "discard"
             reason = f"the circuit breaker tripped ({run.trip.rule})"
+        elif commit_mode == DISCARD:
+            decision = "discard"
         elif interrupted:
             decision, reason = "keep", "interrupted"
         elif commit_mode == "never":
@@ -860,11 +865,14 @@ def run_booth(
         if decision == "commit":
             decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
         if decision == "discard":
-            writer.append(
-                "rollback",
-                {"reason": reason or "rejected", "to": 0, "final": True, "residue": 0},
-                tree=base_tree,
-            )
+            if commit_mode == DISCARD and not reason:
+                writer.append("discard", {"by": "scratch booth", "residue": 0}, tree=base_tree)
+            else:
+                writer.append(
+                    "rollback",
+                    {"reason": reason or "rejected", "to": 0, "final": True, "residue": 0},
+                    tree=base_tree,
+                )
             if reason:
                 _alert(
                     f"booth {booth_id} rolled back: {reason}; the real tree {tree_path} was not "

@@ -556,11 +556,13 @@ class TapeWriter:
         store: ObjectStore | None = None,
         fsync: bool = True,
         time_ns: int | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> TapeWriter:
         """Start a new tape sharing frames 0..at_seq-1 of `tape` byte for byte.
 
         Frame at_seq of the new tape is a `fork` frame naming the new tape id and where it came
-        from; the returned writer appends from at_seq + 1.
+        from, plus the keys of `extra` (the overrides, say); the returned writer appends from
+        at_seq + 1.
         """
         if not 1 <= at_seq <= len(tape.frames):
             raise ValueError(
@@ -597,6 +599,7 @@ class TapeWriter:
         w.append(
             "fork",
             {
+                **(extra or {}),
                 "tape_id": new_tape_id,
                 "forked_from": {"tape": origin_id, "at": at_seq, "head": origin_head.to_json()},
             },
