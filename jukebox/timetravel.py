@@ -5,7 +5,7 @@ temporary directory holding the recorded base tree (materialized from the tape d
 recorded cwd relative to the tree is kept; argv words naming the recorded tree are pointed at
 the copy). The agent gets no network (`--net none`), the proxy serves the recorded responses
 (`ReplaySource`: strict or loose) and has no reachable upstream unless `until` is given, the
-verdict is `--commit never`, and at the end the booth is discarded and the temporary tree
+booth ends discarded (a `discard` frame, never a pending booth) and the temporary tree is
 removed: nothing reaches the user's tree. The run is recorded as a new tape
 `<id>-replay-<n>` beside the original (removed again with `record=False`).
 
@@ -315,8 +315,8 @@ def _run_watched(
     name: str,
 ) -> tuple[int, float]:
     """Runs the recorded command in a fresh, offline, never-committing booth; returns
-    (booth status, seconds). The booth is discarded and the scratch tree removed."""
-    from jukebox.booth import default_layer_factory, discard_booth, run_booth
+    (booth status, seconds). The booth ends discarded and the scratch tree is removed."""
+    from jukebox.booth import DISCARD, default_layer_factory, discard_booth, run_booth
     from shadowfs.store import Store
 
     with Store.open(store_path, create=False) as store, _scratch_tree(store, run) as scratch:
@@ -333,7 +333,7 @@ def _run_watched(
                 name=name,
                 fs=fs or run.fs,
                 image=run.image,
-                commit_mode="never",
+                commit_mode=DISCARD,  # quietly: nobody will ever commit a scratch booth
                 verify_cmd="",  # the verifier judges a run for commit; a replay never commits
                 net="none",
                 layer_factory=watch.layer_factory(default_layer_factory),
@@ -342,6 +342,7 @@ def _run_watched(
         finally:
             seconds = time.monotonic() - started
             os.chdir(old_cwd)
+            # Only a booth that failed before its verdict still has a record to clear.
             with contextlib.suppress(UsageError):
                 discard_booth(tapes, tape_id)
     return status, seconds
@@ -544,19 +545,6 @@ def replay_exec(
 # --------------------------------------------------------------------------- fork
 
 
-def _fork_writer(extra: dict[str, Any]) -> type:
-    """A TapeWriter whose `fork` frame also carries `extra` (the overrides)."""
-    from jukebox.tape import TapeWriter
-
-    class ForkWriter(TapeWriter):
-        def append(self, kind: str, payload: Any, *args: Any, **kwargs: Any) -> Any:
-            if kind == "fork" and "forked_from" in payload and "overrides" not in payload:
-                payload = {**payload, **extra}
-            return super().append(kind, payload, *args, **kwargs)
-
-    return ForkWriter
-
-
 def fork(
     tape_path: str | os.PathLike[str],
     at: int,
@@ -570,7 +558,7 @@ def fork(
     fs: str | None = None,
 ) -> ForkResult:
     """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs."""
-    from jukebox.tape import Tape
+    from jukebox.tape import Tape, TapeWriter
     from jukebox.tapedir import check_tape_id
     from shadowfs.store import Store
 
@@ -595,7 +583,7 @@ def fork(
         if new_path.exists():
             raise UsageError(f"a tape {new_id!r} already exists in {tapes.path}: pick another id")
         extra = {"overrides": overrides, "exec": exec_}
-        writer = _fork_writer(extra).fork_from(origin, at, new_path, new_id, store=store)
+        writer = TapeWriter.fork_from(origin, at, new_path, new_id, store=store, extra=extra)
         writer.close()
     result = ForkResult(0, new_id, new_path, at, overrides)
     if run is None:

@@ -13,6 +13,11 @@ request the agent makes takes the next recorded exchange of its endpoint:
 
 A request past the end of its endpoint's recording is a divergence too, unless `until` was
 given: then the recording serves frames up to `until` and everything after goes live.
+
+A fork tape's calls after its `fork` frame were sent with the fork's overrides applied (another
+model, another system prompt) while the agent asked for the original; `from_tape` reads those
+overrides from the fork frame, and strict matching applies them to the agent's request before
+comparing, so a fork replays as strictly as any other tape.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 from jukebox.frame import canonical_json
 from jukebox.llm.recorder import LLM_TURN
+from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
 
 MODES = ("strict", "loose")
@@ -59,6 +65,8 @@ class Recorded:
     events: list[SSEEvent] | None = None  # or the stream
     start_ns: int = 0
     end_ns: int = 0
+    # The fork overrides in force when this call was recorded (None: the agent's own request).
+    rewriter: RequestRewriter | None = None
 
     @property
     def stream(self) -> bool:
@@ -91,7 +99,7 @@ class Divergence(Exception):
         diff: list[str],
         exchange: int,
     ) -> None:
-        self.kind = kind  # "request_mismatch" | "beyond_recording"
+        self.kind = kind  # "request_mismatch" | "beyond_recording" | "halted"
         self.provider = provider
         self.endpoint = endpoint
         self.seq = seq
@@ -103,6 +111,8 @@ class Divergence(Exception):
 
     def message(self) -> str:
         where = f"{self.provider} {self.endpoint} call #{self.exchange + 1}"
+        if self.kind == "halted":
+            return f"replay stopped: {self.diff[0] if self.diff else 'the run left its recording'}"
         if self.kind == "beyond_recording":
             return (
                 f"replay diverged: {where} goes beyond the recording (the tape holds "
@@ -219,7 +229,11 @@ class ReplaySource:
     ) -> ReplaySource:
         """Every successful llm_turn frame of `tape` (a jukebox.tape.Tape), through `until`."""
         exchanges = []
+        rewriter: RequestRewriter | None = None
         for frame in tape.frames:
+            if frame.kind == "fork":
+                rewriter = _fork_rewriter(frame.payload)
+                continue
             if frame.kind != LLM_TURN:
                 continue
             p = frame.resolve_payload(store)
@@ -241,6 +255,7 @@ class ReplaySource:
                     events=events,
                     start_ns=frame.time_ns - latency_ns,
                     end_ns=frame.time_ns,
+                    rewriter=rewriter if p.get("replayed_from") is None else None,
                 )
             )
         return cls(exchanges, mode=mode, until=until, honor_timing=honor_timing)
@@ -248,9 +263,17 @@ class ReplaySource:
     def remaining(self) -> int:
         return sum(len(q.items) for q in self._queues.values())
 
+    def halt(self, reason: str) -> None:
+        """Refuse every later call, in either mode: the run has left its recording in a way
+        the proxy cannot see (its files or its own frames differ), so no call may go live."""
+        if self.divergence is None:
+            self.divergence = Divergence("halted", "-", "-", None, None, None, [reason], 0)
+
     def take(self, provider: str, endpoint: str, request: Any) -> Recorded | Live:
         """The recorded exchange to serve for `request`, LIVE, or raises Divergence."""
-        if self.divergence is not None and self.mode == "strict":
+        if self.divergence is not None and (
+            self.mode == "strict" or self.divergence.kind == "halted"
+        ):
             raise self.divergence
         queue = self._queues.setdefault((provider, endpoint), _Queue())
         if not queue.items:
@@ -265,15 +288,16 @@ class ReplaySource:
             queue.items.popleft()
             queue.served += 1
             return head
-        got = normalize(request)
         # Calls that were in flight together may come back in any order.
         for i, candidate in enumerate(queue.items):
             if i and candidate.start_ns >= head.end_ns:
                 break
+            got = _as_sent(candidate, provider, endpoint, request)
             if canonical_json(normalize(candidate.request)) == canonical_json(got):
                 del queue.items[i]
                 queue.served += 1
                 return candidate
+        got = _as_sent(head, provider, endpoint, request)
         expected = normalize(head.request)
         self.divergence = Divergence(
             "request_mismatch",
@@ -286,3 +310,23 @@ class ReplaySource:
             queue.served,
         )
         raise self.divergence
+
+
+def _fork_rewriter(payload: Any) -> RequestRewriter | None:
+    """The overrides a fork frame records, as the rewriter that produced the later requests."""
+    overrides = payload.get("overrides") if isinstance(payload, dict) else None
+    if not isinstance(overrides, dict):
+        return None
+    model, prompt = overrides.get("model"), overrides.get("system_prompt")
+    rewriter = RequestRewriter(
+        model=model if isinstance(model, str) else None,
+        system_prompt=prompt if isinstance(prompt, str) else None,
+    )
+    return rewriter if rewriter.active else None
+
+
+def _as_sent(recorded: Recorded, provider: str, endpoint: str, request: Any) -> Any:
+    """The agent's request as the proxy sent it when `recorded` was made (overrides applied)."""
+    if recorded.rewriter is not None:
+        request = recorded.rewriter.apply(provider, endpoint, request)
+    return normalize(request)

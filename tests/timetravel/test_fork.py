@@ -88,3 +88,10 @@ def test_fork_exec_goes_live_with_the_other_model_and_diff_shows_it(
     # The @N forms still compare file trees.
     files = recording.jukebox("diff", f"{recording.tape}@3", f"{fork_path}@{len(kinds) - 1}")
     assert files.returncode == 0 and "change(s)" in files.stdout
+
+    # The fork replays strictly, offline: its live calls were sent with the override, and the
+    # replay applies the fork frame's overrides to the agent's requests before matching.
+    again = recording.jukebox("replay", str(fork_path), "--exec", "--strict")
+    assert again.returncode == 0, again.stderr
+    assert "3/3 checkpoint(s) matched, 4 LLM call(s) served from the tape" in again.stderr
+    assert "kept pending" not in again.stderr
