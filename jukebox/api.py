@@ -20,21 +20,22 @@ and the whole API in docs/python-api.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-import json
 import os
 import re
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from jukebox import tape as _tape
 from jukebox.breaker import CircuitBreaker
+from jukebox.compare import Comparison, compare_tapes
 from jukebox.state import StateVersion
 from jukebox.tapedir import TapeDir, check_tape_id, default_tape_dir
 from jukebox.transaction import (
@@ -45,6 +46,7 @@ from jukebox.transaction import (
     Transaction,
     _json_safe,
     claim_tape_path,
+    current_redirect,
     current_run,
     new_tape_id,
     recover_commits,
@@ -230,42 +232,81 @@ class _LlmCapture:
         self._runs: list[Run] = []
         self._proxy: Any = None
         self._saved: dict[str, str | None] = {}
+        self.pinned = False  # a B side's proxy: stays up between its runs, stopped by it
+
+    def _start(self, tape_dir: Path, **options: Any) -> None:
+        from jukebox.llm.pricing import PriceTable
+        from jukebox.llm.server import ProxyServer, upstreams_from_env
+
+        proxy = ProxyServer(
+            upstreams=options.pop("upstreams", None) or upstreams_from_env(os.environ),
+            record=self._record,
+            breaker=_RunBreaker(self),
+            on_trip=self._on_trip,
+            secrets=_secret_env_values(),
+            prices=PriceTable.load(tape_dir, os.environ),
+            **options,
+        ).start()
+        self._proxy = proxy
+        for name, url in proxy.base_urls().items():
+            self._saved[name] = os.environ.get(name)
+            os.environ[name] = url
+
+    def _stop(self) -> Any:
+        proxy, self._proxy = self._proxy, None
+        for name, old in self._saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+        self._saved.clear()
+        return proxy
 
     def enter(self, run: Run, tape_dir: Path) -> None:
         with self._lock:
             self._runs.append(run)
-            if self._proxy is not None:
-                return
-            from jukebox.llm.pricing import PriceTable
-            from jukebox.llm.server import ProxyServer, upstreams_from_env
-
-            proxy = ProxyServer(
-                upstreams=upstreams_from_env(os.environ),
-                record=self._record,
-                breaker=_RunBreaker(self),
-                on_trip=self._on_trip,
-                secrets=_secret_env_values(),
-                prices=PriceTable.load(tape_dir, os.environ),
-            ).start()
-            self._proxy = proxy
-            for name, url in proxy.base_urls().items():
-                self._saved[name] = os.environ.get(name)
-                os.environ[name] = url
+            if self._proxy is None:
+                self._start(tape_dir)
 
     def leave(self, run: Run) -> None:
         with self._lock:
             if run in self._runs:
                 self._runs.remove(run)
-            if self._runs or self._proxy is None:
+            if self._runs or self._proxy is None or self.pinned:
                 return
-            proxy, self._proxy = self._proxy, None
-            for name, old in self._saved.items():
-                if old is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = old
-            self._saved.clear()
+            proxy = self._stop()
         proxy.stop()
+
+    @contextlib.contextmanager
+    def pin(
+        self,
+        tape_dir: Path,
+        replay: Any,
+        rewriter: Any,
+        upstreams: Mapping[str, str],
+        on_divergence: Callable[[Any], Any],
+    ) -> Iterator[None]:
+        """A proxy that serves `replay` and sends live calls, rewritten, to `upstreams`, for
+        the tracked runs started meanwhile (a B side's re-execution)."""
+        with self._lock:
+            if self._proxy is not None or self._runs:
+                raise RuntimeError(
+                    "replay_and_diff cannot run while a tracked call is running in this "
+                    "process (they would share one proxy): call it outside tracked functions"
+                )
+            self._start(
+                tape_dir, upstreams=upstreams, replay=replay, rewriter=rewriter,
+                on_divergence=on_divergence,
+            )  # fmt: skip
+            self.pinned = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.pinned = False
+                self._runs.clear()
+                proxy = self._stop()
+            proxy.stop()
 
     def run(self) -> Run | None:
         with self._lock:
@@ -315,6 +356,13 @@ def _wants_capture(mode: str) -> bool:
     import sys
 
     return any(m in sys.modules for m in _SDK_MODULES)
+
+
+# Tracked functions of this process by (import path, file): a B side re-executes the very
+# function object when it is still alive here (notebooks, tests, functions defined in a body).
+_tracked: weakref.WeakValueDictionary[tuple[str, str | None], Any] = (
+    weakref.WeakValueDictionary()
+)
 
 
 # --------------------------------------------------------------------------- Jukebox
@@ -470,6 +518,7 @@ class Jukebox:
 
                 wrapper = run_sync
             wrapper.__jukebox_track__ = {"name": run_name, **function}
+            _tracked[(function["import_path"], function["file"])] = wrapper
             return wrapper  # type: ignore[no-any-return]
 
         return decorate(fn) if fn is not None else decorate
@@ -490,8 +539,15 @@ class Jukebox:
             breaker=CircuitBreaker(**self.breaker.limits) if self.breaker is not None else None,
             fallback=self._run_tape,
         )
+        redirect = current_redirect.get()
+        if redirect is not None:
+            # A B side: the run's own tape (model calls outside transactions) is redirected too.
+            run.redirect = redirect
+            run.fallback = lambda r: _open_run_tape(
+                redirect.tapes, redirect.store, r, redirect.open_log(0)
+            )
         token = current_run.set(run)
-        if _wants_capture(self.capture_llm):
+        if _wants_capture(self.capture_llm) or _capture.pinned:
             try:
                 _capture.enter(run, self.tapes.path)
             except BaseException:
@@ -507,21 +563,26 @@ class Jukebox:
             run.finish({**payload, "run": run.id})
 
     def _run_tape(self, run: Run) -> TapeLog:
-        """A tape for a run's model calls made outside any transaction."""
-        tape_id = new_tape_id()
-        path, _ = claim_tape_path(self.tapes, tape_id)
-        log = TapeLog(path, self.store, tape_id)
-        log.append(
-            "run_start",
-            {
-                "tape_id": tape_id,
-                "name": run.name,
-                "cwd": os.getcwd(),
-                "pid": os.getpid(),
-                "run": {"id": run.id, "function": run.function, "args": run.args},
-            },
-        )
-        return log
+        return _open_run_tape(self.tapes, self.store, run)
+
+
+def _open_run_tape(tapes: TapeDir, store: Any, run: Run, log: TapeLog | None = None) -> TapeLog:
+    """A tape for a run's model calls made outside any transaction (``transaction: 0``)."""
+    tape_id = new_tape_id()
+    if log is None:
+        path, _ = claim_tape_path(tapes, tape_id)
+        log = TapeLog(path, store, tape_id)
+    log.append(
+        "run_start",
+        {
+            "tape_id": tape_id,
+            "name": run.name,
+            "cwd": os.getcwd(),
+            "pid": os.getpid(),
+            "run": {"id": run.id, "function": run.function, "args": run.args, "transaction": 0},
+        },
+    )
+    return log
 
 
 def _result(value: Any) -> Any:
@@ -575,11 +636,14 @@ def track(fn: F | None = None, *, name: str | None = None) -> Any:
 
 
 def _open_store_for(path: Path) -> Any:
-    store_path = TapeDir(path.parent).store_path
-    if not (store_path / "packs").is_dir():
-        return None
     from shadowfs.store import Store
 
+    store_path = TapeDir(path.parent).store_path
+    if not (store_path / "packs").is_dir():
+        raise ValueError(
+            f"no store beside {path} ({store_path}): a tape is replayed in the tape dir it "
+            "was recorded in; copy the whole tape dir, .jukebox included"
+        )
     return Store.open(store_path, create=False)
 
 
@@ -633,159 +697,101 @@ class BSide:
     def path(self) -> Path:
         return Path(os.fspath(self.origin.path)).parent / f"{self.tape_id}.jbx"
 
-    def replay_and_diff(self, endpoint: str | None = None) -> Report:
+    @property
+    def overrides(self) -> dict[str, str]:
+        pairs = (("model", self.override_model), ("system_prompt", self.override_system_prompt))
+        return {k: v for k, v in pairs if v is not None}
+
+    def replay_and_diff(self, endpoint: str | Mapping[str, str] | None = None) -> Report:
         """Re-execute the tracked function from `at_frame` and compare the two sides.
 
-        Frames before `at_frame` answer model calls from the tape; after it, calls go to
-        ``endpoint`` (default: the provider's live API) with the overrides applied.
+        Model calls before `at_frame` are answered from the tape; later ones go to ``endpoint``
+        (a base URL such as ``http://127.0.0.1:8000/v1``, or ``{"openai": url, "anthropic":
+        url}``; default: OPENAI_BASE_URL / ANTHROPIC_BASE_URL, else the public APIs) with the
+        overrides applied. Files live in a scratch copy of the tape's base tree; the B side is
+        the tape at `path`. See `jukebox.bside` for what is matched and what a divergence does.
         """
         if self.function is None:
             raise ValueError(
                 f"{os.fspath(self.origin.path)} was not recorded by a @jb.track function, so "
                 "there is nothing to re-execute: fork tapes whose run_start names a function"
             )
-        raise NotImplementedError(
-            "replay_and_diff is not built yet: re-executing a tracked function still needs the "
-            "re-run's frames before at_frame matched against the original instead of written, "
-            "and a scratch copy of the tape's base tree as the B side's root so its commits "
-            "never reach the real tree (the model side is ready: jukebox.llm's "
-            "ReplaySource.from_tape(until=...) and RequestRewriter); compare two recorded "
-            "tapes with Report.between(tape_a, tape_b) today"
-        )
+        from jukebox import bside
+
+        origin_path = Path(os.path.abspath(os.fspath(self.origin.path)))
+        store = _open_store_for(origin_path)
+        try:
+            outcome = bside.reexecute(
+                origin_path,
+                store,
+                self.at_frame,
+                tape_id=self.tape_id,
+                overrides=self.overrides,
+                endpoint=endpoint,
+                registry=_tracked,
+                capture=_capture,
+            )
+            a = _tape.Tape.load(origin_path, store)
+            b = _tape.Tape.load(outcome.tape_path, store)
+            report = Report.of(compare_tapes(a, b, store), outcome.to_json())
+        finally:
+            store.close()
+        return report
 
 
 # --------------------------------------------------------------------------- reports
 
 
-def _side(tape: _tape.Tape, store: Any) -> dict[str, Any]:
-    summary = tape.summary()
-    models: list[str] = []
-    messages: list[dict[str, Any]] = []
-    kinds: list[str] = []
-    final_tree = None
-    for f in tape.frames:
-        kinds.append(f.kind)
-        if f.tree is not None:
-            final_tree = f.tree
-        if f.kind not in ("agent_turn", "llm_turn"):
-            continue
-        p = f.payload
-        model = p.get("model")
-        if isinstance(model, str) and model not in models:
-            models.append(model)
-        text = p.get("text")
-        if text is None and f.kind == "llm_turn":
-            resp = p.get("response")
-            text = resp.get("content") if isinstance(resp, dict) else None
-        messages.append(
-            {"frame": f.seq, "agent": p.get("agent"), "model": model,
-             "text": text if isinstance(text, str) else json.dumps(text)}
-        )
-    return {
-        "tape_id": summary["tape_id"],
-        "path": summary["path"],
-        "status": summary["status"],
-        "frames": summary["frames"],
-        "cost_usd": summary["cost_usd"],
-        "models": models,
-        "messages": messages,
-        "kinds": kinds,
-        "final_tree": final_tree,
-    }
+@dataclass
+class Report(Comparison):
+    """`jukebox.compare.Comparison` (frames, models, messages, tool calls, files, tokens,
+    cost) plus, for a B side, how its re-execution went."""
 
-
-class Report:
-    """What differs between two tapes (an A side and its B side): frames, models, messages,
-    files and cost."""
-
-    def __init__(self, a: dict[str, Any], b: dict[str, Any], files: list[dict[str, str]]) -> None:
-        self.a = a
-        self.b = b
-        self.files = files
-        self.first_difference = next(
-            (i for i, (x, y) in enumerate(zip(a["kinds"], b["kinds"], strict=False)) if x != y),
-            None if len(a["kinds"]) == len(b["kinds"]) else min(len(a["kinds"]), len(b["kinds"])),
-        )
+    reexecution: dict[str, Any] | None = None
 
     @classmethod
-    def between(cls, a: _tape.Tape | str | os.PathLike[str], b: _tape.Tape | str | os.PathLike[str]
-                ) -> Report:
-        """Compare two recorded tapes (paths or loaded tapes)."""
-        ta = a if isinstance(a, _tape.Tape) else Tape.load(a)
-        tb = b if isinstance(b, _tape.Tape) else Tape.load(b)
-        store = ta.store or tb.store
-        own = None
-        if store is None:
-            store = own = _open_store_for(Path(os.fspath(ta.path)))
-        try:
-            sa, sb = _side(ta, store), _side(tb, store)
-            files: list[dict[str, str]] = []
-            if store is not None and sa["final_tree"] != sb["final_tree"]:
-                from shadowfs import tree as trees
+    def of(cls, comparison: Comparison, reexecution: dict[str, Any] | None = None) -> Report:
+        fields = {k: getattr(comparison, k) for k in comparison.__dataclass_fields__}
+        return cls(**fields, reexecution=reexecution)
 
-                for c in trees.diff_trees(store, sa["final_tree"], sb["final_tree"]):
-                    files.append(
-                        {"path": c.path.decode("utf-8", "backslashreplace"), "status": c.status}
-                    )
+    @classmethod
+    def between(
+        cls, a: _tape.Tape | str | os.PathLike[str], b: _tape.Tape | str | os.PathLike[str]
+    ) -> Report:
+        """Compare two recorded tapes of one tape dir (paths or loaded tapes)."""
+        pa = Path(os.fspath(a.path if isinstance(a, _tape.Tape) else a))
+        pb = Path(os.fspath(b.path if isinstance(b, _tape.Tape) else b))
+        store = _open_store_for(pa)
+        try:
+            return cls.of(compare_tapes(Tape.load(pa, store), Tape.load(pb, store), store))
         finally:
-            if own is not None:
-                own.close()
-        return cls(sa, sb, files)
+            store.close()
 
     def to_json(self) -> dict[str, Any]:
-        def side(s: dict[str, Any]) -> dict[str, Any]:
-            out = {k: v for k, v in s.items() if k not in ("kinds", "final_tree")}
-            out["final_tree"] = s["final_tree"].hex() if s["final_tree"] is not None else None
-            return out
-
-        return {
-            "a": side(self.a),
-            "b": side(self.b),
-            "first_different_frame": self.first_difference,
-            "files": self.files,
-            "cost_delta_usd": round(self.b["cost_usd"] - self.a["cost_usd"], 10),
-        }
+        out = super().to_json()
+        if self.reexecution is not None:
+            out["reexecution"] = self.reexecution
+        return out
 
     def to_markdown(self) -> str:
-        a, b = self.a, self.b
-        lines = [
-            f"# {a['tape_id']} vs {b['tape_id']}",
-            "",
-            "| | A | B |",
-            "|---|---|---|",
-            f"| tape | `{a['tape_id']}` | `{b['tape_id']}` |",
-            f"| status | {a['status']} | {b['status']} |",
-            f"| frames | {a['frames']} | {b['frames']} |",
-            f"| models | {', '.join(a['models']) or '-'} | {', '.join(b['models']) or '-'} |",
-            f"| cost | ${a['cost_usd']:.4f} | ${b['cost_usd']:.4f} |",
-            "",
-        ]
-        if self.first_difference is None:
-            lines.append("The frame sequences have the same kinds.")
+        text = super().to_markdown()
+        r = self.reexecution
+        if r is None:
+            return text
+        at = r["at"]
+        lines = ["## Re-execution", ""]
+        if r["difference"]:
+            lines.append(f"**Diverged**: {r['difference']}")
+            lines.append("")
+            lines.append("B holds the shared frames, the fork frame and a note; nothing after.")
         else:
-            lines.append(f"The frame sequences first differ at frame {self.first_difference}.")
-        lines += ["", "## Messages", ""]
-        pairs = max(len(a["messages"]), len(b["messages"]))
-        if not pairs:
-            lines.append("No agent or model turns on either side.")
-        for i in range(pairs):
-            ma = a["messages"][i] if i < len(a["messages"]) else None
-            mb = b["messages"][i] if i < len(b["messages"]) else None
-            same = ma is not None and mb is not None and ma["text"] == mb["text"] and (
-                ma["model"] == mb["model"]
+            lines.append(
+                f"B re-ran the tracked function: its first {at} frame(s) matched A's frames "
+                f"0..{at - 1} (shared, not rewritten), the rest of B is the new run, made in a "
+                "scratch copy of A's base tree (the real tree was not touched)."
             )
-            lines.append(f"- turn {i + 1}: {'same' if same else 'differs'}")
-            if not same:
-                for tag, m in (("A", ma), ("B", mb)):
-                    if m is None:
-                        lines.append(f"  - {tag}: (none)")
-                    else:
-                        text = (m["text"] or "").replace("\n", " ")
-                        text = text if len(text) <= 200 else text[:197] + "..."
-                        lines.append(f"  - {tag} ({m['model'] or 'no model'}): {text}")
-        lines += ["", "## Files", ""]
-        if not self.files:
-            lines.append("Both sides end with the same files.")
-        for c in self.files:
-            lines.append(f"- {c['status']}: `{c['path']}`")
-        return "\n".join(lines) + "\n"
+        if r.get("error"):
+            lines.append("")
+            lines.append(f"The function raised {r['error']['type']}: {r['error']['message']}")
+        head, sep, rest = text.partition("\n## ")
+        return head + "\n" + "\n".join(lines) + "\n" + sep + rest

@@ -2,10 +2,16 @@
 
 `compare_tapes(tape_a, tape_b, store)` reads two loaded tapes (a run and its fork, a run and its
 replay, or any two runs) and returns a `Comparison`: the shared prefix (leading frames identical
-byte for byte, as a fork shares its origin's), one `Side` per tape, the model turns paired by
-order with the first differing pair, and the file changes between the two final trees (mtime-only
+byte for byte, as a fork shares its origin's), one `Side` per tape, the turns paired by order
+with the first differing pair, and the file changes between the two final trees (mtime-only
 differences are not changes). `to_markdown()` renders the report people read (the terminal view
 is the same text); `to_json()` returns the same facts as plain data.
+
+Turns are model calls (`llm_turn` frames, what the proxy saw go over the wire) and the steps an
+agent recorded itself (`agent_turn` frames from `tx.record_agent_turn`: its own words, model
+name and cost, not a call anyone observed). A fork's `fork` frame names its overrides; an
+agent_turn written after it carries `model_override`, and its model in the report is the
+override, marked as such: the report never presents an agent turn as a call made with it.
 
 Standalone on purpose: the CLI (`jukebox diff TAPE_A TAPE_B`) and the Python API both use it,
 and it needs nothing but the tapes and the store holding their objects.
@@ -23,6 +29,7 @@ from shadowfs.oid import ObjectId
 SHOW_CHARS = 160  # how much of a prompt or reply one line of the report shows
 SHOW_FILES = 50  # file changes listed before "... and N more"
 SHOW_TOOL_CALLS = 20
+_TOKEN_KEYS = ("input", "output", "cached")
 _STATUS_LETTERS = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
 
 
@@ -41,6 +48,9 @@ class Turn:
     cost_usd: float
     status: int | None
     replayed: bool
+    kind: str = "llm_turn"  # or "agent_turn"
+    agent: str | None = None
+    recorded_model: str | None = None  # an agent_turn's own model when an override replaced it
 
     def key(self) -> tuple[Any, ...]:
         calls = json.dumps(self.tool_calls, sort_keys=True, default=str)
@@ -67,10 +77,26 @@ class Side:
     tokens: dict[str, int] = field(default_factory=dict)
     cost_usd: float = 0.0
     kinds: dict[str, int] = field(default_factory=dict)
+    fork: dict[str, Any] | None = None  # the last fork frame: {"at", "from", "overrides"}
 
     @property
     def tool_calls(self) -> list[dict[str, Any]]:
         return [call for turn in self.turns for call in turn.tool_calls]
+
+    @property
+    def llm_calls(self) -> int:
+        return sum(1 for t in self.turns if t.kind == "llm_turn")
+
+    @property
+    def agent_turns(self) -> int:
+        return sum(1 for t in self.turns if t.kind == "agent_turn")
+
+    def models_text(self) -> str:
+        text = ", ".join(self.models) or "-"
+        model = (self.fork or {}).get("overrides", {}).get("model")
+        if model:
+            text += f" (fork override from frame {self.fork['at']}: {model})"  # type: ignore[index]
+        return text
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,7 +107,9 @@ class Side:
             "status": self.status,
             "exit_code": self.exit_code,
             "models": self.models,
-            "llm_calls": len(self.turns),
+            "llm_calls": self.llm_calls,
+            "agent_turns": self.agent_turns,
+            "fork": self.fork,
             "tool_calls": self.tool_calls,
             "checkpoints": self.checkpoints,
             "final_tree": self.final_tree.hex() if self.final_tree is not None else None,
@@ -155,8 +183,9 @@ class Comparison:
                 ["frames", a.frames, b.frames],
                 ["status", a.status, b.status],
                 ["exit code", _opt(a.exit_code), _opt(b.exit_code)],
-                ["models", ", ".join(a.models) or "-", ", ".join(b.models) or "-"],
-                ["LLM calls", len(a.turns), len(b.turns)],
+                ["models", _cell(a.models_text()), _cell(b.models_text())],
+                ["LLM calls", a.llm_calls, b.llm_calls],
+                ["agent turns", a.agent_turns, b.agent_turns],
                 ["tool calls", len(a.tool_calls), len(b.tool_calls)],
                 ["checkpoints", a.checkpoints, b.checkpoints],
                 ["tokens (in / out / cached)", _tokens(a.tokens), _tokens(b.tokens)],
@@ -172,12 +201,13 @@ class Comparison:
             )
         else:
             out.append("None: the tapes differ from frame 0 (two separate runs).")
+        out += self._fork_markdown()
         out += ["", "## Models", ""]
-        if a.models == b.models:
+        if a.models == b.models and a.models_text() == b.models_text():
             out.append(f"Same: {', '.join(a.models) or 'no model calls'}.")
         else:
-            out.append(f"- A: {', '.join(a.models) or '-'}")
-            out.append(f"- B: {', '.join(b.models) or '-'}")
+            out.append(f"- A: {a.models_text()}")
+            out.append(f"- B: {b.models_text()}")
         out += ["", "## Messages", ""]
         out += self._messages_markdown()
         out += ["", "## Tool calls", ""]
@@ -196,6 +226,30 @@ class Comparison:
                 _signed_money(b.cost_usd - a.cost_usd)]],
         )  # fmt: skip
         return "\n".join(out) + "\n"
+
+    def _fork_markdown(self) -> list[str]:
+        out: list[str] = []
+        for name, side in (("A", self.a), ("B", self.b)):
+            if side.fork is None:
+                continue
+            overrides = side.fork.get("overrides") or {}
+            at = side.fork["at"]
+            out += ["", f"## Fork ({name})", ""]
+            out.append(f"{name} forks `{side.fork.get('from')}` at frame {at}.")
+            for key, value in overrides.items():
+                out.append(f"- {key.replace('_', ' ')} override: {_cell(_show(str(value)))}")
+            if overrides:
+                calls = sum(1 for t in side.turns if t.kind == "llm_turn" and t.seq > at)
+                turns = sum(1 for t in side.turns if t.kind == "agent_turn" and t.seq > at)
+                out += [
+                    "",
+                    f"The overrides apply to model calls after frame {at}: {name} made {calls} "
+                    f"(`llm_turn`). Its {turns} agent turn(s) after the fork (`agent_turn`, "
+                    "recorded by the agent itself) are not model calls: they carry "
+                    "`model_override` and show the override as their model, but no API call "
+                    "was made for them.",
+                ]
+        return out
 
     def _messages_markdown(self) -> list[str]:
         paired = max(len(self.a.turns), len(self.b.turns))
@@ -219,8 +273,8 @@ class Comparison:
         out.append("")
         rows = []
         for name, get in (
-            ("endpoint", lambda t: f"{t.provider} {t.endpoint}"),
-            ("model", lambda t: t.model or "-"),
+            ("endpoint", _where),
+            ("model", _model_text),
             ("prompt", lambda t: _show(t.prompt)),
             ("reply", lambda t: _show(t.reply)),
             ("tool calls", lambda t: _calls_text(t.tool_calls) or "-"),
@@ -307,17 +361,27 @@ def read_side(tape: Any, store: Any, label: str | None = None) -> Side:
     checkpoints = 0
     exit_code: int | None = None
     final_tree: ObjectId | None = None
+    fork: dict[str, Any] | None = None
     for frame in tape.frames:
         kinds[frame.kind] = kinds.get(frame.kind, 0) + 1
         if frame.tree is not None:
             final_tree = frame.tree
-        if frame.kind == "checkpoint":
+        if frame.kind == "fork":
+            origin = frame.payload.get("forked_from")
+            if isinstance(origin, dict):
+                overrides = frame.payload.get("overrides")
+                fork = {
+                    "at": frame.seq,
+                    "from": origin.get("tape"),
+                    "overrides": overrides if isinstance(overrides, dict) else {},
+                }
+        elif frame.kind == "checkpoint":
             checkpoints += 1
         elif frame.kind == "exit":
             code = frame.payload.get("code")
             exit_code = code if isinstance(code, int) else None
-        elif frame.kind == "llm_turn":
-            turn = read_turn(frame, store)
+        elif frame.kind in ("llm_turn", "agent_turn"):
+            turn = read_turn(frame, store) if frame.kind == "llm_turn" else read_agent_turn(frame)
             turns.append(turn)
             if turn.model and turn.model not in models:
                 models.append(turn.model)
@@ -339,6 +403,39 @@ def read_side(tape: Any, store: Any, label: str | None = None) -> Side:
         tokens=tokens,
         cost_usd=cost,
         kinds=kinds,
+        fork=fork,
+    )
+
+
+def read_agent_turn(frame: Any) -> Turn:
+    """An agent_turn frame as a Turn: what the agent said it did, with the fork's model
+    override (if one was in force) as its model and the agent's own name kept beside it."""
+    p = frame.payload
+    recorded = p.get("model") if isinstance(p.get("model"), str) else None
+    override = p.get("model_override") if isinstance(p.get("model_override"), str) else None
+    tokens = p.get("tokens")
+    usage = {}
+    if isinstance(tokens, dict):
+        usage = {k: v for k, v in tokens.items() if k in _TOKEN_KEYS and isinstance(v, int)}
+    cost = p.get("cost_usd")
+    if isinstance(cost, bool) or not isinstance(cost, int | float):
+        cost = 0.0
+    calls = p.get("tool_calls")
+    return Turn(
+        seq=frame.seq,
+        provider="agent",
+        endpoint="agent_turn",
+        model=override or recorded,
+        prompt="",
+        reply=p.get("text") if isinstance(p.get("text"), str) else "",
+        tool_calls=list(calls) if isinstance(calls, list) else [],
+        usage=usage,
+        cost_usd=float(cost),
+        status=None,
+        replayed=False,
+        kind="agent_turn",
+        agent=p.get("agent") if isinstance(p.get("agent"), str) else None,
+        recorded_model=recorded if override else None,
     )
 
 
@@ -414,6 +511,18 @@ def _tool_calls_markdown(a: Side, b: Side) -> list[str]:
         )
         out.append(f"- {side} ({len(calls)}): {shown}{more}")
     return out
+
+
+def _where(turn: Turn) -> str:
+    if turn.kind == "agent_turn":
+        return f"agent turn ({turn.agent or '?'}), not a model call"
+    return f"{turn.provider} {turn.endpoint}"
+
+
+def _model_text(turn: Turn) -> str:
+    if turn.recorded_model is not None:
+        return f"{turn.model} (fork override; the agent recorded {turn.recorded_model})"
+    return turn.model or "-"
 
 
 def _calls_text(calls: list[dict[str, Any]]) -> str:

@@ -156,7 +156,15 @@ class Run:
     active: list[TapeLog] = field(default_factory=list)
     # Makes a tape for model calls made while no transaction is open (set by jukebox.api).
     fallback: Any = None
+    # A re-execution's redirect (jukebox.bside): every transaction's root, store and tape.
+    redirect: Any = None
+    opened: int = 0  # transactions opened so far; each run_start records its rank
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def next_rank(self) -> int:
+        with self.lock:
+            self.opened += 1
+            return self.opened
 
     def adopt(self, log: TapeLog) -> None:
         with self.lock:
@@ -194,6 +202,11 @@ class Run:
 
 current_run: contextvars.ContextVar[Run | None] = contextvars.ContextVar(
     "jukebox_run", default=None
+)
+# Set while a B side re-executes a tracked function (jukebox.bside.Redirect): runs started
+# then take their roots, store and tapes from it.
+current_redirect: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jukebox_redirect", default=None
 )
 
 
@@ -540,8 +553,18 @@ class Transaction:
                 f"transaction {self.tape_id} was already opened; make a new one with "
                 "jb.transaction()"
             )
-        store = self._store = self._store_factory()
-        root = os.path.realpath(os.fspath(self._root_arg) if self._root_arg else os.getcwd())
+        run = self._run = current_run.get()
+        rank = run.next_rank() if run is not None else 0
+        redirect = run.redirect if run is not None else None
+        if redirect is not None:
+            # A B side re-executing the run: a scratch root and tape dir, the real store.
+            self._tapes = redirect.tapes
+            self._base_cache = None
+            store = self._store = redirect.store
+            root = redirect.root
+        else:
+            store = self._store = self._store_factory()
+            root = os.path.realpath(os.fspath(self._root_arg) if self._root_arg else os.getcwd())
         if not os.path.isdir(root):
             raise ValueError(
                 f"the transaction root {root} is not a directory: set SandboxPolicy(root=...) "
@@ -550,7 +573,6 @@ class Transaction:
         self.root = root
         tape_dir = os.path.realpath(self._tapes.path)
         self._tape_rel = _relative(tape_dir, root)
-        run = self._run = current_run.get()
         if run is not None:
             self._breaker = run.breaker
         elif self._template is not None:
@@ -562,8 +584,12 @@ class Transaction:
                 self._layer = Layer(root, store, self._scratch, base_tree=self.base_tree)
             tape_id = self._requested_id or self._fresh_id()
             self.tape_id = tape_id
-            self.tape_path, self.archived = claim_tape_path(self._tapes, tape_id)
-            self._log = TapeLog(self.tape_path, store, tape_id)
+            log = redirect.open_log(rank) if redirect is not None else None
+            if log is not None:
+                self.tape_path, self._log = log.path, log
+            else:
+                self.tape_path, self.archived = claim_tape_path(self._tapes, tape_id)
+                self._log = TapeLog(self.tape_path, store, tape_id)
             payload: dict[str, Any] = {
                 "tape_id": tape_id,
                 "name": self._name or (run.name if run is not None else None) or _script_name(),
@@ -581,7 +607,9 @@ class Transaction:
             if self._breaker is not None:
                 payload["breaker"] = self._breaker.limits
             if run is not None:
-                payload["run"] = {"id": run.id, "function": run.function, "args": run.args}
+                payload["run"] = {
+                    "id": run.id, "function": run.function, "args": run.args, "transaction": rank
+                }
             if self.archived is not None:
                 payload["previous_run"] = self.archived.name
             if self.base_tree is not None:

@@ -142,10 +142,13 @@ def test_report_compares_two_tapes_and_fork_plans_a_b_side(jb: Jukebox, work: Pa
     md = report.to_markdown()
     assert "| status | COMMITTED | ROLLED_BACK |" in md
     assert "| models | gpt-4o | claude-3-7-sonnet-latest |" in md
-    assert "A (gpt-4o): refund 420.0" in md and "B (claude-3-7-sonnet-latest): refund 900.0" in md
-    assert "- deleted: `ledger.json`" in md
+    assert "| model * | gpt-4o | claude-3-7-sonnet-latest |" in md
+    assert "| reply * | refund 420.0 | refund 900.0 |" in md
+    assert "| endpoint | agent turn (planner), not a model call |" in md
+    assert "- `D` ledger.json" in md
     data = report.to_json()
-    assert data["first_different_frame"] == 3 and data["cost_delta_usd"] == 0
+    assert data["shared_prefix"] == 0 and data["messages"]["differing_turns"] == [1]
+    assert data["a"]["cost_usd"] == data["b"]["cost_usd"] == 0.002
 
     tape = Tape.load(jb.tapes.tape_path("r420"))
     assert isinstance(tape, PlainTape)
