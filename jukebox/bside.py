@@ -156,6 +156,14 @@ class ForkLog(TapeLog):
             i, self._count = self._count, self._count + 1
             if s.difference is not None:
                 return s.sink(kind, payload, kw)
+            if i < s.at and kind == "note" and payload.get("event") == "divergence":
+                # The proxy's report of a model request that differs from the tape's; the SDK
+                # call already failed with it, so the agent needs no exception from here.
+                s.diverge(
+                    f"the re-execution diverged before the fork at frame {s.at}: "
+                    f"{payload.get('message')}"
+                )
+                return s.sink(kind, payload, kw)
             if i < s.at:
                 want = s.origin.frames[i]
                 why = mismatch(s.store, want, kind, payload, kw.get("tree"))

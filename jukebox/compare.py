@@ -563,6 +563,7 @@ def _signed(value: int) -> str:
 
 
 def _signed_money(value: float) -> str:
+    value = round(value, 10)  # a float sum's last-bit noise is no loss
     return ("+" if value >= 0 else "-") + f"${abs(value):.4f}"
 
 

@@ -15,6 +15,7 @@ from jukebox.tape import Tape
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "seed_example.py"
+FORK_EXAMPLE = REPO / "examples" / "seed_fork.py"
 SEED_DOC = Path("/work/shared/seed-example.md")
 LEDGER = Path("tapes") / "staged_ledger_demo.json"
 JUKEBOX = Path(sys.executable).parent / "jukebox"
@@ -25,6 +26,7 @@ def test_example_is_the_seed_verbatim() -> None:
         pytest.skip("the shared seed document is not present on this machine")
     blocks = re.findall(r"```python\n(.*?)```", SEED_DOC.read_text(), re.S)
     assert EXAMPLE.read_text() == blocks[0]
+    assert FORK_EXAMPLE.read_text() == blocks[1]
 
 
 def _example(cwd: Path, amount: str = "420.00") -> Path:
@@ -38,11 +40,12 @@ def _example(cwd: Path, amount: str = "420.00") -> Path:
     return path
 
 
-def _run(cwd: Path, watch: Path | None = None) -> tuple[subprocess.CompletedProcess[str], bool]:
-    """Run example.py in cwd; with `watch`, poll for that path the whole time it runs."""
+def _run(cwd: Path, watch: Path | None = None, script: str = "example.py"
+         ) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """Run a script in cwd; with `watch`, poll for that path the whole time it runs."""
     env = {k: v for k, v in os.environ.items() if k != "JUKEBOX_TAPE_DIR"}
     proc = subprocess.Popen(
-        [sys.executable, "example.py"], cwd=cwd, env=env, text=True,
+        [sys.executable, script], cwd=cwd, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     seen = False
@@ -161,3 +164,39 @@ def test_import_jukebox_stays_cheap() -> None:
     assert out.stdout == "[]\nTrue\n"
 
 
+
+
+def test_the_fork_snippet_prints_a_report_of_the_b_side(tmp_path: Path) -> None:
+    """The seed's second snippet, verbatim, after the first: a B side sharing frames 0..2,
+    re-executed from frame 3 in a scratch copy, and a markdown report."""
+    _example(tmp_path)
+    first, _ = _run(tmp_path)
+    assert first.returncode == 0, first.stderr
+    ledger = tmp_path / LEDGER
+    stamp = ledger.stat().st_mtime_ns
+    (tmp_path / "fork.py").write_text(FORK_EXAMPLE.read_text())
+    proc, _ = _run(tmp_path, script="fork.py")
+    assert proc.returncode == 0, proc.stderr
+    md = proc.stdout
+    assert md.startswith("# Tape comparison: tr_8f92a1c4 vs tr_")
+    for section in ("## Re-execution", "## Shared prefix", "## Fork (B)", "## Models",
+                    "## Messages", "## Files", "## Tokens and cost"):
+        assert section in md, section
+    assert "| frames | 5 | 6 |" in md
+    assert "Frames 0..2 (3 frame(s)) are identical byte for byte" in md
+    assert "- model override: claude-3-7-sonnet-latest" in md
+    assert "- B: gpt-4o (fork override from frame 3: claude-3-7-sonnet-latest)" in md
+    assert "All 1 turn(s) match" in md and "The final file states are the same" in md
+    assert "| cost | $0.0080 | $0.0080 |" in md
+    # The B side is a tape like any other; the real tree and the A side are untouched.
+    rows = _ls_rows(tmp_path)
+    assert len(rows) == 2 and {r[1] for r in rows} == {"invoice-reconciliation-agent"}
+    b_id = md.splitlines()[0].rsplit(" ", 1)[1]
+    tape = Tape.load(tmp_path / "tapes" / f"{b_id}.jbx")
+    assert [f.kind for f in tape.frames] == [
+        "run_start", "agent_turn", "fs", "fork", "commit", "exit"
+    ]
+    assert tape.verify().ok
+    assert ledger.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in (tmp_path / "tapes").iterdir() if not p.name.startswith(".")) \
+        == sorted(["staged_ledger_demo.json", "tr_8f92a1c4.jbx", f"{b_id}.jbx"])
