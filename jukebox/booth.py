@@ -37,7 +37,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -378,6 +377,8 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
             ):
                 _append_to_tape(store, record.tape, "discard", {"by": "booth discard"})
         shutil.rmtree(tape_dir.state / "scratch" / booth_id, ignore_errors=True)
+        # A killed supervisor leaves its control socket's (empty) mount point in /tmp.
+        isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
         _finish(tape_dir, booth_id)
 
 
@@ -772,7 +773,7 @@ def run_booth(
         layer.mount()
         run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
         run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
-        sock_dir = tempfile.mkdtemp(prefix=f"jukebox-{booth_id}-")
+        sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
         sock_path = os.path.join(sock_dir, "control.sock")
         server = ControlServer(sock_path, run.handlers()).start()
         from jukebox.llm.session import LlmSession
@@ -793,7 +794,8 @@ def run_booth(
             argv=argv,
             cwd=agent_cwd,
             env=env,
-            keep=[tree_path, sock_dir],
+            keep=[tree_path],
+            keep_readonly=[sock_dir],
             hide=[*img.hidden_paths(), str(tapes.path)],
             readonly_root=img.readonly_host,
             private_tmp=img.private_tmp,
@@ -909,7 +911,7 @@ def run_booth(
             with contextlib.suppress(Exception):
                 layer.discard()
         if sock_dir:
-            shutil.rmtree(sock_dir, ignore_errors=True)
+            isolation.remove_private_dir(sock_dir)
         if tree_fd >= 0:
             os.close(tree_fd)
         if writer is not None:

@@ -7,7 +7,8 @@ file. The keys (see sandbox_images/host.toml):
     [fs]      readonly_host, private_tmp, only (top-level dirs kept; the rest hidden), hide
     [env]     allow (glob patterns of names passed to the agent), secret (patterns of names whose
               values are secret: passed only if allowed, marked on the tape), set (fixed values)
-    [limits]  cpu_seconds, memory (bytes, or "512M", "8G"), open_files, processes
+    [limits]  cpu_seconds, memory (bytes, or "512M", "8G"), open_files, processes,
+              file_size (the largest file the agent may write: bytes or "2G"; RLIMIT_FSIZE)
 
 Validation is strict: an unknown key or a wrong type is an error naming the file, the key and
 the valid values, since a typo in a sandbox spec silently weakens the sandbox.
@@ -213,15 +214,17 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
             if value <= 0:
                 raise lim.fail(key, f"is {value}: must be a positive integer")
             limits[key] = value
-    memory = lim.take("memory", (int, str), None, 'must be a size in bytes or like "512M", "8G"')
-    if memory is not None:
+    for key, limit in (("memory", "memory_bytes"), ("file_size", "file_size_bytes")):
+        size = lim.take(key, (int, str), None, 'must be a size in bytes or like "512M", "8G"')
+        if size is None:
+            continue
         try:
-            limits["memory_bytes"] = parse_size(memory)
+            limits[limit] = parse_size(size)
         except ValueError:
-            raise lim.fail(
-                "memory", f'is {memory!r}: use bytes or a size like "512M", "8G"'
-            ) from None
-    lim.done(("cpu_seconds", "memory", "open_files", "processes"))
+            raise lim.fail(key, f'is {size!r}: use bytes or a size like "512M", "8G"') from None
+        if limits[limit] <= 0:
+            raise lim.fail(key, f"is {size!r}: must be a positive size")
+    lim.done(("cpu_seconds", "memory", "open_files", "processes", "file_size"))
     top.done(("name", "description", "net", "verify", "fs", "env", "limits"))
 
     return Image(

@@ -9,11 +9,26 @@ Two steps, in two processes:
 * Each sandboxed command (the agent, the verifier) is started through a small exec shim,
   `python -m jukebox.isolation exec`, rather than a `preexec_fn`: the supervisor has threads (the
   FUSE server, the control socket), and running Python between fork and exec in a threaded
-  process can deadlock. The shim enters a mount namespace of its own (a child of the
-  supervisor's, so it still sees the layer), hides what the agent must not see, makes the host
-  read-only, sets limits, cuts capabilities, sets PR_SET_NO_NEW_PRIVS and PR_SET_PDEATHSIG, and
-  execs the command. It reports a failed set-up over a close-on-exec pipe: an empty pipe means
-  the command is running.
+  process can deadlock. The shim reports a failed set-up over a close-on-exec pipe: an empty
+  pipe means the command is running.
+
+The shim is three processes, so that nothing the command starts can outlive the booth:
+
+    supervisor ── relay (the shim; the pid the supervisor waits for)
+                    └── init (pid 1 of a new PID namespace)
+                          └── CMD
+
+* The relay unshares a PID namespace and forks the init. It passes the supervisor's signals on
+  to the init and, once the init is gone, exits exactly as CMD did (its status, or killed by
+  the same signal), so the supervisor sees CMD's outcome as if it were its own child.
+* The init enters a mount namespace of its own (a child of the supervisor's, so it still sees
+  the layer), hides what CMD must not see, makes the host read-only, mounts a fresh /proc for
+  the new PID namespace (CMD sees its own processes only, the supervisor not at all), then forks
+  CMD, which sets limits, cuts capabilities, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
+  signals on to CMD, reaps every orphan, and exits when CMD does: the kernel then kills whatever
+  is left in the namespace (setsid, nohup and double forks included).
+* Each link holds PR_SET_PDEATHSIG(SIGKILL) to the one above, so a SIGKILLed supervisor takes
+  the relay, the relay the init, and the init the whole namespace.
 
 Python 3.11 has no `os.unshare`, so the namespace and mount calls go through ctypes on libc.
 """
@@ -26,23 +41,27 @@ import errno
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
@@ -60,6 +79,8 @@ MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
+MNT_DETACH = 0x2
 
 # What the agent must never hold, even as root: these are the ways out of a mount namespace
 # (mount, umount, pivot_root, chroot, ptrace of the supervisor, raw devices, modules) or around
@@ -93,9 +114,27 @@ RLIMITS: dict[str, int] = {
     "memory_bytes": resource.RLIMIT_AS,
     "open_files": resource.RLIMIT_NOFILE,
     "processes": resource.RLIMIT_NPROC,
+    "file_size_bytes": resource.RLIMIT_FSIZE,
 }
 
 SETUP_FAILED_STATUS = 125  # what the shim exits with when it could not set the sandbox up
+# What the relay and the init pass on to CMD. SIGKILL cannot be caught: killing the relay ends
+# the init (PDEATHSIG) and with it the namespace, which is the same thing for CMD.
+FORWARDED_SIGNALS = frozenset(
+    {
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    }
+)
+_WAITED = FORWARDED_SIGNALS | {signal.SIGCHLD}
+# si_code of a signal the kernel sent, e.g. the terminal's Ctrl-C to the whole foreground
+# process group: CMD got it too, so passing it on would deliver it twice.
+SI_KERNEL = 0x80
+INIT_TITLE = "jukebox-init"
 
 
 class IsolationError(Exception):
@@ -227,6 +266,53 @@ def enter_private_namespace() -> bool:
     return userns
 
 
+def private_socket_dir(prefix: str) -> str:
+    """A directory for the control socket, backed by a tiny tmpfs of this namespace's own.
+
+    On the host it is an empty 0700 directory in /tmp (a short path: a unix socket's must fit
+    in 108 bytes); the socket itself lives only in the tmpfs, which dies with the supervisor's
+    namespace, so even a killed supervisor leaves at most the empty directory. Call it from
+    inside the booth's namespace. The agent gets the directory read-only (`keep_readonly`): it
+    can connect to the socket but not create anything beside it.
+    """
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        mount(
+            "tmpfs",
+            path,
+            "tmpfs",
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            "mode=0700,size=16k,nr_inodes=16",
+        )
+    except OSError as error:
+        os.rmdir(path)
+        raise IsolationError(
+            f"cannot mount the control socket's private directory at {path} "
+            f"({error.strerror}): the booth's namespace lacks CAP_SYS_ADMIN; run it as "
+            "`jukebox booth run`"
+        ) from error
+    return path
+
+
+def remove_stale_socket_dirs(prefix: str) -> None:
+    """Removes the empty mount points `private_socket_dir(prefix)` left when its supervisor was
+    killed (anything not empty is not ours to remove)."""
+    tmp = tempfile.gettempdir()
+    with contextlib.suppress(OSError), os.scandir(tmp) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.rmdir(entry.path)
+
+
+def remove_private_dir(path: str) -> None:
+    """Removes a directory made by `private_socket_dir`, leaving nothing behind on the host."""
+    with contextlib.suppress(OSError):
+        umount(path, MNT_DETACH)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
+
+
 # --------------------------------------------------------------------------- the child's spec
 
 
@@ -238,9 +324,10 @@ class ChildSpec:
     argv: list[str]
     cwd: str
     env: dict[str, str]
-    keep: list[str] = field(
-        default_factory=list
-    )  # mounts that stay reachable (the tree, the socket dir)
+    keep: list[str] = field(default_factory=list)  # mounts that stay reachable (the tree)
+    # Mounts that stay reachable read-only (the control socket's directory: connect() needs no
+    # write access to the mount, creating a file beside the socket does).
+    keep_readonly: list[str] = field(default_factory=list)
     hide: list[str] = field(
         default_factory=list
     )  # covered by an empty read-only tmpfs (or /dev/null for files)
@@ -339,18 +426,20 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def build_view(spec: ChildSpec) -> None:
+def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     """Shapes this process's (new) mount namespace as the image asks. Order matters:
 
     the kept mounts are cloned first, so making the host read-only and covering /tmp or a home
     directory cannot take them away; covers are mounted writable so the kept paths can be
-    re-created inside them, then turned read-only.
+    re-created inside them, then turned read-only. With `fresh_proc` (the caller is pid 1 of a
+    new PID namespace) /proc is replaced by a procfs of that namespace.
     """
     unshare(CLONE_NEWNS | (CLONE_NEWNET if spec.net == "none" else 0))
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     if spec.net == "none":
         _lo_up()
-    keep = sorted({os.path.realpath(p) for p in spec.keep})
+    readonly = {os.path.realpath(p) for p in spec.keep_readonly}
+    keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly)
     clones = {path: open_tree_clone(path) for path in keep}
     if spec.readonly_root:
         mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
@@ -370,12 +459,31 @@ def build_view(spec: ChildSpec) -> None:
         os.makedirs(path, exist_ok=True)
         move_mount(fd, path)
         os.close(fd)
+        if path in readonly:
+            flags = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
+            mount_setattr(path, flags)
     hidden_ro += _cover_all(below)
     for path in hidden_ro:
         if os.path.isdir(path):
             mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         else:
             mount_setattr(path, MOUNT_ATTR_RDONLY)
+    if fresh_proc and os.path.isdir("/proc") and not any(_is_under("/proc", h) for h in hides):
+        _mount_fresh_proc(spec.readonly_root)
+
+
+def _mount_fresh_proc(readonly: bool) -> None:
+    """A procfs of the caller's PID namespace over /proc: `ps`, /proc/self and /proc/1 make
+    sense inside, and no process outside the namespace (the supervisor) is there at all."""
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | (MS_RDONLY if readonly else 0)
+    try:
+        mount("proc", "/proc", "proc", flags)
+    except OSError as error:
+        # Unprivileged, the kernel allows a new procfs only while the host's is fully visible:
+        # under a /proc with masked entries (some containers) it refuses. The host's read-only
+        # /proc then stays; the PID namespace still ends every process with the run.
+        if error.errno != errno.EPERM:
+            raise
 
 
 def _cover_all(paths: list[str]) -> list[str]:
@@ -415,10 +523,11 @@ def drop_privileges(cap_names: Sequence[str] = DROPPED_CAPS) -> None:
 
 
 def _shim_main(spec_fd: int, status_fd: int) -> None:
+    """The relay: reads the spec, makes the PID namespace, forks the init and waits for it."""
     import prctl
 
     os.set_inheritable(status_fd, False)
-    # First: should the supervisor die from now on, so does this process and what it execs.
+    # First: should the supervisor die from now on, so does this process and all below it.
     prctl.set_pdeathsig(signal.SIGKILL)
     chunks = []
     while True:
@@ -430,36 +539,151 @@ def _shim_main(spec_fd: int, status_fd: int) -> None:
     spec = ChildSpec.from_json(b"".join(chunks))
     if spec.parent_pid and os.getppid() != spec.parent_pid:
         os._exit(SETUP_FAILED_STATUS)  # the supervisor died before pdeathsig was armed
-    step = "building the booth's view of the file system"
+    # Blocked from here on, and inherited by the init: both take them with sigwaitinfo.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
     try:
-        build_view(spec)
-        step = "setting resource limits"
+        unshare(CLONE_NEWPID)
+    except OSError as error:
+        _setup_failed(status_fd, "entering a new PID namespace", error)
+    alive_r, alive_w = os.pipe2(os.O_CLOEXEC)  # EOF for the init once the relay is gone
+    result_r, result_w = os.pipe2(os.O_CLOEXEC)  # CMD's raw wait status, from the init
+    init = os.fork()
+    if init == 0:
+        os.close(alive_w)
+        os.close(result_r)
+        _init_main(spec, status_fd, alive_r, result_w)
+    os.close(alive_r)
+    os.close(result_w)
+    # Only the init and CMD may hold the status pipe: its EOF is what says CMD was exec'd.
+    os.close(status_fd)
+    status = _relay(init)
+    data = os.read(result_r, 4)
+    if len(data) == 4:
+        status = struct.unpack("i", data)[0]
+    _exit_as(status)
+
+
+def _relay(init: int) -> int:
+    """Passes signals on to the init until it exits; returns its wait status."""
+    while True:
+        info = signal.sigwaitinfo(_WAITED)
+        if info.si_signo == signal.SIGCHLD:
+            pid, status = os.waitpid(init, os.WNOHANG)
+            if pid:
+                return status
+        elif info.si_code != SI_KERNEL:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, info.si_signo)
+
+
+def _exit_as(status: int) -> None:
+    """Ends this process the way CMD ended: its exit status, or killed by its signal."""
+    if os.WIFSIGNALED(status):
+        import prctl
+
+        sig = os.WTERMSIG(status)
+        prctl.set_dumpable(0)  # the relay's own core is of no use to anybody
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # a signal whose default is to be ignored: only a status is left
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else SETUP_FAILED_STATUS)
+
+
+def _init_main(spec: ChildSpec, status_fd: int, alive_r: int, result_w: int) -> None:
+    """Pid 1 of the booth's PID namespace: builds the view, starts CMD, reaps, exits with CMD."""
+    import prctl
+
+    prctl.set_pdeathsig(signal.SIGKILL)
+    readable, _, _ = select.select([alive_r], [], [], 0)
+    if readable:
+        os._exit(SETUP_FAILED_STATUS)  # the relay died before pdeathsig was armed
+    os.close(alive_r)
+    with contextlib.suppress(Exception):
+        prctl.set_proctitle(INIT_TITLE)  # what `ps` and /proc/1/cmdline show inside
+    try:
+        build_view(spec, fresh_proc=True)
+    except Exception as error:
+        _setup_failed(status_fd, "building the booth's view of the file system", error)
+    try:
+        cmd = os.fork()
+    except OSError as error:
+        _setup_failed(status_fd, "starting the command's process", error)
+    if cmd == 0:
+        os.close(result_w)
+        _exec_cmd(spec, status_fd)
+    os.close(status_fd)
+    status = _reap_until(cmd)
+    os.write(result_w, struct.pack("i", status))
+    if os.WIFSIGNALED(status):
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _reap_until(cmd: int) -> int:
+    """Passes signals on to CMD and reaps every child (orphans are re-parented to pid 1) until
+    CMD exits; returns CMD's wait status."""
+    while True:
+        info = signal.sigwaitinfo(_WAITED)
+        if info.si_signo != signal.SIGCHLD:
+            if info.si_code != SI_KERNEL:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(cmd, info.si_signo)
+            continue
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid == cmd:
+                return status
+
+
+def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
+    """CMD's process: limits, privileges, working directory, then exec."""
+    step = "setting resource limits"
+    try:
+        import prctl
+
+        prctl.set_pdeathsig(signal.SIGKILL)
         set_limits(spec.limits)
         step = "dropping privileges"
         drop_privileges()
         step = f"entering the working directory {spec.cwd}"
         os.chdir(spec.cwd)
-        # The supervisor blocks the signals it waits for; the command must not inherit that.
+        # The supervisor blocks the signals it waits for, and so do the relay and the init;
+        # Python ignores SIGPIPE and SIGXFSZ. CMD must inherit none of that: a write past its
+        # file size limit should end a shell tool as it would anywhere (SIGXFSZ).
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGHUP):
+        for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
         step = f"starting {spec.argv[0]!r}"
         os.execvpe(spec.argv[0], spec.argv, spec.env)
     except OSError as error:
-        message = f"booth set-up failed while {step}: {error.strerror or error}"
-        code = SETUP_FAILED_STATUS
         if step.startswith("starting"):
             code = 127 if error.errno == errno.ENOENT else 126
             message = (
                 f"cannot run {spec.argv[0]!r}: {error.strerror}; check the command and its PATH"
             )
-        os.write(status_fd, message.encode())
-        os._exit(code)
-    except Exception as error:  # a bug of ours: still report it rather than hang the supervisor
-        os.write(
-            status_fd, f"booth set-up failed while {step}: {type(error).__name__}: {error}".encode()
-        )
-        os._exit(SETUP_FAILED_STATUS)
+            os.write(status_fd, message.encode())
+            os._exit(code)
+        _setup_failed(status_fd, step, error)
+    except Exception as error:
+        _setup_failed(status_fd, step, error)
+
+
+def _setup_failed(status_fd: int, step: str, error: BaseException) -> NoReturn:
+    """Reports a failed set-up step to the supervisor and ends this process."""
+    if isinstance(error, OSError):
+        detail = error.strerror or str(error)
+    else:  # a bug of ours: still report it rather than hang the supervisor
+        detail = f"{type(error).__name__}: {error}"
+    with contextlib.suppress(OSError):
+        os.write(status_fd, f"booth set-up failed while {step}: {detail}".encode())
+    os._exit(SETUP_FAILED_STATUS)
 
 
 def main(argv: Sequence[str]) -> None:

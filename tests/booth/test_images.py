@@ -16,7 +16,13 @@ def test_shipped_images_load() -> None:
     minimal = load_image("minimal")
     assert "/home" in minimal.hide and "/etc/shadow" in minimal.hide and "/root" in minimal.hide
     assert minimal.limits["memory_bytes"] == 16 << 30
-    assert set(minimal.limits) == {"cpu_seconds", "memory_bytes", "open_files", "processes"}
+    assert set(minimal.limits) == {
+        "cpu_seconds",
+        "memory_bytes",
+        "open_files",
+        "processes",
+        "file_size_bytes",
+    }
 
 
 def test_env_filtering_and_secret_names() -> None:

@@ -26,14 +26,23 @@ cfg = json.loads(sys.argv[1])
 tree = cfg["tree"]
 userns = iso.enter_private_namespace()
 iso.mount("tmpfs", tree, "tmpfs", 0, "mode=0777")
-spec = iso.ChildSpec(argv=cfg["argv"], cwd=tree, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SUPERVISOR_PID": str(os.getpid())}
+spec = iso.ChildSpec(argv=cfg["argv"], cwd=tree, env=env,
                      keep=[tree], hide=cfg["hide"], limits=cfg.get("limits", {}),
                      net=cfg.get("net", "host"), private_tmp=cfg.get("private_tmp", True))
 child = iso.spawn(spec, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 started = child.wait_started()
 print("READY", flush=True)
 sys.stdin.readline()
-out = child.proc.communicate()[0].decode()
+early = b""
+if cfg.get("signal"):  # sent, as the supervisor sends it, once the command says it is ARMED
+    while b"ARMED" not in early:
+        chunk = os.read(child.proc.stdout.fileno(), 4096)
+        if not chunk:
+            break
+        early += chunk
+    child.proc.send_signal(cfg["signal"])
+out = (early + child.proc.communicate()[0]).decode()
 print(json.dumps({"userns": userns, "started": started, "error": child.setup_error,
                   "rc": child.proc.returncode, "out": out}), flush=True)
 """
@@ -179,3 +188,104 @@ def test_unprivileged_booth_via_user_namespace(nobody_python: str, nobody_dir: P
     report, outside = booth_helper(probe_cfg(tree, tapes), python=nobody_python, user=NOBODY)
     check_probe(report, outside, tree)
     assert report["userns"] is True
+
+
+# ----------------------------------------------------------------- the PID namespace and its init
+
+PID_PROBE = r"""
+echo INIT=$(tr '\0' ' ' < /proc/1/cmdline)
+echo SELF=$$
+[ -e "/proc/$SUPERVISOR_PID" ] && echo SUP_VISIBLE || echo SUP_HIDDEN
+for i in 1 2 3; do (sleep 0.05 &); done
+sleep 0.5
+echo ZOMBIES=$(grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l)
+"""
+
+
+@pytest.mark.parametrize("who", ["root", "nobody"])
+def test_cmd_runs_under_an_init_of_its_own_pid_namespace(
+    request: pytest.FixtureRequest, tmp_path: Path, who: str
+) -> None:
+    python, user, tree = sys.executable, None, tmp_path / "tree"
+    if who == "nobody":
+        python, user = request.getfixturevalue("nobody_python"), NOBODY
+        tree = request.getfixturevalue("nobody_dir") / "tree"
+    tree.mkdir()
+    if user is not None:
+        os.chown(tree, NOBODY, NOBODY)
+    cfg = {"tree": str(tree), "argv": ["sh", "-c", PID_PROBE], "hide": []}
+    report, _ = booth_helper(cfg, python=python, user=user)
+    out = report["out"]
+    assert report["rc"] == 0, report
+    # pid 1 is the init, CMD is pid 2, and a fresh /proc shows this namespace only.
+    assert "INIT=jukebox-init" in out and "SELF=2" in out, out
+    assert "SUP_HIDDEN" in out, out
+    # Three orphans exited while CMD ran: the init reaped them.
+    assert "ZOMBIES=0" in out, out
+
+
+def test_a_signal_to_the_shim_reaches_cmd_and_cmd_status_comes_back(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    script = "trap 'echo GOT_TERM; exit 42' TERM; echo ARMED; while :; do sleep 0.05; done"
+    cfg = {"tree": str(tree), "argv": ["sh", "-c", script], "hide": [], "signal": 15}
+    report, _ = booth_helper(cfg)
+    assert report["rc"] == 42 and "GOT_TERM" in report["out"], report
+
+
+def test_cmd_killed_by_a_signal_ends_the_shim_by_the_same_signal(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    cfg = {"tree": str(tree), "argv": ["sh", "-c", "echo ARMED; exec sleep 30"], "hide": []}
+    report, _ = booth_helper({**cfg, "signal": 15})
+    assert report["rc"] == -15, report  # what the supervisor records as signal 15
+
+
+# ----------------------------------------------------------------- the file size limit
+
+FSIZE_PROBE = r"""
+head -c 3000000 /dev/zero > big; echo HEAD=$?
+echo SIZE=$(stat -c %s big)
+truncate -s 1G sparse 2>/dev/null; echo TRUNCATE=$?
+/usr/bin/python3 -c '
+import errno
+try:
+    open("py", "wb").write(b"x" * (2 << 20))
+    print("PY ok")
+except OSError as e:
+    print("PY", errno.errorcode[e.errno])
+'
+"""
+
+
+def test_file_size_limit_stops_a_writer_with_sigxfsz_or_efbig(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    cfg = {
+        "tree": str(tree),
+        "argv": ["sh", "-c", FSIZE_PROBE],
+        "hide": [],
+        "limits": {"file_size_bytes": 1 << 20},
+    }
+    out = booth_helper(cfg)[0]["out"]
+    # head dies of SIGXFSZ (128 + 25) with the file cut at the limit; a sparse truncate past it
+    # fails; Python, which ignores SIGXFSZ, gets EFBIG.
+    assert "HEAD=153" in out and f"SIZE={1 << 20}" in out, out
+    assert "TRUNCATE=0" not in out, out
+    assert "PY EFBIG" in out, out
+
+
+def test_images_carry_a_file_size_limit(tmp_path: Path) -> None:
+    from jukebox.images import ImageError, load_image
+
+    assert load_image("host").limits["file_size_bytes"] == 8 << 30
+    assert load_image("minimal").limits["file_size_bytes"] == 2 << 30
+    spec = tmp_path / "small.toml"
+    spec.write_text('[limits]\nfile_size = "64M"\n')
+    assert dict(load_image(str(spec)).limits) == {"file_size_bytes": 64 << 20}
+    spec.write_text('[limits]\nfile_size = "huge"\n')
+    with pytest.raises(ImageError, match=r"key 'limits\.file_size' is 'huge'"):
+        load_image(str(spec))
+    spec.write_text("[limits]\nfile_size = 0\n")
+    with pytest.raises(ImageError, match="must be a positive size"):
+        load_image(str(spec))

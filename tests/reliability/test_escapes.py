@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import shutil
 import stat
 import struct
@@ -28,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import Popen
 
 import pytest
 
@@ -37,6 +39,7 @@ from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.store import Store
 from tests.reliability.conftest import (
     AGENT_PYTHON,
+    JUKEBOX,
     NOBODY,
     Canaries,
     booth_argv,
@@ -303,6 +306,16 @@ def control():
     replies["status_after"] = ask(b'{"op": "status"}')
     return replies
 attempt("control", control)
+# ... and the directory it sits in: reachable, but nothing can be put beside the socket
+SOCK_DIR = os.path.dirname(os.environ["JUKEBOX_SOCKET"])
+attempt("socket_dir_listing", lambda: sorted(os.listdir(SOCK_DIR)))
+attempt("socket_dir_write", lambda: write(SOCK_DIR + "/planted"))
+attempt("socket_dir_mkdir", lambda: os.mkdir(SOCK_DIR + "/planted.d"))
+attempt("socket_dir_bind", lambda: socket.socket(socket.AF_UNIX).bind(SOCK_DIR + "/evil.sock"))
+
+# --- the PID namespace: pid 1 is the booth's init, and no host process is there at all
+attempt("pid1_cmdline", lambda: open("/proc/1/cmdline").read().strip("\0"))
+attempt("proc_pids", lambda: [int(n) for n in os.listdir("/proc") if n.isdigit()])
 
 # --- the file system's own rules: no directory inside itself, no renaming the mount away
 def rename_loop():
@@ -411,6 +424,7 @@ class Battery:
     outside_after: str
     commit: subprocess.CompletedProcess[str]
     committed: dict[str, object]
+    tmp_residue: list[str]  # what the run left in the host's /tmp
 
 
 def _prepare(work: Path, owner: int | None, tapes: Path | None = None) -> tuple[Path, Path]:
@@ -497,6 +511,7 @@ def battery(
         if os.environ.get("JUKEBOX_ESCAPES_SHOW"):
             print(json.dumps(results, indent=1))
         tree_after, tapes_after = tree_state(tree), tree_state(tapes)
+        tmp_residue = sorted(p.name for p in Path("/tmp").glob("jukebox-esc-*"))
         canaries_after = canaries.state()
         outside_after = (work / "outside.txt").read_text()
         commit = jb("booth", "commit", "esc", "--tape-dir", str(tapes), python=python, user=user)
@@ -517,6 +532,7 @@ def battery(
             outside_after,
             commit,
             tree_state(tree),
+            tmp_residue,
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -635,6 +651,28 @@ def test_control_socket_survives_hostile_requests(battery: Battery) -> None:
     assert replies["huge_line"] in (False, "closed"), replies
 
 
+def test_control_socket_dir_is_read_only_and_leaves_nothing_in_tmp(battery: Battery) -> None:
+    r = battery.results
+    assert r["socket_dir_listing"] == ["control.sock"], r["socket_dir_listing"]
+    for call in ("socket_dir_write", "socket_dir_mkdir", "socket_dir_bind"):
+        assert r[call] == "EROFS", (call, r[call])
+    # The agent connected all the same (the hostile requests above got their answers), and
+    # the directory, a private tmpfs over an empty mount point, is gone with the run.
+    assert r["control"]["to_negative"] is False  # an answer: the connection was made
+    assert battery.tmp_residue == []
+
+
+def test_pid_one_is_the_init_and_host_processes_do_not_exist_inside(battery: Battery) -> None:
+    r = battery.results
+    assert r["pid1_cmdline"] == "jukebox-init", r["pid1_cmdline"]
+    assert r["supervisor"] == 1  # the agent's parent is the init, not the supervisor
+    pids = r["proc_pids"]
+    assert isinstance(pids, list) and 1 in pids, pids
+    # The init, the agent and whatever the agent runs at that moment: a handful, all small.
+    assert len(pids) < 10 and max(pids) < 100, pids
+    assert r["decoy_root"] == "ENOENT"  # a host process of the same uid has no pid here
+
+
 def test_directory_cannot_be_moved_into_itself(battery: Battery) -> None:
     assert battery.results["rename_loop"] == "EINVAL"
     assert refused(battery.results["rename_mountpoint"])
@@ -688,53 +726,134 @@ def test_commit_never_mints_setuid_files(battery: Battery) -> None:
 # ------------------------------------------------------------------- runs of their own
 
 
-def test_killing_the_supervisor_kills_the_agent_and_keeps_the_record(
-    booth_ready: None, tmp_path: Path
-) -> None:
-    tree, tapes = _prepare(tmp_path, None)
-    before = tree_state(tree)
-    # The agent's child outlives it (PDEATHSIG is not inherited across fork) and tries the tree
-    # once the supervisor, and with it the FUSE server, is gone.
-    script = (
-        "echo AGENT $$; "
-        "(sleep 1; if echo late > a.txt; then echo LATE_WRITE_OK; else echo LATE_WRITE_FAILED;"
-        " fi) 2>/dev/null & "
-        "echo half > a.txt; kill -9 $PPID; exec sleep 60"
+def _booth_popen(args: list[str], cwd: Path, python: str | None, user: int | None) -> Popen:
+    """`jukebox ARGS` as `jb` runs it, but started, not waited for; its pid is the supervisor's."""
+    cmd = [JUKEBOX, *args]
+    if python is not None:
+        cmd = [python, "-c", "from jukebox.cli import main; main()", *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    env = dict(os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}")
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    run = jb(*booth_argv(tree, tapes, "k1"), "sh", "-c", script, cwd=tmp_path, timeout=30)
-    # run() returned long before the sleep ended: PDEATHSIG took the agent down at once.
-    assert run.returncode == -9
-    assert "LATE_WRITE_FAILED" in run.stdout, run.stdout  # the dead layer answers ENOTCONN
-    agent = int(next(ln for ln in run.stdout.splitlines() if ln.startswith("AGENT")).split()[1])
+
+
+def _lines_until(proc: Popen, last: str, timeout: float = 30) -> list[str]:
+    """The agent's stdout lines up to `last`, read straight from the pipe (a buffered reader
+    would hide lines from select)."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            lines = buf.decode(errors="replace").splitlines()
+            if last in lines:
+                return lines
+    raise AssertionError(f"no {last!r} from the agent; it printed {buf!r}")
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Host pids whose argv holds `marker` (a sleep's unique duration)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker.encode() in argv:
+                found.append(int(entry))
+    return found
+
+
+@pytest.fixture(params=["root", "nobody"])
+def runner(request: pytest.FixtureRequest, booth_ready: None, tmp_path: Path) -> Iterator[tuple]:
+    """(work dir, python, user) for a booth run as root or as nobody through a user namespace."""
+    if request.param == "root":
+        yield tmp_path, None, None
+        return
+    python = request.getfixturevalue("nobody_python")
+    request.getfixturevalue("open_dev_fuse")
+    work = Path("/tmp") / f"jukebox-escapes-{os.getpid()}-{tmp_path.name}"
+    work.mkdir()
+    try:
+        yield work, python, NOBODY
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_killing_the_supervisor_ends_every_process_of_the_booth(runner: tuple) -> None:
+    work, python, user = runner
+    tree, tapes = _prepare(work, user)
+    before = tree_state(tree)
+    booth = f"k{os.getpid()}"
+    marker = f"1000.{os.getpid()}{time.monotonic_ns() % 100000}"
+    # Every way a process leaves its parent behind: a new session, nohup, a double fork. The
+    # supervisor's real pid comes on stdin: inside, it must not exist, nor be killable.
+    script = (
+        "read SUP; echo half > a.txt; "
+        f"setsid sleep {marker} </dev/null >/dev/null 2>&1 & "
+        f"nohup sleep {marker} </dev/null >/dev/null 2>&1 & "
+        f"(sleep {marker} </dev/null >/dev/null 2>&1 &); "
+        "echo INIT $(tr '\\0' ' ' < /proc/1/cmdline); "
+        "[ -e /proc/$SUP ] && echo SUP_VISIBLE || echo SUP_HIDDEN; "
+        "kill -9 $SUP 2>/dev/null && echo SUP_KILLED || echo SUP_UNREACHABLE; "
+        f"echo READY; exec sleep {marker}"
+    )
+    args = [*booth_argv(tree, tapes, booth), "sh", "-c", script]
+    proc = _booth_popen(args, work, python, user)
+    try:
+        proc.stdin.write(f"{proc.pid}\n")
+        proc.stdin.flush()
+        lines = _lines_until(proc, "READY")
+        assert "INIT jukebox-init" in lines, lines
+        assert "SUP_HIDDEN" in lines and "SUP_UNREACHABLE" in lines, lines
+        deadline = time.monotonic() + 10
+        while len(_processes_with(marker)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_processes_with(marker)) == 4  # the agent and its three runaways
+        proc.kill()
+        assert proc.wait(timeout=10) == -9
+    finally:
+        proc.kill()
+        proc.wait()
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{agent}").exists() and time.monotonic() < deadline:
+    while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not Path(f"/proc/{agent}").exists()
+    assert _processes_with(marker) == []
     assert tree_state(tree) == before
     listed = json.loads(jb("booth", "ls", "--json", "--tape-dir", str(tapes)).stdout)
-    assert [(b["id"], b["status"]) for b in listed] == [("k1", "crashed")]
-    assert jb("booth", "commit", "k1", "--tape-dir", str(tapes)).returncode != 0
-    discard = jb("booth", "discard", "k1", "--tape-dir", str(tapes))
+    assert [(b["id"], b["status"]) for b in listed] == [(booth, "crashed")]
+    assert jb("booth", "commit", booth, "--tape-dir", str(tapes)).returncode != 0
+    discard = jb("booth", "discard", booth, "--tape-dir", str(tapes))
     assert discard.returncode == 0, discard.stderr
     assert json.loads(jb("booth", "ls", "--json", "--tape-dir", str(tapes)).stdout) == []
-    assert not (tapes / ".jukebox" / "scratch" / "k1").exists()
+    assert not (tapes / ".jukebox" / "scratch" / booth).exists()
+    # The control socket lived in a tmpfs that died with the supervisor's namespace; the empty
+    # mount point it left in /tmp goes with the discard.
+    assert list(Path("/tmp").glob(f"jukebox-{booth}-*")) == []
     assert tree_state(tree) == before
-    assert jb("verify", str(tapes / "k1.jbx"), "--tape-dir", str(tapes)).returncode == 0
+    assert jb("verify", str(tapes / f"{booth}.jbx"), "--tape-dir", str(tapes)).returncode == 0
 
 
 def test_stragglers_die_with_the_run(booth_ready: None, tmp_path: Path) -> None:
     tree, tapes = _prepare(tmp_path, None)
+    marker = f"1.{os.getpid()}{time.monotonic_ns() % 100000}"
     script = (
-        "setsid sh -c 'sleep 1; echo late >> a.txt' </dev/null >/dev/null 2>&1 & "
-        "echo STRAGGLER $!; echo done > b.txt"
+        f"setsid sh -c 'sleep {marker}; echo late >> a.txt' </dev/null >/dev/null 2>&1 & "
+        "echo done > b.txt"
     )
     run = jb(*booth_argv(tree, tapes, "s1"), "sh", "-c", script, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
-    pid = int(next(ln for ln in run.stdout.splitlines() if ln.startswith("STRAGGLER")).split()[1])
+    # The init exited with the agent: the kernel had killed the straggler before the verdict.
+    assert _processes_with(marker) == []
     time.sleep(1.5)
-    assert not Path(f"/proc/{pid}").exists() or "sleep" not in Path(
-        f"/proc/{pid}/cmdline"
-    ).read_text(errors="replace")
     assert (tree / "a.txt").read_text() == "one\n" and (tree / "b.txt").read_text() == "done\n"
 
 
