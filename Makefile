@@ -34,7 +34,10 @@ torture: setup
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench
 
+# Bytecode as a wheel install would leave it (PYTHONDONTWRITEBYTECODE may be set): without it the
+# CLI recompiles every module on every start.
 setup: system-packages $(STAMP)
+	@$(PY) -m compileall -q shadowfs jukebox >/dev/null
 
 # Only calls apt-get when something is actually missing, so repeated runs stay fast and offline.
 system-packages:
