@@ -28,7 +28,7 @@ import zstandard
 
 from shadowfs import pack as pk
 from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
-from shadowfs.oid import OID_SIZE, ObjectId, hash_object
+from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.store_index import IndexEntry, StoreIndex
 
 CHUNK_SIZE = 4 * 1024 * 1024
@@ -561,20 +561,33 @@ class Store:
             f = open(path_or_fd, "rb", closefd=False)  # noqa: SIM115 - closed below
         else:
             f = open(path_or_fd, "rb")  # noqa: SIM115
+        chunks: list[tuple[ObjectId, int]] = []
         with f:
-            first = _read_full(f, CHUNK_SIZE)
-            if len(first) < CHUNK_SIZE:
-                return self.put("blob", first)
+            # One chunk in memory at a time: each is stored before the next is read. A file of
+            # exactly one chunk is that chunk's blob, so storing it before knowing is no waste.
             piece = _read_full(f, CHUNK_SIZE)
-            if not piece:
-                return self.put("blob", first)
-            chunks = [(self.put("blob", first), len(first))]
-            del first
-            while piece:
-                chunks.append((self.put("blob", piece), len(piece)))
-                piece = b""  # let the old chunk go before the next one is read
+            while True:
+                chunks.append((self._put_blob(piece), len(piece)))
+                if len(piece) < CHUNK_SIZE:
+                    break
+                piece = b""  # let the stored chunk go before the next one is read
                 piece = _read_full(f, CHUNK_SIZE)
+                if not piece:
+                    break
+        if len(chunks) == 1:
+            return chunks[0][0]
         return self.put("chunks", encode_chunks(chunks))
+
+    def _put_blob(self, data: bytes) -> ObjectId:
+        """put("blob", data) for put_file: hashed as a stream, so the chunk is never copied
+        behind its type tag (a 4 MiB copy per chunk costs about as much as hashing it)."""
+        hasher = ObjectHasher("blob", len(data))
+        hasher.update(data)
+        oid = hasher.oid()
+        with self._mutex:
+            if oid not in self._pending and not self._idx().has(oid):
+                self._append(oid, "blob", data, len(data), None)
+        return oid
 
     def flush(self) -> None:
         """The durability boundary: one fsync of this writer's pack, then one index commit."""

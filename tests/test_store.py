@@ -535,8 +535,26 @@ def test_gc_refuses_while_another_store_is_writing(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- bounded memory
 
 
-STREAMER = """
-import json, os, resource, sys
+# A child's ru_maxrss is useless here: Linux carries the pre-exec address space's high-water mark
+# across execve, so a child of a big pytest process starts at the parent's peak and shows no
+# growth whatever it does. VmHWM belongs to the child's own address space, and writing 5 to
+# clear_refs resets it to the current RSS: growth is VmHWM after the work minus that baseline.
+PEAK = """
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kib("VmHWM")
+
+def status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise SystemExit(f"no {key} in /proc/self/status")
+"""
+
+STREAMER = PEAK + """
+import json, os, sys
 from shadowfs.store import Store
 root, src, dst = sys.argv[1:4]
 with open(src, "wb") as f:
@@ -544,12 +562,12 @@ with open(src, "wb") as f:
         f.write(os.urandom(1 << 19) + bytes([i]) * (1 << 19))
 with Store.open(root) as store:
     store.put("blob", b"warm up the compressor")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = reset_peak()
     oid = store.put_file(src)
     store.flush()
     with open(dst, "wb") as f:
         size = store.read_file_into(oid, f)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = status_kib("VmHWM")
     print(json.dumps({"growth_kib": after - before, "size": size, "kind": store.kind(oid)}))
 """
 
@@ -562,6 +580,51 @@ def test_a_64_mib_file_streams_in_bounded_memory(tmp_path: Path) -> None:
     assert result["size"] == 64 * MiB and result["kind"] == "chunks"
     assert result["growth_kib"] < 40 * 1024, result  # well under the 64 MiB file
     assert filecmp.cmp(src, dst, shallow=False)
+
+
+BIG_FILE_MIB = 512
+
+BIG_PUTTER = PEAK + """
+import json, os, sys
+from shadowfs.store import Store
+from shadowfs.tree import build_tree, lookup
+work, mib = sys.argv[1], int(sys.argv[2])
+os.mkdir(f"{work}/dir")
+src = f"{work}/dir/big.bin"
+with open(src, "wb") as f:
+    for _ in range(mib):
+        f.write(os.urandom(1 << 20))  # incompressible, every chunk distinct: nothing to hide it
+out = {}
+with Store.open(f"{work}/file-store") as store:
+    store.put("blob", b"warm up the compressor")
+    before = reset_peak()
+    oid = store.put_file(src)
+    store.flush()
+    out["put_file_kib"] = status_kib("VmHWM") - before
+    out["kind"], out["size"] = store.kind(oid), store.size(oid)
+# A second store, so build_tree writes every chunk again instead of finding them stored.
+with Store.open(f"{work}/tree-store") as store:
+    store.put("blob", b"warm up the compressor")
+    before = reset_peak()
+    tree = build_tree(store, f"{work}/dir")
+    store.flush()
+    out["build_tree_kib"] = status_kib("VmHWM") - before
+    out["same_id"] = lookup(store, tree, b"big.bin").oid == oid
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_put_file_and_build_tree_of_a_512_mib_file_grow_rss_by_under_64_mib(
+    tmp_path: Path,
+) -> None:
+    proc = run_py(BIG_PUTTER, str(tmp_path), str(BIG_FILE_MIB))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["kind"] == "chunks" and got["size"] == BIG_FILE_MIB * MiB
+    assert got["same_id"], "build_tree stored the file under another id than put_file"
+    assert got["put_file_kib"] < 64 * 1024, got
+    assert got["build_tree_kib"] < 64 * 1024, got
 
 
 def test_pack_files_start_with_their_header(tmp_path: Path) -> None:
