@@ -45,8 +45,14 @@ the root, stopping at the first already-marked name. A file whose content change
 `Layer.snapshot` walks only marked names from the root: dirty files go to the store
 (``put_file``, or ``put(..., delta_base=previous)`` for files up to `DELTA_MAX`), marked directories
 are re-encoded from their previous tree plus the marked names (path copying: every unmarked entry,
-including whole sub-trees, keeps its id). The journal since the previous snapshot goes to the store
-as a ``journal`` object (see `shadowfs.journal`), and the store is flushed once.
+including whole sub-trees, keeps its id). Each re-encoded directory keeps its entries' encoded
+records (``Node.records``), so the next snapshot re-packs only the records of marked names and
+joins the rest as bytes: path copying at the byte level too. The journal since the previous
+snapshot goes to the store as a ``journal`` object (see `shadowfs.journal`). Durability is a group
+commit: the store flushes (one fsync, one index commit) on its background thread within
+``FLUSH_DELAY`` (`Store.flush_soon`), or at once with ``snapshot(durable=True)``; a tape frame
+naming the snapshot flushes the store before it is written, so no durable frame outruns its
+objects.
 
 Restore: O(difference)
 ----------------------
@@ -85,7 +91,7 @@ from typing import Any
 from shadowfs import tree as trees
 from shadowfs.journal import Journal, encode_journal
 from shadowfs.oid import ObjectId
-from shadowfs.tree import DIR, FILE, SYMLINK, Entry
+from shadowfs.tree import DIR, FILE, SYMLINK, Entry, check_entry, entry_record, pack_records
 
 SRC_BASE = 0
 SRC_STORE = 1
@@ -122,15 +128,11 @@ def _err(code: int, what: str = "") -> OSError:
 _NO_NAMES: frozenset[bytes] = frozenset()
 
 
-def _by_name(e: Entry) -> bytes:
-    return e.name
-
-
 def _entries(store: Any, oid: ObjectId | None) -> dict[bytes, Entry]:
     """A tree's entries by name (cached and shared by shadowfs.tree: never mutate the result)."""
     if oid is None:
         return {}
-    return trees._entries(store, oid)
+    return trees.entries(store, oid)
 
 
 class Node:
@@ -154,6 +156,7 @@ class Node:
         "mtime_ns",
         "oid",
         "opens",
+        "records",
         "size",
         "src",
         "stat_base",
@@ -184,6 +187,9 @@ class Node:
         self.stat_base = False
         self.target: bytes | None = None
         self.children: dict[bytes, Node] | None = None
+        # A directory's encoded entry records by name, in name order, and the tree id they
+        # encode: a snapshot re-encodes only the records of changed names (see `Layer._build`).
+        self.records: tuple[ObjectId, dict[bytes, bytes]] | None = None
         # Only directories have names to mark; the rest share one empty set (216 bytes saved per
         # file, which adds up on a 100,000-file tree).
         self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
@@ -385,14 +391,20 @@ PathLike = str | bytes | os.PathLike[str]
 _F = Any
 
 
-def _routed(sync: bool = False) -> Callable[[_F], _F]:
-    """While mounted, run the method on the FUSE thread (see shadowfs.mountctl.Mount.call)."""
+def _routed(sync: bool = False, stores: bool = False) -> Callable[[_F], _F]:
+    """While mounted, run the method on the FUSE thread (see shadowfs.mountctl.Mount.call).
+
+    ``stores``: the method takes ``durable=`` and its objects must be flushed before it returns
+    when the layer lives in a child process (``Mount(process=True)``), whose store is another
+    `Store` than the caller's: the caller can read only what reached the index."""
 
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
         def method(self: Layer, *args: Any, **kwargs: Any) -> Any:
             m = self._mount
             if m is not None and not m.on_loop():
+                if stores and getattr(m, "process", False):
+                    kwargs["durable"] = True
                 return m.call_layer(fn, *args, sync=sync, **kwargs)
             return fn(self, *args, **kwargs)
 
@@ -1265,14 +1277,25 @@ class Layer:
         return self._empty_tree
 
     def _store_content(self, node: Node) -> ObjectId:
-        path = self._scratch(node)
         prev = node.oid
-        if prev is not None and DELTA_MIN <= node.size <= DELTA_MAX:
-            with open(path, "rb") as f:
-                data = f.read(DELTA_MAX + 1)
-            if len(data) <= DELTA_MAX:
-                return self.store.put("blob", data, delta_base=prev)
-        return self.store.put_file(path)
+        if node.size <= DELTA_MAX:
+            # Small content is read whole, through the fd a handle may hold open already: a
+            # snapshot of a few small files is mostly these reads.
+            # One byte more than the size says: a longer file is caught, not cut.
+            want = node.size + 1
+            b = node.backing
+            if b is not None and b.fd >= 0:
+                data = os.pread(b.fd, want, 0)
+            else:
+                fd = os.open(self._scratch(node), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    data = os.pread(fd, want, 0)
+                finally:
+                    os.close(fd)
+            if len(data) <= node.size:
+                base = prev if prev is not None and len(data) >= DELTA_MIN else None
+                return self.store.put("blob", data, delta_base=base)
+        return self.store.put_file(self._scratch(node))
 
     def _entry(self, node: Node, name: bytes) -> Entry:
         fmt = node.fmt
@@ -1292,26 +1315,44 @@ class Layer:
         return Entry(name, SYMLINK, node.mode, len(t), node.mtime_ns, None, t)  # type: ignore[arg-type]
 
     def _build(self, d: Node) -> None:
-        new = dict(_entries(self.store, d.oid))
+        old = _entries(self.store, d.oid)
+        cached, d.records = d.records, None  # dropped until this build succeeds
+        if cached is not None and cached[0] == d.oid:
+            records = cached[1]
+        else:
+            records = {name: entry_record(e) for name, e in old.items()}
+        new = dict(old)
         children = d.children
         assert children is not None
+        added = False
         for name in d.dirty_names:
             child = children.get(name)
             if child is None:
-                new.pop(name, None)
-            else:
-                e = new[name] = self._entry(child, name)
-                # Only changed entries need checking: the rest come from a decoded (so
-                # validated) tree, and re-validating a big directory cost most of a snapshot.
-                bad = trees._check_entry(e)
-                if bad:
-                    raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
+                if new.pop(name, None) is not None:
+                    del records[name]
+                continue
+            e = self._entry(child, name)
+            prev = new.get(name)
+            if prev is None:
+                added = True
+            elif prev == e:
+                continue
+            # Only changed entries need checking: the rest come from a decoded (so validated)
+            # tree, and re-validating a big directory cost most of a snapshot.
+            bad = check_entry(e)
+            if bad:
+                raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
+            new[name] = e
+            records[name] = entry_record(e)
         d.dirty_names.clear()
-        entries = sorted(new.values(), key=_by_name)
-        oid = self.store.put("tree", trees._pack(entries))
-        # The next snapshot or restore starts from this tree: keep it decoded.
-        trees._cache_put(oid, {e.name: e for e in entries})
+        if added:
+            new = dict(sorted(new.items()))
+            records = dict(sorted(records.items()))
+        oid = self.store.put("tree", pack_records(records.values()))
+        # The next snapshot or restore starts from this tree: keep it decoded, and its records.
+        trees.remember(oid, new)
         d.oid = oid
+        d.records = (oid, records)
 
     def _fold(self) -> ObjectId:
         """Turn the changes since the last snapshot into a tree (without taking the journal)."""
@@ -1321,20 +1362,32 @@ class Layer:
             self.last_tree = root.oid  # type: ignore[assignment]
         return self.last_tree
 
-    @_routed(sync=True)
-    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
-        """Store what changed since the last snapshot; return (tree id, journal id or None)."""
+    @_routed(sync=True, stores=True)
+    def snapshot(self, durable: bool = False) -> tuple[ObjectId, ObjectId | None]:
+        """Store what changed since the last snapshot; return (tree id, journal id or None).
+
+        The objects are in the store at once (readable through it); they are made durable by a
+        group flush within the store's FLUSH_DELAY (`Store.flush_soon`), or before returning
+        with ``durable=True``. Anything that records these ids durably (a tape frame) must
+        flush the store first, as `jukebox.tape.TapeWriter.append` does."""
         tree_id = self._fold()
         journal_id = None
         if len(self.journal):
             journal_id = self.store.put("journal", encode_journal(self.journal.take()))
-        self.store.flush()
+        self._flush(durable)
         return tree_id, journal_id
+
+    def _flush(self, durable: bool) -> None:
+        soon = None if durable else getattr(self.store, "flush_soon", None)
+        if soon is None:
+            self.store.flush()
+        else:
+            soon()
 
     # ------------------------------------------------------------------ restore
 
-    @_routed(sync=True)
-    def restore(self, tree_id: ObjectId, pid: int = 0) -> None:
+    @_routed(sync=True, stores=True)
+    def restore(self, tree_id: ObjectId, pid: int = 0, durable: bool = False) -> None:
         """Bring the layer to the state of tree ``tree_id`` (any snapshot of this layer, or any
         tree in the store). Unsnapshotted changes are stored first, so nothing is lost from the
         store; their journal stays pending for the next snapshot, followed by a ``restore`` op.
@@ -1344,7 +1397,7 @@ class Layer:
             self._reconcile(self.root, tree_id, time.time_ns())
         self.root.oid = self.last_tree = tree_id
         self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
-        self.store.flush()
+        self._flush(durable)
 
     def _reconcile(self, d: Node, target: ObjectId, now: int) -> None:
         if d.children is None:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
 from shadowfs.tree import DIR, FILE, MODE_MASK, SYMLINK, Entry, TreeStore, build_tree
-from shadowfs.tree import _pack as _pack_sorted_entries
+from shadowfs.tree import pack_entries as _pack_sorted_entries
 from shadowfs.tree import read_tree as _read_tree
 
 _MS_REMOUNT = 32

@@ -10,15 +10,23 @@ Every read re-hashes the object against its id. Durability is per batch: `flush(
 writer's pack once, then commits the index rows of everything put since the last flush. A crash
 before that loses the batch but cannot damage the store: the unindexed tail of a pack is adopted
 (when intact) or cut off the next time a process opens the store or writes to that pack.
+
+Group commit: `flush_soon()` asks for that same flush on a background thread within
+`FLUSH_DELAY` seconds instead of now, so a burst of checkpoints shares one fsync and none of them
+waits for the disk. Until the flush, what was put is readable through this `Store` only (other
+processes read through the index); whoever makes something durable that refers to those objects
+(a tape frame, a commit to the real tree) calls `flush()` first — it returns once they are on disk.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +40,12 @@ from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.store_index import IndexEntry, StoreIndex
 
 CHUNK_SIZE = 4 * 1024 * 1024
+# The longest a `flush_soon()` leaves objects unflushed.
+FLUSH_DELAY = 0.05
+# Trees and chunk lists are mostly 32-byte ids, which no level compresses: zstd's fastest level
+# packs their names as well as level 3 does, in a third of the time (on a snapshot's hot path).
+FAST_LEVEL = -1
+_FAST_KINDS = frozenset({"tree", "chunks"})
 MAX_DELTA_DEPTH = 8
 # A writer starts a new pack once its pack passes this size (checked at flush).
 PACK_TARGET = 256 * 1024 * 1024
@@ -91,6 +105,22 @@ def decode_chunks(raw: bytes) -> list[tuple[ObjectId, int]]:
     return out
 
 
+# Stores with a group flush possibly outstanding: a normal interpreter exit flushes them, so
+# "durable within FLUSH_DELAY" holds for a program that snapshots and returns without close().
+_SOON: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for store in list(_SOON):
+        if not store._closed and store._flusher_pid == os.getpid():
+            try:
+                store._stop_flusher()
+                store.flush()
+            except Exception:  # exiting: nothing left to tell
+                pass
+
+
 def _where(pack: str, offset: int) -> str:
     return f"pack {pack} offset {offset}"
 
@@ -103,7 +133,10 @@ class Store:
         self.level = level
         self._packs_dir = root / "packs"
         self._mutex = threading.RLock()
+        # One flush at a time; taken before _mutex, never while holding it.
+        self._flush_lock = threading.RLock()
         self._cctx = zstandard.ZstdCompressor(level=level)
+        self._fast_cctx = zstandard.ZstdCompressor(level=min(level, FAST_LEVEL))
         self._dctx = zstandard.ZstdDecompressor()
         self._fds: dict[str, int] = {}
         self._pending: dict[ObjectId, IndexEntry] = {}
@@ -113,6 +146,12 @@ class Store:
         self._lost: str | None = None
         self._index: StoreIndex | None = None
         self._closed = False
+        # The group-commit flusher (see flush_soon); started on first use, per process.
+        self._soon = threading.Condition(threading.Lock())
+        self._due: float | None = None
+        self._flusher: threading.Thread | None = None
+        self._flusher_pid = -1
+        self._stopping = False
 
     # ------------------------------------------------------------------ opening and closing
 
@@ -147,6 +186,7 @@ class Store:
         """Flushes what was put, then lets go of packs, locks and the index. Idempotent."""
         if self._closed:
             return
+        self._stop_flusher()
         try:
             if self._index is not None:
                 self.flush()
@@ -509,7 +549,8 @@ class Store:
     def _append(
         self, oid: ObjectId, kind: str, data: bytes, size: int, delta_base: ObjectId | None
     ) -> None:
-        flags, payload = pk.encode_plain(data, self._cctx)
+        cctx = self._fast_cctx if kind in _FAST_KINDS else self._cctx
+        flags, payload = pk.encode_plain(data, cctx)
         base_id: ObjectId | None = None
         depth = 0
         if delta_base is not None and data:
@@ -590,29 +631,114 @@ class Store:
         return oid
 
     def flush(self) -> None:
-        """The durability boundary: one fsync of this writer's pack, then one index commit."""
+        """The durability boundary: one fsync of this writer's pack, then one index commit.
+
+        The fsync runs without the store's lock, so puts (a snapshot on another thread) go on
+        while the disk works; what they add joins the next flush."""
+        with self._soon:
+            self._due = None  # a flush requested for later is this one
+        with self._flush_lock:
+            with self._mutex:
+                idx = self._idx()
+                if self._lost is not None:
+                    lost, self._lost = self._lost, None
+                    raise StoreError(lost)
+                w = self._writer
+                if not self._pending and (w is None or not w.dirty):
+                    return
+                batch = list(self._pending.values())
+                fd = -1
+                if w is not None:
+                    try:
+                        w.drain()
+                        # A dup: a failed put may drop the writer (and close its fd) meanwhile.
+                        fd = os.dup(w.fd)
+                    except OSError as exc:
+                        self._lose_batch(exc)
+                        lost, self._lost = self._lost, None
+                        raise StoreError(lost or "a pack write failed") from None
+                    # PackWriter.sync's two steps, split so the fsync can run unlocked; a new
+                    # pack's directory entry needs one fsync of its own, once.
+                    end, fresh = w.end, w._fresh
+                    w.dirty = False
+            if w is not None:
+                try:
+                    os.fsync(fd)
+                    if fresh:
+                        _fsync_dir(w.path.parent)
+                        w._fresh = False
+                except OSError as exc:
+                    with self._mutex:
+                        self._lose_batch(exc)
+                        lost, self._lost = self._lost, None
+                    raise StoreError(lost or "a pack write failed") from None
+                finally:
+                    os.close(fd)
+            with self._mutex:
+                with idx.write():
+                    idx.insert(batch)
+                    if w is not None:
+                        idx.set_pack_size(w.name, end)
+                pending = self._pending
+                for e in batch:
+                    # Put again meanwhile by a concurrent writer of the same id: same record.
+                    if pending.get(e.oid) is e:
+                        del pending[e.oid]
+                if w is not None and w is self._writer and w.end >= PACK_TARGET and not pending:
+                    self._drop_writer()
+
+    def flush_soon(self, delay: float = FLUSH_DELAY) -> None:
+        """Group commit: the same flush as `flush()`, on a background thread within ``delay``
+        seconds (sooner if an earlier request is due first). Returns at once; a failure of that
+        flush is raised by the next `flush()`."""
         with self._mutex:
-            idx = self._idx()
-            if self._lost is not None:
-                lost, self._lost = self._lost, None
-                raise StoreError(lost)
             w = self._writer
             if not self._pending and (w is None or not w.dirty):
                 return
-            if w is not None:
-                try:
-                    w.sync()
-                except OSError as exc:
-                    self._lose_batch(exc)
-                    lost, self._lost = self._lost, None
-                    raise StoreError(lost or "a pack write failed") from None
-            with idx.write():
-                idx.insert(self._pending.values())
-                if w is not None:
-                    idx.set_pack_size(w.name, w.end)
-            self._pending.clear()
-            if w is not None and w.end >= PACK_TARGET:
-                self._drop_writer()
+        with self._soon:
+            if self._stopping:
+                return
+            if self._flusher is None or self._flusher_pid != os.getpid():
+                # None yet, or one that stayed behind in the parent of a fork.
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="shadowfs-store-flush", daemon=True
+                )
+                self._flusher_pid = os.getpid()
+                self._flusher.start()
+                _SOON.add(self)
+            due = time.monotonic() + delay
+            if self._due is None or due < self._due:
+                self._due = due
+                self._soon.notify()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._soon:
+                while not self._stopping and (
+                    self._due is None or self._due > time.monotonic()
+                ):
+                    wait = None if self._due is None else self._due - time.monotonic()
+                    self._soon.wait(wait)
+                if self._stopping:
+                    return
+                self._due = None
+            try:
+                self.flush()
+            except StoreError as exc:
+                # Nobody waits on this thread: keep the news for the next flush() to raise.
+                with self._mutex:
+                    if self._lost is None:
+                        self._lost = str(exc)
+
+    def _stop_flusher(self) -> None:
+        with self._soon:
+            self._stopping = True
+            self._soon.notify()
+        t = self._flusher
+        mine = self._flusher_pid == os.getpid()
+        if t is not None and mine and t is not threading.current_thread():
+            t.join()
+        self._flusher = None
 
     # ------------------------------------------------------------------ rebuild
 
@@ -621,7 +747,7 @@ class Store:
 
         Records whose bytes do not verify are left out (verify names them).
         """
-        with self._mutex:
+        with self._flush_lock, self._mutex:
             self.flush()
             idx = self._idx()
             with idx.write():
@@ -707,7 +833,7 @@ class Store:
 
         progress(done, total) counts pack bytes.
         """
-        with self._mutex:
+        with self._flush_lock, self._mutex:
             self.flush()
             idx = self._idx()
             problems: list[Problem] = []
@@ -801,7 +927,7 @@ class Store:
         Packs holding anything removable are rewritten into a new pack and deleted. Raises
         StoreBusy while another process writes to the store. progress counts records copied.
         """
-        with self._mutex:
+        with self._flush_lock, self._mutex:
             self.flush()
             self._drop_writer()  # its pack may be rewritten; the next put starts afresh
             self._unlock()

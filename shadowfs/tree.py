@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import BinaryIO, Protocol
@@ -139,7 +139,8 @@ def _check_name(name: bytes) -> str | None:
     return None
 
 
-def _check_entry(e: Entry) -> str | None:
+def check_entry(e: Entry) -> str | None:
+    """Why an entry cannot be encoded (one phrase), or None when it can."""
     bad = _check_name(e.name)
     if bad:
         return bad
@@ -167,8 +168,28 @@ def _check_entry(e: Entry) -> str | None:
     return None
 
 
-def _pack(entries: list[Entry]) -> bytes:
-    """Encode entries already validated and sorted by name."""
+def entry_record(e: Entry) -> bytes:
+    """The encoded bytes of one entry that `check_entry` accepts (not checked again here).
+
+    A tree's bytes are the version byte followed by its entries' records in name order, so a
+    caller that keeps the records of a directory can re-encode it after a change by re-packing
+    only the changed records (`pack_records`)."""
+    head = _HEAD.pack(_KIND_CODES[e.kind], e.mode, len(e.name), e.size, e.mtime_ns)
+    if e.target is None:
+        return head + e.name + e.oid  # type: ignore[operator]
+    return head + e.name + _TARGET_LEN.pack(len(e.target)) + e.target
+
+
+def pack_records(records: Iterable[bytes]) -> bytes:
+    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order."""
+    return _VERSION_BYTE + b"".join(records)
+
+
+def pack_entries(entries: Iterable[Entry]) -> bytes:
+    """Tree bytes from entries already validated (`check_entry`) and sorted by name.
+
+    For callers that built the entries themselves or took them from decoded trees; anything else
+    goes through `encode_tree`, which checks and sorts."""
     parts = [_VERSION_BYTE]
     append = parts.append
     head = _HEAD.pack
@@ -189,13 +210,13 @@ def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
     ordered = sorted(entries, key=attrgetter("name"))
     prev: bytes | None = None
     for e in ordered:
-        bad = _check_entry(e)
+        bad = check_entry(e)
         if bad:
             raise TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
         if e.name == prev:
             raise TreeError(f"cannot encode a tree with two entries named {e.name!r}; keep one")
         prev = e.name
-    return _pack(ordered)
+    return pack_entries(ordered)
 
 
 def decode_tree(data: bytes) -> list[Entry]:
@@ -301,25 +322,32 @@ _cache: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def _cache_put(oid: ObjectId, entries: dict[bytes, Entry]) -> None:
-    """Remember a tree just written (shadowfs.layer uses this too); keys must be in name order."""
+def remember(oid: ObjectId, entries: dict[bytes, Entry]) -> None:
+    """Remember the entries of a tree just written, so reading it back costs no decode.
+
+    ``entries`` maps names to entries in name order and must be exactly what ``oid`` encodes; the
+    cache keeps the dict itself, so the caller must not change it afterwards."""
     with _cache_lock:
         _cache[oid] = entries
         if len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
 
 
-def _entries(store: TreeStore, tree_id: ObjectId) -> dict[bytes, Entry]:
+def entries(store: TreeStore, tree_id: ObjectId) -> dict[bytes, Entry]:
     """Entries of a tree by name, in name order. Cached by id: a tree's id fixes its bytes, so the
-    cache can never go stale; callers (shadowfs.layer among them) must not mutate the dict."""
+    cache can never go stale; the dict is shared, so callers must not change it."""
     with _cache_lock:
         hit = _cache.get(tree_id)
         if hit is not None:
             _cache.move_to_end(tree_id)
             return hit
-    entries = _decode(store.get(tree_id))
-    _cache_put(tree_id, entries)
-    return entries
+    found = _decode(store.get(tree_id))
+    remember(tree_id, found)
+    return found
+
+
+# Internal callers, some of which hold a local named ``entries``.
+_entries = entries
 
 
 def read_tree(store: TreeStore, tree_id: ObjectId) -> list[Entry]:
@@ -475,8 +503,8 @@ class _Builder:
                 if e is not None:
                     entries.append(e)
         entries.sort(key=attrgetter("name"))
-        oid = self.store.put("tree", _pack(entries))
-        _cache_put(oid, {e.name: e for e in entries})
+        oid = self.store.put("tree", pack_entries(entries))
+        remember(oid, {e.name: e for e in entries})
         return oid
 
     def entry(
