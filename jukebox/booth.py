@@ -796,6 +796,7 @@ def run_booth(
             env=env,
             keep=[tree_path],
             keep_readonly=[sock_dir],
+            keep_tools=isolation.hidden_tools(img.hidden_paths(), img.private_tmp),
             hide=[*img.hidden_paths(), str(tapes.path)],
             readonly_root=img.readonly_host,
             private_tmp=img.private_tmp,

@@ -328,6 +328,9 @@ class ChildSpec:
     # Mounts that stay reachable read-only (the control socket's directory: connect() needs no
     # write access to the mount, creating a file beside the socket does).
     keep_readonly: list[str] = field(default_factory=list)
+    # Read-only but executable: jukebox's own interpreter and installation when they live where
+    # the image hides (a venv under /tmp), so `jukebox booth checkpoint` works from inside.
+    keep_tools: list[str] = field(default_factory=list)
     hide: list[str] = field(
         default_factory=list
     )  # covered by an empty read-only tmpfs (or /dev/null for files)
@@ -426,6 +429,28 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def hidden_tools(hide: list[str], private_tmp: bool) -> list[str]:
+    """jukebox's interpreter and installation directories that a view with these covers would
+    hide; the booth keeps them reachable (read-only) so the agent can run `jukebox` inside."""
+    import jukebox
+
+    candidates = {
+        os.path.realpath(p)
+        for p in (
+            sys.prefix,
+            sys.exec_prefix,
+            sys.base_prefix,
+            os.path.dirname(os.path.dirname(os.path.abspath(jukebox.__file__))),
+        )
+    }
+    covers = [os.path.realpath(h) for h in hide]
+    if private_tmp:
+        covers += ["/tmp", "/dev/shm"]
+    hidden = {c for c in candidates if any(_is_under(c, h) for h in covers)}
+    # Only the outermost of nested candidates (a venv inside the source checkout).
+    return sorted(c for c in hidden if not any(o != c and _is_under(c, o) for o in hidden))
+
+
 def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     """Shapes this process's (new) mount namespace as the image asks. Order matters:
 
@@ -439,7 +464,8 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     if spec.net == "none":
         _lo_up()
     readonly = {os.path.realpath(p) for p in spec.keep_readonly}
-    keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly)
+    tools = {os.path.realpath(p) for p in spec.keep_tools} - readonly
+    keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly | tools)
     clones = {path: open_tree_clone(path) for path in keep}
     if spec.readonly_root:
         mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
@@ -462,6 +488,8 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
         if path in readonly:
             flags = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
             mount_setattr(path, flags)
+        elif path in tools:
+            mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     hidden_ro += _cover_all(below)
     for path in hidden_ro:
         if os.path.isdir(path):
