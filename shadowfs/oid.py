@@ -45,7 +45,9 @@ def header(kind: str, size: int) -> bytes:
 
 
 def hash_object(kind: str, data: bytes) -> ObjectId:
-    return ObjectId(blake3(header(kind, len(data)) + data).digest())
+    hasher = blake3(header(kind, len(data)))
+    hasher.update(data)  # no concatenation: a 4 MiB chunk is not copied just to be hashed
+    return ObjectId(hasher.digest())
 
 
 class ObjectHasher:
