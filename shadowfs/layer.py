@@ -48,11 +48,10 @@ are re-encoded from their previous tree plus the marked names (path copying: eve
 including whole sub-trees, keeps its id). Each re-encoded directory keeps its entries' encoded
 records (``Node.records``), so the next snapshot re-packs only the records of marked names and
 joins the rest as bytes: path copying at the byte level too. The journal since the previous
-snapshot goes to the store as a ``journal`` object (see `shadowfs.journal`). Durability is a group
-commit: the store flushes (one fsync, one index commit) on its background thread within
-``FLUSH_DELAY`` (`Store.flush_soon`), or at once with ``snapshot(durable=True)``; a tape frame
-naming the snapshot flushes the store before it is written, so no durable frame outruns its
-objects.
+snapshot goes to the store as a ``journal`` object (see `shadowfs.journal`). The store is then
+flushed (one fsync, one index commit), or with ``snapshot(durable=False)`` left to its group
+commit on a background thread within ``FLUSH_DELAY`` (`Store.flush_soon`); a tape frame naming
+the snapshot flushes the store before it is written, so no durable frame outruns its objects.
 
 Restore: O(difference)
 ----------------------
@@ -1363,13 +1362,14 @@ class Layer:
         return self.last_tree
 
     @_routed(sync=True, stores=True)
-    def snapshot(self, durable: bool = False) -> tuple[ObjectId, ObjectId | None]:
+    def snapshot(self, durable: bool = True) -> tuple[ObjectId, ObjectId | None]:
         """Store what changed since the last snapshot; return (tree id, journal id or None).
 
-        The objects are in the store at once (readable through it); they are made durable by a
-        group flush within the store's FLUSH_DELAY (`Store.flush_soon`), or before returning
-        with ``durable=True``. Anything that records these ids durably (a tape frame) must
-        flush the store first, as `jukebox.tape.TapeWriter.append` does."""
+        ``durable=True``: the objects are on disk and indexed when this returns (one fsync, one
+        index commit). ``durable=False`` (a group commit, what a booth's checkpoints use): they
+        are in the store at once, readable through it, and made durable by its background flush
+        within FLUSH_DELAY (`Store.flush_soon`); whoever then records these ids durably (a tape
+        frame, a commit claim) must `store.flush()` first, as `TapeWriter.append` does."""
         tree_id = self._fold()
         journal_id = None
         if len(self.journal):
@@ -1387,7 +1387,7 @@ class Layer:
     # ------------------------------------------------------------------ restore
 
     @_routed(sync=True, stores=True)
-    def restore(self, tree_id: ObjectId, pid: int = 0, durable: bool = False) -> None:
+    def restore(self, tree_id: ObjectId, pid: int = 0, durable: bool = True) -> None:
         """Bring the layer to the state of tree ``tree_id`` (any snapshot of this layer, or any
         tree in the store). Unsnapshotted changes are stored first, so nothing is lost from the
         store; their journal stays pending for the next snapshot, followed by a ``restore`` op.
