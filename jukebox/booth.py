@@ -148,8 +148,9 @@ class _FuseBoothLayer:
         self._mount = fuse.mount(self.layer, self.tree).start()
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
-        tree, journal = self._mount.snapshot() if self._mount else self.layer.snapshot()
-        return tree, journal
+        # A group commit (routed to the FUSE thread while mounted): the tape flushes the store
+        # before any frame naming these objects is written (GroupTape).
+        return self.layer.snapshot(durable=False)  # type: ignore[no-any-return]
 
     def restore(self, tree_id: ObjectId) -> None:
         (self._mount or self.layer).restore(tree_id)
@@ -285,6 +286,195 @@ def _append_to_tape(
 
     with TapeWriter.open_append(tape_path, store) as writer:
         writer.append(kind, payload, tree=tree)
+
+
+def _base_cache_path(tape_dir: TapeDir) -> Path:
+    return tape_dir.state / "base-trees.json"
+
+
+def build_base_tree(store: Any, tape_dir: TapeDir, tree_path: str) -> ObjectId:
+    """The tree id of ``tree_path`` now, reusing the last booth's build of the same path.
+
+    A file whose size, mtime and mode match the previous base tree keeps its object id unread
+    (``build_tree(previous=, previous_started_ns=)``, racily-clean files re-read), so a second
+    booth over an unchanged big tree costs a stat walk, not a read of every file. The previous
+    tree id and the time its build started live in the tape dir's state, per tree path.
+    """
+    from shadowfs.errors import StoreError
+    from shadowfs.tree import build_tree
+
+    path = _base_cache_path(tape_dir)
+    try:
+        known = json.loads(path.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    prev = known.get(tree_path)
+    previous = started = None
+    if isinstance(prev, dict):
+        with contextlib.suppress(TypeError, ValueError):
+            previous = ObjectId.from_hex(prev["tree"])
+            started = int(prev["started_ns"])
+    began = time.time_ns()
+    tree = None
+    if previous is not None and started is not None and store.has(previous):
+        # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
+        with contextlib.suppress(StoreError):
+            tree = build_tree(store, tree_path, previous=previous, previous_started_ns=started)
+    if tree is None:
+        tree = build_tree(store, tree_path)
+    known[tree_path] = {"tree": tree.hex(), "started_ns": began}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        # A cache: losing it (or a race between two booths) costs one full read, nothing more.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(known, sort_keys=True))
+        os.replace(tmp, path)
+    return tree
+
+
+# The longest a checkpoint frame (and any frame) waits in memory or in the page cache before it
+# is on disk; also the store's FLUSH_DELAY.
+GROUP_DELAY = 0.05
+
+
+class GroupTape:
+    """The booth's tape writer with group commit: checkpoints are acknowledged before any fsync.
+
+    A checkpoint's frame is kept here, in memory, until a flush — on a background thread within
+    GROUP_DELAY, or at once through `sync` — makes its objects durable (`store.flush()`: the pack
+    fsync, then the index commit); only then is the frame written to the tape, and the tape
+    fdatasynced. So a frame that reaches the disk never names an object that did not: a crash
+    (even a power loss) costs at most the frames of the last GROUP_DELAY, never leaves one
+    pointing at missing objects. Any frame appended while checkpoint frames wait queues behind
+    them, keeping the tape in request order; the rest are written at once (one write(2), so a
+    killed supervisor loses none of them) and fdatasynced by the same flush. `sync` runs before
+    anything leaves the booth: a commit to the real tree, a verdict, the end of the run.
+    """
+
+    def __init__(self, writer: Any, store: Any, delay: float = GROUP_DELAY) -> None:
+        self.writer = writer  # a TapeWriter created with fsync=False
+        self.store = store
+        self.path = writer.path
+        self.delay = delay
+        # fdatasync works on the inode through any descriptor; this one is ours to hold.
+        self._fd = os.open(writer.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: list[tuple[str, dict[str, Any], tuple[bytes, ...], Any, int]] = []
+        self._unsynced = False
+        self._due: float | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the background flusher. Until then every frame is durable when appended: the
+        supervisor enters its namespaces only while it runs no other thread."""
+        self._thread = threading.Thread(target=self._loop, name="jukebox-tape-flush", daemon=True)
+        self._thread.start()
+
+    @property
+    def count(self) -> int:
+        """Frames appended, including those waiting for their flush."""
+        return self.writer.count + len(self._queue)
+
+    def append(
+        self,
+        kind: str,
+        payload: dict[str, Any],
+        refs: Sequence[bytes] = (),
+        tree: Any = None,
+        *,
+        defer: bool = False,
+    ) -> int:
+        """Record a frame; returns its seq. ``defer``: its objects are not durable yet (a fresh
+        snapshot's), so it waits for the next flush instead of the store flushing now."""
+        with self._lock:
+            self._raise_error()
+            seq = self.writer.count + len(self._queue)
+            if defer or self._queue:
+                self._queue.append((kind, payload, tuple(refs), tree, time.time_ns()))
+            else:
+                seq = self.writer.append(kind, payload, refs=refs, tree=tree).seq
+                self._unsynced = True
+            self._schedule()
+            return seq
+
+    def _schedule(self) -> None:
+        if self._thread is None:
+            self._sync_locked()
+        elif self._due is None:
+            self._due = time.monotonic() + self.delay
+            self._wake.notify()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise BoothError(
+                f"the tape {self.path} could not be made durable ({self._error}); the run's "
+                "record is incomplete — free disk space and check the tape dir"
+            )
+
+    def _write_queued(self) -> None:
+        """With the lock held: the queued frames go to the tape, their objects flushed first."""
+        if self._queue:
+            self.store.flush()
+            for kind, payload, refs, tree, t in self._queue:
+                self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t)
+            self._queue.clear()
+            self._unsynced = True
+
+    def sync(self) -> None:
+        """Everything appended so far durable now: objects, then frames, then one fdatasync."""
+        with self._lock:
+            self._raise_error()
+            self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        self._due = None
+        self._write_queued()
+        if self._unsynced:
+            os.fdatasync(self._fd)
+            self._unsynced = False
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and (self._due is None or self._due > time.monotonic()):
+                    self._wake.wait(None if self._due is None else self._due - time.monotonic())
+                if self._closing:
+                    return
+                self._due = None
+                try:
+                    # The store's fsync runs before the lock matters to anyone: checkpoints
+                    # arriving meanwhile queue behind the frames being written.
+                    self._write_queued()
+                    unsynced, self._unsynced = self._unsynced, False
+                except Exception as exc:  # reported by the next append or sync
+                    self._error = exc
+                    continue
+            if unsynced:
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as exc:
+                    with self._lock:
+                        self._error = exc
+
+    def close(self) -> None:
+        """Sync what is left, stop the flusher, close the tape."""
+        try:
+            self.sync()
+        finally:
+            with self._lock:
+                self._closing = True
+                self._wake.notify()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self.writer.close()
 
 
 def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
@@ -451,10 +641,15 @@ class _Run:
                 payload["journal"] = journal.hex()
             if peer is not None:
                 payload["peer"] = peer.as_dict()
-            frame = self.writer.append(
-                "checkpoint", payload, refs=[journal] if journal is not None else (), tree=tree
+            # Acknowledged now; the frame reaches the tape once its objects are durable.
+            seq = self.writer.append(
+                "checkpoint",
+                payload,
+                refs=[journal] if journal is not None else (),
+                tree=tree,
+                defer=True,
             )
-            cp = Checkpoint(n, label, tree, frame.seq)
+            cp = Checkpoint(n, label, tree, seq)
             self.checkpoints.append(cp)
             return cp
 
@@ -479,7 +674,7 @@ class _Run:
             payload: dict[str, Any] = {"to": cp.n, "label": cp.label, "reason": "request"}
             if peer is not None:
                 payload["peer"] = peer.as_dict()
-            self.writer.append("rollback", payload, tree=cp.tree)
+            self.writer.append("rollback", payload, tree=cp.tree, defer=True)
             self.rollbacks += 1
             return cp
 
@@ -707,7 +902,6 @@ def run_booth(
     agent_cwd = os.path.realpath(agent_cwd)
 
     from jukebox.tape import TapeWriter
-    from shadowfs.tree import build_tree
 
     factory = layer_factory or default_layer_factory
     store = _open_store(tapes)
@@ -721,8 +915,8 @@ def run_booth(
     record: BoothRecord | None = None
     try:
         env = img.filter_env(os.environ)
-        base_tree = build_tree(store, tree_path)
-        writer = TapeWriter.create(tape_path, store, booth_id)
+        base_tree = build_base_tree(store, tapes, tree_path)
+        writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
         writer.append(
             "run_start",
             {
@@ -771,6 +965,7 @@ def run_booth(
         scratch.parent.mkdir(parents=True, exist_ok=True)
         layer = factory(LayerContext(fs, tree_path, tree_fd, store, scratch, base_tree, userns))
         layer.mount()
+        writer.start()
         run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
         run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
         sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
@@ -865,6 +1060,8 @@ def run_booth(
                 else (status.get("setup_error") or f"the agent exited with {_describe(status)}")
             )
 
+        # Everything recorded so far is on disk before the real tree changes or a verdict lands.
+        writer.sync()
         if decision == "commit":
             decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
         if decision == "discard":
@@ -898,6 +1095,7 @@ def run_booth(
             )
             if interrupted and code == 0:
                 code = 130
+        writer.sync()
         layer.discard()
         layer = None
         return code
@@ -916,7 +1114,9 @@ def run_booth(
         if tree_fd >= 0:
             os.close(tree_fd)
         if writer is not None:
-            writer.close()
+            # The normal path synced already; on an error path the first error is the news.
+            with contextlib.suppress(Exception):
+                writer.close()
         store.close()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 

@@ -355,3 +355,197 @@ def test_big_file_copy_up_and_snapshot_in_constant_memory(tmp_path: Path, store:
     e = tree.lookup(store, ObjectId.from_hex(tree_hex), b"huge")
     assert e is not None and e.size == size and store.size(e.oid) == size
     assert os.path.getsize(base / "huge") == size
+
+
+# --- snapshots: byte-level path copying and group-commit durability ----------------------------
+
+
+def test_snapshot_repacks_records_to_the_canonical_tree(layer: Layer, base: Path, tmp_path: Path,
+                                                        store: Store) -> None:
+    """Snapshots re-encode from cached records; every one must equal a from-scratch build."""
+    layer.snapshot()
+    steps = [
+        lambda: layer.write_file("src/main.py", b"print('changed')\n"),  # an existing name
+        lambda: layer.write_file("src/zz_new.py", b"new\n"),  # a name added at the end
+        lambda: layer.write_file("src/AA_new.py", b"first\n"),  # ... and at the front
+        lambda: layer.delete("src/zz_new.py"),
+        lambda: layer.mkdir("docs/fresh"),
+        lambda: layer.write_file("docs/fresh/x", b"x"),
+    ]
+    for i, step in enumerate(steps):
+        step()
+        tree_id, _ = layer.snapshot()
+        out = tmp_path / f"out{i}"
+        tree.materialize(store, tree_id, out)
+        # Built from the files themselves, with a cold cache: the same bytes, so the same id.
+        assert tree.build_tree(store, out) == tree_id
+        for e in tree.read_tree(store, tree_id):
+            assert tree.check_entry(e) is None
+    tree.clear_cache()
+    assert tree.read_tree(store, tree_id) == tree.decode_tree(store.get(tree_id))
+
+
+def test_records_follow_a_restore(layer: Layer) -> None:
+    first, _ = layer.snapshot()
+    layer.write_file("src/main.py", b"one\n")
+    second, _ = layer.snapshot()
+    layer.restore(first)
+    layer.write_file("src/other.py", b"two\n")
+    third, _ = layer.snapshot()
+    # The cached records of src/ belonged to `second`; after the restore they must not leak in.
+    assert layer.read_file("src/main.py") == b"print('hello')\n"
+    assert tree.lookup(layer.store, third, b"src/main.py") == tree.lookup(
+        layer.store, first, b"src/main.py"
+    )
+    assert third not in (first, second)
+
+
+def test_entry_records_pack_like_encode_tree() -> None:
+    oid = ObjectId(bytes(range(32)))
+    entries = [
+        tree.Entry(b"b", tree.FILE, 0o644, 3, 5, oid, None),
+        tree.Entry(b"a", tree.SYMLINK, 0o777, 2, -7, None, b"to"),
+        tree.Entry(b"c", tree.DIR, 0o755, 0, 0, oid, None),
+    ]
+    ordered = sorted(entries, key=lambda e: e.name)
+    want = tree.encode_tree(entries)
+    assert tree.pack_records(tree.entry_record(e) for e in ordered) == want
+    assert tree.pack_entries(ordered) == want
+    assert tree.check_entry(tree.Entry(b"a/b", tree.FILE, 0, 0, 0, oid, None)) is not None
+
+
+SNAPSHOT_AND_EXIT = r"""
+import sys
+from shadowfs.layer import Layer
+from shadowfs.store import Store
+base, store_dir, scratch = sys.argv[1:4]
+st = Store.open(store_dir)
+lay = Layer(base, st, scratch)
+lay.write_file("src/main.py", b"from a child\n")
+tree_id, journal = lay.snapshot(durable=False)  # not flushed yet when this returns
+print(tree_id.hex(), journal.hex())
+"""
+
+
+def test_group_commit_flushes_in_the_background_and_at_exit(
+    layer: Layer, base: Path, tmp_path: Path, store: Store
+) -> None:
+    import subprocess
+    import sys
+    import time
+
+    layer.write_file("src/main.py", b"soon durable\n")
+    tree_id, journal = layer.snapshot(durable=False)
+    # Readable at once through this store; in the index (what other processes read) in a moment.
+    assert layer.store.get(tree_id)
+    other = Store.open(store.root)
+    try:
+        deadline = time.monotonic() + 5
+        while not other.has(tree_id) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other.has(tree_id) and journal is not None and other.has(journal)
+    finally:
+        other.close()
+    layer.write_file("src/main.py", b"durable now\n")
+    now_id, _ = layer.snapshot()  # durable by default
+    with Store.open(store.root) as third:
+        assert third.has(now_id)
+    # A program that snapshots and returns without closing its store still gets the flush.
+    out = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT_AND_EXIT, str(base), str(store.root),
+         str(tmp_path / "child-scratch")],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    child_tree, child_journal = (ObjectId.from_hex(h) for h in out.stdout.split())
+    with Store.open(store.root) as fresh:
+        assert fresh.has(child_tree) and fresh.has(child_journal)
+        e = tree.lookup(fresh, child_tree, b"src/main.py")
+        assert e is not None and fresh.read_bytes(e.oid) == b"from a child\n"
+
+
+RAPID_CHECKPOINTS = r"""
+import os, sys
+from jukebox.control import request
+i = 0
+while True:
+    with open("f%d" % (i % 7), "w") as f:
+        f.write("x" * (i % 50) + str(i))
+    request({"op": "checkpoint", "label": "c%d" % i})
+    i += 1
+    os.write(1, b"%d\n" % i)
+"""
+
+
+def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path: Path) -> None:
+    """SIGKILL the booth supervisor mid-burst: the frames on disk verify, objects present."""
+    import signal
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root for the booth's mount namespace")
+    from jukebox.tape import Tape
+
+    work, tapes = tmp_path / "tree", tmp_path / "tapes"
+    work.mkdir()
+    (work / "a.txt").write_text("a\n")
+    jukebox = str(Path(sys.executable).parent / "jukebox")
+    proc = subprocess.Popen(
+        [jukebox, "booth", "run", "--tree", str(work), "--tape-dir", str(tapes),
+         "--tape-id", "crash", "--commit", "never", "--", sys.executable, "-c", RAPID_CHECKPOINTS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        acked = 0
+        while acked < 60:
+            line = proc.stdout.readline()
+            assert line, f"the agent stopped early: {proc.stderr.read().decode()[-2000:]}"
+            acked = int(line)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    with Store.open(tapes / ".jukebox" / "store") as st:
+        tape = Tape.load(tapes / "crash.jbx", store=st)
+        report = tape.verify(check_objects=True, deep=True)
+        # A kill mid-write may tear the last record; nothing else may be wrong.
+        problems = [p for p in report.problems if type(p).__name__ != "TornTape"]
+        assert not problems, problems
+        kinds = [f.kind for f in tape.frames]
+        assert kinds[0] == "run_start" and kinds.count("checkpoint") >= 1
+        for f in tape.frames:
+            for oid in f.refs:
+                assert st.get(oid) is not None
+
+
+def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
+    from jukebox.booth import build_base_tree
+    from jukebox.tapedir import TapeDir
+
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "a.txt").write_bytes(b"aaaa")
+    (work / "b.txt").write_bytes(b"bbbb")
+    old = 1_000_000_000_000_000_000  # far from now: not racily clean
+    for p in (work / "sub" / "a.txt", work / "b.txt"):
+        os.utime(p, ns=(old, old))
+    tapes = TapeDir(tmp_path / "tapes")
+    with Store.open(tapes.store_path) as st:
+        first = build_base_tree(st, tapes, str(work))
+        assert first == tree.build_tree(st, work)
+        # Unchanged: the same tree, and files are not read (a changed byte with the same
+        # size and mtime stays unseen, git's rule, which proves the stat cache was used).
+        (work / "b.txt").write_bytes(b"BBBB")
+        os.utime(work / "b.txt", ns=(old, old))
+        assert build_base_tree(st, tapes, str(work)) == first
+        # A real change (new mtime) is seen.
+        (work / "sub" / "a.txt").write_bytes(b"changed")
+        third = build_base_tree(st, tapes, str(work))
+        e = tree.lookup(st, third, b"sub/a.txt")
+        assert e is not None and st.read_bytes(e.oid) == b"changed"
+        # A cache naming a tree the store lost falls back to a full build.
+        import json
+
+        lost = {str(work): {"tree": "00" * 32, "started_ns": 1}}
+        (tapes.state / "base-trees.json").write_text(json.dumps(lost))
+        assert build_base_tree(st, tapes, str(work)) == tree.build_tree(st, work)
