@@ -90,7 +90,16 @@ from typing import Any
 from shadowfs import tree as trees
 from shadowfs.journal import Journal, encode_journal
 from shadowfs.oid import ObjectId
-from shadowfs.tree import DIR, FILE, SYMLINK, Entry, check_entry, entry_record, pack_records
+from shadowfs.tree import (
+    DIR,
+    FILE,
+    SYMLINK,
+    Entry,
+    check_entry,
+    entry_record,
+    pack_entries,
+    pack_records,
+)
 
 SRC_BASE = 0
 SRC_STORE = 1
@@ -186,9 +195,10 @@ class Node:
         self.stat_base = False
         self.target: bytes | None = None
         self.children: dict[bytes, Node] | None = None
-        # A directory's encoded entry records by name, in name order, and the tree id they
-        # encode: a snapshot re-encodes only the records of changed names (see `Layer._build`).
-        self.records: tuple[ObjectId, dict[bytes, bytes]] | None = None
+        # The tree id a snapshot last built for this directory, with its encoded entry records
+        # by name in name order (None after the first build): a snapshot then re-encodes only
+        # the records of changed names (see `Layer._build`).
+        self.records: tuple[ObjectId, dict[bytes, bytes] | None] | None = None
         # Only directories have names to mark; the rest share one empty set (216 bytes saved per
         # file, which adds up on a 100,000-file tree).
         self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
@@ -1316,10 +1326,13 @@ class Layer:
     def _build(self, d: Node) -> None:
         old = _entries(self.store, d.oid)
         cached, d.records = d.records, None  # dropped until this build succeeds
+        records: dict[bytes, bytes] | None = None
         if cached is not None and cached[0] == d.oid:
+            # Built before from this very tree: keep records from now on (a directory changed
+            # twice is likely to change again; one changed once costs no per-entry encoding).
             records = cached[1]
-        else:
-            records = {name: entry_record(e) for name, e in old.items()}
+            if records is None:
+                records = {name: entry_record(e) for name, e in old.items()}
         new = dict(old)
         children = d.children
         assert children is not None
@@ -1327,7 +1340,7 @@ class Layer:
         for name in d.dirty_names:
             child = children.get(name)
             if child is None:
-                if new.pop(name, None) is not None:
+                if new.pop(name, None) is not None and records is not None:
                     del records[name]
                 continue
             e = self._entry(child, name)
@@ -1342,12 +1355,15 @@ class Layer:
             if bad:
                 raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
             new[name] = e
-            records[name] = entry_record(e)
+            if records is not None:
+                records[name] = entry_record(e)
         d.dirty_names.clear()
         if added:
             new = dict(sorted(new.items()))
-            records = dict(sorted(records.items()))
-        oid = self.store.put("tree", pack_records(records.values()))
+            if records is not None:
+                records = dict(sorted(records.items()))
+        data = pack_entries(new.values()) if records is None else pack_records(records.values())
+        oid = self.store.put("tree", data)
         # The next snapshot or restore starts from this tree: keep it decoded, and its records.
         trees.remember(oid, new)
         d.oid = oid
