@@ -322,6 +322,7 @@ class Scratch:
         self._jobs: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._outstanding = 0
+        self._failed = 0  # pre-creates that failed; only the worker adds to it
         self._pid = os.getpid()
 
     def _start(self) -> None:
@@ -343,9 +344,11 @@ class Scratch:
                 else:
                     os.unlink(arg)
             except OSError:
-                # A failed pre-create only means create() makes that file itself; a failed
-                # unlink leaves a file that close() removes.
-                pass
+                # A failed pre-create only means create() makes that file itself (but it will
+                # never be taken, so it must stop counting as outstanding); a failed unlink
+                # leaves a file that close() removes.
+                if kind == "create":
+                    self._failed += 1
 
     def take(self) -> tuple[int, int] | None:
         """A reserved inode number and an fd of its empty staged file, if one is ready."""
@@ -359,7 +362,7 @@ class Scratch:
         return got
 
     def low(self) -> bool:
-        return self._pid != os.getpid() or self._outstanding < self.LOW
+        return self._pid != os.getpid() or self._outstanding - self._failed < self.LOW
 
     def prepare(self, inos: range) -> None:
         """Create empty staged files for ``inos`` (reserved by the caller) in the background."""

@@ -205,9 +205,6 @@ def pack_entries(entries: Iterable[Entry]) -> bytes:
     return b"".join(parts)
 
 
-# The old private name, still used by tests that forge hostile trees byte for byte.
-_pack = pack_entries
-
 
 def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
     """The canonical bytes of a directory holding ``entries`` (any order; names must be unique)."""

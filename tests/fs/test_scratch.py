@@ -200,6 +200,28 @@ def test_a_create_after_a_failed_precreate_still_works(
         assert staged(scratch, own_layer, f"g{i}").read_bytes() == b"mine %d" % i
 
 
+def test_failed_precreates_do_not_stop_the_worker_for_good(
+    own_layer: Layer, scratch: Path
+) -> None:
+    # A scratch dir left by a crashed layer: its numeric files collide with the new layer's
+    # inode numbers, so a whole batch of pre-creates fails. Creates must get ready files again
+    # once the worker is past the squatters, not fall back to the slow path forever.
+    own_layer.write_file("first", b"1")
+    nxt = max(int(n) for n in os.listdir(scratch))
+    for ino in range(nxt + 1, nxt + 1 + 2 * Scratch.BATCH):
+        (scratch / str(ino)).write_bytes(b"stranger")
+    for i in range(4 * Scratch.BATCH):
+        own_layer.write_file(f"h{i}", b"x")
+        time.sleep(0.001)  # let the worker keep up, as it does between real requests
+    files = own_layer._files
+    deadline = time.monotonic() + 5
+    while not files._jobs.empty() and time.monotonic() < deadline:  # let the worker drain
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert files._ready or files.low(), "no file is ready and none will be asked for"
+    assert files._outstanding - files._failed >= 0
+
+
 # ---------------------------------------------------------------------------- forked child
 
 

@@ -886,8 +886,8 @@ HOSTILE_NAMES = (b"..", b".", b"../../escaped", b"/etc/escaped", b"a/b", b"nul\0
 def _hostile(store: Store, name: bytes, kind: str = treemod.FILE) -> bytes:
     blob = store.put("blob", b"pwned\n")
     entry = treemod.Entry(name, kind, 0o644, 6, 0, blob, None)
-    # _pack skips validation: it is how a forged tree object is made.
-    return treemod._pack([entry])
+    # pack_entries skips validation: it is how a forged tree object is made.
+    return treemod.pack_entries([entry])
 
 
 @pytest.fixture
