@@ -241,7 +241,16 @@ from shadowfs.mountctl import mounted
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store
 
+def reset_peak():
+    # A child's ru_maxrss starts at its parent's peak; VmHWM after clear_refs is our own.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
 def peak():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 base, state, tree_hex = sys.argv[1:4]
 state = Path(state)
@@ -250,6 +259,7 @@ with Store.open(state / "store") as store:
     layer = Layer(base, store, state / "scratch", base_tree=ObjectId.from_hex(tree_hex))
     try:
         with mounted(layer, state / "mnt"):
+            reset_peak()
             before = peak()
             with open(state / "mnt" / "big.bin", "ab") as f:  # copy-up of the whole file
                 f.write(b"!")
