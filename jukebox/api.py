@@ -406,7 +406,6 @@ class Jukebox:
         self.recovered: list[tuple[str, str]] = []
         self._store: Any = None
         self._lock = threading.Lock()
-        self._base_cache: dict[str, Any] = {}
         self.tapes.path.mkdir(parents=True, exist_ok=True)
         state = self.tapes.state
         if (state / "commits").is_dir() or (state / "scratch").is_dir():
@@ -469,7 +468,6 @@ class Jukebox:
             mcp_mode=self.sandbox.mcp_mode,
             root=self.sandbox.root,
             breaker=self.breaker,
-            base_cache=self._base_cache,
             policy=self.sandbox.describe(),
             initial_state=state,
         )

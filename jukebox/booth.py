@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
+from jukebox.basetree import build_base_tree
 from jukebox.control import SOCKET_ENV, ControlServer, Peer
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
@@ -286,52 +287,6 @@ def _append_to_tape(
 
     with TapeWriter.open_append(tape_path, store) as writer:
         writer.append(kind, payload, tree=tree)
-
-
-def _base_cache_path(tape_dir: TapeDir) -> Path:
-    return tape_dir.state / "base-trees.json"
-
-
-def build_base_tree(store: Any, tape_dir: TapeDir, tree_path: str) -> ObjectId:
-    """The tree id of ``tree_path`` now, reusing the last booth's build of the same path.
-
-    A file whose size, mtime and mode match the previous base tree keeps its object id unread
-    (``build_tree(previous=, previous_started_ns=)``, racily-clean files re-read), so a second
-    booth over an unchanged big tree costs a stat walk, not a read of every file. The previous
-    tree id and the time its build started live in the tape dir's state, per tree path.
-    """
-    from shadowfs.errors import StoreError
-    from shadowfs.tree import build_tree
-
-    path = _base_cache_path(tape_dir)
-    try:
-        known = json.loads(path.read_text())
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
-    prev = known.get(tree_path)
-    previous = started = None
-    if isinstance(prev, dict):
-        with contextlib.suppress(TypeError, ValueError):
-            previous = ObjectId.from_hex(prev["tree"])
-            started = int(prev["started_ns"])
-    began = time.time_ns()
-    tree = None
-    if previous is not None and started is not None and store.has(previous):
-        # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
-        with contextlib.suppress(StoreError):
-            tree = build_tree(store, tree_path, previous=previous, previous_started_ns=started)
-    if tree is None:
-        tree = build_tree(store, tree_path)
-    known[tree_path] = {"tree": tree.hex(), "started_ns": began}
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(OSError):
-        # A cache: losing it (or a race between two booths) costs one full read, nothing more.
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(known, sort_keys=True))
-        os.replace(tmp, path)
-    return tree
 
 
 # The longest a checkpoint frame (and any frame) waits in memory or in the page cache before it

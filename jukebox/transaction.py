@@ -44,7 +44,6 @@ import shutil
 import stat
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from jukebox.basetree import build_base_tree, forget_base_tree
 from jukebox.breaker import BreakerState, BreakerTripped, CircuitBreaker
 from jukebox.errors import UsageError
 from jukebox.frame import Frame
@@ -259,11 +259,10 @@ def _relative(path: str, root: str) -> str | None:
     return None
 
 
-def build_base(
-    store: Any, root: str, tape_dir: str, cache: dict[str, tuple[ObjectId, int]] | None = None
-) -> ObjectId:
-    """The tree of ``root`` as a transaction sees it. With ``cache`` (root -> the last tree
-    and when its build started), unchanged files are not read again (git's racy-clean rule)."""
+def build_base(store: Any, root: str, tape_dir: str, tapes: TapeDir | None = None) -> ObjectId:
+    """The tree of ``root`` as a transaction sees it: without the tape dir's own records. With
+    ``tapes``, the last build of ``root`` recorded there serves as a stat cache (jukebox.basetree),
+    so unchanged files are not read again."""
     rel = _relative(tape_dir, root)
     tape_rel = os.fsencode(rel) if rel is not None else None
     state_rel = None if tape_rel is None else os.path.join(tape_rel, _STATE_DIR.encode())
@@ -275,18 +274,9 @@ def build_base(
             return False
         return path == state_rel or path.endswith(tape_suffix)
 
-    started = time.time_ns()
-    previous = cache.get(root) if cache is not None else None
-    oid = trees.build_tree(
-        store,
-        root,
-        previous=previous[0] if previous is not None else None,
-        previous_started_ns=previous[1] if previous is not None else started,
-        exclude=is_tape_record,
-    )
-    if cache is not None:
-        cache[root] = (oid, started)
-    return oid
+    if tapes is None:
+        return trees.build_tree(store, root, exclude=is_tape_record)
+    return build_base_tree(store, tapes, root, exclude=is_tape_record)
 
 
 # --------------------------------------------------------------------------- the file view
@@ -502,7 +492,6 @@ class Transaction:
         mcp_mode: str,
         root: str | os.PathLike[str] | None,
         breaker: CircuitBreaker | None,
-        base_cache: dict[str, tuple[ObjectId, int]] | None = None,
         policy: Mapping[str, Any] | None = None,
         initial_state: Mapping[str, Any] | StateVersion | None = None,
     ) -> None:
@@ -521,7 +510,6 @@ class Transaction:
         self._mcp_mode = mcp_mode
         self._root_arg = root
         self._template = breaker
-        self._base_cache = base_cache
         self._policy = dict(policy or {})
         self.state = State(initial_state)
         self.fs = TxFS(self)
@@ -559,7 +547,6 @@ class Transaction:
         if redirect is not None:
             # A B side re-executing the run: a scratch root and tape dir, the real store.
             self._tapes = redirect.tapes
-            self._base_cache = None
             store = self._store = redirect.store
             root = redirect.root
         else:
@@ -579,7 +566,9 @@ class Transaction:
             self._breaker = CircuitBreaker(**self._template.limits)
         try:
             if self._filesystem == "copy_on_write":
-                self.base_tree = build_base(store, root, tape_dir, self._base_cache)
+                self.base_tree = build_base(
+                    store, root, tape_dir, None if redirect is not None else self._tapes
+                )
                 self._scratch, self._scratch_lock = _make_scratch(self._tapes)
                 self._layer = Layer(root, store, self._scratch, base_tree=self.base_tree)
             tape_id = self._requested_id or self._fresh_id()
@@ -945,9 +934,8 @@ class Transaction:
                         durable=True,
                     )
                     guard.release_claim()
-            if self._base_cache is not None:
-                # The root now holds `final` wherever the layer changed it.
-                self._base_cache.pop(self.root, None)
+            # The root now holds `final` wherever the layer changed it.
+            forget_base_tree(self._tapes, self.root)
             self.status = COMMITTED
             self._cleanup()
             return Outcome(COMMITTED, frame.seq)

@@ -519,7 +519,7 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
 
 
 def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
-    from jukebox.booth import build_base_tree
+    from jukebox.basetree import build_base_tree
     from jukebox.tapedir import TapeDir
 
     work = tmp_path / "work"
