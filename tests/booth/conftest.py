@@ -103,3 +103,10 @@ def nobody_dir(tmp_path: Path) -> Path:
     os.chown(d, NOBODY, NOBODY)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def dev_fuse() -> None:
+    """Booth runs mount the FUSE layer."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse")

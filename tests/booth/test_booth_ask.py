@@ -14,7 +14,7 @@ import pytest
 
 from tests.booth.test_booth_run import JUKEBOX, frames
 
-pytestmark = pytest.mark.usefixtures("root_only")
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 
 def run_on_a_terminal(argv: list[str], answer: str, env: dict[str, str]) -> tuple[int, str]:

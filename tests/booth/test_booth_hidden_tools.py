@@ -13,7 +13,7 @@ import pytest
 
 from tests.booth.test_booth_run import frames
 
-pytestmark = pytest.mark.usefixtures("root_only")
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 
 @pytest.fixture

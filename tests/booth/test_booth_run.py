@@ -12,20 +12,9 @@ import pytest
 
 from tests.booth.conftest import NOBODY
 
-pytestmark = pytest.mark.usefixtures("root_only")
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
-
-
-@pytest.fixture(autouse=True)
-def _layer_available() -> None:
-    try:
-        import shadowfs.fuse
-        import shadowfs.layer  # noqa: F401
-    except ImportError as error:
-        pytest.skip(f"the FUSE layer is not importable yet: {error}")
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse")
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("root_only")
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 PYTHON = "/usr/bin/python3"  # the agents' interpreter: plain, with the stdlib's sqlite3
@@ -25,17 +25,6 @@ GIT_ENV = {
     "GIT_COMMITTER_NAME": "agent",
     "GIT_COMMITTER_EMAIL": "agent@example.com",
 }
-
-
-@pytest.fixture(autouse=True)
-def _layer_available() -> None:
-    try:
-        import shadowfs.fuse
-        import shadowfs.layer  # noqa: F401
-    except ImportError as error:
-        pytest.skip(f"the FUSE layer is not importable yet: {error}")
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("no /dev/fuse")
 
 
 @pytest.fixture
