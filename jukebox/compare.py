@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.render import money
 from shadowfs.oid import ObjectId
 
 SHOW_CHARS = 160  # how much of a prompt or reply one line of the report shows
@@ -189,7 +190,7 @@ class Comparison:
                 ["tool calls", len(a.tool_calls), len(b.tool_calls)],
                 ["checkpoints", a.checkpoints, b.checkpoints],
                 ["tokens (in / out / cached)", _tokens(a.tokens), _tokens(b.tokens)],
-                ["cost", _money(a.cost_usd), _money(b.cost_usd)],
+                ["cost", money(a.cost_usd), money(b.cost_usd)],
             ],
         )
         out += ["", "## Shared prefix", ""]
@@ -222,8 +223,8 @@ class Comparison:
                  _signed(b.tokens.get(key, 0) - a.tokens.get(key, 0))]
                 for key in ("input", "output", "cached")
             ]
-            + [["cost (USD)", _money(a.cost_usd), _money(b.cost_usd),
-                _signed_money(b.cost_usd - a.cost_usd)]],
+            + [["cost (USD)", money(a.cost_usd), money(b.cost_usd),
+                _signedmoney(b.cost_usd - a.cost_usd)]],
         )  # fmt: skip
         return "\n".join(out) + "\n"
 
@@ -554,15 +555,13 @@ def _tokens(tokens: dict[str, int]) -> str:
     return f"{tokens.get('input', 0)} / {tokens.get('output', 0)} / {tokens.get('cached', 0)}"
 
 
-def _money(value: float) -> str:
-    return f"${value:.4f}"
 
 
 def _signed(value: int) -> str:
     return f"{value:+d}"
 
 
-def _signed_money(value: float) -> str:
+def _signedmoney(value: float) -> str:
     value = round(value, 10)  # a float sum's last-bit noise is no loss
     return ("+" if value >= 0 else "-") + f"${abs(value):.4f}"
 
