@@ -13,6 +13,13 @@ The kernel does the copy-on-write; this module only reads and rewrites the upper
 The mount uses ``redirect_dir=off`` and ``metacopy=off`` so every change is spelled out in the
 upper directory itself (renaming a lower directory then fails with EXDEV and tools fall back to
 copying, as on fuse-overlayfs), and ``index=off`` so a remount over the same upper is allowed.
+
+It also uses ``volatile``: the kernel skips every sync to the upper directory, the fsync after
+each copy-up included (half the cost of copying up a big file). The upper directory is scratch,
+never the durability point: snapshots are (the store's flush), and commit and pending booths
+work from the snapshot's tree, never from the upper directory, just as the FUSE backend answers
+``fsync`` without writing. After a machine crash the kernel refuses to remount such an upper
+directory, and nothing needs it to: the booth dir is thrown away.
 """
 
 from __future__ import annotations
@@ -189,7 +196,8 @@ class OverlayLayer:
     # --- mounting -----------------------------------------------------------------------------
 
     def _options(self) -> bytes:
-        opts = [b"lowerdir=" + self._lowerdir, b"upperdir=" + self.upper, b"workdir=" + self.work]
+        opts = [b"lowerdir=" + self._lowerdir, b"upperdir=" + self.upper, b"workdir=" + self.work,
+                b"volatile"]
         if self.userxattr:
             opts.append(b"userxattr")
         else:

@@ -240,6 +240,38 @@ def test_restore_when_nobody_holds_the_mount(layer, store: Store) -> None:
     assert build_tree(store, mnt) == lay.base_tree
 
 
+def _is_volatile(path: Path) -> bool:
+    # Kernels since 6.x list the option as fsync=volatile, older ones as volatile.
+    return bool({"volatile", "fsync=volatile"} & set(_super_options(path)))
+
+
+def _super_options(path: Path) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(path):
+                return fields[-1].split(",")
+    raise AssertionError(f"{path} is not a mount point")
+
+
+def test_mount_is_volatile_and_stays_so_across_restore(layer, store: Store) -> None:
+    # The upper dir is scratch: syncs inside the booth must not reach the disk (snapshots are
+    # the durability point), and a restore's remount must not quietly bring the syncs back.
+    lay, _base, mnt = layer
+    assert _is_volatile(mnt)
+    (mnt / "f1.txt").write_text("one\n")
+    first = lay.snapshot()
+    (mnt / "f1.txt").write_text("two\n")
+    lay.restore(first)
+    assert _is_volatile(mnt)
+    fd = os.open(mnt / "f1.txt", os.O_RDWR)
+    try:
+        os.fsync(fd)  # answered, not refused
+    finally:
+        os.close(fd)
+    assert (mnt / "f1.txt").read_text() == "one\n"
+
+
 def test_discard_leaves_the_base_identical_and_no_residue(tmp_path: Path, store: Store) -> None:
     base = tmp_path / "base"
     _make_base(base)
