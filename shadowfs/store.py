@@ -13,8 +13,12 @@ before that loses the batch but cannot damage the store: the unindexed tail of a
 
 Group commit: `flush_soon()` asks for that same flush on a background thread within
 `FLUSH_DELAY` seconds instead of now, so a burst of checkpoints shares one fsync and none of them
-waits for the disk. Until the flush, what was put is readable through this `Store` only (other
-processes read through the index); whoever makes something durable that refers to those objects
+waits for the disk. Small objects (up to `STAGE_MAX`) are only hashed when put: they wait in
+memory, uncompressed, and the next flush (or `STAGE_LIMIT` bytes of them) checks the index for
+them, compresses and appends them, so a checkpoint pays for neither sqlite nor zstd.
+
+Until the flush, what was put is readable through this `Store` only (other processes read
+through the index); whoever makes something durable that refers to those objects
 (a tape frame, a commit to the real tree) calls `flush()` first — it returns once they are on disk.
 """
 
@@ -47,6 +51,10 @@ FLUSH_DELAY = 0.05
 FAST_LEVEL = -1
 _FAST_KINDS = frozenset({"tree", "chunks"})
 MAX_DELTA_DEPTH = 8
+# Objects up to STAGE_MAX bytes are staged in memory by put; more than STAGE_LIMIT bytes staged
+# are written out at once rather than at the next flush.
+STAGE_MAX = 1024 * 1024
+STAGE_LIMIT = 16 * 1024 * 1024
 # A writer starts a new pack once its pack passes this size (checked at flush).
 PACK_TARGET = 256 * 1024 * 1024
 # How many existing packs a new writer tries before starting its own.
@@ -70,6 +78,16 @@ class Problem:
     def __str__(self) -> str:
         who = f"object {self.oid}" if self.oid is not None else "unknown object"
         return f"{who} in {self.pack} at offset {self.offset}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """An object put but not yet appended to a pack (see `Store._drain`)."""
+
+    kind: str
+    data: bytes
+    size: int
+    delta_base: ObjectId | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +158,9 @@ class Store:
         self._dctx = zstandard.ZstdDecompressor()
         self._fds: dict[str, int] = {}
         self._pending: dict[ObjectId, IndexEntry] = {}
+        # In put order: a delta's base, staged before it, reaches the pack before it.
+        self._staged: dict[ObjectId, _Staged] = {}
+        self._staged_bytes = 0
         self._writer: pk.PackWriter | None = None
         self._lock_fd = -1
         self._lock_mode = 0
@@ -440,6 +461,9 @@ class Store:
     def get(self, oid: ObjectId) -> bytes:
         """The object's bytes, verified against its id."""
         with self._mutex:
+            staged = self._staged.get(oid)
+            if staged is not None:
+                return staged.data  # hashed to this id by put, in this process
             entry = self._locate(oid)
             if entry is None:
                 raise ObjectMissing(oid)
@@ -459,7 +483,7 @@ class Store:
 
     def has(self, oid: ObjectId) -> bool:
         with self._mutex:
-            return oid in self._pending or self._idx().has(oid)
+            return oid in self._staged or oid in self._pending or self._idx().has(oid)
 
     def _entry(self, oid: ObjectId) -> IndexEntry:
         with self._mutex:
@@ -469,11 +493,13 @@ class Store:
         return entry
 
     def kind(self, oid: ObjectId) -> str:
-        return self._entry(oid).kind
+        staged = self._staged.get(oid)
+        return staged.kind if staged is not None else self._entry(oid).kind
 
     def size(self, oid: ObjectId) -> int:
         """The content size: the raw size, or for a `chunks` object the size of the whole file."""
-        return self._entry(oid).size
+        staged = self._staged.get(oid)
+        return staged.size if staged is not None else self._entry(oid).size
 
     def read_file_into(self, oid: ObjectId, fileobj: BinaryIO) -> int:
         """Writes a blob's or chunked file's bytes to fileobj, chunk by chunk; returns the size."""
@@ -504,10 +530,12 @@ class Store:
     def iter_oids(self) -> Iterator[ObjectId]:
         with self._mutex:
             oids = set(self._pending)
+            oids.update(self._staged)
             oids.update(self._idx().oids())
         yield from oids
 
     def stats(self) -> StoreStats:
+        self._drain()  # stored sizes are known once compressed
         with self._mutex:
             count, raw, stored = self._idx().totals()
             count += len(self._pending)
@@ -541,10 +569,45 @@ class Store:
         size = sum(n for _, n in decode_chunks(data)) if kind == "chunks" else len(data)
         oid = hash_object(kind, data)
         with self._mutex:
-            if oid in self._pending or self._idx().has(oid):
+            if oid in self._staged or oid in self._pending:
                 return oid
-            self._append(oid, kind, data, size, delta_base)
+            if len(data) <= STAGE_MAX:
+                if self._lock_mode == 0:
+                    # What a staged object refers to must outlive it: gc waits for writers.
+                    self._lock(fcntl.LOCK_SH, block=True)
+                self._staged[oid] = _Staged(kind, data, size, delta_base)
+                self._staged_bytes += len(data)
+                if self._staged_bytes <= STAGE_LIMIT:
+                    return oid
+            elif self._idx().has(oid):
+                return oid
+            else:
+                self._append(oid, kind, data, size, delta_base)
+                return oid
+        self._drain()
         return oid
+
+    def _drain(self) -> None:
+        """Appends the staged objects the index does not hold yet, in the order they were put.
+
+        The store's lock is taken per object, so a snapshot on another thread may put (and
+        read) meanwhile instead of waiting for a whole batch to be compressed. On the group
+        commit's own thread it also lets go of the GIL after each object: a thread waiting for
+        the GIL would otherwise wait out the whole switch interval (5 ms) for it."""
+        with self._mutex:
+            batch = list(self._staged)
+        polite = threading.current_thread() is self._flusher
+        for oid in batch:
+            if polite:
+                time.sleep(0)
+            with self._mutex:
+                staged = self._staged.get(oid)
+                if staged is None:
+                    continue  # a failed write dropped the batch (raised below by flush)
+                if oid not in self._pending and not self._idx().has(oid):
+                    self._append(oid, staged.kind, staged.data, staged.size, staged.delta_base)
+                del self._staged[oid]
+                self._staged_bytes -= len(staged.data)
 
     def _append(
         self, oid: ObjectId, kind: str, data: bytes, size: int, delta_base: ObjectId | None
@@ -587,10 +650,12 @@ class Store:
     def _lose_batch(self, exc: OSError) -> None:
         """A failed write leaves the pack tail unknown: drop the writer and the unflushed batch."""
         self._lost = (
-            f"{len(self._pending)} object(s) put since the last flush were lost when a pack "
-            f"write failed ({exc.strerror}); put them again"
+            f"{len(self._pending) + len(self._staged)} object(s) put since the last flush were "
+            f"lost when a pack write failed ({exc.strerror}); put them again"
         )
         self._pending.clear()
+        self._staged.clear()
+        self._staged_bytes = 0
         self._drop_writer()
 
     def put_file(self, path_or_fd: int | str | bytes | os.PathLike[str]) -> ObjectId:
@@ -626,7 +691,7 @@ class Store:
         hasher.update(data)
         oid = hasher.oid()
         with self._mutex:
-            if oid not in self._pending and not self._idx().has(oid):
+            if oid not in self._staged and oid not in self._pending and not self._idx().has(oid):
                 self._append(oid, "blob", data, len(data), None)
         return oid
 
@@ -638,6 +703,7 @@ class Store:
         with self._soon:
             self._due = None  # a flush requested for later is this one
         with self._flush_lock:
+            self._drain()
             with self._mutex:
                 idx = self._idx()
                 if self._lost is not None:
@@ -693,7 +759,7 @@ class Store:
         flush is raised by the next `flush()`."""
         with self._mutex:
             w = self._writer
-            if not self._pending and (w is None or not w.dirty):
+            if not self._staged and not self._pending and (w is None or not w.dirty):
                 return
         with self._soon:
             if self._stopping:

@@ -382,7 +382,9 @@ def test_a_writer_reuses_an_unlocked_pack(tmp_path: Path) -> None:
     assert len(packs(tmp_path)) == 1
     with Store.open(tmp_path) as one, Store.open(tmp_path) as two:
         one.put("blob", b"from one")
-        two.put("blob", b"from two")  # the shared pack is taken: a second one appears
+        two.put("blob", b"from two")
+        one.flush()  # a put is staged in memory; its pack is taken when it is written
+        two.flush()  # the shared pack is taken: a second one appears
         assert len(packs(tmp_path)) == 2
 
 

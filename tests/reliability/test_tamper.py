@@ -77,6 +77,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         small = [o for o, v in contents.items() if v][:3]
         c = encode_chunks([(o, len(contents[o])) for o in small])
         contents[b.put("chunks", c)] = c
+        a.flush()  # puts wait in memory until a flush: write while both hold their pack
+        b.flush()
     src = tmp / "src"
     _fill_tree(src, rng)
     with Store.open(root) as store:
