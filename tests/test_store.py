@@ -19,6 +19,8 @@ from shadowfs.pack import PACK_HEADER_LEN
 from shadowfs.store import (
     CHUNK_SIZE,
     MAX_DELTA_DEPTH,
+    STAGE_LIMIT,
+    STAGE_MAX,
     Store,
     decode_chunks,
     encode_chunks,
@@ -372,6 +374,28 @@ def test_torn_pack_tail_is_cut_and_intact_unflushed_records_adopted(tmp_path: Pa
         store.flush()
     with Store.open(tmp_path) as store:
         assert store.get(oid) == b"after the crash"
+        assert store.verify() == []
+
+
+def test_small_puts_wait_in_memory_until_a_flush_but_never_more_than_the_limit(
+    tmp_path: Path,
+) -> None:
+    with Store.open(tmp_path) as store, Store.open(tmp_path) as other:
+        first = store.put("blob", b"waiting")
+        assert store.get(first) == b"waiting" and store.kind(first) == "blob"
+        assert store.size(first) == 7 and store.has(first)
+        assert not other.has(first)
+        assert sum(p.stat().st_size for p in packs(tmp_path)) <= PACK_HEADER_LEN
+        # Random bytes (no compression): once more than the limit waits, it is written out.
+        count = 3 * STAGE_LIMIT // STAGE_MAX
+        many = [store.put("blob", os.urandom(STAGE_MAX // 2)) for _ in range(count)]
+        on_disk = sum(p.stat().st_size for p in packs(tmp_path))
+        assert on_disk >= 3 * STAGE_LIMIT // 2 - STAGE_LIMIT - 2 * MiB
+        assert not other.has(many[0])  # written, not yet indexed: a flush vouches for it
+        store.flush()
+        assert other.has(first) and other.has(many[-1])
+        assert other.get(many[0]) == store.get(many[0])
+    with Store.open(tmp_path) as store:
         assert store.verify() == []
 
 
