@@ -124,6 +124,9 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 XATTR_CREATE = 1
 XATTR_REPLACE = 2
+# Directory steps remembered for restores (`Layer._remember_step`): a snapshot adds one per
+# directory it re-encodes, so this covers many checkpoints of a typical step.
+STEPS_KEPT = 4096
 
 _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
@@ -134,6 +137,8 @@ def _err(code: int, what: str = "") -> OSError:
 
 
 _NO_NAMES: frozenset[bytes] = frozenset()
+# One name's entries in two directory trees (None where the name is absent).
+_Diff = tuple[bytes, Entry | None, Entry | None]
 
 
 def _entries(store: Any, oid: ObjectId | None) -> dict[bytes, Entry]:
@@ -323,6 +328,7 @@ class Scratch:
         self._thread: threading.Thread | None = None
         self._outstanding = 0
         self._failed = 0  # pre-creates that failed; only the worker adds to it
+        self._held: list[str] | None = None
         self._pid = os.getpid()
 
     def _start(self) -> None:
@@ -341,8 +347,12 @@ class Scratch:
                 if kind == "create":
                     ino = arg
                     self._ready.append((ino, os.open(f"{self.directory}/{ino}", flags, 0o600)))
-                else:
+                elif kind == "unlink":
                     os.unlink(arg)
+                else:
+                    for path in arg:
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
             except OSError:
                 # A failed pre-create only means create() makes that file itself (but it will
                 # never be taken, so it must stop counting as outstanding); a failed unlink
@@ -372,8 +382,23 @@ class Scratch:
             self._jobs.put(("create", ino))
 
     def remove(self, path: str) -> None:
+        if self._held is not None:
+            self._held.append(path)
+            return
         self._start()
         self._jobs.put(("unlink", path))
+
+    def hold(self) -> None:
+        """Collect removals until `unhold`, which hands them over at once: waking the worker
+        per file cost a restore several microseconds each, mostly in the thread switch."""
+        if self._held is None:
+            self._held = []
+
+    def unhold(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self._start()
+            self._jobs.put(("unlink-all", held))
 
     def close(self) -> None:
         """Stop the worker once its queue is done; close the fds of files never taken."""
@@ -483,6 +508,8 @@ class Layer:
         self.inodes: dict[int, Node] = {}
         self.handles: dict[int, Handle] = {}
         self._inval: list[tuple[Any, ...]] = []
+        # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
+        self._steps: dict[tuple[ObjectId, ObjectId], list[_Diff]] = {}
         self._empty_tree: ObjectId | None = None
         self._files = Scratch(self.scratch_dir)
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
@@ -1360,7 +1387,7 @@ class Layer:
             new[name] = e
             if records is not None:
                 records[name] = entry_record(e)
-        d.dirty_names.clear()
+        marks, d.dirty_names = d.dirty_names, set()
         if added:
             new = dict(sorted(new.items()))
             if records is not None:
@@ -1369,6 +1396,14 @@ class Layer:
         oid = self.store.put("tree", data)
         # The next snapshot or restore starts from this tree: keep it decoded, and its records.
         trees.remember(oid, new)
+        # Every name whose entry differs between the two trees was marked: a restore between
+        # them looks at just these names (`_reconcile`), without reading either tree.
+        if d.oid is not None:
+            old_get = old.get
+            new_get = new.get
+            self._remember_step(
+                d.oid, oid, [(n, o, e) for n in marks if (o := old_get(n)) is not (e := new_get(n))]
+            )
         d.oid = oid
         d.records = (oid, records)
 
@@ -1410,48 +1445,94 @@ class Layer:
         """Bring the layer to the state of tree ``tree_id`` (any snapshot of this layer, or any
         tree in the store). Unsnapshotted changes are stored first, so nothing is lost from the
         store; their journal stays pending for the next snapshot, followed by a ``restore`` op.
-        Kernel invalidations are queued (see `take_invalidations`)."""
-        self._fold()
+        ``durable`` is as for `snapshot`, for what the restore stored (nothing when there were
+        no unsnapshotted changes). Kernel invalidations are queued (see `take_invalidations`)."""
+        stores = bool(self.root.dirty_names)
+        if stores:
+            self._fold()
         if tree_id != self.root.oid:
-            self._reconcile(self.root, tree_id, time.time_ns())
+            files = self._files
+            files.hold()
+            try:
+                self._reconcile(self.root, tree_id, time.time_ns())
+            finally:
+                files.unhold()
         self.root.oid = self.last_tree = tree_id
         self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
-        self._flush(durable)
+        if stores:
+            self._flush(durable)
+
+    def _remember_step(self, a: ObjectId, b: ObjectId, diffs: list[_Diff]) -> None:
+        """Remember how directory trees ``a`` and ``b`` differ: (name, entry in a, entry in b)
+        for every name whose entry is not the same object (None where absent).
+
+        Tree ids fix their content, so this never goes stale; it is bounded, oldest first."""
+        if a == b:
+            return
+        steps = self._steps
+        steps[(a, b)] = diffs
+        if len(steps) > STEPS_KEPT:
+            del steps[next(iter(steps))]
+
+    def _scan(self, cur: ObjectId, target: ObjectId) -> list[_Diff]:
+        """How directory tree ``cur`` differs from ``target``, found by reading both."""
+        store = self.store
+        old = _entries(store, cur)
+        new = _entries(store, target)
+        # Trees built from one another share their unchanged Entry objects, so one identity
+        # test per entry, in a comprehension, skips a large directory's unchanged names at C
+        # speed.
+        new_get = new.get
+        diffs = [(n, o, e) for n, o in old.items() if (e := new_get(n)) is not o]
+        diffs += [(n, None, new[n]) for n in new.keys() - old.keys()]
+        self._remember_step(cur, target, diffs)
+        return diffs
 
     def _reconcile(self, d: Node, target: ObjectId, now: int) -> None:
-        if d.children is None:
+        children = d.children
+        if children is None:
             d.oid = target
             return
-        old = _entries(self.store, d.oid)
-        new = _entries(self.store, target)
-        children = d.children
-        known = d.lookups > 0
+        cur: ObjectId = d.oid  # type: ignore[assignment]
+        steps = self._steps
+        back = False
+        diffs = steps.get((cur, target))
+        if diffs is None:
+            # The usual rollback undoes the last snapshot's build of this directory.
+            diffs = steps.get((target, cur))
+            if diffs is None:
+                diffs = self._scan(cur, target)
+            else:
+                back = True
         inval = self._inval
         base: dict[bytes, Entry] | None = None
         changed = False
-        # Trees built from one another share their unchanged Entry objects, so one identity
-        # test per entry, in a comprehension, skips a large directory's unchanged names at
-        # C speed; only the few that differ get the full comparison below.
-        new_get = new.get
-        differ = [name for name, oe in old.items() if new_get(name) is not oe]
-        for name in differ:
-            oe = old[name]
-            ne = new_get(name)
-            if ne == oe:
+        for name, a, b in diffs:
+            oe, ne = (b, a) if back else (a, b)
+            if oe is None:
+                changed = True
+                if base is None:
+                    base = self._base_entries(d)
+                self._attach(d, name, ne, base)  # type: ignore[arg-type]
                 continue
             child = children[name]
-            if ne is not None and ne.kind == oe.kind:
-                if oe.kind == DIR:
-                    child.mode, child.mtime_ns, child.ctime_ns = ne.mode, ne.mtime_ns, now
+            kind = oe.kind
+            if ne is not None and ne.kind == kind:
+                # Field by field rather than Entry.__eq__, which builds two tuples per call.
+                if kind == DIR:
                     if oe.oid != ne.oid:
                         self._reconcile(child, ne.oid, now)  # type: ignore[arg-type]
+                    elif oe.mode == ne.mode and oe.mtime_ns == ne.mtime_ns:
+                        continue
+                    child.mode, child.mtime_ns, child.ctime_ns = ne.mode, ne.mtime_ns, now
                     if child.lookups:
                         inval.append(("inode", child.ino, True))
                     continue
                 if oe.oid == ne.oid and oe.target == ne.target and oe.mtime_ns == ne.mtime_ns:
-                    child.mode, child.ctime_ns = ne.mode, now
-                    if child.lookups:
-                        inval.append(("inode", child.ino, True))
+                    if oe.mode != ne.mode:
+                        child.mode, child.ctime_ns = ne.mode, now
+                        if child.lookups:
+                            inval.append(("inode", child.ino, True))
                     continue
             changed = True
             del children[name]
@@ -1462,13 +1543,8 @@ class Layer:
                 if base is None:
                     base = self._base_entries(d)
                 self._attach(d, name, ne, base)
-        for name in new.keys() - old.keys():
-            changed = True
-            if base is None:
-                base = self._base_entries(d)
-            self._attach(d, name, new[name], base)
         d.oid = target
-        if changed and known:
+        if changed and d.lookups:
             inval.append(("inode", d.ino, True))
 
     def _base_entries(self, d: Node) -> dict[bytes, Entry]:
