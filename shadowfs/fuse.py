@@ -33,6 +33,7 @@ import errno
 import functools
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -49,15 +50,19 @@ THREAD_IO = 1024 * 1024
 _DEFAULT_TIMEOUT = pyfuse3.EntryAttributes().entry_timeout
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+T = TypeVar("T")
 
 
 def _errors(fn: F) -> F:
-    """Turn OSError into the FUSE reply the kernel expects; anything else is a bug, logged."""
+    """Run a handler holding the layer lock; turn OSError into the FUSE reply the kernel
+    expects (anything else is a bug, logged)."""
 
     @functools.wraps(fn)
-    async def wrapper(*args: Any) -> Any:
+    async def wrapper(self: Operations, *args: Any) -> Any:
+        lock = self.lock
+        lock.acquire()
         try:
-            return await fn(*args)
+            return await fn(self, *args)
         except pyfuse3.FUSEError:
             raise
         except OSError as exc:
@@ -65,6 +70,8 @@ def _errors(fn: F) -> F:
         except Exception:
             log.exception("shadowfs: %s failed", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            lock.release()
 
     return wrapper  # type: ignore[return-value]
 
@@ -77,11 +84,30 @@ class Operations(pyfuse3.Operations):
     def __init__(self, layer: Layer, *, timeout: float = TIMEOUT, thread_io: int = THREAD_IO):
         super().__init__()
         self.layer = layer
+        # Whoever touches the layer holds this: a request handler (released across each of its
+        # awaits), or another thread running a call through the mount (`Mount.call`), which
+        # then needs no hop onto this loop. Reentrant, so a handler may make such a call.
+        self.lock = threading.RLock()
         self.timeout = timeout
         self.thread_io = thread_io
         self._copying: dict[int, trio.Event] = {}
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir = 1
+        # Handles opened for write and not yet released. Only they can leave dirty pages in the
+        # kernel's writeback cache (see `dirty`).
+        self._writers: set[int] = set()
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the kernel may hold written data the layer has not seen yet.
+
+        False only when no handle is open for write. Pages are dirtied only through a file
+        open for write (write(2), or a shared writable mapping, which keeps its file open); the
+        kernel writes a file's dirty pages back on every close (before the FLUSH it would send)
+        and again before it sends RELEASE, and its writeback needs an open writable file. So
+        once every write handle is released, every byte written through it is in the layer.
+        Read from any thread: a stale True only costs a needless syncfs."""
+        return bool(self._writers)
 
     # ------------------------------------------------------------------ helpers
 
@@ -117,10 +143,20 @@ class Operations(pyfuse3.Operations):
         node.lookups += 1
         return self._attr(node)
 
+    async def _unlocked(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` without the layer lock: a handler must never suspend holding it, or a
+        thread waiting for it would block this loop (and a call would wait for the worker)."""
+        lock = self.lock
+        lock.release()
+        try:
+            return await aw
+        finally:
+            lock.acquire()
+
     async def _copy(self, node: Node, write: bool, keep: int | None = None) -> None:
         """Copy-up (or materialise from the store) once, on a worker thread when big."""
         while (ev := self._copying.get(node.ino)) is not None:
-            await ev.wait()
+            await self._unlocked(ev.wait())
         layer = self.layer
         if not layer.needs_copy(node, write):
             return
@@ -132,7 +168,7 @@ class Operations(pyfuse3.Operations):
         try:
             job = layer.start_copy(node, write, keep)
             try:
-                await trio.to_thread.run_sync(job.run)
+                await self._unlocked(trio.to_thread.run_sync(job.run))
             except BaseException:
                 layer.abort_copy(job)
                 raise
@@ -149,11 +185,12 @@ class Operations(pyfuse3.Operations):
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         forget = self.layer.forget
-        for ino, n in inode_list:
-            try:
-                forget(ino, n)
-            except Exception:
-                log.exception("shadowfs: forget(%d) failed", ino)
+        with self.lock:
+            for ino, n in inode_list:
+                try:
+                    forget(ino, n)
+                except Exception:
+                    log.exception("shadowfs: forget(%d) failed", ino)
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Any:
@@ -283,6 +320,8 @@ class Operations(pyfuse3.Operations):
         if layer.needs_copy(node, write):
             await self._copy(node, write, 0 if flags & os.O_TRUNC else None)
         h = layer.open_copied(node, flags, ctx.pid)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writers.add(h.fh)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True)
 
     @_errors
@@ -290,6 +329,8 @@ class Operations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> Any:
         h, node = self.layer.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid, ctx.pid)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writers.add(h.fh)
         return pyfuse3.FileInfo(fh=h.fh, keep_cache=True), self._looked_up(node)
 
     @_errors
@@ -303,7 +344,7 @@ class Operations(pyfuse3.Operations):
             return layer.read(h, off, size)
         b = layer.pin(h, False)
         try:
-            return await trio.to_thread.run_sync(os.pread, b.fd, size, off)
+            return await self._unlocked(trio.to_thread.run_sync(os.pread, b.fd, size, off))
         finally:
             b.release()
 
@@ -318,7 +359,7 @@ class Operations(pyfuse3.Operations):
             return layer.write(h, off, buf)
         b = layer.pin(h, True)
         try:
-            n = await trio.to_thread.run_sync(os.pwrite, b.fd, buf, off)
+            n = await self._unlocked(trio.to_thread.run_sync(os.pwrite, b.fd, buf, off))
         finally:
             b.release()
         layer.wrote(h, off, n)
@@ -328,10 +369,12 @@ class Operations(pyfuse3.Operations):
         return None
 
     async def release(self, fh: int) -> None:
-        try:
-            self.layer.release(fh)
-        except Exception:
-            log.exception("shadowfs: release(%d) failed", fh)
+        with self.lock:
+            self._writers.discard(fh)
+            try:
+                self.layer.release(fh)
+            except Exception:
+                log.exception("shadowfs: release(%d) failed", fh)
 
     # ------------------------------------------------------------------ xattrs and statfs
 
@@ -386,14 +429,17 @@ def serve(
     ready: Callable[[trio.lowlevel.TrioToken], None] | None = None,
     options: set[str] | None = None,
     timeout: float = TIMEOUT,
+    ops: Operations | None = None,
 ) -> None:
     """Mount ``layer`` at ``mountpoint`` and serve it until unmounted or terminated; blocking.
 
     Runs in any thread (one mount per process). ``ready(token)`` is called on the loop thread
     once requests are being served; ``token`` lets other threads reach the loop
-    (``trio.from_thread.run_sync(fn, trio_token=token)``). Unmounts (lazily) on return.
+    (``trio.from_thread.run_sync(fn, trio_token=token)``). ``ops``: the operations to serve
+    with (made from ``layer`` and ``timeout`` when None). Unmounts (lazily) on return.
     """
-    ops = Operations(layer, timeout=timeout)
+    if ops is None:
+        ops = Operations(layer, timeout=timeout)
     pyfuse3.init(ops, os.fspath(mountpoint), options if options is not None else mount_options())
     try:
         trio.run(_main, ready)

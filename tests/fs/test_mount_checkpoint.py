@@ -1,0 +1,237 @@
+"""Checkpoints and rollbacks through a live mount, taken as a booth takes them: from another
+thread, under the layer lock rather than on the FUSE thread, with a syncfs only while a file is
+open for write. Each test checks what the checkpoint holds or what the mount shows after it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shadowfs import tree
+from shadowfs.layer import Layer
+from shadowfs.mountctl import Mount, MountError, is_mounted
+from shadowfs.oid import ObjectId
+from shadowfs.store import Store
+from tests.fs.conftest import needs_fuse
+
+pytestmark = [pytest.mark.fuse, needs_fuse]
+
+
+@pytest.fixture
+def served(layer: Layer, tmp_path: Path) -> Iterator[tuple[Mount, Path]]:
+    """The layer served from a thread of this process (the booth's way)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with Mount(layer, mnt) as m:
+        yield m, mnt
+
+
+def content(store: Store, tree_id: ObjectId, path: str) -> bytes:
+    e = tree.lookup(store, tree_id, path.encode())
+    assert e is not None and e.oid is not None, f"{path} is not in the checkpoint"
+    return store.read_bytes(e.oid)
+
+
+def until(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.002)
+
+
+def test_closed_files_leave_nothing_dirty_and_are_in_the_checkpoint(
+    served: tuple[Mount, Path], layer: Layer, store: Store
+) -> None:
+    m, mnt = served
+    for i in range(20):
+        with open(mnt / f"new{i}.txt", "w") as f:
+            f.write("n" * (i + 1))
+    with open(mnt / "README", "a") as f:  # a copy-up of a base file, then an append
+        f.write("more\n")
+    with open(mnt / "src" / "main.py", "rb") as f:  # read-only opens never count as writers
+        f.read()
+    # The kernel sends RELEASE after close returns; until it lands the mount counts a writer.
+    until(lambda: not m.dirty, "every write handle is released")
+    t, _ = layer.snapshot()
+    assert content(store, t, "README") == b"readme\nmore\n"
+    assert [content(store, t, f"new{i}.txt") for i in range(20)] == [
+        b"n" * (i + 1) for i in range(20)
+    ]
+
+
+def test_data_in_a_file_still_open_for_write_is_in_the_checkpoint(
+    served: tuple[Mount, Path], layer: Layer, store: Store
+) -> None:
+    m, mnt = served
+    with open(mnt / "log.txt", "wb", buffering=0) as f:
+        f.write(b"a" * 10_000)  # sits in the kernel's writeback cache
+        assert m.dirty
+        t1, _ = layer.snapshot()
+        assert content(store, t1, "log.txt") == b"a" * 10_000
+        f.write(b"b" * 5)
+        t2, _ = layer.snapshot()
+        assert content(store, t2, "log.txt") == b"a" * 10_000 + b"b" * 5
+
+
+MAPPER = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+mm = mmap.mmap(fd, 8192)
+os.close(fd)  # the mapping keeps the file open
+mm[0:5] = b"HELLO"
+mm[4096:4101] = b"WORLD"
+print("written", flush=True)
+sys.stdin.readline()
+mm[10:13] = b"END"
+mm.close()
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_shared_mapping_keeps_the_mount_dirty_and_its_pages_reach_the_checkpoint(
+    served: tuple[Mount, Path], layer: Layer, store: Store
+) -> None:
+    m, mnt = served
+    (mnt / "mapped.bin").write_bytes(b"." * 8192)
+    # A child maps the file: page faults on this process's own mount would need the GIL.
+    child = subprocess.Popen(
+        [sys.executable, "-c", MAPPER, str(mnt / "mapped.bin")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "written\n"
+        assert m.dirty, "a mapping whose fd is closed still holds its file open for write"
+        t1, _ = layer.snapshot()
+        data = content(store, t1, "mapped.bin")
+        assert data[:5] == b"HELLO" and data[4096:4101] == b"WORLD" and data[5:10] == b"....."
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "closed\n"
+        t2, _ = layer.snapshot()
+        assert content(store, t2, "mapped.bin")[:13] == b"HELLO.....END"
+    finally:
+        child.kill()
+        child.wait()
+    until(lambda: not m.dirty, "the mapping's file is released")
+
+
+def test_a_call_nested_in_a_call_runs_in_place_and_the_outer_call_invalidates(
+    served: tuple[Mount, Path], layer: Layer
+) -> None:
+    m, mnt = served
+    (mnt / "a.txt").write_text("one")
+    t1, _ = layer.snapshot()
+    (mnt / "a.txt").write_text("two")
+    (mnt / "b.txt").write_text("only after t1")
+    assert (mnt / "a.txt").read_text() == "two"  # now in the kernel's caches
+
+    def step() -> str:
+        assert m.on_loop(), "inside a call this thread owns the layer"
+        layer.snapshot()  # routed methods run in place instead of calling again
+        layer.restore(t1)
+        return "done"
+
+    assert m.call(step, sync=True) == "done"
+    assert not m.on_loop()
+    assert (mnt / "a.txt").read_text() == "one"
+    assert not (mnt / "b.txt").exists()
+
+
+def test_an_error_in_a_call_still_sends_the_invalidations_it_queued(
+    served: tuple[Mount, Path], layer: Layer
+) -> None:
+    m, mnt = served
+    t0, _ = layer.snapshot()
+    (mnt / "gone.txt").write_text("x")
+    assert (mnt / "gone.txt").exists()
+
+    def restore_then_fail() -> None:
+        layer.restore(t0)
+        raise ValueError("after the restore")
+
+    with pytest.raises(ValueError, match="after the restore"):
+        m.call(restore_then_fail)
+    assert not (mnt / "gone.txt").exists(), "the kernel still had the entry"
+    layer.snapshot()  # the lock was released: the layer is callable again
+
+
+COPIER = r"""
+import os, sys
+mnt = sys.argv[1]
+for i in range(int(sys.argv[2])):
+    with open(os.path.join(mnt, "big.bin"), "ab") as f:  # a 3 MiB copy-up on a worker thread
+        f.write(b"!")
+    with open(os.path.join(mnt, f"small{i % 7}.txt"), "a") as f:
+        f.write(f"{i}\n")
+    os.stat(os.path.join(mnt, "src", "main.py"))
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_checkpoints_and_rollbacks_race_copy_ups_without_deadlock(
+    layer: Layer, store: Store, base: Path, tmp_path: Path, process: bool
+) -> None:
+    mnt = tmp_path / "race"
+    mnt.mkdir()
+    big = (base / "big.bin").read_bytes()
+    with Mount(layer, mnt, process=process):
+        t0, _ = layer.snapshot()
+        child = subprocess.Popen(
+            [sys.executable, "-c", COPIER, str(mnt), "60"], stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout is not None
+        seen: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def checkpoints() -> None:
+            # Another thread, like a booth's: snapshots and rollbacks while the child copies up.
+            try:
+                while child.poll() is None:
+                    t, _ = layer.snapshot()
+                    seen.append(content(store, t, "big.bin"))
+                    layer.restore(t0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=checkpoints)
+        worker.start()
+        try:
+            assert child.stdout.readline() == "done\n"
+            assert child.wait(60) == 0
+        finally:
+            child.kill()
+            worker.join(60)
+        assert not worker.is_alive(), "a checkpoint hung"
+        assert not errors, errors
+        assert seen, "no checkpoint ran while the child worked"
+        # Every checkpoint holds the base file plus whole appends, never a torn copy.
+        for data in seen:
+            assert data[: len(big)] == big and set(data[len(big) :]) <= {ord("!")}
+        t, _ = layer.snapshot()
+        assert content(store, t, "big.bin") == (mnt / "big.bin").read_bytes()
+
+
+def test_calls_after_stop_are_refused_and_the_mount_is_gone(
+    layer: Layer, tmp_path: Path
+) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mount(layer, mnt).start()
+    (mnt / "f.txt").write_text("x")
+    layer.snapshot()
+    m.stop()
+    assert not is_mounted(mnt), "the held root fd must not keep the mount alive"
+    with pytest.raises(MountError, match="not running"):
+        m.call(layer.snapshot)
+    layer.snapshot()  # detached: runs in process
+    assert os.listdir(mnt) == []
