@@ -235,3 +235,18 @@ def test_calls_after_stop_are_refused_and_the_mount_is_gone(
         m.call(layer.snapshot)
     layer.snapshot()  # detached: runs in process
     assert os.listdir(mnt) == []
+
+
+def test_a_rollback_leaves_the_fuse_thread_as_it_found_it(
+    served: tuple[Mount, Path], layer: Layer
+) -> None:
+    _, mnt = served
+    loop = next(t for t in threading.enumerate() if t.name == "shadowfs-fuse")
+    assert loop.native_id is not None
+    t0, _ = layer.snapshot()
+    for i in range(5):
+        (mnt / f"x{i}.txt").write_text("x")
+    assert all((mnt / f"x{i}.txt").exists() for i in range(5))
+    layer.restore(t0)  # drops five cached entries: the FUSE thread runs as SCHED_BATCH meanwhile
+    assert not any((mnt / f"x{i}.txt").exists() for i in range(5))
+    assert os.sched_getscheduler(loop.native_id) == os.SCHED_OTHER
