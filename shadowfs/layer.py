@@ -58,14 +58,22 @@ Restore: O(difference)
 `Layer.restore` first folds unsnapshotted changes into a tree (without taking the journal), then
 reconciles the node tree with the target: directories with equal ids are skipped, unloaded
 directories just take the target's sub-tree id, and within a differing loaded directory each
-differing name is fixed. A file whose content or mtime differs gets a *new node* (new inode
-number) at that path, the old one behaving like an unlinked file: processes holding it open keep
-reading what they opened, the next open or stat sees the restored content. This is forced by the
-kernel's writeback cache, which trusts its own cached size and mtime of a regular file over the
-server's, even after invalidation; a fresh inode is the only way to make it take the restored ones.
-Directories, symlinks and mode-only changes keep their inode numbers. The kernel caches to drop are
-queued as invalidations (`Layer.take_invalidations`) for the FUSE side to send from outside its
-request handlers.
+differing name is fixed. Which names differ comes without reading either tree when the layer
+has seen the step: each directory a snapshot re-encodes remembers its marked names with their old
+and new entries (`Layer._remember_step`), so rolling back to the previous snapshot, or forward
+again, costs what changed, not the size of the directories on the way; other pairs of trees are
+compared once (an identity test per entry) and remembered too.
+
+A file whose content or mtime differs gets a new inode number at that path, the old one behaving
+like an unlinked file: processes holding it open keep reading what they opened, the next open or
+stat sees the restored content. This is forced by the kernel's writeback cache, which trusts its
+own cached size and mtime of a regular file over the server's, even after invalidation; a fresh
+inode is the only way to make it take the restored ones. A node the kernel has looked up or a
+handle holds is replaced by a new node; one that nobody knows (always so in process) is rewritten
+in place under its new number (`Layer._renew`), which is the same state for less work.
+Directories, symlinks and mode-only changes keep their inode numbers. The kernel caches to drop
+are queued as invalidations (`Layer.take_invalidations`) for the FUSE side to send from outside
+its request handlers.
 
 Threading: a Layer is not thread-safe. The FUSE server runs every call on its event-loop thread;
 other threads go through the mount handle (`shadowfs.mountctl.Mount.call`). In-process mutation
@@ -124,9 +132,11 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 XATTR_CREATE = 1
 XATTR_REPLACE = 2
-# Directory steps remembered for restores (`Layer._remember_step`): a snapshot adds one per
-# directory it re-encodes, so this covers many checkpoints of a typical step.
+# How directory trees differ, remembered for restores (`Layer._remember_step`): a snapshot adds
+# one step per directory it re-encodes. Bounded by steps and by differing names in all (a step
+# holds a tuple per name: ~100 bytes), oldest first.
 STEPS_KEPT = 4096
+STEP_NAMES_KEPT = 65536
 
 _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
@@ -510,6 +520,7 @@ class Layer:
         self._inval: list[tuple[Any, ...]] = []
         # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
         self._steps: dict[tuple[ObjectId, ObjectId], list[_Diff]] = {}
+        self._step_names = 0
         self._empty_tree: ObjectId | None = None
         self._files = Scratch(self.scratch_dir)
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
@@ -1466,13 +1477,17 @@ class Layer:
         """Remember how directory trees ``a`` and ``b`` differ: (name, entry in a, entry in b)
         for every name whose entry is not the same object (None where absent).
 
-        Tree ids fix their content, so this never goes stale; it is bounded, oldest first."""
-        if a == b:
+        Tree ids fix their content, so this never goes stale."""
+        if a == b or len(diffs) > STEP_NAMES_KEPT:
             return
         steps = self._steps
+        old = steps.pop((a, b), None)
+        if old is not None:
+            self._step_names -= len(old)
         steps[(a, b)] = diffs
-        if len(steps) > STEPS_KEPT:
-            del steps[next(iter(steps))]
+        self._step_names += len(diffs)
+        while len(steps) > STEPS_KEPT or self._step_names > STEP_NAMES_KEPT:
+            self._step_names -= len(steps.pop(next(iter(steps))))
 
     def _scan(self, cur: ObjectId, target: ObjectId) -> list[_Diff]:
         """How directory tree ``cur`` differs from ``target``, found by reading both."""
@@ -1495,19 +1510,17 @@ class Layer:
             return
         cur: ObjectId = d.oid  # type: ignore[assignment]
         steps = self._steps
-        back = False
-        diffs = steps.get((cur, target))
-        if diffs is None:
-            # The usual rollback undoes the last snapshot's build of this directory.
-            diffs = steps.get((target, cur))
+        # The usual rollback undoes the last snapshot's build of this directory.
+        diffs = steps.get((target, cur))
+        back = diffs is not None
+        if not back:
+            diffs = steps.get((cur, target))
             if diffs is None:
                 diffs = self._scan(cur, target)
-            else:
-                back = True
         inval = self._inval
         base: dict[bytes, Entry] | None = None
         changed = False
-        for name, a, b in diffs:
+        for name, a, b in diffs:  # type: ignore[union-attr]
             oe, ne = (b, a) if back else (a, b)
             if oe is None:
                 changed = True
@@ -1534,6 +1547,12 @@ class Layer:
                         if child.lookups:
                             inval.append(("inode", child.ino, True))
                     continue
+                if kind == FILE and not (child.lookups or child.opens) and len(child.links) == 1:
+                    changed = True
+                    if base is None:
+                        base = self._base_entries(d)
+                    self._renew(child, ne, base.get(name), d, name)
+                    continue
             changed = True
             del children[name]
             if child.lookups:
@@ -1546,6 +1565,51 @@ class Layer:
         d.oid = target
         if changed and d.lookups:
             inval.append(("inode", d.ino, True))
+
+    def _renew(self, node: Node, e: Entry, be: Entry | None, d: Node, name: bytes) -> None:
+        """Make file ``node`` (at ``name`` in ``d``, its only link) the file of tree entry
+        ``e``, under a new inode number: what `_unlink_child` and `_attach` would leave, for
+        a node neither the kernel nor a handle knows, without replacing the node object.
+
+        A new number all the same: the contract is that changed content gets one, and the old
+        number's staged file is then removed in the background with nothing able to reach it."""
+        inodes = self.inodes
+        del inodes[node.ino]
+        if node.src == SRC_SCRATCH:
+            self._files.remove(self._scratch(node))
+        if node.backing is not None:  # not expected without handles; released like a drop
+            node.backing.release()
+            node.backing = None
+        ino = node.ino = self._next_ino
+        self._next_ino += 1
+        inodes[ino] = node
+        t = e.mtime_ns
+        node.mode = e.mode
+        node.uid = self.uid
+        node.gid = self.gid
+        node.size = e.size
+        node.mtime_ns = node.atime_ns = node.ctime_ns = t
+        node.oid = e.oid
+        node.dirty = False
+        node.xattrs = None
+        node.base_oid = None
+        if be is None:
+            node.src = SRC_STORE
+            node.base_path = None
+            node.stat_base = False
+            return
+        bp = d.base_path
+        path = None if bp is None else bp + b"/" + name if bp else name
+        # Trees built from the base share its Entry objects, so a file rolled back to its base
+        # version usually has the very entry of the base: no field comparisons.
+        same = be is e
+        if same or (be.kind == FILE and be.oid == e.oid):
+            node.src = SRC_BASE
+            node.base_path = path
+        else:
+            node.src = SRC_STORE
+            node.base_path = None
+        node.stat_base = path is not None and (same or be == e)
 
     def _base_entries(self, d: Node) -> dict[bytes, Entry]:
         if d.base_path is None or d.base_oid is None:
