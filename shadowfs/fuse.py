@@ -4,6 +4,10 @@ Every request is answered from the layer on the trio thread; handlers are plain 
 calls except for big I/O (reads, writes and copy-ups of at least `THREAD_IO` bytes), which run on
 worker threads so one large file never stalls the other processes using the mount.
 
+Handlers hold `Operations.lock` while they touch the layer and release it across every await,
+so another thread holding it (`shadowfs.mountctl.Mount.call`: a booth's snapshot or restore)
+sees the layer between requests, as code on the trio thread would, without hopping onto it.
+
 Kernel caching. Entry and attribute timeouts are long (`TIMEOUT`): the layer is the only writer,
 so the kernel's caches only go stale on a restore, and a restore sends explicit invalidations (see
 `shadowfs.mountctl`). The writeback cache is on, so small writes are batched by the kernel; with
