@@ -190,7 +190,8 @@ def bench_restore_in_process(n_files: int, reps: int, k: int = 10) -> dict[str, 
         **summarize_us(samples),
         "files_changed": k,
         "repo_files": n_files,
-        "note": "layer.restore on an unmounted layer; target <= 200 µs",
+        "note": "layer.restore on an unmounted layer, durable=True as a booth calls it; right "
+                "after a snapshot there is nothing to fold, so no store flush; target <= 200 µs",
     }
 
 
