@@ -136,7 +136,7 @@ XATTR_REPLACE = 2
 # one step per directory it re-encodes. Bounded by steps and by differing names in all (a step
 # holds a tuple per name: ~100 bytes), oldest first.
 STEPS_KEPT = 4096
-STEP_NAMES_KEPT = 65536
+STEP_NAMES_KEPT = 16384
 
 _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
