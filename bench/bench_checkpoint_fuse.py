@@ -2,7 +2,8 @@
 
 A step changes 1, 10 or 100 small files through a real mount (appends, so each is copied up),
 then `layer.snapshot()` is timed as a booth calls it: from another thread, through the mount
-handle (a syncfs of the mount, then the snapshot on the FUSE thread). Rows match the git
+handle (a syncfs of the mount while a file is open for write, then the snapshot on the calling
+thread under the mount's layer lock). Rows match the git
 baseline on `files_changed` and `repo_files`; the git figures are measured in the same run with
 `bench.bench_git_baseline.bench_repo`, and `vs_git` is git's p50 over ours (higher is better).
 
@@ -10,11 +11,11 @@ Snapshots are taken as a booth takes them, as group commits (`snapshot(durable=F
 store's fsync and index commit run on its background thread within 50 ms (`Store.flush_soon`),
 so a row times what a checkpoint waits for, not the disk. The
 in-process rows time `layer.snapshot()` on an unmounted layer whose step was written through
-the layer itself: the snapshot alone, without the syncfs and the hop to the FUSE thread.
+the layer itself: the snapshot alone, without the mount's lock and syncfs.
 
 Rollback is `layer.restore()` to the checkpoint before a step of 10 changed files, called in
-process on an unmounted layer (the target), and through the mount handle (which adds the hop to
-the FUSE thread and the kernel cache invalidations).
+process on an unmounted layer (the target), and through the mount handle (which adds the mount's
+lock and the kernel cache invalidations).
 
 Memory runs in child processes so each figure is that process's own: the serving process's RSS
 after a full walk of a 100,000-file tree through the mount, and the peak RSS (ru_maxrss) above
@@ -96,7 +97,7 @@ def bench_tree(n_files: int, reps: int, git: dict[int, float]) -> list[dict[str,
                             **summarize_us(snaps),
                             "files_changed": k,
                             "repo_files": n_files,
-                            "note": "written via the mount; syncfs, snapshot on the FUSE thread; "
+                            "note": "written via the mount; snapshot under the mount's lock; "
                                     "durable within 50 ms (group commit)",
                         }
                         if k in git:
@@ -111,7 +112,7 @@ def bench_tree(n_files: int, reps: int, git: dict[int, float]) -> list[dict[str,
                                 **summarize_us(rollbacks),
                                 "files_changed": k,
                                 "repo_files": n_files,
-                                "note": "FUSE-thread hop + kernel cache invalidations",
+                                "note": "under the mount's lock + kernel cache invalidations",
                             })
             finally:
                 layer.close()

@@ -45,9 +45,10 @@ the root, stopping at the first already-marked name. A file whose content change
 `Layer.snapshot` walks only marked names from the root: dirty files go to the store
 (``put_file``, or ``put(..., delta_base=previous)`` for files up to `DELTA_MAX`), marked directories
 are re-encoded from their previous tree plus the marked names (path copying: every unmarked entry,
-including whole sub-trees, keeps its id). Each re-encoded directory keeps its entries' encoded
-records (``Node.records``), so the next snapshot re-packs only the records of marked names and
-joins the rest as bytes: path copying at the byte level too. The journal since the previous
+including whole sub-trees, keeps its id). The encoded entry records of trees the layer built are
+kept by tree id (from a directory's second build on), so the next snapshot re-packs only the
+records of marked names and joins the rest as bytes: path copying at the byte level too, also
+after a restore brought the directory back to a tree built earlier. The journal since the previous
 snapshot goes to the store as a ``journal`` object (see `shadowfs.journal`). The store is then
 flushed (one fsync, one index commit), or with ``snapshot(durable=False)`` left to its group
 commit on a background thread within ``FLUSH_DELAY`` (`Store.flush_soon`); a tape frame naming
@@ -75,9 +76,11 @@ Directories, symlinks and mode-only changes keep their inode numbers. The kernel
 are queued as invalidations (`Layer.take_invalidations`) for the FUSE side to send from outside
 its request handlers.
 
-Threading: a Layer is not thread-safe. The FUSE server runs every call on its event-loop thread;
-other threads go through the mount handle (`shadowfs.mountctl.Mount.call`). In-process mutation
-while mounted should go through the mount so the kernel sees it.
+Threading: a Layer is not thread-safe. While mounted, the FUSE request handlers touch it only
+under the mount's layer lock (`shadowfs.fuse.Operations.lock`), and other threads go through the
+mount handle (`shadowfs.mountctl.Mount.call`), which runs the call on the calling thread under that
+lock and then sends the kernel invalidations it queued. In-process mutation while mounted should
+go through the mount so the kernel sees it.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ XATTR_REPLACE = 2
 # holds a tuple per name: ~100 bytes), oldest first.
 STEPS_KEPT = 4096
 STEP_NAMES_KEPT = 16384
+# Encoded entry records of built trees, by tree id (`Layer._build`), bounded by records held
+# (~100 bytes each).
+RECORDS_KEPT = 262144
 
 _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
@@ -210,10 +216,6 @@ class Node:
         self.stat_base = False
         self.target: bytes | None = None
         self.children: dict[bytes, Node] | None = None
-        # The tree id a snapshot last built for this directory, with its encoded entry records
-        # by name in name order (None after the first build): a snapshot then re-encodes only
-        # the records of changed names (see `Layer._build`).
-        self.records: tuple[ObjectId, dict[bytes, bytes] | None] | None = None
         # Only directories have names to mark; the rest share one empty set (216 bytes saved per
         # file, which adds up on a 100,000-file tree).
         self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
@@ -439,7 +441,7 @@ _F = Any
 
 
 def _routed(sync: bool = False, stores: bool = False) -> Callable[[_F], _F]:
-    """While mounted, run the method on the FUSE thread (see shadowfs.mountctl.Mount.call).
+    """While mounted, run the method under the mount's layer lock (shadowfs.mountctl.Mount.call).
 
     ``stores``: the method takes ``durable=`` and its objects must be flushed before it returns
     when the layer lives in a child process (``Mount(process=True)``), whose store is another
@@ -521,6 +523,9 @@ class Layer:
         # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
         self._steps: dict[tuple[ObjectId, ObjectId], list[_Diff]] = {}
         self._step_names = 0
+        # tree id -> its entries' encoded records by name, or None for a tree built once.
+        self._records: dict[ObjectId, dict[bytes, bytes] | None] = {}
+        self._records_held = 0
         self._empty_tree: ObjectId | None = None
         self._files = Scratch(self.scratch_dir)
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
@@ -1366,14 +1371,19 @@ class Layer:
 
     def _build(self, d: Node) -> None:
         old = _entries(self.store, d.oid)
-        cached, d.records = d.records, None  # dropped until this build succeeds
         records: dict[bytes, bytes] | None = None
-        if cached is not None and cached[0] == d.oid:
-            # Built before from this very tree: keep records from now on (a directory changed
-            # twice is likely to change again; one changed once costs no per-entry encoding).
-            records = cached[1]
-            if records is None:
-                records = {name: entry_record(e) for name, e in old.items()}
+        if d.oid in self._records:
+            # Built from or into before: keep records from now on (a directory changed twice is
+            # likely to change again; one changed once costs no per-entry encoding). A copy: the
+            # kept records stay those of their tree, for the next build from it (after a
+            # restore back to it, say).
+            kept = self._records[d.oid]
+            if kept is None:
+                kept = {name: entry_record(e) for name, e in old.items()}
+                self._keep_records(d.oid, kept)  # type: ignore[arg-type]
+            records = dict(kept)
+        elif d.oid is not None:
+            self._keep_records(d.oid, None)
         new = dict(old)
         children = d.children
         assert children is not None
@@ -1416,7 +1426,18 @@ class Layer:
                 d.oid, oid, [(n, o, e) for n in marks if (o := old_get(n)) is not (e := new_get(n))]
             )
         d.oid = oid
-        d.records = (oid, records)
+        self._keep_records(oid, records)
+
+    def _keep_records(self, oid: ObjectId, records: dict[bytes, bytes] | None) -> None:
+        kept = self._records
+        if oid in kept:
+            old = kept.pop(oid)
+            self._records_held -= len(old) if old else 1
+        kept[oid] = records
+        self._records_held += len(records) if records else 1
+        while self._records_held > RECORDS_KEPT and len(kept) > 1:
+            dropped = kept.pop(next(iter(kept)))
+            self._records_held -= len(dropped) if dropped else 1
 
     def _fold(self) -> ObjectId:
         """Turn the changes since the last snapshot into a tree (without taking the journal)."""
