@@ -212,8 +212,13 @@ def next_tape_id(tapes: TapeDir, base: str, what: str) -> str:
 
 
 def _stop_agent() -> None:
-    """Kills this process's children: in a booth supervisor, the agent (and a verifier)."""
-    me = str(os.getpid())
+    """Kills every descendant of this process: in a booth supervisor, the agent (and a verifier).
+
+    Each one directly, not just the booth's init: the init's death takes the rest of its PID
+    namespace with it only once the kernel gets round to it, and an agent woken by the reply to
+    its checkpoint meanwhile could still reach the proxy. A pending SIGKILL lets no more of a
+    process's own code run."""
+    children: dict[str, list[str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -222,9 +227,14 @@ def _stop_agent() -> None:
                 stat = f.read()
         except OSError:
             continue
-        if stat[stat.rfind(b")") + 2 :].split()[1].decode() == me:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry), signal.SIGKILL)
+        ppid = stat[stat.rfind(b")") + 2 :].split()[1].decode()
+        children.setdefault(ppid, []).append(entry)
+    todo = list(children.get(str(os.getpid()), ()))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 class _Watch:
