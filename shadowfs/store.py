@@ -590,30 +590,52 @@ class Store:
     def _drain(self) -> None:
         """Appends the staged objects the index does not hold yet, in the order they were put.
 
-        The store's lock is taken per object, so a snapshot on another thread may put (and
-        read) meanwhile instead of waiting for a whole batch to be compressed. On the group
-        commit's own thread it also lets go of the GIL after each object: a thread waiting for
-        the GIL would otherwise wait out the whole switch interval (5 ms) for it."""
+        One index query for the whole batch, and each object is compressed without the store's
+        lock (zstd lets go of the GIL too), so a snapshot on another thread puts and reads
+        meanwhile instead of waiting for the batch; the lock is taken per object only to
+        append it. On the group commit's own thread it also lets go of the GIL after each
+        object: a thread waiting for the GIL would otherwise wait out the whole switch interval
+        (5 ms) for it."""
         with self._mutex:
-            batch = list(self._staged)
+            batch = list(self._staged.items())
+            if not batch:
+                return
+            indexed = self._idx().present([oid for oid, _ in batch])
         polite = threading.current_thread() is self._flusher
-        for oid in batch:
+        # Its own compressors: a drain runs on the flusher or on a thread whose put passed the
+        # limit, and a compressor must not be shared between threads.
+        cctx = zstandard.ZstdCompressor(level=self.level)
+        fast_cctx = zstandard.ZstdCompressor(level=min(self.level, FAST_LEVEL))
+        for oid, staged in batch:
             if polite:
                 time.sleep(0)
+            encoded = None
+            if oid not in indexed and staged.delta_base is None:
+                encoded = pk.encode_plain(
+                    staged.data, fast_cctx if staged.kind in _FAST_KINDS else cctx
+                )
             with self._mutex:
-                staged = self._staged.get(oid)
-                if staged is None:
-                    continue  # a failed write dropped the batch (raised below by flush)
-                if oid not in self._pending and not self._idx().has(oid):
-                    self._append(oid, staged.kind, staged.data, staged.size, staged.delta_base)
+                if self._staged.get(oid) is not staged:
+                    continue  # dropped with a failed batch (raised by flush), or drained already
+                if oid not in indexed and oid not in self._pending:
+                    self._append(
+                        oid, staged.kind, staged.data, staged.size, staged.delta_base, encoded
+                    )
                 del self._staged[oid]
                 self._staged_bytes -= len(staged.data)
 
     def _append(
-        self, oid: ObjectId, kind: str, data: bytes, size: int, delta_base: ObjectId | None
+        self,
+        oid: ObjectId,
+        kind: str,
+        data: bytes,
+        size: int,
+        delta_base: ObjectId | None,
+        encoded: tuple[int, bytes] | None = None,
     ) -> None:
-        cctx = self._fast_cctx if kind in _FAST_KINDS else self._cctx
-        flags, payload = pk.encode_plain(data, cctx)
+        if encoded is None:
+            encoded = pk.encode_plain(data, self._fast_cctx if kind in _FAST_KINDS else self._cctx)
+        flags, payload = encoded
         base_id: ObjectId | None = None
         depth = 0
         if delta_base is not None and data:

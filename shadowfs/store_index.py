@@ -198,6 +198,18 @@ class StoreIndex:
     def has(self, oid: ObjectId) -> bool:
         return bool(self._all("SELECT 1 FROM objects WHERE oid=?", (bytes(oid),)))
 
+    def present(self, oids: list[ObjectId]) -> set[ObjectId]:
+        """Which of ``oids`` the index holds, in a query per 500 (sqlite's parameter limit)."""
+        found: set[ObjectId] = set()
+        for i in range(0, len(oids), 500):
+            part = oids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            rows = self._all(
+                f"SELECT oid FROM objects WHERE oid IN ({marks})", tuple(bytes(o) for o in part)
+            )
+            found.update(ObjectId(r[0]) for r in rows)
+        return found
+
     def entries(self) -> Iterator[IndexEntry]:
         for row in self._all(f"SELECT {_COLUMNS} FROM objects"):
             yield _entry(self.path, row)

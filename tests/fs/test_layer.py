@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from shadowfs import tree
 from shadowfs.journal import Journal, JournalOp, decode_journal, encode_journal
 from shadowfs.layer import RENAME_EXCHANGE, RENAME_NOREPLACE, SRC_BASE, Layer
 from shadowfs.oid import ObjectId
-from shadowfs.store import Store
+from shadowfs.store import FLUSH_DELAY, Store
 
 BAD = b"bad-\xff\xfe.txt"
 
@@ -498,10 +499,15 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
     try:
         assert proc.stdout is not None
         acked = 0
-        while acked < 60:
+        started = 0.0
+        # Checkpoints are group commits, durable within FLUSH_DELAY: let several land while the
+        # burst goes on (60 checkpoints can take less than one delay), then kill mid-burst.
+        while acked < 60 or time.monotonic() - started < 6 * FLUSH_DELAY:
             line = proc.stdout.readline()
             assert line, f"the agent stopped early: {proc.stderr.read().decode()[-2000:]}"
             acked = int(line)
+            if not started:
+                started = time.monotonic()
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
