@@ -99,6 +99,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shadowfs import tree as trees
+from shadowfs.bounded import BoundedMap
 from shadowfs.journal import Journal, encode_journal
 from shadowfs.oid import ObjectId
 from shadowfs.tree import (
@@ -525,11 +526,13 @@ class Layer:
         self.handles: dict[int, Handle] = {}
         self._inval: list[tuple[Any, ...]] = []
         # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
-        self._steps: dict[tuple[ObjectId, ObjectId], list[_Diff]] = {}
-        self._step_names = 0
+        self._steps: BoundedMap[tuple[ObjectId, ObjectId], list[_Diff]] = BoundedMap(
+            STEPS_KEPT, STEP_NAMES_KEPT
+        )
         # tree id -> its entries' encoded records by name, or None for a tree built once.
-        self._records: dict[ObjectId, dict[bytes, bytes] | None] = {}
-        self._records_held = 0
+        self._records: BoundedMap[ObjectId, dict[bytes, bytes] | None] = BoundedMap(
+            None, RECORDS_KEPT
+        )
         self._empty_tree: ObjectId | None = None
         self._files = Scratch(self.scratch_dir)
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
@@ -1437,15 +1440,7 @@ class Layer:
         self._keep_records(oid, records)
 
     def _keep_records(self, oid: ObjectId, records: dict[bytes, bytes] | None) -> None:
-        kept = self._records
-        if oid in kept:
-            old = kept.pop(oid)
-            self._records_held -= len(old) if old else 1
-        kept[oid] = records
-        self._records_held += len(records) if records else 1
-        while self._records_held > RECORDS_KEPT and len(kept) > 1:
-            dropped = kept.pop(next(iter(kept)))
-            self._records_held -= len(dropped) if dropped else 1
+        self._records.put(oid, records, len(records) if records else 1)
 
     def _fold(self) -> ObjectId:
         """Turn the changes since the last snapshot into a tree (without taking the journal)."""
@@ -1507,16 +1502,8 @@ class Layer:
         for every name whose entry is not the same object (None where absent).
 
         Tree ids fix their content, so this never goes stale."""
-        if a == b or len(diffs) > STEP_NAMES_KEPT:
-            return
-        steps = self._steps
-        old = steps.pop((a, b), None)
-        if old is not None:
-            self._step_names -= len(old)
-        steps[(a, b)] = diffs
-        self._step_names += len(diffs)
-        while len(steps) > STEPS_KEPT or self._step_names > STEP_NAMES_KEPT:
-            self._step_names -= len(steps.pop(next(iter(steps))))
+        if a != b and len(diffs) <= STEP_NAMES_KEPT:
+            self._steps.put((a, b), diffs, len(diffs))
 
     def _scan(self, cur: ObjectId, target: ObjectId) -> list[_Diff]:
         """How directory tree ``cur`` differs from ``target``, found by reading both."""

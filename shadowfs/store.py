@@ -155,6 +155,10 @@ class Store:
         self._flush_lock = threading.RLock()
         self._cctx = zstandard.ZstdCompressor(level=level)
         self._fast_cctx = zstandard.ZstdCompressor(level=min(level, FAST_LEVEL))
+        # The drain's own (it compresses without _mutex, under _flush_lock): a compressor must
+        # not be used by two threads at once.
+        self._drain_cctx = zstandard.ZstdCompressor(level=level)
+        self._drain_fast_cctx = zstandard.ZstdCompressor(level=min(level, FAST_LEVEL))
         self._dctx = zstandard.ZstdDecompressor()
         self._fds: dict[str, int] = {}
         self._pending: dict[ObjectId, IndexEntry] = {}
@@ -595,34 +599,30 @@ class Store:
         meanwhile instead of waiting for the batch; the lock is taken per object only to
         append it. On the group commit's own thread it also lets go of the GIL after each
         object: a thread waiting for the GIL would otherwise wait out the whole switch interval
-        (5 ms) for it."""
-        with self._mutex:
-            batch = list(self._staged.items())
-            if not batch:
-                return
-            indexed = self._idx().present([oid for oid, _ in batch])
-        polite = threading.current_thread() is self._flusher
-        # Its own compressors: a drain runs on the flusher or on a thread whose put passed the
-        # limit, and a compressor must not be shared between threads.
-        cctx = zstandard.ZstdCompressor(level=self.level)
-        fast_cctx = zstandard.ZstdCompressor(level=min(self.level, FAST_LEVEL))
-        for oid, staged in batch:
-            if polite:
-                time.sleep(0)
-            encoded = None
-            if oid not in indexed and staged.delta_base is None:
-                encoded = pk.encode_plain(
-                    staged.data, fast_cctx if staged.kind in _FAST_KINDS else cctx
-                )
+        (5 ms) for it. One drain at a time (under the flush lock)."""
+        with self._flush_lock:
             with self._mutex:
-                if self._staged.get(oid) is not staged:
-                    continue  # dropped with a failed batch (raised by flush), or drained already
-                if oid not in indexed and oid not in self._pending:
-                    self._append(
-                        oid, staged.kind, staged.data, staged.size, staged.delta_base, encoded
-                    )
-                del self._staged[oid]
-                self._staged_bytes -= len(staged.data)
+                batch = list(self._staged.items())
+                if not batch:
+                    return
+                indexed = self._idx().present([oid for oid, _ in batch])
+            polite = threading.current_thread() is self._flusher
+            for oid, staged in batch:
+                if polite:
+                    time.sleep(0)
+                encoded = None
+                if oid not in indexed and staged.delta_base is None:
+                    cctx = self._drain_fast_cctx if staged.kind in _FAST_KINDS else self._drain_cctx
+                    encoded = pk.encode_plain(staged.data, cctx)
+                with self._mutex:
+                    if self._staged.get(oid) is not staged:
+                        continue  # dropped with a failed batch (raised by flush)
+                    if oid not in indexed and oid not in self._pending:
+                        self._append(
+                            oid, staged.kind, staged.data, staged.size, staged.delta_base, encoded
+                        )
+                    del self._staged[oid]
+                    self._staged_bytes -= len(staged.data)
 
     def _append(
         self,
