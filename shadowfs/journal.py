@@ -117,6 +117,16 @@ class Journal:
         self._ops.append(JournalOp("write", (path,), pid, time.time_ns(), offset, length))
         self._last_write_fh = fh
 
+    def extend(self, fh: int, offset: int, length: int) -> bool:
+        """Extend the previous record when it is a write through ``fh`` ending at ``offset``;
+        whether it did (else the caller records the write with `write`)."""
+        if self._last_write_fh == fh:
+            last = self._ops[-1]
+            if last.offset + last.length == offset:
+                last.length += length
+                return True
+        return False
+
     def take(self) -> list[JournalOp]:
         """Hand over the recorded operations and start an empty journal."""
         ops = self._ops

@@ -144,6 +144,9 @@ STEP_NAMES_KEPT = 16384
 # Encoded entry records of built trees, by tree id (`Layer._build`), bounded by records held
 # (~100 bytes each).
 RECORDS_KEPT = 262144
+# Backing fds kept open for node-addressed I/O (a mount with zero-message opens has no handles
+# to say when a file is done with): the most recently used stay open, older ones are closed.
+IDLE_BACKINGS = 256
 
 _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
@@ -180,6 +183,7 @@ class Node:
         "fmt",
         "gid",
         "ino",
+        "last_pid",
         "links",
         "lookups",
         "mode",
@@ -226,6 +230,9 @@ class Node:
         self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
         self.links: list[tuple[Node, bytes]] = []
         self.lookups = 0
+        # The last process seen using the node through a mount: writes the kernel writes back
+        # on its own carry no process, and the journal names this one for them.
+        self.last_pid = 0
         self.opens = 0
         self.backing: Backing | None = None
         self.xattrs: dict[bytes, bytes] | None = None
@@ -534,6 +541,8 @@ class Layer:
             None, RECORDS_KEPT
         )
         self._empty_tree: ObjectId | None = None
+        # Nodes whose backing fd node-addressed I/O opened, least recently used first.
+        self._idle: dict[int, Node] = {}
         self._files = Scratch(self.scratch_dir)
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
         root.uid, root.gid = st.st_uid, st.st_gid
@@ -708,6 +717,7 @@ class Layer:
         if node.links or node.lookups or node.opens or node is self.root:
             return
         del self.inodes[node.ino]
+        self._idle.pop(node.ino, None)
         if node.backing is not None:
             node.backing.release()
             node.backing = None
@@ -933,6 +943,83 @@ class Layer:
             node.size = end
         self._content_changed(node, time.time_ns())
         self.journal.write(h.fh, h.path, h.pid, off, n)
+
+    # ------------------------------------------------------------------ I/O by node
+
+    def pin_node(self, node: Node, write: bool) -> Backing:
+        """The fd for I/O on ``node`` without a handle (copied up first if ``write``), kept
+        open until `Backing.release`. The node keeps it open afterwards among the
+        `IDLE_BACKINGS` most recently used."""
+        if write and node.src != SRC_SCRATCH:
+            self.copy_up(node)
+        b = self._open_backing(node)
+        b.refs += 1
+        idle = self._idle
+        ino = node.ino
+        if ino in idle:
+            del idle[ino]
+        idle[ino] = node
+        if len(idle) > IDLE_BACKINGS:
+            old_ino = next(iter(idle))
+            old = idle.pop(old_ino)
+            ob = old.backing
+            if ob is not None and old.opens == 0 and old is not node:
+                old.backing = None
+                ob.release()
+        return b
+
+    def read_node(self, node: Node, off: int, size: int) -> bytes:
+        b = self.pin_node(node, False)
+        try:
+            return os.pread(b.fd, size, off)
+        finally:
+            b.release()
+
+    def write_node(
+        self, node: Node, off: int, data: bytes | memoryview, pid: int, *, times: bool = True
+    ) -> int:
+        b = self.pin_node(node, True)
+        try:
+            n = os.pwrite(b.fd, data, off)
+        finally:
+            b.release()
+        self.wrote_node(node, off, n, pid, times=times)
+        return n
+
+    def wrote_node(self, node: Node, off: int, n: int, pid: int, *, times: bool = True) -> None:
+        """Account for ``n`` bytes written at ``off`` to ``node`` (also after threaded I/O).
+        ``times=False`` leaves mtime and ctime alone: a kernel with a writeback cache keeps
+        them itself and sends them with a setattr, which may be served before this write."""
+        end = off + n
+        if end > node.size:
+            node.size = end
+        if times:
+            self._content_changed(node, time.time_ns())
+        elif not node.dirty:
+            node.dirty = True
+            self._touch_node(node)
+        # Keyed by the negated inode number: never equal to a handle's fh.
+        key = -node.ino
+        journal = self.journal
+        if not journal.extend(key, off, n):
+            journal.write(key, self._path_of_node(node), pid, off, n)
+
+    def create_file(
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int | None = None,
+        gid: int | None = None,
+        pid: int = 0,
+    ) -> Node:
+        """`mknod` of a regular file that keeps its new scratch fd open for the writes that
+        usually follow."""
+        h, node = self.create(parent, name, mode, os.O_RDWR, uid, gid, pid)
+        self.handles.pop(h.fh)
+        node.opens -= 1
+        self._idle[node.ino] = node
+        return node
 
     # ------------------------------------------------------------------ creating
 
@@ -1580,7 +1667,8 @@ class Layer:
                 self._attach(d, name, ne, base)
         d.oid = target
         if changed and d.lookups:
-            inval.append(("inode", d.ino, True))
+            # Not attributes only: the kernel keeps the directory's listing in its page cache.
+            inval.append(("inode", d.ino, False))
 
     def _renew(self, node: Node, e: Entry, be: Entry | None, d: Node, name: bytes) -> None:
         """Make file ``node`` (at ``name`` in ``d``, its only link) the file of tree entry
@@ -1729,8 +1817,10 @@ class Layer:
         node = d.children.get(name)  # type: ignore[union-attr]
         if node is None:
             h, node = self.create(d.ino, name, mode, os.O_WRONLY, pid=pid)
+            self._changed_behind_kernel(d)
         else:
             h = self.open(node.ino, os.O_WRONLY | os.O_TRUNC, pid)
+            self._changed_behind_kernel(node)
         try:
             off = 0
             view = memoryview(data)
@@ -1753,6 +1843,7 @@ class Layer:
                 if not (last or parents):
                     raise _err(errno.ENOENT, os.fsdecode(path))
                 child = self.mkdir_in(node.ino, part, mode, pid=pid)
+                self._changed_behind_kernel(node)
             elif last and not exist_ok:
                 raise _err(errno.EEXIST, os.fsdecode(path))
             elif child.fmt != S_IFDIR:
@@ -1766,6 +1857,9 @@ class Layer:
         if node is None:
             raise _err(errno.ENOENT, os.fsdecode(path))
         pid = os.getpid()
+        if d.lookups:
+            self._inval.append(("entry", d.ino, name))
+        self._changed_behind_kernel(d)
         if node.fmt != S_IFDIR:
             self.unlink(d.ino, name, pid)
             return
@@ -1773,6 +1867,12 @@ class Layer:
             for child_name in list(self._load(node)):
                 self.delete(os.fsencode(path) + b"/" + child_name, recursive=True)
         self.rmdir(d.ino, name, pid)
+
+    def _changed_behind_kernel(self, node: Node) -> None:
+        """Queue dropping the kernel's cached attributes and pages (a directory's: its
+        listing) of ``node``, changed by a path-level call rather than through the mount."""
+        if node.lookups and self._mount is not None:
+            self._inval.append(("inode", node.ino, False))
 
     def walk(self) -> Iterator[tuple[bytes, Node]]:
         """Every (path, node) in the layer, depth first (loads every directory)."""

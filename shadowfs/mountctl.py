@@ -1,21 +1,21 @@
 """Running a layer's FUSE mount from a background thread; mount checks and unmounting.
 
-``with Mount(layer, path) as m:`` (or ``shadowfs.fuse.mount(layer, path)``) starts
-`shadowfs.fuse.serve` on a daemon thread, waits until the kernel lists the new mount in
-/proc/self/mountinfo, and on exit terminates the loop and unmounts (lazily, so a process still
-sitting in the mount does not keep it alive).
+``with Mount(layer, path) as m:`` (or ``shadowfs.fuse.mount(layer, path)``) mounts, starts a
+`shadowfs.fuse.Server`'s worker threads, and on exit unmounts (lazily, so a process still
+sitting in the mount does not keep it alive) and ends the connection.
 
-While mounted, the layer belongs to whoever holds its lock (`Operations.lock`): the FUSE
-thread's request handlers hold it while they touch the layer. `Mount.call` runs a function on
-the calling thread under that lock (no hop onto the FUSE thread) and afterwards, with the lock
-released, sends the kernel invalidations the call queued (a restore's): `pyfuse3.invalidate_entry`
-and `invalidate_inode` block until related requests finish, so they must never run inside a
-request handler or under the lock. The layer routes its own `snapshot`, `restore` and
-path-level methods through `call` when attached, so the booth can call them from any thread.
+While mounted, the layer belongs to whoever holds its lock (`Operations.lock`): the workers'
+request handlers hold it while they touch the layer. `Mount.call` runs a function on the
+calling thread under that lock (no hop onto a worker) and afterwards, with the lock released,
+sends the kernel invalidations the call queued (a restore's): an entry invalidation waits for
+the kernel's lock on the directory, which a request in flight may hold until a worker answers
+it, so they must never be sent inside a request handler or under the lock. The layer routes its
+own `snapshot`, `restore` and path-level methods through `call` when attached, so the booth can
+call them from any thread.
 Before a snapshot or restore, `call(..., sync=True)` runs syncfs(2) on the mount: with the
 writeback cache, data written through still-open files may sit in the kernel's page cache, and a
-checkpoint must include it. The syncfs is skipped when no file is open for write (then nothing
-is dirty, see `Operations.dirty`), which is the common case between an agent's steps.
+checkpoint must include it. With zero-message opens the daemon cannot know which files are open
+for write, so it always syncs; on a mount with nothing dirty that is one cheap system call.
 
 The mount point may be the base's own path (a booth mounts over the tree): the layer reaches the
 base through a directory fd opened before the mount.
@@ -24,8 +24,8 @@ base through a directory fd opened before the mount.
 its parent). The layer then lives in the child; the parent's layer object forwards its routed
 methods there over a socketpair, and the child reopens the store so no sqlite connection is
 shared across the fork. Use it when the serving process itself touches the mount in ways that
-hold the GIL inside the kernel (page faults on mmap'd files would need the FUSE thread, which
-needs the GIL: a deadlock), and in tests, where a child that dies takes its FUSE connection with
+hold the GIL inside the kernel (page faults on mmap'd files would need a worker, which needs
+the GIL: a deadlock), and in tests, where a child that dies takes its FUSE connection with
 it instead of leaving the test process blocked on its own mount at exit.
 """
 
@@ -46,11 +46,9 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-import pyfuse3
-import trio
-
 from shadowfs.errors import ShadowfsError
-from shadowfs.fuse import TIMEOUT, Operations, mount_options, serve
+from shadowfs.fuse import FSNAME, TIMEOUT, Operations, Server
+from shadowfs.fuse_wire import Channel
 from shadowfs.layer import Layer
 
 FSTYPE = "fuse.shadowfs"
@@ -114,7 +112,7 @@ def unmount(path: str | os.PathLike[str], *, lazy: bool = True) -> None:
 
 
 class Mount:
-    """A layer served at ``mountpoint`` from a background thread (see the module docstring)."""
+    """A layer served at ``mountpoint`` from background threads (see the module docstring)."""
 
     def __init__(
         self,
@@ -130,25 +128,18 @@ class Mount:
         self.mountpoint = os.path.abspath(os.fspath(mountpoint))
         self.process = process
         self._allow_other = allow_other
-        self._options = mount_options(allow_other=allow_other)
         self._start_timeout = start_timeout
         self._timeout = timeout
-        self._thread: threading.Thread | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._loop_ident = -1
-        self._loop_tid = 0  # the FUSE thread's kernel thread id
+        self._channel: Channel | None = None
+        self._server: Server | None = None
         # The thread inside `call` (holding the layer lock), so its nested calls run in place.
         self._caller = -1
-        self._ready = threading.Event()
-        self._done = threading.Event()
-        self._error: BaseException | None = None
         self._pid = 0
         self._conn: Connection | None = None
         # One request at a time on the socket to the child, whichever thread asks.
         self._conn_lock = threading.Lock()
         self._ops: Operations | None = None
-        # The mount's root, held open for syncfs: opening it per sync would cost an OPENDIR and
-        # a RELEASEDIR round trip through the FUSE thread each time.
+        # The mount's root, held open for syncfs.
         self._root_fd = -1
 
     # ------------------------------------------------------------------ life cycle
@@ -160,62 +151,37 @@ class Mount:
         self.stop()
 
     def start(self) -> Mount:
-        if self._thread is not None or self._pid:
+        if self._server is not None or self._pid:
             raise MountError(f"{self.mountpoint} is already served by this Mount; stop it first")
         if self.process:
             return self._start_child()
-        before = {mid for mid, _ in mounts_at(self.mountpoint)}
-        self._thread = threading.Thread(target=self._serve, name="shadowfs-fuse", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + self._start_timeout
-        while not self._ready.wait(0.01):
-            if self._done.is_set() or time.monotonic() > deadline:
-                self._thread.join(1.0)
-                why = self._error or "it did not come up in time"
-                raise MountError(
-                    f"cannot mount shadowfs at {self.mountpoint} ({why}); "
-                    "check /dev/fuse, fusermount3 and that the mount point is a directory"
-                )
-        while True:
-            new = [(m, t) for m, t in mounts_at(self.mountpoint) if m not in before]
-            if any(t == FSTYPE for _, t in new):
-                break
-            if time.monotonic() > deadline:
-                self.stop()
-                raise MountError(
-                    f"shadowfs started but {self.mountpoint} is not in /proc/self/mountinfo; "
-                    "is the mount point in another mount namespace?"
-                )
-            time.sleep(0.005)
+        allow_other = self._allow_other
+        if allow_other is None:
+            allow_other = os.geteuid() == 0
         try:
+            channel = Channel.open(
+                self.mountpoint, fsname=FSNAME, subtype=FSNAME, allow_other=allow_other
+            )
+        except OSError as exc:
+            raise MountError(
+                f"cannot mount shadowfs at {self.mountpoint} ({exc.strerror or exc}); "
+                "check /dev/fuse, fusermount3 and that the mount point is a directory"
+            ) from None
+        self._channel = channel
+        self._ops = Operations(self.layer, timeout=self._timeout)
+        self._server = Server(self._ops, channel)
+        self._server.start()
+        try:
+            # Blocks until the workers have answered the kernel's INIT.
             self._root_fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
+        except OSError as exc:
             self.stop()
-            raise
+            raise MountError(
+                f"shadowfs mounted at {self.mountpoint} but does not answer ({exc.strerror}); "
+                "see the log for the worker's error"
+            ) from None
         self.layer.attach(self)
         return self
-
-    def _serve(self) -> None:
-        self._ops = Operations(self.layer, timeout=self._timeout)
-        try:
-            serve(
-                self.layer,
-                self.mountpoint,
-                ready=self._on_ready,
-                options=self._options,
-                ops=self._ops,
-            )
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._token = None
-            self._done.set()
-
-    def _on_ready(self, token: trio.lowlevel.TrioToken) -> None:
-        self._token = token
-        self._loop_ident = threading.get_ident()
-        self._loop_tid = threading.get_native_id()
-        self._ready.set()
 
     def _start_child(self) -> Mount:
         mine, theirs = socket.socketpair()
@@ -272,39 +238,43 @@ class Mount:
         if self._pid:
             self._stop_child()
             return
-        thread = self._thread
-        if thread is None:
+        server, channel = self._server, self._channel
+        if server is None or channel is None:
             return
         fd, self._root_fd = self._root_fd, -1
         if fd >= 0:
             os.close(fd)
-        token = self._token
-        if token is not None and not self._done.is_set():
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(pyfuse3.terminate, trio_token=token)
-        thread.join(30.0)
-        self._thread = None
-        if mounts_at(self.mountpoint) and is_mounted(self.mountpoint):
-            unmount(self.mountpoint)
+        # Detaching the last use of the mount ends the connection; a process still inside it
+        # would keep it up, so it is then aborted (its users get ENOTCONN, as when a daemon
+        # dies).
+        channel.unmount()
+        server.join(0.5)
+        if server.running:
+            channel.abort()
+            server.join(10.0)
+        channel.close()
+        self._server = None
+        self._channel = None
 
     @property
     def running(self) -> bool:
         if self._pid:
             return os.waitpid(self._pid, os.WNOHANG)[0] == 0
-        return self._thread is not None and not self._done.is_set()
+        return self._server is not None and self._server.running
 
     # ------------------------------------------------------------------ calls into the loop
 
     def on_loop(self) -> bool:
-        """Whether this thread may touch the layer directly: the FUSE thread (its handlers hold
-        the layer lock), or a thread already inside `call`."""
+        """Whether this thread may touch the layer directly: a worker (its handlers hold the
+        layer lock), or a thread already inside `call`."""
         ident = threading.get_ident()
-        return ident == self._loop_ident or ident == self._caller
+        server = self._server
+        return ident == self._caller or (server is not None and ident in server.idents)
 
     def call_layer(
         self, fn: Callable[..., Any], *args: Any, sync: bool = False, **kwargs: Any
     ) -> Any:
-        """``fn(layer, *args, **kwargs)`` where the layer lives (the FUSE thread or the child)."""
+        """``fn(layer, *args, **kwargs)`` where the layer lives (this process or the child)."""
         conn = self._conn
         if conn is None:
             return self.call(fn, self.layer, *args, sync=sync, **kwargs)
@@ -321,17 +291,16 @@ class Mount:
 
         ``fn`` runs on the calling thread holding the layer lock, which every request handler
         holds while it touches the layer: no request is mid-way through the layer meanwhile,
-        as if ``fn`` ran on the FUSE thread, without the hop there and back (two thread
-        wake-ups, 150-300 µs when the loop sits idle). ``fn`` must not touch the mount itself:
-        the handler serving that would wait for the lock."""
+        without a hop onto a worker and back. ``fn`` must not touch the mount itself: the
+        handler serving that would wait for the lock."""
         ident = threading.get_ident()
         if ident == self._caller:
             # Nested in a call: the outer one sends the invalidations, after the lock.
             return fn(*args, **kwargs)
-        ops = self._ops
-        if ops is None or self._token is None:
+        ops, server = self._ops, self._server
+        if ops is None or server is None:
             raise MountError(f"the shadowfs mount at {self.mountpoint} is not running; start it")
-        if ident == self._loop_ident:
+        if ident in server.idents:
             with ops.lock:
                 result = fn(*args, **kwargs)
                 inval = self.layer.take_invalidations()
@@ -339,7 +308,7 @@ class Mount:
             return result
         if sync:
             self.sync()
-        inval: list[tuple[Any, ...]] = []
+        inval = []
         try:
             with ops.lock:
                 self._caller = ident
@@ -352,67 +321,56 @@ class Mount:
             # Outside the lock: each send may wait for requests that need it.
             self._invalidate(inval, blocking=True)
 
-    @property
-    def dirty(self) -> bool:
-        """Whether a file is open for write through this mount, so the kernel may hold data
-        the layer has not seen (`Operations.dirty`); True when unknown (a child's mount)."""
-        ops = self._ops
-        return ops is None or ops.dirty
-
     def sync(self) -> None:
-        """Write the kernel's dirty pages for this mount back into the layer.
-
-        Skipped when no file is open for write: then the kernel holds none (`Operations.dirty`).
-        The mount's root stays open for this: opening it per sync cost an OPENDIR and a
-        RELEASEDIR round trip through the FUSE thread, most of a sync's 150-250 µs."""
+        """Write the kernel's dirty pages for this mount back into the layer."""
         fd = self._root_fd
-        if fd < 0 or self.on_loop() or not self.dirty:
-            # On the loop thread or inside a call, writeback would wait for handlers that wait
-            # for this thread.
+        if fd < 0 or self.on_loop():
+            # On a worker or inside a call, writeback would wait for handlers that wait for
+            # this thread.
             return
-        # Not pyfuse3.syncfs: it keeps the GIL during the call, and writeback needs the FUSE
-        # thread of this very process to run. ctypes calls release the GIL.
+        # ctypes calls release the GIL, which the workers need to take the written pages.
         _libc.syncfs(fd)
+        # The syncfs only queued the writes; this STATFS is answered after them (see
+        # `shadowfs.fuse.Server._drain`).
+        os.fstatvfs(fd)
 
     def _invalidate(self, items: list[tuple[Any, ...]], *, blocking: bool) -> None:
         if not items:
             return
+        if not blocking:
+            # On a worker: an entry invalidation could wait for a request this thread serves.
+            threading.Thread(
+                target=self._invalidate, args=(items,), kwargs={"blocking": True}, daemon=True
+            ).start()
+            return
+        channel, server = self._channel, self._server
+        if channel is None or server is None:
+            return
         # A directory reached by two paths of a restore is queued twice; each send is a write
         # to /dev/fuse.
         items = list(dict.fromkeys(items))
-        if not blocking:
-            # On the loop thread the blocking calls could wait on a request this thread serves.
-            entries = [it for it in items if it[0] == "entry"]
-            for _, parent, name in entries:
-                pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
-            rest = [it for it in items if it[0] != "entry"]
-            if rest:
-                threading.Thread(
-                    target=self._invalidate, args=(rest,), kwargs={"blocking": True}, daemon=True
-                ).start()
-            return
-        # Each dropped entry evicts an inode, and the kernel's FORGET for it wakes the FUSE
-        # thread. Having slept through the call, that thread would preempt this one on each
-        # FORGET (tens of µs apiece on a busy machine); as SCHED_BATCH it does not preempt on
+        # Each dropped entry evicts an inode, and the kernel's FORGET for it wakes a worker.
+        # Having slept through the call, a worker would preempt this thread on each FORGET
+        # (tens of µs apiece on a busy machine); as SCHED_BATCH it does not preempt on
         # wake-up and reads them later in one batch. Any user may switch its own threads
         # between SCHED_OTHER and SCHED_BATCH.
-        tid = self._loop_tid
-        batch = False
-        if tid and any(it[0] == "entry" for it in items):
-            with contextlib.suppress(OSError):
-                if os.sched_getscheduler(tid) == os.SCHED_OTHER:
-                    os.sched_setscheduler(tid, os.SCHED_BATCH, _SCHED_PARAM)
-                    batch = True
+        batched: list[int] = []
+        if any(it[0] == "entry" for it in items):
+            for tid in list(server.tids):
+                with contextlib.suppress(OSError):
+                    if os.sched_getscheduler(tid) == os.SCHED_OTHER:
+                        os.sched_setscheduler(tid, os.SCHED_BATCH, _SCHED_PARAM)
+                        batched.append(tid)
         try:
             for it in items:
                 # ENOENT: the kernel forgot that inode or entry already; nothing to drop.
                 with contextlib.suppress(OSError):
                     if it[0] == "entry":
-                        pyfuse3.invalidate_entry(it[1], it[2])
+                        channel.invalidate_entry(it[1], it[2])
                     else:
-                        pyfuse3.invalidate_inode(it[1], attr_only=it[2])
+                        channel.invalidate_inode(it[1], attr_only=it[2])
         finally:
-            if batch:
+            for tid in batched:
                 with contextlib.suppress(OSError):
                     os.sched_setscheduler(tid, os.SCHED_OTHER, _SCHED_PARAM)
 

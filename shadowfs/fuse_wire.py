@@ -1,0 +1,305 @@
+"""The FUSE kernel protocol: opcodes, message layouts, and a channel to /dev/fuse.
+
+The layouts follow <linux/fuse.h> (protocol 7.x as the kernel offers it at INIT). This module
+knows nothing of layers: it mounts, reads raw requests, writes replies and notifications, and
+tears the connection down. `shadowfs.fuse` serves a layer on top of it.
+
+Why not pyfuse3 for the booth mount: pyfuse3 (over libfuse) hands ``read``, ``write`` and
+``readdir`` only a file handle, never the inode, and cannot set ``FOPEN_CACHE_DIR``. Without
+those, the kernel must send OPEN and RELEASE around every file access and re-read every
+directory listing from the daemon, which is most of the requests of ``grep -r``, a warm tree
+walk or ``git status``. Speaking the protocol directly lets the booth answer OPEN and OPENDIR
+with ENOSYS ("zero-message opens", kernel 4.x+ for files, 5.1+ for directories): the kernel then
+keeps page cache and directory listings cached across opens and sends no OPEN, RELEASE or
+FLUSH at all. The read-only view (`shadowfs.view`) still uses pyfuse3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+from collections.abc import Iterable
+
+# ------------------------------------------------------------------ opcodes
+
+LOOKUP = 1
+FORGET = 2
+GETATTR = 3
+SETATTR = 4
+READLINK = 5
+SYMLINK = 6
+MKNOD = 8
+MKDIR = 9
+UNLINK = 10
+RMDIR = 11
+RENAME = 12
+LINK = 13
+OPEN = 14
+READ = 15
+WRITE = 16
+STATFS = 17
+RELEASE = 18
+FSYNC = 20
+SETXATTR = 21
+GETXATTR = 22
+LISTXATTR = 23
+REMOVEXATTR = 24
+FLUSH = 25
+INIT = 26
+OPENDIR = 27
+READDIR = 28
+RELEASEDIR = 29
+FSYNCDIR = 30
+ACCESS = 34
+CREATE = 35
+INTERRUPT = 36
+DESTROY = 38
+BATCH_FORGET = 42
+READDIRPLUS = 44
+RENAME2 = 45
+SYNCFS = 50
+
+NOTIFY_INVAL_INODE = 2
+NOTIFY_INVAL_ENTRY = 3
+
+# ------------------------------------------------------------------ INIT flags
+
+ASYNC_READ = 1 << 0
+BIG_WRITES = 1 << 5
+DO_READDIRPLUS = 1 << 13
+READDIRPLUS_AUTO = 1 << 14
+ASYNC_DIO = 1 << 15
+WRITEBACK_CACHE = 1 << 16
+NO_OPEN_SUPPORT = 1 << 17
+PARALLEL_DIROPS = 1 << 18
+ABORT_ERROR = 1 << 21
+MAX_PAGES = 1 << 22
+CACHE_SYMLINKS = 1 << 23
+NO_OPENDIR_SUPPORT = 1 << 24
+EXPLICIT_INVAL_DATA = 1 << 25
+INIT_EXT = 1 << 30
+
+# ------------------------------------------------------------------ setattr valid bits
+
+FATTR_MODE = 1 << 0
+FATTR_UID = 1 << 1
+FATTR_GID = 1 << 2
+FATTR_SIZE = 1 << 3
+FATTR_ATIME = 1 << 4
+FATTR_MTIME = 1 << 5
+FATTR_ATIME_NOW = 1 << 7
+FATTR_MTIME_NOW = 1 << 8
+
+# ------------------------------------------------------------------ layouts
+
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
+IN_HEADER_SIZE = IN_HEADER.size  # 40
+OUT_HEADER = struct.Struct("<IiQ")  # len error unique
+OUT_HEADER_SIZE = OUT_HEADER.size  # 16
+# ino size blocks atime mtime ctime atimensec mtimensec ctimensec mode nlink uid gid rdev
+# blksize flags
+ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
+# nodeid generation entry_valid attr_valid entry_valid_nsec attr_valid_nsec
+ENTRY_HEAD = struct.Struct("<QQQQII")
+ATTR_OUT_HEAD = struct.Struct("<QII")  # attr_valid attr_valid_nsec dummy
+DIRENT_HEAD = struct.Struct("<QQII")  # ino off namelen type
+INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
+# major minor max_readahead flags max_background congestion_threshold max_write time_gran
+# max_pages map_alignment flags2, then 7 unused words
+INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")
+# valid padding fh size lock_owner atime mtime ctime atimensec mtimensec ctimensec mode
+# unused4 uid gid unused5
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+READ_IN = struct.Struct("<QQII")  # fh offset size flags (the rest is unused here)
+WRITE_IN_SIZE = 40
+MKNOD_IN = struct.Struct("<IIII")  # mode rdev umask padding
+MKDIR_IN = struct.Struct("<II")  # mode umask
+RENAME2_IN = struct.Struct("<QII")  # newdir flags padding
+U64 = struct.Struct("<Q")
+XATTR_IN = struct.Struct("<II")  # getxattr: size padding; setxattr: size flags
+XATTR_OUT = struct.Struct("<II")
+WRITE_OUT = struct.Struct("<II")
+BATCH_FORGET_IN = struct.Struct("<II")
+FORGET_ONE = struct.Struct("<QQ")
+# blocks bfree bavail files ffree bsize namelen frsize padding spare[6]
+STATFS_OUT = struct.Struct("<QQQQQIIII24x")
+INVAL_INODE = struct.Struct("<Qqq")
+INVAL_ENTRY = struct.Struct("<QII")
+
+MIN_MINOR = 31  # kernel 5.10: no_opendir, cache_readdir, max_pages, explicit data invalidation
+MAX_PAGES_WANTED = 256
+BUFFER_SIZE = MAX_PAGES_WANTED * 4096 + 4096
+
+
+class ProtocolError(OSError):
+    pass
+
+
+def name_arg(buf: bytes, start: int) -> tuple[bytes, int]:
+    """The NUL-terminated name at ``start`` and the offset just after its NUL."""
+    nul = buf.index(b"\0", start)
+    return buf[start:nul], nul + 1
+
+
+def dirent(ino: int, off: int, name: bytes, dtype: int) -> bytes:
+    n = len(name)
+    pad = -(DIRENT_HEAD.size + n) % 8
+    return DIRENT_HEAD.pack(ino, off, n, dtype) + name + b"\0" * pad
+
+
+# ------------------------------------------------------------------ the channel
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+MS_NOSUID = 2
+MS_NODEV = 4
+MNT_DETACH = 2
+
+
+class Channel:
+    """One FUSE connection: the /dev/fuse fd of a mount at ``mountpoint``.
+
+    `open` mounts: through mount(2) when this process may (root, or root of its user
+    namespace), else through fusermount3, which passes the fd back over a socket. Replies and
+    notifications are single writes; the kernel matches replies to requests by ``unique``, so
+    any thread may reply to any request.
+    """
+
+    def __init__(self, fd: int, mountpoint: str) -> None:
+        self.fd = fd
+        self.mountpoint = mountpoint
+        # The connection's number in fusectl (the mount's device minor), read at mount time:
+        # a stat of the mount point would wait for the answer to INIT.
+        self.minor = _mount_minor(mountpoint)
+        self.minor_version = 0
+
+    @classmethod
+    def open(cls, mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> Channel:
+        mountpoint = os.path.abspath(mountpoint)
+        opts = ["default_permissions", *(["allow_other"] if allow_other else [])]
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            data = ",".join(
+                [
+                    f"fd={fd}",
+                    f"rootmode={0o40000:o}",
+                    f"user_id={os.getuid()}",
+                    f"group_id={os.getgid()}",
+                    *opts,
+                ]
+            )
+            rc = _libc.mount(
+                fsname.encode(),
+                mountpoint.encode(),
+                f"fuse.{subtype}".encode(),
+                MS_NOSUID | MS_NODEV,
+                data.encode(),
+            )
+            if rc != 0:
+                err = ctypes.get_errno()
+                if err != errno.EPERM:
+                    raise OSError(err, f"mount: {os.strerror(err)}", mountpoint)
+                os.close(fd)
+                fd = -1
+                fd = _fusermount(mountpoint, [*opts, f"fsname={fsname}", f"subtype={subtype}"])
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        return cls(fd, mountpoint)
+
+    def reply(self, unique: int, body: bytes = b"") -> None:
+        os.write(self.fd, OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), 0, unique) + body)
+
+    def reply_parts(self, unique: int, parts: list[bytes]) -> None:
+        size = OUT_HEADER_SIZE + sum(len(p) for p in parts)
+        os.writev(self.fd, [OUT_HEADER.pack(size, 0, unique), *parts])
+
+    def reply_error(self, unique: int, err: int) -> None:
+        os.write(self.fd, OUT_HEADER.pack(OUT_HEADER_SIZE, -err, unique))
+
+    def _notify(self, code: int, body: bytes) -> None:
+        os.write(self.fd, OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), code, 0) + body)
+
+    def invalidate_entry(self, parent: int, name: bytes) -> None:
+        """Drop the kernel's dentry ``name`` in ``parent``; ENOENT when it holds none.
+        Blocks while the kernel holds the parent directory locked (a request in flight)."""
+        self._notify(NOTIFY_INVAL_ENTRY, INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0")
+
+    def invalidate_inode(self, ino: int, *, attr_only: bool) -> None:
+        """Drop the kernel's attributes of ``ino`` (and its cached pages unless ``attr_only``)."""
+        self._notify(NOTIFY_INVAL_INODE, INVAL_INODE.pack(ino, -1 if attr_only else 0, 0))
+
+    def abort(self) -> None:
+        """End the connection: readers blocked on the fd wake with ENODEV, users of the mount
+        get ENOTCONN. Through fusectl; quiet when it is not available."""
+        if self.minor < 0:
+            return
+        path = f"/sys/fs/fuse/connections/{self.minor}/abort"
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write("1")
+
+    def unmount(self) -> None:
+        """Detach the mount (lazily: processes inside keep what they hold)."""
+        p = self.mountpoint.encode()
+        if _libc.umount2(p, MNT_DETACH) == 0:
+            return
+        if shutil.which("fusermount3"):
+            subprocess.run(["fusermount3", "-u", "-z", self.mountpoint], capture_output=True)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _mount_minor(mountpoint: str) -> int:
+    """The device minor of the newest mount at ``mountpoint``, from /proc/self/mountinfo."""
+    minor = -1
+    want = os.fsencode(mountpoint)
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ", 5)
+            # Spaces, tabs, newlines and backslashes in mount points are escaped as \ooo.
+            point = _OCTAL.sub(lambda m: bytes([int(m[1], 8)]), fields[4])
+            if point == want:
+                minor = int(fields[2].split(b":")[1])
+    return minor
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
+def _fusermount(mountpoint: str, opts: Iterable[str]) -> int:
+    """Mount through the setuid fusermount3 helper and receive the /dev/fuse fd from it."""
+    tool = shutil.which("fusermount3")
+    if tool is None:
+        raise OSError(errno.EPERM, "mounting needs root or fusermount3 (apt-get install fuse3)")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
+        proc = subprocess.Popen(
+            [tool, "-o", ",".join(opts), "--", mountpoint],
+            env=env,
+            pass_fds=[theirs.fileno()],
+            stderr=subprocess.PIPE,
+        )
+        theirs.close()
+        _, fds, _, _ = socket.recv_fds(mine, 1, 1)
+        _, err = proc.communicate(timeout=30)
+        if not fds:
+            detail = err.decode(errors="replace").strip() or f"exit {proc.returncode}"
+            raise OSError(errno.EPERM, f"fusermount3 failed: {detail}", mountpoint)
+        return fds[0]
+    finally:
+        mine.close()
+        with contextlib.suppress(OSError):
+            theirs.close()
