@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import BinaryIO, Protocol
 
@@ -101,6 +101,10 @@ class Entry:
     mtime_ns: int
     oid: ObjectId | None
     target: bytes | None
+    # The entry's encoded bytes once known (decoded from, or packed into, a tree): a directory
+    # re-encoded after a change then joins its unchanged entries' bytes instead of packing each
+    # again. Not part of the entry's value; never set it by hand (`entry_record` fills it).
+    record: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +177,17 @@ def entry_record(e: Entry) -> bytes:
 
     A tree's bytes are the version byte followed by its entries' records in name order, so a
     caller that keeps the records of a directory can re-encode it after a change by re-packing
-    only the changed records (`pack_records`)."""
+    only the changed records (`pack_records`). Computed once per entry object, then kept."""
+    rec = e.record
+    if rec is not None:
+        return rec
     head = _HEAD.pack(_KIND_CODES[e.kind], e.mode, len(e.name), e.size, e.mtime_ns)
     if e.target is None:
-        return head + e.name + e.oid  # type: ignore[operator]
-    return head + e.name + _TARGET_LEN.pack(len(e.target)) + e.target
+        rec = head + e.name + e.oid  # type: ignore[operator]
+    else:
+        rec = head + e.name + _TARGET_LEN.pack(len(e.target)) + e.target
+    _set_record(e, rec)
+    return rec
 
 
 def pack_records(records: Iterable[bytes]) -> bytes:
@@ -189,19 +199,14 @@ def pack_entries(entries: Iterable[Entry]) -> bytes:
     """Tree bytes from entries already validated (`check_entry`) and sorted by name.
 
     For callers that built the entries themselves or took them from decoded trees; anything else
-    goes through `encode_tree`, which checks and sorts."""
+    goes through `encode_tree`, which checks and sorts. Each entry keeps its record, so packing
+    a directory again after a change only encodes the entries that changed."""
     parts = [_VERSION_BYTE]
     append = parts.append
-    head = _HEAD.pack
-    tlen = _TARGET_LEN.pack
+    record = entry_record
     for e in entries:
-        append(head(_KIND_CODES[e.kind], e.mode, len(e.name), e.size, e.mtime_ns))
-        append(e.name)
-        if e.target is None:
-            append(e.oid)  # type: ignore[arg-type]
-        else:
-            append(tlen(len(e.target)))
-            append(e.target)
+        rec = e.record
+        append(rec if rec is not None else record(e))
     return b"".join(parts)
 
 
@@ -233,6 +238,7 @@ _entry_new = Entry.__new__
 _SETTERS = tuple(
     Entry.__dict__[f].__set__ for f in ("name", "kind", "mode", "size", "mtime_ns", "oid", "target")
 )
+_set_record = Entry.__dict__["record"].__set__
 _oid_new = bytes.__new__
 _DOTS = (b".", b"..")
 
@@ -240,6 +246,7 @@ _DOTS = (b".", b"..")
 def _fast_entry(
     name: bytes, kind: str, mode: int, size: int, mtime_ns: int, oid: ObjectId | None,
     target: bytes | None,
+    record: bytes | None = None,
 ) -> Entry:
     """Entry(...) without the frozen dataclass __init__, which costs 2.5x as much through
     object.__setattr__; decoding big directories is on the hot path of diff and lookup."""
@@ -252,6 +259,7 @@ def _fast_entry(
     s_mtime(e, mtime_ns)
     s_oid(e, oid)
     s_target(e, target)
+    _set_record(e, record)
     return e
 
 
@@ -268,6 +276,7 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
     pos = 1
     prev = b""
     while pos < n:
+        start = pos
         if pos + head_size > n:
             raise _malformed(f"truncated entry header at byte {pos}")
         code, mode, name_len, size, mtime_ns = unpack_head(data, pos)
@@ -302,7 +311,7 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
                 raise _malformed(f"symlink {name!r} has an invalid target {target[:64]!r}")
             if size != tlen:
                 raise _malformed(f"symlink {name!r} has size {size}, not its target length {tlen}")
-            out[name] = make(name, kind, mode, size, mtime_ns, None, target)
+            out[name] = make(name, kind, mode, size, mtime_ns, None, target, data[start:pos])
         else:
             end = pos + OID_SIZE
             if end > n:
@@ -311,7 +320,7 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
                 raise _malformed(f"directory {name!r} has size {size}, not 0")
             # bytes.__new__ skips ObjectId's length check: the slice is exactly OID_SIZE long.
             oid = _oid_new(ObjectId, data[pos:end])
-            out[name] = make(name, kind, mode, size, mtime_ns, oid, None)
+            out[name] = make(name, kind, mode, size, mtime_ns, oid, None, data[start:end])
             pos = end
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
@@ -174,6 +175,29 @@ def test_encode_decode_round_trip_is_canonical(items: list[Entry], rnd) -> None:
     assert decoded == sorted(items, key=lambda e: e.name)
     assert all(isinstance(e.oid, ObjectId) for e in decoded if e.kind != "symlink")
     assert encode_tree(decoded) == data
+
+
+@settings(max_examples=100, deadline=None)
+@given(entries(), st.integers(0, 1 << 30))
+def test_a_decoded_tree_re_encodes_with_one_entry_changed_from_its_kept_records(
+    items: list[Entry], mtime: int
+) -> None:
+    # Entries keep the bytes they were decoded from; re-packing after a change must give the
+    # same bytes as encoding from scratch, and a changed copy must not inherit the old bytes.
+    decoded = decode_tree(encode_tree(items))
+    assert all(e.record is not None for e in decoded)
+    if decoded:
+        victim = decoded[len(decoded) // 2]
+        changed = dataclasses.replace(victim, mtime_ns=mtime)
+        assert changed.record is None
+        decoded[len(decoded) // 2] = changed
+    fresh = [
+        Entry(e.name, e.kind, e.mode, e.size, e.mtime_ns, e.oid, e.target) for e in decoded
+    ]
+    assert tree.pack_entries(decoded) == encode_tree(fresh)
+    assert [e.record for e in decode_tree(encode_tree(fresh))] == [
+        tree.entry_record(e) for e in fresh
+    ]
 
 
 def test_empty_tree_is_the_version_byte() -> None:
