@@ -204,7 +204,7 @@ class _Hooked(Backend):
 
 
 def shadowfs_fuse_helper() -> MountHelper:
-    """shadowfs.layer.Layer served by shadowfs.mountctl (pyfuse3 + trio on a thread)."""
+    """shadowfs.layer.Layer served by shadowfs.mountctl (own FUSE server, in-process threads)."""
     from shadowfs.layer import Layer
     from shadowfs.mountctl import mounted as serve
     from shadowfs.store import Store
@@ -242,7 +242,10 @@ def shadowfs_overlay_helper() -> MountHelper:
 
 class ShadowfsFuse(_Hooked):
     name = SHADOWFS_FUSE
-    description = "shadowfs.layer.Layer served by pyfuse3 (shadowfs.mountctl, in-process thread)"
+    description = (
+        "shadowfs.layer.Layer served by shadowfs.fuse (own FUSE protocol server, in-process "
+        "threads, zero-message opens)"
+    )
     load_helper = staticmethod(shadowfs_fuse_helper)
 
 

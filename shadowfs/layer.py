@@ -1430,7 +1430,7 @@ class Layer:
     def _store_content(self, node: Node) -> ObjectId:
         prev = node.oid
         if node.size <= DELTA_MAX:
-            # Small content is read whole, through the fd a handle may hold open already: a
+            # Small content is read whole, through the fd the node may keep open already: a
             # snapshot of a few small files is mostly these reads.
             # One byte more than the size says: a longer file is caught, not cut.
             want = node.size + 1
