@@ -1367,15 +1367,14 @@ class Layer:
     def getxattr(self, ino: int, name: bytes) -> bytes:
         node = self.node(ino)
         _check_xattr(name)
-        if node.xattrs is None:
-            path = self._base_xattr_path(node)
-            if path is not None:
-                try:
-                    return os.getxattr(path, os.fsdecode(name), follow_symlinks=False)
-                except OSError:
-                    pass
-            raise _err(errno.ENODATA)
-        value = node.xattrs.get(name)
+        xattrs = node.xattrs
+        if xattrs is None:
+            if node.base_path is None:
+                raise _err(errno.ENODATA)
+            # Listed once, then answered from memory: the kernel asks for security.capability
+            # before every first write to a file and every truncate or chown.
+            xattrs = self._own_xattrs(node)
+        value = xattrs.get(name)
         if value is None:
             raise _err(errno.ENODATA)
         return value
