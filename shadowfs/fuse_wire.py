@@ -220,7 +220,7 @@ class Channel:
         os.write(self.fd, OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), 0, unique) + body)
 
     def reply_parts(self, unique: int, parts: list[bytes]) -> None:
-        size = OUT_HEADER_SIZE + sum(len(p) for p in parts)
+        size = OUT_HEADER_SIZE + sum(map(len, parts))
         os.writev(self.fd, [OUT_HEADER.pack(size, 0, unique), *parts])
 
     def reply_error(self, unique: int, err: int) -> None:

@@ -626,7 +626,8 @@ class Layer:
             node.size = e.size
             if be is not None and be.kind == SYMLINK and be.target == e.target:
                 node.base_path = base_path
-        node.stat_base = be is not None and be == e and base_path is not None
+        # A directory loaded from the base tree holds the base's very entries: no comparison.
+        node.stat_base = be is not None and (be is e or be == e) and base_path is not None
         return node
 
     def _load(self, d: Node) -> dict[bytes, Node]:

@@ -1,8 +1,8 @@
 """Fixtures for file-system tests: a store, a populated base tree, a layer over it, a live mount.
 
-Mounts are real FUSE mounts served from a thread of the test process (pyfuse3 allows one per
-process, so tests mount one at a time). Every mount test checks that the base is byte-for-byte
-untouched when it ends.
+Mounts are real FUSE mounts served from threads of the test process (the read-only view runs
+on pyfuse3, which allows one per process, so tests mount one at a time). Every mount test checks
+that the base is byte-for-byte untouched when it ends.
 """
 
 from __future__ import annotations

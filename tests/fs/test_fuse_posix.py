@@ -228,6 +228,19 @@ def test_xattrs(mount: Path) -> None:
     with pytest.raises(OSError) as e:
         os.getxattr(p, "user.k")
     assert e.value.errno == errno.ENODATA
+    # XATTR_CREATE refuses to replace, XATTR_REPLACE refuses to create.
+    with pytest.raises(OSError) as e:
+        os.setxattr(p, "user.k", b"v", os.XATTR_REPLACE)
+    assert e.value.errno == errno.ENODATA
+    os.setxattr(p, "user.k", b"one", os.XATTR_CREATE)
+    with pytest.raises(OSError) as e:
+        os.setxattr(p, "user.k", b"two", os.XATTR_CREATE)
+    assert e.value.errno == errno.EEXIST
+    os.setxattr(p, "user.k", b"three", os.XATTR_REPLACE)
+    assert os.getxattr(p, "user.k") == b"three"
+    # A value bigger than a page round-trips (the kernel asks for its size first).
+    os.setxattr(p, "user.big", b"x" * 5000)
+    assert os.getxattr(p, "user.big") == b"x" * 5000
 
 
 def test_statfs(mount: Path) -> None:
