@@ -5,6 +5,7 @@ after it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -234,6 +235,48 @@ def test_calls_after_stop_are_refused_and_the_mount_is_gone(layer: Layer, tmp_pa
         m.call(layer.snapshot)
     layer.snapshot()  # detached: runs in process
     assert os.listdir(mnt) == []
+
+
+HOLDER = r"""
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)  # holds the file, and with it the mount
+os.chdir(os.path.dirname(sys.argv[1]))
+print("holding", flush=True)
+sys.stdin.readline()
+try:
+    os.close(os.open("made-after-stop", os.O_CREAT | os.O_WRONLY, 0o644))  # needs the daemon
+    print("created", flush=True)
+except OSError as exc:
+    print(exc.errno, flush=True)
+"""
+
+
+def test_stop_ends_the_connection_even_while_a_process_holds_files_in_the_mount(
+    layer: Layer, tmp_path: Path
+) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mount(layer, mnt).start()
+    (mnt / "held.txt").write_text("held")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(mnt / "held.txt")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        t0 = time.monotonic()
+        m.stop()
+        assert time.monotonic() - t0 < 10, "stop waited for the holder"
+        assert not m.running and not is_mounted(mnt)
+        assert not [t for t in threading.enumerate() if t.name.startswith("shadowfs-fuse-")]
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        # The connection is gone: the holder's fd fails instead of hanging.
+        assert holder.stdout.readline().strip() in (str(errno.ENOTCONN), str(errno.ECONNABORTED))
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_rollback_leaves_the_fuse_workers_as_it_found_them(
