@@ -10,9 +10,11 @@ Consecutive writes through the same open file that continue exactly where the pr
 are coalesced into one record (``length`` grows, ``time_ns`` stays the first write's), so a
 sequential 100 MB write costs one record, not 800.
 
-A write's path is the path the file had when it was opened (renaming an open file does not
-rewrite the records of writes through that handle), and its pid is the opener's: with the kernel's
-writeback cache, the write requests themselves come from the kernel's flusher, not the process.
+Through the FUSE mount a write's path is the file's path when the write reaches the layer, and
+its pid is the writer's when the kernel says it; with the writeback cache the kernel writes most
+pages back on its own, with no process, and those writes carry the last process seen on the file
+(its create, lookup, read or truncate). In process, a write's path is the path the file had when
+its handle was opened.
 
 Encoding (version 1), canonical: one op list has exactly one encoding. ``uv`` is an unsigned
 LEB128 varint in its shortest form::
@@ -77,20 +79,38 @@ def _uv(n: int, out: bytearray) -> None:
 
 
 class Journal:
-    """An append-only list of operations since the last snapshot, with write coalescing."""
+    """The operations since the last snapshot, encoded as they are recorded, with write
+    coalescing.
 
-    __slots__ = ("_last_write_fh", "_ops")
+    Each operation is encoded when the next one is recorded (the latest stays open for a
+    continuing write to extend), so taking the journal at a snapshot costs one record's
+    encoding, not all of them."""
+
+    __slots__ = ("_buf", "_count", "_last", "_last_write_fh")
 
     def __init__(self) -> None:
-        self._ops: list[JournalOp] = []
+        self._buf = bytearray()
+        self._count = 0
+        self._last: JournalOp | None = None
+        self._last_write_fh = -1
+        self._reset()
+
+    def _reset(self) -> None:
+        self._buf = bytearray(MAGIC)
+        self._buf.append(VERSION)
+        self._count = 0
+        self._last = None
         self._last_write_fh = -1
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return self._count
 
-    @property
-    def ops(self) -> list[JournalOp]:
-        return self._ops
+    def _open(self, op: JournalOp) -> None:
+        last = self._last
+        if last is not None:
+            _encode_op(last, self._buf)
+        self._last = op
+        self._count += 1
 
     def record(
         self,
@@ -104,58 +124,65 @@ class Journal:
         extra: bytes = b"",
     ) -> None:
         self._last_write_fh = -1
-        self._ops.append(JournalOp(op, paths, pid, time.time_ns(), offset, length, arg, extra))
+        self._open(JournalOp(op, paths, pid, time.time_ns(), offset, length, arg, extra))
 
     def write(self, fh: int, path: bytes, pid: int, offset: int, length: int) -> None:
         """Record a write through open file ``fh``, extending the previous record when the write
         continues it (same handle, next byte)."""
-        if self._last_write_fh == fh:
-            last = self._ops[-1]
-            if last.offset + last.length == offset:
-                last.length += length
-                return
-        self._ops.append(JournalOp("write", (path,), pid, time.time_ns(), offset, length))
+        if self.extend(fh, offset, length):
+            return
+        self._open(JournalOp("write", (path,), pid, time.time_ns(), offset, length))
         self._last_write_fh = fh
 
     def extend(self, fh: int, offset: int, length: int) -> bool:
         """Extend the previous record when it is a write through ``fh`` ending at ``offset``;
         whether it did (else the caller records the write with `write`)."""
         if self._last_write_fh == fh:
-            last = self._ops[-1]
-            if last.offset + last.length == offset:
+            last = self._last
+            if last is not None and last.offset + last.length == offset:
                 last.length += length
                 return True
         return False
 
+    def take_encoded(self) -> bytes:
+        """The journal's bytes (`encode_journal` of its operations); starts an empty one."""
+        last = self._last
+        if last is not None:
+            _encode_op(last, self._buf)
+        data = bytes(self._buf)
+        self._reset()
+        return data
+
     def take(self) -> list[JournalOp]:
         """Hand over the recorded operations and start an empty journal."""
-        ops = self._ops
-        self._ops = []
-        self._last_write_fh = -1
-        return ops
+        return decode_journal(self.take_encoded())
+
+
+def _encode_op(op: JournalOp, out: bytearray) -> None:
+    code = _CODES.get(op.op)
+    if code is None:
+        raise ValueError(f"unknown journal op {op.op!r}; use one of {', '.join(OPS)}")
+    if len(op.paths) > 255:
+        raise ValueError(f"a journal op holds at most 255 paths, got {len(op.paths)}")
+    out.append(code)
+    _uv(op.pid, out)
+    _uv(op.time_ns, out)
+    out.append(len(op.paths))
+    for p in op.paths:
+        _uv(len(p), out)
+        out += p
+    _uv(op.offset, out)
+    _uv(op.length, out)
+    _uv(op.arg, out)
+    _uv(len(op.extra), out)
+    out += op.extra
 
 
 def encode_journal(ops: list[JournalOp]) -> bytes:
     out = bytearray(MAGIC)
     out.append(VERSION)
     for op in ops:
-        code = _CODES.get(op.op)
-        if code is None:
-            raise ValueError(f"unknown journal op {op.op!r}; use one of {', '.join(OPS)}")
-        if len(op.paths) > 255:
-            raise ValueError(f"a journal op holds at most 255 paths, got {len(op.paths)}")
-        out.append(code)
-        _uv(op.pid, out)
-        _uv(op.time_ns, out)
-        out.append(len(op.paths))
-        for p in op.paths:
-            _uv(len(p), out)
-            out += p
-        _uv(op.offset, out)
-        _uv(op.length, out)
-        _uv(op.arg, out)
-        _uv(len(op.extra), out)
-        out += op.extra
+        _encode_op(op, out)
     return bytes(out)
 
 

@@ -100,7 +100,7 @@ from typing import Any
 
 from shadowfs import tree as trees
 from shadowfs.bounded import BoundedMap
-from shadowfs.journal import Journal, encode_journal
+from shadowfs.journal import Journal
 from shadowfs.oid import ObjectId
 from shadowfs.tree import (
     DIR,
@@ -1549,7 +1549,7 @@ class Layer:
         tree_id = self._fold()
         journal_id = None
         if len(self.journal):
-            journal_id = self.store.put("journal", encode_journal(self.journal.take()))
+            journal_id = self.store.put("journal", self.journal.take_encoded())
         self._flush(durable)
         return tree_id, journal_id
 
