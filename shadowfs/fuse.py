@@ -65,6 +65,7 @@ LISTINGS_KEPT = 1024
 _GEN_SHIFT = 32
 _INDEX_MASK = (1 << _GEN_SHIFT) - 1
 _NS = 1_000_000_000
+_U64 = (1 << 64) - 1
 
 Reply = bytes | list[bytes] | None
 
@@ -118,7 +119,9 @@ class Operations:
 
     # ------------------------------------------------------------------ helpers
 
-    def _attr(self, node: Node) -> bytes:
+    def _attr(self, node: Node, packer: Any = w.ATTR, *head: int) -> bytes:
+        """The node's fuse_attr, packed after ``head`` by ``packer`` (the attribute alone, or
+        behind an entry or attr_out header: one pack call either way)."""
         # Hot: runs for every lookup, getattr and readdirplus entry.
         if node.stat_base:
             self.layer.attrs(node)
@@ -131,13 +134,14 @@ class Operations:
         a_s, a_ns = divmod(node.atime_ns, _NS)
         m_s, m_ns = divmod(node.mtime_ns, _NS)
         c_s, c_ns = divmod(node.ctime_ns, _NS)
-        return w.ATTR.pack(
+        return packer.pack(
+            *head,
             node.ino,
             size,
             blocks,
-            a_s & 0xFFFFFFFFFFFFFFFF,
-            m_s & 0xFFFFFFFFFFFFFFFF,
-            c_s & 0xFFFFFFFFFFFFFFFF,
+            a_s & _U64,
+            m_s & _U64,
+            c_s & _U64,
             a_ns,
             m_ns,
             c_ns,
@@ -153,11 +157,11 @@ class Operations:
     def _entry(self, node: Node) -> bytes:
         node.lookups += 1
         s, ns = self._valid
-        return w.ENTRY_HEAD.pack(node.ino, 0, s, s, ns, ns) + self._attr(node)
+        return self._attr(node, w.ENTRY_ATTR, node.ino, 0, s, s, ns, ns)
 
     def _attr_out(self, node: Node) -> bytes:
         s, ns = self._valid
-        return w.ATTR_OUT_HEAD.pack(s, ns, 0) + self._attr(node)
+        return self._attr(node, w.ATTR_OUT_ATTR, s, ns, 0)
 
     @contextlib.contextmanager
     def _unlocked(self) -> Iterator[None]:
@@ -332,20 +336,21 @@ class Operations:
         used = 0
         base = gen << _GEN_SHIFT
         s, ns = self._valid
-        entry_head = w.ENTRY_HEAD.pack
+        entry_attr = w.ENTRY_ATTR
         dirent = w.dirent
         attr = self._attr
+        append = parts.append
         for i in range(index, len(listing)):
             name, child = listing[i]
             if not alive(child):
                 continue
-            ent = dirent(child.ino, base | (i + 1), name, child.fmt >> 12)
+            ino = child.ino
+            ent = dirent(ino, base | (i + 1), name, child.fmt >> 12)
             used += 128 + len(ent)
             if used > size:
                 return parts
-            parts.append(entry_head(child.ino, 0, s, s, ns, ns))
-            parts.append(attr(child))
-            parts.append(ent)
+            append(attr(child, entry_attr, ino, 0, s, s, ns, ns))
+            append(ent)
             child.lookups += 1
         self._done_listing(ino, gen)
         return parts

@@ -105,10 +105,13 @@ OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 OUT_HEADER_SIZE = OUT_HEADER.size  # 16
 # ino size blocks atime mtime ctime atimensec mtimensec ctimensec mode nlink uid gid rdev
 # blksize flags
-ATTR = struct.Struct("<QQQQQQIIIIIIIIII")
+_ATTR_FIELDS = "QQQQQQIIIIIIIIII"
+ATTR = struct.Struct("<" + _ATTR_FIELDS)
 # nodeid generation entry_valid attr_valid entry_valid_nsec attr_valid_nsec
 ENTRY_HEAD = struct.Struct("<QQQQII")
 ATTR_OUT_HEAD = struct.Struct("<QII")  # attr_valid attr_valid_nsec dummy
+ENTRY_ATTR = struct.Struct("<QQQQII" + _ATTR_FIELDS)  # fuse_entry_out
+ATTR_OUT_ATTR = struct.Struct("<QII" + _ATTR_FIELDS)  # fuse_attr_out
 DIRENT_HEAD = struct.Struct("<QQII")  # ino off namelen type
 INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
 # major minor max_readahead flags max_background congestion_threshold max_write time_gran
@@ -148,10 +151,12 @@ def name_arg(buf: bytes, start: int) -> tuple[bytes, int]:
     return buf[start:nul], nul + 1
 
 
+_PADS = tuple(b"\0" * i for i in range(8))
+
+
 def dirent(ino: int, off: int, name: bytes, dtype: int) -> bytes:
     n = len(name)
-    pad = -(DIRENT_HEAD.size + n) % 8
-    return DIRENT_HEAD.pack(ino, off, n, dtype) + name + b"\0" * pad
+    return DIRENT_HEAD.pack(ino, off, n, dtype) + name + _PADS[-(24 + n) % 8]
 
 
 # ------------------------------------------------------------------ the channel
