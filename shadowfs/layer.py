@@ -1815,6 +1815,13 @@ class Layer:
         d, name = self._parent(path)
         pid = os.getpid()
         node = d.children.get(name)  # type: ignore[union-attr]
+        if node is not None and node.lookups and node.fmt == S_IFREG and self._mount is not None:
+            # A mount's kernel trusts the size it cached for a file over ours (writeback
+            # cache), so a file it knows is replaced by a new inode, as a restore does.
+            mode = node.mode
+            self.unlink(d.ino, name, pid)
+            self._inval.append(("entry", d.ino, name))
+            node = None
         if node is None:
             h, node = self.create(d.ino, name, mode, os.O_WRONLY, pid=pid)
             self._changed_behind_kernel(d)

@@ -292,3 +292,34 @@ def test_a_rollback_leaves_the_fuse_workers_as_it_found_them(
     layer.restore(t0)  # drops five cached entries: the workers run as SCHED_BATCH meanwhile
     assert not any((mnt / f"x{i}.txt").exists() for i in range(5))
     assert all(os.sched_getscheduler(t.native_id) == os.SCHED_OTHER for t in workers)
+
+
+def test_cached_listings_follow_restores_and_path_level_changes(
+    served: tuple[Mount, Path], layer: Layer
+) -> None:
+    _, mnt = served
+    d = mnt / "d"
+    d.mkdir()
+    for name in ("a", "b"):
+        (d / name).write_text(name)
+    t0, _ = layer.snapshot()
+    assert sorted(os.listdir(d)) == ["a", "b"]
+    assert sorted(os.listdir(d)) == ["a", "b"]  # the second listing comes from the kernel's cache
+    (d / "c").write_text("c")
+    os.unlink(d / "a")
+    assert sorted(os.listdir(d)) == ["b", "c"]
+    t1, _ = layer.snapshot()
+    layer.restore(t0)
+    assert sorted(os.listdir(d)) == ["a", "b"]
+    layer.restore(t1)
+    assert sorted(os.listdir(d)) == ["b", "c"]
+    # Changes through the layer's path methods while mounted reach the kernel's caches too.
+    layer.write_file("d/e", b"e")
+    layer.mkdir("d/sub")
+    layer.delete("d/b")
+    assert sorted(os.listdir(d)) == ["c", "e", "sub"]
+    assert (d / "e").read_bytes() == b"e"
+    assert (d / "c").read_bytes() == b"c"  # now cached: content, size and mtime
+    layer.write_file("d/c", b"changed by the API")
+    assert (d / "c").read_bytes() == b"changed by the API"
+    assert os.stat(d / "c").st_size == len(b"changed by the API")
