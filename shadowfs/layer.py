@@ -45,10 +45,10 @@ the root, stopping at the first already-marked name. A file whose content change
 `Layer.snapshot` walks only marked names from the root: dirty files go to the store
 (``put_file``, or ``put(..., delta_base=previous)`` for files up to `DELTA_MAX`), marked directories
 are re-encoded from their previous tree plus the marked names (path copying: every unmarked entry,
-including whole sub-trees, keeps its id). The encoded entry records of trees the layer built are
-kept by tree id (from a directory's second build on), so the next snapshot re-packs only the
-records of marked names and joins the rest as bytes: path copying at the byte level too, also
-after a restore brought the directory back to a tree built earlier. The journal since the previous
+including whole sub-trees, keeps its id). Tree entries keep the bytes they were decoded from or
+packed into (`shadowfs.tree.Entry.record`), so a re-encoding packs only the entries of marked
+names and joins the rest as bytes: path copying at the byte level too, on a directory's first
+build as after a restore brought it back to a tree built earlier. The journal since the previous
 snapshot goes to the store as a ``journal`` object (see `shadowfs.journal`). The store is then
 flushed (one fsync, one index commit), or with ``snapshot(durable=False)`` left to its group
 commit on a background thread within ``FLUSH_DELAY`` (`Store.flush_soon`); a tape frame naming
@@ -108,9 +108,7 @@ from shadowfs.tree import (
     SYMLINK,
     Entry,
     check_entry,
-    entry_record,
     pack_entries,
-    pack_records,
 )
 
 SRC_BASE = 0
@@ -141,9 +139,6 @@ XATTR_REPLACE = 2
 # holds a tuple per name: ~100 bytes), oldest first.
 STEPS_KEPT = 4096
 STEP_NAMES_KEPT = 16384
-# Encoded entry records of built trees, by tree id (`Layer._build`), bounded by records held
-# (~100 bytes each).
-RECORDS_KEPT = 262144
 # Backing fds kept open for node-addressed I/O (a mount with zero-message opens has no handles
 # to say when a file is done with): the most recently used stay open, older ones are closed.
 IDLE_BACKINGS = 256
@@ -535,10 +530,6 @@ class Layer:
         # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
         self._steps: BoundedMap[tuple[ObjectId, ObjectId], list[_Diff]] = BoundedMap(
             STEPS_KEPT, STEP_NAMES_KEPT
-        )
-        # tree id -> its entries' encoded records by name, or None for a tree built once.
-        self._records: BoundedMap[ObjectId, dict[bytes, bytes] | None] = BoundedMap(
-            None, RECORDS_KEPT
         )
         self._empty_tree: ObjectId | None = None
         # Nodes whose backing fd node-addressed I/O opened, least recently used first.
@@ -1468,19 +1459,6 @@ class Layer:
     def _build(self, d: Node) -> None:
         held = d.tree_entries
         old = held[1] if held is not None and held[0] == d.oid else _entries(self.store, d.oid)
-        records: dict[bytes, bytes] | None = None
-        if d.oid in self._records:
-            # Built from or into before: keep records from now on (a directory changed twice is
-            # likely to change again; one changed once costs no per-entry encoding). A copy: the
-            # kept records stay those of their tree, for the next build from it (after a
-            # restore back to it, say).
-            kept = self._records[d.oid]
-            if kept is None:
-                kept = {name: entry_record(e) for name, e in old.items()}
-                self._keep_records(d.oid, kept)  # type: ignore[arg-type]
-            records = dict(kept)
-        elif d.oid is not None:
-            self._keep_records(d.oid, None)
         new = dict(old)
         children = d.children
         assert children is not None
@@ -1488,8 +1466,7 @@ class Layer:
         for name in d.dirty_names:
             child = children.get(name)
             if child is None:
-                if new.pop(name, None) is not None and records is not None:
-                    del records[name]
+                new.pop(name, None)
                 continue
             e = self._entry(child, name)
             prev = new.get(name)
@@ -1503,16 +1480,13 @@ class Layer:
             if bad:
                 raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
             new[name] = e
-            if records is not None:
-                records[name] = entry_record(e)
         marks, d.dirty_names = d.dirty_names, set()
         if added:
             new = dict(sorted(new.items()))
-            if records is not None:
-                records = dict(sorted(records.items()))
-        data = pack_entries(new.values()) if records is None else pack_records(records.values())
-        oid = self.store.put("tree", data)
-        # The next snapshot or restore starts from this tree: keep it decoded, and its records.
+        # Unchanged entries carry the bytes they were decoded from or packed into: only the
+        # changed ones are encoded (`Entry.record`).
+        oid = self.store.put("tree", pack_entries(new.values()))
+        # The next snapshot or restore starts from this tree: keep it decoded.
         trees.remember(oid, new)
         # Every name whose entry differs between the two trees was marked: a restore between
         # them looks at just these names (`_reconcile`), without reading either tree.
@@ -1524,10 +1498,6 @@ class Layer:
             )
         d.oid = oid
         d.tree_entries = (oid, new)
-        self._keep_records(oid, records)
-
-    def _keep_records(self, oid: ObjectId, records: dict[bytes, bytes] | None) -> None:
-        self._records.put(oid, records, len(records) if records else 1)
 
     def _fold(self) -> ObjectId:
         """Turn the changes since the last snapshot into a tree (without taking the journal)."""

@@ -393,7 +393,7 @@ def test_records_follow_a_restore(layer: Layer) -> None:
     layer.restore(first)
     layer.write_file("src/other.py", b"two\n")
     third, _ = layer.snapshot()
-    # The cached records of src/ belonged to `second`; after the restore they must not leak in.
+    # src/ was last encoded from `second`'s entries; after the restore, `first`'s must be used.
     assert layer.read_file("src/main.py") == b"print('hello')\n"
     assert tree.lookup(layer.store, third, b"src/main.py") == tree.lookup(
         layer.store, first, b"src/main.py"
