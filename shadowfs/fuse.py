@@ -45,6 +45,7 @@ import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -258,9 +259,14 @@ class Operations:
             mtime_ns = now
         elif valid & w.FATTR_MTIME:
             mtime_ns = _signed(mtime) * _NS + mtimensec
+        new_mode = mode if valid & w.FATTR_MODE else None
+        if valid & w.FATTR_KILL_SUIDGID:
+            killed = _without_set_id(node.mode if new_mode is None else new_mode)
+            if killed != node.mode:
+                new_mode = killed
         node = layer.setattr(
             ino,
-            mode=mode if valid & w.FATTR_MODE else None,
+            mode=new_mode,
             uid=new_uid if valid & w.FATTR_UID else None,
             gid=new_gid if valid & w.FATTR_GID else None,
             size=new_size,
@@ -427,12 +433,14 @@ class Operations:
             b.release()
 
     def write(self, ino: int, req: Any, uid: int, gid: int, pid: int) -> Reply:
-        _, off, size, _ = w.READ_IN.unpack_from(req, w.IN_HEADER_SIZE)
+        _, off, size, flags = w.READ_IN.unpack_from(req, w.IN_HEADER_SIZE)
         data = req[w.IN_HEADER_SIZE + w.WRITE_IN_SIZE : w.IN_HEADER_SIZE + w.WRITE_IN_SIZE + size]
         layer = self.layer
         node = layer.node(ino)
         # Pages the kernel writes back on its own come with no process.
         pid = pid or node.last_pid
+        if flags & w.WRITE_KILL_SUIDGID and (killed := _without_set_id(node.mode)) != node.mode:
+            layer.setattr(ino, mode=killed, pid=pid)
         if node.src != SRC_SCRATCH:
             self._copy(node, True)
         if size < self.thread_io:
@@ -475,6 +483,16 @@ class Operations:
         return w.STATFS_OUT.pack(
             s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree, s.f_bsize, 255, s.f_frsize, 0
         )
+
+
+def _without_set_id(mode: int) -> int:
+    """``mode`` as Linux leaves it after an unprivileged write or truncate, or a chown (the
+    kernel says when, ``HANDLE_KILLPRIV_V2``): no set-user-ID, and no set-group-ID if the group
+    may execute (without group execute it marks mandatory locking and stays)."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
 
 
 def _signed(v: int) -> int:
@@ -648,6 +666,9 @@ class Server:
             | w.MAX_PAGES
             | w.CACHE_SYMLINKS
             | w.EXPLICIT_INVAL_DATA
+            # The server clears set-id bits itself: spares the kernel a GETATTR before each
+            # chown (tar and cp -a as root chown every file).
+            | w.HANDLE_KILLPRIV_V2
         )
         ch.minor_version = minor
         body = w.INIT_OUT.pack(

@@ -84,6 +84,7 @@ MAX_PAGES = 1 << 22
 CACHE_SYMLINKS = 1 << 23
 NO_OPENDIR_SUPPORT = 1 << 24
 EXPLICIT_INVAL_DATA = 1 << 25
+HANDLE_KILLPRIV_V2 = 1 << 28
 INIT_EXT = 1 << 30
 
 # ------------------------------------------------------------------ setattr valid bits
@@ -96,6 +97,9 @@ FATTR_ATIME = 1 << 4
 FATTR_MTIME = 1 << 5
 FATTR_ATIME_NOW = 1 << 7
 FATTR_MTIME_NOW = 1 << 8
+FATTR_KILL_SUIDGID = 1 << 11
+
+WRITE_KILL_SUIDGID = 1 << 2
 
 # ------------------------------------------------------------------ layouts
 

@@ -202,6 +202,40 @@ def test_chmod_chown_utimens(mount: Path) -> None:
     assert stat.S_IMODE(os.stat(mount / "src").st_mode) == 0o700
 
 
+def test_set_id_bits_are_cleared_as_linux_clears_them(mount: Path) -> None:
+    def mode(p: Path) -> int:
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    # chown clears set-user-ID, and set-group-ID when the group may execute.
+    p = mount / "tool"
+    p.write_bytes(b"#!/bin/sh\n")
+    os.chmod(p, 0o6755)
+    os.chown(p, 65534, 65534)
+    assert mode(p) == 0o755
+    q = mount / "locked"
+    q.write_bytes(b"x")
+    os.chmod(q, 0o2644)  # set-group-ID without group execute: a mandatory-lock mark, kept
+    os.chown(q, 65534, 65534)
+    assert mode(q) == 0o2644
+    # A writer without CAP_FSETID clears them on write and on truncate; root keeps them.
+    w = mount / "shared"
+    w.write_bytes(b"x")
+    os.chmod(w, 0o6777)
+    with open(w, "ab") as f:
+        f.write(b"by root")
+    assert mode(w) == 0o6777
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is needed to drop CAP_FSETID")
+    code = "import sys; open(sys.argv[1], 'ab').write(b'more')"
+    drop = ["setpriv", "--bounding-set", "-fsetid", "--inh-caps", "-fsetid"]
+    subprocess.run([*drop, sys.executable, "-c", code, str(w)], check=True)
+    assert mode(w) == 0o777 and w.read_bytes() == b"xby rootmore"
+    os.chmod(w, 0o4666)
+    code = "import os, sys; os.truncate(sys.argv[1], 1)"
+    subprocess.run([*drop, sys.executable, "-c", code, str(w)], check=True)
+    assert mode(w) == 0o666 and w.read_bytes() == b"x"
+
+
 def test_base_xattrs_read_through(layer: Layer, base: Path, tmp_path: Path) -> None:
     try:
         os.setxattr(base / "README", "user.origin", b"base")
