@@ -316,48 +316,39 @@ class Operations:
                 del self._listings[ino]
 
     def readdir(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
-        _, off, size, _ = w.READ_IN.unpack_from(req, w.IN_HEADER_SIZE)
-        listing, gen, index = self._listing(ino, off)
-        alive = self.layer.alive
-        parts: list[bytes] = []
-        used = 0
-        base = gen << _GEN_SHIFT
-        for i in range(index, len(listing)):
-            name, child = listing[i]
-            if not alive(child):
-                continue
-            ent = w.dirent(child.ino, base | (i + 1), name, child.fmt >> 12)
-            used += len(ent)
-            if used > size:
-                return parts
-            parts.append(ent)
-        self._done_listing(ino, gen)
-        return parts
+        return self._list(ino, req, False)
 
     def readdirplus(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
+        return self._list(ino, req, True)
+
+    def _list(self, ino: int, req: bytes, plus: bool) -> Reply:
+        """Directory entries from the request's offset on, as many as fit; with ``plus``,
+        each with its attributes (the kernel then counts a lookup of each)."""
         _, off, size, _ = w.READ_IN.unpack_from(req, w.IN_HEADER_SIZE)
         listing, gen, index = self._listing(ino, off)
         alive = self.layer.alive
         parts: list[bytes] = []
+        append = parts.append
         used = 0
         base = gen << _GEN_SHIFT
         s, ns = self._valid
         entry_attr = w.ENTRY_ATTR
         dirent = w.dirent
         attr = self._attr
-        append = parts.append
+        extra = entry_attr.size if plus else 0
         for i in range(index, len(listing)):
             name, child = listing[i]
             if not alive(child):
                 continue
-            ino = child.ino
-            ent = dirent(ino, base | (i + 1), name, child.fmt >> 12)
-            used += 128 + len(ent)
+            child_ino = child.ino
+            ent = dirent(child_ino, base | (i + 1), name, child.fmt >> 12)
+            used += extra + len(ent)
             if used > size:
                 return parts
-            append(attr(child, entry_attr, ino, 0, s, s, ns, ns))
+            if plus:
+                append(attr(child, entry_attr, child_ino, 0, s, s, ns, ns))
+                child.lookups += 1
             append(ent)
-            child.lookups += 1
         self._done_listing(ino, gen)
         return parts
 

@@ -469,6 +469,20 @@ def _routed(sync: bool = False, stores: bool = False) -> Callable[[_F], _F]:
     return wrap
 
 
+def _pread(b: Backing, size: int, off: int) -> bytes:
+    try:
+        return os.pread(b.fd, size, off)
+    finally:
+        b.release()
+
+
+def _pwrite(b: Backing, data: bytes | memoryview, off: int) -> int:
+    try:
+        return os.pwrite(b.fd, data, off)
+    finally:
+        b.release()
+
+
 def _check_xattr(name: bytes) -> None:
     # system.* holds POSIX ACLs and the like, which the layer does not implement: storing them
     # as plain bytes would make tools (cp -a, tar) believe an ACL set the mode and skip chmod.
@@ -902,39 +916,38 @@ class Layer:
             node.backing = None
         self._maybe_drop(node)
 
-    def pin(self, h: Handle, write: bool) -> Backing:
-        """The fd to do I/O on for handle ``h``, kept open until `Backing.release`."""
-        node = h.node
+    def _pin(self, node: Node, write: bool) -> Backing:
         if write and node.src != SRC_SCRATCH:
             self.copy_up(node)
         b = self._open_backing(node)
         b.refs += 1
         return b
 
+    def pin(self, h: Handle, write: bool) -> Backing:
+        """The fd to do I/O on for handle ``h``, kept open until `Backing.release`."""
+        return self._pin(h.node, write)
+
     def read(self, h: Handle, off: int, size: int) -> bytes:
-        b = self.pin(h, False)
-        try:
-            return os.pread(b.fd, size, off)
-        finally:
-            b.release()
+        return _pread(self.pin(h, False), size, off)
 
     def write(self, h: Handle, off: int, data: bytes | memoryview) -> int:
-        b = self.pin(h, True)
-        try:
-            n = os.pwrite(b.fd, data, off)
-        finally:
-            b.release()
+        n = _pwrite(self.pin(h, True), data, off)
         self.wrote(h, off, n)
         return n
 
     def wrote(self, h: Handle, off: int, n: int) -> None:
         """Account for ``n`` bytes written at ``off`` through ``h`` (also after threaded I/O)."""
-        node = h.node
-        end = off + n
+        self._wrote(h.node, off + n, True)
+        self.journal.write(h.fh, h.path, h.pid, off, n)
+
+    def _wrote(self, node: Node, end: int, times: bool) -> None:
         if end > node.size:
             node.size = end
-        self._content_changed(node, time.time_ns())
-        self.journal.write(h.fh, h.path, h.pid, off, n)
+        if times:
+            self._content_changed(node, time.time_ns())
+        elif not node.dirty:
+            node.dirty = True
+            self._touch_node(node)
 
     # ------------------------------------------------------------------ I/O by node
 
@@ -942,10 +955,7 @@ class Layer:
         """The fd for I/O on ``node`` without a handle (copied up first if ``write``), kept
         open until `Backing.release`. The node keeps it open afterwards among the
         `IDLE_BACKINGS` most recently used."""
-        if write and node.src != SRC_SCRATCH:
-            self.copy_up(node)
-        b = self._open_backing(node)
-        b.refs += 1
+        b = self._pin(node, write)
         idle = self._idle
         ino = node.ino
         if ino in idle:
@@ -961,20 +971,12 @@ class Layer:
         return b
 
     def read_node(self, node: Node, off: int, size: int) -> bytes:
-        b = self.pin_node(node, False)
-        try:
-            return os.pread(b.fd, size, off)
-        finally:
-            b.release()
+        return _pread(self.pin_node(node, False), size, off)
 
     def write_node(
         self, node: Node, off: int, data: bytes | memoryview, pid: int, *, times: bool = True
     ) -> int:
-        b = self.pin_node(node, True)
-        try:
-            n = os.pwrite(b.fd, data, off)
-        finally:
-            b.release()
+        n = _pwrite(self.pin_node(node, True), data, off)
         self.wrote_node(node, off, n, pid, times=times)
         return n
 
@@ -982,14 +984,7 @@ class Layer:
         """Account for ``n`` bytes written at ``off`` to ``node`` (also after threaded I/O).
         ``times=False`` leaves mtime and ctime alone: a kernel with a writeback cache keeps
         them itself and sends them with a setattr, which may be served before this write."""
-        end = off + n
-        if end > node.size:
-            node.size = end
-        if times:
-            self._content_changed(node, time.time_ns())
-        elif not node.dirty:
-            node.dirty = True
-            self._touch_node(node)
+        self._wrote(node, off + n, times)
         # Keyed by the negated inode number: never equal to a handle's fh.
         key = -node.ino
         journal = self.journal
