@@ -375,11 +375,7 @@ class Operations:
     def mknod(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
         mode, _, _, _ = w.MKNOD_IN.unpack_from(req, w.IN_HEADER_SIZE)
         name, _ = w.name_arg(req, w.IN_HEADER_SIZE + w.MKNOD_IN.size)
-        layer = self.layer
-        if mode & 0o170000 in (0, S_IFREG):
-            node = layer.create_file(ino, name, mode, uid, gid, pid)
-        else:
-            node = layer.mknod(ino, name, mode, uid, gid, pid)
+        node = self.layer.mknod(ino, name, mode, uid, gid, pid)
         node.last_pid = pid
         return self._entry(node)
 

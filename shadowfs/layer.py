@@ -991,23 +991,6 @@ class Layer:
         if not journal.extend(key, off, n):
             journal.write(key, self._path_of_node(node), pid, off, n)
 
-    def create_file(
-        self,
-        parent: int,
-        name: bytes,
-        mode: int,
-        uid: int | None = None,
-        gid: int | None = None,
-        pid: int = 0,
-    ) -> Node:
-        """`mknod` of a regular file that keeps its new scratch fd open for the writes that
-        usually follow."""
-        h, node = self.create(parent, name, mode, os.O_RDWR, uid, gid, pid)
-        self.handles.pop(h.fh)
-        node.opens -= 1
-        self._idle[node.ino] = node
-        return node
-
     # ------------------------------------------------------------------ creating
 
     def _check_name(self, name: bytes) -> None:
@@ -1085,8 +1068,12 @@ class Layer:
             # Trees hold files, directories and symlinks only; a fifo or device could not be
             # snapshotted or committed.
             raise _err(errno.EPERM)
-        h, node = self.create(parent, name, mode, os.O_RDONLY, uid, gid, pid)
-        self.release(h.fh)
+        h, node = self.create(parent, name, mode, os.O_RDWR, uid, gid, pid)
+        # The new scratch fd stays open (among the idle ones) for the writes that usually
+        # follow; no handle holds it.
+        self.handles.pop(h.fh)
+        node.opens -= 1
+        self._idle[node.ino] = node
         return node
 
     def mkdir_in(
