@@ -555,3 +555,45 @@ def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
         lost = {str(work): {"tree": "00" * 32, "started_ns": 1}}
         (tapes.state / "base-trees.json").write_text(json.dumps(lost))
         assert build_base_tree(st, tapes, str(work)) == tree.build_tree(st, work)
+
+
+def test_every_snapshot_tree_is_canonical_across_many_small_steps(
+    tmp_path: Path, store: Store
+) -> None:
+    # Rebuilds that only replace a few entries splice their bytes into the previous encoding;
+    # others pack every entry. Either way each stored tree must be the canonical encoding of
+    # what the layer holds, which a fresh decode and encode checks.
+    import random
+
+    base = tmp_path / "many"
+    for d in range(3):
+        (base / f"d{d}").mkdir(parents=True)
+        for f in range(25):
+            (base / f"d{d}" / f"f{f:02d}.txt").write_text(f"{d}/{f}\n")
+    lay = Layer(base, store, tmp_path / "scratch-many")
+    rnd = random.Random(11)
+    names = [f"d{d}/f{f:02d}.txt" for d in range(3) for f in range(25)]
+    try:
+        for step in range(60):
+            for _ in range(rnd.randint(1, 4)):
+                lay.write_file(rnd.choice(names), f"step {step} {rnd.random()}\n".encode())
+            if step % 7 == 3:
+                new = f"d{rnd.randrange(3)}/new{step}.txt"
+                lay.write_file(new, b"added")
+                names.append(new)
+            if step % 11 == 5:
+                lay.setattr(lay.resolve(rnd.choice(names)).ino, mode=0o600)
+            t, _ = lay.snapshot()
+            tree.clear_cache()
+            for oid in tree.reachable(store, t):
+                if store.kind(oid) != "tree":
+                    continue
+                raw = store.get(oid)
+                assert tree.encode_tree(tree.decode_tree(raw)) == raw
+            for path, node in lay.walk():
+                e = tree.lookup(store, t, path)
+                assert e is not None and e.mode == node.mode, path
+                if node.fmt == 0o100000:
+                    assert store.read_bytes(e.oid) == lay.read_file(path), path
+    finally:
+        lay.close()
