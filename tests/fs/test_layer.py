@@ -560,9 +560,9 @@ def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
 def test_every_snapshot_tree_is_canonical_across_many_small_steps(
     tmp_path: Path, store: Store
 ) -> None:
-    # Rebuilds that only replace a few entries splice their bytes into the previous encoding;
-    # others pack every entry. Either way each stored tree must be the canonical encoding of
-    # what the layer holds, which a fresh decode and encode checks.
+    # Rebuilds join the bytes entries keep (`Entry.record`) with the few they encode anew:
+    # each stored tree must still be the canonical encoding of what the layer holds, which a
+    # fresh decode and encode checks.
     import random
 
     base = tmp_path / "many"
