@@ -562,8 +562,12 @@ class Server:
                 finally:
                     serving.discard(seq)
         except BaseException as exc:
+            # A failure outside the handlers leaves a request unanswered and the server in a
+            # state nobody planned for: end the connection, so the mount's users get ENOTCONN
+            # instead of waiting for a reply forever.
             self.error = exc
-            log.exception("shadowfs: FUSE worker failed")
+            log.exception("shadowfs: FUSE worker failed; aborting the connection")
+            self.channel.abort()
         finally:
             with contextlib.suppress(KeyError):
                 self.idents.remove(threading.get_ident())

@@ -323,3 +323,47 @@ def test_cached_listings_follow_restores_and_path_level_changes(
     layer.write_file("d/c", b"changed by the API")
     assert (d / "c").read_bytes() == b"changed by the API"
     assert os.stat(d / "c").st_size == len(b"changed by the API")
+
+
+def test_a_failing_server_ends_the_connection_instead_of_leaving_callers_waiting(
+    layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shadowfs import fuse, fuse_wire
+
+    serve = fuse.Server._serve
+
+    def failing(self: fuse.Server, req: bytes) -> bool:
+        # A fault in the server itself (not in a handler, whose errors become EIO replies).
+        if int.from_bytes(bytes(req[4:8]), "little") == fuse_wire.LISTXATTR:
+            raise RuntimeError("injected server fault")
+        return serve(self, req)
+
+    monkeypatch.setattr(fuse.Server, "_serve", failing)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mount(layer, mnt).start()
+    try:
+        (mnt / "f.txt").write_text("x")
+        code = (
+            "import os, sys\n"
+            "try:\n"
+            "    os.listxattr(sys.argv[1])\n"
+            "except OSError as e:\n"
+            "    print(e.errno)\n"
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(mnt / "f.txt")], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            out, _ = child.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            # A request already read by the server cannot be killed out of: end it here.
+            m.stop()
+            child.kill()
+            child.communicate()
+            pytest.fail("a caller kept waiting for a request the failed server never answered")
+        assert out.strip() in (str(errno.ENOTCONN), str(errno.ECONNABORTED))
+        until(lambda: not m.running, "every worker has stopped")
+    finally:
+        m.stop()
+    assert not is_mounted(mnt)
