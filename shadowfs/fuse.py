@@ -381,21 +381,21 @@ class Operations:
 
     def rename(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
         (newdir,) = w.U64.unpack_from(req, w.IN_HEADER_SIZE)
-        old, at = w.name_arg(req, w.IN_HEADER_SIZE + 8)
-        new, _ = w.name_arg(req, at)
-        self.layer.rename(ino, old, newdir, new, 0, pid)
-        return b""
+        return self._rename(ino, req, newdir, 0, w.IN_HEADER_SIZE + w.U64.size, pid)
 
     def rename2(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
         newdir, flags, _ = w.RENAME2_IN.unpack_from(req, w.IN_HEADER_SIZE)
-        old, at = w.name_arg(req, w.IN_HEADER_SIZE + w.RENAME2_IN.size)
+        return self._rename(ino, req, newdir, flags, w.IN_HEADER_SIZE + w.RENAME2_IN.size, pid)
+
+    def _rename(self, ino: int, req: bytes, newdir: int, flags: int, at: int, pid: int) -> Reply:
+        old, at = w.name_arg(req, at)
         new, _ = w.name_arg(req, at)
         self.layer.rename(ino, old, newdir, new, flags, pid)
         return b""
 
     def link(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
         (old,) = w.U64.unpack_from(req, w.IN_HEADER_SIZE)
-        name, _ = w.name_arg(req, w.IN_HEADER_SIZE + 8)
+        name, _ = w.name_arg(req, w.IN_HEADER_SIZE + w.U64.size)
         return self._entry(self.layer.link(old, ino, name, pid))
 
     # ------------------------------------------------------------------ files
@@ -508,7 +508,6 @@ class Server:
         self.idents: set[int] = set()
         self.tids: set[int] = set()
         self._threads: list[threading.Thread] = []
-        self._initialized = threading.Event()
         self.error: BaseException | None = None
         # Sequence numbers of the requests being served, in the order they were read (see
         # `_drain`). Both are safe without a lock: next() and set updates hold the GIL.
@@ -661,7 +660,6 @@ class Server:
             # chown (tar and cp -a as root chown every file).
             | w.HANDLE_KILLPRIV_V2
         )
-        ch.minor_version = minor
         body = w.INIT_OUT.pack(
             7,
             min(minor, 38),
@@ -676,7 +674,6 @@ class Server:
             0,
         )
         ch.reply(unique, body)
-        self._initialized.set()
 
 
 def _reply(send: Callable[[int, Any], None], unique: int, body: Any) -> None:

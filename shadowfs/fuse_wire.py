@@ -77,15 +77,12 @@ DO_READDIRPLUS = 1 << 13
 READDIRPLUS_AUTO = 1 << 14
 ASYNC_DIO = 1 << 15
 WRITEBACK_CACHE = 1 << 16
-NO_OPEN_SUPPORT = 1 << 17
 PARALLEL_DIROPS = 1 << 18
 ABORT_ERROR = 1 << 21
 MAX_PAGES = 1 << 22
 CACHE_SYMLINKS = 1 << 23
-NO_OPENDIR_SUPPORT = 1 << 24
 EXPLICIT_INVAL_DATA = 1 << 25
 HANDLE_KILLPRIV_V2 = 1 << 28
-INIT_EXT = 1 << 30
 
 # ------------------------------------------------------------------ setattr valid bits
 
@@ -111,11 +108,10 @@ OUT_HEADER_SIZE = OUT_HEADER.size  # 16
 # blksize flags
 _ATTR_FIELDS = "QQQQQQIIIIIIIIII"
 ATTR = struct.Struct("<" + _ATTR_FIELDS)
-# nodeid generation entry_valid attr_valid entry_valid_nsec attr_valid_nsec
-ENTRY_HEAD = struct.Struct("<QQQQII")
-ATTR_OUT_HEAD = struct.Struct("<QII")  # attr_valid attr_valid_nsec dummy
-ENTRY_ATTR = struct.Struct("<QQQQII" + _ATTR_FIELDS)  # fuse_entry_out
-ATTR_OUT_ATTR = struct.Struct("<QII" + _ATTR_FIELDS)  # fuse_attr_out
+# fuse_entry_out: nodeid generation entry_valid attr_valid entry_valid_nsec attr_valid_nsec attr
+ENTRY_ATTR = struct.Struct("<QQQQII" + _ATTR_FIELDS)
+# fuse_attr_out: attr_valid attr_valid_nsec dummy attr
+ATTR_OUT_ATTR = struct.Struct("<QII" + _ATTR_FIELDS)
 DIRENT_HEAD = struct.Struct("<QQII")  # ino off namelen type
 INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2
 # major minor max_readahead flags max_background congestion_threshold max_write time_gran
@@ -145,10 +141,6 @@ MAX_PAGES_WANTED = 256
 BUFFER_SIZE = MAX_PAGES_WANTED * 4096 + 4096
 
 
-class ProtocolError(OSError):
-    pass
-
-
 def name_arg(buf: bytes, start: int) -> tuple[bytes, int]:
     """The NUL-terminated name at ``start`` and the offset just after its NUL."""
     nul = buf.index(b"\0", start)
@@ -167,10 +159,8 @@ def dirent(ino: int, off: int, name: bytes, dtype: int) -> bytes:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_NOSUID = 2
 MS_NODEV = 4
-MNT_DETACH = 2
 
 
 class Channel:
@@ -188,7 +178,6 @@ class Channel:
         # The connection's number in fusectl (the mount's device minor), read at mount time:
         # a stat of the mount point would wait for the answer to INIT.
         self.minor = _mount_minor(mountpoint)
-        self.minor_version = 0
 
     @classmethod
     def open(cls, mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> Channel:
@@ -255,14 +244,6 @@ class Channel:
         path = f"/sys/fs/fuse/connections/{self.minor}/abort"
         with contextlib.suppress(OSError), open(path, "w") as f:
             f.write("1")
-
-    def unmount(self) -> None:
-        """Detach the mount (lazily: processes inside keep what they hold)."""
-        p = self.mountpoint.encode()
-        if _libc.umount2(p, MNT_DETACH) == 0:
-            return
-        if shutil.which("fusermount3"):
-            subprocess.run(["fusermount3", "-u", "-z", self.mountpoint], capture_output=True)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

@@ -53,9 +53,11 @@ from shadowfs.layer import Layer
 
 FSTYPE = "fuse.shadowfs"
 PR_SET_PDEATHSIG = 1
+MNT_DETACH = 2
 _SCHED_PARAM = os.sched_param(0)
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 class MountError(ShadowfsError):
@@ -96,9 +98,12 @@ def is_mounted(path: str | os.PathLike[str], fstype: str | None = FSTYPE) -> boo
 
 
 def unmount(path: str | os.PathLike[str], *, lazy: bool = True) -> None:
-    """Unmount a FUSE mount (fusermount3, falling back to umount); quiet when not mounted."""
+    """Unmount a FUSE mount: umount2(2) when this process may, else fusermount3, falling back
+    to umount; quiet when not mounted."""
     p = os.fspath(path)
     if not mounts_at(p):
+        return
+    if _libc.umount2(os.fsencode(p), MNT_DETACH if lazy else 0) == 0:
         return
     tools = []
     if shutil.which("fusermount3"):
@@ -247,7 +252,8 @@ class Mount:
         # Detaching the last use of the mount ends the connection; a process still inside it
         # would keep it up, so it is then aborted (its users get ENOTCONN, as when a daemon
         # dies).
-        channel.unmount()
+        with contextlib.suppress(MountError):
+            unmount(self.mountpoint)
         server.join(0.5)
         if server.running:
             channel.abort()
