@@ -429,7 +429,9 @@ class Operations:
         if flags & w.WRITE_KILL_SUIDGID and (killed := _without_set_id(node.mode)) != node.mode:
             layer.setattr(ino, mode=killed, pid=pid)
         if node.src != SRC_SCRATCH:
-            self._copy(node, True)
+            # The kernel writes back whole pages, so a small file's append or edit arrives as
+            # one write from 0 over all of it: none of the old content needs copying first.
+            self._copy(node, True, 0 if off == 0 and size >= node.size else None)
         if size < self.thread_io:
             n = layer.write_node(node, off, data, pid, times=False)
         else:

@@ -294,7 +294,7 @@ class CopyJob:
 
     def run(self) -> None:
         """Copy; safe to call on a worker thread (touches no layer state)."""
-        if self.src_oid is not None:
+        if self.src_oid is not None and self.keep > 0:
             with open(self.tmp_fd, "wb", closefd=False) as f:
                 self.store.read_file_into(self.src_oid, f)
             if self.keep < self.node.size:
@@ -800,10 +800,23 @@ class Layer:
 
     def start_copy(self, node: Node, write: bool, keep: int | None = None) -> CopyJob:
         """Begin a copy-up (write) or a materialisation from the store (read): the I/O is
-        `CopyJob.run`, then `finish_copy`. ``keep`` limits the bytes copied (truncation)."""
+        `CopyJob.run`, then `finish_copy`. ``keep`` limits the bytes copied (truncation).
+
+        With nothing to keep, the staged file is made at its own name: there is no partial
+        copy to hide, and the rename would cost as much as the create (a metadata update on
+        the scratch file system). The name is free: inode numbers are never reused, and a
+        node gets a staged file only here, once."""
         keep = node.size if keep is None else min(keep, node.size)
-        tmp = self._scratch(node) + ".tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        final = self._scratch(node)
+        fd = -1
+        if not keep:
+            with contextlib.suppress(FileExistsError):  # not expected; then the usual way
+                fd = os.open(final, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if fd >= 0:
+            tmp = final
+        else:
+            tmp = final + ".tmp"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         job = CopyJob(node, write, keep, tmp, fd)
         try:
             if node.src == SRC_STORE:
@@ -827,9 +840,11 @@ class Layer:
         if node.src == SRC_SCRATCH:
             # Someone else finished a copy of this node first; theirs stands.
             os.close(job.tmp_fd)
-            os.unlink(job.tmp_path)
+            if job.tmp_path != self._scratch(node):
+                os.unlink(job.tmp_path)
         else:
-            os.rename(job.tmp_path, self._scratch(node))
+            if job.tmp_path != self._scratch(node):
+                os.rename(job.tmp_path, self._scratch(node))
             old = node.backing
             node.backing = None
             if old is not None:

@@ -69,6 +69,25 @@ def test_closed_files_are_in_the_checkpoint(
     ]
 
 
+def test_a_write_from_the_start_copies_up_only_when_it_covers_the_whole_file(
+    served: tuple[Mount, Path], layer: Layer, store: Store, base: Path
+) -> None:
+    # The kernel writes a small file's dirty page back whole, from offset 0, so its copy-up
+    # skips the old bytes; a big file's first page covers only part of it, so the rest must
+    # still be copied.
+    _, mnt = served
+    original = (base / "big.bin").read_bytes()
+    for name in ("README", "big.bin"):
+        fd = os.open(mnt / name, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"XY", 0)
+        finally:
+            os.close(fd)
+    t, _ = layer.snapshot()
+    assert content(store, t, "README") == b"XYadme\n"
+    assert content(store, t, "big.bin") == b"XY" + original[2:]
+
+
 def test_data_in_a_file_still_open_for_write_is_in_the_checkpoint(
     served: tuple[Mount, Path], layer: Layer, store: Store
 ) -> None:
