@@ -190,25 +190,52 @@ def entry_record(e: Entry) -> bytes:
     return rec
 
 
-def pack_records(records: Iterable[bytes]) -> bytes:
-    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order."""
-    return _VERSION_BYTE + b"".join(records)
-
-
 def pack_entries(entries: Iterable[Entry]) -> bytes:
     """Tree bytes from entries already validated (`check_entry`) and sorted by name.
 
     For callers that built the entries themselves or took them from decoded trees; anything else
     goes through `encode_tree`, which checks and sorts. Each entry keeps its record, so packing
     a directory again after a change only encodes the entries that changed."""
-    parts = [_VERSION_BYTE]
-    append = parts.append
-    record = entry_record
+    entries = entries if isinstance(entries, (list, tuple)) else list(entries)
     for e in entries:
-        rec = e.record
-        append(rec if rec is not None else record(e))
-    return b"".join(parts)
+        if e.record is None:
+            entry_record(e)
+    return pack_records(map(record_of, entries))
 
+
+def pack_records(records: Iterable[bytes]) -> bytes:
+    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order."""
+    return b"".join([_VERSION_BYTE, *records])
+
+
+def record_offsets(entries: Iterable[Entry]) -> dict[bytes, int]:
+    """Where each entry's record starts in the bytes `pack_entries` makes of these entries (all
+    with their records known), for `splice_records`."""
+    offsets = {}
+    pos = 1
+    for e in entries:
+        offsets[e.name] = pos
+        pos += len(e.record)  # type: ignore[arg-type]
+    return offsets
+
+
+def splice_records(
+    packed: bytes, offsets: dict[bytes, int], swaps: Iterable[tuple[bytes, bytes, bytes]]
+) -> bytes | None:
+    """The tree bytes ``packed`` with records swapped in place: for each (name, old record, new
+    record), the old one, found at ``offsets[name]`` (`record_offsets`), becomes the new one.
+    None when some new record's length differs, which would move every offset after it.
+
+    A directory rebuilt after a few entries changed (a file's id, size or mtime: same length)
+    then costs two copies of its bytes instead of a join of all its records."""
+    out = bytearray(packed)
+    for name, old, rec in swaps:
+        n = len(rec)
+        if n != len(old):
+            return None
+        at = offsets[name]
+        out[at : at + n] = rec
+    return bytes(out)
 
 
 def encode_tree(entries: list[Entry] | tuple[Entry, ...]) -> bytes:
@@ -239,17 +266,19 @@ _SETTERS = tuple(
     Entry.__dict__[f].__set__ for f in ("name", "kind", "mode", "size", "mtime_ns", "oid", "target")
 )
 _set_record = Entry.__dict__["record"].__set__
+# An entry's record (`entry_record`), for map() over a directory whose records are all known.
+record_of = Entry.__dict__["record"].__get__
 _oid_new = bytes.__new__
 _DOTS = (b".", b"..")
 
 
-def _fast_entry(
+def make_entry(
     name: bytes, kind: str, mode: int, size: int, mtime_ns: int, oid: ObjectId | None,
     target: bytes | None,
     record: bytes | None = None,
 ) -> Entry:
     """Entry(...) without the frozen dataclass __init__, which costs 2.5x as much through
-    object.__setattr__; decoding big directories is on the hot path of diff and lookup."""
+    object.__setattr__: decoding big directories and building a snapshot's trees make many."""
     e = _entry_new(Entry)
     s_name, s_kind, s_mode, s_size, s_mtime, s_oid, s_target = _SETTERS
     s_name(e, name)
@@ -272,7 +301,7 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
     unpack_head = _HEAD.unpack_from
     head_size = _HEAD.size
     kinds = _KINDS
-    make = _fast_entry
+    make = make_entry
     pos = 1
     prev = b""
     while pos < n:

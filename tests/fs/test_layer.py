@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -560,9 +561,10 @@ def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
 def test_every_snapshot_tree_is_canonical_across_many_small_steps(
     tmp_path: Path, store: Store
 ) -> None:
-    # Rebuilds join the bytes entries keep (`Entry.record`) with the few they encode anew:
-    # each stored tree must still be the canonical encoding of what the layer holds, which a
-    # fresh decode and encode checks.
+    # Rebuilds join the bytes entries keep (`Entry.record`) with the few they encode anew, or
+    # swap changed records into the directory's previous bytes (`tree.splice_records`) when no
+    # name came or went and no record changed length: each stored tree must still be the
+    # canonical encoding of what the layer holds, which a fresh decode and encode checks.
     import random
 
     base = tmp_path / "many"
@@ -583,6 +585,15 @@ def test_every_snapshot_tree_is_canonical_across_many_small_steps(
                 names.append(new)
             if step % 11 == 5:
                 lay.setattr(lay.resolve(rnd.choice(names)).ino, mode=0o600)
+            if step % 9 == 4:
+                gone = names.pop(rnd.randrange(len(names)))
+                lay.delete(gone)
+            if step % 6 == 1:
+                # A symlink's record changes length with its target: no swap in place then.
+                d = lay.resolve(f"d{step % 3}").ino
+                with contextlib.suppress(FileNotFoundError):
+                    lay.delete(f"d{step % 3}/link")
+                lay.symlink(d, b"link", b"t" * (1 + step % 5))
             t, _ = lay.snapshot()
             tree.clear_cache()
             for oid in tree.reachable(store, t):
