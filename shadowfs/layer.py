@@ -111,7 +111,6 @@ from shadowfs.tree import (
     entry_record,
     make_entry,
     pack_records,
-    record_of,
 )
 
 SRC_BASE = 0
@@ -1504,7 +1503,7 @@ class Layer:
         if data is None:
             # Unchanged entries carry the bytes they were decoded from or packed into: only the
             # changed ones were encoded, above.
-            data = pack_records(map(record_of, new.values()))
+            data = pack_records([e.record for e in new.values()])  # type: ignore[misc]
             offsets = None
         oid = self.store.put("tree", data)
         # The next snapshot or restore starts from this tree: keep it decoded.

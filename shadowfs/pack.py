@@ -84,17 +84,18 @@ def header_len(kind: str, delta: bool) -> int:
 
 
 def check_kind(kind: str) -> None:
-    if kind in _GOOD_KINDS:
+    if kind in GOOD_KINDS:
         return
     kind_b = kind.encode("ascii", "replace")
     if not (0 < len(kind_b) <= MAX_KIND_LEN and _plain_word(kind_b)):
         raise StoreError(
             f"object kind {kind!r} must be 1 to {MAX_KIND_LEN} ASCII letters, digits or '_'"
         )
-    _GOOD_KINDS.add(kind)
+    GOOD_KINDS.add(kind)
 
 
-_GOOD_KINDS: set[str] = set()
+# Kinds already checked; a caller on a hot path tests membership itself before calling.
+GOOD_KINDS: set[str] = set()
 
 
 def encode_header(

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import zstandard
 
@@ -80,9 +80,9 @@ class Problem:
         return f"{who} in {self.pack} at offset {self.offset}: {self.reason}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Staged:
-    """An object put but not yet appended to a pack (see `Store._drain`)."""
+class _Staged(NamedTuple):
+    """An object put but not yet appended to a pack (see `Store._drain`). A tuple: a snapshot
+    makes one per object, and a frozen dataclass costs several times as much to build."""
 
     kind: str
     data: bytes
@@ -562,7 +562,8 @@ class Store:
         With delta_base, the object is stored as a zstd delta against that object when that is
         smaller than compressing it alone and the base's delta chain is not already at the cap.
         """
-        pk.check_kind(kind)
+        if kind not in pk.GOOD_KINDS:
+            pk.check_kind(kind)
         if not isinstance(data, bytes):
             data = bytes(data)
         if kind == "blob" and len(data) > CHUNK_SIZE:
