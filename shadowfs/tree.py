@@ -199,11 +199,11 @@ def pack_entries(entries: Iterable[Entry]) -> bytes:
     return pack_records([e.record or entry_record(e) for e in entries])
 
 
-def pack_records(records: list[bytes]) -> bytes:
-    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order.
-    The list becomes part of the result's making: do not use it afterwards."""
-    records.insert(0, _VERSION_BYTE)  # cheaper than a concatenation of the joined bytes
-    return b"".join(records)
+def pack_records(records: Iterable[bytes]) -> bytes:
+    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order."""
+    parts = [_VERSION_BYTE]
+    parts.extend(records)  # one join: no copy of the joined records behind the version byte
+    return b"".join(parts)
 
 
 def record_offsets(entries: Iterable[Entry]) -> dict[bytes, int]:
