@@ -31,7 +31,10 @@ generation of the listing is in the offset's high bits, so two readers of one di
 mix their listings.
 
 ``fsync`` is a no-op on purpose: staged files are not a durability boundary (the inode table
-lives in memory), snapshots are, through the store's flush. sqlite and git fsync a lot.
+lives in memory), snapshots are, through the store's flush. sqlite and git fsync a lot. FSYNC,
+FSYNCDIR and SYNCFS are answered ENOSYS, which the kernel takes as success and then stops
+sending: an fsync still writes the file's dirty pages back to this server first, without a
+round trip of its own (and a checkpoint's syncfs saves one too).
 
 Mount options: ``default_permissions`` (the kernel checks modes against the layer's
 attributes), ``allow_other`` when running as root (an agent running as another user can use the
@@ -105,11 +108,8 @@ class Operations:
             w.READ: self.read,
             w.WRITE: self.write,
             w.STATFS: self.statfs,
-            w.FSYNC: self.nothing,
-            w.FSYNCDIR: self.nothing,
             w.RELEASE: self.nothing,
             w.RELEASEDIR: self.nothing,
-            w.SYNCFS: self.nothing,
             w.SETXATTR: self.setxattr,
             w.GETXATTR: self.getxattr,
             w.LISTXATTR: self.listxattr,
