@@ -19,7 +19,11 @@ copies nothing.
 
 Kernel caching. Entry and attribute timeouts are long (`TIMEOUT`): the layer is the only writer,
 so the kernel's caches only go stale on a restore, and a restore sends explicit invalidations
-(see `shadowfs.mountctl`; a changed directory's listing is dropped with its pages). The
+(see `shadowfs.mountctl`; a changed directory's listing is dropped with its pages). Missing
+names are cached too: a lookup of one is answered with node id 0 and the same timeout, so the
+probes of git, Python's imports and pip cost one request per name, not one per probe. Names
+the layer adds other than through the kernel (a restore, `Layer.write_file`, `Layer.mkdir`)
+have their entries invalidated like changed ones. The
 writeback cache is on, so small writes are batched by the kernel; with it the kernel handles
 O_APPEND itself and may read pages of a file opened write-only. Data is invalidated only on
 request (``EXPLICIT_INVAL_DATA``): content only changes through the kernel or through a restore,
@@ -88,6 +92,8 @@ class Operations:
         self.thread_io = thread_io
         secs = int(timeout)
         self._valid = (secs, int((timeout - secs) * _NS))
+        # The answer to a lookup of a missing name: no node, kept by the kernel as long as an entry.
+        self._missing = w.ENTRY_ATTR.pack(0, 0, secs, 0, self._valid[1], 0, *(0,) * 16)
         self._copying: dict[int, threading.Event] = {}
         # dir inode -> {generation: listing}; see the module docstring.
         self._listings: dict[int, dict[int, list[tuple[bytes, Node]]]] = {}
@@ -208,7 +214,9 @@ class Operations:
 
     def lookup(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
         name, _ = w.name_arg(req, w.IN_HEADER_SIZE)
-        node = self.layer.lookup(ino, name)
+        node = self.layer.lookup(ino, name, None)
+        if node is None:
+            return self._missing
         node.last_pid = pid
         return self._entry(node)
 

@@ -154,6 +154,8 @@ def _err(code: int, what: str = "") -> OSError:
 
 
 _NO_NAMES: frozenset[bytes] = frozenset()
+_RAISE = object()  # Layer.lookup's default: a missing name raises ENOENT
+
 # One name's entries in two directory trees (None where the name is absent).
 _Diff = tuple[bytes, Entry | None, Entry | None]
 # A directory's tree as its node holds it: id, entries by name, and once built by this layer
@@ -703,7 +705,9 @@ class Layer:
                 pass
         return (node.size + 511) // 512
 
-    def lookup(self, parent: int, name: bytes) -> Node:
+    def lookup(self, parent: int, name: bytes, missing: Any = _RAISE) -> Node:
+        """The node at ``name`` in directory ``parent``; if there is none, ``missing`` when
+        given, else ENOENT."""
         d = self._dir(parent)
         if name == b".":
             return d
@@ -711,7 +715,9 @@ class Layer:
             return d.links[0][0] if d.links else d
         child = d.children.get(name)  # type: ignore[union-attr]
         if child is None:
-            raise _err(errno.ENOENT)
+            if missing is _RAISE:
+                raise _err(errno.ENOENT)
+            return missing  # type: ignore[no-any-return]
         return child
 
     def children(self, ino: int) -> list[tuple[bytes, Node]]:
@@ -1620,6 +1626,9 @@ class Layer:
                 if base is None:
                     base = self._base_entries(d)
                 self._attach(d, name, ne, base)  # type: ignore[arg-type]
+                if d.lookups:
+                    # The kernel may hold the name as missing (see shadowfs.fuse).
+                    inval.append(("entry", d.ino, name))
                 continue
             child = children[name]
             kind = oe.kind
@@ -1814,7 +1823,7 @@ class Layer:
             node = None
         if node is None:
             h, node = self.create(d.ino, name, mode, os.O_WRONLY, pid=pid)
-            self._changed_behind_kernel(d)
+            self._added_behind_kernel(d, name)
         else:
             h = self.open(node.ino, os.O_WRONLY | os.O_TRUNC, pid)
             self._changed_behind_kernel(node)
@@ -1840,7 +1849,7 @@ class Layer:
                 if not (last or parents):
                     raise _err(errno.ENOENT, os.fsdecode(path))
                 child = self.mkdir_in(node.ino, part, mode, pid=pid)
-                self._changed_behind_kernel(node)
+                self._added_behind_kernel(node, part)
             elif last and not exist_ok:
                 raise _err(errno.EEXIST, os.fsdecode(path))
             elif child.fmt != S_IFDIR:
@@ -1864,6 +1873,13 @@ class Layer:
             for child_name in list(self._load(node)):
                 self.delete(os.fsencode(path) + b"/" + child_name, recursive=True)
         self.rmdir(d.ino, name, pid)
+
+    def _added_behind_kernel(self, d: Node, name: bytes) -> None:
+        """As `_changed_behind_kernel` for directory ``d``, which gained ``name``: the kernel
+        may also hold that name as missing (see shadowfs.fuse)."""
+        if d.lookups and self._mount is not None:
+            self._inval.append(("entry", d.ino, name))
+        self._changed_behind_kernel(d)
 
     def _changed_behind_kernel(self, node: Node) -> None:
         """Queue dropping the kernel's cached attributes and pages (a directory's: its

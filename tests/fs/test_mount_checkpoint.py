@@ -344,6 +344,43 @@ def test_cached_listings_follow_restores_and_path_level_changes(
     assert os.stat(d / "c").st_size == len(b"changed by the API")
 
 
+def test_missing_names_are_cached_until_a_restore_or_the_layer_adds_them(
+    layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shadowfs import fuse, fuse_wire
+
+    lookups: list[bytes] = []
+    serve = fuse.Server._serve
+
+    def counting(self: fuse.Server, req: bytes) -> bool:
+        if int.from_bytes(bytes(req[4:8]), "little") == fuse_wire.LOOKUP:
+            lookups.append(bytes(req[fuse_wire.IN_HEADER_SIZE :]).rstrip(b"\0"))
+        return serve(self, req)
+
+    monkeypatch.setattr(fuse.Server, "_serve", counting)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with Mount(layer, mnt):
+        for _ in range(5):
+            assert not (mnt / "nowhere.py").exists()
+        assert lookups.count(b"nowhere.py") == 1  # then the kernel answers from its cache
+
+        (mnt / "gone.txt").write_text("back again\n")
+        t0, _ = layer.snapshot()
+        os.unlink(mnt / "gone.txt")
+        assert not (mnt / "gone.txt").exists()
+        assert not (mnt / "gone.txt").exists()  # cached as missing now
+        layer.restore(t0)
+        assert (mnt / "gone.txt").read_text() == "back again\n"
+
+        for name in ("api.txt", "api-dir"):
+            assert not (mnt / name).exists()
+        layer.write_file("api.txt", b"from the API")
+        layer.mkdir("api-dir")
+        assert (mnt / "api.txt").read_bytes() == b"from the API"
+        assert (mnt / "api-dir").is_dir()
+
+
 def test_a_failing_server_ends_the_connection_instead_of_leaving_callers_waiting(
     layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
