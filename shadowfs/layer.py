@@ -1542,12 +1542,19 @@ class Layer:
         are in the store at once, readable through it, and made durable by its background flush
         within FLUSH_DELAY (`Store.flush_soon`); whoever then records these ids durably (a tape
         frame, a commit claim) must `store.flush()` first, as `TapeWriter.append` does."""
-        tree_id = self._fold()
-        journal_id = None
-        if len(self.journal):
-            journal_id = self.store.put("journal", self.journal.take_encoded())
+        with self._foreground():
+            tree_id = self._fold()
+            journal_id = None
+            if len(self.journal):
+                journal_id = self.store.put("journal", self.journal.take_encoded())
         self._flush(durable)
         return tree_id, journal_id
+
+    def _foreground(self) -> contextlib.AbstractContextManager[None]:
+        """The store's foreground section (`Store.foreground`), if it has one: its background
+        flush stands aside meanwhile."""
+        section = getattr(self.store, "foreground", None)
+        return section() if section is not None else contextlib.nullcontext()
 
     def _flush(self, durable: bool) -> None:
         soon = None if durable else getattr(self.store, "flush_soon", None)
@@ -1566,15 +1573,16 @@ class Layer:
         ``durable`` is as for `snapshot`, for what the restore stored (nothing when there were
         no unsnapshotted changes). Kernel invalidations are queued (see `take_invalidations`)."""
         stores = bool(self.root.dirty_names)
-        if stores:
-            self._fold()
-        if tree_id != self.root.oid:
-            files = self._files
-            files.hold()
-            try:
-                self._reconcile(self.root, tree_id, time.time_ns())
-            finally:
-                files.unhold()
+        with self._foreground():
+            if stores:
+                self._fold()
+            if tree_id != self.root.oid:
+                files = self._files
+                files.hold()
+                try:
+                    self._reconcile(self.root, tree_id, time.time_ns())
+                finally:
+                    files.unhold()
         self.root.oid = self.last_tree = tree_id
         self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
         if stores:

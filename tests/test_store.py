@@ -657,3 +657,47 @@ def test_pack_files_start_with_their_header(tmp_path: Path) -> None:
     with Store.open(tmp_path) as store:
         store.put("blob", b"x")
     assert packs(tmp_path)[0].read_bytes()[:PACK_HEADER_LEN] == b"SFPACK\x00\x01"
+
+
+def _indexed(root: Path, oids: list[ObjectId], within: float) -> bool:
+    """Whether another Store (which reads only the index) sees all of ``oids`` within seconds."""
+    import time
+
+    deadline = time.monotonic() + within
+    with Store.open(root) as other:
+        while True:
+            if all(other.has(o) for o in oids):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+
+def test_the_group_commit_stands_aside_for_a_foreground_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from shadowfs import store as store_mod
+
+    monkeypatch.setattr(store_mod, "FOREGROUND_WAIT", 1.0)
+    with Store.open(tmp_path / "s", create=True) as st:
+        with st.foreground():
+            oid = st.put("blob", b"put in the foreground")
+            st.flush_soon(delay=0)
+            assert not _indexed(st.root, [oid], within=0.05)  # waiting for the section to end
+        left = time.monotonic()
+        assert _indexed(st.root, [oid], within=5)
+        assert time.monotonic() - left < 0.5  # woken when the section ended, not timed out
+
+
+def test_the_group_commit_waits_out_a_foreground_section_only_so_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shadowfs import store as store_mod
+
+    monkeypatch.setattr(store_mod, "FOREGROUND_WAIT", 0.05)
+    with Store.open(tmp_path / "s", create=True) as st, st.foreground():
+        oids = [st.put("blob", b"in a section that never ends %d" % i) for i in range(3)]
+        st.flush_soon(delay=0)
+        assert _indexed(st.root, oids, within=5)
