@@ -108,6 +108,7 @@ from shadowfs.tree import (
     SYMLINK,
     Entry,
     check_entry,
+    clamp_time_ns,
     entry_record,
     make_entry,
     pack_records,
@@ -558,7 +559,7 @@ class Layer:
         # Nodes whose backing fd node-addressed I/O opened, least recently used first.
         self._idle: dict[int, Node] = {}
         self._files = Scratch(self.scratch_dir)
-        root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+        root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), clamp_time_ns(st.st_mtime_ns))
         root.uid, root.gid = st.st_uid, st.st_gid
         root.atime_ns, root.ctime_ns = st.st_atime_ns, st.st_ctime_ns
         root.oid = root.base_oid = base_tree
@@ -1321,10 +1322,12 @@ class Layer:
                 node.gid = gid
             self.journal.record("chown", (path,), pid, arg=(node.uid << 32) | node.gid)
         if atime_ns is not None or mtime_ns is not None:
+            # Clamped to what a tree records, as a file system clamps to its range: a time
+            # beyond it would otherwise make every later snapshot fail.
             if atime_ns is not None:
-                node.atime_ns = atime_ns
+                node.atime_ns = clamp_time_ns(atime_ns)
             if mtime_ns is not None:
-                node.mtime_ns = mtime_ns
+                node.mtime_ns = clamp_time_ns(mtime_ns)
                 changed = True
             self.journal.record("utimens", (path,), pid, offset=max(node.mtime_ns, 0))
         node.ctime_ns = now

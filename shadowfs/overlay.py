@@ -39,7 +39,16 @@ from typing import NamedTuple
 
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
-from shadowfs.tree import DIR, FILE, MODE_MASK, SYMLINK, Entry, TreeStore, build_tree
+from shadowfs.tree import (
+    DIR,
+    FILE,
+    MODE_MASK,
+    SYMLINK,
+    Entry,
+    TreeStore,
+    build_tree,
+    clamp_time_ns,
+)
 from shadowfs.tree import pack_entries as _pack_sorted_entries
 from shadowfs.tree import read_tree as _read_tree
 
@@ -369,7 +378,7 @@ class OverlayLayer:
                 trusted = trusted and r in new_cache
             elif fmt == stat.S_IFDIR:
                 entries[name] = Entry(
-                    name, DIR, st.st_mode & MODE_MASK, 0, st.st_mtime_ns, sub, None
+                    name, DIR, st.st_mode & MODE_MASK, 0, clamp_time_ns(st.st_mtime_ns), sub, None
                 )
             elif fmt == stat.S_IFLNK:
                 try:
@@ -378,8 +387,9 @@ class OverlayLayer:
                     entries.pop(name, None)
                     trusted = False
                     continue
+                mtime = clamp_time_ns(st.st_mtime_ns)
                 entries[name] = Entry(
-                    name, SYMLINK, st.st_mode & MODE_MASK, len(target), st.st_mtime_ns, None, target
+                    name, SYMLINK, st.st_mode & MODE_MASK, len(target), mtime, None, target
                 )
             else:
                 # A whiteout (0/0 character device) deletes the lower entry; fifos, sockets
@@ -403,8 +413,8 @@ class OverlayLayer:
                 and c.mtime_ns == st.st_mtime_ns and c.ctime_ns == st.st_ctime_ns):
             self.snapshot_stats.cache_hits += 1
             new_cache[rel] = c
-            return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, st.st_mtime_ns, c.oid,
-                         None)
+            mtime = clamp_time_ns(st.st_mtime_ns)
+            return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, mtime, c.oid, None)
         try:
             fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
@@ -423,7 +433,8 @@ class OverlayLayer:
         # tick ("racily clean"); such files are simply hashed again next time.
         if st.st_ctime_ns < cutoff:
             new_cache[rel] = _Stat(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, oid)
-        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, st.st_mtime_ns, oid, None)
+        mtime = clamp_time_ns(st.st_mtime_ns)
+        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, mtime, oid, None)
 
     # --- restore ------------------------------------------------------------------------------
 

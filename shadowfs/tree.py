@@ -128,6 +128,13 @@ SkipCallback = Callable[[bytes, str], None]
 # --- encoding ---------------------------------------------------------------------------------
 
 
+def clamp_time_ns(ns: int) -> int:
+    """A timestamp in the range a tree records: signed 64-bit nanoseconds, years 1677 to 2262.
+    Times beyond it are clamped to its ends, as a file system clamps times beyond its own range
+    (`touch -d 2300-01-01` works, and reads back as 2262)."""
+    return _I64_MIN if ns < _I64_MIN else _I64_MAX if ns > _I64_MAX else ns
+
+
 def _check_name(name: bytes) -> str | None:
     """Why a name is not a safe single path component, or None when it is."""
     if not name:
@@ -560,7 +567,7 @@ class _Builder:
                 old is not None
                 and old.kind == FILE
                 and old.size == st.st_size
-                and old.mtime_ns == st.st_mtime_ns
+                and old.mtime_ns == clamp_time_ns(st.st_mtime_ns)
                 and old.mode == mode
                 and st.st_mtime_ns < self.cutoff
             ):
@@ -574,10 +581,11 @@ class _Builder:
                 oid = self.build(sub, _join(rel, name), sub_prev, depth + 1)
             finally:
                 os.close(sub)
-            return Entry(name, DIR, mode, 0, st.st_mtime_ns, oid, None)
+            return Entry(name, DIR, mode, 0, clamp_time_ns(st.st_mtime_ns), oid, None)
         if fmt == stat.S_IFLNK:
             target = os.readlink(name, dir_fd=dfd)
-            return Entry(name, SYMLINK, mode, len(target), st.st_mtime_ns, None, target)
+            mtime = clamp_time_ns(st.st_mtime_ns)
+            return Entry(name, SYMLINK, mode, len(target), mtime, None, target)
         self.skip(_join(rel, name), _SKIP_REASONS.get(fmt, f"file type {fmt:#o}"))
         return None
 
@@ -604,7 +612,8 @@ class _Builder:
             oid = self.store.put_file(fd)
         finally:
             os.close(fd)
-        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, st.st_mtime_ns, oid, None)
+        mtime = clamp_time_ns(st.st_mtime_ns)
+        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, mtime, oid, None)
 
 
 # --- diff -------------------------------------------------------------------------------------

@@ -622,3 +622,24 @@ def test_build_tree_exclude_leaves_paths_out(tmp_path: Path) -> None:
             store, src, exclude=lambda p: p == b"tapes/.jukebox" or p.endswith(b".jbx")
         )
         assert sorted(p for p, _ in walk(store, root)) == [b"code.py", b"tapes", b"tapes/kept.json"]
+
+
+def test_times_beyond_what_a_tree_records_are_clamped_not_refused(
+    tmp_path: Path, store: CountingStore
+) -> None:
+    # ext4 keeps times to the year 2446; a tree keeps signed 64-bit nanoseconds (1677 to 2262).
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    late = 10_413_792_000 * 10**9  # 2300-01-01
+    (src / "sub" / "future.txt").write_text("from the future\n")
+    os.utime(src / "sub" / "future.txt", ns=(late, late))
+    os.symlink("future.txt", src / "sub" / "link")
+    os.utime(src / "sub" / "link", ns=(late, late), follow_symlinks=False)
+    os.utime(src / "sub", ns=(late, late))
+    root = build_tree(store, src)
+    i64_max = (1 << 63) - 1
+    for path in (b"sub", b"sub/future.txt", b"sub/link"):
+        e = lookup(store, root, path)
+        assert e is not None and e.mtime_ns == i64_max, path
+    assert build_tree(store, src, previous=root) == root
+    assert tree.clamp_time_ns(-late) == -(1 << 63)

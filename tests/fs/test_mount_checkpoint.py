@@ -460,3 +460,14 @@ def test_fsync_writes_back_and_then_costs_no_round_trip(
     # Answered ENOSYS once each, then the kernel keeps them to itself.
     for op in (fuse_wire.FSYNC, fuse_wire.FSYNCDIR, fuse_wire.SYNCFS):
         assert seen.count(op) <= 1, (op, seen.count(op))
+
+
+def test_a_time_beyond_what_a_tree_records_does_not_break_checkpoints(
+    served: tuple[Mount, Path], layer: Layer, store: Store
+) -> None:
+    _, mnt = served
+    subprocess.run(["touch", "-d", "2300-01-01", str(mnt / "README")], check=True)
+    subprocess.run(["touch", "-d", "1600-01-01", str(mnt / "src" / "main.py")], check=True)
+    t, _ = layer.snapshot()
+    assert tree.lookup(store, t, b"README").mtime_ns == (1 << 63) - 1  # type: ignore[union-attr]
+    assert tree.lookup(store, t, b"src/main.py").mtime_ns == -(1 << 63)  # type: ignore[union-attr]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shadowfs import tree
 from shadowfs.overlay import OverlayError, OverlayLayer
 from shadowfs.store import Store
 from shadowfs.tree import build_tree, walk
@@ -335,6 +336,16 @@ def test_snapshot_rehashes_only_changed_files(tmp_path: Path, store: Store) -> N
         assert lay.snapshot_stats.hashed == 0 and lay.snapshot_stats.trees_written == 0
     finally:
         lay.discard()
+
+
+def test_a_time_beyond_what_a_tree_records_does_not_break_snapshots(layer, store: Store) -> None:
+    lay, _base, mnt = layer
+    late = 10_413_792_000 * 10**9  # 2300-01-01; ext4 keeps it, a tree cannot
+    (mnt / "later.txt").write_text("later\n")
+    os.utime(mnt / "later.txt", ns=(late, late))
+    snap = lay.snapshot()
+    e = tree.lookup(store, snap, b"later.txt")
+    assert e is not None and e.mtime_ns == (1 << 63) - 1
 
 
 def test_names_with_spaces_newlines_and_bad_utf8(layer, store: Store) -> None:
