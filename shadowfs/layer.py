@@ -851,14 +851,15 @@ class Layer:
         node = job.node
         if job.src_fd >= 0:
             os.close(job.src_fd)
+        final = self._scratch(node)
         if node.src == SRC_SCRATCH:
             # Someone else finished a copy of this node first; theirs stands.
             os.close(job.tmp_fd)
-            if job.tmp_path != self._scratch(node):
+            if job.tmp_path != final:
                 os.unlink(job.tmp_path)
         else:
-            if job.tmp_path != self._scratch(node):
-                os.rename(job.tmp_path, self._scratch(node))
+            if job.tmp_path != final:
+                os.rename(job.tmp_path, final)
             old = node.backing
             node.backing = None
             if old is not None:

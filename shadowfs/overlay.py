@@ -47,7 +47,7 @@ from shadowfs.tree import (
     Entry,
     TreeStore,
     build_tree,
-    clamp_time_ns,
+    stat_entry,
 )
 from shadowfs.tree import pack_entries as _pack_sorted_entries
 from shadowfs.tree import read_tree as _read_tree
@@ -377,9 +377,7 @@ class OverlayLayer:
                     entries[name] = e
                 trusted = trusted and r in new_cache
             elif fmt == stat.S_IFDIR:
-                entries[name] = Entry(
-                    name, DIR, st.st_mode & MODE_MASK, 0, clamp_time_ns(st.st_mtime_ns), sub, None
-                )
+                entries[name] = stat_entry(name, DIR, st, sub)
             elif fmt == stat.S_IFLNK:
                 try:
                     target = os.readlink(upath + b"/" + name)
@@ -387,10 +385,7 @@ class OverlayLayer:
                     entries.pop(name, None)
                     trusted = False
                     continue
-                mtime = clamp_time_ns(st.st_mtime_ns)
-                entries[name] = Entry(
-                    name, SYMLINK, st.st_mode & MODE_MASK, len(target), mtime, None, target
-                )
+                entries[name] = stat_entry(name, SYMLINK, st, None, target)
             else:
                 # A whiteout (0/0 character device) deletes the lower entry; fifos, sockets
                 # and devices are not recorded by trees at all, so they hide it too.
@@ -413,8 +408,7 @@ class OverlayLayer:
                 and c.mtime_ns == st.st_mtime_ns and c.ctime_ns == st.st_ctime_ns):
             self.snapshot_stats.cache_hits += 1
             new_cache[rel] = c
-            mtime = clamp_time_ns(st.st_mtime_ns)
-            return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, mtime, c.oid, None)
+            return stat_entry(name, FILE, st, c.oid)
         try:
             fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
@@ -433,8 +427,7 @@ class OverlayLayer:
         # tick ("racily clean"); such files are simply hashed again next time.
         if st.st_ctime_ns < cutoff:
             new_cache[rel] = _Stat(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, oid)
-        mtime = clamp_time_ns(st.st_mtime_ns)
-        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, mtime, oid, None)
+        return stat_entry(name, FILE, st, oid)
 
     # --- restore ------------------------------------------------------------------------------
 

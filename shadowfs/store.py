@@ -624,8 +624,9 @@ class Store:
                     self._quiet.notify_all()
 
     def _stand_aside(self) -> None:
-        """On the flusher: wait, without the GIL, for foreground sections to end."""
-        if self._foreground and not self._hurry:
+        """On the flusher (a no-op elsewhere): wait, without the GIL, for foreground sections
+        to end."""
+        if self._foreground and not self._hurry and threading.current_thread() is self._flusher:
             with self._quiet:
                 if self._foreground and not self._hurry:
                     self._quiet.wait(FOREGROUND_WAIT)
@@ -802,8 +803,7 @@ class Store:
                     raise StoreError(lost or "a pack write failed") from None
                 finally:
                     os.close(fd)
-            if threading.current_thread() is self._flusher:
-                self._stand_aside()  # the commit holds the lock every put takes
+            self._stand_aside()  # the commit holds the lock every put takes
             with self._mutex:
                 with idx.write():
                     idx.insert(batch)

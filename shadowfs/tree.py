@@ -135,6 +135,16 @@ def clamp_time_ns(ns: int) -> int:
     return _I64_MIN if ns < _I64_MIN else _I64_MAX if ns > _I64_MAX else ns
 
 
+def stat_entry(
+    name: bytes, kind: str, st: os.stat_result, oid: ObjectId | None, target: bytes | None = None
+) -> Entry:
+    """The entry for a file system object from its lstat: the one place entries are made from
+    the outside world, so its time is clamped (`clamp_time_ns`) here and nowhere else."""
+    size = st.st_size if kind == FILE else 0 if kind == DIR else len(target)  # type: ignore[arg-type]
+    mtime = clamp_time_ns(st.st_mtime_ns)
+    return Entry(name, kind, st.st_mode & MODE_MASK, size, mtime, oid, target)
+
+
 def _check_name(name: bytes) -> str | None:
     """Why a name is not a safe single path component, or None when it is."""
     if not name:
@@ -581,11 +591,10 @@ class _Builder:
                 oid = self.build(sub, _join(rel, name), sub_prev, depth + 1)
             finally:
                 os.close(sub)
-            return Entry(name, DIR, mode, 0, clamp_time_ns(st.st_mtime_ns), oid, None)
+            return stat_entry(name, DIR, st, oid)
         if fmt == stat.S_IFLNK:
             target = os.readlink(name, dir_fd=dfd)
-            mtime = clamp_time_ns(st.st_mtime_ns)
-            return Entry(name, SYMLINK, mode, len(target), mtime, None, target)
+            return stat_entry(name, SYMLINK, st, None, target)
         self.skip(_join(rel, name), _SKIP_REASONS.get(fmt, f"file type {fmt:#o}"))
         return None
 
@@ -612,8 +621,7 @@ class _Builder:
             oid = self.store.put_file(fd)
         finally:
             os.close(fd)
-        mtime = clamp_time_ns(st.st_mtime_ns)
-        return Entry(name, FILE, st.st_mode & MODE_MASK, st.st_size, mtime, oid, None)
+        return stat_entry(name, FILE, st, oid)
 
 
 # --- diff -------------------------------------------------------------------------------------
