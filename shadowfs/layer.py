@@ -1490,17 +1490,22 @@ class Layer:
             e = self._entry(child, name)
             prev = new.get(name)
             if prev is None:
+                # Only new names need checking: the rest come from a decoded (so validated)
+                # tree, and re-validating a big directory cost most of a snapshot. A name
+                # already there passed when it came in, and a node's other fields are in range
+                # by construction (modes masked, times clamped where they enter).
+                bad = check_entry(e)
+                if bad:
+                    raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
                 reshaped = True
-            elif prev == e:
+                entry_record(e)
+                new[name] = e
                 continue
-            # Only changed entries need checking: the rest come from a decoded (so validated)
-            # tree, and re-validating a big directory cost most of a snapshot.
-            bad = check_entry(e)
-            if bad:
-                raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
             rec = entry_record(e)
-            if prev is not None:
-                swaps.append((name, prev.record, rec))  # type: ignore[arg-type]
+            old_rec = prev.record or entry_record(prev)
+            if rec == old_rec:
+                continue
+            swaps.append((name, old_rec, rec))
             new[name] = e
         marks, d.dirty_names = d.dirty_names, set()
         data = None

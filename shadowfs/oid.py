@@ -44,6 +44,11 @@ def header(kind: str, size: int) -> bytes:
     return b"%s %d\0" % (kind.encode("ascii"), size)
 
 
+# ObjectId without its length check, for digests (32 bytes by construction): hashing is on every
+# snapshot's path, dozens of times, and the check is a Python call apiece.
+_from_digest = bytes.__new__
+
+
 # Below this size one call over a concatenation beats two: blake3 lets go of the GIL for
 # update() on larger inputs, and taking it back costs more than copying a few KiB.
 _CONCAT_MAX = 64 * 1024
@@ -51,10 +56,10 @@ _CONCAT_MAX = 64 * 1024
 
 def hash_object(kind: str, data: bytes) -> ObjectId:
     if len(data) <= _CONCAT_MAX:
-        return ObjectId(blake3(header(kind, len(data)) + data).digest())
+        return _from_digest(ObjectId, blake3(header(kind, len(data)) + data).digest())
     hasher = blake3(header(kind, len(data)))
     hasher.update(data)  # no concatenation: a 4 MiB chunk is not copied just to be hashed
-    return ObjectId(hasher.digest())
+    return _from_digest(ObjectId, hasher.digest())
 
 
 class ObjectHasher:

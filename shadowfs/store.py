@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import functools
 import os
 import struct
 import threading
@@ -96,6 +97,10 @@ class _Staged(NamedTuple):
     data: bytes
     size: int
     delta_base: ObjectId | None
+
+
+# _Staged(...) goes through a generated Python __new__; this is the same tuple built in C.
+_staged = functools.partial(tuple.__new__, _Staged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,7 +597,7 @@ class Store:
                 if self._lock_mode == 0:
                     # What a staged object refers to must outlive it: gc waits for writers.
                     self._lock(fcntl.LOCK_SH, block=True)
-                self._staged[oid] = _Staged(kind, data, size, delta_base)
+                self._staged[oid] = _staged((kind, data, size, delta_base))
                 self._staged_bytes += len(data)
                 if self._staged_bytes <= STAGE_LIMIT:
                     return oid
