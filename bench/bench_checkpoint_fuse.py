@@ -1,9 +1,11 @@
 """Checkpoint, rollback and memory of the FUSE shadow booth (shadowfs-fuse).
 
 A step changes 1, 10 or 100 small files through a real mount (appends, so each is copied up),
-then `layer.snapshot()` is timed as a booth calls it: from another thread, through the mount
-handle (a syncfs of the mount while a file is open for write, then the snapshot on the calling
-thread under the mount's layer lock). Rows match the git
+then `layer.snapshot()` is timed as a booth calls it: on a thread that is not one of the mount's
+workers, through the mount handle (a syncfs and a barrier request that bring the kernel's dirty
+pages into the layer, then the snapshot on the calling thread under the mount's layer lock). The
+through-mount and in-process rows each come from 3 fresh processes (`IN_PROCESS_RUNS`; 1 with
+--quick): p50 is the median of their p50s (`runs_p50_us`). Rows match the git
 baseline on `files_changed` and `repo_files`; the git figures are measured in the same run with
 `bench.bench_git_baseline.bench_repo`, and `vs_git` is git's p50 over ours (higher is better).
 
@@ -61,14 +63,16 @@ def _tree(n_files: int) -> tuple[Path, list[str]]:
     return lower, sorted(str(p.relative_to(lower)) for p in lower.rglob("*.py"))
 
 
-def bench_tree(n_files: int, reps: int, git: dict[int, float]) -> list[dict[str, Any]]:
+def mount_samples(n_files: int, reps: int) -> dict[str, list[float]]:
+    """µs per snapshot after a k-file step written through a real mount ("snapshot k"), and per
+    rollback to the checkpoint before a 10-file step through the mount handle ("rollback 10")."""
     from shadowfs.layer import Layer
     from shadowfs.mountctl import mounted
     from shadowfs.store import Store
 
     lower, paths = _tree(n_files)
     scratch = Path(tempfile.mkdtemp(prefix="jukebox-bench-ckpt-fuse-"))
-    rows: list[dict[str, Any]] = []
+    samples: dict[str, list[float]] = {}
     try:
         mnt = scratch / "mnt"
         mnt.mkdir()
@@ -78,8 +82,7 @@ def bench_tree(n_files: int, reps: int, git: dict[int, float]) -> list[dict[str,
                 with mounted(layer, mnt):
                     round_ = 0
                     for k in CHANGED:
-                        snaps: list[float] = []
-                        rollbacks: list[float] = []
+                        snaps = samples[f"snapshot {k}"] = []
                         for rep in range(reps + 1):  # the first round warms caches; dropped
                             round_ += 1
                             before, _ = layer.snapshot(durable=False)
@@ -92,35 +95,40 @@ def bench_tree(n_files: int, reps: int, git: dict[int, float]) -> list[dict[str,
                             if k == 10 and rep:
                                 t0 = time.perf_counter_ns()
                                 layer.restore(before)
-                                rollbacks.append((time.perf_counter_ns() - t0) / 1000.0)
-                        row = {
-                            "group": GROUP,
-                            "case": f"snapshot after {k} changed files, {n_files:,}-file tree",
-                            "system": SYSTEM,
-                            **summarize_us(snaps),
-                            "files_changed": k,
-                            "repo_files": n_files,
-                            "note": "written via the mount; snapshot under the mount's lock; "
-                                    "durable within 50 ms (group commit)",
-                        }
-                        if k in git:
-                            row["vs_git"] = round(git[k] / row["p50_us"], 1)
-                        rows.append(row)
-                        if rollbacks:
-                            rows.append({
-                                "group": GROUP,
-                                "case": f"rollback to the previous checkpoint, {k} changed files, "
-                                        f"{n_files:,}-file tree, through the mount",
-                                "system": SYSTEM,
-                                **summarize_us(rollbacks),
-                                "files_changed": k,
-                                "repo_files": n_files,
-                                "note": "under the mount's lock + kernel cache invalidations",
-                            })
+                                samples.setdefault(f"rollback {k}", []).append(
+                                    (time.perf_counter_ns() - t0) / 1000.0
+                                )
             finally:
                 layer.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return samples
+
+
+def bench_tree(n_files: int, reps: int, git: dict[int, float], runs: int) -> list[dict[str, Any]]:
+    """The through-mount rows, from ``runs`` fresh processes (see IN_PROCESS_RUNS)."""
+    per_run: list[dict[str, list[float]]] = [
+        _child(_SAMPLES_CHILD, "mount_samples", str(n_files), str(reps)) for _ in range(runs)
+    ]
+    rows: list[dict[str, Any]] = []
+    for key in per_run[0]:
+        what, k = key.split()[0], int(key.split()[1])
+        row = {"group": GROUP, "system": SYSTEM, **_pooled([run[key] for run in per_run])}
+        if what == "snapshot":
+            row["case"] = f"snapshot after {k} changed files, {n_files:,}-file tree"
+            row["note"] = ("written via the mount; snapshot under the mount's lock; durable "
+                           "within 50 ms (group commit)")
+            if k in git:
+                row["vs_git"] = round(git[k] / row["p50_us"], 1)
+        else:
+            row["case"] = (f"rollback to the previous checkpoint, {k} changed files, "
+                           f"{n_files:,}-file tree, through the mount")
+            row["note"] = "under the mount's lock + kernel cache invalidations"
+        row["files_changed"] = k
+        row["repo_files"] = n_files
+        if runs > 1:
+            row["note"] += f"; p50: median of {runs} fresh processes' p50s (runs_p50_us)"
+        rows.append(row)
     return rows
 
 
@@ -180,9 +188,10 @@ def restore_samples(n_files: int, reps: int, k: int = 10) -> list[float]:
     return samples
 
 
-# A fresh interpreter per run: none of the bench's own threads, mounts or heap. On this kind of
-# VM a whole process sometimes runs a third slower than the next one, so the row's p50 is the
-# median of the runs' p50s (p99 and mean are over all samples).
+# A fresh interpreter per run, for the through-mount and the in-process rows alike: none of the
+# bench's own threads, mounts or heap. On this kind of VM a whole process sometimes runs up to
+# twice as slow as the next one, so a row's p50 is the median of the runs' p50s (p99 and mean
+# are over all samples).
 IN_PROCESS_RUNS = 3
 _SAMPLES_CHILD = (
     "import json, sys\n"
@@ -191,15 +200,18 @@ _SAMPLES_CHILD = (
 )
 
 
-def _in_children(fn: str, n_files: int, reps: int, runs: int) -> dict[str, Any]:
-    per_run: list[list[float]] = [
-        _child(_SAMPLES_CHILD, fn, str(n_files), str(reps)) for _ in range(runs)  # type: ignore[misc]
-    ]
-    pooled = [x for run in per_run for x in run]
-    row = summarize_us(pooled)
+def _pooled(per_run: list[list[float]]) -> dict[str, Any]:
+    """p99 and mean over all runs' samples; p50 the median of the runs' p50s."""
+    row = summarize_us([x for run in per_run for x in run])
     row["p50_us"] = statistics.median(percentile(run, 50) for run in per_run)
     row["runs_p50_us"] = ", ".join(f"{percentile(run, 50):.0f}" for run in per_run)
     return row
+
+
+def _in_children(fn: str, n_files: int, reps: int, runs: int) -> dict[str, Any]:
+    return _pooled([
+        _child(_SAMPLES_CHILD, fn, str(n_files), str(reps)) for _ in range(runs)  # type: ignore[misc]
+    ])
 
 
 def bench_snapshot_in_process(
@@ -382,8 +394,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     for n_files, reps in sizes:
         t0 = time.perf_counter()
         git = {r["files_changed"]: r["p50_us"] for r in git_rows(n_files, 3 if quick else 5)}
-        rows += bench_tree(n_files, reps, git)
         runs = 1 if quick else IN_PROCESS_RUNS
+        rows += bench_tree(n_files, reps, git, runs)
         rows.append(bench_snapshot_in_process(n_files, 10 if quick else 50, runs))
         rows.append(bench_restore_in_process(n_files, 10 if quick else 50, runs))
         print(f"bench: checkpoint_fuse {n_files:,}-file tree {time.perf_counter() - t0:.1f} s",

@@ -248,6 +248,9 @@ class SuiteResult:
 
 def run_suite(suite: Suite, quick: bool, fs_options: dict[str, Any]) -> SuiteResult:
     """Runs one suite; a suite that fails to import or raises becomes a row with a note."""
+    # What the previous suite left dirty (the git baseline copies a 100,000-file repo) would be
+    # written back on this one's clock, 30 s later, by the kernel's flusher.
+    os.sync()
     t0 = time.perf_counter()
     try:
         module = suite.load()
