@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
 import os
 import stat
@@ -59,6 +58,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shadowfs import fuse_wire as w
+from shadowfs.fuse_arrivals import Arrivals
 from shadowfs.layer import S_IFDIR, S_IFREG, SRC_SCRATCH, Layer, Node
 
 log = logging.getLogger(__name__)
@@ -511,7 +511,7 @@ class Server:
     def __init__(self, ops: Operations, channel: w.Channel, *, workers: int = WORKERS) -> None:
         # More than the kernel's default of 12 background requests: a sync's writeback is
         # queued in the background, and all of it must be handed out before the barrier that
-        # follows it (see `_drain`).
+        # follows it (see shadowfs.fuse_arrivals).
         self.ops = ops
         self.channel = channel
         self.workers = workers
@@ -519,10 +519,8 @@ class Server:
         self.tids: set[int] = set()
         self._threads: list[threading.Thread] = []
         self.error: BaseException | None = None
-        # Sequence numbers of the requests being served, in the order they were read (see
-        # `_drain`). Both are safe without a lock: next() and set updates hold the GIL.
-        self._seq = itertools.count(1)
-        self._serving: set[int] = set()
+        # What has been read and is being served, in the kernel's numbering.
+        self._arrivals = Arrivals()
 
     def start(self) -> None:
         for i in range(self.workers):
@@ -545,7 +543,8 @@ class Server:
         view = memoryview(buf)
         fd = self.channel.fd
         readv = os.readv
-        serving = self._serving
+        arrivals = self._arrivals
+        unique_at = w.IN_HEADER_UNIQUE.unpack_from
         try:
             while True:
                 try:
@@ -559,17 +558,20 @@ class Server:
                     raise
                 if n == 0:
                     return
-                seq = next(self._seq)
-                serving.add(seq)
+                (unique,) = unique_at(buf)
+                arrivals.arrived(unique)
                 op = buf[4]  # low byte of the opcode: every opcode used here is below 256
                 req = view[:n] if op == w.WRITE else bytes(view[:n])
                 try:
                     if op == w.STATFS:
-                        self._drain(seq)
+                        # STATFS is the mount's barrier (`shadowfs.mountctl.Mount.sync`): its
+                        # answer means every request the kernel handed out before it is in
+                        # the layer (see shadowfs.fuse_arrivals).
+                        arrivals.wait_before(unique)
                     if self._serve(req):
                         return
                 finally:
-                    serving.discard(seq)
+                    arrivals.done(unique)
         except BaseException as exc:
             # A failure outside the handlers leaves a request unanswered and the server in a
             # state nobody planned for: end the connection, so the mount's users get ENOTCONN
@@ -580,20 +582,6 @@ class Server:
         finally:
             with contextlib.suppress(KeyError):
                 self.idents.remove(threading.get_ident())
-
-    def _drain(self, seq: int) -> None:
-        """Wait until every request read before request ``seq`` has been answered.
-
-        STATFS is the mount's barrier (`shadowfs.mountctl.Mount.sync`): syncfs(2) on a FUSE
-        mount can return while the writes of its writeback are still with the daemon (a
-        worker has read one but not applied it yet; seen here in about 1 sync in 70). The
-        kernel hands requests out in the order they were queued, so once a STATFS sent after
-        the syncfs is read, each of those writes has been read before it; waiting here for the
-        ones still being served makes the answer to STATFS mean that all of them are in the
-        layer."""
-        serving = self._serving
-        while any(s < seq for s in list(serving)):
-            time.sleep(0.00005)
 
     def _serve(self, req: Any) -> bool:
         """Answer one request; True when the connection is over."""

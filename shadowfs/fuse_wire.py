@@ -101,6 +101,7 @@ WRITE_KILL_SUIDGID = 1 << 2
 # ------------------------------------------------------------------ layouts
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid extlen pad
+IN_HEADER_UNIQUE = struct.Struct("<8xQ")  # just the unique
 IN_HEADER_SIZE = IN_HEADER.size  # 40
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 OUT_HEADER_SIZE = OUT_HEADER.size  # 16

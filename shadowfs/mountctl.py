@@ -337,7 +337,7 @@ class Mount:
         # ctypes calls release the GIL, which the workers need to take the written pages.
         _libc.syncfs(fd)
         # The syncfs only queued the writes; this STATFS is answered after them (see
-        # `shadowfs.fuse.Server._drain`).
+        # `shadowfs.fuse_arrivals`).
         os.fstatvfs(fd)
 
     def _invalidate(self, items: list[tuple[Any, ...]], *, blocking: bool) -> None:

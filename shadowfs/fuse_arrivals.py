@@ -1,0 +1,84 @@
+"""Which FUSE requests the daemon has read and is still serving, in the kernel's own order.
+
+The mount's barrier (`shadowfs.mountctl.Mount.sync`) is a STATFS sent after a syncfs(2): its
+answer must mean that every write the syncfs handed out is in the layer. The kernel numbers
+requests (their ``unique``) as it queues them and hands them out in that order, so the
+writes all carry smaller numbers than the STATFS. Waiting for the requests still being served
+is not enough: a worker back from read(2) with a write still has to win the GIL before it can
+record that it holds one, and the worker that read the STATFS after it can win first (seen
+here in about 1 checkpoint in 400, with the writer's file still open). So the barrier also
+waits until every number below its own has been read by some worker.
+
+The kernel steps the numbers by 2 (the low bit marks an INTERRUPT, which carries the number of
+the request it interrupts). A request taken back before any worker read it (its process was
+killed while it waited in the queue) leaves a hole that never fills; a barrier gives up on
+holes after GAP_WAIT.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+STEP = 2
+# Longer than a worker can plausibly wait for the GIL after read(2) (a few switch intervals of
+# 5 ms), short enough that a hole left by a killed process costs one barrier little.
+GAP_WAIT = 0.25
+_POLL = 0.00005
+
+
+class Arrivals:
+    """The requests read so far (by ``unique``) and the ones being served."""
+
+    __slots__ = ("_early", "_lock", "_next", "_serving")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Every number below _next has been read; _early holds the ones read above it.
+        self._next: int | None = None
+        self._early: set[int] = set()
+        self._serving: set[int] = set()
+
+    def arrived(self, unique: int) -> None:
+        """A worker read request ``unique`` and is about to serve it."""
+        if unique & (STEP - 1):
+            return  # an INTERRUPT: not a request of its own
+        with self._lock:
+            self._serving.add(unique)
+            nxt = self._next
+            if nxt is None or unique == nxt:
+                self._advance(unique + STEP)
+            elif unique > nxt:
+                self._early.add(unique)
+
+    def done(self, unique: int) -> None:
+        """Request ``unique`` has been answered."""
+        self._serving.discard(unique)
+
+    def wait_before(self, unique: int, gap_wait: float = GAP_WAIT) -> None:
+        """Return once every request numbered below ``unique`` has been read and answered.
+
+        Called by the worker serving request ``unique``, which must have `arrived`."""
+        deadline = time.monotonic() + gap_wait
+        while True:
+            with self._lock:
+                nxt = self._next
+                read_all = nxt is None or nxt > unique
+                if not read_all and time.monotonic() > deadline:
+                    log.debug("shadowfs: requests %d..%d never arrived; a barrier went on", nxt,
+                              unique - STEP)
+                    self._advance(unique)
+                    read_all = True
+                if read_all and not any(u < unique for u in self._serving):
+                    return
+            time.sleep(_POLL)
+
+    def _advance(self, nxt: int) -> None:
+        early = self._early
+        while nxt in early:
+            early.remove(nxt)
+            nxt += STEP
+        self._next = nxt
