@@ -44,6 +44,16 @@ def header(kind: str, size: int) -> bytes:
     return b"%s %d\0" % (kind.encode("ascii"), size)
 
 
+class _Tags(dict[str, bytes]):
+    """Each kind's tag as bytes, encoded once (header() encodes it on every call)."""
+
+    def __missing__(self, kind: str) -> bytes:
+        tag = self[kind] = kind.encode("ascii")
+        return tag
+
+
+_TAGS = _Tags()
+
 # ObjectId without its length check, for digests (32 bytes by construction): hashing is on every
 # snapshot's path, dozens of times, and the check is a Python call apiece.
 _from_digest = bytes.__new__
@@ -55,8 +65,10 @@ _CONCAT_MAX = 64 * 1024
 
 
 def hash_object(kind: str, data: bytes) -> ObjectId:
-    if len(data) <= _CONCAT_MAX:
-        return _from_digest(ObjectId, blake3(header(kind, len(data)) + data).digest())
+    n = len(data)
+    if n <= _CONCAT_MAX:
+        # The header and the data in one formatting: no header() call, no second copy.
+        return _from_digest(ObjectId, blake3(b"%s %d\0%s" % (_TAGS[kind], n, data)).digest())
     hasher = blake3(header(kind, len(data)))
     hasher.update(data)  # no concatenation: a 4 MiB chunk is not copied just to be hashed
     return _from_digest(ObjectId, hasher.digest())
