@@ -12,7 +12,8 @@ waits until every number below its own has been read by some worker.
 The kernel steps the numbers by 2 (the low bit marks an INTERRUPT, which carries the number of
 the request it interrupts). A request taken back before any worker read it (its process was
 killed while it waited in the queue) leaves a hole that never fills; a barrier gives up on
-holes after GAP_WAIT.
+holes after GAP_WAIT, and so does the bookkeeping once EARLY_MAX numbers were read past one,
+which no worker can have waited out for the GIL.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ STEP = 2
 # Longer than a worker can plausibly wait for the GIL after read(2) (a few switch intervals of
 # 5 ms), short enough that a hole left by a killed process costs one barrier little.
 GAP_WAIT = 0.25
+# Numbers kept above a hole before it is given up on: a bound on the memory a hole can cost.
+EARLY_MAX = 65536
 _POLL = 0.00005
 
 
 class Arrivals:
     """The requests read so far (by ``unique``) and the ones being served."""
 
-    __slots__ = ("_early", "_lock", "_next", "_serving")
+    __slots__ = ("_early", "_early_max", "_lock", "_next", "_serving")
 
-    def __init__(self) -> None:
+    def __init__(self, early_max: int = EARLY_MAX) -> None:
+        self._early_max = early_max
         self._lock = threading.Lock()
         # Every number below _next has been read; _early holds the ones read above it.
         self._next: int | None = None
@@ -52,7 +56,10 @@ class Arrivals:
             if nxt is None or unique == nxt:
                 self._advance(unique + STEP)
             elif unique > nxt:
-                self._early.add(unique)
+                early = self._early
+                early.add(unique)
+                if len(early) > self._early_max:
+                    self._advance(min(early))
 
     def done(self, unique: int) -> None:
         """Request ``unique`` has been answered."""
@@ -77,7 +84,10 @@ class Arrivals:
             time.sleep(_POLL)
 
     def _advance(self, nxt: int) -> None:
+        """Every number below ``nxt`` counts as read (holes below it given up on)."""
         early = self._early
+        if early and min(early) < nxt:
+            early.difference_update([u for u in early if u < nxt])
         while nxt in early:
             early.remove(nxt)
             nxt += STEP

@@ -40,12 +40,8 @@ class ObjectId(bytes):
         return self.hex()[:12]
 
 
-def header(kind: str, size: int) -> bytes:
-    return b"%s %d\0" % (kind.encode("ascii"), size)
-
-
 class _Tags(dict[str, bytes]):
-    """Each kind's tag as bytes, encoded once (header() encodes it on every call)."""
+    """Each kind's tag as bytes, encoded once."""
 
     def __missing__(self, kind: str) -> bytes:
         tag = self[kind] = kind.encode("ascii")
@@ -53,6 +49,11 @@ class _Tags(dict[str, bytes]):
 
 
 _TAGS = _Tags()
+
+
+def header(kind: str, size: int) -> bytes:
+    return b"%s %d\0" % (_TAGS[kind], size)
+
 
 # ObjectId without its length check, for digests (32 bytes by construction): hashing is on every
 # snapshot's path, dozens of times, and the check is a Python call apiece.
@@ -67,7 +68,7 @@ _CONCAT_MAX = 64 * 1024
 def hash_object(kind: str, data: bytes) -> ObjectId:
     n = len(data)
     if n <= _CONCAT_MAX:
-        # The header and the data in one formatting: no header() call, no second copy.
+        # header() and the data in one formatting: one call and one copy fewer.
         return _from_digest(ObjectId, blake3(b"%s %d\0%s" % (_TAGS[kind], n, data)).digest())
     hasher = blake3(header(kind, len(data)))
     hasher.update(data)  # no concatenation: a 4 MiB chunk is not copied just to be hashed

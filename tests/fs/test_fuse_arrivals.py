@@ -68,3 +68,18 @@ def test_a_hole_that_never_fills_holds_a_barrier_only_for_the_gap_wait() -> None
     t, returned = _waiter(a, 8, gap_wait=0.2)
     t.join(timeout=5)
     assert returned and returned[0] - start < 0.15
+
+
+def test_a_hole_is_given_up_on_once_enough_requests_were_read_past_it() -> None:
+    a = Arrivals(early_max=100)
+    a.arrived(2)
+    a.done(2)
+    # Request 4 never arrives; 6 .. 206 do, and are answered.
+    for u in range(6, 208, 2):
+        a.arrived(u)
+        a.done(u)
+    a.arrived(208)
+    start = time.monotonic()
+    t, returned = _waiter(a, 208, gap_wait=5.0)
+    t.join(timeout=10)
+    assert returned and returned[0] - start < 1.0
