@@ -179,6 +179,9 @@ class Channel:
         # The connection's number in fusectl (the mount's device minor), read at mount time:
         # a stat of the mount point would wait for the answer to INIT.
         self.minor = _mount_minor(mountpoint)
+        # fusectl's count of unanswered requests (`requests_waiting`). Its files cannot seek,
+        # so each reading opens it anew.
+        self._waiting = f"/sys/fs/fuse/connections/{self.minor}/waiting".encode()
 
     @classmethod
     def open(cls, mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> Channel:
@@ -245,6 +248,22 @@ class Channel:
         path = f"/sys/fs/fuse/connections/{self.minor}/abort"
         with contextlib.suppress(OSError), open(path, "w") as f:
             f.write("1")
+
+    def requests_waiting(self) -> int | None:
+        """How many requests the kernel has sent or queued that are not answered yet (fusectl's
+        ``waiting``; writeback included); None when fusectl is not available."""
+        if self.minor < 0:
+            return None
+        try:
+            fd = os.open(self._waiting, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            return int(os.read(fd, 32))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

@@ -507,6 +507,43 @@ def test_fsync_writes_back_and_then_costs_no_round_trip(
         assert seen.count(op) <= 1, (op, seen.count(op))
 
 
+def test_a_checkpoint_skips_the_barrier_round_trip_only_when_no_request_is_unanswered(
+    layer: Layer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shadowfs import fuse, fuse_wire
+
+    seen: list[int] = []
+    serve = fuse.Server._serve
+    held = threading.Event()
+
+    def counting(self: fuse.Server, req: bytes) -> bool:
+        op = int.from_bytes(bytes(req[4:8]), "little")
+        seen.append(op)
+        if op == fuse_wire.WRITE and held.is_set():
+            time.sleep(0.3)  # still unanswered when the syncfs returns
+        return serve(self, req)
+
+    monkeypatch.setattr(fuse.Server, "_serve", counting)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with Mount(layer, mnt) as m:
+        assert m._channel is not None
+        if m._channel.requests_waiting() is None:
+            pytest.skip("fusectl is not mounted at /sys/fs/fuse/connections")
+        (mnt / "quiet.txt").write_text("closed, so written back already")
+        before = seen.count(fuse_wire.STATFS)
+        t1, _ = layer.snapshot()
+        assert seen.count(fuse_wire.STATFS) == before  # nothing unanswered: no round trip
+        assert content(store, t1, "quiet.txt") == b"closed, so written back already"
+        with open(mnt / "open.txt", "wb", buffering=0) as f:
+            f.write(b"dirty in the kernel's cache")
+            held.set()
+            t2, _ = layer.snapshot()
+            held.clear()
+        assert seen.count(fuse_wire.STATFS) == before + 1  # the write was in flight: barrier
+        assert content(store, t2, "open.txt") == b"dirty in the kernel's cache"
+
+
 def test_a_time_beyond_what_a_tree_records_does_not_break_checkpoints(
     served: tuple[Mount, Path], layer: Layer, store: Store
 ) -> None:
