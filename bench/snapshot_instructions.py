@@ -33,7 +33,8 @@ def _loop(n_files: int, steps: int, snapshot: bool) -> None:
             _edit_in_process(layer, paths, 10, step)
             if snapshot:
                 layer.snapshot(durable=False)
-        sys.stdout.flush()
+        # The caller removes the scratch directory, outside the count.
+        print(os.path.dirname(layer.scratch_dir), flush=True)
         os._exit(0)  # no final drain: it would dwarf the snapshots in the count
 
 
@@ -45,6 +46,9 @@ def _count(n_files: int, steps: int, snapshot: bool) -> int:
          "1" if snapshot else "0"],
         capture_output=True, text=True, env=env,
     )
+    scratch = proc.stdout.strip().splitlines()[-1:]
+    if scratch and os.path.basename(scratch[0]).startswith("jukebox-bench-instr-"):
+        shutil.rmtree(scratch[0], ignore_errors=True)
     found = re.search(r"I\s+refs:\s+([\d,]+)", proc.stderr)
     if proc.returncode != 0 or found is None:
         raise SystemExit(f"valgrind run failed: {proc.stderr.strip()[-400:]}")
