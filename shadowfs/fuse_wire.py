@@ -179,9 +179,6 @@ class Channel:
         # The connection's number in fusectl (the mount's device minor), read at mount time:
         # a stat of the mount point would wait for the answer to INIT.
         self.minor = _mount_minor(mountpoint)
-        # fusectl's count of unanswered requests (`requests_waiting`). Its files cannot seek,
-        # so each reading opens it anew.
-        self._waiting = f"/sys/fs/fuse/connections/{self.minor}/waiting".encode()
 
     @classmethod
     def open(cls, mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> Channel:
@@ -245,8 +242,7 @@ class Channel:
         get ENOTCONN. Through fusectl; quiet when it is not available."""
         if self.minor < 0:
             return
-        path = f"/sys/fs/fuse/connections/{self.minor}/abort"
-        with contextlib.suppress(OSError), open(path, "w") as f:
+        with contextlib.suppress(OSError), open(self._fusectl("abort"), "w") as f:
             f.write("1")
 
     def requests_waiting(self) -> int | None:
@@ -255,7 +251,8 @@ class Channel:
         if self.minor < 0:
             return None
         try:
-            fd = os.open(self._waiting, os.O_RDONLY | os.O_CLOEXEC)
+            # fusectl files cannot seek: each reading opens the file anew.
+            fd = os.open(self._fusectl("waiting"), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
         try:
@@ -264,6 +261,10 @@ class Channel:
             return None
         finally:
             os.close(fd)
+
+    def _fusectl(self, name: str) -> str:
+        """This connection's file ``name`` in fusectl."""
+        return f"/sys/fs/fuse/connections/{self.minor}/{name}"
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

@@ -55,9 +55,10 @@ def header(kind: str, size: int) -> bytes:
     return b"%s %d\0" % (_TAGS[kind], size)
 
 
-# ObjectId without its length check, for digests (32 bytes by construction): hashing is on every
-# snapshot's path, dozens of times, and the check is a Python call apiece.
-_from_digest = bytes.__new__
+# ObjectId without its length check, as ``unchecked_oid(ObjectId, raw)``, for bytes that are 32
+# long by construction (a digest, a slice of a tree record): hashing and tree decoding are on
+# every snapshot's path, and the check is a Python call apiece.
+unchecked_oid = bytes.__new__
 
 
 # Below this size one call over a concatenation beats two: blake3 lets go of the GIL for
@@ -69,10 +70,10 @@ def hash_object(kind: str, data: bytes) -> ObjectId:
     n = len(data)
     if n <= _CONCAT_MAX:
         # header() and the data in one formatting: one call and one copy fewer.
-        return _from_digest(ObjectId, blake3(b"%s %d\0%s" % (_TAGS[kind], n, data)).digest())
-    hasher = blake3(header(kind, len(data)))
+        return unchecked_oid(ObjectId, blake3(b"%s %d\0%s" % (_TAGS[kind], n, data)).digest())
+    hasher = blake3(header(kind, n))
     hasher.update(data)  # no concatenation: a 4 MiB chunk is not copied just to be hashed
-    return _from_digest(ObjectId, hasher.digest())
+    return unchecked_oid(ObjectId, hasher.digest())
 
 
 class ObjectHasher:

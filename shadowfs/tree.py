@@ -43,7 +43,7 @@ from operator import attrgetter
 from typing import BinaryIO, Protocol
 
 from shadowfs.errors import TreeError
-from shadowfs.oid import OID_SIZE, ObjectId
+from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
 
 FILE = "file"
 DIR = "dir"
@@ -281,7 +281,6 @@ _SETTERS = tuple(
     Entry.__dict__[f].__set__ for f in ("name", "kind", "mode", "size", "mtime_ns", "oid", "target")
 )
 _set_record = Entry.__dict__["record"].__set__
-_oid_new = bytes.__new__
 _DOTS = (b".", b"..")
 
 
@@ -360,8 +359,8 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
                 raise _malformed(f"object id of {name!r} runs past the end")
             if code == 2 and size != 0:
                 raise _malformed(f"directory {name!r} has size {size}, not 0")
-            # bytes.__new__ skips ObjectId's length check: the slice is exactly OID_SIZE long.
-            oid = _oid_new(ObjectId, data[pos:end])
+            # The slice is exactly OID_SIZE long: no length check (`unchecked_oid`).
+            oid = unchecked_oid(ObjectId, data[pos:end])
             out[name] = make(name, kind, mode, size, mtime_ns, oid, None, data[start:end])
             pos = end
     return out
