@@ -133,6 +133,12 @@ DIR_SIZE = 4096
 DELTA_MAX = 1024 * 1024
 # Below this a delta saves next to nothing and its zstd dictionary set-up costs more than it saves.
 DELTA_MIN = 4096
+# A file whose last write covered all of it, up to this size, keeps those bytes until the next
+# snapshot (`Node.image`), which then need not read them back: through the mount the pread of a
+# just-written file costs several µs, a good part of a small file's share of a checkpoint.
+IMAGE_MAX = 64 * 1024
+# What all kept images may hold at once; past it, files are read back as before.
+IMAGES_MAX = 16 * 1024 * 1024
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 XATTR_CREATE = 1
@@ -185,6 +191,7 @@ class Node:
         "dirty_names",
         "fmt",
         "gid",
+        "image",
         "ino",
         "last_pid",
         "links",
@@ -217,6 +224,8 @@ class Node:
         self.oid: ObjectId | None = None
         self.src = SRC_SCRATCH
         self.dirty = False
+        # A dirty file's whole content, when its last write covered all of it (IMAGE_MAX).
+        self.image: bytes | None = None
         # Where in the base this node comes from: files only while their content equals it, dirs
         # whenever a base directory of that name exists (its tree id is base_oid).
         self.base_path: bytes | None = None
@@ -556,6 +565,8 @@ class Layer:
             STEPS_KEPT, STEP_NAMES_KEPT
         )
         self._empty_tree: ObjectId | None = None
+        self._image_bytes = 0  # held by all nodes' images (IMAGES_MAX)
+        self._imaged: set[Node] = set()
         # Nodes whose backing fd node-addressed I/O opened, least recently used first.
         self._idle: dict[int, Node] = {}
         self._files = Scratch(self.scratch_dir)
@@ -891,7 +902,31 @@ class Layer:
             raise
         self.finish_copy(job)
 
+    def _keep_image(self, node: Node, data: bytes | memoryview) -> None:
+        """``data`` is all of ``node``'s content now, just written (any older image was dropped
+        by the write's accounting)."""
+        n = len(data)
+        if n <= IMAGE_MAX and n == node.size and self._image_bytes + n <= IMAGES_MAX:
+            node.image = data if type(data) is bytes else bytes(data)
+            self._image_bytes += n
+            self._imaged.add(node)
+
+    def _drop_image(self, node: Node) -> None:
+        self._image_bytes -= len(node.image)  # type: ignore[arg-type]
+        node.image = None
+        self._imaged.discard(node)
+
+    def _drop_images(self) -> None:
+        """Drop the images no snapshot took: of files deleted or replaced since they were
+        written, which the fold never reached."""
+        for node in self._imaged:
+            node.image = None
+        self._imaged.clear()
+        self._image_bytes = 0
+
     def _content_changed(self, node: Node, now: int) -> None:
+        if node.image is not None:
+            self._drop_image(node)
         node.mtime_ns = node.ctime_ns = now
         if not node.dirty:
             node.dirty = True
@@ -971,6 +1006,8 @@ class Layer:
         self.journal.write(h.fh, h.path, h.pid, off, n)
 
     def _wrote(self, node: Node, end: int, times: bool) -> None:
+        if node.image is not None:
+            self._drop_image(node)
         if end > node.size:
             node.size = end
         if times:
@@ -1008,6 +1045,8 @@ class Layer:
     ) -> int:
         n = _pwrite(self.pin_node(node, True), data, off)
         self.wrote_node(node, off, n, pid, times=times)
+        if off == 0 and n == node.size:
+            self._keep_image(node, data)
         return n
 
     def wrote_node(self, node: Node, off: int, n: int, pid: int, *, times: bool = True) -> None:
@@ -1434,6 +1473,12 @@ class Layer:
 
     def _store_content(self, node: Node) -> ObjectId:
         prev = node.oid
+        data = node.image
+        if data is not None:
+            self._drop_image(node)
+            if len(data) == node.size:
+                base = prev if prev is not None and len(data) >= DELTA_MIN else None
+                return self.store.put("blob", data, delta_base=base)
         if node.size <= DELTA_MAX:
             # Small content is read whole, through the fd the node may keep open already: a
             # snapshot of a few small files is mostly these reads.
@@ -1540,6 +1585,8 @@ class Layer:
         if root.dirty_names:
             self._build(root)
             self.last_tree = root.oid  # type: ignore[assignment]
+        if self._imaged:
+            self._drop_images()
         return self.last_tree
 
     @_routed(sync=True, stores=True)
@@ -1711,6 +1758,8 @@ class Layer:
         node.mtime_ns = node.atime_ns = node.ctime_ns = t
         node.oid = e.oid
         node.dirty = False
+        if node.image is not None:
+            self._drop_image(node)
         node.xattrs = None
         node.base_oid = None
         if be is None:
@@ -1849,6 +1898,7 @@ class Layer:
             view = memoryview(data)
             while off < len(view):
                 off += self.write(h, off, view[off : off + (1 << 20)])
+            self._keep_image(node, data)
         finally:
             self.release(h.fh)
 

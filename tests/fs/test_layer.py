@@ -608,3 +608,38 @@ def test_every_snapshot_tree_is_canonical_across_many_small_steps(
                     assert store.read_bytes(e.oid) == lay.read_file(path), path
     finally:
         lay.close()
+
+
+def test_a_whole_file_write_kept_for_the_snapshot_yields_to_any_later_change(
+    layer: Layer, store: Store
+) -> None:
+    # A file written whole keeps those bytes for the next snapshot (no read back); every
+    # later change to its content must win over them.
+    def snapshotted(path: str) -> bytes:
+        t, _ = layer.snapshot()
+        return store.read_bytes(tree.lookup(store, t, path.encode()).oid)
+
+    layer.write_file("README", b"whole\n")
+    assert snapshotted("README") == b"whole\n"
+
+    layer.write_file("README", b"whole again\n")
+    layer.setattr(layer.resolve("README").ino, size=5)
+    assert snapshotted("README") == b"whole"
+
+    layer.write_file("README", b"0123456789")
+    h = layer.open(layer.resolve("README").ino, os.O_WRONLY)
+    layer.write(h, 4, b"xy")
+    layer.release(h.fh)
+    assert snapshotted("README") == b"0123xy6789"
+
+    node = layer.resolve("README")
+    layer.write_node(node, 0, b"abcdefghij", 0)  # whole again, through the node
+    layer.write_node(node, 10, b"KL", 0)  # then grown past it
+    assert snapshotted("README") == b"abcdefghijKL"
+
+    # Kept bytes of files deleted before a snapshot are let go by it.
+    for i in range(50):
+        layer.write_file(f"gone{i}", b"x" * 1000)
+        layer.delete(f"gone{i}")
+    layer.snapshot()
+    assert layer._image_bytes == 0 and not layer._imaged

@@ -69,6 +69,26 @@ def test_closed_files_are_in_the_checkpoint(
     ]
 
 
+def test_a_later_write_into_a_file_written_whole_wins_over_the_kept_bytes(
+    served: tuple[Mount, Path], layer: Layer, store: Store
+) -> None:
+    # The writeback of a file written whole arrives as one write from 0, whose bytes the layer
+    # keeps for the checkpoint; a later write inside its second page arrives on its own.
+    _, mnt = served
+    first = bytes(range(256)) * 20  # 5,120 bytes: two pages
+    (mnt / "two-pages.bin").write_bytes(first)
+    assert content(store, layer.snapshot()[0], "two-pages.bin") == first
+    (mnt / "two-pages.bin").write_bytes(first[::-1])
+    fd = os.open(mnt / "two-pages.bin", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"inside", 4500)
+    finally:
+        os.close(fd)
+    want = bytearray(first[::-1])
+    want[4500:4506] = b"inside"
+    assert content(store, layer.snapshot()[0], "two-pages.bin") == bytes(want)
+
+
 def test_a_write_from_the_start_copies_up_only_when_it_covers_the_whole_file(
     served: tuple[Mount, Path], layer: Layer, store: Store, base: Path
 ) -> None:
