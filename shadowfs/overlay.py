@@ -49,8 +49,8 @@ from shadowfs.tree import (
     build_tree,
     stat_entry,
 )
+from shadowfs.tree import entries as _tree_entries
 from shadowfs.tree import pack_entries as _pack_sorted_entries
-from shadowfs.tree import read_tree as _read_tree
 
 _MS_REMOUNT = 32
 _MS_BIND = 4096
@@ -127,9 +127,11 @@ def _join(prefix: bytes, name: bytes) -> bytes:
 
 
 def _entries(store: TreeStore, oid: ObjectId | None) -> dict[bytes, Entry]:
+    """A tree's entries by name: the tree cache's own dict, so read only (a snapshot visits
+    every upper directory, and a copy of its base listing cost most of a visit)."""
     if oid is None:
         return {}
-    return {e.name: e for e in _read_tree(store, oid)}
+    return _tree_entries(store, oid)
 
 
 class OverlayLayer:
@@ -198,6 +200,9 @@ class OverlayLayer:
         self._staged = 0
         self._cache: dict[bytes, _Stat] = {}
         self._dir_cache: dict[bytes, tuple[tuple[object, ...], ObjectId]] = {}
+        # Upper directories' opacity by path: (inode, ctime, opaque), as of the last snapshot.
+        self._opaque_cache: dict[bytes, tuple[int, int, bool]] = {}
+        self._new_opaque: dict[bytes, tuple[int, int, bool]] = {}
         self.last_tree: ObjectId = self.base_tree
         self.snapshot_stats = SnapshotStats()
         self.restore_stats = RestoreStats()
@@ -273,6 +278,7 @@ class OverlayLayer:
             shutil.rmtree(self.booth_dir)
         self._cache.clear()
         self._dir_cache.clear()
+        self._opaque_cache.clear()
 
     def commit(self, journal_dir: str | os.PathLike[str]) -> ObjectId:
         """Snapshot, unmount and apply the layer to the base crash-safely; return the new tree."""
@@ -298,9 +304,11 @@ class OverlayLayer:
         cutoff = _coarse_now()
         new_cache: dict[bytes, _Stat] = {}
         new_dirs: dict[bytes, tuple[tuple[object, ...], ObjectId]] = {}
+        self._new_opaque = {}
         tree = self._harvest(self.upper, b"", self.base_tree, False, cutoff, new_cache, new_dirs)
         self._cache = new_cache
         self._dir_cache = new_dirs
+        self._opaque_cache, self._new_opaque = self._new_opaque, {}
         self.last_tree = tree
         return tree
 
@@ -309,6 +317,19 @@ class OverlayLayer:
             return os.getxattr(path, self._xattr + b"opaque", follow_symlinks=False) == b"y"
         except OSError:
             return False
+
+    def _opaque_known(self, path: bytes, rel: bytes, st: os.stat_result, cutoff: int) -> bool:
+        """`_opaque`, without asking again while the directory keeps its inode and ctime
+        (setting the xattr moves the ctime). Not trusted for a ctime in the current coarse
+        tick, as for files: a directory removed and made again within it could repeat both."""
+        known = self._opaque_cache.get(rel)
+        if known is not None and known[0] == st.st_ino and known[1] == st.st_ctime_ns:
+            opaque = known[2]
+        else:
+            opaque = self._opaque(path)
+        if st.st_ctime_ns < cutoff:
+            self._new_opaque[rel] = (st.st_ino, st.st_ctime_ns, opaque)
+        return opaque
 
     def _harvest(
         self,
@@ -329,7 +350,7 @@ class OverlayLayer:
         sig: list[object] = [base_oid, opaque]
         with os.scandir(upath) as it:
             for de in it:
-                name = os.fsencode(de.name)
+                name = de.name  # bytes, as upath is
                 try:
                     st = de.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -337,12 +358,13 @@ class OverlayLayer:
                 sub = None
                 if stat.S_ISDIR(st.st_mode):
                     path = upath + b"/" + name
-                    sub_opaque = self._opaque(path)
+                    sub_rel = _join(rel, name)
+                    sub_opaque = self._opaque_known(path, sub_rel, st, cutoff)
                     below = base.get(name)
                     sub_base = below.oid if below is not None and below.kind == DIR else None
                     sub = self._harvest(
                         path,
-                        _join(rel, name),
+                        sub_rel,
                         None if sub_opaque else sub_base,
                         sub_opaque,
                         cutoff,
@@ -463,6 +485,7 @@ class OverlayLayer:
                 st = os.lstat(path)
                 os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
         self._dir_cache.clear()
+        self._opaque_cache.clear()
         self._sync_dir(self.upper, b"", self.base_tree, tree_id, False)
 
     def _plan_copy_ups(self, upath: bytes, rel: bytes, base_oid: ObjectId | None,

@@ -740,6 +740,10 @@ class Store:
             # One chunk in memory at a time: each is stored before the next is read. A file of
             # exactly one chunk is that chunk's blob, so storing it before knowing is no waste.
             piece = _read_full(f, CHUNK_SIZE)
+            if len(piece) <= STAGE_MAX and len(piece) < CHUNK_SIZE:
+                # The whole file, and small: staged like any put (compressed later, off the
+                # caller's path) instead of appended now after an index query of its own.
+                return self.put("blob", piece)
             while True:
                 chunks.append((self._put_blob(piece), len(piece)))
                 if len(piece) < CHUNK_SIZE:

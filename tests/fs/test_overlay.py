@@ -370,3 +370,23 @@ def test_booth_inside_the_base_is_refused(tmp_path: Path, store: Store) -> None:
     _make_base(base)
     with pytest.raises(OverlayError, match="inside the base"):
         OverlayLayer(base, store, base / "booth")
+
+
+def test_a_directory_made_opaque_after_a_snapshot_hides_the_base_again(layer, store: Store) -> None:
+    # A lower dir first copied up (merged, not opaque), snapshotted, then removed and made
+    # again: the new upper dir is opaque, so the lower entries are gone. Each snapshot must ask
+    # again, however the directory's opacity was known at the one before.
+    lay, _base, mnt = layer
+    for round_ in range(20):
+        (mnt / "lib" / f"new{round_}.py").write_text("x\n")  # copies lib up, merged
+        _next_tick()
+        merged = lay.snapshot()
+        assert tree.lookup(store, merged, b"lib/util.py") is not None
+        shutil.rmtree(mnt / "lib")
+        (mnt / "lib").mkdir()
+        (mnt / "lib" / "only.py").write_text("only\n")
+        remade = lay.snapshot()
+        names = {e.name for e in tree.read_tree(store, tree.lookup(store, remade, b"lib").oid)}
+        assert names == {b"only.py"}, f"round {round_}: {names}"
+        lay.restore(merged)
+        assert (mnt / "lib" / "util.py").read_text() == "util v1\n"
