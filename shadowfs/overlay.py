@@ -63,6 +63,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
+_SYNC_FILE_RANGE_WRITE = 2
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _FREEZE_WAIT_S = 5.0
@@ -436,6 +439,7 @@ class OverlayLayer:
         except FileNotFoundError:
             return None
         try:
+            _write_protect(fd)
             # The stat taken before reading goes into the entry and the cache, so a write racing
             # the read leaves a newer ctime behind and the next snapshot reads the file again.
             st = os.fstat(fd)
@@ -671,6 +675,23 @@ def _cgroup_frozen(cgroup: bytes) -> Iterator[None]:
     finally:
         with open(cgroup + b"/cgroup.freeze", "w") as f:
             f.write("0")
+
+
+def _write_protect(fd: int) -> None:
+    """Start writeback of the file's dirty pages, which write-protects every mapping of them.
+
+    A write through a shared mapping updates the file's ctime only when it faults, on the first
+    write to a clean page; later writes to the same dirty page leave no trace a stat could see.
+    A file is read by a snapshot only after this, so its next write through any mapping faults
+    and moves the ctime, and the stat cache cannot trust stale content. Pages already under
+    writeback are waited for first (they could have been dirtied again without a fault since).
+    The writes themselves go on in the background."""
+    if _libc.sync_file_range(
+        fd, 0, 0, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE
+    ) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ESPIPE):  # not a file with pages: nothing mapped
+            raise OSError(err, os.strerror(err))
 
 
 def _is_whiteout(st: os.stat_result) -> bool:

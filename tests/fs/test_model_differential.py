@@ -32,7 +32,7 @@ from tests.fs.conftest import needs_fuse, populate
 
 State = dict[bytes, tuple[Any, ...]]
 
-SEEDS = list(range(int(os.environ.get("JUKEBOX_MODEL_SEEDS", "3"))))
+SEEDS = list(range(int(os.environ.get("JUKEBOX_MODEL_SEEDS", "4"))))
 OPS_PER_RUN = int(os.environ.get("JUKEBOX_MODEL_OPS", "400"))
 NAMES = [b"a", b"b.txt", b"with space", b"new\nline", b"bad-\xff", b"c.py", b"d", b"e.md"]
 SIZES = [0, 1, 17, 700, 4096, 5000, 70_000]
@@ -134,6 +134,9 @@ class Run:
         self.saved = saved
         self.checkpoints: list[tuple[ObjectId, bytes]] = []
         self.held: list[tuple[int, int]] = []  # (fd in the mount, fd in the model)
+        # Shared writable mappings kept across operations and checkpoints, as a database keeps
+        # its file: (file, mapping) in the mount, then in the model.
+        self.maps: list[tuple[Any, mmap.mmap, Any, mmap.mmap]] = []
         self.log: list[str] = []
 
     # ------------------------------------------------------------------ picking paths
@@ -244,7 +247,9 @@ class Run:
                 off = rng.randrange(size)
                 data = rng.randbytes(min(rng.choice([1, 100, 5000]), size - off))
                 self.both(f"mmap write {p!r} @{off}", lambda r: _mmap_write(j(r, p), off, data))
-        elif roll < 0.95:
+        elif roll < 0.90:
+            self._mapping(files)
+        elif roll < 0.96:
             self.checkpoint()
         elif self.checkpoints:
             self.rollback()
@@ -276,12 +281,43 @@ class Run:
             return
         self.held.append((fds[0], fds[1]))
 
+    def _mapping(self, files: list[bytes]) -> None:
+        rng = self.rng
+        if self.maps and rng.random() < 0.7:
+            i = rng.randrange(len(self.maps))
+            f1, m1, f2, m2 = self.maps[i]
+            # Only pages inside the file as it is now: a page past its end is SIGBUS.
+            end = min(len(m1), os.fstat(f1.fileno()).st_size, os.fstat(f2.fileno()).st_size)
+            if end:
+                off = rng.randrange(end)
+                data = rng.randbytes(min(rng.choice([1, 64, 3000]), end - off))
+                self.log.append(f"mapped write #{i} @{off} {len(data)}B")
+                m1[off : off + len(data)] = data
+                m2[off : off + len(data)] = data
+            return
+        sized = [p for p in files if os.path.getsize(os.path.join(self.model, p))]
+        if not sized:
+            return
+        p = rng.choice(sized)
+        self.log.append(f"map {p!r}")
+        pair: list[Any] = []
+        for root in (self.booth.mnt, self.model):
+            f = open(os.path.join(root, p), "r+b")  # noqa: SIM115 - kept open while mapped
+            pair += [f, mmap.mmap(f.fileno(), 0)]
+        self.maps.append((pair[0], pair[1], pair[2], pair[3]))
+
     def _release(self) -> None:
         self.log.append("release held")
         for pair in self.held:
             for fd in pair:
                 os.close(fd)
         self.held.clear()
+        for f1, m1, f2, m2 in self.maps:
+            m1.close()
+            m2.close()
+            f1.close()
+            f2.close()
+        self.maps.clear()
 
     def checkpoint(self) -> None:
         self.log.append("checkpoint")
