@@ -27,9 +27,10 @@ fuzz: setup
 # Crash consistency at scale: hundreds of SIGKILLed commits, each recovered to exactly old or new.
 torture: setup
 	JUKEBOX_TORTURE_TRIALS=200 JUKEBOX_STORE_CRASH_TRIALS=50 JUKEBOX_TAPE_CRASH_TRIALS=50 \
-	JUKEBOX_TAMPER_TRIALS=20000 $(PY) -m pytest -q tests/fs/test_commit_crash.py \
+	JUKEBOX_TAMPER_TRIALS=20000 JUKEBOX_MODEL_SEEDS=16 JUKEBOX_MODEL_OPS=2500 \
+	$(PY) -m pytest -q tests/fs/test_commit_crash.py \
 	  tests/reliability/test_store_crash.py tests/reliability/test_tape_crash.py \
-	  tests/reliability/test_tamper.py
+	  tests/reliability/test_tamper.py tests/fs/test_model_differential.py
 
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench
