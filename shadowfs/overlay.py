@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import shutil
 import signal
@@ -83,6 +84,7 @@ class _Stat(NamedTuple):
     mtime_ns: int
     ctime_ns: int
     oid: ObjectId
+    entry: Entry  # the file's tree entry, its record encoded: the same while the stat is
 
 
 @dataclass
@@ -391,7 +393,10 @@ class OverlayLayer:
                 return cached[1]
         entries = dict(base)
         trusted = True
+        added = False  # a name the base lacks: the base's name order no longer holds
         for name, st, sub in children:
+            if not added and name not in base:
+                added = True
             fmt = stat.S_IFMT(st.st_mode)
             if fmt == stat.S_IFREG:
                 r = _join(rel, name)
@@ -418,7 +423,10 @@ class OverlayLayer:
         # Every entry is valid by construction (decoded lower entries, names and stats from the
         # upper file system), so encode_tree's per-entry checks -- half the cost of a large
         # directory -- are skipped; only the order must be restored.
-        ordered = sorted(entries.values(), key=attrgetter("name"))
+        if added:
+            ordered = sorted(entries.values(), key=attrgetter("name"))
+        else:
+            ordered = list(entries.values())  # the base's order: replaced and removed names only
         oid = self.store.put("tree", _pack_sorted_entries(ordered))
         stats.trees_written += 1
         if trusted:
@@ -433,13 +441,15 @@ class OverlayLayer:
                 and c.mtime_ns == st.st_mtime_ns and c.ctime_ns == st.st_ctime_ns):
             self.snapshot_stats.cache_hits += 1
             new_cache[rel] = c
-            return stat_entry(name, FILE, st, c.oid)
+            return c.entry
         try:
             fd = os.open(path, _READ_FLAGS)
         except FileNotFoundError:
             return None
+        listed = st
         try:
-            _write_protect(fd)
+            if _may_have_writers(fd):
+                _write_protect(fd)
             # The stat taken before reading goes into the entry and the cache, so a write racing
             # the read leaves a newer ctime behind and the next snapshot reads the file again.
             st = os.fstat(fd)
@@ -449,11 +459,16 @@ class OverlayLayer:
         finally:
             os.close(fd)
         self.snapshot_stats.hashed += 1
+        e = stat_entry(name, FILE, st, oid)
+        # Trusted next time only if nothing happened to the file between the listing's stat and
+        # this one: a write fault in between could have left a writable mapping behind whose
+        # later writes move no ctime (see `_write_protect`); it is read again next time.
         # A ctime in the current coarse tick could repeat for a write still to come in the same
-        # tick ("racily clean"); such files are simply hashed again next time.
-        if st.st_ctime_ns < cutoff:
-            new_cache[rel] = _Stat(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, oid)
-        return stat_entry(name, FILE, st, oid)
+        # tick ("racily clean"); such files are hashed again next time too.
+        if (st.st_ctime_ns < cutoff and st.st_ino == listed.st_ino
+                and st.st_ctime_ns == listed.st_ctime_ns):
+            new_cache[rel] = _Stat(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, oid, e)
+        return e
 
     # --- restore ------------------------------------------------------------------------------
 
@@ -677,15 +692,34 @@ def _cgroup_frozen(cgroup: bytes) -> Iterator[None]:
             f.write("0")
 
 
+def _may_have_writers(fd: int) -> bool:
+    """Whether the file may be open for writing, or mapped from such an open, by anyone.
+
+    A read lease is refused (EAGAIN) exactly when the file is open for writing somewhere, and a
+    mapping keeps its open file alive after its descriptor is closed. Without writers no
+    mapping can write, so there is nothing to write-protect (`_write_protect`, ten times the
+    cost). The lease is dropped at once; a process opening the file for writing meanwhile
+    waits those microseconds, and the break is signalled with SIGURG, which is ignored unless
+    handled, instead of SIGIO, which would end this process. Any other refusal (no lease
+    support, not the file's owner) counts as "may have writers"."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:
+        return True
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    return False
+
+
 def _write_protect(fd: int) -> None:
     """Start writeback of the file's dirty pages, which write-protects every mapping of them.
 
     A write through a shared mapping updates the file's ctime only when it faults, on the first
     write to a clean page; later writes to the same dirty page leave no trace a stat could see.
-    A file is read by a snapshot only after this, so its next write through any mapping faults
-    and moves the ctime, and the stat cache cannot trust stale content. Pages already under
-    writeback are waited for first (they could have been dirtied again without a fault since).
-    The writes themselves go on in the background."""
+    A file with writers is read by a snapshot only after this, so its next write through any
+    mapping faults and moves the ctime, and the stat cache cannot trust stale content. Pages
+    already under writeback are waited for first (they could have been dirtied again without a
+    fault since). The writes themselves go on in the background."""
     if _libc.sync_file_range(
         fd, 0, 0, _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE
     ) != 0:
