@@ -348,7 +348,9 @@ class OverlayLayer:
     ) -> ObjectId:
         stats = self.snapshot_stats
         stats.upper_dirs += 1
-        base = {} if opaque else _entries(self.store, base_oid)
+        # The base listing only when needed (a subdirectory, or a rebuild): most upper
+        # directories hold files only and keep their tree.
+        base: dict[bytes, Entry] | None = {} if opaque or base_oid is None else None
         # First the upper entries' stats (and sub-trees): together with the lower tree they
         # decide this directory's tree, so an unchanged signature means an unchanged id.
         children: list[tuple[bytes, os.stat_result, ObjectId | None]] = []
@@ -365,6 +367,8 @@ class OverlayLayer:
                     path = upath + b"/" + name
                     sub_rel = _join(rel, name)
                     sub_opaque = self._opaque_known(path, sub_rel, st, cutoff)
+                    if base is None:
+                        base = _entries(self.store, base_oid)
                     below = base.get(name)
                     sub_base = below.oid if below is not None and below.kind == DIR else None
                     sub = self._harvest(
@@ -391,6 +395,8 @@ class OverlayLayer:
                 stats.cache_hits += len(files)
                 new_dirs[rel] = cached
                 return cached[1]
+        if base is None:
+            base = _entries(self.store, base_oid)
         entries = dict(base)
         trusted = True
         added = False  # a name the base lacks: the base's name order no longer holds
