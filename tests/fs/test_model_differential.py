@@ -20,6 +20,7 @@ import random
 import shutil
 import stat
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from shadowfs.oid import ObjectId
 from shadowfs.store import Store
 from shadowfs.tree import walk
 from tests.fs.conftest import needs_fuse, populate
+from tests.fs.conftest import tree_state as walked_state
 
 State = dict[bytes, tuple[Any, ...]]
 
@@ -39,33 +41,23 @@ SIZES = [0, 1, 17, 700, 4096, 5000, 70_000]
 
 
 def disk_state(root: bytes) -> State:
-    """Every entry under root: kind, permission bits and content digest or link target."""
-    out: State = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            rel = os.path.relpath(p, root)
-            st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    out[rel] = ("file", st.st_mode & 0o7777, hashlib.blake2b(f.read()).digest())
-            elif stat.S_ISLNK(st.st_mode):
-                out[rel] = ("symlink", os.readlink(p))
-            else:
-                out[rel] = ("dir", st.st_mode & 0o7777)
-    return out
+    """Every entry under root: kind, permission bits, and content digest or link target."""
+    return {path: (fmt, mode, digest) for path, (fmt, mode, _size, _mtime, digest)
+            in walked_state(root).items()}
 
 
 def tree_state(store: Store, tree_id: ObjectId) -> State:
+    """The same as `disk_state`, of a checkpoint's tree."""
     out: State = {}
     for path, e in walk(store, tree_id):
         if e.kind == "file":
             assert e.oid is not None
-            out[path] = ("file", e.mode, hashlib.blake2b(store.read_bytes(e.oid)).digest())
+            digest = hashlib.blake2b(store.read_bytes(e.oid)).hexdigest()
+            out[path] = (stat.S_IFREG, e.mode, digest)
         elif e.kind == "symlink":
-            out[path] = ("symlink", e.target)
+            out[path] = (stat.S_IFLNK, e.mode & 0o7777, e.target)
         else:
-            out[path] = ("dir", e.mode)
+            out[path] = (stat.S_IFDIR, e.mode, None)
     return out
 
 
@@ -77,48 +69,16 @@ def difference(got: State, want: State) -> str:
     return "\n".join(lines[:12])
 
 
+@dataclass
 class Booth:
-    """What the run drives: a mount point, checkpoints and rollbacks."""
+    """What a run drives: a mount point, checkpoints and rollbacks."""
 
     mnt: bytes
+    checkpoint: Callable[[], ObjectId]
+    rollback: Callable[[ObjectId], None]
+    # overlayfs (redirect_dir=off) refuses to rename a directory from the base with EXDEV,
+    # which tools answer by copying; the model would simply rename.
     renames_dirs: bool
-
-    def checkpoint(self) -> ObjectId:
-        raise NotImplementedError
-
-    def rollback(self, tree_id: ObjectId) -> None:
-        raise NotImplementedError
-
-
-class FuseBooth(Booth):
-    renames_dirs = True
-
-    def __init__(self, layer: Any, mnt: Path) -> None:
-        self.layer = layer
-        self.mnt = os.fsencode(mnt)
-
-    def checkpoint(self) -> ObjectId:
-        tree_id, _ = self.layer.snapshot()
-        return tree_id
-
-    def rollback(self, tree_id: ObjectId) -> None:
-        self.layer.restore(tree_id)
-
-
-class OverlayBooth(Booth):
-    # redirect_dir=off: overlayfs refuses to rename a directory from the base (EXDEV), which
-    # tools answer by copying; the model would simply rename.
-    renames_dirs = False
-
-    def __init__(self, layer: Any, mnt: Path) -> None:
-        self.layer = layer
-        self.mnt = os.fsencode(mnt)
-
-    def checkpoint(self) -> ObjectId:
-        return self.layer.snapshot()
-
-    def rollback(self, tree_id: ObjectId) -> None:
-        self.layer.restore(tree_id)
 
 
 class Run:
@@ -433,7 +393,8 @@ def fuse_booth(
         # hold the GIL), as the agent would.
         m = Mount(layer, mnt, process=True).start()
         try:
-            yield FuseBooth(layer, mnt), store
+            booth = Booth(os.fsencode(mnt), lambda: layer.snapshot()[0], layer.restore, True)
+            yield booth, store
         finally:
             m.stop()
             layer.close()
@@ -454,7 +415,7 @@ def overlay_booth(
         layer = OverlayLayer(base, store, tmp_path / "booth")
         layer.mount(mnt)
         try:
-            yield OverlayBooth(layer, mnt), store
+            yield Booth(os.fsencode(mnt), layer.snapshot, layer.restore, False), store
         finally:
             layer.discard()
 
