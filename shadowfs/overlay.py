@@ -52,6 +52,7 @@ from shadowfs.tree import (
 )
 from shadowfs.tree import entries as _tree_entries
 from shadowfs.tree import pack_entries as _pack_sorted_entries
+from shadowfs.tree import remember as _remember_tree
 
 _MS_REMOUNT = 32
 _MS_BIND = 4096
@@ -431,9 +432,13 @@ class OverlayLayer:
         # directory -- are skipped; only the order must be restored.
         if added:
             ordered = sorted(entries.values(), key=attrgetter("name"))
+            entries = {e.name: e for e in ordered}
         else:
             ordered = list(entries.values())  # the base's order: replaced and removed names only
         oid = self.store.put("tree", _pack_sorted_entries(ordered))
+        # Kept decoded, sharing the base's Entry objects for unchanged names: a restore to this
+        # tree then tells them apart from the base by identity, without decoding it.
+        _remember_tree(oid, entries)
         stats.trees_written += 1
         if trusted:
             # The signature stands for the contents only when no file in it was racily clean.
@@ -518,8 +523,10 @@ class OverlayLayer:
         if base_oid == target_oid:
             return
         base = _entries(self.store, base_oid)
-        for name, t in _entries(self.store, target_oid).items():
-            b = base.get(name)
+        base_get = base.get
+        target = _entries(self.store, target_oid)
+        for name in [n for n, t in target.items() if base_get(n) is not t]:
+            b, t = base_get(name), target[name]
             if t.kind != DIR or b is None or b.kind != DIR or b == t:
                 continue
             path = upath + b"/" + name
@@ -542,9 +549,17 @@ class OverlayLayer:
         with os.scandir(upath) as it:
             for de in it:
                 existing[os.fsencode(de.name)] = de.stat(follow_symlinks=False)
-        for name in base.keys() | target.keys() | existing.keys():
-            self._sync_entry(upath, _join(rel, name), name, base.get(name), target.get(name),
-                             existing.get(name))
+        # A name with no upper entry whose target entry is the base's needs nothing, and those
+        # are most of a directory: visit the upper entries and the names the target changes.
+        # Trees built from one another share unchanged Entry objects, so identity settles most.
+        base_get = base.get
+        names = existing.keys() | {n for n, t in target.items() if base_get(n) is not t}
+        names |= base.keys() - target.keys()
+        for name in names:
+            b, t, x = base_get(name), target.get(name), existing.get(name)
+            if x is None and b is not None and b == t:
+                continue
+            self._sync_entry(upath, _join(rel, name), name, b, t, x)
 
     def _sync_entry(self, upath: bytes, rel: bytes, name: bytes, b: Entry | None,
                     t: Entry | None, x: os.stat_result | None) -> None:
