@@ -523,10 +523,9 @@ class OverlayLayer:
         if base_oid == target_oid:
             return
         base = _entries(self.store, base_oid)
-        base_get = base.get
         target = _entries(self.store, target_oid)
-        for name in [n for n, t in target.items() if base_get(n) is not t]:
-            b, t = base_get(name), target[name]
+        for name in _changed_names(base, target):
+            b, t = base.get(name), target[name]
             if t.kind != DIR or b is None or b.kind != DIR or b == t:
                 continue
             path = upath + b"/" + name
@@ -548,15 +547,12 @@ class OverlayLayer:
         existing: dict[bytes, os.stat_result] = {}
         with os.scandir(upath) as it:
             for de in it:
-                existing[os.fsencode(de.name)] = de.stat(follow_symlinks=False)
+                existing[de.name] = de.stat(follow_symlinks=False)  # bytes, as upath is
         # A name with no upper entry whose target entry is the base's needs nothing, and those
         # are most of a directory: visit the upper entries and the names the target changes.
-        # Trees built from one another share unchanged Entry objects, so identity settles most.
-        base_get = base.get
-        names = existing.keys() | {n for n, t in target.items() if base_get(n) is not t}
-        names |= base.keys() - target.keys()
+        names = existing.keys() | _changed_names(base, target) | (base.keys() - target.keys())
         for name in names:
-            b, t, x = base_get(name), target.get(name), existing.get(name)
+            b, t, x = base.get(name), target.get(name), existing.get(name)
             if x is None and b is not None and b == t:
                 continue
             self._sync_entry(upath, _join(rel, name), name, b, t, x)
@@ -711,6 +707,16 @@ def _cgroup_frozen(cgroup: bytes) -> Iterator[None]:
     finally:
         with open(cgroup + b"/cgroup.freeze", "w") as f:
             f.write("0")
+
+
+def _changed_names(base: dict[bytes, Entry], target: dict[bytes, Entry]) -> set[bytes]:
+    """Names whose entry in ``target`` is not the very entry of ``base`` (new ones included).
+
+    Trees built from one another share their unchanged Entry objects (a snapshot remembers its
+    trees decoded), so one identity test per name settles most of a directory at C speed; an
+    entry equal but not shared is returned too, for the caller to compare."""
+    base_get = base.get
+    return {n for n, t in target.items() if base_get(n) is not t}
 
 
 def _may_have_writers(fd: int) -> bool:
