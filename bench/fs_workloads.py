@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import backends as bk
+from bench import scratch_fs
 from bench.harness import fmt, geomean, median
 
 GROUP = "fs"
@@ -611,8 +611,10 @@ def run(
     backends: Sequence[str] | None = None,
     workloads: Sequence[str] | None = None,
     runs: int | None = None,
+    places: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every workload on every backend; rows of seconds, ratios and a geometric mean each."""
+    """Every workload on every backend, on each scratch file system; rows of seconds, ratios and
+    a geometric mean each."""
     sizes = Sizes.for_mode(quick)
     fx = Fixtures(sizes)
     wanted = list(workloads or [])
@@ -624,34 +626,51 @@ def run(
     chosen_w = [all_w[w] for w in wanted] if wanted else list(all_w.values())
     # Five runs: this is often a small shared VM, and a median of three still wobbles.
     n = runs or (1 if quick else 5)
+    rows: list[dict[str, Any]] = []
+    for name in scratch_fs.parse(places):
+        try:
+            with scratch_fs.place(name) as where:
+                rows += _run_on(where, chosen_w, backends, fx, n)
+        except scratch_fs.ScratchUnavailable as exc:
+            rows.append({"group": GROUP, "case": "(all workloads)", "system": "-", "fs": name,
+                         "fs_label": name, "note": str(exc)})
+    return rows
 
-    scratch = Path(tempfile.mkdtemp(prefix="jukebox-bench-scratch-"))
-    try:
-        systems = bk.backends(scratch, list(backends) if backends else None)
-        live = [b for b in systems if b.unavailable() is None]
-        samples: dict[tuple[str, str], list[float]] = {}
-        failures: dict[tuple[str, str], str] = {}
-        not_cold: set[str] = set()
-        for w in chosen_w:
-            t0 = time.perf_counter()
-            lower = fx.lower(w.lower)
-            for _ in range(n):
-                for b in live:  # interleaved, so slow drift spreads over every backend
-                    key = (w.id, b.name)
-                    if key in failures:
-                        continue
-                    try:
-                        secs, dropped = _run_once(w, b, fx, lower)
-                    except Exception as exc:  # one broken backend must not sink the others
-                        failures[key] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
-                        continue
-                    samples.setdefault(key, []).append(secs)
-                    if not dropped:
-                        not_cold.add(w.id)
-            print(f"bench: fs {w.id} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        return _rows(chosen_w, systems, samples, failures, not_cold)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+
+def _run_on(
+    where: scratch_fs.Place,
+    chosen_w: list[Workload],
+    backends: Sequence[str] | None,
+    fx: Fixtures,
+    n: int,
+) -> list[dict[str, Any]]:
+    systems = bk.backends(where.root, list(backends) if backends else None)
+    live = [b for b in systems if b.unavailable() is None]
+    samples: dict[tuple[str, str], list[float]] = {}
+    failures: dict[tuple[str, str], str] = {}
+    not_cold: set[str] = set()
+    for w in chosen_w:
+        t0 = time.perf_counter()
+        lower = where.lower(fx.lower(w.lower))
+        for _ in range(n):
+            for b in live:  # interleaved, so slow drift spreads over every backend
+                key = (w.id, b.name)
+                if key in failures:
+                    continue
+                try:
+                    secs, dropped = _run_once(w, b, fx, lower)
+                except Exception as exc:  # one broken backend must not sink the others
+                    failures[key] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+                    continue
+                samples.setdefault(key, []).append(secs)
+                if not dropped:
+                    not_cold.add(w.id)
+        took = time.perf_counter() - t0
+        print(f"bench: fs [{where.name}] {w.id} {took:.1f} s", file=sys.stderr, flush=True)
+    rows = _rows(chosen_w, systems, samples, failures, not_cold)
+    for row in rows:
+        row["fs"], row["fs_label"] = where.name, where.label
+    return rows
 
 
 def _rows(
@@ -715,6 +734,20 @@ _GOALS = (
 
 
 def render(rows: list[dict[str, Any]]) -> str:
+    """One section per scratch file system, in the order they ran."""
+    labels: dict[str, str] = {}
+    for r in rows:
+        labels.setdefault(r.get("fs", scratch_fs.TMP), r.get("fs_label", ""))
+    out = []
+    for name, label in labels.items():
+        mine = [r for r in rows if r.get("fs", scratch_fs.TMP) == name]
+        skipped = [r["note"] for r in mine if r["system"] == "-"]
+        body = f"Not run: {skipped[0]}" if skipped else _render_place(mine)
+        out.append(f"### On {label}\n\n{body}")
+    return "\n\n".join(out)
+
+
+def _render_place(rows: list[dict[str, Any]]) -> str:
     """Workloads down, backends across: seconds, then ratios to native and to fuse-overlayfs."""
     systems = [s for s in bk.ALL if any(r["system"] == s for r in rows)]
     workloads_seen: list[str] = []

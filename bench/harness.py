@@ -414,6 +414,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--fs-workloads", metavar="NAMES", help="fs suite only: comma-separated workload ids"
     )
+    p.add_argument(
+        "--fs-on",
+        metavar="PLACES",
+        help="fs suite only: where to run, comma-separated: tmp (the temp dir's file system), "
+        "xfs (an XFS loop image with reflink; needs root and mkfs.xfs); default both",
+    )
     return p.parse_args(argv)
 
 
@@ -429,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fs_options["backends"] = [b.strip() for b in args.fs_backends.split(",") if b.strip()]
     if args.fs_workloads:
         fs_options["workloads"] = [w.strip() for w in args.fs_workloads.split(",") if w.strip()]
+    if args.fs_on:
+        fs_options["places"] = args.fs_on
 
     started = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     command = command_line()
