@@ -650,7 +650,10 @@ class Store:
                 batch = list(self._staged.items())
                 if not batch:
                     return
-                indexed = self._idx().present([oid for oid, _ in batch])
+                idx = self._idx()
+            # Without the store's lock: only a flush (this one, under the flush lock) adds to
+            # this writer's index rows, and the query can take milliseconds.
+            indexed = idx.present([oid for oid, _ in batch])
             polite = threading.current_thread() is self._flusher
             for oid, staged in batch:
                 if polite:
@@ -812,12 +815,15 @@ class Store:
                     raise StoreError(lost or "a pack write failed") from None
                 finally:
                     os.close(fd)
-            self._stand_aside()  # the commit holds the lock every put takes
+            self._stand_aside()  # the commit holds up whoever reads the index meanwhile
+            # Without the store's lock, which every put takes: the commit takes milliseconds
+            # when sqlite checkpoints its WAL. Until `pending` lets go of them below, these
+            # objects are found both there and in the index, with the same record.
+            with idx.write():
+                idx.insert(batch)
+                if w is not None:
+                    idx.set_pack_size(w.name, end)
             with self._mutex:
-                with idx.write():
-                    idx.insert(batch)
-                    if w is not None:
-                        idx.set_pack_size(w.name, end)
                 pending = self._pending
                 for e in batch:
                     # Put again meanwhile by a concurrent writer of the same id: same record.

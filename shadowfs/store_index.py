@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,6 +124,10 @@ class StoreIndex:
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
+        # One statement or write transaction at a time on the shared connection. Its own lock,
+        # not the store's: a group commit's index write (milliseconds when sqlite checkpoints
+        # its WAL) then holds up only other index users, never a snapshot's puts.
+        self._lock = threading.RLock()
 
     @classmethod
     def open(cls, path: Path, wal: bool = True) -> StoreIndex:
@@ -153,11 +158,16 @@ class StoreIndex:
         return cls(path, conn)
 
     def close(self) -> None:
-        self._conn.close()
+        with self._lock:
+            self._conn.close()
 
     @contextlib.contextmanager
     def write(self) -> Iterator[None]:
         """One write transaction, taken up front so it waits for other writers, not deadlocks."""
+        with self._lock:
+            yield from self._transaction()
+
+    def _transaction(self) -> Iterator[None]:
         try:
             self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
@@ -185,7 +195,8 @@ class StoreIndex:
 
     def _all(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
         try:
-            return self._conn.execute(sql, params).fetchall()
+            with self._lock:
+                return self._conn.execute(sql, params).fetchall()
         except _UNREADABLE as exc:
             raise _damaged(self.path, exc) from None
 

@@ -701,3 +701,46 @@ def test_the_group_commit_waits_out_a_foreground_section_only_so_long(
         oids = [st.put("blob", b"in a section that never ends %d" % i) for i in range(3)]
         st.flush_soon(delay=0)
         assert _indexed(st.root, oids, within=5)
+
+
+def test_puts_go_on_while_a_flush_writes_the_index(tmp_path: Path) -> None:
+    """A snapshot on another thread must not wait for the group commit's index write, which
+    takes milliseconds whenever sqlite checkpoints its WAL. The write is held open here."""
+    import threading
+
+    with Store.open(tmp_path / "s", create=True) as st:
+        first = st.put("blob", b"in the flush's batch")
+        idx = st._idx()
+        inside, release = threading.Event(), threading.Event()
+        plain_insert = idx.insert
+
+        def held_insert(entries):  # type: ignore[no-untyped-def]
+            plain_insert(entries)
+            inside.set()
+            release.wait(10)
+
+        idx.insert = held_insert  # type: ignore[method-assign]
+        flusher = threading.Thread(target=st.flush)
+        putter: threading.Thread | None = None
+        flusher.start()
+        try:
+            assert inside.wait(10)
+            done = threading.Event()
+
+            def put_and_read() -> None:
+                oid = st.put("blob", b"put while the index is being written")
+                assert st.read_bytes(oid) == b"put while the index is being written"
+                assert st.read_bytes(first) == b"in the flush's batch"
+                done.set()
+
+            putter = threading.Thread(target=put_and_read)
+            putter.start()
+            assert done.wait(5), "a put waited for the index write"
+        finally:
+            release.set()
+            flusher.join(10)
+            if putter is not None:
+                putter.join(10)
+        assert not flusher.is_alive()
+        st.flush()
+        assert _indexed(st.root, [first], within=5)
