@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,17 @@ def test_quick_fs_suite_runs_side_by_side_and_reports_missing_backends(tmp_path:
     fuse = [r for r in rows if r["system"] == "shadowfs-fuse" and r.get("workload") != "geomean"]
     # shadowfs-fuse is timed, or (missing, broken) each of its rows says why not: never a crash.
     assert fuse and all("seconds" in r or r.get("note") for r in fuse)
+    # Both places ran, each with its own section: the temp dir, and an XFS image with reflink
+    # (which only root can make; otherwise its section says why it did not run).
+    assert {r["fs"] for r in rows} == {"tmp", "xfs"}
+    assert f"### On {tempfile.gettempdir()} (" in report
+    assert "### On XFS with reflink (loop image)" in report
+    xfs_native = {r["workload"] for r in rows if r["fs"] == "xfs" and r["system"] == "native"
+                  and "seconds" in r}
+    if os.geteuid() == 0:
+        assert xfs_native == {"untar", "edit"}
+    else:
+        assert not xfs_native and "Not run: an XFS loop image needs root" in report
 
 
 def test_write_docs_keeps_the_hand_written_intro(tmp_path: Path) -> None:
