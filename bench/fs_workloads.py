@@ -606,6 +606,26 @@ def _run_once(w: Workload, backend: bk.Backend, fx: Fixtures, lower: Path) -> tu
         return w.run(mnt, fx), dropped
 
 
+def check_options(
+    backends: Sequence[str] | None = None,
+    workloads: Sequence[str] | None = None,
+    places: str | None = None,
+) -> None:
+    """Raise ValueError naming what is unknown, before anything runs."""
+    known = [w.id for w in make_workloads(Sizes.for_mode(True))]
+    unknown = [w for w in workloads or () if w not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown fs workload(s) {', '.join(unknown)}; choose from {', '.join(known)}."
+        )
+    unknown = [b for b in backends or () if b not in bk.ALL]
+    if unknown:
+        raise ValueError(
+            f"unknown fs backend(s) {', '.join(unknown)}; choose from {', '.join(bk.ALL)}."
+        )
+    scratch_fs.parse(places)
+
+
 def run(
     quick: bool = False,
     backends: Sequence[str] | None = None,
@@ -615,14 +635,11 @@ def run(
 ) -> list[dict[str, Any]]:
     """Every workload on every backend, on each scratch file system; rows of seconds, ratios and
     a geometric mean each."""
+    check_options(backends, workloads, places)
     sizes = Sizes.for_mode(quick)
     fx = Fixtures(sizes)
     wanted = list(workloads or [])
     all_w = {w.id: w for w in make_workloads(sizes)}
-    unknown = [w for w in wanted if w not in all_w]
-    if unknown:
-        known = ", ".join(all_w)
-        raise ValueError(f"unknown fs workload(s) {', '.join(unknown)}; choose from {known}.")
     chosen_w = [all_w[w] for w in wanted] if wanted else list(all_w.values())
     # Five runs: this is often a small shared VM, and a median of three still wobbles.
     n = runs or (1 if quick else 5)

@@ -231,8 +231,8 @@ def select(suites: list[Suite], only: str | None) -> list[Suite]:
     known = {s.name for s in suites}
     unknown = [w for w in wanted if w not in known]
     if unknown:
-        raise SystemExit(
-            f"bench: unknown group(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}."
+        raise ValueError(
+            f"unknown group(s) {', '.join(unknown)}; choose from {', '.join(sorted(known))}."
         )
     return [s for s in suites if s.name in wanted]
 
@@ -429,7 +429,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print("\n".join(s.name for s in suites))
         return 0
-    chosen = select(suites, args.only)
     fs_options: dict[str, Any] = {}
     if args.fs_backends:
         fs_options["backends"] = [b.strip() for b in args.fs_backends.split(",") if b.strip()]
@@ -437,6 +436,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         fs_options["workloads"] = [w.strip() for w in args.fs_workloads.split(",") if w.strip()]
     if args.fs_on:
         fs_options["places"] = args.fs_on
+    try:
+        chosen = select(suites, args.only)
+        from bench.fs_workloads import check_options  # it imports this module
+
+        check_options(**fs_options)
+    except ValueError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
 
     started = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     command = command_line()

@@ -108,3 +108,23 @@ def test_percentiles_interpolate_between_ranks() -> None:
     assert harness.geomean([1.0, 4.0]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="at least one sample"):
         harness.percentile([], 50)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--only", "nosuch"], "unknown group(s) nosuch"),
+        (["--only", "fs", "--fs-on", "zfs"], "unknown --fs-on value(s) zfs"),
+        (["--only", "fs", "--fs-workloads", "nosuch"], "unknown fs workload(s) nosuch"),
+        (["--only", "fs", "--fs-backends", "nosuch"], "unknown fs backend(s) nosuch"),
+    ],
+)
+def test_bad_options_get_one_line_and_exit_2(args: list[str], named: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", *args],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("bench: " + named) and proc.stderr.count("\n") == 1
+    assert proc.stdout == ""
