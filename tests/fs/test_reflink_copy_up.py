@@ -8,11 +8,12 @@ the whole file's size in new blocks, which these tests see in the file system's 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from tests.fs.conftest import needs_fuse
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="loop and overlay mounts need root")
 
 BIG = 64 << 20
+# (snapshot -> tree id, settle: closes whatever still holds the staged file)
+Booth = tuple[Callable[[], bytes], Callable[[], None]]
 TAIL = b"appended after the copy-up\n"
 
 
@@ -77,43 +80,49 @@ def _snapshot_holds_append(store: Store, tree: bytes, want: bytes) -> None:
     assert got == want
 
 
-@needs_fuse
-def test_fuse_layer_copy_up_clones(xfs: Path, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _fuse_booth(base: Path, store: Store, xfs: Path, mnt: Path) -> Iterator[Booth]:
     from shadowfs.layer import Layer
     from shadowfs.mountctl import Mount
 
-    base = xfs / "base"
-    want = _expected(base)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    with Store.open(tmp_path / "store") as store:
-        layer = Layer(base, store, xfs / "scratch")
-        m = Mount(layer, mnt, process=True).start()
-        before = _free_bytes(xfs)
-        try:
-            _append(mnt)
-            tree = m.snapshot()[0]  # (tree, journal)
-        finally:
-            m.stop()  # the server holds the staged file open until then
-        _check_new_blocks(before, xfs)
-        _snapshot_holds_append(store, tree, want)
+    layer = Layer(base, store, xfs / "scratch")
+    m = Mount(layer, mnt, process=True).start()
+    try:
+        # The server holds the staged file open until it stops.
+        yield lambda: m.snapshot()[0], m.stop  # snapshot() is (tree, journal)
+    finally:
+        m.stop()
         layer.close()
 
 
-def test_overlay_copy_up_clones(xfs: Path, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _overlay_booth(base: Path, store: Store, xfs: Path, mnt: Path) -> Iterator[Booth]:
     from shadowfs.overlay import OverlayLayer
 
+    lay = OverlayLayer(base, store, xfs / "booth")
+    lay.mount(mnt)
+    try:
+        yield lay.snapshot, lambda: None  # the writer's close closed the upper file
+    finally:
+        lay.discard()
+
+
+@pytest.mark.parametrize(
+    "booth",
+    [
+        pytest.param(_fuse_booth, marks=needs_fuse, id="fuse"),
+        pytest.param(_overlay_booth, id="overlay"),
+    ],
+)
+def test_copy_up_clones(booth, xfs: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     base = xfs / "base"
     want = _expected(base)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    with Store.open(tmp_path / "store") as store:
-        lay = OverlayLayer(base, store, xfs / "booth")
-        lay.mount(mnt)
-        try:
-            before = _free_bytes(xfs)
-            _append(mnt)
-            _check_new_blocks(before, xfs)
-            _snapshot_holds_append(store, lay.snapshot(), want)
-        finally:
-            lay.discard()
+    with Store.open(tmp_path / "store") as store, booth(base, store, xfs, mnt) as (snap, settle):
+        before = _free_bytes(xfs)
+        _append(mnt)
+        tree = snap()
+        settle()
+        _check_new_blocks(before, xfs)
+        _snapshot_holds_append(store, tree, want)
