@@ -42,52 +42,50 @@ def bench_tree(n_files: int, reps: int) -> list[dict[str, Any]]:
     try:
         mnt = scratch / "mnt"
         mnt.mkdir()
-        with Store.open(scratch / "store") as store:
-            layer = OverlayLayer(lower, store, scratch / "booth")
-            layer.mount(mnt)
-            try:
-                round_ = 0
-                for k in CHANGED:
-                    snaps: list[float] = []
-                    rollbacks: list[float] = []
-                    hashed: list[int] = []
-                    for rep in range(reps + 1):  # the first round warms caches; dropped
-                        round_ += 1
-                        before = layer.snapshot()
-                        _change(mnt, paths, k, round_)
+        with (
+            Store.open(scratch / "store") as store,
+            OverlayLayer(lower, store, scratch / "booth").mounted(mnt) as layer,
+        ):
+            round_ = 0
+            for k in CHANGED:
+                snaps: list[float] = []
+                rollbacks: list[float] = []
+                hashed: list[int] = []
+                for rep in range(reps + 1):  # the first round warms caches; dropped
+                    round_ += 1
+                    before = layer.snapshot()
+                    _change(mnt, paths, k, round_)
+                    t0 = time.perf_counter_ns()
+                    layer.snapshot()
+                    t1 = time.perf_counter_ns()
+                    if rep:
+                        snaps.append((t1 - t0) / 1000.0)
+                        hashed.append(layer.snapshot_stats.hashed)
+                    if rep % 4 == 1:  # rollback, then redo the step so the tree keeps growing
                         t0 = time.perf_counter_ns()
-                        layer.snapshot()
-                        t1 = time.perf_counter_ns()
-                        if rep:
-                            snaps.append((t1 - t0) / 1000.0)
-                            hashed.append(layer.snapshot_stats.hashed)
-                        if rep % 4 == 1:  # rollback, then redo the step so the tree keeps growing
-                            t0 = time.perf_counter_ns()
-                            layer.restore(before)
-                            rollbacks.append((time.perf_counter_ns() - t0) / 1000.0)
-                            _change(mnt, paths, k, round_)
-                    rows.append({
-                        "group": "checkpoint",
-                        "case": f"snapshot after {k} changed files, {n_files:,}-file tree",
-                        "system": SYSTEM,
-                        **summarize_us(snaps),
-                        "files_changed": k,
-                        "repo_files": n_files,
-                        "note": "files read per snapshot (median): "
-                                f"{sorted(hashed)[len(hashed) // 2]}",
-                    })
-                    rows.append({
-                        "group": "checkpoint",
-                        "case": f"rollback to the previous checkpoint, {k} changed files, "
-                                f"{n_files:,}-file tree",
-                        "system": SYSTEM,
-                        **summarize_us(rollbacks),
-                        "files_changed": k,
-                        "repo_files": n_files,
-                        "note": "users frozen, upper rewritten, MS_REMOUNT",
-                    })
-            finally:
-                layer.discard()
+                        layer.restore(before)
+                        rollbacks.append((time.perf_counter_ns() - t0) / 1000.0)
+                        _change(mnt, paths, k, round_)
+                rows.append({
+                    "group": "checkpoint",
+                    "case": f"snapshot after {k} changed files, {n_files:,}-file tree",
+                    "system": SYSTEM,
+                    **summarize_us(snaps),
+                    "files_changed": k,
+                    "repo_files": n_files,
+                    "note": "files read per snapshot (median): "
+                            f"{sorted(hashed)[len(hashed) // 2]}",
+                })
+                rows.append({
+                    "group": "checkpoint",
+                    "case": f"rollback to the previous checkpoint, {k} changed files, "
+                            f"{n_files:,}-file tree",
+                    "system": SYSTEM,
+                    **summarize_us(rollbacks),
+                    "files_changed": k,
+                    "repo_files": n_files,
+                    "note": "users frozen, upper rewritten, MS_REMOUNT",
+                })
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return rows

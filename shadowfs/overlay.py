@@ -272,6 +272,16 @@ class OverlayLayer:
             self._bound = False
             self._lowerdir = self.base
 
+    @contextlib.contextmanager
+    def mounted(self, mountpoint: str | os.PathLike[str]) -> Iterator[OverlayLayer]:
+        """``with layer.mounted(path):`` mounted inside, discarded on the way out (zero
+        residue, whatever happened inside)."""
+        self.mount(mountpoint)
+        try:
+            yield self
+        finally:
+            self.discard()
+
     def discard(self) -> None:
         """Throw the layer away: unmount, remove the booth dir entirely; the base is untouched."""
         if self.mountpoint is not None:

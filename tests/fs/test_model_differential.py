@@ -411,13 +411,11 @@ def overlay_booth(
     base = model_dirs[0]
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    with Store.open(tmp_path / "store") as store:
-        layer = OverlayLayer(base, store, tmp_path / "booth")
-        layer.mount(mnt)
-        try:
-            yield Booth(os.fsencode(mnt), layer.snapshot, layer.restore, False), store
-        finally:
-            layer.discard()
+    with (
+        Store.open(tmp_path / "store") as store,
+        OverlayLayer(base, store, tmp_path / "booth").mounted(mnt) as layer,
+    ):
+        yield Booth(os.fsencode(mnt), layer.snapshot, layer.restore, False), store
 
 
 @pytest.mark.fuse

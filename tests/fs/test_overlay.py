@@ -100,12 +100,8 @@ def layer(tmp_path: Path, store: Store) -> Iterator[tuple[OverlayLayer, Path, Pa
     _make_base(base)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    lay = OverlayLayer(base, store, tmp_path / "booths" / "b1")
-    lay.mount(mnt)
-    try:
+    with OverlayLayer(base, store, tmp_path / "booths" / "b1").mounted(mnt) as lay:
         yield lay, base, mnt
-    finally:
-        lay.discard()
 
 
 def test_snapshot_and_restore_while_a_shell_stays_inside(layer, store: Store) -> None:

@@ -99,12 +99,8 @@ def _fuse_booth(base: Path, store: Store, xfs: Path, mnt: Path) -> Iterator[Boot
 def _overlay_booth(base: Path, store: Store, xfs: Path, mnt: Path) -> Iterator[Booth]:
     from shadowfs.overlay import OverlayLayer
 
-    lay = OverlayLayer(base, store, xfs / "booth")
-    lay.mount(mnt)
-    try:
+    with OverlayLayer(base, store, xfs / "booth").mounted(mnt) as lay:
         yield lay.snapshot, lambda: None  # the writer's close closed the upper file
-    finally:
-        lay.discard()
 
 
 @pytest.mark.parametrize(
