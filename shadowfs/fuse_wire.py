@@ -179,6 +179,7 @@ class Channel:
         # The connection's number in fusectl (the mount's device minor), read at mount time:
         # a stat of the mount point would wait for the answer to INIT.
         self.minor = _mount_minor(mountpoint)
+        ensure_fusectl()
 
     @classmethod
     def open(cls, mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> Channel:
@@ -239,7 +240,7 @@ class Channel:
 
     def abort(self) -> None:
         """End the connection: readers blocked on the fd wake with ENODEV, users of the mount
-        get ENOTCONN. Through fusectl; quiet when it is not available."""
+        get ENOTCONN. Through fusectl (`ensure_fusectl`); quiet when it is not available."""
         if self.minor < 0:
             return
         with contextlib.suppress(OSError), open(self._fusectl("abort"), "w") as f:
@@ -264,12 +265,30 @@ class Channel:
 
     def _fusectl(self, name: str) -> str:
         """This connection's file ``name`` in fusectl."""
-        return f"/sys/fs/fuse/connections/{self.minor}/{name}"
+        return f"{FUSECTL}/{self.minor}/{name}"
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+FUSECTL = "/sys/fs/fuse/connections"
+_fusectl_tried = False
+
+
+def ensure_fusectl() -> bool:
+    """Whether fusectl is mounted, mounting it once per process when it is not and this process
+    may (root). systemd mounts it at boot on most distributions, but a minimal machine or a
+    container may not: without it a connection cannot be aborted (a stop would wait for every
+    process still inside the mount) and a checkpoint cannot skip its barrier round trip."""
+    global _fusectl_tried
+    if os.path.ismount(FUSECTL):
+        return True
+    if _fusectl_tried or not os.path.isdir(FUSECTL):
+        return False
+    _fusectl_tried = True
+    return _libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) == 0
 
 
 def _mount_minor(mountpoint: str) -> int:

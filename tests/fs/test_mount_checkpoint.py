@@ -446,6 +446,26 @@ def test_missing_names_are_cached_until_a_restore_or_the_layer_adds_them(
         assert (mnt / "api-dir").is_dir()
 
 
+def test_a_mount_brings_up_fusectl_where_the_machine_did_not(
+    layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A minimal machine may boot without fusectl; without it a stop cannot abort a connection
+    # that a process still holds, and every checkpoint pays a barrier round trip.
+    from shadowfs import fuse_wire
+
+    if os.geteuid() != 0:
+        pytest.skip("only root may mount fusectl")
+    if os.path.ismount(fuse_wire.FUSECTL):
+        subprocess.run(["umount", fuse_wire.FUSECTL], check=True)
+    assert not os.path.ismount(fuse_wire.FUSECTL)
+    monkeypatch.setattr(fuse_wire, "_fusectl_tried", False)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with Mount(layer, mnt) as m:
+        assert os.path.ismount(fuse_wire.FUSECTL)
+        assert m._channel is not None and m._channel.requests_waiting() == 0
+
+
 def test_a_failing_server_ends_the_connection_instead_of_leaving_callers_waiting(
     layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
