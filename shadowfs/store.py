@@ -606,8 +606,11 @@ class Store:
             else:
                 self._append(oid, kind, data, size, delta_base)
                 return oid
-        # Over the limit: drain here, and let a flusher that holds the drain stop standing aside.
+        # Over the limit: drain here, and let a flusher that holds the drain stop standing aside
+        # now, not when its wait for the foreground section runs out.
         self._hurry = True
+        with self._quiet:
+            self._quiet.notify_all()
         try:
             self._drain()
         finally:

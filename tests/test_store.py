@@ -703,6 +703,32 @@ def test_the_group_commit_waits_out_a_foreground_section_only_so_long(
         assert _indexed(st.root, oids, within=5)
 
 
+def test_a_put_over_the_stage_limit_does_not_wait_for_a_flusher_standing_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A snapshot whose puts pass the stage limit drains inline, under the flush lock; a flusher
+    holding that lock while it stands aside for the snapshot must give way at once."""
+    import time
+
+    from shadowfs import store as store_mod
+
+    monkeypatch.setattr(store_mod, "FOREGROUND_WAIT", 5.0)
+    monkeypatch.setattr(store_mod, "STAGE_LIMIT", 64 * 1024)
+    with Store.open(tmp_path / "s", create=True) as st, st.foreground():
+        st.put("blob", b"staged before the flusher starts")
+        st.flush_soon(delay=0)
+        deadline = time.monotonic() + 5
+        while st._flush_lock.acquire(blocking=False):  # free: the flusher is not in yet
+            st._flush_lock.release()
+            assert time.monotonic() < deadline, "the group commit never started"
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        data = [os.urandom(16 * 1024) for _ in range(8)]
+        oids = [st.put("blob", d) for d in data]
+        assert time.monotonic() - t0 < 2.5, "the put waited out the flusher's stand-aside"
+        assert [st.get(oid) for oid in oids] == data
+
+
 def test_puts_go_on_while_a_flush_writes_the_index(tmp_path: Path) -> None:
     """A snapshot on another thread must not wait for the group commit's index write, which
     takes milliseconds whenever sqlite checkpoints its WAL. The write is held open here."""
