@@ -166,8 +166,8 @@ _RAISE = object()  # Layer.lookup's default: a missing name raises ENOENT
 # One name's entries in two directory trees (None where the name is absent).
 _Diff = tuple[bytes, Entry | None, Entry | None]
 # A directory's tree as its node holds it: id, entries by name, and once built by this layer
-# its bytes and record offsets (see Node.tree_entries).
-HeldTree = tuple[ObjectId, dict[bytes, Entry], bytes | None, dict[bytes, int] | None]
+# its bytes (see Node.tree_entries).
+HeldTree = tuple[ObjectId, dict[bytes, Entry], bytes | None]
 
 
 def _entries(store: Any, oid: ObjectId | None) -> dict[bytes, Entry]:
@@ -236,8 +236,8 @@ class Node:
         # A directory's decoded tree (its id, its entries), held while the directory is loaded:
         # the next build starts from it even after the shared tree cache let it go, which
         # would cost a decode (a few µs per entry) on the snapshot's path. Once built here, also
-        # its bytes and where each record sits in them, so the next build swaps records in
-        # place (`trees.splice_records`) instead of joining them all again.
+        # its bytes, so the next build swaps records in place (`trees.splice_records`) instead
+        # of joining them all again.
         self.tree_entries: HeldTree | None = None
         # Only directories have names to mark; the rest share one empty set (216 bytes saved per
         # file, which adds up on a 100,000-file tree).
@@ -663,7 +663,7 @@ class Layer:
         children = {}
         entries = _entries(self.store, d.oid)
         if d.oid is not None:
-            d.tree_entries = (d.oid, entries, None, None)
+            d.tree_entries = (d.oid, entries, None)
         base: dict[bytes, Entry] = {}
         if d.base_path is not None and d.base_oid is not None:
             base = entries if d.base_oid == d.oid else _entries(self.store, d.base_oid)
@@ -1518,14 +1518,14 @@ class Layer:
     def _build(self, d: Node) -> None:
         held = d.tree_entries
         if held is not None and held[0] == d.oid:
-            old, packed, offsets = held[1], held[2], held[3]
+            old, packed = held[1], held[2]
         else:
-            old, packed, offsets = _entries(self.store, d.oid), None, None
+            old, packed = _entries(self.store, d.oid), None
         new = dict(old)
         children = d.children
         assert children is not None
         reshaped = False  # a name added or removed: every record after it moves
-        swaps: list[tuple[bytes, bytes, bytes]] = []
+        swaps: list[tuple[bytes, bytes]] = []
         for name in d.dirty_names:
             child = children.get(name)
             if child is None:
@@ -1550,24 +1550,23 @@ class Layer:
             old_rec = prev.record or entry_record(prev)
             if rec == old_rec:
                 continue
-            swaps.append((name, old_rec, rec))
+            swaps.append((old_rec, rec))
             new[name] = e
         marks, d.dirty_names = d.dirty_names, set()
         data = None
         if reshaped:
             new = dict(sorted(new.items()))
         elif packed is not None:
-            if offsets is None:
-                offsets = trees.record_offsets(new.values())
-            data = trees.splice_records(packed, offsets, swaps)
+            data = trees.splice_records(packed, swaps)
         if data is None:
             # Unchanged entries carry the bytes they were decoded from or packed into: only the
             # changed ones were encoded, above.
             data = pack_records([e.record for e in new.values()])  # type: ignore[misc]
-            offsets = None
         oid = self.store.put("tree", data)
-        # The next snapshot or restore starts from this tree: keep it decoded.
-        trees.remember(oid, new)
+        # The next snapshot or restore starts from this tree: keep it decoded. The trees it
+        # pushes out of the shared cache are let go by the next read that decodes one, off the
+        # checkpoint's path: freeing a cold tree's entries cost 4-5 µs per tree built.
+        trees.remember(oid, new, evict=False)
         # Every name whose entry differs between the two trees was marked: a restore between
         # them looks at just these names (`_reconcile`), without reading either tree.
         if d.oid is not None:
@@ -1577,7 +1576,7 @@ class Layer:
                 d.oid, oid, [(n, o, e) for n in marks if (o := old_get(n)) is not (e := new_get(n))]
             )
         d.oid = oid
-        d.tree_entries = (oid, new, data, offsets)
+        d.tree_entries = (oid, new, data)
 
     def _fold(self) -> ObjectId:
         """Turn the changes since the last snapshot into a tree (without taking the journal)."""

@@ -223,32 +223,25 @@ def pack_records(records: Iterable[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def record_offsets(entries: Iterable[Entry]) -> dict[bytes, int]:
-    """Where each entry's record starts in the bytes `pack_entries` makes of these entries (all
-    with their records known), for `splice_records`."""
-    offsets = {}
-    pos = 1
-    for e in entries:
-        offsets[e.name] = pos
-        pos += len(e.record)  # type: ignore[arg-type]
-    return offsets
-
-
-def splice_records(
-    packed: bytes, offsets: dict[bytes, int], swaps: Iterable[tuple[bytes, bytes, bytes]]
-) -> bytes | None:
-    """The tree bytes ``packed`` with records swapped in place: for each (name, old record, new
-    record), the old one, found at ``offsets[name]`` (`record_offsets`), becomes the new one.
-    None when some new record's length differs, which would move every offset after it.
+def splice_records(packed: bytes, swaps: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The tree bytes ``packed`` with records swapped in place: each (old record, new record)
+    pair's old one becomes the new one. None when a new record's length differs, which would
+    move every record after it, or when an old record's bytes occur more than once in
+    ``packed`` (a stretch across neighbouring records could repeat them), which leaves its
+    place in doubt.
 
     A directory rebuilt after a few entries changed (a file's id, size or mtime: same length)
-    then costs two copies of its bytes instead of a join of all its records."""
+    then costs a search and two copies of its bytes instead of a join of all its records, and
+    nothing is kept per record to find it again: a record holds its entry's name and a 32-byte
+    id, so its bytes are unique but for hostile trees."""
     out = bytearray(packed)
-    for name, old, rec in swaps:
+    for old, rec in swaps:
         n = len(rec)
         if n != len(old):
             return None
-        at = offsets[name]
+        at = packed.find(old)
+        if at < 0 or packed.find(old, at + 1) >= 0:
+            return None
         out[at : at + n] = rec
     return bytes(out)
 
@@ -369,18 +362,28 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
 # --- reading, with a cache --------------------------------------------------------------------
 
 _CACHE_SIZE = 4096
+_CACHE_SLACK = 1024  # trees a snapshot may leave over _CACHE_SIZE for later calls to let go
+_EVICT_PER_CALL = 8
 _cache: OrderedDict[bytes, dict[bytes, Entry]] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def remember(oid: ObjectId, entries: dict[bytes, Entry]) -> None:
+def remember(oid: ObjectId, entries: dict[bytes, Entry], *, evict: bool = True) -> None:
     """Remember the entries of a tree just written, so reading it back costs no decode.
 
     ``entries`` maps names to entries in name order and must be exactly what ``oid`` encodes; the
-    cache keeps the dict itself, so the caller must not change it afterwards."""
+    cache keeps the dict itself, so the caller must not change it afterwards.
+
+    Letting the oldest trees go frees their entries, memory untouched for long: a few µs per
+    tree. ``evict=False`` (a snapshot's builds) leaves that to later calls, up to _CACHE_SLACK
+    trees over the size; each later call lets go of up to _EVICT_PER_CALL of them."""
     with _cache_lock:
         _cache[oid] = entries
-        if len(_cache) > _CACHE_SIZE:
+        over = len(_cache) - _CACHE_SIZE
+        if over <= 0:
+            return
+        n = max(over - _CACHE_SLACK, min(over, _EVICT_PER_CALL if evict else 0))
+        for _ in range(n):
             _cache.popitem(last=False)
 
 

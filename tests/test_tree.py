@@ -200,6 +200,47 @@ def test_a_decoded_tree_re_encodes_with_one_entry_changed_from_its_kept_records(
     ]
 
 
+def test_splice_swaps_same_length_records_and_gives_up_when_in_doubt() -> None:
+    a = Entry(b"a.txt", "file", 0o644, 1, OLD_NS, OID_A, None)
+    b = Entry(b"b.txt", "file", 0o644, 1, OLD_NS, OID_B, None)
+    packed = encode_tree([a, b])
+    b2 = dataclasses.replace(b, mtime_ns=OLD_NS + 1, oid=OID_A)
+    old, new = tree.entry_record(b), tree.entry_record(b2)
+    assert tree.splice_records(packed, [(old, new)]) == encode_tree([a, b2])
+    assert tree.splice_records(packed, []) == packed
+    # A record of another length would move everything after it.
+    longer = dataclasses.replace(b, name=b"bb.txt")
+    assert tree.splice_records(packed, [(old, tree.entry_record(longer))]) is None
+    # A record that is not there, or whose bytes occur twice, has no certain place.
+    assert tree.splice_records(packed, [(tree.entry_record(b2), old)]) is None
+    assert tree.splice_records(b"\x01" + old + b"-" + old, [(old, new)]) is None
+    assert tree.splice_records(b"\x01" + old + b"-", [(old, new)]) == b"\x01" + new + b"-"
+
+
+def test_the_cache_lets_a_snapshots_trees_go_later_and_stays_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tree, "_CACHE_SIZE", 4)
+    monkeypatch.setattr(tree, "_CACHE_SLACK", 3)
+    monkeypatch.setattr(tree, "_EVICT_PER_CALL", 2)
+    tree.clear_cache()
+    try:
+        ids = [hash_object("tree", bytes([1, i])) for i in range(12)]
+        for oid in ids[:4]:
+            tree.remember(oid, {})
+        for oid in ids[4:8]:  # a snapshot's builds: up to the slack over, then the oldest go
+            tree.remember(oid, {}, evict=False)
+        assert list(tree._cache) == ids[1:8]
+        tree.remember(ids[8], {})  # each later call lets go of up to two
+        assert list(tree._cache) == ids[3:9]
+        tree.remember(ids[9], {})
+        assert list(tree._cache) == ids[5:10]
+        tree.remember(ids[10], {})
+        assert list(tree._cache) == ids[7:11]
+    finally:
+        tree.clear_cache()
+
+
 def test_empty_tree_is_the_version_byte() -> None:
     assert encode_tree([]) == b"\x01"
     assert decode_tree(b"\x01") == []
