@@ -88,6 +88,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import gc
 import os
 import queue
 import stat
@@ -486,6 +487,26 @@ def _routed(sync: bool = False, stores: bool = False) -> Callable[[_F], _F]:
         return method
 
     return wrap
+
+
+class _CollectorPaused:
+    """Keeps CPython's cyclic collector out of a checkpoint or a rollback. On a 100,000-file
+    tree a pass over the young generation took about 0.5 ms and fell in one snapshot in five,
+    and a pass over the old one took 0.3 s. What would have been collected is collected at the
+    next allocation after the section, once the caller has its answer: hence a class, whose exit
+    allocates nothing after turning the collector back on (a generator's exit would, and pay
+    for the collection there). A collector that something else turned off stays off."""
+
+    __slots__ = ("_was_on",)
+
+    def __enter__(self) -> None:
+        self._was_on = gc.isenabled()
+        if self._was_on:
+            gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was_on:
+            gc.enable()
 
 
 def _pread(b: Backing, size: int, off: int) -> bytes:
@@ -1597,12 +1618,13 @@ class Layer:
         are in the store at once, readable through it, and made durable by its background flush
         within FLUSH_DELAY (`Store.flush_soon`); whoever then records these ids durably (a tape
         frame, a commit claim) must `store.flush()` first, as `TapeWriter.append` does."""
-        with self._foreground():
-            tree_id = self._fold()
-            journal_id = None
-            if len(self.journal):
-                journal_id = self.store.put("journal", self.journal.take_encoded())
-        self._flush(durable)
+        with _CollectorPaused():
+            with self._foreground():
+                tree_id = self._fold()
+                journal_id = None
+                if len(self.journal):
+                    journal_id = self.store.put("journal", self.journal.take_encoded())
+            self._flush(durable)
         return tree_id, journal_id
 
     def _foreground(self) -> contextlib.AbstractContextManager[None]:
@@ -1628,20 +1650,21 @@ class Layer:
         ``durable`` is as for `snapshot`, for what the restore stored (nothing when there were
         no unsnapshotted changes). Kernel invalidations are queued (see `take_invalidations`)."""
         stores = bool(self.root.dirty_names)
-        with self._foreground():
+        with _CollectorPaused():
+            with self._foreground():
+                if stores:
+                    self._fold()
+                if tree_id != self.root.oid:
+                    files = self._files
+                    files.hold()
+                    try:
+                        self._reconcile(self.root, tree_id, time.time_ns())
+                    finally:
+                        files.unhold()
+            self.root.oid = self.last_tree = tree_id
+            self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
             if stores:
-                self._fold()
-            if tree_id != self.root.oid:
-                files = self._files
-                files.hold()
-                try:
-                    self._reconcile(self.root, tree_id, time.time_ns())
-                finally:
-                    files.unhold()
-        self.root.oid = self.last_tree = tree_id
-        self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
-        if stores:
-            self._flush(durable)
+                self._flush(durable)
 
     def _remember_step(self, a: ObjectId, b: ObjectId, diffs: list[_Diff]) -> None:
         """Remember how directory trees ``a`` and ``b`` differ: (name, entry in a, entry in b)

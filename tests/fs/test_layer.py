@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import os
 import time
 from pathlib import Path
@@ -84,6 +85,44 @@ def test_snapshot_costs_nothing_when_nothing_changed(layer: Layer) -> None:
     assert t0 == layer.base_tree and j0 is None
     layer.read_file("README")
     assert layer.snapshot() == (t0, None)
+
+
+def test_checkpoints_and_rollbacks_keep_the_cyclic_collector_out(
+    layer: Layer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a 100,000-file tree a young-generation pass cost ~0.5 ms inside one snapshot in five:
+    # the collector is off while a snapshot folds and a restore reconciles, and back on after.
+    seen: list[tuple[str, bool]] = []
+    fold, reconcile = Layer._fold, Layer._reconcile
+
+    def folding(self: Layer) -> ObjectId:
+        seen.append(("fold", gc.isenabled()))
+        return fold(self)
+
+    def reconciling(self: Layer, *args: object) -> None:
+        seen.append(("reconcile", gc.isenabled()))
+        reconcile(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Layer, "_fold", folding)
+    monkeypatch.setattr(Layer, "_reconcile", reconciling)
+    assert gc.isenabled()
+    t0, _ = layer.snapshot()
+    layer.write_file("README", b"changed\n")
+    layer.snapshot(durable=False)
+    assert gc.isenabled()
+    layer.restore(t0)
+    assert gc.isenabled()
+    assert ("fold", False) in seen and ("reconcile", False) in seen
+    assert all(not on for _, on in seen)
+    assert layer.read_file("README") == b"readme\n"
+    # A collector the program turned off stays off.
+    gc.disable()
+    try:
+        layer.write_file("README", b"again\n")
+        layer.snapshot()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_snapshot_records_exactly_the_changes(layer: Layer, store: Store) -> None:
