@@ -333,6 +333,9 @@ class Operations:
         """Directory entries from the request's offset on, as many as fit; with ``plus``,
         each with its attributes (the kernel then counts a lookup of each)."""
         _, off, size, _ = w.READ_IN.unpack_from(req, w.IN_HEADER_SIZE)
+        # Never to the last byte: kernel 6.18 refused (EINVAL) a READDIR reply exactly as long
+        # as the size it asked for (32768), while replies a few bytes shorter went through.
+        size -= 1
         listing, gen, index = self._listing(ino, off)
         alive = self.layer.alive
         parts: list[bytes] = []
@@ -597,16 +600,13 @@ class Server:
                     body = fn(ino, req, uid, gid, pid)
                 except OSError as exc:
                     code = exc.errno or errno.EIO
-                    _reply(ch.reply_error, unique, code)
+                    _reply(ch, unique, code)
                     return False
                 except Exception:
                     log.exception("shadowfs: request %d failed", op)
-                    _reply(ch.reply_error, unique, errno.EIO)
+                    _reply(ch, unique, errno.EIO)
                     return False
-                if isinstance(body, list):
-                    _reply(ch.reply_parts, unique, body)
-                else:
-                    _reply(ch.reply, unique, body)
+                _reply(ch, unique, body)
             finally:
                 lock.release()
             return False
@@ -628,11 +628,11 @@ class Server:
             self._init(req, unique)
             return False
         if op == w.DESTROY:
-            _reply(ch.reply, unique, b"")
+            _reply(ch, unique, b"")
             return True
         # OPEN, OPENDIR, CREATE, FLUSH, ACCESS on purpose (see the module docstring); the rest
         # (locks, fallocate, lseek, ioctl, ...) the kernel then handles itself or refuses.
-        _reply(ch.reply_error, unique, errno.ENOSYS)
+        _reply(ch, unique, errno.ENOSYS)
         return False
 
     def _init(self, req: bytes, unique: int) -> None:
@@ -674,10 +674,22 @@ class Server:
         ch.reply(unique, body)
 
 
-def _reply(send: Callable[[int, Any], None], unique: int, body: Any) -> None:
+def _reply(ch: w.Channel, unique: int, body: Any) -> None:
+    """Send a reply: an errno (int), the parts of one (list), or its bytes."""
     try:
-        send(unique, body)
+        if isinstance(body, int):
+            ch.reply_error(unique, body)
+        elif isinstance(body, list):
+            ch.reply_parts(unique, body)
+        else:
+            ch.reply(unique, body)
     except OSError as exc:
+        if exc.errno == errno.EINVAL and not isinstance(body, int):
+            # The kernel refused the reply's shape and still waits for an answer: its caller
+            # gets EIO, and the mount serves on instead of ending the connection.
+            log.error("shadowfs: the kernel refused the reply to request %d (EINVAL)", unique)
+            _reply(ch, unique, errno.EIO)
+            return
         # ENOENT: the request was interrupted and the kernel no longer waits for it.
         if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED, errno.EBADF):
             raise

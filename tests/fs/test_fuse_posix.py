@@ -188,6 +188,25 @@ def test_mkdir_rmdir(mount: Path) -> None:
     assert os.listdir(mount / "a" / "b") == []
 
 
+def test_a_big_directory_lists_whole_when_a_listing_fills_the_kernels_buffer(
+    mount: Path,
+) -> None:
+    # Eight-letter names make 32-byte entries: the listing after the first READDIRPLUS reply
+    # (204 entries with attributes) fills the kernel's 32 KiB buffer to the byte, which kernel
+    # 6.18 refused (EINVAL) and which then ended the whole mount.
+    names = {f"f{i:07d}" for i in range(2000)}
+    d = mount / "big"
+    d.mkdir()
+    for name in names:
+        (d / name).write_bytes(b"x")
+    for _ in range(2):  # from the server, then from the kernel's cached listing
+        assert set(os.listdir(d)) == names
+    walked = [f for _, _, files in os.walk(mount / "big") for f in files]
+    assert sorted(walked) == sorted(names)
+    shutil.rmtree(d)
+    assert not d.exists() and is_mounted(mount)
+
+
 def test_chmod_chown_utimens(mount: Path) -> None:
     p = mount / "README"
     os.chmod(p, 0o600)

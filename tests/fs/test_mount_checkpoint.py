@@ -512,6 +512,40 @@ def test_a_failing_server_ends_the_connection_instead_of_leaving_callers_waiting
     assert not is_mounted(mnt)
 
 
+def test_a_reply_the_kernel_refuses_fails_that_call_and_the_mount_serves_on(
+    layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shadowfs import fuse, fuse_wire
+
+    lookup = fuse.Operations.lookup
+
+    def oversized(self: fuse.Operations, ino: int, req: bytes, *rest: int) -> fuse.Reply:
+        name, _ = fuse_wire.name_arg(req, fuse_wire.IN_HEADER_SIZE)
+        if name == b"refused":
+            return b"\0" * 300  # a LOOKUP reply is one fixed-size entry: the kernel says EINVAL
+        return lookup(self, ino, req, *rest)
+
+    monkeypatch.setattr(fuse.Operations, "lookup", oversized)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with Mount(layer, mnt) as m:
+        (mnt / "f.txt").write_text("x")
+        code = (
+            "import os, sys\n"
+            "try:\n"
+            "    os.stat(sys.argv[1])\n"
+            "except OSError as e:\n"
+            "    print(e.errno)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(mnt / "refused")],
+            capture_output=True, text=True, timeout=20,
+        ).stdout
+        assert out.strip() == str(errno.EIO)
+        assert (mnt / "f.txt").read_text() == "x"
+        assert m.running and m._server is not None and m._server.error is None
+
+
 def test_fsync_writes_back_and_then_costs_no_round_trip(
     layer: Layer, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
