@@ -525,6 +525,7 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
 
     if os.geteuid() != 0:
         pytest.skip("needs root for the booth's mount namespace")
+    from jukebox.isolation import remove_stale_socket_dirs
     from jukebox.tape import Tape
 
     work, tapes = tmp_path / "tree", tmp_path / "tapes"
@@ -551,6 +552,8 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        # The killed supervisor's empty socket mount point, which its next run would remove.
+        remove_stale_socket_dirs("jukebox-crash-")
     with Store.open(tapes / ".jukebox" / "store") as st:
         tape = Tape.load(tapes / "crash.jbx", store=st)
         report = tape.verify(check_objects=True, deep=True)

@@ -17,11 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.fuzz.scratch import SCRATCH_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +62,9 @@ def _seed_corpus(name: str, corpus: Path) -> None:
         (corpus / f"seed-{i}").write_bytes(data)
 
 
-def _start(name: str, seconds: int, runs: int | None, out: Path) -> tuple[subprocess.Popen, Path]:
+def _start(
+    name: str, seconds: int, runs: int | None, out: Path
+) -> tuple[subprocess.Popen, Path, Path]:
     corpus = out / "corpus" / name
     crashes = out / "crashes"
     crashes.mkdir(parents=True, exist_ok=True)
@@ -76,14 +82,15 @@ def _start(name: str, seconds: int, runs: int | None, out: Path) -> tuple[subpro
     if runs is not None:
         args.append(f"-runs={runs}")
     cmd = [sys.executable, "-m", "tests.fuzz", "--worker", name, *args, str(corpus)]
+    scratch = Path(tempfile.mkdtemp(prefix="jukebox-fuzz-"))  # short: sockets live in it
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), SCRATCH_ENV: str(scratch)},
     )
-    return proc, log
+    return proc, log, scratch
 
 
 def _result(name: str, status: int, seconds: float, log: Path) -> Result:
@@ -103,16 +110,17 @@ def _result(name: str, status: int, seconds: float, log: Path) -> Result:
 def run(names: list[str], seconds: int, jobs: int, runs: int | None, out: Path) -> list[Result]:
     each = max(5, seconds * jobs // max(1, len(names)))
     pending = list(names)
-    active: dict[str, tuple[subprocess.Popen, Path, float]] = {}
+    active: dict[str, tuple[subprocess.Popen, Path, Path, float]] = {}
     results: list[Result] = []
     while pending or active:
         while pending and len(active) < jobs:
             name = pending.pop(0)
-            proc, log = _start(name, each, runs, out)
-            active[name] = (proc, log, time.monotonic())
-        for name, (proc, log, started) in list(active.items()):
+            proc, log, scratch = _start(name, each, runs, out)
+            active[name] = (proc, log, scratch, time.monotonic())
+        for name, (proc, log, scratch, started) in list(active.items()):
             if proc.poll() is not None:
                 del active[name]
+                shutil.rmtree(scratch, ignore_errors=True)
                 results.append(_result(name, proc.returncode, time.monotonic() - started, log))
         time.sleep(0.1)
     return results
