@@ -468,6 +468,17 @@ def test_a_mount_brings_up_fusectl_where_the_machine_did_not(
         assert m._channel is not None and m._channel.requests_waiting() is not None
 
 
+def _errno_of(call: str) -> str:
+    """A child script that calls os.CALL(argv[1]) and prints the errno it fails with."""
+    return (
+        "import os, sys\n"
+        "try:\n"
+        f"    os.{call}(sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print(e.errno)\n"
+    )
+
+
 def test_a_failing_server_ends_the_connection_instead_of_leaving_callers_waiting(
     layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -487,13 +498,7 @@ def test_a_failing_server_ends_the_connection_instead_of_leaving_callers_waiting
     m = Mount(layer, mnt).start()
     try:
         (mnt / "f.txt").write_text("x")
-        code = (
-            "import os, sys\n"
-            "try:\n"
-            "    os.listxattr(sys.argv[1])\n"
-            "except OSError as e:\n"
-            "    print(e.errno)\n"
-        )
+        code = _errno_of("listxattr")
         child = subprocess.Popen(
             [sys.executable, "-c", code, str(mnt / "f.txt")], stdout=subprocess.PIPE, text=True
         )
@@ -530,13 +535,7 @@ def test_a_reply_the_kernel_refuses_fails_that_call_and_the_mount_serves_on(
     mnt.mkdir()
     with Mount(layer, mnt) as m:
         (mnt / "f.txt").write_text("x")
-        code = (
-            "import os, sys\n"
-            "try:\n"
-            "    os.stat(sys.argv[1])\n"
-            "except OSError as e:\n"
-            "    print(e.errno)\n"
-        )
+        code = _errno_of("stat")
         out = subprocess.run(
             [sys.executable, "-c", code, str(mnt / "refused")],
             capture_output=True, text=True, timeout=20,
