@@ -1,6 +1,6 @@
 """A dict that forgets its oldest entries past a number of entries or a total weight.
 
-For the layer's memories keyed by tree id (how two trees differ, a tree's encoded records): a
+For memories keyed by tree id (how two trees differ, a tree's encoded bytes): a
 tree id fixes its content, so an entry never goes stale, and forgetting one only costs the work
 of computing it again.
 """
@@ -33,6 +33,11 @@ class BoundedMap(Generic[K, V]):
 
     def get(self, key: K) -> V | None:
         return self._items.get(key)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._weights.clear()
+        self._weight = 0
 
     def put(self, key: K, value: V, weight: int) -> None:
         items, weights = self._items, self._weights

@@ -1540,8 +1540,11 @@ class Layer:
         held = d.tree_entries
         if held is not None and held[0] == d.oid:
             old, packed = held[1], held[2]
+            if packed is None:
+                packed = trees.packed_bytes(d.oid)  # type: ignore[arg-type]
         else:
-            old, packed = _entries(self.store, d.oid), None
+            old = _entries(self.store, d.oid)
+            packed = None if d.oid is None else trees.packed_bytes(d.oid)
         new = dict(old)
         children = d.children
         assert children is not None

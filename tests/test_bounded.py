@@ -33,3 +33,13 @@ def test_the_newest_entry_stays_however_heavy() -> None:
     m.put("a", 1, 1)
     m.put("big", 2, 100)
     assert "a" not in m and m["big"] == 2
+
+
+def test_clear_forgets_every_entry_and_its_weight() -> None:
+    m: BoundedMap[str, int] = BoundedMap(None, 4)
+    m.put("a", 1, 3)
+    m.clear()
+    assert "a" not in m and m.get("a") is None
+    m.put("b", 2, 2)
+    m.put("c", 3, 2)  # 4 in all: had "a"'s weight stayed counted, "b" would go
+    assert m["b"] == 2 and m["c"] == 3

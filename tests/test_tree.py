@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shadowfs import tree
+from shadowfs.bounded import BoundedMap
 from shadowfs.errors import TreeError
 from shadowfs.oid import ObjectId, hash_object
 from shadowfs.store import CHUNK_SIZE, Store
@@ -215,6 +216,32 @@ def test_splice_swaps_same_length_records_and_gives_up_when_in_doubt() -> None:
     assert tree.splice_records(packed, [(tree.entry_record(b2), old)]) is None
     assert tree.splice_records(b"\x01" + old + b"-" + old, [(old, new)]) is None
     assert tree.splice_records(b"\x01" + old + b"-", [(old, new)]) == b"\x01" + new + b"-"
+
+
+def test_the_bytes_of_trees_built_or_read_are_kept_within_a_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "src" / "a.txt").write_text("a\n")
+    (tmp_path / "src" / "sub" / "b.txt").write_text("b\n")
+    with Store.open(tmp_path / "store", create=True) as store:
+        tree.clear_cache()
+        root = build_tree(store, tmp_path / "src")
+        sub = tree.lookup(store, root, b"sub").oid  # type: ignore[union-attr]
+        assert tree.packed_bytes(root) == store.get(root)
+        assert tree.packed_bytes(sub) == store.get(sub)
+        tree.clear_cache()
+        assert tree.packed_bytes(root) is None
+        tree.read_tree(store, root)  # read back from the store: its bytes are kept again
+        assert tree.packed_bytes(root) == store.get(root)
+        # Past the budget the oldest bytes go first.
+        monkeypatch.setattr(tree, "_packed", BoundedMap(None, len(store.get(root))))
+        tree.clear_cache()
+        tree.read_tree(store, root)
+        tree.read_tree(store, sub)
+        assert tree.packed_bytes(root) is None
+        assert tree.packed_bytes(sub) == store.get(sub)
+    tree.clear_cache()
 
 
 def test_the_cache_lets_a_snapshots_trees_go_later_and_stays_bounded(

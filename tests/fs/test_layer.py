@@ -652,6 +652,49 @@ def test_every_snapshot_tree_is_canonical_across_many_small_steps(
         lay.close()
 
 
+def test_a_directory_first_changed_since_it_was_built_or_read_swaps_into_its_stored_bytes(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a big tree most directories a step touches were last encoded by the initial build (or
+    # read from the store): their first rebuild swaps the changed records into those bytes
+    # instead of joining every record again, and must still give the canonical tree.
+    base = tmp_path / "wide"
+    for d in range(4):
+        (base / f"d{d}").mkdir(parents=True)
+        for f in range(40):
+            (base / f"d{d}" / f"f{f:02d}.txt").write_text(f"{d}/{f}\n")
+    joins: list[int] = []
+    real_join = tree.pack_records
+
+    def counting_join(records):  # type: ignore[no-untyped-def]
+        joins.append(1)
+        return real_join(records)
+
+    lay = Layer(base, store, tmp_path / "scratch-wide")
+    try:
+        first, _ = lay.snapshot()
+        monkeypatch.setattr("shadowfs.layer.pack_records", counting_join)
+        lay.write_file("d1/f07.txt", b"seven\n")
+        lay.write_file("d3/f30.txt", b"thirty\n")
+        second, _ = lay.snapshot()
+        assert joins == []  # d1, d3 and the root: all swapped into bytes built at the start
+        # After a rollback to the start, with the cache emptied: the root's and d2's trees are
+        # read back from the store, and swapped into just the same.
+        lay.restore(first)
+        tree.clear_cache()
+        lay.write_file("d2/f11.txt", b"eleven\n")
+        third, _ = lay.snapshot()
+        assert joins == []
+        out = tmp_path / "out"
+        out.mkdir()
+        for oid, name in ((second, "second"), (third, "third")):
+            tree.materialize(store, oid, out / name)
+            assert tree.build_tree(store, out / name) == oid
+        assert tree.lookup(store, third, b"d1/f07.txt") == tree.lookup(store, first, b"d1/f07.txt")
+    finally:
+        lay.close()
+
+
 def test_a_whole_file_write_kept_for_the_snapshot_yields_to_any_later_change(
     layer: Layer, store: Store
 ) -> None:
