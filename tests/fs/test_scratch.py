@@ -142,21 +142,70 @@ def test_a_dropped_nodes_staged_file_is_unlinked(own_layer: Layer, scratch: Path
     assert d.read_bytes() == b"d" * 10
 
 
-def test_restore_drops_the_replaced_nodes_file(
+def test_restore_drops_the_replaced_nodes_file_with_the_workers_next_job(
     own_layer: Layer, scratch: Path, store: Store
 ) -> None:
     own_layer.write_file("x", b"first\n")
+    own_layer.write_file("y", b"y\n")
     first, _ = own_layer.snapshot()
     own_layer.write_file("x", b"second, longer\n")
     old = staged(scratch, own_layer, "x")
+    other = staged(scratch, own_layer, "y")
     own_layer.snapshot()
 
     own_layer.restore(first)
 
-    # The restored file is a new node; nothing holds the old one, so its file goes.
-    wait_gone(old)
+    # The restored file is a new node; nothing holds the old one, so its file goes, but not
+    # at once: waking the worker would cost the rollback a sixth of its time.
     assert own_layer.read_file("x") == b"first\n"
     assert staged(scratch, own_layer, "x") != old
+    assert old.exists()
+    own_layer.delete("y")  # the worker's next job takes the waiting removal along
+    wait_gone(other)
+    assert not old.exists()  # asked for before y's: gone by the time y's is
+
+
+def test_removals_a_restore_leaves_waiting_go_at_close(
+    base: Path, store: Store, tmp_path: Path
+) -> None:
+    scratch = tmp_path / "scratch-close"
+    scratch.mkdir()
+    lay = Layer(base, store, scratch)
+    first, _ = lay.snapshot()
+    lay.write_file("x", b"changed\n")
+    old = staged(scratch, lay, "x")
+    lay.snapshot()
+    lay.restore(first)
+    assert old.exists()
+    lay.close()
+    assert not old.exists() and os.listdir(scratch) == []
+
+
+def test_removals_past_the_bound_are_handed_over_at_once(
+    own_layer: Layer, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, _ = own_layer.snapshot()
+    for name in ("p", "q", "r"):
+        own_layer.write_file(name, name.encode())
+    olds = [staged(scratch, own_layer, n) for n in ("p", "q", "r")]
+    own_layer.snapshot()
+    monkeypatch.setattr(Scratch, "LATER_FILES", 2)
+    own_layer.restore(first)  # three files wait: one more than the bound
+    for old in olds:
+        wait_gone(old)
+
+
+def test_removals_past_the_byte_bound_are_handed_over_at_once(
+    own_layer: Layer, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own_layer.write_file("big", b"b" * 1000)
+    first, _ = own_layer.snapshot()
+    own_layer.write_file("big", b"c" * 1001)
+    old = staged(scratch, own_layer, "big")
+    own_layer.snapshot()
+    monkeypatch.setattr(Scratch, "LATER_BYTES", 1000)
+    own_layer.restore(first)
+    wait_gone(old)
 
 
 # ---------------------------------------------------------------------------- many creates
