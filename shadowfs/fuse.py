@@ -658,9 +658,11 @@ class Server:
             # chown (tar and cp -a as root chown every file).
             | w.HANDLE_KILLPRIV_V2
         )
+        agreed = min(minor, 38)
+        ch.protocol_minor = agreed
         body = w.INIT_OUT.pack(
             7,
-            min(minor, 38),
+            agreed,
             max_readahead,
             flags & want,
             MAX_BACKGROUND,

@@ -136,6 +136,10 @@ FORGET_ONE = struct.Struct("<QQ")
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 INVAL_INODE = struct.Struct("<Qqq")
 INVAL_ENTRY = struct.Struct("<QII")
+# fuse_notify_inval_entry_out.flags: expire the dentry instead of dropping it (protocol 7.38,
+# kernel 6.2; earlier kernels read the field as padding and drop the dentry).
+EXPIRE_ONLY = 1
+EXPIRE_ONLY_MINOR = 38
 
 MIN_MINOR = 31  # kernel 5.10: no_opendir, cache_readdir, max_pages, explicit data invalidation
 MAX_PAGES_WANTED = 256
@@ -179,6 +183,8 @@ class Channel:
         # The connection's number in fusectl (the mount's device minor), read at mount time:
         # a stat of the mount point would wait for the answer to INIT.
         self.minor = _mount_minor(mountpoint)
+        # The protocol minor agreed at INIT (set by the server that answers it); 0 before.
+        self.protocol_minor = 0
         ensure_fusectl()
 
     @classmethod
@@ -230,9 +236,16 @@ class Channel:
         os.write(self.fd, OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), code, 0) + body)
 
     def invalidate_entry(self, parent: int, name: bytes) -> None:
-        """Drop the kernel's dentry ``name`` in ``parent``; ENOENT when it holds none.
-        Blocks while the kernel holds the parent directory locked (a request in flight)."""
-        self._notify(NOTIFY_INVAL_ENTRY, INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0")
+        """Make the kernel ask LOOKUP again for ``name`` in ``parent`` at its next use, which
+        drops the dentry if the name now leads elsewhere; ENOENT when it holds none. Blocks
+        while the kernel holds the parent directory locked (a request in flight).
+
+        Where the kernel can (`EXPIRE_ONLY_MINOR`), the dentry is only expired, not dropped
+        at once: dropping it evicts its inode, and the FORGET for each woke a FUSE worker that
+        then took turns with the invalidating thread for the interpreter (a 10-file rollback
+        through the mount took 0.9-1.0 ms that way, 0.26-0.27 ms with the dentries expired)."""
+        flags = EXPIRE_ONLY if self.protocol_minor >= EXPIRE_ONLY_MINOR else 0
+        self._notify(NOTIFY_INVAL_ENTRY, INVAL_ENTRY.pack(parent, len(name), flags) + name + b"\0")
 
     def invalidate_inode(self, ino: int, *, attr_only: bool) -> None:
         """Drop the kernel's attributes of ``ino`` (and its cached pages unless ``attr_only``)."""

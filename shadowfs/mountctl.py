@@ -48,7 +48,7 @@ from typing import Any
 
 from shadowfs.errors import ShadowfsError
 from shadowfs.fuse import FSNAME, TIMEOUT, Operations, Server
-from shadowfs.fuse_wire import Channel
+from shadowfs.fuse_wire import EXPIRE_ONLY_MINOR, Channel
 from shadowfs.layer import Layer
 
 FSTYPE = "fuse.shadowfs"
@@ -360,13 +360,15 @@ class Mount:
         # A directory reached by two paths of a restore is queued twice; each send is a write
         # to /dev/fuse.
         items = list(dict.fromkeys(items))
-        # Each dropped entry evicts an inode, and the kernel's FORGET for it wakes a worker.
-        # Having slept through the call, a worker would preempt this thread on each FORGET
-        # (tens of µs apiece on a busy machine); as SCHED_BATCH it does not preempt on
-        # wake-up and reads them later in one batch. Any user may switch its own threads
+        # Where the kernel only expires entries (`Channel.invalidate_entry`) nothing more is
+        # needed. Elsewhere each dropped entry evicts an inode, and the kernel's FORGET for it
+        # wakes a worker. Having slept through the call, a worker would preempt this thread on
+        # each FORGET (tens of µs apiece on a busy machine); as SCHED_BATCH it does not preempt
+        # on wake-up and reads them later in one batch. Any user may switch its own threads
         # between SCHED_OTHER and SCHED_BATCH.
         batched: list[int] = []
-        if any(it[0] == "entry" for it in items):
+        drops = channel.protocol_minor < EXPIRE_ONLY_MINOR
+        if drops and any(it[0] == "entry" for it in items):
             for tid in list(server.tids):
                 with contextlib.suppress(OSError):
                     if os.sched_getscheduler(tid) == os.SCHED_OTHER:

@@ -373,9 +373,38 @@ def test_a_rollback_leaves_the_fuse_workers_as_it_found_them(
     for i in range(5):
         (mnt / f"x{i}.txt").write_text("x")
     assert all((mnt / f"x{i}.txt").exists() for i in range(5))
-    layer.restore(t0)  # drops five cached entries: the workers run as SCHED_BATCH meanwhile
+    # Invalidates five cached entries: expired where the kernel can, else dropped while the
+    # workers run as SCHED_BATCH.
+    layer.restore(t0)
     assert not any((mnt / f"x{i}.txt").exists() for i in range(5))
     assert all(os.sched_getscheduler(t.native_id) == os.SCHED_OTHER for t in workers)
+
+
+def test_a_rollback_expires_the_kernels_entries_and_their_next_use_finds_the_restored_files(
+    served: tuple[Mount, Path], layer: Layer
+) -> None:
+    m, mnt = served
+    if m._channel is None or m._channel.protocol_minor < 38:  # type: ignore[attr-defined]
+        pytest.skip("this kernel drops entries instead of expiring them (FUSE 7.38, Linux 6.2)")
+    (mnt / "kept.txt").write_text("first\n")
+    t0, _ = layer.snapshot()
+    (mnt / "kept.txt").write_text("second\n")
+    (mnt / "gone.txt").write_text("new\n")
+    changed = os.stat(mnt / "kept.txt").st_ino  # the kernel now holds both names
+    layer.snapshot()
+    layer.restore(t0)
+    # Only expired: the kernel keeps the replaced inode, so no FORGET has let it go.
+    time.sleep(0.3)
+    assert changed in layer.inodes
+    # The next use of each name asks LOOKUP again.
+    assert (mnt / "kept.txt").read_text() == "first\n"
+    assert os.stat(mnt / "kept.txt").st_ino != changed
+    assert not (mnt / "gone.txt").exists()
+    # That lookup dropped the stale entry, and with it the kernel's hold on the old inode.
+    deadline = time.monotonic() + 10
+    while changed in layer.inodes:
+        assert time.monotonic() < deadline, "the kernel never forgot the replaced inode"
+        time.sleep(0.01)
 
 
 def test_cached_listings_follow_restores_and_path_level_changes(
