@@ -145,6 +145,44 @@ def test_pipelined_requests_on_one_connection(served) -> None:
     assert [a.get("checkpoint") for a in answers[:2]] == [1, 2] and answers[2]["count"] == 3
 
 
+def test_requests_from_one_process_share_a_connection_and_reopen_it_when_the_booth_drops_it(
+    tmp_path: Path,
+) -> None:
+    booth = Booth()
+    path = str(tmp_path / "kept.sock")
+    accepted: list[int] = []
+    with ControlServer(path, booth.handlers()) as server:
+        accept = server._accept
+
+        def counting_accept() -> None:
+            accepted.append(1)
+            accept()
+
+        server._accept = counting_accept  # type: ignore[method-assign]
+        for _ in range(3):
+            assert control.request({"op": "status"}, path)["ok"]
+        assert len(accepted) == 1
+    # A new booth on the same path: the kept connection is dead, and the next request opens
+    # another instead of failing or hanging.
+    with ControlServer(path, booth.handlers()) as server:
+        assert control.request({"op": "checkpoint", "label": "after"}, path)["checkpoint"] >= 1
+        # A forked child asks over its own connection, with its own credentials.
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                answer = control.request({"op": "status"}, path)
+                os.write(write_end, json.dumps(answer["peer"]).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        child_peer = json.loads(os.read(read_end, 4096))
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        assert child_peer["pid"] == pid
+        assert control.request({"op": "status"}, path)["peer"]["pid"] == os.getpid()
+
+
 def test_client_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(control.SOCKET_ENV, raising=False)
     with pytest.raises(ControlError, match="JUKEBOX_SOCKET is not set"):
