@@ -149,8 +149,8 @@ def run(quick: bool = False) -> list[dict]:
                 "checkpoint over the socket (1 dirty file)",
                 "jukebox booth (fuse)",
                 samples,
-                note="connect + snapshot + ack; objects and frame durable within 50 ms "
-                "(group commit); target <= 3 ms",
+                note="jukebox.control.request over the agent's kept connection: snapshot + "
+                "ack; objects and frame durable within 50 ms (group commit); target <= 3 ms",
             )
         )
     finally:
