@@ -317,7 +317,10 @@ _kept_lock = threading.Lock()
 def _forget_kept() -> None:
     # A forked child holds copies of its parent's connections: two processes writing requests
     # into one connection would read each other's answers. Closing the copies leaves the
-    # parent's connections open.
+    # parent's connections open. The lock is new too: another thread of the parent may have
+    # held it at the fork, and no thread of the child would ever let it go.
+    global _kept_lock
+    _kept_lock = threading.Lock()
     for client in _kept.values():
         client.close()
     _kept.clear()
@@ -363,8 +366,9 @@ def request(
         client.sock.settimeout(timeout)
         try:
             response = client.call(request)
-        except ControlError:
-            # Whatever the booth made of it, this connection is out of step now.
+        except BaseException:
+            # A failure, a garbled answer or an interrupt mid-request: whatever the booth made
+            # of it, this connection is out of step now.
             client.close()
             _kept.pop(key, None)
             raise

@@ -371,7 +371,7 @@ _cache_lock = threading.Lock()
 # directory after a change then swaps its changed records into these bytes (`splice_records`)
 # instead of joining every record: a record is an object of its own, and on a big tree most
 # directories a step touches were last touched at the initial build, so joining them reads
-# a hundred cold objects apiece (about a tenth of a 10-file checkpoint on 100,000 files).
+# a hundred cold objects apiece (20-55 µs of a 10-file checkpoint on 100,000 files).
 _PACKED_BUDGET = 16 * 1024 * 1024
 _packed: BoundedMap[bytes, bytes] = BoundedMap(None, _PACKED_BUDGET)
 

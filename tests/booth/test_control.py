@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,6 +184,46 @@ def test_requests_from_one_process_share_a_connection_and_reopen_it_when_the_boo
         os.waitpid(pid, 0)
         assert child_peer["pid"] == pid
         assert control.request({"op": "status"}, path)["peer"]["pid"] == os.getpid()
+
+
+def test_a_child_forked_while_a_thread_waits_on_the_booth_can_still_ask(tmp_path: Path) -> None:
+    booth = Booth()
+    release = threading.Event()
+    handlers = booth.handlers()
+    plain_status = handlers["status"]
+
+    def slow_status(req: dict, peer: Peer) -> dict:
+        release.wait(10)
+        return plain_status(req, peer)
+
+    handlers["status"] = slow_status
+    path = str(tmp_path / "fork.sock")
+    with ControlServer(path, handlers):
+        waiting = threading.Thread(target=control.request, args=({"op": "status"}, path))
+        waiting.start()  # holds this process's connection until the booth answers
+        deadline = time.monotonic() + 10
+        while control._kept_lock.acquire(blocking=False):
+            control._kept_lock.release()  # not taken yet: the thread is still on its way
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                answer = control.request({"op": "checkpoint", "label": "child"}, path, timeout=10)
+                os.write(write_end, str(answer["checkpoint"]).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        release.set()
+        ready, _, _ = select.select([read_end], [], [], 10)
+        got = os.read(read_end, 64) if ready else b""
+        os.close(read_end)
+        if not got:
+            os.kill(pid, signal.SIGKILL)  # stuck on a lock no thread of it will let go
+        os.waitpid(pid, 0)
+        waiting.join()
+    assert got == b"1", "the forked child could not ask the booth"
 
 
 def test_client_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
