@@ -600,6 +600,14 @@ def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
         assert build_base_tree(st, tapes, str(work)) == tree.build_tree(st, work)
 
 
+def _grid(base: Path, dirs: int, files: int) -> None:
+    """``dirs`` directories d0.. of ``files`` small files f00.. each under ``base``."""
+    for d in range(dirs):
+        (base / f"d{d}").mkdir(parents=True)
+        for f in range(files):
+            (base / f"d{d}" / f"f{f:02d}.txt").write_text(f"{d}/{f}\n")
+
+
 def test_every_snapshot_tree_is_canonical_across_many_small_steps(
     tmp_path: Path, store: Store
 ) -> None:
@@ -610,10 +618,7 @@ def test_every_snapshot_tree_is_canonical_across_many_small_steps(
     import random
 
     base = tmp_path / "many"
-    for d in range(3):
-        (base / f"d{d}").mkdir(parents=True)
-        for f in range(25):
-            (base / f"d{d}" / f"f{f:02d}.txt").write_text(f"{d}/{f}\n")
+    _grid(base, 3, 25)
     lay = Layer(base, store, tmp_path / "scratch-many")
     rnd = random.Random(11)
     names = [f"d{d}/f{f:02d}.txt" for d in range(3) for f in range(25)]
@@ -659,10 +664,7 @@ def test_a_directory_first_changed_since_it_was_built_or_read_swaps_into_its_sto
     # read from the store): their first rebuild swaps the changed records into those bytes
     # instead of joining every record again, and must still give the canonical tree.
     base = tmp_path / "wide"
-    for d in range(4):
-        (base / f"d{d}").mkdir(parents=True)
-        for f in range(40):
-            (base / f"d{d}" / f"f{f:02d}.txt").write_text(f"{d}/{f}\n")
+    _grid(base, 4, 40)
     joins: list[int] = []
     real_join = tree.pack_records
 
