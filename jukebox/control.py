@@ -329,7 +329,7 @@ def _forget_kept() -> None:
 os.register_at_fork(after_in_child=_forget_kept)
 
 
-def _open(client: ControlClient | None) -> bool:
+def _usable(client: ControlClient | None) -> bool:
     """Whether a kept connection still serves: not closed by the booth meanwhile (a restarted
     booth, a dropped connection), and holding no stray bytes."""
     if client is None:
@@ -358,7 +358,7 @@ def request(
     key = path or ""
     with _kept_lock:
         client = _kept.get(key)
-        if not _open(client):
+        if not _usable(client):
             if client is not None:
                 client.close()
             _kept.pop(key, None)
