@@ -372,7 +372,6 @@ class Scratch:
         self._outstanding = 0
         self._failed = 0  # pre-creates that failed; only the worker adds to it
         self._held: list[str] | None = None
-        self._held_bytes = 0
         self._later: list[str] = []
         self._later_bytes = 0
         self._pid = os.getpid()
@@ -432,7 +431,7 @@ class Scratch:
         """Remove the staged file at ``path`` (``size`` bytes) in the background."""
         if self._held is not None:
             self._held.append(path)
-            self._held_bytes += size
+            self._later_bytes += size  # held removals all join the waiting ones at unhold
             return
         self._start()
         self._hand_over_later()
@@ -443,7 +442,6 @@ class Scratch:
         per file cost a restore several microseconds each, mostly in the thread switch."""
         if self._held is None:
             self._held = []
-            self._held_bytes = 0
 
     def unhold(self) -> None:
         """End `hold`. The removals wait for the worker's next wake-up (the next create or
@@ -453,7 +451,6 @@ class Scratch:
         if not held:
             return
         self._later += held
-        self._later_bytes += self._held_bytes
         if len(self._later) > self.LATER_FILES or self._later_bytes > self.LATER_BYTES:
             self._start()
             self._hand_over_later()
@@ -1569,11 +1566,10 @@ class Layer:
         held = d.tree_entries
         if held is not None and held[0] == d.oid:
             old, packed = held[1], held[2]
-            if packed is None:
-                packed = trees.packed_bytes(d.oid)  # type: ignore[arg-type]
         else:
-            old = _entries(self.store, d.oid)
-            packed = None if d.oid is None else trees.packed_bytes(d.oid)
+            old, packed = _entries(self.store, d.oid), None
+        if packed is None and d.oid is not None:
+            packed = trees.packed_bytes(d.oid)
         new = dict(old)
         children = d.children
         assert children is not None
