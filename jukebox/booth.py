@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
 from jukebox.basetree import build_base_tree
-from jukebox.control import SOCKET_ENV, ControlServer, Peer
+from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
 from jukebox.tapedir import TapeDir, check_tape_id
@@ -611,7 +611,7 @@ class _Run:
     def find(self, to: str | int) -> Checkpoint:
         if isinstance(to, int):
             if to >= len(self.checkpoints):
-                raise ValueError(
+                raise RequestError(
                     f"no checkpoint {to}: this booth has 0..{len(self.checkpoints) - 1} "
                     "(0 is the start)"
                 )
@@ -620,7 +620,7 @@ class _Run:
             if cp.label == to:
                 return cp
         known = sorted({c.label for c in self.checkpoints if c.label})
-        raise ValueError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
+        raise RequestError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
 
     def rollback(self, to: str | int, peer: Peer | None) -> Checkpoint:
         with self.lock:

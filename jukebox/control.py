@@ -44,6 +44,13 @@ class ControlError(JukeboxError):
     exit_code = 1
 
 
+class ControlRefused(ControlError):
+    """The request itself was wrong (an unknown label or checkpoint number, a malformed field),
+    or there is no booth to ask: bad input, so the CLI exits 2, not 1."""
+
+    exit_code = 2
+
+
 class RequestError(ValueError):
     """A request the server refuses; its message goes back to the client."""
 
@@ -246,10 +253,12 @@ class ControlServer:
         try:
             request = validate(line)
         except RequestError as error:
-            return _encode({"ok": False, "error": str(error)})
+            return _encode({"ok": False, "error": str(error), "refused": True})
         try:
             result = self.handlers[request["op"]](request, peer)
-        except Exception as error:  # the handler refused or failed: the agent hears why
+        except RequestError as error:  # a handler found the request wrong (an unknown label)
+            return _encode({"ok": False, "error": str(error), "refused": True})
+        except Exception as error:  # the handler failed: the agent hears why
             return _encode({"ok": False, "error": str(error) or type(error).__name__})
         return _encode({"ok": True, **result})
 
@@ -264,7 +273,7 @@ class ControlClient:
     def __init__(self, path: str | None = None, timeout: float = 30.0) -> None:
         path = path or os.environ.get(SOCKET_ENV)
         if not path:
-            raise ControlError(
+            raise ControlRefused(
                 f"${SOCKET_ENV} is not set: run this inside a booth (`jukebox booth run -- CMD`)"
             )
         self.path = path
@@ -373,5 +382,6 @@ def request(
             _kept.pop(key, None)
             raise
     if not response.get("ok"):
-        raise ControlError(f"the booth refused {request.get('op')}: {response.get('error')}")
+        error = ControlRefused if response.get("refused") else ControlError
+        raise error(f"the booth refused {request.get('op')}: {response.get('error')}")
     return response

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jukebox import control
-from jukebox.control import ControlClient, ControlError, ControlServer, Peer
+from jukebox.control import ControlClient, ControlError, ControlRefused, ControlServer, Peer
 
 
 class Booth:
@@ -27,6 +27,8 @@ class Booth:
         self.lock = threading.Lock()
 
     def checkpoint(self, req: dict, peer: Peer) -> dict:
+        if req.get("label") == "disk-full":
+            raise OSError("No space left on device")  # a failure, not a wrong request
         with self.lock:
             self.peers.append(peer)
             self.checkpoints.append(req.get("label"))
@@ -37,10 +39,10 @@ class Booth:
         to = req["to"]
         if isinstance(to, str):
             if to not in self.checkpoints:
-                raise ValueError(f"no checkpoint labelled {to!r}")
+                raise control.RequestError(f"no checkpoint labelled {to!r}")
             to = len(self.checkpoints) - 1 - self.checkpoints[::-1].index(to)
         if to >= len(self.checkpoints):
-            raise ValueError(f"no checkpoint {to}")
+            raise control.RequestError(f"no checkpoint {to}")
         self.at = to
         return {"checkpoint": to}
 
@@ -74,14 +76,26 @@ def test_round_trips(served) -> None:
 
 def test_handler_refusal_becomes_an_error_response(served) -> None:
     _, path, _ = served
-    with pytest.raises(ControlError, match="no checkpoint labelled 'nope'"):
+    with pytest.raises(ControlRefused, match="no checkpoint labelled 'nope'") as refused:
         control.request({"op": "rollback", "to": "nope"}, path)
+    assert refused.value.exit_code == 2  # bad input, as the CLI reports it
     with ControlClient(path) as client:
         assert client.call({"op": "rollback", "to": 99}) == {
             "ok": False,
             "error": "no checkpoint 99",
+            "refused": True,
         }
         assert client.call({"op": "status"})["ok"] is True  # same connection still served
+
+
+def test_a_handler_that_fails_is_an_error_not_a_refusal(served) -> None:
+    _, path, _ = served
+    with pytest.raises(ControlError, match="No space left on device") as failed:
+        control.request({"op": "checkpoint", "label": "disk-full"}, path)
+    assert not isinstance(failed.value, ControlRefused) and failed.value.exit_code == 1
+    with ControlClient(path) as client:
+        response = client.call({"op": "checkpoint", "label": "disk-full"})
+    assert response == {"ok": False, "error": "No space left on device"}
 
 
 @pytest.mark.parametrize(
@@ -108,7 +122,7 @@ def test_malformed_requests(served, line: bytes, error: str) -> None:
         s.connect(path)
         s.sendall(line + b"\n")
         response = json.loads(s.makefile("rb").readline())
-    assert response["ok"] is False and error in response["error"]
+    assert response["ok"] is False and error in response["error"] and response["refused"] is True
     assert booth.checkpoints == ["start"]  # nothing happened
     assert control.request({"op": "status"}, path)["ok"]
 
@@ -228,7 +242,7 @@ def test_a_child_forked_while_a_thread_waits_on_the_booth_can_still_ask(tmp_path
 
 def test_client_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(control.SOCKET_ENV, raising=False)
-    with pytest.raises(ControlError, match="JUKEBOX_SOCKET is not set"):
+    with pytest.raises(ControlRefused, match="JUKEBOX_SOCKET is not set"):
         control.request({"op": "status"})
     with pytest.raises(ControlError, match="is the booth still running"):
         control.request({"op": "status"}, str(tmp_path / "gone.sock"))
