@@ -80,6 +80,10 @@ def run(
     from jukebox.booth import run_booth
     from jukebox.breaker import CircuitBreaker
 
+    if cmd[0].startswith("-"):
+        # Unknown options are let through so that CMD's own options need no `--`; one before
+        # CMD is a mistyped option of ours, not a program to run (and to make a tape for).
+        raise click.UsageError(f"no such option: {cmd[0]}; the agent's command goes after `--`")
     breaker = CircuitBreaker.from_options(
         max_cost_usd=max_cost_usd, max_tokens=max_tokens, max_turns=max_turns, max_repeat=max_repeat
     )

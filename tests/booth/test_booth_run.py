@@ -207,3 +207,37 @@ def test_unprivileged_booth(nobody_python: str, nobody_dir: Path, open_dev_fuse:
     assert proc.returncode == 0, proc.stderr
     assert (tree / "a.txt").read_text() == "one\ntwo\n" and (tree / "b.txt").exists()
     assert (tree / "b.txt").stat().st_uid == NOBODY  # root inside, nobody outside
+
+
+def test_a_mistyped_option_before_the_command_is_refused_before_anything_is_made(work) -> None:
+    tree, tapes = work
+    # Not an option of `booth run`: without the check it became the program to run.
+    proc = jb("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--verdict",
+              "discard", "--", "true")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "jukebox: no such option: --verdict; the agent's command goes after `--` "
+        "(see `jukebox booth run --help`)"
+    ]
+    assert not tapes.exists()
+    assert (tree / "a.txt").read_text() == "one\n"
+
+
+def test_requests_the_booth_refuses_exit_2_and_the_agent_carries_on(work) -> None:
+    tree, tapes = work
+    script = (
+        "jukebox booth rollback --to nope; echo rc=$?; "
+        "jukebox booth rollback --to 9; echo rc=$?; "
+        "jukebox booth checkpoint --label ''; echo rc=$?; "
+        "jukebox booth checkpoint --label ok; echo rc=$?"
+    )
+    proc = booth_run(tree, tapes, script, "--commit", "never")
+    assert proc.returncode == 0, proc.stderr
+    assert [line for line in proc.stdout.splitlines() if line.startswith("rc=")] == [
+        "rc=2", "rc=2", "rc=2", "rc=0"
+    ]
+    assert "no checkpoint labelled 'nope'" in proc.stderr
+    assert "no checkpoint 9: this booth has 0..0" in proc.stderr
+    assert "a label must be a non-empty string" in proc.stderr
+    outside = jb("booth", "rollback", "--to", "ok", env={"JUKEBOX_SOCKET": ""})
+    assert outside.returncode == 2 and "JUKEBOX_SOCKET is not set" in outside.stderr
