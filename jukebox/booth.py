@@ -547,6 +547,20 @@ def host_facts() -> dict[str, Any]:
     }
 
 
+def path_reaching_jukebox(path: str) -> str:
+    """The agent's PATH, with the directory of this installation's `jukebox` appended when no
+    `jukebox` is on it: agents checkpoint with `jukebox booth checkpoint`, and a jukebox started
+    from a virtualenv without activating it is not on PATH. Appended, so the agent's own
+    python and tools still come first."""
+    searched = path or os.defpath  # what exec searches when PATH is unset
+    if shutil.which("jukebox", path=searched):
+        return path
+    ours = Path(sys.executable).parent / "jukebox"
+    if not os.access(ours, os.X_OK):
+        return path
+    return f"{searched}{os.pathsep}{ours.parent}"
+
+
 def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
@@ -940,6 +954,7 @@ def run_booth(
         run.spawn = lambda child_spec: llm_session.spawn(isolation.spawn, child_spec)
         env.update(llm_session.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
+        env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
         spec = isolation.ChildSpec(
             argv=argv,
             cwd=agent_cwd,

@@ -241,3 +241,18 @@ def test_requests_the_booth_refuses_exit_2_and_the_agent_carries_on(work) -> Non
     assert "a label must be a non-empty string" in proc.stderr
     outside = jb("booth", "rollback", "--to", "ok", env={"JUKEBOX_SOCKET": ""})
     assert outside.returncode == 2 and "JUKEBOX_SOCKET is not set" in outside.stderr
+
+
+def test_the_agent_reaches_this_jukebox_when_its_path_does_not(work) -> None:
+    tree, tapes = work
+    bin_dir = str(Path(JUKEBOX).parent)
+    env = dict(os.environ, PATH="/usr/bin:/bin")  # a venv's jukebox, run without activating it
+    proc = subprocess.run(
+        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
+         "t1", "--", "sh", "-c", 'jukebox booth checkpoint --label here && echo "PATH=$PATH"'],
+        capture_output=True, text=True, cwd="/", env=env, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint 1 (here)" in proc.stdout
+    # Appended: the agent's own tools (python, pip) still come first.
+    assert f"PATH=/usr/bin:/bin:{bin_dir}\n" in proc.stdout
