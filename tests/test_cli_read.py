@@ -111,6 +111,23 @@ def test_bad_arguments_get_one_line_exit_2(recorded: Path, jukebox_cli) -> None:
     assert "--bogus" in one_line_error(jukebox_cli("ls", "--bogus"), 2)
 
 
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (("verify", "tr_demo@1"), "drop the @1"),
+        (("log", "tr_demo@1"), "drop the @1"),
+        (("replay", "tr_demo@1"), "--exec --until 1 serves frames 0..1"),
+        (("replay", "tr_demo@1", "--exec"), "--until 1 serves frames 0..1"),
+        (("fork", "tr_demo@1", "--at", "2", "--model", "m"), "--at 1"),
+    ],
+)
+def test_a_frame_given_to_a_whole_tape_command_is_refused_not_ignored(
+    recorded: Path, jukebox_cli, args: tuple[str, ...], hint: str
+) -> None:
+    error = one_line_error(jukebox_cli(*args), 2)
+    assert f"`jukebox {args[0]}` takes a whole tape, not frame @1" in error and hint in error
+
+
 def test_diff_between_frames_names_changes(recorded: Path, jukebox_cli) -> None:
     out = jukebox_cli("diff", "tr_demo@0", "tr_demo@2", "--patch", check=True).stdout
     assert "2 change(s)" in out

@@ -39,6 +39,16 @@ def load(ref):
     return Tape.load(ref.path, open_store(ref.tape_dir))
 
 
+def whole_tape(ref, command: str, instead: str) -> None:
+    """Refuse TAPE@N where ``command`` works on a whole tape: the frame would be ignored."""
+    if ref.frame is not None:
+        from jukebox.errors import UsageError
+
+        raise UsageError(
+            f"`jukebox {command}` takes a whole tape, not frame @{ref.frame}: {instead}"
+        )
+
+
 def check_frame(tape, ref) -> int:
     n = ref.frame if ref.frame is not None else len(tape.frames) - 1
     if not 0 <= n < len(tape.frames):
@@ -154,6 +164,7 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     from jukebox.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
+    whole_tape(ref, "log", f"drop the @{ref.frame}")
     loaded = load(ref)
     if as_json:
         emit_json(
@@ -193,6 +204,7 @@ def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     from jukebox.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
+    whole_tape(ref, "verify", f"drop the @{ref.frame} (every frame's hash covers the ones before)")
     result = verify_report(load(ref))
     report = result.pop("_report")
     if as_json:
@@ -306,6 +318,10 @@ def replay_command(
             "--strict, --loose, --until, --no-record and --fs re-execute the run: add --exec"
         )
     ref = TapeRef.parse(tape, tape_dir)
+    n = ref.frame
+    whole_tape(
+        ref, "replay", f"drop the @{n} (--exec --until {n} serves frames 0..{n}, then goes live)"
+    )
     loaded = load(ref)
     result = verify_report(loaded)
     report = result.pop("_report")

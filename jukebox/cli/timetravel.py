@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
-from jukebox.cli.tapes import emit_json, tape_argument, tape_dir_option
+from jukebox.cli.tapes import emit_json, tape_argument, tape_dir_option, whole_tape
 
 
 def run_replay_exec(
@@ -27,6 +27,8 @@ def run_replay_exec(
     from jukebox.timetravel import replay_exec
 
     ref = TapeRef.parse(tape, tape_dir)
+    n = ref.frame
+    whole_tape(ref, "replay", f"drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
     result = replay_exec(ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs)
     # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
     # except the --json result, which comes last on stdout.
@@ -84,6 +86,7 @@ def fork_command(
     from jukebox.timetravel import fork
 
     ref = TapeRef.parse(tape, tape_dir)
+    whole_tape(ref, "fork", f"name the frame with --at {ref.frame}")
     result = fork(
         ref.path,
         at,
