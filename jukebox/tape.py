@@ -625,7 +625,12 @@ class TapeWriter:
         refs: Iterable[bytes] = (),
         tree: bytes | None = None,
         time_ns: int | None = None,
+        *,
+        refs_durable: bool = False,
     ) -> Frame:
+        """Write one frame. Objects it references are made durable first (`Store.flush`),
+        unless ``refs_durable``: the caller flushed the store after they were put (a group
+        commit), and only objects this call spills from the payload need the flush."""
         if kind not in KNOWN_KINDS:
             raise ValueError(
                 f"unknown frame kind {kind!r}; use one of {', '.join(sorted(KNOWN_KINDS))}"
@@ -677,7 +682,8 @@ class TapeWriter:
                         "this frame references store objects but the tape writer has no store; "
                         "open the writer with the store that holds them"
                     )
-                self.store.flush()
+                if spilled or not refs_durable:
+                    self.store.flush()
             record = LENGTH.pack(len(raw)) + raw + digest
             written = os.write(fd, record)
             if written != len(record):

@@ -543,3 +543,24 @@ def test_open_append_on_a_tape_with_no_frames_yet(tmp_path: Path) -> None:
     with pytest.raises(NotATape):
         TapeWriter.open_append(foreign, None)
     assert foreign.read_bytes().startswith(b"SQLite")
+
+
+def test_refs_the_caller_made_durable_are_not_flushed_again_but_spilled_objects_are(
+    tmp_path: Path,
+) -> None:
+    with Store.open(tmp_path / "store") as store:
+        w = TapeWriter.create(tmp_path / "t.jbx", store, "t1", fsync=False)
+        w.append("run_start", {})
+        oid = store.put("blob", b"put, not flushed")
+        # A group commit flushes before it writes its frames; a second flush per frame would
+        # fsync, under its lock, what checkpoints put meanwhile.
+        w.append("note", {"event": "a"}, refs=[oid], refs_durable=True)
+        with Store.open(tmp_path / "store", create=False) as other:
+            assert not other.has(oid)
+        big = w.append("note", {"event": "b", "log": "x" * (SPILL_THRESHOLD + 1)},
+                       refs=[oid], refs_durable=True)
+        spilled = [r for r in big.refs if r != oid]
+        assert len(spilled) == 1
+        with Store.open(tmp_path / "store", create=False) as other:
+            assert other.has(spilled[0]) and other.has(oid)
+        w.close()
