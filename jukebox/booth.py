@@ -306,6 +306,10 @@ class GroupTape:
     them, keeping the tape in request order; the rest are written at once (one write(2), so a
     killed supervisor loses none of them) and fdatasynced by the same flush. `sync` runs before
     anything leaves the booth: a commit to the real tree, a verdict, the end of the run.
+
+    The background flush takes the waiting frames off the queue and makes their objects durable
+    without the lock: a checkpoint arriving during that fsync (tens of ms on a busy disk) queues
+    its frame behind them instead of waiting for the disk.
     """
 
     def __init__(self, writer: Any, store: Any, delay: float = GROUP_DELAY) -> None:
@@ -318,6 +322,10 @@ class GroupTape:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: list[tuple[str, dict[str, Any], tuple[bytes, ...], Any, int]] = []
+        # Frames the background flush took off the queue and has not written yet; appends queue
+        # behind them, and `sync` waits for them.
+        self._in_flight = 0
+        self._landed = threading.Condition(self._lock)
         self._unsynced = False
         self._due: float | None = None
         self._error: BaseException | None = None
@@ -333,7 +341,7 @@ class GroupTape:
     @property
     def count(self) -> int:
         """Frames appended, including those waiting for their flush."""
-        return self.writer.count + len(self._queue)
+        return self.writer.count + self._in_flight + len(self._queue)
 
     def append(
         self,
@@ -348,8 +356,8 @@ class GroupTape:
         snapshot's), so it waits for the next flush instead of the store flushing now."""
         with self._lock:
             self._raise_error()
-            seq = self.writer.count + len(self._queue)
-            if defer or self._queue:
+            seq = self.writer.count + self._in_flight + len(self._queue)
+            if defer or self._queue or self._in_flight:
                 self._queue.append((kind, payload, tuple(refs), tree, time.time_ns()))
             else:
                 seq = self.writer.append(kind, payload, refs=refs, tree=tree).seq
@@ -373,6 +381,8 @@ class GroupTape:
 
     def _write_queued(self) -> None:
         """With the lock held: the queued frames go to the tape, their objects flushed first."""
+        while self._in_flight:
+            self._landed.wait()
         if self._queue:
             self.store.flush()
             for kind, payload, refs, tree, t in self._queue:
@@ -401,14 +411,35 @@ class GroupTape:
                 if self._closing:
                     return
                 self._due = None
+                batch, self._queue = self._queue, []
+                self._in_flight = len(batch)
+            try:
+                if batch:
+                    self.store.flush()  # unlocked: see the class docstring
+            except Exception as exc:  # reported by the next append or sync
+                with self._lock:
+                    self._queue[:0] = batch
+                    self._in_flight = 0
+                    self._error = exc
+                    self._landed.notify_all()
+                continue
+            with self._lock:
                 try:
-                    # The store's fsync runs before the lock matters to anyone: checkpoints
-                    # arriving meanwhile queue behind the frames being written.
-                    self._write_queued()
+                    for kind, payload, refs, tree, t in batch:
+                        # Flushed above: a second flush here would fsync, under the lock, what
+                        # checkpoints put meanwhile.
+                        self.writer.append(
+                            kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=True
+                        )
+                    if batch:
+                        self._unsynced = True
                     unsynced, self._unsynced = self._unsynced, False
-                except Exception as exc:  # reported by the next append or sync
+                except Exception as exc:
                     self._error = exc
                     continue
+                finally:
+                    self._in_flight = 0
+                    self._landed.notify_all()
             if unsynced:
                 try:
                     os.fdatasync(self._fd)

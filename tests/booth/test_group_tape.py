@@ -1,0 +1,104 @@
+"""The booth's group-commit tape writer: checkpoints never wait for the disk's fsync."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jukebox.booth import GroupTape
+from jukebox.tape import Tape, TapeWriter
+from shadowfs.store import Store
+
+
+class GatedStore:
+    """A real store whose flush waits at a gate first: it holds the group commit mid-flush, as
+    a slow fsync does, for as long as the test needs."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def flush(self) -> None:
+        self.entered.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        self.store.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_checkpoint_queues_behind_a_flush_in_progress_instead_of_waiting_for_it(
+    tmp_path: Path,
+) -> None:
+    with Store.open(tmp_path / "store", create=True) as store:
+        gated = GatedStore(store)
+        writer = TapeWriter.create(tmp_path / "t1.jbx", store, "t1", fsync=False)
+        tape = GroupTape(writer, gated, delay=0.01)
+        tape.append("run_start", {"tape_id": "t1"})
+        tape.start()
+        gated.gate.clear()
+        first = store.put("blob", b"step one")
+        assert tape.append("checkpoint", {"n": 1}, refs=[first], defer=True) == 1
+        assert gated.entered.wait(5), "the group commit never started"
+
+        # The flush is stuck in its fsync; a checkpoint and a plain frame arrive meanwhile.
+        got: list[int] = []
+
+        def arrive() -> None:
+            second = store.put("blob", b"step two")
+            got.append(tape.append("checkpoint", {"n": 2}, refs=[second], defer=True))
+            got.append(tape.append("note", {"event": "after"}))
+
+        arriving = threading.Thread(target=arrive)
+        arriving.start()
+        arriving.join(5)
+        assert not arriving.is_alive(), "an append waited for the flush in progress"
+        assert got == [2, 3] and tape.count == 4
+
+        # A sync (before a commit or a verdict) must wait for the frames in flight.
+        syncing = threading.Thread(target=tape.sync)
+        syncing.start()
+        time.sleep(0.2)
+        assert syncing.is_alive(), "sync returned while frames were still in flight"
+        gated.gate.set()
+        syncing.join(10)
+        assert not syncing.is_alive()
+        tape.close()
+
+        recorded = Tape.load(tmp_path / "t1.jbx", store)
+        assert [(f.kind, f.payload.get("n")) for f in recorded.frames] == [
+            ("run_start", None),
+            ("checkpoint", 1),
+            ("checkpoint", 2),
+            ("note", None),
+        ]
+        assert recorded.verify(check_objects=True).ok
+
+
+def test_a_failed_group_commit_writes_no_frame_naming_objects_not_on_disk(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "store", create=True) as store:
+
+        class FailingStore(GatedStore):
+            def flush(self) -> None:
+                self.entered.set()
+                raise OSError(28, "No space left on device")
+
+        failing = FailingStore(store)
+        writer = TapeWriter.create(tmp_path / "t1.jbx", store, "t1", fsync=False)
+        tape = GroupTape(writer, failing, delay=0.01)
+        tape.append("run_start", {"tape_id": "t1"})
+        tape.start()
+        oid = store.put("blob", b"step")
+        tape.append("checkpoint", {"n": 1}, refs=[oid], defer=True)
+        assert failing.entered.wait(5)
+        with pytest.raises(Exception, match="No space left on device"):
+            tape.sync()
+        with pytest.raises(Exception, match="No space left on device"):
+            tape.close()
+        assert [f.kind for f in Tape.load(tmp_path / "t1.jbx", store).frames] == ["run_start"]
