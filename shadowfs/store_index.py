@@ -22,8 +22,9 @@ from shadowfs.pack import header_len, pack_name_ok
 FORMAT = "1"
 BUSY_TIMEOUT_S = 60.0
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS objects (
+# One statement each: executescript would commit the open's write transaction first.
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS objects (
     oid BLOB PRIMARY KEY,
     kind TEXT NOT NULL,
     pack TEXT NOT NULL,
@@ -34,10 +35,10 @@ CREATE TABLE IF NOT EXISTS objects (
     delta_base BLOB,
     depth INTEGER NOT NULL,
     created INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS packs (name TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
-"""
+) WITHOUT ROWID""",
+    "CREATE TABLE IF NOT EXISTS packs (name TEXT PRIMARY KEY, size INTEGER NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+)
 
 _COLUMNS = "oid, kind, pack, offset, stored_len, raw_len, size, delta_base, depth, created"
 
@@ -120,6 +121,32 @@ def _damaged(path: Path, exc: Exception) -> StoreError:
     )
 
 
+def _prepare(conn: sqlite3.Connection, wal: bool) -> str:
+    """Set the connection up and make sure the tables exist; return the index's format.
+
+    The writes take the write lock up front (BEGIN IMMEDIATE), where sqlite waits out other
+    writers for the busy timeout: as autocommit statements they began as readers, and one that
+    found another process's commit newer than its snapshot failed at once with "database is
+    locked" (a store opened while another process flushed into it)."""
+    if wal and conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+        conn.execute("PRAGMA journal_mode=WAL")
+    # NORMAL loses at most the last commits on power loss; the packs hold those records
+    # and Store re-adopts any pack tail the index does not cover.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _SCHEMA:
+            conn.execute(statement)
+        conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
+        (fmt,) = conn.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    return fmt
+
+
 class StoreIndex:
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
@@ -138,14 +165,7 @@ class StoreIndex:
         except sqlite3.Error as exc:
             raise _damaged(path, exc) from None
         try:
-            if wal:
-                conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL loses at most the last commits on power loss; the packs hold those records
-            # and Store re-adopts any pack tail the index does not cover.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.executescript(_SCHEMA)
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
-            (fmt,) = conn.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+            fmt = _prepare(conn, wal)
         except (*_UNREADABLE, TypeError, ValueError) as exc:
             conn.close()
             raise _damaged(path, exc) from None
