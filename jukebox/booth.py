@@ -309,7 +309,8 @@ class GroupTape:
 
     The background flush takes the waiting frames off the queue and makes their objects durable
     without the lock: a checkpoint arriving during that fsync (tens of ms on a busy disk) queues
-    its frame behind them instead of waiting for the disk.
+    its frame behind them instead of waiting for the disk. Other frames that queued only behind
+    those in flight are written with them, not a flush later.
     """
 
     def __init__(self, writer: Any, store: Any, delay: float = GROUP_DELAY) -> None:
@@ -321,7 +322,8 @@ class GroupTape:
         self._fd = os.open(writer.path, os.O_RDONLY | os.O_CLOEXEC)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queue: list[tuple[str, dict[str, Any], tuple[bytes, ...], Any, int]] = []
+        # (kind, payload, refs, tree, time_ns, deferred): deferred frames wait for a flush.
+        self._queue: list[tuple[str, dict[str, Any], tuple[bytes, ...], Any, int, bool]] = []
         # Frames the background flush took off the queue and has not written yet; appends queue
         # behind them, and `sync` waits for them.
         self._in_flight = 0
@@ -358,7 +360,7 @@ class GroupTape:
             self._raise_error()
             seq = self.writer.count + self._in_flight + len(self._queue)
             if defer or self._queue or self._in_flight:
-                self._queue.append((kind, payload, tuple(refs), tree, time.time_ns()))
+                self._queue.append((kind, payload, tuple(refs), tree, time.time_ns(), defer))
             else:
                 seq = self.writer.append(kind, payload, refs=refs, tree=tree).seq
                 self._unsynced = True
@@ -385,7 +387,7 @@ class GroupTape:
             self._landed.wait()
         if self._queue:
             self.store.flush()
-            for kind, payload, refs, tree, t in self._queue:
+            for kind, payload, refs, tree, t, _ in self._queue:
                 self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t)
             self._queue.clear()
             self._unsynced = True
@@ -425,13 +427,20 @@ class GroupTape:
                 continue
             with self._lock:
                 try:
-                    for kind, payload, refs, tree, t in batch:
+                    for kind, payload, refs, tree, t, _ in batch:
                         # Flushed above: a second flush here would fsync, under the lock, what
                         # checkpoints put meanwhile.
                         self.writer.append(
                             kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=True
                         )
-                    if batch:
+                    # Frames that queued only because the batch was in flight are written now,
+                    # as they would have been had they come after it.
+                    wrote = bool(batch)
+                    while self._queue and not self._queue[0][5]:
+                        kind, payload, refs, tree, t, _ = self._queue.pop(0)
+                        self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t)
+                        wrote = True
+                    if wrote:
                         self._unsynced = True
                     unsynced, self._unsynced = self._unsynced, False
                 except Exception as exc:

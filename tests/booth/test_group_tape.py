@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,9 @@ class GatedStore:
         return getattr(self.store, name)
 
 
-def test_a_checkpoint_queues_behind_a_flush_in_progress_instead_of_waiting_for_it(
-    tmp_path: Path,
-) -> None:
+@contextlib.contextmanager
+def flush_held(tmp_path: Path) -> Iterator[tuple[Store, GatedStore, GroupTape]]:
+    """A started group-commit tape whose first checkpoint's flush is held at the gate."""
     with Store.open(tmp_path / "store", create=True) as store:
         gated = GatedStore(store)
         writer = TapeWriter.create(tmp_path / "t1.jbx", store, "t1", fsync=False)
@@ -46,7 +48,16 @@ def test_a_checkpoint_queues_behind_a_flush_in_progress_instead_of_waiting_for_i
         first = store.put("blob", b"step one")
         assert tape.append("checkpoint", {"n": 1}, refs=[first], defer=True) == 1
         assert gated.entered.wait(5), "the group commit never started"
+        try:
+            yield store, gated, tape
+        finally:
+            gated.gate.set()
 
+
+def test_a_checkpoint_queues_behind_a_flush_in_progress_instead_of_waiting_for_it(
+    tmp_path: Path,
+) -> None:
+    with flush_held(tmp_path) as (store, gated, tape):
         # The flush is stuck in its fsync; a checkpoint and a plain frame arrive meanwhile.
         got: list[int] = []
 
@@ -79,6 +90,21 @@ def test_a_checkpoint_queues_behind_a_flush_in_progress_instead_of_waiting_for_i
             ("note", None),
         ]
         assert recorded.verify(check_objects=True).ok
+
+
+def test_a_plain_frame_that_came_during_the_flush_is_written_with_it_not_a_round_later(
+    tmp_path: Path,
+) -> None:
+    with flush_held(tmp_path) as (_, gated, tape):
+        tape.delay = 30.0  # the next round is far off: only the batch can write the note
+        assert tape.append("note", {"event": "during the flush"}) == 2
+        gated.gate.set()
+        deadline = time.monotonic() + 10
+        while len(Tape.load(tmp_path / "t1.jbx").frames) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kinds = [f.kind for f in Tape.load(tmp_path / "t1.jbx").frames]
+        assert kinds == ["run_start", "checkpoint", "note"]
+        tape.close()
 
 
 def test_a_failed_group_commit_writes_no_frame_naming_objects_not_on_disk(tmp_path: Path) -> None:
