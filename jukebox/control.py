@@ -252,11 +252,8 @@ class ControlServer:
         self.requests += 1
         try:
             request = validate(line)
-        except RequestError as error:
-            return _encode({"ok": False, "error": str(error), "refused": True})
-        try:
             result = self.handlers[request["op"]](request, peer)
-        except RequestError as error:  # a handler found the request wrong (an unknown label)
+        except RequestError as error:  # malformed, or naming what the booth lacks (a label)
             return _encode({"ok": False, "error": str(error), "refused": True})
         except Exception as error:  # the handler failed: the agent hears why
             return _encode({"ok": False, "error": str(error) or type(error).__name__})

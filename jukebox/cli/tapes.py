@@ -40,13 +40,14 @@ def load(ref):
 
 
 def whole_tape(ref, command: str, instead: str) -> None:
-    """Refuse TAPE@N where ``command`` works on a whole tape: the frame would be ignored."""
-    if ref.frame is not None:
+    """Refuse TAPE@N where ``command`` works on a whole tape: the frame would be ignored.
+    ``instead`` says what to do, with ``{n}`` for the frame given."""
+    n = ref.frame
+    if n is not None:
         from jukebox.errors import UsageError
 
-        raise UsageError(
-            f"`jukebox {command}` takes a whole tape, not frame @{ref.frame}: {instead}"
-        )
+        raise UsageError(f"`jukebox {command}` takes a whole tape, not frame @{n}: "
+                         + instead.format(n=n))
 
 
 def check_frame(tape, ref) -> int:
@@ -164,7 +165,7 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     from jukebox.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
-    whole_tape(ref, "log", f"drop the @{ref.frame}")
+    whole_tape(ref, "log", "drop the @{n}")
     loaded = load(ref)
     if as_json:
         emit_json(
@@ -204,7 +205,7 @@ def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     from jukebox.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
-    whole_tape(ref, "verify", f"drop the @{ref.frame} (every frame's hash covers the ones before)")
+    whole_tape(ref, "verify", "drop the @{n} (every frame's hash covers the ones before)")
     result = verify_report(load(ref))
     report = result.pop("_report")
     if as_json:
@@ -318,9 +319,8 @@ def replay_command(
             "--strict, --loose, --until, --no-record and --fs re-execute the run: add --exec"
         )
     ref = TapeRef.parse(tape, tape_dir)
-    n = ref.frame
     whole_tape(
-        ref, "replay", f"drop the @{n} (--exec --until {n} serves frames 0..{n}, then goes live)"
+        ref, "replay", "drop the @{n} (--exec --until {n} serves frames 0..{n}, then goes live)"
     )
     loaded = load(ref)
     result = verify_report(loaded)

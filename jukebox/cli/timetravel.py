@@ -27,8 +27,7 @@ def run_replay_exec(
     from jukebox.timetravel import replay_exec
 
     ref = TapeRef.parse(tape, tape_dir)
-    n = ref.frame
-    whole_tape(ref, "replay", f"drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
+    whole_tape(ref, "replay", "drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
     result = replay_exec(ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs)
     # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
     # except the --json result, which comes last on stdout.
@@ -86,7 +85,7 @@ def fork_command(
     from jukebox.timetravel import fork
 
     ref = TapeRef.parse(tape, tape_dir)
-    whole_tape(ref, "fork", f"name the frame with --at {ref.frame}")
+    whole_tape(ref, "fork", "name the frame with --at {n}")
     result = fork(
         ref.path,
         at,
