@@ -121,32 +121,6 @@ def _damaged(path: Path, exc: Exception) -> StoreError:
     )
 
 
-def _prepare(conn: sqlite3.Connection, wal: bool) -> str:
-    """Set the connection up and make sure the tables exist; return the index's format.
-
-    The writes take the write lock up front (BEGIN IMMEDIATE), where sqlite waits out other
-    writers for the busy timeout: as autocommit statements they began as readers, and one that
-    found another process's commit newer than its snapshot failed at once with "database is
-    locked" (a store opened while another process flushed into it)."""
-    if wal and conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-        conn.execute("PRAGMA journal_mode=WAL")
-    # NORMAL loses at most the last commits on power loss; the packs hold those records
-    # and Store re-adopts any pack tail the index does not cover.
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        for statement in _SCHEMA:
-            conn.execute(statement)
-        conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
-        (fmt,) = conn.execute("SELECT value FROM meta WHERE key='format'").fetchone()
-        conn.execute("COMMIT")
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-        raise
-    return fmt
-
-
 class StoreIndex:
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
@@ -164,8 +138,25 @@ class StoreIndex:
             )
         except sqlite3.Error as exc:
             raise _damaged(path, exc) from None
+        index = cls(path, conn)
         try:
-            fmt = _prepare(conn, wal)
+            if wal and conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL loses at most the last commits on power loss; the packs hold those records
+            # and Store re-adopts any pack tail the index does not cover.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            # In one write transaction taken up front, which waits out other writers: as
+            # autocommit statements these began as readers, and one that found another
+            # process's commit newer than its snapshot failed at once with "database is locked"
+            # (a store opened while another process flushed into it).
+            with index.write():
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", (FORMAT,))
+                (fmt,) = conn.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+        except StoreError:
+            conn.close()
+            raise
         except (*_UNREADABLE, TypeError, ValueError) as exc:
             conn.close()
             raise _damaged(path, exc) from None
@@ -175,7 +166,7 @@ class StoreIndex:
                 f"the store index {path} has format {fmt}, this version reads {FORMAT}; "
                 "delete it and reopen the store to rebuild it"
             )
-        return cls(path, conn)
+        return index
 
     def close(self) -> None:
         with self._lock:
