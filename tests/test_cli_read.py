@@ -109,6 +109,10 @@ def test_bad_arguments_get_one_line_exit_2(recorded: Path, jukebox_cli) -> None:
     assert "there is no frame 9" in one_line_error(jukebox_cli("diff", "tr_demo@9"), 2)
     assert "bad frame selector" in one_line_error(jukebox_cli("diff", "tr_demo@x"), 2)
     assert "--bogus" in one_line_error(jukebox_cli("ls", "--bogus"), 2)
+    # A mistyped --tape-dir is an error for both listings, not an empty list.
+    for listing in (("ls",), ("booth", "ls")):
+        missing = one_line_error(jukebox_cli(*listing, "--tape-dir", "/nonexistent-tapes"), 2)
+        assert "no tape dir at /nonexistent-tapes" in missing
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.tapes import listed_tape_dir, tape_dir_option
 
 
 @cli.group()
@@ -112,13 +114,13 @@ def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
 
 
 @booth.command("ls")
-@click.option("--tape-dir", default=None)
+@tape_dir_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per booth.")
-def ls(tape_dir: str | None, as_json: bool) -> None:
+def ls(tape_dir: Path | None, as_json: bool) -> None:
     """List pending booths."""
     from jukebox.booth import list_booths
 
-    records = list_booths(_tape_dir(tape_dir))
+    records = list_booths(listed_tape_dir(tape_dir))
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=1))
         return

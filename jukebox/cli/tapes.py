@@ -39,6 +39,18 @@ def load(ref):
     return Tape.load(ref.path, open_store(ref.tape_dir))
 
 
+def listed_tape_dir(tape_dir: Path | None):  # type: ignore[no-untyped-def]
+    """The tape dir a listing reads. One named with --tape-dir must exist: a mistyped path
+    would list nothing and look like an empty dir."""
+    from jukebox.errors import UsageError
+    from jukebox.tapedir import TapeDir
+
+    home = TapeDir.resolve(tape_dir)
+    if tape_dir is not None and not home.path.exists():
+        raise UsageError(f"no tape dir at {home.path}: check the path, or run a booth to create it")
+    return home
+
+
 def whole_tape(ref, command: str, instead: str) -> None:
     """Refuse TAPE@N where ``command`` works on a whole tape: the frame would be ignored.
     ``instead`` says what to do, with ``{n}`` for the frame given."""
@@ -70,13 +82,8 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
     from jukebox.errors import JukeboxError
     from jukebox.render import money, table
     from jukebox.tape import Tape
-    from jukebox.tapedir import TapeDir
 
-    home = TapeDir.resolve(tape_dir)
-    if tape_dir is not None and not home.path.exists():
-        raise JukeboxError(
-            f"no tape dir at {home.path}: check the path, or run a booth to create it"
-        )
+    home = listed_tape_dir(tape_dir)
     rows = []
     for path in home.tape_paths():
         try:
