@@ -387,10 +387,16 @@ class GroupTape:
             self._landed.wait()
         if self._queue:
             self.store.flush()
-            for kind, payload, refs, tree, t, _ in self._queue:
-                self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t)
+            self._write_flushed(self._queue)
             self._queue.clear()
             self._unsynced = True
+
+    def _write_flushed(self, frames: list[tuple[Any, ...]]) -> None:
+        """With the lock held: ``frames`` to the tape, the store flushed since their objects
+        were put. The writer is told so: its own flush per frame would fsync, under the lock,
+        what checkpoints put meanwhile."""
+        for kind, payload, refs, tree, t, _ in frames:
+            self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=True)
 
     def sync(self) -> None:
         """Everything appended so far durable now: objects, then frames, then one fdatasync."""
@@ -427,12 +433,7 @@ class GroupTape:
                 continue
             with self._lock:
                 try:
-                    for kind, payload, refs, tree, t, _ in batch:
-                        # Flushed above: a second flush here would fsync, under the lock, what
-                        # checkpoints put meanwhile.
-                        self.writer.append(
-                            kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=True
-                        )
+                    self._write_flushed(batch)
                     # Frames that queued only because the batch was in flight are written now,
                     # as they would have been had they come after it.
                     wrote = bool(batch)
