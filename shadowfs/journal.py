@@ -6,6 +6,9 @@ with the paths involved (bytes, relative to the layer root), the pid of the proc
 for writes the offset and length. Data bytes are not journalled: the snapshot's tree holds the
 resulting content, the journal says who changed what, where and when.
 
+A setattr that changes nothing but ctime records nothing: with the writeback cache the kernel
+sends a file's unchanged mtime back after every unlink and rename of it.
+
 Consecutive writes through the same open file that continue exactly where the previous one ended
 are coalesced into one record (``length`` grows, ``time_ns`` stays the first write's), so a
 sequential 100 MB write costs one record, not 800.

@@ -355,8 +355,9 @@ class Scratch:
 
     LOW = 16
     BATCH = 64
-    # Removals a rollback hands over wait for the worker's next wake-up, up to these bounds:
-    # waking a sleeping thread cost 16-21 µs, a sixth of a 10-file rollback.
+    # Removals wait for the worker's next wake-up (a create's batch, or close), up to these
+    # bounds: waking a sleeping thread cost 16-21 µs, a sixth of a 10-file rollback, and a
+    # wake-up per FORGET was a tenth of the daemon's time in `rm -rf` of 1,000 new files.
     LATER_FILES = 256
     LATER_BYTES = 64 * 1024 * 1024
 
@@ -371,7 +372,7 @@ class Scratch:
         self._thread: threading.Thread | None = None
         self._outstanding = 0
         self._failed = 0  # pre-creates that failed; only the worker adds to it
-        self._held: list[str] | None = None
+        self._held = False
         self._later: list[str] = []
         self._later_bytes = 0
         self._pid = os.getpid()
@@ -392,8 +393,6 @@ class Scratch:
                 if kind == "create":
                     ino = arg
                     self._ready.append((ino, os.open(f"{self.directory}/{ino}", flags, 0o600)))
-                elif kind == "unlink":
-                    os.unlink(arg)
                 else:
                     for path in arg:
                         with contextlib.suppress(OSError):
@@ -428,29 +427,27 @@ class Scratch:
             self._jobs.put(("create", ino))
 
     def remove(self, path: str, size: int = 0) -> None:
-        """Remove the staged file at ``path`` (``size`` bytes) in the background."""
-        if self._held is not None:
-            self._held.append(path)
-            self._later_bytes += size  # held removals all join the waiting ones at unhold
-            return
-        self._start()
-        self._hand_over_later()
-        self._jobs.put(("unlink", path))
+        """Remove the staged file at ``path`` (``size`` bytes) in the background: at the
+        worker's next wake-up (the next batch of creates, or close), or at once when more than
+        LATER_FILES files or LATER_BYTES bytes wait. The file is unreachable (inode numbers are
+        never reused), so only its disk space waits."""
+        if self._pid != os.getpid():
+            self._reset()  # a forked child: the parent's waiting removals are the parent's
+        self._later.append(path)
+        self._later_bytes += size
+        if not self._held:
+            self._hand_over_if_due()
 
     def hold(self) -> None:
-        """Collect removals until `unhold`, which hands them over at once: waking the worker
-        per file cost a restore several microseconds each, mostly in the thread switch."""
-        if self._held is None:
-            self._held = []
+        """Keep removals waiting, past the bounds too, until `unhold` (a restore, which may
+        drop many files at once, checks the bounds once at its end)."""
+        self._held = True
 
     def unhold(self) -> None:
-        """End `hold`. The removals wait for the worker's next wake-up (the next create or
-        removal), unless more than LATER_FILES files or LATER_BYTES bytes are waiting: the
-        files are unreachable (inode numbers are never reused), so only their disk space waits."""
-        held, self._held = self._held, None
-        if not held:
-            return
-        self._later += held
+        self._held = False
+        self._hand_over_if_due()
+
+    def _hand_over_if_due(self) -> None:
         if len(self._later) > self.LATER_FILES or self._later_bytes > self.LATER_BYTES:
             self._start()
             self._hand_over_later()
@@ -1386,6 +1383,16 @@ class Layer:
     ) -> Node:
         node = self.attrs(self.node(ino))
         now = time.time_ns()
+        if atime_ns is not None and clamp_time_ns(atime_ns) == node.atime_ns:
+            atime_ns = None
+        if mtime_ns is not None and clamp_time_ns(mtime_ns) == node.mtime_ns:
+            # What the node holds already: with a writeback cache the kernel sends back the
+            # mtime it has, unchanged, after every unlink and rename of a file (with the new
+            # ctime). No op for the journal, and nothing for the next snapshot to rebuild.
+            mtime_ns = None
+        if (size, mode, uid, gid, atime_ns, mtime_ns) == (None,) * 6:
+            node.ctime_ns = now
+            return node
         path = self.path_of(node.links[0][0], node.links[0][1]) if node.links else b""
         if size is not None:
             if node.fmt == S_IFDIR:

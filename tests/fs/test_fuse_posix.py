@@ -446,3 +446,29 @@ def test_journal_names_the_process_behind_each_change(
     assert ("rename", (b"README", b"README.old")) in mine
     writes = [o for o in ops if o.op == "write" and o.paths == (b"by_child",)]
     assert sum(o.length for o in writes) == 100 and writes[0].pid == pid
+
+
+def test_the_kernels_flush_of_unchanged_times_is_not_a_journalled_change(
+    mount: Path, layer: Layer, store: Store
+) -> None:
+    # With the writeback cache the kernel sends each file's mtime back (a setattr) after every
+    # unlink and rename. Those are not the agent's changes: before, each one put a utimens op
+    # in the journal (on "", the root, for an unlinked file) and marked the directory changed.
+    (mount / "kept").write_text("kept\n")
+    (mount / "doomed").write_text("doomed\n")
+    os.utime(mount / "kept", ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+    os.sync()
+    layer.snapshot()
+    os.rename(mount / "kept", mount / "moved")
+    os.unlink(mount / "doomed")
+    t, journal = layer.snapshot()
+    ops = [(o.op, o.paths) for o in decode_journal(store.get(journal))]
+    assert ops == [("rename", (b"kept", b"moved")), ("unlink", (b"doomed",))]
+    e = tree.lookup(store, t, b"moved")
+    assert e is not None and e.mtime_ns == 1_600_000_000_000_000_000
+    # A real change of times is still journalled and snapshotted.
+    os.utime(mount / "moved", ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    t, journal = layer.snapshot()
+    assert [o.op for o in decode_journal(store.get(journal))] == ["utimens"]
+    e = tree.lookup(store, t, b"moved")
+    assert e is not None and e.mtime_ns == 1_700_000_000_000_000_000

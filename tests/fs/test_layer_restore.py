@@ -108,9 +108,10 @@ def test_a_rolled_back_file_gets_a_new_inode_number_and_the_old_one_is_gone(
     assert (st.st_size, st.st_nlink) == (4, 1)
     assert layer.read_file("notes.txt") == b"one\n"
     staged = tmp_path / "scratch" / str(old_ino)
-    # The scratch worker removes it in the background, with its next job (`Scratch.unhold`).
-    layer.write_file("other.txt", b"x")
-    layer.delete("other.txt")
+    # The scratch worker removes it in the background, at its next wake-up: at the latest
+    # when the layer closes.
+    assert staged.exists()
+    layer.close()
     deadline = time.monotonic() + 10
     while staged.exists():
         assert time.monotonic() < deadline, "the old inode's staged file was never removed"

@@ -47,6 +47,12 @@ def fds_into(directory: Path) -> list[str]:
     return out
 
 
+def layer_in(base: Path, store: Store, scratch: Path) -> Layer:
+    """A layer whose scratch directory exists beforehand, so close() keeps it to be checked."""
+    scratch.mkdir()
+    return Layer(base, store, scratch)
+
+
 def staged(scratch: Path, layer: Layer, path: str) -> Path:
     return scratch / str(layer.stat(path).st_ino)
 
@@ -120,7 +126,39 @@ def test_close_right_after_create_waits_for_the_worker(
 # ---------------------------------------------------------------------------- dropped nodes
 
 
-def test_a_dropped_nodes_staged_file_is_unlinked(own_layer: Layer, scratch: Path) -> None:
+def test_a_dropped_nodes_staged_file_waits_for_the_workers_next_wake_up(
+    base: Path, store: Store, tmp_path: Path
+) -> None:
+    scratch = tmp_path / "scratch-wait"
+    lay = layer_in(base, store, scratch)
+    lay.write_file("gone", b"soon\n")
+    doomed = staged(scratch, lay, "gone")
+    lay.delete("gone")
+    # Waking the worker for one file would cost more than the file's disk space is worth.
+    time.sleep(0.05)
+    assert doomed.exists()
+    assert not lay.exists("gone")
+    lay.close()
+    assert not doomed.exists() and os.listdir(scratch) == []
+
+
+def test_dropped_nodes_past_the_bound_are_handed_over_at_once(
+    own_layer: Layer, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("p", "q", "r"):
+        own_layer.write_file(name, name.encode())
+    olds = [staged(scratch, own_layer, n) for n in ("p", "q", "r")]
+    monkeypatch.setattr(Scratch, "LATER_FILES", 2)
+    for name in ("p", "q", "r"):
+        own_layer.delete(name)  # the third is one more than the bound
+    for old in olds:
+        wait_gone(old)
+
+
+def test_a_dropped_nodes_staged_file_is_unlinked(
+    own_layer: Layer, scratch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Scratch, "LATER_FILES", 0)  # each removal handed over as it comes
     for name in ("a", "b", "c", "d"):
         own_layer.write_file(name, name.encode() * 10)
     a, b, c, d = (staged(scratch, own_layer, n) for n in ("a", "b", "c", "d"))
@@ -143,7 +181,7 @@ def test_a_dropped_nodes_staged_file_is_unlinked(own_layer: Layer, scratch: Path
 
 
 def test_restore_drops_the_replaced_nodes_file_with_the_workers_next_job(
-    own_layer: Layer, scratch: Path, store: Store
+    own_layer: Layer, scratch: Path, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     own_layer.write_file("x", b"first\n")
     own_layer.write_file("y", b"y\n")
@@ -160,7 +198,8 @@ def test_restore_drops_the_replaced_nodes_file_with_the_workers_next_job(
     assert own_layer.read_file("x") == b"first\n"
     assert staged(scratch, own_layer, "x") != old
     assert old.exists()
-    own_layer.delete("y")  # the worker's next job takes the waiting removal along
+    monkeypatch.setattr(Scratch, "LATER_FILES", 1)
+    own_layer.delete("y")  # the hand-over it makes takes the waiting removal along
     wait_gone(other)
     assert not old.exists()  # asked for before y's: gone by the time y's is
 
@@ -169,8 +208,7 @@ def test_removals_a_restore_leaves_waiting_go_at_close(
     base: Path, store: Store, tmp_path: Path
 ) -> None:
     scratch = tmp_path / "scratch-close"
-    scratch.mkdir()
-    lay = Layer(base, store, scratch)
+    lay = layer_in(base, store, scratch)
     first, _ = lay.snapshot()
     lay.write_file("x", b"changed\n")
     old = staged(scratch, lay, "x")
@@ -276,9 +314,11 @@ def test_failed_precreates_do_not_stop_the_worker_for_good(
 
 @needs_fuse
 def test_a_layer_in_a_forked_mount_creates_writes_and_snapshots(
-    own_layer: Layer, scratch: Path, store: Store, tmp_path: Path
+    own_layer: Layer, scratch: Path, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from shadowfs.mountctl import Mount, is_mounted
+
+    monkeypatch.setattr(Scratch, "LATER_FILES", 0)  # the child removes each dropped file at once
 
     # Used before the fork, so the child inherits a running worker's state (and its fds).
     own_layer.write_file("before-fork", b"parent\n")
