@@ -61,13 +61,12 @@ def header(kind: str, size: int) -> bytes:
 unchecked_oid = bytes.__new__
 
 
-# Below this size one call over a concatenation beats two: blake3 lets go of the GIL for
-# update() on larger inputs, and taking it back costs more than copying a few KiB.
-# blake3 lets go of the GIL for any input of 2 KiB or more, a 6 KiB tree's too, which costs
-# 15-20 µs whenever another thread waits for it. Hashing in pieces under 2 KiB keeps the GIL
-# but takes twice as long alone: it sped the in-process checkpoint while the group commit
-# drained, and slowed the one through the mount, which seldom finds a thread waiting (10-file
-# step on 1,000 files, alternating processes: 709-830 against 605-726 µs). Not done.
+# Below this size one call over a concatenation beats two: blake3 lets go of the GIL for each
+# call given 2 KiB or more, and taking it back costs more than copying a few KiB (15-20 µs when
+# another thread waits for it). Hashing in pieces under 2 KiB would keep the GIL, at twice the
+# time alone: it sped the in-process checkpoint while the group commit drained, and slowed the
+# one through the mount, which seldom finds a thread waiting (a 10-file step on 1,000 files, in
+# alternating processes: 709-830 against 605-726 µs).
 _CONCAT_MAX = 64 * 1024
 
 
