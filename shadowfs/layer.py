@@ -357,9 +357,11 @@ class Scratch:
     BATCH = 64
     # Removals wait for the worker's next wake-up (a create's batch, or close), up to these
     # bounds: waking a sleeping thread cost 16-21 µs, a sixth of a 10-file rollback, and a
-    # wake-up per FORGET was a tenth of the daemon's time in `rm -rf` of 1,000 new files.
+    # wake-up per FORGET was a tenth of the daemon's time in `rm -rf` of 1,000 new files. The
+    # byte bound is small because the mount's statfs is the scratch file system's: an agent
+    # that deletes files to free space sees all but the last few MiB of it freed at once.
     LATER_FILES = 256
-    LATER_BYTES = 64 * 1024 * 1024
+    LATER_BYTES = 4 * 1024 * 1024
 
     def __init__(self, directory: str) -> None:
         self.directory = directory

@@ -155,6 +155,15 @@ def test_dropped_nodes_past_the_bound_are_handed_over_at_once(
         wait_gone(old)
 
 
+def test_a_deleted_big_file_frees_its_space_at_once(own_layer: Layer, scratch: Path) -> None:
+    # The mount's statfs is the scratch file system's: deleting to free space must free it,
+    # all but the last few MiB.
+    own_layer.write_file("big", b"x" * (5 * 1024 * 1024))
+    doomed = staged(scratch, own_layer, "big")
+    own_layer.delete("big")
+    wait_gone(doomed)
+
+
 def test_a_dropped_nodes_staged_file_is_unlinked(
     own_layer: Layer, scratch: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
