@@ -1385,13 +1385,19 @@ class Layer:
     ) -> Node:
         node = self.attrs(self.node(ino))
         now = time.time_ns()
-        if atime_ns is not None and clamp_time_ns(atime_ns) == node.atime_ns:
-            atime_ns = None
-        if mtime_ns is not None and clamp_time_ns(mtime_ns) == node.mtime_ns:
-            # What the node holds already: with a writeback cache the kernel sends back the
-            # mtime it has, unchanged, after every unlink and rename of a file (with the new
-            # ctime). No op for the journal, and nothing for the next snapshot to rebuild.
-            mtime_ns = None
+        # Clamped to what a tree records, as a file system clamps to its range: a time beyond
+        # it would otherwise make every later snapshot fail.
+        if atime_ns is not None:
+            atime_ns = clamp_time_ns(atime_ns)
+            if atime_ns == node.atime_ns:
+                atime_ns = None
+        if mtime_ns is not None:
+            mtime_ns = clamp_time_ns(mtime_ns)
+            if mtime_ns == node.mtime_ns:
+                # With a writeback cache the kernel sends back the mtime it has, unchanged,
+                # after every unlink and rename of a file (with the new ctime): no op for the
+                # journal, and nothing for the next snapshot to rebuild.
+                mtime_ns = None
         if (size, mode, uid, gid, atime_ns, mtime_ns) == (None,) * 6:
             node.ctime_ns = now
             return node
@@ -1418,12 +1424,10 @@ class Layer:
                 node.gid = gid
             self.journal.record("chown", (path,), pid, arg=(node.uid << 32) | node.gid)
         if atime_ns is not None or mtime_ns is not None:
-            # Clamped to what a tree records, as a file system clamps to its range: a time
-            # beyond it would otherwise make every later snapshot fail.
             if atime_ns is not None:
-                node.atime_ns = clamp_time_ns(atime_ns)
+                node.atime_ns = atime_ns
             if mtime_ns is not None:
-                node.mtime_ns = clamp_time_ns(mtime_ns)
+                node.mtime_ns = mtime_ns
                 changed = True
             self.journal.record("utimens", (path,), pid, offset=max(node.mtime_ns, 0))
         node.ctime_ns = now
