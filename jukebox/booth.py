@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import platform
@@ -391,12 +392,14 @@ class GroupTape:
             self._queue.clear()
             self._unsynced = True
 
-    def _write_flushed(self, frames: list[tuple[Any, ...]]) -> None:
-        """With the lock held: ``frames`` to the tape, the store flushed since their objects
-        were put. The writer is told so: its own flush per frame would fsync, under the lock,
-        what checkpoints put meanwhile."""
+    def _write_flushed(self, frames: list[tuple[Any, ...]], *, refs_durable: bool = True) -> None:
+        """With the lock held: ``frames`` to the tape. ``refs_durable``: the store was flushed
+        since their objects were put, and the writer is told so (its own flush per frame
+        would fsync, under the lock, what checkpoints put meanwhile)."""
         for kind, payload, refs, tree, t, _ in frames:
-            self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=True)
+            self.writer.append(
+                kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=refs_durable
+            )
 
     def sync(self) -> None:
         """Everything appended so far durable now: objects, then frames, then one fdatasync."""
@@ -436,12 +439,10 @@ class GroupTape:
                     self._write_flushed(batch)
                     # Frames that queued only because the batch was in flight are written now,
                     # as they would have been had they come after it.
-                    wrote = bool(batch)
-                    while self._queue and not self._queue[0][5]:
-                        kind, payload, refs, tree, t, _ = self._queue.pop(0)
-                        self.writer.append(kind, payload, refs=refs, tree=tree, time_ns=t)
-                        wrote = True
-                    if wrote:
+                    plain = list(itertools.takewhile(lambda frame: not frame[5], self._queue))
+                    del self._queue[: len(plain)]
+                    self._write_flushed(plain, refs_durable=False)
+                    if batch or plain:
                         self._unsynced = True
                     unsynced, self._unsynced = self._unsynced, False
                 except Exception as exc:

@@ -379,10 +379,14 @@ class Scratch:
         self._later_bytes = 0
         self._pid = os.getpid()
 
-    def _start(self) -> None:
+    def _own(self) -> None:
         if self._pid != os.getpid():
-            # Fork: the parent's worker and fds are not ours; its files are cleaned by close().
+            # Fork: the parent's worker, fds and waiting removals are not ours; its files are
+            # cleaned by its close().
             self._reset()
+
+    def _start(self) -> None:
+        self._own()
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="shadowfs-scratch", daemon=True)
             self._thread.start()
@@ -433,8 +437,7 @@ class Scratch:
         worker's next wake-up (the next batch of creates, or close), or at once when more than
         LATER_FILES files or LATER_BYTES bytes wait. The file is unreachable (inode numbers are
         never reused), so only its disk space waits."""
-        if self._pid != os.getpid():
-            self._reset()  # a forked child: the parent's waiting removals are the parent's
+        self._own()
         self._later.append(path)
         self._later_bytes += size
         if not self._held:
