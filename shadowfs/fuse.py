@@ -439,20 +439,26 @@ class Operations:
         pid = pid or node.last_pid
         if flags & w.WRITE_KILL_SUIDGID and (killed := _without_set_id(node.mode)) != node.mode:
             layer.setattr(ino, mode=killed, pid=pid)
-        if node.src != SRC_SCRATCH:
-            # The kernel writes back whole pages, so a small file's append or edit arrives as
-            # one write from 0 over all of it: none of the old content needs copying first.
-            self._copy(node, True, 0 if off == 0 and size >= node.size else None)
-        if size < self.thread_io:
-            n = layer.write_node(node, off, data, pid, times=False)
-        else:
-            b = layer.pin_node(node, True)
-            try:
-                with self._unlocked():
-                    n = os.pwrite(b.fd, data, off)
-            finally:
-                b.release()
-            layer.wrote_node(node, off, n, pid, times=False)
+        try:
+            if node.src != SRC_SCRATCH:
+                # The kernel writes back whole pages, so a small file's append or edit arrives
+                # as one write from 0 over all of it: none of the old content needs copying.
+                self._copy(node, True, 0 if off == 0 and size >= node.size else None)
+            if size < self.thread_io:
+                n = layer.write_node(node, off, data, pid, times=False)
+            else:
+                b = layer.pin_node(node, True)
+                try:
+                    layer.reserve(node, off + size)
+                    with self._unlocked():
+                        n = os.pwrite(b.fd, data, off)
+                finally:
+                    b.release()
+                layer.wrote_node(node, off, n, pid, times=False)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT) and layer.on_write_refused is not None:
+                layer.on_write_refused(error)
+            raise
         return w.WRITE_OUT.pack(n, 0)
 
     # ------------------------------------------------------------------ xattrs and statfs

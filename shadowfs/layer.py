@@ -157,6 +157,14 @@ _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
 
 
+class ScratchLimitReached(OSError):
+    """ENOSPC from the layer's scratch limit (`Layer(scratch_limit=...)`), not from the disk."""
+
+
+def _limit_reached() -> ScratchLimitReached:
+    return ScratchLimitReached(errno.ENOSPC, "the layer's scratch limit would be passed")
+
+
 def _err(code: int, what: str = "") -> OSError:
     return OSError(code, os.strerror(code), what) if what else OSError(code, os.strerror(code))
 
@@ -583,7 +591,10 @@ class Layer:
         scratch_dir: PathLike,
         *,
         base_tree: ObjectId | None = None,
+        scratch_limit: int | None = None,
     ) -> None:
+        if scratch_limit is not None and scratch_limit < 0:
+            raise ValueError(f"scratch_limit is {scratch_limit}: give a size in bytes, or None")
         self.store = store
         self.base = os.fsdecode(base)
         self.scratch_dir = os.fsdecode(scratch_dir)
@@ -619,6 +630,17 @@ class Layer:
         # Nodes whose backing fd node-addressed I/O opened, least recently used first.
         self._idle: dict[int, Node] = {}
         self._files = Scratch(self.scratch_dir)
+        # The apparent size of every staged file (sparse ones at their full length, which is
+        # also what a snapshot would hash), and the most it may reach: past it writes, copy-ups
+        # and growing truncates fail with ENOSPC, as on a full disk.
+        self.scratch_bytes = 0
+        self.scratch_limit = scratch_limit
+        # Called by a mount, with the error, when it refuses a write the kernel had already
+        # accepted into its page cache (ENOSPC: the limit, or a full scratch disk). The writer
+        # learns only at fsync or close, and the kernel's cached copy of that file may go on
+        # showing the refused bytes: whoever runs the writer should stop it. Runs on the
+        # mount's worker, under the layer lock: it must not block.
+        self.on_write_refused: Callable[[OSError], None] | None = None
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), clamp_time_ns(st.st_mtime_ns))
         root.uid, root.gid = st.st_uid, st.st_gid
         root.atime_ns, root.ctime_ns = st.st_atime_ns, st.st_ctime_ns
@@ -803,7 +825,7 @@ class Layer:
             node.backing = None
         if node.fmt == S_IFREG and node.src == SRC_SCRATCH:
             # Inode numbers are never reused, so nothing can reach this name again.
-            self._files.remove(self._scratch(node), node.size)
+            self._unstage(node)
         if node.children:
             # Only a restore detaches a non-empty directory; let its sub-tree go too.
             kids = node.children
@@ -813,6 +835,18 @@ class Layer:
 
     def _scratch(self, node: Node) -> str:
         return f"{self.scratch_dir}/{node.ino}"
+
+    def _unstage(self, node: Node) -> None:
+        self._files.remove(self._scratch(node), node.size)
+        self.scratch_bytes -= node.size
+
+    def reserve(self, node: Node, end: int) -> None:
+        """Refuse (ENOSPC) a write or truncate that would make staged ``node`` ``end`` bytes
+        long, past the scratch limit. The caller has copied ``node`` up already; its growth is
+        counted when the write is accounted for (`wrote_node`)."""
+        limit = self.scratch_limit
+        if limit is not None and end > node.size and self.scratch_bytes + end - node.size > limit:
+            raise _limit_reached()
 
     # ------------------------------------------------------------------ paths and dirtiness
 
@@ -881,6 +915,10 @@ class Layer:
         the scratch file system). The name is free: inode numbers are never reused, and a
         node gets a staged file only here, once."""
         keep = node.size if keep is None else min(keep, node.size)
+        limit = self.scratch_limit
+        # A read materialising a file from the store is never refused: it only counts.
+        if write and limit is not None and self.scratch_bytes + keep > limit:
+            raise _limit_reached()
         final = self._scratch(node)
         fd = -1
         if not keep:
@@ -931,6 +969,7 @@ class Layer:
             if job.keep != node.size:
                 node.size = job.keep
                 job.write = True
+            self.scratch_bytes += job.keep
         if job.write and not node.dirty:
             node.dirty = True
             self._touch_node(node)
@@ -1045,7 +1084,7 @@ class Layer:
         return _pread(self.pin(h, False), size, off)
 
     def write(self, h: Handle, off: int, data: bytes | memoryview) -> int:
-        n = _pwrite(self.pin(h, True), data, off)
+        n = _pwrite(self._reserved(self.pin(h, True), h.node, off + len(data)), data, off)
         self.wrote(h, off, n)
         return n
 
@@ -1054,10 +1093,21 @@ class Layer:
         self._wrote(h.node, off + n, True)
         self.journal.write(h.fh, h.path, h.pid, off, n)
 
+    def _reserved(self, b: Backing, node: Node, end: int) -> Backing:
+        """``b``, once `reserve` let ``node`` grow to ``end`` bytes (released if not)."""
+        if self.scratch_limit is not None:
+            try:
+                self.reserve(node, end)
+            except OSError:
+                b.release()
+                raise
+        return b
+
     def _wrote(self, node: Node, end: int, times: bool) -> None:
         if node.image is not None:
             self._drop_image(node)
         if end > node.size:
+            self.scratch_bytes += end - node.size
             node.size = end
         if times:
             self._content_changed(node, time.time_ns())
@@ -1092,7 +1142,7 @@ class Layer:
     def write_node(
         self, node: Node, off: int, data: bytes | memoryview, pid: int, *, times: bool = True
     ) -> int:
-        n = _pwrite(self.pin_node(node, True), data, off)
+        n = _pwrite(self._reserved(self.pin_node(node, True), node, off + len(data)), data, off)
         self.wrote_node(node, off, n, pid, times=times)
         if off == 0 and n == node.size:
             self._keep_image(node, data)
@@ -1439,6 +1489,7 @@ class Layer:
         return node
 
     def _truncate(self, node: Node, size: int, pid: int) -> None:
+        self.reserve(node, size)
         b = self._open_backing(node)
         try:
             os.ftruncate(b.fd, size)
@@ -1446,6 +1497,7 @@ class Layer:
             if node.opens == 0:
                 b.release()
                 node.backing = None
+        self.scratch_bytes += size - node.size
         node.size = size
         self._content_changed(node, time.time_ns())
 
@@ -1524,8 +1576,29 @@ class Layer:
     def _path_of_node(self, node: Node) -> bytes:
         return self.path_of(node.links[0][0], node.links[0][1]) if node.links else b""
 
+    @_routed()
+    def staged_bytes(self, recount: bool = False) -> int:
+        """What the scratch limit counts: the apparent size of every staged file. ``recount``
+        sums it over the nodes instead of reading the running total (an audit: O(nodes))."""
+        if not recount:
+            return self.scratch_bytes
+        return sum(
+            n.size for n in self.inodes.values() if n.fmt == S_IFREG and n.src == SRC_SCRATCH
+        )
+
     def statfs(self) -> os.statvfs_result:
-        return os.statvfs(self.scratch_dir)
+        """The scratch file system's figures; under a scratch limit, as if the limit were its
+        size and the staged files all its used space (less where the disk has less left)."""
+        s = os.statvfs(self.scratch_dir)
+        limit = self.scratch_limit
+        if limit is None:
+            return s
+        unit = s.f_frsize or s.f_bsize
+        left = max(0, limit - self.scratch_bytes) // unit
+        return os.statvfs_result((
+            s.f_bsize, s.f_frsize, limit // unit, min(s.f_bfree, left), min(s.f_bavail, left),
+            s.f_files, s.f_ffree, s.f_favail, s.f_flag, s.f_namemax,
+        ))
 
     # ------------------------------------------------------------------ snapshot
 
@@ -1809,7 +1882,7 @@ class Layer:
         inodes = self.inodes
         del inodes[node.ino]
         if node.src == SRC_SCRATCH:
-            self._files.remove(self._scratch(node), node.size)
+            self._unstage(node)
         if node.backing is not None:  # not expected without handles; released like a drop
             node.backing.release()
             node.backing = None
@@ -1946,6 +2019,13 @@ class Layer:
         d, name = self._parent(path)
         pid = os.getpid()
         node = d.children.get(name)  # type: ignore[union-attr]
+        limit = self.scratch_limit
+        if limit is not None:
+            # Checked before anything changes, so a refused write leaves the file as it was.
+            freed = node.size if node is not None and node.fmt == S_IFREG and (
+                node.src == SRC_SCRATCH) else 0
+            if self.scratch_bytes - freed + len(data) > limit:
+                raise _limit_reached()
         if node is not None and node.lookups and node.fmt == S_IFREG and self._mount is not None:
             # A mount's kernel trusts the size it cached for a file over ours (writeback
             # cache), so a file it knows is replaced by a new inode, as a restore does.

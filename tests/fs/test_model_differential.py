@@ -79,6 +79,9 @@ class Booth:
     # overlayfs (redirect_dir=off) refuses to rename a directory from the base with EXDEV,
     # which tools answer by copying; the model would simply rename.
     renames_dirs: bool
+    # The FUSE layer's count of staged bytes (the scratch limit's), by its running total
+    # (False) or recounted (True); None where the backend keeps no count.
+    staged_bytes: Callable[[bool], int] | None = None
 
 
 class Run:
@@ -282,6 +285,12 @@ class Run:
     def checkpoint(self) -> None:
         self.log.append("checkpoint")
         tree_id = self.booth.checkpoint()
+        if self.booth.staged_bytes is not None:
+            counted, recounted = self.booth.staged_bytes(False), self.booth.staged_bytes(True)
+            assert counted == recounted, (
+                f"seed {self.seed}, after op {len(self.log)}: the layer counts {counted} staged "
+                f"bytes, its nodes hold {recounted}"
+            )
         want = disk_state(self.model)
         got = tree_state(self.store, tree_id)
         assert got == want, (
@@ -393,7 +402,10 @@ def fuse_booth(
         # hold the GIL), as the agent would.
         m = Mount(layer, mnt, process=True).start()
         try:
-            booth = Booth(os.fsencode(mnt), lambda: layer.snapshot()[0], layer.restore, True)
+            booth = Booth(
+                os.fsencode(mnt), lambda: layer.snapshot()[0], layer.restore, True,
+                layer.staged_bytes,
+            )
             yield booth, store
         finally:
             m.stop()
