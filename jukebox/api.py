@@ -90,23 +90,35 @@ class SandboxPolicy:
     root: the directory the layer covers (default: the working directory when a transaction
     opens). Opening a transaction reads this tree once per process (later opens re-read only
     files whose size or mtime changed), so point it at the project, not at $HOME.
+    max_scratch_bytes: the most a copy-on-write transaction may stage, all files together
+    (their apparent sizes); a write past it raises OSError(ENOSPC), as a full disk would, and
+    stages nothing. None (default): no limit.
     """
 
     filesystem: str = "copy_on_write"
     mcp_mode: str = "staged_acid"
     root: str | os.PathLike[str] | None = None
+    max_scratch_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("filesystem", self.filesystem, FILESYSTEM_MODES)
         _check_choice("mcp_mode", self.mcp_mode, MCP_MODES)
         if self.root is not None and not isinstance(self.root, str | os.PathLike):
             raise TypeError(f"SandboxPolicy root must be a path, got {type(self.root).__name__}")
+        limit = self.max_scratch_bytes
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit <= 0):
+            raise ValueError(
+                f"SandboxPolicy max_scratch_bytes must be a positive number of bytes or None, "
+                f"got {limit!r}"
+            )
 
     def describe(self) -> dict[str, Any]:
         return {
             "filesystem": self.filesystem,
             "mcp_mode": self.mcp_mode,
             "root": os.fspath(self.root) if self.root is not None else None,
+            "max_scratch_bytes": self.max_scratch_bytes,
         }
 
 
@@ -467,6 +479,7 @@ class Jukebox:
             filesystem=self.sandbox.filesystem,
             mcp_mode=self.sandbox.mcp_mode,
             root=self.sandbox.root,
+            scratch_limit=self.sandbox.max_scratch_bytes,
             breaker=self.breaker,
             policy=self.sandbox.describe(),
             initial_state=state,

@@ -93,6 +93,9 @@ class BoothLayer(Protocol):
     def discard(self) -> None:
         """Remove the layer's scratch state; the real tree is untouched."""
 
+    # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
+    # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
+
 
 @dataclass
 class LayerContext:
@@ -103,6 +106,8 @@ class LayerContext:
     scratch: Path  # empty, outside the tree, hidden from the agent
     base_tree: ObjectId
     userns: bool
+    # The most the layer may stage (apparent bytes); None: no limit. FUSE layers only.
+    scratch_limit: int | None = None
 
 
 LayerFactory = Callable[[LayerContext], BoothLayer]
@@ -141,8 +146,20 @@ class _FuseBoothLayer:
 
         self.tree = ctx.tree
         self.scratch = ctx.scratch
-        self.layer = Layer(ctx.tree, ctx.store, ctx.scratch, base_tree=ctx.base_tree)
+        self.layer = Layer(
+            ctx.tree, ctx.store, ctx.scratch, base_tree=ctx.base_tree,
+            scratch_limit=ctx.scratch_limit,
+        )
         self._mount: Any = None
+
+    def watch_refused_writes(self, callback: Callable[[OSError, int, int | None], None]) -> None:
+        """``callback(error, staged bytes, limit)`` when the mount refuses a write the agent's
+        kernel had already taken (the scratch limit, or a full scratch disk). Called on a
+        mount worker under the layer lock, so it must hand the work off."""
+        layer = self.layer
+        layer.on_write_refused = lambda error: callback(
+            error, layer.scratch_bytes, layer.scratch_limit
+        )
 
     def mount(self) -> None:
         from shadowfs import fuse
@@ -633,6 +650,32 @@ class _Run:
     agent_pid: int | None = None
     trip: Any = None  # the circuit breaker's Trip, once one fired
 
+    def on_refused_write(self, error: OSError, staged: int, limit: int | None) -> None:
+        """The layer refused a write the agent's kernel had already accepted: the agent learns
+        at fsync or close at best, and its view of that file is no longer what the booth holds.
+        Stopped like a breaker trip, once (on a thread of its own: this runs on a mount
+        worker)."""
+        if self.trip is not None:
+            return
+        from jukebox.breaker import Trip
+        from jukebox.render import size
+        from shadowfs.layer import ScratchLimitReached
+
+        if isinstance(error, ScratchLimitReached) and limit is not None:
+            trip = Trip(
+                "scratch", limit, staged,
+                f"a write would take the booth's staged files past {size(limit)} "
+                f"(--max-scratch); {size(staged)} staged",
+            )
+        else:
+            trip = Trip(
+                "scratch", limit or 0, staged,
+                f"the disk holding the booth's scratch refused a write ({error.strerror}); "
+                f"{size(staged)} staged",
+            )
+        self.trip = trip
+        threading.Thread(target=self.on_trip, args=(trip,), daemon=True).start()
+
     def on_trip(self, trip: Any) -> None:
         """The breaker fired (called from the proxy's thread): record it and stop the agent
         (SIGTERM, then SIGKILL after BREAKER_GRACE_S)."""
@@ -856,6 +899,7 @@ def run_booth(
     net: str | None = None,
     checkpoint_every: float | None = None,
     *,
+    max_scratch: int | None = None,
     layer_factory: LayerFactory | None = None,
     llm: LlmOptions | None = None,
     breaker: Any = None,
@@ -902,6 +946,15 @@ def run_booth(
     if net not in ("host", "none"):
         raise UsageError(f"bad --net {net!r}: use host or none")
     verify = verify_cmd if verify_cmd is not None else img.verify
+    scratch_limit = max_scratch if max_scratch is not None else img.scratch_limit
+    if scratch_limit is not None:
+        if scratch_limit <= 0:
+            raise UsageError("--max-scratch must be a positive size, like 512M or 20G")
+        if fs == "overlay":
+            raise UsageError(
+                "a scratch limit (--max-scratch, or the image's limits.scratch) needs --fs fuse: "
+                "kernel overlayfs writes its upper directory itself; drop the limit or use fuse"
+            )
     booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
     tape_path = tapes.tape_path(booth_id)
     if tape_path.exists():
@@ -946,6 +999,7 @@ def run_booth(
                     "commit": commit_mode,
                     "fs": fs,
                     "checkpoint_every": checkpoint_every,
+                    "scratch_limit": scratch_limit,
                     "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
                 },
                 "host": host_facts(),
@@ -974,10 +1028,15 @@ def run_booth(
             prctl.set_child_subreaper(1)
         scratch = tapes.state / "scratch" / booth_id
         scratch.parent.mkdir(parents=True, exist_ok=True)
-        layer = factory(LayerContext(fs, tree_path, tree_fd, store, scratch, base_tree, userns))
+        layer = factory(
+            LayerContext(fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit)
+        )
         layer.mount()
         writer.start()
         run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
+        watch = getattr(layer, "watch_refused_writes", None)
+        if watch is not None:
+            watch(run.on_refused_write)
         run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
         sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
         sock_path = os.path.join(sock_dir, "control.sock")

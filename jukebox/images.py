@@ -8,7 +8,8 @@ file. The keys (see sandbox_images/host.toml):
     [env]     allow (glob patterns of names passed to the agent), secret (patterns of names whose
               values are secret: passed only if allowed, marked on the tape), set (fixed values)
     [limits]  cpu_seconds, memory (bytes, or "512M", "8G"), open_files, processes,
-              file_size (the largest file the agent may write: bytes or "2G"; RLIMIT_FSIZE)
+              file_size (the largest file the agent may write: bytes or "2G"; RLIMIT_FSIZE),
+              scratch (the most the booth's layer may stage, all files together; --fs fuse)
 
 Validation is strict: an unknown key or a wrong type is an error naming the file, the key and
 the valid values, since a typo in a sandbox spec silently weakens the sandbox.
@@ -53,7 +54,8 @@ class Image:
     env_allow: tuple[str, ...] = ("*",)
     env_secret: tuple[str, ...] = SECRET_PATTERNS
     env_set: Mapping[str, str] = field(default_factory=dict)
-    limits: Mapping[str, int] = field(default_factory=dict)
+    limits: Mapping[str, int] = field(default_factory=dict)  # resource limits (rlimits)
+    scratch_limit: int | None = None  # bytes the booth's layer may stage in all
 
     def is_secret(self, name: str) -> bool:
         return _matches(name, self.env_secret)
@@ -98,6 +100,7 @@ class Image:
             "hide": list(self.hide),
             "env_allow": list(self.env_allow),
             "limits": dict(self.limits),
+            "scratch_limit": self.scratch_limit,
             "verify": self.verify,
         }
 
@@ -214,17 +217,21 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
             if value <= 0:
                 raise lim.fail(key, f"is {value}: must be a positive integer")
             limits[key] = value
-    for key, limit in (("memory", "memory_bytes"), ("file_size", "file_size_bytes")):
+    sizes: dict[str, int] = {}
+    for key in ("memory", "file_size", "scratch"):
         size = lim.take(key, (int, str), None, 'must be a size in bytes or like "512M", "8G"')
         if size is None:
             continue
         try:
-            limits[limit] = parse_size(size)
+            sizes[key] = parse_size(size)
         except ValueError:
             raise lim.fail(key, f'is {size!r}: use bytes or a size like "512M", "8G"') from None
-        if limits[limit] <= 0:
+        if sizes[key] <= 0:
             raise lim.fail(key, f"is {size!r}: must be a positive size")
-    lim.done(("cpu_seconds", "memory", "open_files", "processes", "file_size"))
+    for key, rlimit in (("memory", "memory_bytes"), ("file_size", "file_size_bytes")):
+        if key in sizes:
+            limits[rlimit] = sizes[key]
+    lim.done(("cpu_seconds", "memory", "open_files", "processes", "file_size", "scratch"))
     top.done(("name", "description", "net", "verify", "fs", "env", "limits"))
 
     return Image(
@@ -241,4 +248,5 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
         env_secret=secret,
         env_set=dict(env_set),
         limits=limits,
+        scratch_limit=sizes.get("scratch"),
     )

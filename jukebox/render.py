@@ -30,6 +30,14 @@ def seconds(ns: int) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+def size(n: int) -> str:
+    """Bytes in binary units, as `--max-scratch` and the image sizes are written: 1.5 GiB."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def short(text: Any, limit: int = 60) -> str:
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -493,6 +493,7 @@ class Transaction:
         root: str | os.PathLike[str] | None,
         breaker: CircuitBreaker | None,
         policy: Mapping[str, Any] | None = None,
+        scratch_limit: int | None = None,
         initial_state: Mapping[str, Any] | StateVersion | None = None,
     ) -> None:
         if tape_id is not None:
@@ -509,6 +510,7 @@ class Transaction:
         self._filesystem = filesystem
         self._mcp_mode = mcp_mode
         self._root_arg = root
+        self._scratch_limit = scratch_limit
         self._template = breaker
         self._policy = dict(policy or {})
         self.state = State(initial_state)
@@ -570,7 +572,10 @@ class Transaction:
                     store, root, tape_dir, None if redirect is not None else self._tapes
                 )
                 self._scratch, self._scratch_lock = _make_scratch(self._tapes)
-                self._layer = Layer(root, store, self._scratch, base_tree=self.base_tree)
+                self._layer = Layer(
+                    root, store, self._scratch, base_tree=self.base_tree,
+                    scratch_limit=self._scratch_limit,
+                )
             tape_id = self._requested_id or self._fresh_id()
             self.tape_id = tape_id
             log = redirect.open_log(rank) if redirect is not None else None

@@ -56,6 +56,13 @@ def booth() -> None:
     default=None,
     help="Circuit breaker: stop at N near-duplicate outputs (or N same failures) in a row.",
 )
+@click.option(
+    "--max-scratch",
+    default=None,
+    metavar="SIZE",
+    help="Stop the agent when its changes would stage more than SIZE (like 512M, 20G) in all; "
+    "--fs fuse. Default: the image's limits.scratch, else none.",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     tree: str,
@@ -72,6 +79,7 @@ def run(
     max_tokens: int | None,
     max_turns: int | None,
     max_repeat: int | None,
+    max_scratch: str | None,
     cmd: tuple[str, ...],
 ) -> None:
     """Run CMD in a booth over the tree; CMD's exit status is the run's.
@@ -86,6 +94,17 @@ def run(
         # Unknown options are let through so that CMD's own options need no `--`; one before
         # CMD is a mistyped option of ours, not a program to run (and to make a tape for).
         raise click.UsageError(f"no such option: {cmd[0]}; the agent's command goes after `--`")
+    scratch_limit = None
+    if max_scratch is not None:
+        from jukebox.images import parse_size
+
+        try:
+            scratch_limit = parse_size(max_scratch)
+        except ValueError:
+            raise click.BadParameter(
+                f"{max_scratch!r} is not a size: write bytes or like 512M, 20G",
+                param_hint="--max-scratch",
+            ) from None
     breaker = CircuitBreaker.from_options(
         max_cost_usd=max_cost_usd, max_tokens=max_tokens, max_turns=max_turns, max_repeat=max_repeat
     )
@@ -102,6 +121,7 @@ def run(
         verify_cmd=verify_cmd,
         net=net,
         checkpoint_every=checkpoint_every,
+        max_scratch=scratch_limit,
         breaker=breaker,
     )
     sys.exit(code)

@@ -316,3 +316,25 @@ def test_gc_keeps_every_node_of_a_checkpointed_memory(work: Path) -> None:
                 version = StateVersion.load(store, frame.payload["state"])
                 assert len(version) == 300
         assert StateVersion.load(store, cp.state_id) == cp.state
+
+
+def test_a_scratch_limit_refuses_writes_past_it_like_a_full_disk(work: Path) -> None:
+    import errno
+
+    jb = Jukebox(tape_dir="tapes", sandbox=SandboxPolicy(max_scratch_bytes=4096))
+    with jb.transaction(tape_id="sl") as tx:
+        tx.stage_file_write("small.txt", "x" * 3000)
+        with pytest.raises(OSError) as info:
+            tx.stage_file_write("big.txt", "y" * 2000)
+        assert info.value.errno == errno.ENOSPC
+        assert not tx.fs.exists("big.txt")  # refused whole: nothing staged
+        tx.fs.delete("small.txt")  # gives its room back
+        tx.stage_file_write("big.txt", "y" * 2000)
+        tx.commit()
+    assert (work / "big.txt").read_text() == "y" * 2000
+    assert not (work / "small.txt").exists()
+    assert _tape(jb, "sl").frames[0].payload["policy"]["max_scratch_bytes"] == 4096
+    jb.close()
+    for bad in (0, -1, "1G", True):
+        with pytest.raises(ValueError, match="max_scratch_bytes must be a positive number"):
+            SandboxPolicy(max_scratch_bytes=bad)  # type: ignore[arg-type]

@@ -104,3 +104,16 @@ def test_memory_sizes(tmp_path: Path) -> None:
     spec = tmp_path / "m.toml"
     spec.write_text('[limits]\nmemory = "512M"\ncpu_seconds = 10\n')
     assert dict(load_image(str(spec)).limits) == {"memory_bytes": 512 << 20, "cpu_seconds": 10}
+
+
+def test_a_scratch_limit_is_the_layers_not_a_resource_limit(tmp_path: Path) -> None:
+    spec = tmp_path / "s.toml"
+    spec.write_text('[limits]\nscratch = "20G"\nfile_size = "1G"\n')
+    image = load_image(str(spec))
+    assert image.scratch_limit == 20 << 30
+    assert dict(image.limits) == {"file_size_bytes": 1 << 30}  # what setrlimit gets
+    assert image.policy()["scratch_limit"] == 20 << 30
+    assert load_image("host").scratch_limit is None
+    spec.write_text('[limits]\nscratch = "0"\n')
+    with pytest.raises(ImageError, match=r"key 'limits\.scratch' is '0': must be a positive size"):
+        load_image(str(spec))
