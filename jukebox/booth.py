@@ -514,11 +514,67 @@ def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
     return ObjectId.from_hex(record.base_tree), ObjectId.from_hex(record.final_tree)
 
 
-def booth_diff(tape_dir: TapeDir, booth_id: str) -> list[str]:
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint of a finished booth, as its tape recorded it (0 is the start)."""
+
+    n: int
+    label: str | None
+    tree: ObjectId
+
+
+def pending_checkpoint(record: BoothRecord, at: str) -> PendingCheckpoint:
+    """The checkpoint ``at`` names in a booth's tape: its number, or the latest with that
+    label (as `jukebox booth rollback --to` finds one inside the booth)."""
+    from jukebox.tape import Tape
+
+    checkpoints = [PendingCheckpoint(0, "start", ObjectId.from_hex(record.base_tree))]
+    try:
+        frames = Tape.load(record.tape).frames
+    except (OSError, JukeboxError) as error:
+        raise UsageError(
+            f"cannot read the checkpoints of booth {record.id} from {record.tape}: {error}; "
+            "commit or discard it whole"
+        ) from None
+    for frame in frames:
+        if frame.kind == "checkpoint" and frame.tree is not None:
+            payload = frame.payload
+            checkpoints.append(PendingCheckpoint(int(payload["id"]), payload.get("label"),
+                                                 frame.tree))
+    if at.isdigit():
+        found = [c for c in checkpoints if c.n == int(at)]
+        if not found:
+            raise UsageError(
+                f"booth {record.id} has no checkpoint {at}: it has "
+                f"{', '.join(str(c.n) for c in checkpoints)} (0 is the start); see "
+                f"`jukebox log {record.tape}`"
+            )
+        return found[0]
+    found = [c for c in checkpoints if c.label == at]
+    if not found:
+        labels = sorted({c.label for c in checkpoints if c.label})
+        raise UsageError(
+            f"booth {record.id} has no checkpoint labelled {at!r}: its labels are "
+            f"{', '.join(labels)}; or give a checkpoint's number"
+        )
+    return found[-1]
+
+
+def _target_tree(record: BoothRecord, at: str | None) -> tuple[ObjectId, PendingCheckpoint | None]:
+    """(the tree a diff or commit of the booth goes to, the checkpoint it is, if ``at``)."""
+    _, final = _pending_trees(record)
+    if at is None:
+        return final, None
+    checkpoint = pending_checkpoint(record, at)
+    return checkpoint.tree, checkpoint
+
+
+def booth_diff(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[str]:
+    """The changes a commit of the booth (of its checkpoint ``at``, if given) would make."""
     record = load_record(tape_dir, booth_id)
-    base, final = _pending_trees(record)
+    target, _ = _target_tree(record, at)
     with _open_store(tape_dir) as store:
-        return change_summary(store, base, final)
+        return change_summary(store, ObjectId.from_hex(record.base_tree), target)
 
 
 def commit_tree(
@@ -534,14 +590,16 @@ def commit_tree(
     return report
 
 
-def commit_booth(tape_dir: TapeDir, booth_id: str) -> list[str]:
-    """Applies a pending booth to its real tree; raises CheckFailed listing every conflict."""
+def commit_booth(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[str]:
+    """Applies a pending booth to its real tree (its final state, or its checkpoint ``at``: a
+    number or a label); raises CheckFailed listing every conflict."""
     from shadowfs.errors import ConflictError
 
     with _locked(tape_dir, booth_id) as record:
         if record.status == "running" and _alive(record.pid):
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
-        base, final = _pending_trees(record)
+        final, checkpoint = _target_tree(record, at)
+        base = ObjectId.from_hex(record.base_tree)
         with _open_store(tape_dir) as store:
             summary = change_summary(store, base, final)
             try:
@@ -559,13 +617,10 @@ def commit_booth(tape_dir: TapeDir, booth_id: str) -> list[str]:
                     + ", ".join(error.conflicts)
                     + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
                 ) from None
-            _append_to_tape(
-                store,
-                record.tape,
-                "commit",
-                {"ok": True, "changes": len(summary), "by": "booth commit"},
-                tree=final,
-            )
+            payload: dict[str, Any] = {"ok": True, "changes": len(summary), "by": "booth commit"}
+            if checkpoint is not None:
+                payload["checkpoint"] = {"id": checkpoint.n, "label": checkpoint.label}
+            _append_to_tape(store, record.tape, "commit", payload, tree=final)
         _finish(tape_dir, booth_id)
         return summary
 

@@ -153,14 +153,21 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
         click.echo(f"{r.id}  {r.status:<8} {created}  {r.tree}{label}")
 
 
+_AT_HELP = (
+    "A checkpoint of the booth instead of its final state: its number (0 is the start) or its "
+    "label (the latest with it)."
+)
+
+
 @booth.command("diff")
 @click.argument("booth_id")
 @click.option("--tape-dir", default=None)
-def diff(booth_id: str, tape_dir: str | None) -> None:
+@click.option("--at", "at", default=None, metavar="LABEL|N", help=_AT_HELP)
+def diff(booth_id: str, tape_dir: str | None, at: str | None) -> None:
     """What a pending booth would change in its real tree."""
     from jukebox.booth import booth_diff
 
-    lines = booth_diff(_tape_dir(tape_dir), booth_id)
+    lines = booth_diff(_tape_dir(tape_dir), booth_id, at)
     for line in lines:
         click.echo(line)
     if not lines:
@@ -170,12 +177,14 @@ def diff(booth_id: str, tape_dir: str | None) -> None:
 @booth.command("commit")
 @click.argument("booth_id")
 @click.option("--tape-dir", default=None)
-def commit(booth_id: str, tape_dir: str | None) -> None:
+@click.option("--at", "at", default=None, metavar="LABEL|N", help=_AT_HELP)
+def commit(booth_id: str, tape_dir: str | None, at: str | None) -> None:
     """Apply a pending booth to its real tree (exit 1 listing conflicts if it changed)."""
     from jukebox.booth import commit_booth
 
-    lines = commit_booth(_tape_dir(tape_dir), booth_id)
-    click.echo(f"committed booth {booth_id}: {len(lines)} change(s)")
+    lines = commit_booth(_tape_dir(tape_dir), booth_id, at)
+    what = f"checkpoint {at} of booth" if at is not None else "booth"
+    click.echo(f"committed {what} {booth_id}: {len(lines)} change(s)")
 
 
 @booth.command("discard")

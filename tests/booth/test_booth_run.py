@@ -147,6 +147,39 @@ def test_never_keeps_pending_then_commit_from_another_process(work) -> None:
     assert frames(tapes)[-1]["kind"] == "commit"
 
 
+def test_a_pending_booth_commits_one_of_its_checkpoints(work) -> None:
+    tree, tapes = work
+    script = (
+        "echo two >> a.txt && jukebox booth checkpoint --label good && "
+        "echo new > b.txt && jukebox booth checkpoint && rm keep.txt && echo worse > a.txt"
+    )
+    assert booth_run(tree, tapes, script, "--commit", "never").returncode == 0
+    diff = jb("booth", "diff", "t1", "--at", "good", "--tape-dir", str(tapes))
+    assert diff.returncode == 0, diff.stderr
+    assert [line.split()[:2] for line in diff.stdout.splitlines()] == [["M", "a.txt"]]
+    diff = jb("booth", "diff", "t1", "--at", "2", "--tape-dir", str(tapes))
+    assert sorted(line.split()[:2] for line in diff.stdout.splitlines()) == [
+        ["A", "b.txt"], ["M", "a.txt"]
+    ]
+    for at, message in (
+        ("nope", "no checkpoint labelled 'nope': its labels are good, start"),
+        ("9", "no checkpoint 9: it has 0, 1, 2 (0 is the start)"),
+    ):
+        bad = jb("booth", "commit", "t1", "--at", at, "--tape-dir", str(tapes))
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
+    assert (tree / "a.txt").read_text() == "one\n"  # nothing applied by the refusals
+    done = jb("booth", "commit", "t1", "--at", "good", "--tape-dir", str(tapes))
+    assert done.returncode == 0, done.stderr
+    assert "committed checkpoint good of booth t1: 1 change(s)" in done.stdout
+    assert (tree / "a.txt").read_text() == "one\ntwo\n"
+    assert (tree / "keep.txt").exists() and not (tree / "b.txt").exists()
+    last = frames(tapes)[-1]
+    assert last["kind"] == "commit"
+    assert last["payload"]["checkpoint"] == {"id": 1, "label": "good"}
+    assert leftovers(tapes) == []
+
+
 def test_pending_commit_conflict_exits_1_and_lists_paths_then_discard(work) -> None:
     tree, tapes = work
     assert booth_run(tree, tapes, "echo agent > a.txt", "--commit", "never").returncode == 0
