@@ -95,6 +95,7 @@ class BoothLayer(Protocol):
 
     # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
     # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
+    # Optional: `scratch_usage() -> (staged bytes, limit or None)`, for `booth status`.
 
 
 @dataclass
@@ -151,6 +152,10 @@ class _FuseBoothLayer:
             scratch_limit=ctx.scratch_limit,
         )
         self._mount: Any = None
+
+    def scratch_usage(self) -> tuple[int, int | None]:
+        # Read without the layer lock: an int the workers replace whole.
+        return self.layer.scratch_bytes, self.layer.scratch_limit
 
     def watch_refused_writes(self, callback: Callable[[OSError, int, int | None], None]) -> None:
         """``callback(error, staged bytes, limit)`` when the mount refuses a write the agent's
@@ -797,8 +802,12 @@ class _Run:
             return {"checkpoint": cp.n, "label": cp.label, "tree": cp.tree.hex()}
 
         def status(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            usage = getattr(self.layer, "scratch_usage", None)
+            staged, limit = usage() if usage is not None else (None, None)
             return {
                 "booth": self.booth_id,
+                "staged_bytes": staged,
+                "scratch_limit": limit,
                 "tree": self.tree,
                 "tape": os.fspath(self.writer.path),
                 "frames": self.writer.count,

@@ -237,5 +237,11 @@ def status(as_json: bool) -> None:
         click.echo(json.dumps(response))
         return
     click.echo(f"booth {response['booth']}  tree {response['tree']}  tape {response['tape']}")
+    staged, limit = response.get("staged_bytes"), response.get("scratch_limit")
+    if staged is not None:
+        from jukebox.render import size
+
+        of = f" of {size(limit)} (--max-scratch)" if limit is not None else ""
+        click.echo(f"  staged {size(staged)}{of}")
     for cp in response["checkpoints"]:
         click.echo(f"  {cp['n']}  {cp['label'] or ''}  {cp['tree'][:16]}")

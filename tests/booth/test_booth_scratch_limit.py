@@ -16,12 +16,17 @@ MIB = 1 << 20
 def test_an_agent_within_the_limit_commits_and_sees_the_limit_in_df(work) -> None:  # noqa: F811
     tree, tapes = work
     proc = booth_run(
-        tree, tapes, "df -B1 --output=size,avail . && echo two >> a.txt", "--max-scratch", "1M"
+        tree,
+        tapes,
+        "df -B1 --output=size,avail . && echo two >> a.txt && jukebox booth status",
+        "--max-scratch",
+        "1M",
     )
     assert proc.returncode == 0, proc.stderr
     sizes = proc.stdout.split()
     assert sizes[2] == str(MIB), proc.stdout  # the header's two words, then size
     assert int(sizes[3]) <= MIB
+    assert "staged 8 B of 1.0 MiB (--max-scratch)" in proc.stdout
     assert (tree / "a.txt").read_text() == "one\ntwo\n"
     start = frames(tapes)[0]
     assert start["payload"]["policy"]["scratch_limit"] == MIB
