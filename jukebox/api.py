@@ -112,6 +112,11 @@ class SandboxPolicy:
                 f"SandboxPolicy max_scratch_bytes must be a positive number of bytes or None, "
                 f"got {limit!r}"
             )
+        if limit is not None and self.filesystem != "copy_on_write":
+            raise ValueError(
+                "SandboxPolicy max_scratch_bytes bounds what a copy_on_write transaction stages; "
+                f"with filesystem={self.filesystem!r} writes go straight to disk: drop the limit"
+            )
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -338,3 +338,5 @@ def test_a_scratch_limit_refuses_writes_past_it_like_a_full_disk(work: Path) -> 
     for bad in (0, -1, "1G", True):
         with pytest.raises(ValueError, match="max_scratch_bytes must be a positive number"):
             SandboxPolicy(max_scratch_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="writes go straight to disk"):
+        SandboxPolicy(filesystem="passthrough", max_scratch_bytes=4096)
