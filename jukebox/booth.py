@@ -157,14 +157,11 @@ class _FuseBoothLayer:
         # Read without the layer lock: an int the workers replace whole.
         return self.layer.scratch_bytes, self.layer.scratch_limit
 
-    def watch_refused_writes(self, callback: Callable[[OSError, int, int | None], None]) -> None:
-        """``callback(error, staged bytes, limit)`` when the mount refuses a write the agent's
-        kernel had already taken (the scratch limit, or a full scratch disk). Called on a
-        mount worker under the layer lock, so it must hand the work off."""
-        layer = self.layer
-        layer.on_write_refused = lambda error: callback(
-            error, layer.scratch_bytes, layer.scratch_limit
-        )
+    def watch_refused_writes(self, callback: Callable[[OSError], None]) -> None:
+        """``callback(error)`` when the mount refuses a write the agent's kernel had already
+        taken (the scratch limit, or a full scratch disk). Called on a mount worker under the
+        layer lock, so it must hand the work off."""
+        self.layer.on_write_refused = callback
 
     def mount(self) -> None:
         from shadowfs import fuse
@@ -519,21 +516,12 @@ def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
     return ObjectId.from_hex(record.base_tree), ObjectId.from_hex(record.final_tree)
 
 
-@dataclass(frozen=True)
-class PendingCheckpoint:
-    """A checkpoint of a finished booth, as its tape recorded it (0 is the start)."""
-
-    n: int
-    label: str | None
-    tree: ObjectId
-
-
-def pending_checkpoint(record: BoothRecord, at: str) -> PendingCheckpoint:
-    """The checkpoint ``at`` names in a booth's tape: its number, or the latest with that
-    label (as `jukebox booth rollback --to` finds one inside the booth)."""
+def pending_checkpoint(record: BoothRecord, at: str) -> Checkpoint:
+    """The checkpoint ``at`` names in a finished booth's tape, found as `jukebox booth rollback
+    --to` finds one inside the booth (`find_checkpoint`)."""
     from jukebox.tape import Tape
 
-    checkpoints = [PendingCheckpoint(0, "start", ObjectId.from_hex(record.base_tree))]
+    checkpoints = [Checkpoint(0, "start", ObjectId.from_hex(record.base_tree), 0)]
     try:
         frames = Tape.load(record.tape).frames
     except (OSError, JukeboxError) as error:
@@ -541,45 +529,44 @@ def pending_checkpoint(record: BoothRecord, at: str) -> PendingCheckpoint:
             f"cannot read the checkpoints of booth {record.id} from {record.tape}: {error}; "
             "commit or discard it whole"
         ) from None
-    for frame in frames:
-        if frame.kind == "checkpoint" and frame.tree is not None:
-            payload = frame.payload
-            checkpoints.append(PendingCheckpoint(int(payload["id"]), payload.get("label"),
-                                                 frame.tree))
+    checkpoints += [
+        Checkpoint(int(f.payload["id"]), f.payload.get("label"), f.tree, f.seq)
+        for f in frames
+        if f.kind == "checkpoint" and f.tree is not None
+    ]
+    found = find_checkpoint(checkpoints, int(at) if at.isdigit() else at)
+    if found is not None:
+        return found
     if at.isdigit():
-        found = [c for c in checkpoints if c.n == int(at)]
-        if not found:
-            raise UsageError(
-                f"booth {record.id} has no checkpoint {at}: it has "
-                f"{', '.join(str(c.n) for c in checkpoints)} (0 is the start); see "
-                f"`jukebox log {record.tape}`"
-            )
-        return found[0]
-    found = [c for c in checkpoints if c.label == at]
-    if not found:
-        labels = sorted({c.label for c in checkpoints if c.label})
         raise UsageError(
-            f"booth {record.id} has no checkpoint labelled {at!r}: its labels are "
-            f"{', '.join(labels)}; or give a checkpoint's number"
+            f"booth {record.id} has no checkpoint {at}: it has "
+            f"{', '.join(str(c.n) for c in checkpoints)} (0 is the start); see "
+            f"`jukebox log {record.tape}`"
         )
-    return found[-1]
+    labels = sorted({c.label for c in checkpoints if c.label})
+    raise UsageError(
+        f"booth {record.id} has no checkpoint labelled {at!r}: its labels are "
+        f"{', '.join(labels)}; or give a checkpoint's number"
+    )
 
 
-def _target_tree(record: BoothRecord, at: str | None) -> tuple[ObjectId, PendingCheckpoint | None]:
-    """(the tree a diff or commit of the booth goes to, the checkpoint it is, if ``at``)."""
-    _, final = _pending_trees(record)
+def _target_tree(
+    record: BoothRecord, at: str | None
+) -> tuple[ObjectId, ObjectId, Checkpoint | None]:
+    """(base tree, the tree a diff or commit of the booth goes to, the checkpoint it is if
+    ``at``)."""
+    base, final = _pending_trees(record)
     if at is None:
-        return final, None
+        return base, final, None
     checkpoint = pending_checkpoint(record, at)
-    return checkpoint.tree, checkpoint
+    return base, checkpoint.tree, checkpoint
 
 
 def booth_diff(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[str]:
     """The changes a commit of the booth (of its checkpoint ``at``, if given) would make."""
-    record = load_record(tape_dir, booth_id)
-    target, _ = _target_tree(record, at)
+    base, target, _ = _target_tree(load_record(tape_dir, booth_id), at)
     with _open_store(tape_dir) as store:
-        return change_summary(store, ObjectId.from_hex(record.base_tree), target)
+        return change_summary(store, base, target)
 
 
 def commit_tree(
@@ -603,8 +590,7 @@ def commit_booth(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> lis
     with _locked(tape_dir, booth_id) as record:
         if record.status == "running" and _alive(record.pid):
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
-        final, checkpoint = _target_tree(record, at)
-        base = ObjectId.from_hex(record.base_tree)
+        base, final, checkpoint = _target_tree(record, at)
         with _open_store(tape_dir) as store:
             summary = change_summary(store, base, final)
             try:
@@ -692,6 +678,13 @@ class Checkpoint:
     frame: int | None
 
 
+def find_checkpoint(checkpoints: Sequence[Checkpoint], to: str | int) -> Checkpoint | None:
+    """The checkpoint numbered ``to``, or the latest labelled ``to``; None if there is none."""
+    if isinstance(to, int):
+        return next((cp for cp in checkpoints if cp.n == to), None)
+    return next((cp for cp in reversed(checkpoints) if cp.label == to), None)
+
+
 @dataclass
 class _Run:
     """The live state the control handlers and the wait loop share."""
@@ -710,7 +703,7 @@ class _Run:
     agent_pid: int | None = None
     trip: Any = None  # the circuit breaker's Trip, once one fired
 
-    def on_refused_write(self, error: OSError, staged: int, limit: int | None) -> None:
+    def on_refused_write(self, error: OSError) -> None:
         """The layer refused a write the agent's kernel had already accepted: the agent learns
         at fsync or close at best, and its view of that file is no longer what the booth holds.
         Stopped like a breaker trip, once (on a thread of its own: this runs on a mount
@@ -721,6 +714,7 @@ class _Run:
         from jukebox.render import size
         from shadowfs.layer import ScratchLimitReached
 
+        staged, limit = self.layer.scratch_usage()  # type: ignore[attr-defined]
         if isinstance(error, ScratchLimitReached) and limit is not None:
             trip = Trip(
                 "scratch", limit, staged,
@@ -768,16 +762,14 @@ class _Run:
             return cp
 
     def find(self, to: str | int) -> Checkpoint:
+        found = find_checkpoint(self.checkpoints, to)
+        if found is not None:
+            return found
         if isinstance(to, int):
-            if to >= len(self.checkpoints):
-                raise RequestError(
-                    f"no checkpoint {to}: this booth has 0..{len(self.checkpoints) - 1} "
-                    "(0 is the start)"
-                )
-            return self.checkpoints[to]
-        for cp in reversed(self.checkpoints):
-            if cp.label == to:
-                return cp
+            raise RequestError(
+                f"no checkpoint {to}: this booth has 0..{len(self.checkpoints) - 1} "
+                "(0 is the start)"
+            )
         known = sorted({c.label for c in self.checkpoints if c.label})
         raise RequestError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
 
