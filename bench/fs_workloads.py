@@ -744,12 +744,6 @@ def _rows(
 
 # ============================================================================ the report section
 
-_GOALS = (
-    (bk.SHADOWFS_FUSE, "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
-    (bk.SHADOWFS_OVERLAY, "ratio_native", 1.3, "within 1.3\u00d7 of native"),
-)
-
-
 def render(rows: list[dict[str, Any]]) -> str:
     """One section per scratch file system, in the order they ran."""
     labels: dict[str, str] = {}
@@ -805,16 +799,6 @@ def _render_place(rows: list[dict[str, Any]]) -> str:
         out += table("ratio_native", "Ratio to native:", with_geo=True)
     if bk.FUSE_OVERLAYFS in systems:
         out += table("ratio_fuse_overlayfs", "Ratio to fuse-overlayfs:", with_geo=True)
-    goals = []
-    for system, key, limit, text in _GOALS:
-        if system in missing:
-            goals.append(f"- {system}: goal {text}: not measured ({missing[system]})")
-        elif key in geo.get(system, {}):
-            value = float(geo[system][key])
-            verdict = "met" if value <= limit else "not met"
-            goals.append(f"- {system}: goal {text}: geometric mean {value:.2f}\u00d7, {verdict}")
-    if goals:
-        out += ["Goals:", "", *goals, ""]
     notes = [
         f"- {r['system']}, {r['case']}: {r['note']}"
         for r in rows

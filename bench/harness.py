@@ -357,6 +357,11 @@ def render_report(
     out.append("Machine:")
     out.append("")
     out.extend(f"- {key}: {value}" for key, value in env.items())
+    from bench import goals  # it reads rows only; imported here to keep the harness first
+
+    verdicts = goals.render(goals.judge([row for res in results for row in res.rows]))
+    if verdicts:
+        out += ["", "## Goals", "", verdicts]
     for res in results:
         out.append("")
         for group, rows in group_rows(res.rows).items():

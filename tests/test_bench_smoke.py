@@ -34,6 +34,7 @@ def test_quick_git_baseline_reports_a_table_with_every_case(tmp_path: Path) -> N
     assert "--only git_baseline" in report  # the exact command is recorded
     assert "quick pass" in report
     assert "## git_baseline" in report
+    assert "## Goals" not in report  # a git baseline alone measures none of them
     assert "| case | system | p50 (µs) | p99 (µs)" in report
     for k in (1, 10, 100):
         assert f"git add -A && git commit, {k} changed, 1,000-file repo" in report

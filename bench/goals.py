@@ -1,0 +1,171 @@
+"""The shadow booth's speed and memory goals, judged from one run's rows.
+
+`python -m bench` puts this table at the top of its report, so a reader sees where every goal
+stands before the tables that back it. `python -m bench.goals ROWS.json` judges a run saved
+with `python -m bench --json ROWS.json` again (`--json` for a machine-readable verdict); it exits
+1 when a measured goal is missed, 2 when the file cannot be read.
+
+A goal a run did not measure (its suite not chosen, or failed) is "not measured", never met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+TIMES = "\u00d7"
+
+TREES = (1_000, 100_000)
+CHECKPOINT_LIMIT_US = 1000.0
+GIT_FACTOR = 50.0
+ROLLBACK_LIMIT_US = 200.0
+BIG_FILE_LIMIT_MIB = 64.0
+# (system, ratio key, limit, what the issue asks)
+FS_GOALS = (
+    ("shadowfs-fuse", "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
+    ("shadowfs-overlay", "ratio_native", 1.3, "within 1.3\u00d7 of native"),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    goal: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+
+    @property
+    def word(self) -> str:
+        return {True: "met", False: "**not met**", None: "not measured"}[self.met]
+
+
+def _find(rows: Iterable[Row], **want: Any) -> Row | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
+
+
+def _us(value: float) -> str:
+    return f"{value:,.0f} µs" if value >= 100 else f"{value:.1f} µs"
+
+
+def _limit(goal: str, row: Row | None, key: str, limit: float, shown: str) -> Verdict:
+    if row is None or key not in row:
+        return Verdict(goal, "", None)
+    value = float(row[key])
+    runs = f" (runs: {row['runs_p50_us']})" if row.get("runs_p50_us") else ""
+    return Verdict(goal, shown.format(value) + runs, value <= limit)
+
+
+def _checkpoint_goals(rows: list[Row]) -> list[Verdict]:
+    out = []
+    ckpt = [
+        r for r in rows if r.get("group") == "checkpoint" and r.get("system") == "shadowfs-fuse"
+    ]
+    for n in TREES:
+        row = _find(ckpt, case=f"snapshot after 10 changed files, {n:,}-file tree")
+        out.append(_limit(
+            f"10-file checkpoint through the mount, {n:,}-file tree: p50 ≤ 1 ms",
+            row, "p50_us", CHECKPOINT_LIMIT_US, "p50 {:,.0f} µs",
+        ))  # fmt: skip
+    for n in TREES:
+        steps = [
+            r for k in (1, 10, 100)
+            if (r := _find(ckpt, case=f"snapshot after {k} changed files, {n:,}-file tree"))
+            and "vs_git" in r
+        ]  # fmt: skip
+        goal = f"checkpoint ≥ 50{TIMES} faster than `git add -A && git commit`, {n:,}-file tree"
+        if not steps:
+            out.append(Verdict(goal, "", None))
+            continue
+        shown = ", ".join(
+            f"{r['files_changed']} file(s) {float(r['vs_git']):,.1f}{TIMES}" for r in steps
+        )
+        out.append(Verdict(goal, shown, all(float(r["vs_git"]) >= GIT_FACTOR for r in steps)))
+    for n in TREES:
+        row = _find(
+            ckpt,
+            case=f"rollback to the previous checkpoint, 10 changed files, {n:,}-file tree, "
+            "in process",
+        )
+        out.append(_limit(
+            f"10-file rollback in process, {n:,}-file tree: p50 ≤ 0.2 ms",
+            row, "p50_us", ROLLBACK_LIMIT_US, "p50 {:,.0f} µs",
+        ))  # fmt: skip
+    return out
+
+
+def _fs_goals(rows: list[Row]) -> list[Verdict]:
+    fs = [r for r in rows if r.get("group") == "fs"]
+    places: dict[str, str] = {}
+    for r in fs:
+        places.setdefault(r.get("fs", "tmp"), r.get("fs_label") or r.get("fs", "tmp"))
+    out = []
+    for system, key, limit, text in FS_GOALS:
+        for place, label in places.items() or {"tmp": "the temp dir"}.items():
+            row = _find(fs, system=system, workload="geomean", fs=place)
+            shown = "geometric mean {:.2f}" + TIMES + (
+                f" over {row['workloads']} workloads" if row and row.get("workloads") else ""
+            )
+            out.append(_limit(f"{system} on {label}: {text}", row, key, limit, shown))
+    return out
+
+
+def _memory_goal(rows: list[Row]) -> list[Verdict]:
+    row = next(
+        (r for r in rows if str(r.get("case", "")).startswith("copy-up (1-byte append)")), None
+    )
+    goal = "2 GiB file copied up, snapshotted and committed within 64 MiB above baseline"
+    if row is None or "rss_mib" not in row:
+        return [Verdict(goal, "", None)]
+    extra = float(row["rss_mib"])
+    return [Verdict(goal, f"+{extra:.1f} MiB peak, {row.get('seconds', '?')} s", extra <= 64)]
+
+
+def judge(rows: Sequence[Row]) -> list[Verdict]:
+    rows = list(rows)
+    return [*_checkpoint_goals(rows), *_fs_goals(rows), *_memory_goal(rows)]
+
+
+def render(verdicts: Sequence[Verdict]) -> str:
+    """A markdown table, or "" when the run measured none of the goals."""
+    if all(v.met is None for v in verdicts):
+        return ""
+    out = ["| goal | measured | verdict |", "|---|---|---|"]
+    out += [f"| {v.goal} | {v.measured or '—'} | {v.word} |" for v in verdicts]
+    met = sum(v.met is True for v in verdicts)
+    measured = sum(v.met is not None for v in verdicts)
+    out += ["", f"{met} of {measured} measured goals met."]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.goals", description="Judge a saved bench run against the goals."
+    )
+    p.add_argument("rows", type=Path, help="the file `python -m bench --json FILE` wrote")
+    p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    args = p.parse_args(argv)
+    try:
+        data = json.loads(args.rows.read_text())
+        rows = data["rows"] if isinstance(data, dict) else data
+        if not isinstance(rows, list):
+            raise ValueError("no list of rows")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else exc
+        print(f"bench.goals: cannot read {args.rows} ({why}); pass the file that "
+              "`python -m bench --json FILE` wrote", file=sys.stderr)  # fmt: skip
+        return 2
+    verdicts = judge(rows)
+    if args.json:
+        print(json.dumps([{**asdict(v), "verdict": v.word.strip("*")} for v in verdicts], indent=1))
+    else:
+        print(render(verdicts) or "this run measured none of the goals")
+    return 1 if any(v.met is False for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""bench.goals judges a run's rows against the shadow booth's goals (behaviour, never timing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import goals
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _ckpt(case: str, p50: float, **extra: Any) -> dict[str, Any]:
+    return {"group": "checkpoint", "system": "shadowfs-fuse", "case": case, "p50_us": p50, **extra}
+
+
+def _full_run(*, slow_rollback: bool = False) -> list[dict[str, Any]]:
+    rows = []
+    for n in goals.TREES:
+        for k, vs_git in ((1, 190.0), (10, 83.0), (100, 108.0)):
+            rows.append(_ckpt(f"snapshot after {k} changed files, {n:,}-file tree", 700.0,
+                              vs_git=vs_git, files_changed=k, runs_p50_us="690, 700, 710"))
+        rows.append(_ckpt(
+            f"rollback to the previous checkpoint, 10 changed files, {n:,}-file tree, in process",
+            250.0 if slow_rollback and n == 100_000 else 120.0,
+        ))
+    for place, label in (("tmp", "/tmp (ext4)"), ("xfs", "XFS with reflink (loop image)")):
+        for system, native, fo in (("shadowfs-fuse", 2.8, 0.7), ("shadowfs-overlay", 1.2, 0.3)):
+            rows.append({"group": "fs", "system": system, "workload": "geomean", "fs": place,
+                         "fs_label": label, "ratio_native": native, "ratio_fuse_overlayfs": fo,
+                         "workloads": 13})
+    rows.append({"group": "checkpoint", "system": "shadowfs-fuse", "rss_mib": 5.4, "seconds": 31.6,
+                 "case": "copy-up (1-byte append) + snapshot + commit of a 2,048 MiB file"})
+    return rows  # fmt: skip
+
+
+def test_a_run_that_meets_every_goal_says_so_goal_by_goal() -> None:
+    verdicts = goals.judge(_full_run())
+
+    assert len(verdicts) == 11
+    assert all(v.met is True for v in verdicts), [v for v in verdicts if v.met is not True]
+    table = goals.render(verdicts)
+    assert "| 10-file checkpoint through the mount, 100,000-file tree: p50 ≤ 1 ms |" in table
+    assert "p50 700 µs (runs: 690, 700, 710)" in table
+    assert "1 file(s) 190.0\u00d7, 10 file(s) 83.0\u00d7, 100 file(s) 108.0\u00d7" in table
+    assert "shadowfs-overlay on XFS with reflink (loop image): within 1.3\u00d7 of native" in table
+    assert table.endswith("11 of 11 measured goals met.")
+
+
+def test_a_missed_goal_and_an_unmeasured_one_are_told_apart() -> None:
+    run = _full_run(slow_rollback=True)
+    rows = [r for r in run if not str(r.get("case", "")).startswith("copy-up")]
+    rows[1]["vs_git"] = 49.9  # the 10-file step on 1,000 files
+
+    by_goal = {v.goal: v for v in goals.judge(rows)}
+
+    assert by_goal["10-file rollback in process, 100,000-file tree: p50 ≤ 0.2 ms"].met is False
+    assert by_goal["10-file rollback in process, 1,000-file tree: p50 ≤ 0.2 ms"].met is True
+    git = by_goal["checkpoint ≥ 50\u00d7 faster than `git add -A && git commit`, 1,000-file tree"]
+    assert git.met is False and "10 file(s) 49.9\u00d7" in git.measured
+    memory = [v for v in by_goal.values() if v.goal.startswith("2 GiB")]
+    assert [m.met for m in memory] == [None]
+    table = goals.render(list(by_goal.values()))
+    assert "| **not met** |" in table and "| — | not measured |" in table
+    assert table.endswith("8 of 10 measured goals met.")
+
+
+def test_a_run_that_measured_no_goal_renders_nothing() -> None:
+    rows = [{"group": "git_baseline", "system": "git", "case": "git add", "p50_us": 1.0}]
+
+    assert goals.render(goals.judge(rows)) == ""
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.goals", *args], cwd=REPO, capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=60,
+    )  # fmt: skip
+
+
+def test_the_command_judges_a_saved_run_and_exits_1_on_a_miss(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"command": "x", "rows": _full_run()}))
+    bad.write_text(json.dumps({"command": "x", "rows": _full_run(slow_rollback=True)}))
+
+    ok = _cli(str(good))
+    missed = _cli(str(bad), "--json")
+
+    assert ok.returncode == 0 and "11 of 11 measured goals met." in ok.stdout
+    assert missed.returncode == 1
+    verdicts = json.loads(missed.stdout)
+    assert [v["verdict"] for v in verdicts].count("not met") == 1
+    assert {"goal", "measured", "met", "verdict"} == set(verdicts[0])
+
+
+def test_the_command_refuses_a_file_that_is_not_a_run_in_one_line(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+
+    for path in (junk, tmp_path / "missing.json"):
+        proc = _cli(str(path))
+        assert proc.returncode == 2
+        assert proc.stderr.startswith(f"bench.goals: cannot read {path}")
+        assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_the_report_opens_with_the_goals_before_the_tables_behind_them() -> None:
+    from bench import harness
+
+    result = harness.SuiteResult(harness.Suite("checkpoint_fuse", "x"), _full_run(), 1.0)
+    report = harness.render_report([result], {"cpu": "test"}, "python -m bench", False, "now")
+
+    assert report.index("## Goals") < report.index("## checkpoint")
+    assert "11 of 11 measured goals met." in report
