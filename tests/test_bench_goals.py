@@ -116,3 +116,15 @@ def test_the_report_opens_with_the_goals_before_the_tables_behind_them() -> None
 
     assert report.index("## Goals") < report.index("## checkpoint")
     assert "11 of 11 measured goals met." in report
+
+
+def test_a_backend_that_could_not_run_says_why_its_goal_was_not_measured() -> None:
+    rows = [r for r in _full_run() if r.get("system") != "shadowfs-overlay"]
+    rows.append({"group": "fs", "case": "(all workloads)", "system": "shadowfs-overlay",
+                 "fs": "tmp", "fs_label": "/tmp (ext4)", "note": "needs root to mount -t overlay."})
+
+    by_goal = {v.goal: v for v in goals.judge(rows)}
+
+    ext4 = by_goal["shadowfs-overlay on /tmp (ext4): within 1.3\u00d7 of native"]
+    assert ext4.met is None and ext4.measured == "needs root to mount -t overlay."
+    assert by_goal["shadowfs-fuse on /tmp (ext4): no slower than fuse-overlayfs"].met is True
