@@ -11,7 +11,8 @@ fsync, the frame's write and the tape's fdatasync follow within 50 ms (the booth
 `jukebox.booth.GroupTape`), so the row is what the agent waits for, not the disk. The
 checkpoints run back to back, each after a step that rewrites 1 or 10 of the tree's 100 files,
 so some arrive during the group commit's fsync: p99, the slowest (max) and the mean show
-whether they wait for it.
+whether they wait for it. The paused rows sleep 0.2 s between each step and its checkpoint, as
+an agent does while a model answers: the checkpoint then wakes idle threads and cold caches.
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ from typing import Any
 from bench.harness import percentile
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+PAUSE = 0.2  # seconds between a step and its checkpoint in the paused rows
 
 CHECKPOINTS = r"""
 import json, sys, time
 from jukebox.control import request
-n, k = int(sys.argv[1]), int(sys.argv[2])
+n, k, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 out = []
 for i in range(n):
     for j in range(k):  # k of 100 files rewritten per step, different ones each step
         with open("file%d.txt" % ((i * k + j) % 100), "w") as f:
             f.write("x" * 100 + str(i))
+    if pause:
+        time.sleep(pause)
     t = time.perf_counter()
     request({"op": "checkpoint"})
     out.append((time.perf_counter() - t) * 1e6)
@@ -71,11 +75,14 @@ def _row(case: str, system: str, samples: list[float], **extra: Any) -> dict[str
     }
 
 
-def _checkpoints(tree: Path, tapes: Path, tape_id: str, n: int, k: int) -> list[float]:
-    """µs per checkpoint an agent in a booth asks for after each k-file step."""
+def _checkpoints(
+    tree: Path, tapes: Path, tape_id: str, n: int, k: int, pause: float = 0.0
+) -> list[float]:
+    """µs per checkpoint an agent in a booth asks for after each k-file step (and a pause)."""
     proc = subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
-         tape_id, "--commit", "never", "--", sys.executable, "-c", CHECKPOINTS, str(n), str(k)],
+         tape_id, "--commit", "never", "--", sys.executable, "-c", CHECKPOINTS, str(n), str(k),
+         str(pause)],
         capture_output=True,
         text=True,
     )
@@ -96,6 +103,7 @@ def run(quick: bool = False) -> list[dict]:
         ]
     runs = 3 if quick else 10
     n_checkpoints = 50 if quick else 300
+    n_paused = 5 if quick else 40
     base = Path(tempfile.mkdtemp(prefix="jukebox-bench-booth-"))
     rows: list[dict] = []
     try:
@@ -150,8 +158,20 @@ def run(quick: bool = False) -> list[dict]:
                     "commit), whose fsync a checkpoint does not wait for; target <= 3 ms",
                 )
             )
+        for k in (1, 10):
+            samples = _checkpoints(tree, tapes, f"cp{k}p", n_paused, k, PAUSE)
+            rows.append(
+                _row(
+                    f"checkpoint over the socket ({k} dirty file{'s' if k > 1 else ''}, "
+                    f"{PAUSE} s after the step)",
+                    "jukebox booth (fuse)",
+                    samples,
+                    note="as above, but the agent sleeps between its step and the request, "
+                    "as it would while waiting for a model: idle threads and cold caches",
+                )
+            )
     finally:
-        for tape_id in ("cp1", "cp10"):
+        for tape_id in ("cp1", "cp10", "cp1p", "cp10p"):
             subprocess.run(
                 [JUKEBOX, "booth", "discard", tape_id, "--tape-dir", str(base / "tapes")],
                 capture_output=True,

@@ -129,3 +129,18 @@ def test_bad_options_get_one_line_and_exit_2(args: list[str], named: str) -> Non
     assert proc.returncode == 2
     assert proc.stderr.startswith("bench: " + named) and proc.stderr.count("\n") == 1
     assert proc.stdout == ""
+
+
+def test_quick_booth_suite_reports_checkpoints_back_to_back_and_after_a_pause(
+    tmp_path: Path,
+) -> None:
+    if os.geteuid() != 0 and not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        pytest.skip("a booth needs /dev/fuse")
+    _, report, data = _bench(tmp_path, "--only", "booth")
+
+    rows = {r["case"]: r for r in data["rows"] if r["system"] == "jukebox booth (fuse)"}
+    for k, files in ((1, "1 dirty file"), (10, "10 dirty files")):
+        assert rows[f"checkpoint over the socket ({files})"]["n"] == 50
+        paused = rows[f"checkpoint over the socket ({files}, 0.2 s after the step)"]
+        assert paused["n"] == 5 and paused["p50_us"] > 0, k
+    assert "| checkpoint over the socket (10 dirty files, 0.2 s after the step) |" in report
