@@ -31,6 +31,7 @@ from bench.harness import percentile
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 PAUSE = 0.2  # seconds between a step and its checkpoint in the paused rows
+TAPE_IDS = {(1, 0.0): "cp1", (10, 0.0): "cp10", (1, PAUSE): "cp1p", (10, PAUSE): "cp10p"}
 
 CHECKPOINTS = r"""
 import json, sys, time
@@ -146,32 +147,25 @@ def run(quick: bool = False) -> list[dict]:
             )
         )
 
-        for k in (1, 10):
-            samples = _checkpoints(tree, tapes, f"cp{k}", n_checkpoints, k)
-            rows.append(
-                _row(
-                    f"checkpoint over the socket ({k} dirty file{'s' if k > 1 else ''})",
-                    "jukebox booth (fuse)",
-                    samples,
-                    note="jukebox.control.request over the agent's kept connection, back to "
-                    "back: snapshot + ack; objects and frame durable within 50 ms (group "
-                    "commit), whose fsync a checkpoint does not wait for; target <= 3 ms",
-                )
-            )
-        for k in (1, 10):
-            samples = _checkpoints(tree, tapes, f"cp{k}p", n_paused, k, PAUSE)
-            rows.append(
-                _row(
-                    f"checkpoint over the socket ({k} dirty file{'s' if k > 1 else ''}, "
-                    f"{PAUSE} s after the step)",
-                    "jukebox booth (fuse)",
-                    samples,
-                    note="as above, but the agent sleeps between its step and the request, "
-                    "as it would while waiting for a model: idle threads and cold caches",
-                )
-            )
+        back_to_back = (
+            0.0, n_checkpoints, "",
+            "jukebox.control.request over the agent's kept connection, back to back: snapshot + "
+            "ack; objects and frame durable within 50 ms (group commit), whose fsync a "
+            "checkpoint does not wait for; target <= 3 ms",
+        )  # fmt: skip
+        paused = (
+            PAUSE, n_paused, f", {PAUSE} s after the step",
+            "as above, but the agent sleeps between its step and the request, as it would "
+            "while waiting for a model: idle threads and cold caches",
+        )  # fmt: skip
+        for pause, n, when, note in (back_to_back, paused):
+            for k in (1, 10):
+                samples = _checkpoints(tree, tapes, TAPE_IDS[k, pause], n, k, pause)
+                files = f"{k} dirty file{'s' if k > 1 else ''}"
+                rows.append(_row(f"checkpoint over the socket ({files}{when})",
+                                 "jukebox booth (fuse)", samples, note=note))  # fmt: skip
     finally:
-        for tape_id in ("cp1", "cp10", "cp1p", "cp10p"):
+        for tape_id in TAPE_IDS.values():
             subprocess.run(
                 [JUKEBOX, "booth", "discard", tape_id, "--tape-dir", str(base / "tapes")],
                 capture_output=True,

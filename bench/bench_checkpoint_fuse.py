@@ -50,6 +50,19 @@ CHANGED = (1, 10, 100)
 MIB = 1024 * 1024
 
 
+def snapshot_case(k: int, n_files: int) -> str:
+    """The row name of a through-mount checkpoint after a k-file step (bench.goals reads it)."""
+    return f"snapshot after {k} changed files, {n_files:,}-file tree"
+
+
+def restore_in_process_case(n_files: int) -> str:
+    return (f"rollback to the previous checkpoint, 10 changed files, {n_files:,}-file tree, "
+            "in process")
+
+
+BIG_COPY_UP_CASE = "copy-up (1-byte append) + snapshot + commit"
+
+
 def _change(mnt: Path, paths: list[str], k: int, round_: int) -> None:
     # The same step as the git baseline: k files edited in place, each differently every round.
     for i in range(k):
@@ -115,7 +128,7 @@ def bench_tree(n_files: int, reps: int, git: dict[int, float], runs: int) -> lis
         what, k = key.split()[0], int(key.split()[1])
         row = {"group": GROUP, "system": SYSTEM, **_pooled([run[key] for run in per_run])}
         if what == "snapshot":
-            row["case"] = f"snapshot after {k} changed files, {n_files:,}-file tree"
+            row["case"] = snapshot_case(k, n_files)
             row["note"] = ("written via the mount; snapshot under the mount's lock; durable "
                            "within 50 ms (group commit)")
             if k in git:
@@ -234,8 +247,7 @@ def bench_restore_in_process(
 ) -> dict[str, Any]:
     return {
         "group": GROUP,
-        "case": f"rollback to the previous checkpoint, 10 changed files, {n_files:,}-file tree, "
-                "in process",
+        "case": restore_in_process_case(n_files),
         "system": SYSTEM,
         **_in_children("restore_samples", n_files, reps, runs),
         "files_changed": 10,
@@ -377,7 +389,7 @@ def bench_big_copy_up(size: int) -> dict[str, Any]:
     extra = (got["after"] - got["before"]) / MIB
     return {
         "group": GROUP,
-        "case": f"copy-up (1-byte append) + snapshot + commit of a {size // MIB:,} MiB file",
+        "case": f"{BIG_COPY_UP_CASE} of a {size // MIB:,} MiB file",
         "system": SYSTEM,
         "seconds": round(seconds, 2),
         "rss_mib": round(extra, 1),

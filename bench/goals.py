@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import backends as bk
+from bench import bench_checkpoint_fuse as ckpt_bench
+from bench import fs_workloads, scratch_fs
+
 Row = dict[str, Any]
 TIMES = "\u00d7"
 
@@ -28,8 +32,8 @@ ROLLBACK_LIMIT_US = 200.0
 BIG_FILE_LIMIT_MIB = 64.0
 # (system, ratio key, limit, what the issue asks)
 FS_GOALS = (
-    ("shadowfs-fuse", "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
-    ("shadowfs-overlay", "ratio_native", 1.3, "within 1.3\u00d7 of native"),
+    (bk.SHADOWFS_FUSE, "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
+    (bk.SHADOWFS_OVERLAY, "ratio_native", 1.3, "within 1.3\u00d7 of native"),
 )
 
 
@@ -59,18 +63,19 @@ def _limit(goal: str, row: Row | None, key: str, limit: float, shown: str) -> Ve
 def _checkpoint_goals(rows: list[Row]) -> list[Verdict]:
     out = []
     ckpt = [
-        r for r in rows if r.get("group") == "checkpoint" and r.get("system") == "shadowfs-fuse"
-    ]
+        r for r in rows
+        if r.get("group") == ckpt_bench.GROUP and r.get("system") == ckpt_bench.SYSTEM
+    ]  # fmt: skip
     for n in TREES:
-        row = _find(ckpt, case=f"snapshot after 10 changed files, {n:,}-file tree")
+        row = _find(ckpt, case=ckpt_bench.snapshot_case(10, n))
         out.append(_limit(
             f"10-file checkpoint through the mount, {n:,}-file tree: p50 ≤ 1 ms",
             row, "p50_us", CHECKPOINT_LIMIT_US, "p50 {:,.0f} µs",
         ))  # fmt: skip
     for n in TREES:
         steps = [
-            r for k in (1, 10, 100)
-            if (r := _find(ckpt, case=f"snapshot after {k} changed files, {n:,}-file tree"))
+            r for k in ckpt_bench.CHANGED
+            if (r := _find(ckpt, case=ckpt_bench.snapshot_case(k, n)))
             and "vs_git" in r
         ]  # fmt: skip
         goal = f"checkpoint ≥ 50{TIMES} faster than `git add -A && git commit`, {n:,}-file tree"
@@ -82,11 +87,7 @@ def _checkpoint_goals(rows: list[Row]) -> list[Verdict]:
         )
         out.append(Verdict(goal, shown, all(float(r["vs_git"]) >= GIT_FACTOR for r in steps)))
     for n in TREES:
-        row = _find(
-            ckpt,
-            case=f"rollback to the previous checkpoint, 10 changed files, {n:,}-file tree, "
-            "in process",
-        )
+        row = _find(ckpt, case=ckpt_bench.restore_in_process_case(n))
         out.append(_limit(
             f"10-file rollback in process, {n:,}-file tree: p50 ≤ 0.2 ms",
             row, "p50_us", ROLLBACK_LIMIT_US, "p50 {:,.0f} µs",
@@ -95,13 +96,15 @@ def _checkpoint_goals(rows: list[Row]) -> list[Verdict]:
 
 
 def _fs_goals(rows: list[Row]) -> list[Verdict]:
-    fs = [r for r in rows if r.get("group") == "fs"]
+    fs = [r for r in rows if r.get("group") == fs_workloads.GROUP]
     places: dict[str, str] = {}
     for r in fs:
-        places.setdefault(r.get("fs", "tmp"), r.get("fs_label") or r.get("fs", "tmp"))
+        place = r.get("fs", scratch_fs.TMP)
+        places.setdefault(place, r.get("fs_label") or place)
+    places = places or {scratch_fs.TMP: "the temp dir"}
     out = []
     for system, key, limit, text in FS_GOALS:
-        for place, label in places.items() or {"tmp": "the temp dir"}.items():
+        for place, label in places.items():
             row = _find(fs, system=system, workload="geomean", fs=place)
             shown = "geometric mean {:.2f}" + TIMES + (
                 f" over {row['workloads']} workloads" if row and row.get("workloads") else ""
@@ -116,7 +119,7 @@ def _fs_goals(rows: list[Row]) -> list[Verdict]:
 
 def _memory_goal(rows: list[Row]) -> list[Verdict]:
     row = next(
-        (r for r in rows if str(r.get("case", "")).startswith("copy-up (1-byte append)")), None
+        (r for r in rows if str(r.get("case", "")).startswith(ckpt_bench.BIG_COPY_UP_CASE)), None
     )
     goal = (
         f"2 GiB file copied up, snapshotted and committed within {BIG_FILE_LIMIT_MIB:.0f} MiB "
