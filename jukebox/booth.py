@@ -495,15 +495,14 @@ class GroupTape:
 
 def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
     """One line per changed path: `A`dded, `M`odified, `D`eleted, `T`ype or mode changed."""
+    from jukebox.names import change_line
     from shadowfs.tree import diff_trees
 
-    letters = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
     lines = []
     for change in diff_trees(store, base, final):
         entry = change.new or change.old
         size = f"  ({entry.size} bytes)" if entry is not None and entry.kind == "file" else ""
-        path = change.path.decode(errors="backslashreplace")
-        lines.append(f"{letters.get(change.status, '?')} {path}{size}")
+        lines.append(change_line(change.status, change.path) + size)
     return lines
 
 
@@ -582,9 +581,12 @@ def commit_tree(
     return report
 
 
-def commit_booth(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[str]:
+def commit_booth(
+    tape_dir: TapeDir, booth_id: str, at: str | None = None, *, allow_hooks: bool = False
+) -> list[str]:
     """Applies a pending booth to its real tree (its final state, or its checkpoint ``at``: a
-    number or a label); raises CheckFailed listing every conflict."""
+    number or a label); raises CheckFailed listing every conflict, or the hook-like files it
+    changes unless ``allow_hooks`` (jukebox.host_hooks)."""
     from shadowfs.errors import ConflictError
 
     with _locked(tape_dir, booth_id) as record:
@@ -592,6 +594,13 @@ def commit_booth(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> lis
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
         base, final, checkpoint = _target_tree(record, at)
         with _open_store(tape_dir) as store:
+            refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
+            if refused:
+                raise CheckFailed(
+                    f"booth {booth_id} not committed: {refused}; review them "
+                    f"(`jukebox booth diff {booth_id}`), then commit with --allow-hooks or "
+                    f"`jukebox booth discard {booth_id}`"
+                )
             summary = change_summary(store, base, final)
             try:
                 commit_tree(store, tape_dir, record.tree, base, final, booth_id)
@@ -910,6 +919,23 @@ def _alert(message: str) -> None:
     sys.stderr.flush()
 
 
+def _host_hooks_refusal(store: Any, base: ObjectId, final: ObjectId) -> str:
+    """Why the booth is not committed without --allow-hooks ("" when nothing is flagged)."""
+    from jukebox.host_hooks import host_hook_changes, refusal
+
+    flagged = host_hook_changes(store, base, final)
+    return refusal(flagged) if flagged else ""
+
+
+def _warn_host_hooks(store: Any, base: ObjectId, final: ObjectId) -> None:
+    """`--commit ask` shows the hook-like files first, highlighted on a terminal."""
+    from jukebox.host_hooks import host_hook_changes, warning_block
+
+    flagged = host_hook_changes(store, base, final)
+    if flagged:
+        sys.stderr.write(warning_block(flagged, highlight=sys.stderr.isatty()))
+
+
 def _ask(summary: list[str], booth_id: str) -> str:
     """'commit', 'discard' or 'keep', asked on the terminal."""
     shown = summary[:50]
@@ -959,11 +985,13 @@ def run_booth(
     layer_factory: LayerFactory | None = None,
     llm: LlmOptions | None = None,
     breaker: Any = None,
+    allow_hooks: bool = False,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
     CMD's own status, except: 1 when CMD exited 0 but `--commit auto` did not commit (the
-    verifier failed or the commit conflicted); 125-127 when the sandbox could not start CMD.
+    verifier failed, the commit conflicted, or it changes hook-like files and not
+    ``allow_hooks``: see jukebox.host_hooks); 125-127 when the sandbox could not start CMD.
     """
     argv = list(argv)
     if not argv:
@@ -1172,6 +1200,8 @@ def run_booth(
         elif commit_mode == "never":
             decision = "keep"
         elif commit_mode == "ask":
+            if final_tree != base_tree:
+                _warn_host_hooks(store, base_tree, final_tree)
             decision = (
                 "commit"
                 if final_tree == base_tree
@@ -1186,6 +1216,12 @@ def run_booth(
                 if agent_ok and verified
                 else (status.get("setup_error") or f"the agent exited with {_describe(status)}")
             )
+
+        hooks_refused = ""
+        if decision == "commit" and commit_mode == "auto" and not allow_hooks:
+            hooks_refused = _host_hooks_refusal(store, base_tree, final_tree)
+            if hooks_refused:
+                decision, reason, code = "keep", hooks_refused, 1
 
         # Everything recorded so far is on disk before the real tree changes or a verdict lands.
         writer.sync()
@@ -1217,7 +1253,8 @@ def run_booth(
             save_record(tapes, record)
             _alert(
                 f"booth {booth_id} kept pending{f' ({reason})' if reason else ''}: "
-                f"`jukebox booth diff {booth_id}`, then `jukebox booth commit {booth_id}` or "
+                f"`jukebox booth diff {booth_id}`, then `jukebox booth commit {booth_id}"
+                f"{' --allow-hooks' if hooks_refused else ''}` or "
                 f"`jukebox booth discard {booth_id}` (with --tape-dir {tapes.path})"
             )
             if interrupted and code == 0:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.names import CHANGE_LETTERS, name_json, printable, visible
 from jukebox.render import money
 from shadowfs.oid import ObjectId
 
@@ -31,7 +32,6 @@ SHOW_CHARS = 160  # how much of a prompt or reply one line of the report shows
 SHOW_FILES = 50  # file changes listed before "... and N more"
 SHOW_TOOL_CALLS = 20
 _TOKEN_KEYS = ("input", "output", "cached")
-_STATUS_LETTERS = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
 
 
 @dataclass
@@ -124,7 +124,8 @@ class Side:
 @dataclass
 class FileChange:
     status: str
-    path: str
+    path: str  # as shown: jukebox.names.visible(raw)
+    raw: bytes = b""
 
 
 @dataclass
@@ -170,7 +171,7 @@ class Comparison:
             "files": (
                 None
                 if self.files is None
-                else [{"status": c.status, "path": c.path} for c in self.files]
+                else [{"status": c.status, **name_json(c.raw)} for c in self.files]
             ),
         }
 
@@ -226,7 +227,8 @@ class Comparison:
             + [["cost (USD)", money(a.cost_usd), money(b.cost_usd),
                 _signedmoney(b.cost_usd - a.cost_usd)]],
         )  # fmt: skip
-        return "\n".join(out) + "\n"
+        # Prompts, replies and names come from the tapes: nothing in them may drive a terminal.
+        return "\n".join(printable(line) for line in out) + "\n"
 
     def _fork_markdown(self) -> list[str]:
         out: list[str] = []
@@ -296,7 +298,7 @@ class Comparison:
             return ["The final file states are the same (mtimes aside)."]
         out = [f"{len(self.files)} path(s) differ between A's final tree and B's:", ""]
         for change in self.files[:SHOW_FILES]:
-            out.append(f"- `{_STATUS_LETTERS.get(change.status, '?')}` {change.path}")
+            out.append(f"- `{CHANGE_LETTERS.get(change.status, '?')}` {change.path}")
         if len(self.files) > SHOW_FILES:
             out.append(f"- ... and {len(self.files) - SHOW_FILES} more")
         return out
@@ -344,7 +346,7 @@ def compare_tapes(
 
         try:
             files = [
-                FileChange(c.status, c.path.decode("utf-8", "backslashreplace"))
+                FileChange(c.status, visible(c.path), c.path)
                 for c in diff_trees(store, a.final_tree, b.final_tree)
             ]
         except ShadowfsError:

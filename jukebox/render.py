@@ -45,7 +45,10 @@ def short(text: Any, limit: int = 60) -> str:
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
     """Columns sized to their content; `right` names columns to right-align (numbers)."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    from jukebox.names import printable
+
+    # Cells quote tapes and trees (names, messages): a terminal must not act on what they hold.
+    cells = [[printable(c) for c in headers]] + [[printable(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     align_right = set(right)
     lines = []
@@ -79,10 +82,13 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
     if kind == "tool_call":
         return f"{p.get('tool', '?')}({short(p.get('args', ''), 40)})"
     if kind in ("fs", "checkpoint"):
+        from jukebox.names import visible
+
         number = f"#{p['id']} " if p.get("id") is not None else ""
         label = f"'{p['label']}' " if p.get("label") else ""
         paths = p.get("paths")
-        changed = f"{len(paths)} path(s): {short(', '.join(map(str, paths)), 50)}" if paths else ""
+        shown = ", ".join(visible(str(path)) for path in paths) if paths else ""
+        changed = f"{len(paths)} path(s): {short(shown, 50)}" if paths else ""
         why = f"({p['reason']})" if kind == "fs" and p.get("reason") and not changed else ""
         return (number + label + changed + why).strip() or "file state"
     if kind == "rollback":

@@ -192,13 +192,10 @@ def same_files(store: Any, a: ObjectId | None, b: ObjectId | None) -> list[str]:
     """The paths that differ (content, kind or mode; not mtimes), as `M path` lines."""
     if a == b:
         return []
+    from jukebox.names import change_line
     from shadowfs.tree import diff_trees
 
-    letters = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
-    return [
-        f"{letters.get(c.status, '?')} {c.path.decode('utf-8', 'backslashreplace')}"
-        for c in diff_trees(store, a, b)
-    ]
+    return [change_line(c.status, c.path) for c in diff_trees(store, a, b)]
 
 
 def next_tape_id(tapes: TapeDir, base: str, what: str) -> str:

@@ -47,7 +47,10 @@ class JukeboxGroup(click.Group):
 
 
 def fail(message: str, code: int) -> None:
-    click.echo(f"jukebox: {message}", err=True)
+    from jukebox.names import printable
+
+    # Messages quote names from trees and tapes: a terminal must not act on what they hold.
+    click.echo(f"jukebox: {printable(message)}", err=True)
     sys.exit(code)
 
 

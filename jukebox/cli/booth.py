@@ -18,6 +18,12 @@ def booth() -> None:
     """Run any agent over its working tree in a copy-on-write booth."""
 
 
+_ALLOW_HOOKS_HELP = (
+    "Commit even changes to files that run code on the host later (git hooks and config, "
+    ".envrc, editor tasks: docs/reliability.md); without it such a booth stays pending."
+)
+
+
 @booth.command(
     "run",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
@@ -63,6 +69,7 @@ def booth() -> None:
     help="Stop the agent when its changes would stage more than SIZE (like 512M, 20G) in all; "
     "--fs fuse. Default: the image's limits.scratch, else none.",
 )
+@click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     tree: str,
@@ -80,6 +87,7 @@ def run(
     max_turns: int | None,
     max_repeat: int | None,
     max_scratch: str | None,
+    allow_hooks: bool,
     cmd: tuple[str, ...],
 ) -> None:
     """Run CMD in a booth over the tree; CMD's exit status is the run's.
@@ -123,6 +131,7 @@ def run(
         checkpoint_every=checkpoint_every,
         max_scratch=scratch_limit,
         breaker=breaker,
+        allow_hooks=allow_hooks,
     )
     sys.exit(code)
 
@@ -139,6 +148,7 @@ def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
 def ls(tape_dir: Path | None, as_json: bool) -> None:
     """List pending booths."""
     from jukebox.booth import list_booths
+    from jukebox.names import printable
 
     records = list_booths(listed_tape_dir(tape_dir))
     if as_json:
@@ -150,7 +160,7 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
     for r in records:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
         label = f"  {r.name}" if r.name else ""
-        click.echo(f"{r.id}  {r.status:<8} {created}  {r.tree}{label}")
+        click.echo(printable(f"{r.id}  {r.status:<8} {created}  {r.tree}{label}"))
 
 
 _AT_HELP = (
@@ -178,11 +188,12 @@ def diff(booth_id: str, tape_dir: str | None, at: str | None) -> None:
 @click.argument("booth_id")
 @click.option("--tape-dir", default=None)
 @click.option("--at", "at", default=None, metavar="LABEL|N", help=_AT_HELP)
-def commit(booth_id: str, tape_dir: str | None, at: str | None) -> None:
+@click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
+def commit(booth_id: str, tape_dir: str | None, at: str | None, allow_hooks: bool) -> None:
     """Apply a pending booth to its real tree (exit 1 listing conflicts if it changed)."""
     from jukebox.booth import commit_booth
 
-    lines = commit_booth(_tape_dir(tape_dir), booth_id, at)
+    lines = commit_booth(_tape_dir(tape_dir), booth_id, at, allow_hooks=allow_hooks)
     what = f"checkpoint {at} of booth" if at is not None else "booth"
     click.echo(f"committed {what} {booth_id}: {len(lines)} change(s)")
 

@@ -180,9 +180,13 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
         )
         return
     summary = loaded.summary()
+    from jukebox.names import printable
+
     click.echo(
-        f"tape {summary['tape_id']}  ({summary.get('name') or 'unnamed'}, "
-        f"{summary['status']}, {ref.path})"
+        printable(
+            f"tape {summary['tape_id']}  ({summary.get('name') or 'unnamed'}, "
+            f"{summary['status']}, {ref.path})"
+        )
     )
     click.echo(timeline(loaded))
     if loaded.torn_tail is not None:
@@ -384,6 +388,7 @@ def diff_command(
     prefix, then frames, models, messages, tool calls, files, tokens and cost of each side.
     """
     from jukebox.errors import UsageError
+    from jukebox.names import CHANGE_LETTERS, name_json, visible
     from jukebox.tapedir import TapeRef
     from shadowfs import tree
 
@@ -435,20 +440,13 @@ def diff_command(
             {
                 "from_tree": old_tree.hex() if old_tree else None,
                 "to_tree": new_tree.hex() if new_tree else None,
-                "changes": [
-                    {"path": c.path.decode("utf-8", "backslashreplace"), "status": c.status}
-                    for c in changes
-                ],
+                "changes": [{**name_json(c.path), "status": c.status} for c in changes],
             }
         )
         return
     click.echo(f"diff {label}: {len(changes)} change(s)")
-    letters = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
     for change in changes:
-        click.echo(
-            f"  {letters.get(change.status, '?')}  "
-            f"{change.path.decode('utf-8', 'backslashreplace')}"
-        )
+        click.echo(f"  {CHANGE_LETTERS.get(change.status, '?')}  {visible(change.path)}")
         if (
             patch
             and change.status == "modified"
@@ -462,22 +460,23 @@ def diff_command(
 def text_patch(store, change) -> str:
     import difflib
 
+    from jukebox.names import printable, visible
+
     limit = 1 << 20
     if change.old.size > limit or change.new.size > limit:
         return "     (large file: no line diff)\n"
     old, new = store.read_bytes(change.old.oid), store.read_bytes(change.new.oid)
     if b"\0" in old[:8192] or b"\0" in new[:8192]:
         return "     (binary file)\n"
-    name = change.path.decode("utf-8", "backslashreplace")
+    name = visible(change.path)
     lines = difflib.unified_diff(
         old.decode("utf-8", "replace").splitlines(keepends=True),
         new.decode("utf-8", "replace").splitlines(keepends=True),
         f"a/{name}",
         f"b/{name}",
     )
-    return "".join(
-        "     " + line if line.endswith("\n") else "     " + line + "\n" for line in lines
-    )
+    # The file's own lines may hold escape sequences too: shown, not acted on.
+    return "".join("     " + printable(line.rstrip("\n")) + "\n" for line in lines)
 
 
 @cli.command("gc")

@@ -11,6 +11,7 @@ import click
 
 from jukebox.cli import cli
 from jukebox.cli.tapes import emit_json, tape_argument, tape_dir_option, whole_tape
+from jukebox.names import printable
 
 
 def run_replay_exec(
@@ -34,7 +35,7 @@ def run_replay_exec(
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))
     if result.difference:
-        click.echo(f"jukebox: {result.difference}", err=True)
+        click.echo(f"jukebox: {printable(result.difference)}", err=True)
     click.echo(f"jukebox: {result.summary()}", err=True)
     sys.exit(result.code)
 
@@ -108,7 +109,7 @@ def fork_command(
     )
     if result.executed:
         if result.difference:
-            click.echo(f"jukebox: {result.difference}", err=True)
+            click.echo(f"jukebox: {printable(result.difference)}", err=True)
         out(
             f"re-executed: {result.llm_served} LLM call(s) served from the tape before frame "
             f"{at}, {result.llm_live} live after it, {result.appended} frame(s) appended, "
