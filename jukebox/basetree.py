@@ -38,8 +38,10 @@ def _write(tape_dir: TapeDir, known: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
         # A cache: losing it (or a race between two runs) costs one full read, nothing more.
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(known, sort_keys=True))
+        tape_dir.private_dir()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "w") as f:
+            f.write(json.dumps(known, sort_keys=True))
         os.replace(tmp, path)
 
 

@@ -50,6 +50,7 @@ from jukebox.basetree import build_base_tree
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
+from jukebox.scratchdir import booth_scratch
 from jukebox.tapedir import TapeDir, check_tape_id
 from shadowfs.oid import ObjectId
 
@@ -225,9 +226,10 @@ def _record_path(tape_dir: TapeDir, booth_id: str) -> Path:
 
 def save_record(tape_dir: TapeDir, record: BoothRecord) -> None:
     path = _record_path(tape_dir, record.id)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    tape_dir.private_dir(path.parent.name)
     tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
         json.dump(record.to_json(), f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
@@ -573,8 +575,7 @@ def commit_tree(
 ) -> Any:
     from shadowfs.commit import apply
 
-    journal = tape_dir.state / "commit-journals" / booth_id
-    journal.mkdir(parents=True, exist_ok=True)
+    journal = tape_dir.private_dir("commit-journals", booth_id)
     # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
     report = apply(store, tree, base, final, journal_dir=journal, drop_setid=True)
     shutil.rmtree(journal, ignore_errors=True)
@@ -1110,8 +1111,7 @@ def run_booth(
             import prctl
 
             prctl.set_child_subreaper(1)
-        scratch = tapes.state / "scratch" / booth_id
-        scratch.parent.mkdir(parents=True, exist_ok=True)
+        scratch = booth_scratch(tapes, booth_id)
         layer = factory(
             LayerContext(fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit)
         )

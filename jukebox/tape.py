@@ -463,7 +463,7 @@ class TapeWriter:
 
     @staticmethod
     def _create_file(path: str | os.PathLike[str], data: bytes) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, data)
             os.fsync(fd)

@@ -6,12 +6,14 @@ pending booths. One store per tape dir keeps dedup across runs and lets gc see e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from jukebox.errors import UsageError
+from shadowfs.privacy import is_loose, make_private_dirs, tighten, tighten_tree
 
 TAPE_SUFFIX = ".jbx"
 STATE_DIRNAME = ".jukebox"
@@ -33,7 +35,32 @@ def check_tape_id(tape_id: str) -> str:
 
 @dataclass(frozen=True)
 class TapeDir:
+    """A tape dir. Its tapes are 0600 and its state dir 0700 (docs/booth.md, "Threat model");
+    one opened that an older version left readable to others is tightened on the spot."""
+
     path: Path
+
+    def __post_init__(self) -> None:
+        # One lstat per opening; the walk runs once, on a tape dir from before private state.
+        if is_loose(self.state):
+            self._tighten()
+
+    def _tighten(self) -> None:
+        # Two levels reach every file of ours (store/packs/*, booths/*, commits/<key>/*); in
+        # scratch only one: scratch/<id>/upper holds a running overlay booth's files with the
+        # agent's own modes. The tape dir itself is the user's: left as it is.
+        tighten(self.state)
+        with contextlib.suppress(OSError), os.scandir(self.state) as entries:
+            for entry in entries:
+                tighten_tree(entry.path, depth=1 if entry.name == "scratch" else 2)
+        for tape in self.tape_paths():
+            tighten(tape)
+
+    def private_dir(self, *parts: str) -> Path:
+        """``<state>/<parts...>``, made 0700 where missing (the state dir too)."""
+        path = self.state.joinpath(*parts)
+        make_private_dirs(path)
+        return path
 
     @classmethod
     def resolve(cls, path: str | os.PathLike[str] | None) -> TapeDir:

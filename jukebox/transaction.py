@@ -999,8 +999,8 @@ def _lock_nb(fd: int) -> bool:
 
 def _make_scratch(tapes: TapeDir) -> tuple[Path, int]:
     """A scratch dir for one layer, with a held lock that tells a live layer from a dead one."""
-    scratch = tapes.state / "scratch" / f"tx-{os.getpid()}-{secrets.token_hex(4)}"
-    scratch.mkdir(parents=True)
+    scratch = tapes.private_dir("scratch") / f"tx-{os.getpid()}-{secrets.token_hex(4)}"
+    scratch.mkdir(0o700)
     fd = os.open(scratch / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return scratch, fd
@@ -1060,8 +1060,7 @@ class _CommitGuard:
 
     def __init__(self, tapes: TapeDir, root: str, store: Any) -> None:
         key = _commit_key(root)
-        base = tapes.state / "commits"
-        base.mkdir(parents=True, exist_ok=True)
+        base = tapes.private_dir("commits")
         self.tapes = tapes
         self.store = store
         self.journal_dir = base / key

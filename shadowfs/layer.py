@@ -103,6 +103,7 @@ from shadowfs import tree as trees
 from shadowfs.bounded import BoundedMap
 from shadowfs.journal import Journal
 from shadowfs.oid import ObjectId
+from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
     DIR,
     FILE,
@@ -599,7 +600,7 @@ class Layer:
         self.base = os.fsdecode(base)
         self.scratch_dir = os.fsdecode(scratch_dir)
         self._made_scratch = not os.path.isdir(self.scratch_dir)
-        os.makedirs(self.scratch_dir, exist_ok=True)
+        make_private_dirs(self.scratch_dir)  # it will hold the agent's files
         self.base_fd = os.open(self.base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             st = os.stat(self.base_fd)

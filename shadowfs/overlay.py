@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
+from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
     DIR,
     FILE,
@@ -54,7 +55,13 @@ from shadowfs.tree import entries as _tree_entries
 from shadowfs.tree import pack_entries as _pack_sorted_entries
 from shadowfs.tree import remember as _remember_tree
 
+_MS_NOSUID = 2
+_MS_NODEV = 4
 _MS_REMOUNT = 32
+# Like the FUSE layer: an agent's setuid copy or device node is inert through the mount, even
+# through an fd it hands to a process outside the booth. A remount must repeat them (a remount
+# without them clears them).
+_MOUNT_FLAGS = _MS_NOSUID | _MS_NODEV
 _MS_BIND = 4096
 _MS_PRIVATE = 1 << 18
 _MNT_DETACH = 2
@@ -181,7 +188,7 @@ class OverlayLayer:
                 raise OverlayError(f"booth dir {os.fsdecode(self.booth_dir)!r} contains "
                                    f"{bad.decode()!r}, which overlay mount options cannot carry; "
                                    "choose a plainer path")
-        os.makedirs(self.booth_dir, exist_ok=True)
+        make_private_dirs(self.booth_dir)  # it will hold the agent's files
         if os.listdir(self.booth_dir):
             raise OverlayError(f"booth dir {os.fsdecode(self.booth_dir)!r} is not empty; pass an "
                                "absent or empty directory")
@@ -240,7 +247,7 @@ class OverlayLayer:
             self._bound = True
             self._lowerdir = self._lower_bind
         try:
-            _mount(b"overlay", mp, b"overlay", 0, self._options())
+            _mount(b"overlay", mp, b"overlay", _MOUNT_FLAGS, self._options())
         except OSError as exc:
             raise OverlayError(f"cannot mount overlay at {os.fsdecode(mp)!r} ({exc.strerror}); "
                                "it needs root (or userxattr in a user namespace) and an existing "
@@ -512,7 +519,7 @@ class OverlayLayer:
                 try:
                     self._rewrite(tree_id, mp)
                 finally:
-                    _mount(None, mp, None, _MS_REMOUNT, None)
+                    _mount(None, mp, None, _MS_REMOUNT | _MOUNT_FLAGS, None)
         self.last_tree = tree_id
 
     def _rewrite(self, tree_id: ObjectId, live: bytes | None) -> None:

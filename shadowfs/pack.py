@@ -334,7 +334,7 @@ class PackWriter:
         """A new empty pack, named only once its header is written and it is locked."""
         name = f"pack-{os.urandom(16).hex()}.pack"
         tmp = packs_dir / (name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.pwrite(fd, PACK_MAGIC, 0)

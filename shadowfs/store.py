@@ -47,6 +47,7 @@ import zstandard
 from shadowfs import pack as pk
 from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
 from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
+from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
 from shadowfs.store_index import IndexEntry, StoreIndex
 
 CHUNK_SIZE = 4 * 1024 * 1024
@@ -206,9 +207,12 @@ class Store:
                     f"no store at {root}; check the path or open it with create=True"
                 )
             try:
-                (root / "packs").mkdir(parents=True, exist_ok=True)
+                make_private_dirs(root / "packs")
             except OSError as exc:
                 raise StoreError(f"cannot create a store at {root} ({exc.strerror})") from None
+        elif is_loose(root):
+            # Made by a version that left it readable to all: every agent's file is in here.
+            tighten_tree(root, depth=2)
         store = cls(root, level)
         try:
             store._open_index()
@@ -253,7 +257,7 @@ class Store:
     def _open_index(self) -> None:
         path = self.root / "index.sqlite"
         if not path.exists():
-            lfd = os.open(self.root / "index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            lfd = os.open(self.root / "index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(lfd, fcntl.LOCK_EX)
                 if not path.exists():
@@ -285,7 +289,7 @@ class Store:
     def _lock(self, mode: int, block: bool) -> bool:
         if self._lock_fd < 0:
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-            self._lock_fd = os.open(self.root / "lock", flags, 0o644)
+            self._lock_fd = os.open(self.root / "lock", flags, 0o600)
         try:
             fcntl.flock(self._lock_fd, mode | (0 if block else fcntl.LOCK_NB))
         except BlockingIOError:

@@ -8,6 +8,7 @@ different processes (busy_timeout) while readers keep reading the last committed
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -18,6 +19,7 @@ from typing import Any
 from shadowfs.errors import StoreError
 from shadowfs.oid import OID_SIZE, ObjectId
 from shadowfs.pack import header_len, pack_name_ok
+from shadowfs.privacy import PRIVATE_FILE
 
 FORMAT = "1"
 BUSY_TIMEOUT_S = 60.0
@@ -114,6 +116,13 @@ def _entry(path: Path, row: tuple[object, ...]) -> IndexEntry:
 _UNREADABLE = (sqlite3.Error, UnicodeDecodeError)
 
 
+def _create_private(path: Path) -> None:
+    """sqlite would create the database 0644; its -wal and -shm files copy the database's mode,
+    so creating it 0600 first keeps all three private. Failures are left for sqlite to report."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE))
+
+
 def _damaged(path: Path, exc: Exception) -> StoreError:
     return StoreError(
         f"the store index {path} is unusable ({exc}); delete it and reopen the store, "
@@ -133,6 +142,7 @@ class StoreIndex:
     @classmethod
     def open(cls, path: Path, wal: bool = True) -> StoreIndex:
         try:
+            _create_private(path)
             conn = sqlite3.connect(
                 path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
             )

@@ -1,0 +1,38 @@
+"""Where a booth's layer stages the agent's files: a private, nosuid, nodev scratch dir.
+
+The overlay backend's upper dir holds the agent's files with their real modes and owners: a
+`chmod 4755` copy of bash made by a root agent is a root-owned setuid file on the host's disk.
+Two things keep it from any other local user while the booth runs:
+
+- `<tape dir>/.jukebox/` and `.jukebox/scratch/` are 0700, so nobody else can even traverse to
+  it (the real protection: it holds on the host, where the file is).
+- In the supervisor's own mount namespace the scratch dir is a bind of itself with nosuid and
+  nodev, so every path there to a staged file honours neither set-id bits nor device nodes.
+
+The FUSE backend stages files as 0600 scratch files of the supervisor (their modes live in the
+layer's inode table, never on disk), in the same dir.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jukebox import isolation
+from jukebox.tapedir import TapeDir
+
+
+def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:
+    """``.jukebox/scratch/<booth_id>`` (not created), its parents made 0700, and the scratch
+    dir bound nosuid,nodev onto itself. Call it inside the booth's private mount namespace:
+    the bind is invisible to the host and dies with the namespace."""
+    scratch = tapes.private_dir("scratch")
+    path = str(scratch)
+    try:
+        isolation.mount(path, path, None, isolation.MS_BIND)
+        isolation.mount_setattr(path, isolation.MOUNT_ATTR_NOSUID | isolation.MOUNT_ATTR_NODEV)
+    except OSError as error:
+        raise isolation.IsolationError(
+            f"cannot bind the booth's scratch dir {path} nosuid,nodev ({error.strerror}): "
+            "it needs bind mounts and mount_setattr (Linux 5.12) in the booth's namespace"
+        ) from error
+    return scratch / booth_id
