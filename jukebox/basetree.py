@@ -1,10 +1,18 @@
 """The tree a run starts from, built with the previous build of the same path as a stat cache.
 
-A file whose size, mtime and mode match the previous base tree keeps its object id unread
-(``build_tree(previous=, previous_started_ns=)``; racily-clean files are re-read), so a second run
-over an unchanged big tree costs a stat walk, not a read of every file. The previous tree id and
-the time its build started live in the tape dir's state, per tree path, for booths and Python
-transactions alike.
+A file whose size, mtime and mode match the previous base tree, whose ctime is older than that
+build, and which is still the same inode (dev, inode and ctime as that build recorded them)
+keeps its object id unread (``build_tree(previous=, previous_started_ns=, known=)``; racily-clean
+files are re-read), so a second run over an unchanged big tree costs a stat walk, not a read of
+every file. The previous tree id and the time its build started live in the tape dir's state
+(``base-trees.json``), per tree path, for booths and Python transactions alike; the file
+identities in ``base-tree-stats/<hash of the tree path>``, one record per regular file::
+
+    file    := magic "JBXSTAT1" record*
+    record  := path_len:u16 dev:u64 ino:u64 ctime_ns:i64 path[path_len]     (big-endian)
+
+A commit drops the records of the paths it touched (``forget_base_paths``). Anything unreadable
+is an empty cache: the next build reads every file.
 """
 
 from __future__ import annotations
@@ -12,13 +20,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
+
 from jukebox.tapedir import TapeDir
 from shadowfs.oid import ObjectId
+from shadowfs.privacy import make_private_dirs
+
+_STATS_MAGIC = b"JBXSTAT1"
+_RECORD = struct.Struct(">HQQq")
+FileIdentity = tuple[int, int, int]
 
 
 def _cache_path(tape_dir: TapeDir) -> Path:
@@ -33,16 +49,54 @@ def _read(tape_dir: TapeDir) -> dict[str, Any]:
     return known if isinstance(known, dict) else {}
 
 
-def _write(tape_dir: TapeDir, known: dict[str, Any]) -> None:
-    path = _cache_path(tape_dir)
+def _replace(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
         # A cache: losing it (or a race between two runs) costs one full read, nothing more.
-        tape_dir.private_dir()
+        make_private_dirs(path.parent)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "w") as f:
-            f.write(json.dumps(known, sort_keys=True))
+        with open(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
+
+
+def _write(tape_dir: TapeDir, known: dict[str, Any]) -> None:
+    _replace(_cache_path(tape_dir), json.dumps(known, sort_keys=True).encode())
+
+
+def _stats_path(tape_dir: TapeDir, tree_path: str) -> Path:
+    # Named from the tree path, never from the JSON: a received tape dir names no file here.
+    return tape_dir.state / "base-tree-stats" / blake3(os.fsencode(tree_path)).hexdigest()[:32]
+
+
+def _read_stats(tape_dir: TapeDir, tree_path: str) -> dict[bytes, FileIdentity]:
+    try:
+        data = _stats_path(tape_dir, tree_path).read_bytes()
+    except OSError:
+        return {}
+    if not data.startswith(_STATS_MAGIC):
+        return {}
+    stats: dict[bytes, FileIdentity] = {}
+    at, end = len(_STATS_MAGIC), len(data)
+    unpack, size = _RECORD.unpack_from, _RECORD.size
+    try:
+        while at < end:
+            n, dev, ino, ctime = unpack(data, at)
+            at += size + n
+            if at > end:
+                return {}
+            stats[data[at - n : at]] = (dev, ino, ctime)
+    except struct.error:
+        return {}
+    return stats
+
+
+def _write_stats(tape_dir: TapeDir, tree_path: str, stats: dict[bytes, FileIdentity]) -> None:
+    pack = _RECORD.pack
+    _replace(
+        _stats_path(tape_dir, tree_path),
+        _STATS_MAGIC + b"".join(pack(len(p), *ident) + p for p, ident in stats.items()),
+    )
 
 
 def build_base_tree(
@@ -65,21 +119,55 @@ def build_base_tree(
             started = int(prev["started_ns"])
     began = time.time_ns()
     tree = None
+    seen: dict[bytes, FileIdentity] = {}
     if previous is not None and started is not None and store.has(previous):
         # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
         with contextlib.suppress(StoreError):
             tree = build_tree(
-                store, tree_path, previous=previous, previous_started_ns=started, exclude=exclude
+                store,
+                tree_path,
+                previous=previous,
+                previous_started_ns=started,
+                exclude=exclude,
+                known=_read_stats(tape_dir, tree_path),
+                seen=seen,
             )
     if tree is None:
-        tree = build_tree(store, tree_path, exclude=exclude)
+        seen.clear()
+        tree = build_tree(store, tree_path, exclude=exclude, seen=seen)
+    _write_stats(tape_dir, tree_path, seen)
     known[tree_path] = {"tree": tree.hex(), "started_ns": began}
     _write(tape_dir, known)
     return tree
 
 
-def forget_base_tree(tape_dir: TapeDir, tree_path: str) -> None:
-    """Drop the cached build of ``tree_path`` (its files were just rewritten by a commit)."""
-    known = _read(tape_dir)
-    if known.pop(tree_path, None) is not None:
-        _write(tape_dir, known)
+def forget_base_paths(tape_dir: TapeDir, tree_path: str, touched: Iterable[bytes]) -> None:
+    """Drop the cached identities of ``touched`` paths of ``tree_path`` and of everything beneath
+    them (a commit just rewrote them): the next build reads those files, and trusts the rest."""
+    stats = _read_stats(tape_dir, tree_path)
+    gone = set(touched)
+    if not stats or not gone:
+        return
+    kept = {
+        path: ident
+        for path, ident in stats.items()
+        if not any(path[:i] in gone for i in _prefix_ends(path))
+    }
+    if len(kept) != len(stats):
+        _write_stats(tape_dir, tree_path, kept)
+
+
+def forget_committed(
+    tape_dir: TapeDir, tree_path: str, store: Any, base: ObjectId, final: ObjectId
+) -> None:
+    """``forget_base_paths`` for every path a commit from ``base`` to ``final`` touched."""
+    from shadowfs.tree import diff_trees
+
+    if base != final:
+        forget_base_paths(tape_dir, tree_path, (c.path for c in diff_trees(store, base, final)))
+
+
+def _prefix_ends(path: bytes) -> list[int]:
+    """Where each of ``path``'s ancestors and itself ends: b"a/b/c" -> [1, 3, 5]."""
+    ends = [i for i, byte in enumerate(path) if byte == 0x2F]
+    return [*ends, len(path)]

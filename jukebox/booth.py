@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
-from jukebox.basetree import build_base_tree
+from jukebox.basetree import build_base_tree, forget_committed
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
@@ -579,6 +579,7 @@ def commit_tree(
     # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
     report = apply(store, tree, base, final, journal_dir=journal, drop_setid=True)
     shutil.rmtree(journal, ignore_errors=True)
+    forget_committed(tape_dir, tree, store, base, final)
     return report
 
 

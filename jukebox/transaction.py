@@ -52,7 +52,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from jukebox.basetree import build_base_tree, forget_base_tree
+from jukebox.basetree import build_base_tree, forget_committed
 from jukebox.breaker import BreakerState, BreakerTripped, CircuitBreaker
 from jukebox.errors import UsageError
 from jukebox.frame import Frame
@@ -940,7 +940,7 @@ class Transaction:
                     )
                     guard.release_claim()
             # The root now holds `final` wherever the layer changed it.
-            forget_base_tree(self._tapes, self.root)
+            forget_committed(self._tapes, self.root, self._store, self.base_tree, final)
             self.status = COMMITTED
             self._cleanup()
             return Outcome(COMMITTED, frame.seq)

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import BinaryIO, Protocol
@@ -124,6 +124,11 @@ class Change:
 
 
 SkipCallback = Callable[[bytes, str], None]
+
+# Which inode a regular file was when a build read it, and its last status change: (st_dev,
+# st_ino, st_ctime_ns). A build records these for every file (`build_tree(seen=)`); the next
+# build trusts an unread file's previous id only when they still match (`build_tree(known=)`).
+FileIdentity = tuple[int, int, int]
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -511,6 +516,8 @@ def build_tree(
     previous_started_ns: int | None = None,
     on_skip: SkipCallback | None = None,
     exclude: Callable[[bytes], bool] | None = None,
+    known: Mapping[bytes, FileIdentity] | None = None,
+    seen: dict[bytes, FileIdentity] | None = None,
 ) -> ObjectId:
     """Store the directory at ``path`` and everything beneath it; return the root tree id.
 
@@ -518,13 +525,19 @@ def build_tree(
     ``on_skip(relative_path, reason)``; so are entries that vanish during the scan.
 
     With ``previous`` (a tree built earlier from the same directory), a regular file whose size,
-    mtime_ns and mode equal the previous entry's keeps that entry's object id without being read.
-    Like git's racily-clean rule, a file whose mtime is within RACY_NS of the reference time is
+    mtime_ns and mode equal the previous entry's, and whose ctime is older than the reference
+    time, keeps that entry's object id without being read. The ctime is what a writer cannot set:
+    rewriting a file and restoring its mtime with utime() moves the ctime to now. Like git's
+    racily-clean rule, a file whose mtime or ctime is within RACY_NS of the reference time is
     always re-read: it could have been rewritten within the same timestamp tick right after the
     earlier build read it, leaving its stat unchanged. The reference is ``previous_started_ns``
     (``time.time_ns()`` taken just before the earlier build) when given, which makes the rule
     exact; otherwise it is this build's start, which covers back-to-back builds but not a
     same-size rewrite within one tick of an earlier build long ago.
+
+    ``seen`` (a dict) receives each regular file's FileIdentity by relative path; given back as
+    ``known`` to the next build with ``previous``, a file is trusted only if it is still the same
+    inode with the same ctime: a directory moved in from elsewhere with old, equal stats is read.
 
     ``exclude(relative_path)`` returning True leaves that entry (and all beneath it) out, silently:
     for state that lives inside a tree but is not part of it (a tape dir inside a project).
@@ -539,13 +552,14 @@ def build_tree(
             "pass an existing, readable directory"
         ) from None
     try:
-        return _Builder(store, ref - RACY_NS, on_skip, exclude).build(fd, b"", previous, 0)
+        builder = _Builder(store, ref - RACY_NS, on_skip, exclude, known, seen)
+        return builder.build(fd, b"", previous, 0)
     finally:
         os.close(fd)
 
 
 class _Builder:
-    __slots__ = ("cutoff", "exclude", "on_skip", "store")
+    __slots__ = ("cutoff", "exclude", "known", "on_skip", "seen", "store")
 
     def __init__(
         self,
@@ -553,11 +567,15 @@ class _Builder:
         cutoff: int,
         on_skip: SkipCallback | None,
         exclude: Callable[[bytes], bool] | None = None,
+        known: Mapping[bytes, FileIdentity] | None = None,
+        seen: dict[bytes, FileIdentity] | None = None,
     ) -> None:
         self.store = store
         self.cutoff = cutoff
         self.on_skip = on_skip
         self.exclude = exclude
+        self.known = known
+        self.seen = seen
 
     def skip(self, rel: bytes, reason: str) -> None:
         if self.on_skip is not None:
@@ -609,8 +627,14 @@ class _Builder:
                 and old.mtime_ns == clamp_time_ns(st.st_mtime_ns)
                 and old.mode == mode
                 and st.st_mtime_ns < self.cutoff
+                and st.st_ctime_ns < self.cutoff
             ):
-                return old
+                identity = (st.st_dev, st.st_ino, st.st_ctime_ns)
+                path = _join(rel, name)
+                if self.known is None or self.known.get(path) == identity:
+                    if self.seen is not None:
+                        self.seen[path] = identity
+                    return old
             return self.file(dfd, name, rel)
         if fmt == stat.S_IFDIR:
             old = prev.get(name) if prev is not None else None
@@ -650,6 +674,8 @@ class _Builder:
             oid = self.store.put_file(fd)
         finally:
             os.close(fd)
+        if self.seen is not None:
+            self.seen[_join(rel, name)] = (st.st_dev, st.st_ino, st.st_ctime_ns)
         return stat_entry(name, FILE, st, oid)
 
 

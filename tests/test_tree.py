@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -481,26 +482,64 @@ def test_previous_reuses_files_without_reading_them(tmp_path: Path, store: Count
     (src / "d" / "kept").write_bytes(b"original")
     (src / "touched").write_bytes(b"original")
     settle(src)
-    first = build_tree(store, src)
-    kept_before = lookup(store, first, b"d/kept")
-    assert kept_before is not None
+    seen: dict[bytes, tree.FileIdentity] = {}
+    first = build_tree(store, src, seen=seen)
+    assert set(seen) == {b"d/kept", b"touched"}
+    # As if the first build had started 10 s from now: the files' ctimes (just now) are then
+    # older than it, as any file's is that nothing touched for a few seconds before a build.
+    started = time.time_ns() + 5 * tree.RACY_NS
+    reads = _count_file_reads(store)
+    again: dict[bytes, tree.FileIdentity] = {}
+    assert build_tree(store, src, previous=first, previous_started_ns=started, known=seen,
+                      seen=again) == first  # fmt: skip
+    assert reads == [] and again == seen
 
-    # Same size, same mtime, same mode, different bytes: only reading the file could notice.
+    # Same size, same mtime (put back with utime), same mode, different bytes: the ctime moved.
     (src / "d" / "kept").write_bytes(b"ORIGINAL")
     os.utime(src / "d" / "kept", ns=(OLD_NS, OLD_NS))
-    # A genuine change with the same size is caught by its mtime.
+    second = build_tree(store, src, previous=first, previous_started_ns=started, known=seen)
+    kept = lookup(store, second, b"d/kept")
+    assert kept is not None and kept.oid == hash_object("blob", b"ORIGINAL")
+    assert reads == [b"ORIGINAL"]
+    # Without the identities, the ctime against the earlier build's real start catches it too.
     (src / "touched").write_bytes(b"ORIGINAL")
-    os.utime(src / "touched", ns=(OLD_NS + 1, OLD_NS + 1))
-
-    second = build_tree(store, src, previous=first)
-    assert lookup(store, second, b"d/kept") == kept_before
-    touched = lookup(store, second, b"touched")
+    os.utime(src / "touched", ns=(OLD_NS, OLD_NS))
+    third = build_tree(store, src, previous=first, previous_started_ns=time.time_ns())
+    touched = lookup(store, third, b"touched")
     assert touched is not None and touched.oid == hash_object("blob", b"ORIGINAL")
 
-    # Without `previous` the bytes are read.
-    fresh = build_tree(store, src)
-    kept_now = lookup(store, fresh, b"d/kept")
-    assert kept_now is not None and kept_now.oid == hash_object("blob", b"ORIGINAL")
+
+def test_previous_reads_a_file_that_is_another_inode(tmp_path: Path, store: CountingStore) -> None:
+    """A directory swapped for a copy with equal stats (size, mtime, mode, even an old ctime
+    relative to the build) is other inodes: its files are read."""
+    src, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    (src / "d").mkdir(parents=True)
+    (elsewhere / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"real")
+    (elsewhere / "d" / "f").write_bytes(b"fake")
+    settle(src)
+    settle(elsewhere)
+    seen: dict[bytes, tree.FileIdentity] = {}
+    first = build_tree(store, src, seen=seen)
+    os.rename(src / "d", tmp_path / "old-d")
+    os.rename(elsewhere / "d", src / "d")
+    started = time.time_ns() + 5 * tree.RACY_NS
+    second = build_tree(store, src, previous=first, previous_started_ns=started, known=seen)
+    f = lookup(store, second, b"d/f")
+    assert f is not None and f.oid == hash_object("blob", b"fake")
+
+
+def _count_file_reads(store: CountingStore) -> list[bytes]:
+    """Records the content of every file `store.put_file` reads from now on."""
+    reads: list[bytes] = []
+    put_file = store.put_file
+
+    def counting(fd: int) -> ObjectId:  # type: ignore[override]
+        reads.append(os.pread(fd, 1 << 20, 0))
+        return put_file(fd)
+
+    store.put_file = counting  # type: ignore[method-assign]
+    return reads
 
 
 def test_previous_not_trusted_for_racy_or_chmod_files(tmp_path: Path, store: CountingStore) -> None:
@@ -526,11 +565,12 @@ def test_previous_not_trusted_for_racy_or_chmod_files(tmp_path: Path, store: Cou
     chmod = lookup(store, second, b"chmod")
     assert chmod is not None and (chmod.mode, chmod.oid) == (0o600, hash_object("blob", b"cccc"))
 
-    # With the earlier build's start time the rule is exact: an old file is trusted.
-    (src / "chmod").write_bytes(b"dddd")
-    os.utime(src / "chmod", ns=(OLD_NS, OLD_NS))
-    third = build_tree(store, src, previous=second, previous_started_ns=OLD_NS + 10 * tree.RACY_NS)
-    assert lookup(store, third, b"chmod") == chmod
+    # With the earlier build's start time the rule is exact: a file whose mtime and ctime are
+    # older than that start is trusted, unread.
+    reads = _count_file_reads(store)
+    later = time.time_ns() + 5 * tree.RACY_NS
+    third = build_tree(store, src, previous=second, previous_started_ns=later)
+    assert lookup(store, third, b"chmod") == chmod and b"cccc" not in reads
 
 
 # --- diff -------------------------------------------------------------------------------------

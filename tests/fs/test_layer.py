@@ -568,7 +568,9 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
 
 
 def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
-    from jukebox.basetree import build_base_tree
+    import json
+
+    from jukebox.basetree import build_base_tree, forget_base_paths
     from jukebox.tapedir import TapeDir
 
     work = tmp_path / "work"
@@ -579,24 +581,54 @@ def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
     for p in (work / "sub" / "a.txt", work / "b.txt"):
         os.utime(p, ns=(old, old))
     tapes = TapeDir(tmp_path / "tapes")
+    cache = tapes.state / "base-trees.json"
+
+    def started_later() -> None:
+        # The files' ctimes are from just now, within the racy window of the build that just
+        # ran: move its start 10 s on, as a build seconds after the last write would have it.
+        known = json.loads(cache.read_text())
+        known[str(work)]["started_ns"] = time.time_ns() + 10_000_000_000
+        cache.write_text(json.dumps(known))
+
+    def content(root: ObjectId, path: bytes) -> bytes:
+        e = tree.lookup(st, root, path)
+        assert e is not None and e.oid is not None
+        return st.read_bytes(e.oid)
+
     with Store.open(tapes.store_path) as st:
+        reads: list[bytes] = []
+        put_file = st.put_file
+
+        def counting(fd: int) -> ObjectId:
+            reads.append(os.pread(fd, 64, 0))
+            return put_file(fd)
+
+        st.put_file = counting  # type: ignore[method-assign]
         first = build_base_tree(st, tapes, str(work))
         assert first == tree.build_tree(st, work)
-        # Unchanged: the same tree, and files are not read (a changed byte with the same
-        # size and mtime stays unseen, git's rule, which proves the stat cache was used).
+        started_later()
+        # Unchanged: the same tree, and no file is read.
+        reads.clear()
+        assert build_base_tree(st, tapes, str(work)) == first
+        assert reads == []
+        # An agent rewrites a file and puts its mtime back: size, mtime and mode are the
+        # previous build's, the ctime is not; the base shows the new content.
+        started_later()
         (work / "b.txt").write_bytes(b"BBBB")
         os.utime(work / "b.txt", ns=(old, old))
-        assert build_base_tree(st, tapes, str(work)) == first
+        second = build_base_tree(st, tapes, str(work))
+        assert content(second, b"b.txt") == b"BBBB" and reads == [b"BBBB"]
+        # A commit drops the entries of what it touched: those files are read again, only.
+        started_later()
+        reads.clear()
+        forget_base_paths(tapes, str(work), [b"sub"])
+        assert build_base_tree(st, tapes, str(work)) == second and reads == [b"aaaa"]
         # A real change (new mtime) is seen.
         (work / "sub" / "a.txt").write_bytes(b"changed")
-        third = build_base_tree(st, tapes, str(work))
-        e = tree.lookup(st, third, b"sub/a.txt")
-        assert e is not None and st.read_bytes(e.oid) == b"changed"
+        assert content(build_base_tree(st, tapes, str(work)), b"sub/a.txt") == b"changed"
         # A cache naming a tree the store lost falls back to a full build.
-        import json
-
         lost = {str(work): {"tree": "00" * 32, "started_ns": 1}}
-        (tapes.state / "base-trees.json").write_text(json.dumps(lost))
+        cache.write_text(json.dumps(lost))
         assert build_base_tree(st, tapes, str(work)) == tree.build_tree(st, work)
 
 
