@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import itertools
 import json
 import os
@@ -38,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +54,7 @@ from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
 from jukebox.scratchdir import booth_scratch
 from jukebox.tapedir import TapeDir, check_tape_id
+from jukebox.terminal import AgentTerminal, relayed, send_to_agent
 from shadowfs.oid import ObjectId
 
 if TYPE_CHECKING:
@@ -66,8 +69,8 @@ VERIFY_OUTPUT_MAX = 64 * 1024
 BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
 TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
 BREAKER_GRACE_S = 3.0  # seconds an agent stopped by the circuit breaker gets before SIGKILL
-SI_KERNEL = 0x80  # si_code of a signal the terminal sent (Ctrl-C), as opposed to kill(2)
-WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}
+# SIGWINCH: the operator's window changed; the agent's pty follows (jukebox/terminal.py).
+WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
 
 
 class BoothError(JukeboxError):
@@ -710,7 +713,7 @@ class _Run:
     rollbacks: int = 0
     # How the agent is started: through the LLM proxy's session, which under --net none spawns
     # it inside the private network the proxy listens in.
-    spawn: Callable[[isolation.ChildSpec], isolation.Child] = isolation.spawn
+    spawn: Callable[..., isolation.Child] = isolation.spawn  # (spec, stdin=, stdout=, stderr=)
     agent_pid: int | None = None
     trip: Any = None  # the circuit breaker's Trip, once one fired
 
@@ -954,6 +957,10 @@ def _ask(summary: list[str], booth_id: str) -> str:
     except OSError:
         return "keep"
     with tty:
+        # Only what the operator types from now on answers: nothing queued during the run
+        # (keys meant for the agent, a terminal's replies to what the agent printed).
+        with contextlib.suppress(termios.error):
+            termios.tcflush(tty.fileno(), termios.TCIFLUSH)
         while True:
             tty.write(
                 b"commit these changes to the real tree? [y]es / [N]o, discard / [k]eep pending: "
@@ -1137,7 +1144,9 @@ def run_booth(
             options=llm,
             on_trip=run.on_trip,
         )
-        run.spawn = lambda child_spec: llm_session.spawn(isolation.spawn, child_spec)
+        run.spawn = lambda child_spec, **stdio: llm_session.spawn(
+            functools.partial(isolation.spawn, **stdio), child_spec
+        )
         env.update(llm_session.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
@@ -1326,39 +1335,60 @@ def _commit_run(
 def _supervise(
     spec: isolation.ChildSpec, run: _Run, checkpoint_every: float | None
 ) -> tuple[dict[str, Any], bool]:
-    """Starts CMD and waits for it, relaying signals; returns (exit payload, interrupted)."""
+    """Starts CMD and waits for it, relaying signals; returns (exit payload, interrupted).
+
+    CMD never shares the caller's terminal or process group: a terminal signal reaches it only
+    through the supervisor, which passes the first interrupt on and kills CMD at the second,
+    whether it arrived as a signal or as a key typed into the relayed pty."""
     started = time.monotonic()
-    child = run.spawn(spec)
-    run.agent_pid = child.pid
-    ok = child.wait_started()
-    run.writer.append("note", {"event": "agent_started", "pid": child.pid, "ok": ok})
-    interrupts = 0
-    next_auto = time.monotonic() + checkpoint_every if checkpoint_every else None
-    while True:
-        pid, wstatus, usage = os.wait4(child.pid, os.WNOHANG)
-        if pid:
-            break
-        timeout = max(0.0, next_auto - time.monotonic()) if next_auto is not None else 3600.0
-        info = signal.sigtimedwait(WAITED_SIGNALS, timeout)
-        if info is None:
-            if next_auto is not None and time.monotonic() >= next_auto:
-                with contextlib.suppress(Exception):
-                    run.checkpoint("auto", None, reason="timer")
-                next_auto = time.monotonic() + (checkpoint_every or 0)
-            continue
-        if info.si_signo == signal.SIGCHLD:
-            continue
-        interrupts += 1
-        if interrupts == 1:
-            # Ctrl-C from the terminal already reached the agent (same process group).
-            if not (info.si_signo == signal.SIGINT and info.si_code == SI_KERNEL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, info.si_signo)
-            _alert("interrupt: passed to the agent; interrupt again to kill it")
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGKILL)
-    child.proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here, not by Popen
+    with relayed(AgentTerminal.for_caller()) as term:
+        spec.terminal = term is not None
+        child = run.spawn(spec, **(term.stdio() if term is not None else {}))
+        run.agent_pid = child.pid
+        lock = threading.Lock()
+        interrupts = 0
+
+        def on_interrupt(forward: Callable[[], None]) -> None:
+            nonlocal interrupts
+            with lock:  # the pty's relay thread calls this too
+                interrupts += 1
+                if interrupts > 1:
+                    if child.proc.returncode is None:  # not reaped: the pid is still ours
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(child.pid, signal.SIGKILL)
+                    return
+            forward()
+            (term.notice if term is not None else _alert)(
+                "interrupt: passed to the agent; interrupt again to kill it"
+            )
+
+        if term is not None:
+            term.start(on_interrupt=lambda: on_interrupt(lambda: None))  # the pty sent it
+        ok = child.wait_started()
+        run.writer.append("note", {"event": "agent_started", "pid": child.pid, "ok": ok})
+        next_auto = time.monotonic() + checkpoint_every if checkpoint_every else None
+        while True:
+            with lock:
+                pid, wstatus, usage = os.wait4(child.pid, os.WNOHANG)
+                if pid:  # reaped here, not by Popen
+                    child.proc.returncode = os.waitstatus_to_exitcode(wstatus)
+                    break
+            timeout = max(0.0, next_auto - time.monotonic()) if next_auto is not None else 3600.0
+            info = signal.sigtimedwait(WAITED_SIGNALS, timeout)
+            if info is None:
+                if next_auto is not None and time.monotonic() >= next_auto:
+                    with contextlib.suppress(Exception):
+                        run.checkpoint("auto", None, reason="timer")
+                    next_auto = time.monotonic() + (checkpoint_every or 0)
+                continue
+            if info.si_signo == signal.SIGWINCH:
+                if term is not None:
+                    term.resize()
+                continue
+            if info.si_signo == signal.SIGCHLD:
+                continue
+            sig = info.si_signo
+            on_interrupt(lambda sig=sig: send_to_agent(term, child.pid, sig))  # type: ignore[misc]
     exit_status, exit_signal = _exit_code(wstatus)
     payload: dict[str, Any] = {
         "code": exit_status,

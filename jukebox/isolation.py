@@ -18,13 +18,16 @@ The shim is three processes, so that nothing the command starts can outlive the 
                     └── init (pid 1 of a new PID namespace)
                           └── CMD
 
-* The relay unshares a PID namespace and forks the init. It passes the supervisor's signals on
-  to the init and, once the init is gone, exits exactly as CMD did (its status, or killed by
+* The relay starts a session of its own (so no terminal's signals reach it, nor the init),
+  unshares a PID namespace and forks the init. It passes the supervisor's signals on to the
+  init and, once the init is gone, exits exactly as CMD did (its status, or killed by
   the same signal), so the supervisor sees CMD's outcome as if it were its own child.
 * The init enters a mount namespace of its own (a child of the supervisor's, so it still sees
   the layer), hides what CMD must not see, makes the host read-only, mounts a fresh /proc for
   the new PID namespace (CMD sees its own processes only, the supervisor not at all), then forks
-  CMD, which sets limits, cuts capabilities, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
+  CMD, which starts a session of its own (with the booth's pty as its controlling terminal when
+  the supervisor made one, see jukebox/terminal.py: never the caller's), sets limits, cuts
+  capabilities, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
   signals on to CMD, reaps every orphan, and exits when CMD does: the kernel then kills whatever
   is left in the namespace (setsid, nohup and double forks included).
 * Each link holds PR_SET_PDEATHSIG(SIGKILL) to the one above, so a SIGKILLed supervisor takes
@@ -38,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import resource
@@ -48,6 +52,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -131,9 +136,6 @@ FORWARDED_SIGNALS = frozenset(
     }
 )
 _WAITED = FORWARDED_SIGNALS | {signal.SIGCHLD}
-# si_code of a signal the kernel sent, e.g. the terminal's Ctrl-C to the whole foreground
-# process group: CMD got it too, so passing it on would deliver it twice.
-SI_KERNEL = 0x80
 INIT_TITLE = "jukebox-init"
 
 
@@ -338,6 +340,8 @@ class ChildSpec:
     private_tmp: bool = True
     limits: dict[str, int] = field(default_factory=dict)  # keys of RLIMITS
     net: str = "host"  # "host" | "none"
+    # CMD's stdin (else stdout, stderr) is the booth's pty, to become its controlling terminal.
+    terminal: bool = False
     parent_pid: int = 0
 
     def to_json(self) -> bytes:
@@ -392,6 +396,9 @@ def spawn(spec: ChildSpec, *, stdin: Any = None, stdout: Any = None, stderr: Any
             stderr=stderr,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
             close_fds=True,
+            # Out of the caller's session and process group: the caller's terminal signals go
+            # to the supervisor alone, which passes them on; nothing below can signal the caller.
+            start_new_session=True,
         )
     finally:
         os.close(spec_r)
@@ -592,14 +599,15 @@ def _shim_main(spec_fd: int, status_fd: int) -> None:
 
 
 def _relay(init: int) -> int:
-    """Passes signals on to the init until it exits; returns its wait status."""
+    """Passes signals on to the init until it exits; returns its wait status. In a session of
+    its own, the relay gets no terminal's signals: whatever arrives was sent to it, and goes on."""
     while True:
         info = signal.sigwaitinfo(_WAITED)
         if info.si_signo == signal.SIGCHLD:
             pid, status = os.waitpid(init, os.WNOHANG)
             if pid:
                 return status
-        elif info.si_code != SI_KERNEL:
+        else:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(init, info.si_signo)
 
@@ -655,9 +663,8 @@ def _reap_until(cmd: int) -> int:
     while True:
         info = signal.sigwaitinfo(_WAITED)
         if info.si_signo != signal.SIGCHLD:
-            if info.si_code != SI_KERNEL:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(cmd, info.si_signo)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(cmd, info.si_signo)
             continue
         while True:
             try:
@@ -671,12 +678,20 @@ def _reap_until(cmd: int) -> int:
 
 
 def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
-    """CMD's process: limits, privileges, working directory, then exec."""
-    step = "setting resource limits"
+    """CMD's process: session, limits, privileges, working directory, then exec."""
+    step = "starting a session of its own"
     try:
         import prctl
 
         prctl.set_pdeathsig(signal.SIGKILL)
+        # Its own session and process group: kill(0, ...) reaches nothing outside the booth,
+        # and no terminal but the booth's pty can be its controlling terminal.
+        os.setsid()
+        if spec.terminal:
+            step = "taking the booth's pty as its terminal"
+            fd = next(fd for fd in (0, 1, 2) if os.isatty(fd))
+            fcntl.ioctl(fd, termios.TIOCSCTTY, 0)
+        step = "setting resource limits"
         set_limits(spec.limits)
         step = "dropping privileges"
         drop_privileges()
