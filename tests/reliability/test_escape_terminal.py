@@ -1,0 +1,363 @@
+"""The operator's terminal and process group, attacked from inside a booth.
+
+An operator, `bash -i` on a real pseudo-terminal that this test drives as a person at a keyboard
+would, runs two booths one after the other, once as root (`--fs fuse`) and once as `nobody`
+(`--fs overlay`, through the user namespace):
+
+* an interactive agent, which reports what its terminal is, waits for a window size change and
+  for a Ctrl-C typed by the operator (its SIGINT handler prints and exits), and on the way tries
+  TIOCSTI with `touch /tmp/pwned-…`;
+* a hostile agent under `--commit ask`: it reports its session and terminal, pushes
+  `y\\n` and `touch /tmp/pwned-…\\n` with TIOCSTI into every terminal it holds or can open, stops
+  its whole process group (`kill(0, SIGSTOP)`, a helper of its own continues it), hangs its
+  terminal up (`vhangup()`) and ends with `kill(0, SIGKILL)`. The operator answers `k` (keep).
+
+The operator's shell must survive all of it, run nothing the agents pushed, and see the booth
+finish with the agent's own outcome; the booth must stay pending (no injected `y` answered it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import select
+import shlex
+import shutil
+import struct
+import subprocess
+import termios
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.conftest import AGENT_PYTHON, JUKEBOX, NOBODY, booth_argv, jb
+
+# Shared by both agents: an attempt's outcome is "ok" or the errno's name.
+COMMON = r"""
+import ctypes, errno, fcntl, json, os, signal, struct, sys, termios, time
+
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+
+def outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+
+def tty_nr():
+    stat = open("/proc/self/stat").read()
+    return int(stat[stat.rfind(")") + 2:].split()[4])
+
+def push(fd, text):
+    # TIOCSTI: as if typed on that terminal; the first refusal ends it
+    for byte in text.encode():
+        fcntl.ioctl(fd, termios.TIOCSTI, bytes([byte]))
+
+def push_everywhere(text):
+    found = {}
+    targets = [("fd0", 0), ("fd1", 1), ("fd2", 2)]
+    for name, path in (("dev_tty", "/dev/tty"), ("operator_tty", cfg["operator_tty"])):
+        try:
+            targets.append((name, os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK)))
+        except OSError as e:
+            found[name] = {"open": errno.errorcode.get(e.errno, str(e.errno))}
+    for name, fd in targets:
+        try:  # TIOCGDEV: the terminal behind the fd (/dev/tty's own node says nothing)
+            dev = struct.unpack("I", fcntl.ioctl(fd, 0x80045432, bytes(4)))[0]
+        except OSError:
+            dev = None
+        found[name] = {"dev": dev, "push": outcome(lambda: push(fd, text))}
+    return found
+"""
+
+INTERACTIVE = COMMON + r"""
+def size():
+    rows, cols = struct.unpack("HHHH", fcntl.ioctl(1, termios.TIOCGWINSZ, bytes(8)))[:2]
+    return f"{rows}x{cols}"
+
+signal.signal(signal.SIGWINCH, lambda *_: print("WINCH " + size(), flush=True))
+
+def interrupted(*_):
+    print("SIGINT-REACHED-THE-AGENT", flush=True)
+    os._exit(0)
+
+signal.signal(signal.SIGINT, interrupted)
+report = {
+    "tty_nr": tty_nr(),
+    "isatty": [os.isatty(fd) for fd in (0, 1, 2)],
+    "size": size(),
+    "tiocsti": push_everywhere(f"touch {cfg['pwned']}-interactive\n"),
+}
+print("REPORT " + json.dumps(report), flush=True)
+while True:
+    signal.pause()
+"""
+
+HOSTILE = COMMON + r"""
+open("changed.txt", "w").write("only a `y` typed by the operator commits this\n")
+report = {"pid": os.getpid(), "sid": os.getsid(0), "tty_nr": tty_nr()}
+report["tiocsti"] = push_everywhere(f"y\ntouch {cfg['pwned']}-hostile\n")
+
+# A helper in a group of its own continues us once kill(0, SIGSTOP) stopped our whole group.
+me = os.getpid()
+go_r, go_w = os.pipe()
+helper = os.fork()
+if helper == 0:
+    os.setpgid(0, 0)
+    os.read(go_r, 1)
+    while open(f"/proc/{me}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)
+    os.kill(me, signal.SIGCONT)
+    os._exit(0)
+os.setpgid(helper, helper)
+os.write(go_w, b"x")
+report["kill0_sigstop"] = outcome(lambda: os.kill(0, signal.SIGSTOP))
+os.waitpid(helper, 0)
+
+own_tty = os.ttyname(0)
+print("REPORT " + json.dumps(report), flush=True)
+# A hangup discards what the relay has not read yet: wait until the operator saw the report.
+for line in sys.stdin:  # (after the lines pushed above)
+    if line.strip() == "go":
+        break
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # vhangup sends it to our session
+hung = libc.vhangup()
+hangup = "ok" if hung == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+try:  # the hung-up fds are dead; the terminal itself is not
+    fd = os.open(own_tty, os.O_WRONLY | os.O_NOCTTY)
+    os.write(fd, f"VHANGUP {hangup}\r\n".encode())
+except OSError:
+    pass
+os.kill(0, signal.SIGKILL)
+"""
+
+
+def encode_dev(rdev: int) -> int:
+    """A device number as /proc/PID/stat's tty_nr field writes it (the kernel's new_encode_dev)."""
+    major, minor = os.major(rdev), os.minor(rdev)
+    return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
+
+
+class Operator:
+    """`bash -i` on a pty of its own, typed at and read like a screen."""
+
+    def __init__(self, user: int | None, env: dict[str, str]) -> None:
+        self.leader, follower = os.openpty()
+        self.resize(24, 200)  # a fresh pty is 0x0, which line editing takes badly
+        self.tty_path = os.ttyname(follower)
+        self.tty_rdev = os.fstat(follower).st_rdev
+        cmd = ["bash", "--norc", "--noprofile", "-i"]
+        if user is not None:
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+
+        def take_terminal() -> None:
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.shell = subprocess.Popen(
+            cmd,
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            env={**env, "PS1": "operator$ ", "HISTFILE": "/dev/null", "TERM": "dumb"},
+            preexec_fn=take_terminal,
+            cwd="/",
+        )
+        os.close(follower)
+        self.screen = b""
+        self.seen = 0  # what `expect` already matched stays behind it
+
+    def type(self, keys: str) -> None:
+        os.write(self.leader, keys.encode())
+
+    def expect(self, pattern: str, timeout: float = 90) -> re.Match[bytes]:
+        regex = re.compile(pattern.encode())
+        deadline = time.monotonic() + timeout
+        while True:
+            found = regex.search(self.screen, self.seen)
+            if found:
+                self.seen = found.end()
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.shell.poll() is not None and not self._read(0)):
+                raise AssertionError(
+                    f"never saw {pattern!r} (shell {self.shell.poll()}); the screen:\n"
+                    + self.screen.decode(errors="replace")[-3000:]
+                )
+            self._read(min(left, 0.5))
+
+    def _read(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.leader], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            chunk = os.read(self.leader, 65536)
+        except OSError:  # the shell is gone and the pty with it
+            return False
+        self.screen += chunk
+        return bool(chunk)
+
+    def resize(self, rows: int, cols: int) -> None:
+        fcntl.ioctl(self.leader, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def run(self, command: str) -> int:
+        """Types `command`, waits for it to end, returns its exit status as the shell saw it."""
+        self.type(f"{command}; echo RC-$((1000 + $?))\r")
+        return int(self.expect(r"RC-1(\d\d\d)").group(1))
+
+    def alive(self) -> bool:
+        """The shell still runs commands: it computes what only a live shell prints."""
+        self.type("echo ALIVE-$((6 * 7))\r")
+        self.expect(r"ALIVE-42")
+        return self.shell.poll() is None
+
+    def close(self) -> None:
+        if self.shell.poll() is None:
+            self.shell.kill()
+        self.shell.wait()
+        os.close(self.leader)
+
+
+@dataclass
+class Session:
+    user: str
+    operator: Operator
+    pwned: str
+    interactive: dict
+    interactive_code: int
+    hostile: dict
+    hostile_code: int
+    tree: Path
+    tapes: Path
+    booths: list[dict]
+
+
+def report(operator: Operator) -> dict:
+    return json.loads(operator.expect(r"REPORT (\{[^\r\n]*\})").group(1))
+
+
+@pytest.fixture(scope="module", params=["root-fuse", "nobody-overlay"])
+def session(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Session]:
+    request.getfixturevalue("booth_ready")
+    user, fs = request.param.split("-")
+    uid: int | None = None
+    python: str | None = None
+    if user == "nobody":
+        python = request.getfixturevalue("nobody_python")
+        uid = NOBODY
+        work = Path("/tmp") / f"jukebox-tty-{os.getpid()}"
+        work.mkdir()
+        os.chown(work, NOBODY, NOBODY)
+    else:
+        work = tmp_path_factory.mktemp("tty")
+    tree, tapes = work / "tree", work / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    for p in (tree, tree / "a.txt"):
+        if uid is not None:
+            os.chown(p, uid, uid)
+    (tree / "interactive.py").write_text(INTERACTIVE)
+    (tree / "hostile.py").write_text(HOSTILE)
+    pwned = f"/tmp/pwned-{os.getpid()}-{user}"
+    env = dict(os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}")
+    jukebox = [JUKEBOX]
+    if python is not None:
+        jukebox = [python, "-c", "from jukebox.cli import main; main()"]
+    operator = Operator(uid, env)
+    try:
+        operator.expect(r"operator\$ ")
+        cfg = json.dumps({"pwned": pwned, "operator_tty": operator.tty_path})
+
+        def booth(tape_id: str, agent: str, *opts: str) -> str:
+            argv = [*jukebox, *booth_argv(tree, tapes, tape_id, "--fs", fs, *opts)]
+            return shlex.join([*argv, AGENT_PYTHON, "-I", agent, cfg])
+
+        operator.type(booth("interactive", "interactive.py", "--commit", "never") + "\r")
+        interactive = report(operator)
+        operator.resize(33, 101)  # the kernel sends SIGWINCH to the booth, the operator's job
+        operator.expect(r"WINCH 33x101")
+        operator.type("\x03")  # Ctrl-C, typed
+        operator.expect(r"SIGINT-REACHED-THE-AGENT")
+        # Typed only once the booth is done with the terminal (the keys would be the agent's).
+        operator.expect(r"kept pending")
+        operator.type("echo RC-$((1000 + $?))\r")
+        interactive_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
+
+        operator.type(booth("hostile", "hostile.py", "--commit", "ask") + "\r")
+        hostile = report(operator)
+        operator.type("go\r")
+        operator.expect(r"commit these changes to the real tree\?[^\r\n]*: ")
+        operator.type("k\r")
+        operator.type("echo RC-$((1000 + $?))\r")
+        hostile_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
+        listing = jb("booth", "ls", "--json", "--tape-dir", str(tapes), python=python, user=uid)
+        booths = json.loads(listing.stdout) if listing.returncode == 0 else []
+        yield Session(
+            user, operator, pwned, interactive, interactive_code, hostile, hostile_code,
+            tree, tapes, booths,
+        )
+    finally:
+        operator.close()
+        for suffix in ("interactive", "hostile"):
+            Path(f"{pwned}-{suffix}").unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_operators_shell_survives_and_runs_nothing_the_agents_pushed(
+    session: Session,
+) -> None:
+    # (1) TIOCSTI, (3) kill(0, SIGSTOP/SIGKILL), (4) vhangup: the shell still runs commands...
+    assert session.operator.alive()
+    # ... and ran none of the agents' (it ran everything typed before this, in order).
+    assert session.operator.run(f"test -e {session.pwned}-interactive") == 1
+    assert session.operator.run(f"test -e {session.pwned}-hostile") == 1
+    operators = encode_dev(session.operator.tty_rdev)
+    for report_ in (session.interactive, session.hostile):
+        own = report_["tty_nr"]  # the agent's controlling terminal
+        assert own not in (0, operators), report_
+        for target, result in report_["tiocsti"].items():
+            # A push either failed or landed on the agent's own pty, never the operator's.
+            assert result.get("push") in (None, "ok", "EPERM", "EIO"), (target, result)
+            if result.get("push") == "ok":
+                assert result["dev"] == own, (target, result)
+
+
+def test_the_agent_has_a_session_and_a_pty_of_its_own(session: Session) -> None:
+    # (5) the agent leads its own session, on a terminal that is not the operator's.
+    hostile = session.hostile
+    assert hostile["sid"] == hostile["pid"], hostile
+    assert hostile["tty_nr"] not in (0, encode_dev(session.operator.tty_rdev)), hostile
+    assert hostile["tty_nr"] == hostile["tiocsti"]["fd0"]["dev"], hostile
+
+
+def test_kill_of_its_process_group_reaches_only_the_agent(session: Session) -> None:
+    # (3) SIGSTOP stopped the agent's own group (its helper continued it), not the supervisor:
+    # the booth went on to ask; SIGKILL ended the agent, and the booth reported it as such.
+    assert session.hostile["kill0_sigstop"] == "ok"
+    assert session.hostile_code == 128 + 9
+
+
+def test_pushed_input_cannot_answer_the_commit_question(session: Session) -> None:
+    # (2) the injected `y` never answered: the operator's `k` kept the booth pending.
+    assert not (session.tree / "changed.txt").exists()
+    assert [b["status"] for b in session.booths if b["id"] == "hostile"] == ["pending"]
+
+
+def test_an_interactive_agent_gets_a_terminal_its_size_and_the_operators_ctrl_c(
+    session: Session,
+) -> None:
+    # (6) a tty on every stdio fd, the window size kept up to date, Ctrl-C delivered as SIGINT.
+    assert session.interactive["isatty"] == [True, True, True]
+    assert re.fullmatch(r"\d+x\d+", session.interactive["size"])
+    # Its handler exited 0; the booth counts the typed Ctrl-C as an interruption and keeps it.
+    assert session.interactive_code == 130
+    assert [b["status"] for b in session.booths if b["id"] == "interactive"] == ["pending"]
