@@ -20,6 +20,7 @@ from typing import Any
 
 from bench import backends as bk
 from bench import bench_checkpoint_fuse as ckpt_bench
+from bench import bench_isolation as iso_bench
 from bench import fs_workloads, scratch_fs
 
 Row = dict[str, Any]
@@ -30,6 +31,7 @@ CHECKPOINT_LIMIT_US = 1000.0
 GIT_FACTOR = 50.0
 ROLLBACK_LIMIT_US = 200.0
 BIG_FILE_LIMIT_MIB = 64.0
+ISOLATION_LIMIT_MS = 50.0
 # (system, ratio key, limit, what the issue asks)
 FS_GOALS = (
     (bk.SHADOWFS_FUSE, "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
@@ -132,9 +134,31 @@ def _memory_goal(rows: list[Row]) -> list[Verdict]:
     return [Verdict(goal, shown, extra <= BIG_FILE_LIMIT_MIB)]
 
 
+def _isolation_goal(rows: list[Row]) -> list[Verdict]:
+    goal = (
+        f"`booth run -- true` with every protection within {ISOLATION_LIMIT_MS:.0f} ms of "
+        "the previous isolation"
+    )
+    starts = [r for r in rows
+              if r.get("group") == iso_bench.GROUP and r.get("case") == iso_bench.STARTUP_CASE]
+    now = _find(starts, system=iso_bench.ALL_ON)
+    # The previous version when the run had one, else the switches turned off.
+    before = next((r for system in (iso_bench.BASELINE, iso_bench.SWITCHED_OFF)
+                   if (r := _find(starts, system=system))), None)  # fmt: skip
+    if now is None or before is None or "p50_us" not in now or "p50_us" not in before:
+        return [Verdict(goal, "", None)]
+    extra_ms = (float(now["p50_us"]) - float(before["p50_us"])) / 1e3
+    shown = (
+        f"{extra_ms:+.1f} ms (p50 {float(now['p50_us']) / 1e3:,.0f} against "
+        f"{float(before['p50_us']) / 1e3:,.0f} ms, {before['system']})"
+    )
+    return [Verdict(goal, shown, extra_ms <= ISOLATION_LIMIT_MS)]
+
+
 def judge(rows: Sequence[Row]) -> list[Verdict]:
     rows = list(rows)
-    return [*_checkpoint_goals(rows), *_fs_goals(rows), *_memory_goal(rows)]
+    return [*_checkpoint_goals(rows), *_fs_goals(rows), *_memory_goal(rows),
+            *_isolation_goal(rows)]  # fmt: skip
 
 
 def render(verdicts: Sequence[Verdict]) -> str:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench import bench_isolation as iso
 from bench import goals
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,20 +36,26 @@ def _full_run(*, slow_rollback: bool = False) -> list[dict[str, Any]]:
                          "workloads": 13})
     rows.append({"group": "checkpoint", "system": "shadowfs-fuse", "rss_mib": 5.4, "seconds": 31.6,
                  "case": "copy-up (1-byte append) + snapshot + commit of a 2,048 MiB file"})
+    rows += _startups({iso.ALL_ON: 630e3, iso.SWITCHED_OFF: 600e3})
     return rows  # fmt: skip
+
+
+def _startups(p50_by_system: dict[str, float]) -> list[dict[str, Any]]:
+    return [{"group": iso.GROUP, "case": iso.STARTUP_CASE, "system": system, "p50_us": p50}
+            for system, p50 in p50_by_system.items()]  # fmt: skip
 
 
 def test_a_run_that_meets_every_goal_says_so_goal_by_goal() -> None:
     verdicts = goals.judge(_full_run())
 
-    assert len(verdicts) == 11
+    assert len(verdicts) == 12
     assert all(v.met is True for v in verdicts), [v for v in verdicts if v.met is not True]
     table = goals.render(verdicts)
     assert "| 10-file checkpoint through the mount, 100,000-file tree: p50 ≤ 1 ms |" in table
     assert "p50 700 µs (runs: 690, 700, 710)" in table
     assert "1 file(s) 190.0\u00d7, 10 file(s) 83.0\u00d7, 100 file(s) 108.0\u00d7" in table
     assert "shadowfs-overlay on XFS with reflink (loop image): within 1.3\u00d7 of native" in table
-    assert table.endswith("11 of 11 measured goals met.")
+    assert table.endswith("12 of 12 measured goals met.")
 
 
 def test_a_missed_goal_and_an_unmeasured_one_are_told_apart() -> None:
@@ -66,7 +73,7 @@ def test_a_missed_goal_and_an_unmeasured_one_are_told_apart() -> None:
     assert [m.met for m in memory] == [None]
     table = goals.render(list(by_goal.values()))
     assert "| **not met** |" in table and "| — | not measured |" in table
-    assert table.endswith("8 of 10 measured goals met.")
+    assert table.endswith("9 of 11 measured goals met.")
 
 
 def test_a_run_that_measured_no_goal_renders_nothing() -> None:
@@ -90,7 +97,7 @@ def test_the_command_judges_a_saved_run_and_exits_1_on_a_miss(tmp_path: Path) ->
     ok = _cli(str(good))
     missed = _cli(str(bad), "--json")
 
-    assert ok.returncode == 0 and "11 of 11 measured goals met." in ok.stdout
+    assert ok.returncode == 0 and "12 of 12 measured goals met." in ok.stdout
     assert missed.returncode == 1
     verdicts = json.loads(missed.stdout)
     assert [v["verdict"] for v in verdicts].count("not met") == 1
@@ -115,7 +122,7 @@ def test_the_report_opens_with_the_goals_before_the_tables_behind_them() -> None
     report = harness.render_report([result], {"cpu": "test"}, "python -m bench", False, "now")
 
     assert report.index("## Goals") < report.index("## checkpoint")
-    assert "11 of 11 measured goals met." in report
+    assert "12 of 12 measured goals met." in report
 
 
 def test_a_backend_that_could_not_run_says_why_its_goal_was_not_measured() -> None:
@@ -128,3 +135,19 @@ def test_a_backend_that_could_not_run_says_why_its_goal_was_not_measured() -> No
     ext4 = by_goal["shadowfs-overlay on /tmp (ext4): within 1.3\u00d7 of native"]
     assert ext4.met is None and ext4.measured == "needs root to mount -t overlay."
     assert by_goal["shadowfs-fuse on /tmp (ext4): no slower than fuse-overlayfs"].met is True
+
+
+def test_the_isolation_goal_prefers_the_previous_version_to_the_switches() -> None:
+    goal = "`booth run -- true` with every protection within 50 ms of the previous isolation"
+    runs = (
+        {iso.ALL_ON: 630e3, iso.SWITCHED_OFF: 600e3},
+        {iso.ALL_ON: 630e3, iso.SWITCHED_OFF: 600e3, iso.BASELINE: 570e3},
+        {iso.ALL_ON: 630e3},
+    )
+    switched, against_baseline, alone = (
+        next(v for v in goals.judge(_startups(run)) if v.goal == goal) for run in runs
+    )
+
+    assert switched.met is True and switched.measured.startswith("+30.0 ms")
+    assert against_baseline.met is False and "previous version" in against_baseline.measured
+    assert alone.met is None
