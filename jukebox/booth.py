@@ -52,6 +52,8 @@ from jukebox.basetree import build_base_tree, forget_committed
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
+from jukebox.record_binding import bound_tape
+from jukebox.recorded_image import image_record
 from jukebox.scratchdir import booth_scratch
 from jukebox.tapedir import TapeDir, check_tape_id
 from jukebox.terminal import AgentTerminal, relayed, send_to_agent
@@ -568,8 +570,10 @@ def _target_tree(
 
 def booth_diff(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[str]:
     """The changes a commit of the booth (of its checkpoint ``at``, if given) would make."""
-    base, target, _ = _target_tree(load_record(tape_dir, booth_id), at)
+    record = load_record(tape_dir, booth_id)
     with _open_store(tape_dir) as store:
+        bound_tape(tape_dir, booth_id, record, store)
+        base, target, _ = _target_tree(record, at)
         return change_summary(store, base, target)
 
 
@@ -597,8 +601,9 @@ def commit_booth(
     with _locked(tape_dir, booth_id) as record:
         if record.status == "running" and _alive(record.pid):
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
-        base, final, checkpoint = _target_tree(record, at)
         with _open_store(tape_dir) as store:
+            bound_tape(tape_dir, booth_id, record, store)  # before anything is written
+            base, final, checkpoint = _target_tree(record, at)
             refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
             if refused:
                 raise CheckFailed(
@@ -634,6 +639,7 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
     with _locked(tape_dir, booth_id) as record:
         if record.status == "running" and _alive(record.pid):
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
+        bound_tape(tape_dir, booth_id, record)  # the record names what discard touches
         if os.path.exists(record.tape):
             with (
                 _open_store(tape_dir) as store,
@@ -984,7 +990,7 @@ def run_booth(
     tape_id: str | None = None,
     name: str | None = None,
     fs: str = "fuse",
-    image: str | None = None,
+    image: str | Image | None = None,
     commit_mode: str = "auto",
     verify_cmd: str | None = None,
     net: str | None = None,
@@ -1034,7 +1040,8 @@ def run_booth(
             f"the tape dir {tapes.path} and the tree {tree_path} overlap: the booth would record "
             "its own tapes; point --tape-dir (or JUKEBOX_TAPE_DIR) outside the tree"
         )
-    img: Image = load_image(image)
+    # An Image object is one a replay or fork already chose (never one named by a tape).
+    img: Image = image if isinstance(image, Image) else load_image(image)
     net = net or img.net
     if net not in ("host", "none"):
         raise UsageError(f"bad --net {net!r}: use host or none")
@@ -1085,6 +1092,8 @@ def run_booth(
                 "tree": tree_path,
                 "base_tree": base_tree.hex(),
                 "image": img.name,
+                # The image whole, hashed: replays compare with it and never resolve its name.
+                "sandbox_image": image_record(img),
                 "policy": {
                     **img.policy(),
                     "net": net,

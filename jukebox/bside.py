@@ -261,10 +261,20 @@ class Redirect:
 # --------------------------------------------------------------------------- the function
 
 
-def resolve_function(function: Mapping[str, Any], registry: Mapping[Any, Any]) -> Callable:
-    """The tracked callable a run_start names: this process's own, else imported."""
+def resolve_function(
+    function: Mapping[str, Any], registry: Mapping[Any, Any], tape_dir: Path | None = None
+) -> Callable:
+    """The tracked callable a run_start names: this process's own, else imported. A file the
+    tape names inside `tape_dir` (what someone sent along with the tape) is never loaded."""
     import_path = str(function.get("import_path"))
     file = function.get("file")
+    if isinstance(file, str) and tape_dir is not None:
+        real, home = os.path.realpath(file), os.path.realpath(tape_dir)
+        if real == home or real.startswith(home.rstrip("/") + "/"):
+            raise ValueError(
+                f"cannot re-execute {import_path}: the tape names its file {file}, inside the "
+                "tape dir itself; a tape's function is only run from code this machine has"
+            )
     found = registry.get((import_path, file))
     if found is not None:
         return found  # type: ignore[no-any-return]
@@ -470,6 +480,7 @@ def reexecute(
     from jukebox.llm.rewrite import RequestRewriter
 
     origin = Tape.load(origin_path, store)
+    origin.check_chain()  # a damaged tape says nothing we may act on
     start = origin.frames[0].payload
     run = start.get("run") if isinstance(start.get("run"), dict) else {}
     function = run.get("function") if isinstance(run.get("function"), dict) else None
@@ -491,6 +502,10 @@ def reexecute(
         target = 1 if start.get("root") is not None else 0  # tapes from before ranks existed
     upstreams = upstreams_for(endpoint)
     tapes = TapeDir(origin_path.parent)
+    # Found from the caller's cwd, before the scratch copy of the tape's tree becomes the cwd:
+    # an import there would run code the tape dir brought (see docs/reliability.md).
+    fn = resolve_function(function, registry, tapes.path)
+    args, kwargs = call_arguments(fn, arguments.get("values") or {})
     new_path = tapes.tape_path(tape_id)
     if new_path.exists():
         raise ValueError(f"a tape {tape_id!r} already exists in {tapes.path}: fork again")
@@ -511,8 +526,6 @@ def reexecute(
                                session.on_llm_divergence),
                 _chdir(cwd),
             ):  # fmt: skip
-                fn = resolve_function(function, registry)
-                args, kwargs = call_arguments(fn, arguments.get("values") or {})
                 token = current_redirect.set(redirect)
                 try:
                     outcome.result = _run(fn, args, kwargs)

@@ -355,6 +355,7 @@ def compare_tapes(
 
 
 def read_side(tape: Any, store: Any, label: str | None = None) -> Side:
+    tape.check_chain()  # a damaged tape is refused, not compared
     summary = tape.summary()
     turns: list[Turn] = []
     models: list[str] = []

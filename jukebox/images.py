@@ -56,6 +56,8 @@ class Image:
     env_set: Mapping[str, str] = field(default_factory=dict)
     limits: Mapping[str, int] = field(default_factory=dict)  # resource limits (rlimits)
     scratch_limit: int | None = None  # bytes the booth's layer may stage in all
+    # The parsed TOML as written: what a tape records of the image (jukebox.recorded_image).
+    source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def is_secret(self, name: str) -> bool:
         return _matches(name, self.env_secret)
@@ -249,4 +251,5 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
         env_set=dict(env_set),
         limits=limits,
         scratch_limit=sizes.get("scratch"),
+        source=data,
     )

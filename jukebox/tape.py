@@ -137,6 +137,7 @@ class Tape:
         self.store = store
         self._split_problems = split_problems
         self._head: Head | None = None
+        self._damage: TamperedTape | bool | None = False  # False: not checked yet
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], store: ObjectStore | None = None) -> Tape:
@@ -253,14 +254,16 @@ class Tape:
         return merkle.consistency_proof([f._id for f in self.frames], m)
 
     def summary(self) -> dict[str, Any]:
-        """One row of `jukebox ls`. Frames that do not decode are skipped and flag `damaged`."""
+        """One row of `jukebox ls`. A tape whose chain breaks is `damaged`, status DAMAGED, and
+        summed up to the damage only; frames that do not decode are skipped and flag it too."""
         name = None
         cost = 0.0
         status: str | None = None
         exited = False
-        damaged = False
+        damage = self.damage
+        damaged = damage is not None
         times: list[int] = []
-        for f in self.frames:
+        for f in self.intact_frames:
             try:
                 kind = f.kind
                 payload = f.payload
@@ -287,6 +290,8 @@ class Tape:
                 status, exited = None, False
         if status is None:
             status = "EXITED" if exited else "RUNNING"
+        if damaged:
+            status = "DAMAGED"
         started = times[0] if times else None
         duration = times[-1] - times[0] if times else 0
         tape_id = self.tape_id
@@ -301,10 +306,36 @@ class Tape:
             "duration_ns": duration,
             "torn": self.torn_tail is not None,
             "damaged": damaged,
+            "damaged_at": damage.seq if damage is not None else None,
             "path": os.fspath(self.path),
         }
 
     # -- verification -------------------------------------------------------------------------
+
+    @property
+    def damage(self) -> TamperedTape | None:
+        """The first frame that breaks the hash chain (its record id, seq, parent link or Merkle
+        root), or None. Every command that reads a tape asks this: it decodes no frame and costs
+        about what the load did (see bench/bench_tape.py). A torn tail is not damage: a crash
+        leaves one (see `torn_tail`)."""
+        if self._damage is False:
+            problems, acc = self._check_chain()
+            found = [p for p in self._split_problems + problems if isinstance(p, TamperedTape)]
+            self._damage = min(found, key=lambda p: p.seq) if found else None
+            self._head = self._make_head(acc)
+        return self._damage  # type: ignore[return-value]
+
+    @property
+    def intact_frames(self) -> list[Frame]:
+        """The frames before the first damage: the ones the chain vouches for."""
+        damage = self.damage
+        return self.frames if damage is None else self.frames[: damage.seq]
+
+    def check_chain(self) -> None:
+        """Raise the first damage (TamperedTape, exit 1), if any."""
+        damage = self.damage
+        if damage is not None:
+            raise damage
 
     def _check_chain(self) -> tuple[list[TapeProblem], merkle.Accumulator]:
         """Seq order, parent links and per-frame Merkle roots, read from fixed positions.

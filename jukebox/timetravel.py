@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jukebox.errors import UsageError
+from jukebox.errors import JukeboxError, UsageError
+from jukebox.images import Image
 from jukebox.tapedir import TapeDir
 from shadowfs.oid import ObjectId
 
@@ -65,8 +66,28 @@ class Recorded:
     tree: str
     cwd: str
     base_tree: ObjectId
-    image: str | None
+    image: str | None  # the recorded name: a label only, never resolved
+    image_record: Any  # run_start's `sandbox_image`: name, content, blake3 (None on old tapes)
     fs: str
+
+
+@dataclass
+class ImageChoice:
+    """The image a replay or fork runs under, and how it compares with the recorded one."""
+
+    image: Image
+    difference: str | None  # one line, or None when the policies are the same
+    loosened: list[str]  # with --image recorded: what it loosens against the built-in image
+
+    def to_json(self) -> dict[str, Any]:
+        from jukebox.recorded_image import image_record
+
+        return {
+            "name": self.image.name,
+            "blake3": image_record(self.image)["blake3"],
+            "difference": self.difference,
+            "loosened": self.loosened,
+        }
 
 
 @dataclass
@@ -92,11 +113,13 @@ class ReplayResult:
     spent_usd: float
     seconds: float
     agent_status: int | None
+    image: ImageChoice | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["tape_path"] = os.fspath(self.tape_path) if self.tape_path else None
         out["ok"] = self.code == 0
+        out["image"] = self.image.to_json() if self.image is not None else None
         return out
 
     def summary(self) -> str:
@@ -124,11 +147,13 @@ class ForkResult:
     spent_usd: float = 0.0
     agent_status: int | None = None
     difference: str | None = None
+    image: ImageChoice | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "extra"}
         out["tape_path"] = os.fspath(self.tape_path)
+        out["image"] = self.image.to_json() if self.image is not None else None
         return out
 
 
@@ -138,6 +163,8 @@ class ForkResult:
 def recorded_run(tape: Any) -> Recorded:
     """The run a booth tape records, or a UsageError when it is not a booth run."""
     start = tape.frames[0].payload if tape.frames else {}
+    if tape.frames and tape.store is not None:
+        start = tape.frames[0].resolve_payload(tape.store)  # a large image may be in the store
     argv, base = start.get("argv"), start.get("base_tree")
     if tape.frames and tape.frames[0].kind == "run_start" and isinstance(argv, list) and base:
         policy = start.get("policy") if isinstance(start.get("policy"), dict) else {}
@@ -149,12 +176,46 @@ def recorded_run(tape: Any) -> Recorded:
             cwd=str(start.get("cwd") or tree),
             base_tree=ObjectId.from_hex(base),
             image=start.get("image") if isinstance(start.get("image"), str) else None,
+            image_record=start.get("sandbox_image"),
             fs=policy.get("fs") if policy.get("fs") in ("fuse", "overlay") else "fuse",
         )
     raise UsageError(
         f"{os.fspath(tape.path)} was not recorded by `jukebox booth run` (its run_start has no "
         "argv and base tree): there is no command to re-execute"
     )
+
+
+def select_image(run: Recorded, image: str | None, trust_recorded: bool) -> ImageChoice:
+    """The image a replay or fork of `run` runs under: the caller's `image` (a name or a path,
+    resolved in the caller's cwd; default the built-in one), or with `image="recorded"` the
+    tape's own, which must not loosen the built-in image unless `trust_recorded`."""
+    from jukebox.images import load_image
+    from jukebox.recorded_image import (
+        RECORDED,
+        difference_line,
+        image_from_record,
+        loosenings,
+    )
+
+    if trust_recorded and image != RECORDED:
+        raise UsageError(
+            f"--trust-recorded-image confirms --image {RECORDED}: add --image {RECORDED} "
+            "or drop it"
+        )
+    loosened: list[str] = []
+    if image == RECORDED:
+        chosen = image_from_record(run.image_record, run.tape_id)
+        # The booth of a replay or fork is offline whatever the image says.
+        loosened = loosenings(chosen, load_image(None), ignore=("net",))
+        if loosened and not trust_recorded:
+            raise UsageError(
+                f"the image recorded in {run.tape_id} is looser than the built-in one: "
+                + "; ".join(loosened)
+                + f"; add --trust-recorded-image to run under it anyway, or drop --image {RECORDED}"
+            )
+    else:
+        chosen = load_image(image)
+    return ImageChoice(chosen, difference_line(run.image_record, chosen, run.tape_id), loosened)
 
 
 def checkpoint_marks(tape: Any, through: int | None = None) -> list[CheckpointMark]:
@@ -320,6 +381,7 @@ def _run_watched(
     watch: _Watch,
     fs: str | None,
     name: str,
+    image: Image,
 ) -> tuple[int, float]:
     """Runs the recorded command in a fresh, offline, never-committing booth; returns
     (booth status, seconds). The booth ends discarded and the scratch tree is removed."""
@@ -339,7 +401,7 @@ def _run_watched(
                 tape_id=tape_id,
                 name=name,
                 fs=fs or run.fs,
-                image=run.image,
+                image=image,  # chosen by the caller, never read from the tape
                 commit_mode=DISCARD,  # quietly: nobody will ever commit a scratch booth
                 verify_cmd="",  # the verifier judges a run for commit; a replay never commits
                 net="none",
@@ -350,7 +412,7 @@ def _run_watched(
             seconds = time.monotonic() - started
             os.chdir(old_cwd)
             # Only a booth that failed before its verdict still has a record to clear.
-            with contextlib.suppress(UsageError):
+            with contextlib.suppress(JukeboxError):
                 discard_booth(tapes, tape_id)
     return status, seconds
 
@@ -481,6 +543,8 @@ def replay_exec(
     *,
     record: bool = True,
     fs: str | None = None,
+    image: str | None = None,
+    trust_recorded_image: bool = False,
 ) -> ReplayResult:
     """Re-runs a recorded booth run offline and checks it against its tape (see the module)."""
     from jukebox.llm.replay import ReplaySource
@@ -491,7 +555,9 @@ def replay_exec(
 
     if mode not in MODES:
         raise UsageError(f"bad replay mode {mode!r}: use --strict or --loose")
+    # Absolute: the booth starts in the scratch tree, where a relative tape dir means another.
     tapes = TapeDir.resolve(tape_dir if tape_dir is not None else Path(tape_path).parent)
+    tapes = TapeDir(Path(os.path.abspath(tapes.path)))
     if not (tapes.store_path / "packs").is_dir():
         raise UsageError(
             f"no store in {tapes.path}: a replay needs the tape dir the run was recorded in"
@@ -503,7 +569,9 @@ def replay_exec(
                 f"--until {until} is not a frame of {tape_path}: it has frames 0 to "
                 f"{len(original.frames) - 1}"
             )
+        original.check_chain()  # a damaged tape says nothing we may act on
         run = recorded_run(original)
+        chosen = select_image(run, image, trust_recorded_image)
         source = ReplaySource.from_tape(original, store, mode=mode, until=until)
     marks = checkpoint_marks(original, through=until)
     watch = _Watch(marks)
@@ -514,8 +582,9 @@ def replay_exec(
         on_divergence=watch.on_divergence,
     )
     status, seconds = _run_watched(
-        tapes.store_path, run, tapes, tape_id, llm, watch, fs, f"replay of {run.tape_id}"
-    )
+        tapes.store_path, run, tapes, tape_id, llm, watch, fs, f"replay of {run.tape_id}",
+        chosen.image,
+    )  # fmt: skip
     replay_path = tapes.tape_path(tape_id)
     with Store.open(tapes.store_path, create=False) as store:
         original = Tape.load(tape_path, store)
@@ -546,6 +615,7 @@ def replay_exec(
         spent_usd=spent,
         seconds=seconds,
         agent_status=status,
+        image=chosen,
     )
 
 
@@ -563,6 +633,8 @@ def fork(
     mode: str = "strict",
     tape_id: str | None = None,
     fs: str | None = None,
+    image: str | None = None,
+    trust_recorded_image: bool = False,
 ) -> ForkResult:
     """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs."""
     from jukebox.tape import Tape, TapeWriter
@@ -571,7 +643,9 @@ def fork(
 
     if mode not in MODES:
         raise UsageError(f"bad replay mode {mode!r}: use --strict or --loose")
+    # Absolute: the booth starts in the scratch tree, where a relative tape dir means another.
     tapes = TapeDir.resolve(tape_dir if tape_dir is not None else Path(tape_path).parent)
+    tapes = TapeDir(Path(os.path.abspath(tapes.path)))
     overrides = {
         k: v for k, v in (("model", model), ("system_prompt", system_prompt)) if v is not None
     }
@@ -583,7 +657,13 @@ def fork(
                 f"cannot fork {tape_path} at frame {at}: it has {n} frame(s) (0..{n - 1}), "
                 f"so fork at 1..{n}"
             )
+        origin.check_chain()
+        if not exec_ and (image is not None or trust_recorded_image):
+            raise UsageError(
+                "--image and --trust-recorded-image choose the booth of --exec: add --exec"
+            )
         run = recorded_run(origin) if exec_ else None
+        chosen = select_image(run, image, trust_recorded_image) if run is not None else None
         base_id = origin.tape_id or Path(os.fspath(tape_path)).stem
         new_id = check_tape_id(tape_id) if tape_id else next_tape_id(tapes, base_id, "fork")
         new_path = tapes.tape_path(new_id)
@@ -592,11 +672,11 @@ def fork(
         extra = {"overrides": overrides, "exec": exec_}
         writer = TapeWriter.fork_from(origin, at, new_path, new_id, store=store, extra=extra)
         writer.close()
-    result = ForkResult(0, new_id, new_path, at, overrides)
-    if run is None:
+    result = ForkResult(0, new_id, new_path, at, overrides, image=chosen)
+    if run is None or chosen is None:
         return result
     try:
-        _fork_exec(result, Path(tape_path), tapes, run, mode, fs)
+        _fork_exec(result, Path(tape_path), tapes, run, mode, fs, chosen.image)
     except BaseException:
         new_path.unlink(missing_ok=True)  # a fork whose re-execution never ran is no fork
         raise
@@ -604,7 +684,13 @@ def fork(
 
 
 def _fork_exec(
-    result: ForkResult, origin_path: Path, tapes: TapeDir, run: Recorded, mode: str, fs: str | None
+    result: ForkResult,
+    origin_path: Path,
+    tapes: TapeDir,
+    run: Recorded,
+    mode: str,
+    fs: str | None,
+    image: Image,
 ) -> None:
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
@@ -634,7 +720,7 @@ def _fork_exec(
     try:
         status, _ = _run_watched(
             tapes.store_path, run, tapes, scratch_id, llm, watch, fs,
-            f"fork of {run.tape_id} at frame {at}",
+            f"fork of {run.tape_id} at frame {at}", image,
         )  # fmt: skip
         result.executed = True
         result.agent_status = status

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
-from jukebox.cli.tapes import check_frame, load, tape_dir_option
+from jukebox.cli.tapes import check_frame, load_intact, tape_dir_option
 
 
 @cli.command("mount")
@@ -22,7 +22,7 @@ def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
     from jukebox.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
-    loaded = load(ref)
+    loaded = load_intact(ref)
     n = check_frame(loaded, ref)
     tree_id = loaded.tree_at(n)
     if tree_id is None:

@@ -18,6 +18,19 @@ tape_dir_option = click.option(
     help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ./tapes).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+image_option = click.option(
+    "--image",
+    default=None,
+    metavar="NAME|PATH|recorded",
+    help="--exec: the booth's sandbox image (default: the built-in host image; never the "
+    "tape's). `recorded` rebuilds the tape's own image; if it is looser, add "
+    "--trust-recorded-image.",
+)
+trust_option = click.option(
+    "--trust-recorded-image",
+    is_flag=True,
+    help="With --image recorded: run under it even where it loosens the built-in image.",
+)
 
 
 def emit_json(value: Any) -> None:
@@ -37,6 +50,14 @@ def load(ref):
     from jukebox.tape import Tape
 
     return Tape.load(ref.path, open_store(ref.tape_dir))
+
+
+def load_intact(ref):
+    """The tape, refused (exit 1, one line) when its hash chain breaks anywhere: what a command
+    acts on or shows as the files of a frame must come from a tape the chain vouches for."""
+    tape = load(ref)
+    tape.check_chain()
+    return tape
 
 
 def listed_tape_dir(tape_dir: Path | None):  # type: ignore[no-untyped-def]
@@ -126,6 +147,7 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
 
 
 def frame_rows(tape) -> list[dict[str, Any]]:
+    """The frames the hash chain vouches for (all of them, on an intact tape)."""
     start = tape.frames[0].time_ns if tape.frames else 0
     return [
         {
@@ -137,7 +159,7 @@ def frame_rows(tape) -> list[dict[str, Any]]:
             "tree": f.tree.hex() if f.tree else None,
             "payload": f.payload,
         }
-        for f in tape.frames
+        for f in tape.intact_frames
     ]
 
 
@@ -174,11 +196,17 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "log", "drop the @{n}")
     loaded = load(ref)
+    damage = loaded.damage  # shown up to the damage, then refused: never printed as healthy
     if as_json:
         emit_json(
-            {"path": str(ref.path), "summary": loaded.summary(), "frames": frame_rows(loaded)}
+            {
+                "path": str(ref.path),
+                "summary": loaded.summary(),
+                "frames": frame_rows(loaded),
+                "damage": str(damage) if damage is not None else None,
+            }
         )
-        return
+        sys.exit(1 if damage is not None else 0)
     summary = loaded.summary()
     from jukebox.names import printable
 
@@ -189,6 +217,8 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
         )
     )
     click.echo(timeline(loaded))
+    if damage is not None:
+        raise damage
     if loaded.torn_tail is not None:
         click.echo(
             f"warning: torn tail at byte {loaded.torn_tail.offset}: {loaded.torn_tail.reason}",
@@ -298,6 +328,8 @@ def reconstruct_states(tape, progress=None) -> int:
     help="--exec: keep the replay's own tape <id>-replay-<n> (default) or remove it.",
 )
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="--exec layer.")
+@image_option
+@trust_option
 @json_option
 def replay_command(
     tape: str,
@@ -307,6 +339,8 @@ def replay_command(
     until: int | None,
     record: bool,
     fs: str | None,
+    image: str | None,
+    trust_recorded_image: bool,
     as_json: bool,
 ) -> None:
     """Verify a tape, then walk every frame rebuilding the file state at each, offline.
@@ -321,13 +355,19 @@ def replay_command(
         from jukebox.cli.timetravel import run_replay_exec
 
         mode = "loose" if strict is False else "strict"
-        run_replay_exec(tape, tape_dir, mode, until, record, fs, as_json)
+        run_replay_exec(
+            tape, tape_dir, mode, until, record, fs, as_json, image, trust_recorded_image
+        )
         return
-    if strict is not None or until is not None or fs is not None or not record:
+    if (
+        strict is not None or until is not None or fs is not None or not record
+        or image is not None or trust_recorded_image
+    ):  # fmt: skip
         from jukebox.errors import UsageError
 
         raise UsageError(
-            "--strict, --loose, --until, --no-record and --fs re-execute the run: add --exec"
+            "--strict, --loose, --until, --no-record, --fs, --image and --trust-recorded-image "
+            "re-execute the run: add --exec"
         )
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(
@@ -418,14 +458,14 @@ def diff_command(
         raise UsageError(
             "--markdown reports on two whole tapes: write `jukebox diff TAPE_A TAPE_B`"
         )
-    tape_a = load(ref_a)
+    tape_a = load_intact(ref_a)
     n = check_frame(tape_a, ref_a)
     if second is None:
         old_tree = tape_a.tree_at(n - 1) if n > 0 else None
         new_tree, tape_b = tape_a.tree_at(n), tape_a
         label = f"{ref_a.path}@{n - 1 if n else 0} → @{n}"
     else:
-        tape_b = load(ref_b)
+        tape_b = load_intact(ref_b)
         m = check_frame(tape_b, ref_b)
         old_tree, new_tree = tape_a.tree_at(n), tape_b.tree_at(m)
         label = f"{ref_a.path}@{n} → {ref_b.path}@{m}"

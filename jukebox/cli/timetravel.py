@@ -10,8 +10,30 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
-from jukebox.cli.tapes import emit_json, tape_argument, tape_dir_option, whole_tape
+from jukebox.cli.tapes import (
+    emit_json,
+    image_option,
+    tape_argument,
+    tape_dir_option,
+    trust_option,
+    whole_tape,
+)
 from jukebox.names import printable
+
+
+def report_image(choice, err: bool = True) -> None:  # type: ignore[no-untyped-def]
+    """The image lines of a replay or fork: what a recorded image loosens, how the image used
+    differs from the recorded one."""
+    if choice is None:
+        return
+    if choice.loosened:
+        click.echo(
+            f"jukebox: warning: running under the recorded image {choice.image.name!r}, which "
+            "loosens the built-in one: " + "; ".join(choice.loosened),
+            err=err,
+        )
+    if choice.difference:
+        click.echo(f"jukebox: {choice.difference}", err=err)
 
 
 def run_replay_exec(
@@ -22,6 +44,8 @@ def run_replay_exec(
     record: bool,
     fs: str | None,
     as_json: bool,
+    image: str | None = None,
+    trust_recorded_image: bool = False,
 ) -> None:
     """`jukebox replay TAPE --exec`: exits 0 when the run matched its tape, 1 at a divergence."""
     from jukebox.tapedir import TapeRef
@@ -29,11 +53,15 @@ def run_replay_exec(
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "replay", "drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
-    result = replay_exec(ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs)
+    result = replay_exec(
+        ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs, image=image,
+        trust_recorded_image=trust_recorded_image,
+    )  # fmt: skip
     # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
     # except the --json result, which comes last on stdout.
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))
+    report_image(result.image)
     if result.difference:
         click.echo(f"jukebox: {printable(result.difference)}", err=True)
     click.echo(f"jukebox: {result.summary()}", err=True)
@@ -61,6 +89,8 @@ def run_replay_exec(
 )
 @click.option("--tape-id", default=None, help="The new tape's id (default: <id>-fork-<n>).")
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="Booth layer.")
+@image_option
+@trust_option
 @tape_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def fork_command(
@@ -72,6 +102,8 @@ def fork_command(
     strict: bool,
     tape_id: str | None,
     fs: str | None,
+    image: str | None,
+    trust_recorded_image: bool,
     tape_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -97,6 +129,8 @@ def fork_command(
         mode="strict" if strict else "loose",
         tape_id=tape_id,
         fs=fs,
+        image=image,
+        trust_recorded_image=trust_recorded_image,
     )
     if as_json:
         emit_json(result.to_json())
@@ -107,6 +141,7 @@ def fork_command(
         f"forked {ref.path} at frame {at} into {result.tape_id} ({result.tape_path}): "
         f"frames 0..{at - 1} shared, overrides: {overrides}"
     )
+    report_image(result.image)
     if result.executed:
         if result.difference:
             click.echo(f"jukebox: {printable(result.difference)}", err=True)
