@@ -1,0 +1,308 @@
+"""A tape dir received from someone else cannot hurt the user who opens it.
+
+The corpus in tests/data/hostile (made by tests/make_hostile_tapes.py; its docstring lists the
+tricks) is copied into a fresh home dir, as if received; every command that reads a tape runs
+over every tape as a user runs it (the console script, cwd the home dir). The safe outcome is a
+refusal or a damage mark, never a traceback, never a write outside the tape dir (the home dir
+around it is hashed before and after, and the host marker the tapes' command writes must not
+appear).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.make_hostile_tapes import MARKER
+from tests.reliability.conftest import JUKEBOX, tree_state
+
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "hostile"
+DAMAGED = {"flipped": 2, "forged": 3}  # tape -> the first frame the chain does not vouch for
+INTACT = ("image-path", "loose-image", "booth-7", "truncated")
+
+
+def jb(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "JUKEBOX_TAPE_DIR"}
+    env["JUKEBOX_TAPE_DIR"] = str(home / "received")
+    # Nothing listens on port 9: a replay that went live would fail, not spend.
+    env["OPENAI_BASE_URL"] = "http://127.0.0.1:9/v1"
+    env["ANTHROPIC_BASE_URL"] = "http://127.0.0.1:9"
+    proc = subprocess.run(
+        [JUKEBOX, *args], capture_output=True, text=True, cwd=home, env=env, timeout=120
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert proc.returncode in (0, 1, 2, 130), (args, proc.returncode, proc.stderr)
+    return proc
+
+
+def jb_here(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The same command in this process (the CLI's own code and error handling, without an
+    interpreter start per call); cwd the home dir. Only for commands that start no booth."""
+    from click.testing import CliRunner
+
+    from jukebox.cli import booth, cli, mount, tapes, timetravel  # noqa: F401  (registers)
+
+    old = os.getcwd()
+    os.chdir(home)
+    try:
+        env = {"JUKEBOX_TAPE_DIR": str(home / "received")}
+        result = CliRunner().invoke(cli, list(args), env=env)
+    finally:
+        os.chdir(old)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"{args}: {result.exception!r}") from result.exception
+    proc = subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+    assert proc.returncode in (0, 1, 2), (args, proc.returncode, proc.stderr)
+    return proc
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def outside(home: Path) -> dict:
+    """The home dir around the received tape dir, hashed."""
+    return {k: v for k, v in tree_state(home).items() if not k.startswith("received")}
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("booths here run as root")
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copytree(CORPUS, home / "received")
+    (home / "victim").mkdir()  # where the edited booth record points the tree
+    with open(MARKER, "a"):
+        pass
+    os.unlink(MARKER)
+    return home
+
+
+def test_every_reading_command_over_every_hostile_tape(home: Path) -> None:
+    before = outside(home)
+    tapes = home / "received"
+    for name in (*DAMAGED, *INTACT):
+        tape = str(tapes / f"{name}.jbx")
+        runs = {
+            "log": jb_here(home, "log", tape),
+            "log --json": jb_here(home, "log", tape, "--json"),
+            "verify": jb_here(home, "verify", tape),
+            "replay": jb_here(home, "replay", tape),
+            "diff @N": jb_here(home, "diff", f"{tape}@2"),
+            "diff A B": jb_here(home, "diff", tape, str(tapes / "image-path.jbx")),
+            "fork": jb_here(home, "fork", tape, "--at", "1", "--tape-id", f"{name}-f"),
+        }
+        if name not in ("image-path", "loose-image"):  # those replay in tests of their own
+            runs["replay --exec"] = jb(home, "replay", tape, "--exec", "--no-record")
+        if name in DAMAGED:
+            mnt = home / "received" / "mnt"
+            mnt.mkdir(exist_ok=True)
+            runs["mount"] = jb_here(home, "mount", f"{tape}@1", str(mnt))
+            seq = DAMAGED[name]
+            for what, proc in runs.items():
+                assert proc.returncode == 1, (name, what, proc.stderr)
+                said = proc.stderr + proc.stdout  # --json says it in its output
+                assert f"was altered at frame {seq}" in said, (name, what, said)
+            assert not (tapes / f"{name}-f.jbx").exists()
+            assert not os.path.ismount(mnt)
+        else:
+            assert runs["log"].returncode == 0 and runs["diff @N"].returncode == 0, name
+    assert not os.path.exists(MARKER), "a replay wrote on the host"
+    for args in (("ls",), ("ls", "--json"), ("booth", "ls"), ("gc", "--dry-run")):
+        jb_here(home, *args)
+    for verb in ("diff", "commit", "discard"):
+        jb_here(home, "booth", verb, "booth-7")
+    assert outside(home) == before
+    assert not os.path.exists(MARKER)
+
+
+def test_a_flipped_byte_is_shown_up_to_the_damage_and_marked_in_ls(home: Path) -> None:
+    tape = str(home / "received" / "flipped.jbx")
+    proc = jb(home, "log", tape)
+    assert proc.returncode == 1
+    assert "flipped.jbx was altered at frame 2" in one_line(proc)
+    assert "DAMAGED" in proc.stdout.splitlines()[0]
+    assert [line.split()[0] for line in proc.stdout.splitlines()[2:]] == ["@0", "@1"]
+    data = json.loads(jb(home, "log", tape, "--json").stdout)
+    assert [f["seq"] for f in data["frames"]] == [0, 1] and "frame 2" in data["damage"]
+    rows = {r["track_id"]: r for r in json.loads(jb(home, "ls", "--json").stdout)}
+    for name in DAMAGED:
+        assert rows[name]["damaged"] is True and rows[name]["status"] == "DAMAGED"
+        assert rows[name]["damaged_at"] == DAMAGED[name]
+    for name in INTACT:
+        assert rows[name]["damaged"] is False and rows[name]["status"] != "DAMAGED"
+    assert rows["truncated"]["torn"] is True
+    table = {line.split()[0]: line for line in jb(home, "ls").stdout.splitlines()[1:]}
+    assert table["flipped"].endswith("DAMAGED") and table["forged"].endswith("DAMAGED")
+    assert table["truncated"].endswith("(torn)")
+
+
+def test_a_forged_frame_with_a_valid_id_is_refused_where_it_breaks_the_chain(home: Path) -> None:
+    tape = str(home / "received" / "forged.jbx")
+    proc = jb(home, "log", tape)
+    assert proc.returncode == 1
+    assert "was altered at frame 3: its parent link does not name the frame before it" in (
+        proc.stderr
+    )
+    assert "commit" not in proc.stdout  # the forged verdict is never shown as a frame
+
+
+def test_a_truncated_tape_is_read_up_to_its_torn_tail(home: Path) -> None:
+    proc = jb(home, "log", str(home / "received" / "truncated.jbx"))
+    assert proc.returncode == 0
+    assert "warning: torn tail" in proc.stderr
+    assert jb(home, "verify", str(home / "received" / "truncated.jbx")).returncode == 1
+
+
+def test_an_image_named_as_a_path_by_the_tape_is_never_loaded(home: Path) -> None:
+    proc = jb(home, "replay", str(home / "received" / "image-path.jbx"), "--exec")
+    # Under the built-in image the host is read-only: the command's write fails, so the run
+    # diverges at its exit status; on the tape's own evil.toml it would have succeeded.
+    assert not os.path.exists(MARKER)
+    assert proc.returncode == 1, proc.stderr
+    assert "records no image content to compare; this run used 'host'" in proc.stderr
+    assert "the agent's status differs" in proc.stderr
+    # Asked for, the recorded image does not exist: the name is never resolved as a path.
+    proc = jb(home, "replay", str(home / "received" / "image-path.jbx"), "--exec",
+              "--image", "recorded")  # fmt: skip
+    assert proc.returncode == 2
+    assert "records no image content" in one_line(proc)
+    assert not os.path.exists(MARKER)
+
+
+def test_a_loosened_recorded_image_is_reported_and_needs_confirmation(home: Path) -> None:
+    tape = str(home / "received" / "loose-image.jbx")
+    proc = jb(home, "replay", tape, "--exec", "--json")
+    assert not os.path.exists(MARKER)
+    image = json.loads(proc.stdout.splitlines()[-1])["image"]
+    assert image["name"] == "host" and image["loosened"] == []
+    assert "differ in readonly_host, private_tmp" in image["difference"]
+    assert "image: the tape was recorded under 'host'" in proc.stderr
+    replays = sorted((home / "received").glob("loose-image-replay-*.jbx"))
+    proc = jb(home, "replay", tape, "--exec", "--image", "recorded")
+    assert proc.returncode == 2
+    line = one_line(proc)
+    assert "fs.readonly_host = false (the host is writable)" in line
+    assert "fs.private_tmp = false" in line and "--trust-recorded-image" in line
+    assert sorted((home / "received").glob("loose-image-replay-*.jbx")) == replays  # no booth
+    proc = jb(home, "fork", tape, "--at", "1", "--exec", "--image", "recorded")
+    assert proc.returncode == 2 and "--trust-recorded-image" in one_line(proc)
+    assert not os.path.exists(MARKER)
+
+
+def test_an_edited_booth_record_commits_nothing_anywhere(home: Path) -> None:
+    before = outside(home)
+    tapes = home / "received"
+    tape_before = (tapes / "booth-7.jbx").read_bytes()
+    for verb in ("commit", "diff", "discard"):
+        proc = jb(home, "booth", verb, "booth-7")
+        assert proc.returncode == 1, (verb, proc.stderr)
+        line = one_line(proc)
+        assert "does not match its tape: field 'tree'" in line, line
+        assert "'victim'" in line and "/home/mallory/work" in line
+    assert list((home / "victim").iterdir()) == []
+    assert outside(home) == before
+    assert (tapes / "booth-7.jbx").read_bytes() == tape_before  # no verdict frame either
+    assert (tapes / ".jukebox" / "booths" / "booth-7.json").exists()
+
+
+def test_a_record_whose_final_tree_was_swapped_is_refused(home: Path) -> None:
+    """The record's tree is put right, but its final tree names another tree of the store."""
+    path = home / "received" / ".jukebox" / "booths" / "booth-7.json"
+    record = json.loads(path.read_text())
+    record["tree"] = str(home / "victim")
+    path.write_text(json.dumps(record))
+    # The tape's run_start must agree with the record for the final tree to be reached: make
+    # the tape honest about the tree (a sender would), then swap the final tree only.
+    from jukebox.tape import Tape, TapeWriter
+    from shadowfs.store import Store
+
+    store_path = home / "received" / ".jukebox" / "store"
+    with Store.open(store_path) as store:
+        old = Tape.load(home / "received" / "booth-7.jbx", store)
+        frames = [(f.kind, f.resolve_payload(store), f.tree) for f in old.frames]
+        (home / "received" / "booth-7.jbx").unlink()
+        with TapeWriter.create(home / "received" / "booth-7.jbx", store, "booth-7") as w:
+            for kind, payload, tree in frames:
+                if kind == "run_start":
+                    payload = {**payload, "tree": str(home / "victim")}
+                w.append(kind, payload, tree=tree)
+    record["final_tree"] = record["base_tree"][:-1] + ("0" if record["base_tree"][-1] != "0"
+                                                       else "1")  # fmt: skip
+    path.write_text(json.dumps(record))
+    proc = jb(home, "booth", "commit", "booth-7")
+    assert proc.returncode == 1
+    assert "field 'final_tree'" in one_line(proc)
+    assert list((home / "victim").iterdir()) == []
+
+
+def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path) -> None:
+    """Honest use: a tape recorded under `--image ./mine.toml`, a custom image named like the
+    built-in one, replays and forks from another directory; the replay reports the difference
+    from the built-in image, and `--image recorded` runs the recorded content itself."""
+    if os.geteuid() != 0:
+        pytest.skip("booths here run as root")
+    tree, tapes, elsewhere = tmp_path / "tree", tmp_path / "tapes", tmp_path / "elsewhere"
+    tree.mkdir()
+    elsewhere.mkdir()
+    (tree / "a.txt").write_text("a\n")
+    from jukebox.images import load_image
+
+    secret = json.dumps(list(load_image(None).env_secret))  # the built-in's: tighter limits only
+    (tmp_path / "mine.toml").write_text(
+        f'name = "host"\n[env]\nsecret = {secret}\n'
+        '[limits]\nprocesses = 4096\nopen_files = 1024\nfile_size = "1G"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JUKEBOX_TAPE_DIR"}
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([JUKEBOX, *args], capture_output=True, text=True, cwd=cwd,
+                              env=env, timeout=120)  # fmt: skip
+        assert "Traceback" not in proc.stderr
+        return proc
+
+    proc = run("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "m",
+               "--image", "./mine.toml", "--", sys.executable, "-c",
+               "open('b.txt', 'w').write('b')", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    from jukebox.recorded_image import content_hash, image_from_record
+    from jukebox.tape import Tape
+
+    start = Tape.load(tapes / "m.jbx").frames[0].payload
+    recorded = start["sandbox_image"]
+    assert recorded["blake3"] == content_hash(recorded["content"])
+    assert recorded["content"]["limits"]["processes"] == 4096
+    mine = load_image(str(tmp_path / "mine.toml"))
+    assert image_from_record(recorded, "m").limits == mine.limits
+
+    proc = run("replay", str(tapes / "m.jbx"), "--exec", "--json", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    image = json.loads(proc.stdout.splitlines()[-1])["image"]
+    assert image["name"] == "host" and image["blake3"] != recorded["blake3"]
+    assert image["difference"].endswith("they differ in limits")
+    assert "image: the tape was recorded under 'host'" in proc.stderr  # not silently swapped
+
+    proc = run("replay", str(tapes / "m.jbx"), "--exec", "--image", "recorded", "--json",
+               cwd=elsewhere)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr  # tighter than the built-in: no confirmation
+    image = json.loads(proc.stdout.splitlines()[-1])["image"]
+    assert image["blake3"] == recorded["blake3"] and image["difference"] is None
+    replay = sorted(tapes.glob("m-replay-*.jbx"))[-1]
+    assert Tape.load(replay).frames[0].payload["sandbox_image"]["blake3"] == recorded["blake3"]
+
+    proc = run("fork", str(tapes / "m.jbx"), "--at", "2", "--exec", "--image",
+               str(tmp_path / "mine.toml"), cwd=elsewhere)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "image:" not in proc.stderr  # the same content: nothing to report
+    proc = run("fork", str(tapes / "m.jbx"), "--at", "2", "--exec", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert "differ in limits" in proc.stderr
