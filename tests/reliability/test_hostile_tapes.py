@@ -107,6 +107,8 @@ def test_every_reading_command_over_every_hostile_tape(home: Path) -> None:
             mnt = home / "received" / "mnt"
             mnt.mkdir(exist_ok=True)
             runs["mount"] = jb_here(home, "mount", f"{tape}@1", str(mnt))
+            if os.path.ismount(mnt):  # a regression: leave no mount behind, then fail below
+                subprocess.run([JUKEBOX, "umount", str(mnt)], capture_output=True)
             seq = DAMAGED[name]
             for what, proc in runs.items():
                 assert proc.returncode == 1, (name, what, proc.stderr)
