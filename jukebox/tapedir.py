@@ -6,7 +6,6 @@ pending booths. One store per tape dir keeps dedup across runs and lets gc see e
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -49,10 +48,20 @@ class TapeDir:
         # Two levels reach every file of ours (store/packs/*, booths/*, commits/<key>/*); in
         # scratch only one: scratch/<id>/upper holds a running overlay booth's files with the
         # agent's own modes. The tape dir itself is the user's: left as it is.
-        tighten(self.state)
-        with contextlib.suppress(OSError), os.scandir(self.state) as entries:
-            for entry in entries:
-                tighten_tree(entry.path, depth=1 if entry.name == "scratch" else 2)
+        # Through an fd opened without following: a received tape dir's `.jukebox` may be a
+        # symlink to /etc, and whoever runs jukebox (root) must not chmod what it points to.
+        try:
+            state = os.open(self.state, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            tighten(".", dir_fd=state)
+            with os.scandir(state) as entries:
+                names = [entry.name for entry in entries if not entry.is_symlink()]
+            for name in names:
+                tighten_tree(name, depth=1 if name == "scratch" else 2, dir_fd=state)
+        finally:
+            os.close(state)
         for tape in self.tape_paths():
             tighten(tape)
 

@@ -44,39 +44,52 @@ def is_loose(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def tighten(path: str | os.PathLike[str]) -> None:
-    """Clears the group and other bits of one file or directory (and a file's execute and
-    set-id bits); a symlink, a missing path or one owned by someone else is left alone."""
+def tighten(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+    """Clears the group and other bits of one regular file or directory (and a file's execute
+    and set-id bits). A symlink is never followed and nothing else is opened: a tape dir can
+    come from someone else, and its `.jukebox` may point at /etc."""
+    tighten_tree(path, 0, dir_fd=dir_fd)
+
+
+def tighten_tree(
+    path: str | os.PathLike[str], depth: int = 1, *, dir_fd: int | None = None
+) -> None:
+    """Tightens ``path`` and what lies in it, ``depth`` levels down, through file descriptors
+    opened with O_NOFOLLOW: a symlink anywhere, even one swapped in meanwhile, is left alone.
+    A path that is gone, not ours or not a plain file or directory is left alone too."""
     try:
-        # O_NOFOLLOW + fchmod: a symlink swapped in after a check can never redirect the chmod.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in _LEAVE:
             return
         raise
     try:
         mode = os.fstat(fd).st_mode
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            return
         keep = PRIVATE_DIR if stat.S_ISDIR(mode) else PRIVATE_FILE
         if stat.S_IMODE(mode) & ~keep:
-            os.fchmod(fd, stat.S_IMODE(mode) & keep)
-    except OSError as exc:
-        if exc.errno not in _LEAVE:
-            raise
+            try:
+                # An O_PATH fd has no fchmod; its /proc link reaches exactly this inode.
+                os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(mode) & keep)
+            except OSError as exc:
+                if exc.errno not in _LEAVE:
+                    raise
+        if depth > 0 and stat.S_ISDIR(mode):
+            _tighten_children(fd, depth - 1)
     finally:
         os.close(fd)
 
 
-def tighten_tree(directory: str | os.PathLike[str], depth: int = 1) -> None:
-    """Tightens ``directory`` and what lies in it, ``depth`` levels down (symlinks skipped)."""
-    tighten(directory)
-    if depth <= 0:
-        return
+def _tighten_children(dir_path_fd: int, depth: int) -> None:
     try:
-        entries = list(os.scandir(directory))
+        listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_path_fd)
     except OSError:
         return
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            tighten_tree(entry.path, depth - 1)
-        elif entry.is_file(follow_symlinks=False):
-            tighten(entry.path)
+    try:
+        with os.scandir(listing) as entries:
+            names = [e.name for e in entries if not e.is_symlink()]
+        for name in names:
+            tighten_tree(name, depth, dir_fd=listing)
+    finally:
+        os.close(listing)

@@ -275,6 +275,26 @@ def test_an_old_world_readable_tape_dir_is_tightened_on_open(runs: dict[str, Run
     assert diff.returncode == 0 and ".env" in diff.stdout, diff.stderr
 
 
+def test_tightening_a_received_tape_dir_never_follows_its_symlinks(tmp_path: Path) -> None:
+    victim = tmp_path / "etc"  # what a hostile tape dir points at: root's own files
+    (victim / "sub").mkdir(parents=True)
+    (victim / "passwd").write_text("root:x:0:0\n")
+    before = _modes(victim)
+    whole, inner = tmp_path / "whole", tmp_path / "inner"
+    whole.mkdir()
+    (whole / ".jukebox").symlink_to(victim)
+    (inner / ".jukebox").mkdir(parents=True, mode=LOOSE_DIR)
+    (inner / ".jukebox" / "store").symlink_to(victim)
+    (inner / "t.jbx").symlink_to(victim / "passwd")
+
+    for tapes in (whole, inner):
+        listed = jb("booth", "ls", "--tape-dir", str(tapes))
+        assert listed.returncode == 0, listed.stderr
+
+    assert _modes(victim) == before and before["passwd"] == LOOSE_FILE
+    assert stat.S_IMODE((inner / ".jukebox").stat().st_mode) == 0o700
+
+
 def test_a_mounted_view_keeps_the_env_file_private(runs: dict[str, Run]) -> None:
     run = runs["overlay"]
     view = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="jukebox-state-view-"))
