@@ -49,9 +49,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
 from jukebox.basetree import build_base_tree, forget_committed
+from jukebox.cgroups import BoothCgroup
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
+from jukebox.protections import Protections, booth_protections, strict_refusal
 from jukebox.record_binding import bound_tape
 from jukebox.recorded_image import image_record
 from jukebox.scratchdir import booth_scratch
@@ -1001,8 +1003,13 @@ def run_booth(
     llm: LlmOptions | None = None,
     breaker: Any = None,
     allow_hooks: bool = False,
+    seccomp: bool = True,
+    strict_sandbox: bool = False,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
+
+    `seccomp=False` runs without the system call filter; `strict_sandbox` refuses to start
+    (UsageError) when a protection cannot be applied here (see jukebox.protections).
 
     CMD's own status, except: 1 when CMD exited 0 but `--commit auto` did not commit (the
     verifier failed, the commit conflicted, or it changes hook-like files and not
@@ -1077,7 +1084,15 @@ def run_booth(
     tree_fd = -1
     writer: Any = None
     record: BoothRecord | None = None
+    cgroup: BoothCgroup | None = None
     try:
+        # Before anything is written: strict mode refuses with nothing half-made.
+        protections, cgroup = booth_protections(img, booth_id, seccomp=seccomp)
+        if strict_sandbox and protections.unavailable():
+            raise UsageError(strict_refusal(protections))
+        missing = protections.missing_line()
+        if missing:
+            _alert(missing)
         env = img.filter_env(os.environ)
         base_tree = build_base_tree(store, tapes, tree_path)
         writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
@@ -1103,6 +1118,7 @@ def run_booth(
                     "checkpoint_every": checkpoint_every,
                     "scratch_limit": scratch_limit,
                     "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
+                    "protections": protections.policy(),
                 },
                 "host": host_facts(),
                 "env": img.describe_env(env),
@@ -1169,8 +1185,10 @@ def run_booth(
             hide=[*img.hidden_paths(), str(tapes.path)],
             readonly_root=img.readonly_host,
             private_tmp=img.private_tmp,
-            limits=dict(img.limits),
+            limits=_rlimits(img, protections),
             net=net,
+            seccomp=list(img.seccomp_allow) if protections.is_on("seccomp") else None,
+            cgroup_procs=cgroup.procs_files,
         )
         status, interrupted = _supervise(spec, run, checkpoint_every)
         server.close()
@@ -1296,12 +1314,23 @@ def run_booth(
             isolation.remove_private_dir(sock_dir)
         if tree_fd >= 0:
             os.close(tree_fd)
+        if cgroup is not None:
+            cgroup.remove()  # the agent's processes are all gone by now (its PID namespace)
         if writer is not None:
             # The normal path synced already; on an error path the first error is the news.
             with contextlib.suppress(Exception):
                 writer.close()
         store.close()
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _rlimits(img: Image, protections: Protections) -> dict[str, int]:
+    limits = dict(img.limits)
+    if protections.is_on("memory_cgroup"):
+        # The cgroup counts memory really used; RLIMIT_AS counts address space, which runtimes
+        # reserve by the gigabyte (Go, the JVM, V8) and would fail on for nothing.
+        limits.pop("memory_bytes", None)
+    return limits
 
 
 def _describe(status: dict[str, Any]) -> str:

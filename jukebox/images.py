@@ -10,6 +10,10 @@ file. The keys (see sandbox_images/host.toml):
     [limits]  cpu_seconds, memory (bytes, or "512M", "8G"), open_files, processes,
               file_size (the largest file the agent may write: bytes or "2G"; RLIMIT_FSIZE),
               scratch (the most the booth's layer may stage, all files together; --fs fuse)
+    [seccomp] enabled (default true), allow (groups of refused system calls to let through:
+              see jukebox.syscall_filter.GROUPS)
+    [cgroup]  enabled (default true: `processes` and `memory` are also enforced by a cgroup,
+              which binds root too)
 
 Validation is strict: an unknown key or a wrong type is an error naming the file, the key and
 the valid values, since a typo in a sandbox spec silently weakens the sandbox.
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from jukebox.errors import UsageError
+from jukebox.syscall_filter import GROUPS, check_groups
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "sandbox_images"
 DEFAULT_IMAGE = "host"
@@ -58,6 +63,9 @@ class Image:
     scratch_limit: int | None = None  # bytes the booth's layer may stage in all
     # The parsed TOML as written: what a tape records of the image (jukebox.recorded_image).
     source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    seccomp: bool = True
+    seccomp_allow: tuple[str, ...] = ()  # groups of jukebox.syscall_filter let through
+    cgroup: bool = True
 
     def is_secret(self, name: str) -> bool:
         return _matches(name, self.env_secret)
@@ -104,6 +112,8 @@ class Image:
             "limits": dict(self.limits),
             "scratch_limit": self.scratch_limit,
             "verify": self.verify,
+            "seccomp": {"enabled": self.seccomp, "allow": list(self.seccomp_allow)},
+            "cgroup": {"enabled": self.cgroup},
         }
 
 
@@ -234,7 +244,20 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
         if key in sizes:
             limits[rlimit] = sizes[key]
     lim.done(("cpu_seconds", "memory", "open_files", "processes", "file_size", "scratch"))
-    top.done(("name", "description", "net", "verify", "fs", "env", "limits"))
+
+    sec = top.table_("seccomp")
+    seccomp = sec.take("enabled", bool, True, "must be true or false")
+    seccomp_allow = sec.strings("allow", ())
+    unknown = check_groups(seccomp_allow)
+    if unknown:
+        raise sec.fail("allow", f"holds {unknown[0]!r}: valid groups are {', '.join(GROUPS)}")
+    sec.done(("enabled", "allow"))
+    cg = top.table_("cgroup")
+    cgroup = cg.take("enabled", bool, True, "must be true or false")
+    cg.done(("enabled",))
+    top.done(
+        ("name", "description", "net", "verify", "fs", "env", "limits", "seccomp", "cgroup")
+    )
 
     return Image(
         name=name,
@@ -252,4 +275,7 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
         limits=limits,
         scratch_limit=sizes.get("scratch"),
         source=data,
+        seccomp=seccomp,
+        seccomp_allow=seccomp_allow,
+        cgroup=cgroup,
     )

@@ -30,6 +30,8 @@ The shim is three processes, so that nothing the command starts can outlive the 
   capabilities, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
   signals on to CMD, reaps every orphan, and exits when CMD does: the kernel then kills whatever
   is left in the namespace (setsid, nohup and double forks included).
+* The relay joins the booth's cgroup (jukebox.cgroups) before it forks; CMD installs the seccomp
+  filter (jukebox.syscall_filter) as the last step before exec.
 * Each link holds PR_SET_PDEATHSIG(SIGKILL) to the one above, so a SIGKILLed supervisor takes
   the relay, the relay the init, and the init the whole namespace.
 
@@ -343,6 +345,10 @@ class ChildSpec:
     # CMD's stdin (else stdout, stderr) is the booth's pty, to become its controlling terminal.
     terminal: bool = False
     parent_pid: int = 0
+    # The groups of jukebox.syscall_filter let through; None: no seccomp filter at all.
+    seccomp: list[str] | None = None
+    # cgroup.procs files the relay joins before it forks (jukebox.cgroups).
+    cgroup_procs: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -574,6 +580,12 @@ def _shim_main(spec_fd: int, status_fd: int) -> None:
     spec = ChildSpec.from_json(b"".join(chunks))
     if spec.parent_pid and os.getppid() != spec.parent_pid:
         os._exit(SETUP_FAILED_STATUS)  # the supervisor died before pdeathsig was armed
+    # Before anything forks: the init, CMD and all they start are born in the booth's cgroup.
+    for procs in spec.cgroup_procs:
+        try:
+            Path(procs).write_text(str(os.getpid()))
+        except OSError as error:
+            _setup_failed(status_fd, f"joining the booth's cgroup {os.path.dirname(procs)}", error)
     # Blocked from here on, and inherited by the init: both take them with sigwaitinfo.
     signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
     try:
@@ -693,6 +705,12 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
             fcntl.ioctl(fd, termios.TIOCSCTTY, 0)
         step = "setting resource limits"
         set_limits(spec.limits)
+        seccomp = None
+        if spec.seccomp is not None:
+            step = "building the system call filter"
+            from jukebox import syscall_filter
+
+            seccomp = syscall_filter.build(spec.seccomp)
         step = "dropping privileges"
         drop_privileges()
         step = f"entering the working directory {spec.cwd}"
@@ -703,6 +721,10 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
+        if seccomp is not None:
+            # Last, after no_new_privs: nothing of the set-up above needs a refused call.
+            step = "installing the system call filter"
+            seccomp.load()
         step = f"starting {spec.argv[0]!r}"
         os.execvpe(spec.argv[0], spec.argv, spec.env)
     except OSError as error:

@@ -70,6 +70,18 @@ _ALLOW_HOOKS_HELP = (
     "--fs fuse. Default: the image's limits.scratch, else none.",
 )
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
+@click.option(
+    "--strict-sandbox",
+    is_flag=True,
+    help="Refuse to start (exit 2) when a protection cannot be applied here, e.g. cgroups "
+    "as a user who cannot create them.",
+)
+@click.option(
+    "--no-seccomp",
+    is_flag=True,
+    help="Run without the system call filter (to measure its cost, or for an agent it "
+    "breaks; an image can loosen it by group instead: [seccomp] allow).",
+)
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     tree: str,
@@ -88,6 +100,8 @@ def run(
     max_repeat: int | None,
     max_scratch: str | None,
     allow_hooks: bool,
+    strict_sandbox: bool,
+    no_seccomp: bool,
     cmd: tuple[str, ...],
 ) -> None:
     """Run CMD in a booth over the tree; CMD's exit status is the run's.
@@ -132,6 +146,8 @@ def run(
         max_scratch=scratch_limit,
         breaker=breaker,
         allow_hooks=allow_hooks,
+        seccomp=not no_seccomp,
+        strict_sandbox=strict_sandbox,
     )
     sys.exit(code)
 

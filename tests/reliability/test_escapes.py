@@ -625,20 +625,11 @@ def test_tape_dir_is_hidden_and_read_only(battery: Battery) -> None:
     assert not any("planted" in p or "evil" in p for p in battery.tapes_after)
 
 
-def test_a_user_namespace_of_its_own_regains_nothing(battery: Battery) -> None:
-    ns = battery.results["userns"]
-    assert isinstance(ns, dict) and "error" not in ns, ns
-    assert ns["unshare"] == "ok"  # allowed: capabilities there are over the new namespace only
-    assert ns["uid_map"] == "EROFS"  # /proc is read-only: not even an id map can be written
-    assert refused(ns["umount_tree"])  # the layer is locked in place under a less trusted ns
-    assert refused(ns["remount_root_rw"]) and refused(ns["mount_setattr_rw"])
-    assert refused(ns["write_srv_canary"]) and refused(ns["chroot_then_srv"])
-    assert refused(ns["write_tree"]) or ns["tmpfs_over_tree"] == "ok"
-    assert refused(ns["sup_root"]) and ns["open_by_handle_at"] == "EPERM"
-    # A tmpfs over the tree path is allowed in that namespace and takes the write: it is gone
-    # with the namespace, and neither the layer nor the real tree ever saw it.
+def test_a_user_namespace_of_its_own_is_refused(battery: Battery) -> None:
+    # The seccomp filter refuses CLONE_NEWUSER (an image may allow it: [seccomp] allow =
+    # ["userns"]); in one the agent would hold every capability over new namespaces again.
+    assert battery.results["userns"] == {"unshare": "EPERM"}
     assert "via_userns.txt" not in battery.tree_after
-    assert "via_userns.txt" not in battery.committed
 
 
 def test_control_socket_survives_hostile_requests(battery: Battery) -> None:
