@@ -81,6 +81,10 @@ def test_only_hides_every_other_top_level_directory(tmp_path: Path) -> None:
         ("[limits]\nprocesses = true", "key 'limits.processes' is True"),
         ('[limits]\nmemory = "lots"', "key 'limits.memory' is 'lots'"),
         ("name = [", "is not valid TOML"),
+        ('[seccomp]\nallow = ["ptrace", "io-uring"]', "key 'seccomp.allow' holds 'io-uring'"),
+        ("[seccomp]\nenabled = 0", "key 'seccomp.enabled' is 0: must be true or false"),
+        ("[seccomp]\ndeny = []", "key 'seccomp.deny' is unknown: valid keys here are enabled"),
+        ('[cgroup]\nenabled = "no"', "key 'cgroup.enabled' is 'no': must be true or false"),
     ],
 )
 def test_validation_names_file_key_and_valid_values(
@@ -117,3 +121,13 @@ def test_a_scratch_limit_is_the_layers_not_a_resource_limit(tmp_path: Path) -> N
     spec.write_text('[limits]\nscratch = "0"\n')
     with pytest.raises(ImageError, match=r"key 'limits\.scratch' is '0': must be a positive size"):
         load_image(str(spec))
+
+
+def test_seccomp_and_cgroup_default_on_and_loosen_by_group(tmp_path: Path) -> None:
+    host = load_image("host")
+    assert host.seccomp and host.cgroup and host.seccomp_allow == ()
+    spec = tmp_path / "loose.toml"
+    spec.write_text('[seccomp]\nallow = ["ptrace", "io_uring"]\n[cgroup]\nenabled = false\n')
+    loose = load_image(str(spec))
+    assert loose.seccomp_allow == ("ptrace", "io_uring") and not loose.cgroup
+    assert loose.policy()["seccomp"] == {"enabled": True, "allow": ["ptrace", "io_uring"]}
