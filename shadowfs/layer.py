@@ -107,6 +107,7 @@ from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
     DIR,
     FILE,
+    MAX_DEPTH,
     SYMLINK,
     Entry,
     check_entry,
@@ -1254,6 +1255,7 @@ class Layer:
         gid: int | None = None,
         pid: int = 0,
     ) -> Node:
+        self._check_depth(self._dir(parent), 1)
         d, node = self._add(parent, name, S_IFDIR, mode, self._u(uid), self._g(gid))
         node.children = {}
         self._link(d, name, node, node.mtime_ns)
@@ -1372,8 +1374,10 @@ class Layer:
                 raise _err(errno.ENOENT)
             if src.fmt == S_IFDIR:
                 self._check_not_inside(nd, src)
+                self._check_depth(nd, self._height(src))
             if dst.fmt == S_IFDIR:
                 self._check_not_inside(od, dst)
+                self._check_depth(od, self._height(dst))
             self.journal.record("rename", paths, pid, arg=flags)
             now = time.time_ns()
             src.links.remove((od, old_name))
@@ -1400,6 +1404,8 @@ class Layer:
                 raise _err(errno.EISDIR)
         if src.fmt == S_IFDIR:
             self._check_not_inside(nd, src)
+            if nd is not od:
+                self._check_depth(nd, self._height(src))
         self.journal.record("rename", paths, pid, arg=flags)
         now = time.time_ns()
         del od.children[old_name]  # type: ignore[union-attr]
@@ -1414,6 +1420,37 @@ class Layer:
             self._fill(src)
         src.ctime_ns = now
         self._link(nd, new_name, src, now)
+
+    def _check_depth(self, d: Node, levels: int) -> None:
+        """Refuse ``levels`` of directories under ``d`` past tree.MAX_DEPTH from the root.
+
+        A tree deeper than that cannot be snapshotted or read back, so the first write that
+        would make one fails, with ENAMETOOLONG: what the kernel answers a path past its limits
+        (`mkdir -p` says "File name too long")."""
+        depth = levels
+        while d.links:
+            d = d.links[0][0]
+            depth += 1
+        if depth > MAX_DEPTH:
+            raise _err(errno.ENAMETOOLONG)
+
+    def _height(self, d: Node) -> int:
+        """How many levels of directories ``d`` holds, itself included (a leaf directory is 1);
+        counted up to MAX_DEPTH + 1 only."""
+        height = 0
+        level: list[Node | ObjectId] = [d]
+        while level and height <= MAX_DEPTH:
+            height += 1
+            below: list[Node | ObjectId] = []
+            for item in level:
+                if isinstance(item, Node) and item.children is not None:
+                    below += [c for c in item.children.values() if c.fmt == S_IFDIR]
+                else:
+                    oid = item.oid if isinstance(item, Node) else item
+                    entries = _entries(self.store, oid).values()
+                    below += [e.oid for e in entries if e.kind == DIR]  # type: ignore[misc]
+            level = below
+        return height
 
     def _check_not_inside(self, d: Node, moved: Node) -> None:
         """Refuse to move a directory into itself or its own sub-tree."""

@@ -38,12 +38,13 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
 
-from shadowfs.errors import ShadowfsError
+from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
     DIR,
     FILE,
+    MAX_DEPTH,
     MODE_MASK,
     SYMLINK,
     Entry,
@@ -366,6 +367,12 @@ class OverlayLayer:
     ) -> ObjectId:
         stats = self.snapshot_stats
         stats.upper_dirs += 1
+        if rel and rel.count(b"/") >= MAX_DEPTH:
+            # The kernel let the agent nest this deep; a tree cannot hold it (tree.MAX_DEPTH).
+            raise TreeError(
+                f"the booth nests directories deeper than {MAX_DEPTH} levels (at "
+                f"{os.fsdecode(rel[:80])!r}...), more than a tree records: flatten them"
+            )
         # The base listing only when needed (a subdirectory, or a rebuild): most upper
         # directories hold files only and keep their tree.
         base: dict[bytes, Entry] | None = {} if opaque or base_oid is None else None

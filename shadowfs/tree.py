@@ -552,17 +552,18 @@ def build_tree(
             "pass an existing, readable directory"
         ) from None
     try:
-        builder = _Builder(store, ref - RACY_NS, on_skip, exclude, known, seen)
+        builder = _Builder(root, store, ref - RACY_NS, on_skip, exclude, known, seen)
         return builder.build(fd, b"", previous, 0)
     finally:
         os.close(fd)
 
 
 class _Builder:
-    __slots__ = ("cutoff", "exclude", "known", "on_skip", "seen", "store")
+    __slots__ = ("cutoff", "exclude", "known", "on_skip", "root", "seen", "store")
 
     def __init__(
         self,
+        root: bytes,
         store: TreeStore,
         cutoff: int,
         on_skip: SkipCallback | None,
@@ -570,6 +571,7 @@ class _Builder:
         known: Mapping[bytes, FileIdentity] | None = None,
         seen: dict[bytes, FileIdentity] | None = None,
     ) -> None:
+        self.root = root
         self.store = store
         self.cutoff = cutoff
         self.on_skip = on_skip
@@ -583,8 +585,10 @@ class _Builder:
 
     def build(self, dfd: int, rel: bytes, previous: ObjectId | None, depth: int) -> ObjectId:
         if depth > MAX_DEPTH:
+            shown = os.fsdecode(rel[:80]) + ("..." if len(rel) > 80 else "")
             raise TreeError(
-                f"directory {rel!r} is nested deeper than {MAX_DEPTH} levels; flatten it"
+                f"{os.fsdecode(self.root)!r} nests directories deeper than {MAX_DEPTH} levels "
+                f"(at {shown!r}), more than a tree records: flatten it, or pick a tree above it"
             )
         prev = _entries(self.store, previous) if previous is not None else None
         entries: list[Entry] = []

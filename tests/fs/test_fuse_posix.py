@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from shadowfs import tree
+from shadowfs.errors import TreeError
 from shadowfs.journal import decode_journal
 from shadowfs.layer import Layer
 from shadowfs.mountctl import Mount, is_mounted
@@ -472,3 +473,57 @@ def test_the_kernels_flush_of_unchanged_times_is_not_a_journalled_change(
     assert [o.op for o in decode_journal(store.get(journal))] == ["utimens"]
     e = tree.lookup(store, t, b"moved")
     assert e is not None and e.mtime_ns == 1_700_000_000_000_000_000
+
+
+def _descend(fd: int, levels: int) -> int:
+    """mkdir and enter `d` `levels` times below `fd` (through dir fds: the path would pass
+    PATH_MAX long before the depth limit); returns the deepest directory's fd."""
+    for _ in range(levels):
+        os.mkdir("d", dir_fd=fd)
+        deeper = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = deeper
+    return fd
+
+
+def test_the_first_write_past_the_depth_a_tree_holds_fails(
+    mount: Path, layer: Layer, store: Store, tmp_path: Path
+) -> None:
+    """A tree holds directories MAX_DEPTH deep; a mkdir or rename that would nest deeper fails
+    with ENAMETOOLONG, so every snapshot stays one that can be read back and committed."""
+    deepest = _descend(os.open(mount, os.O_RDONLY | os.O_DIRECTORY), tree.MAX_DEPTH)
+    try:
+        with pytest.raises(OSError) as refused:
+            os.mkdir("one-too-many", dir_fd=deepest)
+        assert refused.value.errno == errno.ENAMETOOLONG
+        os.mkdir(mount / "two")
+        os.mkdir(mount / "two" / "levels")
+        # Two levels below the directory at MAX_DEPTH - 1: one too deep, whole or not at all.
+        parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=deepest)
+        with pytest.raises(OSError) as moved:
+            os.rename(mount / "two", f"/proc/self/fd/{parent}/two")
+        assert moved.value.errno == errno.ENAMETOOLONG
+        os.close(parent)
+        # A file at the deepest level is fine, and so is a one-level directory beside it.
+        with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=deepest), "w") as f:
+            f.write("deep")
+        os.rename(mount / "two" / "levels", f"/proc/self/fd/{deepest}/../levels")
+    finally:
+        os.close(deepest)
+    snapshot, _ = layer.snapshot()
+    out = tmp_path / "out"
+    tree.materialize(store, snapshot, out)
+    assert tree.build_tree(store, out) == snapshot
+
+
+def test_a_real_tree_deeper_than_the_limit_is_refused_in_one_line(
+    store: Store, tmp_path: Path
+) -> None:
+    root = tmp_path / "deep"
+    root.mkdir()
+    os.close(_descend(os.open(root, os.O_RDONLY | os.O_DIRECTORY), tree.MAX_DEPTH + 1))
+    with pytest.raises(TreeError) as refused:
+        tree.build_tree(store, root)
+    message = str(refused.value)
+    assert "\n" not in message and len(message) < 400, message
+    assert str(root) in message and str(tree.MAX_DEPTH) in message

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shadowfs import tree
+from shadowfs.errors import TreeError
 from shadowfs.overlay import OverlayError, OverlayLayer
 from shadowfs.store import Store
 from shadowfs.tree import build_tree, walk
@@ -343,6 +344,24 @@ def test_a_time_beyond_what_a_tree_records_does_not_break_snapshots(layer, store
     snap = lay.snapshot()
     e = tree.lookup(store, snap, b"later.txt")
     assert e is not None and e.mtime_ns == (1 << 63) - 1
+
+
+def test_a_snapshot_deeper_than_a_tree_holds_fails_in_one_line(layer, store: Store) -> None:
+    """The kernel lets the agent nest directories past tree.MAX_DEPTH; the snapshot says so
+    instead of storing a tree no later booth could read back."""
+    lay, _base, mnt = layer
+    fd = os.open(mnt, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(tree.MAX_DEPTH + 1):
+            os.mkdir("d", dir_fd=fd)
+            deeper = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+    finally:
+        os.close(fd)
+    with pytest.raises(TreeError) as refused:
+        lay.snapshot()
+    assert "\n" not in str(refused.value) and str(tree.MAX_DEPTH) in str(refused.value)
 
 
 def test_names_with_spaces_newlines_and_bad_utf8(layer, store: Store) -> None:
