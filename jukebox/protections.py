@@ -23,7 +23,8 @@ UNAVAILABLE = "unavailable"
 MEANINGS: dict[str, str] = {
     "seccomp": "the agent can call io_uring, keyctl, bpf, ptrace attach, TIOCSTI and the rest "
     "of the refused system calls",
-    "pids_cgroup": "the process limit does not bind root, so a fork bomb as root is unbounded",
+    "pids_cgroup": "processes are bounded only by RLIMIT_NPROC, per uid and never for root "
+    "(a fork bomb as root is unbounded)",
     "memory_cgroup": "memory is bounded only by RLIMIT_AS (address space, not memory), and "
     "files in the private /tmp count against nothing",
 }

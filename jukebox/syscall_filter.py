@@ -197,9 +197,29 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _binding() -> Any:
+    """pyseccomp, imported without its two `ctypes.util.find_library` calls: each runs
+    `ldconfig -p` in a subprocess, half the filter's cost on every booth start. The sonames
+    are known (libc's symbols are the process's own: CDLL(None))."""
+    import ctypes.util
+
+    find_library = ctypes.util.find_library
+    known: dict[str, str | None] = {"c": None, "seccomp": LIBSECCOMP}
+    ctypes.util.find_library = lambda name: known[name] if name in known else find_library(name)
+    try:
+        import pyseccomp
+    except OSError:  # not under that soname here: let pyseccomp look for itself
+        pyseccomp = None
+    finally:
+        ctypes.util.find_library = find_library
+    if pyseccomp is None:
+        import pyseccomp
+    return pyseccomp
+
+
 def build(allow: Sequence[str] = ()) -> Any:
     """The filter as a libseccomp context, ready to `load()` in the process that will exec."""
-    import pyseccomp as sc
+    sc = _binding()
 
     refuse_other_abis = sc.ERRNO(errno.EPERM)
     context = sc.SyscallFilter(sc.ALLOW)
