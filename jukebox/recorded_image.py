@@ -128,6 +128,13 @@ def loosenings(recorded: Image, used: Image, ignore: tuple[str, ...] = ()) -> li
         elif name == "scratch_limit":
             if u is not None and (r is None or r > u):
                 out.append(f"limits.scratch {u} -> {_limit_text(r)}")
+        elif name in ("seccomp", "cgroup"):
+            if u and not r:
+                what = "no system call filter" if name == "seccomp" else "rlimits only"
+                out.append(f"{name}.enabled = false ({what})")
+        elif name == "seccomp_allow":
+            if set(r) - set(u):
+                out.append(f"seccomp.allow lets through {', '.join(sorted(set(r) - set(u)))}")
         else:
             out.append(f"{name} differs")
     return out

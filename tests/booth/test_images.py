@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.images import ImageError, available, load_image
+from jukebox.images import Image, ImageError, available, load_image
 
 
 def test_shipped_images_load() -> None:
@@ -131,3 +131,23 @@ def test_seccomp_and_cgroup_default_on_and_loosen_by_group(tmp_path: Path) -> No
     loose = load_image(str(spec))
     assert loose.seccomp_allow == ("ptrace", "io_uring") and not loose.cgroup
     assert loose.policy()["seccomp"] == {"enabled": True, "allow": ["ptrace", "io_uring"]}
+
+
+def test_a_recorded_image_with_a_looser_filter_or_no_cgroup_is_a_loosening(tmp_path: Path) -> None:
+    from jukebox.recorded_image import loosenings
+
+    def image(text: str) -> Image:
+        spec = tmp_path / "i.toml"
+        spec.write_text(text)
+        return load_image(str(spec))
+
+    default = image("")
+    loose = image('[seccomp]\nallow = ["ptrace", "bpf"]\n[cgroup]\nenabled = false\n')
+    assert loosenings(loose, default) == [
+        "seccomp.allow lets through bpf, ptrace",
+        "cgroup.enabled = false (rlimits only)",
+    ]
+    assert loosenings(image("[seccomp]\nenabled = false\n"), default) == [
+        "seccomp.enabled = false (no system call filter)"
+    ]
+    assert loosenings(default, loose) == []  # stricter than the image used: nothing loosened
