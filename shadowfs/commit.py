@@ -12,8 +12,12 @@ the old or exactly the new state:
    staging leaves residue that recovery can find without walking the whole tree.
 3. **Journal.** A redo journal (every operation, in a safe order) is written, fsynced, renamed
    into place and the journal directory fsynced. Its presence is the commit point. It carries a
-   BLAKE3 checksum, so a torn journal counts as absent (the commit did not happen).
-4. **Apply.** The operations run (each idempotent: a redo after a crash runs them all again),
+   BLAKE3 checksum (keyed, when the caller passes a key), so a torn journal counts as absent (the
+   commit did not happen), and so does one the key does not vouch for.
+4. **Re-check.** Every touched path is stat'ed again and must be the very file the check saw
+   (device, inode, mode, size, mtime, ctime): an edit on the host while the commit staged (seconds
+   for big files) withdraws the journal, undoes the staging and raises ConflictError.
+5. **Apply.** The operations run (each idempotent: a redo after a crash runs them all again),
    every touched directory is fsynced, then the journal and the prepare record are removed.
 
 ``recover`` runs on the next open: a valid journal is redone to the new state; otherwise staged
@@ -22,11 +26,17 @@ residue is removed and the tree is exactly the old one.
 Every operation on the target goes through directory fds opened with O_NOFOLLOW, one component
 at a time, so a symlink planted in a path can never redirect a write outside the target.
 
+The target's fd is flocked exclusively for the whole commit; ``lock_timeout`` bounds the wait
+for it, and TargetBusy names the processes holding it (from /proc/locks). ``interrupted``, polled
+while staging, stops a commit before its commit point (CommitInterrupted, nothing applied); past
+the commit point it is no longer asked, and the commit finishes.
+
 Fault injection for crash tests: ``SHADOWFS_CRASH_AT`` names a point where the process SIGKILLs
-itself. In ``apply``, in order: ``prepare``, ``stage:K``, ``staged``, ``journal``, ``op:K``,
-``applied``, ``prepare-deleted`` (``torn-journal`` instead leaves half a journal and dies), or an
-integer step index into that sequence. In ``recover``: ``recover-op:K``, ``recover-applied``,
-``recover-prepare-deleted``.
+itself; ``SHADOWFS_PAUSE_AT`` names one where it stops itself (SIGSTOP) until a SIGCONT, so a
+test can change the target at exactly that moment. In ``apply``, in order: ``prepare``,
+``stage:K``, ``staged``, ``journal``, ``op:K``, ``applied``, ``prepare-deleted``
+(``torn-journal`` instead leaves half a journal and dies), or an integer step index into that
+sequence. In ``recover``: ``recover-op:K``, ``recover-applied``, ``recover-prepare-deleted``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import resource
 import secrets
 import signal
 import stat
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,26 +59,39 @@ from typing import Any, Protocol
 
 from blake3 import blake3
 
-from shadowfs.errors import ConflictError, ShadowfsError, TreeError
+from shadowfs.errors import (
+    CommitBusy,
+    CommitInterrupted,
+    ConflictError,
+    ShadowfsError,
+    TargetBusy,
+    TreeError,
+)
 from shadowfs.oid import ObjectHasher, ObjectId
 from shadowfs.tree import DIR, SYMLINK, Change, Entry, lookup, read_tree, walk
 
 __all__ = [
     "CRASH_ENV",
+    "PAUSE_ENV",
     "STAGE_PREFIX",
     "CommitReport",
     "Progress",
     "apply",
     "clean_residue",
+    "holds_tree",
+    "lock_holders",
+    "pending",
     "recover",
 ]
 
 CRASH_ENV = "SHADOWFS_CRASH_AT"
+PAUSE_ENV = "SHADOWFS_PAUSE_AT"
 STAGE_PREFIX = b".jbx-stage-"
 
 JOURNAL_NAME = "commit.journal"
 PREPARE_NAME = "commit.prepare"
 _MAGIC = b"JBXCOMMIT1"
+_MAGIC_KEYED = b"JBXCOMMIT1K"
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Bits a commit of untrusted work drops from the files it writes (see `apply`'s drop_setid).
@@ -83,6 +107,8 @@ _MAX_DIR_FDS = 256
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 Progress = Callable[[str, int, int], None]
+Interrupted = Callable[[], bool]
+Target = int | str | bytes | os.PathLike[str] | os.PathLike[bytes]
 """progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops)."""
 
 
@@ -181,23 +207,89 @@ def _lstat(dirs: _Dirs, path: bytes) -> os.stat_result | None:
         raise
 
 
-def _open_target(target: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> int:
+def _open_target(target: Target, lock_timeout: float | None = None) -> int:
     """The target's fd, exclusively flocked until closed. The journal dir's lock serialises one
     booth's commits only; two booths committing onto one tree journal apart, and without this
-    both could pass the conflict check before either wrote: a lost update."""
+    both could pass the conflict check before either wrote: a lost update.
+
+    ``target`` is a path or an open directory fd; an fd is reopened through "." so the lock is
+    this commit's own and no path is resolved again."""
     try:
-        fd = os.open(os.fsencode(target), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if isinstance(target, int):
+            fd = os.open(".", _DIR_FLAGS, dir_fd=target)
+        else:
+            fd = os.open(os.fsencode(target), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
+        shown = f"fd {target}" if isinstance(target, int) else repr(os.fsdecode(target))
         raise ShadowfsError(
-            f"cannot open commit target {os.fsdecode(target)!r} ({exc.strerror}); "
+            f"cannot open commit target {shown} ({exc.strerror}); "
             "pass the existing real directory the layer sits on"
         ) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, lock_timeout)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+_LOCK_POLL = 0.05
+
+
+def _flock(fd: int, timeout: float | None) -> None:
+    """flock(LOCK_EX), waiting at most ``timeout`` seconds (None: forever)."""
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_LOCK_POLL)
+    holders = lock_holders(fd)
+    who = "; ".join(holders) if holders else "a process this user cannot see"
+    raise TargetBusy(
+        f"the commit target is locked by {who}, still after {timeout:g} s; "
+        "end that process (or wait for it) and commit again, or raise the lock timeout",
+        holders,
+    )
+
+
+def lock_holders(fd: int) -> list[str]:
+    """"pid N (command)" for every process /proc/locks lists as holding a lock on ``fd``'s
+    inode (waiters excluded); an open file description shared across a fork shows its taker."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids: list[int] = []
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->":
+            continue  # a process waiting for the lock, not holding it
+        if fields[5] == want and fields[4].lstrip("-").isdigit():
+            pid = int(fields[4])
+            if pid > 0 and pid != os.getpid() and pid not in pids:
+                pids.append(pid)
+    return [f"pid {pid} ({_command(pid)})" for pid in pids]
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return "gone"
+    text = " ".join(a.decode("utf-8", "backslashreplace") for a in argv)[:120]
+    # The holder's own command line may hold anything: keep the message one printable line.
+    return "".join(c if c.isprintable() else "?" for c in text) or "?"
 
 
 # --- fault injection --------------------------------------------------------------------------
@@ -206,20 +298,23 @@ def _open_target(target: str | bytes | os.PathLike[str] | os.PathLike[bytes]) ->
 class _Crash:
     """Kills the process at a named point; read once per apply so the check costs a compare."""
 
-    __slots__ = ("point", "step")
+    __slots__ = ("pause", "point", "step")
 
     def __init__(self, *, steps: bool = True) -> None:
         self.point = os.environ.get(CRASH_ENV) or None
+        self.pause = os.environ.get(PAUSE_ENV) or None
         # Step indices count apply's points only; recovery is addressed by name.
         self.step = 0 if steps else -(1 << 62)
 
     def at(self, name: str) -> None:
-        if self.point is None:
+        if self.point is None and self.pause is None:
             return
         step = self.step
         self.step += 1
         if self.point == name or self.point == str(step):
             _die()
+        if self.pause == name:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _die() -> None:
@@ -452,9 +547,29 @@ def _holds(store: CommitStore, dirs: _Dirs, path: bytes, e: Entry) -> bool:
         os.close(fd)
 
 
+Seen = tuple[int, ...] | None
+"""What the check saw at a path: None (nothing), or its stat identity (see `_seen`)."""
+
+
+def _seen(st: os.stat_result | None) -> Seen:
+    """A path's stat identity. Any write or rename changes a file's ctime; a directory's own
+    times move as the commit stages into it, so only its inode and mode are compared."""
+    if st is None:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return (st.st_dev, st.st_ino, st.st_mode)
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _conflicts(
-    store: CommitStore, dirs: _Dirs, plan: _Plan, progress: Progress | None
+    store: CommitStore,
+    dirs: _Dirs,
+    plan: _Plan,
+    progress: Progress | None,
+    seen: dict[bytes, Seen] | None = None,
 ) -> list[str]:
+    """The touched paths that no longer hold what the base says. ``seen`` collects each checked
+    path's stat identity, taken before its content is compared, for `_changed_since`."""
     created = {op[1] for op in plan.ops if op[0] == "mkdir"}
     bad: list[bytes] = []
     total = len(plan.changes)
@@ -463,6 +578,8 @@ def _conflicts(
             progress("check", i, total)
         if _parent(c.path) in created:
             continue  # beneath a directory this commit creates: the directory's check covers it
+        if seen is not None:
+            seen[c.path] = _seen(_lstat(dirs, c.path))
         if c.old is None:
             if _lstat(dirs, c.path) is not None or not _reachable_dir(dirs, _parent(c.path)):
                 bad.append(c.path)
@@ -483,6 +600,21 @@ def _conflicts(
     return [_show(p) for p in sorted(set(bad))]
 
 
+def _changed_since(dirs: _Dirs, plan: _Plan, seen: dict[bytes, Seen]) -> list[str]:
+    """The touched paths that are no longer the very entries the conflict check saw, and the
+    extra names that appeared in directories the commit removes."""
+    bad = [path for path, was in seen.items() if _seen(_lstat(dirs, path)) != was]
+    for d, names in plan.removed_dirs.items():
+        try:
+            real = {os.fsencode(n) for n in os.listdir(dirs.get(d))}
+        except OSError as exc:
+            if exc.errno in _GONE:
+                continue  # the directory's own entry changed: reported above
+            raise
+        bad.extend(d + b"/" + extra for extra in sorted(real - names))
+    return [_show(p) for p in sorted(set(bad))]
+
+
 def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
     try:
         dirs.get(path)
@@ -496,14 +628,24 @@ def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
 # --- staging ----------------------------------------------------------------------------------
 
 
-class _WriteSink:
-    __slots__ = ("fd", "written")
+def _check_interrupt(interrupted: Interrupted | None) -> None:
+    if interrupted is not None and interrupted():
+        raise CommitInterrupted(
+            "commit interrupted before its commit point: the staging was undone and nothing "
+            "was applied"
+        )
 
-    def __init__(self, fd: int) -> None:
+
+class _WriteSink:
+    __slots__ = ("fd", "interrupted", "written")
+
+    def __init__(self, fd: int, interrupted: Interrupted | None = None) -> None:
         self.fd = fd
         self.written = 0
+        self.interrupted = interrupted
 
     def write(self, data: bytes) -> int:
+        _check_interrupt(self.interrupted)  # a big file stages for seconds: ask per chunk
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view) :]
@@ -558,7 +700,13 @@ class _Syncer:
                 self.pool.shutdown()
 
 
-def _stage_one(store: CommitStore, dirs: _Dirs, s: _Stage, syncer: _Syncer) -> int:
+def _stage_one(
+    store: CommitStore,
+    dirs: _Dirs,
+    s: _Stage,
+    syncer: _Syncer,
+    interrupted: Interrupted | None = None,
+) -> int:
     dfd = dirs.get(s.dir)
     e = s.entry
     times = (e.mtime_ns, e.mtime_ns)
@@ -568,7 +716,7 @@ def _stage_one(store: CommitStore, dirs: _Dirs, s: _Stage, syncer: _Syncer) -> i
         return 0
     fd = os.open(s.name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
     try:
-        sink = _WriteSink(fd)
+        sink = _WriteSink(fd, interrupted)
         store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
         if sink.written != e.size:
             raise ShadowfsError(
@@ -615,18 +763,34 @@ def _undo_staging(dirs: _Dirs, prepare: dict[str, Any]) -> None:
 # --- journal files ----------------------------------------------------------------------------
 
 
-def _seal(record: dict[str, Any]) -> bytes:
+def _digest(body: bytes, key: bytes | None) -> bytes:
+    hasher = blake3(body, key=key) if key is not None else blake3(body)
+    return hasher.hexdigest().encode("ascii")
+
+
+def _seal(record: dict[str, Any], key: bytes | None = None) -> bytes:
     body = json.dumps(record, separators=(",", ":")).encode("ascii")
-    return _MAGIC + b" " + blake3(body).hexdigest().encode("ascii") + b"\n" + body
+    magic = _MAGIC_KEYED if key is not None else _MAGIC
+    return magic + b" " + _digest(body, key) + b"\n" + body
 
 
-def _unseal(data: bytes) -> dict[str, Any] | None:
-    """The record, or None when the bytes are torn or damaged (a commit that never happened)."""
+def _unseal(data: bytes, key: bytes | None = None) -> dict[str, Any] | None:
+    """The record, or None when the bytes are torn or damaged (a commit that never happened).
+
+    With a key, only a record sealed with that key counts: a journal planted in a tape dir
+    received from someone else is no commit of ours, and is never run."""
     head, sep, body = data.partition(b"\n")
     parts = head.split(b" ")
-    if not sep or len(parts) != 2 or parts[0] != _MAGIC:
+    if not sep or len(parts) != 2:
         return None
-    if blake3(body).hexdigest().encode("ascii") != parts[1]:
+    if parts[0] == _MAGIC_KEYED and key is None:
+        raise ShadowfsError(
+            "the commit journal is sealed with a key and none was given: recover it through "
+            "the program that wrote it (jukebox recovers its own at every open of the tape dir)"
+        )
+    if parts[0] != (_MAGIC_KEYED if key is not None else _MAGIC):
+        return None
+    if _digest(body, key) != parts[1]:
         return None
     try:
         record = json.loads(body)
@@ -648,7 +812,9 @@ def _write_sealed(jfd: int, name: str, data: bytes) -> None:
     os.fsync(jfd)
 
 
-def _read_sealed(jfd: int, name: str) -> tuple[bool, dict[str, Any] | None]:
+def _read_sealed(
+    jfd: int, name: str, key: bytes | None = None
+) -> tuple[bool, dict[str, Any] | None]:
     """(file exists, its valid record or None)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=jfd)
@@ -660,7 +826,7 @@ def _read_sealed(jfd: int, name: str) -> tuple[bool, dict[str, Any] | None]:
             chunks.append(chunk)
     finally:
         os.close(fd)
-    return True, _unseal(b"".join(chunks))
+    return True, _unseal(b"".join(chunks), key)
 
 
 def _remove(jfd: int, *names: str) -> None:
@@ -670,13 +836,23 @@ def _remove(jfd: int, *names: str) -> None:
 
 
 @contextlib.contextmanager
-def _journal_dir(journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> Iterator[int]:
-    """The journal directory's fd, exclusively flocked: one commit or recovery at a time."""
+def _journal_dir(journal_dir: Target, *, wait: bool = True) -> Iterator[int]:
+    """The journal directory's fd, exclusively flocked: one commit or recovery at a time. An
+    fd is the caller's, locked by the caller. ``wait=False`` raises CommitBusy instead of
+    waiting for another process's commit or recovery."""
+    if isinstance(journal_dir, int):
+        yield journal_dir
+        return
     path = os.fsencode(journal_dir)
     os.makedirs(path, exist_ok=True)
     jfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(jfd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(jfd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise CommitBusy(
+                f"another process is committing or recovering through {os.fsdecode(path)!r}"
+            ) from None
         yield jfd
     finally:
         os.close(jfd)
@@ -800,20 +976,30 @@ def _redo(
 
 def apply(
     store: CommitStore,
-    target: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    target: Target,
     base_tree: ObjectId,
     new_tree: ObjectId,
     *,
-    journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    journal_dir: Target,
     progress: Progress | None = None,
     drop_setid: bool = False,
+    key: bytes | None = None,
+    lock_timeout: float | None = None,
+    interrupted: Interrupted | None = None,
 ) -> CommitReport:
     """Make the real directory ``target`` go from ``base_tree`` to ``new_tree``, all or nothing.
 
     Raises ConflictError (writing nothing) when a touched path no longer holds what ``base_tree``
-    says. An interrupted earlier commit in ``journal_dir`` is recovered first. If this process
-    dies midway, ``recover(target, journal_dir)`` brings the tree to exactly the old or the new
-    state. ``journal_dir`` should live on the target's file system and outside the target.
+    says, or stops being the file the check saw before the commit point. An interrupted earlier
+    commit in ``journal_dir`` is recovered first. If this process dies midway,
+    ``recover(target, journal_dir)`` brings the tree to exactly the old or the new state.
+    ``journal_dir`` should live on the target's file system and outside the target; as an fd,
+    it is the caller's and already locked.
+
+    ``target`` is a path or a directory fd (every write goes through it, never through a path
+    resolved again). ``key`` (32 bytes) seals the journal so that recovery runs only journals
+    sealed with it; ``lock_timeout`` bounds the wait for the target's lock (TargetBusy);
+    ``interrupted()`` true before the commit point stops the commit (CommitInterrupted).
 
     ``drop_setid`` clears setuid/setgid on every file the commit writes or re-modes (files it
     does not touch keep theirs): committing a sandboxed agent's work as root must not mint a
@@ -823,12 +1009,13 @@ def apply(
         return CommitReport(0, 0)
     crash = _Crash()
     with _journal_dir(journal_dir) as jfd:
-        root = _open_target(target)
+        root = _open_target(target, lock_timeout)
         dirs = _Dirs(root)
         try:
-            _recover_locked(dirs, jfd, _Crash(steps=False))
+            _recover_locked(dirs, jfd, _Crash(steps=False), key)
             return _apply_locked(
-                store, dirs, jfd, base_tree, new_tree, crash, progress, drop_setid
+                store, dirs, jfd, base_tree, new_tree, crash, progress, drop_setid, key,
+                interrupted,
             )
         finally:
             dirs.close()
@@ -844,13 +1031,16 @@ def _apply_locked(
     crash: _Crash,
     progress: Progress | None,
     drop_setid: bool = False,
+    key: bytes | None = None,
+    interrupted: Interrupted | None = None,
 ) -> CommitReport:
     changes = _changes(store, base_tree, new_tree)
     if not changes:
         return CommitReport(0, 0)
     token = secrets.token_hex(8)
     plan = _plan(store, new_tree, changes, token, drop_setid)
-    conflicts = _conflicts(store, dirs, plan, progress)
+    seen: dict[bytes, Seen] = {}
+    conflicts = _conflicts(store, dirs, plan, progress, seen)
     if conflicts:
         raise ConflictError(conflicts)
 
@@ -861,13 +1051,14 @@ def _apply_locked(
     prepare = {"target": identity, "token": token, "dirs": stage_dirs}
     written = 0
     try:
-        _write_sealed(jfd, PREPARE_NAME, _seal(prepare))
+        _write_sealed(jfd, PREPARE_NAME, _seal(prepare, key))
         crash.at("prepare")
         total = len(plan.stages)
         syncer = _Syncer()
         try:
             for i, s in enumerate(plan.stages):
-                written += _stage_one(store, dirs, s, syncer)
+                _check_interrupt(interrupted)
+                written += _stage_one(store, dirs, s, syncer, interrupted)
                 crash.at(f"stage:{i}")
                 if progress is not None:
                     progress("stage", i + 1, total)
@@ -876,6 +1067,7 @@ def _apply_locked(
         for d, _ in stage_dirs:
             os.fsync(dirs.get(_dec(d)))
         crash.at("staged")
+        _check_interrupt(interrupted)
         record = {
             "target": identity,
             "token": token,
@@ -883,13 +1075,26 @@ def _apply_locked(
                     for o in plan.ops],
             "fsync": [_enc(d) for d in plan.fsync],
         }
-        sealed = _seal(record)
+        sealed = _seal(record, key)
         if crash.point == "torn-journal":
             _tear(jfd, sealed)
         _write_sealed(jfd, JOURNAL_NAME, sealed)
+        crash.at("journal")
+        # The host may have edited a touched file while we staged: the journal is withdrawn
+        # (nothing was applied yet) rather than overwriting that edit.
+        changed = _changed_since(dirs, plan, seen)
+        if changed:
+            _remove(jfd, JOURNAL_NAME)
+            os.fsync(jfd)
+            raise ConflictError(changed)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and _read_sealed(jfd, JOURNAL_NAME, key)[1]:
+            # Ctrl-C past the commit point (between the journal and its check): finish.
+            _redo(dirs, plan.ops, plan.fsync, crash, "", None)
+            _finish(jfd, crash, "prepare-deleted")
+            raise
         _undo_staging(dirs, prepare)
-        _remove(jfd, PREPARE_NAME, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
+        _remove(jfd, JOURNAL_NAME, PREPARE_NAME, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
         os.fsync(jfd)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ShadowfsError(
@@ -898,7 +1103,6 @@ def _apply_locked(
                 "and commit again"
             ) from None
         raise
-    crash.at("journal")
     # Committed. A failure from here on leaves the journal for recover() to finish the job.
     try:
         _redo(dirs, plan.ops, plan.fsync, crash, "", progress)
@@ -921,29 +1125,44 @@ def _tear(jfd: int, sealed: bytes) -> None:
     _die()
 
 
+def pending(journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> bool:
+    """Whether ``journal_dir`` holds an interrupted commit (or its residue) to recover: one stat
+    per name, cheap enough for every open of a tape dir."""
+    path = os.fsencode(journal_dir)
+    return any(
+        os.path.lexists(os.path.join(path, name.encode()))
+        for name in (JOURNAL_NAME, PREPARE_NAME, JOURNAL_NAME + ".tmp", PREPARE_NAME + ".tmp")
+    )
+
+
 def recover(
-    target: str | bytes | os.PathLike[str] | os.PathLike[bytes],
-    journal_dir: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    target: Target,
+    journal_dir: Target,
+    *,
+    key: bytes | None = None,
+    wait: bool = True,
+    lock_timeout: float | None = None,
 ) -> bool:
     """Finish or undo an interrupted commit. Returns True when a committed journal was redone
     (the target now holds the new tree), False when there was nothing to redo (any staged residue
     is removed and the target holds the old tree). Safe to call at every open, and again after a
-    crash during recovery itself."""
-    if not os.path.isdir(os.fsencode(journal_dir)):
+    crash during recovery itself. ``wait=False`` raises CommitBusy when another process holds
+    the journal directory (a commit in progress, or another recovery)."""
+    if not isinstance(journal_dir, int) and not os.path.isdir(os.fsencode(journal_dir)):
         return False
-    with _journal_dir(journal_dir) as jfd:
-        root = _open_target(target)
+    with _journal_dir(journal_dir, wait=wait) as jfd:
+        root = _open_target(target, lock_timeout)
         dirs = _Dirs(root)
         try:
-            return _recover_locked(dirs, jfd, _Crash(steps=False))
+            return _recover_locked(dirs, jfd, _Crash(steps=False), key)
         finally:
             dirs.close()
             os.close(root)
 
 
-def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash) -> bool:
-    has_journal, journal = _read_sealed(jfd, JOURNAL_NAME)
-    has_prepare, prepare = _read_sealed(jfd, PREPARE_NAME)
+def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash, key: bytes | None = None) -> bool:
+    has_journal, journal = _read_sealed(jfd, JOURNAL_NAME, key)
+    has_prepare, prepare = _read_sealed(jfd, PREPARE_NAME, key)
     if not has_journal and not has_prepare:
         # A crash while the prepare record was written leaves at most its temp file: no staging.
         _remove(jfd, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
@@ -968,6 +1187,41 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash) -> bool:
     return redone
 
 
+def holds_tree(
+    store: CommitStore,
+    target: Target,
+    base_tree: ObjectId,
+    new_tree: ObjectId,
+    *,
+    drop_setid: bool = False,
+    lock_timeout: float | None = None,
+) -> bool:
+    """Whether ``target`` holds ``new_tree`` at every path where it differs from ``base_tree``
+    (kind, mode, content or target, and a file's mtime). With no journal left, this tells a
+    commit that finished from one that never began: neither leaves anything half-done."""
+    changes = _changes(store, base_tree, new_tree)
+    root = _open_target(target, lock_timeout)
+    dirs = _Dirs(root)
+    try:
+        for c in changes:
+            n = c.new
+            if n is None:
+                if _lstat(dirs, c.path) is not None:
+                    return False
+                continue
+            if drop_setid and n.kind != DIR and n.mode & _SETID:
+                n = replace(n, mode=n.mode & ~_SETID)
+            if not _holds(store, dirs, c.path, n):
+                return False
+            st = _lstat(dirs, c.path)
+            if n.kind != DIR and (st is None or st.st_mtime_ns != n.mtime_ns):
+                return False
+        return True
+    finally:
+        dirs.close()
+        os.close(root)
+
+
 def _finish(jfd: int, crash: _Crash, point: str) -> None:
     """Retire the journal files. The prepare record goes first: a prepare without a journal
     means "undo the staging", which must never run over a tree the journal already changed."""
@@ -979,7 +1233,7 @@ def _finish(jfd: int, crash: _Crash, point: str) -> None:
 
 
 def clean_residue(
-    target: int | str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    target: Target,
     *,
     dirs: Iterable[bytes] | None = None,
     prefix: bytes = STAGE_PREFIX,

@@ -49,3 +49,19 @@ class ConflictError(ShadowfsError):
 
 class StoreBusy(StoreError):
     """gc needs the store to itself while another process is writing to it."""
+
+
+class CommitInterrupted(ShadowfsError):
+    """A signal asked a commit to stop before its commit point; the staging was undone."""
+
+
+class TargetBusy(ShadowfsError):
+    """Another process held a lock on the commit target past the lock timeout."""
+
+    def __init__(self, message: str, holders: list[str]) -> None:
+        super().__init__(message)
+        self.holders = holders
+
+
+class CommitBusy(ShadowfsError):
+    """Another process is committing into, or recovering, the same journal directory."""
