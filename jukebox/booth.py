@@ -222,6 +222,9 @@ class BoothRecord:
     agent_status: int | None = None
     verify: dict[str, Any] | None = None
     note: str | None = None
+    # The tree's directory as the booth opened it (see jukebox.realtree); also in run_start.
+    tree_dev: int | None = None
+    tree_ino: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -579,21 +582,85 @@ def booth_diff(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[
         return change_summary(store, base, target)
 
 
-def commit_tree(
-    store: Any, tape_dir: TapeDir, tree: str, base: ObjectId, final: ObjectId, booth_id: str
-) -> Any:
-    from shadowfs.commit import apply
+Verdict = Callable[[str, dict[str, Any], "ObjectId | None"], None]
+"""verdict(kind, payload, tree): append a frame to the booth's tape, durably."""
 
-    journal = tape_dir.private_dir("commit-journals", booth_id)
-    # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
-    report = apply(store, tree, base, final, journal_dir=journal, drop_setid=True)
-    shutil.rmtree(journal, ignore_errors=True)
-    forget_committed(tape_dir, tree, store, base, final)
-    return report
+
+def commit_tree(
+    store: Any,
+    tape_dir: TapeDir,
+    record: BoothRecord,
+    base: ObjectId,
+    final: ObjectId,
+    *,
+    by: str | None,
+    write: Verdict,
+    checkpoint: Checkpoint | None = None,
+    lock_timeout: float | None = None,
+) -> int:
+    """Commit ``final`` into the booth's real tree (the very directory the booth ran over, see
+    jukebox.realtree), then write the verdict frame and retire the booth record, all under the
+    commit job's lock so recovery never races it. Returns the number of changes.
+
+    Raises ConflictError (nothing applied), CheckFailed (the tree is another directory now, or
+    locked past the timeout) or realtree.Interrupted (exit 130: a signal came, and the commit
+    was undone before its commit point or finished after it)."""
+    from jukebox import realtree
+    from shadowfs.errors import CommitInterrupted, TargetBusy
+
+    timeout = realtree.lock_timeout(lock_timeout)
+    changes = len(change_summary(store, base, final))
+    target = realtree.open_recorded_tree(record.id, record.tree, record.tree_dev, record.tree_ino)
+    try:
+        with (
+            realtree.interrupt_guard() as interrupted,
+            realtree.CommitJob(tape_dir, record.id) as job,
+        ):
+            if not _record_path(tape_dir, record.id).exists():
+                raise UsageError(f"booth {record.id} was committed meanwhile; nothing to do")
+            cp = {"id": checkpoint.n, "label": checkpoint.label} if checkpoint else None
+            job.begin({
+                "tree": record.tree, "tree_dev": record.tree_dev, "tree_ino": record.tree_ino,
+                "base": base.hex(), "final": final.hex(), "changes": changes, "by": by,
+                "checkpoint": cp,
+            })
+            try:
+                job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted)
+            except CommitInterrupted:
+                write("note", {"event": "commit_interrupted", "outcome": "undone", "by": by}, None)
+                raise realtree.Interrupted(
+                    f"interrupted: the commit of booth {record.id} stopped before its commit "
+                    f"point and was undone; {record.tree} is unchanged and the booth stays pending"
+                ) from None
+            except TargetBusy as error:
+                raise CheckFailed(
+                    f"commit of booth {record.id} not started: {error} (--lock-timeout)"
+                ) from None
+            forget_committed(tape_dir, record.tree, store, base, final)
+            payload: dict[str, Any] = {"ok": True, "changes": changes}
+            if by is not None:
+                payload["by"] = by
+            if cp is not None:
+                payload["checkpoint"] = cp
+            write("commit", payload, final)
+            _finish(tape_dir, record.id)
+            if interrupted():
+                raise realtree.Interrupted(
+                    f"interrupted past the commit point: the commit of booth {record.id} was "
+                    f"finished, {record.tree} holds its {changes} change(s)"
+                )
+    finally:
+        os.close(target)
+    return changes
 
 
 def commit_booth(
-    tape_dir: TapeDir, booth_id: str, at: str | None = None, *, allow_hooks: bool = False
+    tape_dir: TapeDir,
+    booth_id: str,
+    at: str | None = None,
+    *,
+    allow_hooks: bool = False,
+    lock_timeout: float | None = None,
 ) -> list[str]:
     """Applies a pending booth to its real tree (its final state, or its checkpoint ``at``: a
     number or a label); raises CheckFailed listing every conflict, or the hook-like files it
@@ -614,8 +681,15 @@ def commit_booth(
                     f"`jukebox booth discard {booth_id}`"
                 )
             summary = change_summary(store, base, final)
+
+            def verdict(kind: str, payload: dict[str, Any], tree: ObjectId | None) -> None:
+                _append_to_tape(store, record.tape, kind, payload, tree=tree)
+
             try:
-                commit_tree(store, tape_dir, record.tree, base, final, booth_id)
+                commit_tree(
+                    store, tape_dir, record, base, final, by="booth commit", write=verdict,
+                    checkpoint=checkpoint, lock_timeout=lock_timeout,
+                )
             except ConflictError as error:
                 _append_to_tape(
                     store,
@@ -629,18 +703,30 @@ def commit_booth(
                     + ", ".join(error.conflicts)
                     + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
                 ) from None
-            payload: dict[str, Any] = {"ok": True, "changes": len(summary), "by": "booth commit"}
-            if checkpoint is not None:
-                payload["checkpoint"] = {"id": checkpoint.n, "label": checkpoint.label}
-            _append_to_tape(store, record.tape, "commit", payload, tree=final)
-        _finish(tape_dir, booth_id)
         return summary
 
 
 def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
+    """Drops a pending booth. An interrupted commit of it is recovered first (finished or
+    undone), never left half-applied with no booth left to finish it."""
+    from jukebox import realtree
+
+    finished = CheckFailed(
+        f"booth {booth_id} was not discarded: its interrupted commit was past its commit point "
+        "and has been finished, so its real tree holds its changes"
+    )
+    if realtree.recovered(tape_dir, booth_id) == "finished":
+        raise finished
     with _locked(tape_dir, booth_id) as record:
         if record.status == "running" and _alive(record.pid):
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
+        if realtree.recover_commits(tape_dir, only=booth_id, wait=True).get(booth_id) == "finished":
+            raise finished
+        if realtree.has_interrupted_commit(tape_dir, booth_id):
+            raise CheckFailed(
+                f"booth {booth_id} was not discarded: its interrupted commit could not be "
+                f"recovered (see above), and dropping the booth would leave {record.tree} torn"
+            )
         bound_tape(tape_dir, booth_id, record)  # the record names what discard touches
         if os.path.exists(record.tape):
             with (
@@ -1094,6 +1180,11 @@ def run_booth(
         if missing:
             _alert(missing)
         env = img.filter_env(os.environ)
+        from jukebox.realtree import open_tree
+
+        # The tree's identity, from before its base tree is read: a commit goes into this very
+        # directory or nowhere (see jukebox.realtree).
+        tree_fd, tree_dev, tree_ino = open_tree(tree_path)
         base_tree = build_base_tree(store, tapes, tree_path)
         writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
         writer.append(
@@ -1105,6 +1196,8 @@ def run_booth(
                 "argv": argv,
                 "cwd": agent_cwd,
                 "tree": tree_path,
+                "tree_dev": tree_dev,
+                "tree_ino": tree_ino,
                 "base_tree": base_tree.hex(),
                 "image": img.name,
                 # The image whole, hashed: replays compare with it and never resolve its name.
@@ -1134,9 +1227,10 @@ def run_booth(
             created=time.time(),
             status="running",
             pid=os.getpid(),
+            tree_dev=tree_dev,
+            tree_ino=tree_ino,
         )
         save_record(tapes, record)
-        tree_fd = os.open(tree_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
         # From here on this process lives in the booth's mount namespace.
         userns = isolation.enter_private_namespace()
@@ -1354,9 +1448,15 @@ def _commit_run(
         writer.append("commit", {"ok": True, "changes": 0}, tree=final)
         _finish(tapes, record.id)
         return "done", code
-    summary = change_summary(store, base, final)
+    # A kill during the commit leaves a booth recovery can hand back, pending, when it undoes it.
+    save_record(tapes, record)
+
+    def verdict(kind: str, payload: dict[str, Any], tree: ObjectId | None) -> None:
+        writer.append(kind, payload, tree=tree)
+        writer.sync()
+
     try:
-        commit_tree(store, tapes, record.tree, base, final, record.id)
+        commit_tree(store, tapes, record, base, final, by=None, write=verdict)
     except ConflictError as error:
         writer.append("note", {"event": "commit_refused", "conflicts": error.conflicts})
         record.status = "conflict"
@@ -1365,8 +1465,10 @@ def _commit_run(
             + ", ".join(error.conflicts[:10])
         )
         return "keep", 1
-    writer.append("commit", {"ok": True, "changes": len(summary)}, tree=final)
-    _finish(tapes, record.id)
+    except CheckFailed as error:
+        writer.append("note", {"event": "commit_refused", "reason": str(error)})
+        _alert(str(error))
+        return "keep", 1
     return "done", code
 
 

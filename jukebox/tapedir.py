@@ -2,6 +2,10 @@
 
 A tape dir holds `<tape id>.jbx` files and, hidden beside them, the object store and the records of
 pending booths. One store per tape dir keeps dedup across runs and lets gc see every reference.
+
+Commands reach a tape dir through `TapeDir.resolve` or `TapeRef.parse`, and both open it through
+`TapeDir.opened`: commits a kill interrupted are recovered there first (jukebox.realtree), so no
+command ever reads or acts on a tape dir whose real trees are left half-committed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from shadowfs.privacy import is_loose, make_private_dirs, tighten, tighten_tree
 
 TAPE_SUFFIX = ".jbx"
 STATE_DIRNAME = ".jukebox"
+COMMIT_JOURNALS = "commit-journals"
+# Tape dirs this process has recovered already: one look per command is enough.
+_recovered: set[str] = set()
 _TAPE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -73,7 +80,21 @@ class TapeDir:
 
     @classmethod
     def resolve(cls, path: str | os.PathLike[str] | None) -> TapeDir:
-        return cls(Path(path) if path is not None else default_tape_dir())
+        return cls.opened(Path(path) if path is not None else default_tape_dir())
+
+    @classmethod
+    def opened(cls, path: Path) -> TapeDir:
+        """The tape dir at ``path``, its interrupted commits recovered (once per process; one
+        stat when there are none)."""
+        home = cls(path)
+        if home.journals_path.is_dir():
+            real = os.path.realpath(path)
+            if real not in _recovered:
+                _recovered.add(real)
+                from jukebox.realtree import recover_commits
+
+                recover_commits(home)
+        return home
 
     @property
     def state(self) -> Path:
@@ -86,6 +107,11 @@ class TapeDir:
     @property
     def booths_path(self) -> Path:
         return self.state / "booths"
+
+    @property
+    def journals_path(self) -> Path:
+        """Where commits keep their redo journals while they run (jukebox.realtree)."""
+        return self.state / COMMIT_JOURNALS
 
     def tape_path(self, tape_id: str) -> Path:
         return self.path / f"{check_tape_id(tape_id)}{TAPE_SUFFIX}"
@@ -126,7 +152,7 @@ class TapeRef:
                 raise UsageError(
                     f"{name} is a directory, not a tape: name a .jbx file or a tape id"
                 )
-            home = TapeDir(Path(tape_dir)) if tape_dir is not None else TapeDir(candidate.parent)
+            home = TapeDir.opened(Path(tape_dir) if tape_dir is not None else candidate.parent)
             return cls(candidate, home, frame)
         home = TapeDir.resolve(tape_dir)
         path = home.tape_path(name)

@@ -179,6 +179,19 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
         click.echo(printable(f"{r.id}  {r.status:<8} {created}  {r.tree}{label}"))
 
 
+def _duration(text: str | None) -> float | None:
+    from jukebox.realtree import parse_duration
+
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a duration: write like 30s, 500ms or 2m", param_hint="--lock-timeout"
+        ) from None
+
+
 _AT_HELP = (
     "A checkpoint of the booth instead of its final state: its number (0 is the start) or its "
     "label (the latest with it)."
@@ -205,11 +218,31 @@ def diff(booth_id: str, tape_dir: str | None, at: str | None) -> None:
 @click.option("--tape-dir", default=None)
 @click.option("--at", "at", default=None, metavar="LABEL|N", help=_AT_HELP)
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
-def commit(booth_id: str, tape_dir: str | None, at: str | None, allow_hooks: bool) -> None:
-    """Apply a pending booth to its real tree (exit 1 listing conflicts if it changed)."""
+@click.option(
+    "--lock-timeout",
+    default=None,
+    metavar="DURATION",
+    callback=lambda _ctx, _param, value: _duration(value),
+    help="How long to wait for another process's lock on the real tree, like 30s or 500ms "
+    "(default: $JUKEBOX_LOCK_TIMEOUT, else 30s); then exit 1 naming the holder.",
+)
+def commit(
+    booth_id: str,
+    tape_dir: str | None,
+    at: str | None,
+    allow_hooks: bool,
+    lock_timeout: float | None,
+) -> None:
+    """Apply a pending booth to its real tree (exit 1 listing conflicts if it changed, or if
+    the tree's path now leads to another directory; 130 if interrupted)."""
     from jukebox.booth import commit_booth
+    from jukebox.realtree import recovered
 
-    lines = commit_booth(_tape_dir(tape_dir), booth_id, at, allow_hooks=allow_hooks)
+    tapes = _tape_dir(tape_dir)
+    if recovered(tapes, booth_id) == "finished":
+        click.echo(f"committed booth {booth_id}: its interrupted commit was finished by recovery")
+        return
+    lines = commit_booth(tapes, booth_id, at, allow_hooks=allow_hooks, lock_timeout=lock_timeout)
     what = f"checkpoint {at} of booth" if at is not None else "booth"
     click.echo(f"committed {what} {booth_id}: {len(lines)} change(s)")
 
