@@ -24,11 +24,13 @@ bench: setup
 fuzz: setup
 	JUKEBOX_FUZZ_SECONDS=$${JUKEBOX_FUZZ_SECONDS:-300} $(PY) -m tests.fuzz
 
-# Crash consistency at scale: hundreds of SIGKILLed commits, each recovered to exactly old or new.
+# Crash consistency at scale: hundreds of SIGKILLed commits (at injected points, and real
+# `jukebox booth commit` processes killed at random times), each recovered to exactly old or new.
 torture: setup
 	JUKEBOX_TORTURE_TRIALS=200 JUKEBOX_STORE_CRASH_TRIALS=50 JUKEBOX_TAPE_CRASH_TRIALS=50 \
 	JUKEBOX_TAMPER_TRIALS=20000 JUKEBOX_MODEL_SEEDS=16 JUKEBOX_MODEL_OPS=2500 \
-	$(PY) -m pytest -q tests/fs/test_commit_crash.py \
+	JUKEBOX_CLI_KILL_TRIALS=40 \
+	$(PY) -m pytest -q tests/fs/test_commit_crash.py tests/reliability/test_commit_kills.py \
 	  tests/reliability/test_store_crash.py tests/reliability/test_tape_crash.py \
 	  tests/reliability/test_tamper.py tests/fs/test_model_differential.py
 
