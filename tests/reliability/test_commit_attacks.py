@@ -144,5 +144,5 @@ def test_a_readers_shared_flock_times_out_naming_the_holder(world: PendingBooth)
 def test_a_bad_lock_timeout_is_a_usage_error(world: PendingBooth) -> None:
     proc = world.commit("--lock-timeout", "soon")
     assert proc.returncode == 2
-    assert "--lock-timeout" in one_line(proc.stderr)
+    assert "is not a duration" in one_line(proc.stderr)
     assert world.state() == "old"
