@@ -280,7 +280,8 @@ def _booth(
     return Run(proc.returncode, proc.stderr, results, policy)
 
 
-@pytest.fixture(scope="module", params=["root", "nobody", "loosened"])
+# root-overlay: the same filter and cgroup with the kernel overlay as the layer.
+@pytest.fixture(scope="module", params=["root", "root-overlay", "nobody", "loosened"])
 def battery(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Run]:
@@ -293,6 +294,8 @@ def battery(
         user, opts = NOBODY, ()
     elif request.param == "loosened":
         image, opts = LOOSE_IMAGE, ()
+    elif request.param == "root-overlay":
+        opts = (*opts, "--fs", "overlay")
     work = _work(user, tmp_path_factory, f"syscalls-{request.param}")
     try:
         yield _booth(work, image, AGENT, str(FORKS), opts=opts, python=python, user=user)
@@ -335,7 +338,7 @@ def test_refused_calls_fail_with_eperm(request: pytest.FixtureRequest, battery: 
 def test_fork_bomb_stops_at_the_process_limit(request: pytest.FixtureRequest, battery: Run) -> None:
     bomb = battery.results["fork_bomb"]
     assert isinstance(bomb, dict), bomb
-    kind = request.node.callspec.params["battery"]
+    kind = request.node.callspec.params["battery"].removesuffix("-overlay")
     if kind == "loosened":
         # No cgroup: as root RLIMIT_NPROC binds nothing, and every fork succeeds.
         assert bomb["forked"] == FORKS and bomb["cgroup_pids"] is None, bomb
@@ -349,11 +352,13 @@ def test_fork_bomb_stops_at_the_process_limit(request: pytest.FixtureRequest, ba
 
 def test_run_start_lists_the_protections(request: pytest.FixtureRequest, battery: Run) -> None:
     protections = battery.policy.get("protections")
-    kind = request.node.callspec.params["battery"]
+    kind = request.node.callspec.params["battery"].removesuffix("-overlay")
     assert isinstance(protections, dict), battery.policy
     if kind == "root":
         for name in ("seccomp", "pids_cgroup", "memory_cgroup"):
             assert protections[name] == "on", protections
+        overlay = request.node.callspec.params["battery"] == "root-overlay"
+        assert battery.policy["fs"] == ("overlay" if overlay else "fuse")
         assert "runs without" not in battery.stderr
     elif kind == "nobody":
         assert protections["seccomp"] == "on"
