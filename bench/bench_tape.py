@@ -19,6 +19,7 @@ from jukebox.tape import Tape, TapeWriter
 from shadowfs.store import Store
 
 FRAMES = 50
+LARGE_FRAMES = 10_000
 
 
 def build_tape(path: Path, store: Store, frames: int = FRAMES) -> None:
@@ -104,6 +105,23 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                              f"{size} B tape; record ids, parent links, seq, Merkle roots"))
             rows.append(_row(f"load only, {FRAMES} frames", "jukebox",
                              _samples(n_read, lambda: Tape.load(path))))
+
+            # What every reading command (log, ls, diff, mount, replay, fork) pays on a long
+            # run: the hash chain checked as the tape is read (`Tape.damage`), beside the load.
+            large = root / "large.jbx"
+            build_tape(large, store, LARGE_FRAMES)
+            large_size = large.stat().st_size
+            n_large = max(5, n_read // 100)
+            rows.append(_row(f"load only, {LARGE_FRAMES} frames", "jukebox",
+                             _samples(n_large, lambda: Tape.load(large)),
+                             f"{large_size} B tape"))
+
+            def load_checked() -> None:
+                assert Tape.load(large).damage is None
+
+            rows.append(_row(f"load + chain check, {LARGE_FRAMES} frames", "jukebox",
+                             _samples(n_large, load_checked),
+                             "what every command that reads a tape pays (Tape.damage)"))
 
             def load_verify_store() -> None:
                 report = Tape.load(path, store).verify()
