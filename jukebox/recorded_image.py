@@ -74,13 +74,11 @@ def image_from_record(record: Any, where: str) -> Image:
     return dataclasses.replace(img, name=name, path=label)
 
 
-def policy_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(Image) if f.name not in _IDENTITY]
-
-
 def differences(a: Image, b: Image) -> list[str]:
-    """The names of the policy fields two images set differently."""
-    return [name for name in policy_fields() if getattr(a, name) != getattr(b, name)]
+    """The names of the policy fields two images set differently (every field of the image's
+    dataclass but its identity, so a field added later is compared too)."""
+    names = [f.name for f in dataclasses.fields(a) if f.name not in _IDENTITY]
+    return [name for name in names if getattr(a, name) != getattr(b, name, None)]
 
 
 def _limit_text(value: int | None) -> str:

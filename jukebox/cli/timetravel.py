@@ -26,14 +26,17 @@ def report_image(choice, err: bool = True) -> None:  # type: ignore[no-untyped-d
     differs from the recorded one."""
     if choice is None:
         return
+    # The recorded name, paths and variable names are the tape's: shown escaped.
     if choice.loosened:
         click.echo(
-            f"jukebox: warning: running under the recorded image {choice.image.name!r}, which "
-            "loosens the built-in one: " + "; ".join(choice.loosened),
+            printable(
+                f"jukebox: warning: running under the recorded image {choice.image.name!r}, "
+                "which loosens the built-in one: " + "; ".join(choice.loosened)
+            ),
             err=err,
         )
     if choice.difference:
-        click.echo(f"jukebox: {choice.difference}", err=err)
+        click.echo(f"jukebox: {printable(choice.difference)}", err=err)
 
 
 def run_replay_exec(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.booth.conftest import nobody_dir  # noqa: F401  (a fixture)
 from tests.make_hostile_tapes import MARKER
 from tests.reliability.conftest import JUKEBOX, tree_state
 
@@ -308,3 +309,94 @@ def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path)
     proc = run("fork", str(tapes / "m.jbx"), "--at", "2", "--exec", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr
     assert "differ in limits" in proc.stderr
+
+
+# --------------------------------------------------------------------------- the Python API
+
+
+def _function_tape(tape_dir: Path, module: str, file: str | None, tree_files: dict) -> Path:
+    """A tape whose run_start names a tracked function `module:agent` and whose base tree holds
+    `tree_files`: what a sender controls."""
+    from jukebox.tape import TapeWriter
+    from shadowfs.store import Store
+    from shadowfs.tree import Entry, encode_tree
+
+    with Store.open(tape_dir / ".jukebox" / "store", create=True) as store:
+        entries = [Entry(name.encode(), "file", 0o644, len(body), 0, store.put("blob", body), None)
+                   for name, body in sorted(tree_files.items())]  # fmt: skip
+        base = store.put("tree", encode_tree(entries))
+        function = {"import_path": f"{module}:agent", "module": module, "qualname": "agent",
+                    "file": file}  # fmt: skip
+        path = tape_dir / "api.jbx"
+        with TapeWriter.create(path, store, "api") as w:
+            w.append("run_start", {
+                "name": "api", "root": "/home/mallory/work", "cwd": "/home/mallory/work",
+                "base_tree": base.hex(),
+                "run": {"id": "r", "function": function, "transaction": 0,
+                        "args": {"values": {}, "replayable": True}},
+            }, tree=base)  # fmt: skip
+            w.append("exit", {"code": 0})
+    return path
+
+
+def test_replay_and_diff_never_imports_code_the_tape_brought(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook or `python -c` has '' (the cwd) on sys.path: a module the tape's tree holds
+    must not be imported from the scratch copy, nor a module file inside the tape dir run."""
+    from jukebox.api import Tape
+
+    monkeypatch.syspath_prepend("")
+    marker = tmp_path / "pwned"
+    body = f"open({str(marker)!r}, 'w').write('ran')\ndef agent():\n    return 1\n".encode()
+    tapes = tmp_path / "received"
+    tapes.mkdir()
+    path = _function_tape(tapes, "jbx_hostile_in_tree", None, {"jbx_hostile_in_tree.py": body})
+    with pytest.raises(ValueError, match="its module is not importable"):
+        Tape.load(path).fork(1).replay_and_diff(endpoint="http://127.0.0.1:9/v1")
+    assert not marker.exists()
+    assert sorted(p.name for p in tapes.glob("*.jbx")) == ["api.jbx"]  # no B side was made
+
+    other = tmp_path / "received-2"
+    other.mkdir()
+    (other / "evil.py").write_bytes(body)
+    path = _function_tape(other, "jbx_hostile_in_dir", str(other / "evil.py"), {})
+    with pytest.raises(ValueError, match="inside the tape dir itself"):
+        Tape.load(path).fork(1).replay_and_diff(endpoint="http://127.0.0.1:9/v1")
+    assert not marker.exists()
+
+
+def test_as_nobody_the_same_tricks_fail_the_same_way(
+    nobody_python: str, nobody_dir: Path, open_dev_fuse: None  # noqa: F811
+) -> None:
+    """An unprivileged user opening a received tape dir: the edited record commits nothing, the
+    flipped tape is refused, the tape's image is not loaded (nobody may write /var/tmp)."""
+    from tests.booth.conftest import NOBODY, run_py
+
+    home = nobody_dir / "home"
+    shutil.copytree(CORPUS, home / "received")
+    (home / "victim").mkdir()
+    for root, dirs, files in os.walk(nobody_dir):
+        for name in (*dirs, *files):
+            os.chown(os.path.join(root, name), NOBODY, NOBODY)
+    with open(MARKER, "a"):
+        pass
+    os.unlink(MARKER)
+    before = outside(home)
+
+    def jb_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+        code = "import sys; from jukebox.cli import main; sys.argv[0] = 'jukebox'; main()"
+        proc = run_py(code, *args, "--tape-dir", str(home / "received"), python=nobody_python,
+                      user=NOBODY, cwd=str(home), timeout=120)  # fmt: skip
+        assert "Traceback" not in proc.stderr, proc.stderr
+        return proc
+
+    proc = jb_nobody("booth", "commit", "booth-7")
+    assert proc.returncode == 1 and "field 'tree'" in one_line(proc)
+    proc = jb_nobody("log", str(home / "received" / "flipped.jbx"))
+    assert proc.returncode == 1 and "altered at frame 2" in proc.stderr
+    proc = jb_nobody("replay", str(home / "received" / "image-path.jbx"), "--exec", "--no-record")
+    assert proc.returncode == 1 and "the agent's status differs" in proc.stderr, proc.stderr
+    assert not os.path.exists(MARKER)
+    assert list((home / "victim").iterdir()) == []
+    assert outside(home) == before
