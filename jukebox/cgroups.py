@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jukebox.isolation import _is_under
+
 CONTROLLERS = ("pids", "memory")
 PROTECTION_NAMES = {"pids": "pids_cgroup", "memory": "memory_cgroup"}
 GROUP_DIR = "jukebox"
@@ -126,8 +128,11 @@ def create(
         if hierarchy is None:
             cgroup.states[protection] = "unavailable: " + missing.format(name)
             continue
+        # cgroup v2 is one tree: a process is in one cgroup of it, so every controller there
+        # must go to the same leaf.
+        same_tree = [d for d in cgroup.dirs if hierarchy.v2 and _is_under(d, hierarchy.mount)]
         try:
-            leaf = _make_leaf(hierarchy, name, cgroup.name)
+            leaf = _make_leaf(hierarchy, name, cgroup.name, same_tree[0] if same_tree else None)
         except CgroupUnavailable as error:
             cgroup.states[protection] = f"unavailable: {error}"
             continue
@@ -146,10 +151,12 @@ def create(
     return cgroup
 
 
-def _make_leaf(hierarchy: Hierarchy, controller: str, name: str) -> str:
+def _make_leaf(hierarchy: Hierarchy, controller: str, name: str, leaf: str | None) -> str:
     candidates = [os.path.normpath(os.path.join(hierarchy.mount, hierarchy.own.lstrip("/")))]
     if hierarchy.v2 and hierarchy.own != "/":
         candidates.append(hierarchy.mount)  # the own cgroup may hold processes: see above
+    if leaf is not None:
+        candidates = [os.path.dirname(os.path.dirname(leaf))]
     reasons = []
     for parent in candidates:
         try:
