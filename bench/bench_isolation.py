@@ -47,10 +47,12 @@ enabled = false
 Config = tuple[str, str, list[str]]
 ROLLED_BACK = 3  # the fs agents' exit status: the booth discards their writes
 # (id, what, agent shell command run in the tree; prints its own timed seconds last)
+# PYTHONPATH only for the agent: a baseline jukebox must not import this checkout.
 FS_WORKLOADS = (
-    ("create", "create {n:,} small files", "echo {n} | {py} -m bench.fs_workloads child create ."),
+    ("create", "create {n:,} small files",
+     "echo {n} | PYTHONPATH={repo} {py} -m bench.fs_workloads child create ."),
     ("seqwrite", "{mb} MiB sequential write + fsync",
-     "echo {mb} | {py} -m bench.fs_workloads child seqwrite ."),
+     "echo {mb} | PYTHONPATH={repo} {py} -m bench.fs_workloads child seqwrite ."),
 )  # fmt: skip
 
 
@@ -85,13 +87,14 @@ def _configs(work: Path) -> tuple[list[Config], list[dict[str, Any]]]:
 
 
 def _booth(config: Config, tree: Path, tapes: Path, *rest: str) -> list[str]:
-    _, jukebox, opts = config
-    return [jukebox, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), *opts, *rest]
+    system, jukebox, opts = config
+    # A tape dir per configuration: another version may not read this one's booth records.
+    own = tapes / "".join(c if c.isalnum() else "-" for c in system)
+    return [jukebox, "booth", "run", "--tree", str(tree), "--tape-dir", str(own), *opts, *rest]
 
 
 def _run(argv: list[str], ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if proc.returncode not in ok:
         raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
     return proc
@@ -134,7 +137,7 @@ def _fs_rows(configs: list[Config], tree: Path, tapes: Path, runs: int, quick: b
     rows = []
     for fs in ("fuse", "overlay"):
         for wid, what, command in FS_WORKLOADS:
-            agent = f"{command.format(py=sys.executable, **sizes)}; exit {ROLLED_BACK}"
+            agent = f"{command.format(py=sys.executable, repo=REPO, **sizes)}; exit {ROLLED_BACK}"
             seconds: dict[str, list[float]] = {config[0]: [] for config in configs}
             for _ in range(runs):
                 for config in configs:
