@@ -24,7 +24,6 @@ import contextlib
 import functools
 import inspect
 import os
-import re
 import secrets
 import threading
 import weakref
@@ -36,6 +35,7 @@ from typing import Any, TypeVar
 from jukebox import tape as _tape
 from jukebox.breaker import CircuitBreaker
 from jukebox.compare import Comparison, compare_tapes
+from jukebox.redact import KEY_SHAPES, MIN_SECRET_LEN, REDACTED, is_secret_name
 from jukebox.state import StateVersion
 from jukebox.tapedir import TapeDir, check_tape_id, default_tape_dir
 from jukebox.transaction import (
@@ -56,15 +56,6 @@ __all__ = ["BSide", "Jukebox", "Report", "SandboxPolicy", "Tape", "track"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-REDACTED = "[REDACTED]"
-# Argument names that hold secrets; the same markers the LLM proxy uses for headers.
-_SECRET_MARKERS = ("key", "token", "secret", "password", "passwd", "credential", "auth")
-# Values that are credentials whatever the argument is called.
-_SECRET_VALUE = re.compile(
-    r"(sk-[A-Za-z0-9_\-]{16,}|sk-ant-[A-Za-z0-9_\-]{16,}|gh[pousr]_[A-Za-z0-9]{20,}"
-    r"|xox[abposr]-[A-Za-z0-9\-]{10,}|AKIA[0-9A-Z]{16}|AIza[0-9A-Za-z_\-]{30,})"
-)
-_SECRET_ENV_MIN = 8
 
 
 # --------------------------------------------------------------------------- policy
@@ -133,8 +124,7 @@ class SandboxPolicy:
 def _secret_env_values() -> list[str]:
     out = []
     for name, value in os.environ.items():
-        lowered = name.lower()
-        if len(value) >= _SECRET_ENV_MIN and any(m in lowered for m in _SECRET_MARKERS):
+        if len(value) >= MIN_SECRET_LEN and is_secret_name(name):
             out.append(value)
     return out
 
@@ -142,13 +132,13 @@ def _secret_env_values() -> list[str]:
 def _scrub(value: Any, env_secrets: list[str]) -> tuple[Any, bool]:
     """(value with credential-looking strings replaced, whether anything was)."""
     if isinstance(value, str):
-        hit = bool(_SECRET_VALUE.search(value)) or any(s in value for s in env_secrets)
+        hit = bool(KEY_SHAPES.search(value)) or any(s in value for s in env_secrets)
         return (REDACTED, True) if hit else (value, False)
     if isinstance(value, dict):
         out: dict[str, Any] = {}
         found = False
         for k, v in value.items():
-            if isinstance(k, str) and any(m in k.lower() for m in _SECRET_MARKERS):
+            if isinstance(k, str) and is_secret_name(k):
                 out[k], hit = REDACTED, True
             else:
                 out[k], hit = _scrub(v, env_secrets)
@@ -190,7 +180,7 @@ def describe_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     for name, value in items:
         if kinds.get(name) == inspect.Parameter.VAR_POSITIONAL:
             value = list(value)
-        if any(m in name.lower() for m in _SECRET_MARKERS):
+        if is_secret_name(name):
             recorded[name] = REDACTED
             redacted.append(name)
             continue

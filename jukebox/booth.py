@@ -1071,6 +1071,18 @@ def _ask(summary: list[str], booth_id: str) -> str:
                 return "keep"
 
 
+def _redacted_command(
+    argv: list[str], verify: str | None, img: Image
+) -> tuple[list[str], str | None]:
+    """The command line and verifier as a tape may show them: keys on a command line (an
+    option's value, `NAME=value`, key-shaped values, the supervisor's secret environment
+    values) are replaced by the marker (jukebox.redact)."""
+    from jukebox.redact import Scrubber, redact_argv, redact_text
+
+    known = Scrubber(value for name, value in os.environ.items() if img.is_secret(name))
+    return redact_argv(argv, known), redact_text(verify, known) if verify else verify
+
+
 def run_booth(
     argv: Sequence[str],
     tree: str | os.PathLike[str] = ".",
@@ -1158,6 +1170,7 @@ def run_booth(
     agent_cwd = cwd if _is_under(os.path.realpath(cwd), tree_path) else tree_path
     agent_cwd = os.path.realpath(agent_cwd)
 
+    from jukebox.llm.server import DEFAULT_RECORD_LIMIT
     from jukebox.tape import TapeWriter
 
     factory = layer_factory or default_layer_factory
@@ -1185,6 +1198,7 @@ def run_booth(
         # The tree's identity, from before its base tree is read: a commit goes into this very
         # directory or nowhere (see jukebox.realtree).
         tree_fd, tree_dev, tree_ino = open_tree(tree_path)
+        recorded_argv, recorded_verify = _redacted_command(argv, verify, img)
         base_tree = build_base_tree(store, tapes, tree_path)
         writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
         writer.append(
@@ -1193,7 +1207,8 @@ def run_booth(
                 "tape_id": booth_id,
                 "booth": booth_id,
                 "name": name,
-                "argv": argv,
+                "argv": recorded_argv,
+                **({"argv_redacted": True} if recorded_argv != argv else {}),
                 "cwd": agent_cwd,
                 "tree": tree_path,
                 "tree_dev": tree_dev,
@@ -1205,11 +1220,12 @@ def run_booth(
                 "policy": {
                     **img.policy(),
                     "net": net,
-                    "verify": verify,
+                    "verify": recorded_verify,
                     "commit": commit_mode,
                     "fs": fs,
                     "checkpoint_every": checkpoint_every,
                     "scratch_limit": scratch_limit,
+                    "llm_record_limit": scratch_limit or DEFAULT_RECORD_LIMIT,
                     "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
                     "protections": protections.policy(),
                 },
@@ -1262,6 +1278,7 @@ def run_booth(
             private_network=net == "none",
             options=llm,
             on_trip=run.on_trip,
+            record_limit=scratch_limit,
         )
         run.spawn = lambda child_spec, **stdio: llm_session.spawn(
             functools.partial(isolation.spawn, **stdio), child_spec
@@ -1308,7 +1325,7 @@ def run_booth(
                 verified = _run_verifier(spec, verify)
             else:
                 verified = {"cmd": verify, "skipped": "the agent failed", "ok": False}
-            writer.append("verify", verified)
+            writer.append("verify", {**verified, "cmd": recorded_verify})
         layer.unmount()
 
         record.final_tree = final_tree.hex()

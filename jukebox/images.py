@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from jukebox.errors import UsageError
+from jukebox.redact import SECRET_ENV_PATTERNS
 from jukebox.syscall_filter import GROUPS, check_groups
 
 IMAGES_DIR = Path(__file__).resolve().parent.parent / "sandbox_images"
 DEFAULT_IMAGE = "host"
 NET_MODES = ("host", "none")
-SECRET_PATTERNS = ("*_KEY", "*_TOKEN", "*SECRET*", "*PASSWORD*")
+SECRET_PATTERNS = SECRET_ENV_PATTERNS
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

@@ -67,7 +67,8 @@ _ALLOW_HOOKS_HELP = (
     default=None,
     metavar="SIZE",
     help="Stop the agent when its changes would stage more than SIZE (like 512M, 20G) in all; "
-    "--fs fuse. Default: the image's limits.scratch, else none.",
+    "--fs fuse. Also caps the model traffic the LLM proxy records (else 1 GiB). "
+    "Default: the image's limits.scratch, else none.",
 )
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
 @click.option(

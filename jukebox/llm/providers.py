@@ -1,8 +1,9 @@
 """The two wire protocols: which paths are model calls, and what a call's bodies say.
 
 The agent reaches the proxy at `/openai/v1/...` and `/anthropic/...` (the base URLs the booth
-sets); everything after that prefix is appended to the upstream base URL unchanged, so
-`OPENAI_BASE_URL=http://127.0.0.1:P/openai/v1` and the SDK's `/chat/completions` become
+sets, after the booth's secret); everything after that prefix is appended to the upstream base
+URL, confined to it (jukebox.llm.paths), so `OPENAI_BASE_URL=http://127.0.0.1:P/S/openai/v1`
+and the SDK's `/chat/completions` become
 `https://api.openai.com/v1/chat/completions`. Three endpoints are model calls and are recorded:
 OpenAI Chat Completions, OpenAI Responses and Anthropic Messages; the rest pass through.
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from jukebox.llm.paths import confine
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
@@ -46,11 +49,12 @@ class Route:
 
 
 def route(method: str, target: str) -> Route | None:
-    """The provider and endpoint a request target addresses, or None if it is not ours."""
+    """The provider and endpoint a request target addresses, or None if it is not ours.
+
+    Raises PathRefused when the path after the prefix would leave it (jukebox.llm.paths)."""
     for provider, prefix in PREFIXES.items():
         if target == prefix or target.startswith((prefix + "/", prefix + "?")):
-            rest = target[len(prefix) :] or "/"
-            path = rest.split("?", 1)[0].rstrip("/")
+            rest, path = confine(target[len(prefix) :] or "/")
             endpoint = _ENDPOINTS.get((provider, path), OTHER) if method == "POST" else OTHER
             return Route(provider, endpoint, rest)
     return None

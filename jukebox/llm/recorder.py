@@ -4,8 +4,9 @@ The payload (docs/llm-proxy.md has the full list): provider, endpoint, model, st
 latency_ms, stream, usage {input, output, cached}, tool_calls [{name, arguments}], cost_usd,
 request (the JSON body), response (the JSON body, or for a stream the list of its events with
 chunk index and millisecond offset). Request and response larger than 4 KiB land in the store
-through the tape writer's spill. Every recorded byte passes the scrubber first, and headers are
-recorded redacted, so no key reaches the tape.
+through the tape writer's spill. Every recorded byte passes the scrubber first, headers are
+recorded redacted and the path's secret-looking query values are replaced (jukebox.redact), so
+no key reaches the tape.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import Summary, summarize
-from jukebox.llm.redact import Scrubber, redact_headers
 from jukebox.llm.sse import SSEEvent
+from jukebox.redact import Scrubber, redact_headers, redact_query, redact_text
 
 LLM_TURN = "llm_turn"
 
@@ -120,7 +121,7 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         "cost_usd": cost,
         "request": request,
         "response": response,
-        "path": ex.path,
+        "path": redact_query(scrubber.text(ex.path)),
         "request_headers": {
             k: scrubber.text(v)
             for k, v in redact_headers(ex.request_headers).items()
@@ -133,7 +134,7 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         },
     }
     if ex.error is not None:
-        payload["error"] = scrubber.text(ex.error)
+        payload["error"] = redact_text(ex.error, scrubber)
     if ex.replayed_from is not None:
         payload["replayed_from"] = ex.replayed_from
     if ex.rewritten:

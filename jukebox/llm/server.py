@@ -2,8 +2,17 @@
 
 It runs its own trio loop in a background thread (h11 for the agent's side, an httpx async
 client upstream), so a booth or a test just starts it and points the SDKs at `base_urls()`.
+
+Anyone on the host can connect to 127.0.0.1, so each proxy has a secret, the first segment of
+every path it serves (`base_urls()` carry it: `http://127.0.0.1:P/<secret>/openai/v1`, a base
+URL every SDK keeps). A request without it is answered 403 and goes no further: it reaches no
+tape, no breaker, no upstream. The secret is scrubbed from everything recorded.
+
 Per model call, in order:
 
+0. the path is confined to its provider's prefix (jukebox.llm.paths; 400 otherwise), and the
+   bytes the proxy has recorded so far plus this request must stay within `record_limit`
+   (otherwise the call is refused with 400 and the proxy trips, rule `recorded`);
 1. the circuit breaker's verdict (a trip answers 400 in the provider's error shape);
 2. replay: the call is served from the tape (or is a divergence, answered 400); or live: the
    request is rewritten (fork overrides) and forwarded, and a stream is passed on chunk by chunk
@@ -21,17 +30,21 @@ they would without the proxy.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from secrets import token_urlsafe
 from typing import Any
 
 import h11
 import httpx
 import trio
 
+from jukebox.breaker import Trip
+from jukebox.llm.paths import PathRefused
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import (
     BASE_URL_ENV,
@@ -42,10 +55,11 @@ from jukebox.llm.providers import (
     route,
 )
 from jukebox.llm.recorder import LLM_TURN, Exchange, FrameSink, Turn, build_turn, parse_body
-from jukebox.llm.redact import Scrubber
 from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEParser, encode_event
+from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
+from jukebox.render import size as human
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
 _HOP = frozenset(
@@ -67,10 +81,16 @@ _HOP_RESPONSE = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 )
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
+# What one proxy records in all (request and response bodies) when nobody set a limit: the
+# booth passes its --max-scratch instead.
+DEFAULT_RECORD_LIMIT = 1024 * 1024 * 1024
 READ_SIZE = 65536
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=30.0, read=600.0, write=60.0, pool=60.0)
 BREAKER_CODE = "jukebox_circuit_breaker"
 REPLAY_CODE = "jukebox_replay_divergence"
+RECORD_LIMIT_CODE = "jukebox_record_limit"
+PATH_CODE = "jukebox_path_refused"
+SECRET_CODE = "jukebox_proxy_secret"
 
 
 def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -92,6 +112,14 @@ def _failure(ex: Exchange) -> str | None:
     return f"HTTP {ex.status}: {message}"[:500]
 
 
+def _recorded_size(ex: Exchange) -> int:
+    """The bytes a turn puts on the tape's side, bodies only (the frame's own keys are small)."""
+    size = len(ex.request_body) + len(ex.response_body or b"")
+    for event in ex.events or ():
+        size += len(event.data)
+    return size
+
+
 class _ClientGone(Exception):
     pass
 
@@ -100,7 +128,9 @@ class ProxyServer:
     """Start with `start()`, point agents at `base_urls()`, stop with `stop()` (or `with`).
 
     `record(kind, payload)` receives each frame (`writer.append` of a TapeWriter fits); it is
-    called from a worker thread. `breaker` needs `admit() -> Trip | None` and
+    called from a worker thread. `secret` is the first path segment every request must carry
+    (a fresh random one by default); `record_limit` the bytes of bodies the proxy records in
+    all (DEFAULT_RECORD_LIMIT by default). `breaker` needs `admit() -> Trip | None` and
     `observe(cost_usd=, tokens=, text=, tool_calls=, failed=) -> Trip | None`; `on_trip(trip)`
     and `on_divergence(divergence)` are called once, from a worker thread.
     """
@@ -121,6 +151,8 @@ class ProxyServer:
         host: str = "127.0.0.1",
         port: int = 0,
         record_passthrough: bool = True,
+        secret: str | None = None,
+        record_limit: int | None = None,
     ) -> None:
         self.upstreams = dict(upstreams or upstreams_from_env({}))
         self.record = record
@@ -129,7 +161,14 @@ class ProxyServer:
         self.breaker = breaker
         self.on_trip = on_trip
         self.on_divergence = on_divergence
-        self.scrubber = Scrubber(secrets)
+        self.secret = secret if secret is not None else token_urlsafe(32)
+        if not self.secret or not self.secret.replace("-", "").replace("_", "").isalnum():
+            raise ValueError("the proxy's secret must be a non-empty URL-safe token")
+        self.record_limit = record_limit if record_limit is not None else DEFAULT_RECORD_LIMIT
+        self.recorded_bytes = 0  # request bytes count when admitted, response bytes when recorded
+        self.scrubber = Scrubber([*secrets, self.secret])
+        for upstream in self.upstreams.values():
+            self.scrubber.add(url_secrets(upstream))
         self.prices = prices if prices is not None else PriceTable.shipped()
         self.record_passthrough = record_passthrough
         if sock is None:
@@ -151,8 +190,14 @@ class ProxyServer:
     # ------------------------------------------------------------------ life cycle
 
     @property
-    def url(self) -> str:
+    def origin(self) -> str:
+        """`http://host:port`, without the secret: what may be shown or logged."""
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The root every request goes under, secret included: hand it to the agent only."""
+        return f"{self.origin}/{self.secret}"
 
     def base_urls(self) -> dict[str, str]:
         """The environment that points an agent's SDKs at this proxy."""
@@ -286,10 +331,23 @@ class ProxyServer:
     async def _handle(
         self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request, body: bytes
     ) -> None:
-        target = request.target.decode("latin-1")
+        target = self._inside(request.target.decode("latin-1"))
+        if target is None:
+            message = (
+                "jukebox proxy: this proxy serves only the agent of its own booth; use the "
+                "OPENAI_BASE_URL and ANTHROPIC_BASE_URL the booth set, which carry its secret"
+            )
+            await self._send_simple(conn, stream, 403, error_body("openai", message, SECRET_CODE))
+            return
         method = request.method.decode("ascii")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
-        where = route(method, target)
+        try:
+            where = route(method, target)
+        except PathRefused as refused:
+            message = f"jukebox proxy: path refused: {refused}"
+            provider = "anthropic" if target.startswith("/anthropic") else "openai"
+            await self._send_simple(conn, stream, 400, error_body(provider, message, PATH_CODE))
+            return
         if where is None:
             message = (
                 f"jukebox proxy: no route for {target}; it serves /openai/v1/... and "
@@ -305,12 +363,18 @@ class ProxyServer:
         if self.trip is not None:
             await self._refuse_trip(conn, stream, where.provider)
             return
+        if self.recorded_bytes + len(body) > self.record_limit:
+            await self._refuse_record_limit(conn, stream, where.provider, len(body))
+            return
         if self.breaker is not None:
             trip = self.breaker.admit()
             if trip is not None:
                 await self._tripped(trip)
                 await self._refuse_trip(conn, stream, where.provider)
                 return
+        # Counted now, before the call goes anywhere: calls in flight together cannot each
+        # pass the check against the same total.
+        self.recorded_bytes += len(body)
         if self.replay is not None:
             request_json = parse_body(self.scrubber.bytes(body))
             try:
@@ -336,6 +400,22 @@ class ProxyServer:
 
     # ------------------------------------------------------------------ live forwarding
 
+    def _inside(self, target: str) -> str | None:
+        """The target after this proxy's secret, or None when it does not start with it."""
+        path, mark, query = target.partition("?")
+        if not path.startswith("/"):
+            return None
+        first, _, rest = path[1:].partition("/")
+        if not hmac.compare_digest(first.encode(), self.secret.encode()):
+            return None
+        return "/" + rest + mark + query
+
+    def _upstream_failed(self, where: Route, error: httpx.HTTPError) -> str:
+        """What a failed upstream call says, to the agent and onto the tape: the upstream named
+        by its origin only (its path may hold another proxy's secret, its userinfo a password)."""
+        upstream = url_origin(self.upstreams[where.provider])
+        return redact_text(f"upstream {upstream} failed: {error!r}", self.scrubber)
+
     def _upstream_request(self, where: Route, ex: Exchange) -> httpx.Request:
         url = self.upstreams[where.provider] + where.rest
         headers = [(k, v) for k, v in ex.request_headers if k.lower() not in _HOP]
@@ -350,7 +430,7 @@ class ProxyServer:
         except httpx.HTTPError as error:
             ex.latency_ms = (time.perf_counter() - started) * 1000
             ex.status = 502
-            ex.error = f"upstream {self.upstreams[where.provider]} failed: {error!r}"
+            ex.error = self._upstream_failed(where, error)
             message = f"jukebox proxy: {ex.error}"
             ex.response_body = error_body(where.provider, message)
             await self._finish(ex)
@@ -430,7 +510,7 @@ class ProxyServer:
         try:
             upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
         except httpx.HTTPError as error:
-            message = f"jukebox proxy: upstream failed: {error!r}"
+            message = f"jukebox proxy: {self._upstream_failed(where, error)}"
             await self._send_simple(conn, stream, 502, error_body(where.provider, message))
             return
         try:
@@ -450,7 +530,7 @@ class ProxyServer:
                 "event": "llm_passthrough",
                 "provider": where.provider,
                 "method": ex.method,
-                "path": self.scrubber.text(where.rest),
+                "path": redact_query(self.scrubber.text(where.rest)),
                 "status": upstream.status_code,
                 "latency_ms": round((time.perf_counter() - started) * 1000, 3),
             }
@@ -506,6 +586,7 @@ class ProxyServer:
     async def _finish(self, ex: Exchange) -> None:
         """Records the exchange and lets the breaker see it, off the event loop."""
         turn = await trio.to_thread.run_sync(self._record_turn, ex)
+        self.recorded_bytes += _recorded_size(ex) - len(ex.request_body)
         if self.breaker is not None and self.trip is None:
             s = turn.summary
             trip = self.breaker.observe(
@@ -513,10 +594,15 @@ class ProxyServer:
                 tokens=s.input + s.output,
                 text=s.text,
                 tool_calls=s.tool_calls,
-                failed=_failure(ex),
+                failed=self._failure_text(ex),
             )
             if trip is not None:
                 await self._tripped(trip)
+
+    def _failure_text(self, ex: Exchange) -> str | None:
+        """How the call failed, for the breaker, whose trip detail reaches the tape."""
+        failure = _failure(ex)
+        return None if failure is None else redact_text(failure, self.scrubber)
 
     def _record_turn(self, ex: Exchange) -> Turn:
         turn = build_turn(ex, self.scrubber, self.prices)
@@ -542,6 +628,22 @@ class ProxyServer:
             await trio.to_thread.run_sync(self.record, "note", divergence.to_payload())
         if self.on_divergence is not None:
             await trio.to_thread.run_sync(self.on_divergence, divergence)
+
+    async def _refuse_record_limit(
+        self, conn: h11.Connection, stream: trio.SocketStream, provider: str, size: int
+    ) -> None:
+        """The call would take the recorded bodies past the limit: refused, not recorded, and
+        the proxy trips (in a booth: a `breaker` frame, the agent stopped, the run rolled back)
+        since an agent that records this much is runaway or hostile."""
+        total = self.recorded_bytes + size
+        detail = (
+            f"model calls would record {human(total)}, past the booth's limit of "
+            f"{human(self.record_limit)} (--max-scratch, else {human(DEFAULT_RECORD_LIMIT)}); "
+            f"this request is {human(size)}"
+        )
+        await self._tripped(Trip("recorded", self.record_limit, total, detail))
+        message = f"jukebox proxy: refused: {detail}; the booth stops this agent"
+        await self._send_simple(conn, stream, 400, error_body(provider, message, RECORD_LIMIT_CODE))
 
     async def _refuse_trip(
         self, conn: h11.Connection, stream: trio.SocketStream, provider: str

@@ -47,7 +47,10 @@ class LlmSession:
         private_network: bool,
         options: LlmOptions | None = None,
         on_trip: Callable[[Any], Any] | None = None,
+        record_limit: int | None = None,
     ) -> LlmSession:
+        """`record_limit`: the bytes of model traffic the proxy may record (the booth's
+        --max-scratch; DEFAULT_RECORD_LIMIT when None)."""
         options = options or LlmOptions()
         network = PrivateNetwork() if private_network else None
         try:
@@ -62,6 +65,7 @@ class LlmSession:
                 secrets=secrets,
                 prices=PriceTable.load(tape_dir, environ),
                 sock=network.listen() if network is not None else None,
+                record_limit=record_limit,
             ).start()
         except BaseException:
             if network is not None:
@@ -70,6 +74,7 @@ class LlmSession:
         return cls(proxy, network)
 
     def agent_env(self) -> dict[str, str]:
+        """The base URLs, with the proxy's secret: for the agent's environment only."""
         return self.proxy.base_urls()
 
     def spawn(self, spawn: Callable[[Any], T], spec: Any) -> T:

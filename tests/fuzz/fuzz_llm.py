@@ -13,9 +13,9 @@ import contextlib
 from jukebox.errors import JukeboxError
 from jukebox.llm.providers import route
 from jukebox.llm.recorder import Exchange, build_turn, parse_body
-from jukebox.llm.redact import Scrubber
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEParser
+from jukebox.redact import Scrubber
 from tests.fuzz.common import Target
 
 _TARGETS = [

@@ -11,8 +11,10 @@ from tests.llm.conftest import Recording, clients
 from tests.llm.upstream import FakeUpstream
 
 
-def ask(o: Any, text: str = "hello") -> Any:
-    return o.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": text}])
+def ask(o: Any, text: str = "hello", **options: Any) -> Any:
+    return o.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": text}], **options
+    )
 
 
 def test_max_turns_refuses_the_call_past_the_limit(

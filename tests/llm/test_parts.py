@@ -9,8 +9,8 @@ import pytest
 from jukebox.errors import UsageError
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import summarize
-from jukebox.llm.redact import Scrubber, redact_headers
 from jukebox.llm.sse import SSEParser, encode_event, event_from_record
+from jukebox.redact import Scrubber, redact_headers
 
 
 def test_sse_parser_handles_split_lines_crlf_comments_and_an_unterminated_tail() -> None:

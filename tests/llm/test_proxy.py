@@ -112,7 +112,7 @@ def test_other_paths_pass_through_and_unknown_paths_are_refused(
         o, _ = clients(proxy.base_urls())
         assert [m.id for m in o.models.list()] == ["gpt-4o"]
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port)
-        conn.request("GET", "/elsewhere")
+        conn.request("GET", f"/{proxy.secret}/elsewhere")
         resp = conn.getresponse()
         assert resp.status == 404 and b"no route" in resp.read()
     notes = [f.payload for f in recording.tape().frames if f.kind == "note"]
@@ -138,6 +138,6 @@ def test_upstream_errors_are_recorded_and_returned_unchanged(
 ) -> None:
     with recording.proxy(upstream) as proxy:
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port)
-        conn.request("POST", "/openai/v1/chat/completions/nope", body=b"{}")
+        conn.request("POST", f"/{proxy.secret}/openai/v1/chat/completions/nope", body=b"{}")
         resp = conn.getresponse()
         assert resp.status == 404 and json.loads(resp.read())["error"]["type"] == "not_found"

@@ -79,11 +79,11 @@ def test_streams_replay_with_the_recorded_chunk_boundaries(
     body = {"model": "claude-haiku-4-5", "max_tokens": 9, "stream": True,
             "messages": [{"role": "user", "content": "one two three four five six"}]}  # fmt: skip
     with recording.proxy(upstream) as proxy:
-        live = raw_chunks(proxy.port, "/anthropic/v1/messages", body)
+        live = raw_chunks(proxy.port, f"/{proxy.secret}/anthropic/v1/messages", body)
     assert len(live) > 3
     proxy, _, second, _ = replay_proxy(recording, tmp_path, honor_timing=True)
     with proxy:
-        again = raw_chunks(proxy.port, "/anthropic/v1/messages", body)
+        again = raw_chunks(proxy.port, f"/{proxy.secret}/anthropic/v1/messages", body)
     # Same chunks, same events in each; the JSON inside is re-encoded (keys sorted on the tape).
     assert events_per_chunk(again) == events_per_chunk(live)
     second.close()

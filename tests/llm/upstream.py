@@ -4,7 +4,8 @@ Deterministic: the answer depends only on the request. With tools offered and a 
 last, the model calls the first tool; after a tool result it says `done: <result>`; otherwise
 it echoes the last user text. Streams are written one event per write (some two per write) with
 chunked transfer encoding, so chunk boundaries are real. A request with `"cache"` in its last
-message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer.
+message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer;
+`x-fake-response-headers` (a JSON object) is added to a JSON answer's headers.
 
 Run as `python tests/llm/upstream.py PORT` for a standalone server (the booth tests do).
 """
@@ -82,7 +83,9 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(data)))
         self.send_header("x-request-id", "req_fake_1")
-        for k, v in (headers or {}).items():
+        # A test can ask for response headers (cookies, tokens) to see what the proxy records.
+        asked = json.loads(self.headers.get("x-fake-response-headers") or "{}")
+        for k, v in {**asked, **(headers or {})}.items():
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(data)
@@ -120,7 +123,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.seen.append(("GET", self.path, dict(self.headers), None))
-        if self.path.endswith("/models"):
+        if self.path.partition("?")[0].endswith("/models"):
             self._json(200, {"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]})
         else:
             self._json(404, {"error": {"message": "not found", "type": "not_found"}})
@@ -133,11 +136,12 @@ class Handler(BaseHTTPRequestHandler):
         delay = float(self.headers.get("x-fake-delay-ms", "0") or 0)
         if delay:
             time.sleep(delay / 1000)
-        if self.path.endswith("/chat/completions"):
+        path = self.path.partition("?")[0]
+        if path.endswith("/chat/completions"):
             self._chat(body)
-        elif self.path.endswith("/responses"):
+        elif path.endswith("/responses"):
             self._responses(body)
-        elif self.path.endswith("/v1/messages"):
+        elif path.endswith("/v1/messages"):
             self._messages(body)
         else:
             self._json(404, {"error": {"message": f"no {self.path}", "type": "not_found"}})

@@ -1,0 +1,419 @@
+"""The proxy as a shared service: what another local process, a hostile agent or a careless
+command line can do to a booth's proxy and its tape. Each test performs the attack with the real
+SDKs (raw HTTP only where an SDK would not send the bytes) and asserts the safe outcome."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jukebox.breaker import CircuitBreaker
+from jukebox.llm.server import ProxyServer
+from jukebox.redact import REDACTED
+from jukebox.tape import Tape
+from shadowfs.store import Store
+from tests.booth.conftest import NOBODY, nobody_python, run_py  # noqa: F401 (a fixture)
+from tests.llm.conftest import OPENAI_KEY, Recording, clients
+from tests.llm.test_booth_llm import JUKEBOX, booth_env, run_cli
+from tests.llm.test_breaker_hook import ask
+from tests.llm.upstream import FakeUpstream
+
+# Knows the port of a victim's proxy, not its secret; prints what each attempt got.
+ATTACKER = r"""
+import json, sys
+import anthropic, openai
+port = int(sys.argv[1])
+out = {}
+bases = {"no_secret": f"http://127.0.0.1:{port}", "guessed": f"http://127.0.0.1:{port}/" + "A" * 43}
+for name, base in bases.items():
+    o = openai.OpenAI(api_key="sk-attacker-0000000000", base_url=base + "/openai/v1", max_retries=0)
+    a = anthropic.Anthropic(api_key="sk-ant-attacker-000000", base_url=base + "/anthropic",
+                            max_retries=0)
+    got = []
+    for _ in range(3):
+        try:
+            o.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "pwn"}])
+            got.append(200)
+        except openai.APIStatusError as e:
+            got.append(e.status_code)
+        try:
+            a.messages.create(model="claude-haiku-4-5", max_tokens=8,
+                              messages=[{"role": "user", "content": "pwn"}])
+            got.append(200)
+        except anthropic.APIStatusError as e:
+            got.append(e.status_code)
+    out[name] = got
+print(json.dumps(out))
+"""
+
+
+def turns(rec: Recording) -> list[dict[str, Any]]:
+    return [f.resolve_payload(rec.store) for f in rec.tape().frames if f.kind == "llm_turn"]
+
+
+def everything_recorded(tape_path: Path, store: Store) -> bytes:
+    store.flush()
+    data = tape_path.read_bytes()
+    for oid in store.iter_oids():
+        data += store.get(oid)
+    return data
+
+
+def raw(proxy: ProxyServer, method: str, target: str) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn.request(method, target, body=b"{}", headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    status, body = resp.status, json.loads(resp.read())
+    conn.close()
+    return status, body
+
+
+# --------------------------------------------------------------------------- the secret
+
+
+def attack(port: int, python: str = sys.executable, user: int | None = None) -> dict[str, Any]:
+    proc = run_py(ATTACKER, str(port), python=python, user=user, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_process_without_the_secret_is_refused_and_leaves_no_trace(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    trips: list[Any] = []
+    breaker = CircuitBreaker(max_turns=1)
+    with recording.proxy(upstream, breaker=breaker, on_trip=trips.append) as proxy:
+        assert proxy.secret not in proxy.origin and proxy.secret in proxy.url
+        got = attack(proxy.port)
+        o, _ = clients(proxy.base_urls())
+        assert ask(o, "mine").choices[0].message.content == "echo: mine"
+    assert got == {"no_secret": [403] * 6, "guessed": [403] * 6}
+    assert [t["request"]["messages"][0]["content"] for t in turns(recording)] == ["mine"]
+    assert trips == [] and not any(f.kind == "note" for f in recording.tape().frames)
+    assert len(upstream.seen) == 1  # the attacker reached nothing upstream
+
+
+def test_another_user_without_the_secret_is_refused(
+    upstream: FakeUpstream, recording: Recording, nobody_python: str  # noqa: F811
+) -> None:
+    with recording.proxy(upstream) as proxy:
+        got = attack(proxy.port, python=nobody_python, user=NOBODY)
+    assert got == {"no_secret": [403] * 6, "guessed": [403] * 6}
+    assert turns(recording) == [] and upstream.seen == []
+
+
+def test_the_secret_never_reaches_the_tape(upstream: FakeUpstream, recording: Recording) -> None:
+    with recording.proxy(upstream) as proxy:
+        o, _ = clients(proxy.base_urls())
+        # An agent that pastes its environment into a prompt: the answer echoes it too.
+        ask(o, f"my base url is {proxy.base_urls()['OPENAI_BASE_URL']}")
+        o.models.list()
+    (turn,) = turns(recording)
+    assert turn["path"] == "/chat/completions"
+    assert proxy.secret.encode() not in everything_recorded(recording.path, recording.store)
+
+
+# --------------------------------------------------------------------------- paths
+
+
+ESCAPES = [
+    "/openai/v1/../../admin",
+    "/openai/v1/models/../../../admin",
+    "/openai/v1/%2e%2e/%2e%2e/admin",
+    "/openai/v1/%2E%2E/%2e./admin",
+    "/openai/v1/..%2f..%2fadmin",
+    "/openai/v1/models%2f..%2f..%2fadmin",
+    "/openai/v1/%252e%252e/%252e%252e/admin",
+    "/openai/v1/..%5c..%5cadmin",
+    "/anthropic/../admin",
+    "/anthropic/v1/%2e%2e/%2e%2e/admin?x=1",
+]
+
+
+def test_paths_that_leave_the_prefix_are_refused(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    with recording.proxy(upstream) as proxy:
+        for target in ESCAPES:
+            for method in ("GET", "POST"):
+                status, body = raw(proxy, method, f"/{proxy.secret}{target}")
+                assert status == 400, target
+                assert "path refused" in json.dumps(body), target
+        # Inside the prefix, dot and empty segments are resolved, and the call is recorded as
+        # the model call the upstream sees.
+        for target in ("/openai/v1/models/../chat/completions", "/openai/v1/./chat//completions"):
+            status, _ = raw(proxy, "POST", f"/{proxy.secret}{target}")
+            assert status == 200, target
+    assert [path for _, path, _, _ in upstream.seen] == ["/v1/chat/completions"] * 2
+    assert [t["endpoint"] for t in turns(recording)] == ["chat.completions"] * 2
+
+
+# --------------------------------------------------------------------------- the recording cap
+
+
+def test_recorded_bytes_past_the_limit_are_refused_and_trip(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    import openai
+
+    trips: list[Any] = []
+    limit = 1 << 20
+    chunk = "x" * (300 << 10)
+    with recording.proxy(upstream, on_trip=trips.append, record_limit=limit) as proxy:
+        o, _ = clients(proxy.base_urls())
+        answered = 0
+        with pytest.raises(openai.BadRequestError) as caught:
+            for _ in range(10):
+                ask(o, chunk)
+                answered += 1
+        with pytest.raises(openai.BadRequestError, match="circuit breaker tripped: recorded"):
+            ask(o, "small")
+    assert caught.value.code == "jukebox_record_limit"
+    assert "past the booth's limit of 1.0 MiB" in caught.value.message
+    assert 0 < answered < 10 and len(upstream.seen) == answered
+    assert [t.rule for t in trips] == ["recorded"]
+    recorded = turns(recording)
+    assert len(recorded) == answered
+    requests = sum(len(t["request"]["messages"][0]["content"]) for t in recorded)
+    assert requests <= limit
+
+
+def test_one_request_bigger_than_the_limit_records_nothing(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    import anthropic
+
+    with recording.proxy(upstream, record_limit=64 << 10) as proxy:
+        _, a = clients(proxy.base_urls())
+        with pytest.raises(anthropic.BadRequestError, match="past the booth's limit"):
+            big = [{"role": "user", "content": "y" * (100 << 10)}]
+            a.messages.create(model="claude-haiku-4-5", max_tokens=8, messages=big)
+    assert turns(recording) == [] and upstream.seen == []
+
+
+# --------------------------------------------------------------------------- redaction
+
+
+def test_secret_headers_are_redacted_both_ways(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    sent = {
+        "x-api-key": "hdr-x-api-key-1111111",
+        "api-key": "hdr-api-key-2222222",
+        "cookie": "sid=hdr-cookie-3333333",
+        "proxy-authorization": "Basic aGRyLXByb3h5LTQ0NDQ0NDQ=",
+        "x-goog-api-key": "hdr-goog-5555555",
+        "x-fake-response-headers": json.dumps({
+            "set-cookie": "sid=resp-cookie-6666666",
+            "x-session-token": "resp-token-7777777",
+            "x-ratelimit-remaining-tokens": "99",
+        }),
+    }  # fmt: skip
+    with recording.proxy(upstream) as proxy:
+        o, _ = clients(proxy.base_urls())
+        ask(o, "headers", extra_headers=sent)
+    (turn,) = turns(recording)
+    for name in ("authorization", "x-api-key", "api-key", "cookie", "proxy-authorization",
+                 "x-goog-api-key"):  # fmt: skip
+        assert turn["request_headers"][name] == REDACTED, name
+    assert "set-cookie" not in turn["response_headers"]
+    assert turn["response_headers"]["x-session-token"] == REDACTED
+    assert turn["response_headers"]["x-ratelimit-remaining-tokens"] == "99"
+    assert "6666666" not in json.dumps(turn["response_headers"])
+    # (the response's values travel in a request header of the fake's own, recorded as sent)
+    data = everything_recorded(recording.path, recording.store)
+    for value in ("1111111", "2222222", "3333333", "aGRyLXByb3h5", "5555555", OPENAI_KEY):
+        assert value.encode() not in data, value
+
+
+def test_a_502_names_the_upstream_without_its_password(recording: Recording) -> None:
+    import anthropic
+    import openai
+
+    dead = "http://alice:hunter2-upstream-pw@127.0.0.1:9"
+    proxy = ProxyServer(
+        upstreams={"openai": dead + "/v1", "anthropic": dead}, record=recording.writer.append
+    )
+    with proxy:
+        o, a = clients(proxy.base_urls())
+        with pytest.raises(openai.InternalServerError) as chat:
+            ask(o)
+        with pytest.raises(openai.InternalServerError) as passthrough:
+            o.models.list()
+        with pytest.raises(anthropic.InternalServerError) as messages:
+            a.messages.create(model="claude-haiku-4-5", max_tokens=8,
+                              messages=[{"role": "user", "content": "x"}])  # fmt: skip
+    for caught in (chat, passthrough, messages):
+        assert "http://127.0.0.1:9 failed" in str(caught.value)
+        assert "hunter2" not in str(caught.value) and "alice" not in str(caught.value)
+    assert [t["status"] for t in turns(recording)] == [502, 502]
+    data = everything_recorded(recording.path, recording.store)
+    assert b"hunter2" not in data and b"alice" not in data
+
+
+QUERY_KEYS = {
+    "key": "q-key-1111111",
+    "api-key": "q-api-key-2222222",
+    "api_key": "q-api_key-3333333",
+    "access_token": "q-access-4444444",
+    "token": "q-token-5555555",
+    "sig": "q-sig-6666666",
+}
+
+
+def test_keys_in_query_strings_are_redacted_in_the_frame_path(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    with recording.proxy(upstream) as proxy:
+        o, _ = clients(proxy.base_urls())
+        ask(o, "query", extra_query={**QUERY_KEYS, "limit": "5"})
+        o.models.list(extra_query=QUERY_KEYS)
+    (turn,) = turns(recording)
+    path, _, query = turn["path"].partition("?")
+    assert path == "/chat/completions"
+    assert sorted(query.split("&")) == sorted(
+        [f"{k}={REDACTED}" for k in QUERY_KEYS] + ["limit=5"]
+    )
+    (note,) = [f.payload for f in recording.tape().frames if f.kind == "note"]
+    assert note["path"].startswith("/models?") and REDACTED in note["path"]
+    data = everything_recorded(recording.path, recording.store)
+    for value in QUERY_KEYS.values():
+        assert value.encode() not in data, value
+    # The upstream got them: redaction is for the record only.
+    assert all(value in upstream.seen[0][1] for value in QUERY_KEYS.values())
+
+
+# --------------------------------------------------------------------------- in real booths
+
+# Sends its base URL (secret included) to the test, waits for the attack to be over, then
+# makes its one model call with that URL pasted into the prompt.
+VICTIM = r"""
+import json, os, socket, sys
+import openai
+base = os.environ["OPENAI_BASE_URL"]
+with socket.create_connection(("127.0.0.1", int(sys.argv[1]))) as rendezvous:
+    rendezvous.sendall(base.encode() + b"\n")
+    assert rendezvous.recv(1) == b"g"
+o = openai.OpenAI(max_retries=0)
+r = o.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": base}])
+# Only a verdict goes into the tree: what the agent writes there is content, recorded as is.
+json.dump({"echoed": r.choices[0].message.content == "echo: " + base}, open("victim.json", "w"))
+"""
+ARGV_SECRETS = {
+    "--api-key": "sk-argv-option-1111111111",
+    "--token=": "argv-token-2222222",
+    "OPENAI_API_KEY=": "sk-assigned-3333333333",
+    "": "ghp_" + "4" * 36,
+    "--x": "AKIA" + "5" * 16,
+    "--y": "xoxb-66666666-slack",
+    "--z": "https://bob:argv-url-pw-7777777@example.com/repo",
+}
+ENV_VALUES = {"MY_SERVICE_TOKEN": "env-token-8888888", "PLAIN_SETTING": "plain-value-9999999"}
+VERIFY = "true --password=verify-pw-0000000"
+
+booths_as_root = pytest.mark.skipif(os.geteuid() != 0, reason="booths here run as root")
+
+
+def secret_args() -> list[str]:
+    out = []
+    for option, value in ARGV_SECRETS.items():
+        if option.endswith("="):
+            out.append(option + value)
+        elif option:
+            out += [option, value]
+        else:
+            out.append(value)
+    return out
+
+
+@booths_as_root
+def test_another_booth_cannot_write_on_a_victims_tape(
+    upstream: FakeUpstream, tmp_path: Path
+) -> None:
+    tree, other, tapes = tmp_path / "tree", tmp_path / "other", tmp_path / "tapes"
+    tree.mkdir()
+    other.mkdir()
+    (tree / "victim.py").write_text(VICTIM)
+    (other / "attacker.py").write_text(ATTACKER)
+    env = {**booth_env(upstream), **ENV_VALUES}
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
+    victim = subprocess.Popen(
+        [JUKEBOX, "booth", "run", "--tree", str(tree),
+         "--tape-dir", str(tapes), "--tape-id", "victim", "--max-turns", "1",
+         "--verify", VERIFY, "--", sys.executable, "victim.py",
+         str(listener.getsockname()[1]), *secret_args()],
+        env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        conn, _ = listener.accept()
+        with conn:
+            base = conn.makefile().readline().strip()
+            port, secret = base.split(":")[2].split("/")[:2]
+            attacker = run_cli("booth", "run", "--tree", str(other), "--tape-dir", str(tapes),
+                               "--tape-id", "attacker", "--", sys.executable, "attacker.py",
+                               port, env=env)  # fmt: skip
+            conn.sendall(b"g")
+        _, err = victim.communicate(timeout=60)
+    finally:
+        victim.kill()
+        victim.wait()
+        listener.close()
+    assert attacker.returncode == 0, attacker.stderr
+    got = json.loads(attacker.stdout.strip().splitlines()[-1])
+    assert got == {"no_secret": [403] * 6, "guessed": [403] * 6}
+    assert victim.returncode == 0, err
+    assert json.loads((tree / "victim.json").read_text()) == {"echoed": True}
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        tape = Tape.load(tapes / "victim.jbx", store)
+        kinds = [f.kind for f in tape.frames]
+        start = tape.frames[0].payload
+        data = everything_recorded(tapes / "victim.jbx", store)
+    assert kinds.count("llm_turn") == 1 and "breaker" not in kinds
+    # Nothing secret on the tape: the proxy's secret, the command line's keys, the
+    # environment's values, the verifier's password.
+    for value in (secret, *ARGV_SECRETS.values(), *ENV_VALUES.values(), "verify-pw-0000000"):
+        assert value.encode() not in data, value
+    assert start["argv"][3:] == [
+        "--api-key", REDACTED, f"--token={REDACTED}", f"OPENAI_API_KEY={REDACTED}", REDACTED,
+        "--x", REDACTED, "--y", REDACTED, "--z", f"https://{REDACTED}@example.com/repo",
+    ]  # fmt: skip
+    assert start["argv_redacted"] is True
+    assert start["policy"]["verify"] == f"true --password={REDACTED}"
+    assert "MY_SERVICE_TOKEN" in start["env"]["secret_names"]
+
+
+CAP_AGENT = r"""
+import openai
+o = openai.OpenAI(max_retries=0)
+for i in range(20):
+    o.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "z" * 300_000}])
+"""
+
+
+@booths_as_root
+def test_max_scratch_caps_what_the_proxy_records(upstream: FakeUpstream, tmp_path: Path) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    (tree / "agent.py").write_text(CAP_AGENT)
+    proc = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--net", "none",
+                   "--max-scratch", "1M", "--tape-id", "cap", "--", sys.executable, "agent.py",
+                   env=booth_env(upstream))  # fmt: skip
+    assert proc.returncode != 0
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        tape = Tape.load(tapes / "cap.jbx", store)
+        frames = [(f.kind, f.resolve_payload(store)) for f in tape.frames]
+    assert frames[0][1]["policy"]["llm_record_limit"] == 1 << 20
+    (trip,) = [p for kind, p in frames if kind == "breaker"]
+    assert trip["rule"] == "recorded" and "--max-scratch" in trip["detail"]
+    recorded = [p for kind, p in frames if kind == "llm_turn"]
+    assert 0 < len(recorded) < 20
+    assert sum(len(p["request"]["messages"][0]["content"]) for p in recorded) <= 1 << 20
