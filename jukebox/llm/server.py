@@ -522,9 +522,10 @@ class ProxyServer:
             )
             async for chunk in upstream.aiter_bytes():
                 await self._send(conn, stream, h11.Data(data=chunk))
-            await self._send(conn, stream, h11.EndOfMessage())
         finally:
             await upstream.aclose()
+        # Noted before the agent sees the end, as model calls are: the tape's order is the
+        # order the agent observed, and a proxy stopped right after the call loses nothing.
         if self.record is not None and self.record_passthrough:
             note = {
                 "event": "llm_passthrough",
@@ -535,6 +536,7 @@ class ProxyServer:
                 "latency_ms": round((time.perf_counter() - started) * 1000, 3),
             }
             await trio.to_thread.run_sync(self.record, "note", note)
+        await self._send(conn, stream, h11.EndOfMessage())
 
     # ------------------------------------------------------------------ replay
 
