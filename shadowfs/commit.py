@@ -501,6 +501,19 @@ class _CompareSink:
             view = view[len(got) :]
         return len(data)
 
+    def skip(self, n: int) -> None:
+        """A chunk of zeros: a hole in the real file holds it, unread; else compare bytes."""
+        pos = os.lseek(self.fd, 0, os.SEEK_CUR)
+        try:
+            data = os.lseek(self.fd, pos, os.SEEK_DATA)
+        except OSError:
+            data = os.fstat(self.fd).st_size  # ENXIO: no data from pos on
+        os.lseek(self.fd, pos, os.SEEK_SET)
+        if data >= pos + n and os.fstat(self.fd).st_size >= pos + n:
+            os.lseek(self.fd, pos + n, os.SEEK_SET)
+        else:
+            self.write(bytes(n))
+
 
 def _same_content(store: CommitStore, fd: int, size: int, oid: ObjectId) -> bool:
     if store.kind(oid) == "blob":
@@ -637,12 +650,25 @@ def _check_interrupt(interrupted: Interrupted | None) -> None:
 
 
 class _WriteSink:
-    __slots__ = ("fd", "interrupted", "written")
+    __slots__ = ("fd", "holes", "interrupted", "written")
 
     def __init__(self, fd: int, interrupted: Interrupted | None = None) -> None:
         self.fd = fd
         self.written = 0
         self.interrupted = interrupted
+        self.holes = False
+
+    def skip(self, n: int) -> None:
+        """A chunk of zeros: seek past it, leaving a hole (`finish` sets the size)."""
+        _check_interrupt(self.interrupted)
+        os.lseek(self.fd, n, os.SEEK_CUR)
+        self.written += n
+        self.holes = True
+
+    def finish(self) -> None:
+        # A file that ends in a hole has its size only once something extends it there.
+        if self.holes:
+            os.ftruncate(self.fd, self.written)
 
     def write(self, data: bytes) -> int:
         _check_interrupt(self.interrupted)  # a big file stages for seconds: ask per chunk
@@ -718,6 +744,7 @@ def _stage_one(
     try:
         sink = _WriteSink(fd, interrupted)
         store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
+        sink.finish()
         if sink.written != e.size:
             raise ShadowfsError(
                 f"the store gave {sink.written} bytes for {_show(s.path)!r}, whose tree entry "

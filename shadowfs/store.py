@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import BinaryIO, NamedTuple
 
 import zstandard
@@ -527,7 +528,10 @@ class Store:
         return staged.size if staged is not None else self._entry(oid).size
 
     def read_file_into(self, oid: ObjectId, fileobj: BinaryIO) -> int:
-        """Writes a blob's or chunked file's bytes to fileobj, chunk by chunk; returns the size."""
+        """Writes a blob's or chunked file's bytes to fileobj, chunk by chunk; returns the size.
+
+        A ``fileobj`` with a ``skip(n)`` method (seek n bytes on, leaving a hole) is given each
+        whole chunk of zeros as a skip, unread: a sparse file stays sparse where it is written."""
         kind = self.kind(oid)
         if kind == "blob":
             data = self.get(oid)
@@ -538,7 +542,12 @@ class Store:
                 f"object {oid} is a {kind}, not file content; pass a blob or chunks id"
             )
         total = 0
+        skip = getattr(fileobj, "skip", None)
         for chunk, size in decode_chunks(self.get(oid)):
+            if skip is not None and size == CHUNK_SIZE and chunk == zero_chunk_oid():
+                skip(size)
+                total += size
+                continue
             data = self.get(chunk)
             if len(data) != size:
                 raise ObjectCorrupt(oid, f"chunk {chunk} holds {len(data)} bytes, listed as {size}")
@@ -747,24 +756,36 @@ class Store:
             f = open(path_or_fd, "rb")  # noqa: SIM115
         chunks: list[tuple[ObjectId, int]] = []
         with f:
+            holes = _Holes.of(f)
             # One chunk in memory at a time: each is stored before the next is read. A file of
             # exactly one chunk is that chunk's blob, so storing it before knowing is no waste.
-            piece = _read_full(f, CHUNK_SIZE)
-            if len(piece) <= STAGE_MAX and len(piece) < CHUNK_SIZE:
-                # The whole file, and small: staged like any put (compressed later, off the
-                # caller's path) instead of appended now after an index query of its own.
-                return self.put("blob", piece)
             while True:
+                if holes is not None and holes.next_chunk_is_hole():
+                    # Zeros the file system holds no block for: the id of a chunk of zeros,
+                    # known without reading them (the same id reading them would give).
+                    chunks.append((self._put_zero_chunk(), CHUNK_SIZE))
+                    continue
+                piece = _read_full(f, CHUNK_SIZE)
+                if not chunks and len(piece) <= STAGE_MAX and len(piece) < CHUNK_SIZE:
+                    # The whole file, and small: staged like any put (compressed later, off the
+                    # caller's path) instead of appended now after an index query of its own.
+                    return self.put("blob", piece)
+                if not piece:
+                    break
                 chunks.append((self._put_blob(piece), len(piece)))
                 if len(piece) < CHUNK_SIZE:
                     break
                 piece = b""  # let the stored chunk go before the next one is read
-                piece = _read_full(f, CHUNK_SIZE)
-                if not piece:
-                    break
         if len(chunks) == 1:
             return chunks[0][0]
         return self.put("chunks", encode_chunks(chunks))
+
+    def _put_zero_chunk(self) -> ObjectId:
+        oid = zero_chunk_oid()
+        with self._mutex:
+            if oid not in self._staged and oid not in self._pending and not self._idx().has(oid):
+                self._append(oid, "blob", bytes(CHUNK_SIZE), CHUNK_SIZE, None)
+        return oid
 
     def _put_blob(self, data: bytes) -> ObjectId:
         """put("blob", data) for put_file: hashed as a stream, so the chunk is never copied
@@ -1189,6 +1210,49 @@ def _read_full(f: BinaryIO, n: int) -> bytes:
         parts.append(more)
         got += len(more)
     return b"".join(parts)
+
+
+@functools.cache
+def zero_chunk_oid() -> ObjectId:
+    """The id of a whole chunk of zeros (a blob of CHUNK_SIZE zero bytes), hashed once."""
+    return hash_object("blob", bytes(CHUNK_SIZE))
+
+
+class _Holes:
+    """Tells, chunk by chunk, whether the rest of a whole chunk of a file lies in a hole
+    (SEEK_DATA), for files that have holes at all (fewer blocks than their size needs)."""
+
+    __slots__ = ("f", "fd", "size")
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self.f = f
+        self.fd = f.fileno()
+        self.size = size
+
+    @classmethod
+    def of(cls, f: BinaryIO) -> _Holes | None:
+        try:
+            st = os.fstat(f.fileno())
+        except (OSError, ValueError):
+            return None
+        if not S_ISREG(st.st_mode) or st.st_blocks * 512 >= st.st_size:
+            return None  # no hole to find: no lseek per chunk
+        return cls(f, st.st_size)
+
+    def next_chunk_is_hole(self) -> bool:
+        pos = self.f.tell()
+        end = pos + CHUNK_SIZE
+        if end > self.size:
+            return False  # the short last chunk is read: its zeros are cheap
+        try:
+            data = os.lseek(self.fd, pos, os.SEEK_DATA)
+        except OSError:
+            data = self.size  # ENXIO: no data from pos on (other errors: read, as without us)
+        if data < end:
+            self.f.seek(pos)  # the buffered reader's position, whatever lseek did to the fd's
+            return False
+        self.f.seek(end)
+        return True
 
 
 def _write_all(fileobj: BinaryIO, data: bytes) -> None:

@@ -84,6 +84,47 @@ def test_file_round_trip(tmp_path: Path, size: int) -> None:
         assert store.verify() == []
 
 
+def _bytes_read() -> int:
+    """What this process has read through read(2) and friends so far (/proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_put_file_hashes_holes_without_reading_them(tmp_path: Path) -> None:
+    """A 2 GiB sparse file with a little data: every chunk has the id its bytes have (the one
+    reading them would give), and only the chunks that hold data are read."""
+    sparse = tmp_path / "sparse"
+    size = 2 << 30
+    layout = [(CHUNK_SIZE * 101 - MiB, os.urandom(3 * MiB)), (size - 10, b"tail")]
+    with open(sparse, "wb") as f:
+        f.truncate(size)
+        for offset, piece in layout:
+            f.seek(offset)
+            f.write(piece)
+    if os.stat(sparse).st_blocks * 512 > 64 * MiB:
+        pytest.skip("this file system does not keep the file sparse")
+
+    def chunk_bytes(i: int) -> bytes:
+        out = bytearray(CHUNK_SIZE)
+        for offset, piece in layout:
+            lo, hi = max(offset, i * CHUNK_SIZE), min(offset + len(piece), (i + 1) * CHUNK_SIZE)
+            if lo < hi:
+                out[lo - i * CHUNK_SIZE : hi - i * CHUNK_SIZE] = piece[lo - offset : hi - offset]
+        return bytes(out)
+
+    with Store.open(tmp_path / "store") as store:
+        before = _bytes_read()
+        oid = store.put_file(sparse)
+        assert _bytes_read() - before < 4 * CHUNK_SIZE  # chunks 100, 101, the last (of 512)
+        assert store.size(oid) == size
+        chunks = decode_chunks(store.get(oid))
+        assert len(chunks) == size // CHUNK_SIZE
+        for i in (0, 99, 100, 101, 102, len(chunks) - 1):
+            assert chunks[i] == (hash_object("blob", chunk_bytes(i)), CHUNK_SIZE)
+        assert len({c for c, _ in chunks}) == 4  # the zero chunk and three with data
+        assert store.verify() == []
+
+
 def test_put_file_reads_from_an_fd_and_leaves_it_open(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.write_bytes(b"abc" * 1000)

@@ -540,10 +540,11 @@ _MEMORY_PROBE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_big_file_commits_in_constant_memory(tmp_path: Path, store: Store) -> None:
-    """Stages a BIG_BYTES file (written zeros, not a hole) and changes the mode of another."""
+    """Stages a BIG_BYTES file (written data, not zeros, which become holes) and changes the
+    mode of another."""
     target = tmp_path / "target"
     target.mkdir()
-    block = bytes(8 << 20)
+    block = bytes(range(1, 256)) * ((8 << 20) // 255 + 1)
     fd = os.open(target / "big.bin", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         left = BIG_BYTES
@@ -567,5 +568,41 @@ def test_a_big_file_commits_in_constant_memory(tmp_path: Path, store: Store) -> 
     assert growth < 64 << 20, f"commit grew the RSS by {growth >> 20} MiB"
     st = os.stat(target / "copy.bin")
     assert (st.st_size, stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (BIG_BYTES, 0o640, OLD_NS)
-    assert st.st_blocks * 512 >= BIG_BYTES  # written, not a hole
+    assert st.st_blocks * 512 >= BIG_BYTES  # written: the content holds no chunk of zeros
     assert new == build_tree(store, target)
+
+
+def _sparse(path: Path, size: int, data_at: int, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(data_at)
+        f.write(data)
+
+
+def test_a_sparse_file_stays_sparse_through_commit(tmp_path: Path, store: Store) -> None:
+    """An agent's `truncate -s 2G` file takes no 2 GiB of real disk once committed, and a
+    sparse file the commit replaces is checked against its old content without reading holes."""
+    base, new, target = tmp_path / "base", tmp_path / "new", tmp_path / "target"
+    for d in (base, new, target):
+        d.mkdir()
+        _sparse(d / "old.bin", 64 << 20, 40 << 20, b"old data")
+    _sparse(new / "big.bin", 2 << 30, 1 << 30, b"in the middle")
+    _sparse(new / "ends-in-a-hole.bin", 9 << 20, 0, b"head")
+    (new / "old.bin").unlink()
+    if os.stat(new / "big.bin").st_blocks * 512 > 16 << 20:
+        pytest.skip("this file system does not keep the file sparse")
+    base_tree, new_tree = build_tree(store, base), build_tree(store, new)
+    # The real tree's old.bin changed inside its hole (same size, mode): a conflict.
+    with open(target / "old.bin", "r+b") as f:
+        f.seek(10 << 20)
+        f.write(b"host edit")
+    with pytest.raises(ConflictError):
+        apply(store, target, base_tree, new_tree, journal_dir=tmp_path / "journal")
+    _sparse(target / "old.bin", 64 << 20, 40 << 20, b"old data")
+    apply(store, target, base_tree, new_tree, journal_dir=tmp_path / "journal")
+    big = os.stat(target / "big.bin")
+    assert big.st_size == 2 << 30 and big.st_blocks * 512 <= 8 << 20
+    tail = os.stat(target / "ends-in-a-hole.bin")
+    assert tail.st_size == 9 << 20 and tail.st_blocks * 512 <= 8 << 20
+    assert not (target / "old.bin").exists()
+    assert build_tree(store, target) == build_tree(store, new)
