@@ -1300,6 +1300,7 @@ def run_booth(
             net=net,
             seccomp=list(img.seccomp_allow) if protections.is_on("seccomp") else None,
             cgroup_procs=cgroup.procs_files,
+            cgroup_mounts=cgroup.mounts,
         )
         status, interrupted = _supervise(spec, run, checkpoint_every)
         server.close()

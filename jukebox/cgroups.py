@@ -54,6 +54,7 @@ class BoothCgroup:
 
     name: str
     dirs: list[str] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)  # the file systems the dirs are on
     states: dict[str, str] = field(default_factory=dict)  # protection name -> "on" | why not
 
     @property
@@ -144,6 +145,8 @@ def create(
             continue
         if leaf not in cgroup.dirs:
             cgroup.dirs.append(leaf)
+        if hierarchy.mount not in cgroup.mounts:
+            cgroup.mounts.append(hierarchy.mount)
         cgroup.states[protection] = "on"
     # A leaf whose limit could not be set enforces nothing: drop it again.
     for leaf in made - set(cgroup.dirs):

@@ -349,6 +349,9 @@ class ChildSpec:
     seccomp: list[str] | None = None
     # cgroup.procs files the relay joins before it forks (jukebox.cgroups).
     cgroup_procs: list[str] = field(default_factory=list)
+    # Their file systems, read-only in the view whatever the image: leaving the cgroup or
+    # raising its limits is a write there.
+    cgroup_mounts: list[str] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -509,6 +512,9 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
             mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
         else:
             mount_setattr(path, MOUNT_ATTR_RDONLY)
+    for path in spec.cgroup_mounts:
+        if os.path.isdir(path):
+            mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     if fresh_proc and os.path.isdir("/proc") and not any(_is_under("/proc", h) for h in hides):
         _mount_fresh_proc(spec.readonly_root)
 

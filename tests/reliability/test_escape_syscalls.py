@@ -225,7 +225,36 @@ LOOSE_IMAGE = (
     TIGHT_IMAGE.replace('"tight"', '"loose"')
     + f"[seccomp]\nallow = {json.dumps(list(LOOSENED))}\n[cgroup]\nenabled = false\n"
 )
-MEMORY_IMAGE = '[limits]\nmemory = "64M"\n'
+# The host left writable on purpose: the cgroup file systems must stay read-only all the same.
+MEMORY_IMAGE = '[fs]\nreadonly_host = false\n[limits]\nmemory = "64M"\n'
+# Tries to leave its memory cgroup (for the parent) and to raise its limit, then allocates.
+HOG = r"""
+import errno, json, os, sys
+lines = [ln.split(":", 2) for ln in open("/proc/self/cgroup").read().splitlines()]
+mem = next((p for _, c, p in lines if c == "memory"), None)
+if mem:
+    root, path, limit, unlimited = "/sys/fs/cgroup/memory", mem, "memory.limit_in_bytes", "-1"
+else:
+    root, path = "/sys/fs/cgroup", next(p for _, c, p in lines if c == "")
+    limit, unlimited = "memory.max", "max"
+out = {}
+for key, name, data in (("move_out", os.path.dirname(path) + "/cgroup.procs", str(os.getpid())),
+                        ("raise_limit", path + "/" + limit, unlimited)):
+    try:
+        with open(os.path.normpath(root + "/" + name), "w") as f:
+            f.write(data)
+        out[key] = "ok"
+    except OSError as e:
+        out[key] = errno.errorcode.get(e.errno, str(e.errno))
+print("ESCAPE " + json.dumps(out), flush=True)
+try:
+    hog = b"x" * (512 << 20)
+    out["allocated"] = True
+except MemoryError:
+    out["allocated"] = False
+print("RESULT " + json.dumps(out), flush=True)
+sys.exit(0 if out["allocated"] else 3)
+"""
 
 
 @dataclass
@@ -234,6 +263,11 @@ class Run:
     stderr: str
     results: dict[str, object]
     policy: dict[str, object]
+    stdout: str = ""
+
+    def line(self, tag: str) -> dict[str, object]:
+        found = [ln for ln in self.stdout.splitlines() if ln.startswith(tag + " ")]
+        return json.loads(found[0][len(tag) + 1 :]) if found else {}
 
 
 def _work(user: int | None, tmp: pytest.TempPathFactory, name: str) -> Path:
@@ -277,7 +311,7 @@ def _booth(
     data = json.loads(log.stdout) if log.returncode == 0 else {}
     frames = data.get("frames", []) if isinstance(data, dict) else data
     policy = frames[0]["payload"]["policy"] if frames else {}
-    return Run(proc.returncode, proc.stderr, results, policy)
+    return Run(proc.returncode, proc.stderr, results, policy, proc.stdout)
 
 
 # root-overlay: the same filter and cgroup with the kernel overlay as the layer.
@@ -383,15 +417,6 @@ def test_memory_past_the_limit_ends_the_agent_not_the_host(
     tmp_path_factory: pytest.TempPathFactory,
     user: str,
 ) -> None:
-    hog = (
-        "import os, sys\n"
-        "try:\n"
-        "    hog = b'x' * (512 << 20)\n"
-        "    print('RESULT {\"allocated\": true}', flush=True)\n"
-        "except MemoryError:\n"
-        "    print('RESULT {\"allocated\": false}', flush=True)\n"
-        "    sys.exit(3)\n"
-    )
     uid = python = None
     if user == "nobody":
         python = request.getfixturevalue("nobody_python")
@@ -399,19 +424,23 @@ def test_memory_past_the_limit_ends_the_agent_not_the_host(
         uid = NOBODY
     work = _work(uid, tmp_path_factory, f"memory-{user}")
     try:
-        run = _booth(work, MEMORY_IMAGE, hog, opts=("--no-seccomp",), python=python, user=uid)
+        run = _booth(work, MEMORY_IMAGE, HOG, opts=("--no-seccomp",), python=python, user=uid)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     assert run.policy["protections"]["seccomp"] == "off: --no-seccomp"
+    escape = run.line("ESCAPE")
+    assert set(escape) == {"move_out", "raise_limit"}, run.stdout
+    assert all(v in ("EROFS", "EACCES") for v in escape.values()), escape
     assert run.results.get("allocated") is not True
     if user == "root":
+        assert escape == {"move_out": "EROFS", "raise_limit": "EROFS"}  # read-only, writable host
         # The cgroup's OOM killer ended the agent (RLIMIT_AS is left off while the cgroup binds).
         assert run.policy["protections"]["memory_cgroup"] == "on"
         assert run.code == 128 + 9, (run.code, run.stderr)
     else:
         # No cgroup for nobody: RLIMIT_AS, the fallback, refuses the allocation.
         assert run.policy["protections"]["memory_cgroup"].startswith("unavailable: ")
-        assert run.results == {"allocated": False} and run.code == 3, (run.code, run.stderr)
+        assert run.results.get("allocated") is False and run.code == 3, (run.code, run.stderr)
     assert _booth_cgroups() == []
 
 
