@@ -18,8 +18,16 @@ from pathlib import Path
 import pytest
 
 from jukebox.names import name_json, printable, visible
+from tests.booth.conftest import nobody_dir  # noqa: F401  (fixture)
 from tests.booth.test_booth_ask import run_on_a_terminal
-from tests.reliability.conftest import AGENT_PYTHON, JUKEBOX, booth_argv, jb, tree_state
+from tests.reliability.conftest import (
+    AGENT_PYTHON,
+    JUKEBOX,
+    NOBODY,
+    booth_argv,
+    jb,
+    tree_state,
+)
 
 pytestmark = pytest.mark.usefixtures("booth_ready")
 
@@ -182,6 +190,30 @@ def test_auto_commit_holds_back_a_git_config_that_runs_a_program(tmp_path: Path,
     )
     assert allowed.returncode == 0, allowed.stderr
     assert "fsmonitor" in (tree / ".git/config").read_text()
+
+
+def test_an_unprivileged_booth_holds_back_hook_files_too(
+    nobody_python: str, nobody_dir: Path, open_dev_fuse: None  # noqa: F811
+) -> None:
+    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
+    tree.mkdir()
+    os.chown(tree, NOBODY, NOBODY)
+    before = tree_state(tree)
+    hook = ".git/hooks/post-checkout"
+    agent = f"mkdir -p .git/hooks && echo 'touch /tmp/owned' > {hook} && echo x > ok"
+    held = jb(
+        *booth_argv(tree, tapes, "u1"), "sh", "-c", agent,
+        python=nobody_python, user=NOBODY, cwd=nobody_dir,
+    )  # fmt: skip
+    assert held.returncode == 1, held.stderr
+    assert ".git/hooks/post-checkout (a git hook)" in held.stderr and "--allow-hooks" in held.stderr
+    assert tree_state(tree) == before
+    committed = jb(
+        "booth", "commit", "u1", "--tape-dir", str(tapes), "--allow-hooks",
+        python=nobody_python, user=NOBODY, cwd=nobody_dir,
+    )  # fmt: skip
+    assert committed.returncode == 0, committed.stderr
+    assert (tree / "ok").read_text() == "x\n" and (tree / ".git/hooks/post-checkout").exists()
 
 
 def test_ask_shows_hook_files_first_and_the_names_visibly(tmp_path: Path) -> None:
