@@ -1014,7 +1014,10 @@ def _read_capped(fd: int, limit: int) -> tuple[str, bool]:
 
 
 def _alert(message: str) -> None:
-    sys.stderr.write(f"jukebox: {message}\n")
+    from jukebox.names import printable
+
+    # Alerts quote paths the agent named (conflicts, hook-like files): shown, never acted on.
+    sys.stderr.write(f"jukebox: {printable(message)}\n")
     sys.stderr.flush()
 
 

@@ -388,12 +388,14 @@ def replay_command(
             {**result, "summary": summary, "file_states": states, "frames": frame_rows(loaded)}
         )
         return
+    from jukebox.names import printable
     from jukebox.render import money, seconds
 
     click.echo(timeline(loaded))
     head = report.head
     click.echo(
-        f"replayed {head.count} frame(s) of {summary['tape_id']} offline: {states} file state(s) "
+        f"replayed {head.count} frame(s) of {printable(summary['tape_id'])} offline: "
+        f"{states} file state(s) "
         f"rebuilt, {money(summary['cost_usd'])} recorded, "
         f"{seconds(summary['duration_ns'])} of run time, "
         f"status {summary['status']}"

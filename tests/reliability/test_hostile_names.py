@@ -192,6 +192,21 @@ def test_auto_commit_holds_back_a_git_config_that_runs_a_program(tmp_path: Path,
     assert "fsmonitor" in (tree / ".git/config").read_text()
 
 
+def test_a_conflict_list_shows_names_visibly(tmp_path: Path) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    made = jb(
+        *booth_argv(tree, tapes, "clash", "--commit", "never"),
+        "sh", "-c", "printf new > \"$(printf 'x\\033[2J')\"",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    (tree / "x\x1b[2J").write_text("the host's own")
+    refused = jb("booth", "commit", "clash", "--tape-dir", str(tapes))
+    assert refused.returncode == 1, refused.stderr
+    _clean(refused.stderr)
+    assert "x\\x1b[2J" in refused.stderr
+
+
 def test_an_unprivileged_booth_holds_back_hook_files_too(
     nobody_python: str, nobody_dir: Path, open_dev_fuse: None  # noqa: F811
 ) -> None:
