@@ -588,7 +588,8 @@ class _Builder:
             shown = os.fsdecode(rel[:80]) + ("..." if len(rel) > 80 else "")
             raise TreeError(
                 f"{os.fsdecode(self.root)!r} nests directories deeper than {MAX_DEPTH} levels "
-                f"(at {shown!r}), more than a tree records: flatten it, or pick a tree above it"
+                f"(at {shown!r}), more than a tree records: flatten it, or pick a directory "
+                "inside it"
             )
         prev = _entries(self.store, previous) if previous is not None else None
         entries: list[Entry] = []
