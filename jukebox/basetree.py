@@ -8,7 +8,7 @@ every file. The previous tree id and the time its build started live in the tape
 (``base-trees.json``), per tree path, for booths and Python transactions alike; the file
 identities in ``base-tree-stats/<hash of the tree path>``, one record per regular file::
 
-    file    := magic "JBXSTAT1" record*
+    file    := magic "JBXSTAT2" tree:oid[32] record*     the tree these identities were built with
     record  := path_len:u16 dev:u64 ino:u64 ctime_ns:i64 path[path_len]     (big-endian)
 
 A commit drops the records of the paths it touched (``forget_base_paths``). Anything unreadable
@@ -32,7 +32,7 @@ from jukebox.tapedir import TapeDir
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
 
-_STATS_MAGIC = b"JBXSTAT1"
+_STATS_MAGIC = b"JBXSTAT2"
 _RECORD = struct.Struct(">HQQq")
 FileIdentity = tuple[int, int, int]
 
@@ -69,34 +69,43 @@ def _stats_path(tape_dir: TapeDir, tree_path: str) -> Path:
     return tape_dir.state / "base-tree-stats" / blake3(os.fsencode(tree_path)).hexdigest()[:32]
 
 
-def _read_stats(tape_dir: TapeDir, tree_path: str) -> dict[bytes, FileIdentity]:
+def _read_stats(tape_dir: TapeDir, tree_path: str) -> tuple[bytes, dict[bytes, FileIdentity]]:
+    """(the tree id the identities go with, the identities by path); (b"", {}) if unreadable."""
     try:
         data = _stats_path(tape_dir, tree_path).read_bytes()
     except OSError:
-        return {}
-    if not data.startswith(_STATS_MAGIC):
-        return {}
+        return b"", {}
+    head = len(_STATS_MAGIC) + 32
+    if not data.startswith(_STATS_MAGIC) or len(data) < head:
+        return b"", {}
     stats: dict[bytes, FileIdentity] = {}
-    at, end = len(_STATS_MAGIC), len(data)
+    at, end = head, len(data)
     unpack, size = _RECORD.unpack_from, _RECORD.size
     try:
         while at < end:
             n, dev, ino, ctime = unpack(data, at)
             at += size + n
             if at > end:
-                return {}
+                return b"", {}
             stats[data[at - n : at]] = (dev, ino, ctime)
     except struct.error:
-        return {}
-    return stats
+        return b"", {}
+    return data[len(_STATS_MAGIC) : head], stats
 
 
-def _write_stats(tape_dir: TapeDir, tree_path: str, stats: dict[bytes, FileIdentity]) -> None:
+def _identities(tape_dir: TapeDir, tree_path: str, tree: ObjectId) -> dict[bytes, FileIdentity]:
+    """The identities recorded with ``tree``: none when the file goes with another build (two
+    runs racing over base-trees.json and this file), so that no file is trusted on a mismatch."""
+    built_with, stats = _read_stats(tape_dir, tree_path)
+    return stats if built_with == tree else {}
+
+
+def _write_stats(
+    tape_dir: TapeDir, tree_path: str, tree: bytes, stats: dict[bytes, FileIdentity]
+) -> None:
     pack = _RECORD.pack
-    _replace(
-        _stats_path(tape_dir, tree_path),
-        _STATS_MAGIC + b"".join(pack(len(p), *ident) + p for p, ident in stats.items()),
-    )
+    records = b"".join(pack(len(p), *ident) + p for p, ident in stats.items())
+    _replace(_stats_path(tape_dir, tree_path), _STATS_MAGIC + bytes(tree) + records)
 
 
 def build_base_tree(
@@ -129,13 +138,13 @@ def build_base_tree(
                 previous=previous,
                 previous_started_ns=started,
                 exclude=exclude,
-                known=_read_stats(tape_dir, tree_path),
+                known=_identities(tape_dir, tree_path, previous),
                 seen=seen,
             )
     if tree is None:
         seen.clear()
         tree = build_tree(store, tree_path, exclude=exclude, seen=seen)
-    _write_stats(tape_dir, tree_path, seen)
+    _write_stats(tape_dir, tree_path, tree, seen)
     known[tree_path] = {"tree": tree.hex(), "started_ns": began}
     _write(tape_dir, known)
     return tree
@@ -144,7 +153,7 @@ def build_base_tree(
 def forget_base_paths(tape_dir: TapeDir, tree_path: str, touched: Iterable[bytes]) -> None:
     """Drop the cached identities of ``touched`` paths of ``tree_path`` and of everything beneath
     them (a commit just rewrote them): the next build reads those files, and trusts the rest."""
-    stats = _read_stats(tape_dir, tree_path)
+    tree, stats = _read_stats(tape_dir, tree_path)
     gone = set(touched)
     if not stats or not gone:
         return
@@ -154,7 +163,7 @@ def forget_base_paths(tape_dir: TapeDir, tree_path: str, touched: Iterable[bytes
         if not any(path[:i] in gone for i in _prefix_ends(path))
     }
     if len(kept) != len(stats):
-        _write_stats(tape_dir, tree_path, kept)
+        _write_stats(tape_dir, tree_path, tree, kept)
 
 
 def forget_committed(
