@@ -54,7 +54,7 @@ from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
 from jukebox.protections import Protections, booth_protections, strict_refusal
-from jukebox.record_binding import bound_tape
+from jukebox.record_binding import bound_tape, record_seal
 from jukebox.recorded_image import image_record
 from jukebox.scratchdir import booth_scratch
 from jukebox.tapedir import TapeDir, check_tape_id
@@ -225,6 +225,9 @@ class BoothRecord:
     # The tree's directory as the booth opened it (see jukebox.realtree); also in run_start.
     tree_dev: int | None = None
     tree_ino: int | None = None
+    # This user's keyed hash of the fields a commit acts on (jukebox.record_binding.record_seal):
+    # only a booth this user ran here is ever committed from its record.
+    seal: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -235,6 +238,7 @@ def _record_path(tape_dir: TapeDir, booth_id: str) -> Path:
 
 
 def save_record(tape_dir: TapeDir, record: BoothRecord) -> None:
+    record.seal = record_seal(record)
     path = _record_path(tape_dir, record.id)
     tape_dir.private_dir(path.parent.name)
     tmp = path.with_suffix(".json.tmp")
@@ -671,7 +675,7 @@ def commit_booth(
         if record.status == "running" and _alive(record.pid):
             raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
         with _open_store(tape_dir) as store:
-            bound_tape(tape_dir, booth_id, record, store)  # before anything is written
+            bound_tape(tape_dir, booth_id, record, store, sealed=True)  # before any write
             base, final, checkpoint = _target_tree(record, at)
             refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
             if refused:

@@ -14,7 +14,11 @@ authority: before a record is acted on, `bound_tape` checks that
 
 A mismatch is tampering (exit 1), reported in one line naming the field; nothing is written.
 The chain makes an edit of the record or of one frame evident; it is no signature: a tape dir
-forged whole by someone who rewrote every frame passes it (see docs/reliability.md).
+forged whole, tape and record, passes it. So a commit also asks for the record's *seal*: a
+BLAKE3 keyed hash of the fields it acts on (`SEALED`), made when the booth saved its record with
+the key only this user holds (`jukebox.realtree.commit_key`). A booth from a received tape dir
+carries its sender's seal, or none, and is never committed; `diff` and `discard` do not need it.
+A user with no writable home has no key: their seals are plain hashes, which bind nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ if TYPE_CHECKING:
 
 # Record fields that are the record's own bookkeeping, whatever run_start holds under the name.
 _OWN = frozenset({"id", "tape", "created", "status", "final_tree", "pid", "agent_status",
-                  "verify", "note"})  # fmt: skip
+                  "verify", "note", "seal"})  # fmt: skip
+# What the seal covers: where a commit writes and what it writes there.
+SEALED = ("id", "tree", "tree_dev", "tree_ino", "base_tree", "final_tree")
 
 
 class RecordMismatch(CheckFailed):
@@ -44,8 +50,34 @@ class RecordMismatch(CheckFailed):
         self.field = field
 
 
-def bound_tape(tape_dir: TapeDir, booth_id: str, record: BoothRecord, store: Any = None) -> Tape:
-    """The record's tape, loaded and checked against the record (see the module docstring)."""
+def record_seal(record: BoothRecord) -> str:
+    """This user's seal of the record's `SEALED` fields (see the module docstring)."""
+    from blake3 import blake3
+
+    from jukebox.frame import canonical_json
+    from jukebox.realtree import commit_key
+
+    body = canonical_json({key: getattr(record, key, None) for key in SEALED})
+    key = commit_key()  # made now if this user has none yet: never compare against no key
+    return (blake3(body, key=key) if key is not None else blake3(body)).hexdigest()
+
+
+class NotSealed(CheckFailed):
+    def __init__(self, booth_id: str) -> None:
+        super().__init__(
+            f"booth {booth_id} was not run by this user here: its record carries no seal of "
+            "yours (a booth from a received tape dir, or recorded before seals), so it is never "
+            f"committed; review it with `jukebox booth diff {booth_id}`, re-run it with "
+            "`jukebox replay --exec`, or drop it with `jukebox booth discard`"
+        )
+
+
+def bound_tape(
+    tape_dir: TapeDir, booth_id: str, record: BoothRecord, store: Any = None, *,
+    sealed: bool = False,
+) -> Tape:  # fmt: skip
+    """The record's tape, loaded and checked against the record (see the module docstring);
+    with ``sealed`` (a commit) the record must also carry this user's seal."""
     from jukebox.tape import Tape
 
     where = os.fspath(tape_dir.booths_path / f"{booth_id}.json")
@@ -85,4 +117,6 @@ def bound_tape(tape_dir: TapeDir, booth_id: str, record: BoothRecord, store: Any
         )  # fmt: skip
         if final is None or final.tree.hex() != record.final_tree:
             raise mismatch("final_tree", "is not the tree the tape's exit fs frame recorded")
+    if sealed and record.seal != record_seal(record):
+        raise NotSealed(booth_id)
     return tape

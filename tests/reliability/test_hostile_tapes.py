@@ -218,34 +218,52 @@ def test_an_edited_booth_record_commits_nothing_anywhere(home: Path) -> None:
     assert (tapes / ".jukebox" / "booths" / "booth-7.json").exists()
 
 
-def test_a_record_whose_final_tree_was_swapped_is_refused(home: Path) -> None:
-    """The record's tree is put right, but its final tree names another tree of the store."""
-    path = home / "received" / ".jukebox" / "booths" / "booth-7.json"
-    record = json.loads(path.read_text())
-    record["tree"] = str(home / "victim")
-    path.write_text(json.dumps(record))
-    # The tape's run_start must agree with the record for the final tree to be reached: make
-    # the tape honest about the tree (a sender would), then swap the final tree only.
+def forge_consistently(home: Path) -> dict:
+    """What a sender who rewrites tape and record together makes: the tape's run_start names
+    the victim dir as its tree, so the record pointing there matches it field for field."""
     from jukebox.tape import Tape, TapeWriter
     from shadowfs.store import Store
 
-    store_path = home / "received" / ".jukebox" / "store"
-    with Store.open(store_path) as store:
-        old = Tape.load(home / "received" / "booth-7.jbx", store)
-        frames = [(f.kind, f.resolve_payload(store), f.tree) for f in old.frames]
-        (home / "received" / "booth-7.jbx").unlink()
-        with TapeWriter.create(home / "received" / "booth-7.jbx", store, "booth-7") as w:
+    victim = str(home / "victim")
+    tape_path = home / "received" / "booth-7.jbx"
+    with Store.open(home / "received" / ".jukebox" / "store") as store:
+        frames = [(f.kind, f.resolve_payload(store), f.tree)
+                  for f in Tape.load(tape_path, store).frames]  # fmt: skip
+        tape_path.unlink()
+        with TapeWriter.create(tape_path, store, "booth-7") as w:
             for kind, payload, tree in frames:
-                if kind == "run_start":
-                    payload = {**payload, "tree": str(home / "victim")}
-                w.append(kind, payload, tree=tree)
-    record["final_tree"] = record["base_tree"][:-1] + ("0" if record["base_tree"][-1] != "0"
-                                                       else "1")  # fmt: skip
+                w.append(kind, {**payload, "tree": victim} if kind == "run_start" else payload,
+                         tree=tree)  # fmt: skip
+    path = home / "received" / ".jukebox" / "booths" / "booth-7.json"
+    record = json.loads(path.read_text())
+    record["tree"] = victim
     path.write_text(json.dumps(record))
+    return record
+
+
+def test_a_record_whose_final_tree_was_swapped_is_refused(home: Path) -> None:
+    """Tape and record agree on the tree, but the record's final tree names another tree."""
+    record = forge_consistently(home)
+    last = record["base_tree"][-1]
+    record["final_tree"] = record["base_tree"][:-1] + ("0" if last != "0" else "1")
+    (home / "received" / ".jukebox" / "booths" / "booth-7.json").write_text(json.dumps(record))
     proc = jb(home, "booth", "commit", "booth-7")
     assert proc.returncode == 1
     assert "field 'final_tree'" in one_line(proc)
     assert list((home / "victim").iterdir()) == []
+
+
+def test_a_booth_forged_whole_is_never_committed(home: Path) -> None:
+    """Tape and record rewritten together pass the binding; the record carries no seal of this
+    user's, so commit refuses; diff still shows what the sender proposes."""
+    forge_consistently(home)
+    before = outside(home)
+    proc = jb(home, "booth", "commit", "booth-7", "--allow-hooks")
+    assert proc.returncode == 1
+    assert "booth booth-7 was not run by this user here" in one_line(proc)
+    assert list((home / "victim").iterdir()) == [] and outside(home) == before
+    proc = jb(home, "booth", "diff", "booth-7")
+    assert proc.returncode == 0 and ".ssh/authorized_keys" in proc.stdout, proc.stderr
 
 
 def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path) -> None:
@@ -400,3 +418,35 @@ def test_as_nobody_the_same_tricks_fail_the_same_way(
     assert not os.path.exists(MARKER)
     assert list((home / "victim").iterdir()) == []
     assert outside(home) == before
+
+
+def test_a_real_pending_booth_binds_its_identity_and_seal(tmp_path: Path) -> None:
+    """The user's own booth: an edited tree identity or seal is refused by name; as the run
+    left it, the record commits."""
+    if os.geteuid() != 0:
+        pytest.skip("booths here run as root")
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "JUKEBOX_TAPE_DIR"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [JUKEBOX, "booth", args[0], "--tape-dir", str(tapes), *args[1:]]
+        return subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env,
+                              timeout=120)  # fmt: skip
+
+    proc = run("run", "--tree", str(tree), "--tape-id", "own", "--commit", "never",
+               "--", "/bin/sh", "-c", "echo new > new.txt")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    path = tapes / ".jukebox" / "booths" / "own.json"
+    honest = json.loads(path.read_text())
+    assert honest["tree_ino"] == os.stat(tree).st_ino and honest["seal"]
+    for key, value, said in (("tree_ino", honest["tree_ino"] + 1, "field 'tree_ino'"),
+                             ("seal", "0" * 64, "was not run by this user here")):  # fmt: skip
+        path.write_text(json.dumps({**honest, key: value}))
+        proc = run("commit", "own")
+        assert proc.returncode == 1 and said in one_line(proc), proc.stderr
+        assert not (tree / "new.txt").exists()
+    path.write_text(json.dumps(honest))
+    proc = run("commit", "own")
+    assert proc.returncode == 0, proc.stderr
+    assert (tree / "new.txt").read_text() == "new\n"
