@@ -124,6 +124,10 @@ class _ClientGone(Exception):
     pass
 
 
+class _Stranger(Exception):
+    """A request without this proxy's secret: answered before its body is read."""
+
+
 class ProxyServer:
     """Start with `start()`, point agents at `base_urls()`, stop with `stop()` (or `with`).
 
@@ -253,13 +257,16 @@ class ProxyServer:
             async with stream:
                 while True:
                     try:
-                        request, body = await self._read_request(conn, stream)
+                        request, target, body = await self._read_request(conn, stream)
                     except h11.RemoteProtocolError as error:
                         await self._fail_protocol(conn, stream, error)
                         return
+                    except _Stranger:
+                        await self._refuse_stranger(conn, stream)
+                        return
                     if request is None:
                         return
-                    await self._handle(conn, stream, request, body)
+                    await self._handle(conn, stream, request, target, body)
                     if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                         return
                     try:
@@ -277,10 +284,15 @@ class ProxyServer:
 
     async def _read_request(
         self, conn: h11.Connection, stream: trio.SocketStream
-    ) -> tuple[h11.Request | None, bytes]:
+    ) -> tuple[h11.Request | None, str, bytes]:
+        """The request, its target after the secret, and its body. Without the secret the body
+        is never read: a stranger cannot make the proxy hold 64 MiB per connection."""
         event = await self._next_event(conn, stream)
         if not isinstance(event, h11.Request):
-            return None, b""
+            return None, "", b""
+        target = self._inside(event.target.decode("latin-1"))
+        if target is None:
+            raise _Stranger()
         parts = []
         size = 0
         while True:
@@ -291,7 +303,7 @@ class ProxyServer:
                     raise h11.RemoteProtocolError("request body too large", 413)
                 parts.append(bytes(part.data))
             elif isinstance(part, h11.EndOfMessage):
-                return event, b"".join(parts)
+                return event, target, b"".join(parts)
             elif isinstance(part, h11.ConnectionClosed):
                 raise _ClientGone()
 
@@ -301,6 +313,22 @@ class ProxyServer:
         if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             body = json.dumps({"error": {"message": f"bad request: {error}"}}).encode()
             await self._send_simple(conn, stream, error.error_status_hint, body)
+
+    async def _refuse_stranger(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
+        """403, then the connection is closed: its body, if any, is never read."""
+        message = (
+            "jukebox proxy: this proxy serves only the agent of its own booth; use the "
+            "OPENAI_BASE_URL and ANTHROPIC_BASE_URL the booth set, which carry its secret"
+        )
+        body = error_body("openai", message, SECRET_CODE)
+        headers = [
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            ("connection", "close"),
+        ]
+        await self._send(conn, stream, h11.Response(status_code=403, headers=headers))
+        await self._send(conn, stream, h11.Data(data=body))
+        await self._send(conn, stream, h11.EndOfMessage())
 
     async def _send(self, conn: h11.Connection, stream: trio.SocketStream, event: Any) -> None:
         data = conn.send(event)
@@ -329,16 +357,13 @@ class ProxyServer:
     # ------------------------------------------------------------------ one request
 
     async def _handle(
-        self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request, body: bytes
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        request: h11.Request,
+        target: str,
+        body: bytes,
     ) -> None:
-        target = self._inside(request.target.decode("latin-1"))
-        if target is None:
-            message = (
-                "jukebox proxy: this proxy serves only the agent of its own booth; use the "
-                "OPENAI_BASE_URL and ANTHROPIC_BASE_URL the booth set, which carry its secret"
-            )
-            await self._send_simple(conn, stream, 403, error_body("openai", message, SECRET_CODE))
-            return
         method = request.method.decode("ascii")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
         try:

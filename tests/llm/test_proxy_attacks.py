@@ -101,6 +101,26 @@ def test_a_process_without_the_secret_is_refused_and_leaves_no_trace(
     assert len(upstream.seen) == 1  # the attacker reached nothing upstream
 
 
+def test_a_stranger_is_refused_before_its_body_is_read(recording: Recording) -> None:
+    head = (
+        b"POST /openai/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        b"content-type: application/json\r\ncontent-length: 67108864\r\n\r\n"
+    )
+    # The head announces 64 MiB and no byte of it follows: the answer comes anyway, and the
+    # connection ends with it.
+    with (
+        recording.proxy(None) as proxy,
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock,
+    ):
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 403 "
+    assert b"connection: close" in rest.lower() and b"jukebox_proxy_secret" in rest
+
+
 def test_another_user_without_the_secret_is_refused(
     upstream: FakeUpstream, recording: Recording, nobody_python: str  # noqa: F811
 ) -> None:
