@@ -207,7 +207,9 @@ def _lstat(dirs: _Dirs, path: bytes) -> os.stat_result | None:
         raise
 
 
-def _open_target(target: Target, lock_timeout: float | None = None) -> int:
+def _open_target(
+    target: Target, lock_timeout: float | None = None, interrupted: Interrupted | None = None
+) -> int:
     """The target's fd, exclusively flocked until closed. The journal dir's lock serialises one
     booth's commits only; two booths committing onto one tree journal apart, and without this
     both could pass the conflict check before either wrote: a lost update.
@@ -226,7 +228,7 @@ def _open_target(target: Target, lock_timeout: float | None = None) -> int:
             "pass the existing real directory the layer sits on"
         ) from None
     try:
-        _flock(fd, lock_timeout)
+        _flock(fd, lock_timeout, interrupted)
     except BaseException:
         os.close(fd)
         raise
@@ -236,18 +238,20 @@ def _open_target(target: Target, lock_timeout: float | None = None) -> int:
 _LOCK_POLL = 0.05
 
 
-def _flock(fd: int, timeout: float | None) -> None:
-    """flock(LOCK_EX), waiting at most ``timeout`` seconds (None: forever)."""
-    if timeout is None:
+def _flock(fd: int, timeout: float | None, interrupted: Interrupted | None = None) -> None:
+    """flock(LOCK_EX), waiting at most ``timeout`` seconds (None: forever) and giving up when
+    ``interrupted()`` turns true."""
+    if timeout is None and interrupted is None:
         fcntl.flock(fd, fcntl.LOCK_EX)
         return
-    deadline = time.monotonic() + max(0.0, timeout)
+    deadline = time.monotonic() + max(0.0, timeout) if timeout is not None else None
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            _check_interrupt(interrupted)
+            if deadline is not None and time.monotonic() >= deadline:
                 break
             time.sleep(_LOCK_POLL)
     holders = lock_holders(fd)
@@ -1036,7 +1040,7 @@ def apply(
         return CommitReport(0, 0)
     crash = _Crash()
     with _journal_dir(journal_dir) as jfd:
-        root = _open_target(target, lock_timeout)
+        root = _open_target(target, lock_timeout, interrupted)
         dirs = _Dirs(root)
         try:
             _recover_locked(dirs, jfd, _Crash(steps=False), key)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shadowfs.commit import CRASH_ENV, JOURNAL_NAME, PAUSE_ENV, _seal
-from tests.reliability.conftest import JUKEBOX, jb
+from tests.reliability.conftest import JUKEBOX, booth_argv, jb
 from tests.reliability.pending_booth import PendingBooth, resume, wait_stopped
 
 pytestmark = pytest.mark.usefixtures("booth_ready")
@@ -163,3 +163,24 @@ def test_a_tree_swapped_since_the_crash_is_not_recovered_into(
         moved.rename(world.tree)
     proc = jb("booth", "ls", "--tape-dir", str(world.tapes))
     assert recovery_lines(proc.stderr) and world.state() == "new"
+
+
+def test_a_booth_run_killed_in_its_auto_commit_is_recovered_and_stays_committable(
+    tmp_path: Path,
+) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("old\n")
+    run = jb(*booth_argv(tree, tapes, "auto", "--commit", "auto"),
+             "sh", "-c", "echo new > a.txt; echo more > b.txt",
+             cwd=tree, env={CRASH_ENV: "stage:0"})
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert any(p.name.startswith(".jbx-stage-") for p in tree.iterdir())  # torn until recovered
+    listed = jb("booth", "ls", "--tape-dir", str(tapes))
+    assert listed.returncode == 0, listed.stderr
+    assert "undone" in listed.stderr and "auto  pending" in listed.stdout
+    assert sorted(p.name for p in tree.iterdir()) == ["a.txt"]
+    assert (tree / "a.txt").read_text() == "old\n"
+    done = jb("booth", "commit", "auto", "--tape-dir", str(tapes))
+    assert done.returncode == 0, done.stderr
+    assert (tree / "a.txt").read_text() == "new\n" and (tree / "b.txt").exists()
