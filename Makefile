@@ -56,7 +56,7 @@ system-packages:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
 clean:

@@ -1,7 +1,7 @@
 """Sandbox images: what of the host a booth shows its agent, its network, limits and verifier.
 
-An image is a TOML file; `--image NAME` picks `sandbox_images/NAME.toml`, `--image PATH` any
-file. The keys (see sandbox_images/host.toml):
+An image is a TOML file; `--image NAME` picks `jukebox/sandbox_images/NAME.toml` (package data),
+`--image PATH` any file. The keys (see jukebox/sandbox_images/host.toml):
 
     name, description, net ("host" | "none"), verify (a default verifier command)
     [fs]      readonly_host, private_tmp, only (top-level dirs kept; the rest hidden), hide
@@ -34,7 +34,8 @@ from jukebox.errors import UsageError
 from jukebox.redact import SECRET_ENV_PATTERNS
 from jukebox.syscall_filter import GROUPS, check_groups
 
-IMAGES_DIR = Path(__file__).resolve().parent.parent / "sandbox_images"
+# Package data, so that a wheel install has them too.
+IMAGES_DIR = Path(__file__).resolve().parent / "sandbox_images"
 DEFAULT_IMAGE = "host"
 NET_MODES = ("host", "none")
 SECRET_PATTERNS = SECRET_ENV_PATTERNS

@@ -656,6 +656,13 @@ def _init_main(spec: ChildSpec, status_fd: int, alive_r: int, result_w: int) -> 
     os.close(alive_r)
     with contextlib.suppress(Exception):
         prctl.set_proctitle(INIT_TITLE)  # what `ps` and /proc/1/cmdline show inside
+    if spec.seccomp is not None:
+        try:
+            from jukebox import syscall_filter
+
+            syscall_filter.preload()
+        except Exception as error:
+            _setup_failed(status_fd, "building the system call filter", error)
     try:
         build_view(spec, fresh_proc=True)
     except Exception as error:

@@ -217,6 +217,12 @@ def _binding() -> Any:
     return pyseccomp
 
 
+def preload() -> None:
+    """Imports the binding while the host's file system is still in view: an image may hide
+    the directory it is installed in (a venv under /home, with `minimal`)."""
+    _binding()
+
+
 def build(allow: Sequence[str] = ()) -> Any:
     """The filter as a libseccomp context, ready to `load()` in the process that will exec."""
     sc = _binding()
