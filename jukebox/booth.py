@@ -26,6 +26,7 @@ and so can anything else that mounts a snapshot-able view at a path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import itertools
@@ -285,8 +286,25 @@ def list_booths(tape_dir: TapeDir) -> list[BoothRecord]:
             continue
         if record.status == "running" and not _alive(record.pid):
             record.status = "crashed"  # its supervisor died: nothing to commit, discard it
+        if record.status != "running":
+            record.status = _trust_status(tape_dir, record) or record.status
         out.append(record)
     return out
+
+
+def _trust_status(tape_dir: TapeDir, record: BoothRecord) -> str | None:
+    """`tampered` when the record does not match its tape (or the tape's chain breaks),
+    `foreign` when it does but carries no seal of this user's (a received booth: never
+    committed), else None."""
+    from jukebox.record_binding import NotSealed
+
+    try:
+        bound_tape(tape_dir, record.id, dataclasses.replace(record), sealed=True)
+    except NotSealed:
+        return "foreign"
+    except (JukeboxError, OSError, ValueError):
+        return "tampered"
+    return None
 
 
 @contextlib.contextmanager

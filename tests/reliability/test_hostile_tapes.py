@@ -216,6 +216,8 @@ def test_an_edited_booth_record_commits_nothing_anywhere(home: Path) -> None:
     assert outside(home) == before
     assert (tapes / "booth-7.jbx").read_bytes() == tape_before  # no verdict frame either
     assert (tapes / ".jukebox" / "booths" / "booth-7.json").exists()
+    listed = json.loads(jb(home, "booth", "ls", "--json").stdout)
+    assert [(b["id"], b["status"]) for b in listed] == [("booth-7", "tampered")]
 
 
 def forge_consistently(home: Path) -> dict:
@@ -264,6 +266,8 @@ def test_a_booth_forged_whole_is_never_committed(home: Path) -> None:
     assert list((home / "victim").iterdir()) == [] and outside(home) == before
     proc = jb(home, "booth", "diff", "booth-7")
     assert proc.returncode == 0 and ".ssh/authorized_keys" in proc.stdout, proc.stderr
+    listed = json.loads(jb(home, "booth", "ls", "--json").stdout)
+    assert [(b["id"], b["status"]) for b in listed] == [("booth-7", "foreign")]
 
 
 def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path) -> None:
@@ -440,6 +444,8 @@ def test_a_real_pending_booth_binds_its_identity_and_seal(tmp_path: Path) -> Non
     path = tapes / ".jukebox" / "booths" / "own.json"
     honest = json.loads(path.read_text())
     assert honest["tree_ino"] == os.stat(tree).st_ino and honest["seal"]
+    listed = json.loads(run("ls", "--json").stdout)
+    assert [(b["id"], b["status"]) for b in listed] == [("own", "pending")]
     for key, value, said in (("tree_ino", honest["tree_ino"] + 1, "field 'tree_ino'"),
                              ("seal", "0" * 64, "was not run by this user here")):  # fmt: skip
         path.write_text(json.dumps({**honest, key: value}))
