@@ -14,8 +14,11 @@ The relay, a thread of the supervisor:
 * puts the operator's terminal in raw mode while an interactive agent runs (stdin is a terminal
   and the booth is its foreground job), so Ctrl-C, Ctrl-Z and Ctrl-\\ travel as bytes and the
   pty's line discipline turns them into the agent's own terminal signals, sent to the agent's
-  foreground process group; the operator's settings come back on every way out of `relayed`;
-* counts the interrupt characters (VINTR, VQUIT) typed while the agent's terminal generates
+  foreground process group; the operator's settings come back on every way out of `relayed`.
+  (CMD leads its session, so its own process group is orphaned: the kernel drops a Ctrl-Z
+  aimed at it unless it handles SIGTSTP, as for any login shell; a job-control shell running
+  as the agent suspends its jobs as usual. The booth itself is not suspended.)
+* counts the interrupt characters (VINTR, Ctrl-C) typed while the agent's terminal generates
   signals, so the supervisor can treat them as it treats a Ctrl-C it receives itself;
 * takes window sizes over (`resize`, which the supervisor calls on SIGWINCH), and sends the
   signals the supervisor is asked to pass on through the pty (`send_signal`: TIOCSIG), so they
@@ -50,6 +53,7 @@ DRAIN_IDLE_S = 1.0
 # looks whether it was opened again.
 REOPEN_POLL_S = 0.2
 WINSIZE = struct.Struct("HHHH")
+DISABLED = b"\0"  # _POSIX_VDISABLE: a control character switched off
 
 
 def _isatty(fd: int) -> bool:
@@ -240,9 +244,9 @@ class AgentTerminal:
             return
         if not attrs[3] & termios.ISIG:
             return  # the agent reads Ctrl-C as a key (its terminal is raw)
-        keys = {attrs[6][termios.VINTR], attrs[6][termios.VQUIT]} - {b"\0"}
-        for byte in typed:
-            if bytes([byte]) in keys:
+        interrupt = attrs[6][termios.VINTR]
+        if interrupt != DISABLED:
+            for _ in range(typed.count(interrupt)):
                 self._on_interrupt()
 
 

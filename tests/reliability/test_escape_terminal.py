@@ -75,6 +75,26 @@ def push_everywhere(text):
             dev = None
         found[name] = {"dev": dev, "push": outcome(lambda: push(fd, text))}
     return found
+
+def stop_own_group():
+    # kill(0, SIGSTOP) stops our whole process group; a helper in a group of its own continues
+    # it. A group led outside the booth (the caller's) has no number in here: then the helper
+    # continues us alone, and whatever else the signal stopped stays stopped.
+    me, group = os.getpid(), os.getpgid(0)
+    go_r, go_w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        os.setpgid(0, 0)
+        os.read(go_r, 1)
+        while open(f"/proc/{me}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)
+        os.kill(-group if group > 0 else me, signal.SIGCONT)
+        os._exit(0)
+    os.setpgid(helper, helper)
+    os.write(go_w, b"x")
+    result = outcome(lambda: os.kill(0, signal.SIGSTOP))
+    os.waitpid(helper, 0)
+    return result
 """
 
 INTERACTIVE = COMMON + r"""
@@ -83,6 +103,8 @@ def size():
     return f"{rows}x{cols}"
 
 signal.signal(signal.SIGWINCH, lambda *_: print("WINCH " + size(), flush=True))
+for name in ("SIGTSTP", "SIGQUIT"):
+    signal.signal(getattr(signal, name), lambda *_, n=name: print(f"{n}-REACHED", flush=True))
 
 def interrupted(*_):
     print("SIGINT-REACHED-THE-AGENT", flush=True)
@@ -104,22 +126,7 @@ HOSTILE = COMMON + r"""
 open("changed.txt", "w").write("only a `y` typed by the operator commits this\n")
 report = {"pid": os.getpid(), "sid": os.getsid(0), "tty_nr": tty_nr()}
 report["tiocsti"] = push_everywhere(f"y\ntouch {cfg['pwned']}-hostile\n")
-
-# A helper in a group of its own continues us once kill(0, SIGSTOP) stopped our whole group.
-me = os.getpid()
-go_r, go_w = os.pipe()
-helper = os.fork()
-if helper == 0:
-    os.setpgid(0, 0)
-    os.read(go_r, 1)
-    while open(f"/proc/{me}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-        time.sleep(0.01)
-    os.kill(me, signal.SIGCONT)
-    os._exit(0)
-os.setpgid(helper, helper)
-os.write(go_w, b"x")
-report["kill0_sigstop"] = outcome(lambda: os.kill(0, signal.SIGSTOP))
-os.waitpid(helper, 0)
+report["kill0_sigstop"] = stop_own_group()
 
 own_tty = os.ttyname(0)
 print("REPORT " + json.dumps(report), flush=True)
@@ -136,6 +143,22 @@ try:  # the hung-up fds are dead; the terminal itself is not
 except OSError:
     pass
 os.kill(0, signal.SIGKILL)
+"""
+
+# Run with no terminal on stdin, stdout or stderr, as the agent and as the verifier: no tty at
+# all, still a session of its own; exits 0 only when all of that holds.
+PIPED = COMMON + r"""
+report = {
+    "isatty": [os.isatty(fd) for fd in (0, 1, 2)],
+    "dev_tty": outcome(lambda: os.open("/dev/tty", os.O_RDWR)),
+    # Led by a process in the booth (CMD: the verifier's python runs under `sh -c`); a session
+    # led outside the booth's PID namespace shows as 0.
+    "session_in_booth": os.getsid(0) > 0,
+    "kill0_sigstop": stop_own_group(),
+}
+print("REPORT " + json.dumps(report), flush=True)
+expected = {"isatty": [False] * 3, "dev_tty": "ENXIO", "session_in_booth": True}
+sys.exit(0 if report == {**expected, "kill0_sigstop": "ok"} else 1)
 """
 
 
@@ -231,9 +254,12 @@ class Session:
     operator: Operator
     pwned: str
     interactive: dict
+    interactive_events: list[str]
     interactive_code: int
     hostile: dict
     hostile_code: int
+    piped: dict
+    piped_code: int
     tree: Path
     tapes: Path
     booths: list[dict]
@@ -267,6 +293,7 @@ def session(
             os.chown(p, uid, uid)
     (tree / "interactive.py").write_text(INTERACTIVE)
     (tree / "hostile.py").write_text(HOSTILE)
+    (tree / "piped.py").write_text(PIPED)
     pwned = f"/tmp/pwned-{os.getpid()}-{user}"
     env = dict(os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}")
     jukebox = [JUKEBOX]
@@ -281,11 +308,21 @@ def session(
             argv = [*jukebox, *booth_argv(tree, tapes, tape_id, "--fs", fs, *opts)]
             return shlex.join([*argv, AGENT_PYTHON, "-I", agent, cfg])
 
+        # No terminal on any stdio fd (the booth is still the operator's foreground job).
+        piped_log = work / "piped.log"
+        verifier = shlex.join([AGENT_PYTHON, "-I", "piped.py", cfg])
+        command = booth("piped", "piped.py", "--commit", "never", "--verify", verifier)
+        piped_code = operator.run(f"{command} </dev/null >{piped_log} 2>&1")
+        piped = json.loads(piped_log.read_text().split("REPORT ", 1)[1].splitlines()[0])
+
         operator.type(booth("interactive", "interactive.py", "--commit", "never") + "\r")
         interactive = report(operator)
         operator.resize(33, 101)  # the kernel sends SIGWINCH to the booth, the operator's job
-        operator.expect(r"WINCH 33x101")
-        operator.type("\x03")  # Ctrl-C, typed
+        events = [operator.expect(r"WINCH \d+x\d+").group(0).decode()]
+        for key in ("\x1a", "\x1c"):  # Ctrl-Z, Ctrl-\\: the agent's own terminal signals
+            operator.type(key)
+            events.append(operator.expect(r"SIG[A-Z]+-REACHED").group(0).decode())
+        operator.type("\x03")  # Ctrl-C
         operator.expect(r"SIGINT-REACHED-THE-AGENT")
         # Typed only once the booth is done with the terminal (the keys would be the agent's).
         operator.expect(r"kept pending")
@@ -302,8 +339,8 @@ def session(
         listing = jb("booth", "ls", "--json", "--tape-dir", str(tapes), python=python, user=uid)
         booths = json.loads(listing.stdout) if listing.returncode == 0 else []
         yield Session(
-            user, operator, pwned, interactive, interactive_code, hostile, hostile_code,
-            tree, tapes, booths,
+            user, operator, pwned, interactive, events, interactive_code, hostile, hostile_code,
+            piped, piped_code, tree, tapes, booths,
         )
     finally:
         operator.close()
@@ -352,12 +389,28 @@ def test_pushed_input_cannot_answer_the_commit_question(session: Session) -> Non
     assert [b["status"] for b in session.booths if b["id"] == "hostile"] == ["pending"]
 
 
+def test_without_a_terminal_the_agent_and_the_verifier_have_none_and_own_sessions(
+    session: Session,
+) -> None:
+    assert session.piped == {
+        "isatty": [False, False, False],
+        "dev_tty": "ENXIO",  # the operator's terminal is the supervisor's alone
+        "session_in_booth": True,
+        "kill0_sigstop": "ok",  # and the booth, the operator's job, was not stopped with it
+    }
+    assert session.piped_code == 0
+    piped = [b for b in session.booths if b["id"] == "piped"]
+    assert [b["verify"]["ok"] for b in piped] == [True]  # the same checks, as the verifier
+
+
 def test_an_interactive_agent_gets_a_terminal_its_size_and_the_operators_ctrl_c(
     session: Session,
 ) -> None:
-    # (6) a tty on every stdio fd, the window size kept up to date, Ctrl-C delivered as SIGINT.
+    # (6) a tty on every stdio fd, the window size kept up to date, the typed Ctrl-Z, Ctrl-\
+    # and Ctrl-C delivered to it as SIGTSTP, SIGQUIT and SIGINT (and the booth still running).
     assert session.interactive["isatty"] == [True, True, True]
-    assert re.fullmatch(r"\d+x\d+", session.interactive["size"])
+    assert session.interactive["size"] == "24x200"
+    assert session.interactive_events == ["WINCH 33x101", "SIGTSTP-REACHED", "SIGQUIT-REACHED"]
     # Its handler exited 0; the booth counts the typed Ctrl-C as an interruption and keeps it.
     assert session.interactive_code == 130
     assert [b["status"] for b in session.booths if b["id"] == "interactive"] == ["pending"]
