@@ -324,8 +324,9 @@ def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path)
     replay = sorted(tapes.glob("m-replay-*.jbx"))[-1]
     assert Tape.load(replay).frames[0].payload["sandbox_image"]["blake3"] == recorded["blake3"]
 
-    proc = run("fork", str(tapes / "m.jbx"), "--at", "2", "--exec", "--image",
-               str(tmp_path / "mine.toml"), cwd=elsewhere)  # fmt: skip
+    # A relative --image is the caller's file, found in the caller's cwd.
+    proc = run("fork", str(tapes / "m.jbx"), "--at", "2", "--exec", "--image", "./mine.toml",
+               cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "image:" not in proc.stderr  # the same content: nothing to report
     proc = run("fork", str(tapes / "m.jbx"), "--at", "2", "--exec", cwd=elsewhere)
