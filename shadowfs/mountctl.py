@@ -46,6 +46,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from shadowfs import mountinfo
 from shadowfs.errors import ShadowfsError
 from shadowfs.fuse import FSNAME, TIMEOUT, Operations, Server
 from shadowfs.fuse_wire import EXPIRE_ONLY_MINOR, Channel
@@ -64,31 +65,9 @@ class MountError(ShadowfsError):
     pass
 
 
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
-    out = []
-    i = 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 4 <= len(field):
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def mounts_at(path: str | os.PathLike[str]) -> list[tuple[int, str]]:
     """(mount id, fstype) of every mount whose mount point is ``path``, oldest first."""
-    want = os.path.abspath(os.fspath(path))
-    out = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            head, _, tail = line.partition(" - ")
-            fields = head.split(" ")
-            if len(fields) >= 5 and _unescape(fields[4]) == want:
-                out.append((int(fields[0]), tail.split(" ", 1)[0]))
-    return out
+    return [(m.mount_id, m.fstype) for m in mountinfo.mounts_at(path)]
 
 
 def is_mounted(path: str | os.PathLike[str], fstype: str | None = FSTYPE) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from shadowfs import mountinfo
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
 from shadowfs.tree import DIR, FILE, SYMLINK, Entry, TreeStore, read_tree
@@ -38,6 +39,9 @@ from shadowfs.tree import DIR, FILE, SYMLINK, Entry, TreeStore, read_tree
 _TIMEOUT = 86400.0
 _BLOB_CACHE_BYTES = 64 << 20
 _READY_TIMEOUT_S = 20.0
+# What /proc/self/mountinfo shows of a view: `jukebox umount` unmounts nothing else.
+VIEW_FSNAME = "shadowfs-view"
+VIEW_FSTYPE = "fuse.shadowfs"
 
 
 class ViewError(ShadowfsError):
@@ -282,16 +286,14 @@ def _chunk_spans(data: bytes) -> tuple[list[int], list[ObjectId]]:
 
 
 def _mounted(mountpoint: str) -> bool:
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            field = line.split(" ", 5)[4]
-            if "\\" in field:
-                for code, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"),
-                                 ("\\134", "\\")):
-                    field = field.replace(code, ch)
-            if field == mountpoint:
-                return True
-    return False
+    return bool(mountinfo.mounts_at(mountpoint))
+
+
+def is_view(mountpoint: str | os.PathLike[str]) -> bool:
+    """Whether the visible mount at ``mountpoint`` is a view (not a booth's layer, nor any
+    other file system that happens to be mounted there)."""
+    found = mountinfo.mounts_at(os.path.realpath(mountpoint))
+    return bool(found) and (found[-1].fstype, found[-1].source) == (VIEW_FSTYPE, VIEW_FSNAME)
 
 
 def serve_tree(
@@ -308,7 +310,7 @@ def serve_tree(
         raise ViewError(f"mount point {mp!r} is not a directory; create it first")
     read_tree(store, tree_id)  # a missing or malformed tree fails here, not on the first ls
     ops = TreeView(store, tree_id, root_mtime_ns=os.stat(mp).st_mtime_ns)
-    options = set(pyfuse3.default_options) | {"ro", "fsname=shadowfs-view", "subtype=shadowfs"}
+    options = set(pyfuse3.default_options) | {"ro", f"fsname={VIEW_FSNAME}", "subtype=shadowfs"}
     if os.getuid() == 0:
         options.add("allow_other")
     try:

@@ -46,3 +46,29 @@ def test_mount_errors_are_one_line(tmp_path: Path, jukebox_cli) -> None:
         jukebox_cli("mount", "tr_demo@7", str(tmp_path)), 2
     )
     assert "is not a mount point" in one_line_error(jukebox_cli("umount", str(tmp_path)), 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_umount_refuses_what_jukebox_did_not_mount(tmp_path: Path, jukebox_cli) -> None:
+    import subprocess
+
+    tmpfs, bound = tmp_path / "tmpfs", tmp_path / "bound"
+    tmpfs.mkdir()
+    bound.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "jbtest", str(tmpfs)], check=True)
+    try:
+        (tmpfs / "precious.txt").write_text("keep me\n")
+        subprocess.run(["mount", "--bind", str(tmp_path), str(bound)], check=True)
+        try:
+            line = one_line_error(jukebox_cli("umount", str(tmpfs)), 2)
+            assert "is a tmpfs mount, not a tape `jukebox mount` made" in line
+            assert "not a tape `jukebox mount` made" in one_line_error(
+                jukebox_cli("umount", str(bound)), 2
+            )
+            assert os.path.ismount(bound)
+        finally:
+            subprocess.run(["umount", str(bound)], check=True)
+        assert os.path.ismount(tmpfs)
+        assert (tmpfs / "precious.txt").read_text() == "keep me\n"
+    finally:
+        subprocess.run(["umount", str(tmpfs)], check=True)

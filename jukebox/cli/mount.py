@@ -66,12 +66,20 @@ def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
 @cli.command("umount")
 @click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
 def umount_command(directory: Path) -> None:
-    """Unmount a tape mounted with `jukebox mount`."""
+    """Unmount a tape mounted with `jukebox mount` (and nothing else)."""
     from jukebox.errors import UsageError
-    from shadowfs.view import unmount
+    from shadowfs.mountinfo import mounts_at
+    from shadowfs.view import is_view, unmount
 
     target = os.path.realpath(directory)
     if not os.path.ismount(target):
         raise UsageError(f"{directory} is not a mount point: nothing to unmount")
+    if not is_view(target):
+        found = mounts_at(target)
+        what = f"a {found[-1].fstype} mount" if found else "a mount"
+        raise UsageError(
+            f"{directory} is {what}, not a tape `jukebox mount` made: jukebox leaves it "
+            "alone (use umount(8) if you mean it)"
+        )
     unmount(target)
     click.echo(f"unmounted {directory}")

@@ -1,0 +1,44 @@
+"""The mounts of this process's mount namespace, as /proc/self/mountinfo lists them."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+class MountEntry(NamedTuple):
+    mount_id: int
+    mount_point: str
+    fstype: str  # "fuse.SUBTYPE" for a FUSE mount
+    source: str  # a FUSE mount's fsname
+
+
+def unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out = []
+    i = 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 4 <= len(field):
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts_at(path: str | os.PathLike[str]) -> list[MountEntry]:
+    """Every mount whose mount point is ``path``, oldest first (the last one is visible)."""
+    want = os.path.abspath(os.fspath(path))
+    out = []
+    with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            head, _, tail = line.partition(" - ")
+            fields = head.split(" ")
+            if len(fields) < 5 or unescape(fields[4]) != want:
+                continue
+            fstype, source = [*tail.split(" ", 2), "", ""][:2]
+            out.append(MountEntry(int(fields[0]), want, fstype, unescape(source)))
+    return out
