@@ -1185,6 +1185,7 @@ def run_booth(
                 "a scratch limit (--max-scratch, or the image's limits.scratch) needs --fs fuse: "
                 "kernel overlayfs writes its upper directory itself; drop the limit or use fuse"
             )
+    view = isolation.view_policy(img, net, scratch_limit)
     booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
     tape_path = tapes.tape_path(booth_id)
     if tape_path.exists():
@@ -1251,6 +1252,7 @@ def run_booth(
                     "checkpoint_every": checkpoint_every,
                     "scratch_limit": scratch_limit,
                     "llm_record_limit": scratch_limit or DEFAULT_RECORD_LIMIT,
+                    "view": view,
                     "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
                     "protections": protections.policy(),
                 },
@@ -1311,14 +1313,15 @@ def run_booth(
         env.update(llm_session.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
+        hide = [*img.hidden_paths(), str(tapes.path), *view["hidden_socket_dirs"]]
         spec = isolation.ChildSpec(
             argv=argv,
             cwd=agent_cwd,
             env=env,
             keep=[tree_path],
             keep_readonly=[sock_dir],
-            keep_tools=isolation.hidden_tools(img.hidden_paths(), img.private_tmp),
-            hide=[*img.hidden_paths(), str(tapes.path)],
+            keep_tools=isolation.hidden_tools(hide, img.private_tmp),
+            hide=hide,
             readonly_root=img.readonly_host,
             private_tmp=img.private_tmp,
             limits=_rlimits(img, protections),
@@ -1326,6 +1329,8 @@ def run_booth(
             seccomp=list(img.seccomp_allow) if protections.is_on("seccomp") else None,
             cgroup_procs=cgroup.procs_files,
             cgroup_mounts=cgroup.mounts,
+            tmp_size=view["tmp_size"],
+            shm_size=view["shm_size"],
         )
         status, interrupted = _supervise(spec, run, checkpoint_every)
         server.close()

@@ -9,7 +9,10 @@ An image is a TOML file; `--image NAME` picks `jukebox/sandbox_images/NAME.toml`
               values are secret: passed only if allowed, marked on the tape), set (fixed values)
     [limits]  cpu_seconds, memory (bytes, or "512M", "8G"), open_files, processes,
               file_size (the largest file the agent may write: bytes or "2G"; RLIMIT_FSIZE),
-              scratch (the most the booth's layer may stage, all files together; --fs fuse)
+              scratch (the most the booth's layer may stage, all files together; --fs fuse),
+              tmp, shm (the sizes of the private /tmp and /dev/shm, which live in memory:
+              bytes or "1G"; default a quarter of RAM for /tmp, the smaller of that and 1 GiB
+              for /dev/shm; a scratch limit, from the image or --max-scratch, bounds both)
     [seccomp] enabled (default true), allow (groups of refused system calls to let through:
               see jukebox.syscall_filter.GROUPS)
     [cgroup]  enabled (default true: `processes` and `memory` are also enforced by a cgroup,
@@ -41,6 +44,11 @@ NET_MODES = ("host", "none")
 SECRET_PATTERNS = SECRET_ENV_PATTERNS
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# The private /tmp and /dev/shm are tmpfs, held in memory (or swap): unsized, each could take
+# half of RAM. By default /tmp gets a quarter of RAM, /dev/shm the smaller of that and 1 GiB
+# (shared memory segments and semaphores; Docker's 64 MiB is known to break browsers).
+TMP_RAM_FRACTION = 4
+SHM_DEFAULT_MAX = 1 << 30
 
 
 class ImageError(UsageError):
@@ -68,6 +76,8 @@ class Image:
     seccomp: bool = True
     seccomp_allow: tuple[str, ...] = ()  # groups of jukebox.syscall_filter let through
     cgroup: bool = True
+    tmp_size: int | None = None  # the private /tmp's size in bytes (None: the default)
+    shm_size: int | None = None  # the private /dev/shm's size in bytes (None: the default)
 
     def is_secret(self, name: str) -> bool:
         return _matches(name, self.env_secret)
@@ -100,6 +110,18 @@ class Image:
                         hidden.append(path)
         return hidden
 
+    def tmpfs_sizes(self, bound: int | None = None) -> dict[str, int]:
+        """The sizes of the private /tmp and /dev/shm: the image's, else the defaults, each at
+        most `bound` (the booth's scratch limit: what the agent may stage in memory counts)."""
+        quarter = physical_memory() // TMP_RAM_FRACTION
+        sizes = {
+            "tmp": self.tmp_size or quarter,
+            "shm": self.shm_size or min(quarter, SHM_DEFAULT_MAX),
+        }
+        if bound is not None:
+            sizes = {key: min(size, bound) for key, size in sizes.items()}
+        return sizes
+
     def policy(self) -> dict[str, Any]:
         """The image as recorded on the tape's run_start frame."""
         return {
@@ -113,10 +135,16 @@ class Image:
             "env_allow": list(self.env_allow),
             "limits": dict(self.limits),
             "scratch_limit": self.scratch_limit,
+            "tmp_size": self.tmp_size,
+            "shm_size": self.shm_size,
             "verify": self.verify,
             "seccomp": {"enabled": self.seccomp, "allow": list(self.seccomp_allow)},
             "cgroup": {"enabled": self.cgroup},
         }
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -232,7 +260,7 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
                 raise lim.fail(key, f"is {value}: must be a positive integer")
             limits[key] = value
     sizes: dict[str, int] = {}
-    for key in ("memory", "file_size", "scratch"):
+    for key in ("memory", "file_size", "scratch", "tmp", "shm"):
         size = lim.take(key, (int, str), None, 'must be a size in bytes or like "512M", "8G"')
         if size is None:
             continue
@@ -245,7 +273,9 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
     for key, rlimit in (("memory", "memory_bytes"), ("file_size", "file_size_bytes")):
         if key in sizes:
             limits[rlimit] = sizes[key]
-    lim.done(("cpu_seconds", "memory", "open_files", "processes", "file_size", "scratch"))
+    lim.done(
+        ("cpu_seconds", "memory", "open_files", "processes", "file_size", "scratch", "tmp", "shm")
+    )
 
     sec = top.table_("seccomp")
     seccomp = sec.take("enabled", bool, True, "must be true or false")
@@ -280,4 +310,6 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
         seccomp=seccomp,
         seccomp_allow=seccomp_allow,
         cgroup=cgroup,
+        tmp_size=sizes.get("tmp"),
+        shm_size=sizes.get("shm"),
     )

@@ -23,11 +23,13 @@ The shim is three processes, so that nothing the command starts can outlive the 
   init and, once the init is gone, exits exactly as CMD did (its status, or killed by
   the same signal), so the supervisor sees CMD's outcome as if it were its own child.
 * The init enters a mount namespace of its own (a child of the supervisor's, so it still sees
-  the layer), hides what CMD must not see, makes the host read-only, mounts a fresh /proc for
-  the new PID namespace (CMD sees its own processes only, the supervisor not at all), then forks
-  CMD, which starts a session of its own (with the booth's pty as its controlling terminal when
-  the supervisor made one, see jukebox/terminal.py: never the caller's), sets limits, cuts
-  capabilities, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
+  the layer) with new IPC and UTS namespaces, hides what CMD must not see, makes the host
+  read-only, nosuid and nodev, gives CMD a minimal /dev of its own (jukebox.private_dev), mounts
+  a fresh /proc for the new PID namespace (CMD sees its own processes only, the supervisor not
+  at all), then forks CMD, which starts a session of its own (with the booth's pty as its
+  controlling terminal when the supervisor made one, see jukebox/terminal.py: never the
+  caller's), sets limits, joins a fresh session keyring, keeps only the capabilities of
+  jukebox.credentials, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
   signals on to CMD, reaps every orphan, and exits when CMD does: the kernel then kills whatever
   is left in the namespace (setsid, nohup and double forks included).
 * The relay joins the booth's cgroup (jukebox.cgroups) before it forks; CMD installs the seccomp
@@ -58,9 +60,16 @@ import termios
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from jukebox import credentials
+
+if TYPE_CHECKING:
+    from jukebox.images import Image
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -89,31 +98,21 @@ MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
 MNT_DETACH = 0x2
 
-# What the agent must never hold, even as root: these are the ways out of a mount namespace
-# (mount, umount, pivot_root, chroot, ptrace of the supervisor, raw devices, modules) or around
-# the limits set here (CAP_SYS_RESOURCE raises rlimits).
-DROPPED_CAPS: tuple[str, ...] = (
-    "CAP_SYS_ADMIN",
-    "CAP_SYS_MODULE",
-    "CAP_SYS_PTRACE",
-    "CAP_SYS_CHROOT",
-    "CAP_MKNOD",
-    "CAP_SYS_RAWIO",
-    "CAP_DAC_READ_SEARCH",
-    "CAP_LINUX_IMMUTABLE",
-    "CAP_SYS_BOOT",
-    "CAP_SETFCAP",
-    "CAP_SYS_RESOURCE",
-    "CAP_SYS_TIME",
-    "CAP_SYS_PACCT",
-    "CAP_NET_ADMIN",
-    "CAP_MAC_ADMIN",
-    "CAP_MAC_OVERRIDE",
-    "CAP_AUDIT_CONTROL",
-    "CAP_SYSLOG",
-    "CAP_BPF",
-    "CAP_PERFMON",
-    "CAP_SETPCAP",
+# The agent keeps only jukebox.credentials.KEPT_CAPS; these are the dropped ones this code
+# names (every capability the kernel knows beyond them is dropped as well).
+DROPPED_CAPS: tuple[str, ...] = tuple(
+    name for name in credentials.CAP_NUMBERS if name not in credentials.KEPT_CAPS
+)
+HOSTNAME = "jukebox-booth"  # the agent's UTS namespace: `hostname` says where it runs
+# Where host services put their path-named unix sockets. A network namespace does not
+# separate those (only abstract ones), so under --net none the booth covers these directories.
+SOCKET_DIRS: tuple[str, ...] = (
+    "/run",
+    "/var/run",
+    "/var/lib/mysql",
+    "/var/spool/postfix",
+    "/var/snap/lxd/common/lxd",
+    "/var/lib/lxd",
 )
 
 RLIMITS: dict[str, int] = {
@@ -352,6 +351,10 @@ class ChildSpec:
     # Their file systems, read-only in the view whatever the image: leaving the cgroup or
     # raising its limits is a write there.
     cgroup_mounts: list[str] = field(default_factory=list)
+    # Sizes in bytes of the private /tmp and /dev/shm; None leaves the kernel's default (half
+    # of RAM each), which the booth never does (see Image.tmpfs_sizes).
+    tmp_size: int | None = None
+    shm_size: int | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -445,6 +448,26 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def view_policy(image: Image, net: str, scratch_limit: int | None) -> dict[str, Any]:
+    """What the agent's view will be, as the run_start frame records it: the private /dev,
+    IPC and UTS namespaces, the keyring and capabilities, the sizes of the private /tmp and
+    /dev/shm, and the socket directories covered under --net none."""
+    sizes = image.tmpfs_sizes(scratch_limit)
+    return {
+        "dev": "private",
+        "namespaces": ["mnt", "pid", "ipc", "uts", *(["net"] if net == "none" else [])],
+        "hostname": HOSTNAME,
+        "session_keyring": "fresh",
+        "mounts": "nosuid,nodev",
+        "kept_caps": list(credentials.KEPT_CAPS),
+        "tmp_size": sizes["tmp"] if image.private_tmp else None,
+        "shm_size": sizes["shm"],
+        "hidden_socket_dirs": (
+            [d for d in SOCKET_DIRS if os.path.lexists(d)] if net == "none" else []
+        ),
+    }
+
+
 def hidden_tools(hide: list[str], private_tmp: bool) -> list[str]:
     """jukebox's interpreter and installation directories that a view with these covers would
     hide; the booth keeps them reachable (read-only) so the agent can run `jukebox` inside."""
@@ -459,9 +482,9 @@ def hidden_tools(hide: list[str], private_tmp: bool) -> list[str]:
             os.path.dirname(os.path.dirname(os.path.abspath(jukebox.__file__))),
         )
     }
-    covers = [os.path.realpath(h) for h in hide]
+    covers = [os.path.realpath(h) for h in hide] + ["/dev"]  # the booth's /dev is its own
     if private_tmp:
-        covers += ["/tmp", "/dev/shm"]
+        covers.append("/tmp")
     hidden = {c for c in candidates if any(_is_under(c, h) for h in covers)}
     # Only the outermost of nested candidates (a venv inside the source checkout).
     return sorted(c for c in hidden if not any(o != c and _is_under(c, o) for o in hidden))
@@ -470,12 +493,19 @@ def hidden_tools(hide: list[str], private_tmp: bool) -> list[str]:
 def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     """Shapes this process's (new) mount namespace as the image asks. Order matters:
 
-    the kept mounts are cloned first, so making the host read-only and covering /tmp or a home
-    directory cannot take them away; covers are mounted writable so the kept paths can be
-    re-created inside them, then turned read-only. With `fresh_proc` (the caller is pid 1 of a
-    new PID namespace) /proc is replaced by a procfs of that namespace.
+    the kept mounts and the host's device nodes are cloned first, so making the host read-only,
+    nodev and nosuid and covering /dev, /tmp or a home directory cannot take them away; covers
+    are mounted writable so the kept paths can be re-created inside them, then turned
+    read-only. With `fresh_proc` (the caller is pid 1 of a new PID namespace) /proc is replaced
+    by a procfs of that namespace. New IPC and UTS namespaces come with the mount namespace:
+    the host's SysV objects and POSIX message queues are out of sight, and the hostname is
+    the booth's.
     """
-    unshare(CLONE_NEWNS | (CLONE_NEWNET if spec.net == "none" else 0))
+    from jukebox import private_dev
+
+    extra = CLONE_NEWNET if spec.net == "none" else 0
+    unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | extra)
+    socket.sethostname(HOSTNAME)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     if spec.net == "none":
         _lo_up()
@@ -483,12 +513,14 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     tools = {os.path.realpath(p) for p in spec.keep_tools} - readonly
     keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly | tools)
     clones = {path: open_tree_clone(path) for path in keep}
-    if spec.readonly_root:
-        mount_setattr("/", MOUNT_ATTR_RDONLY, recursive=True)
-    if spec.private_tmp:
-        for path in ("/tmp", "/dev/shm"):
-            if os.path.isdir(path):
-                mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    devices = private_dev.clone_device_nodes()
+    # Nothing the agent can reach may act as a device or a setuid/setgid program: not a node
+    # someone made in a directory of the host, not a setuid-root binary anywhere.
+    inert = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+    mount_setattr("/", inert | (MOUNT_ATTR_RDONLY if spec.readonly_root else 0), recursive=True)
+    private_dev.mount_private_dev(devices, spec.shm_size or 0)
+    if spec.private_tmp and os.path.isdir("/tmp"):
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, _tmpfs_options(spec.tmp_size))
     hides = sorted({os.path.realpath(p) for p in spec.hide}, key=lambda p: p.count("/"))
     # Covers over an ancestor of a kept path go first, so the kept mount is put back on top of
     # them; covers inside a kept path (a hidden directory in the tree) go last, on top of it.
@@ -503,20 +535,28 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
         os.close(fd)
         if path in readonly:
             flags = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC
-            mount_setattr(path, flags)
         elif path in tools:
-            mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+            flags = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV
+        else:
+            flags = inert
+        mount_setattr(path, flags, recursive=True)
     hidden_ro += _cover_all(below)
     for path in hidden_ro:
         if os.path.isdir(path):
             mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
-        else:
-            mount_setattr(path, MOUNT_ATTR_RDONLY)
+        else:  # /dev/null itself, which must stay a device to read as empty
+            mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
     for path in spec.cgroup_mounts:
         if os.path.isdir(path):
             mount_setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    private_dev.seal_private_dev()
     if fresh_proc and os.path.isdir("/proc") and not any(_is_under("/proc", h) for h in hides):
         _mount_fresh_proc(spec.readonly_root)
+
+
+def _tmpfs_options(size: int | None) -> str:
+    # size=0 would mean "no limit" to tmpfs: a size is given only when there is one.
+    return "mode=1777" + (f",size={size}" if size else "")
 
 
 def _mount_fresh_proc(readonly: bool) -> None:
@@ -555,18 +595,11 @@ def set_limits(limits: Mapping[str, int]) -> None:
         resource.setrlimit(which, (new, new))
 
 
-def drop_privileges(cap_names: Sequence[str] = DROPPED_CAPS) -> None:
-    """Cuts the bounding set (so no exec can regain the capabilities) and the live sets."""
-    import prctl
-
-    caps = [getattr(prctl, name) for name in cap_names if hasattr(prctl, name)]
-    if prctl.cap_effective.setpcap:
-        for cap in caps:
-            prctl.capbset_drop(cap)
-    prctl.cap_inheritable.drop(*caps)
-    prctl.cap_effective.drop(*caps)
-    prctl.cap_permitted.drop(*caps)
-    prctl.set_no_new_privs(1)
+def drop_privileges() -> None:
+    """A fresh session keyring, then every capability but the kept few gone from every set,
+    and no_new_privs (see jukebox.credentials)."""
+    credentials.join_fresh_session_keyring()
+    credentials.keep_only_kept_caps()
 
 
 def _shim_main(spec_fd: int, status_fd: int) -> None:

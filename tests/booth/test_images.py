@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.images import Image, ImageError, available, load_image
+from jukebox.images import Image, ImageError, available, load_image, physical_memory
 
 
 def test_shipped_images_load() -> None:
@@ -151,3 +151,21 @@ def test_a_recorded_image_with_a_looser_filter_or_no_cgroup_is_a_loosening(tmp_p
         "seccomp.enabled = false (no system call filter)"
     ]
     assert loosenings(default, loose) == []  # stricter than the image used: nothing loosened
+
+
+def test_private_tmp_and_shm_sizes(tmp_path: Path) -> None:
+    ram = physical_memory()
+    host = load_image("host")
+    assert host.tmpfs_sizes() == {"tmp": ram // 4, "shm": min(ram // 4, 1 << 30)}
+    assert host.tmpfs_sizes(10 << 20) == {"tmp": 10 << 20, "shm": 10 << 20}  # a scratch limit
+    spec = tmp_path / "t.toml"
+    spec.write_text('[limits]\ntmp = "64M"\nshm = 1048576\n')
+    image = load_image(str(spec))
+    assert image.tmpfs_sizes() == {"tmp": 64 << 20, "shm": 1 << 20}
+    assert image.tmpfs_sizes(32 << 20) == {"tmp": 32 << 20, "shm": 1 << 20}
+    assert dict(image.limits) == {}  # not rlimits
+    assert image.policy()["tmp_size"] == 64 << 20
+    for bad, message in (('tmp = "0"', "must be a positive size"), ('shm = "big"', "'big'")):
+        spec.write_text(f"[limits]\n{bad}\n")
+        with pytest.raises(ImageError, match=message):
+            load_image(str(spec))

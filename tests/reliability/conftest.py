@@ -34,6 +34,33 @@ AGENT_PYTHON = "/usr/bin/python3"
 
 Entry = tuple[object, ...]
 
+# The opening of every red-team agent script: `cfg` from argv[1], libc through ctypes, and
+# `attempt(key, fn)`, which records in `out` "ok", the errno's name, or what `fn` returned (a
+# str, int, dict or list); `c(r)` turns a raw libc return into "ok" or the errno's name.
+AGENT_PRELUDE = r"""
+import ctypes, errno, json, os, platform, sys
+
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+out = {}
+
+def en(e):
+    return errno.errorcode.get(e, str(e))
+
+def c(r):
+    return "ok" if r >= 0 else en(ctypes.get_errno())
+
+def attempt(key, fn):
+    try:
+        r = fn()
+        out[key] = r if isinstance(r, (str, dict, list, int)) else "ok"
+    except OSError as e:
+        out[key] = en(e.errno)
+    except Exception as e:
+        out[key] = "error " + type(e).__name__ + ": " + str(e)
+"""
+
 
 def tree_state(root: str | os.PathLike[str]) -> dict[str, Entry]:
     """Every path under `root` (itself included) with its type, mode, owner, mtime and content

@@ -38,6 +38,7 @@ from shadowfs.commit import apply
 from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.store import Store
 from tests.reliability.conftest import (
+    AGENT_PRELUDE,
     AGENT_PYTHON,
     JUKEBOX,
     NOBODY,
@@ -49,34 +50,16 @@ from tests.reliability.conftest import (
 
 # Everything the agent tries. Each outcome is "ok" or the errno name the kernel (or the layer)
 # answered with; a few attempts report what they saw instead.
-AGENT = r"""
-import ctypes, errno, json, os, platform, shutil, socket, stat, struct, subprocess, sys
+AGENT = AGENT_PRELUDE + r"""
+import shutil, socket, stat, struct, subprocess
 
-cfg = json.loads(sys.argv[1])
 T, TAPES, SUP, CAN = cfg["tree"], cfg["tapes"], os.getppid(), cfg["canary"]
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
 libc.ptrace.restype = ctypes.c_long
 NR = {"x86_64": {"pivot_root": 155, "init_module": 175, "finit_module": 313},
       "aarch64": {"pivot_root": 41, "init_module": 105, "finit_module": 273}}[platform.machine()]
 B = os.fsencode
-out = {"supervisor": SUP}
+out["supervisor"] = SUP
 MS_BIND, MS_REC, MS_REMOUNT, MS_MOVE, MNT_DETACH = 0x1000, 0x4000, 0x20, 0x2000, 2
-
-def en(e):
-    return errno.errorcode.get(e, str(e))
-
-def c(r):
-    return "ok" if r >= 0 else en(ctypes.get_errno())
-
-def attempt(key, fn):
-    try:
-        r = fn()
-        out[key] = r if isinstance(r, (str, dict, list)) else "ok"
-    except OSError as e:
-        out[key] = en(e.errno)
-    except Exception as e:
-        out[key] = "error " + type(e).__name__ + ": " + str(e)
 
 def mnt(src, tgt, fs, flags):
     return c(libc.mount(src and B(src), B(tgt), fs and B(fs), ctypes.c_ulong(flags), None))
