@@ -513,7 +513,8 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     tools = {os.path.realpath(p) for p in spec.keep_tools} - readonly
     keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly | tools)
     clones = {path: open_tree_clone(path) for path in keep}
-    devices = private_dev.clone_device_nodes()
+    terminal = next((fd for fd in (0, 1, 2) if os.isatty(fd)), None) if spec.terminal else None
+    devices = private_dev.clone_device_nodes(terminal)
     # Nothing the agent can reach may act as a device or a setuid/setgid program: not a node
     # someone made in a directory of the host, not a setuid-root binary anywhere.
     inert = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV

@@ -3,10 +3,11 @@
 Built as bubblewrap's `--dev` builds it: a small fresh tmpfs over /dev (nosuid, nodev, noexec,
 0755) holding bind mounts of the host's null, zero, full, random, urandom and tty nodes (a bind
 mount of a device node works in a user namespace, where mknod does not), a new devpts instance
-(its own pty numbers; /dev/ptmx points into it), a private sized tmpfs at /dev/shm, and the
-/dev/fd, stdin, stdout, stderr links. No disk, loop, kvm, userfaultfd, vsock, kmsg, mem, fuse or
-other host pty is reachable by name; a file descriptor the command already holds (a pty slave
-the supervisor opened for it) keeps working, since nothing here closes it.
+(its own pty numbers; /dev/ptmx points into it), a private sized tmpfs at /dev/shm, the
+/dev/fd, stdin, stdout, stderr links, and the booth's pty as /dev/console when it has one. No
+disk, loop, kvm, userfaultfd, vsock, kmsg, mem, fuse or other host pty is reachable by name; a
+file descriptor the command already holds (the pty slave the supervisor opened for it) keeps
+working, since nothing here closes it.
 """
 
 from __future__ import annotations
@@ -30,14 +31,32 @@ SYMLINKS = {
 DEVPTS_OPTIONS = "newinstance,ptmxmode=0666,mode=0620"
 
 
-def clone_device_nodes() -> dict[str, int]:
+def clone_device_nodes(terminal_fd: int | None = None) -> dict[str, int]:
     """Detached bind mounts of the host's device nodes, taken before /dev is covered (and
-    before the host view is made nodev, which the clones must not inherit)."""
+    before the host view is made nodev, which the clones must not inherit).
+
+    With `terminal_fd` (the booth's pty, opened by the supervisor on the host's devpts), its
+    node becomes /dev/console, as bubblewrap does: the command's own terminal, nothing more,
+    and what lets ttyname(3) name it (glibc searches /dev for the node when the name it had on
+    the host, /dev/pts/N, is not in this devpts instance).
+    """
     clones: dict[str, int] = {}
     for name in DEVICES:
         path = os.path.join(DEV, name)
         if os.path.exists(path):
             clones[name] = isolation.open_tree_clone(path)
+    if terminal_fd is not None:
+        with contextlib.suppress(OSError):
+            path = os.ttyname(terminal_fd)
+            held, named = os.fstat(terminal_fd), os.stat(path)
+            # The same node, reached by a path in this mount namespace (a bind of the fd's own
+            # mount would be refused: it belongs to the supervisor's namespace).
+            if (held.st_rdev, held.st_ino, held.st_dev) == (
+                named.st_rdev,
+                named.st_ino,
+                named.st_dev,
+            ):
+                clones["console"] = isolation.open_tree_clone(path)
     return clones
 
 
