@@ -126,6 +126,9 @@ def loosenings(recorded: Image, used: Image, ignore: tuple[str, ...] = ()) -> li
         elif name == "scratch_limit":
             if u is not None and (r is None or r > u):
                 out.append(f"limits.scratch {u} -> {_limit_text(r)}")
+        elif name in ("tmp_size", "shm_size"):  # unset: the default share of RAM
+            if u is not None and (r is None or r > u):
+                out.append(f"limits.{name.removesuffix('_size')} {u} -> {r or 'default'}")
         elif name in ("seccomp", "cgroup"):
             if u and not r:
                 what = "no system call filter" if name == "seccomp" else "rlimits only"

@@ -165,6 +165,15 @@ def test_private_tmp_and_shm_sizes(tmp_path: Path) -> None:
     assert image.tmpfs_sizes(32 << 20) == {"tmp": 32 << 20, "shm": 1 << 20}
     assert dict(image.limits) == {}  # not rlimits
     assert image.policy()["tmp_size"] == 64 << 20
+    from jukebox.recorded_image import loosenings
+
+    spec.with_name("default.toml").write_text("")
+    default = load_image(str(spec.with_name("default.toml")))
+    assert loosenings(image, default) == []  # smaller than the default: nothing loosened
+    assert loosenings(default, image) == [
+        f"limits.tmp {64 << 20} -> default",
+        f"limits.shm {1 << 20} -> default",
+    ]
     for bad, message in (('tmp = "0"', "must be a positive size"), ('shm = "big"', "'big'")):
         spec.write_text(f"[limits]\n{bad}\n")
         with pytest.raises(ImageError, match=message):
