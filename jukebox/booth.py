@@ -1313,7 +1313,14 @@ def run_booth(
         env.update(llm_session.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
-        hide = [*img.hidden_paths(), str(tapes.path), *view["hidden_socket_dirs"]]
+        from jukebox import realtree
+
+        hide = [
+            *img.hidden_paths(),
+            str(tapes.path),
+            str(realtree.commit_key_dir()),
+            *view["hidden_socket_dirs"],
+        ]
         spec = isolation.ChildSpec(
             argv=argv,
             cwd=agent_cwd,

@@ -145,6 +145,12 @@ def _key_path() -> Path:
     return Path(state) / "jukebox" / "commit.key"
 
 
+def commit_key_dir() -> Path:
+    """Where this user's key lives. Every booth hides it: an agent that read it could seal a
+    forged booth record that this user's `booth commit` would then accept."""
+    return _key_path().parent
+
+
 def commit_key(*, create: bool = True) -> bytes | None:
     """This user's key for sealing commit journals, made on first use; None when it cannot be
     kept (no writable home), in which case journals are sealed without a key."""

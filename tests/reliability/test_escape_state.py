@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from jukebox.realtree import commit_key, commit_key_dir
 from tests.reliability.conftest import AGENT_PYTHON, JUKEBOX, NOBODY, booth_argv, jb
 
 SECRET = "API_KEY=sk-state-canary-0600"
@@ -34,6 +35,10 @@ SECRET = "API_KEY=sk-state-canary-0600"
 # The agent: runs in the booth, on the system interpreter, standard library only.
 AGENT = r"""
 import errno, json, os, shutil, socket, sys
+try:  # the user's commit key, which seals the booth records a commit accepts
+    key = "read %d bytes" % len(open(sys.argv[3], "rb").read())
+except OSError as e:
+    key = errno.errorcode.get(e.errno, str(e))
 with open(".env", "w") as f:
     f.write(sys.argv[2] + "\n")
 os.chmod(".env", 0o600)
@@ -49,7 +54,7 @@ for turn in range(2):  # the attacker gets the fd; then the test says it is done
         socket.send_fds(conn, [b"x"], [fd])
     conn.recv(1)  # until the peer closes
     conn.close()
-print("AGENT " + json.dumps({"sid_mode": oct(os.stat("sid").st_mode)}))
+print("AGENT " + json.dumps({"sid_mode": oct(os.stat("sid").st_mode), "commit_key": key}))
 """
 
 # The attacker: another local user (nobody) on the host, outside any booth.
@@ -136,6 +141,7 @@ def _attacked_booth(work: Path, fs: str) -> Run:
         AGENT,
         name,
         SECRET,
+        str(commit_key_dir() / "commit.key"),
     ]
     env = dict(os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ['PATH']}")
     booth = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -241,6 +247,12 @@ def test_the_setuid_copy_does_not_make_nobody_root(runs: dict[str, Run], fs: str
     # The kernel grants no set-id through another namespace's mount, and the layer is nosuid.
     assert run.attack["fd_exec_euid"] == str(NOBODY), run.attack
     assert all(mode == 0o700 for mode in run.scratch_modes.values()), run.scratch_modes
+
+
+@pytest.mark.parametrize("fs", ["fuse", "overlay"])
+def test_the_agent_cannot_read_the_users_commit_key(runs: dict[str, Run], fs: str) -> None:
+    assert commit_key(create=False) is not None, "the booth made no key: nothing was attacked"
+    assert runs[fs].agent["commit_key"] == "ENOENT", runs[fs].agent  # under an empty cover
 
 
 def test_fuse_stages_files_private_and_without_setid_bits(runs: dict[str, Run]) -> None:
