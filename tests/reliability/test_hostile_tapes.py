@@ -457,3 +457,12 @@ def test_a_real_pending_booth_binds_its_identity_and_seal(tmp_path: Path) -> Non
     proc = run("commit", "own")
     assert proc.returncode == 0, proc.stderr
     assert (tree / "new.txt").read_text() == "new\n"
+
+
+def test_the_corpus_holds_the_tricks_its_script_describes(tmp_path: Path) -> None:
+    """Each tape is broken where tests/make_hostile_tapes.py says (a copy: opening a store
+    writes its lock files)."""
+    from tests.make_hostile_tapes import check
+
+    shutil.copytree(CORPUS, tmp_path / "corpus")
+    check(tmp_path / "corpus")
