@@ -85,9 +85,13 @@ class TapeDir:
     @classmethod
     def opened(cls, path: Path) -> TapeDir:
         """The tape dir at ``path``, its interrupted commits recovered (once per process; one
-        stat when there are none)."""
+        listing of an empty directory when there are none)."""
         home = cls(path)
-        if home.journals_path.is_dir():
+        try:
+            interrupted = bool(os.listdir(home.journals_path))  # emptied by every finished commit
+        except OSError:
+            interrupted = False  # none yet, or not ours to read (recovery would say so)
+        if interrupted:
             real = os.path.realpath(path)
             if real not in _recovered:
                 _recovered.add(real)
