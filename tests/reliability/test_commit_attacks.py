@@ -11,8 +11,12 @@ checked by hashed walks:
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,10 +87,22 @@ def test_a_tree_swapped_by_its_parents_owner_is_refused(
     assert tree_state(victim) == victim_before
 
 
+@pytest.fixture(scope="module")
+def recorded() -> Iterator[PendingBooth]:
+    # Under a directory nobody can reach (pytest's own are 0700), so that nobody can open the
+    # tree and lock it.
+    work = Path(tempfile.mkdtemp(prefix="jukebox-commit-attacks-", dir="/tmp"))
+    os.chmod(work, 0o755)
+    try:
+        yield PendingBooth.record(work, "edit")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 @pytest.fixture
-def world(nobody_dir: Path) -> PendingBooth:  # noqa: F811
-    # Under a directory nobody can reach, so that nobody can open the tree and lock it.
-    return PendingBooth.record(nobody_dir, "edit")
+def world(recorded: PendingBooth) -> PendingBooth:
+    recorded.reset()
+    return recorded
 
 
 @pytest.mark.parametrize("pause", ["stage:0", "staged"])
@@ -141,8 +157,8 @@ def test_a_readers_shared_flock_times_out_naming_the_holder(world: PendingBooth)
     assert world.state() == "new"
 
 
-def test_a_bad_lock_timeout_is_a_usage_error(world: PendingBooth) -> None:
-    proc = world.commit("--lock-timeout", "soon")
+def test_a_bad_lock_timeout_is_a_usage_error(tmp_path: Path) -> None:
+    proc = jb("booth", "commit", "any", "--tape-dir", str(tmp_path), "--lock-timeout", "soon")
     assert proc.returncode == 2
     assert "is not a duration" in one_line(proc.stderr)
-    assert world.state() == "old"
+    assert list(tmp_path.iterdir()) == []

@@ -32,8 +32,10 @@ pytestmark = pytest.mark.usefixtures("booth_ready")
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[PendingBooth, float]:
     """The pending booth, and how long a whole commit of it takes (interpreter start to exit)."""
-    # Big enough that most of a commit's life is its work, not the interpreter's start.
-    booth = PendingBooth.record(tmp_path_factory.mktemp("kills"), "kill", per_dir=150)
+    # Big enough that most of a commit's life is its work, not the interpreter's start (the
+    # few trials of `make test` get a smaller one, for time).
+    per_dir = 150 if TRIALS > 5 else 60
+    booth = PendingBooth.record(tmp_path_factory.mktemp("kills"), "kill", per_dir=per_dir)
     spans = []
     for _ in range(2):  # the slower of two: a kill meant for the end must not land before it
         booth.reset()
