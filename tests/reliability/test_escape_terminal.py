@@ -25,6 +25,7 @@ import re
 import select
 import shlex
 import shutil
+import signal
 import struct
 import subprocess
 import termios
@@ -102,12 +103,15 @@ def size():
     rows, cols = struct.unpack("HHHH", fcntl.ioctl(1, termios.TIOCGWINSZ, bytes(8)))[:2]
     return f"{rows}x{cols}"
 
-signal.signal(signal.SIGWINCH, lambda *_: print("WINCH " + size(), flush=True))
+def say(line):  # a handler may run inside another's print: no buffered stream here
+    os.write(1, (line + "\n").encode())
+
+signal.signal(signal.SIGWINCH, lambda *_: say("WINCH " + size()))
 for name in ("SIGTSTP", "SIGQUIT"):
-    signal.signal(getattr(signal, name), lambda *_, n=name: print(f"{n}-REACHED", flush=True))
+    signal.signal(getattr(signal, name), lambda *_, n=name: say(f"{n}-REACHED"))
 
 def interrupted(*_):
-    print("SIGINT-REACHED-THE-AGENT", flush=True)
+    say("SIGINT-REACHED-THE-AGENT")
     os._exit(0)
 
 signal.signal(signal.SIGINT, interrupted)
@@ -260,6 +264,11 @@ class Session:
     hostile_code: int
     piped: dict
     piped_code: int
+    cooked: dict
+    cooked_events: list[str]
+    cooked_code: int
+    terminated_code: int
+    stty: str  # the operator's terminal settings after all of it
     tree: Path
     tapes: Path
     booths: list[dict]
@@ -329,6 +338,28 @@ def session(
         operator.type("echo RC-$((1000 + $?))\r")
         interactive_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
 
+        # stdin a pipe: the operator's terminal stays cooked, its Ctrl-C signals the booth (the
+        # operator's foreground job), which sends it on through the agent's pty.
+        operator.type("true | " + booth("cooked", "interactive.py", "--commit", "never") + "\r")
+        cooked = report(operator)
+        operator.resize(30, 90)
+        cooked_events = [operator.expect(r"WINCH \d+x\d+").group(0).decode()]
+        operator.type("\x03")
+        cooked_events.append(operator.expect(r"SIGINT-REACHED-THE-AGENT").group(0).decode())
+        operator.expect(r"kept pending")
+        operator.type("echo RC-$((1000 + $?))\r")
+        cooked_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
+
+        # SIGTERM to the booth while its agent holds the operator's terminal raw.
+        operator.type(booth("terminated", "interactive.py", "--commit", "never") + "\r")
+        report(operator)
+        os.killpg(os.tcgetpgrp(operator.leader), signal.SIGTERM)  # the foreground job
+        operator.expect(r"kept pending")
+        operator.type("echo RC-$((1000 + $?))\r")
+        terminated_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
+        operator.type("stty -a; echo STTY-DONE\r")
+        stty = operator.expect(r"(?s)\r\n(speed .*?)STTY-DONE").group(1).decode()
+
         operator.type(booth("hostile", "hostile.py", "--commit", "ask") + "\r")
         hostile = report(operator)
         operator.type("go\r")
@@ -340,7 +371,8 @@ def session(
         booths = json.loads(listing.stdout) if listing.returncode == 0 else []
         yield Session(
             user, operator, pwned, interactive, events, interactive_code, hostile, hostile_code,
-            piped, piped_code, tree, tapes, booths,
+            piped, piped_code, cooked, cooked_events, cooked_code, terminated_code, stty,
+            tree, tapes, booths,
         )
     finally:
         operator.close()
@@ -414,3 +446,17 @@ def test_an_interactive_agent_gets_a_terminal_its_size_and_the_operators_ctrl_c(
     # Its handler exited 0; the booth counts the typed Ctrl-C as an interruption and keeps it.
     assert session.interactive_code == 130
     assert [b["status"] for b in session.booths if b["id"] == "interactive"] == ["pending"]
+
+
+def test_without_raw_mode_the_operators_ctrl_c_is_sent_on_through_the_pty(
+    session: Session,
+) -> None:
+    assert session.cooked["isatty"] == [False, True, True]  # stdin stayed the pipe it was
+    assert session.cooked_events == ["WINCH 30x90", "SIGINT-REACHED-THE-AGENT"]
+    assert session.cooked_code == 130
+
+
+def test_the_operators_terminal_settings_come_back_after_a_signal(session: Session) -> None:
+    assert session.terminated_code == 128 + signal.SIGTERM  # passed on to the agent
+    flags = set(session.stty.split())
+    assert {"icanon", "isig", "echo", "icrnl", "opost"} <= flags, session.stty
