@@ -9,14 +9,17 @@ run. Old and new are hashed walks of the tree (tests/reliability/pending_booth.p
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
 from shadowfs.commit import CRASH_ENV, JOURNAL_NAME, PAUSE_ENV, _seal
-from tests.reliability.conftest import JUKEBOX, booth_argv, jb
+from tests.booth.conftest import nobody_dir  # noqa: F401  (fixture)
+from tests.reliability.conftest import JUKEBOX, NOBODY, booth_argv, jb
 from tests.reliability.pending_booth import PendingBooth, resume, wait_stopped
 
 pytestmark = pytest.mark.usefixtures("booth_ready")
@@ -184,3 +187,27 @@ def test_a_booth_run_killed_in_its_auto_commit_is_recovered_and_stays_committabl
     done = jb("booth", "commit", "auto", "--tape-dir", str(tapes))
     assert done.returncode == 0, done.stderr
     assert (tree / "a.txt").read_text() == "new\n" and (tree / "b.txt").exists()
+
+
+def test_an_unprivileged_users_killed_commit_is_recovered_by_their_next_command(
+    nobody_python: str, nobody_dir: Path, open_dev_fuse: None  # noqa: F811
+) -> None:
+    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    for path in (tree, tree / "a.txt"):
+        os.chown(path, NOBODY, NOBODY)
+
+    def as_nobody(*args: str, env: dict[str, str] | None = None) -> CompletedProcess[str]:
+        return jb(*args, python=nobody_python, user=NOBODY, cwd=nobody_dir, env=env)
+
+    run = as_nobody(*booth_argv(tree, tapes, "u1", "--commit", "never"),
+                    "sh", "-c", "echo two >> a.txt; echo new > b.txt; mkdir d; echo x > d/c")
+    assert run.returncode == 0, run.stderr
+    killed = as_nobody("booth", "commit", "u1", "--tape-dir", str(tapes), env={CRASH_ENV: "op:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    listed = as_nobody("booth", "ls", "--tape-dir", str(tapes))
+    assert listed.returncode == 0, listed.stderr
+    assert "finished" in listed.stderr and "no pending booths" in listed.stdout
+    assert (tree / "a.txt").read_text() == "one\ntwo\n"
+    assert sorted(p.name for p in tree.iterdir()) == ["a.txt", "b.txt", "d"]
