@@ -260,7 +260,16 @@ def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
             f"no pending booth {booth_id!r} in {tape_dir.path}: list them with "
             f"`jukebox booth ls --tape-dir {tape_dir.path}`"
         ) from None
-    return BoothRecord(**data)
+    except ValueError:
+        data = None
+    try:
+        return BoothRecord(**data)  # type: ignore[arg-type]
+    except TypeError:
+        # A record is a plain file beside the tapes: anyone who handed over the dir wrote it.
+        raise CheckFailed(
+            f"{path} is not a booth record (not JSON, or keys a booth never writes): nothing "
+            "was done; remove it by hand if it is not yours"
+        ) from None
 
 
 def _alive(pid: int | None) -> bool:

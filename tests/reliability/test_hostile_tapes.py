@@ -466,3 +466,15 @@ def test_the_corpus_holds_the_tricks_its_script_describes(tmp_path: Path) -> Non
 
     shutil.copytree(CORPUS, tmp_path / "corpus")
     check(tmp_path / "corpus")
+
+
+def test_a_record_that_is_not_one_is_refused_in_one_line(home: Path) -> None:
+    booths = home / "received" / ".jukebox" / "booths"
+    (booths / "junk.json").write_text('{"id": "junk", "tree": "victim", "hooks": ["rm -rf ~"]}')
+    (booths / "garbage.json").write_text("not json at all")
+    for name in ("junk", "garbage"):
+        for verb in ("commit", "diff", "discard"):
+            proc = jb(home, "booth", verb, name)
+            assert proc.returncode == 1, (verb, proc.stderr)
+            assert "is not a booth record" in one_line(proc)
+    assert list((home / "victim").iterdir()) == []
