@@ -132,7 +132,10 @@ report = {"pid": os.getpid(), "sid": os.getsid(0), "tty_nr": tty_nr()}
 report["tiocsti"] = push_everywhere(f"y\ntouch {cfg['pwned']}-hostile\n")
 report["kill0_sigstop"] = stop_own_group()
 
-own_tty = os.ttyname(0)
+try:  # where the agent's /dev has a devpts of its own, the pty has no name in it
+    own_tty = os.ttyname(0)
+except OSError:
+    own_tty = None
 print("REPORT " + json.dumps(report), flush=True)
 # A hangup discards what the relay has not read yet: wait until the operator saw the report.
 for line in sys.stdin:  # (after the lines pushed above)
@@ -144,7 +147,7 @@ hangup = "ok" if hung == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
 try:  # the hung-up fds are dead; the terminal itself is not
     fd = os.open(own_tty, os.O_WRONLY | os.O_NOCTTY)
     os.write(fd, f"VHANGUP {hangup}\r\n".encode())
-except OSError:
+except (OSError, TypeError):
     pass
 os.kill(0, signal.SIGKILL)
 """
