@@ -114,7 +114,7 @@ def interrupted(*_):
     say("SIGINT-REACHED-THE-AGENT")
     os._exit(0)
 
-signal.signal(signal.SIGINT, interrupted)
+signal.signal(signal.SIGINT, signal.SIG_IGN if cfg.get("ignore_sigint") else interrupted)
 report = {
     "tty_nr": tty_nr(),
     "isatty": [os.isatty(fd) for fd in (0, 1, 2)],
@@ -271,6 +271,7 @@ class Session:
     cooked_events: list[str]
     cooked_code: int
     terminated_code: int
+    stubborn_code: int
     stty: str  # the operator's terminal settings after all of it
     tree: Path
     tapes: Path
@@ -316,9 +317,9 @@ def session(
         operator.expect(r"operator\$ ")
         cfg = json.dumps({"pwned": pwned, "operator_tty": operator.tty_path})
 
-        def booth(tape_id: str, agent: str, *opts: str) -> str:
+        def booth(tape_id: str, agent: str, *opts: str, config: str = cfg) -> str:
             argv = [*jukebox, *booth_argv(tree, tapes, tape_id, "--fs", fs, *opts)]
-            return shlex.join([*argv, AGENT_PYTHON, "-I", agent, cfg])
+            return shlex.join([*argv, AGENT_PYTHON, "-I", agent, config])
 
         # No terminal on any stdio fd (the booth is still the operator's foreground job).
         piped_log = work / "piped.log"
@@ -353,6 +354,18 @@ def session(
         operator.type("echo RC-$((1000 + $?))\r")
         cooked_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
 
+        # An agent that ignores SIGINT: the second typed Ctrl-C kills it.
+        stubborn_cfg = json.dumps({**json.loads(cfg), "ignore_sigint": True})
+        command = booth("stubborn", "interactive.py", "--commit", "never", config=stubborn_cfg)
+        operator.type(command + "\r")
+        report(operator)
+        operator.type("\x03")
+        operator.expect(r"interrupt again to kill it")
+        operator.type("\x03")
+        operator.expect(r"kept pending")
+        operator.type("echo RC-$((1000 + $?))\r")
+        stubborn_code = int(operator.expect(r"RC-1(\d\d\d)").group(1))
+
         # SIGTERM to the booth while its agent holds the operator's terminal raw.
         operator.type(booth("terminated", "interactive.py", "--commit", "never") + "\r")
         report(operator)
@@ -373,9 +386,25 @@ def session(
         listing = jb("booth", "ls", "--json", "--tape-dir", str(tapes), python=python, user=uid)
         booths = json.loads(listing.stdout) if listing.returncode == 0 else []
         yield Session(
-            user, operator, pwned, interactive, events, interactive_code, hostile, hostile_code,
-            piped, piped_code, cooked, cooked_events, cooked_code, terminated_code, stty,
-            tree, tapes, booths,
+            user=user,
+            operator=operator,
+            pwned=pwned,
+            interactive=interactive,
+            interactive_events=events,
+            interactive_code=interactive_code,
+            hostile=hostile,
+            hostile_code=hostile_code,
+            piped=piped,
+            piped_code=piped_code,
+            cooked=cooked,
+            cooked_events=cooked_events,
+            cooked_code=cooked_code,
+            terminated_code=terminated_code,
+            stubborn_code=stubborn_code,
+            stty=stty,
+            tree=tree,
+            tapes=tapes,
+            booths=booths,
         )
     finally:
         operator.close()
@@ -457,6 +486,10 @@ def test_without_raw_mode_the_operators_ctrl_c_is_sent_on_through_the_pty(
     assert session.cooked["isatty"] == [False, True, True]  # stdin stayed the pipe it was
     assert session.cooked_events == ["WINCH 30x90", "SIGINT-REACHED-THE-AGENT"]
     assert session.cooked_code == 130
+
+
+def test_a_second_typed_ctrl_c_kills_an_agent_that_ignores_the_first(session: Session) -> None:
+    assert session.stubborn_code == 128 + signal.SIGKILL
 
 
 def test_the_operators_terminal_settings_come_back_after_a_signal(session: Session) -> None:
