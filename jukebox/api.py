@@ -381,7 +381,7 @@ class Jukebox:
 
     def __init__(
         self,
-        tape_dir: str | os.PathLike[str] | None = "./tapes",
+        tape_dir: str | os.PathLike[str] | None = None,
         sandbox: SandboxPolicy | None = None,
         breaker: CircuitBreaker | None = None,
         *,
@@ -601,7 +601,7 @@ _default_lock = threading.Lock()
 
 
 def default_jukebox() -> Jukebox:
-    """The Jukebox module-level `track` uses: $JUKEBOX_TAPE_DIR, else ./tapes."""
+    """The Jukebox module-level `track` uses: in the default tape dir (`default_tape_dir`)."""
     global _default
     with _default_lock:
         if _default is None:

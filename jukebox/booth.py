@@ -58,7 +58,12 @@ from jukebox.protections import Protections, booth_protections, strict_refusal
 from jukebox.record_binding import bound_tape, record_seal
 from jukebox.recorded_image import image_record
 from jukebox.scratchdir import booth_scratch
-from jukebox.tapedir import TapeDir, check_tape_id
+from jukebox.tapedir import (
+    TapeDir,
+    check_tape_id,
+    make_tape_dir,
+    remove_unused_tape_dir,
+)
 from jukebox.terminal import AgentTerminal, relayed, send_to_agent
 from shadowfs.oid import ObjectId
 
@@ -1171,9 +1176,8 @@ def run_booth(
         raise UsageError(
             "the tree cannot be / itself: pass --tree with the agent's working directory"
         )
-    tapes = TapeDir.resolve(tape_dir)
-    tapes.path.mkdir(parents=True, exist_ok=True)
-    tapes = TapeDir(Path(os.path.realpath(tapes.path)))
+    # Nothing is created until the arguments are known good: a refused run leaves no tape dir.
+    tapes = TapeDir(Path(os.path.realpath(TapeDir.resolve(tape_dir).path)))
     if _is_under(str(tapes.path), tree_path) or _is_under(tree_path, str(tapes.path)):
         raise UsageError(
             f"the tape dir {tapes.path} and the tree {tree_path} overlap: the booth would record "
@@ -1209,6 +1213,7 @@ def run_booth(
     from jukebox.tape import TapeWriter
 
     factory = layer_factory or default_layer_factory
+    made_tape_dir = make_tape_dir(tapes.path)
     store = _open_store(tapes)
     sock_dir = ""
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
@@ -1479,6 +1484,8 @@ def run_booth(
             with contextlib.suppress(Exception):
                 writer.close()
         store.close()
+        if writer is None and made_tape_dir is not None:
+            remove_unused_tape_dir(made_tape_dir, tapes)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 

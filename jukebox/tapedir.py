@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from jukebox.errors import UsageError
 from shadowfs.privacy import is_loose, make_private_dirs, tighten, tighten_tree
 
 TAPE_SUFFIX = ".jbx"
+TAPE_DIR_ENV = "JUKEBOX_TAPE_DIR"
 STATE_DIRNAME = ".jukebox"
 COMMIT_JOURNALS = "commit-journals"
 # Tape dirs this process has recovered already: one look per command is enough.
@@ -27,7 +29,59 @@ _TAPE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def default_tape_dir() -> Path:
-    return Path(os.environ.get("JUKEBOX_TAPE_DIR") or "./tapes")
+    """$JUKEBOX_TAPE_DIR, else `jukebox/tapes` in the XDG data dir: outside any tree a booth
+    runs over (`./tapes` was inside the tree of `cd repo && jukebox booth run -- CMD`)."""
+    named = os.environ.get(TAPE_DIR_ENV)
+    if named:
+        return Path(named)
+    data = os.environ.get("XDG_DATA_HOME", "")
+    # The XDG spec: a relative path is invalid and must be ignored.
+    base = Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share"
+    return base / "jukebox" / "tapes"
+
+
+def require_named_tape_dir(path: Path, named: str | os.PathLike[str] | None) -> None:
+    """A tape dir the user named (--tape-dir, or $JUKEBOX_TAPE_DIR) must exist for a command
+    that reads it: a typo would otherwise look like a dir with no tapes. The default may be
+    missing: nothing has been recorded yet."""
+    if path.is_dir():
+        return
+    if named is not None:
+        where = f"the tape dir {path}"
+    elif os.environ.get(TAPE_DIR_ENV):
+        where = f"{TAPE_DIR_ENV}={path}"
+    else:
+        return
+    kind = "is not a directory" if path.exists() else "does not exist"
+    raise UsageError(f"{where} {kind}: check the path, or run a booth to create it")
+
+
+def make_tape_dir(path: Path) -> Path | None:
+    """Creates the tape dir where missing. Returns the outermost directory this created (None
+    when it was there), so that a run which fails before writing a tape can remove it again."""
+    if path.is_dir():
+        return None
+    path = Path(os.path.abspath(path))
+    outermost = path
+    while not outermost.parent.exists() and outermost.parent != outermost:
+        outermost = outermost.parent
+    try:
+        path.mkdir(parents=True)
+    except OSError as error:
+        if path.is_dir():  # made meanwhile by another run
+            return None
+        reason = "is not a directory" if path.exists() else f"cannot be made ({error.strerror})"
+        raise UsageError(
+            f"the tape dir {path} {reason}: pass --tape-dir a directory you can write "
+            f"(or set {TAPE_DIR_ENV})"
+        ) from None
+    return outermost
+
+
+def remove_unused_tape_dir(made: Path, tapes: TapeDir) -> None:
+    """Undoes `make_tape_dir` after a run that wrote no tape: no empty tape dir is left."""
+    if not tapes.tape_paths():
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def check_tape_id(tape_id: str) -> str:
@@ -159,6 +213,7 @@ class TapeRef:
             home = TapeDir.opened(Path(tape_dir) if tape_dir is not None else candidate.parent)
             return cls(candidate, home, frame)
         home = TapeDir.resolve(tape_dir)
+        require_named_tape_dir(home.path, tape_dir)
         path = home.tape_path(name)
         if not path.exists():
             raise UsageError(

@@ -112,7 +112,19 @@ def test_bad_arguments_get_one_line_exit_2(recorded: Path, jukebox_cli) -> None:
     # A mistyped --tape-dir is an error for both listings, not an empty list.
     for listing in (("ls",), ("booth", "ls")):
         missing = one_line_error(jukebox_cli(*listing, "--tape-dir", "/nonexistent-tapes"), 2)
-        assert "no tape dir at /nonexistent-tapes" in missing
+        assert "the tape dir /nonexistent-tapes does not exist" in missing
+
+
+def test_a_mistyped_tape_dir_variable_is_named(recorded: Path, jukebox_cli, tmp_path: Path) -> None:
+    env = {"JUKEBOX_TAPE_DIR": str(tmp_path / "tapse")}
+    for command in (("ls",), ("booth", "ls"), ("log", "tr_demo")):
+        line = one_line_error(jukebox_cli(*command, env=env), 2)
+        assert f"JUKEBOX_TAPE_DIR={tmp_path / 'tapse'} does not exist" in line
+    assert "is not a directory" in one_line_error(jukebox_cli("ls", "--tape-dir", "/dev/null"), 2)
+    # Unset, the default is the XDG data dir, and its absence only means nothing is recorded.
+    listed = jukebox_cli("ls", env={"JUKEBOX_TAPE_DIR": "", "XDG_DATA_HOME": str(tmp_path / "xdg")})
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip() == f"no tapes in {tmp_path / 'xdg' / 'jukebox' / 'tapes'}"
 
 
 @pytest.mark.parametrize(

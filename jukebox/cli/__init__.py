@@ -59,7 +59,8 @@ def fail(message: str, code: int) -> None:
 def cli() -> None:
     """Jukebox: the flight recorder and undo button for AI agents.
 
-    TAPE is a .jbx path or a tape id in the tape dir ($JUKEBOX_TAPE_DIR, else ./tapes);
+    TAPE is a .jbx path or a tape id in the tape dir ($JUKEBOX_TAPE_DIR, else
+    ${XDG_DATA_HOME:-~/.local/share}/jukebox/tapes);
     TAPE@N selects frame N (frames count from 0).
     """
 

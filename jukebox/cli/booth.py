@@ -29,7 +29,11 @@ _ALLOW_HOOKS_HELP = (
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option("--tree", default=".", show_default=True, help="The agent's working tree.")
-@click.option("--tape-dir", default=None, help="Where tapes go ($JUKEBOX_TAPE_DIR, else ./tapes).")
+@click.option(
+    "--tape-dir",
+    default=None,
+    help="Where tapes go ($JUKEBOX_TAPE_DIR, else ~/.local/share/jukebox/tapes).",
+)
 @click.option("--tape-id", default=None, help="The tape's id (also the booth's id).")
 @click.option("--name", default=None, help="A name for the run, recorded on the tape.")
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default="fuse", show_default=True)

@@ -15,7 +15,7 @@ tape_dir_option = click.option(
     "--tape-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ./tapes).",
+    help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ~/.local/share/jukebox/tapes).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 image_option = click.option(
@@ -61,14 +61,12 @@ def load_intact(ref):
 
 
 def listed_tape_dir(tape_dir: Path | None):  # type: ignore[no-untyped-def]
-    """The tape dir a listing reads. One named with --tape-dir must exist: a mistyped path
-    would list nothing and look like an empty dir."""
-    from jukebox.errors import UsageError
-    from jukebox.tapedir import TapeDir
+    """The tape dir a listing reads. One named with --tape-dir or $JUKEBOX_TAPE_DIR must exist:
+    a mistyped path would list nothing and look like an empty dir."""
+    from jukebox.tapedir import TapeDir, require_named_tape_dir
 
     home = TapeDir.resolve(tape_dir)
-    if tape_dir is not None and not home.path.exists():
-        raise UsageError(f"no tape dir at {home.path}: check the path, or run a booth to create it")
+    require_named_tape_dir(home.path, tape_dir)
     return home
 
 

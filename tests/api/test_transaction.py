@@ -158,7 +158,10 @@ def test_paths_outside_the_root_or_inside_the_tape_records_are_refused(
     assert tx.tape_id.startswith("tr_") and len(tx.tape_id) == 11
 
 
-def test_unknown_policy_values_list_the_valid_ones() -> None:
+def test_unknown_policy_values_list_the_valid_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JUKEBOX_TAPE_DIR", str(tmp_path / "tapes"))  # what tape_dir=None reads
     with pytest.raises(ValueError, match="'copy_on_write', 'passthrough'"):
         SandboxPolicy(filesystem="overlay")
     with pytest.raises(ValueError, match="'staged_acid', 'deny'"):
