@@ -67,6 +67,11 @@ def printable(text: Any) -> str:
     return "".join(_escape(ch, False) for ch in text)
 
 
+def printable_lines(text: str) -> str:
+    """Multi-line free text (a divergence report): each line escaped, the line breaks kept."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
 def name_json(name: bytes, key: str = "path") -> dict[str, str]:
     """``{key: text}``, plus ``{key}_b64`` with the exact bytes when they are not valid UTF-8."""
     try:

@@ -18,7 +18,7 @@ from jukebox.cli.tapes import (
     trust_option,
     whole_tape,
 )
-from jukebox.names import printable
+from jukebox.names import printable, printable_lines
 
 
 def report_image(choice, err: bool = True) -> None:  # type: ignore[no-untyped-def]
@@ -66,7 +66,7 @@ def run_replay_exec(
         click.echo(json.dumps(result.to_json(), sort_keys=True))
     report_image(result.image)
     if result.difference:
-        click.echo(f"jukebox: {printable(result.difference)}", err=True)
+        click.echo(f"jukebox: {printable_lines(result.difference)}", err=True)
     click.echo(f"jukebox: {result.summary()}", err=True)
     sys.exit(result.code)
 
@@ -147,7 +147,7 @@ def fork_command(
     report_image(result.image)
     if result.executed:
         if result.difference:
-            click.echo(f"jukebox: {printable(result.difference)}", err=True)
+            click.echo(f"jukebox: {printable_lines(result.difference)}", err=True)
         out(
             f"re-executed: {result.llm_served} LLM call(s) served from the tape before frame "
             f"{at}, {result.llm_live} live after it, {result.appended} frame(s) appended, "

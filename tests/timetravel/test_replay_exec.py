@@ -76,6 +76,9 @@ def test_different_files_at_a_checkpoint_end_the_replay_there(recording: Recordi
     first_checkpoint = seqs(recording.tape, store_path, "checkpoint")[0]
     assert f'replay diverged at frame {first_checkpoint} (checkpoint #1 "turn-1")' in proc.stderr
     assert "A stray.txt" in proc.stderr
+    # The report keeps its lines: escaping what the tape says must not flatten them into one.
+    assert "\\n" not in proc.stderr
+    assert any(line.strip().startswith("A stray.txt") for line in proc.stderr.splitlines())
     # The agent was stopped at that checkpoint: no model call after it reached the proxy.
     replays = sorted(recording.tapes.glob("rec-replay-*.jbx"), key=os.path.getmtime)
     assert len(seqs(replays[-1], store_path, "llm_turn")) == 1
