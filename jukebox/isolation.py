@@ -98,11 +98,6 @@ MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
 MNT_DETACH = 0x2
 
-# The agent keeps only jukebox.credentials.KEPT_CAPS; these are the dropped ones this code
-# names (every capability the kernel knows beyond them is dropped as well).
-DROPPED_CAPS: tuple[str, ...] = tuple(
-    name for name in credentials.CAP_NUMBERS if name not in credentials.KEPT_CAPS
-)
 HOSTNAME = "jukebox-booth"  # the agent's UTS namespace: `hostname` says where it runs
 # Where host services put their path-named unix sockets. A network namespace does not
 # separate those (only abstract ones), so under --net none the booth covers these directories.
