@@ -1155,6 +1155,12 @@ def run_booth(
     argv = list(argv)
     if not argv:
         raise UsageError("no command to run: write `jukebox booth run [OPTIONS] -- CMD ...`")
+    if isolation.inside_booth():
+        # An agent has no privilege left to build namespaces (and seccomp refuses unshare).
+        raise UsageError(
+            "a booth cannot run inside a booth (nesting is not supported): run the command "
+            "directly here, or start its booth from outside"
+        )
     if commit_mode not in COMMIT_MODES and commit_mode != DISCARD:
         raise UsageError(f"bad --commit {commit_mode!r}: use one of {', '.join(COMMIT_MODES)}")
     if fs not in FS_KINDS:

@@ -135,6 +135,15 @@ _WAITED = FORWARDED_SIGNALS | {signal.SIGCHLD}
 INIT_TITLE = "jukebox-init"
 
 
+def inside_booth() -> bool:
+    """Whether this process runs in a booth: pid 1 of its PID namespace is a booth's init."""
+    try:
+        with open("/proc/1/cmdline", "rb") as cmdline:
+            return cmdline.read(len(INIT_TITLE) + 1).rstrip(b"\0") == INIT_TITLE.encode()
+    except OSError:
+        return False
+
+
 class IsolationError(Exception):
     """The sandbox could not be set up; the message names the step and what to do."""
 

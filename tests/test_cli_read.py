@@ -183,3 +183,24 @@ def test_golden_tape_verifies_from_the_command_line(tmp_path: Path, jukebox_cli)
     assert out.startswith("ok: 10 frame(s) verified")
     assert "objects not checked" not in out
     assert "status COMMITTED" in jukebox_cli("replay", str(copy / "tape.jbx"), check=True).stdout
+
+
+def test_a_closed_pipe_ends_quietly_as_for_any_unix_tool(recorded: Path, tmp_path: Path) -> None:
+    """`jukebox diff A@0 A | head -1`: the reader is gone; no traceback, no internal error."""
+    import signal
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "jukebox"
+    env = dict(os.environ, JUKEBOX_TAPE_DIR=str(tmp_path / "tapes"))
+    for args in (("diff", "tr_demo@0", "tr_demo"), ("log", "tr_demo"), ("ls",)):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # every write to stdout now fails with EPIPE
+        try:
+            proc = subprocess.run(
+                [str(exe), *args], stdout=write_end, stderr=subprocess.PIPE, text=True, env=env
+            )
+        finally:
+            os.close(write_end)
+        assert proc.returncode == 128 + signal.SIGPIPE, (args, proc.stderr)
+        assert proc.stderr == "", (args, proc.stderr)

@@ -37,6 +37,8 @@ class JukeboxGroup(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except Exception as error:  # a bug of ours: still one line unless asked for more
+            if isinstance(error, BrokenPipeError) and stdout_closed():
+                stop_quietly()
             if os.environ.get("JUKEBOX_DEBUG"):
                 raise
             fail(
@@ -44,6 +46,29 @@ class JukeboxGroup(click.Group):
                 "(rerun with JUKEBOX_DEBUG=1 for a traceback and report it)",
                 70,
             )
+
+
+def stdout_closed() -> bool:
+    """Whether whoever read stdout is gone (`jukebox diff A@0 A | head -1`): a pipe whose
+    reading end is closed polls as an error. An EPIPE from anything else is a bug to report."""
+    import select
+
+    poller = select.poll()
+    try:
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (ValueError, OSError):
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def stop_quietly() -> None:
+    """What a Unix tool does when its reader goes away: no message, the status of SIGPIPE.
+    stdout goes to /dev/null first, so the interpreter's last flush cannot fail again."""
+    import signal
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
 
 
 def fail(message: str, code: int) -> None:
@@ -70,6 +95,11 @@ def main() -> None:
 
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)
+        sys.stdout.flush()  # here, where a closed pipe can still be told from a bug
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise
+        stop_quietly()
     except click.UsageError as error:
         where = error.ctx.command_path if error.ctx else "jukebox"
         fail(f"{error.format_message()} (see `{where} --help`)", 2)
