@@ -1625,8 +1625,14 @@ def _supervise(
 
 
 def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
+    # No terminal: the verifier's stdin is /dev/null and its output a pipe.
     vspec = isolation.ChildSpec(
-        **{**spec.__dict__, "argv": ["/bin/sh", "-c", command], "cwd": spec.keep[0]}
+        **{
+            **spec.__dict__,
+            "argv": ["/bin/sh", "-c", command],
+            "cwd": spec.keep[0],
+            "terminal": False,
+        }
     )
     read_fd, write_fd = os.pipe()
     started = time.monotonic()

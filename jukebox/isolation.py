@@ -750,10 +750,10 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
         # Its own session and process group: kill(0, ...) reaches nothing outside the booth,
         # and no terminal but the booth's pty can be its controlling terminal.
         os.setsid()
-        if spec.terminal:
+        terminal = next((fd for fd in (0, 1, 2) if os.isatty(fd)), None)
+        if spec.terminal and terminal is not None:
             step = "taking the booth's pty as its terminal"
-            fd = next(fd for fd in (0, 1, 2) if os.isatty(fd))
-            fcntl.ioctl(fd, termios.TIOCSCTTY, 0)
+            fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
         step = "setting resource limits"
         set_limits(spec.limits)
         seccomp = None

@@ -267,6 +267,7 @@ class Session:
     hostile_code: int
     piped: dict
     piped_code: int
+    verified_code: int
     cooked: dict
     cooked_events: list[str]
     cooked_code: int
@@ -327,6 +328,11 @@ def session(
         command = booth("piped", "piped.py", "--commit", "never", "--verify", verifier)
         piped_code = operator.run(f"{command} </dev/null >{piped_log} 2>&1")
         piped = json.loads(piped_log.read_text().split("REPORT ", 1)[1].splitlines()[0])
+        # The same verifier after an agent that had the booth's pty: it gets none of it.
+        argv = booth_argv(tree, tapes, "verified", "--fs", fs, "--commit", "never")
+        verified_code = operator.run(
+            shlex.join([*jukebox, *argv[:-1], "--verify", verifier, "--", "true"])
+        )
 
         operator.type(booth("interactive", "interactive.py", "--commit", "never") + "\r")
         interactive = report(operator)
@@ -396,6 +402,7 @@ def session(
             hostile_code=hostile_code,
             piped=piped,
             piped_code=piped_code,
+            verified_code=verified_code,
             cooked=cooked,
             cooked_events=cooked_events,
             cooked_code=cooked_code,
@@ -463,8 +470,10 @@ def test_without_a_terminal_the_agent_and_the_verifier_have_none_and_own_session
         "kill0_sigstop": "ok",  # and the booth, the operator's job, was not stopped with it
     }
     assert session.piped_code == 0
-    piped = [b for b in session.booths if b["id"] == "piped"]
-    assert [b["verify"]["ok"] for b in piped] == [True]  # the same checks, as the verifier
+    for run in ("piped", "verified"):  # the same checks, as the verifier (no terminal, and
+        # after an agent on the booth's pty)
+        assert [b["verify"]["ok"] for b in session.booths if b["id"] == run] == [True], run
+    assert session.verified_code == 0
 
 
 def test_an_interactive_agent_gets_a_terminal_its_size_and_the_operators_ctrl_c(
