@@ -7,8 +7,9 @@ permitted and inheritable sets. A capability added by a newer kernel than this c
 dropped too: the loop runs to the kernel's own `cap_last_cap`.
 
 The session keyring is replaced by a fresh, anonymous one before exec, so `@s` is not the
-caller's: a key planted there dies with the booth. The user keyring (`@u`) is per uid and no
-namespace separates it; the booth's seccomp filter refuses the keyring syscalls for that reason.
+caller's: a key planted there dies with the booth. The user keyrings (`@u`, `@us`) belong to a
+uid within a user namespace: an unprivileged booth's namespace has its own, but a root booth's
+agent shares root's; the booth's seccomp filter refuses the keyring syscalls for that reason.
 """
 
 from __future__ import annotations
