@@ -300,7 +300,9 @@ def list_booths(tape_dir: TapeDir) -> list[BoothRecord]:
             continue
         if record.status == "running" and not _alive(record.pid):
             record.status = "crashed"  # its supervisor died: nothing to commit, discard it
-        if record.status != "running":
+        # Trust matters for what could be committed: a crashed booth can only be discarded, and
+        # another user's crashed booth is still crashed (not `foreign`) to whoever cleans up.
+        elif record.status != "running":
             record.status = _trust_status(tape_dir, record) or record.status
         out.append(record)
     return out
