@@ -1526,6 +1526,7 @@ def _commit_run(
     if final == base:
         writer.append("commit", {"ok": True, "changes": 0}, tree=final)
         _finish(tapes, record.id)
+        _alert(f"no changes to commit: {record.tree} is as it was (tape {record.tape})")
         return "done", code
     # A kill during the commit leaves a booth recovery can hand back, pending, when it undoes it.
     save_record(tapes, record)
@@ -1535,7 +1536,7 @@ def _commit_run(
         writer.sync()
 
     try:
-        commit_tree(store, tapes, record, base, final, by=None, write=verdict)
+        changes = commit_tree(store, tapes, record, base, final, by=None, write=verdict)
     except ConflictError as error:
         writer.append("note", {"event": "commit_refused", "conflicts": error.conflicts})
         record.status = "conflict"
@@ -1548,6 +1549,8 @@ def _commit_run(
         writer.append("note", {"event": "commit_refused", "reason": str(error)})
         _alert(str(error))
         return "keep", 1
+    plural = "" if changes == 1 else "s"
+    _alert(f"committed {changes} change{plural} to {record.tree} (tape {record.tape})")
     return "done", code
 
 

@@ -8,6 +8,7 @@ commits to the real tree. Then `jukebox ls`, `log` and `replay` show the tape.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,9 +63,14 @@ step("done")
 '''
 
 
-def run(cmd: list[str], **kwargs) -> int:
-    shown = ["<agent.py source>" if "\n" in arg else arg for arg in cmd]
-    print(f"\n$ {' '.join(shown)}", flush=True)
+def run(cmd: list[str], agent_file: Path | None = None, **kwargs) -> int:
+    """Runs `cmd`, shown first as a line that can be pasted back into a shell (after the
+    demo's `export` line): quoted, and the agent's source read from the file that holds it."""
+    args = cmd[1:-1] if agent_file is not None else cmd[1:]
+    shown = shlex.join([Path(cmd[0]).name, *args])  # the program is found on the demo's PATH
+    if agent_file is not None:
+        shown += f' "$(cat {shlex.quote(str(agent_file))})"'
+    print(f"\n$ {shown}", flush=True)
     return subprocess.run(cmd, **kwargs).returncode
 
 
@@ -88,8 +94,12 @@ def main() -> int:
         ------------
         project: {project}
         tapes:   {tapes}
-        The agent runs in a copy-on-write booth: the project is untouched until the verdict.""")
+        The agent runs in a copy-on-write booth: the project is untouched until the verdict.
+        Every command below runs as printed, in this environment:""")
     )
+    exports = f"PATH={shlex.quote(bin_dir)}:\"$PATH\" JUKEBOX_TAPE_DIR={shlex.quote(str(tapes))}"
+    print(f"\n$ export {exports}")
+    print(f"$ cd {shlex.quote(str(project))}")
     status = run(
         [
             *jukebox,
@@ -110,13 +120,14 @@ def main() -> int:
             "-c",
             AGENT,
         ],
+        agent_file=root / "agent.py",
         env=env,
         cwd=project,
     )
     if status != 0:
         print(f"demo: the booth ended with status {status}", file=sys.stderr)
         return status
-    print("\nThe real project after the commit:")
+    print("\nThe verifier passed and the booth committed. The real project now holds:")
     for path in sorted(project.iterdir()):
         print(f"  {path.name}")
     for cmd in (
@@ -127,6 +138,13 @@ def main() -> int:
     ):
         if run([*jukebox, *cmd], env=env) != 0:
             return 1
+    print(
+        "\nYour turn: put jukebox on your PATH and look at the demo's tapes yourself:\n"
+        f"  source {shlex.quote(bin_dir)}/activate    # or call {bin_dir}/jukebox\n"
+        f"  export JUKEBOX_TAPE_DIR={shlex.quote(str(tapes))}\n"
+        "  jukebox ls\n"
+        "Without JUKEBOX_TAPE_DIR, tapes go to ~/.local/share/jukebox/tapes."
+    )
     return 0
 
 

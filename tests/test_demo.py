@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +24,21 @@ def test_demo_commits_the_good_work_and_not_the_mistake(tmp_path: Path) -> None:
     assert "tests pass after the refactor? False" in proc.stdout
     assert "tests pass after the rollback? True" in proc.stdout
     assert "COMMITTED" in proc.stdout and "verified: hash chain" in proc.stdout
+    assert f"jukebox: committed 3 changes to {project} " in proc.stderr
+    assert "the booth committed" in proc.stdout
+
+    # What it prints can be pasted back: the commands parse to what ran (quoted), and the
+    # closing lines find the demo's tapes from a shell that has no jukebox on its PATH.
+    shown = [line[2:] for line in proc.stdout.splitlines() if line.startswith("$ jukebox booth")]
+    (booth_run,) = shown
+    argv = shlex.split(booth_run.split(' "$(cat')[0])
+    assert argv[argv.index("--verify") + 1] == "python3 test_calc.py"
+    yours = proc.stdout.split("Your turn", 1)[1].splitlines()[1:4]
+    script = "\n".join(line.split("#")[0].strip() for line in yours)
+    assert script.startswith("source ") and script.endswith("jukebox ls"), script
+    bare = {k: v for k, v in os.environ.items() if k not in ("JUKEBOX_TAPE_DIR", "VIRTUAL_ENV")}
+    bare["PATH"] = "/usr/bin:/bin"
+    listed = subprocess.run(["bash", "-c", f"set -e\n{script}"], capture_output=True, text=True,
+                            env=bare, cwd=tmp_path, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "demo-run" in listed.stdout and "COMMITTED" in listed.stdout

@@ -31,6 +31,7 @@ def test_booth_run_in_the_tree_records_in_the_data_dir(tmp_path: Path) -> None:
     env = user_env(tmp_path)
     done = jb("booth", "run", "--", "sh", "-c", "echo two >> a.txt", cwd=repo, env=env)
     assert done.returncode == 0, done.stderr
+    assert f"jukebox: committed 1 change to {repo} " in done.stderr
     assert (repo / "a.txt").read_text() == "one\ntwo\n"
     assert sorted(os.listdir(repo)) == ["a.txt"]  # no tapes/ in the repo
     tapes = tmp_path / "data" / "jukebox" / "tapes"

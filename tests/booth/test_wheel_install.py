@@ -97,6 +97,7 @@ def test_a_booth_runs_from_the_wheel(installed: Path, tmp_path: Path, image: str
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert f"no changes to commit: {tree} is as it was" in done.stderr
     assert list(tapes.glob("*.jbx")), "the booth wrote no tape"
     bad = run_isolated(installed, str(installed / "jukebox"), "booth", "run", "--tree",
                        str(tree), "--tape-dir", str(tapes), "--image", "nope", "--", "true",
