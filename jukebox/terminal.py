@@ -42,6 +42,8 @@ import threading
 import tty
 from collections.abc import Callable, Iterator
 
+from jukebox.errors import JukeboxError
+
 STDIO = (0, 1, 2)
 # TIOCSIG on a pty's leader sends a signal to the follower's foreground process group, as a
 # typed Ctrl-C would (_IOW('T', 0x36, int); Python's termios module does not name it).
@@ -78,6 +80,10 @@ def _copy_winsize(source: int, target: int) -> None:
         fcntl.ioctl(target, termios.TIOCSWINSZ, size)
 
 
+class TerminalError(JukeboxError):
+    """The agent's pty could not be made; the booth does not start."""
+
+
 class AgentTerminal:
     """A pty for the agent, standing in for each of the caller's stdio fds that is a terminal."""
 
@@ -86,7 +92,15 @@ class AgentTerminal:
         self._operator = tty_fds[0]
         self._out = next((fd for fd in (1, 2) if fd in tty_fds), None)
         self.interactive = 0 in tty_fds and _in_foreground(0)
-        self.master, self._follower = os.openpty()
+        try:
+            self.master, self._follower = os.openpty()
+        except OSError as error:
+            # Never a fallback to the caller's terminal: that is what the pty is there to avoid.
+            raise TerminalError(
+                f"cannot open a pseudo-terminal for the agent ({error.strerror}): free some "
+                "ptys (see /proc/sys/kernel/pty/nr and max), or run the booth with its stdin, "
+                "stdout and stderr redirected away from the terminal"
+            ) from None
         self._saved: list | None = None  # the operator's settings while raw
         with contextlib.suppress(termios.error):
             # The agent's terminal starts as the operator's is (the shell's cooked settings).
