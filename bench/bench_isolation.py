@@ -13,11 +13,14 @@ changes). The fs rows run the fs suite's own Python workloads (`python -m bench.
 child`) as the agent; they time their own loop, so booth start-up is excluded and what is left
 is the cost of the sandbox on every system call (the seccomp filter runs on each) and of the
 layer. The agent then exits 3, so the booth rolls its writes back and the tree stays as it was.
+Every row also gives `cpu_s`: the CPU seconds of the whole booth (supervisor, FUSE threads, shim
+and agent), which a loaded machine disturbs far less than the wall-clock figures.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -93,11 +96,17 @@ def _booth(config: Config, tree: Path, tapes: Path, *rest: str) -> list[str]:
     return [jukebox, "booth", "run", "--tree", str(tree), "--tape-dir", str(own), *opts, *rest]
 
 
-def _run(argv: list[str], ok: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], ok: tuple[int, ...] = (0,)) -> tuple[str, float]:
+    """The command's stdout, and the CPU seconds (user + system) it and every descendant it
+    waited for used: the supervisor, its FUSE threads, the shim and the agent. On a loaded
+    machine this moves far less than wall time does."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode not in ok:
         raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-    return proc
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc.stdout, cpu
 
 
 def _row(case: str, system: str, samples: list[float], **extra: Any) -> dict[str, Any]:
@@ -115,11 +124,13 @@ def _row(case: str, system: str, samples: list[float], **extra: Any) -> dict[str
 
 def _startup_rows(configs: list[Config], tree: Path, tapes: Path, runs: int) -> list[dict]:
     samples: dict[str, list[float]] = {config[0]: [] for config in configs}
+    cpu: dict[str, list[float]] = {config[0]: [] for config in configs}
     for _ in range(runs):  # interleaved, so drift hits every configuration alike
         for config in configs:
             t0 = time.perf_counter()
-            _run(_booth(config, tree, tapes, "--", "true"))
+            _, used = _run(_booth(config, tree, tapes, "--", "true"))
             samples[config[0]].append((time.perf_counter() - t0) * 1e6)
+            cpu[config[0]].append(used)
     now = median(samples[ALL_ON])
     rows = []
     for system, jukebox, _ in configs:
@@ -128,7 +139,8 @@ def _startup_rows(configs: list[Config], tree: Path, tapes: Path, runs: int) -> 
         )
         if system == BASELINE:
             note = f"{jukebox}; {note}"
-        rows.append(_row(STARTUP_CASE, system, samples[system], note=note))
+        rows.append(_row(STARTUP_CASE, system, samples[system], cpu_s=median(cpu[system]),
+                         note=note))  # fmt: skip
     return rows
 
 
@@ -139,14 +151,17 @@ def _fs_rows(configs: list[Config], tree: Path, tapes: Path, runs: int, quick: b
         for wid, what, command in FS_WORKLOADS:
             agent = f"{command.format(py=sys.executable, repo=REPO, **sizes)}; exit {ROLLED_BACK}"
             seconds: dict[str, list[float]] = {config[0]: [] for config in configs}
+            cpu: dict[str, list[float]] = {config[0]: [] for config in configs}
             for _ in range(runs):
                 for config in configs:
                     argv = _booth(config, tree, tapes, "--fs", fs, "--", "sh", "-c", agent)
-                    proc = _run(argv, ok=(ROLLED_BACK,))
-                    seconds[config[0]].append(float(proc.stdout.strip().splitlines()[-1]))
+                    out, used = _run(argv, ok=(ROLLED_BACK,))
+                    seconds[config[0]].append(float(out.strip().splitlines()[-1]))
+                    cpu[config[0]].append(used)
             rows += [
                 {"group": GROUP, "case": f"{what.format(**sizes)}, --fs {fs}", "system": system,
-                 "seconds": median(samples), "n": len(samples), "workload": wid}
+                 "seconds": median(samples), "cpu_s": median(cpu[system]), "n": len(samples),
+                 "workload": wid}
                 for system, samples in seconds.items()
             ]  # fmt: skip
     return rows
