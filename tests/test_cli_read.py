@@ -117,7 +117,7 @@ def test_bad_arguments_get_one_line_exit_2(recorded: Path, jukebox_cli) -> None:
 
 def test_a_mistyped_tape_dir_variable_is_named(recorded: Path, jukebox_cli, tmp_path: Path) -> None:
     env = {"JUKEBOX_TAPE_DIR": str(tmp_path / "tapse")}
-    for command in (("ls",), ("booth", "ls"), ("log", "tr_demo")):
+    for command in (("ls",), ("booth", "ls"), ("log", "tr_demo"), ("gc",), ("booth", "diff", "x")):
         line = one_line_error(jukebox_cli(*command, env=env), 2)
         assert f"JUKEBOX_TAPE_DIR={tmp_path / 'tapse'} does not exist" in line
     assert "is not a directory" in one_line_error(jukebox_cli("ls", "--tape-dir", "/dev/null"), 2)

@@ -158,9 +158,7 @@ def run(
 
 
 def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
-    from jukebox.tapedir import TapeDir
-
-    return TapeDir.resolve(tape_dir)
+    return listed_tape_dir(Path(tape_dir) if tape_dir is not None else None)
 
 
 @booth.command("ls")

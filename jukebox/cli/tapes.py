@@ -61,8 +61,9 @@ def load_intact(ref):
 
 
 def listed_tape_dir(tape_dir: Path | None):  # type: ignore[no-untyped-def]
-    """The tape dir a listing reads. One named with --tape-dir or $JUKEBOX_TAPE_DIR must exist:
-    a mistyped path would list nothing and look like an empty dir."""
+    """The tape dir of a command that reads what is in it (a listing, gc, a pending booth). One
+    named with --tape-dir or $JUKEBOX_TAPE_DIR must exist: a mistyped path would list nothing
+    and look like an empty dir."""
     from jukebox.tapedir import TapeDir, require_named_tape_dir
 
     home = TapeDir.resolve(tape_dir)
@@ -534,9 +535,8 @@ def text_patch(store, change) -> str:
 def gc_command(tape_dir: Path | None, dry_run: bool, grace_seconds: int, as_json: bool) -> None:
     """Remove store objects that no tape and no pending booth references."""
     from jukebox.liveness import live_objects
-    from jukebox.tapedir import TapeDir
 
-    home = TapeDir.resolve(tape_dir)
+    home = listed_tape_dir(tape_dir)
     store = open_store(home)
     if store is None:
         if as_json:
