@@ -1383,6 +1383,7 @@ def run_booth(
         if verify and not interrupted:
             if agent_ok:
                 verified = _run_verifier(spec, verify)
+                interrupted = bool(verified.get("interrupted"))
             else:
                 verified = {"cmd": verify, "skipped": "the agent failed", "ok": False}
             writer.append("verify", {**verified, "cmd": recorded_verify})
@@ -1645,13 +1646,22 @@ def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
         child = isolation.spawn(vspec, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd)
     finally:
         os.close(write_fd)
+    # Read on a thread: this one waits for the operator's signals meanwhile.
+    captured: list[tuple[str, bool]] = []
+    reader = threading.Thread(
+        target=lambda: captured.append(_read_capped(read_fd, VERIFY_OUTPUT_MAX)),
+        name="jukebox-verify-output",
+        daemon=True,
+    )
+    reader.start()
     try:
-        output, truncated = _read_capped(read_fd, VERIFY_OUTPUT_MAX)
+        child.wait_started()
+        wstatus, interrupts = _wait_passing_interrupts(child, "the verifier")
+        reader.join()  # the verifier's namespace is gone: nothing holds the pipe
     finally:
-        os.close(read_fd)
-    child.wait_started()
-    _, wstatus, _ = os.wait4(child.pid, 0)
-    child.proc.returncode = os.waitstatus_to_exitcode(wstatus)
+        if not reader.is_alive():
+            os.close(read_fd)
+    output, truncated = captured[0] if captured else ("", False)
     exit_status, exit_signal = _exit_code(wstatus)
     result: dict[str, Any] = {
         "cmd": command,
@@ -1664,4 +1674,26 @@ def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
     }
     if child.setup_error:
         result["setup_error"] = child.setup_error
+    if interrupts:
+        result["interrupted"] = True
     return result
+
+
+def _wait_passing_interrupts(child: isolation.Child, what: str) -> tuple[int, int]:
+    """Waits for a sandboxed child that holds no terminal, so the operator's Ctrl-C (or a
+    SIGTERM, SIGHUP) reaches it only through here: the first is passed on, a second kills it.
+    Returns (its wait status, the interrupts received)."""
+    interrupts = 0
+    while True:
+        pid, wstatus = os.waitpid(child.pid, os.WNOHANG)
+        if pid:
+            child.proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here
+            return wstatus, interrupts
+        info = signal.sigtimedwait(WAITED_SIGNALS, 3600.0)
+        if info is None or info.si_signo in (signal.SIGCHLD, signal.SIGWINCH):
+            continue
+        interrupts += 1
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, info.si_signo if interrupts == 1 else signal.SIGKILL)
+        if interrupts == 1:
+            _alert(f"interrupt: passed to {what}; interrupt again to kill it")
