@@ -794,6 +794,8 @@ class Layer:
         """The node at ``name`` in directory ``parent``; if there is none, ``missing`` when
         given, else ENOENT."""
         d = self._dir(parent)
+        # Not a missing name, which the kernel would cache as one (see shadowfs.fuse).
+        self._check_length(name)
         if name == b".":
             return d
         if name == b"..":
@@ -1163,9 +1165,15 @@ class Layer:
 
     # ------------------------------------------------------------------ creating
 
-    def _check_name(self, name: bytes) -> None:
+    @staticmethod
+    def _check_length(name: bytes) -> None:
+        """Every request naming an entry answers a name over NAME_MAX as the kernel's file
+        systems do, before anything else about it (existence included)."""
         if len(name) > NAME_MAX:
             raise _err(errno.ENAMETOOLONG)
+
+    def _check_name(self, name: bytes) -> None:
+        self._check_length(name)
         if not name or b"/" in name or name in (b".", b".."):
             raise _err(errno.EINVAL)
 
@@ -1234,6 +1242,7 @@ class Layer:
         gid: int | None = None,
         pid: int = 0,
     ) -> Node:
+        self._check_length(name)
         if stat.S_IFMT(mode) not in (0, S_IFREG):
             # Trees hold files, directories and symlinks only; a fifo or device could not be
             # snapshotted or committed.
@@ -1321,6 +1330,7 @@ class Layer:
 
     def unlink(self, parent: int, name: bytes, pid: int = 0) -> Node:
         d = self._dir(parent)
+        self._check_length(name)
         child = d.children.get(name)  # type: ignore[union-attr]
         if child is None:
             raise _err(errno.ENOENT)
@@ -1331,6 +1341,7 @@ class Layer:
 
     def rmdir(self, parent: int, name: bytes, pid: int = 0) -> Node:
         d = self._dir(parent)
+        self._check_length(name)
         child = d.children.get(name)  # type: ignore[union-attr]
         if child is None:
             raise _err(errno.ENOENT)
@@ -1363,6 +1374,7 @@ class Layer:
     ) -> None:
         od = self._dir(old_parent)
         nd = self._dir(new_parent)
+        self._check_length(old_name)
         self._check_name(new_name)
         src = od.children.get(old_name)  # type: ignore[union-attr]
         if src is None:

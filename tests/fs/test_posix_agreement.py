@@ -1,0 +1,120 @@
+"""POSIX answers of shadowfs, side by side with native ext4 and the kernel's overlayfs.
+
+Each test runs the same operations on four roots over the same base tree: a plain directory
+(``native``, the temp file system: ext4 here), a plain kernel overlay mount (``overlay``, the
+reference), and both shadowfs backends (``shadowfs-overlay``: `shadowfs.overlay.OverlayLayer`;
+``shadowfs-fuse``: the FUSE layer, served from a child process), and requires the shadowfs roots
+to answer as the kernel overlay does.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shadowfs.layer import Layer
+from shadowfs.mountctl import Mount
+from shadowfs.overlay import OverlayLayer
+from shadowfs.store import Store
+from tests.fs.conftest import needs_fuse, populate
+
+pytestmark = [
+    pytest.mark.fuse,
+    needs_fuse,
+    pytest.mark.skipif(os.geteuid() != 0, reason="kernel overlay mounts need root"),
+]
+
+SHADOWFS = ("shadowfs-overlay", "shadowfs-fuse")
+LONG = b"x" * 256  # NAME_MAX + 1
+LONGEST = b"y" * 255
+
+
+@pytest.fixture
+def roots(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """name -> a directory showing the `populate` tree, one per file system under test."""
+    native = tmp_path / "native"
+    populate(native)
+    base = tmp_path / "base"
+    populate(base)
+    out = {"native": native}
+    for name in ("overlay", "shadowfs-overlay", "shadowfs-fuse"):
+        out[name] = tmp_path / name
+        out[name].mkdir()
+    kernel = tmp_path / "kernel"
+    (kernel / "upper").mkdir(parents=True)
+    (kernel / "work").mkdir()
+    opts = f"lowerdir={base},upperdir={kernel}/upper,workdir={kernel}/work"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, out["overlay"]], check=True)
+    store = Store.open(tmp_path / "store")
+    try:
+        with (
+            OverlayLayer(base, store, tmp_path / "booth").mounted(out["shadowfs-overlay"]),
+            Layer(base, store, tmp_path / "scratch") as layer,
+            Mount(layer, out["shadowfs-fuse"], process=True),
+        ):
+            yield out
+    finally:
+        subprocess.run(["umount", "-l", out["overlay"]], check=True)
+        store.close()
+
+
+def outcome(fn: Callable[[], Any]) -> Any:
+    """What ``fn`` returned, or the name of the errno it failed with."""
+    try:
+        return fn()
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc.errno))
+
+
+def answers(roots: dict[str, Path], probe: Callable[[bytes], Any]) -> dict[str, Any]:
+    return {name: probe(os.fsencode(root)) for name, root in roots.items()}
+
+
+def assert_agree(got: dict[str, Any], reference: str = "overlay") -> None:
+    want = got[reference]
+    wrong = {name: got[name] for name in SHADOWFS if got[name] != want}
+    assert not wrong, f"{reference} answered {want!r}; differing: {wrong!r}"
+
+
+# ---------------------------------------------------------------------- names over NAME_MAX
+
+
+def _name_probes(r: bytes) -> list[Any]:
+    j = os.path.join
+    probes: list[Callable[[], Any]] = [
+        lambda: os.stat(j(r, LONG)).st_size,
+        lambda: os.lstat(j(r, b"src", LONG)).st_size,
+        lambda: os.stat(j(r, LONG)).st_size,  # again: no missing name cached for it
+        lambda: os.close(os.open(j(r, LONG), os.O_RDONLY)),
+        lambda: os.close(os.open(j(r, LONG), os.O_WRONLY | os.O_CREAT, 0o644)),
+        lambda: os.mkdir(j(r, LONG)),
+        lambda: os.mkfifo(j(r, LONG)),
+        lambda: os.symlink(b"README", j(r, LONG)),
+        lambda: os.link(j(r, b"README"), j(r, LONG)),
+        lambda: os.rename(j(r, b"README"), j(r, LONG)),
+        lambda: os.rename(j(r, LONG), j(r, b"elsewhere")),
+        lambda: os.unlink(j(r, LONG)),
+        lambda: os.rmdir(j(r, LONG)),
+        lambda: os.listdir(j(r, LONG, b"below")),
+        lambda: os.access(j(r, LONG), os.F_OK),
+        # 255 bytes is a name like any other.
+        lambda: os.close(os.open(j(r, LONGEST), os.O_WRONLY | os.O_CREAT, 0o644)),
+        lambda: os.stat(j(r, LONGEST)).st_size,
+        lambda: os.rename(j(r, LONGEST), j(r, b"src", LONGEST)),
+        lambda: os.mkdir(j(r, LONGEST)),
+        lambda: sorted(n for n in os.listdir(r) if len(n) > 200),
+    ]
+    return [outcome(p) for p in probes]
+
+
+def test_a_name_over_255_bytes_is_too_long_for_every_request(roots: dict[str, Path]) -> None:
+    got = answers(roots, _name_probes)
+    assert_agree(got)
+    assert got["overlay"] == got["native"]
+    assert got["overlay"][0] == "ENAMETOOLONG"
