@@ -88,6 +88,13 @@ def cli() -> None:
     ${XDG_DATA_HOME:-~/.local/share}/jukebox/tapes);
     TAPE@N selects frame N (frames count from 0).
     """
+    from jukebox.tapedir import TAPE_DIR_ENV
+
+    # Resolved once, at the start of every command, in the directory the user ran it from:
+    # replays and forks run in a scratch tree, agents inherit the variable.
+    named = os.environ.get(TAPE_DIR_ENV)
+    if named:
+        os.environ[TAPE_DIR_ENV] = os.path.abspath(named)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,20 @@ import click
 
 from jukebox.cli import cli
 
+
+def absolute_tape_dir(
+    ctx: click.Context, param: click.Parameter, value: Path | None
+) -> Path | None:
+    """Resolved once, where the user typed it: a replay or fork later runs in a scratch tree,
+    where a relative tape dir would name another directory (inside the tree)."""
+    return Path(os.path.abspath(value)) if value is not None else None
+
+
 tape_dir_option = click.option(
     "--tape-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
+    callback=absolute_tape_dir,
     help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ~/.local/share/jukebox/tapes).",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -78,8 +89,9 @@ def whole_tape(ref, command: str, instead: str) -> None:
     if n is not None:
         from jukebox.errors import UsageError
 
-        raise UsageError(f"`jukebox {command}` takes a whole tape, not frame @{n}: "
-                         + instead.format(n=n))
+        raise UsageError(
+            f"`jukebox {command}` takes a whole tape, not frame @{n}: " + instead.format(n=n)
+        )
 
 
 def check_frame(tape, ref) -> int:
