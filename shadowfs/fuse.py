@@ -153,7 +153,7 @@ class Operations:
             m_ns,
             c_ns,
             fmt | node.mode,
-            1 if fmt == S_IFDIR else len(node.links),
+            self.layer.nlink(node) if fmt == S_IFDIR else len(node.links),
             node.uid,
             node.gid,
             0,

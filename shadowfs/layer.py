@@ -214,6 +214,7 @@ class Node:
         "size",
         "src",
         "stat_base",
+        "subdirs",
         "target",
         "tree_entries",
         "uid",
@@ -261,15 +262,13 @@ class Node:
         self.opens = 0
         self.backing: Backing | None = None
         self.xattrs: dict[bytes, bytes] | None = None
+        # A directory's number of sub-directories (its link count less 2), kept up to date by
+        # every change of its entries once known; -1 until asked for (`Layer.nlink`).
+        self.subdirs = -1
 
     @property
     def is_dir(self) -> bool:
         return self.fmt == S_IFDIR
-
-    @property
-    def nlink(self) -> int:
-        # Directories report 1, like btrfs: "unknown", so tools do not infer sub-directory counts.
-        return 1 if self.fmt == S_IFDIR else len(self.links)
 
     def __repr__(self) -> str:
         return f"<Node {self.ino} {oct(self.fmt | self.mode)}>"
@@ -760,6 +759,10 @@ class Layer:
             return
         node.uid, node.gid = st.st_uid, st.st_gid
         node.atime_ns, node.ctime_ns = st.st_atime_ns, st.st_ctime_ns
+        # A directory not yet loaded holds the base's entries, so the base's own count of
+        # sub-directories holds for it, for free (a file system that does not count says 1).
+        if node.fmt == S_IFDIR and node.children is None and st.st_nlink >= 2:
+            node.subdirs = st.st_nlink - 2
 
     def node(self, ino: int) -> Node:
         node = self.inodes.get(ino)
@@ -779,6 +782,26 @@ class Layer:
         if node.stat_base:
             self._fill(node)
         return node
+
+    def nlink(self, node: Node) -> int:
+        """The node's link count: its names, or for a directory 2 and one per sub-directory
+        (ext4's count, which `find` and `ls` rely on); counted once, then kept up to date."""
+        if node.fmt != S_IFDIR:
+            return len(node.links)
+        if node.subdirs < 0:
+            self.attrs(node)
+        if node.subdirs < 0:
+            if node.children is not None:
+                node.subdirs = sum(c.fmt == S_IFDIR for c in node.children.values())
+            else:
+                entries = _entries(self.store, node.oid).values()
+                node.subdirs = sum(e.kind == DIR for e in entries)
+        return 2 + node.subdirs
+
+    @staticmethod
+    def _count_subdir(d: Node, child: Node, change: int) -> None:
+        if child.fmt == S_IFDIR and d.subdirs >= 0:
+            d.subdirs += change
 
     def blocks(self, node: Node) -> int:
         if node.fmt == S_IFREG and node.src == SRC_SCRATCH:
@@ -1182,6 +1205,7 @@ class Layer:
         node.links.append((d, name))
         self._changed_dir(d, now)
         self._touch(d, name)
+        self._count_subdir(d, node, 1)
 
     def _add(
         self, parent: int, name: bytes, fmt: int, mode: int, uid: int, gid: int, ino: int = 0
@@ -1267,6 +1291,7 @@ class Layer:
         self._check_depth(self._dir(parent), 1)
         d, node = self._add(parent, name, S_IFDIR, mode, self._u(uid), self._g(gid))
         node.children = {}
+        node.subdirs = 0
         self._link(d, name, node, node.mtime_ns)
         self.journal.record("mkdir", (self.path_of(d, name),), pid, arg=node.mode)
         return node
@@ -1357,6 +1382,7 @@ class Layer:
         del d.children[name]  # type: ignore[union-attr]
         self._touch(d, name)
         self._changed_dir(d, now)
+        self._count_subdir(d, child, -1)
         if child.stat_base:
             self._fill(child)
         child.ctime_ns = now
@@ -1401,6 +1427,9 @@ class Layer:
             for d, n in ((od, old_name), (nd, new_name)):
                 self._touch(d, n)
                 self._changed_dir(d, now)
+            for d, gone, came in ((od, src, dst), (nd, dst, src)):
+                self._count_subdir(d, gone, -1)
+                self._count_subdir(d, came, 1)
             return
         if dst is not None:
             if flags & RENAME_NOREPLACE:
@@ -1424,8 +1453,10 @@ class Layer:
         src.links.remove((od, old_name))
         self._touch(od, old_name)
         self._changed_dir(od, now)
+        self._count_subdir(od, src, -1)
         if dst is not None:
             del nd.children[new_name]  # type: ignore[union-attr]
+            self._count_subdir(nd, dst, -1)
             dst.ctime_ns = now
             self._unlink_child(nd, new_name, dst)
         if src.stat_base:
@@ -1856,6 +1887,7 @@ class Layer:
         return diffs
 
     def _reconcile(self, d: Node, target: ObjectId, now: int) -> None:
+        d.subdirs = -1
         children = d.children
         if children is None:
             d.oid = target
@@ -2027,7 +2059,7 @@ class Layer:
         return NodeStat(
             node.fmt | node.mode,
             node.ino,
-            node.nlink,
+            self.nlink(node),
             node.uid,
             node.gid,
             node.size,

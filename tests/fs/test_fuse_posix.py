@@ -527,3 +527,23 @@ def test_a_real_tree_deeper_than_the_limit_is_refused_in_one_line(
     message = str(refused.value)
     assert "\n" not in message and len(message) < 400, message
     assert str(root) in message and str(tree.MAX_DEPTH) in message
+
+
+def test_directory_link_counts_follow_snapshots_and_restores(mount: Path, layer: Layer) -> None:
+    def nlinks() -> list[int]:
+        return [os.stat(mount / p).st_nlink for p in ("", "docs", "docs/deep", "src")]
+
+    assert nlinks() == [5, 3, 3, 2]
+    t0, _ = layer.snapshot()
+    os.makedirs(mount / "src" / "a" / "b")
+    os.mkdir(mount / "src" / "c")
+    shutil.rmtree(mount / "docs" / "deep")
+    os.mkdir(mount / "top")
+    assert [os.stat(mount / p).st_nlink for p in ("", "docs", "src", "src/a")] == [6, 2, 4, 3]
+    t1, _ = layer.snapshot()
+    layer.restore(t0)
+    assert nlinks() == [5, 3, 3, 2]
+    assert layer.stat("docs").st_nlink == 3
+    layer.restore(t1)
+    assert os.stat(mount / "src").st_nlink == 4 and os.stat(mount).st_nlink == 6
+    assert layer.stat("src/a").st_nlink == 3

@@ -118,3 +118,61 @@ def test_a_name_over_255_bytes_is_too_long_for_every_request(roots: dict[str, Pa
     assert_agree(got)
     assert got["overlay"] == got["native"]
     assert got["overlay"][0] == "ENAMETOOLONG"
+
+
+# ---------------------------------------------------------------------- directory link counts
+
+
+def _nlinks(r: bytes) -> dict[str, Any]:
+    j = os.path.join
+
+    def nlink(*parts: bytes) -> Any:
+        return outcome(lambda: os.lstat(j(r, *parts)).st_nlink)
+
+    out: dict[str, Any] = {}
+    # Untouched base directories: none, one and two levels below.
+    out["src"] = nlink(b"src")
+    out["docs"] = nlink(b"docs")
+    out["docs/deep"] = nlink(b"docs", b"deep")
+    out["empty"] = nlink(b"empty")
+    # Directories made in the layer, as sub-directories come and go.
+    os.makedirs(j(r, b"new", b"a", b"x"))
+    os.mkdir(j(r, b"new", b"b"))
+    os.mkdir(j(r, b"new", b"c"))
+    (Path(os.fsdecode(j(r, b"new", b"file")))).write_text("not a directory\n")
+    out["new, 3 dirs"] = nlink(b"new")
+    out["new/a"] = nlink(b"new", b"a")
+    os.rmdir(j(r, b"new", b"c"))
+    out["new, rmdir"] = nlink(b"new")
+    os.rename(j(r, b"new", b"a"), j(r, b"moved"))
+    out["new, renamed out"] = nlink(b"new")
+    os.mkdir(j(r, b"other"))
+    os.rename(j(r, b"moved"), j(r, b"other", b"moved"))
+    out["other, renamed in"] = nlink(b"other")
+    os.mkdir(j(r, b"other", b"empty"))
+    os.rename(j(r, b"new", b"b"), j(r, b"other", b"empty"))  # over an empty directory
+    out["other, renamed over"] = nlink(b"other")
+    out["new, renamed over"] = nlink(b"new")
+    os.rename(j(r, b"new", b"file"), j(r, b"other", b"file"))
+    out["other, file moved in"] = nlink(b"other")
+    return out
+
+
+def _merged_nlinks(r: bytes) -> dict[str, Any]:
+    j = os.path.join
+    os.mkdir(j(r, b"docs", b"added"))
+    os.rename(j(r, b"src"), j(r, b"docs", b"src"))
+    os.rename(j(r, b"docs", b"deep", b"er"), j(r, b"er"))
+    return {p: os.lstat(j(r, p)).st_nlink for p in (b"", b"docs", b"docs/deep", b"er")}
+
+
+def test_a_directory_links_two_plus_its_sub_directories(roots: dict[str, Path]) -> None:
+    got = answers(roots, _nlinks)
+    assert_agree(got)
+    assert got["overlay"] == got["native"]
+    assert got["overlay"]["docs"] == 3 and got["overlay"]["new, 3 dirs"] == 5
+    # A base directory changed in the layer: the kernel overlay gives up and says 1 for such a
+    # "merged" directory (ovl_getattr); shadowfs knows the count and answers as ext4 does.
+    merged = answers({n: roots[n] for n in ("native", "shadowfs-fuse")}, _merged_nlinks)
+    assert merged["shadowfs-fuse"] == merged["native"]
+    assert merged["native"] == {b"": 7, b"docs": 5, b"docs/deep": 2, b"er": 2}
