@@ -94,7 +94,7 @@ class BoothLayer(Protocol):
     """What the supervisor needs from a copy-on-write layer mounted over the tree."""
 
     def mount(self) -> None:
-        """Serve base + layer at the tree's own path, in the current mount namespace."""
+        """Serve base + layer at `LayerContext.mountpoint`, in the current mount namespace."""
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
         """(tree id, write-journal blob id or None) of the layer now; objects are in the store."""
@@ -115,7 +115,7 @@ class BoothLayer(Protocol):
 @dataclass
 class LayerContext:
     fs: str
-    tree: str  # real path of the tree; also the mount point
+    tree: str  # real path of the tree
     tree_fd: int  # opened before the namespace and the mount
     store: Any
     scratch: Path  # empty, outside the tree, hidden from the agent
@@ -123,6 +123,9 @@ class LayerContext:
     userns: bool
     # The most the layer may stage (apparent bytes); None: no limit. FUSE layers only.
     scratch_limit: int | None = None
+    # Where the layer is served in the supervisor's namespace; the agent's view puts it at
+    # `tree` (ChildSpec.mount_at). None: at `tree` itself.
+    mountpoint: str | None = None
 
 
 LayerFactory = Callable[[LayerContext], BoothLayer]
@@ -132,13 +135,13 @@ class _OverlayBoothLayer:
     def __init__(self, ctx: LayerContext) -> None:
         from shadowfs.overlay import OverlayLayer
 
-        self.tree = ctx.tree
+        self.mountpoint = ctx.mountpoint or ctx.tree
         self.inner = OverlayLayer(
             ctx.tree, ctx.store, ctx.scratch, ctx.base_tree, userxattr=ctx.userns
         )
 
     def mount(self) -> None:
-        self.inner.mount(self.tree)
+        self.inner.mount(self.mountpoint)
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
         return self.inner.snapshot(), None
@@ -159,7 +162,7 @@ class _FuseBoothLayer:
     def __init__(self, ctx: LayerContext) -> None:
         from shadowfs.layer import Layer
 
-        self.tree = ctx.tree
+        self.mountpoint = ctx.mountpoint or ctx.tree
         self.scratch = ctx.scratch
         self.layer = Layer(
             ctx.tree, ctx.store, ctx.scratch, base_tree=ctx.base_tree,
@@ -180,7 +183,7 @@ class _FuseBoothLayer:
     def mount(self) -> None:
         from shadowfs import fuse
 
-        self._mount = fuse.mount(self.layer, self.tree).start()
+        self._mount = fuse.mount(self.layer, self.mountpoint).start()
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
         # A group commit (routed to the FUSE thread while mounted): the tape flushes the store
@@ -1224,6 +1227,7 @@ def run_booth(
     made_tape_dir = make_tape_dir(tapes.path)
     store = _open_store(tapes)
     sock_dir = ""
+    layer_dir = ""
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
     layer: BoothLayer | None = None
     server: ControlServer | None = None
@@ -1304,8 +1308,13 @@ def run_booth(
 
             prctl.set_child_subreaper(1)
         scratch = booth_scratch(tapes, booth_id)
+        # Never over the tree's path here: see isolation.layer_mountpoint.
+        layer_dir = isolation.layer_mountpoint(f"jukebox-{booth_id}-")
         layer = factory(
-            LayerContext(fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit)
+            LayerContext(
+                fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit,
+                mountpoint=layer_dir,
+            )
         )
         layer.mount()
         writer.start()
@@ -1348,6 +1357,7 @@ def run_booth(
             cwd=agent_cwd,
             env=env,
             keep=[tree_path],
+            mount_at={tree_path: layer_dir},
             keep_readonly=[sock_dir],
             keep_tools=isolation.hidden_tools(hide, img.private_tmp),
             hide=hide,
@@ -1484,6 +1494,8 @@ def run_booth(
                 layer.discard()
         if sock_dir:
             isolation.remove_private_dir(sock_dir)
+        if layer_dir:
+            isolation.remove_private_dir(layer_dir)
         if tree_fd >= 0:
             os.close(tree_fd)
         if cgroup is not None:

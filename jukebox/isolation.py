@@ -301,6 +301,15 @@ def private_socket_dir(prefix: str) -> str:
     return path
 
 
+def layer_mountpoint(prefix: str) -> str:
+    """An empty directory where the supervisor mounts the booth's layer instead of the tree's
+    own path (see `ChildSpec.mount_at`): the supervisor's namespace keeps the real tree at the
+    tree's path, so nothing the supervisor or its threads open there (imports and shared
+    libraries, /etc lookups, /etc/ld.so.cache, certificates) can wait on its own FUSE server.
+    Only the layer itself sits at this path, which nothing resolves but the layer's control."""
+    return tempfile.mkdtemp(prefix=prefix)
+
+
 def remove_stale_socket_dirs(prefix: str) -> None:
     """Removes the empty mount points `private_socket_dir(prefix)` left when its supervisor was
     killed (anything not empty is not ours to remove)."""
@@ -332,6 +341,10 @@ class ChildSpec:
     cwd: str
     env: dict[str, str]
     keep: list[str] = field(default_factory=list)  # mounts that stay reachable (the tree)
+    # Kept paths whose mount is taken from elsewhere in the supervisor's namespace (the tree's
+    # layer, mounted at `layer_mountpoint()`): target -> source. The source is detached from
+    # the agent's view once cloned.
+    mount_at: dict[str, str] = field(default_factory=dict)
     # Mounts that stay reachable read-only (the control socket's directory: connect() needs no
     # write access to the mount, creating a file beside the socket does).
     keep_readonly: list[str] = field(default_factory=list)
@@ -516,7 +529,11 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     readonly = {os.path.realpath(p) for p in spec.keep_readonly}
     tools = {os.path.realpath(p) for p in spec.keep_tools} - readonly
     keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly | tools)
-    clones = {path: open_tree_clone(path) for path in keep}
+    sources = {os.path.realpath(t): s for t, s in spec.mount_at.items()}
+    clones = {path: open_tree_clone(sources.get(path, path)) for path in keep}
+    for source in sources.values():
+        # The agent sees the layer at the tree's path only, not also at the supervisor's.
+        umount(source, MNT_DETACH)
     terminal = next((fd for fd in (0, 1, 2) if os.isatty(fd)), None) if spec.terminal else None
     devices = private_dev.clone_device_nodes(terminal)
     # Nothing the agent can reach may act as a device or a setuid/setgid program: not a node
