@@ -261,6 +261,20 @@ def discard(booth_id: str, tape_dir: str | None) -> None:
     click.echo(f"discarded booth {booth_id}")
 
 
+@booth.command("abort")
+@click.argument("booth_id")
+@click.option("--tape-dir", default=None)
+def abort(booth_id: str, tape_dir: str | None) -> None:
+    """Free a stuck running booth: abort its FUSE connection and kill its supervisor."""
+    from jukebox.booth_abort import abort_booth
+
+    aborted = abort_booth(_tape_dir(tape_dir), booth_id)
+    what = f"FUSE connection {', '.join(map(str, aborted))}" if aborted else "no FUSE connection"
+    click.echo(
+        f"aborted booth {booth_id} ({what}); it is crashed now: `jukebox booth discard {booth_id}`"
+    )
+
+
 @booth.command("checkpoint")
 @click.option("--label", default=None, help="A name to roll back to later.")
 @click.option("--json", "as_json", is_flag=True)

@@ -1,0 +1,109 @@
+"""`jukebox booth abort ID`: free a booth whose FUSE layer no longer answers.
+
+A FUSE request waits for its server without end: an agent (or anything else) blocked on a layer
+whose supervisor is stopped, wedged or gone-but-not-reaped stays in the kernel, and even SIGKILL
+leaves it in D state. The kernel's way out is the connection's `abort` file in the fusectl file
+system (/sys/fs/fuse/connections/N/abort, N being the minor device number of the mount): every
+request in flight and every later one fails with ENOTCONN. The file belongs to the user who
+mounted, so a booth's own user may abort it.
+
+The connection is found from the supervisor's own mount namespace (/proc/PID/mountinfo), at the
+mount point only a booth of that id uses (`isolation.layer_mountpoint`): a recycled pid or
+connection number cannot lead to somebody else's mount. Then the supervisor is killed; its
+relay, the init and the agent follow it (PR_SET_PDEATHSIG), and the booth is left crashed, for
+`jukebox booth discard` (its tape keeps everything recorded up to then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+import time
+
+from jukebox import isolation
+from jukebox.booth import load_record
+from jukebox.errors import UsageError
+from jukebox.tapedir import TapeDir
+from shadowfs.mountctl import FSTYPE
+from shadowfs.mountinfo import unescape
+
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def _booth_mounts(pid: int, booth_id: str) -> list[tuple[str, str]]:
+    """(major:minor, fstype) of the mounts in `pid`'s namespace made for booth `booth_id`
+    (its layer's and control socket's mount points), or [] when `pid` has no such mount."""
+    prefix = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
+    try:
+        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields = head.split(" ")
+        if len(fields) >= 5 and unescape(fields[4]).startswith(prefix):
+            found.append((fields[2], tail.split(" ", 1)[0]))
+    return found
+
+
+def layer_connections(pid: int, booth_id: str) -> list[int]:
+    """The FUSE connection numbers of booth `booth_id`'s layer in process `pid`'s namespace."""
+    return [
+        int(device.partition(":")[2])
+        for device, fstype in _booth_mounts(pid, booth_id)
+        if fstype == FSTYPE and device.startswith("0:")
+    ]
+
+
+def abort_connection(number: int) -> None:
+    with open(os.path.join(FUSECTL, str(number), "abort"), "w") as f:
+        f.write("1")
+
+
+def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> list[int]:
+    """Aborts booth `booth_id`'s FUSE connection and kills its supervisor; returns the
+    connection numbers aborted (none for an overlay booth, which only gets killed)."""
+    record = load_record(tape_dir, booth_id)
+    pid = record.pid
+    if record.status != "running" or not pid or not os.path.exists(f"/proc/{pid}"):
+        raise UsageError(
+            f"booth {booth_id} is not running (status {record.status}): nothing to abort; "
+            f"`jukebox booth discard {booth_id}` drops it"
+        )
+    mounts = _booth_mounts(pid, booth_id)
+    connections = layer_connections(pid, booth_id)
+    if not mounts:
+        raise UsageError(
+            f"process {pid} is not booth {booth_id}'s supervisor any more: nothing to abort; "
+            f"`jukebox booth discard {booth_id}` drops it"
+        )
+    for number in connections:
+        try:
+            abort_connection(number)
+        except FileNotFoundError:
+            continue  # ended meanwhile
+        except PermissionError:
+            raise UsageError(
+                f"cannot abort booth {booth_id}'s FUSE connection {number}: it belongs to "
+                "another user; run `jukebox booth abort` as the user who started the booth"
+            ) from None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # The supervisor's (empty) mount points in /tmp: its namespace died with it.
+    isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
+    return connections
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True

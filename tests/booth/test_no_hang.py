@@ -1,0 +1,242 @@
+"""No tree may hang the booth: the supervisor never reads through its own layer, and a stuck FUSE
+connection is freed by `jukebox booth abort`.
+
+The supervisor's own opens at the tree's path (pwd lookups in /etc, certificates, shared
+libraries and /etc/ld.so.cache mapped by dlopen, lazy imports under /usr) used to go through its
+own FUSE server; a page fault on such a mapping under the GIL waited for a worker that needed the
+GIL. Now the supervisor's namespace shows the real tree at the tree's path, and only the agent's
+view has the layer there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.booth.conftest import NOBODY
+
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
+
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+LAYER_FSTYPE = "fuse.shadowfs"
+
+
+def _command(python: str | None, user: int | None, *args: str) -> list[str]:
+    cmd = (
+        [JUKEBOX, *args]
+        if python is None
+        else [python, "-c", "from jukebox.cli import main; main()", *args]
+    )
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return cmd
+
+
+def jb(*args: str, python: str | None = None, user: int | None = None, timeout: float = 120):
+    return subprocess.run(
+        _command(python, user, *args), capture_output=True, text=True, cwd="/", timeout=timeout
+    )
+
+
+def mounts(pid: int | str) -> list[tuple[str, str, str]]:
+    """(device, mount point, fstype) of process `pid`'s namespace."""
+    out = []
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            head, _, tail = line.partition(" - ")
+            fields = head.split(" ")
+            out.append((fields[2], fields[4], tail.split(" ")[0]))
+    return out
+
+
+def booth_mounts(pid: int | str, booth_id: str) -> list[tuple[str, str, str]]:
+    prefix = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
+    return [m for m in mounts(pid) if m[1].startswith(prefix)]
+
+
+def wait_for(predicate, what: str, proc: subprocess.Popen) -> None:
+    # Waiting for a state, not timing it: the bound only turns a broken run into a failure.
+    deadline = time.monotonic() + 60
+    while not predicate():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the booth ended before {what} (rc {proc.returncode}):\n{out}\n{err}")
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:  # a failed test must not leave a booth (or its mount) behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start_booth(
+    started: list, tree: Path, tapes: Path, booth_id: str, script: str, python=None, user=None
+) -> subprocess.Popen:
+    args = ["booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", booth_id]
+    proc = subprocess.Popen(
+        _command(python, user, *args, "--commit", "never", "--", "sh", "-c", script),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    started.append(proc)
+    return proc
+
+
+def nothing_left(booth_id: str, tree: Path) -> None:
+    assert not [m for m in mounts("self") if m[1] == str(tree) or f"jukebox-{booth_id}-" in m[1]]
+    assert not [
+        n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"jukebox-{booth_id}-")
+    ]
+
+
+@pytest.fixture(params=["root", "nobody"])
+def who(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str | None, int | None, Path]:
+    """(python, user, a directory both may use) for a booth run as root or as nobody."""
+    if request.param == "root":
+        return None, None, tmp_path
+    python = request.getfixturevalue("nobody_python")
+    request.getfixturevalue("open_dev_fuse")
+    return python, NOBODY, request.getfixturevalue("nobody_dir")
+
+
+def test_the_supervisor_sees_the_real_tree_and_the_agent_the_layer(started, who) -> None:
+    python, user, base = who
+    tree, tapes = base / "tree", base / "tapes"
+    tree.mkdir()
+    (tree / "f").write_text("base\n")
+    if user is not None:
+        os.chown(tree, user, user)
+        os.chown(tree / "f", user, user)
+    proc = start_booth(
+        started,
+        tree,
+        tapes,
+        "nohang1",
+        "grep -c ' fuse.shadowfs ' /proc/self/mountinfo; read go; echo agent > f; cat f",
+        python=python,
+        user=user,
+    )
+    wait_for(
+        lambda: any(m[2] == LAYER_FSTYPE for m in booth_mounts(proc.pid, "nohang1")),
+        "the layer mounted",
+        proc,
+    )
+    supervisor_view = mounts(proc.pid)
+    assert not [m for m in supervisor_view if m[1] == str(tree)], supervisor_view
+    assert (tree / "f").read_text() == "base\n"
+    out, err = proc.communicate("go\n", timeout=120)
+    assert proc.returncode == 0, err
+    # The agent saw exactly one layer (at the tree's path, not also at the staging dir) and
+    # wrote through it; the real tree is untouched (--commit never).
+    assert out.split() == ["1", "agent"], (out, err)
+    assert (tree / "f").read_text() == "base\n"
+    nothing_left("nohang1", tree)
+
+
+def test_a_booth_over_the_real_etc_finishes_and_leaves_etc_alone(tmp_path: Path) -> None:
+    # The issue's reproduction. Safe: --commit never keeps the change in the booth only, and the
+    # booth is discarded afterwards.
+    hosts = Path("/etc/hosts").read_bytes()
+    tapes = tmp_path / "tapes"
+    proc = jb(
+        "booth",
+        "run",
+        "--tree",
+        "/etc",
+        "--tape-dir",
+        str(tapes),
+        "--tape-id",
+        "etc1",
+        "--commit",
+        "never",
+        "--",
+        "bash",
+        "-c",
+        "echo '# jukebox-test' >> hosts && tail -n 1 hosts && getent passwd root",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "# jukebox-test" in proc.stdout and "root:" in proc.stdout
+    assert Path("/etc/hosts").read_bytes() == hosts
+    nothing_left("etc1", Path("/etc"))
+    assert jb("booth", "discard", "etc1", "--tape-dir", str(tapes)).returncode == 0
+
+
+def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
+    python, user, base = who
+    tree, tapes = base / "tree", base / "tapes"
+    tree.mkdir()
+    if user is not None:
+        os.chown(tree, user, user)
+    proc = start_booth(
+        started,
+        tree,
+        tapes,
+        "stuck1",
+        "read go; echo y > new; echo after $?",
+        python=python,
+        user=user,
+    )
+    wait_for(
+        lambda: any(m[2] == LAYER_FSTYPE for m in booth_mounts(proc.pid, "stuck1")),
+        "the layer mounted",
+        proc,
+    )
+    device = next(m[0] for m in booth_mounts(proc.pid, "stuck1") if m[2] == LAYER_FSTYPE)
+    connection = Path("/sys/fs/fuse/connections") / device.partition(":")[2]
+    assert connection.is_dir()
+    # A supervisor that no longer answers (stopped here) leaves the agent's create waiting in
+    # the kernel for good; SIGKILL alone would not free it.
+    os.kill(proc.pid, signal.SIGSTOP)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    aborted = jb("booth", "abort", "stuck1", "--tape-dir", str(tapes), python=python, user=user)
+    assert aborted.returncode == 0, aborted.stderr
+    assert f"FUSE connection {connection.name}" in aborted.stdout
+    proc.wait(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert not connection.exists()
+    listed = jb("booth", "ls", "--tape-dir", str(tapes), python=python, user=user)
+    assert "stuck1" in listed.stdout and "crashed" in listed.stdout, listed.stdout
+    nothing_left("stuck1", tree)
+    discarded = jb("booth", "discard", "stuck1", "--tape-dir", str(tapes), python=python, user=user)
+    assert discarded.returncode == 0, discarded.stderr
+
+
+def test_abort_refuses_a_booth_that_is_not_running(tmp_path: Path) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    done = jb(
+        "booth",
+        "run",
+        "--tree",
+        str(tree),
+        "--tape-dir",
+        str(tapes),
+        "--tape-id",
+        "idle1",
+        "--commit",
+        "never",
+        "--",
+        "true",
+    )
+    assert done.returncode == 0, done.stderr
+    refused = jb("booth", "abort", "idle1", "--tape-dir", str(tapes))
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and "not running" in refused.stderr
+    assert jb("booth", "discard", "idle1", "--tape-dir", str(tapes)).returncode == 0
