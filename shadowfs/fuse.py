@@ -94,6 +94,7 @@ class Operations:
         self._valid = (secs, int((timeout - secs) * _NS))
         # The answer to a lookup of a missing name: no node, kept by the kernel as long as an entry.
         self._missing = w.ENTRY_ATTR.pack(0, 0, secs, 0, self._valid[1], 0, *(0,) * 16)
+        self._no_entry = w.ENTRY_ATTR.pack(*(0,) * 22)
         self._copying: dict[int, threading.Event] = {}
         # dir inode -> {generation: listing}; see the module docstring.
         self._listings: dict[int, dict[int, list[tuple[bytes, Node]]]] = {}
@@ -304,7 +305,10 @@ class Operations:
         node = self.layer.node(ino)
         if not node.is_dir:
             raise OSError(errno.ENOTDIR, "not a directory")
-        listing = self.layer.children(ino)
+        # `.` and `..` lead, as on every kernel file system; the root's parent lies outside the
+        # mount, and the root stands for it (as the kernel's own roots do).
+        parent = node.links[0][0] if node.links else node
+        listing = [(b".", node), (b"..", parent), *self.layer.children(ino)]
         gen = self._next_gen
         self._next_gen += 1
         if gens is None:
@@ -357,8 +361,12 @@ class Operations:
             if used > size:
                 return parts
             if plus:
-                append(attr(child, entry_attr, child_ino, 0, s, s, ns, ns))
-                child.lookups += 1
+                if i < 2:
+                    # The kernel takes no entry for `.` and `..` (nor counts a lookup).
+                    append(self._no_entry)
+                else:
+                    append(attr(child, entry_attr, child_ino, 0, s, s, ns, ns))
+                    child.lookups += 1
             append(ent)
         self._done_listing(ino, gen)
         return parts

@@ -9,6 +9,7 @@ to answer as the kernel overlay does.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import subprocess
@@ -176,3 +177,70 @@ def test_a_directory_links_two_plus_its_sub_directories(roots: dict[str, Path]) 
     merged = answers({n: roots[n] for n in ("native", "shadowfs-fuse")}, _merged_nlinks)
     assert merged["shadowfs-fuse"] == merged["native"]
     assert merged["native"] == {b"": 7, b"docs": 5, b"docs/deep": 2, b"er": 2}
+
+
+# ---------------------------------------------------------------------- . and .. in listings
+
+
+class _Dirent(ctypes.Structure):
+    _fields_ = [
+        ("d_ino", ctypes.c_uint64),
+        ("d_off", ctypes.c_int64),
+        ("d_reclen", ctypes.c_uint16),
+        ("d_type", ctypes.c_uint8),
+        ("d_name", ctypes.c_char * 256),
+    ]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.opendir.restype = ctypes.c_void_p
+_libc.opendir.argtypes = [ctypes.c_char_p]
+_libc.readdir.restype = ctypes.POINTER(_Dirent)
+_libc.readdir.argtypes = [ctypes.c_void_p]
+_libc.closedir.argtypes = [ctypes.c_void_p]
+
+
+def raw_listing(path: bytes) -> dict[bytes, tuple[int, int]]:
+    """name -> (d_ino, d_type) of every entry readdir(3) returns, `.` and `..` included."""
+    d = _libc.opendir(path)
+    assert d, os.strerror(ctypes.get_errno())
+    out = {}
+    try:
+        while ent := _libc.readdir(d):
+            out[ent.contents.d_name] = (ent.contents.d_ino, ent.contents.d_type)
+    finally:
+        _libc.closedir(d)
+    return out
+
+
+def _dots(r: bytes) -> dict[str, Any]:
+    j = os.path.join
+    os.makedirs(j(r, b"made", b"inner"))
+    out: dict[str, Any] = {}
+    for rel in (b"", b"src", b"docs/deep", b"made", b"made/inner", b"empty"):
+        p = j(r, rel) if rel else r
+        listing = raw_listing(p)
+        me, parent = os.stat(p).st_ino, os.stat(j(p, b"..")).st_ino
+        out[f"{rel!r} names"] = sorted(listing)
+        dot, dotdot = listing.get(b".", (0, 0)), listing.get(b"..", (0, 0))
+        out[f"{rel!r} types"] = (dot[1], dotdot[1])
+        out[f"{rel!r} . ino"] = dot[0] == me
+        if rel:
+            # Not the root's: its parent lies outside the file system (the kernel overlay
+            # gives its upper directory's parent, shadowfs the root itself, as ext4's root).
+            out[f"{rel!r} .. ino"] = dotdot[0] == parent
+        out[f"{rel!r} listdir"] = sorted(os.listdir(p))
+        out[f"{rel!r} scandir"] = sorted(e.name for e in os.scandir(p))
+        ls = subprocess.run(["ls", "-a1", p], capture_output=True, check=True).stdout
+        out[f"{rel!r} ls -a"] = sorted(ls.splitlines())
+    found = subprocess.run(["find", ".", "-print0"], cwd=r, capture_output=True, check=True)
+    out["find"] = sorted(found.stdout.split(b"\0"))
+    return out
+
+
+def test_listings_hold_dot_and_dot_dot(roots: dict[str, Path]) -> None:
+    got = answers(roots, _dots)
+    assert_agree(got)
+    want = got["overlay"]
+    assert want["b'src' names"][:2] == [b".", b".."] and b"." not in want["b'src' listdir"]
+    assert want["b'made' . ino"] and want["b'made/inner' .. ino"]
