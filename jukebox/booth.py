@@ -1341,7 +1341,7 @@ def run_booth(
         run.spawn = lambda child_spec, **stdio: llm_session.spawn(
             functools.partial(isolation.spawn, **stdio), child_spec
         )
-        env.update(llm_session.agent_env())
+        env.update(llm_session.agent_env(env))
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
         from jukebox import realtree

@@ -114,6 +114,9 @@ class ReplayResult:
     seconds: float
     agent_status: int | None
     image: ImageChoice | None = None
+    # What went wrong besides a difference, one line each, the agent's own failure first: a
+    # replay whose agent failed, or that refused a call the agent then caught, does not pass.
+    problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -199,8 +202,7 @@ def select_image(run: Recorded, image: str | None, trust_recorded: bool) -> Imag
 
     if trust_recorded and image != RECORDED:
         raise UsageError(
-            f"--trust-recorded-image confirms --image {RECORDED}: add --image {RECORDED} "
-            "or drop it"
+            f"--trust-recorded-image confirms --image {RECORDED}: add --image {RECORDED} or drop it"
         )
     loosened: list[str] = []
     if image == RECORDED:
@@ -269,7 +271,7 @@ def next_tape_id(tapes: TapeDir, base: str, what: str) -> str:
 # --------------------------------------------------------------------------- the watched booth
 
 
-def _stop_agent() -> None:
+def _stop_agent() -> int:
     """Kills every descendant of this process: in a booth supervisor, the agent (and a verifier).
 
     Each one directly, not just the booth's init: the init's death takes the rest of its PID
@@ -288,11 +290,14 @@ def _stop_agent() -> None:
         ppid = stat[stat.rfind(b")") + 2 :].split()[1].decode()
         children.setdefault(ppid, []).append(entry)
     todo = list(children.get(str(os.getpid()), ()))
+    killed = 0
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, ()))
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+    return killed
 
 
 class _Watch:
@@ -303,6 +308,9 @@ class _Watch:
         self.marks = marks
         self.snapshots = 0
         self.stopped: str | None = None
+        # Whether stopping killed a running agent (a difference found in the snapshot taken at
+        # its exit stops nothing): its exit status is then ours, not its own.
+        self.killed = False
 
     def layer_factory(self, inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
         watch = self
@@ -346,7 +354,7 @@ class _Watch:
     def stop(self, why: str) -> None:
         if self.stopped is None:
             self.stopped = why
-            _stop_agent()
+            self.killed = _stop_agent() > 0
 
 
 @contextlib.contextmanager
@@ -507,6 +515,28 @@ def _first_difference(
     return None, matched
 
 
+def _run_problems(original: Any, replay: Any, stopped: bool) -> list[str]:
+    """The agent's failure (unless the replay stopped it) and the calls the replay refused, one
+    line each: neither is a difference from the tape the checks above would always see (past
+    `--until` nothing binds the run; an agent may catch the refusal and carry on)."""
+    lines = []
+    status, recorded = exit_code(replay), exit_code(original)
+    if not stopped and status not in (None, 0) and status != recorded:
+        lines.append(
+            f"the agent failed: it exited with status {status} (recorded: {recorded}); "
+            "its own output above says why"
+        )
+    for frame in replay.frames:
+        p = frame.payload
+        if frame.kind == "note" and p.get("event") == "replay_refused":
+            lines.append(
+                f"the replay refused {p.get('method')} {p.get('path')} ({p.get('provider')}): "
+                f"not a recorded model call, and a replay never reaches the network "
+                f"(replay frame {frame.seq})"
+            )
+    return lines
+
+
 def _label(label: Any) -> str:
     return f' "{label}"' if label else ""
 
@@ -597,12 +627,13 @@ def replay_exec(
             whole_run=until is None,
             remaining=source.remaining() if until is None else 0,
         )
+        problems = _run_problems(original, replayed, stopped=watch.killed)
         served, live, spent = _llm_counts(replayed, store)
         frames = len(replayed.frames)
     if not record:
         replay_path.unlink(missing_ok=True)
     return ReplayResult(
-        code=1 if difference else 0,
+        code=1 if difference or problems else 0,
         tape_id=tape_id,
         tape_path=replay_path if record else None,
         difference=difference,
@@ -616,6 +647,7 @@ def replay_exec(
         seconds=seconds,
         agent_status=status,
         image=chosen,
+        problems=problems,
     )
 
 

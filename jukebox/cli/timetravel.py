@@ -65,6 +65,8 @@ def run_replay_exec(
     if as_json:
         click.echo(json.dumps(result.to_json(), sort_keys=True))
     report_image(result.image)
+    for problem in result.problems:  # the agent's own failure first: it explains the rest
+        click.echo(f"jukebox: {printable(problem)}", err=True)
     if result.difference:
         click.echo(f"jukebox: {printable_lines(result.difference)}", err=True)
     click.echo(f"jukebox: {result.summary()}", err=True)

@@ -45,6 +45,7 @@ import trio
 
 from jukebox.breaker import Trip
 from jukebox.llm.paths import PathRefused
+from jukebox.llm.placeholder_keys import carries_placeholder
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import (
     BASE_URL_ENV,
@@ -443,7 +444,11 @@ class ProxyServer:
 
     def _upstream_request(self, where: Route, ex: Exchange) -> httpx.Request:
         url = self.upstreams[where.provider] + where.rest
-        headers = [(k, v) for k, v in ex.request_headers if k.lower() not in _HOP]
+        headers = [
+            (k, v)
+            for k, v in ex.request_headers
+            if k.lower() not in _HOP and not carries_placeholder(v)
+        ]
         return self._client.build_request(ex.method, url, headers=headers, content=ex.request_body)
 
     async def _forward(
@@ -529,6 +534,15 @@ class ProxyServer:
                 f"jukebox replay: {ex.method} {where.rest} is not a recorded model call and a "
                 "replay never reaches the network"
             )
+            # Noted even when the agent catches the error: its run is not the recorded one.
+            if self.record is not None:
+                refused = {
+                    "event": "replay_refused",
+                    "provider": where.provider,
+                    "method": ex.method,
+                    "path": redact_query(self.scrubber.text(where.rest)),
+                }
+                await trio.to_thread.run_sync(self.record, "note", refused)
             await self._send_simple(conn, stream, 400, error_body(where.provider, message))
             return
         started = time.perf_counter()

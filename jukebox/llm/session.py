@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from jukebox.llm.netns import PrivateNetwork
+from jukebox.llm.placeholder_keys import placeholder_env
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.recorder import FrameSink
 from jukebox.llm.replay import Divergence, ReplaySource
@@ -32,9 +33,12 @@ class LlmOptions:
 
 
 class LlmSession:
-    def __init__(self, proxy: ProxyServer, network: PrivateNetwork | None) -> None:
+    def __init__(
+        self, proxy: ProxyServer, network: PrivateNetwork | None, replaying: bool = False
+    ) -> None:
         self.proxy = proxy
         self.network = network
+        self.replaying = replaying
 
     @classmethod
     def start(
@@ -71,11 +75,15 @@ class LlmSession:
             if network is not None:
                 network.close()
             raise
-        return cls(proxy, network)
+        return cls(proxy, network, replaying=options.replay is not None)
 
-    def agent_env(self) -> dict[str, str]:
-        """The base URLs, with the proxy's secret: for the agent's environment only."""
-        return self.proxy.base_urls()
+    def agent_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What the agent's environment `env` gets: the base URLs, with the proxy's secret (for
+        the agent only), and in a replay a placeholder for each API key `env` lacks."""
+        out = self.proxy.base_urls()
+        if self.replaying:
+            out.update(placeholder_env(env or {}))
+        return out
 
     def spawn(self, spawn: Callable[[Any], T], spec: Any) -> T:
         """Starts the agent with `spawn(spec)`, inside the private network when there is one

@@ -5,7 +5,10 @@ call. (Only the openai SDK: importing anthropic costs seconds per run; tests/llm
 Every model reply is printed on stdout as one JSON line, so a recorded run and its replay can be
 compared by their output. Steered by the environment, since a replay re-runs the same argv:
 JB_TURNS (default 3), JB_PROMPT (default "write hello") and JB_PROMPT_<i> for turn i alone,
-JB_STRAY=1 writes an extra file in turn 1, JB_DELAY_MS asks the fake upstream to be slow.
+JB_STRAY=1 writes an extra file in turn 1, JB_DELAY_MS asks the fake upstream to be slow,
+JB_KEY_FROM_ENV=1 leaves the API key to $OPENAI_API_KEY (as most agents do), JB_LIST_MODELS=1
+lists the models (a call no replay serves) and carries on whatever the answer, JB_EXIT=N exits
+with status N at the end.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ def main() -> None:
 
     delay = os.environ.get("JB_DELAY_MS")
     headers = {"x-fake-delay-ms": delay} if delay else None
-    o = openai.OpenAI(api_key="sk-test-SECRET123", max_retries=0, default_headers=headers)
+    key = None if os.environ.get("JB_KEY_FROM_ENV") else "sk-test-SECRET123"
+    o = openai.OpenAI(api_key=key, max_retries=0, default_headers=headers)
+    if os.environ.get("JB_LIST_MODELS"):
+        try:
+            o.models.list()
+        except openai.APIError as error:
+            print(f"listing the models failed, going on: {error}", file=sys.stderr)
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
     turns = int(os.environ.get("JB_TURNS", "3"))
     for i in range(1, turns + 1):
@@ -63,6 +72,7 @@ def main() -> None:
             text.append(event.delta)
     with open("summary.txt", "w") as f:
         f.write("".join(text) + "\n")
+    sys.exit(int(os.environ.get("JB_EXIT", "0")))
 
 
 if __name__ == "__main__":
