@@ -24,6 +24,20 @@ ANTHROPIC = "anthropic"
 PREFIXES = {OPENAI: "/openai/v1", ANTHROPIC: "/anthropic"}
 DEFAULT_UPSTREAMS = {OPENAI: "https://api.openai.com/v1", ANTHROPIC: "https://api.anthropic.com"}
 BASE_URL_ENV = {OPENAI: "OPENAI_BASE_URL", ANTHROPIC: "ANTHROPIC_BASE_URL"}
+# Other names clients read the same base URL from (same value: the SDKs' own base URL):
+# OPENAI_API_BASE by langchain-openai, litellm and the pre-1.0 openai SDK; ANTHROPIC_API_URL by
+# langchain-anthropic, where it wins over ANTHROPIC_BASE_URL; ANTHROPIC_API_BASE by litellm.
+# A booth sets every one, or an agent reading an alias would bypass the proxy unrecorded.
+BASE_URL_ALIASES = {
+    OPENAI: ("OPENAI_API_BASE",),
+    ANTHROPIC: ("ANTHROPIC_API_URL", "ANTHROPIC_API_BASE"),
+}
+
+
+def base_url_names(provider: str) -> tuple[str, ...]:
+    """Every variable naming `provider`'s base URL, the SDK's own first."""
+    return (BASE_URL_ENV[provider], *BASE_URL_ALIASES[provider])
+
 
 CHAT = "chat.completions"
 RESPONSES = "responses"

@@ -48,10 +48,10 @@ from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import (
-    BASE_URL_ENV,
     DEFAULT_UPSTREAMS,
     PREFIXES,
     Route,
+    base_url_names,
     error_body,
     route,
 )
@@ -95,10 +95,12 @@ SECRET_CODE = "jukebox_proxy_secret"
 
 
 def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The user's own base URLs become the upstreams; the providers' public APIs otherwise."""
+    """The user's own base URLs (the SDK's variable, else an alias) become the upstreams; the
+    providers' public APIs otherwise."""
     out = {}
     for provider, default in DEFAULT_UPSTREAMS.items():
-        out[provider] = (environ.get(BASE_URL_ENV[provider]) or default).rstrip("/")
+        named = (environ.get(name) for name in base_url_names(provider))
+        out[provider] = (next((url for url in named if url), None) or default).rstrip("/")
     return out
 
 
@@ -205,8 +207,11 @@ class ProxyServer:
         return f"{self.origin}/{self.secret}"
 
     def base_urls(self) -> dict[str, str]:
-        """The environment that points an agent's SDKs at this proxy."""
-        return {BASE_URL_ENV[p]: self.url + prefix for p, prefix in PREFIXES.items()}
+        """The environment that points an agent's SDKs at this proxy: every base-URL variable
+        a popular client reads, each with the proxy's secret."""
+        return {
+            name: self.url + prefix for p, prefix in PREFIXES.items() for name in base_url_names(p)
+        }
 
     def start(self) -> ProxyServer:
         self._thread = threading.Thread(target=self._run, name="jukebox-llm-proxy", daemon=True)
