@@ -124,6 +124,9 @@ SRC_SCRATCH = 2
 S_IFREG = stat.S_IFREG
 S_IFDIR = stat.S_IFDIR
 S_IFLNK = stat.S_IFLNK
+# FIFOs and unix sockets live in the layer only: they need no content, and trees do not record
+# them (a snapshot leaves them out, so a commit creates none and a restore removes them).
+LIVE_ONLY = (stat.S_IFIFO, stat.S_IFSOCK)
 _FMT_KIND = {S_IFREG: FILE, S_IFDIR: DIR, S_IFLNK: SYMLINK}
 _KIND_FMT = {FILE: S_IFREG, DIR: S_IFDIR, SYMLINK: S_IFLNK}
 
@@ -619,6 +622,8 @@ class Layer:
         self._next_ino = ROOT_INO
         self._next_fh = 1
         self.inodes: dict[int, Node] = {}
+        # The live-only nodes (see LIVE_ONLY), by inode number.
+        self._live_only: dict[int, Node] = {}
         self.handles: dict[int, Handle] = {}
         self._inval: list[tuple[Any, ...]] = []
         # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
@@ -847,6 +852,7 @@ class Layer:
             return
         del self.inodes[node.ino]
         self._idle.pop(node.ino, None)
+        self._live_only.pop(node.ino, None)
         if node.backing is not None:
             node.backing.release()
             node.backing = None
@@ -1266,10 +1272,16 @@ class Layer:
         gid: int | None = None,
         pid: int = 0,
     ) -> Node:
+        fmt = stat.S_IFMT(mode)
+        if fmt in LIVE_ONLY:
+            d, node = self._add(parent, name, fmt, mode, self._u(uid), self._g(gid))
+            self._link(d, name, node, node.mtime_ns)
+            self._live_only[node.ino] = node
+            self.journal.record("create", (self.path_of(d, name),), pid, arg=fmt | node.mode)
+            return node
         self._check_length(name)
-        if stat.S_IFMT(mode) not in (0, S_IFREG):
-            # Trees hold files, directories and symlinks only; a fifo or device could not be
-            # snapshotted or committed.
+        if fmt not in (0, S_IFREG):
+            # Device nodes: the mount is nodev, and trees could not hold them.
             raise _err(errno.EPERM)
         h, node = self.create(parent, name, mode, os.O_RDWR, uid, gid, pid)
         # The new scratch fd stays open (among the idle ones) for the writes that usually
@@ -1747,7 +1759,7 @@ class Layer:
         swaps: list[tuple[bytes, bytes]] = []
         for name in d.dirty_names:
             child = children.get(name)
-            if child is None:
+            if child is None or child.fmt in LIVE_ONLY:
                 if new.pop(name, None) is not None:
                     reshaped = True
                 continue
@@ -1852,6 +1864,7 @@ class Layer:
             with self._foreground():
                 if stores:
                     self._fold()
+                self._drop_live_only()
                 if tree_id != self.root.oid:
                     files = self._files
                     files.hold()
@@ -1863,6 +1876,18 @@ class Layer:
             self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
             if stores:
                 self._flush(durable)
+
+    def _drop_live_only(self) -> None:
+        """Remove every FIFO and socket: no tree holds them, so no restored state has them
+        (as the overlay backend's restore removes them from its upper directory)."""
+        inval = self._inval
+        for node in list(self._live_only.values()):
+            for d, name in list(node.links):
+                del d.children[name]  # type: ignore[union-attr]
+                if d.lookups:
+                    inval.append(("entry", d.ino, name))
+                    inval.append(("inode", d.ino, False))
+                self._unlink_child(d, name, node)
 
     def _remember_step(self, a: ObjectId, b: ObjectId, diffs: list[_Diff]) -> None:
         """Remember how directory trees ``a`` and ``b`` differ: (name, entry in a, entry in b)

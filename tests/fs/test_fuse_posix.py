@@ -7,6 +7,7 @@ import errno
 import mmap
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -547,3 +548,34 @@ def test_directory_link_counts_follow_snapshots_and_restores(mount: Path, layer:
     layer.restore(t1)
     assert os.stat(mount / "src").st_nlink == 4 and os.stat(mount).st_nlink == 6
     assert layer.stat("src/a").st_nlink == 3
+
+
+def test_fifos_and_sockets_live_in_the_layer_only(
+    mount: Path, layer: Layer, store: Store
+) -> None:
+    t0, _ = layer.snapshot()
+    os.mkfifo(mount / "src" / "pipe")
+    os.unlink(mount / "README")
+    os.mkfifo(mount / "README")  # over a base file's name
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(mount / "sock"))
+    try:
+        t1, journal = layer.snapshot()
+        # A snapshot records none of them: a base name a FIFO took is simply gone.
+        for path in (b"src/pipe", b"README", b"sock"):
+            assert tree.lookup(store, t1, path) is None
+        assert tree.lookup(store, t1, b"src/main.py") is not None
+        created = [o.paths for o in decode_journal(store.get(journal)) if o.op == "create"]
+        assert (b"src/pipe",) in created and (b"sock",) in created
+        # No restored state holds them: a rollback removes them, even to the latest snapshot.
+        layer.restore(t1)
+        assert not os.path.lexists(mount / "src" / "pipe")
+        assert not os.path.lexists(mount / "sock") and not os.path.lexists(mount / "README")
+        os.mkfifo(mount / "src" / "pipe")
+        layer.restore(t0)
+        assert not os.path.lexists(mount / "src" / "pipe")
+        assert (mount / "README").read_text() == "readme\n"
+        os.mkfifo(mount / "src" / "pipe")
+        assert stat.S_ISFIFO(os.lstat(mount / "src" / "pipe").st_mode)
+    finally:
+        server.close()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import socket
+import stat
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -244,3 +246,59 @@ def test_listings_hold_dot_and_dot_dot(roots: dict[str, Path]) -> None:
     want = got["overlay"]
     assert want["b'src' names"][:2] == [b".", b".."] and b"." not in want["b'src' listdir"]
     assert want["b'made' . ino"] and want["b'made/inner' .. ino"]
+
+
+# ---------------------------------------------------------------------- FIFOs and unix sockets
+
+
+def _specials(r: bytes) -> dict[str, Any]:
+    j = os.path.join
+    out: dict[str, Any] = {}
+    fifo, sock = j(r, b"src", b"pipe"), j(r, b"sock")
+    out["mkfifo"] = outcome(lambda: os.mkfifo(fifo, 0o640))
+    out["mkfifo again"] = outcome(lambda: os.mkfifo(fifo))
+    out["mkfifo over a file"] = outcome(lambda: os.mkfifo(j(r, b"README")))
+    st = os.lstat(fifo)
+    out["fifo stat"] = (stat.S_ISFIFO(st.st_mode), stat.S_IMODE(st.st_mode), st.st_size)
+    fd = os.open(fifo, os.O_RDWR)  # Linux: a FIFO opened read-write needs no other end
+    os.write(fd, b"through the pipe")
+    out["fifo data"] = os.read(fd, 100)
+    os.close(fd)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with server, client:
+        out["bind"] = outcome(lambda: server.bind(sock))
+        server.listen(1)
+        out["bind again"] = outcome(
+            lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).bind(sock)
+        )
+        client.connect(sock)
+        peer, _ = server.accept()
+        with peer:
+            client.sendall(b"over the socket")
+            out["socket data"] = peer.recv(100)
+    out["socket stat"] = stat.S_ISSOCK(os.lstat(sock).st_mode)
+    out["link"] = outcome(lambda: os.link(fifo, j(r, b"pipe2")))
+    out["links"] = os.lstat(fifo).st_nlink
+    out["rename"] = outcome(lambda: os.rename(j(r, b"pipe2"), j(r, b"docs", b"pipe3")))
+    out["rmdir"] = outcome(lambda: os.rmdir(j(r, b"src")))
+    out["listdir"] = sorted(os.listdir(r)), sorted(os.listdir(j(r, b"src")))
+    out["find -type p,s"] = sorted(
+        subprocess.run(["find", ".", "-type", "p", "-o", "-type", "s"], cwd=r,
+                       capture_output=True, check=True).stdout.split()
+    )
+    removed = (fifo, sock, j(r, b"docs", b"pipe3"))
+    out["unlink"] = [outcome(lambda p=p: os.unlink(p)) for p in removed]
+    out["gone"] = [os.path.lexists(p) for p in (fifo, sock)]
+    return out
+
+
+def test_fifos_and_unix_sockets_work_in_the_tree(roots: dict[str, Path]) -> None:
+    got = answers({n: r for n, r in roots.items() if n != "native"}, _specials)
+    assert_agree(got)
+    want = got["overlay"]
+    assert want["fifo data"] == b"through the pipe" and want["socket data"] == b"over the socket"
+    assert want["mkfifo again"] == "EEXIST" and want["links"] == 2
+    # Device nodes stay refused: the layer is mounted nodev and trees cannot hold them.
+    dev = os.path.join(roots["shadowfs-fuse"], "dev")
+    assert outcome(lambda: os.mknod(dev, stat.S_IFBLK | 0o600, os.makedev(7, 0))) == "EPERM"
