@@ -169,6 +169,11 @@ class _FuseBoothLayer:
             scratch_limit=ctx.scratch_limit,
         )
         self._mount: Any = None
+        self._watchdog: Any = None
+
+    def _waiting_on_layer(self, what: str) -> contextlib.AbstractContextManager[None]:
+        watchdog = self._watchdog
+        return watchdog.blocking(what) if watchdog is not None else contextlib.nullcontext()
 
     def scratch_usage(self) -> tuple[int, int | None]:
         # Read without the layer lock: an int the workers replace whole.
@@ -181,22 +186,33 @@ class _FuseBoothLayer:
         self.layer.on_write_refused = callback
 
     def mount(self) -> None:
+        from jukebox.fusectl import connection_at
+        from jukebox.layer_watchdog import LayerWatchdog
         from shadowfs import fuse
 
         self._mount = fuse.mount(self.layer, self.mountpoint).start()
+        connection = connection_at(os.path.realpath(self.mountpoint))
+        if connection is not None:
+            self._watchdog = LayerWatchdog(connection).start()
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
         # A group commit (routed to the FUSE thread while mounted): the tape flushes the store
         # before any frame naming these objects is written (GroupTape).
-        return self.layer.snapshot(durable=False)  # type: ignore[no-any-return]
+        with self._waiting_on_layer("a snapshot"):
+            return self.layer.snapshot(durable=False)  # type: ignore[no-any-return]
 
     def restore(self, tree_id: ObjectId) -> None:
-        (self._mount or self.layer).restore(tree_id)
+        with self._waiting_on_layer("a rollback"):
+            (self._mount or self.layer).restore(tree_id)
 
     def unmount(self) -> None:
         if self._mount is not None:
             mount, self._mount = self._mount, None
-            mount.stop()
+            with self._waiting_on_layer("the unmount"):
+                mount.stop()
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
 
     def discard(self) -> None:
         self.layer.close()

@@ -22,46 +22,22 @@ import signal
 import tempfile
 import time
 
-from jukebox import isolation
+from jukebox import fusectl, isolation
 from jukebox.booth import load_record
 from jukebox.errors import UsageError
 from jukebox.tapedir import TapeDir
-from shadowfs.mountctl import FSTYPE
-from shadowfs.mountinfo import unescape
-
-FUSECTL = "/sys/fs/fuse/connections"
 
 
-def _booth_mounts(pid: int, booth_id: str) -> list[tuple[str, str]]:
-    """(major:minor, fstype) of the mounts in `pid`'s namespace made for booth `booth_id`
-    (its layer's and control socket's mount points), or [] when `pid` has no such mount."""
+def _booth_mounts(pid: int, booth_id: str) -> list[tuple[str, str, str]]:
+    """The mounts in `pid`'s namespace made for booth `booth_id` (its layer's and control
+    socket's mount points), or [] when `pid` has no such mount."""
     prefix = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
-    try:
-        with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.readlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        head, _, tail = line.partition(" - ")
-        fields = head.split(" ")
-        if len(fields) >= 5 and unescape(fields[4]).startswith(prefix):
-            found.append((fields[2], tail.split(" ", 1)[0]))
-    return found
+    return [m for m in fusectl.mounts(pid) if m[1].startswith(prefix)]
 
 
 def layer_connections(pid: int, booth_id: str) -> list[int]:
     """The FUSE connection numbers of booth `booth_id`'s layer in process `pid`'s namespace."""
-    return [
-        int(device.partition(":")[2])
-        for device, fstype in _booth_mounts(pid, booth_id)
-        if fstype == FSTYPE and device.startswith("0:")
-    ]
-
-
-def abort_connection(number: int) -> None:
-    with open(os.path.join(FUSECTL, str(number), "abort"), "w") as f:
-        f.write("1")
+    return fusectl.connections(_booth_mounts(pid, booth_id))
 
 
 def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> list[int]:
@@ -83,7 +59,7 @@ def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> lis
         )
     for number in connections:
         try:
-            abort_connection(number)
+            fusectl.abort(number)
         except FileNotFoundError:
             continue  # ended meanwhile
         except PermissionError:

@@ -1,0 +1,96 @@
+"""The supervisor's layer watchdog: a thread blocked on a FUSE layer that stopped answering is
+freed (the connection aborted, one LayerStuck naming what hung), after its limit or at once on a
+pending interrupt; a call that is answered is left alone.
+
+A real shadowfs mount served from a child process, stopped with SIGSTOP: the test's own thread
+then waits in the kernel on a real request, exactly as the supervisor's would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jukebox import fusectl
+from jukebox.layer_watchdog import LayerStuck, LayerWatchdog
+
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
+
+
+@pytest.fixture
+def interrupts_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread and every thread started from now on, as in the supervisor:
+    an interrupt then stays pending until taken with sigtimedwait."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.sigtimedwait({signal.SIGINT}, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
+    """(mount point, connection number, server pid) of a layer served from a child process."""
+    from shadowfs.layer import Layer
+    from shadowfs.mountctl import Mount, is_mounted
+    from shadowfs.store import Store
+
+    base, mnt = tmp_path / "base", tmp_path / "mnt"
+    base.mkdir()
+    mnt.mkdir()
+    (base / "f").write_text("base\n")
+    store = Store.open(tmp_path / "store")
+    layer = Layer(base, store, tmp_path / "scratch")
+    mount = Mount(layer, mnt, process=True).start()
+    connection = fusectl.connection_at(str(mnt))
+    assert connection is not None
+    # Should the watchdog fail, this frees the test instead of leaving it in the kernel (and the
+    # test fails: the call then raises a plain OSError, not LayerStuck).
+    backstop = threading.Timer(60, lambda: fusectl.abort(connection))
+    backstop.start()
+    try:
+        yield mnt, connection, mount._pid
+    finally:
+        backstop.cancel()
+        os.kill(mount._pid, signal.SIGCONT)
+        mount.stop()
+        layer.close()
+        store.close()
+    assert not is_mounted(mnt)
+    assert not os.path.exists(os.path.join(fusectl.FUSECTL, str(connection)))
+
+
+def test_a_call_stuck_past_the_limit_is_aborted(served) -> None:
+    mnt, connection, server = served
+    watchdog = LayerWatchdog(connection, limit=1.0).start()
+    try:
+        with watchdog.blocking("a snapshot"):
+            assert (mnt / "f").read_text() == "base\n"  # answered: nothing fires
+        os.kill(server, signal.SIGSTOP)
+        with pytest.raises(LayerStuck) as stuck, watchdog.blocking("a snapshot"):
+            os.stat(mnt / "new-name")
+    finally:
+        watchdog.close()
+    message = str(stuck.value)
+    assert "\n" not in message
+    assert "a snapshot" in message and f"connection {connection}" in message
+
+
+def test_an_interrupt_frees_a_stuck_call_before_the_limit(interrupts_blocked, served) -> None:
+    mnt, connection, server = served
+    watchdog = LayerWatchdog(connection, limit=3600).start()
+    os.kill(server, signal.SIGSTOP)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        with pytest.raises(LayerStuck) as stuck, watchdog.blocking("a rollback"):
+            os.stat(mnt / "new-name")
+    finally:
+        watchdog.close()
+    assert "a rollback" in str(stuck.value) and "an interrupt" in str(stuck.value)
+    # The interrupt itself is left for the supervisor's own signal loop to answer.
+    assert signal.sigtimedwait({signal.SIGINT}, 0) is not None
