@@ -1912,6 +1912,10 @@ class Layer:
         return diffs
 
     def _reconcile(self, d: Node, target: ObjectId, now: int) -> None:
+        if d.stat_base:
+            # Its base attributes now, while its entries are still the base's: `_fill` would
+            # take the base's count of sub-directories, not the target's.
+            self._fill(d)
         d.subdirs = -1
         children = d.children
         if children is None:

@@ -771,3 +771,20 @@ def test_a_whole_file_write_kept_for_the_snapshot_yields_to_any_later_change(
         layer.delete(f"gone{i}")
     layer.snapshot()
     assert layer._image_bytes == 0 and not layer._imaged
+
+
+def test_link_counts_of_directories_a_restore_changed_before_anything_read_them(
+    layer: Layer, base: Path, store: Store, tmp_path: Path
+) -> None:
+    layer.mkdir("docs/new")
+    layer.mkdir("src/sub")
+    changed, _ = layer.snapshot()
+    # A second layer over the same base: its nodes for docs and src come from the base and are
+    # not loaded yet when the restore gives them other sub-trees.
+    with Layer(base, store, tmp_path / "scratch2") as fresh:
+        assert fresh.stat("README").st_nlink == 1
+        fresh.restore(changed)
+        assert fresh.stat("docs").st_nlink == 4 and fresh.stat("src").st_nlink == 3
+        assert fresh.stat("").st_nlink == 5
+        fresh.restore(fresh.base_tree)
+        assert fresh.stat("docs").st_nlink == 3 and fresh.stat("src").st_nlink == 2
