@@ -57,7 +57,7 @@ from jukebox.images import Image, load_image
 from jukebox.protections import Protections, booth_protections, strict_refusal
 from jukebox.record_binding import bound_tape, record_seal
 from jukebox.recorded_image import image_record
-from jukebox.scratchdir import booth_scratch
+from jukebox.scratchdir import booth_scratch, layer_mountpoint
 from jukebox.tapedir import (
     TapeDir,
     check_tape_id,
@@ -792,6 +792,8 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
             ):
                 _append_to_tape(store, record.tape, "discard", {"by": "booth discard"})
         shutil.rmtree(tape_dir.state / "scratch" / booth_id, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(layer_mountpoint(tape_dir, booth_id))  # a killed supervisor's
         # A killed supervisor leaves its control socket's (empty) mount point in /tmp.
         isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
         _finish(tape_dir, booth_id)
@@ -1324,8 +1326,8 @@ def run_booth(
 
             prctl.set_child_subreaper(1)
         scratch = booth_scratch(tapes, booth_id)
-        # Never over the tree's path here: see isolation.layer_mountpoint.
-        layer_dir = isolation.layer_mountpoint(f"jukebox-{booth_id}-")
+        # Never over the tree's path here: see isolation.ChildSpec.mount_at.
+        layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))
         layer = factory(
             LayerContext(
                 fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit,

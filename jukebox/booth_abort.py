@@ -8,10 +8,10 @@ request in flight and every later one fails with ENOTCONN. The file belongs to t
 mounted, so a booth's own user may abort it.
 
 The connection is found from the supervisor's own mount namespace (/proc/PID/mountinfo), at the
-mount point only a booth of that id uses (`isolation.layer_mountpoint`): a recycled pid or
-connection number cannot lead to somebody else's mount. Then the supervisor is killed; its
-relay, the init and the agent follow it (PR_SET_PDEATHSIG), and the booth is left crashed, for
-`jukebox booth discard` (its tape keeps everything recorded up to then).
+mount point only a booth of that id uses (`scratchdir.layer_mountpoint`, in the tape dir): a
+recycled pid or connection number cannot lead to somebody else's mount. Then the supervisor is
+killed; its relay, the init and the agent follow it (PR_SET_PDEATHSIG), and the booth is left
+crashed, for `jukebox booth discard` (its tape keeps everything recorded up to then).
 """
 
 from __future__ import annotations
@@ -25,19 +25,16 @@ import time
 from jukebox import fusectl, isolation
 from jukebox.booth import load_record
 from jukebox.errors import UsageError
+from jukebox.scratchdir import layer_mountpoint
 from jukebox.tapedir import TapeDir
 
 
-def _booth_mounts(pid: int, booth_id: str) -> list[tuple[str, str, str]]:
-    """The mounts in `pid`'s namespace made for booth `booth_id` (its layer's and control
-    socket's mount points), or [] when `pid` has no such mount."""
-    prefix = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
-    return [m for m in fusectl.mounts(pid) if m[1].startswith(prefix)]
-
-
-def layer_connections(pid: int, booth_id: str) -> list[int]:
-    """The FUSE connection numbers of booth `booth_id`'s layer in process `pid`'s namespace."""
-    return fusectl.connections(_booth_mounts(pid, booth_id))
+def _booth_mounts(tape_dir: TapeDir, pid: int, booth_id: str) -> list[tuple[str, str, str]]:
+    """The mounts in `pid`'s namespace made for booth `booth_id` (its layer's mount point in
+    the tape dir, its control socket's in /tmp), or [] when `pid` has no such mount."""
+    layer = os.path.realpath(layer_mountpoint(tape_dir, booth_id))
+    sockets = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
+    return [m for m in fusectl.mounts(pid) if m[1] == layer or m[1].startswith(sockets)]
 
 
 def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> list[int]:
@@ -50,8 +47,8 @@ def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> lis
             f"booth {booth_id} is not running (status {record.status}): nothing to abort; "
             f"`jukebox booth discard {booth_id}` drops it"
         )
-    mounts = _booth_mounts(pid, booth_id)
-    connections = layer_connections(pid, booth_id)
+    mounts = _booth_mounts(tape_dir, pid, booth_id)
+    connections = fusectl.connections(mounts)
     if not mounts:
         raise UsageError(
             f"process {pid} is not booth {booth_id}'s supervisor any more: nothing to abort; "
@@ -72,8 +69,10 @@ def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> lis
     deadline = time.monotonic() + grace
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    # The supervisor's (empty) mount points in /tmp: its namespace died with it.
+    # The supervisor's (empty) mount points: its namespace died with it.
     isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
+    with contextlib.suppress(OSError):
+        os.rmdir(layer_mountpoint(tape_dir, booth_id))
     return connections
 
 

@@ -301,15 +301,6 @@ def private_socket_dir(prefix: str) -> str:
     return path
 
 
-def layer_mountpoint(prefix: str) -> str:
-    """An empty directory where the supervisor mounts the booth's layer instead of the tree's
-    own path (see `ChildSpec.mount_at`): the supervisor's namespace keeps the real tree at the
-    tree's path, so nothing the supervisor or its threads open there (imports and shared
-    libraries, /etc lookups, /etc/ld.so.cache, certificates) can wait on its own FUSE server.
-    Only the layer itself sits at this path, which nothing resolves but the layer's control."""
-    return tempfile.mkdtemp(prefix=prefix)
-
-
 def remove_stale_socket_dirs(prefix: str) -> None:
     """Removes the empty mount points `private_socket_dir(prefix)` left when its supervisor was
     killed (anything not empty is not ours to remove)."""
@@ -341,9 +332,11 @@ class ChildSpec:
     cwd: str
     env: dict[str, str]
     keep: list[str] = field(default_factory=list)  # mounts that stay reachable (the tree)
-    # Kept paths whose mount is taken from elsewhere in the supervisor's namespace (the tree's
-    # layer, mounted at `layer_mountpoint()`): target -> source. The source is detached from
-    # the agent's view once cloned.
+    # Kept paths whose mount is taken from elsewhere in the supervisor's namespace: target ->
+    # source. The tree's layer is mounted at jukebox.scratchdir.layer_mountpoint, never over
+    # the tree in the supervisor's namespace, so nothing the supervisor or its threads open
+    # there (imports and shared libraries, /etc lookups, /etc/ld.so.cache, certificates) can
+    # wait on its own FUSE server. The source is detached from the agent's view once cloned.
     mount_at: dict[str, str] = field(default_factory=dict)
     # Mounts that stay reachable read-only (the control socket's directory: connect() needs no
     # write access to the mount, creating a file beside the socket does).

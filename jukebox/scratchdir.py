@@ -21,6 +21,14 @@ from jukebox import isolation
 from jukebox.tapedir import TapeDir
 
 
+def layer_mountpoint(tapes: TapeDir, booth_id: str, *, make: bool = False) -> Path:
+    """``.jukebox/mnt/<booth_id>``: where the supervisor mounts the booth's layer, never over
+    the tree's own path (see `isolation.ChildSpec.mount_at`). In the tape dir's private state:
+    never inside the tree (a run refuses overlapping ones), so the layer reading its base
+    through a directory fd can never step onto its own mount, and hidden from the agent."""
+    return tapes.private_dir("mnt", booth_id) if make else tapes.state / "mnt" / booth_id
+
+
 def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:
     """``.jukebox/scratch/<booth_id>`` (not created), its parents made 0700, and the scratch
     dir bound nosuid,nodev onto itself. Call it inside the booth's private mount namespace:

@@ -56,9 +56,10 @@ def mounts(pid: int | str) -> list[tuple[str, str, str]]:
     return out
 
 
-def booth_mounts(pid: int | str, booth_id: str) -> list[tuple[str, str, str]]:
-    prefix = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
-    return [m for m in mounts(pid) if m[1].startswith(prefix)]
+def layer_mounts(pid: int, tapes: Path, booth_id: str) -> list[tuple[str, str, str]]:
+    """The booth's layer in its supervisor's namespace: at <tape dir>/.jukebox/mnt/<id>."""
+    where = str(tapes / ".jukebox" / "mnt" / booth_id)
+    return [m for m in mounts(pid) if m[1] == where and m[2] == LAYER_FSTYPE]
 
 
 def wait_for(predicate, what: str, proc: subprocess.Popen) -> None:
@@ -98,8 +99,10 @@ def start_booth(
     return proc
 
 
-def nothing_left(booth_id: str, tree: Path) -> None:
-    assert not [m for m in mounts("self") if m[1] == str(tree) or f"jukebox-{booth_id}-" in m[1]]
+def nothing_left(booth_id: str, tree: Path, tapes: Path) -> None:
+    layer = tapes / ".jukebox" / "mnt" / booth_id
+    assert not [m for m in mounts("self") if m[1] in (str(tree), str(layer))]
+    assert not layer.exists()
     assert not [
         n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"jukebox-{booth_id}-")
     ]
@@ -134,7 +137,7 @@ def test_the_supervisor_sees_the_real_tree_and_the_agent_the_layer(started, who)
         user=user,
     )
     wait_for(
-        lambda: any(m[2] == LAYER_FSTYPE for m in booth_mounts(proc.pid, "nohang1")),
+        lambda: layer_mounts(proc.pid, tapes, "nohang1"),
         "the layer mounted",
         proc,
     )
@@ -147,10 +150,10 @@ def test_the_supervisor_sees_the_real_tree_and_the_agent_the_layer(started, who)
     # wrote through it; the real tree is untouched (--commit never).
     shadowfs_mounts = out.split()[:-1]
     assert shadowfs_mounts.count(str(tree)) == 1, (out, err)
-    assert not [m for m in shadowfs_mounts if "jukebox-nohang1-" in m], (out, err)
+    assert not [m for m in shadowfs_mounts if "/.jukebox/mnt/" in m], (out, err)
     assert out.split()[-1] == "agent", (out, err)
     assert (tree / "f").read_text() == "base\n"
-    nothing_left("nohang1", tree)
+    nothing_left("nohang1", tree, tapes)
 
 
 def test_a_booth_over_the_real_etc_finishes_and_leaves_etc_alone(tmp_path: Path) -> None:
@@ -177,7 +180,7 @@ def test_a_booth_over_the_real_etc_finishes_and_leaves_etc_alone(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     assert "# jukebox-test" in proc.stdout and "root:" in proc.stdout
     assert Path("/etc/hosts").read_bytes() == hosts
-    nothing_left("etc1", Path("/etc"))
+    nothing_left("etc1", Path("/etc"), tapes)
     assert jb("booth", "discard", "etc1", "--tape-dir", str(tapes)).returncode == 0
 
 
@@ -197,11 +200,11 @@ def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
         user=user,
     )
     wait_for(
-        lambda: any(m[2] == LAYER_FSTYPE for m in booth_mounts(proc.pid, "stuck1")),
+        lambda: layer_mounts(proc.pid, tapes, "stuck1"),
         "the layer mounted",
         proc,
     )
-    device = next(m[0] for m in booth_mounts(proc.pid, "stuck1") if m[2] == LAYER_FSTYPE)
+    device = layer_mounts(proc.pid, tapes, "stuck1")[0][0]
     connection = Path("/sys/fs/fuse/connections") / device.partition(":")[2]
     assert connection.is_dir()
     # A supervisor that no longer answers (stopped here) leaves the agent's create waiting in
@@ -217,7 +220,7 @@ def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
     assert not connection.exists()
     listed = jb("booth", "ls", "--tape-dir", str(tapes), python=python, user=user)
     assert "stuck1" in listed.stdout and "crashed" in listed.stdout, listed.stdout
-    nothing_left("stuck1", tree)
+    nothing_left("stuck1", tree, tapes)
     discarded = jb("booth", "discard", "stuck1", "--tape-dir", str(tapes), python=python, user=user)
     assert discarded.returncode == 0, discarded.stderr
 
