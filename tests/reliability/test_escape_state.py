@@ -157,7 +157,8 @@ def _attacked_booth(work: Path, fs: str) -> Run:
         paths = {
             "state_dir": str(tapes / ".jukebox" / "booths"),
             "scratch": str(scratch / "upper" / "sid") if fs == "overlay" else str(scratch),
-            "proc_root": f"/proc/{supervisor}/root{tree}/sid",
+            # Where the supervisor's namespace holds the layer (jukebox.scratchdir).
+            "proc_root": f"/proc/{supervisor}/root{tapes}/.jukebox/mnt/{booth_id}/sid",
         }
         attacker = subprocess.run(
             ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
