@@ -107,8 +107,9 @@ class TapeDir:
 
     def _tighten(self) -> None:
         # Two levels reach every file of ours (store/packs/*, booths/*, commits/<key>/*); in
-        # scratch only one: scratch/<id>/upper holds a running overlay booth's files with the
-        # agent's own modes. The tape dir itself is the user's: left as it is.
+        # scratch and mnt only one: scratch/<id>/upper holds a running overlay booth's files
+        # with the agent's own modes, and mnt/<id> is a layer's mount point. The tape dir
+        # itself is the user's: left as it is.
         # Through an fd opened without following: a received tape dir's `.jukebox` may be a
         # symlink to /etc, and whoever runs jukebox (root) must not chmod what it points to.
         try:
@@ -120,7 +121,7 @@ class TapeDir:
             with os.scandir(state) as entries:
                 names = [entry.name for entry in entries if not entry.is_symlink()]
             for name in names:
-                tighten_tree(name, depth=1 if name == "scratch" else 2, dir_fd=state)
+                tighten_tree(name, depth=1 if name in ("scratch", "mnt") else 2, dir_fd=state)
         finally:
             os.close(state)
         for tape in self.tape_paths():
