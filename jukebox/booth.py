@@ -1269,7 +1269,7 @@ def run_booth(
         # directory or nowhere (see jukebox.realtree).
         tree_fd, tree_dev, tree_ino = open_tree(tree_path)
         recorded_argv, recorded_verify = _redacted_command(argv, verify, img)
-        base_tree = build_base_tree(store, tapes, tree_path)
+        base_tree = build_base_tree(store, tapes, tree_path, exclude=_stop_when_interrupted())
         writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
         writer.append(
             "run_start",
@@ -1526,6 +1526,24 @@ def run_booth(
         if writer is None and made_tape_dir is not None:
             remove_unused_tape_dir(made_tape_dir, tapes)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _stop_when_interrupted() -> Callable[[bytes], bool]:
+    """An `exclude` for reading the base tree that leaves nothing out but stops the read at a
+    pending interrupt: SIGINT/TERM/HUP are blocked by then (for sigtimedwait later), and reading
+    a big tree (/usr: minutes) must not leave Ctrl-C unanswered. Nothing is recorded yet."""
+    interrupts = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    seen = 0
+
+    def check(_path: bytes) -> bool:
+        nonlocal seen
+        seen += 1
+        if seen % 256 == 0 and interrupts & signal.sigpending():
+            signal.sigtimedwait(interrupts, 0)  # taken: it is answered here
+            raise KeyboardInterrupt
+        return False
+
+    return check
 
 
 def _rlimits(img: Image, protections: Protections) -> dict[str, int]:

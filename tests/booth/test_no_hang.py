@@ -9,6 +9,7 @@ view has the layer there."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -247,3 +248,30 @@ def test_abort_refuses_a_booth_that_is_not_running(tmp_path: Path) -> None:
     assert refused.returncode == 2
     assert refused.stderr.count("\n") == 1 and "not running" in refused.stderr
     assert jb("booth", "discard", "idle1", "--tape-dir", str(tapes)).returncode == 0
+
+
+def test_an_interrupt_while_the_tree_is_read_stops_the_booth(started, tmp_path: Path) -> None:
+    # Reading a big tree (/usr: minutes) happens with the interrupts already blocked for the
+    # booth's signal loop; Ctrl-C must still stop it there, before anything is recorded.
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    for d in range(20):
+        sub = tree / f"d{d}"
+        sub.mkdir(parents=True)
+        for f in range(1000):
+            (sub / f"f{f}").touch()
+    proc = start_booth(started, tree, tapes, "big1", "true")
+
+    def reading() -> bool:  # the tree's fd is opened just before the read starts
+        for fd in Path(f"/proc/{proc.pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) == str(tree):
+                    return True
+        return False
+
+    wait_for(reading, "the tree read", proc)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip() == "jukebox: interrupted", err
+    assert not (tapes / "big1.jbx").exists()
+    assert not (tapes / ".jukebox" / "booths" / "big1.json").exists()
