@@ -659,13 +659,17 @@ class Tape(_tape.Tape):
     def fork(
         self,
         at_frame: int,
-        override_model: str | None = None,
+        override_model: str | Mapping[str, str] | None = None,
         override_system_prompt: str | None = None,
         *,
         tape_id: str | None = None,
     ) -> BSide:
         """Plan a B side: frames 0..at_frame-1 shared with this tape, then the tracked function
-        re-executed with the overrides. Nothing is written until `BSide.replay_and_diff`."""
+        re-executed with the overrides. Nothing is written until `BSide.replay_and_diff`.
+
+        `override_model` is per provider, as `jukebox fork --model` is: ``{"openai": "gpt-4.1",
+        "anthropic": "claude-…"}``, or a bare name for the provider of the frame forked at (for
+        every provider when the tape has no model call); see `jukebox.llm.model_override`."""
         n = len(self.frames)
         if isinstance(at_frame, bool) or not isinstance(at_frame, int) or not 1 <= at_frame <= n:
             raise ValueError(
@@ -674,12 +678,19 @@ class Tape(_tape.Tape):
             )
         if tape_id is not None:
             check_tape_id(tape_id)
+        from jukebox.errors import UsageError
+        from jukebox.llm.model_override import resolve
+
+        try:
+            model = resolve(override_model, self, at_frame)
+        except UsageError as error:
+            raise ValueError(str(error)) from None
         start = self.frames[0].payload if self.frames else {}
         run = start.get("run") if isinstance(start, dict) else None
         return BSide(
             origin=self,
             at_frame=at_frame,
-            override_model=override_model,
+            override_model=model,
             override_system_prompt=override_system_prompt,
             tape_id=tape_id or new_tape_id(),
             function=run.get("function") if isinstance(run, dict) else None,
@@ -693,7 +704,7 @@ class BSide:
 
     origin: Tape
     at_frame: int
-    override_model: str | None
+    override_model: str | dict[str, str] | None  # as resolved: see `Tape.fork`
     override_system_prompt: str | None
     tape_id: str
     function: dict[str, Any] | None
@@ -704,7 +715,7 @@ class BSide:
         return Path(os.fspath(self.origin.path)).parent / f"{self.tape_id}.jbx"
 
     @property
-    def overrides(self) -> dict[str, str]:
+    def overrides(self) -> dict[str, Any]:
         pairs = (("model", self.override_model), ("system_prompt", self.override_system_prompt))
         return {k: v for k, v in pairs if v is not None}
 

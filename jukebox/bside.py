@@ -469,13 +469,14 @@ def reexecute(
     at: int,
     *,
     tape_id: str,
-    overrides: Mapping[str, str],
+    overrides: Mapping[str, Any],  # model: {provider: model} or a string (model_override)
     endpoint: str | Mapping[str, str] | None,
     registry: Mapping[Any, Any],
     capture: Any,
 ) -> Reexecution:
     """Runs the B side (see the module docstring); returns what happened. The B side's tape is
     at `Reexecution.tape_path` whatever happened (with a note when it diverged)."""
+    from jukebox.llm.model_override import model_label
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
 
@@ -514,7 +515,9 @@ def reexecute(
     writer = TapeWriter.fork_from(origin, at, new_path, tape_id, store=store, extra=extra)
     outcome = Reexecution(new_path, at, 0, None)
     with _scratch(store, start, tapes.path) as (temp, root, cwd, scratch_tapes):
-        session = _Session(origin, store, at, writer, temp, overrides.get("model"))
+        model = overrides.get("model")
+        shown = model_label(model) if model is not None else None
+        session = _Session(origin, store, at, writer, temp, shown)
         session.source = ReplaySource.from_tape(origin, store, mode="strict", until=at - 1)
         redirect = Redirect(root, scratch_tapes, store, target, session)
         rewriter = RequestRewriter(

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.llm.model_override import describe as describe_model_override
 from jukebox.names import CHANGE_LETTERS, name_json, printable, visible
 from jukebox.render import money
 from shadowfs.oid import ObjectId
@@ -96,7 +97,8 @@ class Side:
         text = ", ".join(self.models) or "-"
         model = (self.fork or {}).get("overrides", {}).get("model")
         if model:
-            text += f" (fork override from frame {self.fork['at']}: {model})"  # type: ignore[index]
+            shown = describe_model_override(model)
+            text += f" (fork override from frame {self.fork['at']}: {shown})"  # type: ignore[index]
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -240,7 +242,8 @@ class Comparison:
             out += ["", f"## Fork ({name})", ""]
             out.append(f"{name} forks `{side.fork.get('from')}` at frame {at}.")
             for key, value in overrides.items():
-                out.append(f"- {key.replace('_', ' ')} override: {_cell(_show(str(value)))}")
+                shown = describe_model_override(value)
+                out.append(f"- {key.replace('_', ' ')} override: {_cell(_show(shown))}")
             if overrides:
                 calls = sum(1 for t in side.turns if t.kind == "llm_turn" and t.seq > at)
                 turns = sum(1 for t in side.turns if t.kind == "agent_turn" and t.seq > at)
@@ -556,8 +559,6 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
 
 def _tokens(tokens: dict[str, int]) -> str:
     return f"{tokens.get('input', 0)} / {tokens.get('output', 0)} / {tokens.get('cached', 0)}"
-
-
 
 
 def _signed(value: int) -> str:

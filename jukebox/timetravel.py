@@ -39,7 +39,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,7 +142,7 @@ class ForkResult:
     tape_id: str
     tape_path: Path
     at: int
-    overrides: dict[str, str]
+    overrides: dict[str, Any]  # model: {provider: model}, or a string for every provider
     executed: bool = False
     appended: int = 0  # frames the re-execution added after the shared prefix and fork frame
     llm_served: int = 0
@@ -659,7 +659,7 @@ def fork(
     at: int,
     *,
     tape_dir: str | os.PathLike[str] | None = None,
-    model: str | None = None,
+    model: str | Mapping[str, str] | Sequence[str] | None = None,
     system_prompt: str | None = None,
     exec_: bool = False,
     mode: str = "strict",
@@ -668,7 +668,9 @@ def fork(
     image: str | None = None,
     trust_recorded_image: bool = False,
 ) -> ForkResult:
-    """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs."""
+    """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs. `model`:
+    a bare name, {provider: model}, or `--model` values (see `jukebox.llm.model_override`)."""
+    from jukebox.llm.model_override import resolve as resolve_model
     from jukebox.tape import Tape, TapeWriter
     from jukebox.tapedir import check_tape_id
     from shadowfs.store import Store
@@ -678,9 +680,6 @@ def fork(
     # Absolute: the booth starts in the scratch tree, where a relative tape dir means another.
     tapes = TapeDir.resolve(tape_dir if tape_dir is not None else Path(tape_path).parent)
     tapes = TapeDir(Path(os.path.abspath(tapes.path)))
-    overrides = {
-        k: v for k, v in (("model", model), ("system_prompt", system_prompt)) if v is not None
-    }
     with Store.open(tapes.store_path, create=True) as store:
         origin = Tape.load(tape_path, store)
         n = len(origin.frames)
@@ -690,6 +689,8 @@ def fork(
                 f"so fork at 1..{n}"
             )
         origin.check_chain()
+        pairs = (("model", resolve_model(model, origin, at)), ("system_prompt", system_prompt))
+        overrides = {k: v for k, v in pairs if v is not None}
         if not exec_ and (image is not None or trust_recorded_image):
             raise UsageError(
                 "--image and --trust-recorded-image choose the booth of --exec: add --exec"

@@ -76,7 +76,14 @@ def run_replay_exec(
 @cli.command("fork")
 @tape_argument()
 @click.option("--at", "at", type=int, required=True, help="Share frames 0..N-1; fork at frame N.")
-@click.option("--model", default=None, help="Model for every request from frame N on.")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="[PROVIDER=]MODEL",
+    help="Model for a provider's requests from frame N on (openai=M, anthropic=M; repeat for "
+    "both); a bare MODEL is for the provider of frame N.",
+)
 @click.option(
     "--system-prompt", default=None, help="System prompt for every request from frame N on."
 )
@@ -101,7 +108,7 @@ def run_replay_exec(
 def fork_command(
     tape: str,
     at: int,
-    model: str | None,
+    models: tuple[str, ...],
     system_prompt: str | None,
     exec_: bool,
     strict: bool,
@@ -119,6 +126,7 @@ def fork_command(
     the tape, later ones go live (to $OPENAI_BASE_URL / $ANTHROPIC_BASE_URL, else the public
     APIs) with the overrides, and the fork tape gets the frames produced from frame N on.
     """
+    from jukebox.llm.model_override import describe
     from jukebox.tapedir import TapeRef
     from jukebox.timetravel import fork
 
@@ -128,7 +136,7 @@ def fork_command(
         ref.path,
         at,
         tape_dir=ref.tape_dir.path,
-        model=model,
+        model=models or None,
         system_prompt=system_prompt,
         exec_=exec_,
         mode="strict" if strict else "loose",
@@ -140,7 +148,7 @@ def fork_command(
     if as_json:
         emit_json(result.to_json())
         sys.exit(result.code)
-    overrides = ", ".join(f"{k}={v!r}" for k, v in result.overrides.items()) or "none"
+    overrides = ", ".join(f"{k}={describe(v)!r}" for k, v in result.overrides.items()) or "none"
     out = click.echo if not exec_ else lambda text: click.echo(text, err=True)
     out(
         f"forked {ref.path} at frame {at} into {result.tape_id} ({result.tape_path}): "

@@ -318,8 +318,10 @@ def _fork_rewriter(payload: Any) -> RequestRewriter | None:
     if not isinstance(overrides, dict):
         return None
     model, prompt = overrides.get("model"), overrides.get("system_prompt")
+    if isinstance(model, dict):  # per provider; a tape's, so only string pairs count
+        model = {p: m for p, m in model.items() if isinstance(m, str)} or None
     rewriter = RequestRewriter(
-        model=model if isinstance(model, str) else None,
+        model=model if isinstance(model, str | dict) else None,
         system_prompt=prompt if isinstance(prompt, str) else None,
     )
     return rewriter if rewriter.active else None

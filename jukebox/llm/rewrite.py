@@ -1,4 +1,5 @@
-"""Request overrides for forks: another model or another system prompt on every request.
+"""Request overrides for forks: another model (per provider: see `model_override`) or another
+system prompt on every request.
 
 Applied by the proxy to each live request before it is forwarded (and before it is recorded, so
 the tape shows what was really sent). The agent's own request is what replay matching sees.
@@ -7,15 +8,18 @@ the tape shows what was really sent). The agent's own request is what replay mat
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jukebox.llm.model_override import model_for
 from jukebox.llm.providers import ANTHROPIC, CHAT, MESSAGES, RESPONSES
 
 
 @dataclass(frozen=True)
 class RequestRewriter:
-    model: str | None = None
+    # {provider: model}: those providers' calls only; a string: every provider's.
+    model: str | Mapping[str, str] | None = None
     system_prompt: str | None = None
 
     @property
@@ -27,8 +31,9 @@ class RequestRewriter:
         if not self.active or not isinstance(body, dict):
             return body
         out = copy.deepcopy(body)
-        if self.model is not None:
-            out["model"] = self.model
+        model = model_for(self.model, provider)
+        if model is not None:
+            out["model"] = model
         if self.system_prompt is None:
             return out
         if provider == ANTHROPIC and endpoint == MESSAGES:

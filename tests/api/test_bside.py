@@ -87,7 +87,8 @@ def test_fork_goes_live_with_the_overrides_and_the_report_shows_it(
     md = report.to_markdown()
     assert f"Frames 0..{at - 1} ({at} frame(s)) are identical byte for byte" in md
     assert "| model * | gpt-4o-mini | other-model |" in md
-    assert "- model override: other-model" in md and f"- system prompt override: {PROMPT}" in md
+    assert "- model override: openai=other-model" in md  # the provider of the frame forked at
+    assert f"- system prompt override: {PROMPT}" in md
     assert "| models | gpt-4o-mini | gpt-4o-mini, other-model (fork override from frame" in md
     # The auditor's own turn after the fork shows the override, marked as the agent's record.
     auditor = report.to_json()["b"]["turns"][3]
@@ -107,7 +108,8 @@ def test_fork_goes_live_with_the_overrides_and_the_report_shows_it(
     assert b.verify().ok
     assert [f.id for f in b.frames[:at]] == [f.id for f in tape.frames[:at]]
     assert b.frames[at].kind == "fork"
-    assert b.frames[at].payload["overrides"] == {"model": "other-model", "system_prompt": PROMPT}
+    overrides = {"model": {"openai": "other-model"}, "system_prompt": PROMPT}
+    assert b.frames[at].payload["overrides"] == overrides
     after = [f.resolve_payload(jb.store) for f in b.frames[at + 1 :]]
     assert [f.kind for f in b.frames[at + 1 :]] == ["llm_turn", "fs", "agent_turn", "commit",
                                                     "exit"]  # fmt: skip
@@ -159,3 +161,15 @@ def test_replay_and_diff_refuses_what_it_cannot_re_execute(jb: Jukebox, work: Pa
     with pytest.raises(ValueError, match="api_key"):
         tape.fork(at_frame=1).replay_and_diff()
     assert sorted(p.name for p in jb.tapes.tape_paths()) == ["secret.jbx", "untracked.jbx"]
+
+
+def test_the_model_override_is_per_provider(
+    jb: Jukebox, upstream: FakeUpstream, work: Path
+) -> None:
+    tape, at = record(jb, work, make_agent(jb))
+    # A bare name is for the provider of the frame forked at; a mapping names each provider.
+    assert tape.fork(at_frame=at, override_model="m").overrides == {"model": {"openai": "m"}}
+    both = {"openai": "gpt-4.1-mini", "anthropic": "claude-sonnet-4-5"}
+    assert tape.fork(at_frame=at, override_model=both).overrides == {"model": both}
+    with pytest.raises(ValueError, match="unknown provider 'gemini'"):
+        tape.fork(at_frame=at, override_model={"gemini": "g"})

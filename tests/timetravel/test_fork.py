@@ -33,7 +33,8 @@ def test_fork_without_exec_shares_the_prefix_and_records_the_overrides(
     tape = Tape.load(fork_path)
     assert len(tape.frames) == 4 and tape.frames[3].kind == "fork"
     payload = tape.frames[3].payload
-    assert payload["overrides"] == {"model": "m2", "system_prompt": "Be terse."}
+    # A bare name is for the provider of the frame forked at (the first call after it).
+    assert payload["overrides"] == {"model": {"openai": "m2"}, "system_prompt": "Be terse."}
     assert payload["forked_from"]["at"] == 3 and payload["exec"] is False
     bad = recording.jukebox("fork", str(recording.tape), "--at", "99")
     assert bad.returncode == 2 and "fork at 1.." in bad.stderr
