@@ -152,6 +152,7 @@ class ForkResult:
     difference: str | None = None
     image: ImageChoice | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # as ReplayResult's
 
     def to_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -798,7 +799,8 @@ def _fork_exec(
             result.spent_usd = sum(
                 float(f.payload.get("cost_usd") or 0.0) for f in live_frames if f.kind == "llm_turn"
             )
+            result.problems = _run_problems(origin, scratch, stopped=watch.killed)
         result.difference = difference
-        result.code = 1 if difference is not None else 0
+        result.code = 1 if difference is not None or result.problems else 0
     finally:
         scratch_path.unlink(missing_ok=True)

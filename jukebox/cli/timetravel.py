@@ -156,6 +156,8 @@ def fork_command(
     )
     report_image(result.image)
     if result.executed:
+        for problem in result.problems:
+            click.echo(f"jukebox: {printable(problem)}", err=True)
         if result.difference:
             click.echo(f"jukebox: {printable_lines(result.difference)}", err=True)
         out(

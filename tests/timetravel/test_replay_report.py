@@ -131,3 +131,18 @@ def test_an_agent_that_crashes_is_named_before_what_it_left_undone(recording: Re
     lines = our_lines(proc.stderr)
     assert lines[0].startswith("jukebox: the agent failed: it exited with status 1 (recorded: 0)")
     assert "replay diverged" in proc.stderr  # the checks still say what it never did
+
+
+def test_a_fork_whose_agent_fails_after_the_fork_exits_1_and_says_so(
+    recording: Recording,
+) -> None:
+    proc = run_in(
+        recording, "/", "fork", str(recording.tape), "--at", str(first_turn(recording) + 1),
+        "--exec", "--tape-id", "failing-fork", "--json", live=True, JB_EXIT="3",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    line = "the agent failed: it exited with status 3 (recorded: 0); its own output above says why"
+    # After the agent's own output (one JSON per line) comes the result, indented.
+    result = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") :])
+    assert result["problems"] == [line] and result["agent_status"] == 3
+    assert result["difference"] is None
