@@ -280,6 +280,7 @@ def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
+        _raise_if_finished(tape_dir, booth_id)
         raise UsageError(
             f"no pending booth {booth_id!r} in {tape_dir.path}: list them with "
             f"`jukebox booth ls --tape-dir {tape_dir.path}`"
@@ -294,6 +295,15 @@ def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
             f"{path} is not a booth record (not JSON, or keys a booth never writes): nothing "
             "was done; remove it by hand if it is not yours"
         ) from None
+
+
+def _raise_if_finished(tape_dir: TapeDir, booth_id: str) -> None:
+    """A booth asked for after its verdict: exit 1 saying when and by what it was finished."""
+    from jukebox.booth_finished import finished_booth
+
+    finished = finished_booth(tape_dir, booth_id)
+    if finished is not None:
+        raise CheckFailed(finished)
 
 
 def _alive(pid: int | None) -> bool:
@@ -674,6 +684,7 @@ def commit_tree(
             realtree.CommitJob(tape_dir, record.id) as job,
         ):
             if not _record_path(tape_dir, record.id).exists():
+                _raise_if_finished(tape_dir, record.id)
                 raise UsageError(f"booth {record.id} was committed meanwhile; nothing to do")
             cp = {"id": checkpoint.n, "label": checkpoint.label} if checkpoint else None
             job.begin({

@@ -91,6 +91,8 @@ def validate(raw: bytes) -> dict[str, Any]:
         label = request.get("label")
         if label is not None:
             _check_label(label)
+            if label.isdigit():
+                raise RequestError(NUMERIC_LABEL.format(label=label))
     elif op == "rollback":
         if "to" not in request:
             raise RequestError("rollback needs 'to': a checkpoint label or number")
@@ -102,6 +104,13 @@ def validate(raw: bytes) -> dict[str, Any]:
         if isinstance(to, str):
             _check_label(to)
     return request
+
+
+# `rollback --to 3` and `--at 3` mean checkpoint number 3, so a label "3" could never be named.
+NUMERIC_LABEL = (
+    "label {label!r} is a number, which names checkpoint number {label}: give a label with a "
+    "letter in it (like cp-{label})"
+)
 
 
 def _check_label(label: object) -> None:

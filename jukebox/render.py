@@ -7,6 +7,7 @@ and `replay` must start fast. Everything here is pure formatting; nothing reads 
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,6 +29,11 @@ def seconds(ns: int) -> str:
     if s < 120:
         return f"{s:.2f}s"
     return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def timestamp(t: float) -> str:
+    """A moment in local time with its zone, so that two people's output compare."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t))
 
 
 def size(n: int) -> str:

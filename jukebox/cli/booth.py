@@ -280,8 +280,10 @@ def abort(booth_id: str, tape_dir: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def checkpoint(label: str | None, as_json: bool) -> None:
     """Checkpoint the booth this runs in (uses $JUKEBOX_SOCKET)."""
-    from jukebox.control import request
+    from jukebox.control import NUMERIC_LABEL, request
 
+    if label is not None and label.isdigit():
+        raise click.BadParameter(NUMERIC_LABEL.format(label=label), param_hint="--label")
     req: dict[str, object] = {"op": "checkpoint"}
     if label is not None:
         req["label"] = label

@@ -1,0 +1,57 @@
+"""What became of a booth that has no record any more: its tape's verdict frame.
+
+A booth's record is removed once it is committed, discarded or rolled back; its tape keeps the
+verdict (a `commit`, `discard` or final `rollback` frame, with its time and what wrote it). A
+second `booth commit`, or the loser of a race for one booth, reads it from there to say what
+happened instead of a bare "no pending booth".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jukebox.render import timestamp
+from jukebox.tapedir import TapeDir
+
+# The verdict frames' `by` payload field, as a person reads it; no `by`: the run's own verdict.
+_WRITERS = {
+    "booth commit": "`jukebox booth commit`",
+    "booth discard": "`jukebox booth discard`",
+    "scratch booth": "the replay or fork that ran it",
+}
+
+
+def _verdict(frame: Any) -> str | None:
+    if frame.kind == "commit":
+        return "committed"
+    if frame.kind == "discard":
+        return "discarded"
+    if frame.kind == "rollback" and frame.payload.get("final"):
+        return "rolled back"
+    return None
+
+
+def finished_booth(tape_dir: TapeDir, booth_id: str) -> str | None:
+    """One line saying when and by what the booth was finished, or None when its tape is not
+    there or holds no verdict (then it never was a booth here)."""
+    from jukebox.errors import JukeboxError
+    from jukebox.tape import Tape
+
+    path = tape_dir.tape_path(booth_id)
+    try:
+        frames = Tape.load(path).intact_frames
+    except (JukeboxError, OSError, ValueError):
+        return None
+    for frame in reversed(frames):
+        verdict = _verdict(frame)
+        if verdict is None:
+            continue
+        by = frame.payload.get("by")
+        writer = _WRITERS.get(by, f"{by!r}") if isinstance(by, str) else "the run itself"
+        changes = frame.payload.get("changes")
+        what = f" ({changes} change(s))" if frame.kind == "commit" and changes is not None else ""
+        return (
+            f"booth {booth_id} was already {verdict}{what} at {timestamp(frame.time_ns / 1e9)} "
+            f"by {writer}: nothing to do (`jukebox log {path}`)"
+        )
+    return None

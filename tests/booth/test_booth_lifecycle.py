@@ -1,0 +1,75 @@
+"""A booth after its verdict, and the names a checkpoint may take."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from tests.booth.test_booth_run import booth_run, jb, work  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
+
+FINISHED = re.compile(
+    r"^jukebox: booth t1 was already committed \(1 change\(s\)\) at "
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} by (`jukebox booth commit`|the run itself): "
+    r"nothing to do \(`jukebox log .*t1\.jbx`\)\n$"
+)
+
+
+def test_committing_twice_says_when_and_by_what_it_was_committed(work) -> None:  # noqa: F811
+    tree, tapes = work
+    assert booth_run(tree, tapes, "echo two >> a.txt", "--commit", "never").returncode == 0
+    assert jb("booth", "commit", "t1", "--tape-dir", str(tapes)).returncode == 0
+    again = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
+    assert again.returncode == 1
+    assert FINISHED.match(again.stderr), again.stderr
+    assert "by `jukebox booth commit`" in again.stderr
+    # An id that never was a booth here is still a usage error.
+    missing = jb("booth", "commit", "nope", "--tape-dir", str(tapes))
+    assert missing.returncode == 2 and "no pending booth 'nope'" in missing.stderr
+
+
+def test_the_loser_of_a_commit_race_is_told_it_was_committed(work) -> None:  # noqa: F811
+    tree, tapes = work
+    assert booth_run(tree, tapes, "echo two >> a.txt", "--commit", "never").returncode == 0
+    cmd = ["booth", "commit", "t1", "--tape-dir", str(tapes)]
+    from tests.booth.test_booth_run import JUKEBOX
+
+    racers = [
+        subprocess.Popen([JUKEBOX, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = sorted((p.wait(60), p.stderr.read()) for p in racers)  # type: ignore[union-attr]
+    assert [code for code, _ in results] == [0, 1], results
+    assert FINISHED.match(results[1][1]), results
+    assert (tree / "a.txt").read_text() == "one\ntwo\n"
+
+
+def test_an_auto_committed_booth_names_the_run_as_its_committer(work) -> None:  # noqa: F811
+    tree, tapes = work
+    assert booth_run(tree, tapes, "echo two >> a.txt").returncode == 0
+    again = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
+    assert again.returncode == 1 and "by the run itself" in again.stderr, again.stderr
+
+
+def test_numeric_labels_are_refused_by_the_cli_and_the_socket(work) -> None:  # noqa: F811
+    tree, tapes = work
+    script = (
+        "jukebox booth checkpoint --label 3 2>&1; echo rc=$?; "
+        'printf \'{"op":"checkpoint","label":"42"}\\n\' | '
+        'python3 -c "import socket,os,sys; s=socket.socket(socket.AF_UNIX); '
+        "s.connect(os.environ['JUKEBOX_SOCKET']); s.sendall(sys.stdin.buffer.read()); "
+        "print(s.recv(4096).decode())\"; "
+        "jukebox booth checkpoint --label v3 --json"
+    )
+    proc = booth_run(tree, tapes, script, "--commit", "never")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("jukebox: Invalid value for --label: label '3' is a number"), lines
+    assert lines[1] == "rc=2"
+    refused = json.loads(lines[2])
+    assert refused["ok"] is False and "label '42' is a number" in refused["error"], refused
+    assert json.loads(lines[-1])["checkpoint"] == 1, lines  # the refusals took none
