@@ -36,6 +36,15 @@ def timestamp(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(t))
 
 
+def signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def size(n: int) -> str:
     """Bytes in binary units, as `--max-scratch` and the image sizes are written: 1.5 GiB."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -109,6 +118,8 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
     if kind == "verify":
         cmd = p.get("cmd")
         cmd_text = " ".join(map(str, cmd)) if isinstance(cmd, list) else str(cmd or "")
+        if p.get("skipped"):
+            return f"skipped ({short(p['skipped'], 30)}) {short(cmd_text, 40)}".strip()
         return f"{'passed' if p.get('ok') else 'FAILED'} {short(cmd_text, 40)}".strip()
     if kind == "commit":
         return f"{p['changes']} change(s) applied" if "changes" in p else "committed"
@@ -117,6 +128,8 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
     if kind == "breaker":
         return f"tripped {p.get('rule', '?')}: {short(p.get('detail', ''))}"
     if kind == "exit":
+        if p.get("code") is None and isinstance(p.get("signal"), int):
+            return f"killed by {signal_name(p['signal'])}"
         signal = f", signal {p['signal']}" if p.get("signal") else ""
         return f"exit {p.get('code')}{signal}"
     return short(", ".join(f"{k}={short(v, 20)}" for k, v in sorted(p.items())), 70)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,12 @@ def recorded(tmp_path: Path) -> Path:
 def test_ls_lists_tapes_as_table_and_json(recorded: Path, jukebox_cli) -> None:
     out = jukebox_cli("ls", check=True).stdout
     header, row = out.splitlines()
-    assert header.split() == ["TRACK", "ID", "AGENT", "NAME", "FRAMES", "COST", "STATUS"]
-    assert row.split() == ["tr_demo", "demo-agent", "4", "$0.0080", "COMMITTED"]
+    assert header.split() == [
+        "TRACK", "ID", "STARTED", "AGENT", "NAME", "FRAMES", "COST", "STATUS"
+    ]
+    track, day, clock, zone, *rest = row.split()
+    assert [track, *rest] == ["tr_demo", "demo-agent", "4", "$0.0080", "COMMITTED"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4}", f"{day} {clock} {zone}")
     rows = json.loads(jukebox_cli("ls", "--json", check=True).stdout)
     assert [(r["tape_id"], r["frames"], r["status"]) for r in rows] == [("tr_demo", 4, "COMMITTED")]
 
@@ -127,6 +132,23 @@ def test_a_mistyped_tape_dir_variable_is_named(recorded: Path, jukebox_cli, tmp_
     assert listed.stdout.strip() == f"no tapes in {tmp_path / 'xdg' / 'jukebox' / 'tapes'}"
 
 
+def test_log_says_a_skipped_verifier_and_a_killing_signal_as_such(
+    tmp_path: Path, jukebox_cli
+) -> None:
+    home = TapeDir(tmp_path / "tapes")
+    with Store.open(home.store_path, create=True) as store:
+        writer = TapeWriter.create(home.tape_path("killed"), store, "killed")
+        writer.append("run_start", {"tape_id": "killed", "argv": ["agent"]})
+        writer.append("exit", {"code": None, "signal": 15})
+        writer.append(
+            "verify", {"cmd": ["make", "test"], "skipped": "the agent failed", "ok": False}
+        )
+        writer.close()
+    out = jukebox_cli("log", "killed", "--tape-dir", str(home.path), check=True).stdout
+    assert "killed by SIGTERM" in out and "signal 15" not in out, out
+    assert "skipped (the agent failed) make test" in out and "FAILED" not in out, out
+
+
 @pytest.mark.parametrize(
     ("args", "hint"),
     [
@@ -150,6 +172,8 @@ def test_diff_between_frames_names_changes(recorded: Path, jukebox_cli) -> None:
     assert "M  notes.txt" in out and "A  new file.py" in out
     assert "-line two" in out and "+line 2" in out
     assert "0 change(s)" in jukebox_cli("diff", "tr_demo@3", check=True).stdout
+    first = jukebox_cli("diff", "tr_demo@0", check=True).stdout.splitlines()[0]
+    assert first == f"diff {recorded}@0 (against an empty tree): 1 change(s)", first
     data = json.loads(jukebox_cli("diff", "tr_demo@2", "--json", check=True).stdout)
     assert sorted((c["path"], c["status"]) for c in data["changes"]) == [
         ("new file.py", "added"),

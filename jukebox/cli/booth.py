@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -163,11 +162,11 @@ def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
 
 @booth.command("ls")
 @tape_dir_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per booth.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array: one object per booth.")
 def ls(tape_dir: Path | None, as_json: bool) -> None:
     """List pending booths."""
     from jukebox.booth import list_booths
-    from jukebox.names import printable
+    from jukebox.render import table, timestamp
 
     records = list_booths(listed_tape_dir(tape_dir))
     if as_json:
@@ -176,10 +175,12 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
     if not records:
         click.echo("no pending booths")
         return
-    for r in records:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created))
-        label = f"  {r.name}" if r.name else ""
-        click.echo(printable(f"{r.id}  {r.status:<8} {created}  {r.tree}{label}"))
+    click.echo(
+        table(
+            ["BOOTH ID", "STATUS", "CREATED", "TREE", "NAME"],
+            ([r.id, r.status, timestamp(r.created), r.tree, r.name or "-"] for r in records),
+        )
+    )
 
 
 def _duration(text: str | None) -> float | None:

@@ -112,7 +112,7 @@ def check_frame(tape, ref) -> int:
 def ls_command(tape_dir: Path | None, as_json: bool) -> None:
     """List the tapes in the tape dir: track id, agent, frames, cost, status."""
     from jukebox.errors import JukeboxError
-    from jukebox.render import money, table
+    from jukebox.render import money, table, timestamp
     from jukebox.tape import Tape
 
     home = listed_tape_dir(tape_dir)
@@ -131,6 +131,8 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
         # Reruns under one tape id keep older tapes as `<id>.<n>.jbx`: the file stem is what
         # names each one to `jukebox log`, so it is the track id a user can act on.
         summary["track_id"] = path.stem
+        if summary["status"] == "EXITED" and (home.booths_path / f"{path.stem}.json").exists():
+            summary["status"] = "PENDING"  # its booth waits for `jukebox booth commit`
         rows.append(summary)
     rows.sort(key=lambda r: r.get("started_ns") or 0)
     if as_json:
@@ -141,10 +143,11 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
         return
     click.echo(
         table(
-            ["TRACK ID", "AGENT NAME", "FRAMES", "COST", "STATUS"],
+            ["TRACK ID", "STARTED", "AGENT NAME", "FRAMES", "COST", "STATUS"],
             (
                 [
                     r["track_id"],
+                    timestamp(r["started_ns"] / 1e9) if r.get("started_ns") else "-",
                     r.get("name") or "-",
                     r.get("frames", "-"),
                     money(r.get("cost_usd") or 0.0),
@@ -152,7 +155,7 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
                 ]
                 for r in rows
             ),
-            right=(2, 3),
+            right=(3, 4),
         )
     )
 
@@ -476,7 +479,8 @@ def diff_command(
     if second is None:
         old_tree = tape_a.tree_at(n - 1) if n > 0 else None
         new_tree, tape_b = tape_a.tree_at(n), tape_a
-        label = f"{ref_a.path}@{n - 1 if n else 0} → @{n}"
+        # Frame 0 has nothing before it: its files are diffed against an empty tree.
+        label = f"{ref_a.path}@{n - 1} → @{n}" if n else f"{ref_a.path}@0 (against an empty tree)"
     else:
         tape_b = load_intact(ref_b)
         m = check_frame(tape_b, ref_b)

@@ -22,7 +22,14 @@ FINISHED = re.compile(
 def test_committing_twice_says_when_and_by_what_it_was_committed(work) -> None:  # noqa: F811
     tree, tapes = work
     assert booth_run(tree, tapes, "echo two >> a.txt", "--commit", "never").returncode == 0
+    header, row = jb("booth", "ls", "--tape-dir", str(tapes)).stdout.splitlines()
+    assert header.split() == ["BOOTH", "ID", "STATUS", "CREATED", "TREE", "NAME"], header
+    assert re.fullmatch(
+        r"t1 +pending +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} +\S+ +-", row
+    ), row
+    assert jb("ls", "--tape-dir", str(tapes)).stdout.split()[-1] == "PENDING"
     assert jb("booth", "commit", "t1", "--tape-dir", str(tapes)).returncode == 0
+    assert jb("ls", "--tape-dir", str(tapes)).stdout.split()[-1] == "COMMITTED"
     again = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
     assert again.returncode == 1
     assert FINISHED.match(again.stderr), again.stderr
