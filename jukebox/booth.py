@@ -574,15 +574,18 @@ class GroupTape:
 
 def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
     """One line per changed path: `A`dded, `M`odified, `D`eleted, `T`ype or mode changed."""
-    from jukebox.names import change_line
     from shadowfs.tree import diff_trees
 
-    lines = []
-    for change in diff_trees(store, base, final):
-        entry = change.new or change.old
-        size = f"  ({entry.size} bytes)" if entry is not None and entry.kind == "file" else ""
-        lines.append(change_line(change.status, change.path) + size)
-    return lines
+    return [change_summary_line(change) for change in diff_trees(store, base, final)]
+
+
+def change_summary_line(change: Any) -> str:
+    """``A path  (N bytes)``: one shadowfs.tree.Change as a review lists it."""
+    from jukebox.names import change_line
+
+    entry = change.new or change.old
+    size = f"  ({entry.size} bytes)" if entry is not None and entry.kind == "file" else ""
+    return change_line(change.status, change.path) + size
 
 
 def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
@@ -640,13 +643,19 @@ def _target_tree(
     return base, checkpoint.tree, checkpoint
 
 
-def booth_diff(tape_dir: TapeDir, booth_id: str, at: str | None = None) -> list[str]:
-    """The changes a commit of the booth (of its checkpoint ``at``, if given) would make."""
+@contextlib.contextmanager
+def pending_changes(
+    tape_dir: TapeDir, booth_id: str, at: str | None = None
+) -> Iterator[tuple[Any, ObjectId, ObjectId, list[Any]]]:
+    """(store, base tree, target tree, the shadowfs.tree.Changes) of what a commit of the booth
+    (of its checkpoint ``at``, if given) would make; the store stays open inside."""
+    from shadowfs.tree import diff_trees
+
     record = load_record(tape_dir, booth_id)
     with _open_store(tape_dir) as store:
         bound_tape(tape_dir, booth_id, record, store)
         base, target, _ = _target_tree(record, at)
-        return change_summary(store, base, target)
+        yield store, base, target, diff_trees(store, base, target)
 
 
 Verdict = Callable[[str, dict[str, Any], "ObjectId | None"], None]

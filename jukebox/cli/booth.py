@@ -206,14 +206,35 @@ _AT_HELP = (
 @click.argument("booth_id")
 @click.option("--tape-dir", default=None)
 @click.option("--at", "at", default=None, metavar="LABEL|N", help=_AT_HELP)
-def diff(booth_id: str, tape_dir: str | None, at: str | None) -> None:
+@click.option(
+    "-p", "--patch", is_flag=True, help="Add line diffs of text files; binary files are named."
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: the trees, the changes.")
+def diff(booth_id: str, tape_dir: str | None, at: str | None, patch: bool, as_json: bool) -> None:
     """What a pending booth would change in its real tree."""
-    from jukebox.booth import booth_diff
+    from jukebox.booth import change_summary_line, pending_changes
+    from jukebox.names import name_json
+    from jukebox.patch import text_patch
 
-    lines = booth_diff(_tape_dir(tape_dir), booth_id, at)
-    for line in lines:
-        click.echo(line)
-    if not lines:
+    with pending_changes(_tape_dir(tape_dir), booth_id, at) as (store, base, target, changes):
+        if as_json:
+            rows = []
+            for change in changes:
+                row: dict[str, object] = {**name_json(change.path), "status": change.status}
+                entry = change.new or change.old
+                if entry is not None and entry.kind == "file":
+                    row["size"] = entry.size
+                if patch:
+                    row["patch"] = text_patch(store, change, indent="")
+                rows.append(row)
+            doc = {"booth": booth_id, "at": at, "from_tree": base.hex(), "to_tree": target.hex()}
+            click.echo(json.dumps({**doc, "changes": rows}, indent=1))
+            return
+        for change in changes:
+            click.echo(change_summary_line(change))
+            if patch:
+                click.echo(text_patch(store, change), nl=False)
+    if not changes:
         click.echo("no changes")
 
 

@@ -445,6 +445,7 @@ def diff_command(
     """
     from jukebox.errors import UsageError
     from jukebox.names import CHANGE_LETTERS, name_json, visible
+    from jukebox.patch import text_patch
     from jukebox.tapedir import TapeRef
     from shadowfs import tree
 
@@ -504,36 +505,8 @@ def diff_command(
     click.echo(f"diff {label}: {len(changes)} change(s)")
     for change in changes:
         click.echo(f"  {CHANGE_LETTERS.get(change.status, '?')}  {visible(change.path)}")
-        if (
-            patch
-            and change.status == "modified"
-            and change.old
-            and change.new
-            and change.new.kind == "file"
-        ):
+        if patch:
             click.echo(text_patch(store, change), nl=False)
-
-
-def text_patch(store, change) -> str:
-    import difflib
-
-    from jukebox.names import printable, visible
-
-    limit = 1 << 20
-    if change.old.size > limit or change.new.size > limit:
-        return "     (large file: no line diff)\n"
-    old, new = store.read_bytes(change.old.oid), store.read_bytes(change.new.oid)
-    if b"\0" in old[:8192] or b"\0" in new[:8192]:
-        return "     (binary file)\n"
-    name = visible(change.path)
-    lines = difflib.unified_diff(
-        old.decode("utf-8", "replace").splitlines(keepends=True),
-        new.decode("utf-8", "replace").splitlines(keepends=True),
-        f"a/{name}",
-        f"b/{name}",
-    )
-    # The file's own lines may hold escape sequences too: shown, not acted on.
-    return "".join("     " + printable(line.rstrip("\n")) + "\n" for line in lines)
 
 
 @cli.command("gc")

@@ -80,3 +80,42 @@ def test_numeric_labels_are_refused_by_the_cli_and_the_socket(work) -> None:  # 
     refused = json.loads(lines[2])
     assert refused["ok"] is False and "label '42' is a number" in refused["error"], refused
     assert json.loads(lines[-1])["checkpoint"] == 1, lines  # the refusals took none
+
+
+REVIEWED = (
+    "echo two >> a.txt && rm keep.txt && printf 'x\\0y' > blob.bin && "
+    "printf 'fresh\\n' > \"$(printf 'evil\\033[31m.txt')\""
+)
+
+
+def test_booth_diff_shows_patches_and_json(work) -> None:  # noqa: F811
+    tree, tapes = work
+    assert booth_run(tree, tapes, REVIEWED, "--commit", "never").returncode == 0
+    proc = jb("booth", "diff", "t1", "-p", "--tape-dir", str(tapes))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "\033" not in out  # the hostile name is shown, never acted on
+    assert "M a.txt  (8 bytes)\n     --- a/a.txt\n     +++ b/a.txt\n" in out, out
+    assert "      one\n     +two\n" in out, out
+    assert "A blob.bin  (3 bytes)\n     (binary file)\n" in out, out
+    assert "--- a/keep.txt\n     +++ /dev/null\n" in out and "     -untouched\n" in out, out
+    assert "A evil\\x1b[31m.txt  (6 bytes)\n     --- /dev/null\n" in out, out
+    assert "     +++ b/evil\\x1b[31m.txt\n" in out and "     +fresh\n" in out, out
+    plain = jb("booth", "diff", "t1", "--tape-dir", str(tapes)).stdout
+    assert "---" not in plain and "M a.txt  (8 bytes)" in plain, plain
+
+    data = json.loads(jb("booth", "diff", "t1", "--json", "--tape-dir", str(tapes)).stdout)
+    assert data["booth"] == "t1" and data["at"] is None
+    assert len(data["from_tree"]) == len(data["to_tree"]) == 64
+    by_path = {c["path"]: c for c in data["changes"]}
+    assert by_path["a.txt"] == {"path": "a.txt", "status": "modified", "size": 8}
+    assert by_path["keep.txt"]["status"] == "deleted"
+    assert by_path["evil\033[31m.txt"]["status"] == "added"  # JSON carries the exact name
+    patched = json.loads(
+        jb("booth", "diff", "t1", "--json", "-p", "--tape-dir", str(tapes)).stdout
+    )
+    patches = {c["path"]: c["patch"] for c in patched["changes"]}
+    assert patches["a.txt"].startswith("--- a/a.txt\n+++ b/a.txt\n@@"), patches
+    assert "+two\n" in patches["a.txt"] and patches["blob.bin"] == "(binary file)\n"
+    start = jb("booth", "diff", "t1", "--json", "--at", "0", "--tape-dir", str(tapes)).stdout
+    assert json.loads(start)["changes"] == []  # checkpoint 0 is the start: nothing to commit
