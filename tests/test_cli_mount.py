@@ -48,6 +48,22 @@ def test_mount_errors_are_one_line(tmp_path: Path, jukebox_cli) -> None:
     assert "is not a mount point" in one_line_error(jukebox_cli("umount", str(tmp_path)), 2)
 
 
+def test_mount_over_a_folder_with_files_needs_force(tmp_path: Path, jukebox_cli) -> None:
+    record_run(tmp_path / "tapes", tmp_path / "work")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("kept\n")
+    refused = one_line_error(jukebox_cli("mount", "tr_demo", str(folder)), 2)
+    assert f"{folder} is not empty" in refused and "--force" in refused, refused
+    assert not os.path.ismount(folder) and (folder / "mine.txt").read_text() == "kept\n"
+    jukebox_cli("mount", "tr_demo", str(folder), "--force", check=True)
+    try:
+        assert sorted(os.listdir(folder)) == ["new file.py", "notes.txt"]
+    finally:
+        jukebox_cli("umount", str(folder), check=True)
+    assert (folder / "mine.txt").read_text() == "kept\n"
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_umount_refuses_what_jukebox_did_not_mount(tmp_path: Path, jukebox_cli) -> None:
     import subprocess

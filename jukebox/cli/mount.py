@@ -16,7 +16,10 @@ from jukebox.cli.tapes import check_frame, load_intact, tape_dir_option
 @click.argument("tape", metavar="TAPE[@N]")
 @click.argument("directory", metavar="DIR", type=click.Path(path_type=Path))
 @tape_dir_option
-def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
+@click.option(
+    "--force", is_flag=True, help="Mount over a folder that is not empty (its files hidden)."
+)
+def mount_command(tape: str, directory: Path, tape_dir: Path | None, force: bool) -> None:
     """Show the files at frame N (default: the last) read-only at DIR until `jukebox umount`."""
     from jukebox.errors import UsageError
     from jukebox.tapedir import TapeRef
@@ -37,6 +40,11 @@ def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
     if os.path.ismount(directory):
         raise UsageError(
             f"{directory} is already a mount point: `jukebox umount {directory}` first"
+        )
+    if not force and _has_entries(directory):
+        raise UsageError(
+            f"{directory} is not empty: the mount would hide its files until `jukebox umount`; "
+            "choose an empty folder, or add --force"
         )
     import subprocess
 
@@ -61,6 +69,11 @@ def mount_command(tape: str, directory: Path, tape_dir: Path | None) -> None:
         f"mounted {ref.path}@{n} (tree {tree_id.hex()[:12]}) read-only at {directory}; "
         f"`jukebox umount {directory}` to unmount"
     )
+
+
+def _has_entries(directory: Path) -> bool:
+    with os.scandir(directory) as entries:
+        return next(entries, None) is not None
 
 
 @cli.command("umount")
