@@ -297,6 +297,11 @@ def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
         ) from None
 
 
+def this_process() -> dict[str, int]:
+    """pid, uid, gid of this process, as a checkpoint frame's `peer` names its requester."""
+    return Peer(os.getpid(), os.getuid(), os.getgid()).as_dict()
+
+
 def _raise_if_finished(tape_dir: TapeDir, booth_id: str) -> None:
     """A booth asked for after its verdict: exit 1 saying when and by what it was finished."""
     from jukebox.booth_finished import finished_booth
@@ -717,6 +722,7 @@ def commit_tree(
             payload: dict[str, Any] = {"ok": True, "changes": changes}
             if by is not None:
                 payload["by"] = by
+                payload["peer"] = this_process()  # who, for a later "already committed"
             if cp is not None:
                 payload["checkpoint"] = cp
             write("commit", payload, final)
@@ -810,7 +816,9 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
                 _open_store(tape_dir) as store,
                 contextlib.suppress(JukeboxError, OSError, ValueError),
             ):
-                _append_to_tape(store, record.tape, "discard", {"by": "booth discard"})
+                _append_to_tape(
+                    store, record.tape, "discard", {"by": "booth discard", "peer": this_process()}
+                )
         shutil.rmtree(tape_dir.state / "scratch" / booth_id, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(layer_mountpoint(tape_dir, booth_id))  # a killed supervisor's

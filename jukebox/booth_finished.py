@@ -31,6 +31,21 @@ def _verdict(frame: Any) -> str | None:
     return None
 
 
+def _who(peer: Any) -> str:
+    """`user NAME (uid N), pid P` from a frame's `peer` (or run_start's `host`) field."""
+    import pwd
+
+    if not isinstance(peer, dict) or not isinstance(peer.get("uid"), int):
+        return ""
+    uid = peer["uid"]
+    try:
+        name = f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        name = f"uid {uid}"
+    pid = peer.get("pid")
+    return f", {name}" + (f", pid {pid}" if isinstance(pid, int) else "")
+
+
 def finished_booth(tape_dir: TapeDir, booth_id: str) -> str | None:
     """One line saying when and by what the booth was finished, or None when its tape is not
     there or holds no verdict (then it never was a booth here)."""
@@ -47,7 +62,10 @@ def finished_booth(tape_dir: TapeDir, booth_id: str) -> str | None:
         if verdict is None:
             continue
         by = frame.payload.get("by")
-        writer = _WRITERS.get(by, f"{by!r}") if isinstance(by, str) else "the run itself"
+        if isinstance(by, str):
+            writer = _WRITERS.get(by, repr(by)) + _who(frame.payload.get("peer"))
+        else:  # the run's own verdict: run_start names the process that ran it
+            writer = "the run itself" + _who(frames[0].payload.get("host") if frames else None)
         changes = frame.payload.get("changes")
         what = f" ({changes} change(s))" if frame.kind == "commit" and changes is not None else ""
         return (

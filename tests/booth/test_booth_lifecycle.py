@@ -14,7 +14,8 @@ pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 FINISHED = re.compile(
     r"^jukebox: booth t1 was already committed \(1 change\(s\)\) at "
-    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} by (`jukebox booth commit`|the run itself): "
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} by (`jukebox booth commit`|the run itself), "
+    r"user root \(uid 0\), pid \d+: "
     r"nothing to do \(`jukebox log .*t1\.jbx`\)\n$"
 )
 
@@ -60,6 +61,20 @@ def test_an_auto_committed_booth_names_the_run_as_its_committer(work) -> None:  
     assert booth_run(tree, tapes, "echo two >> a.txt").returncode == 0
     again = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
     assert again.returncode == 1 and "by the run itself" in again.stderr, again.stderr
+
+
+def test_a_discarded_booth_says_who_discarded_it(work) -> None:  # noqa: F811
+    tree, tapes = work
+    assert booth_run(tree, tapes, "echo two >> a.txt", "--commit", "never").returncode == 0
+    assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
+    late = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
+    assert late.returncode == 1, late.stderr
+    assert re.fullmatch(
+        r"jukebox: booth t1 was already discarded at \S+ \S+ \S+ by `jukebox booth discard`, "
+        r"user root \(uid 0\), pid \d+: nothing to do \(`jukebox log .*`\)\n",
+        late.stderr,
+    ), late.stderr
+    assert (tree / "a.txt").read_text() == "one\n"
 
 
 def test_numeric_labels_are_refused_by_the_cli_and_the_socket(work) -> None:  # noqa: F811
