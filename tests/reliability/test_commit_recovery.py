@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -181,7 +182,7 @@ def test_a_booth_run_killed_in_its_auto_commit_is_recovered_and_stays_committabl
     assert any(p.name.startswith(".jbx-stage-") for p in tree.iterdir())  # torn until recovered
     listed = jb("booth", "ls", "--tape-dir", str(tapes))
     assert listed.returncode == 0, listed.stderr
-    assert "undone" in listed.stderr and "auto  pending" in listed.stdout
+    assert "undone" in listed.stderr and re.search(r"^auto +pending ", listed.stdout, re.M)
     assert sorted(p.name for p in tree.iterdir()) == ["a.txt"]
     assert (tree / "a.txt").read_text() == "old\n"
     done = jb("booth", "commit", "auto", "--tape-dir", str(tapes))
