@@ -110,7 +110,7 @@ def check_frame(tape, ref) -> int:
 @tape_dir_option
 @json_option
 def ls_command(tape_dir: Path | None, as_json: bool) -> None:
-    """List the tapes in the tape dir: track id, agent, frames, cost, status."""
+    """List the tapes in the tape dir: track id, start time, agent, frames, cost, status."""
     from jukebox.errors import JukeboxError
     from jukebox.render import money, table, timestamp
     from jukebox.tape import Tape
