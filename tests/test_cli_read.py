@@ -59,6 +59,7 @@ def test_ls_lists_tapes_as_table_and_json(recorded: Path, jukebox_cli) -> None:
 
 def test_log_shows_every_frame(recorded: Path, jukebox_cli) -> None:
     out = jukebox_cli("log", "tr_demo", check=True).stdout
+    assert re.search(r", started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4}, ", out), out
     for marker in ("@0", "run_start", "planner: edit notes", "'edited'", "commit"):
         assert marker in out
     frames = json.loads(jukebox_cli("log", str(recorded), "--json", check=True).stdout)["frames"]

@@ -223,11 +223,14 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
         sys.exit(1 if damage is not None else 0)
     summary = loaded.summary()
     from jukebox.names import printable
+    from jukebox.render import timestamp
 
+    started = summary.get("started_ns")
+    when = f"started {timestamp(started / 1e9)}, " if started else ""
     click.echo(
         printable(
             f"tape {summary['tape_id']}  ({summary.get('name') or 'unnamed'}, "
-            f"{summary['status']}, {ref.path})"
+            f"{summary['status']}, {when}{ref.path})"
         )
     )
     click.echo(timeline(loaded))
