@@ -81,6 +81,10 @@ TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
 BREAKER_GRACE_S = 3.0  # seconds an agent stopped by the circuit breaker gets before SIGKILL
 # SIGWINCH: the operator's window changed; the agent's pty follows (jukebox/terminal.py).
 WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
+# A SIGCHLD taken by a thread that does not block it (one started before the mask was set, or
+# by a library) is discarded, and a wait that trusted it alone would sleep on: the booth's waits
+# look at the child again at least this often.
+CHILD_POLL_SECONDS = 1.0
 
 
 class BoothError(JukeboxError):
@@ -1673,7 +1677,7 @@ def _supervise(
                     child.proc.returncode = os.waitstatus_to_exitcode(wstatus)
                     break
             timeout = max(0.0, next_auto - time.monotonic()) if next_auto is not None else 3600.0
-            info = signal.sigtimedwait(WAITED_SIGNALS, timeout)
+            info = signal.sigtimedwait(WAITED_SIGNALS, min(timeout, CHILD_POLL_SECONDS))
             if info is None:
                 if next_auto is not None and time.monotonic() >= next_auto:
                     with contextlib.suppress(Exception):
@@ -1765,7 +1769,7 @@ def _wait_passing_interrupts(child: isolation.Child, what: str) -> tuple[int, in
         if pid:
             child.proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here
             return wstatus, interrupts
-        info = signal.sigtimedwait(WAITED_SIGNALS, 3600.0)
+        info = signal.sigtimedwait(WAITED_SIGNALS, CHILD_POLL_SECONDS)
         if info is None or info.si_signo in (signal.SIGCHLD, signal.SIGWINCH):
             continue
         interrupts += 1
