@@ -241,7 +241,10 @@ def test_one_pending_booth_committed_by_four_processes_applies_once(
         )
         for _ in range(4)
     ]
-    codes = sorted(code for code, _ in finish(procs))
-    assert codes == [0, 2, 2, 2], codes  # the others find no pending booth left
+    results = sorted(finish(procs))
+    assert [code for code, _ in results] == [0, 1, 1, 1], results
+    for _, err in results[1:]:  # the others are told the booth was committed, and by whom
+        assert "booth one was already committed (2 change(s))" in err, err
+        assert "by `jukebox booth commit`" in err, err
     assert (tree / "keep.txt").read_text() == "kept\nmore\n"
     assert (tree / "once.txt").read_text() == "once\n"
