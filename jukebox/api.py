@@ -343,9 +343,15 @@ class _RunBreaker:
         run = self._capture.run()
         return run.breaker if run is not None else None
 
-    def admit(self) -> Any:
+    def admit(self, reservation: Any = None) -> Any:
         b = self._breaker()
-        return b.admit() if b is not None else None
+        return b.admit(reservation) if b is not None else None
+
+    def release(self, reservation: Any) -> None:
+        # Whichever run held it: a reservation not held is ignored.
+        b = self._breaker()
+        if b is not None:
+            b.release(reservation)
 
     def observe(self, **kwargs: Any) -> Any:
         b = self._breaker()

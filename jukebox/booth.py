@@ -930,10 +930,18 @@ class _Run:
         threading.Thread(target=self.on_trip, args=(trip,), daemon=True).start()
 
     def on_trip(self, trip: Any) -> None:
-        """The breaker fired (called from the proxy's thread): record it and stop the agent
-        (SIGTERM, then SIGKILL after BREAKER_GRACE_S)."""
+        """A limit tripped: record it and stop the agent at once."""
+        self.record_trip(trip)
+        self.stop_agent(trip)
+
+    def record_trip(self, trip: Any) -> None:
+        """The breaker fired (called from the proxy's thread, before the agent is answered)."""
         self.trip = trip
         self.writer.append("breaker", trip.to_payload())
+
+    def stop_agent(self, trip: Any) -> None:
+        """SIGTERM, then SIGKILL after BREAKER_GRACE_S (the proxy calls this once the agent
+        has been sent the refusal that explains the trip)."""
         if self.agent_pid is not None:
             _terminate(self.agent_pid, BREAKER_GRACE_S)
 
@@ -1385,7 +1393,8 @@ def run_booth(
             tape_dir=tapes.path,
             private_network=net == "none",
             options=llm,
-            on_trip=run.on_trip,
+            on_trip=run.record_trip,
+            stop_agent=run.stop_agent,
             record_limit=scratch_limit,
         )
         run.spawn = lambda child_spec, **stdio: llm_session.spawn(

@@ -12,10 +12,19 @@ Limits are inclusive — a run may use exactly its budget:
 
 * `max_cost_usd`: trips in the `observe()` that brings the total cost above the limit. Costs
   add up in integer nano-dollars, so 0.1 + 0.1 + 0.1 is exactly 0.3 and does not trip 0.3.
-  `admit()` trips once the total has reached the limit: the next call could only exceed it.
+  `admit()` trips once the total has reached the limit: the next call could only exceed it;
+  and, given the call's worst case (a `Reservation`), when the total plus every reservation
+  held plus this one would exceed it.
 * `max_tokens`: the same with the token total.
 * `max_turns`: `observe()` trips on turn `max_turns + 1`; `admit()` trips before it, when
-  `max_turns` turns are done (the reported value is the turn that would have started).
+  `max_turns` turns are done or in flight (the reported value is the turn that would have
+  started).
+
+An admitted reservation is held until `observe(..., reservation=)` or `release()` settles it,
+so calls in flight together are counted against the limits before they are forwarded.
+`observe(..., retry=True)` is an attempt repeating a request whose answer was retryable (an
+SDK's retry): when it fails again it adds no turn and steps neither repeat rule, since the
+first attempt counted that failure; a retry that succeeds counts like any turn.
 * `max_semantic_repeat` (alias `max_repeat`, the CLI's name), N >= 2: the *repeat run* is the
   number of consecutive outputs each near-duplicate of the one before it — cosine similarity of
   their hashed n-gram vectors (`jukebox.similarity`) at least `similarity_threshold`. The first
@@ -86,6 +95,19 @@ class Trip:
     def to_payload(self) -> dict[str, Any]:
         """The `breaker` frame's payload."""
         return {"rule": self.rule, "limit": self.limit, "value": self.value, "detail": self.detail}
+
+
+@dataclass
+class Reservation:
+    """The worst case of one model call, held by `admit()` until the call is settled."""
+
+    tokens: int = 0
+    cost_nano: int = 0
+    held: bool = False
+
+    @classmethod
+    def of(cls, tokens: int, cost_usd: float) -> Reservation:
+        return cls(max(int(tokens), 0), max(round(cost_usd * NANO), 0))
 
 
 class BreakerTripped(CheckFailed):
@@ -266,36 +288,90 @@ class CircuitBreaker:
 
     # ------------------------------------------------------------------ the rules
 
-    def admit(self) -> Trip | None:
-        """Before a model call: the standing trip, or a new one when the call cannot fit."""
+    def admit(self, reservation: Reservation | None = None) -> Trip | None:
+        """Before a model call: the standing trip, or a new one when the call cannot fit.
+
+        With a `reservation` (the call's worst case), the call must fit beside every call
+        already admitted and not yet settled; when it does, the breaker holds the reservation
+        until `observe(..., reservation=)` or `release()` settles it."""
         with self._lock:
             if self._tripped is not None:
                 return self._tripped
+            want = reservation if reservation is not None else Reservation()
+            cost = self._cost_nano + self._held_nano + want.cost_nano
+            tokens = self._tokens + self._held_tokens + want.tokens
+            turns = self._turns + self._held_turns + 1
             trip: Trip | None = None
-            if self._cost_limit is not None and self._cost_nano >= self._cost_limit:
-                spent = self._cost_nano / NANO
-                trip = Trip(
-                    "max_cost_usd",
-                    self.max_cost_usd,  # type: ignore[arg-type]
-                    spent,
-                    f"the run has spent {_fmt_usd(spent)}, all of max_cost_usd "
-                    f"{_fmt_usd(self.max_cost_usd)}, so no model call can be afforded; "  # type: ignore[arg-type]
-                    "raise --max-cost-usd if the task is worth more",
-                )
-            elif self.max_tokens is not None and self._tokens >= self.max_tokens:
-                trip = Trip(
-                    "max_tokens",
-                    self.max_tokens,
-                    self._tokens,
-                    f"the run has used {self._tokens} tokens, all of max_tokens "
-                    f"{self.max_tokens}, so no model call fits; raise --max-tokens if the task "
-                    "needs more",
-                )
-            elif self.max_turns is not None and self._turns >= self.max_turns:
-                trip = self._turns_trip(self._turns + 1)
+            if self._cost_limit is not None and (
+                self._cost_nano >= self._cost_limit or cost > self._cost_limit
+            ):
+                trip = self._admit_cost_trip(cost)
+            elif self.max_tokens is not None and (
+                self._tokens >= self.max_tokens or tokens > self.max_tokens
+            ):
+                trip = self._admit_tokens_trip(tokens, want.tokens)
+            elif self.max_turns is not None and turns > self.max_turns:
+                trip = self._turns_trip(turns)
             if trip is not None:
                 self._tripped = trip
+            elif reservation is not None and not reservation.held:
+                reservation.held = True
+                self._held_turns += 1
+                self._held_tokens += reservation.tokens
+                self._held_nano += reservation.cost_nano
             return trip
+
+    def release(self, reservation: Reservation | None) -> None:
+        """Gives back what `admit()` held for a call that ended without being observed (a
+        replayed or refused call, an agent gone mid-call). Idempotent."""
+        if reservation is None:
+            return
+        with self._lock:
+            self._release_locked(reservation)
+
+    def _release_locked(self, reservation: Reservation) -> None:
+        if reservation.held:
+            reservation.held = False
+            self._held_turns -= 1
+            self._held_tokens -= reservation.tokens
+            self._held_nano -= reservation.cost_nano
+
+    def _admit_cost_trip(self, cost_nano: int) -> Trip:
+        spent = self._cost_nano / NANO
+        worst = cost_nano / NANO
+        if self._cost_nano >= self._cost_limit:  # type: ignore[operator]
+            why = f"the run has spent {_fmt_usd(spent)}, all of max_cost_usd"
+            worst = spent
+        else:
+            why = (
+                f"this call could bring the run to {_fmt_usd(worst)} (spent {_fmt_usd(spent)}, "
+                "plus the worst case of every call in flight and of this one), over max_cost_usd"
+            )
+        return Trip(
+            "max_cost_usd",
+            self.max_cost_usd,  # type: ignore[arg-type]
+            worst,
+            f"{why} {_fmt_usd(self.max_cost_usd)}, so the call is refused; "  # type: ignore[arg-type]
+            "raise --max-cost-usd if the task is worth more",
+        )
+
+    def _admit_tokens_trip(self, tokens: int, this_call: int) -> Trip:
+        if self._tokens >= self.max_tokens:  # type: ignore[operator]
+            why = f"the run has used {self._tokens} tokens, all of max_tokens"
+            tokens = self._tokens
+        else:
+            why = (
+                f"this call could bring the run to {tokens} tokens ({self._tokens} used, "
+                f"{this_call} reserved for it from its max_tokens and prompt, the rest in "
+                "flight), over max_tokens"
+            )
+        return Trip(
+            "max_tokens",
+            self.max_tokens,  # type: ignore[arg-type]
+            tokens,
+            f"{why} {self.max_tokens}, so the call is refused; lower the call's max_tokens or "
+            "raise --max-tokens if the task needs more",
+        )
 
     def observe(
         self,
@@ -305,8 +381,14 @@ class CircuitBreaker:
         text: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         failed: str | bool | None = None,
+        reservation: Reservation | None = None,
+        retry: bool = False,
     ) -> Trip | None:
-        """After one turn: adds it up and returns the trip standing afterwards, if any."""
+        """After one turn: adds it up and returns the trip standing afterwards, if any.
+
+        `reservation`: what `admit()` held for this call, released now. `retry`: the call
+        repeats a request whose answer was a retryable error (an SDK retrying); see the
+        module docstring for how it counts."""
         if not (_is_int(cost_usd) or isinstance(cost_usd, float)) or not cost_usd >= 0:
             raise ValueError(f"cost_usd must be a number >= 0 (US dollars), not {cost_usd!r}")
         if not _is_int(tokens) or tokens < 0:
@@ -336,15 +418,21 @@ class CircuitBreaker:
                 vector = output_vector(text, tool_calls) or None
 
         with self._lock:
+            if reservation is not None:
+                self._release_locked(reservation)
             self._cost_nano += round(cost_usd * NANO)
             self._tokens += tokens
-            self._turns += 1
-            if key is not None:
-                self._step_repeat(key, vector, (text, tool_calls) if vector is None else None)
-            if calls_sig is not None:
-                self._last_calls = calls_sig
-            if self.max_repeat_failures is not None:
-                self._step_failures(failed)
+            # A failed retry is the same logical call failing again: no new turn, no new step
+            # of the repeat rules (the first attempt already counted once).
+            counted = not (retry and failed is not None)
+            if counted:
+                self._turns += 1
+                if key is not None:
+                    self._step_repeat(key, vector, (text, tool_calls) if vector is None else None)
+                if calls_sig is not None:
+                    self._last_calls = calls_sig
+                if self.max_repeat_failures is not None:
+                    self._step_failures(failed)
             if self._tripped is None:
                 self._tripped = self._first_broken_rule(failed)
             return self._tripped
@@ -502,3 +590,8 @@ class CircuitBreaker:
             self._fail_run = 0
             self._last_calls: str | None = None
             self._tripped: Trip | None = None
+            # What admit() holds for calls in flight (not part of state(): a call in flight
+            # settles whatever a rollback does).
+            self._held_turns = 0
+            self._held_tokens = 0
+            self._held_nano = 0

@@ -421,8 +421,8 @@ for i in range(int(sys.argv[1])):
             print("ok", i, flush=True)
     except urllib.error.HTTPError as error:
         print("refused", i, error.code, flush=True)
-        if os.environ.get("AGENT_IGNORES_SIGTERM"):
-            time.sleep(60)  # hangs: only SIGKILL ends it
+        if os.environ.get("AGENT_IGNORES_SIGTERM") or os.environ.get("AGENT_HANGS"):
+            time.sleep(60)  # hangs: only the booth's signal ends it
         sys.exit(3)
 """
 
@@ -476,8 +476,9 @@ def booth_env(tmp_path: Path):
     ("flags", "rule", "limit", "value", "turns"),
     [
         (["--max-turns", "2"], "max_turns", 2, 3, 2),
-        # The fake model answers 9 prompt + 3 completion tokens: 24 > 20 on the second call.
-        (["--max-tokens", "20"], "max_tokens", 20, 24, 2),
+        # The fake model answers 9 prompt + 3 completion tokens; the second call's 73-byte
+        # body reserves 19 tokens, 12 + 19 = 31 > 20: refused before it is forwarded.
+        (["--max-tokens", "20"], "max_tokens", 20, 31, 1),
     ],
 )
 def test_booth_trip_stops_the_agent_and_rolls_back(booth_env, flags, rule, limit, value, turns):
@@ -531,7 +532,7 @@ def test_booth_stops_the_agent_with_sigterm_then_sigkill(booth_env, ignores, sig
     code, frames, _ = run(
         "--max-turns", "1", "--", "python3", str(agent), "5",
         tape_id="stop",
-        env={"AGENT_IGNORES_SIGTERM": "1"} if ignores else {},
+        env={"AGENT_IGNORES_SIGTERM": "1"} if ignores else {"AGENT_HANGS": "1"},
     )  # fmt: skip
     exit_payload = next(p for k, p in frames if k == "exit")
     assert exit_payload["signal"] == signal_number

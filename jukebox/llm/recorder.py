@@ -64,6 +64,8 @@ class Exchange:
     error: str | None = None  # the upstream failed or the client went away
     replayed_from: int | None = None  # seq of the frame served in its place, during replay
     rewritten: bool = False  # a RequestRewriter changed the request before it was sent
+    reservation: Any = None  # what the breaker holds for this call until it settles
+    retry: bool = False  # the same request again after a retryable answer (jukebox.llm.retries)
 
     @property
     def stream(self) -> bool:

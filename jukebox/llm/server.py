@@ -20,9 +20,11 @@ Per model call, in order:
 3. the `llm_turn` frame is written *before* the agent sees the end of the response (the last
    chunk is held back until then), so the tape's order of llm_turn and checkpoint frames is the
    order the agent observed;
-4. the breaker observes the exchange; a trip fails the next call.
+4. the breaker observes the exchange; a trip fails the next call;
+5. after a trip, `stop_agent` once the agent has the answer that explains it.
 
-Errors the proxy itself answers use status 400: the SDKs retry 408, 409, 429 and 5xx, and a
+Errors the proxy itself answers use status 400 and `x-should-retry: false`, never
+`retry-after`: the SDKs retry 408, 409, 429 and 5xx unless that header says otherwise, and a
 retry would only repeat the refusal. An unreachable upstream is 502, which they do retry, as
 they would without the proxy.
 """
@@ -44,6 +46,7 @@ import httpx
 import trio
 
 from jukebox.breaker import Trip
+from jukebox.llm.budget import worst_case
 from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
 from jukebox.llm.pricing import PriceTable
@@ -57,6 +60,7 @@ from jukebox.llm.providers import (
 )
 from jukebox.llm.recorder import LLM_TURN, Exchange, FrameSink, Turn, build_turn, parse_body
 from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
+from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEParser, encode_event
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
@@ -92,6 +96,12 @@ REPLAY_CODE = "jukebox_replay_divergence"
 RECORD_LIMIT_CODE = "jukebox_record_limit"
 PATH_CODE = "jukebox_path_refused"
 SECRET_CODE = "jukebox_proxy_secret"
+# On every refusal of the proxy's own: the openai and anthropic SDKs obey this header before
+# looking at the status, and no `retry-after` is ever sent with a refusal.
+NO_RETRY = [("x-should-retry", "false")]
+# How long a trip waits for the agent to take the answer that explains it before `stop_agent`
+# is called anyway.
+TRIP_NOTICE_S = 1.0
 
 
 def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -137,9 +147,12 @@ class ProxyServer:
     `record(kind, payload)` receives each frame (`writer.append` of a TapeWriter fits); it is
     called from a worker thread. `secret` is the first path segment every request must carry
     (a fresh random one by default); `record_limit` the bytes of bodies the proxy records in
-    all (DEFAULT_RECORD_LIMIT by default). `breaker` needs `admit() -> Trip | None` and
-    `observe(cost_usd=, tokens=, text=, tool_calls=, failed=) -> Trip | None`; `on_trip(trip)`
-    and `on_divergence(divergence)` are called once, from a worker thread.
+    all (DEFAULT_RECORD_LIMIT by default). `breaker` needs `admit(reservation) -> Trip | None`,
+    `observe(cost_usd=, tokens=, text=, tool_calls=, failed=, reservation=, retry=) -> Trip |
+    None` and `release(reservation)` (see jukebox.breaker.CircuitBreaker). `on_trip(trip)`
+    and `on_divergence(divergence)` are called once, from a worker thread, as soon as known;
+    `stop_agent(trip)` once too, but only after the agent has been sent the refusal that
+    explains the trip (and has read it, or TRIP_NOTICE_S has passed).
     """
 
     def __init__(
@@ -151,6 +164,7 @@ class ProxyServer:
         rewriter: RequestRewriter | None = None,
         breaker: Any = None,
         on_trip: Callable[[Any], Any] | None = None,
+        stop_agent: Callable[[Any], Any] | None = None,
         on_divergence: Callable[[Divergence], Any] | None = None,
         secrets: list[str] | tuple[str, ...] = (),
         prices: PriceTable | None = None,
@@ -167,6 +181,7 @@ class ProxyServer:
         self.rewriter = rewriter if rewriter is not None and rewriter.active else None
         self.breaker = breaker
         self.on_trip = on_trip
+        self.stop_agent = stop_agent
         self.on_divergence = on_divergence
         self.secret = secret if secret is not None else token_urlsafe(32)
         if not self.secret or not self.secret.replace("-", "").replace("_", "").isalnum():
@@ -186,6 +201,8 @@ class ProxyServer:
         self._sock = sock
         self.host, self.port = sock.getsockname()[:2]
         self.trip: Any = None
+        self._stop_scheduled = False
+        self._retries = RetryTracker()
         self.turns: list[Turn] = []  # every recorded turn, for callers without a tape
         self.keep_turns = record is None
         self._thread: threading.Thread | None = None
@@ -250,15 +267,18 @@ class ProxyServer:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
         async with httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, http2=False) as client:
             self._client = client
-            with trio.CancelScope() as scope:
-                self._scope = scope
-                self._ready.set()
-                await trio.serve_listeners(self._connection, [listener])
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                with trio.CancelScope() as scope:
+                    self._scope = scope
+                    self._ready.set()
+                    await trio.serve_listeners(self._connection, [listener])
 
     # ------------------------------------------------------------------ one connection
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        moved = trio.Event()  # set once the agent's next request (or its close) arrives here
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone):
             async with stream:
                 while True:
@@ -270,9 +290,15 @@ class ProxyServer:
                     except _Stranger:
                         await self._refuse_stranger(conn, stream)
                         return
+                    finally:
+                        moved.set()  # the agent has taken the answer to its last request
+                        moved = trio.Event()
                     if request is None:
                         return
-                    await self._handle(conn, stream, request, target, body)
+                    try:
+                        await self._handle(conn, stream, request, target, body)
+                    finally:
+                        await self._stop_when_answered(moved)
                     if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                         return
                     try:
@@ -397,8 +423,11 @@ class ProxyServer:
         if self.recorded_bytes + len(body) > self.record_limit:
             await self._refuse_record_limit(conn, stream, where.provider, len(body))
             return
+        key = fingerprint(where.provider, where.endpoint, body)
+        ex.retry = self._retries.is_retry(key)
         if self.breaker is not None:
-            trip = self.breaker.admit()
+            ex.reservation = worst_case(parse_body(body), len(body), self.prices)
+            trip = self.breaker.admit(ex.reservation)
             if trip is not None:
                 await self._tripped(trip)
                 await self._refuse_trip(conn, stream, where.provider)
@@ -406,6 +435,21 @@ class ProxyServer:
         # Counted now, before the call goes anywhere: calls in flight together cannot each
         # pass the check against the same total.
         self.recorded_bytes += len(body)
+        try:
+            await self._serve_call(conn, stream, where, ex, body)
+        finally:
+            if self.breaker is not None:
+                self.breaker.release(ex.reservation)  # a call that ended without a turn
+            self._retries.settled(key, ex.status, ex.error, ex.retry)
+
+    async def _serve_call(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        where: Route,
+        ex: Exchange,
+        body: bytes,
+    ) -> None:
         if self.replay is not None:
             request_json = parse_body(self.scrubber.bytes(body))
             try:
@@ -414,7 +458,7 @@ class ProxyServer:
                 await self._diverged(divergence)
                 message = f"jukebox {divergence.message()}"
                 await self._send_simple(
-                    conn, stream, 400, error_body(where.provider, message, REPLAY_CODE)
+                    conn, stream, 400, error_body(where.provider, message, REPLAY_CODE), NO_RETRY
                 )
                 return
             if served is not LIVE:
@@ -641,8 +685,11 @@ class ProxyServer:
                 text=s.text,
                 tool_calls=s.tool_calls,
                 failed=self._failure_text(ex),
+                reservation=ex.reservation,
+                retry=ex.retry,
             )
             if trip is not None:
+                # The call that tripped still gets its answer; the agent is stopped after.
                 await self._tripped(trip)
 
     def _failure_text(self, ex: Exchange) -> str | None:
@@ -659,11 +706,29 @@ class ProxyServer:
         return turn
 
     async def _tripped(self, trip: Any) -> None:
+        """Holds the first trip and reports it to `on_trip` at once, before any answer goes
+        out (so its frame precedes what the agent does next). `stop_agent` is called later,
+        by `_stop_when_answered`, once the answer that tells the agent why has been sent."""
         if self.trip is not None:
             return
         self.trip = trip
         if self.on_trip is not None:
             await trio.to_thread.run_sync(self.on_trip, trip)
+
+    async def _stop_when_answered(self, answered: trio.Event) -> None:
+        """After a response went out: the first time a trip stands, `stop_agent` is called in
+        the background once the agent has taken that answer (`answered`: its next request or
+        its close on the same connection) or TRIP_NOTICE_S has passed, whichever is first."""
+        if self.trip is None or self._stop_scheduled or self.stop_agent is None:
+            return
+        self._stop_scheduled = True
+        self._nursery.start_soon(self._stop_after, self.trip, answered)
+
+    async def _stop_after(self, trip: Any, answered: trio.Event) -> None:
+        with trio.move_on_after(TRIP_NOTICE_S):
+            await answered.wait()
+        with trio.CancelScope(shield=True):  # a proxy stopping meanwhile still stops it
+            await trio.to_thread.run_sync(self.stop_agent, trip)  # type: ignore[arg-type]
 
     async def _diverged(self, divergence: Divergence) -> None:
         first = getattr(self, "_divergence_seen", None) is None
@@ -689,7 +754,9 @@ class ProxyServer:
         )
         await self._tripped(Trip("recorded", self.record_limit, total, detail))
         message = f"jukebox proxy: refused: {detail}; the booth stops this agent"
-        await self._send_simple(conn, stream, 400, error_body(provider, message, RECORD_LIMIT_CODE))
+        await self._send_simple(
+            conn, stream, 400, error_body(provider, message, RECORD_LIMIT_CODE), NO_RETRY
+        )
 
     async def _refuse_trip(
         self, conn: h11.Connection, stream: trio.SocketStream, provider: str
@@ -704,4 +771,6 @@ class ProxyServer:
             + (f": {detail}" if detail else "")
             + "; the booth stops this agent"
         )
-        await self._send_simple(conn, stream, 400, error_body(provider, message, BREAKER_CODE))
+        await self._send_simple(
+            conn, stream, 400, error_body(provider, message, BREAKER_CODE), NO_RETRY
+        )

@@ -52,9 +52,11 @@ class LlmSession:
         options: LlmOptions | None = None,
         on_trip: Callable[[Any], Any] | None = None,
         record_limit: int | None = None,
+        stop_agent: Callable[[Any], Any] | None = None,
     ) -> LlmSession:
         """`record_limit`: the bytes of model traffic the proxy may record (the booth's
-        --max-scratch; DEFAULT_RECORD_LIMIT when None)."""
+        --max-scratch; DEFAULT_RECORD_LIMIT when None). `on_trip` records a trip at once;
+        `stop_agent` is called after the agent has been told why (see ProxyServer)."""
         options = options or LlmOptions()
         network = PrivateNetwork() if private_network else None
         try:
@@ -65,6 +67,7 @@ class LlmSession:
                 rewriter=options.rewriter,
                 breaker=options.breaker,
                 on_trip=on_trip,
+                stop_agent=stop_agent,
                 on_divergence=options.on_divergence,
                 secrets=secrets,
                 prices=PriceTable.load(tape_dir, environ),

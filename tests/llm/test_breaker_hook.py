@@ -42,23 +42,19 @@ def test_max_turns_refuses_the_call_past_the_limit(
 def test_a_trip_seen_after_a_call_fails_the_next_one(
     upstream: FakeUpstream, recording: Recording
 ) -> None:
-    import anthropic
+    import openai
 
     trips: list[Any] = []
-    breaker = CircuitBreaker(max_tokens=5)
+    # No max_tokens on the request: its output cannot be reserved, so the call is admitted
+    # on its prompt alone and its real usage trips the breaker afterwards.
+    breaker = CircuitBreaker(max_tokens=100)
     with recording.proxy(upstream, breaker=breaker, on_trip=trips.append) as proxy:
-        _, a = clients(proxy.base_urls())
-        first = a.messages.create(
-            model="claude-haiku-4-5",
-            max_tokens=8,
-            messages=[{"role": "user", "content": "a long enough prompt to pass five tokens"}],
-        )
-        assert first.content[0].text.startswith("echo:")  # the call that tripped still answers
-        assert [t.rule for t in trips] == ["max_tokens"]
-        with pytest.raises(anthropic.BadRequestError, match="circuit breaker tripped: max_tokens"):
-            a.messages.create(
-                model="claude-haiku-4-5", max_tokens=8, messages=[{"role": "user", "content": "x"}]
-            )
+        o, _ = clients(proxy.base_urls())
+        first = ask(o, "word " * 50)  # 78 tokens reserved; 70 in + 51 out used
+        assert first.choices[0].message.content.startswith("echo:")  # the tripping call answers
+        with pytest.raises(openai.BadRequestError, match="circuit breaker tripped: max_tokens"):
+            ask(o, "x")
+    assert [t.rule for t in trips] == ["max_tokens"]
 
 
 class StandIn:
@@ -73,8 +69,11 @@ class StandIn:
     def __init__(self) -> None:
         self.observed: list[dict[str, Any]] = []
 
-    def admit(self) -> Any:
+    def admit(self, reservation: Any) -> Any:
         return None
+
+    def release(self, reservation: Any) -> None:
+        pass
 
     def observe(self, **kwargs: Any) -> Any:
         self.observed.append(kwargs)

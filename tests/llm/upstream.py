@@ -6,6 +6,8 @@ it echoes the last user text. Streams are written one event per write (some two 
 chunked transfer encoding, so chunk boundaries are real. A request with `"cache"` in its last
 message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer;
 `x-fake-response-headers` (a JSON object) is added to a JSON answer's headers.
+`x-fake-fail: STATUS:N` answers the first N copies of the same request (path and body) with
+that status and an error body, as a rate-limited or broken API does (an SDK then retries).
 
 Run as `python tests/llm/upstream.py PORT` for a standalone server (the booth tests do).
 """
@@ -136,6 +138,8 @@ class Handler(BaseHTTPRequestHandler):
         delay = float(self.headers.get("x-fake-delay-ms", "0") or 0)
         if delay:
             time.sleep(delay / 1000)
+        if self._fail(raw):
+            return
         path = self.path.partition("?")[0]
         if path.endswith("/chat/completions"):
             self._chat(body)
@@ -145,6 +149,20 @@ class Handler(BaseHTTPRequestHandler):
             self._messages(body)
         else:
             self._json(404, {"error": {"message": f"no {self.path}", "type": "not_found"}})
+
+    def _fail(self, raw: bytes) -> bool:
+        status, _, times = (self.headers.get("x-fake-fail") or "").partition(":")
+        if not status:
+            return False
+        with self.server.lock:
+            key = (self.path, raw)
+            seen = self.server.failed.get(key, 0)
+            if seen >= int(times):
+                return False
+            self.server.failed[key] = seen + 1
+        error = {"message": f"fake failure {status}", "type": "rate_limit_error"}
+        self._json(int(status), {"type": "error", "error": error}, {"retry-after-ms": "10"})
+        return True
 
     # ------------------------------------------------------------------ OpenAI chat
 
@@ -387,6 +405,8 @@ class FakeServer(ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int]) -> None:
         super().__init__(addr, Handler)
         self.seen: list[tuple[str, str, dict[str, str], Any]] = []
+        self.failed: dict[tuple[str, bytes], int] = {}
+        self.lock = threading.Lock()
 
 
 class FakeUpstream:
