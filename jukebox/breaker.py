@@ -151,6 +151,24 @@ def _check_limit(name: str, value: object, *, minimum: int, money: bool = False)
         raise ValueError(f"{name} must be a whole number >= {minimum}, not {value!r}")
 
 
+def _check_unknown_cost(name: str, value: object) -> None:
+    """ValueError unless `value` is deny, warn or price=IN/OUT (dollars per million tokens)."""
+    from jukebox.llm.pricing import per_million
+
+    if value in ("deny", "warn"):
+        return
+    if isinstance(value, str) and value.startswith("price="):
+        try:
+            per_million(value.removeprefix("price="))
+            return
+        except ValueError:
+            pass
+    raise ValueError(
+        f"{name} must be deny, warn or price=IN/OUT (US dollars per million input and output "
+        f"tokens, e.g. price=3/15), not {value!r}"
+    )
+
+
 def _normalize_error(error: str) -> str:
     return _HEX_ADDR.sub("0x?", _SPACE.sub(" ", error).strip())[:_ERROR_KEEP]
 
@@ -176,6 +194,7 @@ class CircuitBreaker:
         max_repeat: int | None = None,
         similarity_threshold: float = 0.92,
         max_repeat_failures: int | None = None,
+        unknown_cost: str = "warn",
     ) -> None:
         if max_repeat is not None:
             if max_semantic_repeat is not None and max_semantic_repeat != max_repeat:
@@ -198,6 +217,8 @@ class CircuitBreaker:
                 "similarity_threshold must be a number in (0, 1] (1.0: only identical outputs "
                 f"repeat), not {similarity_threshold!r}"
             )
+        _check_unknown_cost("unknown_cost", unknown_cost)
+        self.unknown_cost = unknown_cost
         self.max_cost_usd = float(max_cost_usd) if max_cost_usd is not None else None
         self.max_tokens = max_tokens
         self.max_turns = max_turns
@@ -217,6 +238,7 @@ class CircuitBreaker:
         max_turns: int | None = None,
         max_repeat: int | None = None,
         similarity_threshold: float | None = None,
+        unknown_cost: str | None = None,
     ) -> CircuitBreaker | None:
         """The breaker `jukebox booth run` flags ask for, or None when no flag is set.
 
@@ -228,18 +250,20 @@ class CircuitBreaker:
             "--max-turns": max_turns,
             "--max-repeat": max_repeat,
         }
-        if all(v is None for v in values.values()):
+        if all(v is None for v in values.values()) and unknown_cost is None:
             return None
         try:
             _check_limit("--max-cost-usd", max_cost_usd, minimum=0, money=True)
             _check_limit("--max-tokens", max_tokens, minimum=1)
             _check_limit("--max-turns", max_turns, minimum=1)
             _check_limit("--max-repeat", max_repeat, minimum=2)
-            extra = (
-                {}
-                if similarity_threshold is None
-                else {"similarity_threshold": similarity_threshold}
-            )
+            if unknown_cost is not None:
+                _check_unknown_cost("--unknown-cost", unknown_cost)
+            extra: dict[str, Any] = {}
+            if similarity_threshold is not None:
+                extra["similarity_threshold"] = similarity_threshold
+            if unknown_cost is not None:
+                extra["unknown_cost"] = unknown_cost
             return cls(
                 max_cost_usd=max_cost_usd,
                 max_tokens=max_tokens,
@@ -278,6 +302,7 @@ class CircuitBreaker:
             "max_semantic_repeat": self.max_semantic_repeat,
             "max_repeat_failures": self.max_repeat_failures,
             "similarity_threshold": self.similarity_threshold,
+            "unknown_cost": self.unknown_cost,
         }
 
     def __repr__(self) -> str:

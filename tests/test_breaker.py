@@ -365,6 +365,7 @@ def test_from_options_none_without_flags_and_both_repeat_rules_from_max_repeat()
         "max_semantic_repeat": 4,
         "max_repeat_failures": 4,
         "similarity_threshold": 0.92,
+        "unknown_cost": "warn",
     }
 
 

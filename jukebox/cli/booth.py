@@ -54,6 +54,13 @@ _ALLOW_HOOKS_HELP = (
     "--max-cost-usd", type=float, default=None, help="Circuit breaker: stop past this spend (USD)."
 )
 @click.option(
+    "--unknown-cost",
+    default=None,
+    metavar="deny|warn|price=IN/OUT",
+    help="With --max-cost-usd, a model without a price: refuse its calls (deny), count it $0 "
+    "with a warning (warn, the default), or price it at IN/OUT dollars per million tokens.",
+)
+@click.option(
     "--max-tokens", type=int, default=None, help="Circuit breaker: stop past this many tokens."
 )
 @click.option(
@@ -99,6 +106,7 @@ def run(
     net: str | None,
     checkpoint_every: float | None,
     max_cost_usd: float | None,
+    unknown_cost: str | None,
     max_tokens: int | None,
     max_turns: int | None,
     max_repeat: int | None,
@@ -132,7 +140,11 @@ def run(
                 param_hint="--max-scratch",
             ) from None
     breaker = CircuitBreaker.from_options(
-        max_cost_usd=max_cost_usd, max_tokens=max_tokens, max_turns=max_turns, max_repeat=max_repeat
+        max_cost_usd=max_cost_usd,
+        max_tokens=max_tokens,
+        max_turns=max_turns,
+        max_repeat=max_repeat,
+        unknown_cost=unknown_cost,
     )
 
     code = run_booth(

@@ -35,6 +35,7 @@ import contextlib
 import hmac
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -49,7 +50,7 @@ from jukebox.breaker import Trip
 from jukebox.llm.budget import worst_case
 from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
-from jukebox.llm.pricing import PriceTable
+from jukebox.llm.pricing import PriceTable, per_million
 from jukebox.llm.providers import (
     DEFAULT_UPSTREAMS,
     PREFIXES,
@@ -192,6 +193,10 @@ class ProxyServer:
         for upstream in self.upstreams.values():
             self.scrubber.add(url_secrets(upstream))
         self.prices = prices if prices is not None else PriceTable.shipped()
+        policy = getattr(breaker, "unknown_cost", None)
+        if isinstance(policy, str) and policy.startswith("price="):
+            self.prices = self.prices.with_fallback(per_million(policy.removeprefix("price=")))
+        self._unpriced_seen: set[str] = set()
         self.record_passthrough = record_passthrough
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -426,7 +431,13 @@ class ProxyServer:
         key = fingerprint(where.provider, where.endpoint, body)
         ex.retry = self._retries.is_retry(key)
         if self.breaker is not None:
-            ex.reservation = worst_case(parse_body(body), len(body), self.prices)
+            request = parse_body(body)
+            trip = await self._unpriced(where.provider, request)
+            if trip is not None:
+                await self._tripped(trip)
+                await self._refuse_trip(conn, stream, where.provider)
+                return
+            ex.reservation = worst_case(request, len(body), self.prices)
             trip = self.breaker.admit(ex.reservation)
             if trip is not None:
                 await self._tripped(trip)
@@ -691,6 +702,40 @@ class ProxyServer:
             if trip is not None:
                 # The call that tripped still gets its answer; the agent is stopped after.
                 await self._tripped(trip)
+
+    async def _unpriced(self, provider: str, request: Any) -> Trip | None:
+        """A call to a model without a price, under a cost limit, is the breaker's decision
+        (`unknown_cost`): a trip for `deny`; for `warn` one stderr line and for `price=` none,
+        and for both a `note` frame, once per model."""
+        policy = getattr(self.breaker, "unknown_cost", None)
+        model = request.get("model") if isinstance(request, dict) else None
+        if policy is None or not isinstance(model, str) or self.prices.known(model) is not None:
+            return None
+        if getattr(self.breaker, "max_cost_usd", None) is None and policy in ("deny", "warn"):
+            return None  # no cost limit: a missing price decides nothing
+        if policy == "deny":
+            detail = (
+                f"{provider} model {model!r} has no price, so --max-cost-usd cannot count its "
+                "calls (--unknown-cost deny); give it a price in prices.toml or pass "
+                "--unknown-cost price=IN/OUT"
+            )
+            return Trip("unknown_cost", 0, 0, detail)
+        if model in self._unpriced_seen:
+            return None
+        self._unpriced_seen.add(model)
+        if policy == "warn":
+            print(
+                f"jukebox: warning: {provider} model {model!r} has no price; --max-cost-usd "
+                "counts its calls as $0 (give it a price in prices.toml, or pass --unknown-cost "
+                "deny or price=IN/OUT)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.record is not None:
+            counted = "$0" if policy == "warn" else policy.removeprefix("price=") + " per Mtok"
+            note = {"event": "unknown_price", "model": model, "policy": policy, "counted": counted}
+            await trio.to_thread.run_sync(self.record, "note", note)
+        return None
 
     def _failure_text(self, ex: Exchange) -> str | None:
         """How the call failed, for the breaker, whose trip detail reaches the tape."""

@@ -25,6 +25,28 @@ def test_sse_parser_handles_split_lines_crlf_comments_and_an_unterminated_tail()
     assert encode_event(again) == b'event: a\ndata: {"x":1}\n\n'
 
 
+@pytest.mark.parametrize(
+    ("model", "priced_as"),
+    [
+        ("o3-pro", "o3-pro"),  # prefix matching priced it as o3, ten times too low
+        ("o3-pro-2025-06-10", "o3-pro"),
+        ("gpt-5-pro", "gpt-5-pro"),
+        ("gpt-5-2025-08-07", "gpt-5"),
+        ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
+        ("claude-sonnet-4-20250514", "claude-sonnet-4"),
+        ("claude-3-5-sonnet-latest", "claude-3-5-sonnet"),
+        ("gpt-4o-pro", None),  # another model, not gpt-4o: no price rather than a wrong one
+        ("o3-deep-research", None),
+        ("gpt-5.1", None),
+    ],
+)
+def test_a_model_is_priced_as_itself_or_a_dated_snapshot_never_a_sibling(
+    model: str, priced_as: str | None
+) -> None:
+    shipped = PriceTable.shipped()
+    assert shipped.known(model) == (shipped.prices[priced_as] if priced_as else None)
+
+
 def test_prices_match_by_longest_prefix_and_user_files_override(tmp_path: Path) -> None:
     shipped = PriceTable.shipped()
     assert shipped.lookup("gpt-4o-mini-2024-07-18") == shipped.prices["gpt-4o-mini"]
@@ -32,12 +54,17 @@ def test_prices_match_by_longest_prefix_and_user_files_override(tmp_path: Path) 
     assert shipped.cost("nobody-knows", {"input": 5}) is None
     (tmp_path / "prices.toml").write_text('[models."gpt-4o"]\ninput = 1.0\noutput = 2.0\n')
     mine = tmp_path / "mine.toml"
-    mine.write_text('[models."my-model"]\ninput = 10\noutput = 20\ncached_input = 1\n')
+    mine.write_text(
+        '[models."my-model"]\ninput = 10\noutput = 20\ncached_input = 1\nfamily = true\n'
+    )
     table = PriceTable.load(tmp_path, {"JUKEBOX_PRICES": str(mine)})
     assert table.cost("gpt-4o", {"input": 1_000_000, "output": 0}) == 1.0
     # 500k uncached at $10, 500k cached at $1, 1M out at $20.
     usage = {"input": 1_000_000, "cached": 500_000, "output": 1_000_000}
-    assert table.cost("my-model-v2", usage) == 5.0 + 0.5 + 20.0
+    assert table.cost("my-model-v2", usage) == 5.0 + 0.5 + 20.0  # a family: any suffix
+    mine.write_text('[models."bad"]\ninput = 1\noutput = 1\nfamily = "yes"\n')
+    with pytest.raises(UsageError, match="family"):
+        PriceTable.load(None, {"JUKEBOX_PRICES": str(mine)})
     mine.write_text('[models."bad"]\ninput = "x"\n')
     with pytest.raises(UsageError, match="numeric"):
         PriceTable.load(None, {"JUKEBOX_PRICES": str(mine)})
