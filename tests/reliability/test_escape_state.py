@@ -1,14 +1,15 @@
 """The booth's state and scratch on the host: nothing in them is any other local user's to read
 or run.
 
-One agent per configuration writes a 0600 `.env`, makes a setuid copy of `id`, and hands an fd
-of that copy over an abstract unix socket to whoever connects. While it waits, an attacker
+One agent per configuration tries to read the user's commit key, writes a 0600 `.env`, makes a
+setuid copy of `id`, and hands an fd of that copy over an abstract unix socket to whoever
+connects. While it waits, an attacker
 running as `nobody` on the host connects, executes the fd it got, and tries to reach the copy
 through the tape dir's scratch dir and through the supervisor's /proc root. Then the modes of
 everything under the tape dir are checked, once for booths run as root (FUSE and overlay) and
 once for a booth run as nobody; an old-style, world-readable tape dir must be tightened the next
-time a command opens it; and a mounted view of the tape shows the `.env` no more openly than
-the agent left it.
+time a command opens it, without following a received tape dir's symlinks; and a mounted view
+of the tape shows the `.env` no more openly than the agent left it.
 """
 
 from __future__ import annotations
