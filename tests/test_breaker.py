@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jukebox.booth import BREAKER_GRACE_S
-from jukebox.breaker import BreakerTripped, CircuitBreaker, Trip
+from jukebox.breaker import BreakerTripped, CircuitBreaker, Reservation, Trip
 from jukebox.errors import CheckFailed, UsageError
 from jukebox.tape import Tape
 
@@ -540,3 +540,30 @@ def test_booth_stops_the_agent_with_sigterm_then_sigkill(booth_env, ignores, sig
     if ignores:
         assert exit_payload["seconds"] >= BREAKER_GRACE_S
     assert code == 128 + signal_number
+
+
+def test_reservations_hold_calls_in_flight_until_they_settle() -> None:
+    b = CircuitBreaker(max_tokens=100)
+    first = Reservation.of(60, 0.0)
+    assert b.admit(first) is None
+    b.release(first)
+    b.release(first)  # idempotent: given back once
+    whole = Reservation.of(100, 0.0)
+    assert b.admit(whole) is None  # inclusive: exactly the budget fits
+    assert b.observe(tokens=30, reservation=whole) is None  # settled at the real usage
+    assert b.totals["tokens"] == 30
+    assert b.admit(Reservation.of(70, 0.0)) is None
+    trip = b.admit(Reservation.of(1, 0.0))  # 30 used + 70 in flight + 1 > 100
+    assert trip is not None and (trip.rule, trip.value) == ("max_tokens", 101)
+
+
+def test_turns_in_flight_count_and_a_failed_retry_is_no_turn() -> None:
+    b = CircuitBreaker(max_turns=2, max_repeat_failures=2)
+    a, c = Reservation(), Reservation()
+    assert b.admit(a) is None and b.admit(c) is None
+    assert b.observe(failed="HTTP 429: slow down", reservation=a) is None
+    assert b.observe(failed="HTTP 429: slow down", reservation=c, retry=True) is None
+    assert b.totals["turns"] == 1 and b.totals["failure_run"] == 1
+    assert b.admit(Reservation()) is None  # the retry's turn was given back
+    trip = b.admit(Reservation())
+    assert trip is not None and (trip.rule, trip.value) == ("max_turns", 3)

@@ -305,11 +305,23 @@ class ProxyServer:
                     finally:
                         await self._stop_when_answered(moved)
                     if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                        if self.trip is not None:
+                            # A client that closes after each response (`Connection: close`)
+                            # has taken its answer once it closes its end.
+                            await self._until_closed(stream)
+                            moved.set()
                         return
                     try:
                         conn.start_next_cycle()
                     except h11.LocalProtocolError:
                         return
+
+    async def _until_closed(self, stream: trio.SocketStream) -> None:
+        """Waits (at most TRIP_NOTICE_S) for the client to close its end, discarding data."""
+        with trio.move_on_after(TRIP_NOTICE_S):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while await stream.receive_some(READ_SIZE):
+                    pass
 
     async def _next_event(self, conn: h11.Connection, stream: trio.SocketStream) -> Any:
         while True:

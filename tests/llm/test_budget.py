@@ -171,3 +171,33 @@ def test_a_trip_reaches_the_agent_not_retryable_before_it_is_stopped(
         assert body["error"]["code"] == "jukebox_circuit_breaker"
     assert sent == 1  # the refusal was not retried through to upstream
     assert seen_at_trip == [True]  # the agent had its answer before the booth stopped it
+
+
+def test_a_client_closing_after_each_response_has_the_refusal_before_it_is_stopped(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    agent_saw_error = threading.Event()
+    seen_at_trip: list[bool] = []
+    breaker = CircuitBreaker(max_turns=1)
+
+    def stop_agent(trip: Any) -> None:
+        seen_at_trip.append(agent_saw_error.is_set())
+
+    with recording.proxy(upstream, breaker=breaker, stop_agent=stop_agent) as proxy:
+        url = proxy.base_urls()["OPENAI_BASE_URL"] + "/chat/completions"
+        body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
+        for _ in range(2):  # urllib sends `Connection: close`: one connection per call
+            headers = {"content-type": "application/json"}
+            request = urllib.request.Request(url, body.encode(), headers)
+            try:
+                with urllib.request.urlopen(request, timeout=20) as response:
+                    response.read()
+            except urllib.error.HTTPError as error:
+                assert error.code == 400 and b"circuit breaker" in error.read()
+                agent_saw_error.set()
+                error.close()
+    assert seen_at_trip == [True]
