@@ -444,6 +444,8 @@ class ProxyServer:
         ex.retry = self._retries.is_retry(key)
         if self.breaker is not None:
             request = parse_body(body)
+            if self.rewriter is not None:  # budgeted as forwarded: a fork's --model is priced
+                request = self.rewriter.apply(where.provider, where.endpoint, request)
             trip = await self._unpriced(where.provider, request)
             if trip is not None:
                 await self._tripped(trip)

@@ -201,3 +201,29 @@ def test_a_client_closing_after_each_response_has_the_refusal_before_it_is_stopp
                 agent_saw_error.set()
                 error.close()
     assert seen_at_trip == [True]
+
+
+def test_a_call_is_budgeted_as_forwarded_after_a_fork_changes_its_model(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    import openai
+
+    from jukebox.llm.rewrite import RequestRewriter
+
+    def ask(o: Any) -> Any:
+        return o.chat.completions.create(
+            model="gpt-4o-mini", max_tokens=1000, messages=[{"role": "user", "content": "hi"}]
+        )
+
+    # 1000 output tokens: $0.0006 for gpt-4o-mini, $0.08 for o3-pro; the limit is between.
+    cheap = CircuitBreaker(max_cost_usd=0.01)
+    with recording.proxy(upstream, breaker=cheap) as proxy:
+        ask(clients(proxy.base_urls())[0])
+    dear = CircuitBreaker(max_cost_usd=0.01)
+    forked = RequestRewriter(model="o3-pro")
+    with (
+        recording.proxy(upstream, breaker=dear, rewriter=forked) as proxy,
+        pytest.raises(openai.BadRequestError, match="max_cost_usd"),
+    ):
+        ask(clients(proxy.base_urls())[0])
+    assert chat_calls(upstream) == 1
