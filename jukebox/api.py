@@ -347,6 +347,16 @@ class _RunBreaker:
         b = self._breaker()
         return b.admit(reservation) if b is not None else None
 
+    @property
+    def unknown_cost(self) -> str | None:
+        b = self._breaker()
+        return b.unknown_cost if b is not None else None
+
+    @property
+    def max_cost_usd(self) -> float | None:
+        b = self._breaker()
+        return b.max_cost_usd if b is not None else None
+
     def release(self, reservation: Any) -> None:
         # Whichever run held it: a reservation not held is ignored.
         b = self._breaker()

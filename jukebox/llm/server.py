@@ -193,9 +193,7 @@ class ProxyServer:
         for upstream in self.upstreams.values():
             self.scrubber.add(url_secrets(upstream))
         self.prices = prices if prices is not None else PriceTable.shipped()
-        policy = getattr(breaker, "unknown_cost", None)
-        if isinstance(policy, str) and policy.startswith("price="):
-            self.prices = self.prices.with_fallback(per_million(policy.removeprefix("price=")))
+        self._fallback_tables: dict[str, PriceTable] = {}
         self._unpriced_seen: set[str] = set()
         self.record_passthrough = record_passthrough
         if sock is None:
@@ -451,7 +449,7 @@ class ProxyServer:
                 await self._tripped(trip)
                 await self._refuse_trip(conn, stream, where.provider)
                 return
-            ex.reservation = worst_case(request, len(body), self.prices)
+            ex.reservation = worst_case(request, len(body), self._price_table())
             trip = self.breaker.admit(ex.reservation)
             if trip is not None:
                 await self._tripped(trip)
@@ -717,6 +715,18 @@ class ProxyServer:
                 # The call that tripped still gets its answer; the agent is stopped after.
                 await self._tripped(trip)
 
+    def _price_table(self) -> PriceTable:
+        """The prices, with the breaker's `--unknown-cost price=IN/OUT` as the fallback (read
+        per call: the Python API's breaker is the current run's)."""
+        policy = getattr(self.breaker, "unknown_cost", None)
+        if not (isinstance(policy, str) and policy.startswith("price=")):
+            return self.prices
+        table = self._fallback_tables.get(policy)
+        if table is None:
+            fallback = per_million(policy.removeprefix("price="))
+            table = self._fallback_tables[policy] = self.prices.with_fallback(fallback)
+        return table
+
     async def _unpriced(self, provider: str, request: Any) -> Trip | None:
         """A call to a model without a price, under a cost limit, is the breaker's decision
         (`unknown_cost`): a trip for `deny`; for `warn` one stderr line and for `price=` none,
@@ -757,7 +767,7 @@ class ProxyServer:
         return None if failure is None else redact_text(failure, self.scrubber)
 
     def _record_turn(self, ex: Exchange) -> Turn:
-        turn = build_turn(ex, self.scrubber, self.prices)
+        turn = build_turn(ex, self.scrubber, self._price_table())
         if self.record is not None:
             self.record(LLM_TURN, turn.payload)
         if self.keep_turns:

@@ -114,3 +114,41 @@ def test_capture_can_be_turned_off(jb: Jukebox, upstream: FakeUpstream) -> None:
     with pytest.raises(ValueError, match="capture_llm"):
         Jukebox(tape_dir=jb.tapes.path, capture_llm="sometimes")
     quiet.close()
+
+
+def test_an_unpriced_model_is_the_current_runs_decision(
+    work: Path, upstream: FakeUpstream
+) -> None:
+    jb = Jukebox(tape_dir="tapes", breaker=CircuitBreaker(max_cost_usd=1.0, unknown_cost="deny"))
+
+    @jb.track(name="unpriced")
+    def agent() -> None:
+        o = openai.OpenAI(max_retries=0)
+        with jb.transaction(tape_id="unpriced"):
+            o.chat.completions.create(
+                model="local-llama", messages=[{"role": "user", "content": "hi"}]
+            )
+
+    with pytest.raises(openai.BadRequestError, match="unknown_cost"):
+        agent()
+    assert not any(path.endswith("/chat/completions") for _, path, _, _ in upstream.seen)
+    jb.close()
+
+    priced = Jukebox(
+        tape_dir="tapes2",
+        breaker=CircuitBreaker(max_cost_usd=1.0, unknown_cost="price=1000/1000"),
+    )
+
+    @priced.track(name="priced")
+    def agent2() -> None:
+        o = openai.OpenAI(max_retries=0)
+        with priced.transaction(tape_id="priced") as tx:
+            o.chat.completions.create(
+                model="local-llama", messages=[{"role": "user", "content": "hi"}]
+            )
+            tx.commit()
+
+    agent2()
+    turns = [f for f in Tape.load(priced.tapes.tape_path("priced")).frames if f.kind == "llm_turn"]
+    assert len(turns) == 1 and turns[0].payload["cost_usd"] > 0
+    priced.close()
