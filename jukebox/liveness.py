@@ -7,15 +7,20 @@ bases are the store's own business.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from jukebox.tapedir import TapeDir
 from shadowfs.oid import ObjectId
 
 
 def live_objects(
-    tape_dir: TapeDir, store, progress: Callable[[int, int], None] | None = None
+    tape_dir: TapeDir,
+    store,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    excluding: Collection[str] = (),
 ) -> set[ObjectId]:
+    """``excluding``: names of tapes to count as gone (what a dry-run removal would free)."""
     from jukebox.tape import Tape
     from shadowfs import tree
 
@@ -27,7 +32,7 @@ def live_objects(
             expanded.add(oid)
             live.update(tree.reachable(store, oid))
 
-    paths = tape_dir.tape_paths()
+    paths = [p for p in tape_dir.tape_paths() if p.name not in excluding]
     for done, path in enumerate(paths, 1):
         tape = Tape.load(path, store)
         for frame in tape.frames:
