@@ -105,6 +105,7 @@ class Summary:
     cache_write: int = 0  # prompt tokens written to the cache (Anthropic bills them apart)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
+    reported: bool = False  # the upstream said how many tokens (else jukebox.llm.usage estimates)
 
     def usage(self) -> dict[str, int]:
         out = {"input": self.input, "output": self.output, "cached": self.cached}
@@ -193,6 +194,7 @@ def _chat(s: Summary, response: Any, events: list[Any] | None) -> None:
 def _chat_usage(s: Summary, usage: Any) -> None:
     if not isinstance(usage, dict):
         return
+    s.reported = True
     s.input = _int(usage.get("prompt_tokens"))
     s.output = _int(usage.get("completion_tokens"))
     s.cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
@@ -224,6 +226,7 @@ def _responses(s: Summary, response: Any, events: list[Any] | None) -> None:
     s.model = response.get("model") or s.model
     usage = response.get("usage")
     if isinstance(usage, dict):
+        s.reported = True
         s.input = _int(usage.get("input_tokens"))
         s.output = _int(usage.get("output_tokens"))
         s.cached = _int((usage.get("input_tokens_details") or {}).get("cached_tokens"))
@@ -292,6 +295,7 @@ def _anthropic_usage(s: Summary, usage: Any, partial: bool = False) -> None:
     """
     if not isinstance(usage, dict):
         return
+    s.reported = True
     fresh = usage.get("input_tokens")
     read = usage.get("cache_read_input_tokens")
     write = usage.get("cache_creation_input_tokens")

@@ -19,6 +19,7 @@ from typing import Any
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import Summary, summarize
 from jukebox.llm.sse import SSEEvent
+from jukebox.llm.usage import estimate
 from jukebox.redact import Scrubber, redact_headers, redact_query, redact_text
 
 LLM_TURN = "llm_turn"
@@ -66,6 +67,9 @@ class Exchange:
     rewritten: bool = False  # a RequestRewriter changed the request before it was sent
     reservation: Any = None  # what the breaker holds for this call until it settles
     retry: bool = False  # the same request again after a retryable answer (jukebox.llm.retries)
+    # What went upstream in place of request_body when the proxy asked for usage on the
+    # agent's behalf (jukebox.llm.usage); the tape records the agent's own request.
+    usage_asked_body: bytes | None = None
 
     @property
     def stream(self) -> bool:
@@ -105,6 +109,9 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         response = parse_body(scrubber.bytes(ex.response_body or b""))
         ok = 200 <= ex.status < 300
         summary = summarize(ex.provider, ex.endpoint, request, response if ok else None)
+    estimated = 200 <= ex.status < 300 and not summary.reported
+    if estimated:
+        estimate(summary, len(ex.request_body))
     usage = summary.usage()
     cost = None
     if ex.replayed_from is not None:
@@ -141,4 +148,8 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         payload["replayed_from"] = ex.replayed_from
     if ex.rewritten:
         payload["rewritten"] = True
+    if ex.usage_asked_body is not None:
+        payload["usage_requested"] = True
+    if estimated:
+        payload["usage_estimated"] = True
     return Turn(payload, summary, cost)

@@ -63,7 +63,8 @@ from jukebox.llm.recorder import LLM_TURN, Exchange, FrameSink, Turn, build_turn
 from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
 from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
-from jukebox.llm.sse import SSEParser, encode_event
+from jukebox.llm.sse import SSEEvent, SSEParser, encode_event
+from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
 from jukebox.render import size as human
 
@@ -124,6 +125,17 @@ def _failure(ex: Exchange) -> str | None:
         with contextlib.suppress(ValueError, AttributeError, TypeError):
             message = json.loads(ex.response_body)["error"]["message"]
     return f"HTTP {ex.status}: {message}"[:500]
+
+
+def _without_usage_chunk(events: list[SSEEvent]) -> bytes:
+    """`events` as sent to an agent that did not ask for usage: the usage chunk marked hidden
+    (recorded, never sent nor replayed), the others encoded."""
+    out = []
+    for event in events:
+        event.hidden = is_usage_chunk(event)
+        if not event.hidden:
+            out.append(encode_event(event))
+    return b"".join(out)
 
 
 def _recorded_size(ex: Exchange) -> int:
@@ -494,6 +506,7 @@ class ProxyServer:
             if changed != original:
                 ex.request_body = json.dumps(changed, ensure_ascii=False).encode()
                 ex.rewritten = True
+        ex.usage_asked_body = ask_for_usage(where.provider, where.endpoint, ex.request_body)
         await self._forward(conn, stream, where, ex)
 
     # ------------------------------------------------------------------ live forwarding
@@ -521,7 +534,8 @@ class ProxyServer:
             for k, v in ex.request_headers
             if k.lower() not in _HOP and not carries_placeholder(v)
         ]
-        return self._client.build_request(ex.method, url, headers=headers, content=ex.request_body)
+        body = ex.usage_asked_body if ex.usage_asked_body is not None else ex.request_body
+        return self._client.build_request(ex.method, url, headers=headers, content=body)
 
     async def _forward(
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
@@ -575,7 +589,14 @@ class ProxyServer:
             async for chunk in upstream.aiter_bytes():
                 if not chunk:
                     continue
-                parser.feed(chunk, (time.perf_counter() - opened) * 1000)
+                events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
+                if ex.usage_asked_body is not None:
+                    # The agent did not ask for usage: it gets the events without the usage
+                    # chunk, re-encoded (their data verbatim), and a read of nothing else is
+                    # not sent at all.
+                    chunk = _without_usage_chunk(events)
+                    if not chunk:
+                        continue
                 if held is not None and not client_gone:
                     try:
                         await self._send(conn, stream, h11.Data(data=held))
@@ -585,7 +606,9 @@ class ProxyServer:
                 held = chunk
         except httpx.HTTPError as error:
             ex.error = f"upstream stream broke: {error!r}"
-        parser.close((time.perf_counter() - opened) * 1000)
+        tail = parser.close((time.perf_counter() - opened) * 1000)
+        if ex.usage_asked_body is not None and tail:
+            held = (held or b"") + _without_usage_chunk(tail)
         ex.events = parser.events
         ex.latency_ms = (time.perf_counter() - started) * 1000
         if client_gone:
@@ -672,13 +695,15 @@ class ProxyServer:
         await self._send(conn, stream, h11.Response(status_code=rec.status, headers=headers))
         chunks: list[list[bytes]] = []
         last = None
-        for event in rec.events:
+        # A hidden event (the usage chunk the proxy asked for) was never sent to the agent, and
+        # a chunk holding nothing else was never sent either.
+        for event in (e for e in rec.events if not e.hidden):
             if event.chunk != last:
                 chunks.append([])
                 last = event.chunk
             chunks[-1].append(encode_event(event))
         times = []
-        for event in rec.events:
+        for event in (e for e in rec.events if not e.hidden):
             if not times or event.chunk != times[-1][0]:
                 times.append((event.chunk, event.t_ms))
         for i, parts in enumerate(chunks):

@@ -23,6 +23,9 @@ class SSEEvent:
     id: str | None = None
     chunk: int = 0  # index of the upstream read in which the event completed
     t_ms: float = 0.0  # milliseconds since the response headers arrived
+    # Received from the upstream but never sent to the agent (the usage chunk the proxy asked
+    # for on the agent's behalf, jukebox.llm.usage): recorded, never replayed.
+    hidden: bool = False
 
     def json(self) -> Any:
         """The data parsed as JSON, or None when it is not JSON (`[DONE]`)."""
@@ -45,6 +48,8 @@ class SSEEvent:
             out["event"] = self.event
         if self.id is not None:
             out["id"] = self.id
+        if self.hidden:
+            out["hidden"] = True
         return out
 
 
@@ -59,6 +64,7 @@ def event_from_record(record: dict[str, Any]) -> SSEEvent:
         id=record.get("id"),
         chunk=int(record.get("chunk", 0)),
         t_ms=float(record.get("t_ms", 0.0)),
+        hidden=record.get("hidden") is True,
     )
 
 

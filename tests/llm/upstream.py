@@ -8,6 +8,9 @@ message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answ
 `x-fake-response-headers` (a JSON object) is added to a JSON answer's headers.
 `x-fake-fail: STATUS:N` answers the first N copies of the same request (path and body) with
 that status and an error body, as a rate-limited or broken API does (an SDK then retries).
+A chat stream ends with the usage chunk (`choices: []`, `usage`) when the request asks for it
+(`stream_options.include_usage`), as the real API does, unless header `x-fake-no-usage` is set
+(an OpenAI-compatible server that ignores the option).
 
 Run as `python tests/llm/upstream.py PORT` for a standalone server (the booth tests do).
 """
@@ -235,7 +238,8 @@ class Handler(BaseHTTPRequestHandler):
         events.append(
             self._sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
         )
-        if (body.get("stream_options") or {}).get("include_usage"):
+        asked = (body.get("stream_options") or {}).get("include_usage")
+        if asked and not self.headers.get("x-fake-no-usage"):
             events.append(self._sse({**chunk, "choices": [], "usage": usage}))
         events.append(self._sse("[DONE]"))
         self._events(events)

@@ -1,0 +1,66 @@
+"""How a model call's token usage becomes known: asked of the upstream, else estimated.
+
+An OpenAI chat stream carries usage only when the request says
+`stream_options: {include_usage: true}`, and many clients do not say it (LangChain stops asking
+once `OPENAI_BASE_URL` is set), so such a call would count 0 tokens and $0 and the breaker would
+never trip on it. The proxy therefore asks on the agent's behalf (`ask_for_usage`) and hides the
+extra final chunk the upstream then sends (`choices: []` with `usage`, `is_usage_chunk`) from an
+agent that did not ask for it, so the agent sees the stream it expected.
+
+When a successful call still reports no usage (an upstream that ignores the option, a stream
+broken mid-way, a server that never reports it), the tokens are estimated (`estimate`) and the
+frame says `usage_estimated: true`. The estimate is bytes / 4, as the breaker's reservation is
+(jukebox.llm.budget): `tiktoken` would count exactly for OpenAI models, but its wheel ships no
+encodings and fetches them from the network at first use, which a booth may not reach.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from jukebox.llm.budget import BYTES_PER_TOKEN
+from jukebox.llm.providers import CHAT, OPENAI, Summary
+from jukebox.llm.sse import SSEEvent
+
+
+def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
+    """The body to forward instead of `body` so that the upstream reports usage, or None when
+    the request is not a chat stream or already asks for it."""
+    if (provider, endpoint) != (OPENAI, CHAT):
+        return None
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(request, dict) or request.get("stream") is not True:
+        return None
+    options = request.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return None  # malformed: the upstream's answer to it is the agent's
+    if (options or {}).get("include_usage") is True:
+        return None
+    request["stream_options"] = {**(options or {}), "include_usage": True}
+    return json.dumps(request, ensure_ascii=False).encode()
+
+
+def is_usage_chunk(event: SSEEvent) -> bool:
+    """The chunk an OpenAI chat stream ends with when usage was asked for."""
+    data = event.json()
+    return (
+        isinstance(data, dict) and data.get("choices") == [] and isinstance(data.get("usage"), dict)
+    )
+
+
+def estimate(summary: Summary, request_size: int) -> None:
+    """Fills `summary`'s input and output tokens from the request's size and the text and
+    tool arguments the model produced, at BYTES_PER_TOKEN bytes a token."""
+    produced = summary.text.encode()
+    for call in summary.tool_calls:
+        arguments: Any = call.get("arguments")
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        produced += (call.get("name") or "").encode() + text.encode()
+    summary.input = math.ceil(request_size / BYTES_PER_TOKEN)
+    summary.output = math.ceil(len(produced) / BYTES_PER_TOKEN)
+    summary.cached = summary.cache_write = 0
