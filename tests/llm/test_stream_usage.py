@@ -107,6 +107,7 @@ def test_replay_serves_the_stream_the_agent_received_without_the_usage_chunk(
     assert seen[-1] == "[DONE]" and all(d["choices"] for d in seen[:-1])
     (turn,) = turns(second)
     assert turn["replayed_from"] == 1 and turn["usage"]["output"] > 0
+    assert "usage_estimated" not in turn  # read from the hidden chunk, which was served to no one
     second.close()
 
 
