@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.booth.conftest import dev_fuse, open_dev_fuse, root_only  # noqa: F401 (fixtures)
+from tests.booth.conftest import (  # noqa: F401 (fixtures)
+    dev_fuse,
+    nobody_dir,
+    nobody_python,
+    open_dev_fuse,
+    root_only,
+)
 from tests.booth.test_booth_run import booth_run
 from tests.test_cli_read import one_line_error, record_run
 
@@ -143,3 +149,27 @@ def test_rm_refuses_a_pending_booths_tape(tmp_path: Path, jukebox_cli) -> None:
     jukebox_cli("booth", "discard", "t1", check=True)
     jukebox_cli("rm", "t1", check=True)
     assert not (tape_dir / "t1.jbx").exists()
+
+
+def test_as_nobody_rm_and_prune_of_a_symlinked_tape_never_touch_its_target(
+    nobody_python: str,  # noqa: F811
+    nobody_dir: Path,  # noqa: F811
+) -> None:
+    from tests.booth.conftest import NOBODY
+    from tests.booth.test_booth_run import jb
+
+    tapes = nobody_dir / "tapes"
+    record_run(tapes, nobody_dir / "work", tape_id="alpha")
+    # The target is nobody's own: a removal that followed the link could delete it.
+    victim = record_run(nobody_dir / "victim", nobody_dir / "work-v", tape_id="precious")
+    (tapes / "evil.jbx").symlink_to(victim)
+    (tapes / "evil2.jbx").symlink_to(victim)
+    for path in [nobody_dir, *nobody_dir.rglob("*")]:
+        os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
+    as_nobody = {"python": nobody_python, "user": NOBODY}
+    removed = jb("rm", "evil", "--tape-dir", str(tapes), "--json", **as_nobody)
+    assert removed.returncode == 0, removed.stderr
+    pruned = jb("prune", "--older-than", "0s", "--tape-dir", str(tapes), "--json", **as_nobody)
+    assert pruned.returncode == 0, pruned.stderr
+    assert sorted(t["track_id"] for t in json.loads(pruned.stdout)["removed"]) == ["alpha", "evil2"]
+    assert sorted(os.listdir(tapes)) == [".jukebox"] and victim.is_file()
