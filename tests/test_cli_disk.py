@@ -173,3 +173,34 @@ def test_as_nobody_rm_and_prune_of_a_symlinked_tape_never_touch_its_target(
     assert pruned.returncode == 0, pruned.stderr
     assert sorted(t["track_id"] for t in json.loads(pruned.stdout)["removed"]) == ["alpha", "evil2"]
     assert sorted(os.listdir(tapes)) == [".jukebox"] and victim.is_file()
+
+
+@pytest.mark.usefixtures("root_only", "dev_fuse")
+def test_rm_refuses_a_running_booths_tape(tmp_path: Path, jukebox_cli) -> None:
+    import subprocess
+    import time
+
+    from tests.booth.test_booth_run import JUKEBOX
+
+    tree, tape_dir = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    run = subprocess.Popen(
+        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tape_dir),
+         "--tape-id", "t1", "--commit", "never", "--", "sh", "-c", "read go"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        record = tape_dir / ".jukebox" / "booths" / "t1.json"
+        for _ in range(1200):  # waiting for a state, not timing it: the agent waits on stdin
+            if record.exists() or run.poll() is not None:
+                break
+            time.sleep(0.05)
+        error = one_line_error(jukebox_cli("rm", "t1"), 2)
+        assert "booth t1 is still running (pid " in error and "`jukebox booth commit t1`" in error
+        assert (tape_dir / "t1.jbx").exists()
+        run.communicate("go\n", timeout=60)
+        assert run.returncode == 0
+    finally:
+        if run.poll() is None:  # a failed test must not leave a booth (or its mount) behind
+            run.kill()
+            run.wait()
