@@ -178,7 +178,13 @@ class TapeDir:
     def tape_paths(self) -> list[Path]:
         if not self.path.is_dir():
             return []
-        return sorted(p for p in self.path.iterdir() if p.suffix == TAPE_SUFFIX and p.is_file())
+        # A link is not a tape of this dir: in a received tape dir it would make `ls` and `gc`
+        # read whatever file the sender pointed it at.
+        return sorted(
+            p
+            for p in self.path.iterdir()
+            if p.suffix == TAPE_SUFFIX and not p.is_symlink() and p.is_file()
+        )
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,15 @@ def test_ls_lists_tapes_as_table_and_json(recorded: Path, jukebox_cli) -> None:
     assert [(r["tape_id"], r["frames"], r["status"]) for r in rows] == [("tr_demo", 4, "COMMITTED")]
 
 
+def test_ls_ignores_a_tape_that_is_a_symlink(tmp_path: Path, recorded: Path, jukebox_cli) -> None:
+    # A received tape dir links a "tape" to a file elsewhere: it is no tape of this dir.
+    target = record_run(tmp_path / "elsewhere", tmp_path / "work2", tape_id="tr_other")
+    (recorded.parent / "linked.jbx").symlink_to(target)
+    rows = json.loads(jukebox_cli("ls", "--json", check=True).stdout)
+    assert [r["tape_id"] for r in rows] == ["tr_demo"]
+    assert TapeDir(recorded.parent).tape_paths() == [recorded]
+
+
 def test_log_shows_every_frame(recorded: Path, jukebox_cli) -> None:
     out = jukebox_cli("log", "tr_demo", check=True).stdout
     assert re.search(r", started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4}, ", out), out
