@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.review_options import exclude_options
 from jukebox.cli.tapes import listed_tape_dir, tape_dir_option
 
 
@@ -222,13 +223,26 @@ _AT_HELP = (
     "-p", "--patch", is_flag=True, help="Add line diffs of text files; binary files are named."
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: the trees, the changes.")
-def diff(booth_id: str, tape_dir: str | None, at: str | None, patch: bool, as_json: bool) -> None:
-    """What a pending booth would change in its real tree."""
+@exclude_options
+def diff(
+    booth_id: str,
+    tape_dir: str | None,
+    at: str | None,
+    patch: bool,
+    as_json: bool,
+    excludes: tuple[str, ...],
+    default_excludes: bool,
+) -> None:
+    """What a pending booth would change in its real tree (paths under .git/objects, .venv,
+    __pycache__ and node_modules hidden unless --no-default-excludes; a commit applies them)."""
     from jukebox.booth import change_summary_line, pending_changes
     from jukebox.names import name_json
     from jukebox.patch import text_patch
+    from jukebox.review_filter import ReviewFilter
 
-    with pending_changes(_tape_dir(tape_dir), booth_id, at) as (store, base, target, changes):
+    shown = ReviewFilter.from_options(excludes, default_excludes)
+    with pending_changes(_tape_dir(tape_dir), booth_id, at) as (store, base, target, every):
+        changes = shown.keep(every)
         if as_json:
             rows = []
             for change in changes:
@@ -240,6 +254,7 @@ def diff(booth_id: str, tape_dir: str | None, at: str | None, patch: bool, as_js
                     row["patch"] = text_patch(store, change, indent="")
                 rows.append(row)
             doc = {"booth": booth_id, "at": at, "from_tree": base.hex(), "to_tree": target.hex()}
+            doc |= {"excluded": list(shown.patterns), "hidden": shown.hidden}
             click.echo(json.dumps({**doc, "changes": rows}, indent=1))
             return
         for change in changes:
@@ -247,7 +262,10 @@ def diff(booth_id: str, tape_dir: str | None, at: str | None, patch: bool, as_js
             if patch:
                 click.echo(text_patch(store, change), nl=False)
     if not changes:
-        click.echo("no changes")
+        click.echo("no changes" + (" shown" if shown.hidden else ""))
+    note = shown.hidden_note(f"jukebox booth diff {booth_id}")
+    if note:
+        click.echo(note)
 
 
 @booth.command("commit")
