@@ -57,7 +57,7 @@ from jukebox.images import Image, load_image
 from jukebox.protections import Protections, booth_protections, strict_refusal
 from jukebox.record_binding import bound_tape, record_seal
 from jukebox.recorded_image import image_record
-from jukebox.scratchdir import booth_scratch, layer_mountpoint
+from jukebox.scratchdir import booth_scratch, layer_mountpoint, remove_scratch
 from jukebox.tapedir import (
     TapeDir,
     check_tape_id,
@@ -599,9 +599,16 @@ def change_summary_line(change: Any) -> str:
 
 def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
     if record.final_tree is None:
+        if record.status == "running" and _alive(record.pid):
+            raise UsageError(
+                f"booth {record.id} is still running (pid {record.pid}): it has no final state "
+                f"yet; wait for it, stop it (`jukebox booth stop {record.id}`), or give one of "
+                "its checkpoints with --at"
+            )
         raise UsageError(
-            f"booth {record.id} has no final tree (status {record.status}): its run did not "
-            f"finish; discard it with `jukebox booth discard {record.id}`"
+            f"booth {record.id} has no final state: its supervisor (pid {record.pid}) died "
+            f"before the run ended (crashed); commit one of its checkpoints with --at N|LABEL "
+            f"(`jukebox log {record.tape}` lists them), or `jukebox booth discard {record.id}`"
         )
     return ObjectId.from_hex(record.base_tree), ObjectId.from_hex(record.final_tree)
 
@@ -645,11 +652,12 @@ def _target_tree(
 ) -> tuple[ObjectId, ObjectId, Checkpoint | None]:
     """(base tree, the tree a diff or commit of the booth goes to, the checkpoint it is if
     ``at``)."""
-    base, final = _pending_trees(record)
     if at is None:
+        base, final = _pending_trees(record)
         return base, final, None
+    # A checkpoint is on the tape whether or not the run ended: a crashed booth has them too.
     checkpoint = pending_checkpoint(record, at)
-    return base, checkpoint.tree, checkpoint
+    return ObjectId.from_hex(record.base_tree), checkpoint.tree, checkpoint
 
 
 @contextlib.contextmanager
@@ -790,6 +798,8 @@ def commit_booth(
                     + ", ".join(error.conflicts)
                     + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
                 ) from None
+        if record.status == "running":  # a crashed booth, committed at a checkpoint
+            _remove_leftovers(tape_dir, booth_id)
         return summary
 
 
@@ -823,12 +833,17 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
                 _append_to_tape(
                     store, record.tape, "discard", {"by": "booth discard", "peer": this_process()}
                 )
-        shutil.rmtree(tape_dir.state / "scratch" / booth_id, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(layer_mountpoint(tape_dir, booth_id))  # a killed supervisor's
-        # A killed supervisor leaves its control socket's (empty) mount point in /tmp.
-        isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
+        _remove_leftovers(tape_dir, booth_id)
         _finish(tape_dir, booth_id)
+
+
+def _remove_leftovers(tape_dir: TapeDir, booth_id: str) -> None:
+    """A finished booth's scratch, and what a killed supervisor left of its mount points."""
+    remove_scratch(tape_dir, booth_id)
+    with contextlib.suppress(OSError):
+        os.rmdir(layer_mountpoint(tape_dir, booth_id))  # a killed supervisor's
+    # A killed supervisor leaves its control socket's (empty) mount point in /tmp.
+    isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
 
 
 # --------------------------------------------------------------------------- the supervisor

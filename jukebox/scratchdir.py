@@ -15,6 +15,10 @@ layer's inode table, never on disk), in the same dir.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import stat
 from pathlib import Path
 
 from jukebox import isolation
@@ -44,3 +48,17 @@ def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:
             "it needs bind mounts and mount_setattr (Linux 5.12) in the booth's namespace"
         ) from error
     return scratch / booth_id
+
+
+def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
+    """Removes a booth's scratch dir whatever its supervisor left: an overlay's work dir is
+    mode 000 (an unprivileged booth's, owned by its user, cannot be walked into until it is
+    given its owner's bits back). Nothing is followed out of the dir."""
+    path = tapes.state / "scratch" / booth_id
+    for root, dirs, _files in os.walk(path):
+        for name in dirs:
+            child = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat(child).st_mode):  # not a symlink to a directory
+                    os.chmod(child, 0o700)
+    shutil.rmtree(path, ignore_errors=True)

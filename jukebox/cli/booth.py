@@ -327,6 +327,43 @@ def abort(booth_id: str, tape_dir: str | None) -> None:
     )
 
 
+@booth.command("stop")
+@click.argument("booth_id")
+@click.option("--tape-dir", default=None)
+@click.option(
+    "--grace",
+    default="10s",
+    show_default=True,
+    metavar="DURATION",
+    help="How long the agent has to exit after SIGTERM before it is killed (like 30s, 500ms).",
+)
+def stop(booth_id: str, tape_dir: str | None, grace: str) -> None:
+    """End a running booth's agent (SIGTERM, then SIGKILL after the grace period); the booth
+    stays pending, to diff, commit or discard."""
+    from jukebox.booth_stop import status_after_stop, stop_booth
+    from jukebox.realtree import parse_duration
+
+    try:
+        seconds = parse_duration(grace)
+    except ValueError:
+        raise click.BadParameter(
+            f"{grace!r} is not a duration: write like 30s, 500ms or 2m", param_hint="--grace"
+        ) from None
+    tapes = _tape_dir(tape_dir)
+    how = stop_booth(tapes, booth_id, seconds)
+    ended = "its agent exited on SIGTERM" if how == "terminated" else (
+        f"its agent was killed after {grace}"
+    )
+    state = status_after_stop(tapes, booth_id)
+    if state == "finished":
+        click.echo(f"stopped booth {booth_id} ({ended}); it is finished: `jukebox log {booth_id}`")
+        return
+    click.echo(
+        f"stopped booth {booth_id} ({ended}); status {state}: `jukebox booth diff {booth_id}`, "
+        f"then `jukebox booth commit {booth_id}` or `jukebox booth discard {booth_id}`"
+    )
+
+
 @booth.command("checkpoint")
 @click.option("--label", default=None, help="A name to roll back to later.")
 @click.option("--json", "as_json", is_flag=True)
