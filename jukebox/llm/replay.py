@@ -4,10 +4,15 @@ A `ReplaySource` holds a tape's llm_turn frames as queues, one per (provider, en
 request the agent makes takes the next recorded exchange of its endpoint:
 
 * strict: the request must equal the recorded one after normalization (JSON parsed, volatile
-  fields dropped, keys sorted). Requests that were in flight together when recorded (their
-  recorded time spans overlap) may arrive in either order: any of them may match. The first
-  request that matches none is a `Divergence` naming the frame it was expected to match, what
-  was expected, what came and a compact diff — the way Temporal reports non-determinism.
+  fields dropped, keys sorted). Calls that were in flight together when recorded may arrive in
+  any order: the recorded calls form concurrency windows (`concurrency_windows`: chains of
+  calls whose request-to-response spans overlap, each window ending at a moment when no call
+  was in flight), and a request is matched by content against every call of its endpoint
+  still unserved in the earliest window that has any. A parallel agent whose follow-ups go out
+  in completion order replays whatever order those completions come in; calls of different
+  windows keep their recorded order. The first request that matches none is a `Divergence`
+  naming the recorded call of that window closest to it (the frame it was expected to match),
+  what was expected, what came and a compact diff — the way Temporal reports non-determinism.
   After a divergence, the recording no longer describes the run, so every later call fails too.
 * loose: served by order per endpoint, whatever the request says.
 
@@ -67,6 +72,15 @@ class Recorded:
     end_ns: int = 0
     # The fork overrides in force when this call was recorded (None: the agent's own request).
     rewriter: RequestRewriter | None = None
+    window: int = 0  # its concurrency window (see concurrency_windows)
+    _expected: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def expected(self) -> bytes:
+        """The recorded request as strict matching compares it."""
+        if self._expected is None:
+            self._expected = canonical_json(normalize(self.request))
+        return self._expected
 
     @property
     def stream(self) -> bool:
@@ -98,6 +112,7 @@ class Divergence(Exception):
         got: Any,
         diff: list[str],
         exchange: int,
+        later: int | None = None,
     ) -> None:
         self.kind = kind  # "request_mismatch" | "beyond_recording" | "halted"
         self.provider = provider
@@ -107,6 +122,8 @@ class Divergence(Exception):
         self.got = got
         self.diff = diff
         self.exchange = exchange  # how many calls to this endpoint came before this one
+        # A later frame the request equals: the call came before calls recorded ahead of it.
+        self.later = later
         super().__init__(self.message())
 
     def message(self) -> str:
@@ -127,6 +144,12 @@ class Divergence(Exception):
             "  diff:",
             *(f"    {line}" for line in self.diff),
         ]
+        if self.later is not None:
+            lines.append(
+                f"  it equals frame {self.later}, recorded after calls not yet asked for: the "
+                "calls came in another order than recorded; an agent whose calls depend on "
+                "timing replays with --honor-timing"
+            )
         return "\n".join(lines)
 
     def to_payload(self) -> dict[str, Any]:
@@ -138,6 +161,7 @@ class Divergence(Exception):
             "frame": self.seq,
             "call": self.exchange + 1,
             "diff": self.diff,
+            "later_frame": self.later,
             "message": self.message(),
         }
 
@@ -154,10 +178,12 @@ def normalize(body: Any) -> Any:
     return body
 
 
-def json_diff(expected: Any, got: Any, path: str = "", out: list[str] | None = None) -> list[str]:
-    """Paths where two JSON values differ, one line each, at most DIFF_LINES lines."""
+def json_diff(
+    expected: Any, got: Any, path: str = "", out: list[str] | None = None, limit: int = DIFF_LINES
+) -> list[str]:
+    """Paths where two JSON values differ, one line each, at most `limit` lines."""
     out = [] if out is None else out
-    if len(out) >= DIFF_LINES:
+    if len(out) >= limit:
         return out
     if isinstance(expected, dict) and isinstance(got, dict):
         for key in sorted(set(expected) | set(got)):
@@ -167,14 +193,14 @@ def json_diff(expected: Any, got: Any, path: str = "", out: list[str] | None = N
             elif key not in expected:
                 out.append(f"{sub}: unexpected {_short(got[key])}")
             else:
-                json_diff(expected[key], got[key], sub, out)
-            if len(out) >= DIFF_LINES:
+                json_diff(expected[key], got[key], sub, out, limit)
+            if len(out) >= limit:
                 break
         return out
     if isinstance(expected, list) and isinstance(got, list):
         for i in range(min(len(expected), len(got))):
-            json_diff(expected[i], got[i], f"{path}[{i}]", out)
-            if len(out) >= DIFF_LINES:
+            json_diff(expected[i], got[i], f"{path}[{i}]", out, limit)
+            if len(out) >= limit:
                 return out
         if len(expected) != len(got):
             out.append(f"{path}: {len(expected)} items expected, {len(got)} came")
@@ -182,6 +208,46 @@ def json_diff(expected: Any, got: Any, path: str = "", out: list[str] | None = N
     if expected != got or type(expected) is not type(got):
         out.append(f"{path or '(body)'}: {_short(expected)} -> {_short(got)}")
     return out
+
+
+def distance(expected: Any, got: Any) -> float:
+    """How far apart two JSON values are: 1 per value missing, added or of another type, and
+    for two strings the share of the longer one outside their common prefix and suffix."""
+    if type(expected) is type(got) and expected == got:
+        return 0.0
+    if isinstance(expected, dict) and isinstance(got, dict):
+        return sum(
+            distance(expected[k], got[k]) if k in expected and k in got else 1.0
+            for k in set(expected) | set(got)
+        )
+    if isinstance(expected, list) and isinstance(got, list):
+        pairs = sum(distance(a, b) for a, b in zip(expected, got, strict=False))
+        return pairs + abs(len(expected) - len(got))
+    if isinstance(expected, str) and isinstance(got, str):
+        prefix = _shared(expected, got)
+        suffix = _shared(expected[prefix:][::-1], got[prefix:][::-1])
+        return 1.0 - (prefix + suffix) / max(len(expected), len(got))
+    return 1.0
+
+
+def _shared(a: str, b: str) -> int:
+    """The length of the common prefix of a and b."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def concurrency_windows(exchanges: list[Recorded]) -> None:
+    """Numbers each exchange's window: calls whose spans overlap, directly or through a chain of
+    others, share one; a new window starts when a call starts after every earlier one ended.
+    (A call's span runs from its request to its frame, written before the agent saw the end of
+    the response, so a call sent after another's answer never overlaps it.)"""
+    window, open_until = -1, None
+    for ex in sorted(exchanges, key=lambda e: (e.start_ns, e.seq)):
+        if open_until is None or ex.start_ns >= open_until:
+            window += 1
+            open_until = ex.end_ns
+        open_until = max(open_until, ex.end_ns)
+        ex.window = window
 
 
 def _short(value: Any) -> str:
@@ -212,9 +278,12 @@ class ReplaySource:
         self.until = until
         self.honor_timing = honor_timing
         self._queues: dict[tuple[str, str], _Queue] = {}
-        for ex in exchanges:
-            if until is None or ex.seq <= until:
-                self._queues.setdefault((ex.provider, ex.endpoint), _Queue()).items.append(ex)
+        self.exchanges = sorted(
+            (ex for ex in exchanges if until is None or ex.seq <= until), key=lambda e: e.seq
+        )
+        concurrency_windows(self.exchanges)
+        for ex in self.exchanges:
+            self._queues.setdefault((ex.provider, ex.endpoint), _Queue()).items.append(ex)
         self.total = sum(len(q.items) for q in self._queues.values())
         self.divergence: Divergence | None = None
 
@@ -288,26 +357,41 @@ class ReplaySource:
             queue.items.popleft()
             queue.served += 1
             return head
-        # Calls that were in flight together may come back in any order.
-        for i, candidate in enumerate(queue.items):
-            if i and candidate.start_ns >= head.end_ns:
-                break
-            got = _as_sent(candidate, provider, endpoint, request)
-            if canonical_json(normalize(candidate.request)) == canonical_json(got):
+        # Calls that were in flight together may come back in any order: any unserved call of
+        # the earliest window may match. Items are in frame order, so a window is a prefix.
+        window = [c for c in queue.items if c.window == head.window]
+        sent: dict[int, tuple[Any, bytes]] = {}  # the request as sent, per rewriter in force
+        for i, candidate in enumerate(window):
+            if candidate.expected == _as_sent(candidate, provider, endpoint, request, sent)[1]:
                 del queue.items[i]
                 queue.served += 1
                 return candidate
-        got = _as_sent(head, provider, endpoint, request)
-        expected = normalize(head.request)
+        # The frame it was expected to match: the call of the window closest to it.
+        distances = [
+            distance(normalize(c.request), _as_sent(c, provider, endpoint, request, sent)[0])
+            for c in window
+        ]
+        closest = window[distances.index(min(distances))]
+        later = next(
+            (
+                c.seq
+                for c in list(queue.items)[len(window) :]
+                if c.expected == _as_sent(c, provider, endpoint, request, sent)[1]
+            ),
+            None,
+        )
+        got = _as_sent(closest, provider, endpoint, request, sent)[0]
+        expected = normalize(closest.request)
         self.divergence = Divergence(
             "request_mismatch",
             provider,
             endpoint,
-            head.seq,
+            closest.seq,
             expected,
             got,
             json_diff(expected, got),
             queue.served,
+            later,
         )
         raise self.divergence
 
@@ -327,8 +411,19 @@ def _fork_rewriter(payload: Any) -> RequestRewriter | None:
     return rewriter if rewriter.active else None
 
 
-def _as_sent(recorded: Recorded, provider: str, endpoint: str, request: Any) -> Any:
-    """The agent's request as the proxy sent it when `recorded` was made (overrides applied)."""
-    if recorded.rewriter is not None:
-        request = recorded.rewriter.apply(provider, endpoint, request)
-    return normalize(request)
+def _as_sent(
+    recorded: Recorded,
+    provider: str,
+    endpoint: str,
+    request: Any,
+    cache: dict[int, tuple[Any, bytes]],
+) -> tuple[Any, bytes]:
+    """The agent's request as the proxy sent it when `recorded` was made (overrides applied),
+    normalized, and its canonical JSON; `cache` keeps both per rewriter."""
+    key = id(recorded.rewriter)
+    if key not in cache:
+        if recorded.rewriter is not None:
+            request = recorded.rewriter.apply(provider, endpoint, request)
+        sent = normalize(request)
+        cache[key] = (sent, canonical_json(sent))
+    return cache[key]

@@ -1,0 +1,134 @@
+"""Strict replay of an agent that fans out parallel calls: matched by content within the
+calls that were in flight together, whatever order they arrive in; paced with honor_timing."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jukebox.llm.replay import Divergence, Recorded, ReplaySource
+from tests.llm.conftest import Recording, clients
+from tests.llm.test_replay import replay_proxy
+from tests.llm.upstream import FakeUpstream
+
+TASKS = 8
+# Recorded: task k answers after (TASKS + 1 - k) * 40 ms, so the last submitted finishes first,
+# and each follow-up (100 ms) finishes between later tasks: the tape interleaves them.
+TASK_MS = 40
+FOLLOW_UP_MS = 100
+
+
+def ask(provider: str, sdk: tuple[Any, Any], text: str, delay_ms: int) -> str:
+    """One call through the real SDK; the answer's text."""
+    o, a = sdk
+    headers = {"x-fake-delay-ms": str(delay_ms)}
+    messages = [{"role": "user", "content": text}]
+    if provider == "openai":
+        reply = o.chat.completions.create(
+            model="gpt-4o-mini", messages=messages, extra_headers=headers
+        )
+        return reply.choices[0].message.content or ""
+    # Anthropic, streamed: the events are assembled by the SDK.
+    with a.messages.stream(
+        model="claude-haiku-4-5", max_tokens=64, messages=messages, extra_headers=headers
+    ) as stream:
+        return stream.get_final_text()
+
+
+def fan_out(
+    provider: str, base_urls: dict[str, str], changed: int | None = None
+) -> tuple[list[Any], list[int]]:
+    """Eight tasks at once; each task's follow-up is sent as soon as that task is done, so the
+    follow-ups go out in completion order. Returns each task's final answer (or its error) in
+    task order, and the order the tasks completed in."""
+    finals: list[Any] = [None] * TASKS
+    order: list[int] = []
+    sdk = clients(base_urls)
+    with ThreadPoolExecutor(TASKS * 2) as pool:
+        tasks: dict[Future[str], int] = {
+            pool.submit(ask, provider, sdk, f"task {k}", (TASKS + 1 - k) * TASK_MS): k
+            for k in range(1, TASKS + 1)
+        }
+        follow_ups: dict[Future[str], int] = {}
+        for done in as_completed(tasks):
+            k = tasks[done]
+            order.append(k)
+            how = "differently" if k == changed else "briefly"
+            text = f"follow up on [{done.result()}] {how}"
+            follow_ups[pool.submit(ask, provider, sdk, text, FOLLOW_UP_MS)] = k
+        for done in as_completed(follow_ups):
+            error = done.exception()
+            finals[follow_ups[done] - 1] = done.result() if error is None else error
+    return finals, order
+
+
+def recorded_requests(recording: Recording) -> dict[int, str]:
+    """The last user message of each recorded call, by frame."""
+    out = {}
+    for frame in recording.tape().frames:
+        if frame.kind == "llm_turn":
+            payload = frame.resolve_payload(recording.store)
+            out[frame.seq] = payload["request"]["messages"][-1]["content"]
+    return out
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_fan_out_replays_strictly_whatever_order_its_calls_come_in(
+    provider: str, upstream: FakeUpstream, recording: Recording, tmp_path: Path
+) -> None:
+    with recording.proxy(upstream) as proxy:
+        live, recorded_order = fan_out(provider, proxy.base_urls())
+    assert recorded_order != sorted(recorded_order)
+    # The tape interleaves tasks and follow-ups: a follow-up ended before a task did.
+    texts = list(recorded_requests(recording).values())
+    follow = [text.startswith("follow up") for text in texts]
+    assert follow.index(True) < len(follow) - 1 - follow[::-1].index(False)
+    upstream.stop()
+    proxy, source, second, diverged = replay_proxy(recording, tmp_path)
+    with proxy:
+        replayed, _ = fan_out(provider, proxy.base_urls())
+    assert not diverged, diverged[0].message()
+    assert replayed == live and source.remaining() == 0
+    second.close()
+
+
+def test_a_changed_follow_up_in_a_fan_out_diverges_at_its_own_frame(
+    upstream: FakeUpstream, recording: Recording, tmp_path: Path
+) -> None:
+    import openai
+
+    with recording.proxy(upstream) as proxy:
+        fan_out("openai", proxy.base_urls())
+    upstream.stop()
+    (frame,) = [s for s, text in recorded_requests(recording).items() if "task 5]" in text]
+    proxy, _, second, diverged = replay_proxy(recording, tmp_path)
+    with proxy:
+        finals, _ = fan_out("openai", proxy.base_urls(), changed=5)
+    assert isinstance(finals[4], openai.BadRequestError)
+    divergence = diverged[0]
+    assert divergence.kind == "request_mismatch" and divergence.seq == frame
+    assert any('"follow up on [echo: task 5] briefly" ->' in line for line in divergence.diff)
+    second.close()
+
+
+def exchange(seq: int, start_ms: int, end_ms: int, text: str) -> Recorded:
+    request = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    return Recorded(seq, "openai", "chat.completions", request, 200, {}, {"ok": seq},
+                    start_ns=start_ms * 10**6, end_ns=end_ms * 10**6)  # fmt: skip
+
+
+def test_calls_of_a_later_window_keep_their_recorded_order() -> None:
+    # x and y overlap, z starts after both ended: windows {x, y} then {z}.
+    calls = [exchange(1, 0, 10, "x"), exchange(2, 5, 20, "y"), exchange(3, 30, 40, "z")]
+    source = ReplaySource(calls)
+    assert [c.window for c in calls] == [0, 0, 1]
+    assert source.take("openai", "chat.completions", calls[1].request).seq == 2
+    with pytest.raises(Divergence) as caught:
+        source.take("openai", "chat.completions", calls[2].request)
+    # Expected: x, the one call left in the window; z came before it, as frame 3 says.
+    assert caught.value.seq == 1 and caught.value.later == 3
+    assert "equals frame 3" in caught.value.message()
+    assert "--honor-timing" in caught.value.message()
