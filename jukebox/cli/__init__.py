@@ -98,7 +98,7 @@ def cli() -> None:
 
 
 def main() -> None:
-    from jukebox.cli import booth, booth_review, disk, mount, tapes, timetravel  # noqa: F401  (registers the sub-commands)
+    from jukebox.cli import booth, booth_review, disk, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
 
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)

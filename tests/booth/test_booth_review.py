@@ -108,6 +108,15 @@ def test_booth_diff_hides_the_default_excludes_and_globs_and_says_how_many(revie
     assert data["hidden"] == 10 and ".venv" in data["excluded"]
     assert not any("pycache" in c["path"] for c in data["changes"])
 
+    # `show` of the exit frame: the same files, sizes, short diffs, the same excludes.
+    shown = jb("show", "t1@2", "--tape-dir", str(tapes))
+    assert shown.returncode == 0, shown.stderr
+    assert "fs, " in shown.stdout and "files changed: 14\n" in shown.stdout, shown.stdout
+    assert "  M a.txt  (4 → 8 bytes)\n" in shown.stdout and "      +two\n" in shown.stdout
+    assert "  M link  (-> a.txt → ne.txt)\n" in shown.stdout
+    assert "  A evil\\x1b[31m.txt" in shown.stdout and "\033" not in shown.stdout
+    assert "10 change(s) hidden" in shown.stdout
+
     bad = jb("booth", "diff", "t1", "--exclude", "/", "--tape-dir", str(tapes))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
 
@@ -150,3 +159,7 @@ def test_booth_export_is_a_patch_git_applies_to_the_base_tree(reviewed, tmp_path
     assert expected["a.txt"] == ("file", b"one\ntwo\n", True)
     assert expected["link"] == ("link", b"ne.txt", False)
     assert expected["sub/latin.txt"][1] == b"caf\xe9\n"
+    verdict = jb("show", "t1", "--tape-dir", str(tapes), "--json")
+    view = json.loads(verdict.stdout)
+    assert view["kind"] == "commit" and view["payload"]["by"] == "booth commit"
+    assert {f["path"] for f in view["files"]} >= {"a.txt", "keep.txt", "run.log"}
