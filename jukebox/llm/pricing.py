@@ -1,12 +1,15 @@
-"""What a model call cost: a price table shipped with jukebox that users can override.
+"""What a model call cost: the maintained `genai-prices` catalogue, under the user's overrides.
 
-Layers, later wins per model: the shipped `jukebox/data/prices.toml`, then `prices.toml` in the
-tape dir, then the file named by `$JUKEBOX_PRICES`. Prices are US dollars per million tokens.
+Layers, later wins per model: the catalogue of the `genai-prices` package (its data ships in
+the wheel, so pricing never reaches the network; jukebox never calls its auto-update), then
+`prices.toml` in the tape dir, then the file named by `$JUKEBOX_PRICES`. Prices are US dollars
+per million tokens.
 
-A model id is priced by its own entry, else by the longest entry it extends with a dated
-snapshot suffix, else by the longest `family = true` entry it extends with "-anything"; else
-by the table's fallback (`--unknown-cost price=IN/OUT`), else it has no price. Bare prefix
-matching priced "o3-pro" as "o3", ten times too low.
+A user's entry prices a model id that is its own name, or its name plus a dated snapshot
+suffix, or (`family = true`) its name plus "-anything". The catalogue matches ids its own way
+per provider (dated snapshots and aliases included, "o3-pro" never as "o3") and prices tiers
+(Anthropic's long-context rates). A model neither knows falls to the table's fallback
+(`--unknown-cost price=IN/OUT`), else it has no price.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
+from datetime import UTC, datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,9 @@ TAPE_DIR_FILE = "prices.toml"
 _FIELDS = ("input", "output", "cached_input", "cache_write", "family")
 # What a provider appends to a model's name for one dated snapshot of that same model.
 _SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|\d{4}|latest)")
+# A proxy provider's name as the catalogue's provider id; a name not here lets the catalogue
+# pick the provider from the model id.
+_CATALOGUE_PROVIDER = {"openai": "openai", "anthropic": "anthropic", "gemini": "google"}
 
 
 @dataclass(frozen=True)
@@ -93,17 +100,77 @@ def _read(path: Path) -> dict[str, Price]:
         ) from None
 
 
+@dataclass(frozen=True)
+class CataloguePrice(Price):
+    """A price from the `genai-prices` catalogue: its own calculation prices tiers, which the
+    flat rates above (the base tier) cannot."""
+
+    model_price: Any = None
+
+    def cost(self, usage: Mapping[str, int]) -> float:
+        from genai_prices.types import Usage
+
+        counted = Usage(
+            input_tokens=usage.get("input", 0),
+            cache_read_tokens=usage.get("cached", 0),
+            cache_write_tokens=usage.get("cache_write", 0),
+            output_tokens=usage.get("output", 0),
+        )
+        return round(float(self.model_price.calc_price(counted)["total_price"]), 8)
+
+
+def _rate(value: Any) -> float:
+    """A catalogue rate as a float: its base when tiered, 0 when the model has none."""
+    if value is None:
+        return 0.0
+    return float(getattr(value, "base", value))
+
+
+@cache
+def catalogue_price(model: str, provider: str | None) -> CataloguePrice | None:
+    """The catalogue's current price for `model` at `provider` (a proxy provider name), or None."""
+    from genai_prices import data_snapshot
+
+    try:
+        _, info = data_snapshot.get_snapshot().find_provider_model(
+            model, None, _CATALOGUE_PROVIDER.get(provider or ""), None
+        )
+    except LookupError:
+        return None
+    model_price = info.get_prices(datetime.now(tz=UTC))
+    if model_price.input_mtok is None and model_price.output_mtok is None:
+        return None  # priced per request or per second: not a token price
+    return CataloguePrice(
+        input=_rate(model_price.input_mtok),
+        output=_rate(model_price.output_mtok),
+        cached_input=_rate(model_price.cache_read_mtok or model_price.input_mtok),
+        cache_write=_rate(model_price.cache_write_mtok or model_price.input_mtok),
+        model_price=model_price,
+    )
+
+
+def warm_catalogue() -> None:
+    """Loads the catalogue (about 0.2 s), so that the first priced call does not wait for it."""
+    catalogue_price("gpt-4o", "openai")
+
+
 class PriceTable:
-    def __init__(self, prices: Mapping[str, Price], fallback: Price | None = None) -> None:
-        self.prices = dict(prices)
-        self.fallback = fallback  # for a model the table does not know
+    def __init__(
+        self,
+        prices: Mapping[str, Price],
+        fallback: Price | None = None,
+        catalogue: bool = True,
+    ) -> None:
+        self.prices = dict(prices)  # the user's entries, which win over the catalogue
+        self.fallback = fallback  # for a model nobody prices
+        self.catalogue = catalogue
         # Longest first, so the most specific entry wins.
         self._order = sorted(self.prices, key=len, reverse=True)
 
     @classmethod
     def shipped(cls) -> PriceTable:
-        text = resources.files("jukebox").joinpath("data/prices.toml").read_text()
-        return cls(_parse(tomllib.loads(text), "jukebox/data/prices.toml"))
+        """The catalogue alone."""
+        return cls({})
 
     @classmethod
     def load(
@@ -112,7 +179,7 @@ class PriceTable:
         environ: Mapping[str, str] | None = None,
     ) -> PriceTable:
         environ = os.environ if environ is None else environ
-        table = cls.shipped().prices
+        table: dict[str, Price] = {}
         if tape_dir is not None and (Path(tape_dir) / TAPE_DIR_FILE).is_file():
             table.update(_read(Path(tape_dir) / TAPE_DIR_FILE))
         if environ.get(PRICES_ENV):
@@ -120,12 +187,9 @@ class PriceTable:
         return cls(table)
 
     def with_fallback(self, fallback: Price | None) -> PriceTable:
-        return PriceTable(self.prices, fallback)
+        return PriceTable(self.prices, fallback, self.catalogue)
 
-    def known(self, model: str | None) -> Price | None:
-        """The table's own price for `model` (the fallback not considered)."""
-        if not model:
-            return None
+    def _own(self, model: str) -> Price | None:
         if model in self.prices:
             return self.prices[model]
         for name in self._order:
@@ -136,14 +200,25 @@ class PriceTable:
                 return price
         return None
 
-    def lookup(self, model: str | None) -> Price | None:
-        """The price of `model`: the table's, else the fallback, else None."""
-        price = self.known(model)
+    def known(self, model: str | None, provider: str | None = None) -> Price | None:
+        """The price of `model` called through `provider` (the fallback not considered)."""
+        if not model:
+            return None
+        own = self._own(model)
+        if own is not None or not self.catalogue:
+            return own
+        return catalogue_price(model, provider)
+
+    def lookup(self, model: str | None, provider: str | None = None) -> Price | None:
+        """The price of `model`: the user's, else the catalogue's, else the fallback, else None."""
+        price = self.known(model, provider)
         return price if price is not None else self.fallback
 
-    def cost(self, model: str | None, usage: Mapping[str, int]) -> float | None:
+    def cost(
+        self, model: str | None, usage: Mapping[str, int], provider: str | None = None
+    ) -> float | None:
         """Dollars, or None for a model without a price."""
-        price = self.lookup(model)
+        price = self.lookup(model, provider)
         return price.cost(usage) if price is not None else None
 
 

@@ -50,7 +50,7 @@ from jukebox.breaker import Trip
 from jukebox.llm.budget import worst_case
 from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
-from jukebox.llm.pricing import PriceTable, per_million
+from jukebox.llm.pricing import PriceTable, per_million, warm_catalogue
 from jukebox.llm.providers import (
     DEFAULT_UPSTREAMS,
     PREFIXES,
@@ -287,6 +287,8 @@ class ProxyServer:
                 with trio.CancelScope() as scope:
                     self._scope = scope
                     self._ready.set()
+                    # Off the first call's path: loading the price catalogue takes ~0.2 s.
+                    nursery.start_soon(trio.to_thread.run_sync, warm_catalogue)
                     await trio.serve_listeners(self._connection, [listener])
 
     # ------------------------------------------------------------------ one connection
@@ -461,7 +463,7 @@ class ProxyServer:
                 await self._tripped(trip)
                 await self._refuse_trip(conn, stream, where.provider)
                 return
-            ex.reservation = worst_case(request, len(body), self._price_table())
+            ex.reservation = worst_case(request, len(body), self._price_table(), where.provider)
             trip = self.breaker.admit(ex.reservation)
             if trip is not None:
                 await self._tripped(trip)
@@ -758,7 +760,9 @@ class ProxyServer:
         and for both a `note` frame, once per model."""
         policy = getattr(self.breaker, "unknown_cost", None)
         model = request.get("model") if isinstance(request, dict) else None
-        if policy is None or not isinstance(model, str) or self.prices.known(model) is not None:
+        if policy is None or not isinstance(model, str):
+            return None
+        if self.prices.known(model, provider) is not None:
             return None
         if getattr(self.breaker, "max_cost_usd", None) is None and policy in ("deny", "warn"):
             return None  # no cost limit: a missing price decides nothing

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,39 +29,63 @@ def test_sse_parser_handles_split_lines_crlf_comments_and_an_unterminated_tail()
 
 
 @pytest.mark.parametrize(
-    ("model", "priced_as"),
+    ("model", "provider", "rates"),
     [
-        ("o3-pro", "o3-pro"),  # prefix matching priced it as o3, ten times too low
-        ("o3-pro-2025-06-10", "o3-pro"),
-        ("gpt-5-pro", "gpt-5-pro"),
-        ("gpt-5-2025-08-07", "gpt-5"),
-        ("claude-sonnet-4-5-20250929", "claude-sonnet-4-5"),
-        ("claude-sonnet-4-20250514", "claude-sonnet-4"),
-        ("claude-3-5-sonnet-latest", "claude-3-5-sonnet"),
-        ("gpt-4o-pro", None),  # another model, not gpt-4o: no price rather than a wrong one
-        ("o3-deep-research", None),
-        ("gpt-5.1", None),
+        ("o3-pro", "openai", (20.0, 80.0)),  # prefix matching priced it as o3, ten times too low
+        ("o3-pro-2025-06-10", "openai", (20.0, 80.0)),
+        ("gpt-5-pro", "openai", (15.0, 120.0)),
+        ("gpt-5-2025-08-07", "openai", (1.25, 10.0)),
+        ("gpt-5.1", "openai", (1.25, 10.0)),  # the hand-kept table had no price: counted $0
+        ("gpt-4o-mini-2024-07-18", "openai", (0.15, 0.60)),
+        ("claude-sonnet-4-5-20250929", "anthropic", (3.0, 15.0)),
+        ("claude-haiku-4-5", "anthropic", (1.0, 5.0)),
+        ("gpt-4o-pro", "openai", None),  # another model, not gpt-4o: no price, not a wrong one
+        ("llama3.1", "openai", None),  # a local model behind an OpenAI-compatible server
     ],
 )
-def test_a_model_is_priced_as_itself_or_a_dated_snapshot_never_a_sibling(
-    model: str, priced_as: str | None
+def test_the_catalogue_prices_a_model_as_itself_or_a_dated_snapshot_never_a_sibling(
+    model: str, provider: str, rates: tuple[float, float] | None
 ) -> None:
-    shipped = PriceTable.shipped()
-    assert shipped.known(model) == (shipped.prices[priced_as] if priced_as else None)
+    price = PriceTable.shipped().known(model, provider)
+    assert (price and (price.input, price.output)) == rates
 
 
-def test_prices_match_by_longest_prefix_and_user_files_override(tmp_path: Path) -> None:
-    shipped = PriceTable.shipped()
-    assert shipped.lookup("gpt-4o-mini-2024-07-18") == shipped.prices["gpt-4o-mini"]
-    assert shipped.lookup("gpt-4o-2024-08-06") == shipped.prices["gpt-4o"]
-    assert shipped.cost("nobody-knows", {"input": 5}) is None
+def test_the_catalogue_prices_tiers_and_cache_reads_and_writes() -> None:
+    table = PriceTable.shipped()
+    # Anthropic's long-context rate: past 200k prompt tokens every input token costs $6/M.
+    assert table.cost("claude-sonnet-4-5", {"input": 100_000}, "anthropic") == 0.3
+    assert table.cost("claude-sonnet-4-5", {"input": 300_000}, "anthropic") == 1.8
+    # `input` counts every prompt token: 500k fresh at $1, 200k read at $0.10, 300k written
+    # at $1.25.
+    usage = {"input": 1_000_000, "cached": 200_000, "cache_write": 300_000, "output": 0}
+    assert table.cost("claude-haiku-4-5", usage, "anthropic") == 0.5 + 0.02 + 0.375
+    assert table.cost("nobody-knows", {"input": 5}, "openai") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare -n needs root")
+def test_the_catalogue_prices_with_no_network_at_all() -> None:
+    # A fresh network namespace has no route anywhere: the prices ship in the wheel.
+    code = (
+        "from jukebox.llm.pricing import PriceTable\n"
+        "print(PriceTable.shipped().cost('gpt-4o', {'input': 10**6, 'output': 10**6}, 'openai'))"
+    )
+    proc = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "12.5"
+
+
+def test_user_prices_win_over_the_catalogue(tmp_path: Path) -> None:
     (tmp_path / "prices.toml").write_text('[models."gpt-4o"]\ninput = 1.0\noutput = 2.0\n')
     mine = tmp_path / "mine.toml"
     mine.write_text(
         '[models."my-model"]\ninput = 10\noutput = 20\ncached_input = 1\nfamily = true\n'
     )
     table = PriceTable.load(tmp_path, {"JUKEBOX_PRICES": str(mine)})
-    assert table.cost("gpt-4o", {"input": 1_000_000, "output": 0}) == 1.0
+    assert table.cost("gpt-4o", {"input": 1_000_000, "output": 0}, "openai") == 1.0
+    assert table.cost("gpt-4o-2024-08-06", {"input": 1_000_000}, "openai") == 1.0  # a snapshot
+    assert table.cost("gpt-4o-mini", {"input": 1_000_000}, "openai") == 0.15  # the catalogue's
     # 500k uncached at $10, 500k cached at $1, 1M out at $20.
     usage = {"input": 1_000_000, "cached": 500_000, "output": 1_000_000}
     assert table.cost("my-model-v2", usage) == 5.0 + 0.5 + 20.0  # a family: any suffix
