@@ -44,6 +44,31 @@ trust_option = click.option(
 )
 
 
+def ls_filter_options(command: Any) -> Any:
+    """`ls --status/--since/--agent` (jukebox.tape_filters)."""
+    from jukebox.tape_filters import LS_STATUSES
+
+    command = click.option(
+        "--agent",
+        default=None,
+        metavar="TEXT",
+        help="Only tapes whose command or agent name holds TEXT.",
+    )(command)
+    command = click.option(
+        "--since",
+        default=None,
+        metavar="AGE|DATE",
+        help="Only tapes started since then: 2h, 7d, 2w ago, or an ISO date like 2026-12-01.",
+    )(command)
+    return click.option(
+        "--status",
+        "statuses",
+        multiple=True,
+        type=click.Choice(LS_STATUSES, case_sensitive=False),
+        help="Only tapes with this status (repeatable).",
+    )(command)
+
+
 def emit_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True))
 
@@ -109,17 +134,29 @@ def check_frame(tape, ref) -> int:
 @cli.command("ls")
 @tape_dir_option
 @json_option
-def ls_command(tape_dir: Path | None, as_json: bool) -> None:
+@ls_filter_options
+def ls_command(
+    tape_dir: Path | None,
+    as_json: bool,
+    statuses: tuple[str, ...],
+    since: str | None,
+    agent: str | None,
+) -> None:
     """List the tapes in the tape dir: track id, start time, agent, frames, cost, status."""
     from jukebox.errors import JukeboxError
     from jukebox.render import money, table, timestamp
     from jukebox.tape import Tape
+    from jukebox.tape_filters import TapeFilter, run_start_of
 
+    wanted = TapeFilter.from_options(statuses, since, agent)
     home = listed_tape_dir(tape_dir)
     rows = []
     for path in home.tape_paths():
+        start = None
         try:
-            summary = Tape.load(path).summary()
+            loaded = Tape.load(path)
+            summary = loaded.summary()
+            start = run_start_of(loaded) if wanted.agent is not None else None
         except JukeboxError as error:
             summary = {
                 "path": str(path),
@@ -133,13 +170,14 @@ def ls_command(tape_dir: Path | None, as_json: bool) -> None:
         summary["track_id"] = path.stem
         if summary["status"] == "EXITED" and (home.booths_path / f"{path.stem}.json").exists():
             summary["status"] = "PENDING"  # its booth waits for `jukebox booth commit`
-        rows.append(summary)
+        if wanted.matches(summary, start):
+            rows.append(summary)
     rows.sort(key=lambda r: r.get("started_ns") or 0)
     if as_json:
         emit_json(rows)
         return
     if not rows:
-        click.echo(f"no tapes in {home.path}")
+        click.echo(f"no tapes in {home.path}" + (" match" if wanted.active else ""))
         return
     click.echo(
         table(
@@ -203,12 +241,24 @@ def tape_argument(name: str = "tape"):
 @tape_argument()
 @tape_dir_option
 @json_option
-def log_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
+@click.option(
+    "-f",
+    "--follow",
+    is_flag=True,
+    help="Keep printing frames as the run writes them, until it ends (or Ctrl-C); "
+    "with --json one object a line.",
+)
+def log_command(tape: str, tape_dir: Path | None, as_json: bool, follow: bool) -> None:
     """Show a tape's frames as a readable timeline."""
     from jukebox.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "log", "drop the @{n}")
+    if follow:
+        from jukebox.tape_follow import follow as follow_tape
+
+        follow_tape(ref.path, ref.tape_dir.booths_path, click.echo, as_json)
+        return
     loaded = load(ref)
     damage = loaded.damage  # shown up to the damage, then refused: never printed as healthy
     if as_json:
