@@ -81,6 +81,15 @@ _ALLOW_HOOKS_HELP = (
     "--fs fuse. Also caps the model traffic the LLM proxy records (else 1 GiB). "
     "Default: the image's limits.scratch, else none.",
 )
+@click.option(
+    "--upstream",
+    "upstreams",
+    multiple=True,
+    metavar="NAME=URL",
+    help="Another OpenAI-compatible model server (Ollama, vLLM, OpenRouter, ...), recorded "
+    "through the proxy: the agent finds it at $JUKEBOX_UPSTREAM_NAME_BASE_URL. Repeatable; "
+    "openai=URL or anthropic=URL replace the built-in upstreams (docs/llm-proxy.md).",
+)
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
 @click.option(
     "--strict-sandbox",
@@ -112,6 +121,7 @@ def run(
     max_turns: int | None,
     max_repeat: int | None,
     max_scratch: str | None,
+    upstreams: tuple[str, ...],
     allow_hooks: bool,
     strict_sandbox: bool,
     no_seccomp: bool,
@@ -140,6 +150,7 @@ def run(
                 f"{max_scratch!r} is not a size: write bytes or like 512M, 20G",
                 param_hint="--max-scratch",
             ) from None
+    llm = _llm_options(upstreams)
     breaker = CircuitBreaker.from_options(
         max_cost_usd=max_cost_usd,
         max_tokens=max_tokens,
@@ -162,11 +173,28 @@ def run(
         checkpoint_every=checkpoint_every,
         max_scratch=scratch_limit,
         breaker=breaker,
+        llm=llm,
         allow_hooks=allow_hooks,
         seccomp=not no_seccomp,
         strict_sandbox=strict_sandbox,
     )
     sys.exit(code)
+
+
+def _llm_options(specs: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    """The proxy's options for `--upstream NAME=URL` values (None: the defaults)."""
+    if not specs:
+        return None
+    import os
+
+    from jukebox.llm.server import upstreams_from_env
+    from jukebox.llm.session import LlmOptions
+    from jukebox.llm.upstreams import BadUpstream, with_named
+
+    try:
+        return LlmOptions(upstreams=with_named(upstreams_from_env(os.environ), specs, os.environ))
+    except BadUpstream as bad:
+        raise click.BadParameter(str(bad), param_hint="--upstream") from None
 
 
 def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]

@@ -15,11 +15,14 @@ from jukebox.llm.providers import ANTHROPIC, OPENAI
 
 PLACEHOLDER_KEY = "jukebox-replay-placeholder-not-an-api-key"
 KEY_ENV = {OPENAI: "OPENAI_API_KEY", ANTHROPIC: "ANTHROPIC_API_KEY"}
+# Read by the openai SDK's AzureOpenAI client (a named upstream `azure`, jukebox.llm.upstreams).
+OTHER_KEY_ENV = ("AZURE_OPENAI_API_KEY",)
 
 
 def placeholder_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The placeholder for each provider's key variable that `environ` lacks or leaves empty."""
-    return {name: PLACEHOLDER_KEY for name in KEY_ENV.values() if not environ.get(name)}
+    names = (*KEY_ENV.values(), *OTHER_KEY_ENV)
+    return {name: PLACEHOLDER_KEY for name in names if not environ.get(name)}
 
 
 def carries_placeholder(header_value: str) -> bool:

@@ -4,8 +4,11 @@ The agent reaches the proxy at `/openai/v1/...` and `/anthropic/...` (the base U
 sets, after the booth's secret); everything after that prefix is appended to the upstream base
 URL, confined to it (jukebox.llm.paths), so `OPENAI_BASE_URL=http://127.0.0.1:P/S/openai/v1`
 and the SDK's `/chat/completions` become
-`https://api.openai.com/v1/chat/completions`. Three endpoints are model calls and are recorded:
-OpenAI Chat Completions, OpenAI Responses and Anthropic Messages; the rest pass through.
+`https://api.openai.com/v1/chat/completions`. The endpoints in `_ENDPOINTS` are recorded (model
+calls, and the unbilled calls that inform them: moderations, Anthropic's token count); the rest
+pass through, noted. Named upstreams (`--upstream NAME=URL`, jukebox.llm.upstreams) speak the
+OpenAI protocol under `/upstream/NAME`; Azure OpenAI's paths (`/openai/deployments/{name}/...`,
+`/openai/...`) are matched as the OpenAI endpoint they end in.
 
 `summarize` reads a finished exchange (a JSON body or the list of stream events) into the
 numbers a frame carries: model, token usage, tool calls and the text the model produced.
@@ -14,6 +17,7 @@ numbers a frame carries: model, token usage, tool calls and the text the model p
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,35 +46,80 @@ def base_url_names(provider: str) -> tuple[str, ...]:
 CHAT = "chat.completions"
 RESPONSES = "responses"
 MESSAGES = "messages"
+EMBEDDINGS = "embeddings"
+COMPLETIONS = "completions"  # OpenAI's legacy text completions
+MODERATIONS = "moderations"
+COUNT_TOKENS = "messages.count_tokens"
 OTHER = "other"
 
 _ENDPOINTS = {
     (OPENAI, "/chat/completions"): CHAT,
     (OPENAI, "/responses"): RESPONSES,
+    (OPENAI, "/embeddings"): EMBEDDINGS,
+    (OPENAI, "/completions"): COMPLETIONS,
+    (OPENAI, "/moderations"): MODERATIONS,
     (ANTHROPIC, "/v1/messages"): MESSAGES,
+    (ANTHROPIC, "/v1/messages/count_tokens"): COUNT_TOKENS,
 }
+# Recorded and replayed, but neither billed nor a model turn: the breaker does not count them.
+UNBILLED = frozenset({MODERATIONS, COUNT_TOKENS})
+# Where named upstreams are served under the proxy's secret: `/upstream/NAME/...`.
+NAMED_PREFIX = "/upstream/"
 
 
 @dataclass(frozen=True)
 class Route:
-    provider: str
-    endpoint: str  # CHAT, RESPONSES, MESSAGES or OTHER
+    provider: str  # the wire protocol: OPENAI or ANTHROPIC
+    endpoint: str  # a value of _ENDPOINTS, or OTHER
     rest: str  # the path and query after the provider prefix, appended to the upstream base
+    upstream: str = ""  # the upstream's name: the provider's own, or a named one's
+    path: str = ""  # the decoded path the endpoint was matched on
+
+    def __post_init__(self) -> None:
+        if not self.upstream:
+            object.__setattr__(self, "upstream", self.provider)
 
     @property
     def recorded(self) -> bool:
         return self.endpoint != OTHER
 
+    @property
+    def billed(self) -> bool:
+        """Whether the breaker admits and counts this call (a recorded, billable one)."""
+        return self.recorded and self.endpoint not in UNBILLED
 
-def route(method: str, target: str) -> Route | None:
+    @property
+    def named(self) -> str | None:
+        """The upstream's name when it is not the provider's own (recorded on the frame)."""
+        return self.upstream if self.upstream != self.provider else None
+
+
+def _openai_path(path: str) -> str:
+    """An Azure OpenAI path as the OpenAI endpoint it addresses: `/openai/deployments/D/X`
+    and `/openai/X` (and `/openai/v1/X`) are `/X`."""
+    parts = path.split("/")
+    if len(parts) > 4 and parts[1:3] == ["openai", "deployments"]:
+        return "/" + "/".join(parts[4:])
+    if len(parts) > 3 and parts[1:3] == ["openai", "v1"]:
+        return "/" + "/".join(parts[3:])
+    if len(parts) > 2 and parts[1] == "openai":
+        return "/" + "/".join(parts[2:])
+    return path
+
+
+def route(method: str, target: str, named: Iterable[str] = ()) -> Route | None:
     """The provider and endpoint a request target addresses, or None if it is not ours.
+    `named`: the names of the proxy's named upstreams (OpenAI protocol, `/upstream/NAME`).
 
     Raises PathRefused when the path after the prefix would leave it (jukebox.llm.paths)."""
-    for provider, prefix in PREFIXES.items():
+    prefixes = [(p, prefix, p) for p, prefix in PREFIXES.items()]
+    prefixes += [(OPENAI, NAMED_PREFIX + name, name) for name in named if name not in PREFIXES]
+    for provider, prefix, upstream in prefixes:
         if target == prefix or target.startswith((prefix + "/", prefix + "?")):
             rest, path = confine(target[len(prefix) :] or "/")
-            endpoint = _ENDPOINTS.get((provider, path), OTHER) if method == "POST" else OTHER
-            return Route(provider, endpoint, rest)
+            matched = _openai_path(path) if provider == OPENAI else path
+            endpoint = _ENDPOINTS.get((provider, matched), OTHER) if method == "POST" else OTHER
+            return Route(provider, endpoint, rest, upstream, path)
     return None
 
 
@@ -144,6 +193,13 @@ def summarize(
             _responses(s, response, events)
         elif endpoint == MESSAGES:
             _messages(s, response, events)
+        elif endpoint == COMPLETIONS:
+            _completions(s, response, events)
+        elif endpoint == EMBEDDINGS:
+            _embeddings(s, response)
+        elif endpoint in UNBILLED:
+            s.model = response.get("model") if isinstance(response, dict) else None
+            s.reported = True  # nothing billed: no tokens to estimate either
     except (AttributeError, TypeError, KeyError, IndexError):
         pass  # a malformed upstream body: record what was understood, never fail the call
     if s.model is None and isinstance(request, dict) and isinstance(request.get("model"), str):
@@ -189,6 +245,24 @@ def _chat(s: Summary, response: Any, events: list[Any] | None) -> None:
         s.tool_calls.append(
             {"name": calls[key]["name"], "arguments": _args(calls[key]["arguments"])}
         )
+
+
+def _completions(s: Summary, response: Any, events: list[Any] | None) -> None:
+    """Legacy text completions: `choices[].text`, whole or one delta per chunk; usage as chat."""
+    for data in [response] if events is None else events:
+        if not isinstance(data, dict):
+            continue
+        s.model = data.get("model") or s.model
+        _chat_usage(s, data.get("usage"))
+        for choice in data.get("choices") or []:
+            if isinstance(choice.get("text"), str):
+                s.text += choice["text"]
+
+
+def _embeddings(s: Summary, response: Any) -> None:
+    if isinstance(response, dict):
+        s.model = response.get("model")
+        _chat_usage(s, response.get("usage"))
 
 
 def _chat_usage(s: Summary, usage: Any) -> None:

@@ -1,6 +1,7 @@
 """From one finished exchange to the payload of its `llm_turn` frame.
 
-The payload (docs/llm-proxy.md has the full list): provider, endpoint, model, status,
+The payload (docs/llm-proxy.md has the full list): provider, endpoint, upstream (a named one's
+name only), model, status,
 latency_ms, stream, usage {input, output, cached}, tool_calls [{name, arguments}], cost_usd,
 request (the JSON body), response (the JSON body, or for a stream the list of its events with
 chunk index and millisecond offset). Request and response larger than 4 KiB land in the store
@@ -70,6 +71,7 @@ class Exchange:
     # What went upstream in place of request_body when the proxy asked for usage on the
     # agent's behalf (jukebox.llm.usage); the tape records the agent's own request.
     usage_asked_body: bytes | None = None
+    upstream: str | None = None  # a named upstream's name (jukebox.llm.upstreams)
 
     @property
     def stream(self) -> bool:
@@ -142,6 +144,8 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
             if k not in _DROP_RESPONSE_HEADERS
         },
     }
+    if ex.upstream is not None:
+        payload["upstream"] = ex.upstream
     if ex.error is not None:
         payload["error"] = redact_text(ex.error, scrubber)
     if ex.replayed_from is not None:

@@ -36,6 +36,7 @@ from jukebox.frame import canonical_json
 from jukebox.llm.recorder import LLM_TURN
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
+from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
 
 MODES = ("strict", "loose")
 
@@ -72,6 +73,7 @@ class Recorded:
     end_ns: int = 0
     # The fork overrides in force when this call was recorded (None: the agent's own request).
     rewriter: RequestRewriter | None = None
+    upstream: str | None = None  # a named upstream's name (jukebox.llm.upstreams)
     window: int = 0  # its concurrency window (see concurrency_windows)
     _expected: bytes | None = field(default=None, repr=False, compare=False)
 
@@ -282,8 +284,11 @@ class ReplaySource:
             (ex for ex in exchanges if until is None or ex.seq <= until), key=lambda e: e.seq
         )
         concurrency_windows(self.exchanges)
+        # Named upstreams get their own queues, and a replaying proxy serves their names.
+        self.upstream_names: set[str] = {ex.upstream for ex in exchanges if ex.upstream}
         for ex in self.exchanges:
-            self._queues.setdefault((ex.provider, ex.endpoint), _Queue()).items.append(ex)
+            key = (ex.upstream or ex.provider, ex.endpoint)
+            self._queues.setdefault(key, _Queue()).items.append(ex)
         self.total = sum(len(q.items) for q in self._queues.values())
         self.divergence: Divergence | None = None
 
@@ -299,7 +304,12 @@ class ReplaySource:
         """Every successful llm_turn frame of `tape` (a jukebox.tape.Tape), through `until`."""
         exchanges = []
         rewriter: RequestRewriter | None = None
+        names: set[str] = set()
         for frame in tape.frames:
+            if frame.kind == "note" and frame.payload.get("event") == UPSTREAMS_NOTE:
+                listed = frame.payload.get("names")
+                names.update(n for n in listed or () if isinstance(n, str))
+                continue
             if frame.kind == "fork":
                 rewriter = _fork_rewriter(frame.payload)
                 continue
@@ -325,9 +335,12 @@ class ReplaySource:
                     start_ns=frame.time_ns - latency_ns,
                     end_ns=frame.time_ns,
                     rewriter=rewriter if p.get("replayed_from") is None else None,
+                    upstream=p["upstream"] if isinstance(p.get("upstream"), str) else None,
                 )
             )
-        return cls(exchanges, mode=mode, until=until, honor_timing=honor_timing)
+        source = cls(exchanges, mode=mode, until=until, honor_timing=honor_timing)
+        source.upstream_names |= names
+        return source
 
     def remaining(self) -> int:
         return sum(len(q.items) for q in self._queues.values())
@@ -338,18 +351,28 @@ class ReplaySource:
         if self.divergence is None:
             self.divergence = Divergence("halted", "-", "-", None, None, None, [reason], 0)
 
-    def take(self, provider: str, endpoint: str, request: Any) -> Recorded | Live:
-        """The recorded exchange to serve for `request`, LIVE, or raises Divergence."""
+    def take(
+        self, provider: str, endpoint: str, request: Any, upstream: str | None = None
+    ) -> Recorded | Live:
+        """The recorded exchange to serve for `request`, LIVE, or raises Divergence.
+        `upstream`: the named upstream the request went to (None: the provider's own)."""
         if self.divergence is not None and (
             self.mode == "strict" or self.divergence.kind == "halted"
         ):
             raise self.divergence
-        queue = self._queues.setdefault((provider, endpoint), _Queue())
+        queue = self._queues.setdefault((upstream or provider, endpoint), _Queue())
         if not queue.items:
             if self.until is not None:
                 return LIVE
             self.divergence = Divergence(
-                "beyond_recording", provider, endpoint, None, None, request, [], queue.served
+                "beyond_recording",
+                upstream or provider,
+                endpoint,
+                None,
+                None,
+                request,
+                [],
+                queue.served,
             )
             raise self.divergence
         head = queue.items[0]
@@ -384,7 +407,7 @@ class ReplaySource:
         expected = normalize(closest.request)
         self.divergence = Divergence(
             "request_mismatch",
-            provider,
+            upstream or provider,
             endpoint,
             closest.seq,
             expected,

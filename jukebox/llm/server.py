@@ -54,6 +54,7 @@ from jukebox.llm.pricing import PriceTable, per_million, warm_catalogue
 from jukebox.llm.providers import (
     DEFAULT_UPSTREAMS,
     PREFIXES,
+    UNBILLED,
     Route,
     base_url_names,
     error_body,
@@ -64,6 +65,10 @@ from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
 from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, SSEParser, encode_event
+from jukebox.llm.telemetry import Source, proxy_warning, through_proxy
+from jukebox.llm.upstreams import OFFLINE_URL, check_name
+from jukebox.llm.upstreams import agent_env as named_env
+from jukebox.llm.upstreams import named as named_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
 from jukebox.render import size as human
@@ -189,6 +194,14 @@ class ProxyServer:
         record_limit: int | None = None,
     ) -> None:
         self.upstreams = dict(upstreams or upstreams_from_env({}))
+        for name in self.upstreams:
+            if name not in DEFAULT_UPSTREAMS:
+                check_name(name)
+        if replay is not None:
+            # A replay serves the names its tape used; nothing is forwarded to them.
+            for name in replay.upstream_names:
+                self.upstreams.setdefault(name, OFFLINE_URL)
+        self.named = named_upstreams(self.upstreams)
         self.record = record
         self.replay = replay
         self.rewriter = rewriter if rewriter is not None and rewriter.active else None
@@ -207,6 +220,7 @@ class ProxyServer:
         self.prices = prices if prices is not None else PriceTable.shipped()
         self._fallback_tables: dict[str, PriceTable] = {}
         self._unpriced_seen: set[str] = set()
+        self._warned: set[tuple[str, ...]] = set()
         self.record_passthrough = record_passthrough
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -241,9 +255,11 @@ class ProxyServer:
     def base_urls(self) -> dict[str, str]:
         """The environment that points an agent's SDKs at this proxy: every base-URL variable
         a popular client reads, each with the proxy's secret."""
-        return {
+        out = {
             name: self.url + prefix for p, prefix in PREFIXES.items() for name in base_url_names(p)
         }
+        out.update(named_env(self.url, self.named))
+        return out
 
     def start(self) -> ProxyServer:
         self._thread = threading.Thread(target=self._run, name="jukebox-llm-proxy", daemon=True)
@@ -428,7 +444,7 @@ class ProxyServer:
         method = request.method.decode("ascii")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
         try:
-            where = route(method, target)
+            where = route(method, target, self.named)
         except PathRefused as refused:
             message = f"jukebox proxy: path refused: {refused}"
             provider = "anthropic" if target.startswith("/anthropic") else "openai"
@@ -436,15 +452,23 @@ class ProxyServer:
             return
         if where is None:
             message = (
-                f"jukebox proxy: no route for {target}; it serves /openai/v1/... and "
-                "/anthropic/... (set OPENAI_BASE_URL and ANTHROPIC_BASE_URL to them)"
+                f"jukebox proxy: no route for {target}; it serves /openai/v1/..., "
+                "/anthropic/... and /upstream/NAME/... for each --upstream NAME (use the "
+                "OPENAI_BASE_URL, ANTHROPIC_BASE_URL and JUKEBOX_UPSTREAM_NAME_BASE_URL it set)"
             )
             await self._send_simple(conn, stream, 404, error_body("openai", message))
             return
         self.scrubber.learn_headers(headers)
         ex = Exchange(where.provider, where.endpoint, method, where.rest, headers, body)
+        ex.upstream = where.named
         if not where.recorded:
             await self._passthrough(conn, stream, where, ex)
+            return
+        if not where.billed:  # free calls (moderations, token counts): no breaker, no budget
+            if self.trip is not None:
+                await self._refuse_trip(conn, stream, where.provider)
+                return
+            await self._serve_call(conn, stream, where, ex, body)
             return
         if self.trip is not None:
             await self._refuse_trip(conn, stream, where.provider)
@@ -452,7 +476,7 @@ class ProxyServer:
         if self.recorded_bytes + len(body) > self.record_limit:
             await self._refuse_record_limit(conn, stream, where.provider, len(body))
             return
-        key = fingerprint(where.provider, where.endpoint, body)
+        key = fingerprint(where.upstream, where.endpoint, body)
         ex.retry = self._retries.is_retry(key)
         if self.breaker is not None:
             request = parse_body(body)
@@ -490,7 +514,9 @@ class ProxyServer:
         if self.replay is not None:
             request_json = parse_body(self.scrubber.bytes(body))
             try:
-                served = self.replay.take(where.provider, where.endpoint, request_json)
+                served = self.replay.take(
+                    where.provider, where.endpoint, request_json, upstream=where.named
+                )
             except Divergence as divergence:
                 await self._diverged(divergence)
                 message = f"jukebox {divergence.message()}"
@@ -526,11 +552,11 @@ class ProxyServer:
     def _upstream_failed(self, where: Route, error: httpx.HTTPError) -> str:
         """What a failed upstream call says, to the agent and onto the tape: the upstream named
         by its origin only (its path may hold another proxy's secret, its userinfo a password)."""
-        upstream = url_origin(self.upstreams[where.provider])
+        upstream = url_origin(self.upstreams[where.upstream])
         return redact_text(f"upstream {upstream} failed: {error!r}", self.scrubber)
 
     def _upstream_request(self, where: Route, ex: Exchange) -> httpx.Request:
-        url = self.upstreams[where.provider] + where.rest
+        url = self.upstreams[where.upstream] + where.rest
         headers = [
             (k, v)
             for k, v in ex.request_headers
@@ -625,21 +651,32 @@ class ProxyServer:
     async def _passthrough(
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
     ) -> None:
-        """Paths that are not model calls: forwarded byte for byte, noted but not recorded."""
+        """Paths that are not model calls: forwarded byte for byte, noted but not recorded, with
+        one stderr line per path so that what a replay cannot serve is seen while recording."""
+        source = through_proxy(where.provider, where.path)
+        if source is not None:
+            self._warn_once(
+                ("telemetry", where.upstream, source.who),
+                proxy_warning(
+                    source, url_origin(self.upstreams[where.upstream]), self.replay is not None
+                ),
+            )
+            if self.replay is not None:
+                await self._telemetry_answered(conn, stream, where, ex, source)
+                return
+        elif self.replay is None:
+            self._warn_once(
+                ("passthrough", where.upstream, ex.method, where.path),
+                f"note: {ex.method} {where.path} ({where.upstream}) is not a recorded endpoint: "
+                "it passes through unrecorded, and a replay refuses it",
+            )
         if self.replay is not None and self.replay.until is None:
             message = (
                 f"jukebox replay: {ex.method} {where.rest} is not a recorded model call and a "
                 "replay never reaches the network"
             )
             # Noted even when the agent catches the error: its run is not the recorded one.
-            if self.record is not None:
-                refused = {
-                    "event": "replay_refused",
-                    "provider": where.provider,
-                    "method": ex.method,
-                    "path": redact_query(self.scrubber.text(where.rest)),
-                }
-                await trio.to_thread.run_sync(self.record, "note", refused)
+            await self._note_request("replay_refused", where, ex)
             await self._send_simple(conn, stream, 400, error_body(where.provider, message))
             return
         started = time.perf_counter()
@@ -662,17 +699,44 @@ class ProxyServer:
             await upstream.aclose()
         # Noted before the agent sees the end, as model calls are: the tape's order is the
         # order the agent observed, and a proxy stopped right after the call loses nothing.
-        if self.record is not None and self.record_passthrough:
-            note = {
-                "event": "llm_passthrough",
-                "provider": where.provider,
-                "method": ex.method,
-                "path": redact_query(self.scrubber.text(where.rest)),
-                "status": upstream.status_code,
-                "latency_ms": round((time.perf_counter() - started) * 1000, 3),
-            }
-            await trio.to_thread.run_sync(self.record, "note", note)
+        if self.record_passthrough:
+            await self._note_request(
+                "llm_passthrough" if source is None else "telemetry",
+                where,
+                ex,
+                status=upstream.status_code,
+                latency_ms=round((time.perf_counter() - started) * 1000, 3),
+            )
         await self._send(conn, stream, h11.EndOfMessage())
+
+    def _warn_once(self, key: tuple[str, ...], line: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        print(f"jukebox: {redact_text(line, self.scrubber)}", file=sys.stderr, flush=True)
+
+    async def _telemetry_answered(
+        self,
+        conn: h11.Connection,
+        stream: trio.SocketStream,
+        where: Route,
+        ex: Exchange,
+        source: Source,
+    ) -> None:
+        """During a replay: telemetry is accepted here, never forwarded, and noted apart from
+        the calls a replay refuses (it is no part of what the agent did)."""
+        await self._note_request("telemetry", where, ex, source=source.who, answered="locally")
+        await self._send_simple(conn, stream, 200, b"{}")
+
+    async def _note_request(self, event: str, where: Route, ex: Exchange, **extra: Any) -> None:
+        """A `note` frame about a request that is not recorded as a turn (path redacted)."""
+        if self.record is None:
+            return
+        note = {"event": event, "provider": where.provider}
+        if where.named is not None:
+            note["upstream"] = where.named
+        note.update(method=ex.method, path=redact_query(self.scrubber.text(where.rest)), **extra)
+        await trio.to_thread.run_sync(self.record, "note", note)
 
     # ------------------------------------------------------------------ replay
 
@@ -727,7 +791,7 @@ class ProxyServer:
         """Records the exchange and lets the breaker see it, off the event loop."""
         turn = await trio.to_thread.run_sync(self._record_turn, ex)
         self.recorded_bytes += _recorded_size(ex) - len(ex.request_body)
-        if self.breaker is not None and self.trip is None:
+        if self.breaker is not None and self.trip is None and ex.endpoint not in UNBILLED:
             s = turn.summary
             trip = self.breaker.observe(
                 cost_usd=turn.cost_usd or 0.0,

@@ -8,6 +8,7 @@ fork overrides, a circuit breaker. The booth supplies the tape writer and the tr
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -19,6 +20,9 @@ from jukebox.llm.recorder import FrameSink
 from jukebox.llm.replay import Divergence, ReplaySource
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.server import ProxyServer, upstreams_from_env
+from jukebox.llm.telemetry import environment_warnings
+from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
+from jukebox.llm.upstreams import with_named
 
 T = TypeVar("T")
 
@@ -28,7 +32,9 @@ class LlmOptions:
     replay: ReplaySource | None = None
     rewriter: RequestRewriter | None = None
     breaker: Any = None  # jukebox.breaker.CircuitBreaker or anything with admit()/observe()
-    upstreams: Mapping[str, str] | None = None  # default: the user's *_BASE_URL, else public
+    # Default: the user's *_BASE_URL, else public, and `azure` from AZURE_OPENAI_ENDPOINT;
+    # named upstreams are more keys (jukebox.llm.upstreams).
+    upstreams: Mapping[str, str] | None = None
     on_divergence: Callable[[Divergence], Any] | None = None
 
 
@@ -61,7 +67,7 @@ class LlmSession:
         network = PrivateNetwork() if private_network else None
         try:
             proxy = ProxyServer(
-                upstreams=options.upstreams or upstreams_from_env(environ),
+                upstreams=options.upstreams or with_named(upstreams_from_env(environ), (), environ),
                 record=record,
                 replay=options.replay,
                 rewriter=options.rewriter,
@@ -78,12 +84,18 @@ class LlmSession:
             if network is not None:
                 network.close()
             raise
+        if proxy.named:
+            # The names the agent was given: its replay gets the same (jukebox.llm.upstreams).
+            record("note", {"event": UPSTREAMS_NOTE, "names": proxy.named})
         return cls(proxy, network, replaying=options.replay is not None)
 
     def agent_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """What the agent's environment `env` gets: the base URLs, with the proxy's secret (for
         the agent only), and in a replay a placeholder for each API key `env` lacks."""
         out = self.proxy.base_urls()
+        # Senders the proxy cannot see: said before the agent starts (jukebox.llm.telemetry).
+        for line in environment_warnings(env or {}, offline=self.network is not None):
+            print(f"jukebox: {line}", file=sys.stderr, flush=True)
         if self.replaying:
             out.update(placeholder_env(env or {}))
         return out

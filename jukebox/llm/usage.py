@@ -21,14 +21,14 @@ import math
 from typing import Any
 
 from jukebox.llm.budget import BYTES_PER_TOKEN
-from jukebox.llm.providers import CHAT, OPENAI, Summary
+from jukebox.llm.providers import CHAT, COMPLETIONS, OPENAI, Summary
 from jukebox.llm.sse import SSEEvent
 
 
 def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
     """The body to forward instead of `body` so that the upstream reports usage, or None when
-    the request is not a chat stream or already asks for it."""
-    if (provider, endpoint) != (OPENAI, CHAT):
+    the request is not a chat (or legacy completions) stream or already asks for it."""
+    if provider != OPENAI or endpoint not in (CHAT, COMPLETIONS):
         return None
     try:
         request = json.loads(body)
@@ -46,7 +46,7 @@ def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
 
 
 def is_usage_chunk(event: SSEEvent) -> bool:
-    """The chunk an OpenAI chat stream ends with when usage was asked for."""
+    """The chunk an OpenAI chat (or completions) stream ends with when usage was asked for."""
     data = event.json()
     return (
         isinstance(data, dict) and data.get("choices") == [] and isinstance(data.get("usage"), dict)

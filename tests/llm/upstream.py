@@ -12,13 +12,20 @@ A chat stream ends with the usage chunk (`choices: []`, `usage`) when the reques
 (`stream_options.include_usage`), as the real API does, unless header `x-fake-no-usage` is set
 (an OpenAI-compatible server that ignores the option).
 
+Besides the model calls: `/embeddings` (a vector per input that depends on its text, floats or
+base64 as asked), legacy `/completions` (JSON or stream, usage chunk as chat), `/moderations`,
+Anthropic's `/v1/messages/count_tokens`, and the Agents SDK's `/traces/ingest`. Paths are matched
+on their end, so Azure's `/openai/deployments/{name}/chat/completions` is the chat endpoint.
+
 Run as `python tests/llm/upstream.py PORT` for a standalone server (the booth tests do).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
+import struct
 import sys
 import threading
 import time
@@ -150,6 +157,17 @@ class Handler(BaseHTTPRequestHandler):
             self._responses(body)
         elif path.endswith("/v1/messages"):
             self._messages(body)
+        elif path.endswith("/v1/messages/count_tokens"):
+            count = sum(len(json.dumps(m)) for m in body.get("messages", [])) // 4
+            self._json(200, {"input_tokens": count})
+        elif path.endswith("/completions"):
+            self._completions(body)
+        elif path.endswith("/embeddings"):
+            self._embeddings(body)
+        elif path.endswith("/moderations"):
+            self._moderations(body)
+        elif path.endswith("/traces/ingest"):
+            self._json(200, {})
         else:
             self._json(404, {"error": {"message": f"no {self.path}", "type": "not_found"}})
 
@@ -243,6 +261,53 @@ class Handler(BaseHTTPRequestHandler):
             events.append(self._sse({**chunk, "choices": [], "usage": usage}))
         events.append(self._sse("[DONE]"))
         self._events(events)
+
+    # ------------------------------------------------------------------ other OpenAI endpoints
+
+    def _completions(self, body: dict[str, Any]) -> None:
+        prompt = body.get("prompt")
+        text = f"echo: {prompt if isinstance(prompt, str) else json.dumps(prompt)}"
+        usage = {"prompt_tokens": len(json.dumps(prompt)) // 4,
+                 "completion_tokens": len(text.split()),
+                 "total_tokens": len(json.dumps(prompt)) // 4 + len(text.split())}  # fmt: skip
+        base = {"id": "cmpl-fake", "object": "text_completion", "created": 1700000000,
+                "model": body.get("model", MODEL_ECHO)}  # fmt: skip
+        if not body.get("stream"):
+            choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
+            self._json(200, {**base, "choices": [choice], "usage": usage})
+            return
+        events = []
+        for word in _words(text):
+            choice = {"index": 0, "text": word, "finish_reason": None, "logprobs": None}
+            events.append(self._sse({**base, "choices": [choice]}))
+        events.append(self._sse({**base, "choices": [
+            {"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}]}))  # fmt: skip
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(self._sse({**base, "choices": [], "usage": usage}))
+        events.append(self._sse("[DONE]"))
+        self._events(events)
+
+    def _embeddings(self, body: dict[str, Any]) -> None:
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        data = []
+        for i, text in enumerate(inputs):
+            seed = sum(str(text).encode()) % 97
+            vector = [round((seed + k) / 100, 2) for k in range(4)]
+            embedding: Any = vector
+            if body.get("encoding_format") == "base64":
+                embedding = base64.b64encode(struct.pack("<4f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": embedding})
+        tokens = sum(len(str(t).split()) for t in inputs)
+        self._json(200, {"object": "list", "data": data, "model": body.get("model", MODEL_ECHO),
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})  # fmt: skip
+
+    def _moderations(self, body: dict[str, Any]) -> None:
+        flagged = "attack" in json.dumps(body.get("input"))
+        result = {"flagged": flagged, "categories": {"violence": flagged},
+                  "category_scores": {"violence": 0.9 if flagged else 0.01}}  # fmt: skip
+        self._json(200, {"id": "modr-fake", "model": body.get("model") or "omni-moderation-latest",
+                         "results": [result]})  # fmt: skip
 
     # ------------------------------------------------------------------ OpenAI responses
 

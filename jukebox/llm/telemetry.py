@@ -1,0 +1,94 @@
+"""Telemetry: what agent libraries send about a run to somewhere other than the model.
+
+Two kinds reach us:
+
+* through the proxy: the OpenAI Agents SDK posts its traces (every prompt, output and tool
+  argument, with the agent's API key) to `$OPENAI_BASE_URL/traces/ingest` once that variable is
+  set, so the booth's proxy sees them. They are not a model call: recording passes them on (the
+  user's dashboard still gets them) with one warning line and a `note` frame; a replay answers
+  them itself, so they neither leave the machine nor fail the replay.
+* around it: libraries that call their own hosts directly (LangSmith tracing, litellm's price map
+  fetched at import, OpenTelemetry exporters). The proxy never sees those; what the booth can see
+  is the environment that turns them on, and it warns before the agent starts.
+
+`SWITCHES` lists what turns each one off; docs/llm-proxy.md ("Telemetry") repeats it for users.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from jukebox.llm.providers import OPENAI
+
+
+@dataclass(frozen=True)
+class Source:
+    who: str  # the library, as a user knows it
+    off: str  # the setting that turns it off
+
+
+AGENTS_TRACES = Source("the OpenAI Agents SDK's tracing", "OPENAI_AGENTS_DISABLE_TRACING=1")
+
+# (provider, decoded path after the prefix) of telemetry endpoints that come through the proxy.
+_THROUGH_PROXY = {(OPENAI, "/traces/ingest"): AGENTS_TRACES}
+
+# What turns each known sender off (documented; the booth sets none of them by itself).
+SWITCHES = {
+    "OpenAI Agents SDK traces": "OPENAI_AGENTS_DISABLE_TRACING=1",
+    "litellm's price map download at import": "LITELLM_LOCAL_MODEL_COST_MAP=True",
+    "LangSmith tracing (LangChain)": "LANGSMITH_TRACING=false and LANGCHAIN_TRACING_V2=false",
+    "OpenTelemetry exporters": "OTEL_SDK_DISABLED=true",
+    "Chroma's usage telemetry": "ANONYMIZED_TELEMETRY=False",
+    "Hugging Face Hub downloads and telemetry": "HF_HUB_OFFLINE=1",
+}
+
+_TRUE = ("1", "true", "yes", "on")
+
+# (variable, whether any value turns it on, who sends, what turns it off), for the warning
+# before the agent starts: the proxy cannot see these senders.
+_AROUND_PROXY = (
+    ("LANGSMITH_TRACING", False, "LangSmith tracing", "LANGSMITH_TRACING=false"),
+    ("LANGCHAIN_TRACING_V2", False, "LangSmith tracing", "LANGCHAIN_TRACING_V2=false"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", True, "an OpenTelemetry exporter", "OTEL_SDK_DISABLED=true"),
+    ("LANGFUSE_PUBLIC_KEY", True, "Langfuse tracing", "unsetting LANGFUSE_PUBLIC_KEY"),
+)
+
+
+def through_proxy(provider: str, path: str) -> Source | None:
+    """The telemetry sender a request through the proxy comes from, if it is one we know."""
+    return _THROUGH_PROXY.get((provider, path.rstrip("/") or "/"))
+
+
+def proxy_warning(source: Source, upstream_origin: str, replaying: bool) -> str:
+    where = (
+        "a replay answers them itself, so they never leave"
+        if replaying
+        else f"they go to {upstream_origin} with the agent's API key and are not on the tape"
+    )
+    return (
+        f"warning: {source.who} sends the run's prompts and outputs as traces; {where}; "
+        f"set {source.off} to stop them"
+    )
+
+
+def environment_warnings(env: Mapping[str, str], offline: bool) -> list[str]:
+    """One line per sender the agent's environment turns on that bypasses the proxy."""
+    out = []
+    seen = set()
+    for name, any_value, who, off in _AROUND_PROXY:
+        value = env.get(name, "")
+        on = bool(value) if any_value else value.strip().lower() in _TRUE
+        if not on or who in seen:
+            continue
+        seen.add(who)
+        fate = (
+            "under --net none they fail (and may slow the agent with retries)"
+            if offline
+            else "they leave the booth directly, unrecorded"
+        )
+        out.append(
+            f"warning: {name} turns on {who}, which sends the run's data to its own servers, "
+            f"not through the proxy: {fate}; set {off} to stop it"
+        )
+    return out
