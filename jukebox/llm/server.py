@@ -15,11 +15,11 @@ Per model call, in order:
    (otherwise the call is refused with 400 and the proxy trips, rule `recorded`);
 1. the circuit breaker's verdict (a trip answers 400 in the provider's error shape);
 2. replay: the call is served from the tape (or is a divergence, answered 400); or live: the
-   request is rewritten (fork overrides) and forwarded, and a stream is passed on chunk by chunk
-   as it arrives;
-3. the `llm_turn` frame is written *before* the agent sees the end of the response (the last
-   chunk is held back until then), so the tape's order of llm_turn and checkpoint frames is the
-   order the agent observed;
+   request is rewritten (fork overrides) and forwarded, and a stream is passed on event by
+   event, each as soon as it is complete;
+3. the `llm_turn` frame is written *before* the agent sees the end of the response (the event
+   that ends a stream, jukebox.llm.stream_end, and the end of any response are held back until
+   then), so the tape's order of llm_turn and checkpoint frames is the order the agent observed;
 4. the breaker observes the exchange; a trip fails the next call;
 5. after a trip, `stop_agent` once the agent has the answer that explains it.
 
@@ -65,6 +65,7 @@ from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
 from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, SSEParser, encode_event
+from jukebox.llm.stream_end import is_final
 from jukebox.llm.telemetry import Source, proxy_warning, through_proxy
 from jukebox.llm.upstreams import OFFLINE_URL, check_name
 from jukebox.llm.upstreams import agent_env as named_env
@@ -611,32 +612,32 @@ class ProxyServer:
         parser = SSEParser()
         opened = time.perf_counter()
         await self._send(conn, stream, h11.Response(status_code=ex.status, headers=headers))
-        held: bytes | None = None  # the latest chunk, sent once the next one (or the frame) is in
+        held = b""  # from the event that ends the stream on: sent once the frame is written
         client_gone = False
         try:
             async for chunk in upstream.aiter_bytes():
                 if not chunk:
                     continue
                 events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
+                ready = parser.take_ready()
                 if ex.usage_asked_body is not None:
                     # The agent did not ask for usage: it gets the events without the usage
-                    # chunk, re-encoded (their data verbatim), and a read of nothing else is
-                    # not sent at all.
-                    chunk = _without_usage_chunk(events)
-                    if not chunk:
-                        continue
-                if held is not None and not client_gone:
+                    # chunk, re-encoded (their data verbatim).
+                    ready = _without_usage_chunk(events)
+                if held or any(is_final(event) for event in events):
+                    held += ready
+                    continue
+                if ready and not client_gone:
                     try:
-                        await self._send(conn, stream, h11.Data(data=held))
+                        await self._send(conn, stream, h11.Data(data=ready))
                     except _ClientGone:
                         client_gone = True
                         break
-                held = chunk
         except httpx.HTTPError as error:
             ex.error = f"upstream stream broke: {error!r}"
         tail = parser.close((time.perf_counter() - opened) * 1000)
-        if ex.usage_asked_body is not None and tail:
-            held = (held or b"") + _without_usage_chunk(tail)
+        rest = parser.take_rest()
+        held += _without_usage_chunk(tail) if ex.usage_asked_body is not None else rest
         ex.events = parser.events
         ex.latency_ms = (time.perf_counter() - started) * 1000
         if client_gone:
@@ -644,7 +645,7 @@ class ProxyServer:
         await self._finish(ex)
         if client_gone or ex.error is not None:
             raise _ClientGone()
-        if held is not None:
+        if held:
             await self._send(conn, stream, h11.Data(data=held))
         await self._send(conn, stream, h11.EndOfMessage())
 

@@ -1,9 +1,10 @@
 """Server-sent events: an incremental parser that keeps chunk boundaries, and the encoder.
 
-The proxy forwards upstream bytes untouched and feeds the same bytes to `SSEParser` on the side,
-so recording never delays or alters what the agent sees. Each event remembers the chunk (the
-upstream read) it completed in and when, which is what replay needs to re-emit a stream with the
-same boundaries and, optionally, the same timing.
+The proxy feeds upstream bytes to `SSEParser` and forwards them untouched, each event as soon
+as it is complete (`take_ready`: the bytes up to the last point between events), so recording
+neither alters nor delays what the agent sees. Each event remembers the chunk (the upstream
+read) it completed in and when, which is what replay needs to re-emit a stream with the same
+boundaries and, optionally, the same timing.
 """
 
 from __future__ import annotations
@@ -89,17 +90,38 @@ class SSEParser:
         self._id: str | None = None
         self.chunks = 0
         self.events: list[SSEEvent] = []
+        self._raw = bytearray()  # bytes fed and not yet taken by take_ready
+        self._ready = 0  # how many of them end at a point between events
 
     def feed(self, chunk: bytes, t_ms: float) -> list[SSEEvent]:
         index = self.chunks
         self.chunks += 1
         return self._consume(chunk, index, t_ms)
 
-    def _consume(self, chunk: bytes, index: int, t_ms: float) -> list[SSEEvent]:
+    def take_ready(self) -> bytes:
+        """The bytes fed so far that end between events (every event in them complete, no
+        event begun), removed: what may be passed on now, byte for byte."""
+        ready = bytes(self._raw[: self._ready])
+        del self._raw[: self._ready]
+        self._ready = 0
+        return ready
+
+    def take_rest(self) -> bytes:
+        """Every byte fed and not yet taken: at the end of the stream, the unterminated tail."""
+        rest = bytes(self._raw)
+        self._raw.clear()
+        self._ready = 0
+        return rest
+
+    def _consume(self, chunk: bytes, index: int, t_ms: float, fed: bool = True) -> list[SSEEvent]:
         self._buf += chunk
+        if fed:
+            self._raw += chunk
         done: list[SSEEvent] = []
         pos = 0
         buf = self._buf
+        # Where buf starts in the untaken bytes (it is their tail: a partial line at most).
+        base = len(self._raw) - len(buf)
         while True:
             match = _EOL.search(buf, pos)
             # A lone \r at the very end may be the first half of \r\n: wait for more.
@@ -110,6 +132,8 @@ class SSEParser:
             event = self._line(line, index, t_ms)
             if event is not None:
                 done.append(event)
+            if fed and not self._data and self._event is None:
+                self._ready = base + pos
         self._buf = buf[pos:]
         self.events.extend(done)
         return done
@@ -137,4 +161,4 @@ class SSEParser:
         """Completes an event the upstream left unterminated at the end of the stream."""
         if not (self._buf or self._data):
             return []
-        return self._consume(b"\n\n", max(self.chunks - 1, 0), t_ms)
+        return self._consume(b"\n\n", max(self.chunks - 1, 0), t_ms, fed=False)

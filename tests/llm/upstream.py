@@ -5,7 +5,8 @@ last, the model calls the first tool; after a tool result it says `done: <result
 it echoes the last user text. Streams are written one event per write (some two per write) with
 chunked transfer encoding, so chunk boundaries are real. A request with `"cache"` in its last
 message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer;
-`x-fake-response-headers` (a JSON object) is added to a JSON answer's headers.
+`x-fake-response-headers` (a JSON object) is added to a JSON answer's headers;
+`x-fake-gate: NAME` holds a stream after its first event until the test opens the gate.
 `x-fake-fail: STATUS:N` answers the first N copies of the same request (path and body) with
 that status and an error body, as a rate-limited or broken API does (an SDK then retries).
 A chat stream ends with the usage chunk (`choices: []`, `usage`) when the request asks for it
@@ -33,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MODEL_ECHO = "fake-echo"
+GATE_TIMEOUT_S = 5.0
 
 
 def _text_of(content: Any) -> str:
@@ -124,11 +126,18 @@ class Handler(BaseHTTPRequestHandler):
         return (head + f"data: {text}\n\n").encode()
 
     def _events(self, events: list[bytes]) -> None:
-        """Writes events, pairing every third with the next, so chunks hold one or two events."""
+        """Writes events, pairing every third with the next, so chunks hold one or two events.
+        With header `x-fake-gate: NAME`, waits after the first event until the test opens
+        `server.gate(NAME)` (GATE_TIMEOUT_S at most), noting `second event sent` in
+        `server.log` as it goes on."""
         self._start_stream()
+        gate = self.headers.get("x-fake-gate")
         i = 0
         while i < len(events):
             take = 2 if i % 3 == 2 and i + 1 < len(events) else 1
+            if i == 1 and gate:
+                self.server.gate(gate).wait(GATE_TIMEOUT_S)
+                self.server.log.append("second event sent")
             self._chunk(b"".join(events[i : i + take]))
             i += take
         self._end_stream()
@@ -476,6 +485,12 @@ class FakeServer(ThreadingHTTPServer):
         self.seen: list[tuple[str, str, dict[str, str], Any]] = []
         self.failed: dict[tuple[str, bytes], int] = {}
         self.lock = threading.Lock()
+        self.gates: dict[str, threading.Event] = {}
+        self.log: list[str] = []  # what gated streams did, in order (tests add their own)
+
+    def gate(self, name: str) -> threading.Event:
+        with self.lock:
+            return self.gates.setdefault(name, threading.Event())
 
 
 class FakeUpstream:

@@ -1,0 +1,79 @@
+"""Streams pass through the proxy event by event: the agent has each event as soon as the
+upstream completes it, and the end of the stream only once the call's frame is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jukebox.llm.server import ProxyServer
+from jukebox.llm.sse import SSEParser
+from tests.llm.conftest import Recording, clients
+from tests.llm.upstream import FakeUpstream
+
+
+def first_event_then_rest(provider: str, upstream: FakeUpstream, base_urls: dict[str, str]):
+    """Streams one answer through the real SDK whose upstream holds everything after the first
+    event until the agent has that first event; returns the events' types (or deltas)."""
+    o, a = clients(base_urls)
+    log, gate = upstream.server.log, upstream.server.gate(provider)
+    headers = {"x-fake-gate": provider}
+    messages = [{"role": "user", "content": "one two three"}]
+    seen: list[Any] = []
+    if provider == "openai":
+        stream: Any = o.chat.completions.create(
+            model="gpt-4o-mini", messages=messages, stream=True, extra_headers=headers
+        )
+    else:
+        stream = a.messages.create(
+            model="claude-haiku-4-5", max_tokens=16, messages=messages, stream=True,
+            extra_headers=headers,
+        )  # fmt: skip
+    for event in stream:
+        if not seen:
+            log.append("agent has the first event")
+            gate.set()
+        seen.append(getattr(event, "type", None) or event.choices[0].delta.content)
+        if seen[-1] == "message_stop":
+            log.append("agent has the end")
+    if provider == "openai":  # the SDK ends its iteration at [DONE], the final event
+        log.append("agent has the end")
+    return seen
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_the_first_event_reaches_the_agent_before_the_upstream_sends_the_second(
+    provider: str, upstream: FakeUpstream, recording: Recording
+) -> None:
+    log = upstream.server.log
+
+    def record(kind: str, payload: Any) -> None:
+        recording.writer.append(kind, payload)
+        log.append(f"{kind} frame written")
+
+    upstreams = {"openai": upstream.openai_url, "anthropic": upstream.url}
+    with ProxyServer(upstreams=upstreams, record=record) as proxy:
+        seen = first_event_then_rest(provider, upstream, proxy.base_urls())
+    # The end of the stream is held back until its frame is on the tape.
+    assert log == ["agent has the first event", "second event sent", "llm_turn frame written",
+                   "agent has the end"]  # fmt: skip
+    assert len(seen) > 4
+    # The tape holds the stream as it came from the upstream, chunk by chunk.
+    (turn,) = [f.resolve_payload(recording.store) for f in recording.tape().frames[1:]]
+    assert turn["stream"] is True and turn["response"][0]["chunk"] == 0
+    assert turn["response"][1]["chunk"] == 1
+
+
+def test_the_parser_releases_bytes_only_up_to_a_point_between_events() -> None:
+    parser = SSEParser()
+    parser.feed(b"event: a\r\ndata: 1\r\n\r\nevent: b\r\nda", 0.0)
+    assert parser.take_ready() == b"event: a\r\ndata: 1\r\n\r\n"
+    parser.feed(b"ta: 2\r\n", 1.0)
+    assert parser.take_ready() == b""  # b has begun: nothing of it goes alone
+    parser.feed(b"\r\n: keep-alive\n", 2.0)
+    assert parser.take_ready() == b"event: b\r\ndata: 2\r\n\r\n: keep-alive\n"
+    parser.feed(b"data: unterminated", 3.0)
+    parser.close(4.0)
+    assert parser.take_rest() == b"data: unterminated"
+    assert [e.data for e in parser.events] == ["1", "2", "unterminated"]
