@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
 from jukebox.basetree import build_base_tree, forget_committed
+from jukebox.booth_paths import BoothPaths
 from jukebox.cgroups import BoothCgroup
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
@@ -65,6 +66,7 @@ from jukebox.tapedir import (
     remove_unused_tape_dir,
 )
 from jukebox.terminal import AgentTerminal, relayed, send_to_agent
+from jukebox.view_denials import OutputTail, StderrTee, view_denials
 from shadowfs.oid import ObjectId
 
 if TYPE_CHECKING:
@@ -911,6 +913,7 @@ class _Run:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rollbacks: int = 0
+    output: OutputTail = field(default_factory=OutputTail)  # what the agent printed, its end
     # How the agent is started: through the LLM proxy's session, which under --net none spawns
     # it inside the private network the proxy listens in.
     spawn: Callable[..., isolation.Child] = isolation.spawn  # (spec, stdin=, stdout=, stderr=)
@@ -1220,8 +1223,11 @@ def run_booth(
     allow_hooks: bool = False,
     seccomp: bool = True,
     strict_sandbox: bool = False,
+    paths: BoothPaths | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
+
+    `paths`: what this run adds to the image's view (--rw, --ro, --hide, --no-private-tmp).
 
     `seccomp=False` runs without the system call filter; `strict_sandbox` refuses to start
     (UsageError) when a protection cannot be applied here (see jukebox.protections).
@@ -1248,8 +1254,6 @@ def run_booth(
     if breaker is not None:
         # A jukebox.breaker.CircuitBreaker (the --max-* flags): the LLM proxy admits and
         # observes every model call through it and calls `_Run.on_trip` when it trips.
-        import dataclasses
-
         from jukebox.llm.session import LlmOptions
 
         llm = dataclasses.replace(llm or LlmOptions(), breaker=breaker)
@@ -1269,6 +1273,12 @@ def run_booth(
         )
     # An Image object is one a replay or fork already chose (never one named by a tape).
     img: Image = image if isinstance(image, Image) else load_image(image)
+    paths = paths or BoothPaths()
+    if paths.private_tmp is not None:
+        img = dataclasses.replace(img, private_tmp=paths.private_tmp)
+    from jukebox import realtree
+
+    paths.check(tree_path, str(tapes.path), str(realtree.commit_key_dir()))
     net = net or img.net
     if net not in ("host", "none"):
         raise UsageError(f"bad --net {net!r}: use host or none")
@@ -1354,6 +1364,7 @@ def run_booth(
                     "view": view,
                     "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
                     "protections": protections.policy(),
+                    "paths": paths.policy(),
                 },
                 "host": host_facts(),
                 "env": img.describe_env(env),
@@ -1418,22 +1429,22 @@ def run_booth(
         env.update(llm_session.agent_env(env))
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
-        from jukebox import realtree
-
         hide = [
             *img.hidden_paths(),
+            *paths.hide,
             str(tapes.path),
             str(realtree.commit_key_dir()),
             *view["hidden_socket_dirs"],
         ]
+        writable = [tree_path, *paths.rw]  # the tree first: the verifier's cwd
         spec = isolation.ChildSpec(
             argv=argv,
             cwd=agent_cwd,
             env=env,
-            keep=[tree_path],
+            keep=writable,
             mount_at={tree_path: layer_dir},
             keep_readonly=[sock_dir],
-            keep_tools=isolation.hidden_tools(hide, img.private_tmp),
+            keep_tools=[*isolation.hidden_tools(hide, img.private_tmp, writable), *paths.ro],
             hide=hide,
             readonly_root=img.readonly_host,
             private_tmp=img.private_tmp,
@@ -1462,6 +1473,7 @@ def run_booth(
             "fs", fs_payload, refs=[journal] if journal is not None else (), tree=final_tree
         )
         writer.append("exit", status)
+        _report_view_denials(run, spec, status, (str(tapes.path), str(realtree.commit_key_dir())))
         agent_ok = exit_status == 0 and not status.get("setup_error")
         verified: dict[str, Any] | None = None
         if verify and not interrupted:
@@ -1668,9 +1680,9 @@ def _supervise(
     through the supervisor, which passes the first interrupt on and kills CMD at the second,
     whether it arrived as a signal or as a key typed into the relayed pty."""
     started = time.monotonic()
-    with relayed(AgentTerminal.for_caller()) as term:
+    with relayed(AgentTerminal.for_caller()) as term, _output_tail(term, run.output) as stdio:
         spec.terminal = term is not None
-        child = run.spawn(spec, **(term.stdio() if term is not None else {}))
+        child = run.spawn(spec, **stdio)
         run.agent_pid = child.pid
         lock = threading.Lock()
         interrupts = 0
@@ -1732,6 +1744,37 @@ def _supervise(
     if not ok:
         payload["setup_error"] = child.setup_error
     return payload, interrupts > 0
+
+
+@contextlib.contextmanager
+def _output_tail(term: AgentTerminal | None, tail: OutputTail) -> Iterator[dict[str, Any]]:
+    """The agent's stdio for the spawn, with the tail of what it prints kept in `tail`: from
+    its terminal's relay, or from its stderr teed through a pipe when that is no terminal."""
+    stdio: dict[str, Any] = term.stdio() if term is not None else {}
+    if term is not None:
+        term.on_output = tail.add
+    if stdio.get("stderr") is not None:
+        yield stdio
+        return
+    tee = StderrTee(tail)
+    try:
+        yield {**stdio, "stderr": tee.write_fd}
+    finally:
+        tee.close()
+
+
+def _report_view_denials(run: _Run, spec: isolation.ChildSpec, status: dict[str, Any],
+                         never: tuple[str, ...]) -> None:  # fmt: skip
+    """Says which hidden or read-only paths the agent failed on, and notes them on the tape."""
+    output = run.output.text() + "\n" + (status.get("setup_error") or "")
+    denials = view_denials(output, spec, never)
+    if not denials:
+        return
+    run.writer.append(
+        "note", {"event": "view_denials", "denials": [d.to_json() for d in denials]}
+    )
+    for denial in denials:
+        _alert(denial.message())
 
 
 def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:

@@ -52,6 +52,7 @@ import resource
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -478,9 +479,15 @@ def view_policy(image: Image, net: str, scratch_limit: int | None) -> dict[str, 
     }
 
 
-def hidden_tools(hide: list[str], private_tmp: bool) -> list[str]:
+def hidden_tools(
+    hide: list[str], private_tmp: bool, writable: Sequence[str] = ()
+) -> list[str]:
     """jukebox's interpreter and installation directories that a view with these covers would
-    hide; the booth keeps them reachable (read-only) so the agent can run `jukebox` inside."""
+    hide; the booth keeps them reachable (read-only) so the agent can run `jukebox` inside.
+
+    One inside a `writable` kept path (the tree: jukebox's own checkout, its venv inside) is
+    reachable through it already: a read-only copy of its own would cover the agent's
+    writable tree with the real files, and every write there would fail with EROFS."""
     import jukebox
 
     candidates = {
@@ -496,6 +503,7 @@ def hidden_tools(hide: list[str], private_tmp: bool) -> list[str]:
     if private_tmp:
         covers.append("/tmp")
     hidden = {c for c in candidates if any(_is_under(c, h) for h in covers)}
+    hidden = {c for c in hidden if not any(_is_under(c, os.path.realpath(w)) for w in writable)}
     # Only the outermost of nested candidates (a venv inside the source checkout).
     return sorted(c for c in hidden if not any(o != c and _is_under(c, o) for o in hidden))
 
@@ -524,6 +532,8 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly | tools)
     sources = {os.path.realpath(t): s for t, s in spec.mount_at.items()}
     clones = {path: open_tree_clone(sources.get(path, path)) for path in keep}
+    # A kept file (--ro /tmp/agent.sh) needs a file to be mounted on, a directory a directory.
+    kept_dirs = {path for path, fd in clones.items() if stat.S_ISDIR(os.fstat(fd).st_mode)}
     for source in sources.values():
         # The agent sees the layer at the tree's path only, not also at the supervisor's.
         umount(source, MNT_DETACH)
@@ -545,7 +555,7 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     # Every kept mount goes back at its own path, on top of whatever now lies there: the
     # read-only host, a cover, or the private /tmp. The clones predate all of that.
     for path, fd in clones.items():
-        os.makedirs(path, exist_ok=True)
+        _make_mount_point(path, path in kept_dirs)
         move_mount(fd, path)
         os.close(fd)
         if path in readonly:
@@ -567,6 +577,17 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     private_dev.seal_private_dev()
     if fresh_proc and os.path.isdir("/proc") and not any(_is_under("/proc", h) for h in hides):
         _mount_fresh_proc(spec.readonly_root)
+
+
+def _make_mount_point(path: str, is_dir: bool) -> None:
+    """Where a kept mount goes back: there already (the read-only host), or made in a cover or
+    the private /tmp, still writable at this point."""
+    if is_dir:
+        os.makedirs(path, exist_ok=True)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if not os.path.lexists(path):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
 
 
 def _tmpfs_options(size: int | None) -> str:

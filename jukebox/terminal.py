@@ -111,6 +111,8 @@ class AgentTerminal:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._on_interrupt: Callable[[], None] = lambda: None
+        # Sees everything the agent prints on its terminal (jukebox.view_denials keeps a tail).
+        self.on_output: Callable[[bytes], None] | None = None
 
     @classmethod
     def for_caller(cls) -> AgentTerminal | None:
@@ -244,6 +246,8 @@ class AgentTerminal:
                     pending = b""
 
     def _show(self, data: bytes) -> None:
+        if self.on_output is not None:
+            self.on_output(data)
         if self._out is None:
             return  # only stdin is a terminal: the pty's output is its echo, shown nowhere
         with contextlib.suppress(OSError):

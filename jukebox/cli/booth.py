@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.booth_view import view_path_options
 from jukebox.cli.review_options import exclude_options
 from jukebox.cli.tapes import listed_tape_dir, tape_dir_option
+
+if TYPE_CHECKING:
+    from jukebox.booth_paths import BoothPaths
 
 
 @cli.group()
@@ -103,6 +108,7 @@ _ALLOW_HOOKS_HELP = (
     help="Run without the system call filter (to measure its cost, or for an agent it "
     "breaks; an image can loosen it by group instead: [seccomp] allow).",
 )
+@view_path_options
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     tree: str,
@@ -126,6 +132,7 @@ def run(
     strict_sandbox: bool,
     no_seccomp: bool,
     cmd: tuple[str, ...],
+    paths: BoothPaths,
 ) -> None:
     """Run CMD in a booth over the tree; CMD's exit status is the run's.
 
@@ -177,6 +184,7 @@ def run(
         allow_hooks=allow_hooks,
         seccomp=not no_seccomp,
         strict_sandbox=strict_sandbox,
+        paths=paths,
     )
     sys.exit(code)
 
