@@ -45,6 +45,7 @@ from jukebox.tape_errors import (
 )
 from shadowfs.errors import ObjectCorrupt, ObjectMissing
 from shadowfs.oid import ObjectId
+from shadowfs.progress import Progress
 
 __all__ = [
     "HEADER_SIZE",
@@ -418,11 +419,14 @@ class Tape:
             acc.count = len(self.frames)
         return problems, acc
 
-    def verify(self, check_objects: bool = True, deep: bool = False) -> VerifyReport:
+    def verify(
+        self, check_objects: bool = True, deep: bool = False, progress: Progress | None = None
+    ) -> VerifyReport:
         """Check every frame; with a store (and check_objects) also every referenced object.
 
         The default checks record ids, seq order, parent links and Merkle roots. With a store or
-        `deep=True` every frame is also decoded and checked to be canonical.
+        `deep=True` every frame is also decoded and checked to be canonical; ``progress`` is told
+        of each frame checked so.
         """
         problems: list[TapeProblem] = list(self._split_problems)
         chain, acc = self._check_chain()
@@ -431,17 +435,21 @@ class Tape:
         self._head = head
         store = self.store if check_objects else None
         if deep or store is not None:
-            problems += self._check_frames(store)
+            problems += self._check_frames(store, progress)
         if self.torn_tail is not None:
             problems.append(
                 TornTape(self.path, self.torn_tail.offset, self.torn_tail.reason, len(self.frames))
             )
         return VerifyReport(not problems, head, problems)
 
-    def _check_frames(self, store: ObjectStore | None) -> list[TapeProblem]:
+    def _check_frames(
+        self, store: ObjectStore | None, progress: Progress | None = None
+    ) -> list[TapeProblem]:
         problems: list[TapeProblem] = []
         seen: set[bytes] = set()
         for i, f in enumerate(self.frames):
+            if progress is not None:
+                progress(i, len(self.frames))
             try:
                 refs = f.refs
                 tree = f.tree

@@ -68,6 +68,9 @@ from shadowfs.errors import (
     TreeError,
 )
 from shadowfs.oid import ObjectHasher, ObjectId
+
+# progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
+from shadowfs.progress import PhasedProgress as Progress
 from shadowfs.tree import DIR, SYMLINK, Change, Entry, lookup, read_tree, walk
 
 __all__ = [
@@ -106,10 +109,8 @@ _READ_SIZE = 1 << 20
 _MAX_DIR_FDS = 256
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
-Progress = Callable[[str, int, int], None]
 Interrupted = Callable[[], bool]
 Target = int | str | bytes | os.PathLike[str] | os.PathLike[bytes]
-"""progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops)."""
 
 
 class CommitStore(Protocol):

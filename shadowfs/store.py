@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
@@ -49,6 +49,7 @@ from shadowfs import pack as pk
 from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
 from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
+from shadowfs.progress import Progress
 from shadowfs.store_index import IndexEntry, StoreIndex
 
 CHUNK_SIZE = 4 * 1024 * 1024
@@ -72,7 +73,6 @@ PACK_TARGET = 256 * 1024 * 1024
 _REUSE_TRIES = 8
 _MAX_OPEN_PACKS = 256
 
-Progress = Callable[[int, int], None]
 
 _CHUNK_ENTRY = struct.Struct("<32sQ")
 

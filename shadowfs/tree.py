@@ -45,6 +45,7 @@ from typing import BinaryIO, Protocol
 from shadowfs.bounded import BoundedMap
 from shadowfs.errors import TreeError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
+from shadowfs.progress import Progress
 
 FILE = "file"
 DIR = "dir"
@@ -518,6 +519,7 @@ def build_tree(
     exclude: Callable[[bytes], bool] | None = None,
     known: Mapping[bytes, FileIdentity] | None = None,
     seen: dict[bytes, FileIdentity] | None = None,
+    progress: Progress | None = None,
 ) -> ObjectId:
     """Store the directory at ``path`` and everything beneath it; return the root tree id.
 
@@ -541,6 +543,8 @@ def build_tree(
 
     ``exclude(relative_path)`` returning True leaves that entry (and all beneath it) out, silently:
     for state that lives inside a tree but is not part of it (a tape dir inside a project).
+
+    ``progress(entries_scanned, None)`` is told of every entry as the scan reaches it.
     """
     root = os.fsencode(path)
     ref = previous_started_ns if previous_started_ns is not None else time.time_ns()
@@ -552,14 +556,16 @@ def build_tree(
             "pass an existing, readable directory"
         ) from None
     try:
-        builder = _Builder(root, store, ref - RACY_NS, on_skip, exclude, known, seen)
+        builder = _Builder(root, store, ref - RACY_NS, on_skip, exclude, known, seen, progress)
         return builder.build(fd, b"", previous, 0)
     finally:
         os.close(fd)
 
 
 class _Builder:
-    __slots__ = ("cutoff", "exclude", "known", "on_skip", "root", "seen", "store")
+    __slots__ = (
+        "cutoff", "exclude", "known", "on_skip", "progress", "root", "scanned", "seen", "store"
+    )
 
     def __init__(
         self,
@@ -570,8 +576,11 @@ class _Builder:
         exclude: Callable[[bytes], bool] | None = None,
         known: Mapping[bytes, FileIdentity] | None = None,
         seen: dict[bytes, FileIdentity] | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.root = root
+        self.progress = progress
+        self.scanned = 0
         self.store = store
         self.cutoff = cutoff
         self.on_skip = on_skip
@@ -598,6 +607,9 @@ class _Builder:
                 name = de.name.encode(_FS_ENCODING, _FS_ERRORS)
                 if self.exclude is not None and self.exclude(_join(rel, name)):
                     continue
+                if self.progress is not None:
+                    self.scanned += 1
+                    self.progress(self.scanned, None)
                 try:
                     e = self.entry(dfd, name, de, rel, prev, depth)
                 except FileNotFoundError:
