@@ -116,6 +116,7 @@ def build_base_tree(
     exclude: Callable[[bytes], bool] | None = None,
 ) -> ObjectId:
     """The tree id of ``tree_path`` now, reusing the last build of the same path."""
+    from jukebox.progress import step
     from shadowfs.errors import StoreError
     from shadowfs.tree import build_tree
 
@@ -129,21 +130,23 @@ def build_base_tree(
     began = time.time_ns()
     tree = None
     seen: dict[bytes, FileIdentity] = {}
-    if previous is not None and started is not None and store.has(previous):
-        # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
-        with contextlib.suppress(StoreError):
-            tree = build_tree(
-                store,
-                tree_path,
-                previous=previous,
-                previous_started_ns=started,
-                exclude=exclude,
-                known=_identities(tape_dir, tree_path, previous),
-                seen=seen,
-            )
-    if tree is None:
-        seen.clear()
-        tree = build_tree(store, tree_path, exclude=exclude, seen=seen)
+    with step("hashing the tree", "entries", done="hashed the tree") as tick:
+        if previous is not None and started is not None and store.has(previous):
+            # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
+            with contextlib.suppress(StoreError):
+                tree = build_tree(
+                    store,
+                    tree_path,
+                    previous=previous,
+                    previous_started_ns=started,
+                    exclude=exclude,
+                    progress=tick,
+                    known=_identities(tape_dir, tree_path, previous),
+                    seen=seen,
+                )
+        if tree is None:
+            seen.clear()
+            tree = build_tree(store, tree_path, exclude=exclude, seen=seen, progress=tick)
     _write_stats(tape_dir, tree_path, tree, seen)
     known[tree_path] = {"tree": tree.hex(), "started_ns": began}
     _write(tape_dir, known)

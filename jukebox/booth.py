@@ -55,6 +55,7 @@ from jukebox.cgroups import BoothCgroup
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.images import Image, load_image
+from jukebox.progress import note
 from jukebox.protections import Protections, booth_protections, strict_refusal
 from jukebox.record_binding import bound_tape, record_seal
 from jukebox.recorded_image import image_record
@@ -1152,7 +1153,9 @@ def _warn_host_hooks(store: Any, base: ObjectId, final: ObjectId) -> None:
 
     flagged = host_hook_changes(store, base, final)
     if flagged:
-        sys.stderr.write(warning_block(flagged, highlight=sys.stderr.isatty()))
+        from jukebox.style import wanted_on
+
+        sys.stderr.write(warning_block(flagged, highlight=wanted_on(sys.stderr)))
 
 
 def _ask(summary: list[str], booth_id: str) -> str:
@@ -1643,7 +1646,7 @@ def _commit_run(
     if final == base:
         writer.append("commit", {"ok": True, "changes": 0}, tree=final)
         _finish(tapes, record.id)
-        _alert(f"no changes to commit: {record.tree} is as it was (tape {record.tape})")
+        note(f"no changes to commit: {record.tree} is as it was (tape {record.tape})")
         return "done", code
     # A kill during the commit leaves a booth recovery can hand back, pending, when it undoes it.
     save_record(tapes, record)
@@ -1667,7 +1670,7 @@ def _commit_run(
         _alert(str(error))
         return "keep", 1
     plural = "" if changes == 1 else "s"
-    _alert(f"committed {changes} change{plural} to {record.tree} (tape {record.tape})")
+    note(f"committed {changes} change{plural} to {record.tree} (tape {record.tape})")
     return "done", code
 
 

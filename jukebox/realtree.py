@@ -305,13 +305,15 @@ class CommitJob:
         timeout: float,
         interrupted: Callable[[], bool],
     ) -> Any:
+        from jukebox.progress import step
         from shadowfs.commit import apply
 
         # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
-        return apply(
-            store, target_fd, base, final, journal_dir=self.fd, drop_setid=True, key=self.key,
-            lock_timeout=timeout, interrupted=interrupted,
-        )
+        with step("committing", "paths", done="committed") as tick:
+            return apply(
+                store, target_fd, base, final, journal_dir=self.fd, drop_setid=True, key=self.key,
+                lock_timeout=timeout, interrupted=interrupted, progress=tick.phased,
+            )
 
     def __exit__(self, *exc: object) -> None:
         from shadowfs.commit import pending

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 WIDTH_FALLBACK = 120
@@ -58,20 +58,30 @@ def short(text: Any, limit: int = 60) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
-    """Columns sized to their content; `right` names columns to right-align (numbers)."""
+def table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    right: Iterable[int] = (),
+    paint: Mapping[int, Callable[[str], str]] | None = None,
+) -> str:
+    """Columns sized to their content; `right` names columns to right-align (numbers). When the
+    CLI turned colour on (jukebox.style), the header is bold and `paint` colours the cells of
+    the columns it names (a status)."""
+    from jukebox import style
     from jukebox.names import printable
 
     # Cells quote tapes and trees (names, messages): a terminal must not act on what they hold.
     cells = [[printable(c) for c in headers]] + [[printable(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     align_right = set(right)
+    painters = dict(paint or {}) if style.enabled() else {}
     lines = []
-    for row in cells:
-        parts = [
-            (c.rjust(widths[i]) if i in align_right else c.ljust(widths[i]))
-            for i, c in enumerate(row)
-        ]
+    for n, row in enumerate(cells):
+        parts = []
+        for i, c in enumerate(row):
+            pad = " " * (widths[i] - len(c))
+            shown = style.header(c) if n == 0 else painters.get(i, str)(c)
+            parts.append(pad + shown if i in align_right else shown + pad)
         lines.append("   ".join(parts).rstrip())
     return "\n".join(lines)
 

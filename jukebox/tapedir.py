@@ -29,11 +29,15 @@ _TAPE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def default_tape_dir() -> Path:
-    """$JUKEBOX_TAPE_DIR, else `jukebox/tapes` in the XDG data dir: outside any tree a booth
-    runs over (`./tapes` was inside the tree of `cd repo && jukebox booth run -- CMD`)."""
+    """$JUKEBOX_TAPE_DIR, else the config file's tape-dir (jukebox.config), else `jukebox/tapes`
+    in the XDG data dir: outside any tree a booth runs over (`./tapes` was inside the tree of
+    `cd repo && jukebox booth run -- CMD`)."""
     named = os.environ.get(TAPE_DIR_ENV)
     if named:
         return Path(named)
+    configured = _configured_tape_dir()
+    if configured is not None:
+        return configured
     data = os.environ.get("XDG_DATA_HOME", "")
     # The XDG spec: a relative path is invalid and must be ignored.
     base = Path(data) if os.path.isabs(data) else Path.home() / ".local" / "share"
@@ -50,10 +54,21 @@ def require_named_tape_dir(path: Path, named: str | os.PathLike[str] | None) -> 
         where = f"the tape dir {path}"
     elif os.environ.get(TAPE_DIR_ENV):
         where = f"{TAPE_DIR_ENV}={path}"
+    elif _configured_tape_dir() is not None:
+        from jukebox.config import config_path
+
+        where = f"the tape dir {path} (tape-dir in {config_path()[0]})"
     else:
         return
     kind = "is not a directory" if path.exists() else "does not exist"
     raise UsageError(f"{where} {kind}: check the path, or run a booth to create it")
+
+
+def _configured_tape_dir() -> Path | None:
+    from jukebox.config import load
+
+    configured = load().get("tape-dir")
+    return Path(configured) if configured else None
 
 
 def make_tape_dir(path: Path) -> Path | None:

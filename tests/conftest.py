@@ -35,3 +35,11 @@ def jukebox_cli(tmp_path: Path):
         return proc
 
     return run
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_user_config(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The developer's own ~/.config/jukebox/config.toml must not change what a test sees: every
+    test, and every jukebox it starts, reads an empty config dir unless it names its own."""
+    os.environ.pop("JUKEBOX_CONFIG", None)
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))

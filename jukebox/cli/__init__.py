@@ -12,10 +12,20 @@ import sys
 import click
 
 from jukebox import __version__
+from jukebox.cli.options import add_output_options
 
 
 class JukeboxGroup(click.Group):
-    """Turns the errors we raise on purpose into one line and the documented exit code."""
+    """Turns the errors we raise on purpose into one line and the documented exit code, and
+    gives every command the output options (jukebox.cli.options)."""
+
+    group_class = type  # sub-groups (`jukebox booth`) are JukeboxGroups too
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        from jukebox.cli.options import add_output_options
+
+        add_output_options(cmd)
+        super().add_command(cmd, name)
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         from jukebox.errors import JukeboxError
@@ -75,20 +85,27 @@ def fail(message: str, code: int) -> None:
     from jukebox.names import printable
 
     # Messages quote names from trees and tapes: a terminal must not act on what they hold.
-    click.echo(f"jukebox: {printable(message)}", err=True)
+    from jukebox.style import error_prefix
+
+    click.echo(f"{error_prefix('jukebox:')} {printable(message)}", err=True)
     sys.exit(code)
 
 
 @click.group(cls=JukeboxGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="jukebox")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Jukebox: the flight recorder and undo button for AI agents.
 
     TAPE is a .jbx path or a tape id in the tape dir ($JUKEBOX_TAPE_DIR, else
     ${XDG_DATA_HOME:-~/.local/share}/jukebox/tapes);
-    TAPE@N selects frame N (frames count from 0).
+    TAPE@N selects frame N (frames count from 0). Defaults come from
+    ~/.config/jukebox/config.toml; `jukebox help TOPIC` explains booth, tapes, config and more.
     """
+    from jukebox.cli.options import load_config
     from jukebox.tapedir import TAPE_DIR_ENV
+
+    load_config(ctx)
 
     # Resolved once, at the start of every command, in the directory the user ran it from:
     # replays and forks run in a scratch tree, agents inherit the variable.
@@ -97,8 +114,11 @@ def cli() -> None:
         os.environ[TAPE_DIR_ENV] = os.path.abspath(named)
 
 
+add_output_options(cli)
+
+
 def main() -> None:
-    from jukebox.cli import booth, booth_review, disk, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
+    from jukebox.cli import booth, booth_review, disk, help, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
 
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)

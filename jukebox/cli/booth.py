@@ -216,6 +216,7 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
     """List pending booths."""
     from jukebox.booth import list_booths
     from jukebox.render import table, timestamp
+    from jukebox.style import status
 
     records = list_booths(listed_tape_dir(tape_dir))
     if as_json:
@@ -228,6 +229,7 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
         table(
             ["BOOTH ID", "STATUS", "CREATED", "TREE", "NAME"],
             ([r.id, r.status, timestamp(r.created), r.tree, r.name or "-"] for r in records),
+            paint={1: status},
         )
     )
 
@@ -293,10 +295,12 @@ def diff(
             doc |= {"excluded": list(shown.patterns), "hidden": shown.hidden}
             click.echo(json.dumps({**doc, "changes": rows}, indent=1))
             return
+        from jukebox import style
+
         for change in changes:
-            click.echo(change_summary_line(change))
+            click.echo(style.change_line(change_summary_line(change)))
             if patch:
-                click.echo(text_patch(store, change), nl=False)
+                click.echo(style.patch(text_patch(store, change)), nl=False)
     if not changes:
         click.echo("no changes" + (" shown" if shown.hidden else ""))
     note = shown.hidden_note(f"jukebox booth diff {booth_id}")

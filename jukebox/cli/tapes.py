@@ -145,6 +145,7 @@ def ls_command(
     """List the tapes in the tape dir: track id, start time, agent, frames, cost, status."""
     from jukebox.errors import JukeboxError
     from jukebox.render import money, table, timestamp
+    from jukebox.style import status as status_style
     from jukebox.tape import Tape
     from jukebox.tape_filters import TapeFilter, run_start_of
 
@@ -194,6 +195,7 @@ def ls_command(
                 for r in rows
             ),
             right=(3, 4),
+            paint={5: status_style},
         )
     )
 
@@ -293,8 +295,8 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool, follow: bool) -
         )
 
 
-def verify_report(tape) -> dict[str, Any]:
-    report = tape.verify(check_objects=tape.store is not None, deep=True)
+def verify_report(tape, progress=None) -> dict[str, Any]:
+    report = tape.verify(check_objects=tape.store is not None, deep=True, progress=progress)
     return {
         "ok": report.ok,
         "head": report.head.to_json(),
@@ -441,14 +443,18 @@ def replay_command(
         ref, "replay", "drop the @{n} (--exec --until {n} serves frames 0..{n}, then goes live)"
     )
     loaded = load(ref)
-    result = verify_report(loaded)
+    from jukebox.progress import step
+
+    with step("verifying the tape", "frames", done="verified the tape") as tick:
+        result = verify_report(loaded, tick)
     report = result.pop("_report")
     if not report.ok:
         if as_json:
             emit_json(result)
             sys.exit(1)
         report.raise_for_problems()
-    states = reconstruct_states(loaded)
+    with step("rebuilding file states", "frames", done="rebuilt the file states") as tick:
+        states = reconstruct_states(loaded, progress=tick)
     summary = loaded.summary()
     if as_json:
         emit_json(
@@ -555,11 +561,14 @@ def diff_command(
             }
         )
         return
+    from jukebox import style
+
     click.echo(f"diff {label}: {len(changes)} change(s)")
     for change in changes:
-        click.echo(f"  {CHANGE_LETTERS.get(change.status, '?')}  {visible(change.path)}")
+        letter = CHANGE_LETTERS.get(change.status, "?")
+        click.echo(style.change_line(f"  {letter}  {visible(change.path)}"))
         if patch:
-            click.echo(text_patch(store, change), nl=False)
+            click.echo(style.patch(text_patch(store, change)), nl=False)
 
 
 @cli.command("gc")
@@ -586,12 +595,13 @@ def gc_command(tape_dir: Path | None, dry_run: bool, grace_seconds: int, as_json
         else:
             click.echo(f"nothing to collect: no store in {home.path}")
         return
-    show = progress_printer(as_json)
+    from jukebox.progress import step
+
     with store:
-        live = live_objects(home, store, progress=show("scanning tapes"))
-        report = store.gc(
-            live, grace_seconds=grace_seconds, dry_run=dry_run, progress=show("collecting")
-        )
+        with step("gc: scanning tapes", "tapes", done="scanned the tapes") as tick:
+            live = live_objects(home, store, progress=tick)
+        with step("gc: collecting", "records", done="collected") as tick:
+            report = store.gc(live, grace_seconds=grace_seconds, dry_run=dry_run, progress=tick)
     if as_json:
         emit_json(
             {
@@ -606,21 +616,3 @@ def gc_command(tape_dir: Path | None, dry_run: bool, grace_seconds: int, as_json
     click.echo(
         f"{verb} {report.removed} object(s), {report.bytes_freed} byte(s); kept {report.kept}"
     )
-
-
-def progress_printer(quiet: bool):
-    """Progress on stderr for long operations, only when a person is watching."""
-
-    def make(label: str):
-        if quiet or not sys.stderr.isatty():
-            return None
-
-        def show(done: int, total: int) -> None:
-            end = "\n" if done >= total else ""
-            click.echo(f"\r{label}: {done}/{total}", err=True, nl=False)
-            if end:
-                click.echo("", err=True)
-
-        return show
-
-    return make

@@ -2,57 +2,21 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import select
 import subprocess
-import termios
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.booth.test_booth_run import JUKEBOX, frames
+from tests.on_terminal import run_on_terminal
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 
 def run_on_a_terminal(argv: list[str], answer: str, env: dict[str, str]) -> tuple[int, str]:
-    """Runs argv with a pty as its controlling terminal (what /dev/tty opens) and answers the
-    question once it appears."""
-    leader, follower = os.openpty()
-
-    def take_terminal() -> None:
-        os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    proc = subprocess.Popen(
-        argv, stdin=follower, stdout=follower, stderr=follower, env=env, preexec_fn=take_terminal
-    )
-    os.close(follower)
-    seen, answered = b"", False
-    deadline = time.monotonic() + 60
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([leader], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(leader, 4096)
-                except OSError:  # the child closed the terminal
-                    break
-                if not chunk:
-                    break
-                seen += chunk
-                if not answered and b"commit these changes" in seen:
-                    os.write(leader, answer.encode() + b"\n")
-                    answered = True
-            elif proc.poll() is not None:
-                break
-        return proc.wait(timeout=30), seen.decode(errors="replace")
-    finally:
-        os.close(leader)
-        if proc.poll() is None:
-            proc.kill()
+    """Runs argv on a pty and answers the question once it appears."""
+    return run_on_terminal(argv, env, answer=(b"commit these changes", answer))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,86 @@
+"""Options every jukebox command takes, and the config file's defaults.
+
+``-q/--quiet``, ``-v/--verbose`` and ``--no-color`` are added to every command and group as it
+is registered (``add_output_options``), so ``jukebox --quiet booth run`` and ``jukebox booth
+run --quiet`` mean the same. Each one's callback records it on the root context and applies the
+whole (jukebox.progress, jukebox.style, click's colour) again: the group's options are parsed
+before the sub-command's, and the last application sees them all.
+"""
+
+from __future__ import annotations
+
+import click
+
+_META = "jukebox.output"
+
+
+def _record(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if ctx.resilient_parsing:  # shell completion: nothing runs
+        return
+    root = ctx.find_root()
+    given = root.meta.setdefault(_META, {})
+    if value:
+        given[param.name] = True
+    apply_output(ctx)
+
+
+def apply_output(ctx: click.Context) -> None:
+    """Sets how talkative and colourful this command is, from its flags, the environment and
+    the config file (``no-color``), in that order."""
+    from jukebox import progress, style
+
+    root = ctx.find_root()
+    given = root.meta.get(_META, {})
+    if given.get("quiet") and given.get("verbose"):
+        raise click.UsageError("--quiet and --verbose contradict each other: give one")
+    level = progress.QUIET if given.get("quiet") else progress.NORMAL
+    if given.get("verbose"):
+        level = progress.VERBOSE
+    config = root.meta.get("jukebox.config")
+    from_file = bool(config is not None and config.get("no-color"))
+    color = not style.no_color_requested(bool(given.get("no_color")) or from_file)
+    style.configure(color)
+    progress.configure(level=level, draw=True, color=color)
+    told = root.meta.get("jukebox.config_told")
+    if level == progress.VERBOSE and config is not None and config.path is not None and not told:
+        root.meta["jukebox.config_told"] = True
+        progress.detail(f"config {config.path}: {', '.join(config.values) or 'empty'}")
+    if not color:
+        # click.echo would otherwise keep codes on a terminal; contexts made later inherit it.
+        node: click.Context | None = ctx
+        while node is not None:
+            node.color = False
+            node = node.parent
+
+
+OUTPUT_FLAGS = {
+    ("-q", "--quiet"): "No progress and no notes on stderr: results, warnings and errors only.",
+    ("-v", "--verbose"): "Also say on stderr what each long step did and how long it took.",
+    ("--no-color",): "No colour even on a terminal (as $NO_COLOR does).",
+}
+
+
+def output_options() -> list[click.Option]:
+    return [
+        click.Option(list(names), is_flag=True, expose_value=False, callback=_record, help=text)
+        for names, text in OUTPUT_FLAGS.items()
+    ]
+
+
+def add_output_options(command: click.Command) -> None:
+    names = {p.name for p in command.params}
+    command.params.extend(o for o in output_options() if o.name not in names)
+
+
+def load_config(ctx: click.Context) -> None:
+    """Reads the config file (ConfigError, exit 2, if it is bad) and makes its values the
+    defaults of the flags they name."""
+    from jukebox import config
+
+    loaded = config.load()
+    root = ctx.find_root()
+    root.meta["jukebox.config"] = loaded
+    defaults = config.default_map(loaded, root.command)
+    if defaults:
+        ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    apply_output(ctx)
