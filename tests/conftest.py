@@ -38,8 +38,13 @@ def jukebox_cli(tmp_path: Path):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def no_user_config(tmp_path_factory: pytest.TempPathFactory) -> None:
+def no_user_config() -> None:
     """The developer's own ~/.config/jukebox/config.toml must not change what a test sees: every
-    test, and every jukebox it starts, reads an empty config dir unless it names its own."""
+    test, and every jukebox it starts (as nobody too), looks for its config in a directory that
+    does not exist, unless it names its own."""
+    import tempfile
+
     os.environ.pop("JUKEBOX_CONFIG", None)
-    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))
+    os.environ["XDG_CONFIG_HOME"] = os.path.join(
+        tempfile.gettempdir(), f"jukebox-tests-no-config-{os.getpid()}"
+    )
