@@ -576,8 +576,10 @@ def replay_exec(
     fs: str | None = None,
     image: str | None = None,
     trust_recorded_image: bool = False,
+    honor_timing: bool = False,
 ) -> ReplayResult:
-    """Re-runs a recorded booth run offline and checks it against its tape (see the module)."""
+    """Re-runs a recorded booth run offline and checks it against its tape (see the module);
+    `honor_timing` answers each model call after its recorded latency, in the recorded order."""
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.server import upstreams_from_env
     from jukebox.llm.session import LlmOptions
@@ -603,7 +605,9 @@ def replay_exec(
         original.check_chain()  # a damaged tape says nothing we may act on
         run = recorded_run(original)
         chosen = select_image(run, image, trust_recorded_image)
-        source = ReplaySource.from_tape(original, store, mode=mode, until=until)
+        source = ReplaySource.from_tape(
+            original, store, mode=mode, until=until, honor_timing=honor_timing
+        )
     marks = checkpoint_marks(original, through=until)
     watch = _Watch(marks)
     tape_id = next_tape_id(tapes, run.tape_id, "replay")

@@ -396,6 +396,11 @@ def reconstruct_states(tape, progress=None) -> int:
     default=True,
     help="--exec: keep the replay's own tape <id>-replay-<n> (default) or remove it.",
 )
+@click.option(
+    "--honor-timing",
+    is_flag=True,
+    help="--exec: answer each model call after its recorded latency, in the recorded order.",
+)
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="--exec layer.")
 @image_option
 @trust_option
@@ -407,6 +412,7 @@ def replay_command(
     strict: bool | None,
     until: int | None,
     record: bool,
+    honor_timing: bool,
     fs: str | None,
     image: str | None,
     trust_recorded_image: bool,
@@ -425,18 +431,19 @@ def replay_command(
 
         mode = "loose" if strict is False else "strict"
         run_replay_exec(
-            tape, tape_dir, mode, until, record, fs, as_json, image, trust_recorded_image
-        )
+            tape, tape_dir, mode, until, record, fs, as_json, image, trust_recorded_image,
+            honor_timing,
+        )  # fmt: skip
         return
     if (
         strict is not None or until is not None or fs is not None or not record
-        or image is not None or trust_recorded_image
+        or image is not None or trust_recorded_image or honor_timing
     ):  # fmt: skip
         from jukebox.errors import UsageError
 
         raise UsageError(
-            "--strict, --loose, --until, --no-record, --fs, --image and --trust-recorded-image "
-            "re-execute the run: add --exec"
+            "--strict, --loose, --until, --no-record, --honor-timing, --fs, --image and "
+            "--trust-recorded-image re-execute the run: add --exec"
         )
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(

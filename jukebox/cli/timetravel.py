@@ -49,6 +49,7 @@ def run_replay_exec(
     as_json: bool,
     image: str | None = None,
     trust_recorded_image: bool = False,
+    honor_timing: bool = False,
 ) -> None:
     """`jukebox replay TAPE --exec`: exits 0 when the run matched its tape, 1 at a divergence."""
     from jukebox.tapedir import TapeRef
@@ -58,7 +59,7 @@ def run_replay_exec(
     whole_tape(ref, "replay", "drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
     result = replay_exec(
         ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs, image=image,
-        trust_recorded_image=trust_recorded_image,
+        trust_recorded_image=trust_recorded_image, honor_timing=honor_timing,
     )  # fmt: skip
     # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
     # except the --json result, which comes last on stdout.

@@ -48,6 +48,7 @@ import trio
 
 from jukebox.breaker import Trip
 from jukebox.llm.budget import worst_case
+from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
 from jukebox.llm.pricing import PriceTable, per_million, warm_catalogue
@@ -205,6 +206,8 @@ class ProxyServer:
         self.named = named_upstreams(self.upstreams)
         self.record = record
         self.replay = replay
+        # Replays answer at once, unless asked to keep the recorded latency and order.
+        self._pacer = Pacer(replay.exchanges) if replay and replay.honor_timing else None
         self.rewriter = rewriter if rewriter is not None and rewriter.active else None
         self.breaker = breaker
         self.on_trip = on_trip
@@ -744,11 +747,25 @@ class ProxyServer:
     async def _serve_recorded(
         self, conn: h11.Connection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
     ) -> None:
+        try:
+            await self._send_recorded(conn, stream, ex, rec)
+        finally:
+            if self._pacer is not None:
+                self._pacer.answered(rec)
+
+    async def _send_recorded(
+        self, conn: h11.Connection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
+    ) -> None:
         started = time.perf_counter()
+        arrived = trio.current_time()
+        pacer = self._pacer
         ex.status = rec.status
         ex.replayed_from = rec.seq
         headers = [(k, v) for k, v in rec.headers.items() if k not in _HOP_RESPONSE]
         if rec.events is None:
+            if pacer is not None:
+                await pacer.until(arrived, latency_s(rec))
+                await pacer.in_turn(rec, arrived)
             ex.response_body = rec.body()
             ex.response_headers = headers
             ex.latency_ms = (time.perf_counter() - started) * 1000
@@ -759,26 +776,27 @@ class ProxyServer:
             headers.append(("content-type", "text/event-stream"))
         ex.response_headers = headers
         ex.events = rec.events
+        if pacer is not None:
+            await pacer.until(arrived, headers_after_s(rec))
         await self._send(conn, stream, h11.Response(status_code=rec.status, headers=headers))
+        opened = trio.current_time()
         chunks: list[list[bytes]] = []
+        times: list[float] = []  # when each chunk came, in seconds after the headers
         last = None
         # A hidden event (the usage chunk the proxy asked for) was never sent to the agent, and
         # a chunk holding nothing else was never sent either.
         for event in (e for e in rec.events if not e.hidden):
             if event.chunk != last:
                 chunks.append([])
+                times.append(event.t_ms / 1000)
                 last = event.chunk
             chunks[-1].append(encode_event(event))
-        times = []
-        for event in (e for e in rec.events if not e.hidden):
-            if not times or event.chunk != times[-1][0]:
-                times.append((event.chunk, event.t_ms))
         for i, parts in enumerate(chunks):
-            if self.replay is not None and self.replay.honor_timing:
-                delay = times[i][1] / 1000 - (time.perf_counter() - started)
-                if delay > 0:
-                    await trio.sleep(delay)
+            if pacer is not None:
+                await pacer.until(opened, times[i])
             if i == len(chunks) - 1:
+                if pacer is not None:
+                    await pacer.in_turn(rec, arrived)
                 ex.latency_ms = (time.perf_counter() - started) * 1000
                 await self._finish(ex)
             await self._send(conn, stream, h11.Data(data=b"".join(parts)))

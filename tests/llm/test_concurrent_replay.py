@@ -75,9 +75,11 @@ def recorded_requests(recording: Recording) -> dict[int, str]:
     return out
 
 
-@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+@pytest.mark.parametrize(
+    ("provider", "honor_timing"), [("openai", False), ("anthropic", False), ("anthropic", True)]
+)
 def test_a_fan_out_replays_strictly_whatever_order_its_calls_come_in(
-    provider: str, upstream: FakeUpstream, recording: Recording, tmp_path: Path
+    provider: str, honor_timing: bool, upstream: FakeUpstream, recording: Recording, tmp_path: Path
 ) -> None:
     with recording.proxy(upstream) as proxy:
         live, recorded_order = fan_out(provider, proxy.base_urls())
@@ -87,11 +89,16 @@ def test_a_fan_out_replays_strictly_whatever_order_its_calls_come_in(
     follow = [text.startswith("follow up") for text in texts]
     assert follow.index(True) < len(follow) - 1 - follow[::-1].index(False)
     upstream.stop()
-    proxy, source, second, diverged = replay_proxy(recording, tmp_path)
+    proxy, source, second, diverged = replay_proxy(recording, tmp_path, honor_timing=honor_timing)
     with proxy:
         replayed, _ = fan_out(provider, proxy.base_urls())
     assert not diverged, diverged[0].message()
     assert replayed == live and source.remaining() == 0
+    if honor_timing:
+        # The replay answered the calls in the order they completed when recorded.
+        frames = second.tape().frames
+        served = [f.payload["replayed_from"] for f in frames if f.kind == "llm_turn"]
+        assert served == sorted(served) and len(served) == 2 * TASKS
     second.close()
 
 

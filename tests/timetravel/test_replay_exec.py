@@ -3,6 +3,7 @@ checked frame by frame against its tape (real SDKs, real booths, the fake upstre
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -112,9 +113,28 @@ def test_until_serves_the_recording_through_frame_n_then_goes_live(recording: Re
     assert proc.stdout == recording.stdout
 
 
+def test_honor_timing_answers_no_call_before_its_recorded_latency(recording: Recording) -> None:
+    proc = recording.jukebox("replay", str(recording.tape), "--exec", "--honor-timing", "--json")
+    assert proc.returncode == 0, proc.stderr
+    replay = Path(json.loads(proc.stdout.splitlines()[-1])["tape_path"])
+    with Store.open(recording.tapes / ".jukebox" / "store") as store:
+        recorded = {
+            f.seq: f.resolve_payload(store)["latency_ms"]
+            for f in Tape.load(recording.tape, store).frames
+            if f.kind == "llm_turn"
+        }
+        turns = [f.payload for f in Tape.load(replay, store).frames if f.kind == "llm_turn"]
+    assert len(turns) == len(recorded) == 4
+    for turn in turns:
+        assert turn["latency_ms"] >= recorded[turn["replayed_from"]]
+    replay.unlink()
+
+
 def test_replay_options_need_exec(recording: Recording) -> None:
     proc = recording.jukebox("replay", str(recording.tape), "--until", "3")
     assert proc.returncode == 2
     assert "add --exec" in proc.stderr
+    timed = recording.jukebox("replay", str(recording.tape), "--honor-timing")
+    assert timed.returncode == 2 and "--honor-timing" in timed.stderr
     plain = recording.jukebox("replay", str(recording.tape))
     assert plain.returncode == 0 and "replayed 12 frame(s)" in plain.stdout
