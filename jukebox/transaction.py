@@ -213,6 +213,11 @@ current_redirect: contextvars.ContextVar[Any] = contextvars.ContextVar(
 # --------------------------------------------------------------------------- results
 
 
+# Checkpoint 0 is the start (the root's tree and the memory as the transaction opened); the
+# first checkpoint() is 1. A booth numbers its checkpoints the same way (docs/python-api.md).
+START = 0
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A point a transaction can go back to: files (tree) and memory (state) together."""
@@ -534,6 +539,7 @@ class Transaction:
         self._turns = 0
         self._staged = 0
         self._start: StateVersion | None = None
+        self._start_breaker: BreakerState | None = None
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -617,6 +623,7 @@ class Transaction:
         if run is not None:
             run.adopt(self._log)
         self._start = self.state.version
+        self._start_breaker = self._breaker.state() if self._breaker is not None else None
         self.status = OPEN
         return self
 
@@ -775,7 +782,7 @@ class Transaction:
             tree = journal = None
             if self._layer is not None:
                 tree, journal = self._layer.snapshot()
-            n = len(self.checkpoints)
+            n = len(self.checkpoints) + 1  # 0 is the start, as in a booth
             payload: dict[str, Any] = {"id": n, "label": label, "state": state_id.hex()}
             refs.append(state_id)
             if journal is not None:
@@ -794,26 +801,45 @@ class Transaction:
             self.checkpoints.append(cp)
             return cp
 
+    def _start_checkpoint(self) -> Checkpoint:
+        """Checkpoint 0, the start: the root's tree and the memory as the transaction opened.
+        Made when asked for (its memory is saved to the store only then)."""
+        assert self._start is not None
+        state_id = self._start.save(self._store, [])
+        return Checkpoint(
+            START, "start", 0, self.base_tree, self._start, state_id, self._start_breaker
+        )
+
     def _find(self, to: Checkpoint | str | int) -> Checkpoint:
+        """A checkpoint by itself, its number (0 is the start, then 1, 2, ... as a booth numbers
+        them) or its label (the latest with it; "start" when no checkpoint took that label)."""
         if isinstance(to, Checkpoint):
-            if to.n < len(self.checkpoints) and self.checkpoints[to.n] is to:
+            if to.n == START and to.state is self._start:
+                return to
+            if 1 <= to.n <= len(self.checkpoints) and self.checkpoints[to.n - 1] is to:
                 return to
             raise ValueError(
                 f"checkpoint {to.n} ({to.label!r}) belongs to another transaction: pass one "
                 "this transaction's checkpoint() returned"
             )
         if isinstance(to, int) and not isinstance(to, bool):
-            if 0 <= to < len(self.checkpoints):
-                return self.checkpoints[to]
+            if to == START:
+                return self._start_checkpoint()
+            if 1 <= to <= len(self.checkpoints):
+                return self.checkpoints[to - 1]
             raise ValueError(
-                f"no checkpoint {to}: this transaction has {len(self.checkpoints)} "
-                "(numbered from 0)"
+                f"no checkpoint {to}: this transaction has checkpoints 1 to "
+                f"{len(self.checkpoints)} (0 is the start)"
+                if self.checkpoints
+                else f"no checkpoint {to}: this transaction has none yet (0 is the start)"
             )
         for cp in reversed(self.checkpoints):
             if cp.label == to:
                 return cp
-        known = sorted({c.label for c in self.checkpoints if c.label})
-        raise ValueError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
+        if to == "start":
+            return self._start_checkpoint()
+        known = sorted({c.label for c in self.checkpoints if c.label} | {"start"})
+        raise ValueError(f"no checkpoint labelled {to!r}: known labels are {known}")
 
     def rollback_to(self, checkpoint: Checkpoint | str | int) -> Checkpoint:
         """Bring files and memory back to a checkpoint (a Checkpoint, its label or its number).

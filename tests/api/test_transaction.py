@@ -113,9 +113,9 @@ def test_rollback_to_restores_memory_and_files_together(jb: Jukebox, work: Path)
         tx.rollback_to("later")
         assert tx.state["step"] == 2 and "plan" not in tx.state
         assert tx.fs.read_text("a.txt") == "a2" and not tx.fs.exists("README.md")
-        tx.rollback_to(0)
+        tx.rollback_to(1)  # by number: 0 is the start, the first checkpoint is 1
         tx.commit()
-    assert later.n == 1
+    assert (cp.n, later.n) == (1, 2)
     assert (work / "a.txt").read_text() == "a1"
     assert not (work / "b.txt").exists()
     assert (work / "README.md").exists()
@@ -280,6 +280,28 @@ def test_a_transaction_is_single_use(jb: Jukebox) -> None:
             tx.commit()
     with pytest.raises(TransactionClosed, match="already opened"), tx:
         pass
+
+
+def test_checkpoint_0_is_the_start_as_in_a_booth(jb: Jukebox, work: Path) -> None:
+    with jb.transaction(tape_id="st") as tx:
+        tx.state.set("step", 1)
+        tx.fs.write("a.txt", "a1")
+        tx.fs.delete("README.md")
+        assert tx.checkpoint("one").n == 1
+        start = tx.rollback_to(0)
+        assert (start.n, start.label, start.tree) == (0, "start", tx.base_tree)
+        assert "step" not in tx.state and not tx.fs.exists("a.txt")
+        assert tx.fs.exists("README.md")
+        tx.rollback_to("one")
+        assert tx.state["step"] == 1
+        assert tx.rollback_to("start").n == 0 and "step" not in tx.state
+        assert tx.checkpoint().n == 2
+        tx.commit()
+    assert not (work / "a.txt").exists() and (work / "README.md").exists()
+    rollbacks = [f.payload for f in _tape(jb, "st").frames if f.kind == "rollback"]
+    assert [(r["to"], r["label"]) for r in rollbacks] == [(0, "start"), (1, "one"), (0, "start")]
+    checkpoints = [f.payload["id"] for f in _tape(jb, "st").frames if f.kind == "checkpoint"]
+    assert checkpoints == [1, 2]
 
 
 def test_checkpoint_without_changes_and_bad_targets(jb: Jukebox) -> None:
