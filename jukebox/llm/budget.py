@@ -5,9 +5,10 @@ calls in flight together cannot each pass the check against the same total (eigh
 calls under `--max-turns 3`). The real usage replaces the reservation when the call settles.
 
 * Output tokens: the request's own cap — `max_tokens` (Anthropic, OpenAI chat),
-  `max_completion_tokens` (OpenAI chat), `max_output_tokens` (OpenAI responses) — times `n`
-  choices. A request without a cap reserves no output: its output is unbounded, and is counted
-  when the response arrives.
+  `max_completion_tokens` (OpenAI chat), `max_output_tokens` (OpenAI responses),
+  `generationConfig.maxOutputTokens` (Gemini) — times `n` choices (`candidateCount`). A
+  request without a cap reserves no output: its output is unbounded, and is counted when the
+  response arrives.
 * Input tokens: the request body's bytes / 4 (about four bytes a token in English and JSON),
   rounded up. The body carries JSON syntax and tool schemas too, so this leans high.
 * Cost: those tokens at the model's price (`jukebox.llm.pricing`); a model without a price
@@ -35,6 +36,9 @@ def output_cap(request: Any) -> int:
     if not isinstance(request, dict):
         return 0
     cap = next((_whole(request.get(k)) for k in _OUTPUT_CAPS if _whole(request.get(k))), 0)
+    config = request.get("generationConfig")  # Gemini's native API
+    if not cap and isinstance(config, dict):
+        cap = _whole(config.get("maxOutputTokens")) * max(_whole(config.get("candidateCount")), 1)
     return cap * max(_whole(request.get("n")), 1)
 
 

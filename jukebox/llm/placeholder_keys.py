@@ -15,8 +15,9 @@ from jukebox.llm.providers import ANTHROPIC, OPENAI
 
 PLACEHOLDER_KEY = "jukebox-replay-placeholder-not-an-api-key"
 KEY_ENV = {OPENAI: "OPENAI_API_KEY", ANTHROPIC: "ANTHROPIC_API_KEY"}
-# Read by the openai SDK's AzureOpenAI client (a named upstream `azure`, jukebox.llm.upstreams).
-OTHER_KEY_ENV = ("AZURE_OPENAI_API_KEY",)
+# Read by the openai SDK's AzureOpenAI client (a named upstream `azure`, jukebox.llm.upstreams)
+# and by google-genai and litellm for Gemini (google-genai also reads GOOGLE_API_KEY first).
+OTHER_KEY_ENV = ("AZURE_OPENAI_API_KEY", "GEMINI_API_KEY")
 
 
 def placeholder_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -21,20 +21,33 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.llm import gemini
+from jukebox.llm.gemini import GEMINI
 from jukebox.llm.paths import confine
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
-PREFIXES = {OPENAI: "/openai/v1", ANTHROPIC: "/anthropic"}
-DEFAULT_UPSTREAMS = {OPENAI: "https://api.openai.com/v1", ANTHROPIC: "https://api.anthropic.com"}
-BASE_URL_ENV = {OPENAI: "OPENAI_BASE_URL", ANTHROPIC: "ANTHROPIC_BASE_URL"}
+PREFIXES = {OPENAI: "/openai/v1", ANTHROPIC: "/anthropic", GEMINI: "/gemini"}
+DEFAULT_UPSTREAMS = {
+    OPENAI: "https://api.openai.com/v1",
+    ANTHROPIC: "https://api.anthropic.com",
+    GEMINI: "https://generativelanguage.googleapis.com",
+}
+# GOOGLE_GEMINI_BASE_URL is google-genai's (and the Gemini CLI's).
+BASE_URL_ENV = {
+    OPENAI: "OPENAI_BASE_URL",
+    ANTHROPIC: "ANTHROPIC_BASE_URL",
+    GEMINI: "GOOGLE_GEMINI_BASE_URL",
+}
 # Other names clients read the same base URL from (same value: the SDKs' own base URL):
 # OPENAI_API_BASE by langchain-openai, litellm and the pre-1.0 openai SDK; ANTHROPIC_API_URL by
-# langchain-anthropic, where it wins over ANTHROPIC_BASE_URL; ANTHROPIC_API_BASE by litellm.
-# A booth sets every one, or an agent reading an alias would bypass the proxy unrecorded.
+# langchain-anthropic, where it wins over ANTHROPIC_BASE_URL; ANTHROPIC_API_BASE and
+# GEMINI_API_BASE by litellm. A booth sets every one, or an agent reading an alias would bypass
+# the proxy unrecorded.
 BASE_URL_ALIASES = {
     OPENAI: ("OPENAI_API_BASE",),
     ANTHROPIC: ("ANTHROPIC_API_URL", "ANTHROPIC_API_BASE"),
+    GEMINI: ("GEMINI_API_BASE",),
 }
 
 
@@ -62,7 +75,7 @@ _ENDPOINTS = {
     (ANTHROPIC, "/v1/messages/count_tokens"): COUNT_TOKENS,
 }
 # Recorded and replayed, but neither billed nor a model turn: the breaker does not count them.
-UNBILLED = frozenset({MODERATIONS, COUNT_TOKENS})
+UNBILLED = frozenset({MODERATIONS, COUNT_TOKENS, gemini.COUNT})
 # Where named upstreams are served under the proxy's secret: `/upstream/NAME/...`.
 NAMED_PREFIX = "/upstream/"
 
@@ -89,9 +102,20 @@ class Route:
         return self.recorded and self.endpoint not in UNBILLED
 
     @property
+    def replay_endpoint(self) -> str:
+        """What a replay queues this call under (jukebox.llm.replay)."""
+        return replay_endpoint(self.provider, self.endpoint, self.path)
+
+    @property
     def named(self) -> str | None:
         """The upstream's name when it is not the provider's own (recorded on the frame)."""
         return self.upstream if self.upstream != self.provider else None
+
+
+def replay_endpoint(provider: str, endpoint: str, path: str | None) -> str:
+    """A replay's queue for a call, beside its provider or upstream: the endpoint, and for
+    Gemini the model too, which is in the path rather than the body (jukebox.llm.gemini)."""
+    return gemini.replay_endpoint(endpoint, path) if provider == GEMINI else endpoint
 
 
 def _openai_path(path: str) -> str:
@@ -117,14 +141,20 @@ def route(method: str, target: str, named: Iterable[str] = ()) -> Route | None:
     for provider, prefix, upstream in prefixes:
         if target == prefix or target.startswith((prefix + "/", prefix + "?")):
             rest, path = confine(target[len(prefix) :] or "/")
-            matched = _openai_path(path) if provider == OPENAI else path
-            endpoint = _ENDPOINTS.get((provider, matched), OTHER) if method == "POST" else OTHER
+            endpoint = OTHER
+            if method == "POST" and provider == GEMINI:
+                endpoint = gemini.endpoint_of(path) or OTHER
+            elif method == "POST":
+                matched = _openai_path(path) if provider == OPENAI else path
+                endpoint = _ENDPOINTS.get((provider, matched), OTHER)
             return Route(provider, endpoint, rest, upstream, path)
     return None
 
 
 def error_body(provider: str, message: str, code: str = "jukebox_error") -> bytes:
     """An error in the provider's own shape, so its SDK raises it with the message intact."""
+    if provider == GEMINI:
+        return gemini.error_body(message, code)
     if provider == ANTHROPIC:
         body: dict[str, Any] = {
             "type": "error",
@@ -197,6 +227,8 @@ def summarize(
             _completions(s, response, events)
         elif endpoint == EMBEDDINGS:
             _embeddings(s, response)
+        elif provider == GEMINI:
+            gemini.summarize(s, endpoint, response, events)
         elif endpoint in UNBILLED:
             s.model = response.get("model") if isinstance(response, dict) else None
             s.reported = True  # nothing billed: no tokens to estimate either

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.llm.gemini import GEMINI
+from jukebox.llm.gemini import model_of as gemini_model
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import Summary, summarize
 from jukebox.llm.sse import SSEEvent
@@ -111,6 +113,8 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         response = parse_body(scrubber.bytes(ex.response_body or b""))
         ok = 200 <= ex.status < 300
         summary = summarize(ex.provider, ex.endpoint, request, response if ok else None)
+    if summary.model is None and ex.provider == GEMINI:
+        summary.model = gemini_model(ex.path)  # Gemini names the model in the path only
     estimated = 200 <= ex.status < 300 and not summary.reported
     if estimated:
         estimate(summary, len(ex.request_body))

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jukebox.frame import canonical_json
+from jukebox.llm.providers import replay_endpoint
 from jukebox.llm.recorder import LLM_TURN
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
@@ -326,7 +327,7 @@ class ReplaySource:
                 Recorded(
                     seq=frame.seq,
                     provider=p["provider"],
-                    endpoint=p["endpoint"],
+                    endpoint=replay_endpoint(p["provider"], p["endpoint"], p.get("path")),
                     request=p.get("request"),
                     status=p["status"],
                     headers=dict(p.get("response_headers") or {}),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jukebox.llm.model_override import model_for
-from jukebox.llm.providers import ANTHROPIC, CHAT, MESSAGES, RESPONSES
+from jukebox.llm.providers import ANTHROPIC, CHAT, GEMINI, MESSAGES, RESPONSES
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class RequestRewriter:
             return body
         out = copy.deepcopy(body)
         model = model_for(self.model, provider)
-        if model is not None:
+        if model is not None and provider != GEMINI:  # Gemini's model is in the path
             out["model"] = model
         if self.system_prompt is None:
             return out

@@ -196,6 +196,9 @@ class ProxyServer:
         record_limit: int | None = None,
     ) -> None:
         self.upstreams = dict(upstreams or upstreams_from_env({}))
+        for provider, default in DEFAULT_UPSTREAMS.items():
+            # A caller's mapping may predate a provider: a replay's then reaches nothing.
+            self.upstreams.setdefault(provider, OFFLINE_URL if replay is not None else default)
         for name in self.upstreams:
             if name not in DEFAULT_UPSTREAMS:
                 check_name(name)
@@ -457,8 +460,9 @@ class ProxyServer:
         if where is None:
             message = (
                 f"jukebox proxy: no route for {target}; it serves /openai/v1/..., "
-                "/anthropic/... and /upstream/NAME/... for each --upstream NAME (use the "
-                "OPENAI_BASE_URL, ANTHROPIC_BASE_URL and JUKEBOX_UPSTREAM_NAME_BASE_URL it set)"
+                "/anthropic/..., /gemini/... and /upstream/NAME/... for each --upstream NAME "
+                "(use the OPENAI_BASE_URL, ANTHROPIC_BASE_URL, GOOGLE_GEMINI_BASE_URL and "
+                "JUKEBOX_UPSTREAM_NAME_BASE_URL it set)"
             )
             await self._send_simple(conn, stream, 404, error_body("openai", message))
             return
@@ -519,7 +523,7 @@ class ProxyServer:
             request_json = parse_body(self.scrubber.bytes(body))
             try:
                 served = self.replay.take(
-                    where.provider, where.endpoint, request_json, upstream=where.named
+                    where.provider, where.replay_endpoint, request_json, upstream=where.named
                 )
             except Divergence as divergence:
                 await self._diverged(divergence)

@@ -36,9 +36,9 @@ class Recording:
 
     def proxy(self, upstream: FakeUpstream | None, **kwargs: Any) -> ProxyServer:
         upstreams = (
-            {"openai": upstream.openai_url, "anthropic": upstream.url}
+            {"openai": upstream.openai_url, "anthropic": upstream.url, "gemini": upstream.url}
             if upstream is not None
-            else {"openai": "http://127.0.0.1:9", "anthropic": "http://127.0.0.1:9"}
+            else dict.fromkeys(("openai", "anthropic", "gemini"), "http://127.0.0.1:9")
         )
         return ProxyServer(upstreams=upstreams, record=self.writer.append, **kwargs)
 

@@ -15,7 +15,9 @@ A chat stream ends with the usage chunk (`choices: []`, `usage`) when the reques
 
 Besides the model calls: `/embeddings` (a vector per input that depends on its text, floats or
 base64 as asked), legacy `/completions` (JSON or stream, usage chunk as chat), `/moderations`,
-Anthropic's `/v1/messages/count_tokens`, and the Agents SDK's `/traces/ingest`. Paths are matched
+Anthropic's `/v1/messages/count_tokens`, and the Agents SDK's `/traces/ingest`. Gemini's native
+`/v1beta/models/{model}:generateContent`, `:streamGenerateContent?alt=sse` (events end `\r\n\r\n`,
+usage cumulative in each), `:countTokens` and `:embedContent`. Paths are matched
 on their end, so Azure's `/openai/deployments/{name}/chat/completions` is the chat endpoint.
 
 Run as `python tests/llm/upstream.py PORT` for a standalone server (the booth tests do).
@@ -177,6 +179,9 @@ class Handler(BaseHTTPRequestHandler):
             self._moderations(body)
         elif path.endswith("/traces/ingest"):
             self._json(200, {})
+        elif ":" in path and "/models/" in path:
+            model, _, method = path.rpartition("/models/")[2].partition(":")
+            self._gemini(body, model, method)
         else:
             self._json(404, {"error": {"message": f"no {self.path}", "type": "not_found"}})
 
@@ -317,6 +322,55 @@ class Handler(BaseHTTPRequestHandler):
                   "category_scores": {"violence": 0.9 if flagged else 0.01}}  # fmt: skip
         self._json(200, {"id": "modr-fake", "model": body.get("model") or "omni-moderation-latest",
                          "results": [result]})  # fmt: skip
+
+    # ------------------------------------------------------------------ Gemini native
+
+    def _gemini(self, body: dict[str, Any], model: str, method: str) -> None:
+        contents = body.get("contents") or []
+        if method == "countTokens":
+            self._json(200, {"totalTokens": len(json.dumps(contents)) // 4})
+            return
+        if method in ("embedContent", "batchEmbedContents"):
+            asked = body.get("requests") or [body]
+            vectors = []
+            for request in asked:
+                seed = sum(_text_of((request.get("content") or {}).get("parts")).encode()) % 97
+                vectors.append({"values": [(seed + k) / 100 for k in range(4)]})
+            one = method == "embedContent"
+            self._json(200, {"embedding": vectors[0]} if one else {"embeddings": vectors})
+            return
+        messages = []
+        for content in contents:
+            parts = content.get("parts") or []
+            answered = next((p["functionResponse"] for p in parts if "functionResponse" in p), None)
+            if answered is not None:
+                messages.append({"role": "tool", "content": json.dumps(answered.get("response"))})
+            else:
+                messages.append({"role": content.get("role"), "content": _text_of(parts)})
+        tools = [d for t in body.get("tools") or [] for d in t.get("functionDeclarations") or []]
+        text, tool, args = decide(messages, tools)
+        prompt = len(json.dumps(contents)) // 4
+        output = max(len(text.split()), 1)
+        usage = {"promptTokenCount": prompt, "candidatesTokenCount": output,
+                 "thoughtsTokenCount": 2, "totalTokenCount": prompt + output + 2}  # fmt: skip
+        parts = [{"functionCall": {"name": tool, "args": args}}] if tool else [{"text": text}]
+        candidate = {"content": {"role": "model", "parts": parts}, "finishReason": "STOP",
+                     "index": 0}  # fmt: skip
+        final = {"candidates": [candidate], "usageMetadata": usage,
+                 "modelVersion": f"{model}-001", "responseId": "resp-fake"}  # fmt: skip
+        if method == "generateContent":
+            self._json(200, final)
+            return
+        events = []
+        words = _words(text) if not tool else []
+        for word in words:
+            piece = {"content": {"role": "model", "parts": [{"text": word}]}, "index": 0}
+            partial = {**usage, "candidatesTokenCount": 1}
+            events.append({"candidates": [piece], "usageMetadata": partial,
+                           "modelVersion": f"{model}-001", "responseId": "resp-fake"})  # fmt: skip
+        events.append({**final, "candidates": [{**candidate, "content": {
+            "role": "model", "parts": [] if not tool else parts}}]})  # fmt: skip
+        self._events([f"data: {json.dumps(e)}\r\n\r\n".encode() for e in events])
 
     # ------------------------------------------------------------------ OpenAI responses
 

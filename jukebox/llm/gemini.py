@@ -1,0 +1,99 @@
+"""Gemini's native API (generativelanguage.googleapis.com), the third wire protocol.
+
+The booth sets `GOOGLE_GEMINI_BASE_URL` (read by the google-genai SDK) and `GEMINI_API_BASE`
+(litellm) to `http://127.0.0.1:P/<secret>/gemini`; the clients append
+`/v1beta/models/{model}:{method}`. The model is in the path, not the body, so the frame's model
+comes from the path when the response does not say it (`modelVersion`), and a replay keeps one
+queue per model and method (`replay_endpoint`): a call to another model than recorded finds
+nothing to match and diverges.
+
+Recorded methods: `generateContent`, `streamGenerateContent` (SSE with `?alt=sse`; each event a
+partial response, usage cumulative in `usageMetadata`), `embedContent`, `batchEmbedContents`
+and `countTokens` (free). The API key travels as the `x-goog-api-key` header or a `?key=` query
+parameter, both redacted on the tape (jukebox.redact).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jukebox.llm.providers import Summary
+
+GEMINI = "gemini"
+GENERATE = "generateContent"
+STREAM_GENERATE = "streamGenerateContent"
+EMBED = "embedContent"
+BATCH_EMBED = "batchEmbedContents"
+COUNT = "countTokens"
+METHODS = (GENERATE, STREAM_GENERATE, EMBED, BATCH_EMBED, COUNT)
+_PATH = re.compile(r"/(?:v1|v1beta|v1alpha)/(?:models|tunedModels)/([^/:]+):([A-Za-z]+)")
+
+
+def endpoint_of(path: str) -> str | None:
+    """The recorded method a decoded path calls, or None."""
+    match = _PATH.fullmatch(path)
+    return match.group(2) if match and match.group(2) in METHODS else None
+
+
+def model_of(path: str) -> str | None:
+    """The model named in a path (the part before `?` of the frame's `path` will do)."""
+    match = _PATH.fullmatch(path.partition("?")[0])
+    return match.group(1) if match else None
+
+
+def replay_endpoint(endpoint: str, path: str | None) -> str:
+    """What a replay queues a Gemini call under: its method and model, since the body does not
+    name the model (`generateContent gemini-2.5-flash`)."""
+    model = model_of(path or "")
+    return f"{endpoint} {model}" if model else endpoint
+
+
+def error_body(message: str, code: str) -> bytes:
+    """An error in Google's shape (google.rpc.Status), which google-genai raises as ClientError."""
+    body = {
+        "error": {
+            "code": 400,
+            "message": message,
+            "status": "FAILED_PRECONDITION",
+            "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": code}],
+        }
+    }
+    return json.dumps(body).encode()
+
+
+def summarize(s: Summary, endpoint: str, response: Any, events: list[Any] | None) -> None:
+    if endpoint == COUNT:
+        s.reported = True  # free: nothing to count or estimate
+        return
+    for data in [response] if events is None else events:
+        if not isinstance(data, dict):
+            continue
+        s.model = data.get("modelVersion") or s.model
+        _usage(s, data.get("usageMetadata"))
+        for candidate in data.get("candidates") or []:
+            for part in (candidate.get("content") or {}).get("parts") or []:
+                if part.get("thought"):
+                    continue  # a thought summary: billed as output, not the answer's text
+                if isinstance(part.get("text"), str):
+                    s.text += part["text"]
+                call = part.get("functionCall")
+                if isinstance(call, dict):
+                    s.tool_calls.append({"name": call.get("name"), "arguments": call.get("args")})
+
+
+def _usage(s: Summary, usage: Any) -> None:
+    """Cumulative in a stream: the last one seen wins. Output counts the model's thinking."""
+    if not isinstance(usage, dict):
+        return
+    s.reported = True
+
+    def count(key: str) -> int:
+        value = usage.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    s.input = count("promptTokenCount") + count("toolUsePromptTokenCount")
+    s.output = count("candidatesTokenCount") + count("thoughtsTokenCount")
+    s.cached = count("cachedContentTokenCount")
