@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -82,11 +83,14 @@ def _show_after() -> float:
 
 
 class Step:
-    """The callback a long step hands to shadowfs; it draws (or not) what it is told."""
+    """The callback a long step hands to shadowfs; it draws (or not) what it is told. A step
+    that cannot count (``counted=False``: nothing calls it back) gets a spinner instead, started
+    by a timer once the step has lasted long enough and animated by rich's own thread."""
 
-    def __init__(self, label: str, unit: str, drawn: bool) -> None:
+    def __init__(self, label: str, unit: str, drawn: bool, counted: bool = True) -> None:
         self.label = label
         self.unit = unit
+        self.counted = counted
         self.done = 0
         self.total: int | None = None
         self.started = time.monotonic()
@@ -95,6 +99,13 @@ class Step:
         self._shown = label
         self._bar: Any = None
         self._task: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._timer: threading.Timer | None = None
+        if drawn and not counted:
+            self._timer = threading.Timer(_show_after(), self._spin)
+            self._timer.daemon = True
+            self._timer.start()
 
     def __call__(self, done: int, total: int | None = None, /) -> None:
         self._update(done, total, self.label)
@@ -117,7 +128,10 @@ class Step:
 
     def _redraw(self, description: str) -> None:
         if self._bar is None:
-            self._bar = _make_bar()
+            self._bar = _make_bar(auto_refresh=False)
+            if self._bar is None:
+                self._drawn = False
+                return
             self._bar.start()
             self._task = self._bar.add_task(description, total=self.total)
         self._bar.update(
@@ -128,22 +142,39 @@ class Step:
             refresh=True,
         )
 
+    def _spin(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._bar = _make_bar(auto_refresh=True)
+            if self._bar is not None:
+                self._bar.start()
+                self._bar.add_task(self.label, total=None)
+
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+        with self._lock:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._bar is not None:
+                self._bar.stop()
+                self._bar = None
 
 
-def _make_bar() -> Any:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
+def _make_bar(*, auto_refresh: bool) -> Any:
+    """A rich progress display on stderr; None where rich is not installed (no bar, then)."""
+    try:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+    except ImportError:
+        return None
 
     console = Console(stderr=True, no_color=not _settings.color)
     return Progress(
@@ -153,23 +184,26 @@ def _make_bar() -> Any:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
-        # Drawn when told (at most every REDRAW_EVERY_S), not by a thread of rich's own:
-        # one competing for the GIL slowed a tree's hashing by a tenth.
-        auto_refresh=False,
+        # A counted step is drawn when told (at most every REDRAW_EVERY_S), not by a thread of
+        # rich's own: one competing for the GIL slowed a tree's hashing by a tenth.
+        auto_refresh=auto_refresh,
         transient=True,  # erased at the end: the agent's output or the result starts clean
     )
 
 
 @contextlib.contextmanager
-def step(label: str, unit: str = "items", *, done: str | None = None) -> Iterator[Step]:
+def step(
+    label: str, unit: str = "items", *, done: str | None = None, counted: bool = True
+) -> Iterator[Step]:
     """A long step. ``done`` is the --verbose line's verb phrase ("hashed the tree"), else
-    the label is used."""
+    the label is used; ``counted=False`` for a step that never calls back (a spinner)."""
     drawn = _settings.draw and _settings.level > QUIET and _stderr_is_terminal()
-    current = Step(label, unit, drawn)
+    current = Step(label, unit, drawn, counted)
     try:
         yield current
     finally:
         current.close()
     if _settings.level >= VERBOSE:
         elapsed = time.monotonic() - current.started
-        _write(f"{done or label}: {current.done} {unit} in {elapsed:.2f}s")
+        count = f"{current.done} {unit} " if counted else ""
+        _write(f"{done or label}: {count}in {elapsed:.2f}s")

@@ -361,12 +361,14 @@ class _Watch:
 @contextlib.contextmanager
 def _scratch_tree(store: Any, run: Recorded) -> Iterator[tuple[str, str, list[str]]]:
     """A temporary copy of the base tree: (tree path, cwd for the agent, argv), removed after."""
+    from jukebox.progress import step
     from shadowfs.tree import materialize
 
     root = tempfile.mkdtemp(prefix="jukebox-replay-")
     try:
         tree = os.path.join(root, "tree")
-        materialize(store, run.base_tree, tree)
+        with step("writing the recorded tree", done="wrote the recorded tree", counted=False):
+            materialize(store, run.base_tree, tree)
         rel = os.path.relpath(run.cwd, run.tree) if run.tree else "."
         cwd = os.path.normpath(os.path.join(tree, rel))
         if rel.startswith("..") or not os.path.isdir(cwd):

@@ -229,11 +229,41 @@ def test_shell_completion_script_and_answers(tmp_path: Path) -> None:
                 COMP_CWORD=str(len(words.split()) - (0 if words.endswith(" ") else 1)),
             )
         )
-        return [line.split(",", 1)[1] for line in answer.stdout.splitlines()]
+        assert answer.returncode == 0, answer.stderr
+        return [line.split(",", 1)[1] for line in answer.stdout.splitlines() if line]
 
     assert complete("jukebox boo") == ["booth"]
+    record_run(tmp_path / "tapes", tmp_path / "work")
+    assert complete(f"jukebox log --tape-dir {tmp_path / 'tapes'} tr_") == ["tr_demo"]
+    assert complete(f"jukebox diff --tape-dir {tmp_path / 'tapes'} ") == ["tr_demo"]
+    assert complete("jukebox verify tr_") == []  # the default tape dir has none
     assert complete("jukebox help con") == ["config"]
     assert "--quiet" in complete("jukebox booth run --q")
     for shell in ("zsh", "fish"):
         other = jb(env=dict(env, _JUKEBOX_COMPLETE=f"{shell}_source"))
         assert other.returncode == 0 and "jukebox" in other.stdout
+
+
+STEPS = """
+import sys, time
+from jukebox import progress
+progress.configure(level=progress.NORMAL, draw=True, color=True)
+with progress.step("spinning", counted=False):
+    time.sleep(0.3)
+with progress.step("counting", "things") as tick:
+    for n in range(3):
+        tick(n, 3)
+print("done")
+"""
+
+
+def test_a_step_that_cannot_count_spins_and_no_rich_means_no_bar(tmp_path: Path) -> None:
+    env = user_env(tmp_path, JUKEBOX_PROGRESS_DELAY="0")
+    code, screen = run_on_terminal([sys.executable, "-c", STEPS], env)
+    assert code == 0, screen
+    assert "spinning" in plain(screen) and "counting" in plain(screen)
+    # Without rich (a minimal install), the steps run and nothing is drawn.
+    without_rich = "import sys; sys.modules['rich'] = None\n" + STEPS
+    code, screen = run_on_terminal([sys.executable, "-c", without_rich], env)
+    assert code == 0, screen
+    assert plain(screen).strip() == "done"

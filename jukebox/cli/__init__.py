@@ -22,9 +22,11 @@ class JukeboxGroup(click.Group):
     group_class = type  # sub-groups (`jukebox booth`) are JukeboxGroups too
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        from jukebox.cli.completion import add_completion
         from jukebox.cli.options import add_output_options
 
         add_output_options(cmd)
+        add_completion(cmd)
         super().add_command(cmd, name)
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]

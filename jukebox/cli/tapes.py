@@ -316,7 +316,11 @@ def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "verify", "drop the @{n} (every frame's hash covers the ones before)")
-    result = verify_report(load(ref))
+    from jukebox.progress import step
+
+    loaded = load(ref)
+    with step("verifying the tape", "frames", done="verified the tape") as tick:
+        result = verify_report(loaded, tick)
     report = result.pop("_report")
     if as_json:
         emit_json(result)
