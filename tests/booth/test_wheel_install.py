@@ -82,6 +82,10 @@ def test_the_wheel_holds_the_images_and_not_the_checkout(installed: Path, tmp_pa
     assert Path(where).is_relative_to(installed.parent), where
     assert not Path(where).is_relative_to(REPO)
     assert images.split() == ["host", "minimal"]
+    # The help topics are package data too: `jukebox help TOPIC` reads them from the wheel.
+    shown = run_isolated(installed, str(installed / "jukebox"), "help", "config", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("The config file:")
 
 
 @pytest.mark.parametrize("image", [None, "minimal"])
