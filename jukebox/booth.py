@@ -708,6 +708,13 @@ def commit_tree(
     changes = len(change_summary(store, base, final))
     target = realtree.open_recorded_tree(record.id, record.tree, record.tree_dev, record.tree_ino)
     try:
+        if _read_only_fs(target):
+            # Before any journal: a commit that cannot stage could not undo itself either.
+            raise CheckFailed(
+                f"commit of booth {record.id} not started: {record.tree} is on a read-only file "
+                f"system; remount it read-write, then `jukebox booth commit {record.id}` (it "
+                "stays pending)"
+            )
         with (
             realtree.interrupt_guard() as interrupted,
             realtree.CommitJob(tape_dir, record.id) as job,
@@ -750,6 +757,11 @@ def commit_tree(
     finally:
         os.close(target)
     return changes
+
+
+def _read_only_fs(path_or_fd: str | int) -> bool:
+    stats = os.fstatvfs(path_or_fd) if isinstance(path_or_fd, int) else os.statvfs(path_or_fd)
+    return bool(stats.f_flag & os.ST_RDONLY)
 
 
 def commit_booth(
@@ -1282,6 +1294,14 @@ def run_booth(
     from jukebox import realtree
 
     paths.check(tree_path, str(tapes.path), str(realtree.commit_key_dir()))
+    if _read_only_fs(tree_path):
+        why = f"the tree {tree_path} is on a read-only file system: no commit can write there"
+        if commit_mode in ("auto", "ask"):
+            raise UsageError(
+                f"{why}; remount it read-write, or run with --commit never to keep the "
+                "agent's changes pending for review (`jukebox booth diff`)"
+            )
+        _alert(f"{why}; the booth will stay pending for review")
     net = net or img.net
     if net not in ("host", "none"):
         raise UsageError(f"bad --net {net!r}: use host or none")

@@ -178,3 +178,26 @@ def test_a_tree_holding_the_running_jukebox_is_writable(tmp_path: Path) -> None:
         assert (tree / "src.txt").read_text() == "written\n", proc.stderr
     finally:
         subprocess.run(["rm", "-rf", str(tree)], check=True)
+
+
+def test_a_tree_on_a_read_only_file_system_is_refused_or_kept_pending(tmp_path: Path) -> None:
+    """Its commit used to fail half-way (exit 70) and leave an interrupted commit that no later
+    command could recover, nor the booth be discarded."""
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tree)], check=True)
+    try:
+        (tree / "a.txt").write_text("one\n")
+        subprocess.run(["mount", "-o", "remount,ro", str(tree)], check=True)
+        run = ["booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "ro1"]
+        refused = jb(*run, "--", "sh", "-c", "echo two > a.txt")
+        assert refused.returncode == 2 and "read-only file system" in refused.stderr
+        assert refused.stderr.count("\n") == 1 and not tapes.exists()
+        kept = jb(*run, "--commit", "never", "--", "sh", "-c", "echo two > a.txt")
+        assert kept.returncode == 0 and "stay pending" in kept.stderr, kept.stderr
+        commit = jb("booth", "commit", "ro1", "--tape-dir", str(tapes))
+        assert commit.returncode == 1 and "not started" in commit.stderr, commit.stderr
+        assert (tree / "a.txt").read_text() == "one\n"
+        assert jb("booth", "discard", "ro1", "--tape-dir", str(tapes)).returncode == 0
+    finally:
+        subprocess.run(["umount", str(tree)], check=True)
