@@ -4,13 +4,26 @@ A tree object lists one directory's entries; a sub-directory entry points at the
 a tree id commits to every byte and every piece of metadata beneath it, and an unchanged sub-tree
 keeps its id (git's object model). Trees are stored as objects of kind ``tree``.
 
-Encoding (version 1). All integers are big-endian and unsigned unless noted::
+Encoding (version 2; version 1 is its first three kinds). Integers are big-endian and unsigned
+unless noted::
 
-    tree    := version:u8 (= 1) entry*            entries strictly ascending by name bytes
+    tree    := version:u8 entry*                  entries strictly ascending by name bytes
     entry   := kind:u8 mode:u16 name_len:u8 size:u64 mtime_ns:i64 name[name_len] ref
     ref     := oid[32]                            kind 1 (file): blob or chunks id
                                                   kind 2 (dir):  tree id
              | target_len:u16 target[target_len]  kind 3 (symlink)
+             | (nothing)                          kind 4 (fifo), kind 5 (unix socket)
+             | rdev:u64                           kind 6 (character device), 7 (block device)
+             | oid[32] link:u64                   kind 8 (file with hard links)
+
+- ``version`` is 1 when every entry is of kinds 1-3, else 2: a tree an older Jukebox could write
+  keeps its bytes, hence its id, and an older reader refuses only trees it could not represent.
+- Kind 8 is a regular file that shares its inode with every other kind-8 entry of the same
+  ``link`` (non-zero) anywhere under the same root tree: hard links. ``link`` is an opaque group
+  key, meaningful only within one root tree. A group may have one member (its other names lie
+  outside the tree, or were removed).
+- ``rdev`` is the device number as Linux encodes it (``st_rdev``); fifos, sockets and devices
+  have size 0.
 
 - ``name`` is 1..255 bytes (NAME_MAX), never ``.`` or ``..``, never containing ``/`` or NUL; any
   other bytes are allowed (spaces, newlines, invalid UTF-8).
@@ -42,6 +55,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import BinaryIO, Protocol
 
+from blake3 import blake3
+
 from shadowfs.bounded import BoundedMap
 from shadowfs.errors import TreeError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
@@ -50,8 +65,20 @@ from shadowfs.progress import Progress
 FILE = "file"
 DIR = "dir"
 SYMLINK = "symlink"
+FIFO = "fifo"
+SOCKET = "socket"
+CHARDEV = "chardev"
+BLOCKDEV = "blockdev"
+# Nodes with no content: the kernel carries a fifo's or socket's data, a device's is elsewhere.
+SPECIALS = (FIFO, SOCKET, CHARDEV, BLOCKDEV)
+DEVICES = (CHARDEV, BLOCKDEV)
+# st_mode's file type of each special kind, and back.
+SPECIAL_FMT = {
+    FIFO: stat.S_IFIFO, SOCKET: stat.S_IFSOCK, CHARDEV: stat.S_IFCHR, BLOCKDEV: stat.S_IFBLK
+}
+FMT_SPECIAL = {fmt: kind for kind, fmt in SPECIAL_FMT.items()}
 
-TREE_VERSION = 1
+TREE_VERSION = 2
 NAME_MAX = 255
 TARGET_MAX = 4095
 MODE_MASK = 0o7777
@@ -65,11 +92,15 @@ RACY_NS = 2_000_000_000
 # the fd table; real trees stay far below this (PATH_MAX alone caps path-based access).
 MAX_DEPTH = 400
 
-_KIND_CODES = {FILE: 1, DIR: 2, SYMLINK: 3}
-_KINDS = {1: FILE, 2: DIR, 3: SYMLINK}
+_KIND_CODES = {FILE: 1, DIR: 2, SYMLINK: 3, FIFO: 4, SOCKET: 5, CHARDEV: 6, BLOCKDEV: 7}
+_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
+_LINKED_FILE = 8
+# The lowest kind code only version 2 knows: a tree holding one is written as version 2.
+_V2_CODE = 4
 _HEAD = struct.Struct(">BHBQq")
 _TARGET_LEN = struct.Struct(">H")
-_VERSION_BYTE = bytes([TREE_VERSION])
+_U64 = struct.Struct(">Q")
+_VERSION_BYTES = (b"", b"\x01", b"\x02")
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
@@ -103,6 +134,10 @@ class Entry:
     mtime_ns: int
     oid: ObjectId | None
     target: bytes | None
+    # A device's number (st_rdev); 0 for every other kind.
+    rdev: int = 0
+    # A regular file's hard-link group key within its root tree (kind 8); 0 for no group.
+    link: int = 0
     # The entry's encoded bytes once known (decoded from, or packed into, a tree): a directory
     # re-encoded after a change then joins its unchanged entries' bytes instead of packing each
     # again. Not part of the entry's value; never set it by hand (`entry_record` fills it).
@@ -113,9 +148,10 @@ class Entry:
 class Change:
     """One path that differs between two trees.
 
-    status: ``added`` | ``deleted`` | ``modified`` (content or symlink target; the mode may have
-    changed too) | ``mode`` (only the permission bits) | ``type`` (kind changed). Apply ``new``
-    wholesale; ``old`` is what was there.
+    status: ``added`` | ``deleted`` | ``modified`` (content, symlink target or device number; the
+    mode may have changed too) | ``link`` (same content, another hard-link group: a name linked
+    to it, or the group left) | ``mode`` (only the permission bits) | ``type`` (kind changed).
+    Apply ``new`` wholesale; ``old`` is what was there.
     """
 
     path: bytes
@@ -146,10 +182,30 @@ def stat_entry(
     name: bytes, kind: str, st: os.stat_result, oid: ObjectId | None, target: bytes | None = None
 ) -> Entry:
     """The entry for a file system object from its lstat: the one place entries are made from
-    the outside world, so its time is clamped (`clamp_time_ns`) here and nowhere else."""
-    size = st.st_size if kind == FILE else 0 if kind == DIR else len(target)  # type: ignore[arg-type]
+    the outside world, so its time is clamped (`clamp_time_ns`) here and nowhere else. A
+    regular file with other names gets the link key of its inode (`link_key`)."""
     mtime = clamp_time_ns(st.st_mtime_ns)
-    return Entry(name, kind, st.st_mode & MODE_MASK, size, mtime, oid, target)
+    mode = st.st_mode & MODE_MASK
+    if kind == FILE:
+        link = link_key(st) if st.st_nlink > 1 else 0
+        return Entry(name, kind, mode, st.st_size, mtime, oid, target, 0, link)
+    if kind == SYMLINK:
+        return Entry(name, kind, mode, len(target), mtime, oid, target)  # type: ignore[arg-type]
+    rdev = st.st_rdev if kind in DEVICES else 0
+    return Entry(name, kind, mode, 0, mtime, oid, target, rdev)
+
+
+def link_key(st: os.stat_result) -> int:
+    """The hard-link group key of an inode seen on disk: the same for all its names, and, being
+    a hash of device and inode number, apart from keys of other file systems and from those a
+    layer draws at random for links it makes."""
+    digest = blake3(b"shadowfs link\0" + _U64.pack(st.st_dev) + _U64.pack(st.st_ino)).digest()
+    return int.from_bytes(digest[:8], "big") or 1
+
+
+def new_link_key() -> int:
+    """A fresh hard-link group key, for a group made by a layer."""
+    return int.from_bytes(os.urandom(8), "big") or 1
 
 
 def _check_name(name: bytes) -> str | None:
@@ -180,7 +236,14 @@ def check_entry(e: Entry) -> str | None:
         return f"size {e.size} of {e.name!r} is out of range"
     if not _I64_MIN <= e.mtime_ns <= _I64_MAX:
         return f"mtime_ns {e.mtime_ns} of {e.name!r} is out of range"
-    if e.kind == SYMLINK:
+    if (e.rdev and e.kind not in DEVICES) or not 0 <= e.rdev <= _U64_MAX:
+        return f"{e.kind} {e.name!r} has a device number {e.rdev}"
+    if (e.link and e.kind != FILE) or not 0 <= e.link <= _U64_MAX:
+        return f"{e.kind} {e.name!r} has a hard-link key {e.link}; only files have one"
+    if e.kind in SPECIALS:
+        if e.oid is not None or e.target is not None or e.size != 0:
+            return f"{e.kind} {e.name!r} must have no oid, no target and size 0"
+    elif e.kind == SYMLINK:
         t = e.target
         if e.oid is not None or t is None:
             return f"symlink {e.name!r} must have a target and no oid"
@@ -205,11 +268,18 @@ def entry_record(e: Entry) -> bytes:
     rec = e.record
     if rec is not None:
         return rec
-    head = _HEAD.pack(_KIND_CODES[e.kind], e.mode, len(e.name), e.size, e.mtime_ns)
-    if e.target is None:
-        rec = head + e.name + e.oid  # type: ignore[operator]
-    else:
+    code = _LINKED_FILE if e.link else _KIND_CODES[e.kind]
+    head = _HEAD.pack(code, e.mode, len(e.name), e.size, e.mtime_ns)
+    if e.target is not None:
         rec = head + e.name + _TARGET_LEN.pack(len(e.target)) + e.target
+    elif e.link:
+        rec = head + e.name + e.oid + _U64.pack(e.link)  # type: ignore[operator]
+    elif e.oid is not None:
+        rec = head + e.name + e.oid
+    elif e.kind in DEVICES:
+        rec = head + e.name + _U64.pack(e.rdev)
+    else:
+        rec = head + e.name
     _set_record(e, rec)
     return rec
 
@@ -225,8 +295,10 @@ def pack_entries(entries: Iterable[Entry]) -> bytes:
 
 def pack_records(records: Iterable[bytes]) -> bytes:
     """Tree bytes from entry records (`entry_record`) already in strictly ascending name order."""
-    parts = [_VERSION_BYTE]
+    parts = [b""]
     parts.extend(records)  # one join: no copy of the joined records behind the version byte
+    v2 = _V2_CODE
+    parts[0] = _VERSION_BYTES[2 if any(r[0] >= v2 for r in parts[1:]) else 1]
     return b"".join(parts)
 
 
@@ -245,6 +317,9 @@ def splice_records(packed: bytes, swaps: Iterable[tuple[bytes, bytes]]) -> bytes
     for old, rec in swaps:
         n = len(rec)
         if n != len(old):
+            return None
+        # The version byte follows the kinds present: re-pack when a swap may change it.
+        if (rec[0] >= _V2_CODE) != (old[0] >= _V2_CODE):
             return None
         at = packed.find(old)
         if at < 0 or packed.find(old, at + 1) >= 0:
@@ -278,7 +353,8 @@ def _malformed(why: str) -> TreeError:
 
 _entry_new = Entry.__new__
 _SETTERS = tuple(
-    Entry.__dict__[f].__set__ for f in ("name", "kind", "mode", "size", "mtime_ns", "oid", "target")
+    Entry.__dict__[f].__set__
+    for f in ("name", "kind", "mode", "size", "mtime_ns", "oid", "target", "rdev", "link")
 )
 _set_record = Entry.__dict__["record"].__set__
 _DOTS = (b".", b"..")
@@ -288,11 +364,14 @@ def make_entry(
     name: bytes, kind: str, mode: int, size: int, mtime_ns: int, oid: ObjectId | None,
     target: bytes | None,
     record: bytes | None = None,
+    *,
+    rdev: int = 0,
+    link: int = 0,
 ) -> Entry:
     """Entry(...) without the frozen dataclass __init__, which costs 2.5x as much through
     object.__setattr__: decoding big directories and building a snapshot's trees make many."""
     e = _entry_new(Entry)
-    s_name, s_kind, s_mode, s_size, s_mtime, s_oid, s_target = _SETTERS
+    s_name, s_kind, s_mode, s_size, s_mtime, s_oid, s_target, s_rdev, s_link = _SETTERS
     s_name(e, name)
     s_kind(e, kind)
     s_mode(e, mode)
@@ -300,15 +379,19 @@ def make_entry(
     s_mtime(e, mtime_ns)
     s_oid(e, oid)
     s_target(e, target)
+    s_rdev(e, rdev)
+    s_link(e, link)
     _set_record(e, record)
     return e
 
 
 def _decode(data: bytes) -> dict[bytes, Entry]:
     n = len(data)
-    if n == 0 or data[0] != TREE_VERSION:
+    if n == 0 or not 1 <= data[0] <= TREE_VERSION:
         got = "no bytes" if n == 0 else f"version {data[0]}"
-        raise _malformed(f"expected version {TREE_VERSION}, found {got}")
+        raise _malformed(f"expected version 1 to {TREE_VERSION}, found {got}")
+    last_code = 3 if data[0] == 1 else _LINKED_FILE
+    newer = False  # an entry only version 2 can hold: a version 2 tree must have one
     out: dict[bytes, Entry] = {}
     unpack_head = _HEAD.unpack_from
     head_size = _HEAD.size
@@ -333,9 +416,9 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
             what = "a duplicate" if name == prev else "an out-of-order"
             raise _malformed(f"{what} entry {name!r} after {prev!r}")
         prev = name
-        kind = kinds.get(code)
-        if kind is None:
-            raise _malformed(f"unknown kind code {code} for {name!r}")
+        kind = kinds.get(code, FILE if code == _LINKED_FILE else None)
+        if kind is None or code > last_code:
+            raise _malformed(f"unknown kind code {code} for {name!r} in version {data[0]}")
         if mode > MODE_MASK:
             raise _malformed(f"mode {mode:#o} of {name!r} has bits outside 0o7777")
         if code == 3:
@@ -353,6 +436,29 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
             if size != tlen:
                 raise _malformed(f"symlink {name!r} has size {size}, not its target length {tlen}")
             out[name] = make(name, kind, mode, size, mtime_ns, None, target, data[start:pos])
+        elif code >= _V2_CODE:
+            newer = True
+            if code == _LINKED_FILE:
+                end = pos + OID_SIZE + 8
+                if end > n:
+                    raise _malformed(f"object id and link of {name!r} run past the end")
+                oid = unchecked_oid(ObjectId, data[pos : pos + OID_SIZE])
+                link = _U64.unpack_from(data, pos + OID_SIZE)[0]
+                if not link:
+                    raise _malformed(f"linked file {name!r} has link key 0")
+                pos = end
+                out[name] = make(name, kind, mode, size, mtime_ns, oid, None, data[start:pos],
+                                 link=link)
+                continue
+            if size != 0:
+                raise _malformed(f"{kind} {name!r} has size {size}, not 0")
+            rdev = 0
+            if kind in DEVICES:
+                if pos + 8 > n:
+                    raise _malformed(f"device number of {name!r} runs past the end")
+                rdev = _U64.unpack_from(data, pos)[0]
+                pos += 8
+            out[name] = make(name, kind, mode, 0, mtime_ns, None, None, data[start:pos], rdev=rdev)
         else:
             end = pos + OID_SIZE
             if end > n:
@@ -363,6 +469,8 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
             oid = unchecked_oid(ObjectId, data[pos:end])
             out[name] = make(name, kind, mode, size, mtime_ns, oid, None, data[start:end])
             pos = end
+    if data[0] == 2 and not newer:
+        raise _malformed("version 2 without an entry that needs it (canonical is version 1)")
     return out
 
 
@@ -501,14 +609,6 @@ def reachable(store: TreeStore, tree_id: ObjectId) -> set[ObjectId]:
 # --- building from a directory ----------------------------------------------------------------
 
 
-_SKIP_REASONS = {
-    stat.S_IFIFO: "fifo",
-    stat.S_IFSOCK: "socket",
-    stat.S_IFCHR: "character device",
-    stat.S_IFBLK: "block device",
-}
-
-
 def build_tree(
     store: TreeStore,
     path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
@@ -523,8 +623,9 @@ def build_tree(
 ) -> ObjectId:
     """Store the directory at ``path`` and everything beneath it; return the root tree id.
 
-    Symlinks are recorded, never followed. Fifos, sockets and devices are skipped and reported to
-    ``on_skip(relative_path, reason)``; so are entries that vanish during the scan.
+    Symlinks are recorded, never followed; so are fifos, sockets and device nodes (as what they
+    are), and hard links (`link_key`). Entries that vanish during the scan are skipped and
+    reported to ``on_skip(relative_path, reason)``.
 
     With ``previous`` (a tree built earlier from the same directory), a regular file whose size,
     mtime_ns and mode equal the previous entry's, and whose ctime is older than the reference
@@ -643,6 +744,7 @@ class _Builder:
                 and old.size == st.st_size
                 and old.mtime_ns == clamp_time_ns(st.st_mtime_ns)
                 and old.mode == mode
+                and old.link == (link_key(st) if st.st_nlink > 1 else 0)
                 and st.st_mtime_ns < self.cutoff
                 and st.st_ctime_ns < self.cutoff
             ):
@@ -665,7 +767,10 @@ class _Builder:
         if fmt == stat.S_IFLNK:
             target = os.readlink(name, dir_fd=dfd)
             return stat_entry(name, SYMLINK, st, None, target)
-        self.skip(_join(rel, name), _SKIP_REASONS.get(fmt, f"file type {fmt:#o}"))
+        special = FMT_SPECIAL.get(fmt)
+        if special is not None:
+            return stat_entry(name, special, st, None)
+        self.skip(_join(rel, name), f"file type {fmt:#o}")
         return None
 
     def file(self, dfd: int, name: bytes, rel: bytes) -> Entry | None:
@@ -738,8 +843,10 @@ def diff_trees(store: TreeStore, a: ObjectId | None, b: ObjectId | None) -> list
                     out.append(Change(path, "mode", old, new))
                 if old.oid != new.oid:
                     stack.append((path, old.oid, new.oid))
-            elif old.oid != new.oid or old.target != new.target:
+            elif old.oid != new.oid or old.target != new.target or old.rdev != new.rdev:
                 out.append(Change(path, "modified", old, new))
+            elif old.link != new.link:
+                out.append(Change(path, "link", old, new))
             elif old.mode != new.mode:
                 out.append(Change(path, "mode", old, new))
         for name, new in new_entries.items():
@@ -761,8 +868,9 @@ def materialize(
 
     Every write goes through a directory fd with O_NOFOLLOW/O_EXCL, and names are validated when
     the tree is decoded, so a hostile tree cannot place anything outside ``dest``. Modes and mtimes
-    are restored; a directory's are set after its contents. ``dest`` itself keeps its own. On error
-    ``dest`` is left partly filled; remove it.
+    are restored; a directory's are set after its contents. ``dest`` itself keeps its own. Hard
+    links are made again; device nodes need CAP_MKNOD. On error ``dest`` is left partly filled;
+    remove it.
     """
     root = os.fsencode(dest)
     with contextlib.suppress(FileExistsError):
@@ -774,17 +882,40 @@ def materialize(
                 f"cannot materialize into {os.fsdecode(root)!r}: it is not empty; "
                 "pass an empty or absent directory"
             )
-        _fill(store, tree_id, fd, 0)
+        _fill(store, tree_id, fd, 0, _Linker(fd))
     finally:
         os.close(fd)
 
 
-def _fill(store: TreeStore, tree_id: ObjectId, dfd: int, depth: int) -> None:
+class _Linker:
+    """Where the first name of each hard-link group went, to link the others to it."""
+
+    __slots__ = ("first", "root_fd")
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.first: dict[int, bytes] = {}
+
+    def link(self, e: Entry, dfd: int, rel: bytes) -> bool:
+        """Link ``e`` to its group's first name, if one was made; else remember ``rel`` as it."""
+        first = self.first.get(e.link)
+        if first is None:
+            self.first[e.link] = rel
+            return False
+        os.link(first, e.name, src_dir_fd=self.root_fd, dst_dir_fd=dfd, follow_symlinks=False)
+        return True
+
+
+def _fill(
+    store: TreeStore, tree_id: ObjectId, dfd: int, depth: int, linker: _Linker, rel: bytes = b""
+) -> None:
     if depth > MAX_DEPTH:
         raise TreeError(f"tree {tree_id} nests deeper than {MAX_DEPTH} levels; refusing it")
     for e in _entries(store, tree_id).values():
         name = e.name
         times = (e.mtime_ns, e.mtime_ns)
+        if e.link and linker.link(e, dfd, _join(rel, name)):
+            continue
         if e.kind == FILE:
             fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
             with open(fd, "wb", closefd=True) as f:
@@ -797,13 +928,27 @@ def _fill(store: TreeStore, tree_id: ObjectId, dfd: int, depth: int) -> None:
             os.mkdir(name, 0o700, dir_fd=dfd)
             sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
             try:
-                _fill(store, e.oid, sub, depth + 1)  # type: ignore[arg-type]
+                _fill(store, e.oid, sub, depth + 1, linker, _join(rel, name))  # type: ignore[arg-type]
                 # After the contents: creating them would bump the mtime, and a read-only mode
                 # would forbid creating them.
                 os.fchmod(sub, e.mode)
                 os.utime(sub, ns=times)
             finally:
                 os.close(sub)
-        else:
+        elif e.kind == SYMLINK:
             os.symlink(e.target, name, dir_fd=dfd)  # type: ignore[arg-type]
             os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
+        else:
+            make_special(e, name, dfd)
+            os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
+
+
+def make_special(e: Entry, name: bytes, dfd: int) -> None:
+    """Create the fifo, socket or device node of entry ``e`` as ``name`` in ``dfd``, with its mode.
+
+    A socket is made as an inode with nothing listening on it (connecting is refused until a
+    server binds a new one), as the kernel overlay's copy-up makes it; a device needs
+    CAP_MKNOD."""
+    os.mknod(name, SPECIAL_FMT[e.kind] | 0o600, e.rdev, dir_fd=dfd)
+    # mknod's mode passes through the umask, and cannot carry setuid bits everywhere.
+    os.chmod(name, e.mode, dir_fd=dfd, follow_symlinks=True)
