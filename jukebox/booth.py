@@ -592,12 +592,11 @@ def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
 
 
 def change_summary_line(change: Any) -> str:
-    """``A path  (N bytes)``: one shadowfs.tree.Change as a review lists it."""
-    from jukebox.names import change_line
+    """``A path  (N bytes)``, ``A path  (fifo)``: one shadowfs.tree.Change as a review lists
+    it, with what the entry is (`jukebox.names.entry_note`)."""
+    from jukebox.names import change_line, entry_note
 
-    entry = change.new or change.old
-    size = f"  ({entry.size} bytes)" if entry is not None and entry.kind == "file" else ""
-    return change_line(change.status, change.path) + size
+    return change_line(change.status, change.path) + entry_note(change.new or change.old)
 
 
 def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:

@@ -25,6 +25,7 @@ a reader takes ``path_b64`` when present. docs/reliability.md ("Names in reviews
 from __future__ import annotations
 
 import base64
+import os
 import re
 import unicodedata
 from typing import Any
@@ -80,7 +81,28 @@ def name_json(name: bytes, key: str = "path") -> dict[str, str]:
         return {key: visible(name), f"{key}_b64": base64.b64encode(name).decode("ascii")}
 
 
-CHANGE_LETTERS = {"added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T"}
+CHANGE_LETTERS = {
+    "added": "A", "deleted": "D", "modified": "M", "mode": "m", "type": "T", "link": "L"
+}
+_SPECIAL_NAMES = {
+    "fifo": "fifo", "socket": "unix socket", "chardev": "character device",
+    "blockdev": "block device",
+}
+
+
+def entry_note(entry: Any) -> str:
+    """What a review says of a tree entry beside its path: ``(12 bytes)``, ``(12 bytes, hard
+    link)``, ``(fifo)``, ``(character device 1:3)``; "" for directories and symlinks."""
+    if entry is None:
+        return ""
+    if entry.kind == "file":
+        return f"  ({entry.size} bytes{', hard link' if entry.link else ''})"
+    what = _SPECIAL_NAMES.get(entry.kind)
+    if what is None:
+        return ""
+    if entry.kind in ("chardev", "blockdev"):
+        what += f" {os.major(entry.rdev)}:{os.minor(entry.rdev)}"
+    return f"  ({what})"
 
 
 def change_line(status: str, path: bytes) -> str:

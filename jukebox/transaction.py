@@ -1137,6 +1137,10 @@ def _holds_new(store: Any, root: str, base: ObjectId, new: ObjectId) -> bool:
             continue  # an added directory: its contents decide
         if e.kind == trees.SYMLINK:
             return stat.S_ISLNK(st.st_mode) and os.fsencode(os.readlink(path)) == e.target
+        if e.kind in trees.SPECIALS:
+            return stat.S_IFMT(st.st_mode) == trees.SPECIAL_FMT[e.kind] and (
+                e.kind not in trees.DEVICES or st.st_rdev == e.rdev
+            )
         if not stat.S_ISREG(st.st_mode) or st.st_size != e.size:
             return False
         if change.status == "mode":

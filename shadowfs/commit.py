@@ -71,7 +71,19 @@ from shadowfs.oid import ObjectHasher, ObjectId
 
 # progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
 from shadowfs.progress import PhasedProgress as Progress
-from shadowfs.tree import DIR, SYMLINK, Change, Entry, lookup, read_tree, walk
+from shadowfs.tree import (
+    DEVICES,
+    DIR,
+    SPECIAL_FMT,
+    SPECIALS,
+    SYMLINK,
+    Change,
+    Entry,
+    lookup,
+    make_special,
+    read_tree,
+    walk,
+)
 
 __all__ = [
     "CRASH_ENV",
@@ -360,8 +372,10 @@ def _changes(store: CommitStore, a: ObjectId, b: ObjectId) -> list[Change]:
                     if old.mode != new.mode or old.mtime_ns != new.mtime_ns:
                         out.append(Change(path, status, old, new))
                     stack.append((path, old.oid, new.oid))  # type: ignore[arg-type]
-                elif old.oid != new.oid or old.target != new.target:
+                elif old.oid != new.oid or old.target != new.target or old.rdev != new.rdev:
                     out.append(Change(path, "modified", old, new))
+                elif old.link != new.link:
+                    out.append(Change(path, "link", old, new))
                 else:
                     status = "mode" if old.mode != new.mode else "mtime"
                     out.append(Change(path, status, old, new))
@@ -389,6 +403,8 @@ class _Stage:
     dir: bytes  # existing directory the staged entry is written in
     name: bytes  # staged name inside dir
     entry: Entry
+    # For a hard link: the stage of its group made first, which this one is a link to.
+    link_to: _Stage | None = None
 
 
 @dataclass(slots=True)
@@ -423,11 +439,13 @@ def _plan(
         if c.old is not None and _parent(c.path) in removed:
             removed[_parent(c.path)].add(_name(c.path))
 
+    changes, restaged = _with_whole_link_groups(store, new_tree, changes)
     removals: list[list[Any]] = []
     mkdirs: list[list[Any]] = []
     renames: list[list[Any]] = []
     inplace: list[list[Any]] = []
     stages: list[_Stage] = []
+    group_stage: dict[int, _Stage] = {}  # hard-link key -> the stage its other names link to
     touched: set[bytes] = set()  # directories whose entries change: their mtime and fsync
     prefix = STAGE_PREFIX + token.encode() + b"-"
     for c in changes:
@@ -445,7 +463,10 @@ def _plan(
             continue
         if drop_setid and n.mode & _SETID:
             n = replace(n, mode=n.mode & ~_SETID)
-        if o is None or o.kind != n.kind or o.oid != n.oid or o.target != n.target:
+        if (
+            o is None or o.kind != n.kind or o.oid != n.oid or o.target != n.target
+            or o.rdev != n.rdev or n.link in restaged
+        ):
             # Stage in the nearest directory that exists both before and after, so the staged
             # entry is on the target's file system and inside the tree from the start.
             sdir = parent
@@ -453,6 +474,10 @@ def _plan(
                 sdir = _parent(sdir)
             touched.add(sdir)
             s = _Stage(p, sdir, prefix + str(len(stages)).encode(), n)
+            if n.link:
+                s.link_to = group_stage.setdefault(n.link, s)
+                if s.link_to is s:
+                    s.link_to = None
             stages.append(s)
             renames.append(["rename", s.dir, s.name, p])
         else:
@@ -482,6 +507,32 @@ def _plan(
     ops = removals + mkdirs + renames + inplace + dirmeta
     fsync = sorted(({b""} | touched | new_dirs.keys()) - removed.keys(), key=_depth, reverse=True)
     return _Plan(changes, stages, ops, fsync, removed)
+
+
+def _with_whole_link_groups(
+    store: CommitStore, new_tree: ObjectId, changes: list[Change]
+) -> tuple[list[Change], set[int]]:
+    """``changes`` plus, for each hard-link group a change writes anew, its other names in the
+    new tree: a group is staged as one new inode with all its names linked to it, so a name
+    linked to an unchanged file, or a changed member of a base group, splits nothing. Those
+    names are checked like any change (their old entry must still be there). Also returns the
+    keys of those groups.
+
+    Finding them walks the new tree, paid only by commits that write a linked file."""
+    keys: set[int] = set()
+    for c in changes:
+        n, o = c.new, c.old
+        if n is not None and n.link and (o is None or o.oid != n.oid or o.link != n.link):
+            keys.add(n.link)
+    if not keys:
+        return changes, keys
+    listed = {c.path for c in changes}
+    extra = [
+        Change(path, "link", e, e)
+        for path, e in walk(store, new_tree)
+        if e.link in keys and path not in listed
+    ]
+    return (sorted(changes + extra, key=lambda c: c.path) if extra else changes), keys
 
 
 # --- conflict check ---------------------------------------------------------------------------
@@ -551,6 +602,12 @@ def _holds(store: CommitStore, dirs: _Dirs, path: bytes, e: Entry) -> bool:
         if fmt != stat.S_IFLNK:
             return False
         return os.readlink(_name(path), dir_fd=dirs.get(_parent(path))) == e.target
+    if e.kind in SPECIALS:
+        return (
+            fmt == SPECIAL_FMT[e.kind]
+            and stat.S_IMODE(st.st_mode) == e.mode
+            and (e.kind not in DEVICES or st.st_rdev == e.rdev)
+        )
     if fmt != stat.S_IFREG or stat.S_IMODE(st.st_mode) != e.mode or st.st_size != e.size:
         return False
     try:
@@ -741,8 +798,23 @@ def _stage_one(
     dfd = dirs.get(s.dir)
     e = s.entry
     times = (e.mtime_ns, e.mtime_ns)
+    if s.link_to is not None:
+        first = s.link_to
+        os.link(first.name, s.name, src_dir_fd=dirs.get(first.dir), dst_dir_fd=dfd,
+                follow_symlinks=False)
+        return 0
     if e.kind == SYMLINK:
         os.symlink(e.target, s.name, dir_fd=dfd)  # type: ignore[arg-type]
+        os.utime(s.name, ns=times, dir_fd=dfd, follow_symlinks=False)
+        return 0
+    if e.kind in SPECIALS:
+        try:
+            make_special(e, s.name, dfd)
+        except PermissionError:
+            raise ShadowfsError(
+                f"cannot create the {e.kind} {_show(s.path)!r} in the tree: making device "
+                "nodes needs CAP_MKNOD; commit as root, or remove it in the booth first"
+            ) from None
         os.utime(s.name, ns=times, dir_fd=dfd, follow_symlinks=False)
         return 0
     fd = os.open(s.name, _CREATE_FLAGS, 0o600, dir_fd=dfd)

@@ -157,7 +157,7 @@ class Operations:
             self.layer.nlink(node) if fmt == S_IFDIR else len(node.links),
             node.uid,
             node.gid,
-            0,
+            node.rdev,
             4096,
             0,
         )
@@ -392,9 +392,11 @@ class Operations:
         return self._entry(self.layer.symlink(ino, name, target, uid, gid, pid))
 
     def mknod(self, ino: int, req: bytes, uid: int, gid: int, pid: int) -> Reply:
-        mode, _, _, _ = w.MKNOD_IN.unpack_from(req, w.IN_HEADER_SIZE)
+        mode, rdev, _, _ = w.MKNOD_IN.unpack_from(req, w.IN_HEADER_SIZE)
         name, _ = w.name_arg(req, w.IN_HEADER_SIZE + w.MKNOD_IN.size)
-        node = self.layer.mknod(ino, name, mode, uid, gid, pid)
+        # The kernel let a device through only for a caller with CAP_MKNOD; the mount is nodev,
+        # so the node opens nothing here.
+        node = self.layer.mknod(ino, name, mode, uid, gid, pid, rdev=rdev)
         node.last_pid = pid
         return self._entry(node)
 

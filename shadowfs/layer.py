@@ -107,7 +107,10 @@ from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
     DIR,
     FILE,
+    FMT_SPECIAL,
     MAX_DEPTH,
+    SPECIAL_FMT,
+    SPECIALS,
     SYMLINK,
     Entry,
     check_entry,
@@ -124,11 +127,10 @@ SRC_SCRATCH = 2
 S_IFREG = stat.S_IFREG
 S_IFDIR = stat.S_IFDIR
 S_IFLNK = stat.S_IFLNK
-# FIFOs and unix sockets live in the layer only: they need no content, and trees do not record
-# them (a snapshot leaves them out, so a commit creates none and a restore removes them).
-LIVE_ONLY = (stat.S_IFIFO, stat.S_IFSOCK)
-_FMT_KIND = {S_IFREG: FILE, S_IFDIR: DIR, S_IFLNK: SYMLINK}
-_KIND_FMT = {FILE: S_IFREG, DIR: S_IFDIR, SYMLINK: S_IFLNK}
+# FIFOs, unix sockets and device nodes: nodes with no content of the layer's (the kernel carries
+# a fifo's or socket's data; the mount is nodev), recorded by trees as what they are.
+_SPECIAL_FMTS = frozenset(SPECIAL_FMT.values())
+_KIND_FMT = {FILE: S_IFREG, DIR: S_IFDIR, SYMLINK: S_IFLNK, **SPECIAL_FMT}
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -208,12 +210,14 @@ class Node:
         "image",
         "ino",
         "last_pid",
+        "link_key",
         "links",
         "lookups",
         "mode",
         "mtime_ns",
         "oid",
         "opens",
+        "rdev",
         "size",
         "src",
         "stat_base",
@@ -258,6 +262,11 @@ class Node:
         # file, which adds up on a 100,000-file tree).
         self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
         self.links: list[tuple[Node, bytes]] = []
+        # A regular file's hard-link group key in trees (`shadowfs.tree.Entry.link`), 0 until
+        # it has had a second name; kept once set, so removing names never rewrites the others.
+        self.link_key = 0
+        # A device node's number.
+        self.rdev = 0
         self.lookups = 0
         # The last process seen using the node through a mount: writes the kernel writes back
         # on its own carry no process, and the journal names this one for them.
@@ -622,8 +631,13 @@ class Layer:
         self._next_ino = ROOT_INO
         self._next_fh = 1
         self.inodes: dict[int, Node] = {}
-        # The live-only nodes (see LIVE_ONLY), by inode number.
-        self._live_only: dict[int, Node] = {}
+        # Hard-link groups met in trees: key -> the node of its names (`_from_entry`), and
+        # whether every group's names in the tree are loaded (`_gather_links`).
+        self._groups: dict[int, Node] = {}
+        self._links_gathered = False
+        self._links_pending = False
+        # Tree id -> whether a hard-linked file lies beneath (ids fix content: never stale).
+        self._link_trees: dict[bytes, bool] = {}
         self.handles: dict[int, Handle] = {}
         self._inval: list[tuple[Any, ...]] = []
         # (tree a, tree b) -> how two directory trees differ (`_remember_step`).
@@ -710,7 +724,18 @@ class Layer:
         return node
 
     def _from_entry(self, e: Entry, be: Entry | None, base_path: bytes | None) -> Node:
-        """A node for tree entry ``e``; ``be`` is the base's entry of the same name, if any."""
+        """A node for tree entry ``e``; ``be`` is the base's entry of the same name, if any.
+
+        A hard-linked file's entry gets its group's node when that node still is the file the
+        entry describes: the caller then adds a name to it."""
+        link = e.link
+        if link:
+            node = self._groups.get(link)
+            if (
+                node is not None and node.links and not node.dirty and node.oid == e.oid
+                and node.mode == e.mode and node.mtime_ns == e.mtime_ns and node.size == e.size
+            ):
+                return node
         node = self._new(_KIND_FMT[e.kind], e.mode, e.mtime_ns)
         node.oid = e.oid
         if e.kind == FILE:
@@ -720,6 +745,13 @@ class Layer:
                 node.base_path = base_path
             else:
                 node.src = SRC_STORE
+            if link:
+                node.link_key = link
+                self._groups[link] = node
+                if not self._links_gathered:
+                    self._links_pending = True
+        elif e.kind in SPECIALS:
+            node.rdev = e.rdev
         elif e.kind == DIR:
             if be is not None and be.kind == DIR:
                 node.base_path = base_path
@@ -750,7 +782,37 @@ class Layer:
             child.links.append((d, name))
             children[name] = child
         d.children = children
+        if self._links_pending:
+            self._gather_links()
         return children
+
+    def _gather_links(self) -> None:
+        """Load every directory whose tree holds a hard-linked file, once a group's first name
+        is met: each group is then one node with all its names before any of them changes, so
+        a write through one name shows through the others and every name's entry is rebuilt.
+
+        Paid once per layer (again after a restore) by trees with hard links: a walk of the
+        trees not loaded yet, each tree's answer kept (`_tree_has_links`)."""
+        self._links_pending = False
+        self._links_gathered = True
+        stack = [self.root]
+        while stack:
+            d = stack.pop()
+            if d.children is None:
+                if d.oid is None or not self._tree_has_links(d.oid):
+                    continue
+                self._load(d)
+            stack.extend(c for c in d.children.values() if c.fmt == S_IFDIR)  # type: ignore[union-attr]
+
+    def _tree_has_links(self, oid: ObjectId) -> bool:
+        known = self._link_trees.get(oid)
+        if known is None:
+            known = any(
+                e.link or (e.kind == DIR and self._tree_has_links(e.oid))  # type: ignore[arg-type]
+                for e in _entries(self.store, oid).values()
+            )
+            self._link_trees[oid] = known
+        return known
 
     def _fill(self, node: Node) -> None:
         """Take uid, gid, atime and ctime from the base file this node mirrors."""
@@ -852,7 +914,8 @@ class Layer:
             return
         del self.inodes[node.ino]
         self._idle.pop(node.ino, None)
-        self._live_only.pop(node.ino, None)
+        if node.link_key and self._groups.get(node.link_key) is node:
+            del self._groups[node.link_key]
         if node.backing is not None:
             node.backing.release()
             node.backing = None
@@ -1271,18 +1334,22 @@ class Layer:
         uid: int | None = None,
         gid: int | None = None,
         pid: int = 0,
+        *,
+        rdev: int = 0,
     ) -> Node:
+        """A regular file, fifo, unix socket or device node. Through a mount the kernel has
+        checked CAP_MKNOD for a device already; the mount is nodev, so it opens nothing."""
         fmt = stat.S_IFMT(mode)
-        if fmt in LIVE_ONLY:
+        if fmt in _SPECIAL_FMTS:
             d, node = self._add(parent, name, fmt, mode, self._u(uid), self._g(gid))
+            if fmt in (stat.S_IFCHR, stat.S_IFBLK):
+                node.rdev = rdev
             self._link(d, name, node, node.mtime_ns)
-            self._live_only[node.ino] = node
             self.journal.record("create", (self.path_of(d, name),), pid, arg=fmt | node.mode)
             return node
         self._check_length(name)
         if fmt not in (0, S_IFREG):
-            # Device nodes: the mount is nodev, and trees could not hold them.
-            raise _err(errno.EPERM)
+            raise _err(errno.EINVAL)
         h, node = self.create(parent, name, mode, os.O_RDWR, uid, gid, pid)
         # The new scratch fd stays open (among the idle ones) for the writes that usually
         # follow; no handle holds it.
@@ -1341,6 +1408,11 @@ class Layer:
         self.attrs(node)
         now = time.time_ns()
         old = self.path_of(node.links[0][0], node.links[0][1])
+        if node.fmt == S_IFREG and not node.link_key:
+            # Its entries now name a group (trees keep hard links of regular files only).
+            node.link_key = trees.new_link_key()
+            self._groups[node.link_key] = node
+            self._touch_node(node)
         self._link(d, name, node, now)
         node.ctime_ns = now
         self.journal.record("link", (old, self.path_of(d, name)), pid)
@@ -1740,7 +1812,14 @@ class Layer:
             if node.dirty:
                 node.oid = self._store_content(node)
                 node.dirty = False
-            return make_entry(name, FILE, node.mode, node.size, node.mtime_ns, node.oid, None)
+            return make_entry(
+                name, FILE, node.mode, node.size, node.mtime_ns, node.oid, None,
+                link=node.link_key,
+            )
+        if fmt in _SPECIAL_FMTS:
+            return make_entry(
+                name, FMT_SPECIAL[fmt], node.mode, 0, node.mtime_ns, None, None, rdev=node.rdev
+            )
         t = node.target
         return make_entry(name, SYMLINK, node.mode, len(t), node.mtime_ns, None, t)  # type: ignore[arg-type]
 
@@ -1759,7 +1838,7 @@ class Layer:
         swaps: list[tuple[bytes, bytes]] = []
         for name in d.dirty_names:
             child = children.get(name)
-            if child is None or child.fmt in LIVE_ONLY:
+            if child is None:
                 if new.pop(name, None) is not None:
                     reshaped = True
                 continue
@@ -1864,30 +1943,21 @@ class Layer:
             with self._foreground():
                 if stores:
                     self._fold()
-                self._drop_live_only()
                 if tree_id != self.root.oid:
                     files = self._files
                     files.hold()
+                    # Groups met from here on may have names where nothing is loaded yet.
+                    self._links_gathered = False
                     try:
                         self._reconcile(self.root, tree_id, time.time_ns())
                     finally:
                         files.unhold()
             self.root.oid = self.last_tree = tree_id
+            if self._links_pending:
+                self._gather_links()
             self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
             if stores:
                 self._flush(durable)
-
-    def _drop_live_only(self) -> None:
-        """Remove every FIFO and socket: no tree holds them, so no restored state has them
-        (as the overlay backend's restore removes them from its upper directory)."""
-        inval = self._inval
-        for node in list(self._live_only.values()):
-            for d, name in list(node.links):
-                del d.children[name]  # type: ignore[union-attr]
-                if d.lookups:
-                    inval.append(("entry", d.ino, name))
-                    inval.append(("inode", d.ino, False))
-                self._unlink_child(d, name, node)
 
     def _remember_step(self, a: ObjectId, b: ObjectId, diffs: list[_Diff]) -> None:
         """Remember how directory trees ``a`` and ``b`` differ: (name, entry in a, entry in b)
@@ -1957,13 +2027,19 @@ class Layer:
                     if child.lookups:
                         inval.append(("inode", child.ino, True))
                     continue
-                if oe.oid == ne.oid and oe.target == ne.target and oe.mtime_ns == ne.mtime_ns:
+                if (
+                    oe.oid == ne.oid and oe.target == ne.target and oe.mtime_ns == ne.mtime_ns
+                    and oe.rdev == ne.rdev and oe.link == ne.link
+                ):
                     if oe.mode != ne.mode:
                         child.mode, child.ctime_ns = ne.mode, now
                         if child.lookups:
                             inval.append(("inode", child.ino, True))
                     continue
-                if kind == FILE and not (child.lookups or child.opens) and len(child.links) == 1:
+                if (
+                    kind == FILE and not (child.lookups or child.opens or ne.link)
+                    and len(child.links) == 1 and not child.link_key
+                ):
                     changed = True
                     if base is None:
                         base = self._base_entries(d)

@@ -34,7 +34,7 @@ import signal
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -44,12 +44,15 @@ from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
     DIR,
     FILE,
+    FMT_SPECIAL,
     MAX_DEPTH,
     MODE_MASK,
+    SPECIALS,
     SYMLINK,
     Entry,
     TreeStore,
     build_tree,
+    make_special,
     stat_entry,
 )
 from shadowfs.tree import entries as _tree_entries
@@ -212,6 +215,10 @@ class OverlayLayer:
         self._lowerdir = self.base
         self._bound = False
         self._staged = 0
+        # Hard-link key -> the upper path a restore wrote the group's first name at; and the
+        # upper inodes restores made for groups -> their keys, which snapshots then keep.
+        self._restore_links: dict[int, bytes] = {}
+        self._link_keys: dict[tuple[int, int], int] = {}
         self._cache: dict[bytes, _Stat] = {}
         self._dir_cache: dict[bytes, tuple[tuple[object, ...], ObjectId]] = {}
         # Upper directories' opacity by path: (inode, ctime, opaque), as of the last snapshot.
@@ -447,9 +454,11 @@ class OverlayLayer:
                     trusted = False
                     continue
                 entries[name] = stat_entry(name, SYMLINK, st, None, target)
+            elif _is_whiteout(st):
+                entries.pop(name, None)  # deletes the lower entry
+            elif fmt in FMT_SPECIAL:
+                entries[name] = stat_entry(name, FMT_SPECIAL[fmt], st, None)
             else:
-                # A whiteout (0/0 character device) deletes the lower entry; fifos, sockets
-                # and devices are not recorded by trees at all, so they hide it too.
                 entries.pop(name, None)
         # Every entry is valid by construction (decoded lower entries, names and stats from the
         # upper file system), so encode_tree's per-entry checks -- half the cost of a large
@@ -495,6 +504,8 @@ class OverlayLayer:
             os.close(fd)
         self.snapshot_stats.hashed += 1
         e = stat_entry(name, FILE, st, oid)
+        if e.link and (st.st_dev, st.st_ino) in self._link_keys:
+            e = replace(e, link=self._link_keys[st.st_dev, st.st_ino])
         # Trusted next time only if nothing happened to the file between the listing's stat and
         # this one: a write fault in between could have left a writable mapping behind whose
         # later writes move no ctime (see `_write_protect`); it is read again next time.
@@ -540,7 +551,11 @@ class OverlayLayer:
                 os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
         self._dir_cache.clear()
         self._opaque_cache.clear()
+        self._restore_links = {}
         self._sync_dir(self.upper, b"", self.base_tree, tree_id, False)
+        for key, path in self._restore_links.items():
+            st = os.lstat(path)
+            self._link_keys[st.st_dev, st.st_ino] = key
 
     def _plan_copy_ups(self, upath: bytes, rel: bytes, base_oid: ObjectId | None,
                        target_oid: ObjectId) -> Iterator[bytes]:
@@ -618,6 +633,15 @@ class OverlayLayer:
             if x is not None:
                 self._remove(path, rel, x)
             return
+        if t.kind == FILE and t.link:
+            # A hard link: the group's first name written by this restore is its inode.
+            first = self._restore_links.setdefault(t.link, path)
+            if first != path:
+                if x is None or x.st_ino != os.lstat(first).st_ino:
+                    staged = self._staging_name()
+                    os.link(first, staged, follow_symlinks=False)
+                    self._replace(staged, path, rel, x)
+                return
         if t.kind == FILE:
             c = self._cache.get(rel)
             if (x is not None and stat.S_ISREG(x.st_mode) and c is not None and c.oid == t.oid
@@ -630,6 +654,18 @@ class OverlayLayer:
                 self._cache.pop(rel, None)
                 return
             self._write_file(path, rel, t, x)
+            return
+        if t.kind in SPECIALS:
+            staged = self._staging_name()
+            tmp_dir, _, tmp_name = staged.rpartition(b"/")
+            fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                make_special(t, tmp_name, fd)
+                os.utime(tmp_name, ns=(t.mtime_ns, t.mtime_ns), dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
+            self._own(staged, rel)
+            self._replace(staged, path, rel, x)
             return
         # A symlink.
         if x is not None and stat.S_ISLNK(x.st_mode) and os.readlink(path) == t.target:

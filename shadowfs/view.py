@@ -33,7 +33,7 @@ import trio
 from shadowfs import mountinfo
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
-from shadowfs.tree import DIR, FILE, SYMLINK, Entry, TreeStore, read_tree
+from shadowfs.tree import DIR, FILE, SPECIAL_FMT, SYMLINK, Entry, TreeStore, read_tree
 
 # The tree never changes under the mount: let the kernel keep what it learned for a day.
 _TIMEOUT = 86400.0
@@ -148,11 +148,11 @@ class TreeView(pyfuse3.Operations):
             a.st_mode = stat.S_IFLNK | e.mode
             a.st_nlink = 1
         else:
-            a.st_mode = stat.S_IFREG | e.mode
+            a.st_mode = SPECIAL_FMT.get(e.kind, stat.S_IFREG) | e.mode
             a.st_nlink = 1
         a.st_uid = self.uid
         a.st_gid = self.gid
-        a.st_rdev = 0
+        a.st_rdev = e.rdev
         a.st_size = e.size
         a.st_blksize = 1 << 17
         a.st_blocks = (e.size + 511) // 512

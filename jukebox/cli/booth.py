@@ -286,8 +286,12 @@ def diff(
             for change in changes:
                 row: dict[str, object] = {**name_json(change.path), "status": change.status}
                 entry = change.new or change.old
+                if entry is not None:
+                    row["kind"] = entry.kind
                 if entry is not None and entry.kind == "file":
                     row["size"] = entry.size
+                    if entry.link:
+                        row["hard_link"] = True
                 if patch:
                     row["patch"] = text_patch(store, change, indent="")
                 rows.append(row)

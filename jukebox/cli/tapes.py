@@ -514,7 +514,7 @@ def diff_command(
     prefix, then frames, models, messages, tool calls, files, tokens and cost of each side.
     """
     from jukebox.errors import UsageError
-    from jukebox.names import CHANGE_LETTERS, name_json, visible
+    from jukebox.names import CHANGE_LETTERS, entry_note, name_json, visible
     from jukebox.patch import text_patch
     from jukebox.tapedir import TapeRef
     from shadowfs import tree
@@ -568,7 +568,10 @@ def diff_command(
             {
                 "from_tree": old_tree.hex() if old_tree else None,
                 "to_tree": new_tree.hex() if new_tree else None,
-                "changes": [{**name_json(c.path), "status": c.status} for c in changes],
+                "changes": [
+                    {**name_json(c.path), "status": c.status, "kind": (c.new or c.old).kind}
+                    for c in changes
+                ],
             }
         )
         return
@@ -577,7 +580,10 @@ def diff_command(
     click.echo(f"diff {label}: {len(changes)} change(s)")
     for change in changes:
         letter = CHANGE_LETTERS.get(change.status, "?")
-        click.echo(style.change_line(f"  {letter}  {visible(change.path)}"))
+        e = change.new or change.old
+        # What a non-file entry is; plain files keep the short line.
+        note = entry_note(e) if e is not None and (e.kind != "file" or e.link) else ""
+        click.echo(style.change_line(f"  {letter}  {visible(change.path)}{note}"))
         if patch:
             click.echo(style.patch(text_patch(store, change)), nl=False)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import subprocess
 
 import pytest
@@ -123,7 +125,7 @@ def test_booth_diff_shows_patches_and_json(work) -> None:  # noqa: F811
     assert data["booth"] == "t1" and data["at"] is None
     assert len(data["from_tree"]) == len(data["to_tree"]) == 64
     by_path = {c["path"]: c for c in data["changes"]}
-    assert by_path["a.txt"] == {"path": "a.txt", "status": "modified", "size": 8}
+    assert by_path["a.txt"] == {"path": "a.txt", "status": "modified", "kind": "file", "size": 8}
     assert by_path["keep.txt"]["status"] == "deleted"
     assert by_path["evil\033[31m.txt"]["status"] == "added"  # JSON carries the exact name
     patched = json.loads(
@@ -134,3 +136,30 @@ def test_booth_diff_shows_patches_and_json(work) -> None:  # noqa: F811
     assert "+two\n" in patches["a.txt"] and patches["blob.bin"] == "(binary file)\n"
     start = jb("booth", "diff", "t1", "--json", "--at", "0", "--tape-dir", str(tapes)).stdout
     assert json.loads(start)["changes"] == []  # checkpoint 0 is the start: nothing to commit
+
+
+SPECIALS = (
+    "mkfifo pipe && ln a.txt hard && "
+    "python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"sock\")'"
+)
+
+
+@pytest.mark.parametrize("fs", ["fuse", "overlay"])
+def test_fifos_sockets_and_hard_links_are_reviewed_and_committed(work, fs: str) -> None:  # noqa: F811
+    tree, tapes = work
+    proc = booth_run(tree, tapes, SPECIALS, "--fs", fs, "--commit", "never")
+    assert proc.returncode == 0, proc.stderr
+    review = jb("booth", "diff", "t1", "--tape-dir", str(tapes)).stdout
+    for line in ("A pipe  (fifo)", "A sock  (unix socket)", "A hard  (4 bytes, hard link)",
+                 "L a.txt  (4 bytes, hard link)"):
+        assert line in review.splitlines(), review
+    data = json.loads(jb("booth", "diff", "t1", "--json", "--tape-dir", str(tapes)).stdout)
+    kinds = {c["path"]: c["kind"] for c in data["changes"]}
+    assert kinds == {"a.txt": "file", "hard": "file", "pipe": "fifo", "sock": "socket"}
+    tape = str(tapes / "t1.jbx")
+    between = jb("diff", f"{tape}@0", tape).stdout
+    assert "  A  pipe  (fifo)" in between and "  A  keep.txt" not in between, between
+    assert jb("booth", "commit", "t1", "--tape-dir", str(tapes)).returncode == 0
+    assert stat.S_ISFIFO(os.lstat(tree / "pipe").st_mode)
+    assert stat.S_ISSOCK(os.lstat(tree / "sock").st_mode)
+    assert os.lstat(tree / "a.txt").st_ino == os.lstat(tree / "hard").st_ino

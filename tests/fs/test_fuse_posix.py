@@ -550,32 +550,40 @@ def test_directory_link_counts_follow_snapshots_and_restores(mount: Path, layer:
     assert layer.stat("src/a").st_nlink == 3
 
 
-def test_fifos_and_sockets_live_in_the_layer_only(
+def test_fifos_sockets_and_devices_are_snapshotted_as_what_they_are(
     mount: Path, layer: Layer, store: Store
 ) -> None:
     t0, _ = layer.snapshot()
-    os.mkfifo(mount / "src" / "pipe")
+    os.mkfifo(mount / "src" / "pipe", 0o640)
     os.unlink(mount / "README")
     os.mkfifo(mount / "README")  # over a base file's name
+    os.mknod(mount / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))  # root: CAP_MKNOD
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(mount / "sock"))
     try:
+        assert os.lstat(mount / "null").st_rdev == os.makedev(1, 3)
+        with pytest.raises(PermissionError):
+            os.open(mount / "null", os.O_RDONLY)  # the mount is nodev
         t1, journal = layer.snapshot()
-        # A snapshot records none of them: a base name a FIFO took is simply gone.
-        for path in (b"src/pipe", b"README", b"sock"):
-            assert tree.lookup(store, t1, path) is None
-        assert tree.lookup(store, t1, b"src/main.py") is not None
+        got = {p: tree.lookup(store, t1, p) for p in (b"src/pipe", b"README", b"sock", b"null")}
+        assert {p: e.kind if e else None for p, e in got.items()} == {
+            b"src/pipe": "fifo", b"README": "fifo", b"sock": "socket", b"null": "chardev"
+        }
+        assert got[b"src/pipe"].mode == 0o640 and got[b"null"].rdev == os.makedev(1, 3)  # type: ignore[union-attr]
         created = [o.paths for o in decode_journal(store.get(journal)) if o.op == "create"]
         assert (b"src/pipe",) in created and (b"sock",) in created
-        # No restored state holds them: a rollback removes them, even to the latest snapshot.
-        layer.restore(t1)
-        assert not os.path.lexists(mount / "src" / "pipe")
-        assert not os.path.lexists(mount / "sock") and not os.path.lexists(mount / "README")
-        os.mkfifo(mount / "src" / "pipe")
+        # A rollback brings back exactly the nodes of the state it restores.
         layer.restore(t0)
-        assert not os.path.lexists(mount / "src" / "pipe")
+        assert not os.path.lexists(mount / "src" / "pipe") and not os.path.lexists(mount / "sock")
         assert (mount / "README").read_text() == "readme\n"
-        os.mkfifo(mount / "src" / "pipe")
+        layer.restore(t1)
         assert stat.S_ISFIFO(os.lstat(mount / "src" / "pipe").st_mode)
+        assert stat.S_ISFIFO(os.lstat(mount / "README").st_mode)
+        assert stat.S_ISSOCK(os.lstat(mount / "sock").st_mode)
+        assert os.lstat(mount / "null").st_rdev == os.makedev(1, 3)
+        fd = os.open(mount / "src" / "pipe", os.O_RDWR)  # a working FIFO again
+        os.write(fd, b"x")
+        assert os.read(fd, 1) == b"x"
+        os.close(fd)
     finally:
         server.close()

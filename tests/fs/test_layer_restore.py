@@ -136,7 +136,7 @@ def test_a_handle_open_across_a_rollback_keeps_what_it_opened(layer: Layer) -> N
     assert not layer.alive(held), "dropped once its last handle closes"
 
 
-def test_hard_links_come_back_as_separate_files(layer: Layer, store: Store) -> None:
+def test_hard_links_come_back_as_one_file(layer: Layer, store: Store) -> None:
     root = layer.root.ino
     readme = layer.resolve("README")
     layer.link(readme.ino, root, b"hard")
@@ -149,8 +149,16 @@ def test_hard_links_come_back_as_separate_files(layer: Layer, store: Store) -> N
     layer.restore(first)
 
     assert layer.read_file("README") == layer.read_file("hard") == b"readme\n"
-    layer.write_file("hard", b"only hard\n")
-    assert layer.read_file("README") == b"readme\n", "trees do not carry link identity"
+    node = layer.resolve("hard")
+    assert layer.resolve("README") is node and layer.nlink(node) == 2
+    h = layer.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+    layer.write(h, 0, b"through hard\n")
+    layer.release(h.fh)
+    assert layer.read_file("README") == b"through hard\n", "trees carry link identity"
+    again, _ = layer.snapshot()
+    e1, e2 = tree.lookup(store, again, b"README"), tree.lookup(store, again, b"hard")
+    assert e1 is not None and e2 is not None and e1.link == e2.link != 0
+    assert e1.oid == e2.oid
 
 
 def test_nodes_the_kernel_knows_are_replaced_and_their_caches_invalidated(layer: Layer) -> None:

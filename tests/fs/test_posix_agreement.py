@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import socket
 import stat
@@ -42,9 +43,9 @@ LONGEST = b"y" * 255
 def roots(tmp_path: Path) -> Iterator[dict[str, Path]]:
     """name -> a directory showing the `populate` tree, one per file system under test."""
     native = tmp_path / "native"
-    populate(native)
+    populate_linked(native)
     base = tmp_path / "base"
-    populate(base)
+    populate_linked(base)
     out = {"native": native}
     for name in ("overlay", "shadowfs-overlay", "shadowfs-fuse"):
         out[name] = tmp_path / name
@@ -65,6 +66,12 @@ def roots(tmp_path: Path) -> Iterator[dict[str, Path]]:
     finally:
         subprocess.run(["umount", "-l", out["overlay"]], check=True)
         store.close()
+
+
+def populate_linked(root: Path) -> None:
+    """`populate`, and a base file with a second name in another directory."""
+    populate(root)
+    os.link(root / "src" / "util.py", root / "docs" / "util-link.py")
 
 
 def outcome(fn: Callable[[], Any]) -> Any:
@@ -278,6 +285,15 @@ def _specials(r: bytes) -> dict[str, Any]:
             client.sendall(b"over the socket")
             out["socket data"] = peer.recv(100)
     out["socket stat"] = stat.S_ISSOCK(os.lstat(sock).st_mode)
+    # Root has CAP_MKNOD: a device node is made (the shadowfs mounts are nodev: it opens
+    # nothing there, which is not probed here).
+    dev = j(r, b"src", b"null")
+    out["mknod"] = outcome(lambda: os.mknod(dev, stat.S_IFCHR | 0o640, os.makedev(1, 3)))
+    st = os.lstat(dev)
+    out["device"] = (stat.S_ISCHR(st.st_mode), st.st_rdev, stat.S_IMODE(st.st_mode))
+    out["mknod again"] = outcome(lambda: os.mknod(dev, stat.S_IFBLK | 0o600, os.makedev(7, 0)))
+    out["mknod regular"] = outcome(lambda: os.mknod(j(r, b"plain"), stat.S_IFREG | 0o600))
+    out["plain"] = stat.S_ISREG(os.lstat(j(r, b"plain")).st_mode)
     out["link"] = outcome(lambda: os.link(fifo, j(r, b"pipe2")))
     out["links"] = os.lstat(fifo).st_nlink
     out["rename"] = outcome(lambda: os.rename(j(r, b"pipe2"), j(r, b"docs", b"pipe3")))
@@ -287,7 +303,7 @@ def _specials(r: bytes) -> dict[str, Any]:
         subprocess.run(["find", ".", "-type", "p", "-o", "-type", "s"], cwd=r,
                        capture_output=True, check=True).stdout.split()
     )
-    removed = (fifo, sock, j(r, b"docs", b"pipe3"))
+    removed = (fifo, sock, j(r, b"docs", b"pipe3"), dev)
     out["unlink"] = [outcome(lambda p=p: os.unlink(p)) for p in removed]
     out["gone"] = [os.path.lexists(p) for p in (fifo, sock)]
     return out
@@ -299,6 +315,208 @@ def test_fifos_and_unix_sockets_work_in_the_tree(roots: dict[str, Path]) -> None
     want = got["overlay"]
     assert want["fifo data"] == b"through the pipe" and want["socket data"] == b"over the socket"
     assert want["mkfifo again"] == "EEXIST" and want["links"] == 2
-    # Device nodes stay refused: the layer is mounted nodev and trees cannot hold them.
-    dev = os.path.join(roots["shadowfs-fuse"], "dev")
-    assert outcome(lambda: os.mknod(dev, stat.S_IFBLK | 0o600, os.makedev(7, 0))) == "EPERM"
+    assert want["mknod"] is None and want["device"] == (True, os.makedev(1, 3), 0o640)
+
+
+# ---------------------------------------------------------------------- hard links
+
+
+def _links(r: bytes) -> dict[str, Any]:
+    j = os.path.join
+    out: dict[str, Any] = {}
+    readme, hard = j(r, b"README"), j(r, b"hard")
+
+    def same(*paths: bytes) -> Any:
+        """Whether all paths are one inode, and its link count as each name reports it."""
+        sts = [os.lstat(p) for p in paths]
+        return len({st.st_ino for st in sts}) == 1, [st.st_nlink for st in sts]
+
+    out["link"] = outcome(lambda: os.link(readme, hard))
+    out["same"] = same(readme, hard)
+    with open(hard, "ab") as f:
+        f.write(b"through hard\n")
+    out["shared content"] = Path(os.fsdecode(readme)).read_bytes()
+    os.chmod(readme, 0o600)
+    out["shared mode"] = stat.S_IMODE(os.lstat(hard).st_mode)
+    out["third"] = outcome(lambda: os.link(hard, j(r, b"src", b"hard2")))
+    out["same 3"] = same(readme, hard, j(r, b"src", b"hard2"))
+    # rename(2) between two names of one inode does nothing (POSIX).
+    out["rename onto itself"] = outcome(lambda: os.rename(hard, readme))
+    out["both stay"] = os.path.lexists(hard), os.path.lexists(readme)
+    out["rename"] = outcome(lambda: os.rename(j(r, b"src", b"hard2"), j(r, b"docs", b"hard3")))
+    out["same after rename"] = same(readme, hard, j(r, b"docs", b"hard3"))
+    out["unlink"] = outcome(lambda: os.unlink(readme))
+    out["same after unlink"] = same(hard, j(r, b"docs", b"hard3"))
+    out["survivor"] = Path(os.fsdecode(hard)).read_bytes()
+    # A file made in the layer, linked before and after it is written.
+    new = j(r, b"new.txt")
+    with open(new, "wb") as f:
+        f.write(b"one")
+        out["link open file"] = outcome(lambda: os.link(new, j(r, b"docs", b"new-link")))
+        f.write(b" two")
+    out["new same"] = same(new, j(r, b"docs", b"new-link"))
+    out["new content"] = Path(os.fsdecode(j(r, b"docs", b"new-link"))).read_bytes()
+    # A symlink's own inode (linkat without AT_SYMLINK_FOLLOW).
+    out["link symlink"] = outcome(
+        lambda: os.link(j(r, b"link"), j(r, b"link2"), follow_symlinks=False)
+    )
+    out["symlink same"] = same(j(r, b"link"), j(r, b"link2"))
+    # The errors link(2) names.
+    out["EEXIST"] = outcome(lambda: os.link(hard, j(r, b"run.sh")))
+    out["EPERM dir"] = outcome(lambda: os.link(j(r, b"src"), j(r, b"src2")))
+    out["ENOENT source"] = outcome(lambda: os.link(j(r, b"absent"), j(r, b"x")))
+    out["ENOENT dir"] = outcome(lambda: os.link(hard, j(r, b"absent", b"x")))
+    out["ENOTDIR"] = outcome(lambda: os.link(hard, j(r, b"run.sh", b"x")))
+    out["ENOTDIR source"] = outcome(lambda: os.link(j(r, b"run.sh", b"x"), j(r, b"x")))
+    out["unlink last names"] = [
+        outcome(lambda p=p: os.unlink(p)) for p in (hard, j(r, b"docs", b"hard3"))
+    ]
+    out["gone"] = os.path.lexists(hard)
+    return out
+
+
+def test_hard_links_are_one_inode_under_every_name(roots: dict[str, Path]) -> None:
+    got = answers(roots, _links)
+    assert_agree(got)
+    assert got["overlay"] == got["native"]
+    want = got["overlay"]
+    assert want["same 3"] == (True, [3, 3, 3]) and want["same after unlink"] == (True, [2, 2])
+    assert want["shared content"] == b"readme\nthrough hard\n" and want["shared mode"] == 0o600
+    assert want["rename onto itself"] is None and want["both stay"] == (True, True)
+    assert want["EPERM dir"] == "EPERM" and want["ENOTDIR"] == "ENOTDIR"
+
+
+def _base_links(r: bytes) -> dict[str, Any]:
+    j = os.path.join
+    util, other = j(r, b"src", b"util.py"), j(r, b"docs", b"util-link.py")
+    out: dict[str, Any] = {}
+    st1, st2 = os.lstat(util), os.lstat(other)
+    out["before"] = st1.st_ino == st2.st_ino, st1.st_nlink, st2.st_nlink
+    with open(other, "ab") as f:
+        f.write(b"# appended through the other name\n")
+    out["content"] = Path(os.fsdecode(util)).read_bytes()
+    st1, st2 = os.lstat(util), os.lstat(other)
+    out["after"] = st1.st_ino == st2.st_ino, st1.st_nlink, st2.st_nlink
+    return out
+
+
+def test_hard_links_of_the_base_stay_one_file_on_the_fuse_layer(roots: dict[str, Path]) -> None:
+    got = answers(roots, _base_links)
+    # The kernel overlay (index=off, as the overlay backend mounts it) copies one name up
+    # alone: the base's link is split in the live view, in both overlays alike. The FUSE layer
+    # keeps the inode whole, as the base's own file system does.
+    assert got["shadowfs-overlay"] == got["overlay"]
+    assert got["overlay"]["content"] == b"def f():\n    return 1\n"
+    assert got["shadowfs-fuse"] == got["native"]
+    assert got["native"]["before"] == got["native"]["after"] == (True, 2, 2)
+    assert got["native"]["content"].endswith(b"the other name\n")
+
+
+# ---------------------------------------------------------------------- what a commit makes
+
+
+def _commit_ops(r: bytes) -> None:
+    j = os.path.join
+    os.mkfifo(j(r, b"src", b"pipe"), 0o640)
+    os.mknod(j(r, b"null"), stat.S_IFCHR | 0o640, os.makedev(1, 3))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(j(r, b"sock"))  # the socket's inode outlives its server
+    os.unlink(j(r, b"run.sh"))
+    os.mkfifo(j(r, b"run.sh"), 0o600)  # a file becomes a fifo
+    os.link(j(r, b"README"), j(r, b"docs", b"readme-link"))  # a base file gets a name
+    with open(j(r, b"new"), "wb") as f:
+        f.write(b"new file\n")
+    os.link(j(r, b"new"), j(r, b"src", b"new-link"))
+    os.link(j(r, b"new"), j(r, b"third"))
+    os.unlink(j(r, b"third"))
+    os.unlink(j(r, b"docs", b"util-link.py"))  # a base group loses a name
+
+
+def describe(root: Path) -> dict[bytes, Any]:
+    """Everything a commit must get right, by path: kind and mode, a file's bytes, a symlink's
+    target, a device's number, and the other names of its inode (hard links)."""
+    out: dict[bytes, Any] = {}
+    by_ino: dict[int, list[bytes]] = {}
+    r = os.fsencode(root)
+    for dirpath, dirnames, filenames in os.walk(r):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, r)
+            st = os.lstat(path)
+            fmt = stat.S_IFMT(st.st_mode)
+            what: Any = None
+            if fmt == stat.S_IFREG:
+                what = hashlib.sha256(Path(os.fsdecode(path)).read_bytes()).hexdigest()[:16]
+                by_ino.setdefault(st.st_ino, []).append(rel)
+            elif fmt == stat.S_IFLNK:
+                what = os.readlink(path)
+            elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
+                what = st.st_rdev
+            out[rel] = [fmt, stat.S_IMODE(st.st_mode), what]
+    for names in by_ino.values():
+        for name in names:
+            out[name].append(sorted(names))
+    return out
+
+
+@pytest.fixture
+def committed(tmp_path: Path) -> dict[str, dict[bytes, Any]]:
+    """name -> `describe` of: the kernel overlay's view after `_commit_ops`, and each shadowfs
+    backend's real tree after the same operations were committed to it."""
+    from shadowfs.commit import apply
+
+    out: dict[str, dict[bytes, Any]] = {}
+    bases = {}
+    populate_linked(tmp_path / "original")
+    for name in ("overlay", "shadowfs-overlay", "shadowfs-fuse"):
+        bases[name] = tmp_path / name / "base"
+        (tmp_path / name / "mnt").mkdir(parents=True)
+        # cp -a keeps the hard link (and big.bin's random bytes) in every copy.
+        subprocess.run(["cp", "-a", tmp_path / "original", bases[name]], check=True)
+    kernel = tmp_path / "overlay"
+    (kernel / "upper").mkdir()
+    (kernel / "work").mkdir()
+    mnt = kernel / "mnt"
+    opts = f"lowerdir={bases['overlay']},upperdir={kernel}/upper,workdir={kernel}/work"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, mnt], check=True)
+    try:
+        _commit_ops(os.fsencode(mnt))
+        out["overlay"] = describe(mnt)
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+    with Store.open(tmp_path / "store") as store:
+        sov = OverlayLayer(bases["shadowfs-overlay"], store, tmp_path / "booth")
+        try:
+            sov.mount(tmp_path / "shadowfs-overlay" / "mnt")
+            _commit_ops(os.fsencode(tmp_path / "shadowfs-overlay" / "mnt"))
+            sov.commit(tmp_path / "journal-o")
+        finally:
+            sov.discard()
+        with Layer(bases["shadowfs-fuse"], store, tmp_path / "scratch") as layer:
+            with Mount(layer, tmp_path / "shadowfs-fuse" / "mnt", process=True):
+                _commit_ops(os.fsencode(tmp_path / "shadowfs-fuse" / "mnt"))
+                tree, _ = layer.snapshot()
+            apply(store, bases["shadowfs-fuse"], layer.base_tree, tree,
+                  journal_dir=tmp_path / "journal-f")
+    out["shadowfs-overlay"] = describe(bases["shadowfs-overlay"])
+    out["shadowfs-fuse"] = describe(bases["shadowfs-fuse"])
+    return out
+
+
+def test_a_commit_makes_what_the_kernel_overlay_shows(
+    committed: dict[str, dict[bytes, Any]],
+) -> None:
+    want = committed["overlay"]
+    for name in SHADOWFS:
+        got = committed[name]
+        wrong = {p: (want.get(p), got.get(p)) for p in want.keys() | got.keys()
+                 if want.get(p) != got.get(p)}
+        assert not wrong, f"{name} differs from the kernel overlay (path: (overlay, it)): {wrong}"
+    assert want[b"src/pipe"][:2] == [stat.S_IFIFO, 0o640]
+    assert want[b"run.sh"][:2] == [stat.S_IFIFO, 0o600]
+    assert want[b"sock"][0] == stat.S_IFSOCK
+    assert want[b"null"] == [stat.S_IFCHR, 0o640, os.makedev(1, 3)]
+    assert want[b"new"][3] == [b"new", b"src/new-link"]
+    assert want[b"new"][2] == hashlib.sha256(b"new file\n").hexdigest()[:16]
+    assert want[b"README"][3] == [b"README", b"docs/readme-link"]
+    assert want[b"src/util.py"][3] == [b"src/util.py"]

@@ -577,8 +577,8 @@ def test_devices_cannot_be_made_and_fifos_stay_in_the_layer(battery: Battery) ->
     r = battery.results
     for call in ("mknod_char", "mknod_block", "mknod_char_tmp"):
         assert refused(r[call]), (call, r[call])
-    # FIFOs and sockets are no devices: they live in the layer while the booth runs (tools make
-    # them), and the commit test below shows they never reach the real tree.
+    # FIFOs and sockets are no devices: they work in the layer while the booth runs (tools make
+    # them), and the commit test below shows they reach the real tree as what they are.
     assert r["mkfifo"] == "ok" and r["unix_socket_in_tree"] == "ok", r
 
 
@@ -682,14 +682,18 @@ def test_commit_writes_links_as_links_and_never_through_them(battery: Battery) -
     # Replacing d/ by a link to the canary dir deleted d/f, in the real d/, not in the canary.
     assert battery.canaries_after == battery.canaries_before
     assert (battery.work / "outside.txt").read_text() == battery.outside_before
-    # Hard links are not tracked: two files with the same bytes.
+    # A hard link made inside stays one: two names of one inode.
     assert (tree / "a.txt").read_text() == (tree / "hl_a").read_text() == "one\nthrough the link\n"
+    assert os.lstat(tree / "a.txt").st_ino == os.lstat(tree / "hl_a").st_ino
     assert (tree / "via_self_root.txt").exists()  # /proc/self/root is the booth's own view
-    never = ("null", "blockdev", "fifo", "sock", "hl_passwd", "hl_canary", "via_supervisor.txt")
+    never = ("null", "blockdev", "hl_passwd", "hl_canary", "via_supervisor.txt")
     for name in never:
         assert name not in c, name
+    # The FIFO and the socket's inode come as they are; no device node ever does.
+    assert stat.S_ISFIFO(os.lstat(tree / "fifo").st_mode)
+    assert stat.S_ISSOCK(os.lstat(tree / "sock").st_mode)
     kinds = {stat.S_IFMT(e[0]) for e in c.values()}  # type: ignore[index, call-overload]
-    assert kinds <= {stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK}
+    assert kinds <= {stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK}
 
 
 def test_commit_never_mints_setuid_files(battery: Battery) -> None:
