@@ -49,6 +49,14 @@ def level() -> int:
     return _settings.level
 
 
+def drawing() -> bool:
+    return _settings.draw
+
+
+def coloured() -> bool:
+    return _settings.color
+
+
 def note(message: str) -> None:
     """An informational line on stderr ("committed 3 changes to ..."); --quiet drops it."""
     if _settings.level > QUIET:

@@ -267,3 +267,44 @@ def test_a_step_that_cannot_count_spins_and_no_rich_means_no_bar(tmp_path: Path)
     code, screen = run_on_terminal([sys.executable, "-c", without_rich], env)
     assert code == 0, screen
     assert plain(screen).strip() == "done"
+
+
+def test_a_command_keeps_a_short_flag_of_its_own() -> None:
+    import click
+
+    from jukebox.cli.options import add_output_options
+
+    @click.command()
+    @click.option("-v", "--invert", is_flag=True)
+    def command(invert: bool) -> None:
+        click.echo(f"invert={invert}")
+
+    add_output_options(command)
+    assert [p.opts for p in command.params] == [
+        ["-v", "--invert"], ["-q", "--quiet"], ["--verbose"], ["--no-color"]
+    ]
+    from click.testing import CliRunner
+
+    from jukebox import progress, style
+
+    before = (progress.level(), progress.drawing(), style.enabled())
+    try:
+        assert CliRunner().invoke(command, ["-v", "--verbose"]).output == "invert=True\n"
+        assert progress.level() == progress.VERBOSE
+    finally:
+        progress.configure(level=before[0], draw=before[1], color=True)
+        style.configure(before[2])
+
+
+def test_the_cli_in_a_longer_lived_process_leaves_the_api_plain(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from jukebox import progress, style
+    from jukebox.cli import cli
+    from jukebox.cli import tapes as _  # noqa: F401  (registers ls)
+
+    result = CliRunner().invoke(cli, ["-v", "ls", "--tape-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (progress.level(), progress.drawing(), style.enabled()) == (
+        progress.NORMAL, False, False
+    )

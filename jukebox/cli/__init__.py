@@ -21,6 +21,12 @@ class JukeboxGroup(click.Group):
 
     group_class = type  # sub-groups (`jukebox booth`) are JukeboxGroups too
 
+    def main(self, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        from jukebox.cli.options import kept_output_settings
+
+        with kept_output_settings():
+            return super().main(*args, **kwargs)
+
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
         from jukebox.cli.completion import add_completion
         from jukebox.cli.options import add_output_options

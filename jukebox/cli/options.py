@@ -9,6 +9,9 @@ before the sub-command's, and the last application sees them all.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import click
 
 _META = "jukebox.output"
@@ -22,6 +25,21 @@ def _record(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if value:
         given[param.name] = True
     apply_output(ctx)
+
+
+@contextlib.contextmanager
+def kept_output_settings() -> Iterator[None]:
+    """The settings a command sets last only as long as it runs: a command invoked inside a
+    longer-lived process (click's test runner, a program calling `cli.main`) leaves the Python
+    API plain and undrawn afterwards."""
+    from jukebox import progress, style
+
+    saved = (progress.level(), progress.drawing(), progress.coloured(), style.enabled())
+    try:
+        yield
+    finally:
+        progress.configure(level=saved[0], draw=saved[1], color=saved[2])
+        style.configure(saved[3])
 
 
 def apply_output(ctx: click.Context) -> None:
@@ -68,8 +86,16 @@ def output_options() -> list[click.Option]:
 
 
 def add_output_options(command: click.Command) -> None:
+    """Adds the output options a command lacks; a flag string it already uses for something of
+    its own (a `-v` of its own) stays its own, and that output option is added without it."""
     names = {p.name for p in command.params}
-    command.params.extend(o for o in output_options() if o.name not in names)
+    taken = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    for option in output_options():
+        if option.name in names:
+            continue
+        option.opts = [o for o in option.opts if o not in taken]
+        if option.opts:
+            command.params.append(option)
 
 
 def load_config(ctx: click.Context) -> None:
