@@ -392,12 +392,13 @@ def _open_store(tape_dir: TapeDir) -> Any:
 
 
 def _append_to_tape(
-    store: Any, tape_path: str, kind: str, payload: dict[str, Any], tree: Any = None
-) -> None:
+    store: Any, tape_path: str, kind: str, payload: dict[str, Any], tree: Any = None,
+    refs: Sequence[Any] = (),
+) -> None:  # fmt: skip
     from jukebox.tape import TapeWriter
 
     with TapeWriter.open_append(tape_path, store) as writer:
-        writer.append(kind, payload, tree=tree)
+        writer.append(kind, payload, refs=refs, tree=tree)
 
 
 # The longest a checkpoint frame (and any frame) waits in memory or in the page cache before it
@@ -654,12 +655,16 @@ def _target_tree(
 ) -> tuple[ObjectId, ObjectId, Checkpoint | None]:
     """(base tree, the tree a diff or commit of the booth goes to, the checkpoint it is if
     ``at``)."""
+    from jukebox.booth_partial import partial_base
+
+    # After a partial commit (jukebox.booth_partial) the real tree holds part of the booth: what
+    # is still pending is counted from there.
     if at is None:
-        base, final = _pending_trees(record)
-        return base, final, None
+        _, final = _pending_trees(record)
+        return partial_base(record.tape, record.base_tree), final, None
     # A checkpoint is on the tape whether or not the run ended: a crashed booth has them too.
     checkpoint = pending_checkpoint(record, at)
-    return ObjectId.from_hex(record.base_tree), checkpoint.tree, checkpoint
+    return partial_base(record.tape, record.base_tree), checkpoint.tree, checkpoint
 
 
 @contextlib.contextmanager
@@ -692,10 +697,13 @@ def commit_tree(
     write: Verdict,
     checkpoint: Checkpoint | None = None,
     lock_timeout: float | None = None,
+    partial: list[str] | None = None,
 ) -> int:
     """Commit ``final`` into the booth's real tree (the very directory the booth ran over, see
     jukebox.realtree), then write the verdict frame and retire the booth record, all under the
-    commit job's lock so recovery never races it. Returns the number of changes.
+    commit job's lock so recovery never races it. Returns the number of changes. A ``partial``
+    commit (of those paths, jukebox.booth_partial) writes a `partial_commit` note instead and
+    keeps the booth pending.
 
     Raises ConflictError (nothing applied), CheckFailed (the tree is another directory now, or
     locked past the timeout) or realtree.Interrupted (exit 130: a signal came, and the commit
@@ -725,7 +733,7 @@ def commit_tree(
             job.begin({
                 "tree": record.tree, "tree_dev": record.tree_dev, "tree_ino": record.tree_ino,
                 "base": base.hex(), "final": final.hex(), "changes": changes, "by": by,
-                "checkpoint": cp,
+                "checkpoint": cp, "partial": partial,
             })
             try:
                 job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted)
@@ -746,8 +754,13 @@ def commit_tree(
                 payload["peer"] = this_process()  # who, for a later "already committed"
             if cp is not None:
                 payload["checkpoint"] = cp
-            write("commit", payload, final)
-            _finish(tape_dir, record.id)
+            if partial is not None:
+                from jukebox.booth_partial import partial_note
+
+                write("note", partial_note(payload, partial, final), final)
+            else:
+                write("commit", payload, final)
+                _finish(tape_dir, record.id)
             if interrupted():
                 raise realtree.Interrupted(
                     f"interrupted past the commit point: the commit of booth {record.id} was "
@@ -770,10 +783,12 @@ def commit_booth(
     *,
     allow_hooks: bool = False,
     lock_timeout: float | None = None,
+    only: Sequence[str] | None = None,
 ) -> list[str]:
     """Applies a pending booth to its real tree (its final state, or its checkpoint ``at``: a
-    number or a label); raises CheckFailed listing every conflict, or the hook-like files it
-    changes unless ``allow_hooks`` (jukebox.host_hooks)."""
+    number or a label), or ``only`` the changes at and under those paths
+    (jukebox.booth_partial); raises CheckFailed listing every conflict, or the hook-like files
+    it changes unless ``allow_hooks`` (jukebox.host_hooks)."""
     from shadowfs.errors import ConflictError
 
     with _locked(tape_dir, booth_id) as record:
@@ -782,6 +797,13 @@ def commit_booth(
         with _open_store(tape_dir) as store:
             bound_tape(tape_dir, booth_id, record, store, sealed=True)  # before any write
             base, final, checkpoint = _target_tree(record, at)
+            partial = None
+            if only:
+                from jukebox.booth_partial import select, tree_paths
+
+                paths = tree_paths(only, record.tree)
+                final, whole = select(store, booth_id, base, final, paths)
+                partial = None if whole else sorted(os.fsdecode(p) for p in paths)
             refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
             if refused:
                 raise CheckFailed(
@@ -792,12 +814,15 @@ def commit_booth(
             summary = change_summary(store, base, final)
 
             def verdict(kind: str, payload: dict[str, Any], tree: ObjectId | None) -> None:
-                _append_to_tape(store, record.tape, kind, payload, tree=tree)
+                if kind == "note" and tree is not None:  # a partial commit's tree: referenced
+                    _append_to_tape(store, record.tape, kind, payload, refs=[tree])
+                else:
+                    _append_to_tape(store, record.tape, kind, payload, tree=tree)
 
             try:
                 commit_tree(
                     store, tape_dir, record, base, final, by="booth commit", write=verdict,
-                    checkpoint=checkpoint, lock_timeout=lock_timeout,
+                    checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
                 )
             except ConflictError as error:
                 _append_to_tape(
@@ -812,7 +837,7 @@ def commit_booth(
                     + ", ".join(error.conflicts)
                     + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
                 ) from None
-        if record.status == "running":  # a crashed booth, committed at a checkpoint
+        if record.status == "running" and partial is None:  # crashed, committed at a checkpoint
             _remove_leftovers(tape_dir, booth_id)
         return summary
 

@@ -358,7 +358,8 @@ _outcomes: dict[tuple[str, str], str] = {}
 
 
 def recovered(tapes: TapeDir, booth_id: str) -> str | None:
-    """"finished" or "undone" when this process recovered booth ``booth_id``'s commit."""
+    """"finished", "partial" (a partial commit finished: the booth is still pending) or
+    "undone" when this process recovered booth ``booth_id``'s commit."""
     return _outcomes.get((os.path.realpath(tapes.path), booth_id))
 
 
@@ -372,7 +373,7 @@ def recover_commits(
     tapes: TapeDir, only: str | None = None, *, wait: bool = False
 ) -> dict[str, str]:
     """Recover every interrupted commit in the tape dir (or only booth ``only``'s) that no
-    live process holds (``wait``: wait for the one that does): {booth id: "finished" |
+    live process holds (``wait``: wait for the one that does): {booth id: "finished" | "partial" |
     "undone"}. Problems are reported in one line each and never stop the command that opened
     the tape dir."""
     root = tapes.journals_path
@@ -466,7 +467,13 @@ def _recover_one(
     finally:
         os.close(target)
     _retire(path)
-    if finished:
+    if finished and intent.get("partial") is not None:
+        _say(
+            f"recovered the interrupted partial commit of booth {booth_id}: finished, {tree} "
+            "holds the changes it selected (a `partial_commit` note is on its tape); the rest "
+            "stays pending"
+        )
+    elif finished:
         _say(
             f"recovered the interrupted commit of booth {booth_id}: finished, {tree} holds the "
             "booth's changes (a `commit` frame is on its tape)"
@@ -477,6 +484,8 @@ def _recover_one(
             f"recovered the interrupted commit of booth {booth_id}: undone, {tree} is exactly "
             f"as it was{pending_note}"
         )
+    if finished and intent.get("partial") is not None:
+        return "partial"  # the booth is still pending: what the caller asked for goes on
     return "finished" if finished else "undone"
 
 
@@ -493,6 +502,16 @@ def _verdict(
 
     tape = tapes.tape_path(booth_id)
     final = ObjectId.from_hex(intent["final"])
+    if finished and intent.get("partial") is not None:
+        # A partial commit (jukebox.booth_partial): its note, and the booth stays pending.
+        from jukebox.booth_partial import partial_note
+
+        done = {"ok": True, "changes": intent.get("changes"), "by": intent.get("by"),
+                "recovered": True}  # fmt: skip
+        if tape.exists() and not _ends_with_commit(tape, store, final):
+            note = partial_note(done, list(intent["partial"]), final)
+            booths._append_to_tape(store, str(tape), "note", note, refs=[final])
+        return
     if finished:
         payload: dict[str, Any] = {
             "ok": True, "changes": intent.get("changes"), "by": intent.get("by", "booth commit"),
@@ -520,7 +539,12 @@ def _ends_with_commit(tape: Path, store: Any, final: ObjectId) -> bool:
     from jukebox.tape import Tape
 
     frames = Tape.load(tape, store).frames
-    return bool(frames) and frames[-1].kind == "commit" and frames[-1].tree == final
+    if not frames:
+        return False
+    last = frames[-1]
+    if last.kind == "note":  # a partial commit's, naming the tree it committed
+        return last.payload.get("committed_tree") == final.hex()
+    return last.kind == "commit" and last.tree == final
 
 
 def _say(message: str) -> None:

@@ -314,6 +314,13 @@ def diff(
 
 @booth.command("commit")
 @click.argument("booth_id")
+@click.argument("paths", nargs=-1, metavar="[--only PATH...]")
+@click.option(
+    "--only",
+    is_flag=True,
+    help="Commit only the changes at and under the PATHs that follow (from the tree's root, or "
+    "from here inside it); the rest stays pending in the booth.",
+)
 @click.option("--tape-dir", default=None)
 @click.option("--at", "at", default=None, metavar="LABEL|N", help=_AT_HELP)
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
@@ -327,6 +334,8 @@ def diff(
 )
 def commit(
     booth_id: str,
+    paths: tuple[str, ...],
+    only: bool,
     tape_dir: str | None,
     at: str | None,
     allow_hooks: bool,
@@ -340,6 +349,17 @@ def commit(
     tapes = _tape_dir(tape_dir)
     if recovered(tapes, booth_id) == "finished":
         click.echo(f"committed booth {booth_id}: its interrupted commit was finished by recovery")
+        return
+    if paths and not only:
+        from jukebox.errors import UsageError
+
+        raise UsageError(
+            f"got unexpected PATHs {' '.join(paths)!r}: to commit only them, put --only first"
+        )
+    if only:
+        from jukebox.cli.booth_review import commit_only
+
+        commit_only(tapes, booth_id, paths, at, allow_hooks, lock_timeout)
         return
     lines = commit_booth(tapes, booth_id, at, allow_hooks=allow_hooks, lock_timeout=lock_timeout)
     what = f"checkpoint {at} of booth" if at is not None else "booth"

@@ -8,22 +8,11 @@ import subprocess
 import time
 
 import pytest
-from click.testing import CliRunner
 
+from tests.booth.in_process import here
 from tests.booth.test_booth_run import JUKEBOX, work  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
-
-
-def here(*args: str) -> tuple[int, str]:
-    """A reading command in this process (no interpreter start per call)."""
-    import jukebox.cli.tapes  # noqa: F401  (registers the commands)
-    from jukebox.cli import cli
-
-    result = CliRunner().invoke(cli, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"{args}: {result.exception!r}") from result.exception
-    return result.exit_code, result.stdout + result.stderr
 
 
 def wait_for(predicate, what: str, timeout: float = 20) -> None:
@@ -50,7 +39,7 @@ def test_log_follow_prints_frames_as_they_come_and_ls_filters(work) -> None:  # 
         interrupted = subprocess.Popen(follow, stdout=subprocess.PIPE, text=True)
         followed = subprocess.Popen(follow, stdout=subprocess.PIPE, text=True)
         as_json = subprocess.Popen([*follow, "--json"], stdout=subprocess.PIPE, text=True)
-        time.sleep(1.0)
+        time.sleep(0.5)
         # The run is still open: nobody has stopped following it.
         assert booth.poll() is None
         assert interrupted.poll() is None and followed.poll() is None and as_json.poll() is None
@@ -82,13 +71,13 @@ def test_log_follow_prints_frames_as_they_come_and_ls_filters(work) -> None:  # 
          "p1", "--commit", "never", "--", "sh", "-c", "echo p > p.txt"],
         capture_output=True,
     ).returncode == 0  # fmt: skip
-    code, out = here("log", "-f", "p1", "--tape-dir", str(tapes))
-    assert code == 0 and out.splitlines()[-1].split()[2] == "exit", out
+    done = here("log", "-f", "p1", "--tape-dir", str(tapes))
+    assert done.returncode == 0 and done.stdout.splitlines()[-1].split()[2] == "exit", done
 
     def listed(*filters: str) -> list[str]:
-        code, out = here("ls", "--tape-dir", str(tapes), "--json", *filters)
-        assert code == 0, out
-        return sorted(row["track_id"] for row in json.loads(out))
+        done = here("ls", "--tape-dir", str(tapes), "--json", *filters)
+        assert done.returncode == 0, done.stderr
+        return sorted(row["track_id"] for row in json.loads(done.stdout))
 
     assert listed() == ["f1", "p1"]
     assert listed("--status", "committed") == ["f1"]
@@ -100,7 +89,7 @@ def test_log_follow_prints_frames_as_they_come_and_ls_filters(work) -> None:  # 
     assert listed("--since", "2000-01-01") == ["f1", "p1"]
     assert listed("--since", "2999-01-01T00:00+00:00") == []
     assert listed("--since", "1h", "--status", "committed", "--agent", "p.txt") == []
-    code, out = here("ls", "--tape-dir", str(tapes), "--since", "2999-01-01")
-    assert code == 0 and out == f"no tapes in {tapes} match\n", out
-    code, out = here("ls", "--tape-dir", str(tapes), "--since", "yesterday")
-    assert code == 2 and "neither an age nor a date" in out and out.count("\n") == 1, out
+    done = here("ls", "--tape-dir", str(tapes), "--since", "2999-01-01")
+    assert done.returncode == 0 and done.stdout == f"no tapes in {tapes} match\n", done
+    bad = here("ls", "--tape-dir", str(tapes), "--since", "yesterday")
+    assert bad.returncode == 2 and "neither an age nor a date" in bad.stderr, bad

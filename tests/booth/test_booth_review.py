@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.booth.in_process import here
 from tests.booth.test_booth_run import JUKEBOX, jb
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
@@ -84,7 +85,7 @@ def files_of(root: Path) -> dict[str, tuple[str, bytes, bool]]:
 
 def test_booth_diff_hides_the_default_excludes_and_globs_and_says_how_many(reviewed) -> None:
     _tree, tapes = reviewed
-    proc = jb("booth", "diff", "t1", "--tape-dir", str(tapes))
+    proc = here("booth", "diff", "t1", "--tape-dir", str(tapes))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "M a.txt" in out and "A run.log" in out
@@ -94,22 +95,22 @@ def test_booth_diff_hides_the_default_excludes_and_globs_and_says_how_many(revie
     assert "10 change(s) hidden (.git/objects, .venv, __pycache__, node_modules)" in out, out
     assert "--no-default-excludes" in out
 
-    globbed = jb("booth", "diff", "t1", "--exclude", "*.log", "--exclude", "sub/*",
+    globbed = here("booth", "diff", "t1", "--exclude", "*.log", "--exclude", "sub/*",
                  "--tape-dir", str(tapes)).stdout  # fmt: skip
     assert "run.log" not in globbed.split("hidden")[0] and "latin" not in globbed, globbed
     assert "A sub\n" in globbed  # the anchored glob hides what is under sub/, not sub itself
     assert "12 change(s) hidden" in globbed and "no --exclude" in globbed, globbed
 
-    every = jb("booth", "diff", "t1", "--no-default-excludes", "--tape-dir", str(tapes)).stdout
+    every = here("booth", "diff", "t1", "--no-default-excludes", "--tape-dir", str(tapes)).stdout
     assert "A __pycache__/m.pyc" in every and "A deep/__pycache__/n.pyc" in every
     assert "A .venv/lib/site.py" in every and "hidden" not in every, every
 
-    data = json.loads(jb("booth", "diff", "t1", "--json", "--tape-dir", str(tapes)).stdout)
+    data = json.loads(here("booth", "diff", "t1", "--json", "--tape-dir", str(tapes)).stdout)
     assert data["hidden"] == 10 and ".venv" in data["excluded"]
     assert not any("pycache" in c["path"] for c in data["changes"])
 
     # `show` of the exit frame: the same files, sizes, short diffs, the same excludes.
-    shown = jb("show", "t1@2", "--tape-dir", str(tapes))
+    shown = here("show", "t1@2", "--tape-dir", str(tapes))
     assert shown.returncode == 0, shown.stderr
     assert "fs, " in shown.stdout and "files changed: 14\n" in shown.stdout, shown.stdout
     assert "  M a.txt  (4 → 8 bytes)\n" in shown.stdout and "      +two\n" in shown.stdout
@@ -117,7 +118,7 @@ def test_booth_diff_hides_the_default_excludes_and_globs_and_says_how_many(revie
     assert "  A evil\\x1b[31m.txt" in shown.stdout and "\033" not in shown.stdout
     assert "10 change(s) hidden" in shown.stdout
 
-    bad = jb("booth", "diff", "t1", "--exclude", "/", "--tape-dir", str(tapes))
+    bad = here("booth", "diff", "t1", "--exclude", "/", "--tape-dir", str(tapes))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
 
 
@@ -150,7 +151,7 @@ def test_booth_export_is_a_patch_git_applies_to_the_base_tree(reviewed, tmp_path
     assert git("apply", "-R", "--check", str(patch), cwd=mailed).returncode == 0
 
     # What git made of the patch is what the booth would commit, bit for bit.
-    committed = jb("booth", "commit", "t1", "--tape-dir", str(tapes))
+    committed = here("booth", "commit", "t1", "--tape-dir", str(tapes))
     assert committed.returncode == 0, committed.stderr
     noise = ("__pycache__", ".venv", "node_modules")
     expected = {p: v for p, v in files_of(tree).items() if not any(n in p for n in noise)}
@@ -159,7 +160,83 @@ def test_booth_export_is_a_patch_git_applies_to_the_base_tree(reviewed, tmp_path
     assert expected["a.txt"] == ("file", b"one\ntwo\n", True)
     assert expected["link"] == ("link", b"ne.txt", False)
     assert expected["sub/latin.txt"][1] == b"caf\xe9\n"
-    verdict = jb("show", "t1", "--tape-dir", str(tapes), "--json")
+    verdict = here("show", "t1", "--tape-dir", str(tapes), "--json")
     view = json.loads(verdict.stdout)
     assert view["kind"] == "commit" and view["payload"]["by"] == "booth commit"
     assert {f["path"] for f in view["files"]} >= {"a.txt", "keep.txt", "run.log"}
+
+
+def test_booth_commit_only_commits_part_and_keeps_the_rest_pending(tmp_path: Path) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    (tree / "d").mkdir(parents=True)
+    (tree / "a.txt").write_text("one\n")
+    (tree / "b.txt").write_text("b\n")
+    (tree / "d" / "x").write_text("x\n")
+    (tree / "f").write_text("a file, then a directory\n")
+    proc = jb(
+        "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "p1",
+        "--commit", "never", "--", "sh", "-c",
+        "echo two >> a.txt; echo bb >> b.txt; mkdir -p new/sub; echo n > new/sub/n.txt; "
+        "echo y > d/y; rm d/x; rm f; mkdir f; echo g > f/g",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    t = ("--tape-dir", str(tapes))
+
+    def pending() -> list[str]:
+        data = json.loads(here("booth", "diff", "p1", "--json", *t).stdout)
+        return [c["path"] for c in data["changes"]]
+
+    # Refused, nothing written: a path the booth did not change, one outside the tree, PATHs
+    # without --only, --only without PATHs.
+    for args, why in (
+        (("--only", "nothing.txt"), "changes nothing at nothing.txt"),
+        (("--only", "/etc"), "not a path inside the booth's tree"),
+        (("a.txt",), "put --only first"),
+        (("--only",), "--only needs the paths"),
+        (("--only", "f/g"), "f is not a directory on both sides (its type changed); take f"),
+    ):
+        bad = here("booth", "commit", "p1", *args, *t)
+        assert bad.returncode == 2 and why in bad.stderr and bad.stderr.count("\n") == 1, bad
+    assert (tree / "a.txt").read_text() == "one\n"
+
+    # A host edit of a selected path is a conflict, as for a whole commit; of another, is not.
+    (tree / "b.txt").write_text("edited on the host\n")
+    conflict = here("booth", "commit", "p1", "--only", "b.txt", *t)
+    assert conflict.returncode == 1 and "b.txt" in conflict.stderr, conflict.stderr
+    assert (tree / "b.txt").read_text() == "edited on the host\n"
+
+    # From inside the tree, paths are relative to where one stands, as in git.
+    done = here("booth", "commit", "p1", "--only", "sub/n.txt", "../a.txt", *t, cwd=tree / "d")
+    assert done.returncode == 2, done.stderr  # d/sub/n.txt: the booth changed nothing there
+    done = here(
+        "booth", "commit", "p1", "--only", "../new/sub/n.txt", "../a.txt", *t, cwd=tree / "d"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "committed 4 change(s) of booth p1; 5 change(s) stay pending" in done.stdout, done
+    assert (tree / "a.txt").read_text() == "one\ntwo\n"
+    assert (tree / "new" / "sub" / "n.txt").read_text() == "n\n"
+    assert (tree / "d" / "x").exists() and not (tree / "d" / "y").exists()
+    assert pending() == ["b.txt", "d/x", "d/y", "f", "f/g"]  # what is left
+
+    # A partial commit killed past its commit point is finished by the next command, which
+    # then does its own work; the booth stays pending.
+    killed = jb("booth", "commit", "p1", "--only", "d", *t, env={"SHADOWFS_CRASH_AT": "applied"})
+    assert killed.returncode == -9, killed.stderr
+    listed = here("booth", "ls", "--json", *t)
+    assert "recovered the interrupted partial commit of booth p1: finished" in listed.stderr
+    assert [b["status"] for b in json.loads(listed.stdout)] == ["pending"]
+    assert not (tree / "d" / "x").exists() and (tree / "d" / "y").read_text() == "y\n"
+    assert pending() == ["b.txt", "f", "f/g"]
+    frames = json.loads(here("log", "p1", "--json", *t).stdout)["frames"]
+    notes = [f["payload"] for f in frames if f["payload"].get("event") == "partial_commit"]
+    assert [n["paths"] for n in notes] == [["a.txt", "new/sub/n.txt"], ["d"]]
+    assert notes[1]["recovered"] is True and notes[0]["by"] == "booth commit"
+    assert json.loads(here("ls", "--json", *t).stdout)[0]["status"] == "PENDING"
+
+    # What is left commits whole once the host edit is gone: the tree is the booth's final one.
+    (tree / "b.txt").write_text("b\n")
+    rest = here("booth", "commit", "p1", *t)
+    assert rest.returncode == 0 and "3 change(s)" in rest.stdout, rest.stderr
+    assert (tree / "b.txt").read_text() == "b\nbb\n" and (tree / "f" / "g").read_text() == "g\n"
+    assert json.loads(here("ls", "--json", *t).stdout)[0]["status"] == "COMMITTED"
+    assert here("verify", "p1", *t).returncode == 0
