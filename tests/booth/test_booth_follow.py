@@ -22,6 +22,20 @@ def wait_for(predicate, what: str, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
+def read_through_checkpoint(proc: subprocess.Popen[str]) -> list[str]:
+    """The lines a follower printed up to the checkpoint frame's (the last written so far)."""
+    assert proc.stdout is not None
+    lines = []
+    def kind(line: str) -> str:
+        return json.loads(line)["kind"] if line.startswith("{") else line.split()[2]
+
+    while not lines or kind(lines[-1]) != "checkpoint":
+        line = proc.stdout.readline()
+        assert line, f"the follower ended early after {lines}"
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
 def test_log_follow_prints_frames_as_they_come_and_ls_filters(work) -> None:  # noqa: F811
     tree, tapes = work
     tape = tapes / "f1.jbx"
@@ -39,26 +53,27 @@ def test_log_follow_prints_frames_as_they_come_and_ls_filters(work) -> None:  # 
         interrupted = subprocess.Popen(follow, stdout=subprocess.PIPE, text=True)
         followed = subprocess.Popen(follow, stdout=subprocess.PIPE, text=True)
         as_json = subprocess.Popen([*follow, "--json"], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
-        # The run is still open: nobody has stopped following it.
+        # Each has printed every frame so far, and waits for more: the run is still open.
+        early = [read_through_checkpoint(p) for p in (interrupted, followed, as_json)]
         assert booth.poll() is None
         assert interrupted.poll() is None and followed.poll() is None and as_json.poll() is None
         interrupted.send_signal(signal.SIGINT)
         out, _ = interrupted.communicate(timeout=10)
-        assert interrupted.returncode == 0 and "checkpoint" in out and "commit" not in out, out
+        assert interrupted.returncode == 0 and "commit" not in out, out
         assert followed.poll() is None  # the others follow on
 
         booth.communicate("changed\n", timeout=30)
         assert booth.returncode == 0
         out, _ = followed.communicate(timeout=10)
         assert followed.returncode == 0
-        rows = out.splitlines()
+        rows = early[1] + out.splitlines()
         assert rows[0].split() == ["FRAME", "AT", "KIND", "TREE", "WHAT"]
         kinds = [row.split()[2] for row in rows[1:]]
         assert kinds[0] == "run_start" and "checkpoint" in kinds
         assert kinds[-3:] == ["fs", "exit", "commit"], out
         lines, _ = as_json.communicate(timeout=10)
-        assert [json.loads(line)["kind"] for line in lines.splitlines()][-1] == "commit"
+        kinds = [json.loads(line)["kind"] for line in early[2] + lines.splitlines()]
+        assert kinds[0] == "run_start" and kinds[-1] == "commit", kinds
     finally:
         if booth.poll() is None:
             booth.kill()
