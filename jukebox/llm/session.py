@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from jukebox.llm.lookups import LookupWatch
 from jukebox.llm.netns import PrivateNetwork
 from jukebox.llm.placeholder_keys import placeholder_env
 from jukebox.llm.pricing import PriceTable
@@ -40,11 +41,16 @@ class LlmOptions:
 
 class LlmSession:
     def __init__(
-        self, proxy: ProxyServer, network: PrivateNetwork | None, replaying: bool = False
+        self,
+        proxy: ProxyServer,
+        network: PrivateNetwork | None,
+        replaying: bool = False,
+        lookups: LookupWatch | None = None,
     ) -> None:
         self.proxy = proxy
         self.network = network
         self.replaying = replaying
+        self.lookups = lookups
 
     @classmethod
     def start(
@@ -87,7 +93,9 @@ class LlmSession:
         if proxy.named:
             # The names the agent was given: its replay gets the same (jukebox.llm.upstreams).
             record("note", {"event": UPSTREAMS_NOTE, "names": proxy.named})
-        return cls(proxy, network, replaying=options.replay is not None)
+        # What the agent tries to reach around the proxy, seen by its lookups.
+        lookups = LookupWatch.start(network, record) if network is not None else None
+        return cls(proxy, network, replaying=options.replay is not None, lookups=lookups)
 
     def agent_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """What the agent's environment `env` gets: the base URLs, with the proxy's secret (for
@@ -108,6 +116,8 @@ class LlmSession:
         return self.network.call(spawn, replace(spec, net="host"))
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         self.proxy.stop()
         if self.network is not None:
             self.network.close()

@@ -1,0 +1,63 @@
+"""Under `--net none` the booth sees the host names the agent resolves around the proxy: the
+agent's real resolver (glibc, through /etc/resolv.conf) gets a refusal, the booth names the host
+and, for a known sender, the switch that turns it off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jukebox.llm.lookups import nameservers, question, refusal, sender
+from jukebox.tape import Tape
+from shadowfs.store import Store
+
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+
+# The agent resolves what litellm fetches at import and another host, each twice; a lookup
+# that succeeded would print its address.
+AGENT = """
+import socket
+for host in ("raw.githubusercontent.com", "example.org") * 2:
+    try:
+        print("resolved", host, socket.getaddrinfo(host, 443)[0][4])
+    except socket.gaierror as error:
+        print("refused", host, error.errno)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="booths here run as root")
+@pytest.mark.skipif(not nameservers(), reason="no IPv4 nameserver in /etc/resolv.conf")
+def test_lookups_around_the_proxy_are_refused_and_named(tmp_path: Path) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    proc = subprocess.run(
+        [JUKEBOX, "booth", "run", "--net", "none", "--tree", str(tree), "--tape-dir", str(tapes),
+         "--tape-id", "dns", "--", sys.executable, "-c", AGENT],
+        capture_output=True, text=True, timeout=60, cwd="/",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "resolved" not in proc.stdout and proc.stdout.count("refused") == 4
+    warned = [line for line in proc.stderr.splitlines() if "looked up" in line]
+    assert len(warned) == 2  # once per host
+    assert "raw.githubusercontent.com" in warned[0] and "LITELLM_LOCAL_MODEL_COST_MAP" in warned[0]
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        tape = Tape.load(tapes / "dns.jbx", store)
+        notes = [f.payload for f in tape.frames if f.kind == "note"]
+    refused = [(n["host"], "sender" in n) for n in notes if n.get("event") == "lookup_refused"]
+    assert refused == [("raw.githubusercontent.com", True), ("example.org", False)]
+
+
+def test_a_query_gets_a_refusal_with_its_id_and_question() -> None:
+    # A query for example.org, type A, with recursion desired (as glibc sends it).
+    query = bytes.fromhex("abcd01000001000000000000") + b"\x07example\x03org\x00\x00\x01\x00\x01"
+    assert question(query) == "example.org"
+    answer = refusal(query)
+    assert answer[:2] == b"\xab\xcd" and answer[12:] == query[12:]
+    assert answer[2:4] == bytes.fromhex("8185")  # a response, RD kept, RA, REFUSED
+    assert question(answer) is None  # a response is no question
+    assert question(b"\x00" * 12 + b"\x40") is None  # a label longer than DNS allows
+    assert sender("api.smith.langchain.com") is not None and sender("smith.langchain.co") is None
