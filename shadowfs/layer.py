@@ -1871,7 +1871,11 @@ class Layer:
         if data is None:
             # Unchanged entries carry the bytes they were decoded from or packed into: only the
             # changed ones were encoded, above.
-            data = pack_records([e.record for e in new.values()])  # type: ignore[misc]
+            # A new directory's previous tree is the empty one, of version 1.
+            previous = packed if d.oid is not None else b"\x01"
+            changed = [new[n].record for n in marks if n in new]
+            version = trees.records_version(changed, previous)  # type: ignore[arg-type]
+            data = pack_records([e.record for e in new.values()], version)  # type: ignore[misc]
         oid = self.store.put("tree", data)
         # The next snapshot or restore starts from this tree: keep it decoded. The trees it
         # pushes out of the shared cache are let go by the next read that decodes one, off the

@@ -52,11 +52,14 @@ from shadowfs.tree import (
     Entry,
     TreeStore,
     build_tree,
+    entry_record,
     make_special,
+    records_version,
     stat_entry,
 )
 from shadowfs.tree import entries as _tree_entries
 from shadowfs.tree import pack_entries as _pack_sorted_entries
+from shadowfs.tree import packed_bytes as _packed_bytes
 from shadowfs.tree import remember as _remember_tree
 
 _MS_NOSUID = 2
@@ -468,7 +471,11 @@ class OverlayLayer:
             entries = {e.name: e for e in ordered}
         else:
             ordered = list(entries.values())  # the base's order: replaced and removed names only
-        oid = self.store.put("tree", _pack_sorted_entries(ordered))
+        # The base's version holds unless an upper entry changes it: no pass over the rest.
+        previous = b"\x01" if base_oid is None or opaque else _packed_bytes(base_oid)
+        upper = [entry_record(e) for name, _st, _sub in children if (e := entries.get(name))]
+        version = records_version(upper, previous)
+        oid = self.store.put("tree", _pack_sorted_entries(ordered, version))
         # Kept decoded, sharing the base's Entry objects for unchanged names: a restore to this
         # tree then tells them apart from the base by identity, without decoding it.
         _remember_tree(oid, entries)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import operator
 import os
 import stat
 import struct
@@ -101,6 +102,7 @@ _HEAD = struct.Struct(">BHBQq")
 _TARGET_LEN = struct.Struct(">H")
 _U64 = struct.Struct(">Q")
 _VERSION_BYTES = (b"", b"\x01", b"\x02")
+_FIRST_BYTE = operator.itemgetter(0)
 _U64_MAX = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
@@ -284,22 +286,37 @@ def entry_record(e: Entry) -> bytes:
     return rec
 
 
-def pack_entries(entries: Iterable[Entry]) -> bytes:
+def pack_entries(entries: Iterable[Entry], version: int = 0) -> bytes:
     """Tree bytes from entries already validated (`check_entry`) and sorted by name.
 
     For callers that built the entries themselves or took them from decoded trees; anything else
     goes through `encode_tree`, which checks and sorts. Each entry keeps its record, so packing
-    a directory again after a change only encodes the entries that changed."""
-    return pack_records([e.record or entry_record(e) for e in entries])
+    a directory again after a change only encodes the entries that changed. ``version`` is as
+    for `pack_records`."""
+    return pack_records([e.record or entry_record(e) for e in entries], version)
 
 
-def pack_records(records: Iterable[bytes]) -> bytes:
-    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order."""
+def pack_records(records: Iterable[bytes], version: int = 0) -> bytes:
+    """Tree bytes from entry records (`entry_record`) already in strictly ascending name order.
+
+    ``version`` is the tree version the records need, when the caller knows it (see
+    `records_version`); 0 has it found here, at a pass over the records."""
     parts = [b""]
     parts.extend(records)  # one join: no copy of the joined records behind the version byte
-    v2 = _V2_CODE
-    parts[0] = _VERSION_BYTES[2 if any(r[0] >= v2 for r in parts[1:]) else 1]
+    if not version:
+        version = 2 if len(parts) > 1 and max(map(_FIRST_BYTE, parts[1:])) >= _V2_CODE else 1
+    parts[0] = _VERSION_BYTES[version]
     return b"".join(parts)
+
+
+def records_version(changed: Iterable[bytes], previous: bytes | None) -> int:
+    """The version of a tree re-encoded from the tree ``previous`` (its bytes) with the records
+    ``changed`` new or replaced, or 0 when only a pass over all its records can tell (a name of
+    a version 2 tree removed or replaced). A directory re-encoded after a change then costs no
+    pass over its unchanged records."""
+    if any(r[0] >= _V2_CODE for r in changed):
+        return 2
+    return 1 if previous is not None and previous[0] == 1 else 0
 
 
 def splice_records(packed: bytes, swaps: Iterable[tuple[bytes, bytes]]) -> bytes | None:

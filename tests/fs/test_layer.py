@@ -6,6 +6,7 @@ import contextlib
 import errno
 import gc
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -788,3 +789,23 @@ def test_link_counts_of_directories_a_restore_changed_before_anything_read_them(
         assert fresh.stat("").st_nlink == 5
         fresh.restore(fresh.base_tree)
         assert fresh.stat("docs").st_nlink == 3 and fresh.stat("src").st_nlink == 2
+
+
+def test_a_special_file_makes_its_directory_a_version_2_tree_while_it_is_there(
+    layer: Layer, store: Store
+) -> None:
+    start, _ = layer.snapshot()
+    src = layer.resolve("src").ino
+    layer.mknod(src, b"pipe", stat.S_IFIFO | 0o600)
+    layer.mknod(layer.root.ino, b"null", stat.S_IFCHR | 0o600, rdev=os.makedev(1, 3))
+    with_them, _ = layer.snapshot()
+    src_tree = tree.lookup(store, with_them, b"src")
+    assert src_tree is not None and store.get(src_tree.oid)[0] == 2  # type: ignore[arg-type]
+    null = tree.lookup(store, with_them, b"null")
+    assert null is not None and (null.kind, null.rdev) == ("chardev", os.makedev(1, 3))
+    layer.unlink(src, b"pipe")
+    layer.unlink(layer.root.ino, b"null")
+    # Gone again: the directories are version 1 trees again, the very ones of the start.
+    after = tree.lookup(store, layer.snapshot()[0], b"src")
+    before = tree.lookup(store, start, b"src")
+    assert after is not None and before is not None and after.oid == before.oid
