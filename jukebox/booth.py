@@ -1774,6 +1774,13 @@ def _supervise(
             if info.si_signo == signal.SIGCHLD:
                 continue
             sig = info.si_signo
+            # Who asked (`jukebox booth stop` sends SIGTERM), for the tape's reader; the uid as
+            # this namespace sees it (an unprivileged booth's own user is 0 here).
+            sender = {"pid": info.si_pid, "uid": info.si_uid}
+            with contextlib.suppress(Exception):
+                run.writer.append(
+                    "note", {"event": "interrupt", "signal": signal.Signals(sig).name, **sender}
+                )
             on_interrupt(lambda sig=sig: send_to_agent(term, child.pid, sig))  # type: ignore[misc]
     exit_status, exit_signal = _exit_code(wstatus)
     payload: dict[str, Any] = {

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jukebox.tape import Tape
 from tests.booth.conftest import NOBODY
 from tests.booth.test_no_hang import _command, jb, nothing_left
 
@@ -95,6 +96,9 @@ def test_stop_keeps_the_booth_pending_and_a_crashed_one_commits_at_a_checkpoint(
         assert "survived" not in out, out
         assert procs["stopped"].returncode == 128 + signal.SIGKILL, err
         assert _record(tapes, "stopped")["status"] == "pending"
+        notes = [f.payload for f in Tape.load(tapes / "stopped.jbx").frames if f.kind == "note"]
+        stop = next(n for n in notes if n.get("event") == "interrupt")
+        assert stop["signal"] == "SIGTERM" and stop["pid"] > 0, stop
         if full:
             assert "M a.txt" in run("booth", "diff", "stopped").stdout
             again = run("booth", "stop", "stopped")
