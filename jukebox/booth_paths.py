@@ -31,7 +31,7 @@ from typing import Any
 from jukebox.errors import UsageError
 
 # The kernel's and the booth's own: never a host path to keep.
-_NOT_HOST = ("/proc", "/sys", "/dev")
+NOT_HOST = ("/proc", "/sys", "/dev")
 
 
 def _is_under(path: str, parent: str) -> bool:
@@ -87,7 +87,7 @@ class BoothPaths:
                 # A read-only view of an ancestor keeps the covers below it; write access to
                 # one does not (rename it, put another in its place), hence `_overlap` for rw.
                 clash = _overlap if flag == "--rw" else _is_under
-                kernel = next((k for k in _NOT_HOST if _is_under(path, k)), None)
+                kernel = next((k for k in NOT_HOST if _is_under(path, k)), None)
                 if kernel is not None:
                     raise UsageError(
                         f"{flag} {path}: {kernel} is the kernel's or the booth's own, not a host "

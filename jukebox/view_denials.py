@@ -26,6 +26,8 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from jukebox.booth_paths import NOT_HOST
+
 if TYPE_CHECKING:
     from jukebox.isolation import ChildSpec
 
@@ -174,6 +176,7 @@ def view_denials(text: str, spec: ChildSpec, never: tuple[str, ...] = ()) -> lis
     """The paths in the agent's output (`text`) whose error the booth's view explains; never
     one under `never` (the tape dir, the commit key's dir: no flag opens those)."""
     layout = _layout(spec)
+    never = (*never, *NOT_HOST)  # no flag keeps those either
     found: dict[str, Denial] = {}
     for line in text.splitlines():
         error = "EROFS" if _EROFS.search(line) else "ENOENT" if _ENOENT.search(line) else None
