@@ -410,12 +410,12 @@ class ProxyServer:
             ("content-length", str(len(body))),
             ("connection", "close"),
         ]
-        await self._send(conn, stream, h11.Response(status_code=403, headers=headers))
-        await self._send(conn, stream, h11.Data(data=body))
-        await self._send(conn, stream, h11.EndOfMessage())
+        response = h11.Response(status_code=403, headers=headers)
+        await self._send(conn, stream, response, h11.Data(data=body), h11.EndOfMessage())
 
-    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, event: Any) -> None:
-        data = conn.send(event)
+    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, *events: Any) -> None:
+        """`events` in one write: a response's parts sent together wake the agent once."""
+        data = b"".join(conn.send(event) or b"" for event in events)
         if data:
             try:
                 await stream.send_all(data)
@@ -434,9 +434,8 @@ class ProxyServer:
         if not any(k.lower() == "content-type" for k, _ in hdrs):
             hdrs.append(("content-type", "application/json"))
         hdrs.append(("content-length", str(len(body))))
-        await self._send(conn, stream, h11.Response(status_code=status, headers=hdrs))
-        await self._send(conn, stream, h11.Data(data=body))
-        await self._send(conn, stream, h11.EndOfMessage())
+        response = h11.Response(status_code=status, headers=hdrs)
+        await self._send(conn, stream, response, h11.Data(data=body), h11.EndOfMessage())
 
     # ------------------------------------------------------------------ one request
 
@@ -652,9 +651,7 @@ class ProxyServer:
         await self._finish(ex)
         if client_gone or ex.error is not None:
             raise _ClientGone()
-        if held:
-            await self._send(conn, stream, h11.Data(data=held))
-        await self._send(conn, stream, h11.EndOfMessage())
+        await self._send(conn, stream, *([h11.Data(data=held)] if held else []), h11.EndOfMessage())
 
     async def _passthrough(
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
@@ -803,9 +800,10 @@ class ProxyServer:
                     await pacer.in_turn(rec, arrived)
                 ex.latency_ms = (time.perf_counter() - started) * 1000
                 await self._finish(ex)
+                await self._send(conn, stream, h11.Data(data=b"".join(parts)), h11.EndOfMessage())
+                return
             await self._send(conn, stream, h11.Data(data=b"".join(parts)))
-        if not chunks:
-            await self._finish(ex)
+        await self._finish(ex)
         await self._send(conn, stream, h11.EndOfMessage())
 
     # ------------------------------------------------------------------ bookkeeping

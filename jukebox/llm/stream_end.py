@@ -27,5 +27,8 @@ def is_final(event: SSEEvent) -> bool:
     """Whether `event` ends its stream: OpenAI Chat's `[DONE]`, or a final event type."""
     if event.data.strip() == "[DONE]" or event.event in FINAL_TYPES:
         return True
+    # Parsed only when a final type is named in it: this runs on every event of every stream.
+    if not any(kind in event.data for kind in FINAL_TYPES):
+        return False
     data = event.json()
     return isinstance(data, dict) and data.get("type") in FINAL_TYPES
