@@ -1,12 +1,21 @@
-"""The recording LLM proxy: overhead per call against calling the upstream directly.
+"""The recording LLM proxy: what it adds to a call and to a stream's first token, against
+calling the upstream directly.
 
 The upstream is the fake OpenAI server of the tests (tests/llm/upstream.py), on 127.0.0.1 in a
 process of its own (sharing a GIL with it would bill its Python time to the proxy), so the
-numbers are the proxy's own cost: parsing, forwarding through httpx, SSE parsing on the
-side, and writing the llm_turn frame (with its fdatasync) before the agent sees the end of the
-response. Calls go through one keep-alive httpx client, as an SDK's would. Rows: a JSON chat
-completion and a streamed one (about 12 SSE events), direct, through the proxy recording to a
-tape, and through the proxy with the tape's fsync off (the floor without the disk).
+numbers are the proxy's own cost: parsing, forwarding through httpx, SSE parsing on the side,
+and writing the llm_turn frame (with its fdatasync) before the agent sees the end of the
+response. Calls go through one keep-alive httpx client per system, as an SDK's would, and the
+systems take turns call by call, so a noisy neighbour slows them alike.
+
+Rows: a JSON chat completion and a streamed one (about 12 SSE events), whole call, direct,
+through the proxy recording to a tape, and through the proxy with the tape's fsync off (the
+floor without the disk); and the stream's first token: from sending the request to holding the
+first complete SSE event (the frame is written only at the end of a stream, so the first token
+never waits for the disk), also with the upstream pausing after the first event. Besides wall
+time, `cpu_us` is the CPU this process spent per call, whole call (client and proxy;
+`overhead_cpu_us` the proxy's share), which a busy machine inflates far less than wall time on
+two shared cores.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,28 +37,96 @@ from jukebox.tape import TapeWriter
 from shadowfs.store import Store
 
 UPSTREAM = Path(__file__).resolve().parents[1] / "tests" / "llm" / "upstream.py"
+GROUP = "llm proxy"
+DIRECT = "direct"
+RECORDING = "proxy, recording"
+WHOLE_JSON = "chat completion, JSON"
+WHOLE_STREAM = "chat completion, stream"
+FIRST_TOKEN = "chat completion, stream: first token"
+# A model that thinks between its first and second token: a proxy that passed a stream on one
+# upstream read late would add the whole pause to the first token.
+PAUSE_MS = 50
+PAUSED_FIRST_TOKEN = f"{FIRST_TOKEN}, upstream pausing {PAUSE_MS} ms after it"
+WARMUP = 5
 
 MESSAGES = [
     {"role": "system", "content": "You are a coding agent. Keep changes small. " * 20},
     {"role": "user", "content": "stream a short answer of about ten words for the bench"},
 ]
+HEADERS = {"content-type": "application/json", "authorization": "Bearer sk-bench-key-0000"}
 
 
-def _samples(client: httpx.Client, url: str, stream: bool, n: int) -> list[float]:
-    body = json.dumps({"model": "gpt-4o-mini", "messages": MESSAGES, "stream": stream}).encode()
-    headers = {"content-type": "application/json", "authorization": "Bearer sk-bench-key-0000"}
-    out = []
-    for i in range(n + 5):
-        t0 = time.perf_counter_ns()
-        if stream:
-            with client.stream("POST", url, content=body, headers=headers) as resp:
-                for _ in resp.iter_bytes():
-                    pass
-        else:
-            client.post(url, content=body, headers=headers).read()
-        if i >= 5:  # warm-up: connections, imports, first frames
-            out.append((time.perf_counter_ns() - t0) / 1000.0)
+def _body(stream: bool) -> bytes:
+    return json.dumps({"model": "gpt-4o-mini", "messages": MESSAGES, "stream": stream}).encode()
+
+
+def _whole(client: httpx.Client, url: str, stream: bool) -> float:
+    """One call, start to end of the response, in µs."""
+    body = _body(stream)
+    t0 = time.perf_counter_ns()
+    if stream:
+        with client.stream("POST", url, content=body, headers=HEADERS) as resp:
+            for _ in resp.iter_raw():
+                pass
+    else:
+        client.post(url, content=body, headers=HEADERS).read()
+    return (time.perf_counter_ns() - t0) / 1000.0
+
+
+def _first_token(client: httpx.Client, url: str, pause_ms: int = 0) -> float:
+    """One streamed call: µs from sending it to holding its first complete event; the rest is
+    read untimed. `pause_ms`: the upstream pauses that long after the first event."""
+    body = _body(True)
+    headers = {**HEADERS, "x-fake-pause-ms": str(pause_ms)} if pause_ms else HEADERS
+    took = None
+    t0 = time.perf_counter_ns()
+    with client.stream("POST", url, content=body, headers=headers) as resp:
+        seen = b""
+        for chunk in resp.iter_raw():
+            if took is None:
+                seen += chunk
+                if b"\n\n" in seen:
+                    took = (time.perf_counter_ns() - t0) / 1000.0
+    assert took is not None, "the stream had no complete event"
+    return took
+
+
+def _take_turns(
+    systems: list[tuple[str, httpx.Client, str]],
+    measure: Callable[[httpx.Client, str], float],
+    n: int,
+) -> dict[str, tuple[list[float], float]]:
+    """`measure` on every system in turn, n times after WARMUP untimed rounds: each system's
+    samples, and the CPU time this process spent per call (the client's and the in-process
+    proxy's; the upstream has a process of its own), in µs."""
+    out: dict[str, tuple[list[float], float]] = {name: ([], 0.0) for name, _, _ in systems}
+    for i in range(n + WARMUP):
+        for name, client, url in systems:
+            cpu = time.process_time_ns()
+            took = measure(client, url)
+            cpu = time.process_time_ns() - cpu
+            if i >= WARMUP:
+                samples, spent = out[name]
+                samples.append(took)
+                out[name] = (samples, spent + cpu / 1000.0 / n)
     return out
+
+
+def _rows(case: str, measured: dict[str, tuple[list[float], float]]) -> list[dict[str, Any]]:
+    rows = []
+    direct = None
+    for system, (samples, cpu_us) in measured.items():
+        row: dict[str, Any] = {"group": GROUP, "case": case, "system": system}
+        row.update(summarize_us(samples))
+        row["cpu_us"] = cpu_us
+        if direct is None:
+            direct = row
+        else:
+            row["overhead_p50_us"] = row["p50_us"] - direct["p50_us"]
+            row["overhead_p99_us"] = row["p99_us"] - direct["p99_us"]
+            row["overhead_cpu_us"] = cpu_us - direct["cpu_us"]
+        rows.append(row)
+    return rows
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -60,39 +138,39 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     assert server.stdout is not None
     base = f"http://127.0.0.1:{int(server.stdout.readline())}"
     upstreams = {"openai": base + "/v1", "anthropic": base}
+    clients: list[httpx.Client] = []
+    proxies: list[tuple[ProxyServer, TapeWriter]] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp, httpx.Client() as client:
+        with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
             root = Path(tmp)
             store = Store.open(root / "store", create=True)
-            systems: list[tuple[str, str, Any]] = [("direct", upstreams["openai"], None)]
-            proxies = []
+            urls = [(DIRECT, upstreams["openai"])]
             for fsync in (True, False):
                 writer = TapeWriter.create(root / f"t{fsync}.jbx", store, "bench", fsync=fsync)
                 writer.append("run_start", {"name": "bench"})
-                proxy = ProxyServer(
-                    upstreams=upstreams,
-                    record=writer.append,
-                ).start()
+                proxy = ProxyServer(upstreams=upstreams, record=writer.append).start()
                 proxies.append((proxy, writer))
-                name = "proxy, recording" + ("" if fsync else " (fsync off)")
-                systems.append((name, proxy.url + "/openai/v1", writer))
-            for stream in (False, True):
-                case = "chat completion, " + ("stream" if stream else "JSON")
-                direct = None
-                for system, url, _ in systems:
-                    row: dict[str, Any] = {"group": "llm proxy", "case": case, "system": system}
-                    row.update(summarize_us(_samples(client, url + "/chat/completions", stream, n)))
-                    if direct is None:
-                        direct = row
-                    else:
-                        row["overhead_p50_us"] = row["p50_us"] - direct["p50_us"]
-                        row["overhead_p99_us"] = row["p99_us"] - direct["p99_us"]
-                    rows.append(row)
+                urls.append(
+                    (RECORDING + ("" if fsync else " (fsync off)"), proxy.url + "/openai/v1")
+                )
+            systems = []
+            for name, url in urls:
+                clients.append(httpx.Client())
+                systems.append((name, clients[-1], url + "/chat/completions"))
+            for case, measure, times in (
+                (WHOLE_JSON, lambda c, u: _whole(c, u, False), n),
+                (WHOLE_STREAM, lambda c, u: _whole(c, u, True), n),
+                (FIRST_TOKEN, _first_token, n),
+                (PAUSED_FIRST_TOKEN, lambda c, u: _first_token(c, u, PAUSE_MS), n // 5),
+            ):
+                rows += _rows(case, _take_turns(systems, measure, times))
             for proxy, writer in proxies:
                 proxy.stop()
                 writer.close()
             store.close()
     finally:
+        for client in clients:
+            client.close()
         server.kill()
         server.wait()
     return rows

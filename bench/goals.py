@@ -21,6 +21,7 @@ from typing import Any
 from bench import backends as bk
 from bench import bench_checkpoint_fuse as ckpt_bench
 from bench import bench_isolation as iso_bench
+from bench import bench_proxy as proxy_bench
 from bench import fs_workloads, scratch_fs
 
 Row = dict[str, Any]
@@ -32,6 +33,7 @@ GIT_FACTOR = 50.0
 ROLLBACK_LIMIT_US = 200.0
 BIG_FILE_LIMIT_MIB = 64.0
 ISOLATION_LIMIT_MS = 50.0
+PROXY_LIMIT_US = 1000.0
 # (system, ratio key, limit, what the issue asks)
 FS_GOALS = (
     (bk.SHADOWFS_FUSE, "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
@@ -157,10 +159,32 @@ def _isolation_goal(rows: list[Row]) -> list[Verdict]:
     return [Verdict(goal, shown, extra_ms <= ISOLATION_LIMIT_MS)]
 
 
+def _proxy_goals(rows: list[Row]) -> list[Verdict]:
+    """What the recording LLM proxy adds, at the p50, against calling the upstream directly."""
+    proxy = [
+        r for r in rows
+        if r.get("group") == proxy_bench.GROUP and r.get("system") == proxy_bench.RECORDING
+    ]  # fmt: skip
+    out = []
+    for case, what in (
+        (proxy_bench.WHOLE_JSON, "a JSON chat call"),
+        (proxy_bench.WHOLE_STREAM, "a streamed chat call"),
+        (proxy_bench.FIRST_TOKEN, "a stream's first token"),
+    ):
+        row = _find(proxy, case=case)
+        extra = row.get("overhead_cpu_us") if row else None
+        cpu = "" if extra is None else f", {float(extra):,.0f} µs CPU"
+        out.append(_limit(
+            f"LLM proxy, recording: ≤ 1 ms added to {what} (p50)",
+            row, "overhead_p50_us", PROXY_LIMIT_US, "+{:,.0f} µs" + cpu,
+        ))  # fmt: skip
+    return out
+
+
 def judge(rows: Sequence[Row]) -> list[Verdict]:
     rows = list(rows)
     return [*_checkpoint_goals(rows), *_fs_goals(rows), *_memory_goal(rows),
-            *_isolation_goal(rows)]  # fmt: skip
+            *_isolation_goal(rows), *_proxy_goals(rows)]  # fmt: skip
 
 
 def render(verdicts: Sequence[Verdict]) -> str:

@@ -6,7 +6,8 @@ it echoes the last user text. Streams are written one event per write (some two 
 chunked transfer encoding, so chunk boundaries are real. A request with `"cache"` in its last
 message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer;
 `x-fake-response-headers` (a JSON object) is added to a JSON answer's headers;
-`x-fake-gate: NAME` holds a stream after its first event until the test opens the gate.
+`x-fake-gate: NAME` holds a stream after its first event until the test opens the gate, and
+`x-fake-pause-ms` pauses it there (a model thinking between its first and second token).
 `x-fake-fail: STATUS:N` answers the first N copies of the same request (path and body) with
 that status and an error body, as a rate-limited or broken API does (an SDK then retries).
 A chat stream ends with the usage chunk (`choices: []`, `usage`) when the request asks for it
@@ -134,9 +135,12 @@ class Handler(BaseHTTPRequestHandler):
         `server.log` as it goes on."""
         self._start_stream()
         gate = self.headers.get("x-fake-gate")
+        pause = float(self.headers.get("x-fake-pause-ms") or 0) / 1000
         i = 0
         while i < len(events):
             take = 2 if i % 3 == 2 and i + 1 < len(events) else 1
+            if i == 1 and pause:
+                time.sleep(pause)
             if i == 1 and gate:
                 self.server.gate(gate).wait(GATE_TIMEOUT_S)
                 self.server.log.append("second event sent")
