@@ -51,13 +51,13 @@ def replay_endpoint(endpoint: str, path: str | None) -> str:
     return f"{endpoint} {model}" if model else endpoint
 
 
-def error_body(message: str, code: str) -> bytes:
-    """An error in Google's shape (google.rpc.Status), which google-genai raises as ClientError."""
+def error_body(message: str, code: str, status: int = 400) -> bytes:
+    """An error in Google's shape (google.rpc.Status): google-genai raises a 4xx as ClientError."""
     body = {
         "error": {
-            "code": 400,
+            "code": status,
             "message": message,
-            "status": "FAILED_PRECONDITION",
+            "status": "FAILED_PRECONDITION" if status < 500 else "UNAVAILABLE",
             "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": code}],
         }
     }

@@ -44,8 +44,8 @@ KNOWN_HOSTS = (
     ("openaipublic.blob.core.windows.net", "tiktoken's encodings, downloaded at first use",
      "TIKTOKEN_CACHE_DIR pointing at encodings fetched beforehand"),
     ("huggingface.co", "the Hugging Face Hub", "HF_HUB_OFFLINE=1"),
-    ("api.openai.com", "an OpenAI client that ignores OPENAI_BASE_URL (older Agents SDK "
-     "tracing does)", "its base_url set from OPENAI_BASE_URL, or OPENAI_AGENTS_DISABLE_TRACING=1"),
+    ("api.openai.com", "an OpenAI client that ignores OPENAI_BASE_URL, such as the Agents "
+     "SDK's trace exporter", "OPENAI_AGENTS_DISABLE_TRACING=1, or a base_url from OPENAI_BASE_URL"),
     ("api.anthropic.com", "an Anthropic client that ignores ANTHROPIC_BASE_URL",
      "its base_url set from ANTHROPIC_BASE_URL"),
 )  # fmt: skip

@@ -151,10 +151,13 @@ def route(method: str, target: str, named: Iterable[str] = ()) -> Route | None:
     return None
 
 
-def error_body(provider: str, message: str, code: str = "jukebox_error") -> bytes:
-    """An error in the provider's own shape, so its SDK raises it with the message intact."""
+def error_body(
+    provider: str, message: str, code: str = "jukebox_error", status: int = 400
+) -> bytes:
+    """An error in the provider's own shape, so its SDK raises it with the message intact;
+    `status` is the HTTP status it goes with (Google's shape repeats it)."""
     if provider == GEMINI:
-        return gemini.error_body(message, code)
+        return gemini.error_body(message, code, status)
     if provider == ANTHROPIC:
         body: dict[str, Any] = {
             "type": "error",

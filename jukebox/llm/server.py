@@ -68,7 +68,7 @@ from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, SSEParser, encode_event
 from jukebox.llm.stream_end import is_final
 from jukebox.llm.telemetry import Source, proxy_warning, through_proxy
-from jukebox.llm.upstreams import OFFLINE_URL, check_name
+from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
 from jukebox.llm.upstreams import agent_env as named_env
 from jukebox.llm.upstreams import named as named_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
@@ -115,12 +115,13 @@ TRIP_NOTICE_S = 1.0
 
 def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The user's own base URLs (the SDK's variable, else an alias) become the upstreams; the
-    providers' public APIs otherwise."""
+    providers' public APIs otherwise; and `azure` when AZURE_OPENAI_ENDPOINT is set
+    (jukebox.llm.upstreams), so a replay's or fork's live calls reach it too."""
     out = {}
     for provider, default in DEFAULT_UPSTREAMS.items():
         named = (environ.get(name) for name in base_url_names(provider))
         out[provider] = (next((url for url in named if url), None) or default).rstrip("/")
-    return out
+    return with_named(out, (), environ)
 
 
 def _failure(ex: Exchange) -> str | None:
@@ -583,7 +584,7 @@ class ProxyServer:
             ex.status = 502
             ex.error = self._upstream_failed(where, error)
             message = f"jukebox proxy: {ex.error}"
-            ex.response_body = error_body(where.provider, message)
+            ex.response_body = error_body(where.provider, message, status=502)
             await self._finish(ex)
             await self._send_simple(conn, stream, 502, ex.response_body)
             return
@@ -689,7 +690,8 @@ class ProxyServer:
             upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
         except httpx.HTTPError as error:
             message = f"jukebox proxy: {self._upstream_failed(where, error)}"
-            await self._send_simple(conn, stream, 502, error_body(where.provider, message))
+            body = error_body(where.provider, message, status=502)
+            await self._send_simple(conn, stream, 502, body)
             return
         try:
             headers = [

@@ -23,7 +23,6 @@ from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.server import ProxyServer, upstreams_from_env
 from jukebox.llm.telemetry import environment_warnings
 from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
-from jukebox.llm.upstreams import with_named
 
 T = TypeVar("T")
 
@@ -33,8 +32,8 @@ class LlmOptions:
     replay: ReplaySource | None = None
     rewriter: RequestRewriter | None = None
     breaker: Any = None  # jukebox.breaker.CircuitBreaker or anything with admit()/observe()
-    # Default: the user's *_BASE_URL, else public, and `azure` from AZURE_OPENAI_ENDPOINT;
-    # named upstreams are more keys (jukebox.llm.upstreams).
+    # Default: upstreams_from_env (the user's *_BASE_URL, else public; `azure` from
+    # AZURE_OPENAI_ENDPOINT); named upstreams are more keys (jukebox.llm.upstreams).
     upstreams: Mapping[str, str] | None = None
     on_divergence: Callable[[Divergence], Any] | None = None
 
@@ -73,7 +72,7 @@ class LlmSession:
         network = PrivateNetwork() if private_network else None
         try:
             proxy = ProxyServer(
-                upstreams=options.upstreams or with_named(upstreams_from_env(environ), (), environ),
+                upstreams=options.upstreams or upstreams_from_env(environ),
                 record=record,
                 replay=options.replay,
                 rewriter=options.rewriter,

@@ -2,14 +2,17 @@
 
 Two kinds reach us:
 
-* through the proxy: the OpenAI Agents SDK posts its traces (every prompt, output and tool
-  argument, with the agent's API key) to `$OPENAI_BASE_URL/traces/ingest` once that variable is
-  set, so the booth's proxy sees them. They are not a model call: recording passes them on (the
-  user's dashboard still gets them) with one warning line and a `note` frame; a replay answers
-  them itself, so they neither leave the machine nor fail the replay.
-* around it: libraries that call their own hosts directly (LangSmith tracing, litellm's price map
-  fetched at import, OpenTelemetry exporters). The proxy never sees those; what the booth can see
-  is the environment that turns them on, and it warns before the agent starts.
+* through the proxy: versions of the OpenAI Agents SDK that derive their trace endpoint from
+  `OPENAI_BASE_URL` post their traces (every prompt, output and tool argument, with the agent's
+  API key) to `$OPENAI_BASE_URL/traces/ingest`, so the booth's proxy sees them. They are not
+  a model call: recording passes them on (the user's dashboard still gets them) with one
+  warning line and a `note` frame; a replay answers them itself, so they neither leave the
+  machine nor fail the replay.
+* around it: libraries that call their own hosts directly (the Agents SDK versions whose trace
+  endpoint is fixed at api.openai.com, LangSmith tracing, litellm's price map fetched at import,
+  OpenTelemetry exporters). The proxy never sees those; the booth warns before the agent starts
+  about the environment that turns them on, and under `--net none` names the hosts the agent
+  looks up (jukebox.llm.lookups).
 
 `SWITCHES` lists what turns each one off; docs/llm-proxy.md ("Telemetry") repeats it for users.
 """

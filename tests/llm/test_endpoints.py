@@ -215,7 +215,7 @@ def test_agents_sdk_traces_warn_and_never_fail_a_replay(
     trace = {"data": [{"object": "trace", "id": "trace_1", "workflow_name": "Agent workflow"}]}
     headers = {"authorization": f"Bearer {OPENAI_KEY}", "openai-beta": "traces=v1"}
     with recording.proxy(upstream) as proxy:
-        # What the Agents SDK's exporter posts once OPENAI_BASE_URL is set.
+        # What the Agents SDK posts where its trace endpoint follows OPENAI_BASE_URL.
         ingest = proxy.base_urls()["OPENAI_BASE_URL"] + "/traces/ingest"
         for _ in range(2):
             assert httpx.post(ingest, json=trace, headers=headers).status_code == 200
