@@ -771,6 +771,14 @@ def commit_tree(
     return changes
 
 
+def _refuse_running(record: BoothRecord) -> None:
+    if record.status == "running" and _alive(record.pid):
+        raise UsageError(
+            f"booth {record.id} is still running (pid {record.pid}); wait for it, or end its "
+            f"agent with `jukebox booth stop {record.id}`"
+        )
+
+
 def _read_only_fs(path_or_fd: str | int) -> bool:
     stats = os.fstatvfs(path_or_fd) if isinstance(path_or_fd, int) else os.statvfs(path_or_fd)
     return bool(stats.f_flag & os.ST_RDONLY)
@@ -792,8 +800,7 @@ def commit_booth(
     from shadowfs.errors import ConflictError
 
     with _locked(tape_dir, booth_id) as record:
-        if record.status == "running" and _alive(record.pid):
-            raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
+        _refuse_running(record)
         with _open_store(tape_dir) as store:
             bound_tape(tape_dir, booth_id, record, store, sealed=True)  # before any write
             base, final, checkpoint = _target_tree(record, at)
@@ -854,8 +861,7 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
     if realtree.recovered(tape_dir, booth_id) == "finished":
         raise finished
     with _locked(tape_dir, booth_id) as record:
-        if record.status == "running" and _alive(record.pid):
-            raise UsageError(f"booth {booth_id} is still running (pid {record.pid}); wait for it")
+        _refuse_running(record)
         if realtree.recover_commits(tape_dir, only=booth_id, wait=True).get(booth_id) == "finished":
             raise finished
         if realtree.has_interrupted_commit(tape_dir, booth_id):
