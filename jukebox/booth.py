@@ -340,7 +340,7 @@ def list_booths(tape_dir: TapeDir) -> list[BoothRecord]:
         except (ValueError, TypeError):
             continue
         if record.status == "running" and not _alive(record.pid):
-            record.status = "crashed"  # its supervisor died: nothing to commit, discard it
+            record.status = "crashed"  # its supervisor died: commit a checkpoint, or discard
         # Trust matters for what could be committed: a crashed booth can only be discarded, and
         # another user's crashed booth is still crashed (not `foreign`) to whoever cleans up.
         elif record.status != "running":
