@@ -205,7 +205,13 @@ def step(
 ) -> Iterator[Step]:
     """A long step. ``done`` is the --verbose line's verb phrase ("hashed the tree"), else
     the label is used; ``counted=False`` for a step that never calls back (a spinner)."""
-    drawn = _settings.draw and _settings.level > QUIET and _stderr_is_terminal()
+    # A dumb terminal cannot move the cursor back: a bar would print line after line.
+    drawn = (
+        _settings.draw
+        and _settings.level > QUIET
+        and _stderr_is_terminal()
+        and os.environ.get("TERM") != "dumb"
+    )
     current = Step(label, unit, drawn, counted)
     try:
         yield current

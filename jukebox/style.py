@@ -29,8 +29,9 @@ def configure(enabled: bool) -> None:
 
 
 def no_color_requested(flag: bool = False) -> bool:
-    """--no-color, or $NO_COLOR set to anything but the empty string."""
-    return flag or bool(os.environ.get("NO_COLOR"))
+    """--no-color, $NO_COLOR set to anything but the empty string, or a terminal that says it
+    cannot show colour (TERM=dumb)."""
+    return flag or bool(os.environ.get("NO_COLOR")) or os.environ.get("TERM") == "dumb"
 
 
 def enabled() -> bool:

@@ -26,6 +26,7 @@ def user_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         if k not in ("JUKEBOX_TAPE_DIR", "JUKEBOX_CONFIG", "NO_COLOR", "JUKEBOX_LOCK_TIMEOUT")
     }
     env.update(XDG_CONFIG_HOME=str(tmp_path / "config"), XDG_DATA_HOME=str(tmp_path / "data"))
+    env["TERM"] = "xterm-256color"  # whatever the terminal running the tests is (CI: none)
     env.update(extra)
     return env
 
@@ -157,6 +158,7 @@ def test_colour_on_a_terminal_only_and_never_with_no_color(tmp_path: Path, recor
         (dict(env, NO_COLOR="1"), ["diff", "-p", "tr_demo@2"]),
         (env, ["--no-color", "diff", "-p", "tr_demo@2"]),
         (env, ["ls", "--no-color"]),
+        (dict(env, TERM="dumb"), ["ls"]),
     ):
         code, screen = run_on_terminal([JUKEBOX, *args], quiet_env)
         assert code == 0 and ESC not in screen, (args, screen)

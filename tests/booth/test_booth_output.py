@@ -30,6 +30,7 @@ def user_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         JUKEBOX_TAPE_DIR=str(tmp_path / "tapes"),
         XDG_CONFIG_HOME=str(tmp_path / "config"),
         JUKEBOX_PROGRESS_DELAY="0",  # every bar drawn at once, however quick the step
+        TERM="xterm-256color",  # whatever the terminal running the tests is (CI: none)
     )
     env.update(extra)
     return env
