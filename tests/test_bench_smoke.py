@@ -144,3 +144,27 @@ def test_quick_booth_suite_reports_checkpoints_back_to_back_and_after_a_pause(
         paused = rows[f"checkpoint over the socket ({files}, 0.2 s after the step)"]
         assert paused["n"] == 5 and paused["p50_us"] > 0, k
     assert "| checkpoint over the socket (10 dirty files, 0.2 s after the step) |" in report
+
+
+def test_quick_scale_suite_measures_every_case_side_by_side(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the scale group mounts overlays and runs booths as root")
+    _, report, data = _bench(tmp_path, "--only", "scale")
+
+    rows = data["rows"]
+    assert not [r for r in rows if str(r.get("note", "")).startswith("failed")], rows
+    timed = {(r["case"].split(" ")[0], r["system"]) for r in rows if "seconds" in r}
+    for system in ("native", "kernel-overlay", "shadowfs-fuse", "shadowfs-overlay"):
+        assert ("rewrite", system) in timed
+    assert {("commit", "jukebox booth commit"), ("commit", "git add -A && git commit")} <= timed
+    appends = {(r["fs"], r["system"]) for r in rows if r["case"].startswith("append")}
+    assert {("tmp", "cp --reflink=auto"), ("tmp", "shadowfs-fuse"), ("xfs", "shadowfs-fuse")} <= (
+        appends
+    )
+    first = {r["system"]: r for r in rows if r["case"].startswith("first booth")}
+    assert first["jukebox booth run (cold)"]["store_mb"] > 0
+    assert "jukebox booth run (warm)" in first
+    assert {r["case"] for r in rows if r["system"] == "jukebox gc"} == {
+        "jukebox gc, big store, little garbage", "jukebox gc, small store"
+    }
+    assert "## scale" in report

@@ -1,0 +1,396 @@
+"""Repository scale: big trees and many changes, side by side with native and the other overlays.
+
+Five cases, each what a user meets on a real repository (issue 25's table):
+
+- **rewrite**: an agent reads and rewrites every one of N small files (the fs suite's edit
+  workload over all of them), on native ext4, kernel overlayfs, fuse-overlayfs and both shadowfs
+  backends, each a fresh mount over the same lower dir; timed in a child interpreter.
+- **commit**: `jukebox booth commit` of a pending booth in which every one of N files changed,
+  next to `git add -A && git commit` of the same change in a native copy.
+- **append**: append one byte to a big base file (open, write, close: the copy-up), on the temp
+  dir's file system and on XFS with reflink, next to `cp --reflink=auto` of the file.
+- **first booth**: `jukebox booth run -- true` over an N-file tree with a fresh tape dir (cold:
+  hash and store everything) and again (warm: the stat cache), next to `git add -A` of the tree
+  into a fresh repo; the store's growth is in the row.
+- **gc**: `jukebox gc` of that tape dir (a big store, little garbage) next to `jukebox gc` of a
+  tape dir holding only the small commit booth's store.
+
+Cells are medians of interleaved runs (`--quick`: one run, small sizes). Ratios are over the
+row whose ratio is 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import backends as bk
+from bench import scratch_fs
+from bench.fs_workloads import (
+    FIXED_MTIME,
+    cached,
+    git,
+    git_env,
+    python_module,
+    timed_child,
+    write_small_tree,
+)
+
+GROUP = "scale"
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rewrite_files: int
+    commit_files: int
+    append_bytes: int
+    first_files: int
+    first_bytes: int  # the first-booth tree's total size, about
+    runs: int
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> Sizes:
+        if quick:
+            return cls(500, 300, 16 << 20, 500, 5 << 20, 1)
+        return cls(50_000, 50_000, 1 << 30, 100_000, 2 << 30, 3)
+
+
+# ============================================================================ fixtures
+
+
+def _small_tree(n: int) -> Path:
+    return cached(f"scale-small-{n}", lambda tmp: write_small_tree(tmp, n))
+
+
+def _big_file_dir(size: int) -> Path:
+    def build(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        block = random.Random(3).randbytes(1 << 20)
+        with open(tmp / "big.bin", "wb") as f:
+            for _ in range(size >> 20):
+                f.write(block)
+        os.utime(tmp / "big.bin", (FIXED_MTIME, FIXED_MTIME))
+
+    return cached(f"scale-bigfile-{size >> 20}m", build)
+
+
+def write_sized_tree(dest: Path, n_files: int, total: int, seed: int = 4) -> None:
+    """`n_files` source-like files of about `total` bytes in all (each unique, so nothing
+    dedups), in dirs of 100: a monorepo checkout."""
+    rng = random.Random(seed)
+    templates = [python_module(rng, 4_000).encode() for _ in range(16)]
+    mean = total // n_files
+    for i in range(n_files):
+        d = dest / f"d{i // 1000:03d}" / f"s{(i // 100) % 10}"
+        if i % 100 == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        size = rng.randint(mean // 8, mean * 15 // 8)
+        body = templates[i % 16] * (size // 4_000 + 1)
+        path = d / f"m{i:06d}.py"
+        path.write_bytes(b"# module %d\n" % i + body[:size])
+        os.utime(path, (FIXED_MTIME, FIXED_MTIME))
+
+
+def _sized_tree(n: int, total: int) -> Path:
+    return cached(
+        f"scale-sized-{n}-{total >> 20}m", lambda tmp: write_sized_tree(tmp, n, total)
+    )
+
+
+def _files_of(root: Path) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        out += [os.path.join(rel, n) for n in names]
+    return sorted(out)
+
+
+# ============================================================================ helpers
+
+
+def _timed(cmd: list[str], **kw: Any) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    took = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({proc.returncode}): "
+                           f"{proc.stderr.strip()[-400:]}")  # fmt: skip
+    return took
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+    return total
+
+
+def _row(case: str, system: str, samples: list[float], base: float | None, **extra: Any) -> Row:
+    secs = statistics.median(samples)
+    row: Row = {"group": GROUP, "case": case, "system": system, "seconds": secs}
+    if base:
+        row["ratio"] = secs / base
+    if len(samples) > 1:
+        row["runs"] = ", ".join(f"{s:.2f}" for s in samples)
+    row.update(extra)
+    return row
+
+
+def _booth(tree: Path, tapes: Path, tape_id: str, agent: list[str], commit: str = "never") -> None:
+    subprocess.run(
+        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
+         tape_id, "--commit", commit, "--", *agent],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+REWRITE = (
+    "import os, sys\n"
+    "for dirpath, _, names in os.walk('.'):\n"
+    "    for n in names:\n"
+    "        p = os.path.join(dirpath, n)\n"
+    "        with open(p, 'rb') as f: data = f.read()\n"
+    "        with open(p, 'wb') as f: f.write(data.replace(b'return', b'return  ', 1))\n"
+)
+
+
+# ============================================================================ the cases
+
+
+def _interleaved(
+    systems: list[bk.Backend], runs: int, once: Callable[[bk.Backend], float]
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    samples: dict[str, list[float]] = {}
+    failed: dict[str, str] = {}
+    for _ in range(runs):
+        for b in systems:
+            if b.name in failed:
+                continue
+            if (why := b.unavailable()) is not None:
+                failed[b.name] = why
+                continue
+            try:
+                samples.setdefault(b.name, []).append(once(b))
+            except Exception as exc:  # one broken backend must not sink the others
+                failed[b.name] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+    return samples, failed
+
+
+def _backend_rows(
+    case: str, samples: dict[str, list[float]], failed: dict[str, str], **extra: Any
+) -> list[Row]:
+    native = statistics.median(samples[bk.NATIVE]) if bk.NATIVE in samples else None
+    rows = []
+    for name in bk.ALL:
+        if name in samples:
+            row = _row(case, name, samples[name], native, **extra)
+            if bk.FUSE_OVERLAYFS in samples:
+                row["ratio_fuse_overlayfs"] = row["seconds"] / statistics.median(
+                    samples[bk.FUSE_OVERLAYFS]
+                )
+            rows.append(row)
+        elif name in failed:
+            rows.append({"group": GROUP, "case": case, "system": name, "note": failed[name]})
+    return rows
+
+
+def rewrite_case(s: Sizes, scratch: Path) -> list[Row]:
+    lower = _small_tree(s.rewrite_files)
+    files = _files_of(lower)
+    case = f"rewrite all {len(files):,} small files"
+
+    def once(b: bk.Backend) -> float:
+        with b.prepare(lower) as mnt:
+            os.sync()
+            return timed_child("edit", mnt, files)
+
+    samples, failed = _interleaved(bk.backends(scratch), s.runs, once)
+    return _backend_rows(case, samples, failed)
+
+
+def commit_case(s: Sizes, scratch: Path) -> tuple[list[Row], Path]:
+    lower = _small_tree(s.commit_files)
+    case = f"commit {s.commit_files:,} changed files"
+    booth_s: list[float] = []
+    git_s: list[float] = []
+    tapes = scratch / "commit-tapes"
+    for i in range(s.runs):
+        tree = scratch / f"commit-tree-{i}"
+        subprocess.run(["cp", "-a", "--", str(lower), str(tree)], check=True)
+        _booth(tree, tapes, f"c{i}", [sys.executable, "-c", REWRITE])
+        os.sync()
+        booth_s.append(_timed([JUKEBOX, "booth", "commit", f"c{i}", "--tape-dir", str(tapes)]))
+        shutil.rmtree(tree)
+
+        repo = scratch / f"commit-git-{i}"
+        subprocess.run(["cp", "-a", "--", str(lower), str(repo)], check=True)
+        git(repo, "init", "-q", "-b", "main")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", "base")
+        subprocess.run([sys.executable, "-c", REWRITE], cwd=repo, check=True)
+        os.sync()
+        git_s.append(_timed(["sh", "-c", "git add -A && git commit -q -m change"], cwd=repo,
+                            env=git_env()))  # fmt: skip
+        shutil.rmtree(repo)
+    base = statistics.median(git_s)
+    return [
+        _row(case, "jukebox booth commit", booth_s, base,
+             note="check, stage, journal, apply, fsyncs; atomic and crash-safe"),
+        _row(case, "git add -A && git commit", git_s, base,
+             note="hash and store the changed files, write index and commit"),
+    ], tapes  # fmt: skip
+
+
+def append_case(s: Sizes) -> list[Row]:
+    lower_cached = _big_file_dir(s.append_bytes)
+    case = f"append 1 byte to a {s.append_bytes >> 20:,} MiB base file"
+    rows: list[Row] = []
+    for place in scratch_fs.ALL:
+        try:
+            with scratch_fs.place(place) as where:
+                lower = where.lower(lower_cached)
+
+                def once(b: bk.Backend, lower: Path = lower) -> float:
+                    with b.prepare(lower) as mnt:
+                        os.sync()
+                        t0 = time.perf_counter()
+                        with open(mnt / "big.bin", "ab") as f:
+                            f.write(b"x")
+                        return time.perf_counter() - t0
+
+                systems = [b for b in bk.backends(where.root) if b.name != bk.NATIVE]
+                samples, failed = _interleaved(systems, s.runs, once)
+                cp_s = []
+                for i in range(s.runs):
+                    dest = where.root / f"cp-{i}"
+                    cp_s.append(_timed(["cp", "--reflink=auto", str(lower / "big.bin"),
+                                        str(dest)]))  # fmt: skip
+                    dest.unlink()
+                samples["cp --reflink=auto"] = cp_s
+                base = statistics.median(cp_s)
+                label = f"{case}, {where.label}"
+                rows.append(_row(label, "cp --reflink=auto", cp_s, base, fs=place,
+                                 note="the copy a copy-up amounts to"))  # fmt: skip
+                for name in bk.ALL:
+                    if name in samples:
+                        rows.append(_row(label, name, samples[name], base, fs=place))
+                    elif name in failed:
+                        rows.append({"group": GROUP, "case": label, "system": name, "fs": place,
+                                     "note": failed[name]})  # fmt: skip
+        except scratch_fs.ScratchUnavailable as exc:
+            rows.append({"group": GROUP, "case": f"{case}, {place}", "system": "-", "fs": place,
+                         "note": str(exc)})  # fmt: skip
+    return rows
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="jukebox-bench-scale-"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
+    tree = _sized_tree(s.first_files, s.first_bytes)
+    tree_bytes = _du(tree)
+    case = f"first booth, {s.first_files:,}-file tree of {tree_bytes / 1e9:.2f} GB"
+    cold: list[float] = []
+    warm: list[float] = []
+    grew: list[int] = []
+    git_s: list[float] = []
+    tape_dirs = []
+    for i in range(s.runs):
+        tapes = scratch / f"first-tapes-{i}"
+        tape_dirs.append(tapes)
+        os.sync()
+        cold.append(_timed([JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir",
+                            str(tapes), "--tape-id", "cold", "--", "true"]))  # fmt: skip
+        grew.append(_du(tapes / ".jukebox" / "store"))
+        warm.append(_timed([JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir",
+                            str(tapes), "--tape-id", "warm", "--", "true"]))  # fmt: skip
+        repo = scratch / f"first-git-{i}"
+        repo.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+        os.sync()
+        git_s.append(_timed(["git", f"--work-tree={tree}", "add", "-A"], cwd=repo,
+                            env=git_env()))  # fmt: skip
+        shutil.rmtree(repo)
+    base = statistics.median(git_s)
+    store = statistics.median(grew)
+    return [
+        _row(case, "jukebox booth run (cold)", cold, base, store_mb=store / 1e6,
+             note="fresh tape dir: hash the tree, store what it must"),
+        _row(case, "jukebox booth run (warm)", warm, base,
+             note="same tape dir again: the stat cache"),
+        _row(case, "git add -A (fresh repo)", git_s, base,
+             note="hash and store every file into .git"),
+    ], tape_dirs  # fmt: skip
+
+
+def gc_case(s: Sizes, big: list[Path], small: Path) -> list[Row]:
+    rows = []
+    for label, dirs in (("big store, little garbage", big), ("small store", [small])):
+        secs = [_timed([JUKEBOX, "gc", "--tape-dir", str(d), "--grace", "0"])
+                for d in dirs if d.exists()]  # fmt: skip
+        if not secs:
+            continue
+        store = statistics.median(_du(d / ".jukebox" / "store") for d in dirs)
+        rows.append(_row(f"jukebox gc, {label}", "jukebox gc", secs, None, store_mb=store / 1e6))
+    return rows
+
+
+def run(quick: bool = False) -> list[Row]:
+    s = Sizes.for_mode(quick)
+    rows: list[Row] = []
+    steps: list[tuple[str, Callable[[Path], list[Row]]]] = []
+    with _scratch() as scratch:
+        state: dict[str, Any] = {}
+
+        def commit(p: Path) -> list[Row]:
+            out, state["commit_tapes"] = commit_case(s, p)
+            return out
+
+        def first(p: Path) -> list[Row]:
+            out, state["first_tapes"] = first_booth_case(s, p)
+            return out
+
+        steps = [
+            ("rewrite", lambda p: rewrite_case(s, p)),
+            ("commit", commit),
+            ("append", lambda p: append_case(s)),
+            ("first booth", first),
+            ("gc", lambda p: gc_case(s, state.get("first_tapes", []),
+                                     state.get("commit_tapes", p / "none"))),
+        ]  # fmt: skip
+        for name, step in steps:
+            t0 = time.perf_counter()
+            try:
+                rows += step(scratch)
+            except Exception as exc:  # one broken case must not hide the others' rows
+                rows.append({"group": GROUP, "case": name, "system": "-",
+                             "note": f"failed: {type(exc).__name__}: {exc}"[:400]})  # fmt: skip
+            took = time.perf_counter() - t0
+            print(f"bench: scale {name} {took:.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    for row in run(quick="--quick" in sys.argv):
+        print(row)
