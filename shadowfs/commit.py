@@ -71,6 +71,7 @@ from shadowfs.oid import ObjectHasher, ObjectId
 
 # progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
 from shadowfs.progress import PhasedProgress as Progress
+from shadowfs.syncfs import syncfs
 from shadowfs.tree import (
     DEVICES,
     DIR,
@@ -120,6 +121,8 @@ _READ_SIZE = 1 << 20
 # well inside the default 1024-fd limit.
 _MAX_DIR_FDS = 256
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+# From this many staged files (or directories to fsync) on, one syncfs replaces the fsyncs.
+SYNCFS_FROM = 256
 
 Interrupted = Callable[[], bool]
 Target = int | str | bytes | os.PathLike[str] | os.PathLike[bytes]
@@ -700,6 +703,13 @@ def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
     return True
 
 
+def _prefetched(store: CommitStore, oids: Iterable[ObjectId]) -> contextlib.AbstractContextManager:
+    """The store's bulk index lookup for ``oids`` (shadowfs.store.Store.prefetched), when it has
+    one: a commit reads every object it touches, one index query each otherwise."""
+    bulk = getattr(store, "prefetched", None)
+    return bulk(oids) if bulk is not None else contextlib.nullcontext()
+
+
 # --- staging ----------------------------------------------------------------------------------
 
 
@@ -742,17 +752,21 @@ class _WriteSink:
 
 
 class _Syncer:
-    """fsyncs staged files in concurrent batches.
+    """fsyncs staged files in concurrent batches, or the whole file system once.
 
     One fsync at a time costs a journal commit each; the file system folds concurrent fsyncs into
     shared commits, which makes a 1,000-file commit several times faster. Only fds wait here, never
-    data, so memory stays constant; the batch bound keeps the fd count low.
+    data, so memory stays constant; the batch bound keeps the fd count low. Given ``whole_fs``
+    (a directory fd on the target), files are closed at once and `close` runs one syncfs
+    instead: past a few hundred files that is several times faster again, and it covers the
+    staging directories' entries too.
     """
 
     BATCH = 512
     THREADS = 16
 
-    def __init__(self) -> None:
+    def __init__(self, whole_fs: int | None = None) -> None:
+        self.whole_fs = whole_fs
         self.fds: list[int] = []
         self.pool: ThreadPoolExecutor | None = None
         # Bigger batches fold more fsyncs together; a quarter of the fd limit leaves the rest
@@ -762,6 +776,9 @@ class _Syncer:
         self.batch = self.BATCH if unlimited else max(1, min(self.BATCH, soft // 4))
 
     def add(self, fd: int) -> None:
+        if self.whole_fs is not None:
+            os.close(fd)
+            return
         self.fds.append(fd)
         if len(self.fds) >= self.batch:
             self.flush()
@@ -786,6 +803,8 @@ class _Syncer:
         finally:
             if self.pool is not None:
                 self.pool.shutdown()
+        if self.whole_fs is not None:
+            syncfs(self.whole_fs)
 
 
 def _stage_one(
@@ -1065,12 +1084,15 @@ def _redo(
         crash.at(f"{point}op:{i}")
         if progress is not None and i % 256 == 0:
             progress("apply", i, total)
-    for d in fsync:
-        try:
-            os.fsync(dirs.get(d))
-        except OSError as exc:
-            if exc.errno not in _GONE:
-                raise
+    if len(fsync) >= SYNCFS_FROM:
+        syncfs(dirs.root)
+    else:
+        for d in fsync:
+            try:
+                os.fsync(dirs.get(d))
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    raise
     if progress is not None:
         progress("apply", total, total)
 
@@ -1144,7 +1166,8 @@ def _apply_locked(
     token = secrets.token_hex(8)
     plan = _plan(store, new_tree, changes, token, drop_setid)
     seen: dict[bytes, Seen] = {}
-    conflicts = _conflicts(store, dirs, plan, progress, seen)
+    with _prefetched(store, (c.old.oid for c in changes if c.old is not None and c.old.oid)):
+        conflicts = _conflicts(store, dirs, plan, progress, seen)
     if conflicts:
         raise ConflictError(conflicts)
 
@@ -1158,18 +1181,21 @@ def _apply_locked(
         _write_sealed(jfd, PREPARE_NAME, _seal(prepare, key))
         crash.at("prepare")
         total = len(plan.stages)
-        syncer = _Syncer()
+        whole_fs = total >= SYNCFS_FROM
+        syncer = _Syncer(dirs.root if whole_fs else None)
         try:
-            for i, s in enumerate(plan.stages):
-                _check_interrupt(interrupted)
-                written += _stage_one(store, dirs, s, syncer, interrupted)
-                crash.at(f"stage:{i}")
-                if progress is not None:
-                    progress("stage", i + 1, total)
+            with _prefetched(store, (s.entry.oid for s in plan.stages if s.entry.oid)):
+                for i, s in enumerate(plan.stages):
+                    _check_interrupt(interrupted)
+                    written += _stage_one(store, dirs, s, syncer, interrupted)
+                    crash.at(f"stage:{i}")
+                    if progress is not None:
+                        progress("stage", i + 1, total)
         finally:
             syncer.close()
-        for d, _ in stage_dirs:
-            os.fsync(dirs.get(_dec(d)))
+        if not whole_fs:
+            for d, _ in stage_dirs:
+                os.fsync(dirs.get(_dec(d)))
         crash.at("staged")
         _check_interrupt(interrupted)
         record = {

@@ -37,7 +37,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
@@ -177,6 +177,8 @@ class Store:
         self._dctx = zstandard.ZstdDecompressor()
         self._fds: dict[str, int] = {}
         self._pending: dict[ObjectId, IndexEntry] = {}
+        # Index entries looked up in bulk by `prefetched()`, for the length of its block.
+        self._prefetched: dict[ObjectId, IndexEntry] = {}
         # In put order: a delta's base, staged before it, reaches the pack before it.
         self._staged: dict[ObjectId, _Staged] = {}
         self._staged_bytes = 0
@@ -439,8 +441,24 @@ class Store:
     # ------------------------------------------------------------------ reading
 
     def _locate(self, oid: ObjectId) -> IndexEntry | None:
-        entry = self._pending.get(oid)
+        entry = self._pending.get(oid) or self._prefetched.get(oid)
         return entry if entry is not None else self._idx().lookup(oid)
+
+    @contextlib.contextmanager
+    def prefetched(self, oids: Iterable[ObjectId]) -> Iterator[None]:
+        """Within the block, reads of ``oids`` find them without an index query each: one query
+        per 500 up front. A commit of 50,000 files otherwise spends seconds in sqlite. An entry
+        gc moves meanwhile is looked up again, as for any read."""
+        wanted = [o for o in dict.fromkeys(oids) if o not in self._staged]
+        found = self._idx().lookup_many(wanted)
+        with self._mutex:
+            self._prefetched.update(found)
+        try:
+            yield
+        finally:
+            with self._mutex:
+                for oid in found:
+                    self._prefetched.pop(oid, None)
 
     def _read_record(self, e: IndexEntry) -> tuple[pk.RecordHeader, memoryview]:
         length = e.record_len
@@ -497,6 +515,7 @@ class Store:
                 return self._raw(entry)
             except FileNotFoundError:
                 # gc moved it to a new pack between the lookup and the read: look again.
+                self._prefetched.pop(oid, None)
                 entry = self._idx().lookup(oid)
                 if entry is None:
                     raise ObjectMissing(oid) from None

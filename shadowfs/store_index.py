@@ -242,6 +242,21 @@ class StoreIndex:
             found.update(ObjectId(r[0]) for r in rows)
         return found
 
+    def lookup_many(self, oids: list[ObjectId]) -> dict[ObjectId, IndexEntry]:
+        """The entries of those of ``oids`` the index holds, in a query per 500."""
+        found: dict[ObjectId, IndexEntry] = {}
+        for i in range(0, len(oids), 500):
+            part = oids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            rows = self._all(
+                f"SELECT {_COLUMNS} FROM objects WHERE oid IN ({marks})",
+                tuple(bytes(o) for o in part),
+            )
+            for row in rows:
+                e = _entry(self.path, row)
+                found[e.oid] = e
+        return found
+
     def entries(self) -> Iterator[IndexEntry]:
         for row in self._all(f"SELECT {_COLUMNS} FROM objects"):
             yield _entry(self.path, row)

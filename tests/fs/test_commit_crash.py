@@ -12,7 +12,7 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,16 +67,16 @@ class World:
         ]
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    tmp = tmp_path_factory.mktemp("torture")
+def _world(
+    tmp: Path, make_base: Callable[[Path], None], change: Callable[[Path], None]
+) -> Iterator[World]:
     tree.clear_cache()
     with Store.open(tmp / "store", create=True) as store:
         src = tmp / "src"
         src.mkdir()
-        base_tree(src)
+        make_base(src)
         base = build_tree(store, src)
-        everything(src)
+        change(src)
         new = build_tree(store, src)
         store.flush()
         materialize(store, base, tmp / "old")
@@ -86,6 +86,30 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             tmp, store, base, new, snapshot(tmp / "old"), snapshot(tmp / "new"),
             len(plan.stages), len(plan.ops),
         )
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    yield from _world(tmp_path_factory.mktemp("torture"), base_tree, everything)
+
+
+def _many_dirs(src: Path) -> None:
+    for i in range(commit.SYNCFS_FROM + 20):
+        (src / f"d{i:03d}").mkdir()
+        (src / f"d{i:03d}" / "f").write_text(f"old {i}\n")
+
+
+def _rewrite_many(src: Path) -> None:
+    for i in range(commit.SYNCFS_FROM + 20):
+        (src / f"d{i:03d}" / "f").write_text(f"new {i}\n")
+        (src / f"d{i:03d}" / "added").write_text(f"added {i}\n")
+
+
+@pytest.fixture(scope="module")
+def big_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """A commit past SYNCFS_FROM staged files and directories: one syncfs stands for their
+    fsyncs, which must not move the commit point."""
+    yield from _world(tmp_path_factory.mktemp("torture-big"), _many_dirs, _rewrite_many)
 
 
 _counter = iter(range(1 << 30))
@@ -139,6 +163,17 @@ def test_named_points(world: World) -> None:
         status, new = _trial(world, point)
         assert status == -9, f"no crash at {point}"
         assert new == _committed_at(world, point), point
+
+
+def test_named_points_of_a_commit_synced_as_a_whole(big_world: World) -> None:
+    w = big_world
+    assert w.stages >= commit.SYNCFS_FROM
+    for point in ("stage:0", f"stage:{w.stages - 1}", "staged", "journal",
+                  f"op:{w.ops // 2}", "applied"):  # fmt: skip
+        status, new = _trial(w, point)
+        assert status == -9, f"no crash at {point}"
+        assert new == _committed_at(w, point), point
+    assert _trial(w, "no-such-point") == (0, True)
 
 
 def test_a_torn_journal_is_no_commit(world: World) -> None:
