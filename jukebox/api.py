@@ -220,7 +220,7 @@ def _error_payload(error: BaseException) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- model calls
 
-_SDK_MODULES = ("openai", "anthropic")
+_SDK_MODULES = ("openai", "anthropic", "google.genai")
 CAPTURE_MODES = ("auto", "always", "never")
 
 

@@ -4,6 +4,7 @@ gone; a changed request diverges at its frame."""
 
 from __future__ import annotations
 
+import http.client
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,33 @@ def test_environment_that_turns_on_direct_telemetry_is_named() -> None:
         {"LANGSMITH_TRACING": "true", "LANGCHAIN_TRACING_V2": "true"}, offline=True
     )
     assert "LangSmith" in line and "--net none" in line and "LANGSMITH_TRACING=false" in line
+
+
+def test_a_named_upstream_keeps_its_requests_inside_it(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    """`..` cannot climb from /upstream/NAME to another upstream or the rest of its host, a
+    name the proxy does not serve is 404, and without the secret nothing is served."""
+    upstreams = {"openai": upstream.openai_url, "anthropic": upstream.url,
+                 "local": upstream.openai_url + "/local"}  # fmt: skip
+    with ProxyServer(upstreams=upstreams, record=recording.writer.append) as proxy:
+
+        def post(target: str) -> int:
+            # http.client sends the target as written (httpx would resolve the dots first).
+            conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+            conn.request("POST", target, body=b'{"model": "m"}')
+            status = conn.getresponse().status
+            conn.close()
+            return status
+
+        secret = f"/{proxy.secret}"
+        escapes = ["/upstream/local/../chat/completions", "/upstream/local/%2e%2e/x",
+                   "/upstream/local/a/%2E%2E/../../openai/v1/chat/completions",
+                   "/upstream/local/..%2fchat/completions"]  # fmt: skip
+        assert [post(secret + t) for t in escapes] == [400] * len(escapes)
+        assert post(secret + "/upstream/other/chat/completions") == 404
+        assert post(secret + "/upstream/../openai/v1/chat/completions") == 404
+        assert post("/upstream/local/chat/completions") == 403
+        assert post(secret + "/upstream/local/x/../chat/completions") == 200
+    assert [path for _, path, _, _ in upstream.seen] == ["/v1/local/chat/completions"]
+    assert [t.get("upstream") for t in turns(recording)] == ["local"]
