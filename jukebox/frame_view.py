@@ -292,7 +292,8 @@ def _llm_lines(view: dict[str, Any]) -> list[str]:
     p = view["payload"]
     usage = p.get("usage") or {}
     facts = [
-        f"{p.get('provider', '?')} {p.get('endpoint', '')} model {p.get('model', '?')}",
+        f"{p.get('provider', '?')} {p.get('endpoint', '')} model {p.get('model', '?')}"
+        + (f" (upstream {p['upstream']})" if p.get("upstream") else ""),
         f"status {p.get('status', '?')}",
         f"{p['latency_ms']:.0f} ms" if isinstance(p.get("latency_ms"), int | float) else "",
         "streamed" if p.get("stream") else "",

@@ -103,7 +103,12 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
         tokens_in = p.get("tokens_in", (p.get("usage") or {}).get("input"))
         tokens_out = p.get("tokens_out", (p.get("usage") or {}).get("output"))
         tokens = f" {tokens_in}→{tokens_out} tok" if tokens_in is not None else ""
-        return f"{p.get('provider', '?')} {p.get('model', '?')}{tokens}{priced}"
+        # A named upstream by its name; endpoints other than the chat ones by theirs.
+        who = p.get("upstream") or p.get("provider", "?")
+        endpoint = p.get("endpoint")
+        if endpoint and endpoint not in ("chat.completions", "responses", "messages"):
+            who += f" {endpoint}"
+        return f"{who} {p.get('model', '?')}{tokens}{priced}"
     if kind == "tool_call":
         return f"{p.get('tool', '?')}({short(p.get('args', ''), 40)})"
     if kind in ("fs", "checkpoint"):

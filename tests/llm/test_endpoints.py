@@ -13,6 +13,7 @@ import pytest
 
 from jukebox.llm.replay import ReplaySource
 from jukebox.llm.server import ProxyServer
+from jukebox.render import describe
 from tests.llm.conftest import OPENAI_KEY, Recording, clients
 from tests.llm.upstream import FakeUpstream
 
@@ -150,6 +151,11 @@ def test_a_named_upstream_is_recorded_by_name_and_replayed_offline(
     assert [path for _, path, _, _ in upstream.seen] == ["/v1/chat/completions"]
     recorded = turns(recording)
     assert [t.get("upstream") for t in recorded] == ["local", None]
+    # `jukebox log` names the upstream (and an endpoint other than chat).
+    assert describe("llm_turn", recorded[0]).startswith("local llama3 ")
+    assert describe("llm_turn", {**recorded[1], "endpoint": "embeddings"}).startswith(
+        "openai embeddings llama3 "
+    )
     upstream.stop()
     # Offline, in the other order: each upstream has its own recording, so neither diverges.
     proxy, second_tape = replaying(recording, tmp_path)
