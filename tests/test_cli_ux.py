@@ -200,10 +200,13 @@ def test_help_topics_come_from_the_package(tmp_path: Path) -> None:
     assert topics == [
         "booth", "tapes", "images", "breaker", "replay", "config", "output", "completion"
     ]
+    from jukebox.cli.help import topic_text
+
     for topic in topics:
-        shown = jb("help", topic, env=env)
-        assert shown.returncode == 0 and len(shown.stdout.splitlines()) > 5, topic
-    assert "_JUKEBOX_COMPLETE=bash_source" in jb("help", "completion", env=env).stdout
+        text = topic_text(topic)
+        assert text is not None and len(text.splitlines()) > 5, topic
+    assert jb("help", "completion", env=env).stdout == topic_text("completion")
+    assert "_JUKEBOX_COMPLETE=bash_source" in (topic_text("completion") or "")
     assert jb("help", "booth", "run", env=env).stdout == jb(
         "booth", "run", "--help", env=env
     ).stdout.replace("Usage: jukebox booth run", "Usage: jukebox booth run", 1)
