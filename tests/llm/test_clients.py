@@ -8,10 +8,14 @@ fake upstream on 127.0.0.1, configured by the environment only, as an agent in a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import socketserver
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +233,45 @@ def test_fork(
         fork.close()
 
 
+class RequestCounter:
+    """A TCP relay in front of the proxy counting the HTTP requests the agent sends, so that a
+    client's retries are seen even when the proxy answers them itself."""
+
+    def __init__(self, proxy: ProxyServer) -> None:
+        self.proxy = proxy
+        self.requests = 0
+        counter = self
+
+        class Relay(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                with socket.create_connection((proxy.host, proxy.port)) as to_proxy:
+                    back = threading.Thread(target=counter._pump, args=(to_proxy, self.request))
+                    back.start()
+                    counter._pump(self.request, to_proxy, count=True)
+                    back.join()
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Relay)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool = False) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if count:  # a request line ends so; JSON bodies hold no raw CRLF
+                    self.requests += data.count(b" HTTP/1.1\r\n")
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def base_urls(self) -> dict[str, str]:
+        here = f"http://127.0.0.1:{self.server.server_address[1]}"
+        return {k: v.replace(self.proxy.origin, here) for k, v in self.proxy.base_urls().items()}
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.mark.parametrize("name", CLIENTS)
 def test_breaker(
     name: str, upstream: FakeUpstream, env: pytest.MonkeyPatch, tmp_path: Path
@@ -239,13 +282,18 @@ def test_breaker(
     recording = Recording(tmp_path / "breaker")
     try:
         with recording.proxy(upstream, breaker=breaker, on_trip=trips.append) as proxy:
-            point_at(proxy, env)
+            counter = RequestCounter(proxy)
+            for variable, url in counter.base_urls().items():
+                env.setenv(variable, url)
             with pytest.raises(Exception, match="circuit breaker tripped: max_turns"):
                 client_agents.run(name)
+            counter.close()
     finally:
         recording.close()
     assert [t.rule for t in trips] == ["max_turns"]
     assert len(upstream.seen) == before + 1  # the second call was refused before forwarding
+    # ... with an answer no client retries (litellm retried the breaker's answer 8 times).
+    assert counter.requests == 2
 
 
 # ---------------------------------------------------------------------------------- in a booth
