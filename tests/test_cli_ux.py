@@ -109,6 +109,9 @@ def test_a_missing_file_named_by_jukebox_config_is_an_error(tmp_path: Path) -> N
         f"jukebox: $JUKEBOX_CONFIG names {tmp_path / 'nope.toml'}, which does not exist: "
         "fix the path or unset it\n"
     )
+    # `jukebox help` still works: it is where one reads how to fix the file.
+    shown = jb("help", "config", env=user_env(tmp_path, JUKEBOX_CONFIG=str(tmp_path / "nope")))
+    assert shown.returncode == 0 and shown.stdout.startswith("The config file:")
 
 
 def test_config_values_are_the_defaults_of_the_flags_they_name(tmp_path: Path) -> None:

@@ -100,10 +100,16 @@ def add_output_options(command: click.Command) -> None:
 
 def load_config(ctx: click.Context) -> None:
     """Reads the config file (ConfigError, exit 2, if it is bad) and makes its values the
-    defaults of the flags they name."""
+    defaults of the flags they name. `jukebox help` works with a bad file: it is where one
+    reads how to fix it."""
     from jukebox import config
 
-    loaded = config.load()
+    try:
+        loaded = config.load()
+    except config.ConfigError:
+        if ctx.invoked_subcommand != "help":
+            raise
+        loaded = config.Config()
     root = ctx.find_root()
     root.meta["jukebox.config"] = loaded
     defaults = config.default_map(loaded, root.command)
