@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jukebox.booth_paths import BoothPaths
 from jukebox.errors import JukeboxError, UsageError
 from jukebox.images import Image
 from jukebox.tapedir import TapeDir
@@ -393,6 +394,7 @@ def _run_watched(
     fs: str | None,
     name: str,
     image: Image,
+    paths: BoothPaths | None = None,
 ) -> tuple[int, float]:
     """Runs the recorded command in a fresh, offline, never-committing booth; returns
     (booth status, seconds). The booth ends discarded and the scratch tree is removed."""
@@ -413,6 +415,7 @@ def _run_watched(
                 name=name,
                 fs=fs or run.fs,
                 image=image,  # chosen by the caller, never read from the tape
+                paths=paths,  # the caller's --rw/--ro/--hide too, never the tape's
                 commit_mode=DISCARD,  # quietly: nobody will ever commit a scratch booth
                 verify_cmd="",  # the verifier judges a run for commit; a replay never commits
                 net="none",
@@ -579,6 +582,7 @@ def replay_exec(
     image: str | None = None,
     trust_recorded_image: bool = False,
     honor_timing: bool = False,
+    paths: BoothPaths | None = None,
 ) -> ReplayResult:
     """Re-runs a recorded booth run offline and checks it against its tape (see the module);
     `honor_timing` answers each model call after its recorded latency, in the recorded order."""
@@ -620,7 +624,7 @@ def replay_exec(
     )
     status, seconds = _run_watched(
         tapes.store_path, run, tapes, tape_id, llm, watch, fs, f"replay of {run.tape_id}",
-        chosen.image,
+        chosen.image, paths,
     )  # fmt: skip
     replay_path = tapes.tape_path(tape_id)
     with Store.open(tapes.store_path, create=False) as store:
@@ -674,6 +678,7 @@ def fork(
     fs: str | None = None,
     image: str | None = None,
     trust_recorded_image: bool = False,
+    paths: BoothPaths | None = None,
 ) -> ForkResult:
     """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs. `model`:
     a bare name, {provider: model}, or `--model` values (see `jukebox.llm.model_override`)."""
@@ -698,9 +703,10 @@ def fork(
         origin.check_chain()
         pairs = (("model", resolve_model(model, origin, at)), ("system_prompt", system_prompt))
         overrides = {k: v for k, v in pairs if v is not None}
-        if not exec_ and (image is not None or trust_recorded_image):
+        if not exec_ and (image is not None or trust_recorded_image or paths is not None):
             raise UsageError(
-                "--image and --trust-recorded-image choose the booth of --exec: add --exec"
+                "--image, --trust-recorded-image, --rw, --ro, --hide and --no-private-tmp "
+                "choose the booth of --exec: add --exec"
             )
         run = recorded_run(origin) if exec_ else None
         chosen = select_image(run, image, trust_recorded_image) if run is not None else None
@@ -716,7 +722,7 @@ def fork(
     if run is None or chosen is None:
         return result
     try:
-        _fork_exec(result, Path(tape_path), tapes, run, mode, fs, chosen.image)
+        _fork_exec(result, Path(tape_path), tapes, run, mode, fs, chosen.image, paths)
     except BaseException:
         new_path.unlink(missing_ok=True)  # a fork whose re-execution never ran is no fork
         raise
@@ -731,6 +737,7 @@ def _fork_exec(
     mode: str,
     fs: str | None,
     image: Image,
+    paths: BoothPaths | None = None,
 ) -> None:
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
@@ -760,7 +767,7 @@ def _fork_exec(
     try:
         status, _ = _run_watched(
             tapes.store_path, run, tapes, scratch_id, llm, watch, fs,
-            f"fork of {run.tape_id} at frame {at}", image,
+            f"fork of {run.tape_id} at frame {at}", image, paths,
         )  # fmt: skip
         result.executed = True
         result.agent_status = status

@@ -132,7 +132,7 @@ def run(
     strict_sandbox: bool,
     no_seccomp: bool,
     cmd: tuple[str, ...],
-    paths: BoothPaths,
+    paths: BoothPaths | None,
 ) -> None:
     """Run CMD in a booth over the tree; CMD's exit status is the run's.
 

@@ -1,6 +1,5 @@
-"""`booth run`'s options that adjust the image's view of the host for one run (jukebox.booth_paths).
-
-Kept apart from `jukebox/cli/booth.py` as one decorator: `run` receives them as one `paths`."""
+"""The options that adjust an image's view of the host for one booth (jukebox.booth_paths), for
+`booth run`, `replay --exec` and `fork --exec`: one decorator, received as one `paths`."""
 
 from __future__ import annotations
 
@@ -24,7 +23,8 @@ _NO_PRIVATE_TMP_HELP = "Show the host's /tmp (read-only) instead of an empty pri
 
 
 def view_path_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Adds --rw, --ro, --hide and --no-private-tmp; `command` gets them as `paths`."""
+    """Adds --rw, --ro, --hide and --no-private-tmp; `command` gets them as `paths`, a
+    jukebox.booth_paths.BoothPaths, or None when none was given."""
 
     @click.option("--rw", multiple=True, metavar="PATH", help=_RW_HELP)
     @click.option("--ro", multiple=True, metavar="PATH", help=_RO_HELP)
@@ -41,7 +41,8 @@ def view_path_options(command: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         from jukebox.booth_paths import BoothPaths
 
-        paths = BoothPaths.from_options(rw, ro, hide, no_private_tmp)
+        given = rw or ro or hide or no_private_tmp
+        paths = BoothPaths.from_options(rw, ro, hide, no_private_tmp) if given else None
         return command(*args, paths=paths, **kwargs)
 
     return with_paths

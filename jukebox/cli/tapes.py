@@ -6,11 +6,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.booth_view import view_path_options
+
+if TYPE_CHECKING:
+    from jukebox.booth_paths import BoothPaths
 
 
 def absolute_tape_dir(
@@ -409,6 +413,7 @@ def reconstruct_states(tape, progress=None) -> int:
 @image_option
 @trust_option
 @json_option
+@view_path_options
 def replay_command(
     tape: str,
     tape_dir: Path | None,
@@ -421,6 +426,7 @@ def replay_command(
     image: str | None,
     trust_recorded_image: bool,
     as_json: bool,
+    paths: BoothPaths | None,
 ) -> None:
     """Verify a tape, then walk every frame rebuilding the file state at each, offline.
 
@@ -436,9 +442,13 @@ def replay_command(
         mode = "loose" if strict is False else "strict"
         run_replay_exec(
             tape, tape_dir, mode, until, record, fs, as_json, image, trust_recorded_image,
-            honor_timing,
+            honor_timing, paths,
         )  # fmt: skip
         return
+    if paths is not None:
+        from jukebox.errors import UsageError
+
+        raise UsageError("--rw, --ro, --hide and --no-private-tmp shape the booth: add --exec")
     if (
         strict is not None or until is not None or fs is not None or not record
         or image is not None or trust_recorded_image or honor_timing

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.booth_view import view_path_options
 from jukebox.cli.tapes import (
     emit_json,
     image_option,
@@ -19,6 +21,9 @@ from jukebox.cli.tapes import (
     whole_tape,
 )
 from jukebox.names import printable, printable_lines
+
+if TYPE_CHECKING:
+    from jukebox.booth_paths import BoothPaths
 
 
 def report_image(choice, err: bool = True) -> None:  # type: ignore[no-untyped-def]
@@ -50,6 +55,7 @@ def run_replay_exec(
     image: str | None = None,
     trust_recorded_image: bool = False,
     honor_timing: bool = False,
+    paths: BoothPaths | None = None,
 ) -> None:
     """`jukebox replay TAPE --exec`: exits 0 when the run matched its tape, 1 at a divergence."""
     from jukebox.tapedir import TapeRef
@@ -59,7 +65,7 @@ def run_replay_exec(
     whole_tape(ref, "replay", "drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
     result = replay_exec(
         ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs, image=image,
-        trust_recorded_image=trust_recorded_image, honor_timing=honor_timing,
+        trust_recorded_image=trust_recorded_image, honor_timing=honor_timing, paths=paths,
     )  # fmt: skip
     # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
     # except the --json result, which comes last on stdout.
@@ -104,6 +110,7 @@ def run_replay_exec(
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="Booth layer.")
 @image_option
 @trust_option
+@view_path_options
 @tape_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def fork_command(
@@ -119,6 +126,7 @@ def fork_command(
     trust_recorded_image: bool,
     tape_dir: Path | None,
     as_json: bool,
+    paths: BoothPaths | None,
 ) -> None:
     """Make a new tape sharing TAPE's frames 0..N-1, with overrides for what follows.
 
@@ -145,6 +153,7 @@ def fork_command(
         fs=fs,
         image=image,
         trust_recorded_image=trust_recorded_image,
+        paths=paths,
     )
     if as_json:
         emit_json(result.to_json())

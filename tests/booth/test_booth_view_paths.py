@@ -201,3 +201,22 @@ def test_a_tree_on_a_read_only_file_system_is_refused_or_kept_pending(tmp_path: 
         assert jb("booth", "discard", "ro1", "--tape-dir", str(tapes)).returncode == 0
     finally:
         subprocess.run(["umount", str(tree)], check=True)
+
+
+def test_replay_and_fork_exec_take_the_same_flags(tmp_path: Path) -> None:
+    """A run that needed --ro for its agent needs it again to be re-executed; the flags are
+    the caller's, never read from the tape (nor accepted without --exec)."""
+    tree, tapes, tool = tmp_path / "tree", tmp_path / "tapes", tmp_path / "agent.sh"
+    tree.mkdir()
+    tool.write_text("#!/bin/sh\necho done > out.txt\n")
+    tool.chmod(0o755)
+    run = ["booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "r1"]
+    recorded = jb(*run, "--ro", str(tool), "--commit", "never", "--", str(tool))
+    assert recorded.returncode == 0, recorded.stderr
+    tape = str(tapes / "r1.jbx")
+    replayed = jb("replay", tape, "--exec", "--no-record", "--ro", str(tool))
+    assert replayed.returncode == 0, replayed.stderr
+    for command in (["replay", tape], ["fork", tape, "--at", "1"]):
+        refused = jb(*command, "--ro", str(tool))
+        assert refused.returncode == 2 and "add --exec" in refused.stderr, refused.stderr
+    assert jb("booth", "discard", "r1", "--tape-dir", str(tapes)).returncode == 0
