@@ -190,14 +190,16 @@ def run(
 
 
 def _llm_options(specs: tuple[str, ...]):  # type: ignore[no-untyped-def]
-    """The proxy's options for `--upstream NAME=URL` values (None: the defaults)."""
-    if not specs:
-        return None
+    """The proxy's options for `--upstream NAME=URL` values (None: the defaults), checked with
+    $JUKEBOX_UPSTREAMS before anything is made."""
     import os
 
     from jukebox.llm.server import upstreams_from_env
     from jukebox.llm.session import LlmOptions
-    from jukebox.llm.upstreams import BadUpstream, with_named
+    from jukebox.llm.upstreams import LIST_ENV, BadUpstream, with_named
+
+    if not specs and not os.environ.get(LIST_ENV):
+        return None
 
     try:
         return LlmOptions(upstreams=with_named(upstreams_from_env(os.environ), specs, os.environ))

@@ -14,6 +14,11 @@ endpoint they end in (jukebox.llm.providers).
 
 `openai=URL` and `anthropic=URL` replace the built-in upstreams (as `OPENAI_BASE_URL` and
 `ANTHROPIC_BASE_URL` in the supervisor's environment do).
+
+`$JUKEBOX_UPSTREAMS` holds the same `NAME=URL` words (separated by spaces or commas) for every
+proxy the environment starts: `booth run`, and the live calls of `replay --until` and `fork
+--exec`, which otherwise have no URL for a named upstream (the tape keeps only its name). The
+agent's copy names the proxy's URLs instead, so it cannot reach an upstream around the proxy.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from jukebox.errors import UsageError
 from jukebox.llm.providers import DEFAULT_UPSTREAMS, NAMED_PREFIX
 
 AZURE = "azure"
@@ -31,9 +37,10 @@ _NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 OFFLINE_URL = "http://127.0.0.1:9"
 # The `note` frame a proxy with named upstreams writes first: a replay exposes the same names.
 NOTE_EVENT = "llm_upstreams"
+LIST_ENV = "JUKEBOX_UPSTREAMS"
 
 
-class BadUpstream(ValueError):
+class BadUpstream(UsageError, ValueError):
     """A `--upstream` value that cannot be used; the message says what to write instead."""
 
 
@@ -64,13 +71,14 @@ def parse(spec: str) -> tuple[str, str]:
 def with_named(
     upstreams: Mapping[str, str], specs: Iterable[str], environ: Mapping[str, str]
 ) -> dict[str, str]:
-    """`upstreams` (the built-in ones) plus every `NAME=URL` of `specs`, and `azure` from the
-    environment's AZURE_OPENAI_ENDPOINT unless a spec names it."""
+    """`upstreams` (the built-in ones) plus `azure` from the environment's AZURE_OPENAI_ENDPOINT,
+    the `NAME=URL` words of its JUKEBOX_UPSTREAMS, and those of `specs`, later ones winning."""
     out = dict(upstreams)
     azure = environ.get(AZURE_ENDPOINT_ENV)
     if azure and azure.startswith(("http://", "https://")):
         out[AZURE] = azure.rstrip("/")
-    for spec in specs:
+    listed = environ.get(LIST_ENV, "").replace(",", " ").split()
+    for spec in [*listed, *specs]:
         name, url = parse(spec)
         out[name] = url
     return out
@@ -93,4 +101,5 @@ def agent_env(proxy_url: str, names: Iterable[str]) -> dict[str, str]:
         out[env_name(name)] = url
         if name == AZURE:
             out[AZURE_ENDPOINT_ENV] = url
+    out[LIST_ENV] = " ".join(f"{name}={proxy_url}{NAMED_PREFIX}{name}" for name in names)
     return out

@@ -40,6 +40,9 @@ seen = [
 ]
 with open("out.json", "w") as f:
     json.dump(seen, f)
+# The agent's copy of the list names the proxy, never the upstreams' own URLs.
+print(json.dumps({w.split("=")[0]: w.split("=", 1)[1].startswith("http://127.0.0.1:") and
+                  "/upstream/" in w for w in os.environ["JUKEBOX_UPSTREAMS"].split()}))
 """
 
 
@@ -63,13 +66,21 @@ def test_named_and_azure_upstreams_record_and_replay_offline(
         bad = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
                       "--upstream", "local", "--", sys.executable, "agent.py", env=env)  # fmt: skip
         assert bad.returncode == 2 and "write NAME=URL" in bad.stderr
-        assert not (tapes / "rec.jbx").exists()
+        listed = {**env, "JUKEBOX_UPSTREAMS": "ok=http://127.0.0.1:9 Bad=http://x"}
+        bad = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
+                      "--", sys.executable, "agent.py", env=listed)  # fmt: skip
+        assert bad.returncode == 2 and "bad upstream name 'Bad'" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and not tapes.exists()
+        # One upstream from the list, one from the flag.
+        env["JUKEBOX_UPSTREAMS"] = f"spare={local.openai_url}"
         proc = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
                        "--tape-id", "rec", "--upstream", f"local={local.openai_url}",
                        "--", sys.executable, "agent.py", env=env)  # fmt: skip
     finally:
         local.stop()
     assert proc.returncode == 0, proc.stderr
+    listed_in_agent = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert listed_in_agent == {"azure": True, "local": True, "spare": True}
     assert "LANGCHAIN_TRACING_V2 turns on LangSmith tracing" in proc.stderr
     recorded = json.loads((tree / "out.json").read_text())
     assert recorded[2]["choices"][0]["message"]["tool_calls"] is None

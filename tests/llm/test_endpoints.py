@@ -11,13 +11,16 @@ from typing import Any
 import httpx
 import pytest
 
+from jukebox.errors import UsageError
+from jukebox.llm.providers import DEFAULT_UPSTREAMS
 from jukebox.llm.replay import ReplaySource
-from jukebox.llm.server import ProxyServer
+from jukebox.llm.server import ProxyServer, upstreams_from_env
 from jukebox.render import describe
 from tests.llm.conftest import OPENAI_KEY, Recording, clients
 from tests.llm.upstream import FakeUpstream
 
 AZURE_KEY = "azure-test-SECRET789abc"
+DEFAULT_OPENAI = DEFAULT_UPSTREAMS["openai"]
 API_VERSION = "2024-10-21"
 
 
@@ -257,6 +260,11 @@ def test_bad_upstream_names_are_refused() -> None:
             parse(spec)
     with pytest.raises(ValueError, match="bad upstream name"):
         ProxyServer(upstreams={"openai": "http://x", "anthropic": "http://x", "a/b": "http://x"})
+    # $JUKEBOX_UPSTREAMS: the same words, for every proxy the environment starts.
+    got = upstreams_from_env({"JUKEBOX_UPSTREAMS": "a=http://x,b=https://y/v1/ "})
+    assert (got["a"], got["b"], got["openai"]) == ("http://x", "https://y/v1", DEFAULT_OPENAI)
+    with pytest.raises(UsageError, match="write NAME=URL"):
+        upstreams_from_env({"JUKEBOX_UPSTREAMS": "a"})
 
 
 def test_environment_that_turns_on_direct_telemetry_is_named() -> None:
