@@ -39,6 +39,7 @@ def test_sse_parser_handles_split_lines_crlf_comments_and_an_unterminated_tail()
         ("gpt-4o-mini-2024-07-18", "openai", (0.15, 0.60)),
         ("claude-sonnet-4-5-20250929", "anthropic", (3.0, 15.0)),
         ("claude-haiku-4-5", "anthropic", (1.0, 5.0)),
+        ("gemini-2.5-flash", "gemini", (0.30, 2.50)),  # Gemini's native API: Google's prices
         ("gpt-4o-pro", "openai", None),  # another model, not gpt-4o: no price, not a wrong one
         ("llama3.1", "openai", None),  # a local model behind an OpenAI-compatible server
     ],
