@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
 from jukebox.basetree import build_base_tree, forget_committed
-from jukebox.booth_paths import BoothPaths
+from jukebox.booth_paths import SET_ID_WALK_LIMIT, BoothPaths, strip_set_id
 from jukebox.cgroups import BoothCgroup
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.errors import CheckFailed, JukeboxError, UsageError
@@ -1536,6 +1536,8 @@ def run_booth(
             else:
                 verified = {"cmd": verify, "skipped": "the agent failed", "ok": False}
             writer.append("verify", {**verified, "cmd": recorded_verify})
+        if paths.rw:  # nothing of the booth runs any more
+            _strip_rw_set_id(writer, paths.rw, record.created)
         layer.unmount()
 
         record.final_tree = final_tree.hex()
@@ -1821,6 +1823,31 @@ def _output_tail(term: AgentTerminal | None, tail: OutputTail) -> Iterator[dict[
         yield {**stdio, "stderr": tee.write_fd}
     finally:
         tee.close()
+
+
+def _strip_rw_set_id(writer: Any, rw: Sequence[str], started: float) -> None:
+    """No set-id program the agent made is left in a --rw path (booth_paths.strip_set_id)."""
+    # A second early: file systems stamp ctime from a clock that may lag a tick behind.
+    stripped, stopped = strip_set_id(rw, int((started - 1) * 1e9))
+    if not stripped and not stopped:
+        return
+    writer.append(
+        "note",
+        {"event": "rw_set_id_stripped", "count": len(stripped), "paths": stripped[:100],
+         "walk_stopped": stopped},
+    )  # fmt: skip
+    if stripped:
+        more = f" and {len(stripped) - 3} more" if len(stripped) > 3 else ""
+        _alert(
+            f"took the set-user/group-ID bits off {len(stripped)} file(s) the agent left in "
+            f"--rw paths: {', '.join(stripped[:3])}{more}"
+        )
+    if stopped:
+        _alert(
+            f"looked at the first {SET_ID_WALK_LIMIT} entries of the --rw paths only: set-id "
+            f"files the agent left further in stay set-id; check them (`find {rw[0]} -perm "
+            "/6000`)"
+        )
 
 
 def _report_view_denials(run: _Run, spec: isolation.ChildSpec, status: dict[str, Any],

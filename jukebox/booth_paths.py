@@ -24,6 +24,7 @@ on top again. Everything here is recorded in run_start under ``policy.paths``.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -124,3 +125,54 @@ class BoothPaths:
             "hide": list(self.hide),
             "no_private_tmp": self.private_tmp is False,
         }
+
+
+# Bounds the walk after a run: a --rw over a huge directory must not make every run slow.
+SET_ID_WALK_LIMIT = 200_000
+
+
+def strip_set_id(paths: Iterable[str], since_ns: int) -> tuple[list[str], bool]:
+    """Takes the set-user-ID and set-group-ID bits off every regular file under `paths` whose
+    status changed at or after `since_ns` (the run's start): what the agent left there. Inside
+    the booth every mount is nosuid, but on the host a root agent's `chmod 4755` copy of a
+    shell in a --rw directory would be a setuid-root program anyone could run, as a booth
+    commit never lets through. Returns (the files changed, whether the walk stopped at
+    SET_ID_WALK_LIMIT entries). Never follows a symlink; call it once nothing of the booth
+    runs any more."""
+    stripped: list[str] = []
+    seen = 0
+    for top in paths:
+        for root, dirs, files in os.walk(top):
+            for name in (*files, *dirs):
+                seen += 1
+                if seen > SET_ID_WALK_LIMIT:
+                    return stripped, True
+                path = os.path.join(root, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if not (stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID)):
+                    continue
+                if st.st_ctime_ns < since_ns:
+                    continue  # the user's own, from before the run
+                if _drop_set_id(path):
+                    stripped.append(path)
+    return stripped, False
+
+
+def _drop_set_id(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

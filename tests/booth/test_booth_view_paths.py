@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 BATTERY = """
 "$B/tool.sh"
 echo installed > "$B/venv/installed" && echo RW-WRITTEN
+cp /bin/true "$B/venv/suid" && chmod 6755 "$B/venv/suid" && echo SUID-MADE
 echo bad > "$B/tool.sh" 2>/dev/null || echo TOOL-READ-ONLY
 ls "$B/venv/to-tapes/" | wc -l | sed 's/^/TAPES-SEEN-/'
 cat private/key 2>/dev/null || echo KEY-HIDDEN
@@ -88,10 +90,14 @@ def test_kept_and_hidden_paths_and_the_hints_after_the_run(config) -> None:
     proc = jb(*argv, python=python, user=user)
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, (out, err)
-    for marker in ("TOOL-RAN", "RW-WRITTEN", "TOOL-READ-ONLY", "TAPES-SEEN-0", "KEY-HIDDEN"):
+    markers = ("TOOL-RAN", "RW-WRITTEN", "SUID-MADE", "TOOL-READ-ONLY", "TAPES-SEEN-0")
+    for marker in (*markers, "KEY-HIDDEN"):
         assert marker in out, (marker, out, err)
     # The hole: written on the host directly. The rest: untouched.
     assert (base / "venv" / "installed").read_text() == "installed\n"
+    # ...but never a set-id program: a root agent's would be one for anyone on the host.
+    assert stat.S_IMODE((base / "venv" / "suid").stat().st_mode) == 0o755
+    assert "took the set-user/group-ID bits off 1 file(s)" in err, err
     assert (base / "tool.sh").read_text() == "#!/bin/sh\necho TOOL-RAN\n"
     assert not (base / "ro-dir" / "new").exists()
     assert (tree / "a.txt").read_text() == "changed\n"  # committed through the layer
