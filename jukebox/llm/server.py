@@ -472,12 +472,6 @@ class ProxyServer:
         if not where.recorded:
             await self._passthrough(conn, stream, where, ex)
             return
-        if not where.billed:  # free calls (moderations, token counts): no breaker, no budget
-            if self.trip is not None:
-                await self._refuse_trip(conn, stream, where.provider)
-                return
-            await self._serve_call(conn, stream, where, ex, body)
-            return
         if self.trip is not None:
             await self._refuse_trip(conn, stream, where.provider)
             return
@@ -486,7 +480,8 @@ class ProxyServer:
             return
         key = fingerprint(where.upstream, where.endpoint, body)
         ex.retry = self._retries.is_retry(key)
-        if self.breaker is not None:
+        # Free calls (moderations, token counts) are recorded but neither admitted nor counted.
+        if self.breaker is not None and where.billed:
             request = parse_body(body)
             if self.rewriter is not None:  # budgeted as forwarded: a fork's --model is priced
                 request = self.rewriter.apply(where.provider, where.endpoint, request)

@@ -305,3 +305,19 @@ def test_a_named_upstream_keeps_its_requests_inside_it(
         assert post(secret + "/upstream/local/x/../chat/completions") == 200
     assert [path for _, path, _, _ in upstream.seen] == ["/v1/local/chat/completions"]
     assert [t.get("upstream") for t in turns(recording)] == ["local"]
+
+
+def test_free_endpoints_count_against_the_record_limit(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    """A token count is free, not unlimited: its bytes count toward what the proxy records."""
+    import anthropic
+
+    with recording.proxy(upstream, record_limit=4096) as proxy:
+        _, a = clients(proxy.base_urls())
+        big = [{"role": "user", "content": "x" * 3000}]
+        a.messages.count_tokens(model="claude-haiku-4-5", messages=big)
+        with pytest.raises(anthropic.BadRequestError, match="past the booth's limit"):
+            a.messages.count_tokens(model="claude-haiku-4-5", messages=big)
+        assert proxy.trip is not None and proxy.trip.rule == "recorded"
+    assert len(turns(recording)) == 1
