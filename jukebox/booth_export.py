@@ -6,8 +6,9 @@ Subject, a body, then `diff --git` sections), so `git am change.patch` makes a c
 unified diffs byte for byte (any encoding, `\\ No newline at end of file` included); a file git
 would call binary (a NUL in its first 8000 bytes) gets a `GIT binary patch` (both directions,
 so `git apply -R` works too); symlinks are mode 120000 with their target as content; the
-executable bit is the only mode git carries. Directories are not in a git patch: an empty one
-the booth made is named in the message body and left out.
+executable bit is the only mode git carries. Directories and special files (fifos, sockets,
+devices) are not in a git patch: an empty directory the booth made, and every special file it
+changed, is named in the message body and left out.
 
 Every `index` line carries the full git blob ids of both sides, which `git apply` checks a
 binary patch against and `git am -3` uses to fall back to a three-way merge.
@@ -56,11 +57,12 @@ class Export:
     files: int  # diff --git sections written
     binary: int  # of which binary patches
     dirs_left_out: list[bytes]  # directories the booth added empty: no git patch holds them
+    specials_left_out: list[bytes]  # fifos, sockets, devices: no git patch holds them either
 
 
 def _side(store: Any, entry: Any) -> Side | None:
-    if entry is None or entry.kind == "dir":
-        return None
+    if entry is None or entry.kind not in ("file", "symlink"):
+        return None  # a directory, or a special file (fifo, socket, device): not in git
     if entry.kind == "symlink":
         return Side(_GIT_MODES["symlink"], entry.target or b"")
     data = store.read_bytes(entry.oid) if entry.oid is not None else b""
@@ -197,16 +199,23 @@ def export_patch(
     sections: list[bytes] = []
     binary = 0
     dirs_left_out = list(empty_dirs)
+    specials = [
+        c.path for c in changes
+        if any(e is not None and e.kind not in ("file", "symlink", "dir") for e in (c.old, c.new))
+    ]  # fmt: skip
     for change in changes:
         for old, new in _sections(store, change):
             text, is_bin = file_patch(change.path, old, new)
             sections.append(text)
             binary += is_bin
-    if dirs_left_out:
-        from jukebox.names import visible
+    from jukebox.names import visible
 
+    if dirs_left_out:
         body += "\n\nEmpty directories added by the booth, which a git patch cannot hold:\n"
         body += "".join(f"  {visible(p)}\n" for p in dirs_left_out)
+    if specials:
+        body += "\n\nSpecial files (fifos, sockets, devices) changed, which git cannot hold:\n"
+        body += "".join(f"  {visible(p)}\n" for p in specials)
     header = (
         f"From {ZERO_ID} Mon Sep 17 00:00:00 2001\n"
         f"From: Jukebox <jukebox@localhost>\n"
@@ -225,4 +234,5 @@ def export_patch(
         len(sections),
         binary,
         dirs_left_out,
+        specials,
     )

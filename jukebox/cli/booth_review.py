@@ -63,6 +63,12 @@ def export(
     note = shown.hidden_note(f"jukebox booth export {booth_id}")
     if note:
         click.echo(note, err=True)
+    if result.specials_left_out:
+        click.echo(
+            f"{len(result.specials_left_out)} special file(s) (fifo, socket, device) left out: "
+            "git cannot hold them (named in the message)",
+            err=True,
+        )
     if result.dirs_left_out:
         click.echo(
             f"{len(result.dirs_left_out)} empty director(ies) left out: a git patch cannot "

@@ -39,6 +39,7 @@ echo c > deep/__pycache__/n.pyc
 echo v > .venv/lib/site.py
 echo n > node_modules/x/index.js
 echo l > run.log
+mkfifo pipe
 """
 
 
@@ -77,6 +78,8 @@ def files_of(root: Path) -> dict[str, tuple[str, bytes, bool]]:
             rel = os.path.relpath(path, root)
             if os.path.islink(path):
                 out[rel] = ("link", os.readlink(path).encode(), False)
+            elif not os.path.isfile(path):
+                out[rel] = ("special", b"", False)  # a fifo: opening it would block
             else:
                 with open(path, "rb") as f:
                     out[rel] = ("file", f.read(), os.access(path, os.X_OK))
@@ -112,7 +115,7 @@ def test_booth_diff_hides_the_default_excludes_and_globs_and_says_how_many(revie
     # `show` of the exit frame: the same files, sizes, short diffs, the same excludes.
     shown = here("show", "t1@2", "--tape-dir", str(tapes))
     assert shown.returncode == 0, shown.stderr
-    assert "fs, " in shown.stdout and "files changed: 14\n" in shown.stdout, shown.stdout
+    assert "fs, " in shown.stdout and "files changed: 15\n" in shown.stdout, shown.stdout
     assert "  M a.txt  (4 → 8 bytes)\n" in shown.stdout and "      +two\n" in shown.stdout
     assert "  M link  (-> a.txt → ne.txt)\n" in shown.stdout
     assert "  A evil\\x1b[31m.txt" in shown.stdout and "\033" not in shown.stdout
@@ -134,6 +137,7 @@ def test_booth_export_is_a_patch_git_applies_to_the_base_tree(reviewed, tmp_path
     stderr = proc.stderr.decode()
     assert "(2 binary)" in stderr and "10 change(s) hidden" in stderr, stderr
     assert "1 empty director" in stderr and b"  emptyd\n" in proc.stdout
+    assert "1 special file(s)" in stderr and b"git cannot hold:\n  pipe\n" in proc.stdout
     assert b'diff --git "a/evil\\033[31m.txt" "b/evil\\033[31m.txt"' in proc.stdout
     assert b"\033" not in proc.stdout.split(b"\n---\n")[0]  # the message holds no escapes
 
@@ -154,7 +158,9 @@ def test_booth_export_is_a_patch_git_applies_to_the_base_tree(reviewed, tmp_path
     committed = here("booth", "commit", "t1", "--tape-dir", str(tapes))
     assert committed.returncode == 0, committed.stderr
     noise = ("__pycache__", ".venv", "node_modules")
-    expected = {p: v for p, v in files_of(tree).items() if not any(n in p for n in noise)}
+    committed = files_of(tree)
+    assert committed.pop("pipe")[0] == "special"  # committed, and named, not in the patch
+    expected = {p: v for p, v in committed.items() if not any(n in p for n in noise)}
     assert files_of(applied) == expected
     assert files_of(mailed) == expected
     assert expected["a.txt"] == ("file", b"one\ntwo\n", True)
