@@ -68,7 +68,9 @@ def summarize(s: Summary, endpoint: str, response: Any, events: list[Any] | None
     if endpoint == COUNT:
         s.reported = True  # free: nothing to count or estimate
         return
-    for data in [response] if events is None else events:
+    # Without `alt=sse` a stream comes as one JSON array of the same partial responses.
+    items = events if events is not None else response if isinstance(response, list) else [response]
+    for data in items:
         if not isinstance(data, dict):
             continue
         s.model = data.get("modelVersion") or s.model

@@ -14,7 +14,7 @@ Two kinds reach us:
   about the environment that turns them on, and under `--net none` names the hosts the agent
   looks up (jukebox.llm.lookups).
 
-`SWITCHES` lists what turns each one off; docs/llm-proxy.md ("Telemetry") repeats it for users.
+docs/llm-proxy.md ("Telemetry") lists, for users, what turns each known sender off.
 """
 
 from __future__ import annotations
@@ -35,16 +35,6 @@ AGENTS_TRACES = Source("the OpenAI Agents SDK's tracing", "OPENAI_AGENTS_DISABLE
 
 # (provider, decoded path after the prefix) of telemetry endpoints that come through the proxy.
 _THROUGH_PROXY = {(OPENAI, "/traces/ingest"): AGENTS_TRACES}
-
-# What turns each known sender off (documented; the booth sets none of them by itself).
-SWITCHES = {
-    "OpenAI Agents SDK traces": "OPENAI_AGENTS_DISABLE_TRACING=1",
-    "litellm's price map download at import": "LITELLM_LOCAL_MODEL_COST_MAP=True",
-    "LangSmith tracing (LangChain)": "LANGSMITH_TRACING=false and LANGCHAIN_TRACING_V2=false",
-    "OpenTelemetry exporters": "OTEL_SDK_DISABLED=true",
-    "Chroma's usage telemetry": "ANONYMIZED_TELEMETRY=False",
-    "Hugging Face Hub downloads and telemetry": "HF_HUB_OFFLINE=1",
-}
 
 _TRUE = ("1", "true", "yes", "on")
 

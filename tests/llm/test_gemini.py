@@ -112,3 +112,16 @@ def test_gemini_native_records_and_replays_offline(
     ):
         conversation(proxy.base_urls()["GOOGLE_GEMINI_BASE_URL"], prompt="write goodbye")
     third.close()
+
+
+def test_a_stream_without_sse_is_read_as_its_json_array() -> None:
+    from jukebox.llm.providers import summarize
+
+    chunks = [
+        {"candidates": [{"content": {"parts": [{"text": "one "}]}}],
+         "usageMetadata": {"promptTokenCount": 4, "candidatesTokenCount": 1}},
+        {"candidates": [{"content": {"parts": [{"text": "two"}]}}], "modelVersion": "gemini-x",
+         "usageMetadata": {"promptTokenCount": 4, "candidatesTokenCount": 2}},
+    ]  # fmt: skip
+    s = summarize("gemini", "streamGenerateContent", {}, chunks)
+    assert (s.text, s.model, s.input, s.output, s.reported) == ("one two", "gemini-x", 4, 2, True)
