@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.booth.conftest import NOBODY
 from tests.booth.in_process import here
 from tests.booth.test_booth_run import JUKEBOX, jb
 
@@ -246,3 +247,30 @@ def test_booth_commit_only_commits_part_and_keeps_the_rest_pending(tmp_path: Pat
     assert (tree / "b.txt").read_text() == "b\nbb\n" and (tree / "f" / "g").read_text() == "g\n"
     assert json.loads(here("ls", "--json", *t).stdout)[0]["status"] == "COMMITTED"
     assert here("verify", "p1", *t).returncode == 0
+
+
+def test_booth_commit_only_as_nobody_is_conflict_checked(
+    nobody_python: str, nobody_dir: Path, open_dev_fuse: None
+) -> None:
+    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    for path in (tree, tree / "a.txt"):
+        os.chown(path, NOBODY, NOBODY)
+
+    def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+        return jb(*args, python=nobody_python, user=NOBODY, cwd=nobody_dir)
+
+    run = as_nobody(
+        "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "u1",
+        "--commit", "never", "--", "sh", "-c", "echo two >> a.txt; echo new > b.txt",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (tree / "a.txt").write_text("edited on the host\n")  # the attack: a selected path changed
+    refused = as_nobody("booth", "commit", "u1", "--only", "a.txt", "--tape-dir", str(tapes))
+    assert refused.returncode == 1 and "a.txt" in refused.stderr, refused.stderr
+    assert (tree / "a.txt").read_text() == "edited on the host\n" and not (tree / "b.txt").exists()
+    done = as_nobody("booth", "commit", "u1", "--only", "b.txt", "--tape-dir", str(tapes))
+    assert done.returncode == 0 and "1 change(s) stay pending" in done.stdout, done.stderr
+    assert (tree / "b.txt").read_text() == "new\n" and (tree / "b.txt").stat().st_uid == NOBODY
+    assert (tree / "a.txt").read_text() == "edited on the host\n"
