@@ -43,12 +43,16 @@ def output_cap(request: Any) -> int:
 
 
 def worst_case(
-    request: Any, body_size: int, prices: PriceTable, provider: str | None = None
+    request: Any,
+    body_size: int,
+    prices: PriceTable,
+    provider: str | None = None,
+    upstream: str | None = None,
 ) -> Reservation:
     """The reservation for one call: `request` its parsed JSON body, `body_size` its bytes."""
     inputs = math.ceil(body_size / BYTES_PER_TOKEN)
     outputs = output_cap(request)
     model = request.get("model") if isinstance(request, dict) else None
     usage = {"input": inputs, "output": outputs}
-    cost = prices.cost(model if isinstance(model, str) else None, usage, provider)
+    cost = prices.cost(model if isinstance(model, str) else None, usage, provider, upstream)
     return Reservation.of(inputs + outputs, cost or 0.0)

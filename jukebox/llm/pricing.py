@@ -14,6 +14,7 @@ per provider (dated snapshots and aliases included, "o3-pro" never as "o3") and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tomllib
@@ -127,16 +128,26 @@ def _rate(value: Any) -> float:
 
 
 @cache
-def catalogue_price(model: str, provider: str | None) -> CataloguePrice | None:
-    """The catalogue's current price for `model` at `provider` (a proxy provider name), or None."""
+def catalogue_price(
+    model: str, provider: str | None, api_url: str | None = None
+) -> CataloguePrice | None:
+    """The catalogue's current price for `model` called at `api_url`, the upstream's base URL
+    (the catalogue knows the hosts of Groq, OpenRouter, Azure, DeepSeek, ...), else at
+    `provider` (a proxy provider name); None when it has none."""
     from genai_prices import data_snapshot
 
-    try:
-        _, info = data_snapshot.get_snapshot().find_provider_model(
-            model, None, _CATALOGUE_PROVIDER.get(provider or ""), None
-        )
-    except LookupError:
-        return None
+    snapshot = data_snapshot.get_snapshot()
+    info = None
+    if api_url:
+        with contextlib.suppress(LookupError):  # a host it does not know: a local server
+            _, info = snapshot.find_provider_model(model, None, None, api_url)
+    if info is None:
+        try:
+            _, info = snapshot.find_provider_model(
+                model, None, _CATALOGUE_PROVIDER.get(provider or ""), None
+            )
+        except LookupError:
+            return None
     model_price = info.get_prices(datetime.now(tz=UTC))
     if model_price.input_mtok is None and model_price.output_mtok is None:
         return None  # priced per request or per second: not a token price
@@ -160,10 +171,13 @@ class PriceTable:
         prices: Mapping[str, Price],
         fallback: Price | None = None,
         catalogue: bool = True,
+        upstream_urls: Mapping[str, str] | None = None,
     ) -> None:
         self.prices = dict(prices)  # the user's entries, which win over the catalogue
         self.fallback = fallback  # for a model nobody prices
         self.catalogue = catalogue
+        # {provider or named upstream: base URL}: a call is priced as its host charges.
+        self.upstream_urls = dict(upstream_urls or {})
         # Longest first, so the most specific entry wins.
         self._order = sorted(self.prices, key=len, reverse=True)
 
@@ -187,7 +201,10 @@ class PriceTable:
         return cls(table)
 
     def with_fallback(self, fallback: Price | None) -> PriceTable:
-        return PriceTable(self.prices, fallback, self.catalogue)
+        return PriceTable(self.prices, fallback, self.catalogue, self.upstream_urls)
+
+    def with_upstreams(self, upstream_urls: Mapping[str, str]) -> PriceTable:
+        return PriceTable(self.prices, self.fallback, self.catalogue, upstream_urls)
 
     def _own(self, model: str) -> Price | None:
         if model in self.prices:
@@ -200,25 +217,34 @@ class PriceTable:
                 return price
         return None
 
-    def known(self, model: str | None, provider: str | None = None) -> Price | None:
-        """The price of `model` called through `provider` (the fallback not considered)."""
+    def known(
+        self, model: str | None, provider: str | None = None, upstream: str | None = None
+    ) -> Price | None:
+        """The price of `model` called through `provider`, at the named `upstream` if any (the
+        fallback not considered)."""
         if not model:
             return None
         own = self._own(model)
         if own is not None or not self.catalogue:
             return own
-        return catalogue_price(model, provider)
+        return catalogue_price(model, provider, self.upstream_urls.get(upstream or provider or ""))
 
-    def lookup(self, model: str | None, provider: str | None = None) -> Price | None:
+    def lookup(
+        self, model: str | None, provider: str | None = None, upstream: str | None = None
+    ) -> Price | None:
         """The price of `model`: the user's, else the catalogue's, else the fallback, else None."""
-        price = self.known(model, provider)
+        price = self.known(model, provider, upstream)
         return price if price is not None else self.fallback
 
     def cost(
-        self, model: str | None, usage: Mapping[str, int], provider: str | None = None
+        self,
+        model: str | None,
+        usage: Mapping[str, int],
+        provider: str | None = None,
+        upstream: str | None = None,
     ) -> float | None:
         """Dollars, or None for a model without a price."""
-        price = self.lookup(model, provider)
+        price = self.lookup(model, provider, upstream)
         return price.cost(usage) if price is not None else None
 
 

@@ -123,7 +123,7 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
     if ex.replayed_from is not None:
         cost = 0.0  # served from a tape: nobody paid for it this time
     elif prices is not None and 200 <= ex.status < 300:
-        cost = prices.cost(summary.model, usage, ex.provider)
+        cost = prices.cost(summary.model, usage, ex.provider, ex.upstream)
     payload: dict[str, Any] = {
         "provider": ex.provider,
         "endpoint": ex.endpoint,

@@ -225,7 +225,8 @@ class ProxyServer:
         self.scrubber = Scrubber([*secrets, self.secret])
         for upstream in self.upstreams.values():
             self.scrubber.add(url_secrets(upstream))
-        self.prices = prices if prices is not None else PriceTable.shipped()
+        prices = prices if prices is not None else PriceTable.shipped()
+        self.prices = prices.with_upstreams(self.upstreams)
         self._fallback_tables: dict[str, PriceTable] = {}
         self._unpriced_seen: set[str] = set()
         self._warned: set[tuple[str, ...]] = set()
@@ -485,12 +486,14 @@ class ProxyServer:
             request = parse_body(body)
             if self.rewriter is not None:  # budgeted as forwarded: a fork's --model is priced
                 request = self.rewriter.apply(where.provider, where.endpoint, request)
-            trip = await self._unpriced(where.provider, request)
+            trip = await self._unpriced(where.provider, request, where.named)
             if trip is not None:
                 await self._tripped(trip)
                 await self._refuse_trip(conn, stream, where.provider)
                 return
-            ex.reservation = worst_case(request, len(body), self._price_table(), where.provider)
+            ex.reservation = worst_case(
+                request, len(body), self._price_table(), where.provider, where.named
+            )
             trip = self.breaker.admit(ex.reservation)
             if trip is not None:
                 await self._tripped(trip)
@@ -836,7 +839,9 @@ class ProxyServer:
             table = self._fallback_tables[policy] = self.prices.with_fallback(fallback)
         return table
 
-    async def _unpriced(self, provider: str, request: Any) -> Trip | None:
+    async def _unpriced(
+        self, provider: str, request: Any, upstream: str | None = None
+    ) -> Trip | None:
         """A call to a model without a price, under a cost limit, is the breaker's decision
         (`unknown_cost`): a trip for `deny`; for `warn` one stderr line and for `price=` none,
         and for both a `note` frame, once per model."""
@@ -844,7 +849,7 @@ class ProxyServer:
         model = request.get("model") if isinstance(request, dict) else None
         if policy is None or not isinstance(model, str):
             return None
-        if self.prices.known(model, provider) is not None:
+        if self.prices.known(model, provider, upstream) is not None:
             return None
         if getattr(self.breaker, "max_cost_usd", None) is None and policy in ("deny", "warn"):
             return None  # no cost limit: a missing price decides nothing

@@ -63,6 +63,22 @@ def test_the_catalogue_prices_tiers_and_cache_reads_and_writes() -> None:
     assert table.cost("nobody-knows", {"input": 5}, "openai") is None
 
 
+def test_a_call_is_priced_as_its_upstream_host_charges() -> None:
+    table = PriceTable.shipped().with_upstreams(
+        {"openai": "https://api.openai.com/v1", "groq": "https://api.groq.com/openai/v1",
+         "openrouter": "https://openrouter.ai/api/v1", "local": "http://127.0.0.1:11434/v1"}
+    )  # fmt: skip
+    groq = table.known("llama-3.1-8b-instant", "openai", "groq")
+    assert groq is not None and (groq.input, groq.output) == (0.05, 0.08)
+    # Without its upstream the OpenAI protocol's model list has no such model.
+    assert table.known("llama-3.1-8b-instant", "openai") is None
+    router = table.known("anthropic/claude-haiku-4.5", "openai", "openrouter")
+    assert router is not None and (router.input, router.output) == (1.0, 5.0)
+    # A local server's models cost what --unknown-cost says, not a hosted price.
+    assert table.known("llama3.1", "openai", "local") is None
+    assert table.with_fallback(None).upstream_urls == table.upstream_urls
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="unshare -n needs root")
 def test_the_catalogue_prices_with_no_network_at_all() -> None:
     # A fresh network namespace has no route anywhere: the prices ship in the wheel.
