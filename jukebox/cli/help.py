@@ -15,6 +15,7 @@ SUMMARIES = {
     "config": "~/.config/jukebox/config.toml: your defaults",
     "output": "progress, --quiet, --verbose, colour and NO_COLOR",
     "completion": "Tab completion for bash, zsh and fish",
+    "models": "the model APIs a booth records; --upstream, Azure, Gemini, telemetry",
 }
 
 

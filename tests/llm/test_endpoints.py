@@ -267,6 +267,14 @@ def test_bad_upstream_names_are_refused() -> None:
         upstreams_from_env({"JUKEBOX_UPSTREAMS": "a"})
 
 
+def test_jukebox_help_models_tells_how_to_add_an_upstream() -> None:
+    from jukebox.cli.help import topic_text
+
+    text = topic_text("models") or ""
+    assert "--upstream local=" in text and "JUKEBOX_UPSTREAMS" in text
+    assert "OPENAI_AGENTS_DISABLE_TRACING=1" in text
+
+
 def test_environment_that_turns_on_direct_telemetry_is_named() -> None:
     from jukebox.llm.telemetry import environment_warnings
 
