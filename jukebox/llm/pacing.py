@@ -17,6 +17,8 @@ With `honor_timing`, the `Pacer` holds each recorded answer until:
 
 from __future__ import annotations
 
+import itertools
+
 import trio
 
 from jukebox.llm.replay import Recorded
@@ -42,11 +44,14 @@ class Pacer:
 
     def __init__(self, exchanges: list[Recorded]) -> None:
         self._answered = {ex.seq: trio.Event() for ex in exchanges}
-        self._before: dict[int, list[int]] = {}
-        for ex in exchanges:
-            self._before[ex.seq] = [
-                other.seq for other in exchanges if other.window == ex.window and other.seq < ex.seq
-            ]
+        windows: dict[int, list[int]] = {}
+        for ex in sorted(exchanges, key=lambda e: e.seq):
+            windows.setdefault(ex.window, []).append(ex.seq)
+        # Each call's predecessors are the calls of its window before it: its window's frames
+        # in order, and its place among them.
+        self._place: dict[int, tuple[list[int], int]] = {
+            seq: (seqs, i) for seqs in windows.values() for i, seq in enumerate(seqs)
+        }
 
     async def until(self, arrived: float, offset_s: float) -> None:
         await trio.sleep_until(arrived + offset_s)
@@ -54,8 +59,9 @@ class Pacer:
     async def in_turn(self, rec: Recorded, arrived: float) -> None:
         """Waits until the calls recorded as completing before `rec` are answered, or until
         ORDER_GRACE_S past its recorded latency."""
+        seqs, place = self._place.get(rec.seq, ([], 0))
         with trio.move_on_at(arrived + latency_s(rec) + ORDER_GRACE_S):
-            for seq in self._before.get(rec.seq, ()):
+            for seq in itertools.islice(seqs, place):
                 await self._answered[seq].wait()
 
     def answered(self, rec: Recorded) -> None:

@@ -27,6 +27,7 @@ comparing, so a fork replays as strictly as any other tape.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import deque
 from dataclasses import dataclass, field
@@ -383,7 +384,7 @@ class ReplaySource:
             return head
         # Calls that were in flight together may come back in any order: any unserved call of
         # the earliest window may match. Items are in frame order, so a window is a prefix.
-        window = [c for c in queue.items if c.window == head.window]
+        window = list(itertools.takewhile(lambda c: c.window == head.window, queue.items))
         sent: dict[int, tuple[Any, bytes]] = {}  # the request as sent, per rewriter in force
         for i, candidate in enumerate(window):
             if candidate.expected == _as_sent(candidate, provider, endpoint, request, sent)[1]:

@@ -15,16 +15,21 @@ from tests.llm.test_replay import replay_proxy
 from tests.llm.upstream import FakeUpstream
 
 TASKS = 8
-# Recorded: task k answers after (TASKS + 1 - k) * 40 ms, so the last submitted finishes first,
-# and each follow-up (100 ms) finishes between later tasks: the tape interleaves them.
-TASK_MS = 40
-FOLLOW_UP_MS = 100
+# Recorded: task k answers after (TASKS + 1 - k) * 60 ms, so the last submitted finishes first,
+# and each follow-up (200 ms) finishes between later tasks: the tape interleaves them. A
+# follow-up outlasts the gap between two tasks by 140 ms, so the last one still starts while
+# another is in flight (one concurrency window) on a machine slowed that much.
+TASK_MS = 60
+FOLLOW_UP_MS = 200
 
 
-def ask(provider: str, sdk: tuple[Any, Any], text: str, delay_ms: int) -> str:
-    """One call through the real SDK; the answer's text."""
+def ask(provider: str, sdk: tuple[Any, Any], text: str, delay_ms: int, together: bool) -> str:
+    """One call through the real SDK; the answer's text. `together`: the upstream starts its
+    delay once all TASKS such calls have arrived, however slowly the threads got going."""
     o, a = sdk
     headers = {"x-fake-delay-ms": str(delay_ms)}
+    if together:
+        headers["x-fake-barrier"] = f"tasks:{TASKS}"
     messages = [{"role": "user", "content": text}]
     if provider == "openai":
         reply = o.chat.completions.create(
@@ -49,16 +54,19 @@ def fan_out(
     sdk = clients(base_urls)
     with ThreadPoolExecutor(TASKS * 2) as pool:
         tasks: dict[Future[str], int] = {
-            pool.submit(ask, provider, sdk, f"task {k}", (TASKS + 1 - k) * TASK_MS): k
+            pool.submit(ask, provider, sdk, f"task {k}", (TASKS + 1 - k) * TASK_MS, True): k
             for k in range(1, TASKS + 1)
         }
         follow_ups: dict[Future[str], int] = {}
         for done in as_completed(tasks):
             k = tasks[done]
             order.append(k)
+            if done.exception() is not None:  # after a divergence: no follow-up
+                finals[k - 1] = done.exception()
+                continue
             how = "differently" if k == changed else "briefly"
             text = f"follow up on [{done.result()}] {how}"
-            follow_ups[pool.submit(ask, provider, sdk, text, FOLLOW_UP_MS)] = k
+            follow_ups[pool.submit(ask, provider, sdk, text, FOLLOW_UP_MS, False)] = k
         for done in as_completed(follow_ups):
             error = done.exception()
             finals[follow_ups[done] - 1] = done.result() if error is None else error

@@ -4,7 +4,8 @@ Deterministic: the answer depends only on the request. With tools offered and a 
 last, the model calls the first tool; after a tool result it says `done: <result>`; otherwise
 it echoes the last user text. Streams are written one event per write (some two per write) with
 chunked transfer encoding, so chunk boundaries are real. A request with `"cache"` in its last
-message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer;
+message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer
+(after `x-fake-barrier: NAME:N` has held the request until N requests naming NAME arrived);
 `x-fake-response-headers` (a JSON object) is added to a JSON answer's headers;
 `x-fake-gate: NAME` holds a stream after its first event until the test opens the gate, and
 `x-fake-pause-ms` pauses it there (a model thinking between its first and second token).
@@ -27,6 +28,7 @@ Run as `python tests/llm/upstream.py PORT` for a standalone server (the booth te
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import socket
 import struct
@@ -160,6 +162,11 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         body = json.loads(raw) if raw else {}
         self.server.seen.append(("POST", self.path, dict(self.headers), body))
+        barrier = self.headers.get("x-fake-barrier")
+        if barrier:
+            name, _, parties = barrier.partition(":")
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self.server.barrier(name, int(parties)).wait(GATE_TIMEOUT_S)
         delay = float(self.headers.get("x-fake-delay-ms", "0") or 0)
         if delay:
             time.sleep(delay / 1000)
@@ -544,7 +551,12 @@ class FakeServer(ThreadingHTTPServer):
         self.failed: dict[tuple[str, bytes], int] = {}
         self.lock = threading.Lock()
         self.gates: dict[str, threading.Event] = {}
+        self.barriers: dict[str, threading.Barrier] = {}
         self.log: list[str] = []  # what gated streams did, in order (tests add their own)
+
+    def barrier(self, name: str, parties: int) -> threading.Barrier:
+        with self.lock:
+            return self.barriers.setdefault(name, threading.Barrier(parties))
 
     def gate(self, name: str) -> threading.Event:
         with self.lock:
