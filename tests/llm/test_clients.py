@@ -168,6 +168,9 @@ def test_stream(name: str, run: Run) -> None:
     assert len(streamed["response"]) > 3  # the events, each recorded
     # Usage reported by the upstream, asked for by the proxy where the client did not.
     assert streamed["usage"]["output"] > 0 and "usage_estimated" not in streamed
+    if streamed["endpoint"] == "chat.completions":
+        asked = (streamed["request"].get("stream_options") or {}).get("include_usage")
+        assert bool(streamed.get("usage_requested")) == (not asked)
 
 
 @pytest.mark.parametrize("name", CLIENTS)
