@@ -25,12 +25,11 @@ def live_objects(
     from shadowfs import tree
 
     live: set[ObjectId] = set()
-    expanded: set[ObjectId] = set()
+    walked: set[ObjectId] = set()  # trees whose whole closure is in `live`
 
     def add_tree(oid: ObjectId) -> None:
-        if oid not in expanded and store.has(oid):
-            expanded.add(oid)
-            live.update(tree.reachable(store, oid))
+        if oid not in walked and store.has(oid):
+            live.update(tree.reachable(store, oid, walked))
 
     paths = [p for p in tape_dir.tape_paths() if p.name not in excluding]
     for done, path in enumerate(paths, 1):

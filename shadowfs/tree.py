@@ -609,8 +609,18 @@ def lookup(store: TreeStore, tree_id: ObjectId, path: bytes) -> Entry | None:
     return None
 
 
-def reachable(store: TreeStore, tree_id: ObjectId) -> set[ObjectId]:
-    """The tree's own id and every tree, blob and chunks id beneath it."""
+def reachable(
+    store: TreeStore, tree_id: ObjectId, walked: set[ObjectId] | None = None
+) -> set[ObjectId]:
+    """The tree's own id and every tree, blob and chunks id beneath it.
+
+    ``walked``: trees whose closure the caller already holds, updated with every tree this call
+    walks. Their contents are left out, so the checkpoints of one big tree, which share all but
+    a few sub-trees, cost the walk of what differs, not of the whole tree each."""
+    walked = set() if walked is None else walked
+    if tree_id in walked:
+        return {tree_id}
+    walked.add(tree_id)
     seen: set[ObjectId] = {tree_id}
     stack = [tree_id]
     while stack:
@@ -618,7 +628,8 @@ def reachable(store: TreeStore, tree_id: ObjectId) -> set[ObjectId]:
             oid = e.oid
             if oid is not None and oid not in seen:
                 seen.add(oid)
-                if e.kind == DIR:
+                if e.kind == DIR and oid not in walked:
+                    walked.add(oid)
                     stack.append(oid)
     return seen
 

@@ -789,6 +789,33 @@ def test_reachable_lists_every_tree_and_file_object(tmp_path: Path, store: Count
     assert {store.kind(o) for o in expected} == {"tree", "blob"}
 
 
+def test_reachable_with_walked_skips_the_shared_subtrees_of_a_second_tree(
+    tmp_path: Path, store: CountingStore
+) -> None:
+    src = tmp_path / "src"
+    for d in ("a", "b", "c"):
+        (src / d).mkdir(parents=True)
+        for i in range(3):
+            (src / d / f"f{i}").write_text(f"{d} {i}\n")
+    first = build_tree(store, src)
+    (src / "c" / "f0").write_text("changed\n")
+    second = build_tree(store, src)
+    shared = {lookup(store, first, b"a").oid, lookup(store, first, b"b").oid}
+
+    walked: set[ObjectId] = set()
+    closure = reachable(store, first, walked) | reachable(store, second, walked)
+    tree.clear_cache()
+    store.gets = []
+    again = reachable(store, second, {first, *shared})
+    read = set(store.gets)
+
+    assert not shared & read  # the shared sub-trees were not read again
+    assert closure == reachable(store, first) | reachable(store, second)
+    assert shared <= walked and {first, second} <= walked
+    below_shared = set().union(*(reachable(store, t) for t in shared)) - shared
+    assert again == reachable(store, second) - below_shared
+
+
 def test_build_tree_exclude_leaves_paths_out(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "tapes" / ".jukebox").mkdir(parents=True)
