@@ -560,6 +560,33 @@ def test_gc_removes_what_nothing_live_needs(tmp_path: Path) -> None:
         assert store.verify() == []
 
 
+def test_gc_leaves_a_pack_little_of_which_is_garbage_and_forgets_the_garbage(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    oids, big = _gc_fixture(root)  # the 4 MiB file outweighs the dead objects by far
+    live = {oids["live"], oids["delta"], oids["chunked"]}
+    pack_bytes = {p: p.read_bytes() for p in packs(root)}
+    with Store.open(root) as store:
+        report = store.gc(live, grace_seconds=0, min_waste=0.25)
+        assert (report.kept, report.removed, report.bytes_freed) == (6, 2, 0)
+        assert report.bytes_left > 0
+        assert {p: p.read_bytes() for p in packs(root)} == pack_bytes  # nothing copied
+        for name in ("dead", "dead_delta"):
+            assert not store.has(oids[name])
+            with pytest.raises(ObjectMissing):
+                store.get(oids[name])
+        assert store.get(oids["delta"]) == text(3000, 3) + b"!"
+        assert store.verify() == []
+        assert store.gc(live, grace_seconds=0, min_waste=0.25).removed == 0
+        compacted = store.gc(live, grace_seconds=0)  # min_waste 0: every wasteful pack
+        assert (compacted.removed, compacted.bytes_freed) == (0, report.bytes_left)
+        assert sum(p.stat().st_size for p in packs(root)) < sum(map(len, pack_bytes.values()))
+        out = io.BytesIO()
+        store.read_file_into(oids["chunked"], out)
+        assert out.getvalue() == big.read_bytes()
+
+
 def test_a_reader_keeps_reading_across_a_gc(tmp_path: Path) -> None:
     root = tmp_path / "store"
     oids, _ = _gc_fixture(root)

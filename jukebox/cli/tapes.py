@@ -598,6 +598,10 @@ def diff_command(
             click.echo(style.patch(text_patch(store, change)), nl=False)
 
 
+# `jukebox gc` rewrites a pack only once this much of it is garbage (see Store.gc).
+GC_MIN_WASTE = 0.25
+
+
 @cli.command("gc")
 @tape_dir_option
 @click.option("--dry-run", is_flag=True, help="Report what would be removed; remove nothing.")
@@ -609,8 +613,16 @@ def diff_command(
     show_default=True,
     help="Keep unreferenced objects younger than this many seconds (a run may still need them).",
 )
+@click.option(
+    "--compact",
+    is_flag=True,
+    help="Rewrite every pack that holds garbage, freeing all of it now (else only packs a "
+    "quarter or more garbage are: gc then costs what it removes, not the store's size).",
+)
 @json_option
-def gc_command(tape_dir: Path | None, dry_run: bool, grace_seconds: int, as_json: bool) -> None:
+def gc_command(
+    tape_dir: Path | None, dry_run: bool, grace_seconds: int, compact: bool, as_json: bool
+) -> None:
     """Remove store objects that no tape and no pending booth references."""
     from jukebox.liveness import live_objects
 
@@ -628,18 +640,29 @@ def gc_command(tape_dir: Path | None, dry_run: bool, grace_seconds: int, as_json
         with step("gc: scanning tapes", "tapes", done="scanned the tapes") as tick:
             live = live_objects(home, store, progress=tick)
         with step("gc: collecting", "records", done="collected") as tick:
-            report = store.gc(live, grace_seconds=grace_seconds, dry_run=dry_run, progress=tick)
+            report = store.gc(
+                live, grace_seconds=grace_seconds, dry_run=dry_run, progress=tick,
+                min_waste=0.0 if compact else GC_MIN_WASTE,
+            )  # fmt: skip
     if as_json:
         emit_json(
             {
                 "kept": report.kept,
                 "removed": report.removed,
                 "bytes_freed": report.bytes_freed,
+                "bytes_left": report.bytes_left,
                 "dry_run": dry_run,
             }
         )
         return
     verb = "would remove" if dry_run else "removed"
+    left = (
+        f"; {report.bytes_left} byte(s) of garbage stay in packs until they are a quarter "
+        "garbage (--compact frees them now)"
+        if report.bytes_left
+        else ""
+    )
     click.echo(
         f"{verb} {report.removed} object(s), {report.bytes_freed} byte(s); kept {report.kept}"
+        + left
     )
