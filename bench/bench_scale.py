@@ -12,8 +12,9 @@ Five cases, each what a user meets on a real repository (issue 25's table):
 - **first booth**: `jukebox booth run -- true` over an N-file tree with a fresh tape dir (cold:
   hash and store everything) and again (warm: the stat cache), next to `git add -A` of the tree
   into a fresh repo; the store's growth is in the row.
-- **gc**: `jukebox gc` of that tape dir (a big store, little garbage) next to `jukebox gc` of a
-  tape dir holding only the small commit booth's store.
+- **gc**: in that tape dir, two booths of ten 1-file checkpoints each, one kept and one
+  discarded with its tape removed, then `jukebox gc`; the same on a 1,000-file tree beside it:
+  the same garbage in a store 100 times smaller.
 
 Cells are medians of interleaved runs (`--quick`: one run, small sizes). Ratios are over the
 row whose ratio is 1.
@@ -22,6 +23,7 @@ row whose ratio is 1.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -59,13 +61,14 @@ class Sizes:
     append_bytes: int
     first_files: int
     first_bytes: int  # the first-booth tree's total size, about
+    checkpoints: int  # per booth in the gc case
     runs: int
 
     @classmethod
     def for_mode(cls, quick: bool) -> Sizes:
         if quick:
-            return cls(500, 300, 16 << 20, 500, 5 << 20, 1)
-        return cls(50_000, 50_000, 1 << 30, 100_000, 2 << 30, 3)
+            return cls(500, 300, 16 << 20, 500, 5 << 20, 2, 1)
+        return cls(50_000, 50_000, 1 << 30, 100_000, 2 << 30, 10, 3)
 
 
 # ============================================================================ fixtures
@@ -152,11 +155,8 @@ def _row(case: str, system: str, samples: list[float], base: float | None, **ext
 
 
 def _booth(tree: Path, tapes: Path, tape_id: str, agent: list[str], commit: str = "never") -> None:
-    subprocess.run(
-        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
-         tape_id, "--commit", commit, "--", *agent],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    _timed([JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
+            tape_id, "--commit", commit, "--", *agent])  # fmt: skip
 
 
 REWRITE = (
@@ -223,7 +223,7 @@ def rewrite_case(s: Sizes, scratch: Path) -> list[Row]:
     return _backend_rows(case, samples, failed)
 
 
-def commit_case(s: Sizes, scratch: Path) -> tuple[list[Row], Path]:
+def commit_case(s: Sizes, scratch: Path) -> list[Row]:
     lower = _small_tree(s.commit_files)
     case = f"commit {s.commit_files:,} changed files"
     booth_s: list[float] = []
@@ -253,7 +253,7 @@ def commit_case(s: Sizes, scratch: Path) -> tuple[list[Row], Path]:
              note="check, stage, journal, apply, fsyncs; atomic and crash-safe"),
         _row(case, "git add -A && git commit", git_s, base,
              note="hash and store the changed files, write index and commit"),
-    ], tapes  # fmt: skip
+    ]  # fmt: skip
 
 
 def append_case(s: Sizes) -> list[Row]:
@@ -344,15 +344,56 @@ def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
     ], tape_dirs  # fmt: skip
 
 
-def gc_case(s: Sizes, big: list[Path], small: Path) -> list[Row]:
+CHECKPOINTS = (
+    "import os, subprocess, sys\n"
+    "files = sorted(os.path.join(d, n) for d, _, ns in os.walk('.') for n in ns)\n"
+    "for i in range(int(sys.argv[3])):\n"
+    "    with open(files[int(sys.argv[1]) + i], 'a') as f: f.write('# edit %d\\n' % i)\n"
+    "    subprocess.run([sys.argv[2], 'booth', 'checkpoint', '-q'], check=True)\n"
+)
+
+
+def _garbage_and_gc(tree: Path, tapes: Path, n: int) -> tuple[float, int]:
+    """Two booths of n checkpoints, one edit each: one kept pending, the other discarded and
+    its tape removed (its checkpoints are the garbage); then `jukebox gc --grace 0`, timed."""
+    for tape_id, first in (("kept", 0), ("gone", 20)):
+        agent = [sys.executable, "-c", CHECKPOINTS, str(first), JUKEBOX, str(n)]
+        _booth(tree, tapes, tape_id, agent)
+    for cmd in (["booth", "discard", "gone"], ["rm", "gone"]):
+        subprocess.run([JUKEBOX, *cmd, "--tape-dir", str(tapes)], check=True, capture_output=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run([JUKEBOX, "gc", "--tape-dir", str(tapes), "--grace", "0", "--json"],
+                          check=True, capture_output=True, text=True)  # fmt: skip
+    took = time.perf_counter() - t0
+    subprocess.run([JUKEBOX, "booth", "discard", "kept", "--tape-dir", str(tapes)],
+                   check=True, capture_output=True)  # fmt: skip
+    return took, int(json.loads(proc.stdout)["removed"])
+
+
+def gc_case(s: Sizes, scratch: Path, big_tapes: list[Path]) -> list[Row]:
+    big = _sized_tree(s.first_files, s.first_bytes)
+    small = _small_tree(1_000)
     rows = []
-    for label, dirs in (("big store, little garbage", big), ("small store", [small])):
-        secs = [_timed([JUKEBOX, "gc", "--tape-dir", str(d), "--grace", "0"])
-                for d in dirs if d.exists()]  # fmt: skip
-        if not secs:
-            continue
+    n = s.checkpoints
+    for label, tree, dirs in (
+        (f"{s.first_files:,}-file tree", big, big_tapes),
+        ("1,000-file tree", small, [scratch / f"gc-small-{i}" for i in range(s.runs)]),
+    ):
+        secs, removed = [], []
+        for d in dirs:
+            took, gone = _garbage_and_gc(tree, d, s.checkpoints)
+            secs.append(took)
+            removed.append(gone)
         store = statistics.median(_du(d / ".jukebox" / "store") for d in dirs)
-        rows.append(_row(f"jukebox gc, {label}", "jukebox gc", secs, None, store_mb=store / 1e6))
+        rows.append(_row(
+            f"jukebox gc, {label}, {2 * n} checkpoints of 1 edit, {n} of them garbage",
+            "jukebox gc",
+            secs, None, store_mb=store / 1e6, removed=max(removed),
+            note="mark from every tape and pending booth, sweep packs holding garbage",
+        ))  # fmt: skip
+    base = rows[-1]["seconds"]
+    for row in rows:
+        row["ratio"] = row["seconds"] / base
     return rows
 
 
@@ -363,21 +404,16 @@ def run(quick: bool = False) -> list[Row]:
     with _scratch() as scratch:
         state: dict[str, Any] = {}
 
-        def commit(p: Path) -> list[Row]:
-            out, state["commit_tapes"] = commit_case(s, p)
-            return out
-
         def first(p: Path) -> list[Row]:
             out, state["first_tapes"] = first_booth_case(s, p)
             return out
 
         steps = [
             ("rewrite", lambda p: rewrite_case(s, p)),
-            ("commit", commit),
+            ("commit", lambda p: commit_case(s, p)),
             ("append", lambda p: append_case(s)),
             ("first booth", first),
-            ("gc", lambda p: gc_case(s, state.get("first_tapes", []),
-                                     state.get("commit_tapes", p / "none"))),
+            ("gc", lambda p: gc_case(s, p, state.get("first_tapes", []))),
         ]  # fmt: skip
         for name, step in steps:
             t0 = time.perf_counter()
