@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import os
 import socket
 import sys
 import threading
@@ -67,7 +68,7 @@ from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, SSEParser, encode_event
 from jukebox.llm.stream_end import is_final
-from jukebox.llm.telemetry import Source, proxy_warning, through_proxy
+from jukebox.llm.telemetry import Source, proxy_warning, through_proxy, tracing_client
 from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
 from jukebox.llm.upstreams import agent_env as named_env
 from jukebox.llm.upstreams import named as named_upstreams
@@ -230,6 +231,9 @@ class ProxyServer:
         self._fallback_tables: dict[str, PriceTable] = {}
         self._unpriced_seen: set[str] = set()
         self._warned: set[tuple[str, ...]] = set()
+        # The agent's environment, for what it turns off: this process's (the Python API), or
+        # the one a booth's session gives its agent.
+        self.agent_environ: Mapping[str, str] = os.environ
         self.record_passthrough = record_passthrough
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -468,6 +472,9 @@ class ProxyServer:
             await self._send_simple(conn, stream, 404, error_body("openai", message))
             return
         self.scrubber.learn_headers(headers)
+        traced = tracing_client(headers, self.agent_environ)
+        if traced is not None:
+            self._warn_once(("tracing client",), traced)
         ex = Exchange(where.provider, where.endpoint, method, where.rest, headers, body)
         ex.upstream = where.named
         if not where.recorded:

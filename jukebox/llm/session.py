@@ -100,6 +100,7 @@ class LlmSession:
         """What the agent's environment `env` gets: the base URLs, with the proxy's secret (for
         the agent only), and in a replay a placeholder for each API key `env` lacks."""
         out = self.proxy.base_urls()
+        self.proxy.agent_environ = dict(env or {})
         # Senders the proxy cannot see: said before the agent starts (jukebox.llm.telemetry).
         for line in environment_warnings(env or {}, offline=self.network is not None):
             print(f"jukebox: {line}", file=sys.stderr, flush=True)

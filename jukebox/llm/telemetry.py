@@ -35,6 +35,9 @@ AGENTS_TRACES = Source("the OpenAI Agents SDK's tracing", "OPENAI_AGENTS_DISABLE
 
 # (provider, decoded path after the prefix) of telemetry endpoints that come through the proxy.
 _THROUGH_PROXY = {(OPENAI, "/traces/ingest"): AGENTS_TRACES}
+# The Agents SDK's model calls say who they are; its tracing is on unless this variable is set.
+_AGENTS_USER_AGENT = "agents/python"
+_AGENTS_OFF_ENV = "OPENAI_AGENTS_DISABLE_TRACING"
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -51,6 +54,23 @@ _AROUND_PROXY = (
 def through_proxy(provider: str, path: str) -> Source | None:
     """The telemetry sender a request through the proxy comes from, if it is one we know."""
     return _THROUGH_PROXY.get((provider, path.rstrip("/") or "/"))
+
+
+def tracing_client(headers: list[tuple[str, str]], env: Mapping[str, str]) -> str | None:
+    """The warning for a model call from the Agents SDK while its tracing is on (`env`: the
+    agent's environment), else None. Versions such as 0.24 post traces to api.openai.com
+    directly, where the proxy never sees them."""
+    agent = next((v for k, v in headers if k.lower() == "user-agent"), "")
+    if not agent.lower().startswith(_AGENTS_USER_AGENT):
+        return None
+    if env.get(_AGENTS_OFF_ENV, "").strip().lower() in _TRUE:
+        return None
+    return (
+        f"warning: the agent uses the OpenAI Agents SDK ({agent}), whose tracing sends the "
+        "run's prompts and outputs to OpenAI with the agent's API key, not onto the tape "
+        "(versions that post to api.openai.com directly bypass the proxy: under --net none "
+        f"they fail); set {AGENTS_TRACES.off} to stop them"
+    )
 
 
 def proxy_warning(source: Source, upstream_origin: str, replaying: bool) -> str:

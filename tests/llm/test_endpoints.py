@@ -251,6 +251,28 @@ def test_agents_sdk_traces_warn_and_never_fail_a_replay(
     second.close()
 
 
+def test_an_agents_sdk_with_tracing_on_is_named_once(
+    upstream: FakeUpstream, recording: Recording, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import openai
+
+    ask = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}
+    warned = []
+    for agent_env in ({}, {"OPENAI_AGENTS_DISABLE_TRACING": "1"}):
+        with recording.proxy(upstream) as proxy:
+            proxy.agent_environ = agent_env
+            # The User-Agent the Agents SDK's model calls carry.
+            sdk = openai.OpenAI(api_key=OPENAI_KEY, base_url=proxy.base_urls()["OPENAI_BASE_URL"],
+                                default_headers={"User-Agent": "Agents/Python 0.24.0"})  # fmt: skip
+            sdk.chat.completions.create(**ask)
+            sdk.chat.completions.create(**ask)
+            clients(proxy.base_urls())[0].chat.completions.create(**ask)
+        warned.append(capsys.readouterr().err)
+    assert warned[0].count("OpenAI Agents SDK (Agents/Python 0.24.0)") == 1
+    assert "OPENAI_AGENTS_DISABLE_TRACING=1" in warned[0]
+    assert "Agents SDK" not in warned[1]
+
+
 def test_bad_upstream_names_are_refused() -> None:
     from jukebox.llm.upstreams import BadUpstream, parse
 
