@@ -805,14 +805,30 @@ class Layer:
             stack.extend(c for c in d.children.values() if c.fmt == S_IFDIR)  # type: ignore[union-attr]
 
     def _tree_has_links(self, oid: ObjectId) -> bool:
-        known = self._link_trees.get(oid)
-        if known is None:
-            known = any(
-                e.link or (e.kind == DIR and self._tree_has_links(e.oid))  # type: ignore[arg-type]
-                for e in _entries(self.store, oid).values()
-            )
-            self._link_trees[oid] = known
-        return known
+        """Whether a hard-linked file lies under tree ``oid``; each tree's answer is kept, so
+        later calls visit only trees not seen yet (depth first, without recursion: trees nest
+        up to MAX_DEPTH)."""
+        memo = self._link_trees
+        known = memo.get(oid)
+        if known is not None:
+            return known
+        store = self.store
+        stack = [(oid, iter(_entries(store, oid).values()))]
+        while stack:
+            top, it = stack[-1]
+            for e in it:
+                sub = e.link != 0 or (e.kind == DIR and memo.get(e.oid))  # type: ignore[arg-type]
+                if sub:
+                    for t, _ in stack:  # a tree holding this one holds a link too
+                        memo[t] = True
+                    return True
+                if sub is None:
+                    stack.append((e.oid, iter(_entries(store, e.oid).values())))  # type: ignore[arg-type]
+                    break
+            else:
+                memo[top] = False
+                stack.pop()
+        return False
 
     def _fill(self, node: Node) -> None:
         """Take uid, gid, atime and ctime from the base file this node mirrors."""
@@ -1957,7 +1973,10 @@ class Layer:
                     finally:
                         files.unhold()
             self.root.oid = self.last_tree = tree_id
-            if self._links_pending:
+            # A group's names may now lie in directories nothing has loaded yet, while the node
+            # of another name is loaded: load them before that node is written. A layer that
+            # never met a group has no such node (and pays no walk).
+            if self._links_pending or (self._groups and self._tree_has_links(tree_id)):
                 self._gather_links()
             self.journal.record("restore", (b"",), pid, extra=bytes(tree_id))
             if stores:

@@ -606,3 +606,44 @@ def test_a_sparse_file_stays_sparse_through_commit(tmp_path: Path, store: Store)
     assert tail.st_size == 9 << 20 and tail.st_blocks * 512 <= 8 << 20
     assert not (target / "old.bin").exists()
     assert build_tree(store, target) == build_tree(store, new)
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the commit as nobody, then as root")
+def test_a_device_node_is_committed_only_by_a_committer_with_cap_mknod() -> None:
+    work = Path("/tmp") / f"jukebox-commit-mknod-{os.getpid()}"
+    work.mkdir()
+    try:
+        target, store_dir = work / "tree", work / "store"
+        target.mkdir()
+        (target / "a.txt").write_text("one\n")
+        with Store.open(store_dir, create=True) as store:
+            base = build_tree(store, target)
+            null = Entry(b"null", "chardev", 0o600, 0, 0, None, None, os.makedev(1, 3))
+            new = store.put("tree", encode_tree([*read_tree(store, base), null]))
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", work], check=True)
+        before = snapshot(target)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit code
+            code = 1
+            try:
+                os.setgroups([])
+                os.setresgid(NOBODY, NOBODY, NOBODY)
+                os.setresuid(NOBODY, NOBODY, NOBODY)
+                with Store.open(store_dir) as store:
+                    apply(store, target, base, new, journal_dir=work / "journal")
+            except ShadowfsError as exc:
+                code = 3 if "needs CAP_MKNOD" in str(exc) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 3
+        assert snapshot(target) == before, "nothing applied, nothing staged left behind"
+        with Store.open(store_dir) as store:
+            apply(store, target, base, new, journal_dir=work / "journal")
+        st = os.lstat(target / "null")
+        assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -288,3 +288,22 @@ def test_snapshots_after_rollbacks_encode_only_their_own_changes(
             assert got[p] == (b"step %d\n" % step if p == edited else original[p]), (step, p)
         layer.restore(start)
         assert tree_view(store, layer.snapshot()[0]) == tree_view(store, start)
+
+
+def test_a_restored_name_of_a_loaded_file_joins_it_before_any_write(layer: Layer) -> None:
+    root = layer.root.ino
+    layer.write_file("f", b"one\n")
+    layer.mkdir("newdir")
+    layer.link(layer.resolve("f").ino, layer.resolve("newdir").ino, b"g")
+    with_g, _ = layer.snapshot()
+    layer.delete("newdir", recursive=True)
+    layer.snapshot()
+    # Back to with_g: newdir comes back unloaded, f's node stays as it was.
+    layer.restore(with_g)
+    node = layer.resolve("f")
+    h = layer.open(node.ino, os.O_WRONLY | os.O_TRUNC)
+    layer.write(h, 0, b"two\n")
+    layer.release(h.fh)
+    assert layer.read_file("newdir/g") == b"two\n"
+    assert layer.resolve("newdir/g") is node and layer.nlink(node) == 2
+    assert root == layer.root.ino
