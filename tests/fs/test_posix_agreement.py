@@ -294,6 +294,21 @@ def _specials(r: bytes) -> dict[str, Any]:
     out["mknod again"] = outcome(lambda: os.mknod(dev, stat.S_IFBLK | 0o600, os.makedev(7, 0)))
     out["mknod regular"] = outcome(lambda: os.mknod(j(r, b"plain"), stat.S_IFREG | 0o600))
     out["plain"] = stat.S_ISREG(os.lstat(j(r, b"plain")).st_mode)
+    # The errors mkfifo(3) and mknod(2) name.
+    out["mkfifo ENOENT"] = outcome(lambda: os.mkfifo(j(r, b"absent", b"p")))
+    out["mkfifo ENOTDIR"] = outcome(lambda: os.mkfifo(j(r, b"README", b"p")))
+    out["mkfifo over a symlink"] = outcome(lambda: os.mkfifo(j(r, b"link")))
+    out["mkfifo over a dangling symlink"] = outcome(
+        lambda: (os.symlink(b"nowhere", j(r, b"dangling")), os.mkfifo(j(r, b"dangling")))
+    )
+    out["mknod over a dir"] = outcome(lambda: os.mknod(j(r, b"src"), stat.S_IFIFO | 0o600))
+    out["mknod ELOOP"] = outcome(
+        lambda: (os.symlink(b"loop", j(r, b"loop")), os.mknod(j(r, b"loop", b"p")))
+    )
+    out["fifo in a fifo"] = outcome(lambda: os.mkfifo(j(fifo, b"p")))
+    os.chmod(fifo, 0o4755)  # setuid and all bits: kept as given, as on ext4
+    out["fifo mode"] = stat.S_IMODE(os.lstat(fifo).st_mode)
+    os.chmod(fifo, 0o640)
     out["link"] = outcome(lambda: os.link(fifo, j(r, b"pipe2")))
     out["links"] = os.lstat(fifo).st_nlink
     out["rename"] = outcome(lambda: os.rename(j(r, b"pipe2"), j(r, b"docs", b"pipe3")))
@@ -316,6 +331,8 @@ def test_fifos_and_unix_sockets_work_in_the_tree(roots: dict[str, Path]) -> None
     assert want["fifo data"] == b"through the pipe" and want["socket data"] == b"over the socket"
     assert want["mkfifo again"] == "EEXIST" and want["links"] == 2
     assert want["mknod"] is None and want["device"] == (True, os.makedev(1, 3), 0o640)
+    assert (want["mkfifo ENOTDIR"], want["mknod ELOOP"]) == ("ENOTDIR", "ELOOP")
+    assert want["mkfifo over a dangling symlink"] == "EEXIST" and want["fifo mode"] == 0o4755
 
 
 # ---------------------------------------------------------------------- hard links
