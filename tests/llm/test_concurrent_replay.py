@@ -15,21 +15,18 @@ from tests.llm.test_replay import replay_proxy
 from tests.llm.upstream import FakeUpstream
 
 TASKS = 8
-# Recorded: task k answers after (TASKS + 1 - k) * 60 ms, so the last submitted finishes first,
-# and each follow-up (200 ms) finishes between later tasks: the tape interleaves them. A
-# follow-up outlasts the gap between two tasks by 140 ms, so the last one still starts while
-# another is in flight (one concurrency window) on a machine slowed that much.
-TASK_MS = 60
-FOLLOW_UP_MS = 200
+# Recorded: task k answers after (TASKS + 1 - k) * TASK_MS, so the last submitted tends to
+# finish first; the gates of fan_out make the tape's shape certain, however slow the machine.
+TASK_MS = 20
+FOLLOW_UP_MS = 50
+TOGETHER = f"tasks:{TASKS}"  # the upstream holds the tasks until all have arrived
+FIRST_ANSWERED = "a follow-up answered"
+LAST_SENT = "the last follow-up sent"
 
 
-def ask(provider: str, sdk: tuple[Any, Any], text: str, delay_ms: int, together: bool) -> str:
-    """One call through the real SDK; the answer's text. `together`: the upstream starts its
-    delay once all TASKS such calls have arrived, however slowly the threads got going."""
+def ask(provider: str, sdk: tuple[Any, Any], text: str, headers: dict[str, str]) -> str:
+    """One call through the real SDK (`headers` for the fake upstream); the answer's text."""
     o, a = sdk
-    headers = {"x-fake-delay-ms": str(delay_ms)}
-    if together:
-        headers["x-fake-barrier"] = f"tasks:{TASKS}"
     messages = [{"role": "user", "content": text}]
     if provider == "openai":
         reply = o.chat.completions.create(
@@ -44,21 +41,33 @@ def ask(provider: str, sdk: tuple[Any, Any], text: str, delay_ms: int, together:
 
 
 def fan_out(
-    provider: str, base_urls: dict[str, str], changed: int | None = None
+    provider: str,
+    base_urls: dict[str, str],
+    changed: int | None = None,
+    upstream: FakeUpstream | None = None,
 ) -> tuple[list[Any], list[int]]:
     """Eight tasks at once; each task's follow-up is sent as soon as that task is done, so the
     follow-ups go out in completion order. Returns each task's final answer (or its error) in
-    task order, and the order the tasks completed in."""
+    task order, and the order the tasks completed in.
+
+    When recording (`upstream` given), gates make the tape interleave tasks and follow-ups and
+    keep every call in one concurrency window: tasks 1-4 are answered only once the agent
+    holds a follow-up's answer (so that follow-up's frame precedes theirs), and the second
+    follow-up only once the last one has reached the upstream (so the last starts while
+    another is in flight)."""
     finals: list[Any] = [None] * TASKS
     order: list[int] = []
     sdk = clients(base_urls)
     with ThreadPoolExecutor(TASKS * 2) as pool:
-        tasks: dict[Future[str], int] = {
-            pool.submit(ask, provider, sdk, f"task {k}", (TASKS + 1 - k) * TASK_MS, True): k
-            for k in range(1, TASKS + 1)
-        }
+        tasks: dict[Future[str], int] = {}
+        for k in range(1, TASKS + 1):
+            headers = {"x-fake-delay-ms": str((TASKS + 1 - k) * TASK_MS),
+                       "x-fake-barrier": TOGETHER}  # fmt: skip
+            if k <= TASKS // 2:
+                headers["x-fake-wait-for"] = FIRST_ANSWERED
+            tasks[pool.submit(ask, provider, sdk, f"task {k}", headers)] = k
         follow_ups: dict[Future[str], int] = {}
-        for done in as_completed(tasks):
+        for position, done in enumerate(as_completed(tasks)):
             k = tasks[done]
             order.append(k)
             if done.exception() is not None:  # after a divergence: no follow-up
@@ -66,7 +75,16 @@ def fan_out(
                 continue
             how = "differently" if k == changed else "briefly"
             text = f"follow up on [{done.result()}] {how}"
-            follow_ups[pool.submit(ask, provider, sdk, text, FOLLOW_UP_MS, False)] = k
+            headers = {"x-fake-delay-ms": str(FOLLOW_UP_MS)}
+            if position == 1:
+                headers["x-fake-wait-for"] = LAST_SENT
+            if position == TASKS - 1:
+                headers["x-fake-opens"] = LAST_SENT
+            future = pool.submit(ask, provider, sdk, text, headers)
+            if position == 0 and upstream is not None:
+                opens = upstream.server.gate(FIRST_ANSWERED).set
+                future.add_done_callback(lambda _, opens=opens: opens())
+            follow_ups[future] = k
         for done in as_completed(follow_ups):
             error = done.exception()
             finals[follow_ups[done] - 1] = done.result() if error is None else error
@@ -90,7 +108,7 @@ def test_a_fan_out_replays_strictly_whatever_order_its_calls_come_in(
     provider: str, honor_timing: bool, upstream: FakeUpstream, recording: Recording, tmp_path: Path
 ) -> None:
     with recording.proxy(upstream) as proxy:
-        live, recorded_order = fan_out(provider, proxy.base_urls())
+        live, recorded_order = fan_out(provider, proxy.base_urls(), upstream=upstream)
     assert recorded_order != sorted(recorded_order)
     # The tape interleaves tasks and follow-ups: a follow-up ended before a task did.
     texts = list(recorded_requests(recording).values())
@@ -116,7 +134,7 @@ def test_a_changed_follow_up_in_a_fan_out_diverges_at_its_own_frame(
     import openai
 
     with recording.proxy(upstream) as proxy:
-        fan_out("openai", proxy.base_urls())
+        fan_out("openai", proxy.base_urls(), upstream=upstream)
     upstream.stop()
     (frame,) = [s for s, text in recorded_requests(recording).items() if "task 5]" in text]
     proxy, _, second, diverged = replay_proxy(recording, tmp_path)

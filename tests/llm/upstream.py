@@ -5,7 +5,9 @@ last, the model calls the first tool; after a tool result it says `done: <result
 it echoes the last user text. Streams are written one event per write (some two per write) with
 chunked transfer encoding, so chunk boundaries are real. A request with `"cache"` in its last
 message reports 3 cached prompt tokens. Header `x-fake-delay-ms` delays the answer
-(after `x-fake-barrier: NAME:N` has held the request until N requests naming NAME arrived);
+(after `x-fake-barrier: NAME:N` has held the request until N requests naming NAME arrived;
+then `x-fake-wait-for: NAME` holds it until gate NAME is open, which a request with
+`x-fake-opens: NAME` opens as it arrives, or the test);
 `x-fake-response-headers` (a JSON object) is added to a JSON answer's headers;
 `x-fake-gate: NAME` holds a stream after its first event until the test opens the gate, and
 `x-fake-pause-ms` pauses it there (a model thinking between its first and second token).
@@ -162,6 +164,9 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         body = json.loads(raw) if raw else {}
         self.server.seen.append(("POST", self.path, dict(self.headers), body))
+        opens = self.headers.get("x-fake-opens")
+        if opens:
+            self.server.gate(opens).set()
         barrier = self.headers.get("x-fake-barrier")
         if barrier:
             name, _, parties = barrier.partition(":")
@@ -170,6 +175,9 @@ class Handler(BaseHTTPRequestHandler):
         delay = float(self.headers.get("x-fake-delay-ms", "0") or 0)
         if delay:
             time.sleep(delay / 1000)
+        waits_for = self.headers.get("x-fake-wait-for")
+        if waits_for:
+            self.server.gate(waits_for).wait(GATE_TIMEOUT_S)
         if self._fail(raw):
             return
         path = self.path.partition("?")[0]
