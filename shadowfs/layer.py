@@ -110,7 +110,6 @@ from shadowfs.tree import (
     FMT_SPECIAL,
     MAX_DEPTH,
     SPECIAL_FMT,
-    SPECIALS,
     SYMLINK,
     Entry,
     check_entry,
@@ -750,17 +749,19 @@ class Layer:
                 self._groups[link] = node
                 if not self._links_gathered:
                     self._links_pending = True
-        elif e.kind in SPECIALS:
-            node.rdev = e.rdev
         elif e.kind == DIR:
             if be is not None and be.kind == DIR:
                 node.base_path = base_path
                 node.base_oid = be.oid
-        else:
+        elif e.kind == SYMLINK:
             node.target = e.target
             node.size = e.size
             if be is not None and be.kind == SYMLINK and be.target == e.target:
                 node.base_path = base_path
+        else:
+            node.rdev = e.rdev
+            if be is not None and be == e:
+                node.base_path = base_path  # its owner and times are the base's
         # A directory loaded from the base tree holds the base's very entries: no comparison.
         node.stat_base = be is not None and (be is e or be == e) and base_path is not None
         return node

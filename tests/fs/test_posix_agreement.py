@@ -69,9 +69,13 @@ def roots(tmp_path: Path) -> Iterator[dict[str, Path]]:
 
 
 def populate_linked(root: Path) -> None:
-    """`populate`, and a base file with a second name in another directory."""
+    """`populate`, a base file with a second name in another directory, and a fifo of
+    another owner."""
     populate(root)
     os.link(root / "src" / "util.py", root / "docs" / "util-link.py")
+    os.mkfifo(root / "base-pipe")
+    os.chmod(root / "base-pipe", 0o620)
+    os.chown(root / "base-pipe", 65534, 65534)
 
 
 def outcome(fn: Callable[[], Any]) -> Any:
@@ -262,6 +266,8 @@ def _specials(r: bytes) -> dict[str, Any]:
     j = os.path.join
     out: dict[str, Any] = {}
     fifo, sock = j(r, b"src", b"pipe"), j(r, b"sock")
+    st = os.lstat(j(r, b"base-pipe"))
+    out["base fifo"] = (stat.S_ISFIFO(st.st_mode), st.st_mode & 0o7777, st.st_uid, st.st_mtime_ns)
     out["mkfifo"] = outcome(lambda: os.mkfifo(fifo, 0o640))
     out["mkfifo again"] = outcome(lambda: os.mkfifo(fifo))
     out["mkfifo over a file"] = outcome(lambda: os.mkfifo(j(r, b"README")))
@@ -331,6 +337,7 @@ def test_fifos_and_unix_sockets_work_in_the_tree(roots: dict[str, Path]) -> None
     assert want["fifo data"] == b"through the pipe" and want["socket data"] == b"over the socket"
     assert want["mkfifo again"] == "EEXIST" and want["links"] == 2
     assert want["mknod"] is None and want["device"] == (True, os.makedev(1, 3), 0o640)
+    assert want["base fifo"][:3] == (True, 0o620, 65534)
     assert (want["mkfifo ENOTDIR"], want["mknod ELOOP"]) == ("ENOTDIR", "ELOOP")
     assert want["mkfifo over a dangling symlink"] == "EEXIST" and want["fifo mode"] == 0o4755
 
