@@ -544,3 +544,33 @@ def test_a_commit_makes_what_the_kernel_overlay_shows(
     assert want[b"new"][2] == hashlib.sha256(b"new file\n").hexdigest()[:16]
     assert want[b"README"][3] == [b"README", b"docs/readme-link"]
     assert want[b"src/util.py"][3] == [b"src/util.py"]
+
+
+def _base_link_ops(r: bytes) -> None:
+    j = os.path.join
+    with open(j(r, b"docs", b"util-link.py"), "ab") as f:
+        f.write(b"# through the other name\n")
+    os.chmod(j(r, b"src", b"util.py"), 0o600)
+    os.link(j(r, b"src", b"util.py"), j(r, b"third"))
+
+
+def test_a_commit_through_the_fuse_layer_keeps_base_links_whole(tmp_path: Path) -> None:
+    # The kernel overlay parts a base file's names at copy-up (index=off); the FUSE layer keeps
+    # them one file, and its commit must leave the tree as ext4 itself would.
+    from shadowfs.commit import apply
+
+    populate_linked(tmp_path / "original")
+    native, base = tmp_path / "native", tmp_path / "base"
+    for copy in (native, base):
+        subprocess.run(["cp", "-a", tmp_path / "original", copy], check=True)
+    _base_link_ops(os.fsencode(native))
+    (tmp_path / "mnt").mkdir()
+    with Store.open(tmp_path / "store") as store, Layer(base, store, tmp_path / "scratch") as layer:
+        with Mount(layer, tmp_path / "mnt", process=True):
+            _base_link_ops(os.fsencode(tmp_path / "mnt"))
+            tree, _ = layer.snapshot()
+        apply(store, base, layer.base_tree, tree, journal_dir=tmp_path / "journal")
+    got, want = describe(base), describe(native)
+    assert got == want
+    assert want[b"third"][1:2] == [0o600]
+    assert want[b"third"][3] == [b"docs/util-link.py", b"src/util.py", b"third"]
