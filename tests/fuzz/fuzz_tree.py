@@ -37,7 +37,16 @@ def _seeds() -> list[bytes]:
         tree.Entry(b"new\nline \xff\xfe", tree.FILE, 0o4755, 0, 2, _OID, None),
         tree.Entry(b"x" * 255, tree.FILE, 0o600, 1 << 40, 3, _OID, None),
     ]
-    return [tree.encode_tree(entries), leaf, tree.encode_tree([])]
+    # Version 2: fifos, sockets, devices and hard-linked files.
+    specials = [
+        tree.Entry(b"pipe", tree.FIFO, 0o640, 0, 4, None, None),
+        tree.Entry(b"sock", tree.SOCKET, 0o755, 0, 5, None, None),
+        tree.Entry(b"null", tree.CHARDEV, 0o666, 0, 6, None, None, (1 << 8) | 3),
+        tree.Entry(b"loop0", tree.BLOCKDEV, 0o600, 0, 7, None, None, 7 << 8),
+        tree.Entry(b"one", tree.FILE, 0o644, 3, 8, _OID, None, 0, 1 << 63),
+        tree.Entry(b"two", tree.FILE, 0o644, 3, 8, _OID, None, 0, 1 << 63),
+    ]
+    return [tree.encode_tree(entries), leaf, tree.encode_tree([]), tree.encode_tree(specials)]
 
 
 def tree_input(data: bytes) -> None:
