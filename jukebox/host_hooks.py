@@ -152,7 +152,7 @@ def host_hook_changes(store: Any, base: ObjectId, final: ObjectId) -> list[HookC
         why = _kind_of(change.path.split(b"/"))
         if why == "config":
             if new.kind != FILE:
-                why = "a git config replaced by a symlink"
+                why = f"a git config replaced by a {new.kind}"  # a symlink, a fifo, ...
             else:
                 old = change.old
                 why = _config_change(store, old.oid if old and old.kind == FILE else None, new.oid)
