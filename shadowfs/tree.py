@@ -433,8 +433,10 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
             what = "a duplicate" if name == prev else "an out-of-order"
             raise _malformed(f"{what} entry {name!r} after {prev!r}")
         prev = name
-        kind = kinds.get(code, FILE if code == _LINKED_FILE else None)
-        if kind is None or code > last_code:
+        kind = kinds.get(code)
+        if kind is None and code == _LINKED_FILE:
+            kind = FILE
+        if kind is None or (code > 3 and code > last_code):
             raise _malformed(f"unknown kind code {code} for {name!r} in version {data[0]}")
         if mode > MODE_MASK:
             raise _malformed(f"mode {mode:#o} of {name!r} has bits outside 0o7777")
