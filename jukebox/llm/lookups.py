@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jukebox.llm.netns import PrivateNetwork
+from jukebox.names import printable
 
 RESOLV_CONF = "/etc/resolv.conf"
 NOTE_EVENT = "lookup_refused"
@@ -98,8 +99,10 @@ def sender(host: str) -> tuple[str, str] | None:
 
 
 def warning(host: str) -> str:
+    """The stderr line for a lookup; the name is the agent's, so it is escaped for a terminal."""
     known = sender(host)
-    line = f"warning: the agent looked up {host}, outside the proxy: under --net none, refused"
+    shown = printable(host)
+    line = f"warning: the agent looked up {shown}, outside the proxy: under --net none, refused"
     if known is not None:
         line += f" ({known[0]}; {known[1]} turns it off)"
     return line

@@ -73,6 +73,7 @@ from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
 from jukebox.llm.upstreams import agent_env as named_env
 from jukebox.llm.upstreams import named as named_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
+from jukebox.names import printable
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
 from jukebox.render import size as human
 
@@ -725,7 +726,9 @@ class ProxyServer:
         if key in self._warned:
             return
         self._warned.add(key)
-        print(f"jukebox: {redact_text(line, self.scrubber)}", file=sys.stderr, flush=True)
+        # The line may quote what the agent sent (a path, a header): shown, escaped.
+        shown = printable(redact_text(line, self.scrubber))
+        print(f"jukebox: {shown}", file=sys.stderr, flush=True)
 
     async def _telemetry_answered(
         self,

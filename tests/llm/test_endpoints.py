@@ -232,14 +232,16 @@ def test_agents_sdk_traces_warn_and_never_fail_a_replay(
         o, _ = clients(proxy.base_urls())
         o.models.list()
         o.models.list()
-    assert [path for _, path, _, _ in upstream.seen] == ["/v1/traces/ingest"] * 2 + [
-        "/v1/models"
-    ] * 2
+        # A path that would clear the user's terminal if printed as it is.
+        httpx.get(proxy.base_urls()["OPENAI_BASE_URL"] + "/x%1b[2J")
+    seen = [path for _, path, _, _ in upstream.seen]
+    assert seen == ["/v1/traces/ingest"] * 2 + ["/v1/models"] * 2 + ["/v1/x%1b[2J"]
     err = capsys.readouterr().err
     assert err.count("OpenAI Agents SDK's tracing") == 1  # once per run, not per batch
     assert "OPENAI_AGENTS_DISABLE_TRACING=1" in err and OPENAI_KEY not in err
     assert err.count("GET /models (openai) is not a recorded endpoint") == 1
-    assert [n["event"] for n in notes(recording)] == ["telemetry"] * 2 + ["llm_passthrough"] * 2
+    assert "\x1b" not in err and "/x\\x1b[2J" in err  # the agent's path, escaped
+    assert [n["event"] for n in notes(recording)] == ["telemetry"] * 2 + ["llm_passthrough"] * 3
     upstream.stop()
     proxy, second = replaying(recording, tmp_path)
     with proxy:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.llm.lookups import nameservers, question, refusal, sender
+from jukebox.llm.lookups import nameservers, question, refusal, sender, warning
 from jukebox.tape import Tape
 from shadowfs.store import Store
 
@@ -61,3 +61,6 @@ def test_a_query_gets_a_refusal_with_its_id_and_question() -> None:
     assert question(answer) is None  # a response is no question
     assert question(b"\x00" * 12 + b"\x40") is None  # a label longer than DNS allows
     assert sender("api.smith.langchain.com") is not None and sender("smith.langchain.co") is None
+    # A name is the agent's: a terminal escape in a label is shown, never sent to the terminal.
+    hostile = bytes.fromhex("abcd01000001000000000000") + b"\x05\x1b[31m\x03org\x00\x00\x01\x00\x01"
+    assert "\x1b" in question(hostile) and "\x1b" not in warning(question(hostile))
