@@ -739,6 +739,14 @@ def test_diff_does_not_read_identical_subtrees(tmp_path: Path, store: CountingSt
     assert statuses(diff_trees(store, a, b)) == [(b"small", "modified")]
     assert store.gets == [a, b]
 
+    # The same diff again (a commit asks for it four times) reads nothing, and a caller that
+    # changes its list changes no one else's.
+    tree._cache.clear()  # the decoded trees, not the remembered diffs
+    first = diff_trees(store, a, b)
+    first.clear()
+    assert statuses(diff_trees(store, a, b)) == [(b"small", "modified")]
+    assert store.gets == [a, b]
+
 
 # --- hostile trees ----------------------------------------------------------------------------
 
