@@ -153,6 +153,21 @@ def build_base_tree(
     return tree
 
 
+def known_files(tape_dir: TapeDir, tree_path: str, tree: ObjectId) -> dict[bytes, FileIdentity]:
+    """The files the last build of ``tree_path`` read whole into ``tree`` (it must be that
+    build's tree), with their identities then, leaving out those racily clean at the build: a
+    commit from ``tree`` trusts these unread (shadowfs.commit.apply's ``known``)."""
+    from shadowfs.tree import RACY_NS
+
+    prev = _read(tape_dir).get(tree_path)
+    try:
+        cutoff = int(prev["started_ns"]) - RACY_NS  # type: ignore[index]
+    except (TypeError, ValueError, KeyError):
+        return {}
+    return {p: ident for p, ident in _identities(tape_dir, tree_path, tree).items()
+            if ident[2] < cutoff}  # fmt: skip
+
+
 def forget_base_paths(tape_dir: TapeDir, tree_path: str, touched: Iterable[bytes]) -> None:
     """Drop the cached identities of ``touched`` paths of ``tree_path`` and of everything beneath
     them (a commit just rewrote them): the next build reads those files, and trusts the rest."""

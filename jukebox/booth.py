@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox import isolation
-from jukebox.basetree import build_base_tree, forget_committed
+from jukebox.basetree import build_base_tree, forget_committed, known_files
 from jukebox.booth_paths import SET_ID_WALK_LIMIT, BoothPaths, strip_set_id
 from jukebox.cgroups import BoothCgroup
 from jukebox.control import SOCKET_ENV, ControlServer, Peer, RequestError
@@ -710,9 +710,10 @@ def commit_tree(
     was undone before its commit point or finished after it)."""
     from jukebox import realtree
     from shadowfs.errors import CommitInterrupted, TargetBusy
+    from shadowfs.tree import diff_trees
 
     timeout = realtree.lock_timeout(lock_timeout)
-    changes = len(change_summary(store, base, final))
+    changes = len(diff_trees(store, base, final))  # remembered: the commit diffs the same
     target = realtree.open_recorded_tree(record.id, record.tree, record.tree_dev, record.tree_ino)
     try:
         if _read_only_fs(target):
@@ -736,7 +737,8 @@ def commit_tree(
                 "checkpoint": cp, "partial": partial,
             })
             try:
-                job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted)
+                job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted,
+                          known=known_files(tape_dir, record.tree, base))  # fmt: skip
             except CommitInterrupted:
                 write("note", {"event": "commit_interrupted", "outcome": "undone", "by": by}, None)
                 raise realtree.Interrupted(

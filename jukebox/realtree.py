@@ -38,7 +38,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +304,7 @@ class CommitJob:
         *,
         timeout: float,
         interrupted: Callable[[], bool],
+        known: Mapping[bytes, tuple[int, int, int]] | None = None,
     ) -> Any:
         from jukebox.progress import step
         from shadowfs.commit import apply
@@ -312,7 +313,7 @@ class CommitJob:
         with step("committing", "paths", done="committed") as tick:
             return apply(
                 store, target_fd, base, final, journal_dir=self.fd, drop_setid=True, key=self.key,
-                lock_timeout=timeout, interrupted=interrupted, progress=tick.phased,
+                lock_timeout=timeout, interrupted=interrupted, progress=tick.phased, known=known,
             )
 
     def __exit__(self, *exc: object) -> None:

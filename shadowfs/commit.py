@@ -52,7 +52,7 @@ import signal
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -593,9 +593,17 @@ def _same_content(store: CommitStore, fd: int, size: int, oid: ObjectId) -> bool
     return not os.read(fd, 1)
 
 
-def _holds(store: CommitStore, dirs: _Dirs, path: bytes, e: Entry) -> bool:
-    """Does the real tree still hold exactly ``e`` at ``path``?"""
-    st = _lstat(dirs, path)
+def _holds(
+    store: CommitStore,
+    dirs: _Dirs,
+    path: bytes,
+    e: Entry,
+    st: os.stat_result | None = None,
+    known: Known | None = None,
+) -> bool:
+    """Does the real tree still hold exactly ``e`` at ``path``? ``st``: its lstat, if taken;
+    ``known``: see `apply`."""
+    st = _lstat(dirs, path) if st is None else st
     if st is None:
         return False
     fmt = stat.S_IFMT(st.st_mode)
@@ -613,6 +621,8 @@ def _holds(store: CommitStore, dirs: _Dirs, path: bytes, e: Entry) -> bool:
         )
     if fmt != stat.S_IFREG or stat.S_IMODE(st.st_mode) != e.mode or st.st_size != e.size:
         return False
+    if known is not None and known.get(path) == (st.st_dev, st.st_ino, st.st_ctime_ns):
+        return True  # the very file the caller hashed into the base, unwritten since
     try:
         fd = os.open(_name(path), _READ_FLAGS, dir_fd=dirs.get(_parent(path)))
     except OSError as exc:
@@ -624,6 +634,10 @@ def _holds(store: CommitStore, dirs: _Dirs, path: bytes, e: Entry) -> bool:
     finally:
         os.close(fd)
 
+
+Known = Mapping[bytes, tuple[int, int, int]]
+"""Paths of files the caller read whole into the base tree -> their (st_dev, st_ino,
+st_ctime_ns) then (see `apply`'s ``known``)."""
 
 Seen = tuple[int, ...] | None
 """What the check saw at a path: None (nothing), or its stat identity (see `_seen`)."""
@@ -645,6 +659,7 @@ def _conflicts(
     plan: _Plan,
     progress: Progress | None,
     seen: dict[bytes, Seen] | None = None,
+    known: Known | None = None,
 ) -> list[str]:
     """The touched paths that no longer hold what the base says. ``seen`` collects each checked
     path's stat identity, taken before its content is compared, for `_changed_since`."""
@@ -656,12 +671,13 @@ def _conflicts(
             progress("check", i, total)
         if _parent(c.path) in created:
             continue  # beneath a directory this commit creates: the directory's check covers it
+        st = _lstat(dirs, c.path)
         if seen is not None:
-            seen[c.path] = _seen(_lstat(dirs, c.path))
+            seen[c.path] = _seen(st)
         if c.old is None:
-            if _lstat(dirs, c.path) is not None or not _reachable_dir(dirs, _parent(c.path)):
+            if st is not None or not _reachable_dir(dirs, _parent(c.path)):
                 bad.append(c.path)
-        elif not _holds(store, dirs, c.path, c.old):
+        elif st is None or not _holds(store, dirs, c.path, c.old, st, known):
             bad.append(c.path)
     for d, names in plan.removed_dirs.items():
         if d in bad:
@@ -1112,6 +1128,7 @@ def apply(
     key: bytes | None = None,
     lock_timeout: float | None = None,
     interrupted: Interrupted | None = None,
+    known: Known | None = None,
 ) -> CommitReport:
     """Make the real directory ``target`` go from ``base_tree`` to ``new_tree``, all or nothing.
 
@@ -1130,6 +1147,12 @@ def apply(
     ``drop_setid`` clears setuid/setgid on every file the commit writes or re-modes (files it
     does not touch keep theirs): committing a sandboxed agent's work as root must not mint a
     setuid-root program the sandbox never let the agent use itself.
+
+    ``known`` spares the conflict check a read of every touched file: a regular file whose
+    (st_dev, st_ino, st_ctime_ns) is the one listed for its path is taken to hold the content
+    the caller hashed then (any write since changes the ctime). List only files read whole
+    with a ctime older than the read by more than the clock's granularity (tree.RACY_NS), as
+    `build_tree` trusts an unread file.
     """
     if base_tree == new_tree:
         return CommitReport(0, 0)
@@ -1141,7 +1164,7 @@ def apply(
             _recover_locked(dirs, jfd, _Crash(steps=False), key)
             return _apply_locked(
                 store, dirs, jfd, base_tree, new_tree, crash, progress, drop_setid, key,
-                interrupted,
+                interrupted, known,
             )
         finally:
             dirs.close()
@@ -1159,6 +1182,7 @@ def _apply_locked(
     drop_setid: bool = False,
     key: bytes | None = None,
     interrupted: Interrupted | None = None,
+    known: Known | None = None,
 ) -> CommitReport:
     changes = _changes(store, base_tree, new_tree)
     if not changes:
@@ -1166,8 +1190,10 @@ def _apply_locked(
     token = secrets.token_hex(8)
     plan = _plan(store, new_tree, changes, token, drop_setid)
     seen: dict[bytes, Seen] = {}
-    with _prefetched(store, (c.old.oid for c in changes if c.old is not None and c.old.oid)):
-        conflicts = _conflicts(store, dirs, plan, progress, seen)
+    known_ = known or {}
+    unknown = (c for c in changes if c.old is not None and c.old.oid and c.path not in known_)
+    with _prefetched(store, (c.old.oid for c in unknown)):  # type: ignore[union-attr]
+        conflicts = _conflicts(store, dirs, plan, progress, seen, known)
     if conflicts:
         raise ConflictError(conflicts)
 

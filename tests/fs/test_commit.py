@@ -415,6 +415,31 @@ def test_second_apply_of_the_same_change_conflicts(tmp_path: Path, store: Store)
     assert_committed(s)
 
 
+def _identities(root: Path) -> dict[bytes, tuple[int, int, int]]:
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            st = os.lstat(os.path.join(dirpath, name))
+            if stat.S_ISREG(st.st_mode):
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                out[os.fsencode(rel)] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+    return out
+
+
+def test_known_files_are_trusted_unread_until_written(tmp_path: Path, store: Store) -> None:
+    s = Scenario(tmp_path, store, base_tree, everything)
+    known = _identities(s.target)  # what a build of the base saw
+    _same_size_edit_keeping_mtime(s.target)  # a write: its ctime moves, so it is read again
+    with pytest.raises(ConflictError) as info:
+        apply(store, s.target, s.base, s.new, journal_dir=s.journal, known=known)
+    assert info.value.conflicts == ["edit.txt"]
+
+    # The identity taken after that edit vouches for the edited file: the check believes it
+    # unread (so a caller must list only files it read whole, as build_tree's cache does).
+    apply(store, s.target, s.base, s.new, journal_dir=s.journal, known=_identities(s.target))
+    assert_committed(s)
+
+
 # --- hostile input ----------------------------------------------------------------------------
 
 
