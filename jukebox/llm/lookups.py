@@ -33,6 +33,7 @@ NOTE_EVENT = "lookup_refused"
 _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8916, 0x891C
 _REFUSED = 5
 _POLL_S = 0.2
+MAX_HOSTS = 100  # names listed (stderr and notes) at most
 
 # Hosts of known senders: (suffix, who, what turns it off).
 KNOWN_HOSTS = (
@@ -168,14 +169,20 @@ class LookupWatch:
                     self._seen_once(host)
 
     def _seen_once(self, host: str) -> None:
-        if host in self._seen:
+        if host in self._seen or len(self._seen) > MAX_HOSTS:
             return
         self._seen.add(host)
-        print(f"jukebox: {warning(host)}", file=sys.stderr, flush=True)
         note: dict[str, Any] = {"event": NOTE_EVENT, "host": host}
         known = sender(host)
-        if known is not None:
+        if len(self._seen) > MAX_HOSTS:  # an agent inventing names fills no tape nor terminal
+            line = f"note: more than {MAX_HOSTS} names looked up; the others are not listed"
+            note = {"event": NOTE_EVENT, "more": True}
+        elif known is not None:
+            line = warning(host)
             note.update(sender=known[0], off=known[1])
+        else:
+            line = warning(host)
+        print(f"jukebox: {line}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # a closed tape at shutdown loses only the note
             self._record("note", note)
 

@@ -110,6 +110,8 @@ SECRET_CODE = "jukebox_proxy_secret"
 # On every refusal of the proxy's own: the openai and anthropic SDKs obey this header before
 # looking at the status, and no `retry-after` is ever sent with a refusal.
 NO_RETRY = [("x-should-retry", "false")]
+# Distinct stderr warnings one proxy prints at most (one per path an agent may invent).
+MAX_WARNINGS = 20
 # How long a trip waits for the agent to take the answer that explains it before `stop_agent`
 # is called anyway.
 TRIP_NOTICE_S = 1.0
@@ -723,9 +725,11 @@ class ProxyServer:
         await self._send(conn, stream, h11.EndOfMessage())
 
     def _warn_once(self, key: tuple[str, ...], line: str) -> None:
-        if key in self._warned:
+        if key in self._warned or len(self._warned) > MAX_WARNINGS:
             return
         self._warned.add(key)
+        if len(self._warned) > MAX_WARNINGS:  # an agent inventing paths fills no terminal
+            line = "note: further warnings of this proxy are not shown (see the tape's notes)"
         # The line may quote what the agent sent (a path, a header): shown, escaped.
         shown = printable(redact_text(line, self.scrubber))
         print(f"jukebox: {shown}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ import pytest
 from jukebox.errors import UsageError
 from jukebox.llm.providers import DEFAULT_UPSTREAMS
 from jukebox.llm.replay import ReplaySource
-from jukebox.llm.server import ProxyServer, upstreams_from_env
+from jukebox.llm.server import MAX_WARNINGS, ProxyServer, upstreams_from_env
 from jukebox.render import describe
 from tests.llm.conftest import OPENAI_KEY, Recording, clients
 from tests.llm.upstream import FakeUpstream
@@ -234,14 +234,20 @@ def test_agents_sdk_traces_warn_and_never_fail_a_replay(
         o.models.list()
         # A path that would clear the user's terminal if printed as it is.
         httpx.get(proxy.base_urls()["OPENAI_BASE_URL"] + "/x%1b[2J")
+        # An agent inventing paths gets a bounded number of lines.
+        for i in range(MAX_WARNINGS + 5):
+            httpx.get(proxy.base_urls()["OPENAI_BASE_URL"] + f"/made-up-{i}")
     seen = [path for _, path, _, _ in upstream.seen]
-    assert seen == ["/v1/traces/ingest"] * 2 + ["/v1/models"] * 2 + ["/v1/x%1b[2J"]
+    assert seen[:5] == ["/v1/traces/ingest"] * 2 + ["/v1/models"] * 2 + ["/v1/x%1b[2J"]
     err = capsys.readouterr().err
     assert err.count("OpenAI Agents SDK's tracing") == 1  # once per run, not per batch
     assert "OPENAI_AGENTS_DISABLE_TRACING=1" in err and OPENAI_KEY not in err
     assert err.count("GET /models (openai) is not a recorded endpoint") == 1
     assert "\x1b" not in err and "/x\\x1b[2J" in err  # the agent's path, escaped
-    assert [n["event"] for n in notes(recording)] == ["telemetry"] * 2 + ["llm_passthrough"] * 3
+    lines = [line for line in err.splitlines() if line.startswith("jukebox: ")]
+    assert len(lines) == MAX_WARNINGS + 1 and "further warnings" in lines[-1]
+    events = [n["event"] for n in notes(recording)]
+    assert events == ["telemetry"] * 2 + ["llm_passthrough"] * (3 + MAX_WARNINGS + 5)
     upstream.stop()
     proxy, second = replaying(recording, tmp_path)
     with proxy:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.llm.lookups import nameservers, question, refusal, sender, warning
+from jukebox.llm.lookups import MAX_HOSTS, nameservers, question, refusal, sender, warning
 from jukebox.tape import Tape
 from shadowfs.store import Store
 
@@ -26,6 +26,12 @@ for host in ("raw.githubusercontent.com", "example.org") * 2:
         print("resolved", host, socket.getaddrinfo(host, 443)[0][4])
     except socket.gaierror as error:
         print("refused", host, error.errno)
+# An agent inventing names: listed up to a bound, then once as "more".
+for i in range(120):
+    try:
+        socket.getaddrinfo(f"h{i}.example.org", 443)
+    except socket.gaierror:
+        pass
 """
 
 
@@ -42,13 +48,21 @@ def test_lookups_around_the_proxy_are_refused_and_named(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "resolved" not in proc.stdout and proc.stdout.count("refused") == 4
     warned = [line for line in proc.stderr.splitlines() if "looked up" in line]
-    assert len(warned) == 2  # once per host
+    assert len(warned) == MAX_HOSTS + 1  # once per host, up to the bound, then once for the rest
     assert "raw.githubusercontent.com" in warned[0] and "LITELLM_LOCAL_MODEL_COST_MAP" in warned[0]
+    assert "more than 100 names looked up" in warned[-1]
     with Store.open(tapes / ".jukebox" / "store") as store:
         tape = Tape.load(tapes / "dns.jbx", store)
         notes = [f.payload for f in tape.frames if f.kind == "note"]
-    refused = [(n["host"], "sender" in n) for n in notes if n.get("event") == "lookup_refused"]
-    assert refused == [("raw.githubusercontent.com", True), ("example.org", False)]
+    refused = [n for n in notes if n.get("event") == "lookup_refused"]
+    assert len(refused) == MAX_HOSTS + 1 and refused[-1] == {
+        "event": "lookup_refused",
+        "more": True,
+    }
+    assert [(n["host"], "sender" in n) for n in refused[:2]] == [
+        ("raw.githubusercontent.com", True),
+        ("example.org", False),
+    ]
 
 
 def test_a_query_gets_a_refusal_with_its_id_and_question() -> None:
