@@ -1004,6 +1004,14 @@ def make_special(e: Entry, name: bytes, dfd: int) -> None:
     A socket is made as an inode with nothing listening on it (connecting is refused until a
     server binds a new one), as the kernel overlay's copy-up makes it; a device needs
     CAP_MKNOD."""
-    os.mknod(name, SPECIAL_FMT[e.kind] | 0o600, e.rdev, dir_fd=dfd)
-    # mknod's mode passes through the umask, and cannot carry setuid bits everywhere.
-    os.chmod(name, e.mode, dir_fd=dfd, follow_symlinks=True)
+    fmt = SPECIAL_FMT[e.kind]
+    os.mknod(name, fmt | 0o600, e.rdev, dir_fd=dfd)
+    # mknod's mode passes through the umask. The mode is set through an O_PATH fd of what was
+    # just made, never by name: a name swapped for a symlink meanwhile would redirect a chmod.
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        if stat.S_IFMT(os.fstat(fd).st_mode) != fmt:
+            raise TreeError(f"{e.kind} {e.name!r} was replaced while it was made; try again")
+        os.chmod(f"/proc/self/fd/{fd}", e.mode)
+    finally:
+        os.close(fd)
