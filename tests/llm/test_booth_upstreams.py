@@ -20,6 +20,7 @@ from tests.llm.upstream import FakeUpstream
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 AZURE_KEY = "azure-test-SECRET789abc"
+GEMINI_KEY = "AIzaSyFAKE-gemini-SECRET-0123456789abcd"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="booths here run as root")
 
@@ -38,6 +39,9 @@ seen = [
     azure.chat.completions.create(model="my-gpt4o", messages=ask).model_dump(),
     plain.embeddings.create(model="text-embedding-3-small", input="hello").model_dump(),
 ]
+from google import genai  # GOOGLE_GEMINI_BASE_URL and GEMINI_API_KEY from the environment
+gemini = genai.Client()  # kept in a name: a collected client closes its connection
+seen.append(gemini.models.generate_content(model="gemini-2.5-flash", contents="hello gemini").text)
 with open("out.json", "w") as f:
     json.dump(seen, f)
 # The agent's copy of the list names the proxy, never the upstreams' own URLs.
@@ -60,6 +64,7 @@ def test_named_and_azure_upstreams_record_and_replay_offline(
     tree.mkdir()
     (tree / "agent.py").write_text(AGENT)
     env = dict(os.environ, OPENAI_API_KEY=OPENAI_KEY, AZURE_OPENAI_API_KEY=AZURE_KEY,
+               GOOGLE_GEMINI_BASE_URL=upstream.url, GEMINI_API_KEY=GEMINI_KEY,
                OPENAI_BASE_URL=upstream.openai_url, AZURE_OPENAI_ENDPOINT=upstream.url,
                LANGCHAIN_TRACING_V2="true")  # fmt: skip
     try:
@@ -94,13 +99,16 @@ def test_named_and_azure_upstreams_record_and_replay_offline(
         ("completions", "local"),
         ("chat.completions", "azure"),
         ("embeddings", None),
+        ("generateContent", None),
     ]
+    assert recorded[4] == "echo: hello gemini" and turns[4]["provider"] == "gemini"
     upstream.stop()
     # Offline: the upstreams' variables are gone, the replay gives the agent the same names.
-    gone = ("AZURE_OPENAI_ENDPOINT", "OPENAI_BASE_URL", "AZURE_OPENAI_API_KEY")
+    gone = ("AZURE_OPENAI_ENDPOINT", "OPENAI_BASE_URL", "AZURE_OPENAI_API_KEY",
+            "GOOGLE_GEMINI_BASE_URL", "GEMINI_API_KEY")  # fmt: skip
     offline = {k: v for k, v in env.items() if k not in gone}
     replay = run_cli("replay", str(tapes / "rec.jbx"), "--exec", "--json", env=offline)
     assert replay.returncode == 0, replay.stderr
     result = json.loads(replay.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["agent_status"] == 0 and not result["problems"], result
-    assert (result["llm_served"], result["llm_live"], result["difference"]) == (4, 0, None)
+    assert (result["llm_served"], result["llm_live"], result["difference"]) == (5, 0, None)
