@@ -68,7 +68,13 @@ from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, SSEParser, encode_event
 from jukebox.llm.stream_end import is_final
-from jukebox.llm.telemetry import Source, proxy_warning, through_proxy, tracing_client
+from jukebox.llm.telemetry import (
+    AGENTS_TRACES,
+    Source,
+    proxy_warning,
+    through_proxy,
+    tracing_client,
+)
 from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
 from jukebox.llm.upstreams import agent_env as named_env
 from jukebox.llm.upstreams import named as named_upstreams
@@ -234,6 +240,7 @@ class ProxyServer:
         self._fallback_tables: dict[str, PriceTable] = {}
         self._unpriced_seen: set[str] = set()
         self._warned: set[tuple[str, ...]] = set()
+        self._tracing_noted = False
         # The agent's environment, for what it turns off: this process's (the Python API), or
         # the one a booth's session gives its agent.
         self.agent_environ: Mapping[str, str] = os.environ
@@ -476,10 +483,15 @@ class ProxyServer:
             return
         self.scrubber.learn_headers(headers)
         traced = tracing_client(headers, self.agent_environ)
-        if traced is not None:
-            self._warn_once(("tracing client",), traced)
         ex = Exchange(where.provider, where.endpoint, method, where.rest, headers, body)
         ex.upstream = where.named
+        if traced is not None and not self._tracing_noted:
+            self._tracing_noted = True
+            self._warn_once(("tracing client",), traced)
+            # On the tape too, once: the traces themselves never reach it.
+            await self._note_request(
+                "telemetry", where, ex, source=AGENTS_TRACES.who, seen="user-agent"
+            )
         if not where.recorded:
             await self._passthrough(conn, stream, where, ex)
             return

@@ -276,6 +276,8 @@ def test_an_agents_sdk_with_tracing_on_is_named_once(
             sdk.chat.completions.create(**ask)
             clients(proxy.base_urls())[0].chat.completions.create(**ask)
         warned.append(capsys.readouterr().err)
+    seen = [n for n in notes(recording) if n["event"] == "telemetry"]
+    assert [(n["seen"], n["path"]) for n in seen] == [("user-agent", "/chat/completions")]
     assert warned[0].count("OpenAI Agents SDK (Agents/Python 0.24.0)") == 1
     assert "OPENAI_AGENTS_DISABLE_TRACING=1" in warned[0]
     assert "Agents SDK" not in warned[1]
