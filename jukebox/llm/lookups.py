@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jukebox import progress
 from jukebox.llm.netns import PrivateNetwork
 from jukebox.names import printable
 
@@ -182,7 +183,10 @@ class LookupWatch:
             note.update(sender=known[0], off=known[1])
         else:
             line = warning(host)
-        print(f"jukebox: {line}", file=sys.stderr, flush=True)
+        if line.startswith("note:"):
+            progress.note(line)  # --quiet drops notes, never warnings
+        else:
+            print(f"jukebox: {line}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # a closed tape at shutdown loses only the note
             self._record("note", note)
 

@@ -47,6 +47,7 @@ import h11
 import httpx
 import trio
 
+from jukebox import progress
 from jukebox.breaker import Trip
 from jukebox.llm.budget import worst_case
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
@@ -742,9 +743,13 @@ class ProxyServer:
         self._warned.add(key)
         if len(self._warned) > MAX_WARNINGS:  # an agent inventing paths fills no terminal
             line = "note: further warnings of this proxy are not shown (see the tape's notes)"
-        # The line may quote what the agent sent (a path, a header): shown, escaped.
-        shown = printable(redact_text(line, self.scrubber))
-        print(f"jukebox: {shown}", file=sys.stderr, flush=True)
+        # The line may quote what the agent sent (a path, a header): shown, escaped. Notes
+        # go where --quiet drops them; warnings are always shown.
+        shown = redact_text(line, self.scrubber)
+        if line.startswith("note:"):
+            progress.note(shown)
+        else:
+            print(f"jukebox: {printable(shown)}", file=sys.stderr, flush=True)
 
     async def _telemetry_answered(
         self,

@@ -89,11 +89,17 @@ class LlmSession:
             if network is not None:
                 network.close()
             raise
-        if proxy.named:
-            # The names the agent was given: its replay gets the same (jukebox.llm.upstreams).
-            record("note", {"event": UPSTREAMS_NOTE, "names": proxy.named})
-        # What the agent tries to reach around the proxy, seen by its lookups.
-        lookups = LookupWatch.start(network, record) if network is not None else None
+        try:
+            if proxy.named:
+                # The names the agent was given: its replay gets the same (jukebox.llm.upstreams).
+                record("note", {"event": UPSTREAMS_NOTE, "names": proxy.named})
+            # What the agent tries to reach around the proxy, seen by its lookups.
+            lookups = LookupWatch.start(network, record) if network is not None else None
+        except BaseException:
+            proxy.stop()
+            if network is not None:
+                network.close()
+            raise
         return cls(proxy, network, replaying=options.replay is not None, lookups=lookups)
 
     def agent_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
