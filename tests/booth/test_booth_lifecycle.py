@@ -7,9 +7,11 @@ import os
 import re
 import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.booth.conftest import NOBODY
 from tests.booth.test_booth_run import booth_run, jb, work  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
@@ -144,22 +146,40 @@ SPECIALS = (
 )
 
 
-@pytest.mark.parametrize("fs", ["fuse", "overlay"])
-def test_fifos_sockets_and_hard_links_are_reviewed_and_committed(work, fs: str) -> None:  # noqa: F811
-    tree, tapes = work
-    proc = booth_run(tree, tapes, SPECIALS, "--fs", fs, "--commit", "never")
+@pytest.mark.parametrize(("fs", "who"), [("fuse", "root"), ("overlay", "nobody")])
+def test_fifos_sockets_and_hard_links_are_reviewed_and_committed(
+    request: pytest.FixtureRequest, tmp_path: Path, fs: str, who: str
+) -> None:
+    # Both layers, both kinds of user: an unprivileged booth's overlay runs in a user namespace.
+    python, user, home = None, None, tmp_path
+    if who == "nobody":
+        python, user = request.getfixturevalue("nobody_python"), NOBODY
+        home = request.getfixturevalue("nobody_dir")
+    tree, tapes = home / "tree", home / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    (tree / "keep.txt").write_text("untouched\n")
+    if user is not None:
+        for path in (tree, tree / "a.txt", tree / "keep.txt"):
+            os.chown(path, user, user)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return jb(*args, python=python, user=user)
+
+    proc = run("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "t1",
+               "--fs", fs, "--commit", "never", "--", "sh", "-c", SPECIALS)
     assert proc.returncode == 0, proc.stderr
-    review = jb("booth", "diff", "t1", "--tape-dir", str(tapes)).stdout
+    review = run("booth", "diff", "t1", "--tape-dir", str(tapes)).stdout
     for line in ("A pipe  (fifo)", "A sock  (unix socket)", "A hard  (4 bytes, hard link)",
                  "L a.txt  (4 bytes, hard link)"):
         assert line in review.splitlines(), review
-    data = json.loads(jb("booth", "diff", "t1", "--json", "--tape-dir", str(tapes)).stdout)
+    data = json.loads(run("booth", "diff", "t1", "--json", "--tape-dir", str(tapes)).stdout)
     kinds = {c["path"]: c["kind"] for c in data["changes"]}
     assert kinds == {"a.txt": "file", "hard": "file", "pipe": "fifo", "sock": "socket"}
     tape = str(tapes / "t1.jbx")
-    between = jb("diff", f"{tape}@0", tape).stdout
+    between = run("diff", f"{tape}@0", tape).stdout
     assert "  A  pipe  (fifo)" in between and "  A  keep.txt" not in between, between
-    assert jb("booth", "commit", "t1", "--tape-dir", str(tapes)).returncode == 0
+    assert run("booth", "commit", "t1", "--tape-dir", str(tapes)).returncode == 0
     assert stat.S_ISFIFO(os.lstat(tree / "pipe").st_mode)
     assert stat.S_ISSOCK(os.lstat(tree / "sock").st_mode)
     assert os.lstat(tree / "a.txt").st_ino == os.lstat(tree / "hard").st_ino
