@@ -1191,6 +1191,8 @@ class Store:
         if moving:
             new_bytes += pk.PACK_HEADER_LEN * (1 + new_bytes // PACK_TARGET)
         report = GcReport(len(keep), len(dead), max(0, old_bytes - new_bytes), max(0, left))
+        if progress is not None:
+            progress(0, len(moving))  # the total is known: most gcs copy nothing at all
         if dry_run or not (rewrite or dead):
             return report
 
