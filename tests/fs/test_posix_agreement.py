@@ -385,6 +385,29 @@ def _links(r: bytes) -> dict[str, Any]:
         lambda: os.link(j(r, b"link"), j(r, b"link2"), follow_symlinks=False)
     )
     out["symlink same"] = same(j(r, b"link"), j(r, b"link2"))
+    # Truncate and times through one name show through the other.
+    os.truncate(j(r, b"docs", b"hard3"), 3)
+    os.utime(hard, ns=(1_000_000_000, 2_000_000_000))
+    st = os.lstat(j(r, b"docs", b"hard3"))
+    out["truncate and times"] = st.st_size, st.st_mtime_ns, Path(os.fsdecode(hard)).read_bytes()
+    # A directory holding a name moves with it; another file renamed over a name drops it.
+    os.mkdir(j(r, b"holder"))
+    os.link(hard, j(r, b"holder", b"inner"))
+    os.rename(j(r, b"holder"), j(r, b"moved"))
+    out["moved dir"] = same(hard, j(r, b"moved", b"inner"))
+    with open(j(r, b"other"), "wb") as f:
+        f.write(b"other")
+    os.rename(j(r, b"other"), j(r, b"moved", b"inner"))
+    out["renamed over"] = same(hard, j(r, b"docs", b"hard3")), os.lstat(
+        j(r, b"moved", b"inner")
+    ).st_nlink
+    # Every name gone while a descriptor is open: the file lives on through it, with no link.
+    fd = os.open(j(r, b"new.txt"), os.O_RDWR)
+    for p in (j(r, b"new.txt"), j(r, b"docs", b"new-link")):
+        os.unlink(p)
+    os.pwrite(fd, b"ONE", 0)
+    out["unlinked open file"] = os.fstat(fd).st_nlink, os.pread(fd, 10, 0)
+    os.close(fd)
     # The errors link(2) names.
     out["EEXIST"] = outcome(lambda: os.link(hard, j(r, b"run.sh")))
     out["EPERM dir"] = outcome(lambda: os.link(j(r, b"src"), j(r, b"src2")))
@@ -408,6 +431,9 @@ def test_hard_links_are_one_inode_under_every_name(roots: dict[str, Path]) -> No
     assert want["shared content"] == b"readme\nthrough hard\n" and want["shared mode"] == 0o600
     assert want["rename onto itself"] is None and want["both stay"] == (True, True)
     assert want["EPERM dir"] == "EPERM" and want["ENOTDIR"] == "ENOTDIR"
+    assert want["truncate and times"] == (3, 2_000_000_000, b"rea")
+    assert want["moved dir"] == (True, [3, 3]) and want["renamed over"] == ((True, [2, 2]), 1)
+    assert want["unlinked open file"] == (0, b"ONE two")
 
 
 def _base_links(r: bytes) -> dict[str, Any]:
