@@ -13,6 +13,7 @@ no key reaches the tape.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,11 @@ class Exchange:
     response_body: bytes | None = None  # JSON (or any non-stream) body
     events: list[SSEEvent] | None = None  # a stream's events, in order
     latency_ms: float = 0.0
+    # When the proxy had the whole request, and how long it then held it before sending it
+    # upstream (breaker admission, rewriting, a busy event loop): the call was in flight, for
+    # the agent, from its arrival, which is what replay's concurrency windows need.
+    received: float = field(default_factory=time.perf_counter)
+    queued_ms: float = 0.0
     error: str | None = None  # the upstream failed or the client went away
     replayed_from: int | None = None  # seq of the frame served in its place, during replay
     rewritten: bool = False  # a RequestRewriter changed the request before it was sent
@@ -130,6 +136,7 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         "model": summary.model,
         "status": ex.status,
         "latency_ms": round(ex.latency_ms, 3),
+        "queued_ms": round(ex.queued_ms, 3),
         "stream": ex.stream,
         "usage": usage,
         "tool_calls": summary.tool_calls,

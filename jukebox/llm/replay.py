@@ -324,6 +324,9 @@ class ReplaySource:
             if p.get("stream"):
                 events = [event_from_record(e) for e in p.get("response") or []]
             latency_ns = int(float(p.get("latency_ms") or 0) * 1e6)
+            # In flight from its arrival at the proxy, which may have held it a while before
+            # sending it upstream (tapes before `queued_ms`: from its sending).
+            queued_ns = int(float(p.get("queued_ms") or 0) * 1e6)
             exchanges.append(
                 Recorded(
                     seq=frame.seq,
@@ -334,7 +337,7 @@ class ReplaySource:
                     headers=dict(p.get("response_headers") or {}),
                     response=None if events is not None else p.get("response"),
                     events=events,
-                    start_ns=frame.time_ns - latency_ns,
+                    start_ns=frame.time_ns - latency_ns - queued_ns,
                     end_ns=frame.time_ns,
                     rewriter=rewriter if p.get("replayed_from") is None else None,
                     upstream=p["upstream"] if isinstance(p.get("upstream"), str) else None,

@@ -598,6 +598,7 @@ class ProxyServer:
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
     ) -> None:
         started = time.perf_counter()
+        ex.queued_ms = (started - ex.received) * 1000
         try:
             upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
         except httpx.HTTPError as error:

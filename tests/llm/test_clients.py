@@ -142,6 +142,7 @@ def test_record(name: str, run: Run) -> None:
     assert run.seen == EXPECTED
     assert len(run.turns) == 3 == len(run.upstream_calls)
     assert all(t["status"] == 200 and "error" not in t for t in run.turns)
+    assert all(t["queued_ms"] >= 0 and t["latency_ms"] > 0 for t in run.turns)
     # Every call counted and priced: the breaker's totals see them all.
     assert all(t["usage"]["input"] > 0 and t["usage"]["output"] > 0 for t in run.turns)
     assert all(t["cost_usd"] > 0 for t in run.turns)

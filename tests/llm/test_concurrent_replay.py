@@ -3,6 +3,7 @@ calls that were in flight together, whatever order they arrive in; paced with ho
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,39 @@ def test_calls_of_a_later_window_keep_their_recorded_order() -> None:
     assert caught.value.seq == 1 and caught.value.later == 3
     assert "equals frame 3" in caught.value.message()
     assert "--honor-timing" in caught.value.message()
+
+
+def test_calls_that_arrived_together_share_a_window_however_late_they_were_sent(
+    recording: Recording,
+) -> None:
+    """litellm's acompletion fanned out six calls at once; the proxy, busy, sent some upstream
+    only after others were answered, so their recorded spans (from sending) did not overlap and
+    the replay wanted them in that order. A call is in flight from its arrival (`queued_ms`)."""
+
+    def turn(text: str, queued_ms: float | None) -> dict[str, Any]:
+        payload = {"provider": "openai", "endpoint": "chat.completions", "status": 200,
+                   "path": "/chat/completions", "latency_ms": 1.0, "stream": False,
+                   "request": {"model": "m", "messages": [{"role": "user", "content": text}]},
+                   "response": {"choices": []}, "response_headers": {}}  # fmt: skip
+        return payload if queued_ms is None else {**payload, "queued_ms": queued_ms}
+
+    # Both arrived together and waited at the proxy: one window, either order replays.
+    queued = 10_000.0  # far longer than the gap between the frames, however slow the machine
+    recording.writer.append("llm_turn", turn("a", queued))
+    time.sleep(0.02)  # the second was sent upstream after the first was answered
+    recording.writer.append("llm_turn", turn("b", queued))
+    source = ReplaySource.from_tape(recording.tape(), recording.store)
+    request_b = turn("b", None)["request"]
+    first, second = (f.seq for f in recording.tape().frames if f.kind == "llm_turn")
+    assert source.take("openai", "chat.completions", request_b).seq == second
+    assert source.take("openai", "chat.completions", turn("a", None)["request"]).seq == first
+
+    # A tape without `queued_ms` (or a call sent at once) keeps the spans from sending.
+    recording.writer.append("llm_turn", turn("c", None))
+    time.sleep(0.02)
+    recording.writer.append("llm_turn", turn("d", 0.0))
+    source = ReplaySource.from_tape(recording.tape(), recording.store)
+    for text in ("a", "b"):
+        source.take("openai", "chat.completions", turn(text, None)["request"])
+    with pytest.raises(Divergence):
+        source.take("openai", "chat.completions", turn("d", None)["request"])
