@@ -93,7 +93,8 @@ _ALLOW_HOOKS_HELP = (
     metavar="NAME=URL",
     help="Another OpenAI-compatible model server (Ollama, vLLM, OpenRouter, ...), recorded "
     "through the proxy: the agent finds it at $JUKEBOX_UPSTREAM_NAME_BASE_URL. Repeatable; "
-    "openai=URL or anthropic=URL replace the built-in upstreams (docs/llm-proxy.md).",
+    "NAME=anthropic+URL for an Anthropic-compatible one; openai=URL or anthropic=URL replace "
+    "the built-in upstreams (docs/llm-proxy.md).",
 )
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
 @click.option(

@@ -17,7 +17,7 @@ numbers a frame carries: model, token usage, tool calls and the text the model p
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,13 +131,19 @@ def _openai_path(path: str) -> str:
     return path
 
 
-def route(method: str, target: str, named: Iterable[str] = ()) -> Route | None:
+def route(method: str, target: str, named: Mapping[str, str] | Iterable[str] = ()) -> Route | None:
     """The provider and endpoint a request target addresses, or None if it is not ours.
-    `named`: the names of the proxy's named upstreams (OpenAI protocol, `/upstream/NAME`).
+    `named`: the proxy's named upstreams (`/upstream/NAME`), each name with its protocol, or
+    names alone for the OpenAI protocol.
 
     Raises PathRefused when the path after the prefix would leave it (jukebox.llm.paths)."""
+    protocols = named if isinstance(named, Mapping) else dict.fromkeys(named, OPENAI)
     prefixes = [(p, prefix, p) for p, prefix in PREFIXES.items()]
-    prefixes += [(OPENAI, NAMED_PREFIX + name, name) for name in named if name not in PREFIXES]
+    prefixes += [
+        (protocol, NAMED_PREFIX + name, name)
+        for name, protocol in protocols.items()
+        if name not in PREFIXES
+    ]
     for provider, prefix, upstream in prefixes:
         if target == prefix or target.startswith((prefix + "/", prefix + "?")):
             rest, path = confine(target[len(prefix) :] or "/")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jukebox.frame import canonical_json
-from jukebox.llm.providers import replay_endpoint
+from jukebox.llm.providers import OPENAI, PREFIXES, replay_endpoint
 from jukebox.llm.recorder import LLM_TURN
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
@@ -287,7 +287,9 @@ class ReplaySource:
         )
         concurrency_windows(self.exchanges)
         # Named upstreams get their own queues, and a replaying proxy serves their names.
-        self.upstream_names: set[str] = {ex.upstream for ex in exchanges if ex.upstream}
+        self.upstream_protocols: dict[str, str] = {
+            ex.upstream: ex.provider for ex in exchanges if ex.upstream
+        }
         for ex in self.exchanges:
             key = (ex.upstream or ex.provider, ex.endpoint)
             self._queues.setdefault(key, _Queue()).items.append(ex)
@@ -306,11 +308,15 @@ class ReplaySource:
         """Every successful llm_turn frame of `tape` (a jukebox.tape.Tape), through `until`."""
         exchanges = []
         rewriter: RequestRewriter | None = None
-        names: set[str] = set()
+        names: dict[str, str] = {}
         for frame in tape.frames:
             if frame.kind == "note" and frame.payload.get("event") == UPSTREAMS_NOTE:
                 listed = frame.payload.get("names")
-                names.update(n for n in listed or () if isinstance(n, str))
+                protocols = frame.payload.get("protocols") or {}
+                for name in listed if isinstance(listed, list) else ():
+                    protocol = protocols.get(name) if isinstance(protocols, dict) else None
+                    if isinstance(name, str):
+                        names[name] = protocol if protocol in PREFIXES else OPENAI
                 continue
             if frame.kind == "fork":
                 rewriter = _fork_rewriter(frame.payload)
@@ -344,7 +350,7 @@ class ReplaySource:
                 )
             )
         source = cls(exchanges, mode=mode, until=until, honor_timing=honor_timing)
-        source.upstream_names |= names
+        source.upstream_protocols = {**names, **source.upstream_protocols}
         return source
 
     def remaining(self) -> int:

@@ -79,6 +79,7 @@ from jukebox.llm.telemetry import (
 from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
 from jukebox.llm.upstreams import agent_env as named_env
 from jukebox.llm.upstreams import named as named_upstreams
+from jukebox.llm.upstreams import split as split_upstream
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.names import printable
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
@@ -211,14 +212,17 @@ class ProxyServer:
         for provider, default in DEFAULT_UPSTREAMS.items():
             # A caller's mapping may predate a provider: a replay's then reaches nothing.
             self.upstreams.setdefault(provider, OFFLINE_URL if replay is not None else default)
-        for name in self.upstreams:
-            if name not in DEFAULT_UPSTREAMS:
-                check_name(name)
+        # Named upstreams: their protocols apart, their values plain URLs.
+        self.protocols: dict[str, str] = {}
+        for name in named_upstreams(self.upstreams):
+            protocol, url = split_upstream(self.upstreams[check_name(name)])
+            self.protocols[name], self.upstreams[name] = protocol, url
         if replay is not None:
             # A replay serves the names its tape used; nothing is forwarded to them.
-            for name in replay.upstream_names:
-                self.upstreams.setdefault(name, OFFLINE_URL)
-        self.named = named_upstreams(self.upstreams)
+            for name, protocol in replay.upstream_protocols.items():
+                if name not in self.upstreams:
+                    self.upstreams[name], self.protocols[name] = OFFLINE_URL, protocol
+        self.named = sorted(self.protocols)
         self.record = record
         self.replay = replay
         # Replays answer at once, unless asked to keep the recorded latency and order.
@@ -282,7 +286,7 @@ class ProxyServer:
         out = {
             name: self.url + prefix for p, prefix in PREFIXES.items() for name in base_url_names(p)
         }
-        out.update(named_env(self.url, self.named))
+        out.update(named_env(self.url, self.protocols))
         return out
 
     def start(self) -> ProxyServer:
@@ -467,7 +471,7 @@ class ProxyServer:
         method = request.method.decode("ascii")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
         try:
-            where = route(method, target, self.named)
+            where = route(method, target, self.protocols)
         except PathRefused as refused:
             message = f"jukebox proxy: path refused: {refused}"
             provider = "anthropic" if target.startswith("/anthropic") else "openai"

@@ -17,6 +17,7 @@ from jukebox.llm.lookups import LookupWatch
 from jukebox.llm.netns import PrivateNetwork
 from jukebox.llm.placeholder_keys import placeholder_env
 from jukebox.llm.pricing import PriceTable
+from jukebox.llm.providers import OPENAI
 from jukebox.llm.recorder import FrameSink
 from jukebox.llm.replay import Divergence, ReplaySource
 from jukebox.llm.rewrite import RequestRewriter
@@ -92,7 +93,11 @@ class LlmSession:
         try:
             if proxy.named:
                 # The names the agent was given: its replay gets the same (jukebox.llm.upstreams).
-                record("note", {"event": UPSTREAMS_NOTE, "names": proxy.named})
+                note = {"event": UPSTREAMS_NOTE, "names": proxy.named}
+                other = {n: p for n, p in proxy.protocols.items() if p != OPENAI}
+                if other:
+                    note["protocols"] = other
+                record("note", note)
             # What the agent tries to reach around the proxy, seen by its lookups.
             lookups = LookupWatch.start(network, record) if network is not None else None
         except BaseException:

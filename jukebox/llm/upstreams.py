@@ -12,8 +12,10 @@ openai SDK's `AzureOpenAI` client then goes through the proxy without a change. 
 (`/openai/deployments/{name}/chat/completions?api-version=...`) are recorded as the OpenAI
 endpoint they end in (jukebox.llm.providers).
 
-`openai=URL` and `anthropic=URL` replace the built-in upstreams (as `OPENAI_BASE_URL` and
-`ANTHROPIC_BASE_URL` in the supervisor's environment do).
+A URL written `anthropic+https://...` (or `gemini+...`) names a server speaking that protocol
+instead (an Anthropic-compatible gateway): the agent's SDK takes the same base URL, and the
+calls are recorded as that provider's. `openai=URL` and `anthropic=URL` replace the built-in
+upstreams (as `OPENAI_BASE_URL` and `ANTHROPIC_BASE_URL` in the supervisor's environment do).
 
 `$JUKEBOX_UPSTREAMS` holds the same `NAME=URL` words (separated by spaces or commas) for every
 proxy the environment starts: `booth run`, and the live calls of `replay --until` and `fork
@@ -27,7 +29,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from jukebox.errors import UsageError
-from jukebox.llm.providers import DEFAULT_UPSTREAMS, NAMED_PREFIX
+from jukebox.llm.providers import DEFAULT_UPSTREAMS, NAMED_PREFIX, OPENAI
 
 AZURE = "azure"
 AZURE_ENDPOINT_ENV = "AZURE_OPENAI_ENDPOINT"
@@ -53,19 +55,28 @@ def check_name(name: str) -> str:
     return name
 
 
+def split(value: str) -> tuple[str, str]:
+    """An upstream's value as (its protocol, its URL): `anthropic+https://x` is Anthropic's."""
+    protocol, sep, url = value.partition("+")
+    if sep and protocol in DEFAULT_UPSTREAMS and url.startswith(("http://", "https://")):
+        return protocol, url
+    return OPENAI, value
+
+
 def parse(spec: str) -> tuple[str, str]:
-    """`NAME=URL` as (name, URL without a trailing slash)."""
-    name, sep, url = spec.partition("=")
+    """`NAME=URL` as (name, URL without a trailing slash, its protocol prefix kept)."""
+    name, sep, value = spec.partition("=")
     if not sep:
         raise BadUpstream(
             f"bad --upstream {spec!r}: write NAME=URL, like local=http://127.0.0.1:11434/v1"
         )
-    if not url.startswith(("http://", "https://")):
+    if not split(value)[1].startswith(("http://", "https://")):
         raise BadUpstream(
-            f"bad --upstream {spec!r}: the URL must start with http:// or https://, like "
+            f"bad --upstream {spec!r}: the URL must start with http:// or https:// (or "
+            "anthropic+https:// for an Anthropic-compatible server), like "
             "http://127.0.0.1:11434/v1"
         )
-    return check_name(name.strip()), url.rstrip("/")
+    return check_name(name.strip()), value.rstrip("/")
 
 
 def with_named(
@@ -93,13 +104,16 @@ def env_name(name: str) -> str:
     return f"JUKEBOX_UPSTREAM_{name.upper()}_BASE_URL"
 
 
-def agent_env(proxy_url: str, names: Iterable[str]) -> dict[str, str]:
-    """The variables that point the agent at each named upstream through the proxy."""
+def agent_env(proxy_url: str, protocols: Mapping[str, str]) -> dict[str, str]:
+    """The variables that point the agent at each named upstream (name: protocol) through the
+    proxy."""
     out = {}
-    for name in names:
+    listed = []
+    for name, protocol in sorted(protocols.items()):
         url = proxy_url + NAMED_PREFIX + name
         out[env_name(name)] = url
         if name == AZURE:
             out[AZURE_ENDPOINT_ENV] = url
-    out[LIST_ENV] = " ".join(f"{name}={proxy_url}{NAMED_PREFIX}{name}" for name in names)
+        listed.append(f"{name}={'' if protocol == OPENAI else protocol + '+'}{url}")
+    out[LIST_ENV] = " ".join(listed)
     return out

@@ -176,6 +176,39 @@ def test_a_named_upstream_is_recorded_by_name_and_replayed_offline(
     second_tape.close()
 
 
+def test_an_anthropic_compatible_upstream_is_recorded_as_anthropic(
+    upstream: FakeUpstream, recording: Recording, tmp_path: Path
+) -> None:
+    import anthropic
+
+    gateway = FakeUpstream().start()
+    try:
+        upstreams = {"openai": upstream.openai_url, "anthropic": upstream.url,
+                     "gw": f"anthropic+{gateway.url}"}  # fmt: skip
+        with ProxyServer(upstreams=upstreams, record=recording.writer.append) as proxy:
+            urls = proxy.base_urls()
+            assert urls["JUKEBOX_UPSTREAM_GW_BASE_URL"] == f"{proxy.url}/upstream/gw"
+            assert urls["JUKEBOX_UPSTREAMS"] == f"gw=anthropic+{proxy.url}/upstream/gw"
+            client = anthropic.Anthropic(api_key="gw-key", max_retries=0,
+                                         base_url=urls["JUKEBOX_UPSTREAM_GW_BASE_URL"])  # fmt: skip
+            ask = {"model": "glm-4.6", "max_tokens": 16,
+                   "messages": [{"role": "user", "content": "hi gateway"}]}  # fmt: skip
+            live = client.messages.create(**ask).model_dump()
+    finally:
+        gateway.stop()
+    assert [path for _, path, _, _ in gateway.seen] == ["/v1/messages"] and not upstream.seen
+    (turn,) = turns(recording)
+    assert (turn["provider"], turn["endpoint"], turn["upstream"]) == ("anthropic", "messages", "gw")
+    upstream.stop()
+    # The protocol is on the tape: the replay serves the name as Anthropic's, offline.
+    proxy, second = replaying(recording, tmp_path)
+    with proxy:
+        url = proxy.base_urls()["JUKEBOX_UPSTREAM_GW_BASE_URL"]
+        client = anthropic.Anthropic(api_key="gw-key", base_url=url, max_retries=0)
+        assert client.messages.create(**ask).model_dump() == live
+    second.close()
+
+
 def test_azure_deployment_paths_are_recorded_and_replayed(
     upstream: FakeUpstream, recording: Recording, tmp_path: Path
 ) -> None:
@@ -287,7 +320,10 @@ def test_bad_upstream_names_are_refused() -> None:
     from jukebox.llm.upstreams import BadUpstream, parse
 
     assert parse("local=http://127.0.0.1:11434/v1/") == ("local", "http://127.0.0.1:11434/v1")
-    for spec in ("local", "Local=http://x", "local=ftp://x", "../x=http://x", "a b=http://x"):
+    assert parse("gw=anthropic+https://gw.example/") == ("gw", "anthropic+https://gw.example")
+    bad = ("local", "Local=http://x", "local=ftp://x", "../x=http://x", "a b=http://x",
+           "gw=cohere+https://x", "gw=anthropic+ftp://x")  # fmt: skip
+    for spec in bad:
         with pytest.raises(BadUpstream):
             parse(spec)
     with pytest.raises(ValueError, match="bad upstream name"):
