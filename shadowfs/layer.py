@@ -744,11 +744,6 @@ class Layer:
                 node.base_path = base_path
             else:
                 node.src = SRC_STORE
-            if link:
-                node.link_key = link
-                self._groups[link] = node
-                if not self._links_gathered:
-                    self._links_pending = True
         elif e.kind == DIR:
             if be is not None and be.kind == DIR:
                 node.base_path = base_path
@@ -762,6 +757,11 @@ class Layer:
             node.rdev = e.rdev
             if be is not None and be == e:
                 node.base_path = base_path  # its owner and times are the base's
+        if link:
+            node.link_key = link
+            self._groups[link] = node
+            if not self._links_gathered:
+                self._links_pending = True
         # A directory loaded from the base tree holds the base's very entries: no comparison.
         node.stat_base = be is not None and (be is e or be == e) and base_path is not None
         return node
@@ -1425,8 +1425,8 @@ class Layer:
         self.attrs(node)
         now = time.time_ns()
         old = self.path_of(node.links[0][0], node.links[0][1])
-        if node.fmt == S_IFREG and not node.link_key:
-            # Its entries now name a group (trees keep hard links of regular files only).
+        if node.fmt != S_IFLNK and not node.link_key:
+            # Its entries now name a group (trees keep no hard links of symlinks).
             node.link_key = trees.new_link_key()
             self._groups[node.link_key] = node
             self._touch_node(node)
@@ -1835,7 +1835,8 @@ class Layer:
             )
         if fmt in _SPECIAL_FMTS:
             return make_entry(
-                name, FMT_SPECIAL[fmt], node.mode, 0, node.mtime_ns, None, None, rdev=node.rdev
+                name, FMT_SPECIAL[fmt], node.mode, 0, node.mtime_ns, None, None,
+                rdev=node.rdev, link=node.link_key,
             )
         t = node.target
         return make_entry(name, SYMLINK, node.mode, len(t), node.mtime_ns, None, t)  # type: ignore[arg-type]

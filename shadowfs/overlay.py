@@ -460,7 +460,7 @@ class OverlayLayer:
             elif _is_whiteout(st):
                 entries.pop(name, None)  # deletes the lower entry
             elif fmt in FMT_SPECIAL:
-                entries[name] = stat_entry(name, FMT_SPECIAL[fmt], st, None)
+                entries[name] = self._linked(stat_entry(name, FMT_SPECIAL[fmt], st, None), st)
             else:
                 entries.pop(name, None)
         # Every entry is valid by construction (decoded lower entries, names and stats from the
@@ -510,9 +510,7 @@ class OverlayLayer:
         finally:
             os.close(fd)
         self.snapshot_stats.hashed += 1
-        e = stat_entry(name, FILE, st, oid)
-        if e.link and (st.st_dev, st.st_ino) in self._link_keys:
-            e = replace(e, link=self._link_keys[st.st_dev, st.st_ino])
+        e = self._linked(stat_entry(name, FILE, st, oid), st)
         # Trusted next time only if nothing happened to the file between the listing's stat and
         # this one: a write fault in between could have left a writable mapping behind whose
         # later writes move no ctime (see `_write_protect`); it is read again next time.
@@ -521,6 +519,12 @@ class OverlayLayer:
         if (st.st_ctime_ns < cutoff and st.st_ino == listed.st_ino
                 and st.st_ctime_ns == listed.st_ctime_ns):
             new_cache[rel] = _Stat(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, oid, e)
+        return e
+
+    def _linked(self, e: Entry, st: os.stat_result) -> Entry:
+        """``e`` with the key a restore gave its upper inode's group, if it made that inode."""
+        if e.link and (st.st_dev, st.st_ino) in self._link_keys:
+            return replace(e, link=self._link_keys[st.st_dev, st.st_ino])
         return e
 
     # --- restore ------------------------------------------------------------------------------
@@ -640,7 +644,7 @@ class OverlayLayer:
             if x is not None:
                 self._remove(path, rel, x)
             return
-        if t.kind == FILE and t.link:
+        if t.link:
             # A hard link: the group's first name written by this restore is its inode.
             first = self._restore_links.setdefault(t.link, path)
             if first != path:

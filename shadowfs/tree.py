@@ -15,12 +15,14 @@ unless noted::
              | (nothing)                          kind 4 (fifo), kind 5 (unix socket)
              | rdev:u64                           kind 6 (character device), 7 (block device)
              | oid[32] link:u64                   kind 8 (file with hard links)
+             | link:u64                           kinds 9, 10 (fifo, socket with hard links)
+             | rdev:u64 link:u64                  kinds 11, 12 (devices with hard links)
 
 - ``version`` is 1 when every entry is of kinds 1-3, else 2: a tree an older Jukebox could write
   keeps its bytes, hence its id, and an older reader refuses only trees it could not represent.
-- Kind 8 is a regular file that shares its inode with every other kind-8 entry of the same
-  ``link`` (non-zero) anywhere under the same root tree: hard links. ``link`` is an opaque group
-  key, meaningful only within one root tree. A group may have one member (its other names lie
+- Kinds 8-12 are kinds 1 and 4-7 with hard links: the entry shares its inode with every other
+  entry of the same ``link`` (non-zero) anywhere under the same root tree. ``link`` is an opaque
+  group key, meaningful only within one root tree. A group may have one member (its other names lie
   outside the tree, or were removed).
 - ``rdev`` is the device number as Linux encodes it (``st_rdev``); fifos, sockets and devices
   have size 0.
@@ -94,8 +96,10 @@ RACY_NS = 2_000_000_000
 MAX_DEPTH = 400
 
 _KIND_CODES = {FILE: 1, DIR: 2, SYMLINK: 3, FIFO: 4, SOCKET: 5, CHARDEV: 6, BLOCKDEV: 7}
-_KINDS = {code: kind for kind, code in _KIND_CODES.items()}
 _LINKED_FILE = 8
+# Kinds that may have hard links, and their codes when they do (kind + 8 for the special ones).
+_LINKED_CODES = {FILE: _LINKED_FILE, FIFO: 9, SOCKET: 10, CHARDEV: 11, BLOCKDEV: 12}
+_KINDS = {code: kind for kind, code in (*_KIND_CODES.items(), *_LINKED_CODES.items())}
 # The lowest kind code only version 2 knows: a tree holding one is written as version 2.
 _V2_CODE = 4
 _HEAD = struct.Struct(">BHBQq")
@@ -138,7 +142,8 @@ class Entry:
     target: bytes | None
     # A device's number (st_rdev); 0 for every other kind.
     rdev: int = 0
-    # A regular file's hard-link group key within its root tree (kind 8); 0 for no group.
+    # A hard-link group key within the root tree (kinds 8-12: a file, fifo, socket or device
+    # with other names); 0 for none.
     link: int = 0
     # The entry's encoded bytes once known (decoded from, or packed into, a tree): a directory
     # re-encoded after a change then joins its unchanged entries' bytes instead of packing each
@@ -185,7 +190,8 @@ def stat_entry(
 ) -> Entry:
     """The entry for a file system object from its lstat: the one place entries are made from
     the outside world, so its time is clamped (`clamp_time_ns`) here and nowhere else. A
-    regular file with other names gets the link key of its inode (`link_key`)."""
+    regular file, fifo, socket or device with other names gets its inode's link key
+    (`link_key`)."""
     mtime = clamp_time_ns(st.st_mtime_ns)
     mode = st.st_mode & MODE_MASK
     if kind == FILE:
@@ -193,8 +199,11 @@ def stat_entry(
         return Entry(name, kind, mode, st.st_size, mtime, oid, target, 0, link)
     if kind == SYMLINK:
         return Entry(name, kind, mode, len(target), mtime, oid, target)  # type: ignore[arg-type]
+    if kind == DIR:
+        return Entry(name, kind, mode, 0, mtime, oid, target)
     rdev = st.st_rdev if kind in DEVICES else 0
-    return Entry(name, kind, mode, 0, mtime, oid, target, rdev)
+    link = link_key(st) if st.st_nlink > 1 else 0
+    return Entry(name, kind, mode, 0, mtime, oid, target, rdev, link)
 
 
 def link_key(st: os.stat_result) -> int:
@@ -240,8 +249,8 @@ def check_entry(e: Entry) -> str | None:
         return f"mtime_ns {e.mtime_ns} of {e.name!r} is out of range"
     if (e.rdev and e.kind not in DEVICES) or not 0 <= e.rdev <= _U64_MAX:
         return f"{e.kind} {e.name!r} has a device number {e.rdev}"
-    if (e.link and e.kind != FILE) or not 0 <= e.link <= _U64_MAX:
-        return f"{e.kind} {e.name!r} has a hard-link key {e.link}; only files have one"
+    if (e.link and e.kind not in _LINKED_CODES) or not 0 <= e.link <= _U64_MAX:
+        return f"{e.kind} {e.name!r} has a hard-link key {e.link}; its kind has none"
     if e.kind in SPECIALS:
         if e.oid is not None or e.target is not None or e.size != 0:
             return f"{e.kind} {e.name!r} must have no oid, no target and size 0"
@@ -270,18 +279,19 @@ def entry_record(e: Entry) -> bytes:
     rec = e.record
     if rec is not None:
         return rec
-    code = _LINKED_FILE if e.link else _KIND_CODES[e.kind]
+    link = e.link
+    code = _LINKED_CODES[e.kind] if link else _KIND_CODES[e.kind]
     head = _HEAD.pack(code, e.mode, len(e.name), e.size, e.mtime_ns)
     if e.target is not None:
         rec = head + e.name + _TARGET_LEN.pack(len(e.target)) + e.target
-    elif e.link:
-        rec = head + e.name + e.oid + _U64.pack(e.link)  # type: ignore[operator]
     elif e.oid is not None:
         rec = head + e.name + e.oid
     elif e.kind in DEVICES:
         rec = head + e.name + _U64.pack(e.rdev)
     else:
         rec = head + e.name
+    if link:
+        rec += _U64.pack(link)
     _set_record(e, rec)
     return rec
 
@@ -407,7 +417,7 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
     if n == 0 or not 1 <= data[0] <= TREE_VERSION:
         got = "no bytes" if n == 0 else f"version {data[0]}"
         raise _malformed(f"expected version 1 to {TREE_VERSION}, found {got}")
-    last_code = 3 if data[0] == 1 else _LINKED_FILE
+    last_code = 3 if data[0] == 1 else 12
     newer = False  # an entry only version 2 can hold: a version 2 tree must have one
     out: dict[bytes, Entry] = {}
     unpack_head = _HEAD.unpack_from
@@ -434,8 +444,6 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
             raise _malformed(f"{what} entry {name!r} after {prev!r}")
         prev = name
         kind = kinds.get(code)
-        if kind is None and code == _LINKED_FILE:
-            kind = FILE
         if kind is None or (code > 3 and code > last_code):
             raise _malformed(f"unknown kind code {code} for {name!r} in version {data[0]}")
         if mode > MODE_MASK:
@@ -471,13 +479,21 @@ def _decode(data: bytes) -> dict[bytes, Entry]:
                 continue
             if size != 0:
                 raise _malformed(f"{kind} {name!r} has size {size}, not 0")
-            rdev = 0
+            rdev = link = 0
             if kind in DEVICES:
                 if pos + 8 > n:
                     raise _malformed(f"device number of {name!r} runs past the end")
                 rdev = _U64.unpack_from(data, pos)[0]
                 pos += 8
-            out[name] = make(name, kind, mode, 0, mtime_ns, None, None, data[start:pos], rdev=rdev)
+            if code > _LINKED_FILE:
+                if pos + 8 > n:
+                    raise _malformed(f"link of {name!r} runs past the end")
+                link = _U64.unpack_from(data, pos)[0]
+                pos += 8
+                if not link:
+                    raise _malformed(f"linked {kind} {name!r} has link key 0")
+            out[name] = make(name, kind, mode, 0, mtime_ns, None, None, data[start:pos],
+                             rdev=rdev, link=link)
         else:
             end = pos + OID_SIZE
             if end > n:

@@ -158,7 +158,8 @@ def entries(draw: st.DrawFn) -> list[Entry]:
         mtime = draw(st.integers(-(1 << 63), (1 << 63) - 1))
         if kind in tree.SPECIALS:
             rdev = draw(st.integers(0, (1 << 64) - 1)) if kind in tree.DEVICES else 0
-            out.append(Entry(name, kind, mode, 0, mtime, None, None, rdev))
+            link = draw(st.sampled_from([0, 0, 1, (1 << 64) - 1]))
+            out.append(Entry(name, kind, mode, 0, mtime, None, None, rdev, link))
         elif kind == "linked":
             oid = ObjectId(draw(st.binary(min_size=32, max_size=32)))
             link = draw(st.integers(1, (1 << 64) - 1))
@@ -449,6 +450,7 @@ def test_special_files_and_hard_links_are_recorded_and_made_again(
     (src / "one").write_bytes(b"linked")
     os.link(src / "one", src / "sub" / "two")
     os.mkfifo(src / "sub" / "pipe", 0o640)
+    os.link(src / "sub" / "pipe", src / "pipe-too")
     devices = os.geteuid() == 0
     if devices:
         os.mknod(src / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
@@ -465,6 +467,7 @@ def test_special_files_and_hard_links_are_recorded_and_made_again(
         "socket", "fifo", 0o640
     )
     assert got[b"one"].link == got[b"sub/two"].link != 0 and got[b"keep"].link == 0
+    assert got[b"sub/pipe"].link == got[b"pipe-too"].link not in (0, got[b"one"].link)
     assert store.get(root)[0] == 2  # it holds kinds only version 2 knows
     if devices:
         assert (got[b"null"].kind, got[b"null"].rdev) == ("chardev", os.makedev(1, 3))
@@ -474,6 +477,7 @@ def test_special_files_and_hard_links_are_recorded_and_made_again(
     assert stat.S_ISSOCK(os.lstat(dest / "sock").st_mode)
     assert os.lstat(dest / "one").st_ino == os.lstat(dest / "sub" / "two").st_ino
     assert os.lstat(dest / "one").st_nlink == 2 and (dest / "sub" / "two").read_bytes() == b"linked"
+    assert os.lstat(dest / "pipe-too").st_ino == os.lstat(dest / "sub" / "pipe").st_ino
     if devices:
         assert os.lstat(dest / "null").st_rdev == os.makedev(1, 3)
     # The copy's links are another inode's (another key), the rest is the same.

@@ -307,3 +307,18 @@ def test_a_restored_name_of_a_loaded_file_joins_it_before_any_write(layer: Layer
     assert layer.read_file("newdir/g") == b"two\n"
     assert layer.resolve("newdir/g") is node and layer.nlink(node) == 2
     assert root == layer.root.ino
+
+
+def test_a_fifo_with_two_names_comes_back_as_one(layer: Layer, store: Store) -> None:
+    root = layer.root.ino
+    start, _ = layer.snapshot()
+    pipe = layer.mknod(root, b"pipe", stat.S_IFIFO | 0o600)
+    layer.link(pipe.ino, layer.resolve("src").ino, b"pipe2")
+    both, _ = layer.snapshot()
+    e1, e2 = tree.lookup(store, both, b"pipe"), tree.lookup(store, both, b"src/pipe2")
+    assert e1 is not None and e2 is not None and e1.kind == "fifo" and e1.link == e2.link != 0
+    layer.restore(start)
+    assert not layer.exists("pipe")
+    layer.restore(both)
+    node = layer.resolve("pipe")
+    assert layer.resolve("src/pipe2") is node and layer.nlink(node) == 2

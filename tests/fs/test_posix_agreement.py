@@ -480,6 +480,7 @@ def _commit_ops(r: bytes) -> None:
     os.link(j(r, b"new"), j(r, b"third"))
     os.unlink(j(r, b"third"))
     os.unlink(j(r, b"docs", b"util-link.py"))  # a base group loses a name
+    os.link(j(r, b"src", b"pipe"), j(r, b"docs", b"pipe-link"))  # a fifo with two names
 
 
 def describe(root: Path) -> dict[bytes, Any]:
@@ -495,9 +496,10 @@ def describe(root: Path) -> dict[bytes, Any]:
             st = os.lstat(path)
             fmt = stat.S_IFMT(st.st_mode)
             what: Any = None
+            if fmt != stat.S_IFDIR and fmt != stat.S_IFLNK:
+                by_ino.setdefault(st.st_ino, []).append(rel)
             if fmt == stat.S_IFREG:
                 what = hashlib.sha256(Path(os.fsdecode(path)).read_bytes()).hexdigest()[:16]
-                by_ino.setdefault(st.st_ino, []).append(rel)
             elif fmt == stat.S_IFLNK:
                 what = os.readlink(path)
             elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
@@ -563,9 +565,10 @@ def test_a_commit_makes_what_the_kernel_overlay_shows(
                  if want.get(p) != got.get(p)}
         assert not wrong, f"{name} differs from the kernel overlay (path: (overlay, it)): {wrong}"
     assert want[b"src/pipe"][:2] == [stat.S_IFIFO, 0o640]
+    assert want[b"src/pipe"][3] == [b"docs/pipe-link", b"src/pipe"]
     assert want[b"run.sh"][:2] == [stat.S_IFIFO, 0o600]
     assert want[b"sock"][0] == stat.S_IFSOCK
-    assert want[b"null"] == [stat.S_IFCHR, 0o640, os.makedev(1, 3)]
+    assert want[b"null"][:3] == [stat.S_IFCHR, 0o640, os.makedev(1, 3)]
     assert want[b"new"][3] == [b"new", b"src/new-link"]
     assert want[b"new"][2] == hashlib.sha256(b"new file\n").hexdigest()[:16]
     assert want[b"README"][3] == [b"README", b"docs/readme-link"]
