@@ -7,6 +7,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := fuse3 libfuse3-dev libcap-dev pkg-config fuse-overlayfs sqlite3 git python3-venv python3-dev gcc xfsprogs libseccomp2
 STAMP := $(VENV)/.installed
+# Real MCP servers from npm the tests run (tests/mcp/node/package-lock.json).
+NODE_SERVERS := tests/mcp/node
+NODE_STAMP := $(NODE_SERVERS)/node_modules/.installed
 
 .PHONY: demo test bench torture fuzz lint setup system-packages clean
 
@@ -39,7 +42,7 @@ lint: setup
 
 # Bytecode as a wheel install would leave it (PYTHONDONTWRITEBYTECODE may be set): without it the
 # CLI recompiles every module on every start.
-setup: system-packages $(STAMP)
+setup: system-packages $(STAMP) $(NODE_STAMP)
 	@$(PY) -m compileall -q shadowfs jukebox >/dev/null
 
 # Only calls apt-get when something is actually missing, so repeated runs stay fast and offline.
@@ -59,5 +62,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# Node from Debian's packages only when no node and npm are on PATH at all (a machine may have
+# them from elsewhere, whose nodejs Debian's npm would conflict with).
+$(NODE_STAMP): $(NODE_SERVERS)/package-lock.json
+	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+	  echo "installing system packages: nodejs npm"; \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO="sudo"; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nodejs npm; \
+	fi
+	cd $(NODE_SERVERS) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $(NODE_STAMP)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(NODE_SERVERS)/node_modules

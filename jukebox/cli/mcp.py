@@ -1,0 +1,111 @@
+"""`jukebox mcp`: MCP servers through the stage gate (docs/mcp.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from jukebox.cli import cli
+from jukebox.cli.tapes import tape_dir_option
+
+
+@cli.group("mcp")
+def mcp_group() -> None:
+    """Record, gate and replay an agent's MCP tool calls (docs/mcp.md)."""
+
+
+def _policy_options(fn):  # type: ignore[no-untyped-def]
+    fn = click.option("--ask", "ask", multiple=True, metavar="TOOL",
+                      help="Ask the operator before this tool runs (repeatable; a pattern, "
+                      "SERVER/TOOL or TOOL, with * and ?).")(fn)  # fmt: skip
+    fn = click.option("--deny", "deny", multiple=True, metavar="TOOL",
+                      help="Refuse this tool (repeatable).")(fn)  # fmt: skip
+    fn = click.option("--stage", "stage", multiple=True, metavar="TOOL",
+                      help="Hold its calls until the verdict (repeatable).")(fn)  # fmt: skip
+    fn = click.option("--allow", "allow", multiple=True, metavar="TOOL",
+                      help="Forward this tool's calls at once (repeatable).")(fn)  # fmt: skip
+    fn = click.option("--policy", "policy_file", type=click.Path(dir_okay=False), default=None,
+                      help="A policy file (TOML: mode, and a [tools] table of "
+                      "\"PATTERN\" = \"allow|stage|deny|ask\").")(fn)  # fmt: skip
+    fn = click.option("--mode", type=click.Choice(["staged_acid", "deny", "record"]),
+                      default=None,
+                      help="staged_acid: stage what is not read-only (the default in a booth); "
+                      "deny: refuse what is not read-only; record: forward everything (the "
+                      "default outside a booth, where no verdict comes).")(fn)  # fmt: skip
+    return fn
+
+
+@mcp_group.command(
+    "wrap", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
+)
+@click.option("--name", default=None, help="The server's name on the tape (default: CMD's name).")
+@tape_dir_option
+@click.option("--tape-id", default=None, help="Outside a booth: the new tape's id.")
+@_policy_options
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for the real server's answer to a request.")  # fmt: skip
+@click.option("--start-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds to wait for the real server to start (initialize).")  # fmt: skip
+@click.argument("command", nargs=-1, required=False, type=click.UNPROCESSED)
+def wrap_command(
+    name: str | None,
+    tape_dir: Path | None,
+    tape_id: str | None,
+    policy_file: str | None,
+    mode: str | None,
+    allow: tuple[str, ...],
+    stage: tuple[str, ...],
+    deny: tuple[str, ...],
+    ask: tuple[str, ...],
+    timeout: float,
+    start_timeout: float,
+    command: tuple[str, ...],
+) -> None:
+    """Serve the stdio MCP server CMD to an agent through the stage gate: point the agent's MCP
+    config at `jukebox mcp wrap --name N -- CMD ARGS...` instead of `CMD ARGS...`. Every call is
+    recorded; inside a booth calls that are not read-only are staged until the verdict,
+    outside one they are forwarded and the gateway writes its own tape."""
+    from jukebox.errors import UsageError
+    from jukebox.mcp.policy import build_policy, flag_rules
+
+    argv = list(command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise UsageError("no server to wrap: write `jukebox mcp wrap [OPTIONS] -- CMD ARGS...`")
+    if timeout <= 0 or start_timeout <= 0:
+        raise UsageError("--timeout and --start-timeout must be positive numbers of seconds")
+    server = name or os.path.basename(argv[0])
+    policy = build_policy(mode, policy_file, flag_rules(allow, stage, deny, ask),
+                          default_mode="record")  # fmt: skip
+    if policy.mode == "staged_acid":
+        raise UsageError(
+            "staging needs a booth's verdict: run the agent in `jukebox booth run`, or use "
+            "--mode record (forward and record) or --mode deny outside a booth"
+        )
+    # The SDK takes most of a second to import: only once the arguments are known good.
+    import anyio
+
+    from jukebox.mcp.gateway import GatewayError, serve_stdio
+    from jukebox.mcp.record import TapeSink, env_scrubber
+
+    sink = TapeSink(tape_dir, server, argv, policy.describe(), env_scrubber(os.environ), tape_id)
+    try:
+        anyio.run(lambda: serve_stdio(server, argv, sink, policy, timeout=timeout,
+                                          start_timeout=start_timeout))
+    except BaseExceptionGroup as group:  # the SDK's task groups wrap what failed
+        raise _first(group) from None
+    except GatewayError:
+        raise
+    finally:
+        sink.close()
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            return _first(error)
+        return error
+    return group

@@ -1,0 +1,262 @@
+"""The stdio MCP gateway (`jukebox mcp wrap -- CMD ARGS...`): an MCP server facing the agent, an
+MCP client facing the real server, both the official SDK's (`mcp.server.lowlevel.Server` and
+`mcp.ClientSession`), so no JSON-RPC is written here.
+
+The gateway connects to the real server first, then offers the agent exactly the capabilities
+that server announced. Every request the agent makes is answered by forwarding it, except tool
+calls, which the policy (jukebox.mcp.policy) may stage, deny, or refuse when nobody can be asked.
+Each request becomes a frame (jukebox.mcp.record). Every wait on the real server is bounded:
+a server that never answers costs the agent a clear error after `timeout` seconds, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import mcp.types as types
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+
+from jukebox.errors import JukeboxError
+from jukebox.mcp.policy import Decision, Policy
+from jukebox.mcp.record import Sink, wire
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 60.0
+DEFAULT_START_TIMEOUT = 30.0
+# JSON-RPC's "server error" range, as the SDK uses it for its own request timeout.
+TIMEOUT_CODE = -32001
+STAGED_NOTICE = (
+    "jukebox staged this call as {id}: it has not run. It runs against the MCP server {server!r} "
+    "only if the booth's verdict commits, in the order it was staged; its result is not known yet."
+)
+
+
+class GatewayError(JukeboxError):
+    """The real server could not be started or did not answer: exit 1, one line."""
+
+    exit_code = 1
+
+
+# stage(server, tool, args) -> the staged call's id; raises GatewayError when it cannot stage.
+Stager = Callable[[str, str, dict[str, Any]], str]
+
+
+@dataclass
+class Gateway:
+    name: str
+    upstream: ClientSession
+    sink: Sink
+    policy: Policy
+    timeout: float = DEFAULT_TIMEOUT
+    stager: Stager | None = None
+    # tool name -> its annotations as on the wire (None: unannotated), from the last listing.
+    annotations: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    calls: int = 0
+
+    async def _bounded(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            with anyio.fail_after(self.timeout):
+                return await call
+        except TimeoutError:
+            raise MCPError(
+                TIMEOUT_CODE,
+                f"jukebox: the MCP server {self.name!r} did not answer {what} within "
+                f"{self.timeout:g}s (jukebox mcp wrap --timeout)",
+            ) from None
+
+    async def _listed(self, what: str, call: Awaitable[Any]) -> Any:
+        started = time.perf_counter()
+        result = await self._bounded(what, call)
+        self.sink.record("note", {
+            "event": "mcp_list", "server": self.name, "what": what, "result": wire(result),
+            "latency_ms": _ms(started),
+        })  # fmt: skip
+        return result
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def list_tools(self, ctx: Any, params: types.PaginatedRequestParams | None) -> Any:
+        result = await self._listed("tools/list", self.upstream.list_tools(params=params))
+        tools = []
+        for tool in result.tools:
+            notes = wire(tool.annotations) if tool.annotations is not None else None
+            self.annotations[tool.name] = notes
+            if tool.output_schema is not None and self._decide(tool.name).decision != "allow":
+                # A staged or refused call has no output to match the schema: the agent's client
+                # would reject the notice that stands in for it.
+                tool = tool.model_copy(update={"output_schema": None})
+            tools.append(tool)
+        return result.model_copy(update={"tools": tools})
+
+    def _decide(self, tool: str) -> Decision:
+        return self.policy.decide(self.name, tool, self.annotations.get(tool))
+
+    async def call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> Any:
+        tool, args = params.name, dict(params.arguments or {})
+        if tool not in self.annotations:
+            # Called without listing first: learn its annotations, so the default is its own.
+            await self.list_tools(ctx, None)
+        decision = self._decide(tool)
+        frame: dict[str, Any] = {"server": self.name, "tool": tool, "args": args,
+                                 **decision.as_dict()}  # fmt: skip
+        self.calls += 1
+        started = time.perf_counter()
+        if decision.decision == "ask":
+            # Nobody can answer on a gateway's own stdio (it is the agent's pipe).
+            decision = Decision("deny", "ask: no operator to ask here")
+            frame.update(decision.as_dict())
+        if decision.decision == "deny":
+            result = types.CallToolResult(
+                content=[types.TextContent(type="text", text=(
+                    f"jukebox refused this call of {tool!r} on the MCP server {self.name!r} "
+                    f"({decision.why}); it did not run."
+                ))],
+                is_error=True,
+            )  # fmt: skip
+            frame.update(result=wire(result), ok=False, latency_ms=_ms(started))
+            self.sink.record("tool_call", frame)
+            return result
+        if decision.decision == "stage":
+            if self.stager is None:
+                raise MCPError(types.INTERNAL_ERROR, "jukebox: no booth to stage this call in")
+            staged_id = await anyio.to_thread.run_sync(self.stager, self.name, tool, args)
+            result = types.CallToolResult(
+                content=[types.TextContent(
+                    type="text", text=STAGED_NOTICE.format(id=staged_id, server=self.name)
+                )],
+                structured_content={"jukebox": {"staged": True, "id": staged_id}},
+            )  # fmt: skip
+            frame.update(result=wire(result), ok=True, staged_id=staged_id,
+                         latency_ms=_ms(started))  # fmt: skip
+            self.sink.record("tool_call", frame)
+            return result
+        try:
+            result = await self._bounded(
+                f"tools/call {tool!r}", self.upstream.call_tool(tool, args)
+            )
+        except MCPError as error:
+            frame.update(error={"code": error.code, "message": error.message}, ok=False,
+                         latency_ms=_ms(started))  # fmt: skip
+            self.sink.record("tool_call", frame)
+            raise
+        except RuntimeError as error:  # the SDK's check of the result against its schema
+            frame.update(error={"message": str(error)}, ok=False, latency_ms=_ms(started))
+            self.sink.record("tool_call", frame)
+            raise MCPError(types.INTERNAL_ERROR, f"jukebox: {error}") from None
+        frame.update(result=wire(result), ok=not getattr(result, "is_error", False),
+                     latency_ms=_ms(started))  # fmt: skip
+        self.sink.record("tool_call", frame)
+        return result
+
+    async def list_resources(self, ctx: Any, params: Any) -> Any:
+        return await self._listed("resources/list", self.upstream.list_resources(params=params))
+
+    async def list_resource_templates(self, ctx: Any, params: Any) -> Any:
+        return await self._listed(
+            "resources/templates/list", self.upstream.list_resource_templates(params=params)
+        )
+
+    async def list_prompts(self, ctx: Any, params: Any) -> Any:
+        return await self._listed("prompts/list", self.upstream.list_prompts(params=params))
+
+    async def read_resource(self, ctx: Any, params: types.ReadResourceRequestParams) -> Any:
+        started = time.perf_counter()
+        uri = str(params.uri)
+        result = await self._bounded(f"resources/read {uri}", self.upstream.read_resource(uri))
+        self.sink.record("note", {"event": "mcp_read", "server": self.name, "uri": uri,
+                                  "result": wire(result), "latency_ms": _ms(started)})  # fmt: skip
+        return result
+
+    async def get_prompt(self, ctx: Any, params: types.GetPromptRequestParams) -> Any:
+        started = time.perf_counter()
+        result = await self._bounded(
+            f"prompts/get {params.name!r}",
+            self.upstream.get_prompt(params.name, params.arguments),
+        )
+        self.sink.record("note", {"event": "mcp_prompt", "server": self.name,
+                                  "prompt": params.name, "args": params.arguments or {},
+                                  "result": wire(result), "latency_ms": _ms(started)})  # fmt: skip
+        return result
+
+    def server(self, init: types.InitializeResult) -> Server[Any]:
+        """A server facing the agent that offers what the real one announced, no more."""
+        caps = init.capabilities
+        handlers: dict[str, Any] = {}
+        if caps.tools is not None:
+            handlers.update(on_list_tools=self.list_tools, on_call_tool=self.call_tool)
+        if caps.resources is not None:
+            handlers.update(
+                on_list_resources=self.list_resources,
+                on_list_resource_templates=self.list_resource_templates,
+                on_read_resource=self.read_resource,
+            )
+        if caps.prompts is not None:
+            handlers.update(on_list_prompts=self.list_prompts, on_get_prompt=self.get_prompt)
+        info = init.server_info
+        return Server(
+            info.name, version=info.version, title=info.title,
+            instructions=init.instructions, **handlers,
+        )  # fmt: skip
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
+
+
+async def serve_stdio(
+    name: str,
+    argv: list[str],
+    sink: Sink,
+    policy: Policy,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
+    stager: Stager | None = None,
+    agent_streams: Any = None,
+) -> None:
+    """Starts the real server `argv`, then serves the agent on this process's stdin and stdout
+    (or `agent_streams`, a (read, write) pair) until the agent closes them."""
+    params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+    try:
+        async with (
+            stdio_client(params, errlog=sys.stderr) as (read, write),
+            ClientSession(read, write) as upstream,
+        ):
+            gateway = Gateway(name, upstream, sink, policy, timeout, stager)
+            try:
+                with anyio.fail_after(start_timeout):
+                    init = await upstream.initialize()
+            except TimeoutError:
+                raise GatewayError(
+                    f"the MCP server {name!r} ({argv[0]}) did not answer initialize within "
+                    f"{start_timeout:g}s: check the command, or raise --start-timeout"
+                ) from None
+            except MCPError as error:
+                raise GatewayError(
+                    f"the MCP server {name!r} ({argv[0]}) refused to start a session: {error}"
+                ) from None
+            sink.record("note", {"event": "mcp_server", "server": name,
+                                 "initialize": wire(init)})  # fmt: skip
+            server = gateway.server(init)
+            if agent_streams is not None:
+                await server.run(*agent_streams, server.create_initialization_options())
+            else:
+                async with stdio_server() as (agent_read, agent_write):
+                    options = server.create_initialization_options()
+                    await server.run(agent_read, agent_write, options)
+    except OSError as error:
+        raise GatewayError(
+            f"cannot start the MCP server {argv[0]!r}: {error.strerror or error}; check the "
+            "command after `--`"
+        ) from None

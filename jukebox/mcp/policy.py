@@ -1,0 +1,150 @@
+"""Which decision a tool call gets: allow (forward now), stage (hold until the verdict), deny or
+ask (the operator decides).
+
+Explicit rules (a policy file, then the command line's flags) name tools by `SERVER/TOOL` or
+`TOOL`, with shell-style wildcards; the last matching rule wins, flags after the file. A tool no
+rule names takes its default from the server's own annotations: `readOnlyHint` -> allow, anything
+else (destructive, open-world or unannotated) -> stage. The mode caps the result: `deny` refuses
+every call that is not read-only, `record` (the default outside a booth, where no verdict will
+ever come) forwards what would be staged.
+
+Annotations are hints from a server that may not deserve trust, so they only ever choose a
+default; a rule or the mode always wins over them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import tomllib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jukebox.errors import UsageError
+
+DECISIONS = ("allow", "stage", "deny", "ask")
+# staged_acid and deny are SandboxPolicy(mcp_mode=...)'s values (jukebox.api).
+MODES = ("staged_acid", "deny", "record")
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    decision: str
+
+    def matches(self, server: str, tool: str) -> bool:
+        if "/" in self.pattern:
+            return fnmatch.fnmatchcase(f"{server}/{tool}", self.pattern)
+        return fnmatch.fnmatchcase(tool, self.pattern)
+
+
+@dataclass(frozen=True)
+class Decision:
+    decision: str
+    why: str  # "rule SERVER/TOOL", "readOnlyHint", "unannotated", "mode deny", ...
+
+    def as_dict(self) -> dict[str, str]:
+        return {"decision": self.decision, "why": self.why}
+
+
+@dataclass(frozen=True)
+class Policy:
+    mode: str = "staged_acid"
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UsageError(f"bad MCP mode {self.mode!r}: use one of {', '.join(MODES)}")
+
+    def decide(self, server: str, tool: str, annotations: dict[str, Any] | None) -> Decision:
+        read_only = bool(annotations and annotations.get("readOnlyHint") is True)
+        chosen: Decision | None = None
+        for rule in reversed(self.rules):
+            if rule.matches(server, tool):
+                chosen = Decision(rule.decision, f"rule {rule.pattern}")
+                break
+        if chosen is None:
+            if read_only:
+                chosen = Decision("allow", "readOnlyHint")
+            elif annotations is None:
+                chosen = Decision("stage", "unannotated")
+            elif annotations.get("destructiveHint") is not False:
+                chosen = Decision("stage", "destructiveHint")
+            elif annotations.get("openWorldHint") is not False:
+                chosen = Decision("stage", "openWorldHint")
+            else:
+                chosen = Decision("stage", "not readOnlyHint")
+        if self.mode == "deny" and not read_only and chosen.decision != "deny":
+            return Decision("deny", "mode deny: the tool is not read-only")
+        if self.mode == "record" and chosen.decision == "stage":
+            return Decision("allow", f"mode record (would stage: {chosen.why})")
+        return chosen
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "rules": [[r.pattern, r.decision] for r in self.rules]}
+
+
+def _check_rule(pattern: object, decision: object, where: str) -> Rule:
+    if not isinstance(pattern, str) or not pattern or not pattern.isprintable():
+        raise UsageError(f"{where}: a tool pattern must be a non-empty printable string")
+    if decision not in DECISIONS:
+        raise UsageError(
+            f"{where}: bad decision {decision!r} for {pattern!r}: use one of {', '.join(DECISIONS)}"
+        )
+    return Rule(pattern, str(decision))
+
+
+def load_policy_file(path: str | Path) -> tuple[str | None, list[Rule]]:
+    """A policy file: TOML (or JSON) with an optional `mode` and a `[tools]` table of
+    `"PATTERN" = "DECISION"`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise UsageError(f"cannot read the MCP policy file {path}: {error.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as error:
+        raise UsageError(f"the MCP policy file {path} is not valid: {error}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"the MCP policy file {path} must hold a table with `mode` and `tools`")
+    unknown = sorted(set(data) - {"mode", "tools"})
+    if unknown:
+        raise UsageError(
+            f"the MCP policy file {path} has unknown key(s) {', '.join(unknown)}: "
+            "only `mode` and `[tools]` are read"
+        )
+    mode = data.get("mode")
+    if mode is not None and mode not in MODES:
+        raise UsageError(f"{path}: bad mode {mode!r}: use one of {', '.join(MODES)}")
+    tools = data.get("tools", {})
+    if not isinstance(tools, dict):
+        raise UsageError(f"{path}: `tools` must be a table of \"PATTERN\" = \"DECISION\"")
+    return mode, [_check_rule(p, d, str(path)) for p, d in tools.items()]
+
+
+def build_policy(
+    mode: str | None,
+    policy_file: str | None = None,
+    flags: Iterable[tuple[str, str]] = (),
+    default_mode: str = "staged_acid",
+) -> Policy:
+    """The policy from a file, then flags (decision, pattern), then the mode (flag over file)."""
+    rules: list[Rule] = []
+    file_mode = None
+    if policy_file:
+        file_mode, rules = load_policy_file(policy_file)
+    rules.extend(_check_rule(pattern, decision, "--" + decision) for decision, pattern in flags)
+    return Policy(mode or file_mode or default_mode, tuple(rules))
+
+
+def flag_rules(allow: Sequence[str], stage: Sequence[str], deny: Sequence[str],
+               ask: Sequence[str]) -> list[tuple[str, str]]:  # fmt: skip
+    return [
+        *(("allow", p) for p in allow),
+        *(("stage", p) for p in stage),
+        *(("deny", p) for p in deny),
+        *(("ask", p) for p in ask),
+    ]

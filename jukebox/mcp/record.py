@@ -1,0 +1,100 @@
+"""What an MCP call becomes on a tape, and where that goes.
+
+A call is a `tool_call` frame: `server`, `tool`, `args`, `result` (the server's `content`,
+`structuredContent` and `isError`, as on the wire), `error` (a protocol error or a timeout),
+`latency_ms`, `decision` and `why` (jukebox.mcp.policy), `ok`, and `staged_id` for a staged call.
+Lists (tools, resources, resource templates, prompts), resource reads and prompt gets are `note`
+frames with `event: mcp_list` / `mcp_read` / `mcp_prompt`, so a replay can answer them.
+
+Known secret values (the wrapper's secret-looking environment variables) are replaced by
+`[REDACTED]` in every payload before it leaves this module.
+
+Two sinks: `TapeSink` writes a tape of the gateway's own (outside a booth); `BoothSink` hands each
+frame to the booth's supervisor over the control socket (inside one, where the tape dir is
+hidden), and asks it to stage calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from jukebox.redact import Scrubber, is_secret_env_name, redact_argv
+
+FRAME_KINDS = ("tool_call", "note")
+NOTE_EVENTS = ("mcp_list", "mcp_read", "mcp_prompt", "mcp_server")
+
+
+def wire(model: Any) -> Any:
+    """An SDK model as the JSON the protocol carries (camelCase keys, no nulls)."""
+    if hasattr(model, "model_dump"):
+        return model.model_dump(by_alias=True, mode="json", exclude_none=True)
+    return model
+
+
+def env_scrubber(environ: Mapping[str, str]) -> Scrubber:
+    return Scrubber(v for k, v in environ.items() if is_secret_env_name(k))
+
+
+def scrub(payload: dict[str, Any], scrubber: Scrubber) -> dict[str, Any]:
+    if not scrubber.count:
+        return payload
+    # JSON escapes nothing in a secret made of printable ASCII, so replacing in the text is exact.
+    return json.loads(scrubber.text(json.dumps(payload)))
+
+
+class Sink(Protocol):
+    def record(self, kind: str, payload: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TapeSink:
+    """A tape of the gateway's own in the tape dir, one per `jukebox mcp wrap` run."""
+
+    def __init__(self, tape_dir: str | os.PathLike[str] | None, server: str, argv: list[str],
+                 policy: dict[str, Any], scrubber: Scrubber,
+                 tape_id: str | None = None) -> None:  # fmt: skip
+        from jukebox.tape import TapeWriter
+        from jukebox.tapedir import TapeDir, check_tape_id, make_tape_dir
+        from shadowfs.store import Store
+
+        tapes = TapeDir(Path(os.path.realpath(TapeDir.resolve(tape_dir).path)))
+        make_tape_dir(tapes.path)
+        self.tape_id = check_tape_id(tape_id) if tape_id else _new_tape_id(server)
+        self.path = tapes.tape_path(self.tape_id)
+        self.store = Store.open(tapes.store_path, create=True)
+        self.scrubber = scrubber
+        self.writer = TapeWriter.create(self.path, self.store, self.tape_id)
+        self.writer.append(
+            "run_start",
+            {
+                "tape_id": self.tape_id,
+                "name": f"mcp:{server}",
+                "argv": redact_argv(argv, scrubber),
+                "cwd": os.getcwd(),
+                "mcp": {"server": server, "gateway": "stdio"},
+                "policy": {"mcp": policy},
+            },
+        )
+
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        self.writer.append(kind, scrub(payload, self.scrubber))
+
+    def close(self) -> None:
+        # The gateway's run ends when its agent closes the connection: `jukebox ls` says EXITED.
+        self.writer.append("exit", {"code": 0, "reason": "the agent closed the connection"})
+        self.writer.close()
+        self.store.close()
+
+
+def _new_tape_id(server: str) -> str:
+    import re
+    import secrets
+
+    safe = re.sub(r"[^a-z0-9-]", "-", server.lower())[:24].strip("-") or "server"
+    return f"mcp-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"

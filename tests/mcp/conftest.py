@@ -1,0 +1,80 @@
+"""Fixtures for the MCP gateway's tests: real servers (the memory server from npm, mcp-server-git
+from PyPI, a small hostile one written with the SDK) reached through `jukebox mcp wrap` by the
+SDK's own ClientSession."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+MEMORY_SERVER = HERE / "node" / "node_modules" / ".bin" / "mcp-server-memory"
+HOSTILE_SERVER = HERE / "hostile_server.py"
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+
+
+def memory_server() -> list[str]:
+    if not MEMORY_SERVER.exists() or shutil.which("node") is None:
+        pytest.fail(
+            f"{MEMORY_SERVER} is missing: `make setup` installs it (npm ci in tests/mcp/node)"
+        )
+    return [str(MEMORY_SERVER)]
+
+
+def hostile_server(*mode: str) -> list[str]:
+    return [sys.executable, str(HOSTILE_SERVER), *mode]
+
+
+def git_server(repo: Path) -> list[str]:
+    return [str(Path(sys.executable).parent / "mcp-server-git"), "--repository", str(repo)]
+
+
+@contextlib.asynccontextmanager
+async def wrapped(
+    server: list[str], *wrap_args: str, env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> AsyncIterator[Any]:  # fmt: skip
+    """A ClientSession (the SDK's) talking to `jukebox mcp wrap WRAP_ARGS -- SERVER`."""
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    params = StdioServerParameters(
+        command=JUKEBOX,
+        args=["mcp", "wrap", *wrap_args, "--", *server],
+        env={**os.environ, **(env or {})},
+    )
+    async with (
+        stdio_client(params) as (read, write),
+        ClientSession(read, write, read_timeout_seconds=timeout) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+def payloads(tape: Path, kind: str | None = None, event: str | None = None) -> list[dict]:
+    """The payloads (spilled values loaded back) of a tape's frames of `kind` (and `event`)."""
+    from jukebox.tape import Tape
+    from shadowfs.store import Store
+
+    with Store.open(tape.parent / ".jukebox" / "store") as store:
+        out = []
+        for f in Tape.load(tape, store).intact_frames:
+            if kind is not None and f.kind != kind:
+                continue
+            p = f.resolve_payload(store)
+            if event is None or p.get("event") == event:
+                out.append(p)
+    return out
+
+
+def only_tape(tape_dir: Path) -> Path:
+    tapes = sorted(tape_dir.glob("*.jbx"))
+    assert len(tapes) == 1, tapes
+    return tapes[0]

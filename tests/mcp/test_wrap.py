@@ -1,0 +1,159 @@
+"""`jukebox mcp wrap` outside a booth: real servers behind it, the SDK's ClientSession in front,
+and the gateway's own tape recording every call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp.shared.exceptions import MCPError
+
+from tests.mcp.conftest import (
+    JUKEBOX,
+    git_server,
+    hostile_server,
+    memory_server,
+    only_tape,
+    payloads,
+    wrapped,
+)  # fmt: skip
+
+ENTITY = {"name": "ticket-1", "entityType": "ticket", "observations": ["opened by the agent"]}
+
+
+def test_memory_server_calls_are_forwarded_and_recorded(tmp_path: Path) -> None:
+    tapes = tmp_path / "tapes"
+    env = {"MEMORY_FILE_PATH": str(tmp_path / "memory.jsonl")}
+
+    async def agent() -> None:
+        async with wrapped(memory_server(), "--tape-dir", str(tapes), "--name", "memory",
+                           env=env) as session:  # fmt: skip
+            tools = {t.name: t for t in (await session.list_tools()).tools}
+            assert tools["read_graph"].annotations.read_only_hint is True
+            created = await session.call_tool("create_entities", {"entities": [ENTITY]})
+            assert not created.is_error
+            graph = await session.call_tool("read_graph", {})
+            assert graph.structured_content["entities"][0]["name"] == "ticket-1"
+
+    anyio.run(agent)
+    # Forwarded for real: the server wrote its file.
+    assert "ticket-1" in (tmp_path / "memory.jsonl").read_text()
+    tape = only_tape(tapes)
+    calls = payloads(tape, "tool_call")
+    assert [c["tool"] for c in calls] == ["create_entities", "read_graph"]
+    create, read = calls
+    assert create["server"] == "memory"
+    assert create["args"] == {"entities": [ENTITY]}
+    # Outside a booth nothing waits for a verdict: what would be staged is forwarded (--mode
+    # record), and the tape says so.
+    assert create["decision"] == "allow" and "mode record" in create["why"]
+    assert read["decision"] == "allow" and read["why"] == "readOnlyHint"
+    assert read["result"]["structuredContent"]["entities"][0]["name"] == "ticket-1"
+    assert read["result"]["content"][0]["type"] == "text"
+    assert create["ok"] is True and create["latency_ms"] >= 0
+    listed = payloads(tape, "note", "mcp_list")
+    assert listed and listed[0]["what"] == "tools/list"
+    assert {t["name"] for t in listed[0]["result"]["tools"]} >= {"create_entities", "read_graph"}
+    assert payloads(tape, "note", "mcp_server")[0]["initialize"]["serverInfo"]["name"]
+    verified = subprocess.run([JUKEBOX, "verify", str(tape)], capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stderr
+    listing = subprocess.run([JUKEBOX, "ls", "--tape-dir", str(tapes), "--json"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert json.loads(listing.stdout)[0]["status"] == "EXITED"
+
+
+def test_deny_mode_refuses_what_is_not_read_only(tmp_path: Path) -> None:
+    tapes = tmp_path / "tapes"
+    memory = tmp_path / "memory.jsonl"
+
+    async def agent() -> None:
+        async with wrapped(memory_server(), "--tape-dir", str(tapes), "--mode", "deny",
+                           env={"MEMORY_FILE_PATH": str(memory)}) as session:  # fmt: skip
+            refused = await session.call_tool("create_entities", {"entities": [ENTITY]})
+            assert refused.is_error
+            assert "refused" in refused.content[0].text
+            graph = await session.call_tool("read_graph", {})  # read-only: still served
+            assert graph.structured_content["entities"] == []
+
+    anyio.run(agent)
+    assert not memory.exists() or "ticket-1" not in memory.read_text()
+    create, read = payloads(only_tape(tapes), "tool_call")
+    assert create["decision"] == "deny" and create["ok"] is False
+    assert read["decision"] == "allow"
+
+
+def test_a_policy_rule_beats_the_annotations(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    policy = tmp_path / "policy.toml"
+    policy.write_text('mode = "record"\n[tools]\n"git/git_log" = "deny"\n')
+
+    async def agent() -> None:
+        async with wrapped(git_server(repo), "--tape-dir", str(tmp_path / "tapes"), "--name",
+                           "git", "--policy", str(policy)) as session:  # fmt: skip
+            status = await session.call_tool("git_status", {"repo_path": str(repo)})
+            assert not status.is_error and "branch" in status.content[0].text.lower()
+            log = await session.call_tool("git_log", {"repo_path": str(repo)})
+            assert log.is_error and "rule git/git_log" in log.content[0].text
+
+    anyio.run(agent)
+    status, log = payloads(only_tape(tmp_path / "tapes"), "tool_call")
+    assert status["decision"] == "allow" and status["why"] == "readOnlyHint"
+    assert log["decision"] == "deny" and log["why"] == "rule git/git_log"
+
+
+def test_hostile_server_huge_result_a_hang_and_a_secret(tmp_path: Path) -> None:
+    tapes = tmp_path / "tapes"
+    size = 3 * 1024 * 1024
+    secret = "s3cr3t-value-0123456789"
+
+    async def agent() -> None:
+        async with wrapped(hostile_server(), "--tape-dir", str(tapes), "--timeout", "2",
+                           env={"TICKETS_API_TOKEN": secret}) as s:  # fmt: skip
+            huge = await s.call_tool("huge", {"size": size})
+            assert len(huge.content[0].text) == size
+            with pytest.raises(MCPError, match=r"did not answer tools/call 'hang' within 2s"):
+                await s.call_tool("hang", {})
+            # The gateway is still serving after the timeout.
+            echoed = await s.call_tool("echo", {"text": f"token is {secret}"})
+            assert echoed.content[0].text == f"token is {secret}"  # the agent gets it as is
+
+    anyio.run(agent)
+    tape = only_tape(tapes)
+    huge, hang, echo = payloads(tape, "tool_call")
+    assert len(huge["result"]["content"][0]["text"]) == size  # whole, through the store
+    assert hang["ok"] is False and "did not answer" in hang["error"]["message"]
+    # Secrets never reach a tape: the secret-looking variable's value is redacted everywhere.
+    assert echo["ok"] is True and echo["args"] == {"text": "token is [REDACTED]"}
+    assert secret.encode() not in tape.read_bytes()
+
+
+def test_a_server_that_never_answers_initialize_is_a_clear_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [JUKEBOX, "mcp", "wrap", "--tape-dir", str(tmp_path / "tapes"), "--start-timeout", "1",
+         "--",
+         *hostile_server("mute")],
+        input="", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "did not answer initialize within 1s" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "no server to wrap"),
+        (["--mode", "staged_acid", "--", "true"], "staging needs a booth"),
+        (["--allow", "x", "--deny", "", "--", "true"], "non-empty"),
+        (["--timeout", "0", "--", "true"], "--timeout"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run([JUKEBOX, "mcp", "wrap", "--tape-dir", str(tmp_path), *args],
+                          input="", capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode in (1, 2), proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
