@@ -317,9 +317,19 @@ class ProxyServer:
     def _run(self) -> None:
         try:
             trio.run(self._main)
-        except BaseException as error:  # reported to start() if it happens before ready
-            self._error = error
-            self._ready.set()
+        except BaseException as error:
+            if not self._ready.is_set():  # start() raises it: the proxy never served
+                self._error = error
+                self._ready.set()
+                return
+            # After start, each connection's errors stay in it (`_connection`): reaching
+            # here is a bug of ours, said once rather than raised in nobody's thread.
+            print(
+                f"jukebox: internal error: the LLM proxy stopped ({type(error).__name__}: "
+                f"{error}); model calls from now on are refused",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -332,12 +342,30 @@ class ProxyServer:
                     self._scope = scope
                     self._ready.set()
                     # Off the first call's path: loading the price catalogue takes ~0.2 s.
-                    nursery.start_soon(trio.to_thread.run_sync, warm_catalogue)
+                    nursery.start_soon(_warm_quietly)
                     await trio.serve_listeners(self._connection, [listener])
 
     # ------------------------------------------------------------------ one connection
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        # One connection's unforeseen error must not end the proxy (serve_listeners' nursery
+        # would take every other connection, and every later call, with it).
+        try:
+            await self._serve_connection(stream)
+        except Exception as error:  # a bug of ours: said once, and this connection closed
+            self._warn_once(
+                ("internal error", type(error).__name__),
+                f"internal error on one LLM request ({type(error).__name__}: {error}); "
+                "its connection was closed (rerun with JUKEBOX_DEBUG=1 for a traceback)",
+            )
+            if os.environ.get("JUKEBOX_DEBUG"):
+                import traceback
+
+                traceback.print_exception(error, file=sys.stderr)
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
         moved = trio.Event()  # set once the agent's next request (or its close) arrives here
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone):
@@ -995,3 +1023,9 @@ class ProxyServer:
         await self._send_simple(
             conn, stream, 400, error_body(provider, message, BREAKER_CODE), NO_RETRY
         )
+
+
+async def _warm_quietly() -> None:
+    # A catalogue that fails to load fails the first priced call, where it is reported.
+    with contextlib.suppress(Exception):
+        await trio.to_thread.run_sync(warm_catalogue)
