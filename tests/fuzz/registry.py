@@ -7,7 +7,7 @@ import importlib
 
 from tests.fuzz.common import Target
 
-MODULES = ("fuzz_tape", "fuzz_tree", "fuzz_store", "fuzz_control", "fuzz_llm")
+MODULES = ("fuzz_tape", "fuzz_tree", "fuzz_store", "fuzz_control", "fuzz_llm", "fuzz_sql")
 
 
 def _canary(data: bytes) -> None:

@@ -39,6 +39,7 @@ ITERATIONS = {
     "index-rows": 150,
     "control": 5000,
     "llm": 5000,
+    "sql": 5000,
 }
 
 TARGETS = all_targets()

@@ -1,0 +1,467 @@
+"""One agent connection to the proxy: the PostgreSQL protocol spoken to the agent, its work
+forwarded onto the booth's shared upstream session, its transaction control turned into
+savepoints (see jukebox.sql.session for the design).
+
+The agent sees the transaction states PostgreSQL would show it (idle, in a block, failed
+block); the upstream session is always inside the booth's one transaction. Mapping:
+
+  agent BEGIN                  nothing upstream: the unit's savepoint jukebox_tx becomes the
+                               block's (every unit of work starts with SAVEPOINT jukebox_tx)
+  agent COMMIT                 RELEASE SAVEPOINT jukebox_tx (then a fresh one for what follows)
+  agent ROLLBACK               ROLLBACK TO SAVEPOINT jukebox_tx
+  error outside a block        the unit is rolled back to jukebox_tx, as the server would undo
+                               the failed implicit transaction
+  the agent's own SAVEPOINT,   passed on: they nest inside jukebox_tx
+  RELEASE, ROLLBACK TO
+
+Extended-query messages are forwarded as they come (statement and portal names prefixed per
+connection: connections share one server session). A transaction-control or refused statement
+in them is answered by the proxy; before it answers, the forwarded messages' replies are
+brought in with a Sync of its own, which inside the booth's transaction ends nothing, and the
+proxy then skips to the agent's Sync after an error as the server would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jukebox.sql import messages as m
+from jukebox.sql import statements as st
+from jukebox.sql.session import TurnTimeout
+from jukebox.sql.upstream import Upstream, UpstreamError, quote_literal
+
+if TYPE_CHECKING:
+    from jukebox.sql.server import DatabaseProxy
+
+SYNC = m.message(b"S")
+WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
+
+
+@dataclass
+class _Run:
+    """A statement on its way: what a `sql` frame says of it."""
+
+    text: str
+    params: list[Any] | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+def rows_of(tag: str) -> tuple[int | None, bool]:
+    """(rows, whether they were changed) from a CommandComplete tag (`INSERT 0 3`,
+    `UPDATE 2`, `SELECT 5`, `COPY 10`)."""
+    word, _, rest = tag.partition(" ")
+    last = rest.rpartition(" ")[2]
+    if not last.isdigit():
+        return None, False
+    return int(last), word in WRITE_TAGS
+
+
+class AgentConnection:
+    def __init__(
+        self,
+        db: DatabaseProxy,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        number: int,
+    ) -> None:
+        self.db = db
+        self.session = db.session
+        self.reader = reader
+        self.writer = writer
+        self.number = number
+        self.key = secrets.randbits(31)
+        self.state = "I"  # what the agent is told: I idle, T in a block, E failed block
+        self.up: Upstream | None = None  # the upstream, while this connection holds it
+        self.unit_failed = False
+        self.skipping = False  # after an error in extended messages: drop them until Sync
+        self.inflight = False  # forwarded extended messages whose replies are not read yet
+        self.special: dict[str, st.Statement] = {}  # statements the proxy answers, by name
+        self.special_portals: dict[str, st.Statement] = {}
+        self.texts: dict[str, str] = {}  # statement name → its text, for frames
+        self.portals: dict[str, _Run] = {}
+        self.named: set[str] = set()  # upstream names of this connection's statements
+        self.runs: deque[_Run] = deque()
+        self.copying_in = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    def up_name(self, name: str) -> str:
+        return f"jb{self.number}_{name}" if name else ""
+
+    async def hold(self) -> Upstream:
+        """The upstream, held for this unit; its savepoint jukebox_tx is sent, not awaited."""
+        if self.up is None:
+            up = await self.session.take(self)
+            up.send_own("SAVEPOINT jukebox_tx")
+            self.up = up
+            self.unit_failed = False
+        return self.up
+
+    async def end_unit(self) -> None:
+        """Outside a block the unit is over: keep or undo it, and let other connections in."""
+        if self.up is None or self.state != "I":
+            return
+        up = self.up
+        if self.unit_failed or up.status == "E":
+            up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx")
+        else:
+            up.send_own("RELEASE SAVEPOINT jukebox_tx")
+        self.up = None
+        self.unit_failed = False
+        self.session.give_back(self)
+
+    def record(self, run: _Run, tag: str | None = None, failure: dict[str, str] | None = None,
+               rows_changed: int = 0) -> None:
+        self.db.record_statement(self.number, run, tag, failure, rows_changed)
+
+    # ------------------------------------------------------------------ the connection
+
+    async def serve(self) -> None:
+        try:
+            if not await self.startup():
+                return
+            while True:
+                kind, body = await m.read_message(self.reader)
+                if kind == b"X":
+                    return
+                await self.handle(kind, body)
+                await self.writer.drain()
+        except m.ProtocolError as error:
+            self.send(m.error("08P01", f"jukebox: protocol violation: {error}", "FATAL"))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except UpstreamError as error:
+            self.send(m.error(error.code or "08006",
+                              f"jukebox: the booth's database session failed: {error}", "FATAL"))
+        finally:
+            await self.cleanup()
+
+    async def startup(self) -> bool:
+        for _ in range(3):  # SSLRequest, GSSENCRequest, then the real startup
+            start = await m.read_startup(self.reader)
+            if start.code in (m.SSL_REQUEST, m.GSSENC_REQUEST):
+                # TLS on 127.0.0.1 inside the booth buys nothing: clients fall back to plain.
+                self.send(b"N")
+                await self.writer.drain()
+                continue
+            if start.code == m.CANCEL_REQUEST:
+                pid, key = m.decode_cancel(start.body)
+                await self.db.cancel(pid, key)
+                return False
+            if start.code != m.PROTOCOL_3:
+                raise m.ProtocolError(f"protocol version {start.code >> 16}.{start.code & 0xFFFF}"
+                                      " (the proxy speaks 3.0)")
+            try:
+                upstream = await self.session.open()
+            except (UpstreamError, OSError) as error:
+                self.send(m.error("08006", f"jukebox: the booth cannot reach its database "
+                                  f"{self.session.name!r}: {error}", "FATAL"))
+                return False
+            self.send(m.AUTH_OK)
+            for name, value in upstream.parameters.items():
+                self.send(m.parameter_status(name, value))
+            self.send(m.backend_key(self.number, self.key))
+            self.send(m.ready(self.state))
+            await self.writer.drain()
+            return True
+        raise m.ProtocolError("too many encryption requests")
+
+    async def cleanup(self) -> None:
+        """The agent went away: what it left open is undone, as a server would on disconnect."""
+        if self.up is not None or self.named:
+            try:
+                up = await self.hold()
+                if self.state != "I":
+                    self.state = "I"
+                    self.unit_failed = True
+                elif self.inflight:
+                    up.send(SYNC)
+                    await self.relay(drop_only=True)
+                for name in self.named:
+                    up.send(m.Close("S", name).encode())
+                if self.named:
+                    up.send(SYNC)
+                    await self.relay(drop_only=True)
+                self.unit_failed = True
+                await self.end_unit()
+            except Exception:  # the session is gone already (the verdict, a server restart)
+                self.session.give_back(self)
+        self.writer.close()
+
+    # ------------------------------------------------------------------ messages
+
+    async def handle(self, kind: bytes, body: bytes) -> None:
+        if kind == b"Q":
+            await self.on_query(m.decode_query(body))
+        elif kind == b"S":
+            await self.on_sync()
+        elif kind in (b"P", b"B", b"D", b"E", b"C", b"H"):
+            if self.skipping:
+                return
+            try:
+                await self.hold()
+            except TurnTimeout as error:
+                self.send(m.error("55P03", str(error)))
+                self.skipping = True
+                return
+            await {
+                b"P": self.on_parse, b"B": self.on_bind, b"D": self.on_describe,
+                b"E": self.on_execute, b"C": self.on_close, b"H": self.on_flush,
+            }[kind](body)
+        elif kind in (b"d", b"c", b"f"):
+            pass  # copy data after the copy ended: the server ignores it too
+        else:
+            raise m.ProtocolError(f"message type {kind!r} is not one the proxy accepts")
+
+    async def on_query(self, text: str) -> None:
+        if self.skipping:
+            return
+        stmts = st.split(text)
+        if not stmts:
+            self.send(m.message(b"I"))
+            self.send(m.ready(self.state))
+            return
+        try:
+            await self.hold()
+        except TurnTimeout as error:
+            self.send(m.error("55P03", str(error)))
+            self.send(m.ready(self.state))
+            return
+        if len(stmts) == 1 and stmts[0].kind == st.PLAIN:
+            self.up.send(m.message(b"Q", text.encode() + b"\0"))  # type: ignore[union-attr]
+            self.runs.append(_Run(stmts[0].text))
+            await self.relay()
+        else:
+            for stmt in stmts:
+                if not await self.run(stmt):
+                    break
+        self.send(m.ready(self.state))
+        await self.writer.drain()
+        await self.end_unit()
+
+    async def run(self, stmt: st.Statement) -> bool:
+        """One statement of a simple query, or a special one's Execute; False on an error."""
+        up = self.up
+        assert up is not None
+        kind = stmt.kind
+        if kind == st.PLAIN or (kind == st.SAVEPOINT and self.state != "I") or (
+            kind == st.BEGIN and self.state == "E"
+        ):
+            up.send(m.message(b"Q", stmt.text.encode() + b"\0"))
+            self.runs.append(_Run(stmt.text))
+            return not await self.relay()
+        if kind == st.SAVEPOINT:
+            stmt = st.Statement(stmt.text, st.REFUSED,
+                                f"{stmt.text.split()[0].upper()} can only be used in "
+                                "transaction blocks", "25P01")
+            kind = st.REFUSED
+        if kind == st.REFUSED:
+            self.runs.append(_Run(stmt.text))
+            up.send(m.message(b"Q", (
+                "DO $jukebox$BEGIN RAISE EXCEPTION USING MESSAGE = "
+                f"{quote_literal(stmt.refusal)}, ERRCODE = {quote_literal(stmt.code)}; "
+                "END$jukebox$"
+            ).encode() + b"\0"))
+            await self.relay(refusal=True)
+            return False
+        run = _Run(stmt.text)
+        tag = kind.upper()
+        if kind == st.BEGIN:
+            if self.state == "T":
+                self.send(m.notice("25001", "there is already a transaction in progress"))
+            self.state = "T"
+        elif self.state == "I":
+            self.send(m.notice("25P01", "there is no transaction in progress"))
+        elif kind == st.COMMIT and self.state == "T":
+            await up.query("RELEASE SAVEPOINT jukebox_tx; SAVEPOINT jukebox_tx")
+            self.state = "I"
+        else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
+            await up.query("ROLLBACK TO SAVEPOINT jukebox_tx")
+            self.state, self.unit_failed, tag = "I", False, "ROLLBACK"
+        self.send(m.command_complete(tag))
+        self.record(run, tag)
+        return True
+
+    async def relay(self, refusal: bool = False, drop_only: bool = False) -> bool:
+        """Passes the upstream's replies on until its ReadyForQuery (kept back: the proxy says
+        the agent's state). Returns whether there was an error."""
+        up = self.up
+        assert up is not None
+        failed = False
+        count = 0
+        while True:
+            kind, body = await up.read()
+            if kind == b"Z":
+                up.status = body.decode()
+                break
+            if drop_only:
+                continue
+            if kind == b"C":
+                tag = m.decode_tag(body)
+                rows, changed = rows_of(tag)
+                changed_rows = rows if changed and rows else 0
+                if self.copying_in and tag.startswith("COPY") and rows:
+                    changed_rows = rows
+                self.copying_in = False
+                if changed_rows and self.db.over_limit(changed_rows):
+                    body = None  # type: ignore[assignment]
+                    self.send(m.error("54000", self.db.limit_message()))
+                    failed = True
+                if self.runs:
+                    self.record(self.runs.popleft(), tag, rows_changed=changed_rows)
+                if body is None:
+                    continue
+            elif kind == b"E":
+                failed = True
+                fields = m.decode_fields(body)
+                if refusal:  # the proxy's own RAISE: the agent need not see it was a DO block
+                    body = b"".join(
+                        k.encode() + v.encode() + b"\0" for k, v in fields.items()
+                        if k not in ("W", "P", "F", "L", "R")
+                    ) + b"\0"
+                if self.runs:
+                    self.record(self.runs.popleft(), failure=fields)
+                self.runs.clear()
+            elif kind in (b"I", b"s") and self.runs:
+                self.record(self.runs.popleft())
+            elif kind == b"G":  # CopyInResponse: the agent's rows come next
+                self.send(m.message(kind, body))
+                await self.writer.drain()
+                await self.copy_in(up)
+                continue
+            self.send(m.message(kind, body))
+            count += 1
+            if count % 256 == 0:
+                await self.writer.drain()
+        if failed and self.state == "I":
+            self.unit_failed = True
+        if self.state != "I":
+            self.state = "E" if up.status == "E" else "T"
+        return failed
+
+    async def copy_in(self, up: Upstream) -> None:
+        self.copying_in = True
+        while True:
+            kind, body = await m.read_message(self.reader)
+            if kind in (b"d", b"c", b"f"):
+                up.send(m.message(kind, body))
+                if kind != b"d":
+                    return
+            elif kind in (b"H", b"S"):
+                continue  # ignored during COPY, as the server does
+            else:
+                raise m.ProtocolError(f"message {kind!r} during COPY FROM STDIN")
+
+    async def drain(self) -> None:
+        """Brings in the replies of forwarded extended messages before the proxy answers one
+        itself, so the agent gets its replies in order."""
+        if not self.inflight or self.up is None:
+            return
+        self.up.send(SYNC)
+        self.inflight = False
+        if await self.relay():
+            self.skipping = True
+
+    # ------------------------------------------------------------------ extended query
+
+    def forward(self, data: bytes) -> None:
+        assert self.up is not None
+        self.up.send(data)
+        self.inflight = True
+
+    async def on_parse(self, body: bytes) -> None:
+        parse = m.decode_parse(body)
+        stmts = st.split(parse.query)
+        stmt = stmts[0] if len(stmts) == 1 else st.Statement(parse.query, st.PLAIN)
+        self.texts[parse.name] = parse.query
+        if stmt.kind == st.PLAIN:
+            self.special.pop(parse.name, None)
+            if parse.name:
+                self.named.add(self.up_name(parse.name))
+            parse.name = self.up_name(parse.name)
+            self.forward(parse.encode())
+            return
+        self.special[parse.name] = stmt
+        await self.drain()
+        if not self.skipping:
+            self.send(m.PARSE_COMPLETE)
+
+    async def on_bind(self, body: bytes) -> None:
+        bind = m.decode_bind(body)
+        stmt = self.special.get(bind.statement)
+        if stmt is not None:
+            self.special_portals[bind.portal] = stmt
+            await self.drain()
+            if not self.skipping:
+                self.send(m.BIND_COMPLETE)
+            return
+        self.special_portals.pop(bind.portal, None)
+        self.portals[bind.portal] = _Run(
+            self.texts.get(bind.statement, ""), self.db.params_for_tape(bind)
+        )
+        bind.portal, bind.statement = self.up_name(bind.portal), self.up_name(bind.statement)
+        self.forward(bind.encode())
+
+    async def on_describe(self, body: bytes) -> None:
+        what = m.decode_describe(body)
+        stmt = (self.special if what.what == "S" else self.special_portals).get(what.name)
+        if stmt is None:
+            what.name = self.up_name(what.name)
+            self.forward(what.encode())
+            return
+        await self.drain()
+        if not self.skipping:
+            self.send(m.NO_PARAMETERS + m.NO_DATA if what.what == "S" else m.NO_DATA)
+
+    async def on_execute(self, body: bytes) -> None:
+        execute = m.decode_execute(body)
+        stmt = self.special_portals.get(execute.portal)
+        if stmt is None:
+            run = self.portals.get(execute.portal) or _Run("")
+            self.runs.append(_Run(run.text, run.params))
+            execute.portal = self.up_name(execute.portal)
+            self.forward(execute.encode())
+            return
+        await self.drain()
+        if not self.skipping and not await self.run(stmt):
+            self.skipping = True
+
+    async def on_close(self, body: bytes) -> None:
+        close = m.decode_close(body)
+        table = self.special if close.what == "S" else self.special_portals
+        if table.pop(close.name, None) is not None:
+            await self.drain()
+            if not self.skipping:
+                self.send(m.CLOSE_COMPLETE)
+            return
+        close.name = self.up_name(close.name)
+        if close.what == "S":
+            self.named.discard(close.name)
+        self.forward(close.encode())
+
+    async def on_flush(self, body: bytes) -> None:
+        await self.drain()
+
+    async def on_sync(self) -> None:
+        self.skipping = False
+        if self.up is not None and self.inflight:
+            self.up.send(SYNC)
+            self.inflight = False
+            await self.relay()
+        self.runs.clear()
+        self.send(m.ready(self.state))
+        await self.writer.drain()
+        await self.end_unit()
+
+
+def cancel_message(pid: int, key: int) -> bytes:
+    return struct.pack("!iiii", 16, m.CANCEL_REQUEST, pid, key)

@@ -1,0 +1,221 @@
+"""The SQL proxies of one booth: a listening socket per database (`--pg NAME=URL`), served by
+one asyncio loop on a thread of its own, each with its one upstream session
+(jukebox.sql.session), recording every statement as a `sql` frame.
+
+The booth (jukebox.sql.booth_link) calls in from other threads: checkpoint, rollback, verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+from jukebox.redact import Scrubber, redact_text
+from jukebox.sql import messages as m
+from jukebox.sql.connection import AgentConnection, _Run, cancel_message
+from jukebox.sql.session import SqlSession
+from jukebox.sql.upstream import Target
+
+T = TypeVar("T")
+
+# What a frame keeps of one statement and one bound value: enough to read, not a dump.
+MAX_STATEMENT_CHARS = 16_384
+MAX_PARAM_CHARS = 1_024
+
+FrameSink = Callable[[str, dict[str, Any]], Any]
+
+
+class DatabaseProxy:
+    """One `--pg NAME=URL`: its listening socket, its session, its statements' frames."""
+
+    def __init__(self, owner: SqlProxy, name: str, target: Target, sock: socket.socket) -> None:
+        self.owner = owner
+        self.name = name
+        self.target = target
+        self.sock = sock
+        self.session = SqlSession(name, target, f"jukebox booth {owner.booth_id}")
+        self.connections: dict[int, AgentConnection] = {}
+        self.server: asyncio.AbstractServer | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._accept, sock=self.sock)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = next(self.owner.numbers)
+        conn = AgentConnection(self, reader, writer, number)
+        self.connections[number] = conn
+        try:
+            await conn.serve()
+        finally:
+            self.connections.pop(number, None)
+
+    async def cancel(self, pid: int, key: int) -> None:
+        """The agent's CancelRequest for one of its connections: passed on with the upstream
+        session's own key when that connection holds the session now."""
+        conn = self.connections.get(pid)
+        up = self.session.upstream
+        if conn is None or conn.key != key or up is None or self.session.holder is not conn:
+            return
+        try:
+            _, writer = await asyncio.open_connection(self.target.host, self.target.port)
+            writer.write(cancel_message(*up.backend_key))
+            await writer.drain()
+            writer.close()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ frames and breaker
+
+    def params_for_tape(self, bind: m.Bind) -> list[Any]:
+        out: list[Any] = []
+        for i, value in enumerate(bind.params):
+            if value is None:
+                out.append(None)
+            elif bind.param_format(i) == 1:
+                out.append({"binary": len(value)})
+            else:
+                text = value.decode("utf-8", "replace")
+                if len(text) > MAX_PARAM_CHARS:
+                    text = text[:MAX_PARAM_CHARS] + "…"
+                out.append(redact_text(text, self.owner.scrubber))
+        return out
+
+    def record_statement(
+        self,
+        conn: int,
+        run: _Run,
+        tag: str | None,
+        failure: dict[str, str] | None,
+        rows_changed: int,
+    ) -> None:
+        from jukebox.sql.connection import rows_of
+
+        text = run.text if len(run.text) <= MAX_STATEMENT_CHARS else (
+            run.text[:MAX_STATEMENT_CHARS] + "…"
+        )
+        payload: dict[str, Any] = {
+            "db": self.name,
+            "conn": conn,
+            "statement": redact_text(text, self.owner.scrubber),
+            "ms": round((time.monotonic() - run.started) * 1000, 3),
+        }
+        if run.params is not None:
+            payload["params"] = run.params
+        if tag is not None:
+            payload["tag"] = tag
+            payload["rows"] = rows_of(tag)[0]
+            if rows_changed:
+                payload["rows_changed"] = rows_changed
+        if failure is not None:
+            payload["error"] = {
+                "code": failure.get("C", ""),
+                "message": redact_text(failure.get("M", ""), self.owner.scrubber),
+            }
+        self.owner.record("sql", payload)
+
+    def over_limit(self, rows: int) -> bool:
+        return self.owner.count_rows(rows)
+
+    def limit_message(self) -> str:
+        return (f"jukebox: the circuit breaker tripped: the agent changed more than "
+                f"{self.owner.max_rows_changed} rows (--max-sql-rows-changed); the statement "
+                "was not kept")
+
+
+class SqlProxy:
+    """All of one booth's database proxies, on one event loop thread."""
+
+    def __init__(
+        self,
+        databases: dict[str, Target],
+        record: FrameSink,
+        booth_id: str,
+        secrets: Iterable[str] = (),
+        listen: Callable[[], socket.socket] | None = None,
+        max_rows_changed: int | None = None,
+        on_trip: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.record = record
+        self.booth_id = booth_id
+        self.scrubber = Scrubber(secrets)
+        self.scrubber.add(t.password for t in databases.values() if t.password)
+        self.max_rows_changed = max_rows_changed
+        self.rows_changed = 0
+        self.on_trip = on_trip
+        self.tripped = False
+        self.numbers = itertools.count(1)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="jukebox-sql", daemon=True)
+        make = listen or _listen_loopback
+        self.databases = {name: DatabaseProxy(self, name, t, make())
+                          for name, t in databases.items()}
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> SqlProxy:
+        self.thread.start()
+        for db in self.databases.values():
+            self.call(db.start())
+        return self
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Runs `coro` on the proxy's loop from another thread and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def count_rows(self, rows: int) -> bool:
+        """Adds `rows` changed rows; True when that passes --max-sql-rows-changed (the breaker
+        trips once, and the booth stops the agent)."""
+        self.rows_changed += rows
+        limit = self.max_rows_changed
+        if limit is None or self.rows_changed <= limit:
+            return False
+        if not self.tripped and self.on_trip is not None:
+            self.tripped = True
+            from jukebox.breaker import Trip
+
+            trip = Trip("sql_rows_changed", limit, self.rows_changed,
+                        f"the agent changed {self.rows_changed} database rows, more than "
+                        f"--max-sql-rows-changed {limit}")
+            threading.Thread(target=self.on_trip, args=(trip,), daemon=True).start()
+        return True
+
+    def stop(self) -> None:
+        """Stops listening and closes every session (an open transaction is rolled back by
+        the server when its session closes)."""
+        if not self.thread.is_alive():
+            return
+
+        async def shutdown() -> None:
+            for db in self.databases.values():
+                if db.server is not None:
+                    db.server.close()
+                for conn in list(db.connections.values()):
+                    conn.writer.close()
+                await db.session.close()
+
+        try:
+            self.call(shutdown(), timeout=10)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            for db in self.databases.values():
+                db.sock.close()
+
+
+def _listen_loopback() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock

@@ -1,0 +1,239 @@
+"""The proxy's connection to the real PostgreSQL server: the URL it is named by, startup, TLS
+and authentication (trust, password, md5, SCRAM-SHA-256 through `scramp`), and simple queries
+of the proxy's own.
+
+After startup the connection is a plain message stream: the agent's messages are forwarded on
+it byte for byte, so types, formats and errors reach the agent exactly as the server made them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import ssl
+import struct
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from jukebox.sql import messages as m
+
+
+class UpstreamError(Exception):
+    """The server refused or failed something the proxy itself asked."""
+
+    def __init__(self, text: str, fields: dict[str, str] | None = None) -> None:
+        super().__init__(text)
+        self.fields = fields or {}
+
+    @property
+    def code(self) -> str:
+        return self.fields.get("C", "")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where `--pg NAME=postgresql://user[:password]@host[:port]/db[?sslmode=…]` points."""
+
+    host: str
+    port: int
+    user: str
+    database: str
+    password: str | None = None
+    sslmode: str = "prefer"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        parts = urlsplit(url)
+        if parts.scheme not in ("postgresql", "postgres"):
+            raise ValueError("it is not a postgresql:// URL")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        host = parts.hostname or query.pop("host", "") or "127.0.0.1"
+        if host.startswith("/"):
+            raise ValueError("a Unix socket host is not supported yet; use host:port")
+        try:
+            port = parts.port or int(query.pop("port", "5432"))
+        except ValueError:
+            raise ValueError("its port is not a number") from None
+        user = unquote(parts.username or "") or os.environ.get("PGUSER", "") or "postgres"
+        database = unquote(parts.path.lstrip("/")) or user
+        password = unquote(parts.password) if parts.password is not None else None
+        if password is None:
+            password = os.environ.get("PGPASSWORD")
+        sslmode = query.pop("sslmode", os.environ.get("PGSSLMODE", "prefer"))
+        if sslmode not in ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"):
+            raise ValueError(f"sslmode={sslmode} is not one PostgreSQL knows")
+        return cls(host, port, user, database, password, sslmode, query)
+
+    def public_url(self) -> str:
+        """The URL without its password: what a tape or a message may show."""
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{self.database}"
+
+
+class Upstream:
+    """One authenticated server session, read and written as messages."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.parameters: dict[str, str] = {}
+        self.backend_key: tuple[int, int] = (0, 0)
+        self.status = "I"
+        # Bookkeeping queries of the proxy's own (SAVEPOINT, RELEASE) sent without waiting:
+        # their replies are read, and dropped, before anything else is read.
+        self.unread_own = 0
+
+    @classmethod
+    async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+        try:
+            if target.sslmode != "disable":
+                reader, writer = await _start_tls(reader, writer, target)
+            self = cls(reader, writer)
+            params = {"user": target.user, "database": target.database,
+                      "application_name": application_name, "client_encoding": "UTF8"}
+            writer.write(m.startup_message(params))
+            await self._authenticate(target)
+            return self
+        except BaseException:
+            writer.close()
+            raise
+
+    async def _authenticate(self, target: Target) -> None:
+        scram = None
+        while True:
+            kind, body = await self.read()
+            if kind == b"E":
+                fields = m.decode_fields(body)
+                raise UpstreamError(fields.get("M", "refused"), fields)
+            if kind == b"S":
+                name, _, value = body.rstrip(b"\0").partition(b"\0")
+                self.parameters[name.decode()] = value.decode()
+            elif kind == b"K":
+                self.backend_key = struct.unpack("!ii", body)
+            elif kind == b"Z":
+                self.status = body.decode()
+                return
+            elif kind == b"R":
+                (code,) = struct.unpack("!i", body[:4])
+                if code == 0:
+                    continue
+                if target.password is None:
+                    raise UpstreamError(
+                        f"the server asks {target.user} for a password: put it in the URL or "
+                        "in PGPASSWORD"
+                    )
+                if code == 3:  # cleartext
+                    self.send(m.message(b"p", target.password.encode() + b"\0"))
+                elif code == 5:  # md5
+                    inner = hashlib.md5((target.password + target.user).encode()).hexdigest()
+                    outer = hashlib.md5(inner.encode() + body[4:8]).hexdigest()
+                    self.send(m.message(b"p", b"md5" + outer.encode() + b"\0"))
+                elif code == 10:  # SASL: the mechanisms offered
+                    import scramp
+
+                    offered = [x.decode() for x in body[4:].split(b"\0") if x]
+                    scram = scramp.ScramClient(offered, target.user, target.password)
+                    first = scram.get_client_first().encode()
+                    self.send(m.message(
+                        b"p",
+                        scram.mechanism_name.encode() + b"\0" + struct.pack("!i", len(first))
+                        + first,
+                    ))
+                elif code == 11 and scram is not None:
+                    scram.set_server_first(body[4:].decode())
+                    self.send(m.message(b"p", scram.get_client_final().encode()))
+                elif code == 12 and scram is not None:
+                    scram.set_server_final(body[4:].decode())
+                else:
+                    raise UpstreamError(f"the server asks for an authentication ({code}) the "
+                                        "proxy does not speak")
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    def send_own(self, sql: str) -> None:
+        self.send(m.message(b"Q", sql.encode() + b"\0"))
+        self.unread_own += 1
+
+    async def settle(self) -> None:
+        """Reads the replies of the queries `send_own` sent; raises the first one's error."""
+        while self.unread_own:
+            self.unread_own -= 1
+            failed: dict[str, str] | None = None
+            while True:
+                kind, body = await m.read_message(self.reader)
+                if kind == b"E" and failed is None:
+                    failed = m.decode_fields(body)
+                if kind == b"Z":
+                    self.status = body.decode()
+                    break
+            if failed is not None:
+                raise UpstreamError(failed.get("M", "error"), failed)
+
+    async def read(self) -> tuple[bytes, bytes]:
+        if self.unread_own:
+            await self.settle()
+        return await m.read_message(self.reader)
+
+    async def query(self, sql: str) -> list[tuple[bytes, bytes]]:
+        """Runs the proxy's own `sql` (simple protocol); raises UpstreamError on its error.
+        Returns the messages before ReadyForQuery."""
+        if self.unread_own:
+            await self.settle()
+        self.send(m.message(b"Q", sql.encode() + b"\0"))
+        out: list[tuple[bytes, bytes]] = []
+        failed: dict[str, str] | None = None
+        while True:
+            kind, body = await self.read()
+            if kind == b"Z":
+                self.status = body.decode()
+                if failed is not None:
+                    raise UpstreamError(failed.get("M", "error"), failed)
+                return out
+            if kind == b"E" and failed is None:
+                failed = m.decode_fields(body)
+            out.append((kind, body))
+
+    async def scalar(self, sql: str) -> str | None:
+        for kind, body in await self.query(sql):
+            if kind == b"D":
+                (n,) = struct.unpack("!h", body[:2])
+                if n < 1:
+                    return None
+                (size,) = struct.unpack("!i", body[2:6])
+                return None if size < 0 else body[6 : 6 + size].decode()
+        return None
+
+    async def close(self) -> None:
+        try:
+            self.send(m.message(b"X"))
+            self.writer.close()
+            await self.writer.wait_closed()
+        except (OSError, ConnectionError):
+            pass
+
+
+async def _start_tls(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: Target
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    writer.write(struct.pack("!ii", 8, m.SSL_REQUEST))
+    answer = await reader.readexactly(1)
+    if answer != b"S":
+        if target.sslmode in ("require", "verify-ca", "verify-full"):
+            raise UpstreamError(f"the server at {target.host}:{target.port} does not offer TLS "
+                                f"and the URL says sslmode={target.sslmode}")
+        return reader, writer
+    context = ssl.create_default_context()
+    if target.sslmode != "verify-full":
+        context.check_hostname = False
+    if target.sslmode not in ("verify-ca", "verify-full"):
+        context.verify_mode = ssl.CERT_NONE
+    await writer.start_tls(context, server_hostname=target.host)
+    return reader, writer
+
+
+def quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+

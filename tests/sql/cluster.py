@@ -1,0 +1,116 @@
+"""A private PostgreSQL cluster for the tests: `initdb` in a temporary directory, `postgres` on
+127.0.0.1 and a free port, stopped and removed after (as pytest-postgresql does). As root it
+runs as the `postgres` user of Debian's package (the server refuses to run as root)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+# A role that logs in with a password over SCRAM-SHA-256 (the rest is trust).
+SCRAM_USER = "scram_user"
+SCRAM_PASSWORD = "s3cret-scram-pw"
+
+
+def bindir() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0)
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).parent if initdb else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, bin: Path) -> None:
+        self.bin = bin
+        self.port = _free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="jukebox-pg-"))
+        self.data = self.dir / "data"
+        self.user = None if os.geteuid() else pwd.getpwnam("postgres")
+        if self.user is not None:
+            os.chown(self.dir, self.user.pw_uid, self.user.pw_gid)
+        self.dir.chmod(0o755)
+
+    def _as_owner(self, argv: list[str], **kw) -> subprocess.CompletedProcess[str]:
+        if self.user is not None:
+            argv = ["runuser", "-u", "postgres", "--", *argv]
+        return subprocess.run(argv, capture_output=True, text=True, check=True, cwd=self.dir,
+                              **kw)
+
+    def init(self) -> None:
+        self._as_owner([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+                        "--auth=trust", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"])
+        with open(self.data / "postgresql.conf", "a") as f:
+            f.write(
+                f"listen_addresses = '127.0.0.1'\nport = {self.port}\n"
+                f"unix_socket_directories = '{self.dir}'\n"
+                "max_prepared_transactions = 10\nfsync = off\nsynchronous_commit = off\n"
+                "full_page_writes = off\nshared_buffers = 16MB\nmax_connections = 40\n"
+                "password_encryption = 'scram-sha-256'\n"
+            )
+        (self.data / "pg_hba.conf").write_text(
+            f"host all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n"
+            "host all all 127.0.0.1/32 trust\nlocal all all trust\n"
+        )
+        self.start()
+        self.psql(f"CREATE ROLE {SCRAM_USER} LOGIN SUPERUSER PASSWORD '{SCRAM_PASSWORD}'")
+
+    def start(self) -> None:
+        self._as_owner([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l",
+                        str(self.dir / "log"), "-w", "-t", "60", "start"])
+
+    def stop(self, mode: str = "fast") -> None:
+        self._as_owner([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w",
+                        "-t", "60", "stop"])
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def url(self, db: str = "postgres", user: str = "postgres", password: str = "") -> str:
+        auth = f"{user}:{password}" if password else user
+        return f"postgresql://{auth}@127.0.0.1:{self.port}/{db}"
+
+    def psql(self, sql: str, db: str = "postgres") -> str:
+        out = subprocess.run(
+            ["psql", "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-d", self.url(db), "-c", sql],
+            capture_output=True, text=True, check=True,
+        )
+        return out.stdout.strip()
+
+    def dump(self, db: str) -> str:
+        """Schema and rows; without the random key newer pg_dumps put in \\restrict lines."""
+        out = subprocess.run(
+            [str(self.bin / "pg_dump"), "--no-owner", "-d", self.url(db)],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        return "\n".join(line for line in out.splitlines()
+                         if not line.startswith(("\\restrict", "\\unrestrict")))
+
+    def remove(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wait_for(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)

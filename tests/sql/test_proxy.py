@@ -1,0 +1,252 @@
+"""The SQL savepoint proxy on its own (no booth): real clients through it to a real server.
+
+Each test starts a proxy over a fresh database of the session's private cluster and checks,
+through a direct connection of its own, what another client of the database sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from jukebox.sql.server import SqlProxy
+from jukebox.sql.upstream import Target
+from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster
+
+
+class Proxied:
+    def __init__(self, pg: Cluster, db: str, url: str | None = None, **kw: Any) -> None:
+        self.pg = pg
+        self.db = db
+        self.frames: list[dict[str, Any]] = []
+        self.proxy = SqlProxy({"main": Target.parse(url or pg.url(db))},
+                              lambda kind, payload: self.frames.append(payload), "test", **kw)
+        self.proxy.start()
+        self.port = self.proxy.databases["main"].port
+        self.url = f"postgresql://agent@127.0.0.1:{self.port}/{db}"
+
+    def psql(self, sql: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["psql", "-X", "-At", "-d", self.url, "-c", sql],
+                              capture_output=True, text=True, timeout=60)
+
+    def session(self):
+        return self.proxy.databases["main"].session
+
+    def end(self, sql: str) -> None:
+        self.proxy.call(self.session().end(sql), timeout=30)
+
+
+@pytest.fixture
+def proxied(pg: Cluster, db: str) -> Iterator[Proxied]:
+    p = Proxied(pg, db)
+    try:
+        yield p
+    finally:
+        p.proxy.stop()
+
+
+def rows(pg: Cluster, db: str) -> str:
+    return pg.psql("SELECT string_agg(id || ':' || v, ',' ORDER BY id) FROM t", db=db)
+
+
+def test_psql_writes_stay_invisible_to_others_until_commit(pg: Cluster, db: str,
+                                                           proxied: Proxied) -> None:
+    out = proxied.psql("INSERT INTO t VALUES (3, 'three'); CREATE TABLE u (x int)")
+    assert out.returncode == 0, out.stderr
+    # The agent reads its own writes on a new connection (autocommit, as psql runs).
+    assert proxied.psql("SELECT count(*) FROM t").stdout.strip() == "3"
+    assert proxied.psql("SELECT count(*) FROM u").stdout.strip() == "0"
+    # Nobody else sees the row or the table.
+    assert rows(pg, db) == "1:one,2:two"
+    assert pg.psql("SELECT to_regclass('u') IS NULL", db=db) == "t"
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:three"
+    assert pg.psql("SELECT to_regclass('u') IS NULL", db=db) == "f"
+
+
+def test_rollback_of_the_booth_leaves_nothing(pg: Cluster, db: str, proxied: Proxied) -> None:
+    before = pg.dump(db)
+    assert proxied.psql("UPDATE t SET v = 'x'; DELETE FROM t WHERE id = 1; "
+                        "CREATE INDEX ti ON t (v); ALTER TABLE t ADD COLUMN w int").returncode == 0
+    proxied.end("ROLLBACK")
+    assert pg.dump(db) == before
+
+
+def test_agent_transactions_become_savepoints(pg: Cluster, db: str, proxied: Proxied) -> None:
+    with psycopg.connect(proxied.url) as conn:
+        conn.execute("INSERT INTO t VALUES (3, 'kept')")
+        conn.commit()  # a savepoint released: still the booth's, not the database's
+        conn.execute("INSERT INTO t VALUES (4, 'undone')")
+        conn.rollback()
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute("INSERT INTO t VALUES (1, 'dup')")
+        conn.rollback()
+        with conn.transaction():
+            conn.execute("INSERT INTO t VALUES (5, 'outer')")
+            with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
+                conn.execute("INSERT INTO t VALUES (6, 'inner')")
+                conn.execute("SELECT 1/0")
+        conn.commit()
+        assert conn.execute("SELECT string_agg(id::text, ',' ORDER BY id) FROM t").fetchone() \
+            == ("1,2,3,5",)
+    assert rows(pg, db) == "1:one,2:two"
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:kept,5:outer"
+
+
+def test_a_failed_block_behaves_as_on_the_server(proxied: Proxied) -> None:
+    out = proxied.psql("BEGIN; INSERT INTO t VALUES (7, 'a'); SELECT 1/0")
+    assert "division by zero" in out.stderr
+    with psycopg.connect(proxied.url) as conn:
+        conn.execute("INSERT INTO t VALUES (8, 'b')")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+            conn.execute("SELECT 1")
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM t WHERE id IN (7, 8)").fetchone() == (0,)
+    assert proxied.psql("COMMIT").stderr.startswith("WARNING:  there is no transaction")
+
+
+def test_a_pool_reads_its_own_writes_across_connections(proxied: Proxied) -> None:
+    a = psycopg.connect(proxied.url)
+    b = psycopg.connect(proxied.url)
+    try:
+        with a.transaction():
+            a.execute("INSERT INTO t VALUES (10, 'from a')")
+        assert b.execute("SELECT v FROM t WHERE id = 10").fetchone() == ("from a",)
+        b.commit()
+        # While a holds the session in an open block, b waits for it and then goes on.
+        a.execute("INSERT INTO t VALUES (11, 'later')")
+        got: list[Any] = []
+        reader = threading.Thread(
+            target=lambda: got.append(b.execute("SELECT count(*) FROM t").fetchone())
+        )
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and not got
+        a.commit()
+        reader.join(30)
+        assert got == [(4,)]
+        b.commit()
+    finally:
+        a.close()
+        b.close()
+
+
+REFUSED = [
+    "CREATE DATABASE other",
+    "VACUUM t",
+    "CREATE INDEX CONCURRENTLY ti ON t (v)",
+    "ALTER SYSTEM SET work_mem = '8MB'",
+    "PREPARE TRANSACTION 'mine'",
+    "COMMIT PREPARED 'x'",
+    "RELEASE SAVEPOINT jukebox_cp_0",
+    "DISCARD ALL",
+]
+
+
+def test_statements_that_escape_the_transaction_are_refused(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    for statement in REFUSED:
+        out = proxied.psql(f"INSERT INTO t VALUES (3, 'x'); {statement}")
+        assert out.returncode == 1, statement
+        assert "jukebox:" in out.stderr, statement
+        # The unit is undone as a failed implicit transaction; the session is still good.
+        assert proxied.psql("SELECT count(*) FROM t").stdout.strip() == "2"
+        with psycopg.connect(proxied.url, autocommit=True) as conn:
+            with pytest.raises(psycopg.Error, match="jukebox"):
+                conn.execute(statement)  # extended protocol
+            assert conn.execute("SELECT count(*) FROM t").fetchone() == (2,)
+        assert proxied.frames[-2]["statement"] == statement
+        assert proxied.frames[-2]["error"]["message"].startswith("jukebox:")
+    assert pg.psql("SELECT count(*) FROM pg_database WHERE datname = 'other'") == "0"
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+
+
+def test_scram_upstream_and_secrets_kept_off_the_frames(pg: Cluster, db: str) -> None:
+    p = Proxied(pg, db, url=pg.url(db, SCRAM_USER, SCRAM_PASSWORD))
+    try:
+        with psycopg.connect(p.url, autocommit=True) as conn:
+            assert conn.execute("SELECT current_user").fetchone() == (SCRAM_USER,)
+            conn.execute("INSERT INTO t VALUES (%s, %s)", (3, f"pw={SCRAM_PASSWORD}"))
+            conn.execute(f"SELECT '{SCRAM_PASSWORD}'")
+        p.end("COMMIT")
+    finally:
+        p.proxy.stop()
+    assert rows(pg, db).endswith(f"3:pw={SCRAM_PASSWORD}")
+    text = repr(p.frames)
+    assert SCRAM_PASSWORD not in text and "[REDACTED]" in text
+    assert any(f.get("rows_changed") == 1 for f in p.frames)
+
+
+def test_copy_in_and_out(pg: Cluster, db: str, proxied: Proxied) -> None:
+    with psycopg.connect(proxied.url, autocommit=True) as conn:
+        with conn.cursor().copy("COPY t (id, v) FROM STDIN") as copy:
+            for i in range(3, 103):
+                copy.write_row((i, f"r{i}"))
+        with conn.cursor().copy("COPY t TO STDOUT") as copy:
+            out = [row for row in copy.rows()]
+        assert len(out) == 102
+    proxied.end("COMMIT")
+    assert pg.psql("SELECT count(*) FROM t", db=db) == "102"
+
+
+def test_asyncpg_and_a_sqlalchemy_pool(pg: Cluster, db: str, proxied: Proxied) -> None:
+    import asyncpg
+    import sqlalchemy as sa
+
+    async def agent() -> list[Any]:
+        conn = await asyncpg.connect(proxied.url)
+        try:
+            async with conn.transaction():
+                await conn.executemany("INSERT INTO t VALUES ($1, $2)", [(3, "c"), (4, "d")])
+            stmt = await conn.prepare("SELECT id FROM t WHERE id > $1 ORDER BY id")
+            return [r["id"] for r in await stmt.fetch(1)]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(agent()) == [2, 3, 4]
+    engine = sa.create_engine(
+        proxied.url.replace("postgresql://", "postgresql+psycopg://"), pool_size=3
+    )
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO t VALUES (5, 'e')"))
+    # The pool hands out its connections in turn: each reads what the others committed.
+    for expected in (5, 5, 5):
+        with engine.connect() as c:
+            assert c.execute(sa.text("SELECT count(*) FROM t")).scalar() == expected
+    assert engine.pool.checkedin() >= 1
+    engine.dispose()
+    assert rows(pg, db) == "1:one,2:two"
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:c,4:d,5:e"
+
+
+def test_hostile_startup_and_messages_get_a_protocol_error(proxied: Proxied) -> None:
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", proxied.port), timeout=10) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    assert exchange(b"\x00\x00\x00\x08\x00\x00\x00\x01").startswith(b"E")  # a bad version
+    assert b"08P01" in exchange(b"\x7f\xff\xff\xff\x00\x03\x00\x00")  # an absurd length
+    startup = b"\x00\x03\x00\x00user\x00a\x00\x00"
+    hello = len(startup).to_bytes(4, "big")
+    hello = (len(startup) + 4).to_bytes(4, "big") + startup
+    answer = exchange(hello + b"B\x00\x00\x00\x09\xff\xff\x00\x00\x00")
+    assert b"08P01" in answer
+    # The proxy serves on: a real client still works.
+    assert proxied.psql("SELECT 41 + 1").stdout.strip() == "42"
