@@ -11,12 +11,12 @@ STAMP := $(VENV)/.installed
 NODE_SERVERS := tests/mcp/node
 NODE_STAMP := $(NODE_SERVERS)/node_modules/.installed
 
-.PHONY: demo test bench torture fuzz lint setup system-packages clean
+.PHONY: demo test bench torture fuzz lint setup system-packages receivers clean
 
 demo: setup
 	$(PY) -m jukebox.demo
 
-test: setup
+test: setup receivers
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench
 	$(PY) -m pytest -q tests
 
@@ -72,6 +72,17 @@ $(NODE_STAMP): $(NODE_SERVERS)/package-lock.json
 	fi
 	cd $(NODE_SERVERS) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $(NODE_STAMP)
+
+# Real OpenTelemetry receivers the export tests send to and read back (tests/export), each in a
+# venv of its own: Arize Phoenix pins versions of anthropic and google-genai older than the test
+# clients need.
+PHOENIX_VENV := $(VENV)/receivers/phoenix
+receivers: $(PHOENIX_VENV)/.installed
+
+$(PHOENIX_VENV)/.installed: tests/export/phoenix-requirements.txt
+	@test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install -q -r tests/export/phoenix-requirements.txt
+	@touch $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info $(NODE_SERVERS)/node_modules

@@ -1,0 +1,128 @@
+"""A tape recorded as a booth records one: the real openai and anthropic clients through the
+real proxy against the test upstream (chat, streams, Responses, Messages, embeddings, legacy
+completions, an upstream error), then Jukebox's own frames with real trees in a real store."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jukebox.llm.server import ProxyServer
+from jukebox.tape import Tape, TapeWriter
+from shadowfs import tree
+from shadowfs.store import Store
+from tests.export.phoenix import Phoenix
+from tests.llm import scenario
+from tests.llm.upstream import FakeUpstream
+
+# A value in the exporting process's environment under a secret-looking name, and a key-shaped
+# value nobody declared: both are pasted into a prompt, neither may leave with the content.
+ENV_SECRET = "hunter2-correct-horse-battery"
+KEY_SHAPED = "sk-proj-abcdefghijklmnop0123456789"
+ARGV_KEY = "sk-live-0123456789abcdef"
+PROMPT = f"write hello; my password is {ENV_SECRET} and the key {KEY_SHAPED}"
+
+
+@dataclass
+class Recorded:
+    tape_dir: Path
+    path: Path
+    tape_id: str
+
+    def load(self) -> Tape:
+        return Tape.load(self.path, Store.open(self.tape_dir / ".jukebox" / "store"))
+
+
+def record_tape(root: Path, upstream: FakeUpstream) -> Recorded:
+    import openai
+
+    store = Store.open(root / ".jukebox" / "store", create=True)
+    work = root / "work"
+    work.mkdir()
+    (work / "a.txt").write_text("one\n")
+    base = tree.build_tree(store, work)
+    writer = TapeWriter.create(root / "otelrun.jbx", store, "otelrun")
+    writer.append(
+        "run_start",
+        {"name": "otel-agent", "argv": ["python", "agent.py", "--api-key", ARGV_KEY],
+         "cwd": str(work), "image": "host"},
+        tree=base,
+    )  # fmt: skip
+    upstreams = {"openai": upstream.openai_url, "anthropic": upstream.url}
+    with ProxyServer(upstreams=upstreams, record=writer.append) as proxy:
+        urls = proxy.base_urls()
+        scenario.run(urls, prompt=PROMPT)
+        o = openai.OpenAI(
+            api_key=scenario.OPENAI_KEY, base_url=urls["OPENAI_BASE_URL"], max_retries=0
+        )
+        o.embeddings.create(model="text-embedding-3-small", input=["alpha beta", "gamma"])
+        o.completions.create(model="gpt-3.5-turbo-instruct", prompt="say one", max_tokens=5)
+        with contextlib.suppress(openai.RateLimitError):
+            o.chat.completions.create(
+                model="gpt-4o-mini",
+                messages=[{"role": "user", "content": "fail please"}],
+                extra_headers={"x-fake-fail": "429:1"},
+            )
+    writer.append(
+        "tool_call",
+        {"tool": "write_file", "id": "call_fake_1", "args": {"path": "hello.txt", "why": PROMPT},
+         "result": f"wrote hello.txt ({KEY_SHAPED})", "ok": True, "seconds": 0.25},
+    )  # fmt: skip
+    writer.append("tool_call", {"tool": "rm", "args": {"path": "/"}, "result": "no", "ok": False})
+    (work / "hello.txt").write_text("hello\n")
+    (work / "a.txt").unlink()
+    changed = tree.build_tree(store, work, previous=base)
+    writer.append(
+        "checkpoint", {"id": 1, "label": "tests-pass", "reason": "request"}, tree=changed
+    )
+    writer.append(
+        "verify",
+        {"cmd": ["pytest", "-q"], "exit": 1, "signal": None, "ok": False, "seconds": 1.5,
+         "output": f"1 failed: {KEY_SHAPED}\n"},
+    )  # fmt: skip
+    writer.append(
+        "breaker",
+        {"rule": "max_cost_usd", "limit": 0.5, "value": 0.75, "detail": "over budget"},
+    )
+    writer.append(
+        "rollback", {"to": 0, "label": "start", "reason": "verifier failed"}, tree=base
+    )
+    writer.append("exit", {"code": 0, "signal": None, "seconds": 3.0})
+    writer.append(
+        "rollback",
+        {"to": 0, "label": "start", "reason": "the verifier failed", "final": True},
+        tree=base,
+    )
+    writer.close()
+    store.close()
+    return Recorded(root, root / "otelrun.jbx", "otelrun")
+
+
+@pytest.fixture(scope="package")
+def phoenix_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix | None]:
+    """Arize Phoenix, started as early as the package's first test so that its start (seconds
+    of imports) overlaps the recording; None when `make receivers` has not installed it."""
+    exe = Phoenix.executable()
+    if exe is None:
+        yield None
+        return
+    server = Phoenix.start(exe, tmp_path_factory.mktemp("phoenix"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def recorded(
+    tmp_path_factory: pytest.TempPathFactory, phoenix_launch: Phoenix | None
+) -> Iterator[Recorded]:
+    up = FakeUpstream().start()
+    try:
+        yield record_tape(tmp_path_factory.mktemp("otel"), up)
+    finally:
+        up.stop()
