@@ -126,7 +126,8 @@ add_output_options(cli)
 
 
 def main() -> None:
-    from jukebox.cli import booth, booth_review, disk, export, help, mcp, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
+    from jukebox.cli import booth, booth_review, disk, help, mcp, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
+    from jukebox.cli import export as _export  # noqa: F401  (registers `jukebox export`)
 
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)
