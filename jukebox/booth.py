@@ -260,6 +260,9 @@ class BoothRecord:
     # This user's keyed hash of the fields a commit acts on (jukebox.record_binding.record_seal):
     # only a booth this user ran here is ever committed from its record.
     seal: str | None = None
+    # MCP calls staged and not yet run, and the declared servers they go to (jukebox.mcp.verdict).
+    mcp_staged: list[dict[str, Any]] | None = None
+    mcp_servers: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -833,6 +836,14 @@ def commit_booth(
                     store, tape_dir, record, base, final, by="booth commit", write=verdict,
                     checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
                 )
+                if record.mcp_staged and partial is None:
+                    from jukebox.mcp import verdict as mcp_verdict
+
+                    servers, calls = mcp_verdict.from_record(record)
+                    mcp_verdict.commit_staged(
+                        calls, servers, lambda k, p: verdict(k, p, None), record.tree, booth_id,
+                        checkpoint.n if checkpoint is not None else None,
+                    )
             except ConflictError as error:
                 _append_to_tape(
                     store,
@@ -877,6 +888,13 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
                 _open_store(tape_dir) as store,
                 contextlib.suppress(JukeboxError, OSError, ValueError),
             ):
+                if record.mcp_staged:
+                    from jukebox.mcp import verdict as mcp_verdict
+
+                    mcp_verdict.drop(
+                        mcp_verdict.from_record(record)[1],
+                        lambda k, p: _append_to_tape(store, record.tape, k, p), "booth discard",
+                    )
                 _append_to_tape(
                     store, record.tape, "discard", {"by": "booth discard", "peer": this_process()}
                 )
@@ -964,6 +982,7 @@ class _Run:
     spawn: Callable[..., isolation.Child] = isolation.spawn  # (spec, stdin=, stdout=, stderr=)
     agent_pid: int | None = None
     trip: Any = None  # the circuit breaker's Trip, once one fired
+    mcp: Any = None  # the MCP stage gate (jukebox.mcp.staging.StageGate)
 
     def on_refused_write(self, error: OSError) -> None:
         """The layer refused a write the agent's kernel had already accepted: the agent learns
@@ -1052,6 +1071,8 @@ class _Run:
                 payload["peer"] = peer.as_dict()
             self.writer.append("rollback", payload, tree=cp.tree, defer=True)
             self.rollbacks += 1
+            if self.mcp is not None:
+                self.mcp.drop_after(cp.n, f"rollback to checkpoint {cp.n}")
             return cp
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any], Peer], dict[str, Any]]]:
@@ -1081,7 +1102,15 @@ class _Run:
                 ],
             }
 
-        return {"checkpoint": checkpoint, "rollback": rollback, "status": status}
+        def mcp_record(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            return self.mcp.handle_record(req)
+
+        def mcp_stage(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            with self.lock:  # not between a checkpoint's snapshot and its number
+                return self.mcp.handle_stage(req, len(self.checkpoints) - 1)
+
+        return {"checkpoint": checkpoint, "rollback": rollback, "status": status,
+                "mcp_record": mcp_record, "mcp_stage": mcp_stage}  # fmt: skip
 
 
 def _terminate(pid: int, grace: float) -> None:
@@ -1271,8 +1300,13 @@ def run_booth(
     seccomp: bool = True,
     strict_sandbox: bool = False,
     paths: BoothPaths | None = None,
+    mcp_config: str | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
+
+    `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
+    against at the commit; the agent finds it rewritten through the gateway in
+    `$JUKEBOX_MCP_CONFIG` (docs/mcp.md).
 
     `paths`: what this run adds to the image's view (--rw, --ro, --hide, --no-private-tmp).
 
@@ -1348,6 +1382,10 @@ def run_booth(
                 "kernel overlayfs writes its upper directory itself; drop the limit or use fuse"
             )
     view = isolation.view_policy(img, net, scratch_limit)
+    from jukebox.mcp.servers import read_config, stdio_servers
+
+    mcp_declared = read_config(mcp_config) if mcp_config else None
+    mcp_servers = stdio_servers(mcp_declared, mcp_config or "") if mcp_declared else {}
     booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
     tape_path = tapes.tape_path(booth_id)
     if tape_path.exists():
@@ -1420,6 +1458,7 @@ def run_booth(
                     "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
                     "protections": protections.policy(),
                     "paths": paths.policy(),
+                    "mcp_servers": {n: s.describe() for n, s in mcp_servers.items()},
                 },
                 "host": host_facts(),
                 "env": img.describe_env(env),
@@ -1462,6 +1501,9 @@ def run_booth(
         if watch is not None:
             watch(run.on_refused_write)
         run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
+        from jukebox.mcp.staging import StageGate
+
+        run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload))
         sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
         sock_path = os.path.join(sock_dir, "control.sock")
         server = ControlServer(sock_path, run.handlers()).start()
@@ -1483,6 +1525,10 @@ def run_booth(
         )
         env.update(llm_session.agent_env(env))
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
+        if mcp_declared is not None:
+            from jukebox.mcp.servers import write_wrapped_config
+
+            env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(mcp_declared, sock_dir)
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
         hide = [
             *img.hidden_paths(),
@@ -1589,7 +1635,14 @@ def run_booth(
         writer.sync()
         if decision == "commit":
             decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
+            if decision == "done" and run.mcp.staged:
+                from jukebox.mcp.verdict import commit_staged
+
+                if commit_staged(run.mcp.staged, mcp_servers, run.mcp.record, tree_path,
+                                 booth_id) and code == 0:  # fmt: skip
+                    code = 1
         if decision == "discard":
+            run.mcp.drop_all(reason or "discard")
             if commit_mode == DISCARD and not reason:
                 writer.append("discard", {"by": "scratch booth", "residue": 0}, tree=base_tree)
             else:
@@ -1612,6 +1665,9 @@ def run_booth(
             record.status = "pending" if record.status == "running" else record.status
             record.pid = None
             record.note = reason or None
+            from jukebox.mcp import verdict as mcp_verdict
+
+            mcp_verdict.keep(record, mcp_servers, run.mcp.staged)
             save_record(tapes, record)
             _alert(
                 f"booth {booth_id} kept pending{f' ({reason})' if reason else ''}: "

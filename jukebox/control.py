@@ -6,6 +6,8 @@ each way:
     {"op": "checkpoint", "label": "before-refactor"}   -> {"ok": true, "checkpoint": 3, ...}
     {"op": "rollback", "to": "before-refactor"}         -> {"ok": true, ...}   (or "to": 3)
     {"op": "status"}                                     -> {"ok": true, ...}
+    {"op": "mcp_record", "kind": ..., "payload": {...}}  -> {"ok": true}  (jukebox.mcp.staging)
+    {"op": "mcp_stage", "server": ..., "tool": ..., ...} -> {"ok": true, "id": "stage-1"}
     anything else                                        -> {"ok": false, "error": "..."}
 
 The agent is not trusted: every request is validated, a bad one gets an error response on its
@@ -35,7 +37,9 @@ SOCKET_ENV = "JUKEBOX_SOCKET"
 MAX_LINE = 64 * 1024
 MAX_CONNECTIONS = 64
 MAX_LABEL = 200
-OPS = ("checkpoint", "rollback", "status")
+OPS = ("checkpoint", "rollback", "status", "mcp_record", "mcp_stage")
+# Every server answers these; the MCP stage gate's ops only where a handler is given.
+CORE_OPS = ("checkpoint", "rollback", "status")
 
 
 class ControlError(JukeboxError):
@@ -83,7 +87,11 @@ def validate(raw: bytes) -> dict[str, Any]:
     op = request.get("op")
     if op not in OPS:
         raise RequestError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
-    allowed = {"checkpoint": {"op", "label"}, "rollback": {"op", "to"}, "status": {"op"}}[op]
+    allowed = {
+        "checkpoint": {"op", "label"}, "rollback": {"op", "to"}, "status": {"op"},
+        "mcp_record": {"op", "kind", "payload"},
+        "mcp_stage": {"op", "server", "argv", "tool", "args"},
+    }[op]  # fmt: skip
     extra = sorted(set(request) - allowed)
     if extra:
         raise RequestError(f"unexpected key(s) {', '.join(map(repr, extra))} for op {op!r}")
@@ -140,7 +148,7 @@ class ControlServer:
     """Serves the control socket at `path` from one background thread until close()."""
 
     def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
-        missing = set(OPS) - set(handlers)
+        missing = set(CORE_OPS) - set(handlers)
         if missing:
             raise ValueError(f"handlers missing for {sorted(missing)}")
         self.path = path
@@ -261,7 +269,10 @@ class ControlServer:
         self.requests += 1
         try:
             request = validate(line)
-            result = self.handlers[request["op"]](request, peer)
+            handler = self.handlers.get(request["op"])
+            if handler is None:
+                raise RequestError(f"op {request['op']!r} is not served by this booth")
+            result = handler(request, peer)
         except RequestError as error:  # malformed, or naming what the booth lacks (a label)
             return _encode({"ok": False, "error": str(error), "refused": True})
         except Exception as error:  # the handler failed: the agent hears why

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # Record fields that are the record's own bookkeeping, whatever run_start holds under the name.
 _OWN = frozenset({"id", "tape", "created", "status", "final_tree", "pid", "agent_status",
-                  "verify", "note", "seal"})  # fmt: skip
+                  "verify", "note", "seal", "mcp_staged", "mcp_servers"})  # fmt: skip
 # What the seal covers: where a commit writes and what it writes there.
 SEALED = ("id", "tree", "tree_dev", "tree_ino", "base_tree", "final_tree")
 
@@ -57,7 +57,13 @@ def record_seal(record: BoothRecord) -> str:
     from jukebox.frame import canonical_json
     from jukebox.realtree import commit_key
 
-    body = canonical_json({key: getattr(record, key, None) for key in SEALED})
+    sealed = {key: getattr(record, key, None) for key in SEALED}
+    # Staged MCP calls run on the host at the commit, against the servers named here: sealed
+    # too, when there are any (records without them keep the seals they had).
+    for key in ("mcp_staged", "mcp_servers"):
+        if getattr(record, key, None):
+            sealed[key] = getattr(record, key)
+    body = canonical_json(sealed)
     key = commit_key()  # made now if this user has none yet: never compare against no key
     return (blake3(body, key=key) if key is not None else blake3(body)).hexdigest()
 

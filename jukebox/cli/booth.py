@@ -109,6 +109,14 @@ _ALLOW_HOOKS_HELP = (
     help="Run without the system call filter (to measure its cost, or for an agent it "
     "breaks; an image can loosen it by group instead: [seccomp] allow).",
 )
+@click.option(
+    "--mcp-config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A .mcp.json (Claude Code, Cursor): its stdio servers are the ones staged MCP calls "
+    "run against at the commit; the agent finds it rewritten through `jukebox mcp wrap` in "
+    "$JUKEBOX_MCP_CONFIG (docs/mcp.md).",
+)
 @view_path_options
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
@@ -132,6 +140,7 @@ def run(
     allow_hooks: bool,
     strict_sandbox: bool,
     no_seccomp: bool,
+    mcp_config: str | None,
     cmd: tuple[str, ...],
     paths: BoothPaths | None,
 ) -> None:
@@ -186,6 +195,7 @@ def run(
         seccomp=not no_seccomp,
         strict_sandbox=strict_sandbox,
         paths=paths,
+        mcp_config=mcp_config,
     )
     sys.exit(code)
 

@@ -77,10 +77,13 @@ def wrap_command(
         raise UsageError("no server to wrap: write `jukebox mcp wrap [OPTIONS] -- CMD ARGS...`")
     if timeout <= 0 or start_timeout <= 0:
         raise UsageError("--timeout and --start-timeout must be positive numbers of seconds")
+    from jukebox.control import SOCKET_ENV
+
     server = name or os.path.basename(argv[0])
+    in_booth = bool(os.environ.get(SOCKET_ENV))
     policy = build_policy(mode, policy_file, flag_rules(allow, stage, deny, ask),
-                          default_mode="record")  # fmt: skip
-    if policy.mode == "staged_acid":
+                          default_mode="staged_acid" if in_booth else "record")  # fmt: skip
+    if policy.mode == "staged_acid" and not in_booth:
         raise UsageError(
             "staging needs a booth's verdict: run the agent in `jukebox booth run`, or use "
             "--mode record (forward and record) or --mode deny outside a booth"
@@ -89,12 +92,19 @@ def wrap_command(
     import anyio
 
     from jukebox.mcp.gateway import GatewayError, serve_stdio
-    from jukebox.mcp.record import TapeSink, env_scrubber
+    from jukebox.mcp.record import BoothSink, Sink, TapeSink, env_scrubber
 
-    sink = TapeSink(tape_dir, server, argv, policy.describe(), env_scrubber(os.environ), tape_id)
+    scrubber = env_scrubber(os.environ)
+    sink: Sink
+    if in_booth:  # the tape dir is hidden in a booth: the supervisor records, and stages
+        booth_sink = BoothSink(argv, scrubber)
+        sink, stager = booth_sink, booth_sink.stage
+    else:
+        sink = TapeSink(tape_dir, server, argv, policy.describe(), scrubber, tape_id)
+        stager = None
     try:
         anyio.run(lambda: serve_stdio(server, argv, sink, policy, timeout=timeout,
-                                          start_timeout=start_timeout))
+                                      start_timeout=start_timeout, stager=stager))
     except BaseExceptionGroup as group:  # the SDK's task groups wrap what failed
         raise _first(group) from None
     except GatewayError:

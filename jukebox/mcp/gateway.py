@@ -117,20 +117,21 @@ class Gateway:
             decision = Decision("deny", "ask: no operator to ask here")
             frame.update(decision.as_dict())
         if decision.decision == "deny":
-            result = types.CallToolResult(
-                content=[types.TextContent(type="text", text=(
-                    f"jukebox refused this call of {tool!r} on the MCP server {self.name!r} "
-                    f"({decision.why}); it did not run."
-                ))],
-                is_error=True,
-            )  # fmt: skip
+            result = _refusal(tool, self.name, decision.why)
             frame.update(result=wire(result), ok=False, latency_ms=_ms(started))
             self.sink.record("tool_call", frame)
             return result
         if decision.decision == "stage":
             if self.stager is None:
                 raise MCPError(types.INTERNAL_ERROR, "jukebox: no booth to stage this call in")
-            staged_id = await anyio.to_thread.run_sync(self.stager, self.name, tool, args)
+            try:
+                staged_id = await anyio.to_thread.run_sync(self.stager, self.name, tool, args)
+            except JukeboxError as error:  # the booth refused: the agent hears why
+                result = _refusal(tool, self.name, str(error))
+                frame.update(decision="deny", why=f"stage refused: {error}",
+                             result=wire(result), ok=False, latency_ms=_ms(started))  # fmt: skip
+                self.sink.record("tool_call", frame)
+                return result
             result = types.CallToolResult(
                 content=[types.TextContent(
                     type="text", text=STAGED_NOTICE.format(id=staged_id, server=self.name)
@@ -208,6 +209,16 @@ class Gateway:
             info.name, version=info.version, title=info.title,
             instructions=init.instructions, **handlers,
         )  # fmt: skip
+
+
+def _refusal(tool: str, server: str, why: str) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=(
+            f"jukebox refused this call of {tool!r} on the MCP server {server!r} ({why}); "
+            "it did not run."
+        ))],
+        is_error=True,
+    )  # fmt: skip
 
 
 def _ms(started: float) -> float:

@@ -98,3 +98,50 @@ def _new_tape_id(server: str) -> str:
 
     safe = re.sub(r"[^a-z0-9-]", "-", server.lower())[:24].strip("-") or "server"
     return f"mcp-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+# A control request is one line of at most jukebox.control.MAX_LINE bytes: a result bigger than
+# this is recorded by its size and hash, not whole, when the gateway runs inside a booth.
+BOOTH_RESULT_LIMIT = 48 * 1024
+
+
+def _fit(payload: dict[str, Any]) -> dict[str, Any]:
+    from blake3 import blake3
+
+    for key in ("result",):
+        value = payload.get(key)
+        if value is None:
+            continue
+        text = json.dumps(value, separators=(",", ":"))
+        if len(text) > BOOTH_RESULT_LIMIT:
+            payload = {**payload, key: {"truncated": True, "bytes": len(text),
+                                        "blake3": blake3(text.encode()).hexdigest()}}  # fmt: skip
+    return payload
+
+
+class BoothSink:
+    """Inside a booth: frames go to the supervisor over the control socket ($JUKEBOX_SOCKET),
+    which appends them to the booth's tape; staged calls are held there too."""
+
+    def __init__(self, argv: list[str], scrubber: Scrubber, socket_path: str | None = None) -> None:
+        self.argv = argv
+        self.scrubber = scrubber
+        self.socket_path = socket_path
+
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        from jukebox import control
+
+        payload = _fit(scrub(payload, self.scrubber))
+        control.request({"op": "mcp_record", "kind": kind, "payload": payload}, self.socket_path)
+
+    def stage(self, server: str, tool: str, args: dict[str, Any]) -> str:
+        from jukebox import control
+
+        answer = control.request(
+            {"op": "mcp_stage", "server": server, "argv": self.argv, "tool": tool, "args": args},
+            self.socket_path,
+        )
+        return str(answer["id"])
+
+    def close(self) -> None:
+        pass

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.booth.conftest import dev_fuse, root_only  # noqa: F401  (booth tests' fixtures)
+
 HERE = Path(__file__).resolve().parent
 MEMORY_SERVER = HERE / "node" / "node_modules" / ".bin" / "mcp-server-memory"
 HOSTILE_SERVER = HERE / "hostile_server.py"

@@ -1,0 +1,110 @@
+"""MCP servers declared by the operator, and configs rewritten to reach them through the gateway.
+
+A Claude-Code or Cursor style config (`.mcp.json`: `{"mcpServers": {NAME: {"command": ...,
+"args": [...], "env": {...}}}}`) names stdio servers. `jukebox booth run --mcp-config FILE`
+reads it before the agent starts: those servers, and only those, are the ones a commit may run
+staged calls against, on the host, with the command the operator wrote (never one the agent
+names: the agent could name any program). The agent gets the same config rewritten so that
+each server is `jukebox mcp wrap --name NAME -- COMMAND ARGS...`.
+
+Entries with a `url` (HTTP servers) are kept as they are and not gated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jukebox.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.command, *self.args]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "command": self.command, "args": list(self.args),
+                "env": dict(self.env)}  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """What a tape may say: the command, and the names (never the values) of its env."""
+        from jukebox.redact import redact_argv
+
+        return {"command": redact_argv(self.argv), "env": sorted(self.env)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServerSpec:
+        return cls(data["name"], data["command"], tuple(data.get("args") or ()),
+                   dict(data.get("env") or {}))  # fmt: skip
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise UsageError(f"cannot read the MCP config {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise UsageError(f"the MCP config {path} is not JSON: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("mcpServers"), dict):
+        raise UsageError(
+            f"the MCP config {path} has no \"mcpServers\" object: write it as Claude Code's "
+            "or Cursor's .mcp.json ({\"mcpServers\": {NAME: {\"command\": ..., \"args\": []}}})"
+        )
+    return data
+
+
+def stdio_servers(config: dict[str, Any], where: str = "the MCP config") -> dict[str, ServerSpec]:
+    """The stdio servers a config declares, checked."""
+    out: dict[str, ServerSpec] = {}
+    for name, entry in config["mcpServers"].items():
+        if not isinstance(entry, dict):
+            raise UsageError(f"{where}: server {name!r} must be an object")
+        if "command" not in entry:
+            continue  # an HTTP server (url): not gated here
+        command, args, env = entry.get("command"), entry.get("args", []), entry.get("env", {})
+        if not isinstance(command, str) or not command:
+            raise UsageError(f"{where}: server {name!r} needs a \"command\" string")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise UsageError(f"{where}: server {name!r}: \"args\" must be a list of strings")
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise UsageError(f"{where}: server {name!r}: \"env\" must map names to strings")
+        out[name] = ServerSpec(name, command, tuple(args), dict(env))
+    return out
+
+
+def wrapped_config(config: dict[str, Any], jukebox: str, extra: list[str] | None = None
+                   ) -> dict[str, Any]:  # fmt: skip
+    """The config with each stdio server reached through `jukebox mcp wrap`."""
+    servers = dict(config["mcpServers"])
+    for name, spec in stdio_servers(config).items():
+        entry = dict(servers[name])
+        entry["command"] = jukebox
+        entry["args"] = ["mcp", "wrap", "--name", name, *(extra or []), "--", *spec.argv]
+        servers[name] = entry
+    return {**config, "mcpServers": servers}
+
+
+def write_wrapped_config(config: dict[str, Any], directory: str) -> str:
+    """The rewritten config, in a private file the agent can read; its path."""
+    import os
+    import shutil
+    import sys
+
+    jukebox = shutil.which("jukebox") or os.path.join(os.path.dirname(sys.executable), "jukebox")
+    path = os.path.join(directory, "mcp.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    with open(fd, "w") as f:
+        json.dump(wrapped_config(config, jukebox), f, indent=2)
+    return path

@@ -1,0 +1,211 @@
+"""The booth's side of the stage gate: calls held back until the verdict, then run or dropped.
+
+The supervisor keeps one `StageGate` per booth. The gateway inside the booth (jukebox.mcp.gateway
+with a `BoothSink`) asks it over the control socket to record frames (`mcp_record`) and to stage
+calls (`mcp_stage`). A staged call is accepted only for a server the operator declared
+(`--mcp-config`), and only from a gateway that serves that very command, because the commit
+runs it on the host: the agent names arguments, never programs.
+
+Rollback to checkpoint N drops the calls staged after N was taken; discard drops all; a pending
+booth keeps them in its (sealed) record. On a passing verdict `run_staged` runs them in the order
+they were staged, against the declared servers, after the file commit point; the first failure
+stops the rest. Their effects are outside the booth: nothing here can undo them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from jukebox.control import RequestError
+from jukebox.mcp.record import FRAME_KINDS, NOTE_EVENTS, wire
+from jukebox.mcp.servers import ServerSpec
+
+MAX_STAGED = 10_000
+RUN_TIMEOUT = 60.0
+
+Record = Callable[[str, dict[str, Any]], Any]  # (kind, payload): append a frame
+
+
+@dataclass
+class StagedCall:
+    id: str
+    server: str
+    tool: str
+    args: dict[str, Any]
+    # The newest checkpoint when it was staged: rolling back to it or later keeps the call.
+    after_checkpoint: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StagedCall:
+        return cls(str(data["id"]), str(data["server"]), str(data["tool"]), dict(data["args"]),
+                   int(data["after_checkpoint"]))  # fmt: skip
+
+
+def _str(request: dict[str, Any], key: str, limit: int = 256) -> str:
+    value = request.get(key)
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise RequestError(f"{key!r} must be a non-empty string of at most {limit} characters")
+    return value
+
+
+class StageGate:
+    def __init__(self, servers: dict[str, ServerSpec], record: Record) -> None:
+        self.servers = servers
+        self.record = record
+        self.staged: list[StagedCall] = []
+        self.tool_calls = 0
+        self._next = 1
+        self._lock = threading.Lock()
+
+    # -- control socket handlers (the request is untrusted: the agent wrote it) ------------------
+
+    def handle_record(self, request: dict[str, Any]) -> dict[str, Any]:
+        kind, payload = request.get("kind"), request.get("payload")
+        if kind not in FRAME_KINDS or not isinstance(payload, dict):
+            raise RequestError(f"mcp_record needs 'kind' ({', '.join(FRAME_KINDS)}) and a payload")
+        if kind == "note" and payload.get("event") not in NOTE_EVENTS:
+            raise RequestError(f"an MCP note's event must be one of {', '.join(NOTE_EVENTS)}")
+        if kind == "tool_call" and payload.get("decision") == "stage":
+            with self._lock:  # a staged call's frame must name a call this gate staged
+                if payload.get("staged_id") not in {c.id for c in self.staged}:
+                    raise RequestError("a staged tool_call frame must name a call staged here")
+        # The gateway wrote it, inside the booth: the tape says so.
+        self.record(kind, {**payload, "reported_by": "gateway"})
+        if kind == "tool_call":
+            self.tool_calls += 1
+        return {}
+
+    def handle_stage(self, request: dict[str, Any], newest_checkpoint: int) -> dict[str, Any]:
+        server, tool = _str(request, "server"), _str(request, "tool")
+        args, argv = request.get("args"), request.get("argv")
+        if not isinstance(args, dict):
+            raise RequestError("'args' must be an object")
+        spec = self.servers.get(server)
+        if spec is None:
+            declared = ", ".join(sorted(self.servers)) or "none"
+            raise RequestError(
+                f"the MCP server {server!r} was not declared by the operator (declared: "
+                f"{declared}; `jukebox booth run --mcp-config FILE`): its calls cannot be staged"
+            )
+        if argv != spec.argv:
+            raise RequestError(
+                f"this gateway does not serve the declared command of {server!r}: a staged call "
+                "runs against the declared server only"
+            )
+        with self._lock:
+            if len(self.staged) >= MAX_STAGED:
+                raise RequestError(f"{MAX_STAGED} calls are staged already")
+            call = StagedCall(f"stage-{self._next}", server, tool, args, newest_checkpoint)
+            self._next += 1
+            self.staged.append(call)
+        return {"id": call.id}
+
+    # -- the lifecycle ----------------------------------------------------------------------------
+
+    def drop_after(self, checkpoint: int, reason: str) -> list[str]:
+        """A rollback to `checkpoint`: the calls staged after it was taken go."""
+        with self._lock:
+            dropped = [c.id for c in self.staged if c.after_checkpoint >= checkpoint]
+            self.staged = [c for c in self.staged if c.after_checkpoint < checkpoint]
+        if dropped:
+            self.record("note", {"event": "mcp_dropped", "ids": dropped, "reason": reason})
+        return dropped
+
+    def drop_all(self, reason: str) -> list[str]:
+        with self._lock:
+            dropped = [c.id for c in self.staged]
+            self.staged = []
+        if dropped:
+            self.record("note", {"event": "mcp_dropped", "ids": dropped, "reason": reason})
+        return dropped
+
+
+def calls_up_to(calls: list[StagedCall], checkpoint: int | None) -> list[StagedCall]:
+    """The calls a commit at `checkpoint` (None: the end) carries: those staged before it."""
+    if checkpoint is None:
+        return list(calls)
+    return [c for c in calls if c.after_checkpoint < checkpoint]
+
+
+def run_staged(
+    calls: list[StagedCall],
+    servers: dict[str, ServerSpec],
+    record: Record,
+    cwd: str,
+    environ: dict[str, str],
+    timeout: float = RUN_TIMEOUT,
+) -> dict[str, Any]:
+    """Runs `calls` in order against the declared servers; the first failure stops the rest.
+    Each call is a `tool_call` frame (decision `commit`), then one `mcp_commit` note says which
+    ran. Returns that note's payload."""
+    import anyio
+
+    report: dict[str, Any] = {"event": "mcp_commit", "ran": [], "failed": None, "not_run": []}
+    if not calls:
+        return report
+    anyio.run(_run_all, calls, servers, record, cwd, environ, timeout, report)
+    record("note", report)
+    return report
+
+
+async def _run_all(calls: list[StagedCall], servers: dict[str, ServerSpec], record: Record,
+                   cwd: str, environ: dict[str, str], timeout: float,
+                   report: dict[str, Any]) -> None:  # fmt: skip
+    import contextlib
+
+    import anyio
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    sessions: dict[str, ClientSession] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for i, call in enumerate(calls):
+            frame: dict[str, Any] = {"server": call.server, "tool": call.tool, "args": call.args,
+                                     "decision": "commit", "staged_id": call.id}  # fmt: skip
+            started = time.perf_counter()
+            error: str | None = None
+            try:
+                session = sessions.get(call.server)
+                if session is None:
+                    # Entered outside any timeout's scope: the stack leaves them at the end.
+                    spec = servers[call.server]
+                    params = StdioServerParameters(
+                        command=spec.command, args=list(spec.args),
+                        env={**environ, **spec.env}, cwd=cwd,
+                    )  # fmt: skip
+                    read, write = await stack.enter_async_context(stdio_client(params))
+                    session = await stack.enter_async_context(ClientSession(read, write))
+                    with anyio.fail_after(timeout):
+                        await session.initialize()
+                    sessions[call.server] = session
+                with anyio.fail_after(timeout):
+                    result = await session.call_tool(call.tool, call.args)
+                frame["result"] = wire(result)
+                if getattr(result, "is_error", False):
+                    error = _text_of(result) or "the tool reported an error"
+            except TimeoutError:
+                error = f"no answer within {timeout:g}s"
+            except Exception as exc:  # the server failed to start or broke the protocol
+                error = f"{type(exc).__name__}: {exc}"
+            elapsed = round((time.perf_counter() - started) * 1e3, 3)
+            frame.update(ok=error is None, latency_ms=elapsed)
+            if error is not None:
+                frame["error"] = {"message": error}
+            record("tool_call", frame)
+            if error is not None:
+                report["failed"] = call.id
+                report["error"] = error
+                report["not_run"] = [c.id for c in calls[i + 1:]]
+                return
+            report["ran"].append(call.id)
+
+
+def _text_of(result: Any) -> str:
+    return " ".join(getattr(b, "text", "") for b in getattr(result, "content", []) or [])[:500]
