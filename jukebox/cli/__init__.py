@@ -128,6 +128,7 @@ add_output_options(cli)
 def main() -> None:
     from jukebox.cli import booth, booth_review, disk, help, mcp, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
     from jukebox.cli import export as _export  # noqa: F401  (registers `jukebox export`)
+    from jukebox.cli import view as _view  # noqa: F401  (registers `jukebox view`)
 
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)
