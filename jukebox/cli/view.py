@@ -100,15 +100,16 @@ def _serve(a, b, port: int, as_json: bool) -> None:  # type: ignore[no-untyped-d
         raise UsageError(
             f"cannot listen on 127.0.0.1:{port}: {error.strerror}: pick another --port"
         ) from None
-    if as_json:
-        click.echo(json.dumps({"url": server.url, "port": server.port}))
-    else:
-        click.echo(f"serving {a.tape.path} at {server.url}  (Ctrl-C stops)")
     import signal
 
     # SIGTERM (a service manager, `kill`) stops it as Ctrl-C does: the socket closed, exit 0.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        # Inside the try: a reader that stops it as soon as it sees the URL stops it cleanly.
+        if as_json:
+            click.echo(json.dumps({"url": server.url, "port": server.port}))
+        else:
+            click.echo(f"serving {a.tape.path} at {server.url}  (Ctrl-C stops)")
         server.serve_forever()
     except KeyboardInterrupt:
         if not as_json:

@@ -86,6 +86,15 @@ def test_the_wheel_holds_the_images_and_not_the_checkout(installed: Path, tmp_pa
     shown = run_isolated(installed, str(installed / "jukebox"), "help", "config", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("The config file:")
+    # So are the viewer's page, style and script (`jukebox view`).
+    assets = run_isolated(
+        installed,
+        "-c",
+        "from jukebox.viewer.page import asset; "
+        "print(*(len(asset(n)) > 100 for n in ('viewer.html', 'viewer.css', 'viewer.js')))",
+        cwd=tmp_path,
+    )
+    assert assets.stdout.split() == ["True"] * 3, assets.stderr
 
 
 @pytest.mark.parametrize("image", [None, "minimal"])

@@ -1,0 +1,179 @@
+"""`jukebox view` in a real browser (Debian's Chromium, headless, driven by Playwright): tapes a
+booth really recorded, clicked through frame by frame, a diff opened, a fork compared, a
+breaker trip and a tampered tape shown, and a tape's hostile text shown as text and never run.
+Each test saves screenshots (see conftest.py for where)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tests.viewer.agent import HOSTILE, HOSTILE_NAME
+from tests.viewer.conftest import Tapes, jukebox
+
+
+def ready(page: Any, url: str) -> None:
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']")
+
+
+def open_frame(page: Any, side: str, seq: int) -> Any:
+    page.click(f".jb-timeline-{side} .row[data-seq='{seq}']")
+    shown = f"#detail[data-side='{side}'][data-seq='{seq}'][data-state='shown']"
+    return page.wait_for_selector(shown)
+
+
+def detail_text(page: Any) -> str:
+    """The frame as shown (headings in capitals, as the style sets them)."""
+    return page.inner_text("#detail")
+
+
+def nothing_ran(page: Any) -> None:
+    """The hostile text did nothing: no flag set, only the page's own two scripts, no image or
+    link made from the tape's text, and no error in the page's script."""
+    assert page.evaluate("window.__pwned") is None
+    assert page.evaluate("document.scripts.length") == 2
+    assert page.evaluate("document.querySelectorAll('img, a, iframe, object, embed').length") == 0
+    assert page.errors == []
+
+
+def test_served_page_clicks_through_frames_and_opens_a_diff(
+    tapes: Tapes, serve: Any, page: Any, artefacts: Path
+) -> None:
+    server = serve(str(tapes.rec))
+    assert server.url == f"http://127.0.0.1:{server.port}/"
+    ready(page, server.url)
+    top = page.inner_text("#top")
+    assert "committed @12" in top and "verified ✓" in top and "model calls 3" in top
+    title = page.get_attribute("#top .badge.ok >> nth=1", "title")
+    assert title and "Merkle root" in title and "every object checked" in title
+    # The timeline draws the checkpoints, the rollback, the verifier and the verdict.
+    strip = ".jb-strip-a"
+    assert page.locator(f"{strip} .mk.checkpoint").count() == 3
+    assert page.locator(f"{strip} .mk.rollback").count() == 1
+    assert page.locator(f"{strip} .mk.verify.ok").count() == 1
+    assert page.locator(f"{strip} .mk.commit").count() == 1
+    assert page.inner_text(".jb-timeline-a .row[data-seq='6'] .kind") == "rollback"
+
+    open_frame(page, "a", 2)  # the first model call: messages in markdown, the tool call
+    text = detail_text(page)
+    assert "MESSAGES" in text.upper() and "You are a file agent." in text
+    assert "→ tool call write_file" in text
+    assert page.inner_text("#detail .md h1") == "Plan"
+    assert page.inner_text("#detail .md strong") == "hello"
+    assert page.inner_text("#detail .md pre code") == "print('hi')"
+    assert page.locator("#detail .md li").all_inner_texts() == ["one", "two"]
+    assert HOSTILE in text  # shown as text, whole
+    page.screenshot(path=str(artefacts / "served-model-call.png"))
+
+    page.keyboard.press("j")  # the next frame: checkpoint turn-1, the file it added
+    page.wait_for_selector("#detail[data-seq='3'][data-state='shown']")
+    assert "FILES CHANGED (1)" in detail_text(page) and "notes.txt" in detail_text(page)
+
+    open_frame(page, "a", 5)  # checkpoint turn-2: a modified file, a hostile file and name
+    text = detail_text(page)
+    assert "FILES CHANGED (3)" in text and HOSTILE_NAME in text, text
+    notes = page.locator("#detail .file", has_text="notes.txt")
+    notes.locator("button.jb-diff").click()
+    rows = notes.locator("table.sbs tr")
+    changed = [r for r in rows.all() if r.locator("td.del").count() and r.locator("td.add").count()]
+    assert len(changed) == 1
+    assert changed[0].locator("td.del").inner_text() == "line 4"
+    assert changed[0].locator("td.add").inner_text() == "line four"
+    evil = page.locator("#detail .file", has_text="evil.html")
+    evil.locator("button.jb-diff").click()
+    assert HOSTILE in evil.locator("td.add").inner_text()
+    page.screenshot(path=str(artefacts / "served-diff.png"))
+    nothing_ran(page)
+
+    # Every frame opens, one request each.
+    for seq in range(13):
+        open_frame(page, "a", seq)
+    open_frame(page, "a", 11)
+    assert "verifier passed: test -f notes.txt" in detail_text(page)
+    open_frame(page, "a", 12)
+    assert "verdict: 2 change(s) applied" in detail_text(page)
+    nothing_ran(page)
+    stopped = server.stop()
+    assert stopped.returncode == 0, stopped.stderr
+
+
+def test_one_file_compares_a_fork_offline(
+    tapes: Tapes, page: Any, tmp_path: Path, artefacts: Path
+) -> None:
+    out = tmp_path / "share.html"
+    made = jukebox("view", str(tapes.rec), "--compare", str(tapes.fork), "--html", str(out))
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.startswith(f"wrote {out}")
+    html = out.read_text()
+    # Self-contained: nothing fetched from anywhere, and the tape's text cannot close a tag.
+    assert not re.search(r"""(src|href)\s*=|@import|url\(""", html, re.I)
+    block = html.split('id="jb-data">', 1)[1].split("</script>", 1)[0]
+    assert "<" not in block and ">" not in block and "window.__pwned" in block
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    ready(page, out.as_uri())
+    assert [u for u in requests if not u.startswith("file:")] == []
+
+    box = page.inner_text("#compare")
+    assert "the tapes part at frame 4" in box and "gpt-4o-mini, gpt-4.1" in box
+    assert "First differing model turn: #2" in box
+    for side, differing in (("a", {4, 7}), ("b", {5, 8})):
+        timeline = f".jb-timeline-{side}"
+        assert page.locator(f"{timeline} .row.shared").count() == 4
+        assert page.locator(f"{timeline} .row.diverge").get_attribute("data-seq") == "4"
+        seqs = page.locator(f"{timeline} .row.differs").evaluate_all(
+            "rows => rows.map(r => Number(r.dataset.seq))"
+        )
+        assert set(seqs) == differing
+    assert page.locator(".jb-strip-a .mk.diverge").count() == 1
+
+    page.click("button:text('B@5')")
+    page.wait_for_selector("#detail[data-side='b'][data-seq='5'][data-state='shown']")
+    assert "model gpt-4.1" in detail_text(page)
+    page.screenshot(path=str(artefacts / "file-compare.png"))
+    open_frame(page, "a", 4)
+    assert "model gpt-4o-mini" in detail_text(page) and "The tapes part here." in detail_text(page)
+    open_frame(page, "a", 2)  # unpacked from the file: the same conversation, as text
+    assert HOSTILE in detail_text(page)
+    open_frame(page, "b", 6)
+    evil = page.locator("#detail .file", has_text="evil.html")
+    evil.locator("button.jb-diff").click()
+    assert HOSTILE in evil.locator("td.add").inner_text()
+    nothing_ran(page)
+    assert [u for u in requests if not u.startswith("file:")] == []
+
+
+def test_the_breaker_trip_and_a_tampered_tape(
+    tapes: Tapes, page: Any, tmp_path: Path, artefacts: Path
+) -> None:
+    out = tmp_path / "tripped.html"
+    assert jukebox("view", str(tapes.tripped), "--html", str(out)).returncode == 0
+    ready(page, out.as_uri())
+    top = page.inner_text("#top")
+    assert "rolled back @7" in top and "verified ✓" in top
+    page.click(".jb-breaker")
+    page.wait_for_selector("#detail[data-seq='4'][data-state='shown']")
+    assert "circuit breaker tripped max_turns" in detail_text(page)
+    assert page.locator(".jb-strip-a .mk.breaker").count() == 1
+    page.screenshot(path=str(artefacts / "breaker.png"))
+
+    # A byte changed inside a frame: the page says the tape is not what was recorded.
+    altered = tapes.dir / "altered.jbx"
+    shutil.copy(tapes.rec, altered)
+    data = bytearray(altered.read_bytes())
+    at = data.index(b"write_file")
+    data[at] ^= 0x20
+    altered.write_bytes(bytes(data))
+    out = tmp_path / "altered.html"
+    made = jukebox("view", str(altered), "--html", str(out))
+    assert made.returncode == 0, made.stderr
+    ready(page, out.as_uri())
+    assert "NOT VERIFIED ✗" in page.inner_text("#top")
+    assert page.locator(".jb-problems div").count() >= 1
+    shown = page.locator(".jb-timeline-a .row").count()
+    assert 0 < shown < 13  # the frames from the damage on are not vouched for: not shown
+    page.screenshot(path=str(artefacts / "tampered.png"))
+    nothing_ran(page)
