@@ -4,15 +4,18 @@ calling the upstream directly.
 The upstream is the fake OpenAI server of the tests (tests/llm/upstream.py), on 127.0.0.1 in a
 process of its own (sharing a GIL with it would bill its Python time to the proxy), so the
 numbers are the proxy's own cost: parsing, forwarding through httpx, SSE parsing on the side,
-and writing the llm_turn frame (with its fdatasync) before the agent sees the end of the
-response. Calls go through one keep-alive httpx client per system, as an SDK's would, and the
-systems take turns call by call, so a noisy neighbour slows them alike.
+and writing the llm_turn frame before the agent sees the end of the response. Calls go through
+one keep-alive httpx client per system, as an SDK's would, and the systems take turns call by
+call, so a noisy neighbour slows them alike.
 
 Rows: a JSON chat completion and a streamed one (about 12 SSE events), whole call, direct,
-through the proxy recording to a tape, and through the proxy with the tape's fsync off (the
-floor without the disk); and the stream's first token: from sending the request to holding the
-first complete SSE event (the frame is written only at the end of a stream, so the first token
-never waits for the disk), also with the upstream pausing after the first event. Besides wall
+through the proxy recording to a tape as a booth does (jukebox.booth.GroupTape: the frame is
+written before the agent sees the end, its fdatasync joins the group commit's, within 50 ms),
+and through the proxy recording with a TapeWriter's own fdatasync per frame (what
+`ProxyServer(record=writer.append)` gives a caller of the Python API); and the stream's first
+token: from sending the request to holding the first complete SSE event (the frame is written
+only at the end of a stream, so the first token never waits for the disk), also with the
+upstream pausing after the first event. Besides wall
 time, `cpu_us` is the CPU this process spent per call, whole call (client and proxy;
 `overhead_cpu_us` the proxy's share), which a busy machine inflates far less than wall time on
 two shared cores.
@@ -32,6 +35,7 @@ from typing import Any
 import httpx
 
 from bench.harness import summarize_us
+from jukebox.booth import GroupTape
 from jukebox.llm.server import ProxyServer
 from jukebox.tape import TapeWriter
 from shadowfs.store import Store
@@ -40,6 +44,7 @@ UPSTREAM = Path(__file__).resolve().parents[1] / "tests" / "llm" / "upstream.py"
 GROUP = "llm proxy"
 DIRECT = "direct"
 RECORDING = "proxy, recording"
+FSYNC_EACH = "proxy, recording, fsync per frame"
 WHOLE_JSON = "chat completion, JSON"
 WHOLE_STREAM = "chat completion, stream"
 FIRST_TOKEN = "chat completion, stream: first token"
@@ -139,20 +144,25 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     base = f"http://127.0.0.1:{int(server.stdout.readline())}"
     upstreams = {"openai": base + "/v1", "anthropic": base}
     clients: list[httpx.Client] = []
-    proxies: list[tuple[ProxyServer, TapeWriter]] = []
+    proxies: list[tuple[ProxyServer, TapeWriter | GroupTape]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
             root = Path(tmp)
             store = Store.open(root / "store", create=True)
             urls = [(DIRECT, upstreams["openai"])]
-            for fsync in (True, False):
-                writer = TapeWriter.create(root / f"t{fsync}.jbx", store, "bench", fsync=fsync)
+            for system in (RECORDING, FSYNC_EACH):
+                each = system == FSYNC_EACH
+                writer: TapeWriter | GroupTape
+                writer = TapeWriter.create(root / f"{each}.jbx", store, "bench", fsync=each)
+                if not each:
+                    writer = GroupTape(writer, store)  # as run_booth records
+                    writer.start()
                 writer.append("run_start", {"name": "bench"})
-                proxy = ProxyServer(upstreams=upstreams, record=writer.append).start()
+                proxy = ProxyServer(
+                    upstreams=upstreams, record=writer.append, record_inline=not each
+                ).start()
                 proxies.append((proxy, writer))
-                urls.append(
-                    (RECORDING + ("" if fsync else " (fsync off)"), proxy.url + "/openai/v1")
-                )
+                urls.append((system, proxy.url + "/openai/v1"))
             systems = []
             for name, url in urls:
                 clients.append(httpx.Client())

@@ -248,6 +248,7 @@ class _LlmCapture:
         proxy = ProxyServer(
             upstreams=options.pop("upstreams", None) or upstreams_from_env(os.environ),
             record=self._record,
+            record_inline=True,  # a transaction's writer writes; its sync is its own
             breaker=_RunBreaker(self),
             on_trip=self._on_trip,
             secrets=_secret_env_values(),

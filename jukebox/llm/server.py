@@ -49,6 +49,7 @@ import trio
 
 from jukebox import progress
 from jukebox.breaker import Trip
+from jukebox.frame import SPILL_THRESHOLD
 from jukebox.llm.budget import worst_case
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
@@ -76,6 +77,7 @@ from jukebox.llm.telemetry import (
     through_proxy,
     tracing_client,
 )
+from jukebox.llm.upstream_client import UpstreamClient
 from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
 from jukebox.llm.upstreams import agent_env as named_env
 from jukebox.llm.upstreams import named as named_upstreams
@@ -120,6 +122,10 @@ SECRET_CODE = "jukebox_proxy_secret"
 NO_RETRY = [("x-should-retry", "false")]
 # Distinct stderr warnings one proxy prints at most (one per path an agent may invent).
 MAX_WARNINGS = 20
+# What recording adds around a stream event's data (`{"chunk":..,"t_ms":..,"data":..}`), and
+# a margin for the rest of a frame, when judging whether it stays small (_may_spill).
+_EVENT_RECORD_BYTES = 64
+_FRAME_MARGIN_BYTES = 512
 # How long a trip waits for the agent to take the answer that explains it before `stop_agent`
 # is called anyway.
 TRIP_NOTICE_S = 1.0
@@ -158,6 +164,16 @@ def _without_usage_chunk(events: list[SSEEvent]) -> bytes:
     return b"".join(out)
 
 
+def _may_spill(ex: Exchange) -> bool:
+    """Whether a body of `ex` may be large enough for the tape writer to move it to the store
+    (a frame value past SPILL_THRESHOLD once encoded), a generous estimate: a stream's events
+    are recorded with their chunk index and time, and headers sit beside the bodies."""
+    response = len(ex.response_body or b"")
+    for event in ex.events or ():
+        response += len(event.data) + _EVENT_RECORD_BYTES
+    return max(len(ex.request_body), response) + _FRAME_MARGIN_BYTES > SPILL_THRESHOLD
+
+
 def _recorded_size(ex: Exchange) -> int:
     """The bytes a turn puts on the tape's side, bodies only (the frame's own keys are small)."""
     size = len(ex.request_body) + len(ex.response_body or b"")
@@ -178,13 +194,17 @@ class ProxyServer:
     """Start with `start()`, point agents at `base_urls()`, stop with `stop()` (or `with`).
 
     `record(kind, payload)` receives each frame (`writer.append` of a TapeWriter fits); it is
-    called from a worker thread. `secret` is the first path segment every request must carry
-    (a fresh random one by default); `record_limit` the bytes of bodies the proxy records in
-    all (DEFAULT_RECORD_LIMIT by default). `breaker` needs `admit(reservation) -> Trip | None`,
-    `observe(cost_usd=, tokens=, text=, tool_calls=, failed=, reservation=, retry=) -> Trip |
-    None` and `release(reservation)` (see jukebox.breaker.CircuitBreaker). `on_trip(trip)`
-    and `on_divergence(divergence)` are called once, from a worker thread, as soon as known;
-    `stop_agent(trip)` once too, but only after the agent has been sent the refusal that
+    called from a worker thread, unless `record_inline` says that it never waits for the disk
+    (it writes, and leaves the fsync to a group commit: a booth's GroupTape, a transaction's
+    writer): then a small turn is recorded on the proxy's own loop, which spares every call a
+    hand-off to a thread and back (see `_finish`). `secret` is the first path segment every
+    request must carry (a fresh random one by default); `record_limit` the bytes of bodies
+    the proxy records in all (DEFAULT_RECORD_LIMIT by default). `breaker` needs
+    `admit(reservation) -> Trip | None`, `observe(cost_usd=, tokens=, text=, tool_calls=,
+    failed=, reservation=, retry=) -> Trip | None` and `release(reservation)` (see
+    jukebox.breaker.CircuitBreaker). `on_trip(trip)` and `on_divergence(divergence)` are
+    called once, from a worker thread, as soon as known; `stop_agent(trip)` once too, but only
+    after the agent has been sent the refusal that
     explains the trip (and has read it, or TRIP_NOTICE_S has passed).
     """
 
@@ -207,6 +227,7 @@ class ProxyServer:
         record_passthrough: bool = True,
         secret: str | None = None,
         record_limit: int | None = None,
+        record_inline: bool = False,
     ) -> None:
         self.upstreams = dict(upstreams or upstreams_from_env({}))
         for provider, default in DEFAULT_UPSTREAMS.items():
@@ -224,6 +245,7 @@ class ProxyServer:
                     self.upstreams[name], self.protocols[name] = OFFLINE_URL, protocol
         self.named = sorted(self.protocols)
         self.record = record
+        self.record_inline = record_inline
         self.replay = replay
         # Replays answer at once, unless asked to keep the recorded latency and order.
         self._pacer = Pacer(replay.exchanges) if replay and replay.honor_timing else None
@@ -334,8 +356,8 @@ class ProxyServer:
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
-        async with httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, http2=False) as client:
-            self._client = client
+        self._client = UpstreamClient(UPSTREAM_TIMEOUT)
+        try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 with trio.CancelScope() as scope:
@@ -344,6 +366,9 @@ class ProxyServer:
                     # Off the first call's path: loading the price catalogue takes ~0.2 s.
                     nursery.start_soon(_warm_quietly)
                     await trio.serve_listeners(self._connection, [listener])
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._client.aclose()
 
     # ------------------------------------------------------------------ one connection
 
@@ -624,7 +649,7 @@ class ProxyServer:
             if k.lower() not in _HOP and not carries_placeholder(v)
         ]
         body = ex.usage_asked_body if ex.usage_asked_body is not None else ex.request_body
-        return self._client.build_request(ex.method, url, headers=headers, content=body)
+        return self._client.request(ex.method, url, headers, body)
 
     async def _forward(
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
@@ -632,7 +657,7 @@ class ProxyServer:
         started = time.perf_counter()
         ex.queued_ms = (started - ex.received) * 1000
         try:
-            upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
+            upstream = await self._client.send(self._upstream_request(where, ex))
         except httpx.HTTPError as error:
             ex.latency_ms = (time.perf_counter() - started) * 1000
             ex.status = 502
@@ -741,7 +766,7 @@ class ProxyServer:
             return
         started = time.perf_counter()
         try:
-            upstream = await self._client.send(self._upstream_request(where, ex), stream=True)
+            upstream = await self._client.send(self._upstream_request(where, ex))
         except httpx.HTTPError as error:
             message = f"jukebox proxy: {self._upstream_failed(where, error)}"
             body = error_body(where.provider, message, status=502)
@@ -873,8 +898,13 @@ class ProxyServer:
     # ------------------------------------------------------------------ bookkeeping
 
     async def _finish(self, ex: Exchange) -> None:
-        """Records the exchange and lets the breaker see it, off the event loop."""
-        turn = await trio.to_thread.run_sync(self._record_turn, ex)
+        """Records the exchange and lets the breaker see it. On the event loop when the sink
+        only writes and the turn is small; otherwise in a worker thread: a large turn takes
+        long to build, and its bodies go to the store, whose flush is an fsync."""
+        if (self.record_inline or self.record is None) and not _may_spill(ex):
+            turn = self._record_turn(ex)
+        else:
+            turn = await trio.to_thread.run_sync(self._record_turn, ex)
         self.recorded_bytes += _recorded_size(ex) - len(ex.request_body)
         if self.breaker is not None and self.trip is None and ex.endpoint not in UNBILLED:
             s = turn.summary

@@ -75,6 +75,7 @@ class LlmSession:
             proxy = ProxyServer(
                 upstreams=options.upstreams or upstreams_from_env(environ),
                 record=record,
+                record_inline=True,  # the booth's GroupTape writes; its group commit syncs
                 replay=options.replay,
                 rewriter=options.rewriter,
                 breaker=options.breaker,
