@@ -679,9 +679,12 @@ def fork(
     image: str | None = None,
     trust_recorded_image: bool = False,
     paths: BoothPaths | None = None,
+    honor_timing: bool = False,
 ) -> ForkResult:
     """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs. `model`:
-    a bare name, {provider: model}, or `--model` values (see `jukebox.llm.model_override`)."""
+    a bare name, {provider: model}, or `--model` values (see `jukebox.llm.model_override`).
+    `honor_timing` (with `exec_`) answers the calls served from the tape after their recorded
+    latency, in the recorded order, as `replay_exec` does."""
     from jukebox.llm.model_override import resolve as resolve_model
     from jukebox.tape import Tape, TapeWriter
     from jukebox.tapedir import check_tape_id
@@ -708,6 +711,10 @@ def fork(
                 "--image, --trust-recorded-image, --rw, --ro, --hide and --no-private-tmp "
                 "choose the booth of --exec: add --exec"
             )
+        if not exec_ and honor_timing:
+            raise UsageError(
+                "--honor-timing paces the calls --exec serves from the tape: add --exec"
+            )
         run = recorded_run(origin) if exec_ else None
         chosen = select_image(run, image, trust_recorded_image) if run is not None else None
         base_id = origin.tape_id or Path(os.fspath(tape_path)).stem
@@ -722,7 +729,9 @@ def fork(
     if run is None or chosen is None:
         return result
     try:
-        _fork_exec(result, Path(tape_path), tapes, run, mode, fs, chosen.image, paths)
+        _fork_exec(
+            result, Path(tape_path), tapes, run, mode, fs, chosen.image, paths, honor_timing
+        )
     except BaseException:
         new_path.unlink(missing_ok=True)  # a fork whose re-execution never ran is no fork
         raise
@@ -738,6 +747,7 @@ def _fork_exec(
     fs: str | None,
     image: Image,
     paths: BoothPaths | None = None,
+    honor_timing: bool = False,
 ) -> None:
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
@@ -749,7 +759,9 @@ def _fork_exec(
     at = result.at
     with Store.open(tapes.store_path, create=False) as store:
         origin = Tape.load(origin_path, store)
-        source = ReplaySource.from_tape(origin, store, mode=mode, until=at - 1)
+        source = ReplaySource.from_tape(
+            origin, store, mode=mode, until=at - 1, honor_timing=honor_timing
+        )
         prefix_events = sum(1 for f in origin.frames[1:at] if f.kind in AGENT_EVENTS)
     marks = checkpoint_marks(origin, through=at - 1)
     watch = _Watch(marks)

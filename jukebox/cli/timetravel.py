@@ -106,6 +106,12 @@ def run_replay_exec(
     default=True,
     help="How --exec matches the re-run's calls before frame N (default strict).",
 )
+@click.option(
+    "--honor-timing",
+    is_flag=True,
+    help="--exec: answer the calls before frame N after their recorded latency, in the "
+    "recorded order.",
+)
 @click.option("--tape-id", default=None, help="The new tape's id (default: <id>-fork-<n>).")
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="Booth layer.")
 @image_option
@@ -120,6 +126,7 @@ def fork_command(
     system_prompt: str | None,
     exec_: bool,
     strict: bool,
+    honor_timing: bool,
     tape_id: str | None,
     fs: str | None,
     image: str | None,
@@ -154,6 +161,7 @@ def fork_command(
         image=image,
         trust_recorded_image=trust_recorded_image,
         paths=paths,
+        honor_timing=honor_timing,
     )
     if as_json:
         emit_json(result.to_json())

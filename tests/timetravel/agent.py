@@ -8,7 +8,8 @@ JB_TURNS (default 3), JB_PROMPT (default "write hello") and JB_PROMPT_<i> for tu
 JB_STRAY=1 writes an extra file in turn 1, JB_DELAY_MS asks the fake upstream to be slow,
 JB_KEY_FROM_ENV=1 leaves the API key to $OPENAI_API_KEY (as most agents do), JB_LIST_MODELS=1
 lists the models (a call no replay serves) and carries on whatever the answer, JB_EXIT=N exits
-with status N at the end.
+with status N at the end, JB_TIMES=1 prints how long each chat call took, as the agent saw it,
+on stderr (`took_ms turn N: MS`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 
 def checkpoint(label: str) -> None:
@@ -49,6 +51,7 @@ def main() -> None:
     turns = int(os.environ.get("JB_TURNS", "3"))
     for i in range(1, turns + 1):
         prompt = os.environ.get(f"JB_PROMPT_{i}") or os.environ.get("JB_PROMPT", "write hello")
+        started = time.monotonic()
         reply = o.chat.completions.create(
             model="gpt-4o-mini",
             messages=[
@@ -57,6 +60,9 @@ def main() -> None:
             ],
             tools=tools,
         )
+        if os.environ.get("JB_TIMES"):
+            took = (time.monotonic() - started) * 1000
+            print(f"took_ms turn {i}: {took:.3f}", file=sys.stderr, flush=True)
         print(reply.model_dump_json(), flush=True)
         args = json.loads(reply.choices[0].message.tool_calls[0].function.arguments)
         with open(f"file{i}.txt", "w") as f:

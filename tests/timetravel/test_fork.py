@@ -4,11 +4,12 @@ from frame N with the overrides, and `jukebox diff A B` shows what changed."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from jukebox.tape import HEADER_SIZE, ID_SIZE, LENGTH, Tape
 from shadowfs.store import Store
-from tests.timetravel.conftest import Recording
+from tests.timetravel.conftest import AGENT, Recording
 
 
 def prefix_bytes(path: Path, frames: int) -> bytes:
@@ -96,3 +97,42 @@ def test_fork_exec_goes_live_with_the_other_model_and_diff_shows_it(
     assert again.returncode == 0, again.stderr
     assert "3/3 checkpoint(s) matched, 4 LLM call(s) served from the tape" in again.stderr
     assert "kept pending" not in again.stderr
+
+
+def test_fork_exec_honor_timing_serves_the_prefix_with_its_recorded_latency(
+    recording: Recording, tmp_path: Path
+) -> None:
+    """The real openai SDK, in a booth: a run whose chat call took 300 ms upstream, forked after
+    it with --honor-timing, sees the served call take its recorded time (served at once, it
+    would take a few ms); the call after the fork goes live."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    slow = {"JB_DELAY_MS": "300", "JB_TURNS": "1", "JB_TIMES": "1"}
+    proc = recording.jukebox(
+        "booth", "run", "--tree", str(tree), "--tape-dir", str(recording.tapes), "--tape-id",
+        "slow", "--", sys.executable, AGENT, live=True, **slow,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    slow_tape = recording.tapes / "slow.jbx"
+    with Store.open(recording.tapes / ".jukebox" / "store") as store:
+        calls = [
+            f.resolve_payload(store) | {"seq": f.seq}
+            for f in Tape.load(slow_tape, store).frames
+            if f.kind == "llm_turn"
+        ]
+    assert [c["endpoint"] for c in calls] == ["chat.completions", "responses"]
+    recorded = calls[0]["latency_ms"]
+    assert recorded >= 300
+    at = calls[1]["seq"]  # the chat call comes from the tape, the Responses stream goes live
+    forked = recording.jukebox(
+        "fork", str(slow_tape), "--at", str(at), "--exec", "--honor-timing", "--tape-id",
+        "slow-fork", "--json", live=True, **slow,
+    )  # fmt: skip
+    assert forked.returncode == 0, forked.stderr
+    result = json.loads(forked.stdout[forked.stdout.rindex("\n{\n") + 1 :])  # after the agent's
+    assert (result["llm_served"], result["llm_live"]) == (1, 1)
+    took = [float(line.rpartition(" ")[2]) for line in forked.stderr.splitlines()
+            if line.startswith("took_ms turn")]  # fmt: skip
+    assert len(took) == 1 and took[0] >= recorded
+    plain = recording.jukebox("fork", str(slow_tape), "--at", str(at), "--honor-timing")
+    assert plain.returncode == 2 and "add --exec" in plain.stderr
