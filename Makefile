@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 NODE_SERVERS := tests/mcp/node
 NODE_STAMP := $(NODE_SERVERS)/node_modules/.installed
 
-.PHONY: demo test bench torture fuzz lint setup system-packages receivers clean
+.PHONY: demo test bench torture fuzz lint setup system-packages receivers vm-test clean
 
 demo: setup
 	$(PY) -m jukebox.demo
@@ -36,6 +36,19 @@ torture: setup
 	$(PY) -m pytest -q tests/fs/test_commit_crash.py tests/reliability/test_commit_kills.py \
 	  tests/reliability/test_store_crash.py tests/reliability/test_tape_crash.py \
 	  tests/reliability/test_tamper.py tests/fs/test_model_differential.py
+
+# The kernel-dependent tests (vm/subset.txt) in a virtme-ng VM per Debian kernel: bookworm, trixie
+# and sid by default, or KERNEL=bookworm (a suite or a vmlinuz path). Not part of `make test`.
+# QEMU runs at nice 19; see docs/vm-tests.md for times and for adding a kernel.
+VM_APT_PACKAGES := qemu-system-x86 kmod busybox-static e2fsprogs file util-linux
+VM_CACHE := .vm-cache
+KERNEL ?=
+
+vm-test: setup
+	@$(MAKE) --no-print-directory system-packages APT_PACKAGES="$(VM_APT_PACKAGES)"
+	@test -x $(VM_CACHE)/vng/bin/vng || { $(PYTHON) -m venv $(VM_CACHE)/vng && \
+	  $(VM_CACHE)/vng/bin/pip install -q 'virtme-ng>=1.42,<2'; }
+	nice -n 19 $(PY) -m vm $(KERNEL)
 
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench

@@ -1,0 +1,111 @@
+"""`python -m vm [KERNEL ...]`: the test subset in a VM per kernel (what `make vm-test` runs).
+
+See docs/vm-tests.md. Kernels are Debian suites (bookworm, trixie, sid) or a vmlinuz path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from vm import boot, disks, kernels, report
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".vm-cache"
+SUBSET = REPO / "vm" / "subset.txt"
+
+# Under emulation everything takes about this many times longer than on the host: the tests'
+# own waits (JUKEBOX_TEST_SLOWDOWN, read by tests/conftest.py) and pytest's timeout scale by it.
+SLOWDOWN = {"tcg": 10, "kvm": 2}
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fail(msg: str) -> None:
+    print(f"vm-test: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def subset(path: Path, only: str | None) -> tuple[list[str], list[str]]:
+    """(test arguments, extra pytest arguments) from the subset file, or from --tests."""
+    if only:
+        return only.split(), []
+    tests, extra = [], []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("-"):
+            extra += ["--deselect", line[1:].strip()]
+        else:
+            tests.append(line)
+    return tests, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vm", description=__doc__.splitlines()[0])
+    p.add_argument("kernels", nargs="*", help="bookworm, trixie, sid, or a vmlinuz path "
+                   f"(default: $KERNEL, else {' '.join(kernels.DEFAULT)})")
+    p.add_argument("--tests", help="pytest arguments to run instead of vm/subset.txt "
+                   "(space-separated test files or ids)")
+    p.add_argument("--timeout", type=float, default=float(os.environ.get("JUKEBOX_VM_TIMEOUT",
+                   2700)), help="seconds one VM may run before it is stopped (default 2700)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+
+    names = args.kernels or os.environ.get("KERNEL", "").split() or list(kernels.DEFAULT)
+    for tool in ("qemu-system-x86_64", "mkfs.ext4", "dpkg-deb", "apt-get", "depmod", "busybox"):
+        if shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
+            _fail(f"{tool} is not installed: run `make vm-test`, which installs it")
+    if not (REPO / ".venv" / "bin" / "python").exists():
+        _fail("no .venv in the checkout: run `make setup` first")
+    CACHE.mkdir(exist_ok=True)
+    try:
+        chosen = kernels.resolve(CACHE, names, _log)
+    except kernels.KernelError as exc:
+        _fail(str(exc))
+    tests, extra = subset(SUBSET, args.tests)
+
+    accel = boot.accelerator(CACHE, chosen[0], REPO, _log)
+    scale = float(os.environ.get("JUKEBOX_TEST_SLOWDOWN", SLOWDOWN.get(accel, 10)))
+    venv, prefix = disks.venv_paths(REPO)
+    image = disks.python_image(REPO, CACHE, _log)
+    settings = {
+        "JBX_REPO": str(REPO),
+        "JBX_VENV": str(venv),
+        "JBX_PREFIX": str(prefix or ""),
+        "JBX_TESTS": " ".join(tests),
+        "JBX_PYTEST_ARGS": " ".join(extra),
+        "JBX_PYTEST_TIMEOUT": str(int(120 * scale)),
+        "JUKEBOX_TEST_SLOWDOWN": str(scale),
+    }
+    results = []
+    for k in chosen:
+        _log(f"vm: {k.name}: booting {k.version} under {accel}, {len(tests)} test arguments "
+             f"(log: {CACHE / 'runs' / k.name / 'guest.log'})")
+        b = boot.run_tests(CACHE, k, accel, REPO, settings, image, args.timeout, _log)
+        r = report.read(report.KernelResult(k.name, k.version, accel, round(b.seconds, 1),
+                                            b.attempts, b.exit_code), b.run_dir)
+        results.append(r)
+        _log(report.render([r]))
+    total = sum(r.seconds for r in results)
+    (CACHE / "report.json").write_text(json.dumps(
+        {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": total,
+         "kernels": [r.as_json() for r in results]}, indent=2))
+    if args.json:
+        print(json.dumps([r.as_json() for r in results], indent=2))
+    else:
+        print(f"\n== vm-test: {len(results)} kernel(s) in {total / 60:.1f} min")
+        print(report.render(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Booting one test VM with virtme-ng: the accelerator, the command line, one retry.
+
+KVM is used when /dev/kvm boots a stock kernel; paravirtualised and nested hosts often refuse
+(QEMU aborts on an MSR, or the guest hangs after boot), so a short probe boot decides and its
+verdict is cached per host kernel and QEMU. Without KVM the guest runs under TCG, QEMU's software
+emulation, about ten times slower. QEMU runs at `nice 19`: the tests in the VM must not starve
+whatever else the machine is doing.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vm import disks
+from vm.kernels import Kernel
+
+MEMORY = "3G"  # the 2 GiB commit test and pytest's own memory, with room to spare
+CPUS = "2"
+TCG_OPTS = "-accel tcg,tb-size=512"  # a bigger translation cache: fewer retranslations
+PROBE_SECONDS = 120
+
+
+def nice() -> list[str]:
+    return ["nice", "-n", os.environ.get("JUKEBOX_VM_NICE", "19")]
+
+
+def vng(cache: Path) -> str:
+    exe = cache / "vng" / "bin" / "vng"
+    return str(exe) if exe.exists() else (shutil.which("vng") or "vng")
+
+
+def _command(cache: Path, kernel: Kernel, accel: str, repo: Path, script: str,
+             disk_paths: list[Path]) -> list[str]:
+    cmd = [*nice(), vng(cache), "--run", str(kernel.image), "--memory", MEMORY, "--cpus", CPUS,
+           "--rwdir", str(repo), "--cwd", str(repo)]
+    for d in disk_paths:
+        cmd += ["--disk", str(d)]
+    if accel == "tcg":
+        cmd += ["--disable-kvm", f"--qemu-opts={TCG_OPTS}"]
+    return [*cmd, "--exec", script]
+
+
+def _env(cache: Path) -> dict[str, str]:
+    # virtme-ng runs its helpers (virtme-run) from PATH.
+    bindir = str(Path(vng(cache)).parent)
+    path = os.environ.get("PATH", "")
+    return dict(os.environ, PATH=f"{bindir}:{path}:/usr/sbin:/sbin")
+
+
+def accelerator(cache: Path, kernel: Kernel, repo: Path, log=print) -> str:
+    """"kvm" or "tcg": JUKEBOX_VM_ACCEL if set, else a cached verdict, else a probe boot."""
+    forced = os.environ.get("JUKEBOX_VM_ACCEL")
+    if forced:
+        return forced
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        log("vm: /dev/kvm is missing or not usable: software emulation (TCG), slower")
+        return "tcg"
+    qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True)
+    key = f"{os.uname().release} {qemu.stdout.splitlines()[0] if qemu.stdout else '?'}"
+    verdict_file = cache / "accel"
+    if verdict_file.exists():
+        verdict, _, seen = verdict_file.read_text().strip().partition(" ")
+        if seen == key:
+            return verdict
+    run_dir = cache / "runs" / "kvm-probe"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    marker = run_dir / "booted"
+    cmd = _command(cache, kernel, "kvm", repo, f"echo ok > {shlex.quote(str(marker))}", [])
+    log(f"vm: probing KVM with {kernel.name} (at most {PROBE_SECONDS} s)")
+    _run_vm(cmd, cache, repo, PROBE_SECONDS, subprocess.DEVNULL)
+    verdict = "kvm" if marker.exists() else "tcg"
+    if verdict == "tcg":
+        log("vm: /dev/kvm cannot run a stock kernel here (paravirtualised or nested host): "
+            "software emulation (TCG), slower")
+    verdict_file.write_text(f"{verdict} {key}\n")
+    return verdict
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _run_vm(cmd: list[str], cache: Path, repo: Path, timeout: float, out) -> bool:
+    """Runs one VM to its end; False when it had to be stopped. QEMU is a grandchild of vng:
+    the whole process group goes, so no emulator outlives its run."""
+    proc = subprocess.Popen(cmd, env=_env(cache), stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
+    try:
+        proc.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+@dataclass
+class Boot:
+    exit_code: int | None  # pytest's, as the guest wrote it; None when none came back
+    seconds: float
+    attempts: int
+    run_dir: Path
+
+
+def run_tests(cache: Path, kernel: Kernel, accel: str, repo: Path, settings: dict[str, str],
+              python_image: Path | None, timeout: float, log=print) -> Boot:
+    """Boots kernel and runs the tests named in settings; once more if no exit code comes back
+    (under emulation about one boot in five stops silently)."""
+    run_dir = cache / "runs" / kernel.name
+    start = time.monotonic()
+    for attempt in (1, 2):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.env").write_text(
+            "".join(f"{k}={shlex.quote(v)}\n" for k, v in settings.items())
+        )
+        scratch = disks.scratch(cache / "scratch.img")
+        disk_paths = [scratch] + ([python_image] if python_image else [])
+        script = f"sh {shlex.quote(str(repo / 'vm' / 'guest.sh'))} {shlex.quote(str(run_dir))}"
+        cmd = _command(cache, kernel, accel, repo, script, disk_paths)
+        with open(run_dir / "console.log", "wb") as console:
+            finished = _run_vm(cmd, cache, repo, timeout, console)
+        if not finished:
+            log(f"vm: {kernel.name}: no end after {timeout:.0f} s, stopped")
+        scratch.unlink(missing_ok=True)
+        code_file = run_dir / "exit-code"
+        if code_file.exists():
+            return Boot(int(code_file.read_text().strip()), time.monotonic() - start, attempt,
+                        run_dir)
+        # A run that started its tests and then ran out of time would only do so again.
+        hung = not finished and "pytest starts" in _read(run_dir / "guest.log")
+        if attempt == 2 or hung:
+            return Boot(None, time.monotonic() - start, attempt, run_dir)
+        log(f"vm: {kernel.name}: no exit code came back from the guest; booting once more")
+    raise AssertionError("unreachable")
