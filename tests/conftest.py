@@ -11,6 +11,27 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _slowdown() -> float:
+    raw = os.environ.get("JUKEBOX_TEST_SLOWDOWN", "1")
+    try:
+        factor = float(raw)
+    except ValueError:
+        raise SystemExit(  # a one-line error, not a traceback from every test module
+            f"JUKEBOX_TEST_SLOWDOWN={raw!r} is not a number: set a factor like 10"
+        ) from None
+    return max(factor, 1.0)
+
+
+SLOWDOWN = _slowdown()
+
+
+def slow(seconds: float) -> float:
+    """A test's wait for something that takes real time (a child to answer, a booth to start),
+    stretched by JUKEBOX_TEST_SLOWDOWN on slow machines: `make vm-test` sets it under software
+    emulation. The default, 1, leaves every wait as written."""
+    return seconds * SLOWDOWN
+
+
 @pytest.fixture
 def jukebox_cli(tmp_path: Path):
     """Runs the real `jukebox` console script in a subprocess, as a user would."""

@@ -37,10 +37,12 @@ fi
 # cgroup v2, as a systemd host has it: the booth's limits and freezer tests need it.
 mountpoint -q /sys/fs/cgroup || mount -t cgroup2 none /sys/fs/cgroup
 
+# Only the timeout plugin: the langsmith and hypothesis plugins cost seconds of emulated start-up.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 cd "$JBX_REPO" || exit 98
 echo "guest: pytest starts $(date -u +%T)"
 # shellcheck disable=SC2086  # JBX_TESTS is a list of test ids
-"$JBX_VENV/bin/python" -m pytest -p no:cacheprovider -q -rfEs --basetemp=/tmp/pytest \
+"$JBX_VENV/bin/python" -m pytest -p pytest_timeout -p no:cacheprovider -q -rfEs --basetemp=/tmp/pytest \
     --timeout="$JBX_PYTEST_TIMEOUT" --junitxml="$RUN_DIR/junit.xml" $JBX_PYTEST_ARGS $JBX_TESTS
 rc=$?
 echo "guest: pytest ended $(date -u +%T) with $rc"

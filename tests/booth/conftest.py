@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import slow
+
 REPO = Path(__file__).resolve().parents[2]
 NOBODY = 65534
 
@@ -33,7 +35,9 @@ def run_py(
     cmd = [python, "-c", code, *args]
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or "/")
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=slow(timeout), cwd=cwd or "/"
+    )
 
 
 def last_json(proc: subprocess.CompletedProcess[str]) -> dict:

@@ -13,6 +13,7 @@ import pytest
 
 from tests.booth.conftest import NOBODY
 from tests.booth.test_booth_run import booth_run, jb, work  # noqa: F401 (fixture)
+from tests.conftest import slow
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
@@ -54,7 +55,7 @@ def test_the_loser_of_a_commit_race_is_told_it_was_committed(work) -> None:  # n
         subprocess.Popen([JUKEBOX, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    results = sorted((p.wait(60), p.stderr.read()) for p in racers)  # type: ignore[union-attr]
+    results = sorted((p.wait(slow(60)), p.stderr.read()) for p in racers)  # type: ignore[union-attr]
     assert [code for code, _ in results] == [0, 1], results
     assert FINISHED.match(results[1][1]), results
     assert (tree / "a.txt").read_text() == "one\ntwo\n"

@@ -15,6 +15,7 @@ import pytest
 
 from jukebox import control
 from jukebox.control import ControlClient, ControlError, ControlRefused, ControlServer, Peer
+from tests.conftest import slow
 
 
 class Booth:
@@ -207,7 +208,7 @@ def test_a_child_forked_while_a_thread_waits_on_the_booth_can_still_ask(tmp_path
     plain_status = handlers["status"]
 
     def slow_status(req: dict, peer: Peer) -> dict:
-        release.wait(10)
+        release.wait(slow(10))
         return plain_status(req, peer)
 
     handlers["status"] = slow_status
@@ -215,7 +216,7 @@ def test_a_child_forked_while_a_thread_waits_on_the_booth_can_still_ask(tmp_path
     with ControlServer(path, handlers):
         waiting = threading.Thread(target=control.request, args=({"op": "status"}, path))
         waiting.start()  # holds this process's connection until the booth answers
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + slow(10)
         while control._kept_lock.acquire(blocking=False):
             control._kept_lock.release()  # not taken yet: the thread is still on its way
             assert time.monotonic() < deadline
@@ -224,7 +225,9 @@ def test_a_child_forked_while_a_thread_waits_on_the_booth_can_still_ask(tmp_path
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             try:
-                answer = control.request({"op": "checkpoint", "label": "child"}, path, timeout=10)
+                answer = control.request(
+                    {"op": "checkpoint", "label": "child"}, path, timeout=slow(10)
+                )
                 os.write(write_end, str(answer["checkpoint"]).encode())
             finally:
                 os._exit(0)

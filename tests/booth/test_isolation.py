@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.booth.conftest import NOBODY, REPO
+from tests.conftest import slow
 
 pytestmark = pytest.mark.usefixtures("root_only")
 
@@ -80,7 +81,7 @@ def booth_helper(
         first = proc.stdout.readline()
         assert first.strip() == "READY", first + proc.stderr.read()
         outside = Path("/proc/self/mountinfo").read_text()
-        out, err = proc.communicate("go\n", timeout=30)
+        out, err = proc.communicate("go\n", timeout=slow(30))
     finally:
         proc.kill()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]

@@ -20,6 +20,7 @@ from shadowfs.commit import CommitReport, apply, clean_residue, recover
 from shadowfs.errors import ConflictError, ShadowfsError, TreeError
 from shadowfs.store import Store
 from shadowfs.tree import Entry, build_tree, encode_tree, materialize, read_tree
+from tests.conftest import slow
 
 OLD_NS = 1_600_000_000_123_456_789  # 2020: outside build_tree's racy window
 REPO = Path(__file__).resolve().parents[2]
@@ -585,7 +586,7 @@ def test_a_big_file_commits_in_constant_memory(tmp_path: Path, store: Store) -> 
     proc = subprocess.run(
         [sys.executable, "-c", _MEMORY_PROBE, str(tmp_path / "store"), str(target),
          base.hex(), new.hex(), str(tmp_path / "journal")],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True, text=True, cwd=REPO, timeout=slow(300),
     )
     assert proc.returncode == 0, proc.stderr
     written, growth = map(int, proc.stdout.split())

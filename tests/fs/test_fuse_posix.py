@@ -21,6 +21,7 @@ from shadowfs.journal import decode_journal
 from shadowfs.layer import Layer
 from shadowfs.mountctl import Mount, is_mounted
 from shadowfs.store import Store
+from tests.conftest import slow
 from tests.fs.conftest import needs_fuse, tree_state
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -343,7 +344,7 @@ def test_many_processes_at_once(mount: Path) -> None:
         "    os.listdir(d)\n"
     )
     procs = [subprocess.Popen([sys.executable, "-c", code, str(mount), str(i)]) for i in range(8)]
-    assert all(p.wait(60) == 0 for p in procs)
+    assert all(p.wait(slow(60)) == 0 for p in procs)
     for i in range(8):
         assert (mount / f"w{i}.txt").read_text() == "".join(f"{k}\n" for k in range(50))
     lines = (mount / "shared.log").read_text().splitlines()

@@ -17,6 +17,7 @@ from shadowfs.errors import TreeError
 from shadowfs.overlay import OverlayError, OverlayLayer
 from shadowfs.store import Store
 from shadowfs.tree import build_tree, walk
+from tests.conftest import slow
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel overlay mounts need root")
 
@@ -92,7 +93,7 @@ class _Shell:
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=slow(10))
 
 
 @pytest.fixture

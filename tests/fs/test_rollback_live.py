@@ -17,6 +17,7 @@ from shadowfs import tree
 from shadowfs.layer import Layer
 from shadowfs.mountctl import Mount
 from shadowfs.store import Store
+from tests.conftest import slow
 from tests.fs.conftest import needs_fuse
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -67,7 +68,7 @@ class Lines:
                 self._cond.notify_all()
 
     def wait_for(self, pred: Callable[[str], bool], timeout: float = 10.0) -> str:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + slow(timeout)
         with self._cond:
             start = len(self.lines)
             while True:
@@ -133,7 +134,7 @@ def test_a_running_writer_continues_from_the_restored_file(
     log = live / "log.txt"
     writer = spawn(APPENDER, str(log), cwd=live)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + slow(10)
         while not log.exists() or log.stat().st_size < 200:
             assert time.monotonic() < deadline and writer.poll() is None
             time.sleep(0.01)

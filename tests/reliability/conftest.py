@@ -26,6 +26,7 @@ from tests.booth.conftest import (  # noqa: F401  (fixtures re-exported for this
     open_dev_fuse,
     root_only,
 )
+from tests.conftest import slow
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 # The agents themselves run on the system interpreter: the venv's lives under /root (0700), out of
@@ -106,7 +107,7 @@ def jb(
     full_env = dict(os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}")
     full_env.update(env or {})
     return subprocess.run(
-        cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout
+        cmd, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=slow(timeout)
     )
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from jukebox import private_dev
+from tests.conftest import slow
 from tests.reliability.conftest import AGENT_PRELUDE, AGENT_PYTHON, JUKEBOX, NOBODY, booth_argv, jb
 
 AGENT = (
@@ -143,7 +144,7 @@ def bind80():
 attempt("bind_80", bind80)
 def talk(address):
     with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
+        s.settimeout(slow(5))
         s.connect(address)
         return s.recv(64).decode()
 attempt("unix_path", lambda: talk(cfg["unix_path"]))
@@ -281,7 +282,7 @@ def jb_in_session(
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
     env = dict(os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=90)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=slow(90))
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("KEYS ")), None)
     assert line, f"the launcher printed no keys (rc {proc.returncode}):\n{proc.stderr}"
     return proc, json.loads(line[len("KEYS ") :])

@@ -37,6 +37,7 @@ from shadowfs import tree as treemod
 from shadowfs.commit import apply
 from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.store import Store
+from tests.conftest import slow
 from tests.reliability.conftest import (
     AGENT_PRELUDE,
     AGENT_PYTHON,
@@ -724,7 +725,7 @@ def _lines_until(proc: Popen, last: str, timeout: float = 30) -> list[str]:
     """The agent's stdout lines up to `last`, read straight from the pipe (a buffered reader
     would hide lines from select)."""
     buf = b""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + slow(timeout)
     fd = proc.stdout.fileno()
     while time.monotonic() < deadline:
         ready, _, _ = select.select([fd], [], [], 0.1)
@@ -795,16 +796,16 @@ def test_killing_the_supervisor_ends_every_process_of_the_booth(runner: tuple) -
         lines = _lines_until(proc, "READY")
         assert "INIT jukebox-init" in lines, lines
         assert "SUP_HIDDEN" in lines and "SUP_UNREACHABLE" in lines, lines
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + slow(10)
         while len(_processes_with(marker)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_processes_with(marker)) == 4  # the agent and its three runaways
         proc.kill()
-        assert proc.wait(timeout=10) == -9
+        assert proc.wait(timeout=slow(10)) == -9
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + slow(5)
     while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_with(marker) == []
