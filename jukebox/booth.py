@@ -43,7 +43,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -816,6 +816,15 @@ def commit_booth(
                 paths = tree_paths(only, record.tree)
                 final, whole = select(store, booth_id, base, final, paths)
                 partial = None if whole else sorted(os.fsdecode(p) for p in paths)
+            from jukebox.sql import ledger
+
+            sql = ledger.read(tape_dir, booth_id)
+            if sql is not None and (at is not None or only):
+                raise CheckFailed(
+                    f"booth {booth_id} not committed: its database work is one prepared "
+                    "transaction, committed whole or not at all; commit without --at/--only, or "
+                    f"`jukebox booth discard {booth_id}`"
+                )
             refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
             if refused:
                 raise CheckFailed(
@@ -831,6 +840,8 @@ def commit_booth(
                 else:
                     _append_to_tape(store, record.tape, kind, payload, tree=tree)
 
+            if sql is not None:
+                ledger.set_state(tape_dir, booth_id, ledger.COMMITTING)
             try:
                 commit_tree(
                     store, tape_dir, record, base, final, by="booth commit", write=verdict,
@@ -851,12 +862,18 @@ def commit_booth(
                     "note",
                     {"event": "commit_refused", "conflicts": error.conflicts, "by": "booth commit"},
                 )
+                if sql is not None:
+                    ledger.set_state(tape_dir, booth_id, ledger.PREPARED)
                 raise CheckFailed(
                     f"commit of booth {booth_id} refused: {len(error.conflicts)} path(s) changed "
                     f"in {record.tree} since the booth started: "
                     + ", ".join(error.conflicts)
                     + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
                 ) from None
+            if sql is not None:  # past the file commit point: the databases follow
+                done = ledger.finish(tape_dir, booth_id, commit=True)
+                _append_to_tape(store, record.tape, "note",
+                                {"event": "sql_commit", "databases": done, "by": "booth commit"})
         if record.status == "running" and partial is None:  # crashed, committed at a checkpoint
             _remove_leftovers(tape_dir, booth_id)
         return summary
@@ -883,6 +900,9 @@ def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
                 f"recovered (see above), and dropping the booth would leave {record.tree} torn"
             )
         bound_tape(tape_dir, booth_id, record)  # the record names what discard touches
+        from jukebox.sql import ledger
+
+        ledger.finish(tape_dir, booth_id, commit=False)  # before the record goes: see ledger
         if os.path.exists(record.tape):
             with (
                 _open_store(tape_dir) as store,
@@ -983,6 +1003,9 @@ class _Run:
     agent_pid: int | None = None
     trip: Any = None  # the circuit breaker's Trip, once one fired
     mcp: Any = None  # the MCP stage gate (jukebox.mcp.staging.StageGate)
+    # The --pg databases (jukebox.sql.booth_link.BoothDatabases): checkpoints and rollbacks
+    # take them along, before the files (their refusal leaves the files as they were).
+    databases: Any = None
 
     def on_refused_write(self, error: OSError) -> None:
         """The layer refused a write the agent's kernel had already accepted: the agent learns
@@ -1031,8 +1054,10 @@ class _Run:
         self, label: str | None, peer: Peer | None, reason: str = "request"
     ) -> Checkpoint:
         with self.lock:
-            tree, journal = self.layer.snapshot()
             n = len(self.checkpoints)
+            if self.databases is not None:
+                self.databases.checkpoint(n)
+            tree, journal = self.layer.snapshot()
             payload: dict[str, Any] = {"id": n, "label": label, "reason": reason}
             if journal is not None:
                 payload["journal"] = journal.hex()
@@ -1065,6 +1090,8 @@ class _Run:
     def rollback(self, to: str | int, peer: Peer | None) -> Checkpoint:
         with self.lock:
             cp = self.find(to)
+            if self.databases is not None:
+                self.databases.rollback(cp.n)
             self.layer.restore(cp.tree)
             payload: dict[str, Any] = {"to": cp.n, "label": cp.label, "reason": "request"}
             if peer is not None:
@@ -1301,12 +1328,17 @@ def run_booth(
     strict_sandbox: bool = False,
     paths: BoothPaths | None = None,
     mcp_config: str | None = None,
+    databases: Mapping[str, str] | None = None,
+    max_sql_rows_changed: int | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
     `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
     against at the commit; the agent finds it rewritten through the gateway in
     `$JUKEBOX_MCP_CONFIG` (docs/mcp.md).
+
+    `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
+    transaction ends with the verdict (jukebox.sql).
 
     `paths`: what this run adds to the image's view (--rw, --ro, --hide, --no-private-tmp).
 
@@ -1386,6 +1418,8 @@ def run_booth(
 
     mcp_declared = read_config(mcp_config) if mcp_config else None
     mcp_servers = stdio_servers(mcp_declared, mcp_config or "") if mcp_declared else {}
+    if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
+        raise UsageError("--max-sql-rows-changed must be 0 or more")
     booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
     tape_path = tapes.tape_path(booth_id)
     if tape_path.exists():
@@ -1408,6 +1442,7 @@ def run_booth(
     layer: BoothLayer | None = None
     server: ControlServer | None = None
     llm_session: Any = None
+    dbs: Any = None
     tree_fd = -1
     writer: Any = None
     record: BoothRecord | None = None
@@ -1524,6 +1559,22 @@ def run_booth(
             functools.partial(isolation.spawn, **stdio), child_spec
         )
         env.update(llm_session.agent_env(env))
+        if databases:
+            from jukebox.sql.booth_link import BoothDatabases
+
+            network = llm_session.network
+            dbs = run.databases = BoothDatabases.start(
+                databases,
+                record=writer.append,
+                booth_id=booth_id,
+                secrets=[value for key, value in env.items() if img.is_secret(key)],
+                listen=network.listen if network is not None else None,
+                max_rows_changed=max_sql_rows_changed,
+                on_trip=run.on_trip,
+                needs_two_phase=commit_mode in ("never", "ask"),
+            )
+            env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
+            env.update(dbs.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         if mcp_declared is not None:
             from jukebox.mcp.servers import write_wrapped_config
@@ -1631,6 +1682,10 @@ def run_booth(
             if hooks_refused:
                 decision, reason, code = "keep", hooks_refused, 1
 
+        if dbs is not None:
+            decision, reason, code = _databases_before(
+                dbs, tapes, booth_id, decision, reason, code
+            )
         # Everything recorded so far is on disk before the real tree changes or a verdict lands.
         writer.sync()
         if decision == "commit":
@@ -1641,6 +1696,9 @@ def run_booth(
                 if commit_staged(run.mcp.staged, mcp_servers, run.mcp.record, tree_path,
                                  booth_id) and code == 0:  # fmt: skip
                     code = 1
+        if dbs is not None:
+            _databases_after(dbs, tapes, writer, booth_id, decision)
+            dbs = None
         if decision == "discard":
             run.mcp.drop_all(reason or "discard")
             if commit_mode == DISCARD and not reason:
@@ -1684,6 +1742,8 @@ def run_booth(
     finally:
         if server is not None:
             server.close()
+        if dbs is not None:
+            dbs.close()  # an unfinished transaction is rolled back by its server
         if llm_session is not None:
             llm_session.close()
         if layer is not None:
@@ -1740,6 +1800,63 @@ def _describe(status: dict[str, Any]) -> str:
     if status.get("signal"):
         return f"signal {status['signal']} ({signal.Signals(status['signal']).name})"
     return f"status {status.get('code')}"
+
+
+def _databases_before(
+    dbs: Any, tapes: TapeDir, booth_id: str, decision: str, reason: str, code: int
+) -> tuple[str, str, int]:
+    """The databases' part of the verdict before the files': a commit or a kept booth prepares
+    its transactions (two-phase commit); a discard rolls them back. A prepare the server
+    refuses (a deferred constraint, a serialization failure) turns a commit into a discard."""
+    from jukebox.sql import ledger
+
+    if decision == "discard":
+        with contextlib.suppress(Exception):
+            dbs.end("ROLLBACK")
+        return decision, reason, code
+    if decision == "commit" and not dbs.can_prepare:
+        return decision, reason, code  # COMMIT after the files (jukebox.sql.booth_link)
+    try:
+        dbs.prepare(tapes, booth_id, ledger.COMMITTING if decision == "commit" else
+                    ledger.PREPARED)
+    except Exception as error:
+        with contextlib.suppress(Exception):
+            dbs.end("ROLLBACK")
+        ledger.remove(tapes, booth_id)
+        if decision == "commit":
+            return "discard", f"the database refused to commit ({error})", code or 1
+        _alert(f"booth {booth_id}: its database work could not be kept pending ({error}); "
+               "it was rolled back")
+    return decision, reason, code
+
+
+def _databases_after(
+    dbs: Any, tapes: TapeDir, writer: Any, booth_id: str, decision: str
+) -> None:
+    """After the file commit point: COMMIT PREPARED (or COMMIT); a kept booth's prepared
+    transactions wait for `booth commit` or `booth discard` (jukebox.sql.ledger)."""
+    from jukebox.sql import ledger
+
+    prepared = ledger.read(tapes, booth_id) is not None
+    try:
+        if decision == "done":
+            if prepared:
+                done = ledger.finish(tapes, booth_id, commit=True)
+            else:
+                dbs.end("COMMIT")
+                done = list(dbs.urls)
+            writer.append("note", {"event": "sql_commit", "databases": done})
+        elif decision == "keep" and prepared:
+            ledger.set_state(tapes, booth_id, ledger.PREPARED)
+            writer.append("note", {"event": "sql_prepared", "databases": list(dbs.urls)})
+        elif decision == "keep":
+            dbs.end("ROLLBACK")
+            _alert(f"booth {booth_id}: its database work was rolled back (the server cannot "
+                   "keep a transaction prepared: max_prepared_transactions = 0)")
+    except Exception as error:
+        _alert(str(error))
+    finally:
+        dbs.close()
 
 
 def _commit_run(

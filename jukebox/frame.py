@@ -39,6 +39,7 @@ KNOWN_KINDS = frozenset(
         "exit",
         "fork",
         "note",
+        "sql",
     }
 )
 

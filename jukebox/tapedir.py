@@ -168,6 +168,14 @@ class TapeDir:
                 from jukebox.realtree import recover_commits
 
                 recover_commits(home)
+        try:
+            prepared = bool(os.listdir(home.state / "sql"))  # jukebox.sql.ledger
+        except OSError:
+            prepared = False
+        if prepared:
+            from jukebox.sql.ledger import sweep
+
+            sweep(home)
         return home
 
     @property

@@ -96,6 +96,21 @@ _ALLOW_HOOKS_HELP = (
     "NAME=anthropic+URL for an Anthropic-compatible one; openai=URL or anthropic=URL replace "
     "the built-in upstreams (docs/llm-proxy.md).",
 )
+@click.option(
+    "--pg",
+    "pg",
+    multiple=True,
+    metavar="NAME=URL",
+    help="A PostgreSQL database (postgresql://user@host:port/db) the agent reaches through a "
+    "savepoint proxy at $DATABASE_URL / $PG* ($NAME_DATABASE_URL): its work commits or vanishes "
+    "with the booth's files. Repeatable (docs/sql.md).",
+)
+@click.option(
+    "--max-sql-rows-changed",
+    type=int,
+    default=None,
+    help="Circuit breaker: stop the agent once its statements changed more database rows.",
+)
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
 @click.option(
     "--strict-sandbox",
@@ -137,6 +152,8 @@ def run(
     max_repeat: int | None,
     max_scratch: str | None,
     upstreams: tuple[str, ...],
+    pg: tuple[str, ...],
+    max_sql_rows_changed: int | None,
     allow_hooks: bool,
     strict_sandbox: bool,
     no_seccomp: bool,
@@ -168,6 +185,11 @@ def run(
                 param_hint="--max-scratch",
             ) from None
     llm = _llm_options(upstreams)
+    databases = None
+    if pg:
+        from jukebox.sql.booth_link import parse_specs
+
+        databases = parse_specs(pg)
     breaker = CircuitBreaker.from_options(
         max_cost_usd=max_cost_usd,
         max_tokens=max_tokens,
@@ -196,6 +218,8 @@ def run(
         strict_sandbox=strict_sandbox,
         paths=paths,
         mcp_config=mcp_config,
+        databases=databases,
+        max_sql_rows_changed=max_sql_rows_changed,
     )
     sys.exit(code)
 

@@ -1,0 +1,160 @@
+"""The databases of one booth (`booth run --pg NAME=URL`): the proxies started with the booth,
+the agent's environment pointing at them, checkpoints and rollbacks taken in the same request as
+the files', and the verdict (COMMIT, ROLLBACK, or PREPARE TRANSACTION for a pending booth; see
+jukebox.sql.ledger).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from jukebox.control import RequestError
+from jukebox.errors import UsageError
+from jukebox.sql import ledger
+from jukebox.sql.server import SqlProxy
+from jukebox.sql.session import TurnTimeout
+from jukebox.sql.upstream import Target, Upstream, UpstreamError
+
+NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,30}$")
+# How long a checkpoint or rollback waits for an agent connection to end its open transaction.
+CONTROL_TIMEOUT = 10.0
+
+
+def parse_specs(specs: Iterable[str]) -> dict[str, str]:
+    """`NAME=postgresql://…` values of --pg, checked: {name: url}. UsageError names the bad one."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, eq, url = spec.partition("=")
+        if not eq or not NAME_RE.match(name):
+            raise UsageError(
+                f"bad --pg {spec.split('=')[0]!r}=…: write --pg NAME=postgresql://user@host:port/db"
+                " with NAME a letter then letters, digits or _"
+            )
+        if name in out:
+            raise UsageError(f"--pg {name} is given twice: one URL per name")
+        try:
+            Target.parse(url)
+        except ValueError as error:
+            raise UsageError(f"bad --pg {name} URL: {error}; write postgresql://user@host:port/db"
+                             ) from None
+        out[name] = url
+    return out
+
+
+async def _probe(target: Target) -> int:
+    up = await Upstream.connect(target, "jukebox probe")
+    try:
+        return int(await up.scalar("SHOW max_prepared_transactions") or 0)
+    finally:
+        await up.close()
+
+
+class BoothDatabases:
+    def __init__(self, proxy: SqlProxy, urls: dict[str, str], two_phase: dict[str, bool]) -> None:
+        self.proxy = proxy
+        self.urls = urls
+        self.two_phase = two_phase
+
+    @classmethod
+    def start(
+        cls,
+        urls: Mapping[str, str],
+        *,
+        record: Callable[[str, dict[str, Any]], Any],
+        booth_id: str,
+        secrets: Iterable[str],
+        listen: Callable[[], socket.socket] | None,
+        max_rows_changed: int | None,
+        on_trip: Callable[[Any], Any] | None,
+        needs_two_phase: bool,
+    ) -> BoothDatabases:
+        """Checks every server is reachable (and, for a booth that may stay pending, takes
+        prepared transactions) before the agent starts; UsageError otherwise."""
+        targets = {name: Target.parse(url) for name, url in urls.items()}
+        two_phase: dict[str, bool] = {}
+        for name, target in targets.items():
+            try:
+                two_phase[name] = asyncio.run(_probe(target)) > 0
+            except (OSError, UpstreamError, asyncio.IncompleteReadError) as error:
+                raise UsageError(
+                    f"--pg {name}: cannot connect to {target.public_url()} ({error}); start the "
+                    "server or fix the URL"
+                ) from None
+            if needs_two_phase and not two_phase[name]:
+                raise UsageError(
+                    f"--pg {name}: the server has max_prepared_transactions = 0, so a booth kept "
+                    "pending (--commit never or ask) cannot keep its database work; set "
+                    "max_prepared_transactions > 0 in postgresql.conf and restart it, or use "
+                    "--commit auto"
+                )
+        record("note", {"event": "sql_databases",
+                        "databases": {n: t.public_url() for n, t in targets.items()}})
+        proxy = SqlProxy(targets, record, booth_id, secrets=secrets, listen=listen,
+                         max_rows_changed=max_rows_changed, on_trip=on_trip).start()
+        return cls(proxy, dict(urls), two_phase)
+
+    def agent_env(self) -> dict[str, str]:
+        """DATABASE_URL and PG* for the first database, NAME_DATABASE_URL for each."""
+        out: dict[str, str] = {}
+        for i, (name, db) in enumerate(self.proxy.databases.items()):
+            url = f"postgresql://{db.target.user}@127.0.0.1:{db.port}/{db.target.database}"
+            out[f"{name.upper()}_DATABASE_URL"] = url
+            if i == 0:
+                out.update({
+                    "DATABASE_URL": url, "PGHOST": "127.0.0.1", "PGPORT": str(db.port),
+                    "PGUSER": db.target.user, "PGDATABASE": db.target.database,
+                    "PGSSLMODE": "disable",
+                })
+        return out
+
+    def _each(self, step: Callable[[Any], Any], what: str) -> None:
+        for name, db in self.proxy.databases.items():
+            try:
+                self.proxy.call(step(db.session), timeout=CONTROL_TIMEOUT + 30)
+            except TurnTimeout as error:
+                raise RequestError(f"database {name}: {what} waited too long: {error}") from None
+            except (UpstreamError, OSError) as error:
+                raise RequestError(f"database {name}: {what} failed: {error}") from None
+
+    def checkpoint(self, n: int) -> None:
+        self._each(lambda s: s.checkpoint(n, CONTROL_TIMEOUT), f"checkpoint {n}")
+
+    def rollback(self, n: int) -> None:
+        self._each(lambda s: s.rollback_to(n, CONTROL_TIMEOUT), f"rollback to {n}")
+
+    @property
+    def can_prepare(self) -> bool:
+        return all(self.two_phase.values())
+
+    def prepare(self, tapes: Any, booth_id: str, state: str) -> None:
+        """PREPARE TRANSACTION on every database, its ledger written first (a crash between
+        leaves a ledger whose gid may not exist: finishing it is then a no-op)."""
+        entries = [{"name": name, "url": self.urls[name], "gid": ledger.gid(booth_id, name)}
+                   for name in self.proxy.databases]
+        ledger.write(tapes, booth_id, entries, state)
+        for entry in entries:
+            session = self.proxy.databases[entry["name"]].session
+            if session.upstream is None:  # the agent never connected: an empty transaction
+                self.proxy.call(session.open(), timeout=60)
+            from jukebox.sql.upstream import quote_literal
+
+            self.proxy.call(session.end(f"PREPARE TRANSACTION {quote_literal(entry['gid'])}"),
+                            timeout=60)
+
+    def end(self, sql: str) -> None:
+        """COMMIT or ROLLBACK every database (without two-phase commit)."""
+        errors = []
+        for name, db in self.proxy.databases.items():
+            try:
+                self.proxy.call(db.session.end(sql), timeout=60)
+            except Exception as error:
+                errors.append(f"{name}: {error}")
+        if errors:
+            raise UpstreamError("; ".join(errors))
+
+    def close(self) -> None:
+        self.proxy.stop()

@@ -1,0 +1,187 @@
+"""`jukebox booth run --pg`: real booths whose agents use a real database through the proxy,
+and the verdict, checkpoints, rollbacks and pending booths taking the database along."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jukebox.tape import Tape
+from shadowfs.store import Store
+from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster
+
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="booths here run as root")
+
+# The agent: psycopg with the booth's DATABASE_URL, one file written beside its rows.
+AGENT = """
+import os, subprocess, sys, psycopg
+url = os.environ["DATABASE_URL"]
+with psycopg.connect(url) as conn:
+    conn.execute("INSERT INTO t VALUES (3, 'from the agent')")
+    conn.execute("CREATE TABLE made_by_agent (x int)")
+open("done.txt", "w").write(os.environ["PGPORT"])
+"""
+
+# Checkpoints and rolls back while running: row 4 survives, row 5 is undone with its file.
+CHECKPOINTS = """
+import os, subprocess, psycopg
+url = os.environ["DATABASE_URL"]
+def sql(q):
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(q).fetchall() if q.startswith("SELECT") else conn.execute(q)
+sql("INSERT INTO t VALUES (4, 'before')")
+open("a.txt", "w").write("a")
+subprocess.run(["jukebox", "booth", "checkpoint", "--label", "a"], check=True)
+sql("INSERT INTO t VALUES (5, 'after')")
+open("b.txt", "w").write("b")
+subprocess.run(["jukebox", "booth", "rollback", "--to", "a"], check=True)
+seen = sql("SELECT id FROM t ORDER BY id")
+open("seen.txt", "w").write(",".join(str(r[0]) for r in seen))
+"""
+
+
+def booth(tmp_path: Path, url: str, code: str, *args: str,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    tree = tmp_path / "tree"
+    tree.mkdir(exist_ok=True)
+    return subprocess.run(
+        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tmp_path / "tapes"),
+         "--pg", f"main={url}", *args, "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=90, cwd="/", env={**os.environ, **(env or {})},
+    )
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([JUKEBOX, *args, "--tape-dir", str(tmp_path / "tapes")],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+
+
+def frames(tmp_path: Path, tape_id: str) -> list[tuple[str, dict]]:
+    tapes = tmp_path / "tapes"
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        tape = Tape.load(tapes / f"{tape_id}.jbx", store)
+        return [(f.kind, f.resolve_payload(store)) for f in tape.frames]
+
+
+def table(pg: Cluster, db: str) -> str:
+    return pg.psql("SELECT string_agg(id::text, ',' ORDER BY id) FROM t", db=db)
+
+
+def test_commit_takes_the_database_along_and_a_failed_verifier_leaves_it_as_before(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    before = pg.dump(db)
+    failed = booth(tmp_path, pg.url(db), AGENT, "--verify", "false", "--tape-id", "failed",
+                   "--net", "none")
+    assert failed.returncode == 1, failed.stderr
+    assert "verifier failed" in failed.stderr
+    assert pg.dump(db) == before
+    assert not (tmp_path / "tree" / "done.txt").exists()
+
+    # SCRAM to the server; its password never reaches the agent or the tape.
+    url = pg.url(db, SCRAM_USER, SCRAM_PASSWORD)
+    ok = booth(tmp_path, url, AGENT + "\nassert 'PGPASSWORD' not in os.environ\n",
+               "--verify", "true", "--tape-id", "ok", env={"PGPASSWORD": SCRAM_PASSWORD})
+    assert ok.returncode == 0, ok.stderr
+    assert table(pg, db) == "1,2,3"
+    assert pg.psql("SELECT to_regclass('made_by_agent') IS NOT NULL", db=db) == "t"
+    assert (tmp_path / "tree" / "done.txt").exists()
+    recorded = frames(tmp_path, "ok")
+    sql = [p for k, p in recorded if k == "sql"]
+    assert [p["statement"] for p in sql if "INSERT" in p["statement"]] == [
+        "INSERT INTO t VALUES (3, 'from the agent')"
+    ]
+    assert any(p.get("event") == "sql_commit" for k, p in recorded if k == "note")
+    data = (tmp_path / "tapes" / "ok.jbx").read_bytes()
+    assert SCRAM_PASSWORD.encode() not in data
+
+
+def test_rollback_to_a_checkpoint_while_the_agent_runs(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    out = booth(tmp_path, pg.url(db), CHECKPOINTS, "--tape-id", "cp")
+    assert out.returncode == 0, out.stderr
+    tree = tmp_path / "tree"
+    assert (tree / "seen.txt").read_text() == "1,2,4"
+    assert (tree / "a.txt").exists() and not (tree / "b.txt").exists()
+    assert table(pg, db) == "1,2,4"
+
+
+def test_a_pending_booth_survives_a_server_restart_then_commits(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    out = booth(tmp_path, pg.url(db), AGENT, "--commit", "never", "--tape-id", "later")
+    assert out.returncode == 0, out.stderr
+    assert table(pg, db) == "1,2"
+    assert pg.psql("SELECT gid FROM pg_prepared_xacts") == "jukebox-later-main"
+    pg.restart()
+    assert table(pg, db) == "1,2"
+    done = cli(tmp_path, "booth", "commit", "later")
+    assert done.returncode == 0, done.stderr
+    assert table(pg, db) == "1,2,3"
+    assert (tmp_path / "tree" / "done.txt").exists()
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+
+
+def test_discard_rolls_the_prepared_transaction_back(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    out = booth(tmp_path, pg.url(db), AGENT, "--commit", "never", "--tape-id", "dropped")
+    assert out.returncode == 0, out.stderr
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "1"
+    assert cli(tmp_path, "booth", "discard", "dropped").returncode == 0
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+    assert table(pg, db) == "1,2"
+
+
+def test_a_crash_after_the_file_commit_point_is_finished_by_the_next_command(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    """What a supervisor killed between the file commit point and COMMIT PREPARED leaves: the
+    files committed (the booth's record gone), the transaction prepared, its ledger saying
+    `committing`. Any command that opens the tape dir commits the database too; a ledger
+    still `prepared` whose booth is gone was discarded: rolled back."""
+    gids = {"kept": "committing", "gone": "prepared"}
+    for n, (name, state) in enumerate(gids.items(), start=10):
+        pg.psql(f"BEGIN; INSERT INTO t VALUES ({n}, '{name}'); "
+                f"PREPARE TRANSACTION 'jukebox-{name}-main'", db=db)
+        ledger = tmp_path / "tapes" / ".jukebox" / "sql" / f"{name}.json"
+        ledger.parent.mkdir(parents=True, exist_ok=True)
+        ledger.write_text(json.dumps({"booth": name, "state": state, "databases": [
+            {"name": "main", "url": pg.url(db), "gid": f"jukebox-{name}-main"}]}))
+    assert table(pg, db) == "1,2"
+    assert cli(tmp_path, "booth", "ls").returncode == 0
+    assert table(pg, db) == "1,2,10"
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+    assert not list((tmp_path / "tapes" / ".jukebox" / "sql").glob("*.json"))
+
+
+def test_refusals_and_the_rows_breaker(pg: Cluster, db: str, tmp_path: Path) -> None:
+    many = """
+import os, psycopg
+with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
+    try:
+        conn.execute("VACUUM t")
+    except psycopg.Error as e:
+        open("refused.txt", "w").write(str(e))
+    for i in range(10, 20):
+        conn.execute("INSERT INTO t VALUES (%s, 'x')", (i,))
+"""
+    out = booth(tmp_path, pg.url(db), many, "--max-sql-rows-changed", "4", "--tape-id", "b")
+    assert out.returncode != 0
+    assert "circuit breaker" in out.stderr
+    assert table(pg, db) == "1,2"
+    trips = [p for k, p in frames(tmp_path, "b") if k == "breaker"]
+    assert trips and trips[0]["rule"] == "sql_rows_changed"
+    errors = [p["error"]["message"] for k, p in frames(tmp_path, "b")
+              if k == "sql" and p.get("error")]
+    assert errors[0].startswith("jukebox: VACUUM cannot run")
+    bad = cli(tmp_path, "booth", "run", "--pg", "main=mysql://x", "--", "true")
+    assert bad.returncode == 2 and "postgresql://" in bad.stderr
