@@ -1231,6 +1231,19 @@ def _read_capped(fd: int, limit: int) -> tuple[str, bool]:
     return text + bytes(tail).decode(errors="replace"), truncated
 
 
+def _live_export(booth_id: str, writer: GroupTape) -> Any:
+    """With OTEL_EXPORTER_OTLP_ENDPOINT set, the tape's frames also go to that collector as
+    they are written (docs/otel.md#live-export); the SDK is imported only then."""
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return None
+    from jukebox.export.otel_live import from_environment
+
+    live = from_environment(booth_id, _alert)
+    if live is not None:
+        writer.writer.listener = live.observe
+    return live
+
+
 def _alert(message: str) -> None:
     from jukebox.names import printable
 
@@ -1445,6 +1458,7 @@ def run_booth(
     dbs: Any = None
     tree_fd = -1
     writer: Any = None
+    live: Any = None  # jukebox.export.otel_live.LiveExport with OTEL_EXPORTER_OTLP_ENDPOINT set
     record: BoothRecord | None = None
     cgroup: BoothCgroup | None = None
     try:
@@ -1464,6 +1478,7 @@ def run_booth(
         recorded_argv, recorded_verify = _redacted_command(argv, verify, img)
         base_tree = build_base_tree(store, tapes, tree_path, exclude=_stop_when_interrupted())
         writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
+        live = _live_export(booth_id, writer)
         writer.append(
             "run_start",
             {
@@ -1531,6 +1546,8 @@ def run_booth(
         )
         layer.mount()
         writer.start()
+        if live is not None:
+            live.start()  # its threads, like the flusher's, only once in the namespaces
         run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
         watch = getattr(layer, "watch_refused_writes", None)
         if watch is not None:
@@ -1763,6 +1780,8 @@ def run_booth(
             # The normal path synced already; on an error path the first error is the news.
             with contextlib.suppress(Exception):
                 writer.close()
+        if live is not None:
+            live.close()  # bounded (otel_live.CLOSE_TIMEOUT), never raises
         store.close()
         if writer is None and made_tape_dir is not None:
             remove_unused_tape_dir(made_tape_dir, tapes)

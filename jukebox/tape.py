@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 from binascii import a2b_hex
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -506,6 +506,9 @@ class TapeWriter:
         self._size = size
         self._fsync = fsync
         self._lock = threading.Lock()
+        # Called with each frame written and the payload it was given (before spilling), after
+        # the write: a live export (jukebox.export.otel_live) watches a booth's tape this way.
+        self.listener: Callable[[Frame, Mapping[str, Any]], None] | None = None
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -747,7 +750,7 @@ class TapeWriter:
             self._count = seq + 1
             self._last = digest
             self._acc.append(digest)
-        return Frame._built(
+        frame = Frame._built(
             raw,
             digest,
             seq=seq,
@@ -759,6 +762,9 @@ class TapeWriter:
             refs=tuple(sorted(ref_set)),
             tree=tree_id,
         )
+        if self.listener is not None:
+            self.listener(frame, payload)
+        return frame
 
     def close(self) -> None:
         with self._lock:

@@ -5,6 +5,7 @@ completions, an upstream error), then Jukebox's own frames with real trees in a 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,3 +127,14 @@ def recorded(
         yield record_tape(tmp_path_factory.mktemp("otel"), up)
     finally:
         up.stop()
+
+
+@pytest.fixture(scope="package")
+def phoenix(phoenix_launch: Phoenix | None) -> Phoenix:
+    if phoenix_launch is None:
+        message = "Arize Phoenix is not installed here: `make receivers` installs it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    phoenix_launch.wait_ready()
+    return phoenix_launch

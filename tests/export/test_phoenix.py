@@ -4,28 +4,14 @@ package), the spans read back through Phoenix's REST API, then exported again.""
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime
 from pathlib import Path
-
-import pytest
 
 from jukebox.export.otel_send import export_tape
 from jukebox.tape import Tape, TapeWriter
 from tests.export.conftest import Recorded
 from tests.export.phoenix import Phoenix
 from tests.export.test_export_cli import jukebox
-
-
-@pytest.fixture(scope="module")
-def phoenix(phoenix_launch: Phoenix | None) -> Phoenix:
-    if phoenix_launch is None:
-        message = "Arize Phoenix is not installed here: `make receivers` installs it"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    phoenix_launch.wait_ready()
-    return phoenix_launch
 
 
 def same_time(iso: str, time_ns: int) -> bool:
