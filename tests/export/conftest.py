@@ -16,6 +16,7 @@ from jukebox.llm.server import ProxyServer
 from jukebox.tape import Tape, TapeWriter
 from shadowfs import tree
 from shadowfs.store import Store
+from tests.export import phoenix as phoenix_server
 from tests.export.phoenix import Phoenix
 from tests.llm import scenario
 from tests.llm.upstream import FakeUpstream
@@ -103,25 +104,19 @@ def record_tape(root: Path, upstream: FakeUpstream) -> Recorded:
     return Recorded(root, root / "otelrun.jbx", "otelrun")
 
 
-@pytest.fixture(scope="package")
-def phoenix_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix | None]:
-    """Arize Phoenix, started as early as the package's first test so that its start (seconds
-    of imports) overlaps the recording; None when `make receivers` has not installed it."""
-    exe = Phoenix.executable()
-    if exe is None:
-        yield None
-        return
-    server = Phoenix.start(exe, tmp_path_factory.mktemp("phoenix"))
-    try:
-        yield server
-    finally:
-        server.stop()
+# At collection, not at the first test: see tests.export.phoenix.start_early.
+phoenix_server.start_early()
 
 
 @pytest.fixture(scope="package")
-def recorded(
-    tmp_path_factory: pytest.TempPathFactory, phoenix_launch: Phoenix | None
-) -> Iterator[Recorded]:
+def phoenix_launch() -> Phoenix | None:
+    """Arize Phoenix, started when these tests were collected; None when `make receivers` has
+    not installed it."""
+    return phoenix_server.early()
+
+
+@pytest.fixture(scope="package")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
     up = FakeUpstream().start()
     try:
         yield record_tape(tmp_path_factory.mktemp("otel"), up)

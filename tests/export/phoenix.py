@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -110,3 +113,26 @@ class Phoenix:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+_early: Phoenix | None = None
+
+
+def start_early() -> None:
+    """Start Phoenix while the tests are being collected, so that its start (tens of seconds of
+    imports on a busy machine) overlaps the tests that run before these instead of adding to
+    the suite's time. Stopped at exit whether or not a test used it."""
+    global _early
+    exe = Phoenix.executable()
+    if exe is None or _early is not None:
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="jukebox-phoenix-"))
+    _early = Phoenix.start(exe, workdir)
+    atexit.register(shutil.rmtree, workdir, True)
+    atexit.register(_early.stop)
+
+
+def early() -> Phoenix | None:
+    """The Phoenix `start_early` started, if Phoenix is installed."""
+    start_early()
+    return _early
