@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import tempfile
 import time
 
 from jukebox import fusectl, isolation
@@ -33,7 +32,7 @@ def _booth_mounts(tape_dir: TapeDir, pid: int, booth_id: str) -> list[tuple[str,
     """The mounts in `pid`'s namespace made for booth `booth_id` (its layer's mount point in
     the tape dir, its control socket's in /tmp), or [] when `pid` has no such mount."""
     layer = os.path.realpath(layer_mountpoint(tape_dir, booth_id))
-    sockets = os.path.join(tempfile.gettempdir(), f"jukebox-{booth_id}-")
+    sockets = os.path.join(isolation.SOCKET_PARENT, f"jukebox-{booth_id}-")
     return [m for m in fusectl.mounts(pid) if m[1] == layer or m[1].startswith(sockets)]
 
 

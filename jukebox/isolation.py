@@ -274,6 +274,11 @@ def enter_private_namespace() -> bool:
     return userns
 
 
+# Always /tmp, never $TMPDIR: a socket's path must fit in 108 bytes (a CI runner's TMPDIR
+# can be longer), and `booth abort` run later, with another TMPDIR, must find the same place.
+SOCKET_PARENT = "/tmp"
+
+
 def private_socket_dir(prefix: str) -> str:
     """A directory for the control socket, backed by a tiny tmpfs of this namespace's own.
 
@@ -283,7 +288,7 @@ def private_socket_dir(prefix: str) -> str:
     inside the booth's namespace. The agent gets the directory read-only (`keep_readonly`): it
     can connect to the socket but not create anything beside it.
     """
-    path = tempfile.mkdtemp(prefix=prefix)
+    path = tempfile.mkdtemp(prefix=prefix, dir=SOCKET_PARENT)
     try:
         mount(
             "tmpfs",
@@ -305,8 +310,7 @@ def private_socket_dir(prefix: str) -> str:
 def remove_stale_socket_dirs(prefix: str) -> None:
     """Removes the empty mount points `private_socket_dir(prefix)` left when its supervisor was
     killed (anything not empty is not ours to remove)."""
-    tmp = tempfile.gettempdir()
-    with contextlib.suppress(OSError), os.scandir(tmp) as entries:
+    with contextlib.suppress(OSError), os.scandir(SOCKET_PARENT) as entries:
         for entry in entries:
             if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):
