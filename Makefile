@@ -72,7 +72,8 @@ system-packages:
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	@# setuptools warns about any flat layout on every editable build: noise for a user
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
 # Node from Debian's packages only when no node and npm are on PATH at all (a machine may have
