@@ -43,6 +43,9 @@ def _policy_options(fn):  # type: ignore[no-untyped-def]
 @click.option("--name", default=None, help="The server's name on the tape (default: CMD's name).")
 @tape_dir_option
 @click.option("--tape-id", default=None, help="Outside a booth: the new tape's id.")
+@click.option("--replay", "replay_tape", default=None, metavar="TAPE",
+              help="Serve the answers recorded on TAPE instead of starting a server (offline); "
+              "a call that differs from the recorded one is a divergence (exit 1).")  # fmt: skip
 @_policy_options
 @click.option("--timeout", type=float, default=60.0, show_default=True,
               help="Seconds to wait for the real server's answer to a request.")  # fmt: skip
@@ -53,6 +56,7 @@ def wrap_command(
     name: str | None,
     tape_dir: Path | None,
     tape_id: str | None,
+    replay_tape: str | None,
     policy_file: str | None,
     mode: str | None,
     allow: tuple[str, ...],
@@ -73,14 +77,17 @@ def wrap_command(
     argv = list(command)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    if not argv:
+    if not argv and replay_tape is None:
         raise UsageError("no server to wrap: write `jukebox mcp wrap [OPTIONS] -- CMD ARGS...`")
     if timeout <= 0 or start_timeout <= 0:
         raise UsageError("--timeout and --start-timeout must be positive numbers of seconds")
     from jukebox.control import SOCKET_ENV
 
-    server = name or os.path.basename(argv[0])
     in_booth = bool(os.environ.get(SOCKET_ENV))
+    if replay_tape is not None:
+        _replay(replay_tape, tape_dir, tape_id, name, timeout)
+        return
+    server = name or os.path.basename(argv[0])
     policy = build_policy(mode, policy_file, flag_rules(allow, stage, deny, ask),
                           default_mode="staged_acid" if in_booth else "record")  # fmt: skip
     if policy.mode == "staged_acid" and not in_booth:
@@ -111,6 +118,44 @@ def wrap_command(
         raise
     finally:
         sink.close()
+
+
+def _replay(tape: str, tape_dir: Path | None, tape_id: str | None, name: str | None,
+            timeout: float) -> None:  # fmt: skip
+    import anyio
+
+    from jukebox.errors import CheckFailed
+    from jukebox.mcp.gateway import serve_stdio
+    from jukebox.mcp.policy import Policy
+    from jukebox.mcp.record import TapeSink, env_scrubber, scrub
+    from jukebox.mcp.replay import RecordedServer
+
+    scrubber = env_scrubber(os.environ)
+    diverged: list[str] = []
+    sink: TapeSink | None = None
+
+    def on_divergence(divergence) -> None:  # type: ignore[no-untyped-def]
+        diverged.append(divergence.message())
+        assert sink is not None
+        sink.record("note", divergence.to_payload())
+
+    # A tape named by its path is read with the store beside it; by its id, from --tape-dir.
+    named_by_path = os.sep in tape or tape.endswith(".jbx")
+    recorded = RecordedServer(tape, None if named_by_path else tape_dir, name, on_divergence,
+                              lambda args: scrub({"a": args}, scrubber)["a"])  # fmt: skip
+    # Everything the tape answers is forwarded as recorded: the decisions were taken then.
+    policy = Policy("record")
+    sink = TapeSink(tape_dir, recorded.server, ["--replay", str(recorded.path)],
+                    policy.describe(), scrubber, tape_id)  # fmt: skip
+    try:
+        anyio.run(lambda: serve_stdio(recorded.server, [], sink, policy, timeout=timeout,
+                                      replay=recorded))  # fmt: skip
+    except BaseExceptionGroup as group:
+        raise _first(group) from None
+    finally:
+        sink.close()
+    if diverged:
+        raise CheckFailed(diverged[0].splitlines()[0])
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -157,6 +157,9 @@ class Gateway:
             raise MCPError(types.INTERNAL_ERROR, f"jukebox: {error}") from None
         frame.update(result=wire(result), ok=not getattr(result, "is_error", False),
                      latency_ms=_ms(started))  # fmt: skip
+        replayed = getattr(self.upstream, "replayed_from", None)
+        if replayed is not None:
+            frame["replayed_from"] = replayed
         self.sink.record("tool_call", frame)
         return result
 
@@ -235,9 +238,18 @@ async def serve_stdio(
     start_timeout: float = DEFAULT_START_TIMEOUT,
     stager: Stager | None = None,
     agent_streams: Any = None,
+    replay: Any = None,
 ) -> None:
     """Starts the real server `argv`, then serves the agent on this process's stdin and stdout
-    (or `agent_streams`, a (read, write) pair) until the agent closes them."""
+    (or `agent_streams`, a (read, write) pair) until the agent closes them. With `replay` (a
+    jukebox.mcp.replay.RecordedServer) no server starts: the tape answers."""
+    if replay is not None:
+        init = replay.initialize_result()
+        sink.record("note", {"event": "mcp_server", "server": name, "initialize": wire(init),
+                             "replayed_from": str(replay.path)})  # fmt: skip
+        gateway = Gateway(name, replay, sink, policy, timeout, stager)
+        await _serve_agent(gateway, init, agent_streams)
+        return
     params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
     try:
         async with (
@@ -259,15 +271,19 @@ async def serve_stdio(
                 ) from None
             sink.record("note", {"event": "mcp_server", "server": name,
                                  "initialize": wire(init)})  # fmt: skip
-            server = gateway.server(init)
-            if agent_streams is not None:
-                await server.run(*agent_streams, server.create_initialization_options())
-            else:
-                async with stdio_server() as (agent_read, agent_write):
-                    options = server.create_initialization_options()
-                    await server.run(agent_read, agent_write, options)
+            await _serve_agent(gateway, init, agent_streams)
     except OSError as error:
         raise GatewayError(
             f"cannot start the MCP server {argv[0]!r}: {error.strerror or error}; check the "
             "command after `--`"
         ) from None
+
+
+async def _serve_agent(gateway: Gateway, init: types.InitializeResult, streams: Any) -> None:
+    server = gateway.server(init)
+    options = server.create_initialization_options()
+    if streams is not None:
+        await server.run(*streams, options)
+    else:
+        async with stdio_server() as (agent_read, agent_write):
+            await server.run(agent_read, agent_write, options)

@@ -64,6 +64,43 @@ def test_memory_server_calls_are_forwarded_and_recorded(tmp_path: Path) -> None:
                              capture_output=True, text=True, check=True)  # fmt: skip
     assert json.loads(listing.stdout)[0]["status"] == "EXITED"
 
+    # Replay, offline: no server starts (the command after -- does not even exist), the
+    # memory file is gone, and the recorded answers come back.
+    (tmp_path / "memory.jsonl").unlink()
+    replays = tmp_path / "replays"
+
+    async def replay(entity: dict) -> str | None:
+        async with wrapped(["/nonexistent/server"], "--tape-dir", str(replays), "--replay",
+                           str(tape)) as session:  # fmt: skip
+            assert "read_graph" in {t.name for t in (await session.list_tools()).tools}
+            try:
+                created = await session.call_tool("create_entities", {"entities": [entity]})
+            except MCPError as error:
+                return str(error)
+            assert not created.is_error
+            graph = await session.call_tool("read_graph", {})
+            assert graph.structured_content["entities"][0]["name"] == "ticket-1"
+        return None
+
+    assert anyio.run(replay, ENTITY) is None
+    assert not (tmp_path / "memory.jsonl").exists()
+    (replayed,) = replays.glob("*.jbx")
+    assert [c["replayed_from"] for c in payloads(replayed, "tool_call")] == _seqs(tape)
+    replayed.unlink()
+
+    # A changed argument is a divergence, reported like a model's.
+    assert "replay diverged at frame" in anyio.run(replay, {**ENTITY, "name": "ticket-2"})
+    (diverged,) = replays.glob("*.jbx")
+    (note,) = payloads(diverged, "note", "divergence")
+    assert note["kind"] == "request_mismatch" and note["provider"] == "mcp:memory"
+    assert any("ticket-2" in line for line in note["diff"])
+
+
+def _seqs(tape: Path) -> list[int]:
+    from jukebox.tape import Tape
+
+    return [f.seq for f in Tape.load(tape).intact_frames if f.kind == "tool_call"]
+
 
 def test_deny_mode_refuses_what_is_not_read_only(tmp_path: Path) -> None:
     tapes = tmp_path / "tapes"
