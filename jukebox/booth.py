@@ -1343,12 +1343,14 @@ def run_booth(
     mcp_config: str | None = None,
     databases: Mapping[str, str] | None = None,
     max_sql_rows_changed: int | None = None,
+    mcp_limits: Any = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
     `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
     against at the commit; the agent finds it rewritten through the gateway in
-    `$JUKEBOX_MCP_CONFIG` (docs/mcp.md).
+    `$JUKEBOX_MCP_CONFIG` (docs/mcp.md). `mcp_limits`: the breaker's tool call rules
+    (jukebox.mcp.limits.ToolCallLimits).
 
     `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
     transaction ends with the verdict (jukebox.sql).
@@ -1509,6 +1511,7 @@ def run_booth(
                     "protections": protections.policy(),
                     "paths": paths.policy(),
                     "mcp_servers": {n: s.describe() for n, s in mcp_servers.items()},
+                    "mcp_limits": mcp_limits.limits() if mcp_limits is not None else None,
                 },
                 "host": host_facts(),
                 "env": img.describe_env(env),
@@ -1555,7 +1558,8 @@ def run_booth(
         run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
         from jukebox.mcp.staging import StageGate
 
-        run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload))
+        run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload),
+                            mcp_limits, run.on_trip)  # fmt: skip
         sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
         sock_path = os.path.join(sock_dir, "control.sock")
         server = ControlServer(sock_path, run.handlers()).start()

@@ -132,6 +132,10 @@ _ALLOW_HOOKS_HELP = (
     "run against at the commit; the agent finds it rewritten through `jukebox mcp wrap` in "
     "$JUKEBOX_MCP_CONFIG (docs/mcp.md).",
 )
+@click.option("--max-tool-calls", type=int, default=None, metavar="N",
+              help="Circuit breaker: stop at the MCP tool call past the Nth.")  # fmt: skip
+@click.option("--max-tool-repeat", type=int, default=None, metavar="N",
+              help="Circuit breaker: stop at the Nth identical tool call in a row.")  # fmt: skip
 @view_path_options
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
@@ -158,6 +162,8 @@ def run(
     strict_sandbox: bool,
     no_seccomp: bool,
     mcp_config: str | None,
+    max_tool_calls: int | None,
+    max_tool_repeat: int | None,
     cmd: tuple[str, ...],
     paths: BoothPaths | None,
 ) -> None:
@@ -220,8 +226,17 @@ def run(
         mcp_config=mcp_config,
         databases=databases,
         max_sql_rows_changed=max_sql_rows_changed,
+        mcp_limits=_tool_limits(max_tool_calls, max_tool_repeat),
     )
     sys.exit(code)
+
+
+def _tool_limits(max_calls: int | None, max_repeat: int | None):  # type: ignore[no-untyped-def]
+    if max_calls is None and max_repeat is None:
+        return None
+    from jukebox.mcp.limits import ToolCallLimits
+
+    return ToolCallLimits(max_calls, max_repeat)
 
 
 def _llm_options(specs: tuple[str, ...]):  # type: ignore[no-untyped-def]

@@ -51,6 +51,10 @@ def _policy_options(fn):  # type: ignore[no-untyped-def]
               help="Seconds to wait for the real server's answer to a request.")  # fmt: skip
 @click.option("--start-timeout", type=float, default=30.0, show_default=True,
               help="Seconds to wait for the real server to start (initialize).")  # fmt: skip
+@click.option("--max-tool-calls", type=int, default=None, metavar="N",
+              help="Circuit breaker: refuse every call past the Nth.")  # fmt: skip
+@click.option("--max-tool-repeat", type=int, default=None, metavar="N",
+              help="Circuit breaker: refuse the Nth identical call in a row.")  # fmt: skip
 @click.argument("command", nargs=-1, required=False, type=click.UNPROCESSED)
 def wrap_command(
     name: str | None,
@@ -65,6 +69,8 @@ def wrap_command(
     ask: tuple[str, ...],
     timeout: float,
     start_timeout: float,
+    max_tool_calls: int | None,
+    max_tool_repeat: int | None,
     command: tuple[str, ...],
 ) -> None:
     """Serve the stdio MCP server CMD to an agent through the stage gate: point the agent's MCP
@@ -82,6 +88,9 @@ def wrap_command(
     if timeout <= 0 or start_timeout <= 0:
         raise UsageError("--timeout and --start-timeout must be positive numbers of seconds")
     from jukebox.control import SOCKET_ENV
+    from jukebox.mcp.limits import ToolCallLimits
+
+    limits = ToolCallLimits(max_tool_calls, max_tool_repeat)
 
     in_booth = bool(os.environ.get(SOCKET_ENV))
     if replay_tape is not None:
@@ -111,7 +120,8 @@ def wrap_command(
         stager = None
     try:
         anyio.run(lambda: serve_stdio(server, argv, sink, policy, timeout=timeout,
-                                      start_timeout=start_timeout, stager=stager))
+                                      start_timeout=start_timeout, stager=stager,
+                                      limits=limits if limits.active else None))
     except BaseExceptionGroup as group:  # the SDK's task groups wrap what failed
         raise _first(group) from None
     except GatewayError:

@@ -60,6 +60,7 @@ class Gateway:
     policy: Policy
     timeout: float = DEFAULT_TIMEOUT
     stager: Stager | None = None
+    limits: Any = None  # jukebox.mcp.limits.ToolCallLimits
     # tool name -> its annotations as on the wire (None: unannotated), from the last listing.
     annotations: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     calls: int = 0
@@ -112,6 +113,10 @@ class Gateway:
                                  **decision.as_dict()}  # fmt: skip
         self.calls += 1
         started = time.perf_counter()
+        trip = self.limits.observe(self.name, tool, args) if self.limits is not None else None
+        if trip is not None:
+            decision = Decision("deny", f"circuit breaker: {trip.detail}")
+            frame.update(decision.as_dict(), breaker=trip.to_payload())
         if decision.decision == "ask":
             # Nobody can answer on a gateway's own stdio (it is the agent's pipe).
             decision = Decision("deny", "ask: no operator to ask here")
@@ -239,6 +244,7 @@ async def serve_stdio(
     stager: Stager | None = None,
     agent_streams: Any = None,
     replay: Any = None,
+    limits: Any = None,
 ) -> None:
     """Starts the real server `argv`, then serves the agent on this process's stdin and stdout
     (or `agent_streams`, a (read, write) pair) until the agent closes them. With `replay` (a
@@ -247,7 +253,7 @@ async def serve_stdio(
         init = replay.initialize_result()
         sink.record("note", {"event": "mcp_server", "server": name, "initialize": wire(init),
                              "replayed_from": str(replay.path)})  # fmt: skip
-        gateway = Gateway(name, replay, sink, policy, timeout, stager)
+        gateway = Gateway(name, replay, sink, policy, timeout, stager, limits)
         await _serve_agent(gateway, init, agent_streams)
         return
     params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
@@ -256,7 +262,7 @@ async def serve_stdio(
             stdio_client(params, errlog=sys.stderr) as (read, write),
             ClientSession(read, write) as upstream,
         ):
-            gateway = Gateway(name, upstream, sink, policy, timeout, stager)
+            gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits)
             try:
                 with anyio.fail_after(start_timeout):
                     init = await upstream.initialize()

@@ -56,9 +56,15 @@ def _str(request: dict[str, Any], key: str, limit: int = 256) -> str:
 
 
 class StageGate:
-    def __init__(self, servers: dict[str, ServerSpec], record: Record) -> None:
+    def __init__(self, servers: dict[str, ServerSpec], record: Record, limits: Any = None,
+                 on_trip: Callable[[Any], None] | None = None) -> None:  # fmt: skip
         self.servers = servers
         self.record = record
+        # jukebox.mcp.limits.ToolCallLimits: the booth's breaker for tool calls; a trip goes to
+        # on_trip (the booth records it and stops the agent, as for a model call's).
+        self.limits = limits
+        self.on_trip = on_trip
+        self.trip: Any = None
         self.staged: list[StagedCall] = []
         self.tool_calls = 0
         self._next = 1
@@ -80,7 +86,24 @@ class StageGate:
         self.record(kind, {**payload, "reported_by": "gateway"})
         if kind == "tool_call":
             self.tool_calls += 1
+            # A call that asked to be staged was counted then, whether or not it was.
+            if payload.get("decision") != "stage" and not str(payload.get("why", "")).startswith(
+                "stage refused"
+            ):
+                self._observe(payload.get("server"), payload.get("tool"), payload.get("args"))
         return {}
+
+    def _observe(self, server: Any, tool: Any, args: Any) -> None:
+        if self.limits is None:
+            return
+        if self.trip is not None:  # the agent is being stopped: nothing more runs or stages
+            raise RequestError(f"the circuit breaker tripped: {self.trip.detail}")
+        trip = self.limits.observe(str(server), str(tool), args)
+        if trip is not None:
+            self.trip = trip
+            if self.on_trip is not None:
+                self.on_trip(trip)
+            raise RequestError(f"the circuit breaker tripped: {trip.detail}")
 
     def handle_stage(self, request: dict[str, Any], newest_checkpoint: int) -> dict[str, Any]:
         server, tool = _str(request, "server"), _str(request, "tool")
@@ -99,6 +122,7 @@ class StageGate:
                 f"this gateway does not serve the declared command of {server!r}: a staged call "
                 "runs against the declared server only"
             )
+        self._observe(server, tool, args)
         with self._lock:
             if len(self.staged) >= MAX_STAGED:
                 raise RequestError(f"{MAX_STAGED} calls are staged already")

@@ -32,11 +32,12 @@ def setup(tmp_path: Path) -> dict:
     return {"tree": tree, "tapes": tapes, "memory": memory, "config": config, "tmp": tmp_path}
 
 
-def booth(s: dict, tape_id: str, commit: str, *steps: str) -> subprocess.CompletedProcess[str]:
+def booth(s: dict, tape_id: str, commit: str, *steps: str,
+          opts: list[str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
     return subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(s["tree"]), "--tape-dir", str(s["tapes"]),
-         "--tape-id", tape_id, "--mcp-config", str(s["config"]), "--commit", commit, "--",
-         sys.executable, AGENT, *steps],
+         "--tape-id", tape_id, "--mcp-config", str(s["config"]), "--commit", commit,
+         *(opts or []), "--", sys.executable, AGENT, *steps],
         capture_output=True, text=True, timeout=120, cwd=s["tree"],
     )  # fmt: skip
 
@@ -128,9 +129,16 @@ def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> 
     assert report["ran"] == ["stage-1"] and report["failed"] == "stage-2"
     assert report["not_run"] == ["stage-3"]
 
-    # A failing agent: discarded, its staged calls dropped, nothing reaches the server.
-    proc = booth(s, "d1", "auto", "create", "zeta", "exit", "3")
-    assert proc.returncode == 3, proc.stderr
+    # The breaker counts tool calls: the second staged call trips --max-tool-calls 1, the
+    # agent is stopped, the booth rolled back and its staged call dropped, nothing reaches
+    # the server.
+    proc = booth(s, "d1", "auto", "create", "zeta", "create", "eta", "write", "d1.txt",
+                 opts=["--max-tool-calls", "1"])  # fmt: skip
+    assert proc.returncode != 0, proc.stderr
+    assert "circuit breaker tripped" in proc.stderr
     assert graph(s["memory"]) == ["delta"]
+    assert not (s["tree"] / "d1.txt").exists()
+    (trip,) = payloads(s["tapes"] / "d1.jbx", "breaker")
+    assert trip["rule"] == "max_tool_calls" and trip["limit"] == 1
     (dropped,) = payloads(s["tapes"] / "d1.jbx", "note", "mcp_dropped")
     assert dropped["ids"] == ["stage-1"]

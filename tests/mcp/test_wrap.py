@@ -108,18 +108,23 @@ def test_deny_mode_refuses_what_is_not_read_only(tmp_path: Path) -> None:
 
     async def agent() -> None:
         async with wrapped(memory_server(), "--tape-dir", str(tapes), "--mode", "deny",
+                           "--max-tool-calls", "2",
                            env={"MEMORY_FILE_PATH": str(memory)}) as session:  # fmt: skip
             refused = await session.call_tool("create_entities", {"entities": [ENTITY]})
             assert refused.is_error
             assert "refused" in refused.content[0].text
             graph = await session.call_tool("read_graph", {})  # read-only: still served
             assert graph.structured_content["entities"] == []
+            # The breaker: a third call is past --max-tool-calls 2, refused without running.
+            third = await session.call_tool("read_graph", {})
+            assert third.is_error and "--max-tool-calls 2" in third.content[0].text
 
     anyio.run(agent)
     assert not memory.exists() or "ticket-1" not in memory.read_text()
-    create, read = payloads(only_tape(tapes), "tool_call")
+    create, read, third = payloads(only_tape(tapes), "tool_call")
     assert create["decision"] == "deny" and create["ok"] is False
     assert read["decision"] == "allow"
+    assert third["decision"] == "deny" and third["breaker"]["rule"] == "max_tool_calls"
 
 
 def test_a_policy_rule_beats_the_annotations(tmp_path: Path) -> None:
