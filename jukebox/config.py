@@ -166,6 +166,17 @@ def config_path() -> tuple[Path, bool]:
     return root / "jukebox" / "config.toml", False
 
 
+def _visible(path: Path) -> bool:
+    """Whether this user can see that `path` exists (it may still be unreadable)."""
+    try:
+        path.stat()
+    except PermissionError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def load() -> Config:
     """The config file, checked whole: ConfigError on the first bad key or value."""
     path, named = config_path()
@@ -177,6 +188,12 @@ def load() -> Config:
                 f"${CONFIG_ENV} names {path}, which does not exist: fix the path or unset it"
             ) from None
         return Config()
+    except PermissionError as error:
+        if not named and not _visible(path):
+            # `sudo -u nobody jukebox …` keeps HOME=/root: a default path this user cannot
+            # even look at is no config of theirs (ignoring it loosens nothing: no key may).
+            return Config()
+        raise ConfigError(f"{path}: cannot be read ({error.strerror}): check it") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot be read ({error.strerror}): check it") from None
     import tomllib

@@ -70,3 +70,33 @@ def test_a_refused_run_leaves_no_tape_dir(tmp_path: Path) -> None:
         done = jb("booth", "run", "--tree", str(tree), *refused, "--", "true", env=env)
         assert done.returncode == 2, done.stderr
         assert not (tmp_path / "data").exists(), refused
+
+
+def test_a_user_who_cannot_see_the_default_config_has_none(nobody_python, nobody_dir) -> None:
+    # `sudo -u nobody jukebox …` keeps HOME=/root, which nobody cannot search: that is no
+    # config of theirs, not an error. A config file they can see but not read still is one.
+    from tests.booth.conftest import NOBODY
+
+    cli = "from jukebox.cli import main; main()"
+    env = {"PATH": os.environ["PATH"], "HOME": "/root", "JUKEBOX_TAPE_DIR": str(nobody_dir)}
+
+    def as_nobody(**extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        return subprocess.run(
+            [*cmd, nobody_python, "-c", cli, "ls"], capture_output=True, text=True,
+            env=dict(env, **extra), cwd="/", timeout=60,
+        )  # fmt: skip
+
+    listed = as_nobody()
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout == f"no tapes in {nobody_dir}\n"
+    unreadable = nobody_dir / "config" / "jukebox" / "config.toml"
+    unreadable.parent.mkdir(parents=True)
+    os.chown(unreadable.parent.parent, NOBODY, NOBODY)
+    os.chown(unreadable.parent, NOBODY, NOBODY)
+    unreadable.write_text('fs = "overlay"\n')
+    unreadable.chmod(0o600)  # root's file in nobody's config dir
+    refused = as_nobody(XDG_CONFIG_HOME=str(nobody_dir / "config"))
+    assert refused.returncode == 2, refused.stderr
+    want = f"jukebox: {unreadable}: cannot be read (Permission denied): check it\n"
+    assert refused.stderr == want
