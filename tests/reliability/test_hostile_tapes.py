@@ -47,7 +47,7 @@ def jb_here(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     interpreter start per call); cwd the home dir. Only for commands that start no booth."""
     from click.testing import CliRunner
 
-    from jukebox.cli import booth, cli, mount, tapes, timetravel  # noqa: F401  (registers)
+    from jukebox.cli import booth, cli, mount, tapes, timetravel, view  # noqa: F401  (registers)
 
     old = os.getcwd()
     os.chdir(home)
@@ -102,6 +102,13 @@ def test_every_reading_command_over_every_hostile_tape(home: Path) -> None:
             "diff A B": jb_here(home, "diff", tape, str(tapes / "image-path.jbx")),
             "fork": jb_here(home, "fork", tape, "--at", "1", "--tape-id", f"{name}-f"),
         }
+        # The viewer's page shows a damaged tape up to the damage, marked, and writes only
+        # where it was told (inside the received dir here, which `outside` leaves out).
+        page = tapes / f"{name}.html"
+        viewed = jb_here(home, "view", tape, "--html", str(page))
+        assert viewed.returncode == 0 and page.stat().st_size > 0, (name, viewed.stderr)
+        if name in DAMAGED:
+            assert f"was altered at frame {DAMAGED[name]}" in page.read_text(), name
         if name not in ("image-path", "loose-image"):  # those replay in tests of their own
             runs["replay --exec"] = jb(home, "replay", tape, "--exec", "--no-record")
         if name in DAMAGED:
