@@ -67,6 +67,11 @@ def view_command(
     from jukebox.progress import step
     from jukebox.viewer import page
 
+    if html_path is not None and port:
+        from jukebox.errors import UsageError
+
+        raise UsageError("--port serves the page, --html writes it to a file: give one of them")
+
     with step("reading and verifying the tape", "tapes", done="read the tape") as tick:
         a = _view(tape, tape_dir, "TAPE")
         a.verified()

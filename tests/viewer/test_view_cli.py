@@ -36,6 +36,8 @@ def test_bad_input_is_one_line_and_exit_2(tapes: Tapes, tmp_path: Path) -> None:
         (("view", f"{tapes.rec}@3"), "drop the @3"),
         (("view", str(tapes.rec), "--compare", str(tmp_path / "gone.jbx")), "no tape at"),
         (("view", str(tapes.rec), "--port", "70000"), "70000"),
+        (("view", str(tapes.rec), "--port", "8000", "--html", str(tmp_path / "x.html")), "one of"),
+        (("view", str(tapes.rec), "--html", str(tmp_path / "no" / "x.html")), "No such file"),
     ]
     for args, says in cases:
         done = jukebox(*args)

@@ -490,10 +490,26 @@
     );
   }
 
+  // Past this a text is shown cut, with a button for the rest: a pasted file or a long
+  // system prompt would bury the conversation.
+  const LONG_TEXT = 4000;
+
+  function longText(text) {
+    const whole = String(text);
+    if (whole.length <= LONG_TEXT) return markdown(whole);
+    const box = el("div", "long");
+    const cut = whole.slice(0, LONG_TEXT);
+    box.appendChild(markdown(cut));
+    const more = el("button", "jb-more", "show all " + whole.length.toLocaleString("en") + " characters");
+    more.addEventListener("click", () => box.replaceChildren(markdown(whole)));
+    box.appendChild(more);
+    return box;
+  }
+
   function blockView(block) {
     switch (block.type) {
       case "text":
-        return markdown(block.text);
+        return longText(block.text);
       case "thinking": {
         const box = el("details", "thinking");
         add(box, el("summary", null, "thinking"), markdown(block.text));
@@ -704,8 +720,12 @@
     if (detail.error) add(out, el("p", "err", "part of this frame could not be read: " + detail.error));
     kindView(detail, what, out);
     if (detail.files) filesView(detail, out);
+    // Built when opened: a model call's payload can hold megabytes of request and response.
     const raw = el("details", "raw");
-    add(raw, el("summary", null, "the frame's payload as recorded (headers left out)"), pre(json(detail.payload)));
+    add(raw, el("summary", null, "the frame's payload as recorded (headers left out)"));
+    raw.addEventListener("toggle", () => {
+      if (raw.open && raw.childNodes.length === 1) raw.appendChild(pre(json(detail.payload)));
+    });
     out.appendChild(raw);
     return out;
   }
