@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 import struct
 import time
 from collections import deque
@@ -88,11 +89,28 @@ class AgentConnection:
         self.named: set[str] = set()  # upstream names of this connection's statements
         self.runs: deque[_Run] = deque()
         self.copying_in = False
+        # Replies are gathered and written together: a write per small message would be a TCP
+        # segment each, which the agent's delayed ACK can hold up by 40 ms.
+        self.out = bytearray()
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # ------------------------------------------------------------------ plumbing
 
     def send(self, data: bytes) -> None:
-        self.writer.write(data)
+        self.out += data
+        if len(self.out) >= 65536:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.out:
+            self.writer.write(bytes(self.out))
+            self.out.clear()
+
+    async def drain_agent(self) -> None:
+        self.flush()
+        await self.writer.drain()
 
     def up_name(self, name: str) -> str:
         return f"jb{self.number}_{name}" if name else ""
@@ -134,7 +152,7 @@ class AgentConnection:
                 if kind == b"X":
                     return
                 await self.handle(kind, body)
-                await self.writer.drain()
+                await self.drain_agent()
         except m.ProtocolError as error:
             self.send(m.error("08P01", f"jukebox: protocol violation: {error}", "FATAL"))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -151,7 +169,7 @@ class AgentConnection:
             if start.code in (m.SSL_REQUEST, m.GSSENC_REQUEST):
                 # TLS on 127.0.0.1 inside the booth buys nothing: clients fall back to plain.
                 self.send(b"N")
-                await self.writer.drain()
+                await self.drain_agent()
                 continue
             if start.code == m.CANCEL_REQUEST:
                 pid, key = m.decode_cancel(start.body)
@@ -171,13 +189,13 @@ class AgentConnection:
                 self.send(m.parameter_status(name, value))
             self.send(m.backend_key(self.number, self.key))
             self.send(m.ready(self.state))
-            await self.writer.drain()
+            await self.drain_agent()
             return True
         raise m.ProtocolError("too many encryption requests")
 
     async def cleanup(self) -> None:
         """The agent went away: what it left open is undone, as a server would on disconnect."""
-        if self.up is not None or self.named:
+        if (self.up is not None or self.named) and not self.session.finished:
             try:
                 up = await self.hold()
                 if self.state != "I":
@@ -195,6 +213,7 @@ class AgentConnection:
                 await self.end_unit()
             except Exception:  # the session is gone already (the verdict, a server restart)
                 self.session.give_back(self)
+        self.flush()
         self.writer.close()
 
     # ------------------------------------------------------------------ messages
@@ -245,7 +264,7 @@ class AgentConnection:
                 if not await self.run(stmt):
                     break
         self.send(m.ready(self.state))
-        await self.writer.drain()
+        await self.drain_agent()
         await self.end_unit()
 
     async def run(self, stmt: st.Statement) -> bool:
@@ -335,13 +354,13 @@ class AgentConnection:
                 self.record(self.runs.popleft())
             elif kind == b"G":  # CopyInResponse: the agent's rows come next
                 self.send(m.message(kind, body))
-                await self.writer.drain()
+                await self.drain_agent()
                 await self.copy_in(up)
                 continue
             self.send(m.message(kind, body))
             count += 1
             if count % 256 == 0:
-                await self.writer.drain()
+                await self.drain_agent()
         if failed and self.state == "I":
             self.unit_failed = True
         if self.state != "I":
@@ -459,7 +478,7 @@ class AgentConnection:
             await self.relay()
         self.runs.clear()
         self.send(m.ready(self.state))
-        await self.writer.drain()
+        await self.drain_agent()
         await self.end_unit()
 
 

@@ -55,6 +55,8 @@ class DatabaseProxy:
         self.connections[number] = conn
         try:
             await conn.serve()
+        except asyncio.CancelledError:
+            pass  # the proxy stops (its sessions are closed already)
         finally:
             self.connections.pop(number, None)
 
@@ -203,6 +205,11 @@ class SqlProxy:
                 for conn in list(db.connections.values()):
                     conn.writer.close()
                 await db.session.close()
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
             self.call(shutdown(), timeout=10)

@@ -8,6 +8,7 @@ could hide a COMMIT from it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pglast
@@ -112,9 +113,15 @@ def classify_node(text: str, node: object) -> Statement:
     return Statement(text, PLAIN)
 
 
-def split(query: str) -> list[Statement]:
+@functools.lru_cache(maxsize=2048)
+def split(query: str) -> tuple[Statement, ...]:
     """The statements of one query string, each classified; an unreadable string is one
-    refused statement. An empty string is no statement."""
+    refused statement. An empty string is no statement. Cached: an agent repeats its
+    statements, and parsing is most of what the proxy adds to one."""
+    return tuple(_split(query))
+
+
+def _split(query: str) -> list[Statement]:
     try:
         raws = pglast.parse_sql(query)
     except pglast.parser.ParseError as error:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 import ssl
 import struct
 from dataclasses import dataclass, field
@@ -87,6 +88,9 @@ class Upstream:
     @classmethod
     async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
         reader, writer = await asyncio.open_connection(target.host, target.port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # the proxy's own SAVEPOINT and the agent's message go at once
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if target.sslmode != "disable":
                 reader, writer = await _start_tls(reader, writer, target)

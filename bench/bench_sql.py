@@ -1,0 +1,128 @@
+"""The SQL savepoint proxy: what it adds to one statement, against talking to the server
+directly.
+
+A private PostgreSQL cluster (tests/sql/cluster.py: Debian's `postgresql`, `initdb` in a
+temporary directory, on 127.0.0.1) is started for the run. psycopg 3 connections in autocommit,
+one direct and one through a proxy recording its `sql` frames to a tape as a booth does
+(jukebox.booth.GroupTape), take turns statement by statement, so a noisy neighbour slows them
+alike. Through the proxy every statement is also wrapped in its savepoint (jukebox.sql.session):
+the SAVEPOINT goes with the statement and the RELEASE after the agent's answer, so neither costs
+the agent a round trip.
+
+Cases: `SELECT 1` (simple query), a primary-key lookup with a parameter (extended query:
+Parse/Bind/Execute/Sync), and an INSERT of one row. `cpu_us` is the CPU this process spent per
+statement (client and proxy; `overhead_cpu_us` the proxy's share), which a busy machine
+inflates far less than wall time.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.harness import summarize_us
+
+GROUP = "sql proxy"
+DIRECT = "direct"
+PROXY = "proxy, recording"
+SIMPLE = "SELECT 1, simple query"
+LOOKUP = "primary-key lookup, extended query"
+INSERT = "INSERT one row, autocommit"
+WARMUP = 20
+
+
+def _take_turns(
+    systems: list[tuple[str, Any]], statement: Callable[[Any, int], object], n: int
+) -> dict[str, tuple[list[float], float]]:
+    samples: dict[str, list[float]] = {name: [] for name, _ in systems}
+    cpu: dict[str, float] = dict.fromkeys(samples, 0.0)
+    for i in range(WARMUP + n):
+        for name, conn in systems:
+            c0 = time.process_time_ns()
+            t0 = time.perf_counter_ns()
+            statement(conn, i)
+            took = (time.perf_counter_ns() - t0) / 1000.0
+            if i >= WARMUP:
+                samples[name].append(took)
+                cpu[name] += (time.process_time_ns() - c0) / 1000.0
+    return {name: (samples[name], cpu[name] / n) for name in samples}
+
+
+def _rows(case: str, measured: dict[str, tuple[list[float], float]]) -> list[dict[str, Any]]:
+    rows = []
+    direct = None
+    for system, (samples, cpu_us) in measured.items():
+        row: dict[str, Any] = {"group": GROUP, "case": case, "system": system}
+        row.update(summarize_us(samples))
+        row["cpu_us"] = round(cpu_us, 1)
+        if direct is None:
+            direct = row
+        else:
+            row["overhead_p50_us"] = row["p50_us"] - direct["p50_us"]
+            row["overhead_p99_us"] = row["p99_us"] - direct["p99_us"]
+            row["overhead_cpu_us"] = round(cpu_us - direct["cpu_us"], 1)
+        rows.append(row)
+    return rows
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    import psycopg
+
+    from jukebox.booth import GroupTape
+    from jukebox.sql.server import SqlProxy
+    from jukebox.sql.upstream import Target
+    from jukebox.tape import TapeWriter
+    from shadowfs.store import Store
+    from tests.sql.cluster import Cluster, bindir
+
+    where = bindir()
+    if where is None:
+        raise RuntimeError("PostgreSQL is not installed (make setup installs it)")
+    n = 300 if quick else 3000
+    cluster = Cluster(where)
+    rows: list[dict[str, Any]] = []
+    try:
+        cluster.init()
+        cluster.psql("CREATE DATABASE bench")
+        cluster.psql("CREATE TABLE k (id int PRIMARY KEY, v text); INSERT INTO k SELECT i, "
+                     "'value ' || i FROM generate_series(1, 1000) i; "
+                     "CREATE TABLE w (id bigserial PRIMARY KEY, v text)", db="bench")
+        with tempfile.TemporaryDirectory(prefix="bench-sql-") as tmp:
+            store = Store.open(Path(tmp) / "store", create=True)
+            writer = GroupTape(TapeWriter.create(Path(tmp) / "t.jbx", store, "bench",
+                                                 fsync=False), store)
+            writer.start()
+            writer.append("run_start", {"name": "bench"})
+            proxy = SqlProxy({"main": Target.parse(cluster.url("bench"))}, writer.append,
+                             "bench").start()
+            port = proxy.databases["main"].port
+            direct = psycopg.connect(cluster.url("bench"), autocommit=True)
+            proxied = psycopg.connect(f"postgresql://agent@127.0.0.1:{port}/bench",
+                                      autocommit=True)
+            systems = [(DIRECT, direct), (PROXY, proxied)]
+            try:
+                for case, statement in (
+                    (SIMPLE, lambda c, i: c.execute("SELECT 1").fetchone()),
+                    (LOOKUP, lambda c, i: c.execute("SELECT v FROM k WHERE id = %s",
+                                                    (i % 1000 + 1,)).fetchone()),
+                    (INSERT, lambda c, i: c.execute("INSERT INTO w (v) VALUES (%s)",
+                                                    (f"row {i}",))),
+                ):
+                    rows += _rows(case, _take_turns(systems, statement, n))
+            finally:
+                direct.close()
+                proxied.close()
+                proxy.stop()
+                writer.close()
+                store.close()
+    finally:
+        cluster.remove()
+    return rows
+
+
+if __name__ == "__main__":
+    for r in run(quick=True):
+        print(r)
