@@ -149,7 +149,7 @@ def test_a_policy_rule_beats_the_annotations(tmp_path: Path) -> None:
 
 def test_hostile_server_huge_result_a_hang_and_a_secret(tmp_path: Path) -> None:
     tapes = tmp_path / "tapes"
-    size = 3 * 1024 * 1024
+    size = 1024 * 1024
     secret = "s3cr3t-value-0123456789"
 
     async def agent() -> None:
