@@ -21,6 +21,7 @@ from typing import Any
 from bench import backends as bk
 from bench import bench_checkpoint_fuse as ckpt_bench
 from bench import bench_isolation as iso_bench
+from bench import bench_mcp as mcp_bench
 from bench import bench_proxy as proxy_bench
 from bench import fs_workloads, scratch_fs
 
@@ -34,6 +35,7 @@ ROLLBACK_LIMIT_US = 200.0
 BIG_FILE_LIMIT_MIB = 64.0
 ISOLATION_LIMIT_MS = 50.0
 PROXY_LIMIT_US = 1000.0
+MCP_LIMIT_US = 1000.0
 # (system, ratio key, limit, what the issue asks)
 FS_GOALS = (
     (bk.SHADOWFS_FUSE, "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
@@ -181,10 +183,17 @@ def _proxy_goals(rows: list[Row]) -> list[Verdict]:
     return out
 
 
+def _mcp_goal(rows: list[Row]) -> list[Verdict]:
+    """What the MCP gateway adds to a tool call, at the p50, against calling the server."""
+    row = _find(rows, group=mcp_bench.GROUP, system=mcp_bench.GATEWAY)
+    return [_limit("MCP gateway: ≤ 1 ms added to a stdio tool call (p50)", row,
+                   "overhead_p50_us", MCP_LIMIT_US, "+{:,.0f} µs")]  # fmt: skip
+
+
 def judge(rows: Sequence[Row]) -> list[Verdict]:
     rows = list(rows)
     return [*_checkpoint_goals(rows), *_fs_goals(rows), *_memory_goal(rows),
-            *_isolation_goal(rows), *_proxy_goals(rows)]  # fmt: skip
+            *_isolation_goal(rows), *_proxy_goals(rows), *_mcp_goal(rows)]  # fmt: skip
 
 
 def render(verdicts: Sequence[Verdict]) -> str:
