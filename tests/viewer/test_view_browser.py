@@ -177,3 +177,73 @@ def test_the_breaker_trip_and_a_tampered_tape(
     assert 0 < shown < 13  # the frames from the damage on are not vouched for: not shown
     page.screenshot(path=str(artefacts / "tampered.png"))
     nothing_ran(page)
+
+
+def build_long_tape(path: Path, store: Any, frames: int) -> None:
+    """A run of ``frames`` frames (model calls, tool calls, checkpoints, agent turns), written
+    straight to a tape: only the page is under test here. One call near the end carries a long
+    system prompt (the rest stay small: a large value goes to the store, one fsync each)."""
+    from jukebox.tape import TapeWriter
+
+    t = 1_767_225_600_000_000_000
+    with TapeWriter.create(path, store, "big", fsync=False) as w:
+        w.append("run_start", {"name": "long-agent", "argv": ["agent"]}, time_ns=t)
+        for i in range(1, frames - 3):
+            t += 1_000_000
+            step = i % 4
+            if step == 1:
+                system = "Keep changes small. " * (280 if i + 8 > frames else 1)
+                messages = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"step {i}"},
+                ]
+                w.append("llm_turn", {
+                    "provider": "openai", "endpoint": "chat.completions", "model": "gpt-4o-mini",
+                    "status": 200, "usage": {"input": 20, "output": 5}, "cost_usd": 0.00001,
+                    "request": {"model": "gpt-4o-mini", "messages": messages},
+                    "response": {"choices": [{"message": {"role": "assistant",
+                                                          "content": f"done {i}"}}]},
+                }, time_ns=t)  # fmt: skip
+            elif step == 2:
+                w.append("tool_call", {"tool": "edit", "args": {"n": i}, "result": "ok"}, time_ns=t)
+            elif step == 3:
+                w.append("checkpoint", {"id": i, "label": f"step-{i}"}, time_ns=t)
+            else:
+                w.append("agent_turn", {"text": f"turn {i}"}, time_ns=t)
+        w.append("verify", {"cmd": ["pytest"], "exit": 0, "ok": True}, time_ns=t + 1)
+        w.append("commit", {"changes": 3}, time_ns=t + 2)
+        w.append("exit", {"code": 0}, time_ns=t + 3)
+
+
+def test_a_10000_frame_tape_draws_only_the_rows_in_view(
+    page: Any, tmp_path: Path, artefacts: Path
+) -> None:
+    """10,000 frames in one file: the timeline holds only the rows in view, the last frame
+    opens from the last block, a long prompt is cut until asked for whole."""
+    from jukebox.tape import Tape
+    from jukebox.viewer import page as viewer_page
+    from jukebox.viewer.model import TapeView
+    from shadowfs.store import Store
+
+    with Store.open(tmp_path / "store", create=True) as store:
+        build_long_tape(tmp_path / "big.jbx", store, 10_000)
+        store.flush()
+        view = TapeView(Tape.load(tmp_path / "big.jbx", store), "big")
+        out = tmp_path / "big.html"
+        out.write_text(viewer_page.write_file(view, None), encoding="utf-8")
+    ready(page, out.as_uri())
+    assert "frames 10000" in page.inner_text("#top")
+    assert page.locator(".jb-timeline-a .row").count() < 100
+    page.evaluate("document.querySelector('.jb-timeline-a .rows').scrollTop = 1e9")
+    page.wait_for_selector(".jb-timeline-a .row[data-seq='9999']")
+    assert page.locator(".jb-timeline-a .row").count() < 100
+    open_frame(page, "a", 9999)
+    assert "exit 0" in detail_text(page)
+    open_frame(page, "a", 9993)  # the model call with a long system prompt: cut
+    more = page.locator("#detail button.jb-more")
+    assert more.inner_text() == "show all 5,600 characters"
+    more.click()
+    assert page.locator("#detail button.jb-more").count() == 0
+    assert detail_text(page).count("Keep changes small.") == 280
+    page.screenshot(path=str(artefacts / "ten-thousand-frames.png"))
+    assert page.errors == []

@@ -39,7 +39,9 @@
   }
 
   function money(value) {
-    return "$" + Number(value || 0).toFixed(4);
+    const v = Number(value || 0);
+    // `jukebox log` rounds to 4 places; a cheap model's call would read as $0.0000 there.
+    return "$" + (v > 0 && v < 0.0001 ? v.toPrecision(2) : v.toFixed(4));
   }
 
   function clock(ns) {
@@ -161,7 +163,7 @@
 
   function verdictBadge(facts) {
     const v = facts.verdict;
-    if (!v) return badge(facts.status.toLowerCase(), "info");
+    if (!v) return badge(facts.status.toLowerCase(), facts.status === "DAMAGED" ? "bad" : "info");
     if (v.kind === "commit") return badge("committed @" + v.seq, "ok", v.what);
     if (v.kind === "discard") return badge("discarded @" + v.seq, "warn", v.what);
     return badge("rolled back @" + v.seq, "warn", v.what);
@@ -205,11 +207,19 @@
       fact("tokens", f.tokens.input + " → " + f.tokens.output),
       fact("started", clock(f.summary.started_ns)),
     );
-    if (f.damage) add(top, el("span", "err", f.damage));
-    if (!f.verified.ok) {
+    if (!f.verified.ok || f.damage) {
+      // The first problems, then the rest folded: one altered byte breaks every root after it.
       const list = el("div", "err jb-problems");
       list.style.flexBasis = "100%";
-      for (const p of f.verified.problems) list.appendChild(el("div", null, p));
+      const problems = f.verified.problems.length ? f.verified.problems : [f.damage];
+      for (const p of problems.slice(0, 3)) list.appendChild(el("div", null, p));
+      const rest = problems.length - 3 + (f.verified.more_problems || 0);
+      if (rest > 0) {
+        const more = el("details");
+        add(more, el("summary", null, rest + " more problem(s)"));
+        for (const p of problems.slice(3)) more.appendChild(el("div", null, p));
+        list.appendChild(more);
+      }
       add(top, list);
     }
   }
@@ -280,6 +290,8 @@
       const count = DATA[side].index.count;
       const at = (seq) => (count > 1 ? (100 * seq) / (count - 1) : 0) + "%";
       const strip = el("div", "strip jb-strip-" + side);
+      // Hundreds of checkpoints would hide the rarer marks: they fade, the others stay on top.
+      if (facts.marks.length > 200) strip.classList.add("crowded");
       strip.title = "checkpoints (green), rollbacks (amber), verifier, breaker (red), verdict";
       if (CMP && CMP.shared_prefix) {
         const shared = el("div", "shared");
@@ -614,6 +626,10 @@
 
   function sideBySide(patch) {
     const table = el("table", "sbs");
+    // A fixed layout takes its widths from the first row, a hunk line spanning all four.
+    const cols = el("colgroup");
+    for (const cls of ["ln", "code", "ln", "code"]) cols.appendChild(el("col", "c-" + cls));
+    table.appendChild(cols);
     let left = 0, right = 0, started = false;
     let dels = [], adds = [];
     const cell = (n, text, cls) => [el("td", "ln", n === null ? "" : String(n)), el("td", "mono " + cls, text === null ? "" : text)];
