@@ -28,6 +28,8 @@ from bench.harness import median
 GROUP = "viewer"
 FRAMES = 10_000
 GOAL_MS = 1000.0
+# As tests/viewer/conftest.py launches it (root: no sandbox; a small /dev/shm).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage"]
 
 
 def _row(case: str, system: str, **fields: Any) -> dict[str, Any]:
@@ -104,7 +106,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             thread.start()
             try:
                 with sync_playwright() as p:
-                    browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                    browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
                     try:
                         for system, url in (
                             ("served", server.url),

@@ -22,6 +22,9 @@ from tests.llm.upstream import FakeUpstream
 AGENT = str(Path(__file__).with_name("agent.py"))
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# As root Chromium refuses its own sandbox (the pages here are the tests' own); a container's
+# small /dev/shm would crash its renderer.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage"]
 
 
 @dataclass
@@ -105,8 +108,7 @@ def browser() -> Iterator[Any]:
     if not os.path.exists(CHROMIUM):
         pytest.fail("Debian's chromium is not installed: run `make setup` (APT_PACKAGES)")
     with playwright.sync_playwright() as p:
-        # As root Chromium refuses its own sandbox; the pages here are the tests' own.
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
 
