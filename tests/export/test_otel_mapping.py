@@ -5,6 +5,7 @@ InMemorySpanExporter) and metrics (its InMemoryMetricReader), attribute by attri
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from jukebox.export.otel_send import (
     resource,
     send_spans,
 )
+from jukebox.tape import Tape, TapeWriter
 from tests.export.conftest import ARGV_KEY, ENV_SECRET, KEY_SHAPED, Recorded
 
 
@@ -275,3 +277,39 @@ def test_ids_derive_from_the_tape_id(recorded: Recorded) -> None:
     assert otel_ids.trace_id("otelrun") != otel_ids.trace_id("otelrun2")
     assert otel_ids.span_id("otelrun", 1) != otel_ids.span_id("otelrun", 2)
     assert otel_ids.run_span_id("otelrun") != otel_ids.span_id("otelrun", 0)
+
+
+def test_a_fork_is_its_own_trace_linked_to_the_original(tmp_path: Path) -> None:
+    original_path = tmp_path / "orig.jbx"
+    with TapeWriter.create(original_path, None, "orig") as w:
+        w.append("run_start", {"name": "forky", "argv": ["agent"]})
+        w.append("agent_turn", {"agent_name": "planner", "message": "plan it", "model": "m",
+                                "cost_usd": 0.25, "tokens": 12})  # fmt: skip
+        w.append("note", {"event": "llm_passthrough", "path": "/v1/models?key=sk-abcdefghijklmnop1",
+                          "status": 200})  # fmt: skip
+        w.append("exit", {"code": 3, "signal": None, "seconds": 1.0})
+    original = Tape.load(original_path)
+    with TapeWriter.fork_from(original, 2, tmp_path / "fork.jbx", "fork1") as w:
+        w.append("exit", {"code": 0, "signal": None, "seconds": 0.5})
+    fork = Tape.load(tmp_path / "fork.jbx")
+
+    orig_plans, fork_plans = plan_tape(original), plan_tape(fork)
+    assert orig_plans.trace_id != fork_plans.trace_id
+    assert not {p.span_id for p in orig_plans.spans} & {p.span_id for p in fork_plans.spans}
+    link = (otel_ids.trace_id("orig"), otel_ids.run_span_id("orig"))
+    fork_root = fork_plans.spans[-1]
+    assert fork_root.links == [link] and fork_root.attributes["jukebox.fork.from"] == "orig"
+    fork_frame = next(p for p in fork_plans.spans if p.name == "jukebox.fork")
+    assert fork_frame.attributes["jukebox.fork.at"] == 2 and fork_frame.links == [link]
+    assert fork_root.attributes["jukebox.status"] == "EXITED"
+
+    names = [p.name for p in orig_plans.spans]
+    assert names == ["jukebox.agent_turn", "jukebox.note llm_passthrough", "jukebox.exit",
+                     "invoke_agent forky"]  # fmt: skip
+    turn = orig_plans.spans[0].attributes
+    assert turn["gen_ai.agent.name"] == "planner" and turn["jukebox.cost_usd"] == 0.25
+    assert "jukebox.agent_turn.message" not in turn  # content
+    note = orig_plans.spans[1].attributes
+    assert note["jukebox.note.status"] == 200
+    assert "sk-abcdefghijklmnop1" not in note["jukebox.note.path"]  # notes pass redact too
+    assert orig_plans.spans[2].error is not None  # exit code 3

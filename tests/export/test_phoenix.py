@@ -7,9 +7,13 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
+from jukebox.export import otel_ids
+from jukebox.export.otel_live import CAPTURE_ENV, from_environment
 from jukebox.export.otel_send import export_tape
 from jukebox.tape import Tape, TapeWriter
-from tests.export.conftest import Recorded
+from tests.export.conftest import ENV_SECRET, KEY_SHAPED, Recorded
 from tests.export.phoenix import Phoenix
 from tests.export.test_export_cli import jukebox
 
@@ -82,3 +86,33 @@ def test_phoenix_reads_back_what_was_exported(
     marker = export_tape(marker_tape(tmp_path, "marker-after-repeat"), phoenix.url)
     assert len(phoenix.wait_for(marker["trace_id"], 2)) == 2
     assert len([s for s in phoenix.spans() if s["context"]["trace_id"] == trace]) == 22
+
+
+def test_live_export_with_content_arrives_scrubbed(
+    recorded: Recorded, phoenix: Phoenix, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live exporter a booth uses, fed the recorded frames, with content capture turned on
+    by OpenTelemetry's own variable: the prompts arrive, the secrets in them do not."""
+    monkeypatch.setenv("DB_PASSWORD", ENV_SECRET)
+    warnings: list[str] = []
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.url, CAPTURE_ENV: "true"}
+    live = from_environment("live-content", warnings.append, env)
+    assert live is not None
+    live.start()
+    tape = recorded.load()
+    for frame in tape.frames:
+        live.observe(frame, frame.resolve_payload(tape.store))
+    live.close()
+    assert warnings == []
+
+    spans = phoenix.wait_for(f"{otel_ids.trace_id('live-content'):032x}", len(tape.frames))
+    assert len(spans) == len(tape.frames)
+    everything = json.dumps(spans)
+    assert ENV_SECRET not in everything and KEY_SHAPED not in everything
+    chat = next(s for s in spans if s["attributes"].get("jukebox.frame.seq") == 1)
+    inputs = json.loads(chat["attributes"]["gen_ai.input.messages"])
+    assert inputs[0]["parts"][0]["content"] == (
+        "write hello; my password is [REDACTED] and the key [REDACTED]"
+    )
+    checkpoint = next(s for s in spans if s["name"] == "jukebox.checkpoint")
+    assert checkpoint["events"] == []  # live: no file-change events (docs/otel.md)
