@@ -36,6 +36,17 @@ def _cost(payload: dict[str, Any]) -> float:
     return float(cost)
 
 
+def _read(frame: Any) -> tuple[str, dict[str, Any]]:
+    """A frame's kind and payload; one whose record does not decode (the chain vouches for its
+    bytes, a hostile writer chose them) is shown as such instead of failing the page."""
+    from jukebox.tape_errors import TamperedTape
+
+    try:
+        return frame.kind, frame.payload
+    except TamperedTape as error:
+        return "undecodable", {"problem": str(error)}
+
+
 def _short(text: str) -> str:
     from jukebox.render import short
 
@@ -66,16 +77,17 @@ class TapeView:
         kind_at: dict[str, int] = {}
         cols: dict[str, list[Any]] = {"kind": [], "t": [], "cost": [], "what": [], "tree": []}
         for frame in frames:
-            kind, payload = frame.kind, frame.payload
+            kind, payload = _read(frame)
             if kind not in kind_at:
                 kind_at[kind] = len(kinds)
                 kinds.append(kind)
             cols["kind"].append(kind_at[kind])
-            cols["t"].append(round((frame.time_ns - start) / 1e6, 3))
+            time_ns = frame.time_ns if kind != "undecodable" else start
+            cols["t"].append(round((time_ns - start) / 1e6, 3))
             cost = _cost(payload)
             cols["cost"].append(round(cost, 8) if cost else 0)
             cols["what"].append(_short(describe(kind, payload)))
-            cols["tree"].append(1 if frame.tree is not None else 0)
+            cols["tree"].append(1 if kind != "undecodable" and frame.tree is not None else 0)
         return {"count": len(frames), "kinds": kinds, **cols}
 
     def facts(self) -> dict[str, Any]:
@@ -90,7 +102,7 @@ class TapeView:
         llm_calls = 0
         run: dict[str, Any] = {}
         for frame in self.frames:
-            kind, payload = frame.kind, frame.payload
+            kind, payload = _read(frame)
             if kind == "run_start":
                 argv = payload.get("argv")
                 run = {
@@ -164,17 +176,20 @@ class TapeView:
             raise IndexError(n)
         try:
             view = frame_view(self.tape, n, ReviewFilter.from_options((), True))
-        except Exception as error:  # a missing or corrupt object: say so on the page
+        except Exception as error:  # a missing or corrupt object, a payload of a shape no
+            # reader expects (a tape is someone else's): the frame's own fields, and why.
             from jukebox.frame_view import _no_headers
 
             frame = self.frames[n]
+            kind, payload = _read(frame)
+            decoded = kind != "undecodable"
             view = {
-                "seq": frame.seq,
-                "kind": frame.kind,
-                "time_ns": frame.time_ns,
+                "seq": n,
+                "kind": kind,
+                "time_ns": frame.time_ns if decoded else None,
                 "id": frame.id.hex(),
-                "tree": frame.tree.hex() if frame.tree else None,
-                "payload": _no_headers(frame.payload),
+                "tree": frame.tree.hex() if decoded and frame.tree else None,
+                "payload": _no_headers(payload),
                 "error": f"{type(error).__name__}: {error}",
             }
         view.pop("tape", None)

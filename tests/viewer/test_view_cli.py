@@ -102,3 +102,11 @@ def test_sigterm_stops_it_and_the_text_says_where(tapes: Tapes) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0 and out == "stopped\n" and err == "", (out, err)
+
+
+def test_html_with_json_names_the_file_it_wrote(tapes: Tapes, tmp_path: Path) -> None:
+    out = tmp_path / "share.html"
+    done = jukebox("view", str(tapes.rec), "--html", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"html": str(out), "bytes": out.stat().st_size}
+    assert out.read_text().startswith("<!doctype html>")
