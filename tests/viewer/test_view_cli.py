@@ -59,6 +59,14 @@ def test_the_server_answers_its_own_page_only(tapes: Tapes, serve: Any) -> None:
     port = server.port
     status, page = get(port, "/")
     assert status == 200 and b'id="jb-data"' in page
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/")
+    answer = conn.getresponse()
+    policy = answer.getheader("Content-Security-Policy") or ""
+    conn.close()
+    assert "default-src 'none'" in policy and "script-src 'nonce-" in policy
+    assert "frame-ancestors 'none'" in policy and "connect-src 'self'" in policy
+    assert answer.getheader("X-Content-Type-Options") == "nosniff"
     status, body = get(port, "/api/frame/a/2")
     assert status == 200 and json.loads(body)["kind"] == "llm_turn"
     assert "headers" not in json.loads(body)["payload"]
