@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
              f"(log: {CACHE / 'runs' / k.name / 'guest.log'})")
         b = boot.run_tests(CACHE, k, accel, REPO, settings, image, args.timeout, _log)
         r = report.read(report.KernelResult(k.name, k.version, accel, round(b.seconds, 1),
-                                            b.attempts, b.exit_code), b.run_dir)
+                                            round(b.cpu_seconds, 1), b.attempts, b.exit_code),
+                        b.run_dir)
         results.append(r)
         _log(report.render([r]))
     total = sum(r.seconds for r in results)

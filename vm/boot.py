@@ -10,6 +10,7 @@ whatever else the machine is doing.
 from __future__ import annotations
 
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -84,6 +85,11 @@ def accelerator(cache: Path, kernel: Kernel, repo: Path, log=print) -> str:
     return verdict
 
 
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
@@ -112,6 +118,8 @@ def _run_vm(cmd: list[str], cache: Path, repo: Path, timeout: float, out) -> boo
 class Boot:
     exit_code: int | None  # pytest's, as the guest wrote it; None when none came back
     seconds: float
+    cpu_seconds: float  # QEMU's and virtme-ng's CPU time: the wall time on an idle machine is
+    # about this divided by the vCPUs kept busy, whatever else the machine was doing
     attempts: int
     run_dir: Path
 
@@ -122,6 +130,7 @@ def run_tests(cache: Path, kernel: Kernel, accel: str, repo: Path, settings: dic
     (under emulation about one boot in five stops silently)."""
     run_dir = cache / "runs" / kernel.name
     start = time.monotonic()
+    cpu0 = _children_cpu()
     for attempt in (1, 2):
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
@@ -130,7 +139,9 @@ def run_tests(cache: Path, kernel: Kernel, accel: str, repo: Path, settings: dic
         )
         scratch = disks.scratch(cache / "scratch.img")
         disk_paths = [scratch] + ([python_image] if python_image else [])
-        script = f"sh {shlex.quote(str(repo / 'vm' / 'guest.sh'))} {shlex.quote(str(run_dir))}"
+        # The guest runs a copy: sh reads a script as it goes, and the checkout may change.
+        shutil.copy(repo / "vm" / "guest.sh", run_dir / "guest.sh")
+        script = f"sh {shlex.quote(str(run_dir / 'guest.sh'))} {shlex.quote(str(run_dir))}"
         cmd = _command(cache, kernel, accel, repo, script, disk_paths)
         with open(run_dir / "console.log", "wb") as console:
             finished = _run_vm(cmd, cache, repo, timeout, console)
@@ -139,11 +150,11 @@ def run_tests(cache: Path, kernel: Kernel, accel: str, repo: Path, settings: dic
         scratch.unlink(missing_ok=True)
         code_file = run_dir / "exit-code"
         if code_file.exists():
-            return Boot(int(code_file.read_text().strip()), time.monotonic() - start, attempt,
-                        run_dir)
+            return Boot(int(code_file.read_text().strip()), time.monotonic() - start,
+                        _children_cpu() - cpu0, attempt, run_dir)
         # A run that started its tests and then ran out of time would only do so again.
         hung = not finished and "pytest starts" in _read(run_dir / "guest.log")
         if attempt == 2 or hung:
-            return Boot(None, time.monotonic() - start, attempt, run_dir)
+            return Boot(None, time.monotonic() - start, _children_cpu() - cpu0, attempt, run_dir)
         log(f"vm: {kernel.name}: no exit code came back from the guest; booting once more")
     raise AssertionError("unreachable")

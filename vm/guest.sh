@@ -38,8 +38,9 @@ fi
 mountpoint -q /sys/fs/cgroup || mount -t cgroup2 none /sys/fs/cgroup
 
 # Only the timeout plugin: the langsmith and hypothesis plugins cost seconds of emulated start-up.
-export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONUNBUFFERED=1  # unbuffered: guest.log shows progress
 cd "$JBX_REPO" || exit 98
+echo "guest: $("$JBX_VENV/bin/python" -m vm.fuse_probe 2>&1 | tail -1)"
 echo "guest: pytest starts $(date -u +%T)"
 # shellcheck disable=SC2086  # JBX_TESTS is a list of test ids
 "$JBX_VENV/bin/python" -m pytest -p pytest_timeout -p no:cacheprovider -q -rfEs --basetemp=/tmp/pytest \

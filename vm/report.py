@@ -14,12 +14,14 @@ class KernelResult:
     version: str
     accel: str
     seconds: float
+    cpu_seconds: float
     attempts: int
     exit_code: int | None
     passed: int = 0
     failed: list[str] = field(default_factory=list)  # "test id: first line of the message"
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> how many
     modules: list[str] = field(default_factory=list)  # the guest's module lines
+    fuse: str = ""  # the FUSE protocol the kernel offered, and so the invalidation path taken
     problem: str | None = None  # why there are no results at all
 
     @property
@@ -43,6 +45,9 @@ def read(result: KernelResult, run_dir: Path) -> KernelResult:
     if guest_log.exists():
         result.modules = [ln.removeprefix("guest: ") for ln in guest_log.read_text(
             errors="replace").splitlines() if ln.startswith("guest: module")]
+        fuse = [ln for ln in guest_log.read_text(errors="replace").splitlines()
+                if ln.startswith("guest: fuse protocol")]
+        result.fuse = fuse[0].removeprefix("guest: ") if fuse else "fuse protocol not probed"
     junit = run_dir / "junit.xml"
     if not junit.exists():
         result.problem = (
@@ -69,15 +74,21 @@ def read(result: KernelResult, run_dir: Path) -> KernelResult:
     return result
 
 
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
 def render(results: list[KernelResult]) -> str:
     out = []
     for r in results:
-        minutes = f"{int(r.seconds // 60)}m{int(r.seconds % 60):02d}s"
         head = (f"{r.kernel} ({r.version}, {r.accel}): {r.passed} passed, {len(r.failed)} failed, "
-                f"{sum(r.skipped.values())} skipped in {minutes}")
+                f"{sum(r.skipped.values())} skipped in {_minutes(r.seconds)} "
+                f"(CPU {_minutes(r.cpu_seconds)})")
         if r.attempts > 1:
             head += f" ({r.attempts} boots)"
         out.append(head)
+        if r.fuse:
+            out.append(f"  {r.fuse}")
         if r.problem:
             out.append(f"  PROBLEM: {r.problem}")
         out.extend(f"  module: {m.removeprefix('module ')}" for m in r.modules
