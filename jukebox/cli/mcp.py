@@ -174,3 +174,29 @@ def _first(group: BaseExceptionGroup) -> BaseException:
             return _first(error)
         return error
     return group
+
+
+@mcp_group.command("config")
+@click.argument("config_file", metavar="FILE", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the rewritten config here instead of printing it.")  # fmt: skip
+@click.option("--tape-dir", "wrap_tape_dir", default=None,
+              help="Outside a booth, where the wrappers write their tapes.")  # fmt: skip
+def config_command(config_file: str, output: str | None, wrap_tape_dir: str | None) -> None:
+    """Rewrite a Claude Code / Cursor MCP config (.mcp.json) so that every stdio server goes
+    through `jukebox mcp wrap`; HTTP servers (url) are kept as they are. Point the agent at the
+    result (`claude --mcp-config OUT`); in a booth, `jukebox booth run --mcp-config FILE` does
+    this itself."""
+    import json
+    import shutil
+    import sys
+
+    from jukebox.mcp.servers import read_config, wrapped_config
+
+    jukebox = shutil.which("jukebox") or os.path.join(os.path.dirname(sys.executable), "jukebox")
+    extra = ["--tape-dir", os.path.abspath(wrap_tape_dir)] if wrap_tape_dir else []
+    text = json.dumps(wrapped_config(read_config(config_file), jukebox, extra), indent=2) + "\n"
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        Path(output).write_text(text)

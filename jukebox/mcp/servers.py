@@ -64,9 +64,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def stdio_servers(config: dict[str, Any], where: str = "the MCP config") -> dict[str, ServerSpec]:
+    # A server's name becomes a `--name` and a frame's `server`: keep it a plain word.
     """The stdio servers a config declares, checked."""
     out: dict[str, ServerSpec] = {}
     for name, entry in config["mcpServers"].items():
+        if not name or not name.isprintable() or len(name) > 128 or name.startswith("-"):
+            raise UsageError(f"{where}: bad server name {name!r}: use a printable word")
         if not isinstance(entry, dict):
             raise UsageError(f"{where}: server {name!r} must be an object")
         if "command" not in entry:

@@ -199,3 +199,32 @@ def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) ->
                           input="", capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode in (1, 2), proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_mcp_config_is_rewritten_through_the_gateway(tmp_path: Path) -> None:
+    config = tmp_path / ".mcp.json"
+    config.write_text(json.dumps({"mcpServers": {
+        "memory": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-memory"],
+                   "env": {"MEMORY_FILE_PATH": "/data/memory.jsonl"}},
+        "web": {"type": "http", "url": "https://example.invalid/mcp"},
+    }}))  # fmt: skip
+    out = tmp_path / "wrapped.json"
+    subprocess.run([JUKEBOX, "mcp", "config", str(config), "-o", str(out)], check=True)
+    servers = json.loads(out.read_text())["mcpServers"]
+    assert servers["memory"]["command"] == JUKEBOX
+    assert servers["memory"]["args"] == ["mcp", "wrap", "--name", "memory", "--", "npx", "-y",
+                                         "@modelcontextprotocol/server-memory"]  # fmt: skip
+    assert servers["memory"]["env"] == {"MEMORY_FILE_PATH": "/data/memory.jsonl"}
+    assert servers["web"] == {"type": "http", "url": "https://example.invalid/mcp"}
+
+    # A config that is not one is refused in one line, by `mcp config` and by a booth alike,
+    # before the booth makes anything.
+    config.write_text('{"servers": {}}')
+    (tmp_path / "tree").mkdir()
+    for args in (["mcp", "config", str(config)],
+                 ["booth", "run", "--tree", str(tmp_path / "tree"), "--tape-dir",
+                  str(tmp_path / "tapes"), "--mcp-config", str(config), "--", "true"]):  # fmt: skip
+        proc = subprocess.run([JUKEBOX, *args], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 2 and 'no "mcpServers" object' in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "tapes").exists()
