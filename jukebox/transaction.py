@@ -90,8 +90,10 @@ FILESYSTEM_MODES = {
 }
 MCP_MODES = {
     "staged_acid": "side effects staged through the transaction (stage_file_write) are held "
-    "with the files and applied all or nothing at commit",
-    "deny": "stage_file_write is refused (PermissionError) and the refusal is recorded",
+    "with the files and applied all or nothing at commit; tool calls that are not read-only "
+    "(tx.tool, tx.stage_tool_call) are staged and run after the files at commit",
+    "deny": "stage_file_write and tool calls that are not read-only are refused (PermissionError, "
+    "or a refused tool result) and the refusal is recorded",
 }
 
 _STATE_DIR = ".jukebox"
@@ -235,16 +237,23 @@ class Outcome:
     """What commit() and rollback() return. The work is already done when they return; the
     object is also awaitable, so ``await tx.commit()`` and ``tx.commit()`` mean the same."""
 
-    __slots__ = ("frame", "reason", "status")
+    __slots__ = ("_pending", "frame", "reason", "status", "tool_calls")
 
-    def __init__(self, status: str, frame: int, reason: str | None = None) -> None:
+    def __init__(self, status: str, frame: int, reason: str | None = None,
+                 pending: Any = None) -> None:  # fmt: skip
         self.status = status
         self.frame = frame
         self.reason = reason
+        # Staged tool calls whose runners are coroutines (jukebox.mcp.tx_tools): awaiting the
+        # outcome runs them; `tool_calls` is then the report (ran, failed, not_run).
+        self._pending = pending
+        self.tool_calls: dict[str, Any] | None = None
 
     def __await__(self) -> Any:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.tool_calls = yield from pending.__await__()
         return self
-        yield  # pragma: no cover - makes this a generator; nothing is ever awaited
 
     def __repr__(self) -> str:
         why = f", reason={self.reason!r}" if self.reason else ""
@@ -540,6 +549,7 @@ class Transaction:
         self._staged = 0
         self._start: StateVersion | None = None
         self._start_breaker: BreakerState | None = None
+        self._tools: Any = None  # jukebox.mcp.tx_tools.ToolStage, made at the first tool call
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -669,6 +679,11 @@ class Transaction:
                     self._finish_rollback(
                         "the transaction block ended without commit() or rollback()", {}
                     )
+            if getattr(self, "_tools_pending", False) and self._log is not None:
+                # commit() was not awaited: its staged tool calls never ran.
+                self._tools_pending = False
+                self._append("note", {"event": "mcp_dropped", "reason": "commit() was not "
+                                      "awaited: staged tool calls never ran"})  # fmt: skip
             self._cleanup()
 
     # -- recording -----------------------------------------------------------------------------
@@ -770,6 +785,44 @@ class Transaction:
                 refs.append(journal)
             return self._append("fs", payload, refs=refs, tree=tree)
 
+    def _tool_stage(self) -> Any:
+        if self._tools is None:
+            from jukebox.mcp.tx_tools import ToolStage
+
+            self._tools = ToolStage(self._append, self._mcp_mode)
+        return self._tools
+
+    def stage_tool_call(self, tool: str, args: Mapping[str, Any] | None = None,
+                        run: Any = None, *, server: str | None = None) -> str:  # fmt: skip
+        """Stage a call of a tool that is not MCP: ``run()`` (a function, or a coroutine
+        function: then ``await tx.commit()``) runs only at the commit, after the files, in the
+        order staged. Returns its id. Refused (PermissionError) under mcp_mode='deny'."""
+        if run is None or not callable(run):
+            raise TypeError("stage_tool_call needs run=, the function the commit calls")
+        with self._lock:
+            self._check_open()
+            args = dict(args or {})
+            if self._mcp_mode == "deny":
+                denied = {"tool": tool, "args": _json_safe(args), "decision": "deny",
+                          "result": "denied", "ok": False}  # fmt: skip
+                self._append("tool_call", denied)
+                raise PermissionError(
+                    f"staging a call of {tool!r} is refused by SandboxPolicy(mcp_mode='deny'); "
+                    "use mcp_mode='staged_acid' to stage it until the commit"
+                )
+            newest = self.checkpoints[-1].n if self.checkpoints else 0
+            return self._tool_stage().stage(tool, _json_safe(args), run, server, newest)
+
+    async def tool(self, session: Any, name: str, args: Mapping[str, Any] | None = None, *,
+                   server: str | None = None) -> Any:  # fmt: skip
+        """Call MCP tool ``name`` over ``session`` (an ``mcp.ClientSession``) under the
+        transaction's mcp_mode: read-only tools (their own annotations) run now; others are
+        staged until ``await tx.commit()`` (staged_acid) or refused (deny). Returns the tool's
+        result, or one that says it was staged (with its id) or refused."""
+        self._check_open()
+        newest = self.checkpoints[-1].n if self.checkpoints else 0
+        return await self._tool_stage().tool(session, name, dict(args or {}), server, newest)
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def checkpoint(self, label: str | None = None) -> Checkpoint:
@@ -858,6 +911,8 @@ class Transaction:
             if self._layer is None:
                 payload["files_restored"] = False
             self._append("rollback", payload, refs=[cp.state_id], tree=cp.tree)
+            if self._tools is not None:
+                self._tools.drop_after(cp.n)
             return cp
 
     # -- verdicts ------------------------------------------------------------------------------
@@ -874,6 +929,8 @@ class Transaction:
         discarded = self.state.version
         payload: dict[str, Any] = {"final": True, "reason": reason, "to": "start", **extra}
         refs: list[ObjectId] = []
+        if self._tools is not None:
+            self._tools.drop_all(reason)
         try:
             if discarded is not self._start or self.checkpoints:
                 # The memory that is thrown away is still worth having on the tape.
@@ -917,9 +974,7 @@ class Transaction:
                     refs=refs,
                     durable=True,
                 )
-                self.status = COMMITTED
-                self._cleanup()
-                return Outcome(COMMITTED, frame.seq)
+                return self._committed(frame.seq)
             final, journal = self._layer.snapshot()
             payload: dict[str, Any] = {"state": state_id.hex(), "root": self.root}
             if journal is not None:
@@ -967,9 +1022,29 @@ class Transaction:
                     guard.release_claim()
             # The root now holds `final` wherever the layer changed it.
             forget_committed(self._tapes, self.root, self._store, self.base_tree, final)
-            self.status = COMMITTED
+            return self._committed(frame.seq)
+
+    def _committed(self, seq: int) -> Outcome:
+        """The files are committed: now the staged tool calls (jukebox.mcp.tx_tools), then the
+        clean-up; calls that must be awaited run when the outcome is."""
+        self.status = COMMITTED
+        pending = self._tools.after_commit() if self._tools is not None else None
+        if pending is None:
+            outcome = Outcome(COMMITTED, seq)
+            outcome.tool_calls = self._tools.report if self._tools is not None else None
             self._cleanup()
-            return Outcome(COMMITTED, frame.seq)
+            return outcome
+
+        self._tools_pending = True
+
+        async def finish() -> dict[str, Any]:
+            self._tools_pending = False
+            try:
+                return await pending
+            finally:
+                self._cleanup()
+
+        return Outcome(COMMITTED, seq, pending=finish())
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -1,0 +1,185 @@
+"""Tool calls in a Python API transaction (`jukebox.transaction`): `await tx.tool(session, name,
+args)` over an `mcp.ClientSession` under the transaction's `mcp_mode`, and
+`tx.stage_tool_call(tool, args, run)` for tools that are not MCP.
+
+The same rules as the booth's stage gate (docs/mcp.md): a read-only MCP tool (its own
+`readOnlyHint`) runs at once; any other is staged under `mcp_mode="staged_acid"` and refused under
+`"deny"`. A staged call runs only at the commit, after the files, in the order staged; the first
+failure stops the rest. `rollback_to` drops the calls staged after that checkpoint; `rollback`
+drops all. Calls whose runner is a coroutine function (every MCP call) need `await tx.commit()`:
+the commit's awaiting runs them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from jukebox.mcp.policy import Policy
+from jukebox.mcp.record import wire
+
+Append = Callable[..., Any]  # (kind, payload) -> Frame
+
+
+@dataclass
+class _Staged:
+    id: str
+    tool: str
+    server: str | None
+    args: dict[str, Any]
+    run: Callable[[], Any]
+    after_checkpoint: int
+
+
+class ToolStage:
+    def __init__(self, append: Append, mode: str) -> None:
+        self.append = append
+        self.policy = Policy(mode)
+        self.calls: list[_Staged] = []
+        self.report: dict[str, Any] | None = None
+        self._next = 1
+        self._annotations: dict[int, dict[str, Any]] = {}
+
+    def _frame(self, call: _Staged, **fields: Any) -> dict[str, Any]:
+        frame: dict[str, Any] = {"tool": call.tool, "args": call.args, "staged_id": call.id}
+        if call.server is not None:
+            frame["server"] = call.server
+        return {**frame, **fields}
+
+    def stage(self, tool: str, args: dict[str, Any], run: Callable[[], Any], server: str | None,
+              after_checkpoint: int, why: str = "stage_tool_call") -> str:  # fmt: skip
+        call = _Staged(f"stage-{self._next}", tool, server, args, run, after_checkpoint)
+        self._next += 1
+        self.calls.append(call)
+        self.append("tool_call", self._frame(call, decision="stage", why=why, ok=True,
+                                             result={"staged": True}))  # fmt: skip
+        return call.id
+
+    def drop_after(self, checkpoint: int) -> None:
+        dropped = [c.id for c in self.calls if c.after_checkpoint >= checkpoint]
+        self.calls = [c for c in self.calls if c.after_checkpoint < checkpoint]
+        if dropped:
+            self.append("note", {"event": "mcp_dropped", "ids": dropped,
+                                 "reason": f"rollback to checkpoint {checkpoint}"})  # fmt: skip
+
+    def drop_all(self, reason: str) -> None:
+        if self.calls:
+            self.append("note", {"event": "mcp_dropped", "ids": [c.id for c in self.calls],
+                                 "reason": reason})  # fmt: skip
+            self.calls = []
+
+    # -- MCP --------------------------------------------------------------------------------------
+
+    async def tool(self, session: Any, name: str, args: dict[str, Any], server: str | None,
+                   after_checkpoint: int) -> Any:  # fmt: skip
+        import mcp.types as types
+
+        known = self._annotations.get(id(session))
+        if known is None or name not in known:
+            listing = await session.list_tools()
+            known = {t.name: (wire(t.annotations) if t.annotations is not None else None)
+                     for t in listing.tools}  # fmt: skip
+            self._annotations[id(session)] = known
+        decision = self.policy.decide(server or "", name, known.get(name))
+        base: dict[str, Any] = {"tool": name, "args": args, **decision.as_dict()}
+        if server is not None:
+            base["server"] = server
+        if decision.decision in ("deny", "ask"):
+            text = (f"jukebox refused this call of {name!r} ({decision.why}; the transaction's "
+                    "mcp_mode); it did not run.")  # fmt: skip
+            result = types.CallToolResult(content=[types.TextContent(type="text", text=text)],
+                                          is_error=True)  # fmt: skip
+            self.append("tool_call", {**base, "decision": "deny", "result": wire(result),
+                                      "ok": False})  # fmt: skip
+            return result
+        if decision.decision == "stage":
+            staged = self.stage(name, args, lambda: session.call_tool(name, args), server,
+                                after_checkpoint, why=decision.why)  # fmt: skip
+            text = (f"jukebox staged this call as {staged}: it has not run. It runs only if the "
+                    "transaction commits, in the order it was staged.")  # fmt: skip
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=text)],
+                structured_content={"jukebox": {"staged": True, "id": staged}},
+            )
+        started = time.perf_counter()
+        result = await session.call_tool(name, args)
+        self.append("tool_call", {**base, "result": wire(result),
+                                  "ok": not getattr(result, "is_error", False),
+                                  "latency_ms": _ms(started)})  # fmt: skip
+        return result
+
+    # -- the commit -----------------------------------------------------------------------------
+
+    def after_commit(self) -> Coroutine[Any, Any, dict[str, Any]] | None:
+        """Runs the staged calls in order. Runners that return plain values run here; at the
+        first that returns an awaitable, the rest is a coroutine for the caller to await.
+        Returns None when everything ran (or nothing was staged)."""
+        if not self.calls:
+            return None
+        report: dict[str, Any] = {"event": "mcp_commit", "ran": [], "failed": None, "not_run": []}
+        self.report = report
+        calls, self.calls = self.calls, []
+        for i, call in enumerate(calls):
+            started = time.perf_counter()
+            try:
+                value = call.run()
+            except Exception as error:
+                self._failed(calls, i, report, f"{type(error).__name__}: {error}", started)
+                return None
+            if inspect.isawaitable(value):
+                return self._finish_async(calls, i, value, report)
+            self._ran(call, value, report, started)
+        self.append("note", report)
+        return None
+
+    async def _finish_async(self, calls: list[_Staged], i: int, first: Any,
+                            report: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+        for j in range(i, len(calls)):
+            call, started = calls[j], time.perf_counter()
+            try:
+                value = first if j == i else call.run()
+                if inspect.isawaitable(value):
+                    value = await value
+            except Exception as error:
+                self._failed(calls, j, report, f"{type(error).__name__}: {error}", started)
+                return report
+            if getattr(value, "is_error", False):
+                self._failed(calls, j, report, "the tool reported an error", started, value)
+                return report
+            self._ran(call, value, report, started)
+        self.append("note", report)
+        return report
+
+    def _ran(self, call: _Staged, value: Any, report: dict[str, Any], started: float) -> None:
+        frame = self._frame(call, decision="commit", ok=True, result=_jsonable(value),
+                            latency_ms=_ms(started))  # fmt: skip
+        self.append("tool_call", frame)
+        report["ran"].append(call.id)
+
+    def _failed(self, calls: list[_Staged], i: int, report: dict[str, Any], error: str,
+                started: float, value: Any = None) -> None:  # fmt: skip
+        fields: dict[str, Any] = {"decision": "commit", "ok": False, "error": {"message": error},
+                                  "latency_ms": _ms(started)}  # fmt: skip
+        if value is not None:
+            fields["result"] = _jsonable(value)
+        self.append("tool_call", self._frame(calls[i], **fields))
+        report.update(failed=calls[i].id, error=error, not_run=[c.id for c in calls[i + 1:]])
+        self.append("note", report)
+
+
+def _jsonable(value: Any) -> Any:
+    import json
+
+    value = wire(value)
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)[:2000]
+    return value
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
