@@ -73,6 +73,10 @@ def _objects(response: Any) -> list[dict[str, Any]]:
     return []
 
 
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def _take(facts: CallFacts, obj: dict[str, Any], model_key: str, id_key: str) -> None:
     model, ident = obj.get(model_key), obj.get(id_key)
     if isinstance(model, str) and model:
@@ -91,7 +95,7 @@ def call_facts(endpoint: str, response: Any) -> CallFacts:
     for obj in _objects(response):
         if endpoint in ("chat.completions", "completions", "embeddings"):
             _take(facts, obj, "model", "id")
-            for choice in obj.get("choices") or []:
+            for choice in _list(obj.get("choices")):
                 if isinstance(choice, dict):
                     _reason(facts, choice.get("finish_reason"))
         elif endpoint == "responses":
@@ -99,13 +103,14 @@ def call_facts(endpoint: str, response: Any) -> CallFacts:
             body = obj.get("response") if isinstance(obj.get("response"), dict) else obj
             _take(facts, body, "model", "id")
             status = body.get("status")
+            details = body.get("incomplete_details")
             if status == "completed" and obj.get("type", "response.completed").endswith(
                 "completed"
             ):
                 facts.finish_reasons = ["stop"]
             elif status == "incomplete":
-                details = body.get("incomplete_details") or {}
-                facts.finish_reasons = [str(details.get("reason") or "incomplete")]
+                reason = details.get("reason") if isinstance(details, dict) else None
+                facts.finish_reasons = [str(reason or "incomplete")]
         elif endpoint in ("messages",):
             body = obj.get("message") if isinstance(obj.get("message"), dict) else obj
             _take(facts, body, "model", "id")
@@ -115,7 +120,7 @@ def call_facts(endpoint: str, response: Any) -> CallFacts:
                 _reason(facts, delta.get("stop_reason"))
         else:  # Gemini
             _take(facts, obj, "modelVersion", "responseId")
-            for candidate in obj.get("candidates") or []:
+            for candidate in _list(obj.get("candidates")):
                 if isinstance(candidate, dict):
                     _reason(facts, candidate.get("finishReason"))
     return facts

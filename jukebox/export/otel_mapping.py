@@ -66,6 +66,43 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+_TIME = (0, 2**64 - 1)  # OTLP times are unsigned 64-bit nanoseconds
+
+
+def _ns(value: Any, scale: float) -> int:
+    """A recorded duration (`latency_ms`, `seconds`) in nanoseconds; 0 for what is not one."""
+    if not _number(value) or not 0 <= value * scale < 2**64:
+        return 0
+    return int(value * scale)
+
+
+def _when(ns: int) -> int:
+    """A time OTLP can carry: a hostile tape's frame time may be negative or past 2^64."""
+    return min(max(ns, _TIME[0]), _TIME[1])
+
+
+def _attribute(value: Any) -> Any:
+    """A value OTLP can carry: integers past 64 bits as text, lists of one type."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if _INT64[0] <= value <= _INT64[1] else str(value)
+    if isinstance(value, list):
+        items = [_attribute(v) for v in value]
+        if len({type(v) for v in items}) > 1 or any(isinstance(v, list | dict) for v in items):
+            return [str(v) for v in items]
+        return items
+    return value
+
+
+def _clean(plan: SpanPlan) -> SpanPlan:
+    plan.attributes = {k: _attribute(v) for k, v in plan.attributes.items() if v is not None}
+    plan.start_ns, plan.end_ns = _when(plan.start_ns), _when(plan.end_ns)
+    for event in plan.events:
+        event.time_ns = _when(event.time_ns)
+        event.attributes = {k: _attribute(v) for k, v in event.attributes.items()}
+    return plan
+
+
 def _text(value: Any) -> str:
     text = value if isinstance(value, str) else str(value)
     return redact_text(text[:TEXT_LIMIT])
@@ -141,8 +178,8 @@ class TapeMapper:
             self._run_start(payload)
             return None
         self._verdict(kind, payload)
-        handler = getattr(self, f"_{kind}", None)
-        span = handler(seq, time_ns, payload) if handler is not None else None
+        handler = self._HANDLERS.get(kind)
+        span = getattr(self, handler)(seq, time_ns, payload) if handler is not None else None
         if span is None:
             span = self._span(seq, f"jukebox.{kind}", time_ns, time_ns)
             span.attributes.update(_scalars(f"jukebox.{kind}", payload, skip=("cost_usd",)))
@@ -154,7 +191,14 @@ class TapeMapper:
             span.attributes["jukebox.tree"] = tree
         if files is not None:
             self._files(span, time_ns, files)
-        return span
+        return _clean(span)
+
+    # The frame kinds with a mapping of their own; any other kind is a plain `jukebox.{kind}`.
+    _HANDLERS = {
+        kind: f"_{kind}"
+        for kind in ("llm_turn", "tool_call", "agent_turn", "checkpoint", "rollback", "verify",
+                     "breaker", "exit", "fork", "note")
+    }  # fmt: skip
 
     def _span(self, seq: int, name: str, start: int, end: int, kind: str = "internal") -> SpanPlan:
         return SpanPlan(
@@ -167,7 +211,8 @@ class TapeMapper:
         )
 
     def _run_start(self, p: dict[str, Any]) -> None:
-        argv = [str(a) for a in p.get("argv") or [] if isinstance(a, str | int | float)]
+        given = p.get("argv") if isinstance(p.get("argv"), list) else []
+        argv = [str(a) for a in given if isinstance(a, str | int | float)]
         name = p.get("name") if isinstance(p.get("name"), str) else None
         if name is None and argv:
             name = argv[0].rsplit("/", 1)[-1]
@@ -200,8 +245,8 @@ class TapeMapper:
         if not isinstance(model, str):
             model = p.get("model") if isinstance(p.get("model"), str) else None
         facts = call_facts(endpoint, p.get("response"))
-        latency_ms = p.get("latency_ms") if _number(p.get("latency_ms")) else 0
-        start = time_ns - int(latency_ms * 1_000_000)
+        latency = _ns(p.get("latency_ms"), 1e6)
+        start = time_ns - latency
         span = self._span(seq, f"{op} {model}" if model else op, start, time_ns, "client")
         a = span.attributes
         a["gen_ai.operation.name"] = op
@@ -241,14 +286,15 @@ class TapeMapper:
             value = p.get(key)
             if isinstance(value, str | int | bool) and value is not None:
                 a[f"jukebox.llm.{key}"] = value
-        names = [c.get("name") for c in p.get("tool_calls") or [] if isinstance(c, dict)]
+        calls = p.get("tool_calls") if isinstance(p.get("tool_calls"), list) else []
+        names = [c.get("name") for c in calls if isinstance(c, dict)]
         if names and all(isinstance(n, str) for n in names):
             a["jukebox.llm.tool_calls"] = names
         if self.capture and op != "embeddings":  # an embedding's input is no conversation
             a.update(content_attributes(p, facts.finish_reasons, self.scrubber))
         # The run's totals and the client metrics.
         self._providers.add(provider)
-        self.metrics.append(MetricPoint(OPERATION_DURATION, latency_ms / 1000, dict(common)))
+        self.metrics.append(MetricPoint(OPERATION_DURATION, latency / 1e9, dict(common)))
         for i, (key, value) in enumerate(zip(("input", "output"), counts, strict=True)):
             if _number(value) and not failed:
                 self._tokens[i] += value
@@ -259,8 +305,8 @@ class TapeMapper:
 
     def _tool_call(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
         tool = str(p.get("tool") or "tool")
-        seconds = p.get("seconds") if _number(p.get("seconds")) else 0
-        span = self._span(seq, f"execute_tool {tool}", time_ns - int(seconds * 1e9), time_ns)
+        start = time_ns - _ns(p.get("seconds"), 1e9)
+        span = self._span(seq, f"execute_tool {tool}", start, time_ns)
         a = span.attributes
         a["gen_ai.operation.name"] = "execute_tool"
         a["gen_ai.tool.name"] = tool
@@ -308,8 +354,7 @@ class TapeMapper:
         return span
 
     def _verify(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
-        seconds = p.get("seconds") if _number(p.get("seconds")) else 0
-        span = self._span(seq, "jukebox.verify", time_ns - int(seconds * 1e9), time_ns)
+        span = self._span(seq, "jukebox.verify", time_ns - _ns(p.get("seconds"), 1e9), time_ns)
         a = span.attributes
         a.update(_scalars("jukebox.verify", p, skip=("output",)))
         cmd = p.get("cmd")
@@ -332,8 +377,7 @@ class TapeMapper:
 
     def _exit(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
         # The agent process's own lifetime.
-        seconds = p.get("seconds") if _number(p.get("seconds")) else 0
-        span = self._span(seq, "jukebox.exit", time_ns - int(seconds * 1e9), time_ns)
+        span = self._span(seq, "jukebox.exit", time_ns - _ns(p.get("seconds"), 1e9), time_ns)
         span.attributes.update(_scalars("jukebox.exit", p))
         if p.get("code") not in (0, None) or p.get("signal"):
             span.attributes["error.type"] = "exit_status"
@@ -400,5 +444,5 @@ class TapeMapper:
         if self._trip is not None:
             a["error.type"] = "breaker_tripped"
             span.error = self._trip
-        return span
+        return _clean(span)
 
