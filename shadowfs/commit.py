@@ -53,7 +53,7 @@ import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -75,6 +75,7 @@ from shadowfs.syncfs import syncfs
 from shadowfs.tree import (
     DEVICES,
     DIR,
+    FILE,
     SPECIAL_FMT,
     SPECIALS,
     SYMLINK,
@@ -123,6 +124,18 @@ _MAX_DIR_FDS = 256
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 # From this many staged files (or directories to fsync) on, one syncfs replaces the fsyncs.
 SYNCFS_FROM = 256
+# Big commits run their independent operations (renames, unlinks, small staged files) in
+# threads: each waits on the file system, not the CPU (a rename over a file or an unlink frees
+# the old file's blocks, 2.5 ms each on a VM's ext4 mounted with discard), and concurrent ones
+# overlap (15 times faster there with 8 threads). In chunks of at most this many operations,
+# this many distinct directories and this many bytes of staged content in memory.
+_THREADS = 16
+_CHUNK_OPS = 1024
+_CHUNK_DIRS = 128
+_CHUNK_BYTES = 32 << 20
+# Staged files up to this size are read from the store whole and written by a thread; bigger
+# ones stream in the main thread, chunk by chunk (holes, interrupts).
+_SMALL_FILE = 1 << 20
 
 Interrupted = Callable[[], bool]
 Target = int | str | bytes | os.PathLike[str] | os.PathLike[bytes]
@@ -211,6 +224,56 @@ class _Dirs:
         for fd in self.cache.values():
             os.close(fd)
         self.cache.clear()
+
+
+class _ChunkDirs:
+    """Duplicates of the directory fds one chunk of threaded operations uses. The chunk owns
+    them, so `_Dirs` closing its least recently used fd never pulls one from under a thread."""
+
+    def __init__(self, dirs: _Dirs) -> None:
+        self.dirs = dirs
+        self.fds: dict[bytes, int] = {}
+
+    def get(self, path: bytes) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = self.fds[path] = os.dup(self.dirs.get(path))
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+class _Threads:
+    """The threads independent operations run in (see ``_THREADS``), started on first use."""
+
+    def __init__(self) -> None:
+        self.pool: ThreadPoolExecutor | None = None
+
+    def run(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
+        """``fn(*args)`` for every ``args`` of ``calls``, concurrently: their results, or the
+        first exception one raised. Returns or raises only once every call has ended, so a
+        caller undoing the work never races a thread still doing it."""
+        if len(calls) < 2:
+            return [fn(*args) for args in calls]
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="jbx-commit")
+        futures = [self.pool.submit(fn, *args) for args in calls]
+        try:
+            wait(futures)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
 
 
 def _lstat(dirs: _Dirs, path: bytes) -> os.stat_result | None:
@@ -872,6 +935,80 @@ def _stage_one(
     return e.size
 
 
+class _Collect:
+    """A file object gathering what the store streams, for a small file written by a thread."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[bytes | memoryview] = []
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.parts.append(data)
+        return len(data)
+
+
+def _write_staged(dfd: int, name: bytes, data: bytes, mode: int, mtime_ns: int) -> None:
+    """A small staged file, whole, in a thread (its fsync is the commit's one syncfs)."""
+    fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        # After the data: a write by a non-root owner would clear setuid/setgid bits.
+        os.fchmod(fd, mode)
+        os.utime(fd, ns=(mtime_ns, mtime_ns))
+    finally:
+        os.close(fd)
+
+
+def _stage_chunk(
+    store: CommitStore,
+    dirs: _Dirs,
+    stages: list[_Stage],
+    i: int,
+    syncer: _Syncer,
+    threads: _Threads,
+    interrupted: Interrupted | None,
+) -> tuple[int, int]:
+    """Stage a chunk from ``stages[i]`` on: small regular files read from the store here and
+    written by threads, then the rest one by one (big files, symlinks, special files, and the
+    other names of a hard-link group, whose first name is then in place). Returns (the chunk's
+    end, the bytes written). Only for a commit synced as a whole (``syncer.whole_fs``)."""
+    own = _ChunkDirs(dirs)
+    calls: list[tuple[Any, ...]] = []
+    rest: list[_Stage] = []
+    held = written = 0
+    j = i
+    try:
+        while (j < len(stages) and j - i < _CHUNK_OPS and held < _CHUNK_BYTES
+               and len(own.fds) < _CHUNK_DIRS):  # fmt: skip
+            s = stages[j]
+            e = s.entry
+            j += 1
+            if s.link_to is not None or e.kind != FILE or e.size > _SMALL_FILE:
+                rest.append(s)
+                continue
+            sink = _Collect()
+            store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
+            data = b"".join(sink.parts)
+            if len(data) != e.size:
+                raise ShadowfsError(
+                    f"the store gave {len(data)} bytes for {_show(s.path)!r}, whose tree entry "
+                    f"says {e.size}; run `jukebox verify` on the store"
+                )
+            calls.append((own.get(s.dir), s.name, data, e.mode, e.mtime_ns))
+            held += len(data)
+        threads.run(_write_staged, calls)
+    finally:
+        own.close()
+    written = held
+    for s in rest:
+        _check_interrupt(interrupted)
+        written += _stage_one(store, dirs, s, syncer, interrupted)
+    return j, written
+
+
 def _mtime(dirs: _Dirs, d: bytes) -> int:
     return os.fstat(dirs.get(d)).st_mtime_ns
 
@@ -1066,6 +1203,70 @@ def _run_op(dirs: _Dirs, op: list[Any]) -> None:
         raise ShadowfsError(f"unknown commit journal operation {kind!r}; the journal is corrupt")
 
 
+# Operations that never depend on one another when consecutive in a journal: a rename moves a
+# staged name (unique) onto its final path (unique), an unlink removes one name.
+_THREADED_OPS = ("rename", "unlink")
+
+
+def _op_dirs(op: list[Any]) -> tuple[bytes, ...]:
+    return (op[1], _parent(op[3])) if op[0] == "rename" else (_parent(op[1]),)
+
+
+def _chunk_end(ops: list[list[Any]], i: int) -> int:
+    """The end of the chunk of same-kind operations from ``i`` that run in threads together."""
+    kind = ops[i][0]
+    dirs: set[bytes] = set()
+    j = i
+    while j < len(ops) and ops[j][0] == kind and j - i < _CHUNK_OPS:
+        more = dirs.union(_op_dirs(ops[j]))
+        if len(more) > _CHUNK_DIRS and j > i:
+            break
+        dirs = more
+        j += 1
+    return j
+
+
+def _fast_op(kind: str, dfd: int, name: bytes, dst_fd: int, dst_name: bytes) -> bool:
+    """The plain case of a rename or an unlink, in a thread. False (a directory where a file
+    was, a name already gone, any error) leaves the operation to `_run_op`, which runs it again
+    with all its checks."""
+    try:
+        if kind == "rename":
+            os.rename(name, dst_name, src_dir_fd=dfd, dst_dir_fd=dst_fd)
+        elif kind == "unlink":
+            if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                return False
+            os.unlink(name, dir_fd=dfd)
+        else:
+            return False
+    except OSError:
+        return False
+    return True
+
+
+def _run_ops_threaded(dirs: _Dirs, chunk: list[list[Any]], threads: _Threads) -> None:
+    """Independent operations (see ``_THREADED_OPS``) run in threads; those a thread left
+    undone then run one by one, as `_redo` runs any operation."""
+    own = _ChunkDirs(dirs)
+    calls: list[tuple[Any, ...]] = []
+    try:
+        for op in chunk:
+            try:
+                if op[0] == "rename":
+                    calls.append(("rename", own.get(op[1]), op[2],
+                                  own.get(_parent(op[3])), _name(op[3])))  # fmt: skip
+                else:
+                    calls.append((op[0], own.get(_parent(op[1])), _name(op[1]), -1, b""))
+            except OSError:
+                calls.append(("", -1, b"", -1, b""))  # a directory not there: `_run_op` decides
+        done = threads.run(_fast_op, calls)
+    finally:
+        own.close()
+    for op, ok in zip(chunk, done, strict=True):
+        if not ok:
+            _run_op(dirs, op)
+
+
 def _decode_ops(record: dict[str, Any]) -> tuple[list[list[Any]], list[bytes]]:
     ops: list[list[Any]] = []
     for op in record["ops"]:
@@ -1095,11 +1296,23 @@ def _redo(
     progress: Progress | None,
 ) -> None:
     total = len(ops)
-    for i, op in enumerate(ops):
-        _run_op(dirs, op)
-        crash.at(f"{point}op:{i}")
-        if progress is not None and i % 256 == 0:
-            progress("apply", i, total)
+    threaded = total >= SYNCFS_FROM
+    threads = _Threads()
+    try:
+        i = 0
+        while i < total:
+            j = _chunk_end(ops, i) if threaded and ops[i][0] in _THREADED_OPS else i + 1
+            if j - i > 1:
+                _run_ops_threaded(dirs, ops[i:j], threads)
+            else:
+                _run_op(dirs, ops[i])
+            for k in range(i, j):
+                crash.at(f"{point}op:{k}")
+                if progress is not None and k % 256 == 0:
+                    progress("apply", k, total)
+            i = j
+    finally:
+        threads.close()
     if len(fsync) >= SYNCFS_FROM:
         syncfs(dirs.root)
     else:
@@ -1209,16 +1422,28 @@ def _apply_locked(
         total = len(plan.stages)
         whole_fs = total >= SYNCFS_FROM
         syncer = _Syncer(dirs.root if whole_fs else None)
+        threads = _Threads()
         try:
             with _prefetched(store, (s.entry.oid for s in plan.stages if s.entry.oid)):
-                for i, s in enumerate(plan.stages):
+                i = 0
+                while i < total:
                     _check_interrupt(interrupted)
-                    written += _stage_one(store, dirs, s, syncer, interrupted)
-                    crash.at(f"stage:{i}")
-                    if progress is not None:
-                        progress("stage", i + 1, total)
+                    if whole_fs:
+                        j, n = _stage_chunk(store, dirs, plan.stages, i, syncer, threads,
+                                            interrupted)  # fmt: skip
+                    else:
+                        j, n = i + 1, _stage_one(store, dirs, plan.stages[i], syncer, interrupted)
+                    written += n
+                    for k in range(i, j):
+                        crash.at(f"stage:{k}")
+                        if progress is not None:
+                            progress("stage", k + 1, total)
+                    i = j
         finally:
-            syncer.close()
+            try:
+                threads.close()
+            finally:
+                syncer.close()
         if not whole_fs:
             for d, _ in stage_dirs:
                 os.fsync(dirs.get(_dec(d)))
