@@ -159,9 +159,12 @@ def _booth(tree: Path, tapes: Path, tape_id: str, agent: list[str], commit: str 
             tape_id, "--commit", commit, "--", *agent])  # fmt: skip
 
 
+# `.git` pruned: in the git side of the commit case the tree is a repo, whose objects are no
+# source files (and a background `git gc --auto` may be packing them meanwhile).
 REWRITE = (
     "import os, sys\n"
-    "for dirpath, _, names in os.walk('.'):\n"
+    "for dirpath, dirs, names in os.walk('.'):\n"
+    "    dirs[:] = [d for d in dirs if d != '.git']\n"
     "    for n in names:\n"
     "        p = os.path.join(dirpath, n)\n"
     "        with open(p, 'rb') as f: data = f.read()\n"
@@ -240,6 +243,9 @@ def commit_case(s: Sizes, scratch: Path) -> list[Row]:
         repo = scratch / f"commit-git-{i}"
         subprocess.run(["cp", "-a", "--", str(lower), str(repo)], check=True)
         git(repo, "init", "-q", "-b", "main")
+        # 50,000 loose objects start a detached `git gc --auto`, which would run beside the
+        # timed commit (and pack objects from under the rewrite).
+        git(repo, "config", "gc.auto", "0")
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "-m", "base")
         subprocess.run([sys.executable, "-c", REWRITE], cwd=repo, check=True)

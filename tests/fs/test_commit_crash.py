@@ -97,12 +97,20 @@ def _many_dirs(src: Path) -> None:
     for i in range(commit.SYNCFS_FROM + 20):
         (src / f"d{i:03d}").mkdir()
         (src / f"d{i:03d}" / "f").write_text(f"old {i}\n")
+        (src / f"d{i:03d}" / "gone").write_text(f"gone {i}\n")
+    (src / "big").write_bytes(b"b" * (3 << 20))  # past what a thread stages whole
+    os.link(src / "d000" / "f", src / "d001" / "link-to-f")
 
 
 def _rewrite_many(src: Path) -> None:
+    """Rewrites, adds and removes past the threshold from which commit runs them in threads,
+    with a hard link, a symlink and a big file among them: staged one by one."""
     for i in range(commit.SYNCFS_FROM + 20):
         (src / f"d{i:03d}" / "f").write_text(f"new {i}\n")
         (src / f"d{i:03d}" / "added").write_text(f"added {i}\n")
+        (src / f"d{i:03d}" / "gone").unlink()
+    (src / "big").write_bytes(b"B" * (3 << 20))
+    (src / "d002" / "sym").symlink_to("f")
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +181,8 @@ def test_named_points_of_a_commit_synced_as_a_whole(big_world: World) -> None:
         status, new = _trial(w, point)
         assert status == -9, f"no crash at {point}"
         assert new == _committed_at(w, point), point
+    # Recovery redoes a big journal in threads too; killed midway, it is run again.
+    assert _trial(w, f"op:{w.ops // 3}", f"recover-op:{w.ops // 2}") == (-9, True)
     assert _trial(w, "no-such-point") == (0, True)
 
 
