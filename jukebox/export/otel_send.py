@@ -171,8 +171,12 @@ def collect_metrics(points: Iterable[MetricPoint], res: Any) -> Any:
 
 
 def signal_url(endpoint: str, signal: str) -> str:
-    """OTEL_EXPORTER_OTLP_ENDPOINT's rule: the base URL plus `/v1/traces` or `/v1/metrics`."""
-    return endpoint.rstrip("/") + f"/v1/{signal}"
+    """OTEL_EXPORTER_OTLP_ENDPOINT's rule: the base URL plus `/v1/traces` or `/v1/metrics`.
+    A signal's own URL given as the base (a pasted `.../v1/traces`) names the same base."""
+    base = endpoint.rstrip("/")
+    for path in ("/v1/traces", "/v1/metrics"):
+        base = base.removesuffix(path)
+    return f"{base}/v1/{signal}"
 
 
 def export_endpoint(given: str | None) -> str:

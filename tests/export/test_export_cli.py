@@ -67,3 +67,12 @@ def test_help_names_the_options() -> None:
     assert code == 0
     for option in ("--endpoint", "--capture-content", "--timeout", "--json", "TAPE…"):
         assert option in out
+
+
+def test_the_endpoint_is_a_base_url_and_a_pasted_signal_url_works_too() -> None:
+    from jukebox.export.otel_send import signal_url
+
+    assert signal_url("http://c:4318", "traces") == "http://c:4318/v1/traces"
+    assert signal_url("http://c:4318/", "metrics") == "http://c:4318/v1/metrics"
+    assert signal_url("http://c:6006/v1/traces", "metrics") == "http://c:6006/v1/metrics"
+    assert signal_url("http://c/otlp/v1/metrics/", "traces") == "http://c/otlp/v1/traces"
