@@ -29,6 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    # A test run killed outright (a CI timeout, SIGKILL) runs no atexit: the kernel ends
+    # Phoenix with it instead of leaving a server behind.
+    import prctl
+
+    prctl.set_pdeathsig(signal.SIGTERM)
+
+
 class Phoenix:
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         self.proc = proc
@@ -59,7 +67,7 @@ class Phoenix:
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [str(exe), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
         return cls(proc, port, log)
 
