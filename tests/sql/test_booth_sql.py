@@ -74,44 +74,56 @@ def table(pg: Cluster, db: str) -> str:
     return pg.psql("SELECT string_agg(id::text, ',' ORDER BY id) FROM t", db=db)
 
 
-def test_commit_takes_the_database_along_and_a_failed_verifier_leaves_it_as_before(
+# Under --net none the agent reaches the proxy and nothing else: not the server around it.
+AROUND_THE_PROXY = """
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=5).close()
+    raise SystemExit("the agent reached the server around the proxy")
+except OSError:
+    pass
+"""
+
+
+def test_a_failed_verifier_leaves_the_database_exactly_as_before(
     pg: Cluster, db: str, tmp_path: Path
 ) -> None:
     before = pg.dump(db)
-    failed = booth(tmp_path, pg.url(db), AGENT, "--verify", "false", "--tape-id", "failed",
-                   "--net", "none")
+    failed = booth(tmp_path, pg.url(db), AGENT + AROUND_THE_PROXY.format(port=pg.port),
+                   "--verify", "false", "--tape-id", "failed", "--net", "none")
     assert failed.returncode == 1, failed.stderr
     assert "verifier failed" in failed.stderr
+    assert (tmp_path / "tapes" / "failed.jbx").exists()
+    assert any(k == "sql" for k, _ in frames(tmp_path, "failed"))
     assert pg.dump(db) == before
     assert not (tmp_path / "tree" / "done.txt").exists()
 
+
+def test_commit_and_a_rollback_to_a_checkpoint_while_the_agent_runs(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
     # SCRAM to the server; its password never reaches the agent or the tape.
     url = pg.url(db, SCRAM_USER, SCRAM_PASSWORD)
-    ok = booth(tmp_path, url, AGENT + "\nassert 'PGPASSWORD' not in os.environ\n",
+    ok = booth(tmp_path, url, AGENT + "\nassert 'PGPASSWORD' not in os.environ\n" + CHECKPOINTS,
                "--verify", "true", "--tape-id", "ok", env={"PGPASSWORD": SCRAM_PASSWORD})
     assert ok.returncode == 0, ok.stderr
-    assert table(pg, db) == "1,2,3"
+    tree = tmp_path / "tree"
+    # Row 5 and b.txt came after checkpoint a and were rolled back together, the agent running.
+    assert (tree / "seen.txt").read_text() == "1,2,3,4"
+    assert (tree / "a.txt").exists() and not (tree / "b.txt").exists()
+    assert table(pg, db) == "1,2,3,4"
     assert pg.psql("SELECT to_regclass('made_by_agent') IS NOT NULL", db=db) == "t"
-    assert (tmp_path / "tree" / "done.txt").exists()
+    assert (tree / "done.txt").exists()
     recorded = frames(tmp_path, "ok")
     sql = [p for k, p in recorded if k == "sql"]
     assert [p["statement"] for p in sql if "INSERT" in p["statement"]] == [
-        "INSERT INTO t VALUES (3, 'from the agent')"
+        "INSERT INTO t VALUES (3, 'from the agent')",
+        "INSERT INTO t VALUES (4, 'before')",
+        "INSERT INTO t VALUES (5, 'after')",
     ]
     assert any(p.get("event") == "sql_commit" for k, p in recorded if k == "note")
     data = (tmp_path / "tapes" / "ok.jbx").read_bytes()
     assert SCRAM_PASSWORD.encode() not in data
-
-
-def test_rollback_to_a_checkpoint_while_the_agent_runs(
-    pg: Cluster, db: str, tmp_path: Path
-) -> None:
-    out = booth(tmp_path, pg.url(db), CHECKPOINTS, "--tape-id", "cp")
-    assert out.returncode == 0, out.stderr
-    tree = tmp_path / "tree"
-    assert (tree / "seen.txt").read_text() == "1,2,4"
-    assert (tree / "a.txt").exists() and not (tree / "b.txt").exists()
-    assert table(pg, db) == "1,2,4"
 
 
 def test_a_pending_booth_survives_a_server_restart_then_commits(

@@ -7,10 +7,12 @@ through a direct connection of its own, what another client of the database sees
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -18,7 +20,7 @@ import pytest
 
 from jukebox.sql.server import SqlProxy
 from jukebox.sql.upstream import Target
-from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster
+from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster, wait_for
 
 
 class Proxied:
@@ -250,3 +252,64 @@ def test_hostile_startup_and_messages_get_a_protocol_error(proxied: Proxied) -> 
     assert b"08P01" in answer
     # The proxy serves on: a real client still works.
     assert proxied.psql("SELECT 41 + 1").stdout.strip() == "42"
+
+
+MIGRATION = '''
+"""add a column and a table"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0001"
+down_revision = None
+
+
+def upgrade():
+    op.add_column("t", sa.Column("note", sa.Text()))
+    op.create_table("audit", sa.Column("id", sa.Integer, primary_key=True))
+    op.execute("UPDATE t SET note = 'migrated'")
+'''
+
+
+def test_an_alembic_migration_commits_only_with_the_booth(
+    pg: Cluster, db: str, proxied: Proxied, tmp_path: Path
+) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config(str(tmp_path / "alembic.ini"))
+    cfg.set_main_option("script_location", str(tmp_path / "migrations"))
+    cfg.set_main_option("sqlalchemy.url",
+                        proxied.url.replace("postgresql://", "postgresql+psycopg://"))
+    command.init(cfg, str(tmp_path / "migrations"))
+    (tmp_path / "migrations" / "versions" / "0001_first.py").write_text(MIGRATION)
+    command.upgrade(cfg, "head")
+    assert proxied.psql("SELECT version_num FROM alembic_version").stdout.strip() == "0001"
+    assert pg.psql("SELECT to_regclass('alembic_version') IS NULL", db=db) == "t"
+    proxied.end("COMMIT")
+    assert pg.psql("SELECT version_num FROM alembic_version", db=db) == "0001"
+    assert pg.psql("SELECT DISTINCT note FROM t", db=db) == "migrated"
+
+
+def test_cancel_and_smuggled_commits(pg: Cluster, db: str, proxied: Proxied) -> None:
+    # psql passes Ctrl-C on as a cancel request (a client in another process: libpq's cancel
+    # holds the GIL, so one in this process would wait on the proxy's thread forever).
+    sleeper = subprocess.Popen(["psql", "-X", "-d", proxied.url, "-c", "SELECT pg_sleep(60)"],
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: pg.psql("SELECT count(*) FROM pg_stat_activity WHERE query LIKE "
+                             "'SELECT pg_sleep%'") == "1")
+    sleeper.send_signal(signal.SIGINT)
+    _, err = sleeper.communicate(timeout=30)
+    assert "canceling statement due to user request" in err
+    with psycopg.connect(proxied.url, autocommit=True) as conn:
+        conn.execute("INSERT INTO t VALUES (3, 'x')")
+        # A COMMIT hidden in a prepared statement, a function body or a procedure never ends
+        # the booth's transaction: the server refuses each inside a transaction block.
+        with pytest.raises(psycopg.errors.SyntaxError):
+            conn.execute("COMMIT; SELECT %s::int", (1,))
+        with pytest.raises(psycopg.errors.InvalidTransactionTermination):
+            conn.execute("DO $$BEGIN COMMIT; END$$")
+        conn.execute("CREATE PROCEDURE p() LANGUAGE plpgsql AS $$BEGIN COMMIT; END$$")
+        with pytest.raises(psycopg.errors.InvalidTransactionTermination):
+            conn.execute("CALL p()")
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (3,)
+    assert rows(pg, db) == "1:one,2:two"
