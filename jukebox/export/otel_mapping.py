@@ -305,17 +305,34 @@ class TapeMapper:
 
     def _tool_call(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
         tool = str(p.get("tool") or "tool")
-        start = time_ns - _ns(p.get("seconds"), 1e9)
-        span = self._span(seq, f"execute_tool {tool}", start, time_ns)
+        mcp = isinstance(p.get("server"), str)  # a call through the MCP gateway (docs/mcp.md)
+        took = _ns(p.get("latency_ms"), 1e6) or _ns(p.get("seconds"), 1e9)
+        span = self._span(
+            seq, f"execute_tool {tool}", time_ns - took, time_ns, "client" if mcp else "internal"
+        )
         a = span.attributes
         a["gen_ai.operation.name"] = "execute_tool"
         a["gen_ai.tool.name"] = tool
-        a["gen_ai.tool.type"] = "function"
+        a["gen_ai.tool.type"] = "extension" if mcp else "function"
         for key in ("call_id", "id", "tool_call_id"):
             if isinstance(p.get(key), str):
                 a["gen_ai.tool.call.id"] = p[key]
                 break
-        if p.get("ok") is False:
+        error = p.get("error") if isinstance(p.get("error"), dict) else None
+        result = p.get("result") if isinstance(p.get("result"), dict) else {}
+        if mcp:
+            # The MCP conventions' client attributes, on the execute_tool span they extend.
+            a["mcp.method.name"] = "tools/call"
+            a["network.transport"] = "pipe"
+            skip = ("tool", "ok", "latency_ms", "cost_usd", "args", "result")  # content: opt-in
+            a.update(_scalars("jukebox.mcp", p, skip=skip))
+        if error is not None:
+            code = error.get("code")
+            a["error.type"] = str(code) if code is not None else "_OTHER"
+            if code is not None:
+                a["rpc.response.status_code"] = str(code)
+            span.error = _text(error.get("message") or f"the tool {tool} failed")
+        elif p.get("ok") is False or result.get("isError") is True:
             a["error.type"] = "tool_error"
             span.error = f"the tool {tool} failed"
         if self.capture:

@@ -14,6 +14,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from jukebox.export import otel_ids
 from jukebox.export.otel_content import environment_scrubber
+from jukebox.export.otel_mapping import TapeMapper
 from jukebox.export.otel_send import (
     collect_metrics,
     plan_tape,
@@ -313,3 +314,43 @@ def test_a_fork_is_its_own_trace_linked_to_the_original(tmp_path: Path) -> None:
     assert note["jukebox.note.status"] == 200
     assert "sk-abcdefghijklmnop1" not in note["jukebox.note.path"]  # notes pass redact too
     assert orig_plans.spans[2].error is not None  # exit code 3
+
+
+def test_mcp_tool_calls_carry_the_mcp_client_attributes() -> None:
+    """Tool calls as the MCP gateway records them (docs/mcp.md): allowed, an error result, a
+    protocol error, a denial."""
+    mapper = TapeMapper("mcp-run")
+    mapper.frame(0, "run_start", 1_000_000_000, {"name": "mcp:files"})
+    base = {"server": "files", "tool": "write_file", "args": {"path": "a", "text": "SECRET"},
+            "reported_by": "gateway"}  # fmt: skip
+    ok = mapper.frame(1, "tool_call", 2_000_000_000, {
+        **base, "result": {"content": [{"type": "text", "text": "done"}], "isError": False},
+        "latency_ms": 12.5, "decision": "allow", "ok": True})  # fmt: skip
+    assert ok is not None and ok.kind == "client" and ok.name == "execute_tool write_file"
+    assert ok.start_ns == 2_000_000_000 - 12_500_000 and ok.error is None
+    assert ok.attributes == {
+        "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": "write_file",
+        "gen_ai.tool.type": "extension",
+        "mcp.method.name": "tools/call",
+        "network.transport": "pipe",
+        "jukebox.mcp.server": "files",
+        "jukebox.mcp.decision": "allow",
+        "jukebox.mcp.reported_by": "gateway",
+        "jukebox.frame.seq": 1,
+        "jukebox.frame.kind": "tool_call",
+    }
+    failed = mapper.frame(2, "tool_call", 3_000_000_000, {
+        **base, "result": {"content": [], "isError": True}, "ok": False,
+        "decision": "allow"})  # fmt: skip
+    assert failed is not None and failed.attributes["error.type"] == "tool_error"
+    broken = mapper.frame(3, "tool_call", 4_000_000_000, {
+        **base, "error": {"code": -32602, "message": "bad params"}, "ok": False})  # fmt: skip
+    assert broken is not None and broken.error == "bad params"
+    assert broken.attributes["error.type"] == broken.attributes["rpc.response.status_code"]
+    assert broken.attributes["error.type"] == "-32602"
+    denied = mapper.frame(4, "tool_call", 5_000_000_000, {
+        **base, "decision": "deny", "why": "policy: denied", "ok": False})  # fmt: skip
+    assert denied is not None and denied.attributes["jukebox.mcp.why"].startswith("policy")
+    for span in (ok, failed, broken, denied):
+        assert "SECRET" not in json.dumps(span.attributes)  # arguments are content
