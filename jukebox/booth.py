@@ -1137,7 +1137,9 @@ class _Run:
                 return self.mcp.handle_stage(req, len(self.checkpoints) - 1)
 
         return {"checkpoint": checkpoint, "rollback": rollback, "status": status,
-                "mcp_record": mcp_record, "mcp_stage": mcp_stage}  # fmt: skip
+                "mcp_record": mcp_record, "mcp_stage": mcp_stage,
+                "mcp_ask": lambda req, peer: self.mcp.handle_ask(req),
+                "mcp_ask_status": lambda req, peer: self.mcp.handle_ask_status(req)}  # fmt: skip
 
 
 def _terminate(pid: int, grace: float) -> None:
@@ -1560,6 +1562,13 @@ def run_booth(
 
         run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload),
                             mcp_limits, run.on_trip)  # fmt: skip
+        from jukebox.mcp.approvals import read_answer
+
+        run.mcp.answer_of = functools.partial(read_answer, tapes, booth_id)
+        run.mcp.tell = lambda ask_id, what: _alert(
+            f"booth {booth_id}: the agent asks to call {what}: `jukebox booth approve {booth_id} "
+            f"{ask_id}` (or --deny; --tape-dir {tapes.path})"
+        )
         sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
         sock_path = os.path.join(sock_dir, "control.sock")
         server = ControlServer(sock_path, run.handlers()).start()

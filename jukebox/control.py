@@ -37,7 +37,9 @@ SOCKET_ENV = "JUKEBOX_SOCKET"
 MAX_LINE = 64 * 1024
 MAX_CONNECTIONS = 64
 MAX_LABEL = 200
-OPS = ("checkpoint", "rollback", "status", "mcp_record", "mcp_stage")
+OPS = (
+    "checkpoint", "rollback", "status", "mcp_record", "mcp_stage", "mcp_ask", "mcp_ask_status",
+)  # fmt: skip
 # Every server answers these; the MCP stage gate's ops only where a handler is given.
 CORE_OPS = ("checkpoint", "rollback", "status")
 
@@ -91,6 +93,8 @@ def validate(raw: bytes) -> dict[str, Any]:
         "checkpoint": {"op", "label"}, "rollback": {"op", "to"}, "status": {"op"},
         "mcp_record": {"op", "kind", "payload"},
         "mcp_stage": {"op", "server", "argv", "tool", "args"},
+        "mcp_ask": {"op", "server", "tool", "args"},
+        "mcp_ask_status": {"op", "id"},
     }[op]  # fmt: skip
     extra = sorted(set(request) - allowed)
     if extra:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -55,6 +56,9 @@ def _policy_options(fn):  # type: ignore[no-untyped-def]
               help="Circuit breaker: refuse every call past the Nth.")  # fmt: skip
 @click.option("--max-tool-repeat", type=int, default=None, metavar="N",
               help="Circuit breaker: refuse the Nth identical call in a row.")  # fmt: skip
+@click.option("--ask-timeout", type=float, default=300.0, show_default=True,
+              help="In a booth: seconds to wait for the operator's answer to an ask; then "
+              "the call is refused.")  # fmt: skip
 @click.argument("command", nargs=-1, required=False, type=click.UNPROCESSED)
 def wrap_command(
     name: str | None,
@@ -71,6 +75,7 @@ def wrap_command(
     start_timeout: float,
     max_tool_calls: int | None,
     max_tool_repeat: int | None,
+    ask_timeout: float,
     command: tuple[str, ...],
 ) -> None:
     """Serve the stdio MCP server CMD to an agent through the stage gate: point the agent's MCP
@@ -115,13 +120,15 @@ def wrap_command(
     if in_booth:  # the tape dir is hidden in a booth: the supervisor records, and stages
         booth_sink = BoothSink(argv, scrubber)
         sink, stager = booth_sink, booth_sink.stage
+        asker = functools.partial(booth_sink.ask, wait=ask_timeout)
     else:
         sink = TapeSink(tape_dir, server, argv, policy.describe(), scrubber, tape_id)
-        stager = None
+        stager = asker = None
     try:
         anyio.run(lambda: serve_stdio(server, argv, sink, policy, timeout=timeout,
                                       start_timeout=start_timeout, stager=stager,
-                                      limits=limits if limits.active else None))
+                                      limits=limits if limits.active else None,
+                                      asker=asker))
     except BaseExceptionGroup as group:  # the SDK's task groups wrap what failed
         raise _first(group) from None
     except GatewayError:
@@ -200,3 +207,26 @@ def config_command(config_file: str, output: str | None, wrap_tape_dir: str | No
         click.echo(text, nl=False)
     else:
         Path(output).write_text(text)
+
+
+def _register_approve() -> None:
+    # `jukebox booth approve` lives with the MCP commands it serves.
+    from jukebox.cli.booth import _tape_dir, booth
+
+    @booth.command("approve")
+    @click.argument("booth_id")
+    @click.argument("call")
+    @click.option("--deny", is_flag=True, help="Refuse the call instead.")
+    @click.option("--tape-dir", default=None)
+    def approve(booth_id: str, call: str, deny: bool, tape_dir: str | None) -> None:
+        """Answer a running booth's question about an MCP tool call (its policy said `ask`):
+        CALL is the ask-N id the booth printed. The call runs (or is refused) when the
+        agent's gateway reads the answer (docs/mcp.md)."""
+        from jukebox.mcp.approvals import write_answer
+
+        answer = "deny" if deny else "approve"
+        write_answer(_tape_dir(tape_dir), booth_id, call, answer)
+        click.echo(f"{'refused' if deny else 'approved'} {call} of booth {booth_id}")
+
+
+_register_approve()

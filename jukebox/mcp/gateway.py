@@ -61,6 +61,8 @@ class Gateway:
     timeout: float = DEFAULT_TIMEOUT
     stager: Stager | None = None
     limits: Any = None  # jukebox.mcp.limits.ToolCallLimits
+    # ask(server, tool, args) -> "approve" | "deny": the operator, through the booth.
+    asker: Callable[[str, str, dict[str, Any]], str] | None = None
     # tool name -> its annotations as on the wire (None: unannotated), from the last listing.
     annotations: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     calls: int = 0
@@ -118,8 +120,14 @@ class Gateway:
             decision = Decision("deny", f"circuit breaker: {trip.detail}")
             frame.update(decision.as_dict(), breaker=trip.to_payload())
         if decision.decision == "ask":
-            # Nobody can answer on a gateway's own stdio (it is the agent's pipe).
-            decision = Decision("deny", "ask: no operator to ask here")
+            if self.asker is None:
+                # Nobody can answer on a gateway's own stdio (it is the agent's pipe).
+                decision = Decision("deny", "ask: no operator to ask here")
+            else:
+                answer = await anyio.to_thread.run_sync(self.asker, self.name, tool, args)
+                approved = answer == "approve"
+                decision = Decision("allow" if approved else "deny", "ask: the operator " + (
+                    "approved" if approved else "refused, or did not answer"))  # fmt: skip
             frame.update(decision.as_dict())
         if decision.decision == "deny":
             result = _refusal(tool, self.name, decision.why)
@@ -245,6 +253,7 @@ async def serve_stdio(
     agent_streams: Any = None,
     replay: Any = None,
     limits: Any = None,
+    asker: Any = None,
 ) -> None:
     """Starts the real server `argv`, then serves the agent on this process's stdin and stdout
     (or `agent_streams`, a (read, write) pair) until the agent closes them. With `replay` (a
@@ -262,7 +271,7 @@ async def serve_stdio(
             stdio_client(params, errlog=sys.stderr) as (read, write),
             ClientSession(read, write) as upstream,
         ):
-            gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits)
+            gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits, asker)
             try:
                 with anyio.fail_after(start_timeout):
                     init = await upstream.initialize()

@@ -27,6 +27,7 @@ from jukebox.redact import Scrubber, is_secret_env_name, redact_argv
 
 FRAME_KINDS = ("tool_call", "note")
 NOTE_EVENTS = ("mcp_list", "mcp_read", "mcp_prompt", "mcp_server")
+ASK_POLL = 0.2
 
 
 def wire(model: Any) -> Any:
@@ -142,6 +143,22 @@ class BoothSink:
             self.socket_path,
         )
         return str(answer["id"])
+
+    def ask(self, server: str, tool: str, args: dict[str, Any], wait: float) -> str:
+        """Asks the operator through the booth; "approve", or "deny" (also when no answer came
+        within `wait` seconds)."""
+        from jukebox import control
+
+        asked = control.request({"op": "mcp_ask", "server": server, "tool": tool,
+                                 "args": args}, self.socket_path)  # fmt: skip
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            answer = control.request({"op": "mcp_ask_status", "id": asked["id"]},
+                                     self.socket_path).get("answer")  # fmt: skip
+            if answer is not None:
+                return str(answer)
+            time.sleep(ASK_POLL)
+        return "deny"
 
     def close(self) -> None:
         pass

@@ -65,6 +65,11 @@ class StageGate:
         self.limits = limits
         self.on_trip = on_trip
         self.trip: Any = None
+        self.asks: dict[str, str | None] = {}
+        # tell(ask id, what): show the operator a question; answer_of(ask id): their answer.
+        self.tell: Callable[[str, str], None] | None = None
+        self.answer_of: Callable[[str], str | None] | None = None
+        self._next_ask = 1
         self.staged: list[StagedCall] = []
         self.tool_calls = 0
         self._next = 1
@@ -130,6 +135,35 @@ class StageGate:
             self._next += 1
             self.staged.append(call)
         return {"id": call.id}
+
+    def handle_ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A call the policy says to ask about: recorded, shown to the operator, answered later
+        (jukebox.mcp.approvals)."""
+        server, tool, args = _str(request, "server"), _str(request, "tool"), request.get("args")
+        if not isinstance(args, dict):
+            raise RequestError("'args' must be an object")
+        with self._lock:
+            ask_id = f"ask-{self._next_ask}"
+            self._next_ask += 1
+            self.asks[ask_id] = None
+        self.record("note", {"event": "mcp_ask", "id": ask_id, "server": server, "tool": tool,
+                             "args": args})  # fmt: skip
+        if self.tell is not None:
+            self.tell(ask_id, f"{server}/{tool}")
+        return {"id": ask_id}
+
+    def handle_ask_status(self, request: dict[str, Any]) -> dict[str, Any]:
+        ask_id = request.get("id")
+        if not isinstance(ask_id, str) or ask_id not in self.asks:
+            raise RequestError("'id' must name a question this booth asked")
+        answer = self.asks[ask_id]
+        if answer is None and self.answer_of is not None:
+            answer = self.answer_of(ask_id)
+            if answer is not None:
+                self.asks[ask_id] = answer
+                self.record("note", {"event": "mcp_answer", "id": ask_id, "answer": answer,
+                                     "by": "booth approve"})  # fmt: skip
+        return {"answer": answer}
 
     # -- the lifecycle ----------------------------------------------------------------------------
 

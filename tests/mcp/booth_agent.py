@@ -6,6 +6,7 @@ takes its steps from argv:
     observe NAME        add_observations to NAME (staged; fails at the commit if NAME is missing)
     checkpoint LABEL    ask the booth for a checkpoint
     rollback LABEL      ask the booth to roll back to it
+    ask TOOL            (first) the gateway asks the operator before TOOL runs
     write FILE          write FILE in the tree
     attack              try to stage calls on programs the operator never declared
     exit N              leave with status N
@@ -34,7 +35,12 @@ async def main(steps: list[str]) -> int:
     with open(os.environ["JUKEBOX_MCP_CONFIG"]) as f:
         config = json.load(f)
     entry = config["mcpServers"]["memory"]
-    params = StdioServerParameters(command=entry["command"], args=entry["args"],
+    args = list(entry["args"])
+    if steps[:1] == ["ask"]:
+        at = args.index("--")
+        args[at:at] = ["--ask", steps[1], "--ask-timeout", "60"]
+        del steps[:2]
+    params = StdioServerParameters(command=entry["command"], args=args,
                                    env={**os.environ, **entry.get("env", {})})  # fmt: skip
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()

@@ -151,3 +151,40 @@ def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> 
     assert trip["rule"] == "max_tool_calls" and trip["limit"] == 1
     (dropped,) = payloads(s["tapes"] / "d1.jbx", "note", "mcp_dropped")
     assert dropped["ids"] == ["stage-1"]
+
+
+def test_ask_waits_for_the_operator(setup: dict) -> None:
+    s = setup
+    proc = subprocess.Popen(
+        [JUKEBOX, "booth", "run", "--tree", str(s["tree"]), "--tape-dir", str(s["tapes"]),
+         "--tape-id", "a1", "--mcp-config", str(s["config"]), "--commit", "never", "--",
+         sys.executable, AGENT, "ask", "create_entities", "create", "yes", "create", "no"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=s["tree"],
+    )  # fmt: skip
+    asked = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "jukebox booth approve a1 ask-" in line:
+            ask_id = line.split("jukebox booth approve a1 ")[1].split("`")[0]
+            asked.append(ask_id)
+            answer = ["--deny"] if len(asked) == 2 else []
+            # The agent cannot answer itself: answers go in the hidden tape dir, not the socket.
+            subprocess.run([JUKEBOX, "booth", "approve", "a1", ask_id, "--tape-dir",
+                            str(s["tapes"]), *answer], check=True, capture_output=True)  # fmt: skip
+            if len(asked) == 2:
+                break
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and asked == ["ask-1", "ask-2"]
+    yes, no = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert "refused" not in (yes["text"] or "") and "refused" in no["text"]
+    calls = payloads(s["tapes"] / "a1.jbx", "tool_call")
+    assert [(c["decision"], c["why"]) for c in calls] == [
+        ("allow", "ask: the operator approved"),
+        ("deny", "ask: the operator refused, or did not answer"),
+    ]
+    answers = payloads(s["tapes"] / "a1.jbx", "note", "mcp_answer")
+    assert [a["answer"] for a in answers] == ["approve", "deny"]
+    # Once the run is over, no question waits: an answer is refused.
+    again = subprocess.run([JUKEBOX, "booth", "approve", "a1", "ask-1", "--tape-dir",
+                            str(s["tapes"])], capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 2
