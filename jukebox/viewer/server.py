@@ -39,6 +39,16 @@ class ViewerServer(ThreadingHTTPServer):
         self.cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         super().__init__(("127.0.0.1", port), _Handler)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """socketserver prints a traceback for any error in a request; a browser that closed a
+        tab or cancelled a fetch resets its connection, which is no error of ours."""
+        import sys
+
+        error = sys.exc_info()[1]
+        if isinstance(error, ConnectionError | TimeoutError):
+            return
+        print(f"jukebox view: a request failed: {type(error).__name__}: {error}", file=sys.stderr)
+
     @property
     def port(self) -> int:
         return int(self.server_address[1])
