@@ -197,7 +197,7 @@ class TapeMapper:
     _HANDLERS = {
         kind: f"_{kind}"
         for kind in ("llm_turn", "tool_call", "agent_turn", "checkpoint", "rollback", "verify",
-                     "breaker", "exit", "fork", "note")
+                     "breaker", "exit", "fork", "note", "sql")
     }  # fmt: skip
 
     def _span(self, seq: int, name: str, start: int, end: int, kind: str = "internal") -> SpanPlan:
@@ -340,6 +340,32 @@ class TapeMapper:
                 a["gen_ai.tool.call.arguments"] = json_attribute(p["args"], self.scrubber)
             if "result" in p:
                 a["gen_ai.tool.call.result"] = json_attribute(p["result"], self.scrubber)
+        return span
+
+    def _sql(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
+        """A statement through the SQL proxy (docs/sql.md), as the database conventions' client
+        span; the statement's text and parameters are content (literals, rows' values)."""
+        tag = p.get("tag") if isinstance(p.get("tag"), str) else ""
+        op = tag.split(" ", 1)[0] if tag else ""
+        db = p.get("db") if isinstance(p.get("db"), str) else None
+        name = " ".join(x for x in (op, db) if x) or "postgresql"
+        span = self._span(seq, name, time_ns - _ns(p.get("ms"), 1e6), time_ns, "client")
+        a = span.attributes
+        a["db.system.name"] = "postgresql"
+        if db:
+            a["db.namespace"] = db
+        if op:
+            a["db.operation.name"] = op
+        if _number(p.get("rows")):
+            a["db.response.returned_rows"] = p["rows"]
+        a.update(_scalars("jukebox.sql", p, skip=("statement", "db", "tag", "rows")))
+        error = p.get("error") if isinstance(p.get("error"), dict) else None
+        if error is not None:
+            code = str(error.get("code") or "_OTHER")
+            a["error.type"] = a["db.response.status_code"] = code
+            span.error = _text(error.get("message") or f"the statement failed ({code})")
+        if self.capture and isinstance(p.get("statement"), str):
+            a["db.query.text"] = json_attribute(p["statement"], self.scrubber)
         return span
 
     def _agent_turn(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:

@@ -354,3 +354,28 @@ def test_mcp_tool_calls_carry_the_mcp_client_attributes() -> None:
     assert denied is not None and denied.attributes["jukebox.mcp.why"].startswith("policy")
     for span in (ok, failed, broken, denied):
         assert "SECRET" not in json.dumps(span.attributes)  # arguments are content
+
+
+def test_sql_statements_are_database_client_spans() -> None:
+    """Statements as the SQL proxy records them (docs/tape-format.md): the statement's text is
+    content, exported only on request."""
+    payload = {"db": "shop", "conn": 2, "statement": "UPDATE users SET pw = 'hunter2' WHERE id = 1",
+               "tag": "UPDATE 1", "rows": 1, "rows_changed": 1, "ms": 4.5}  # fmt: skip
+    for capture in (False, True):
+        mapper = TapeMapper("sql-run", capture=capture)
+        mapper.frame(0, "run_start", 0, {"name": "agent"})
+        span = mapper.frame(1, "sql", 10_000_000, payload)
+        assert span is not None and span.name == "UPDATE shop" and span.kind == "client"
+        assert span.start_ns == 10_000_000 - 4_500_000
+        a = span.attributes
+        assert (a["db.system.name"], a["db.namespace"], a["db.operation.name"]) == (
+            "postgresql",
+            "shop",
+            "UPDATE",
+        )
+        assert a["db.response.returned_rows"] == 1 and a["jukebox.sql.rows_changed"] == 1
+        assert ("hunter2" in json.dumps(a)) is capture
+    error = {"code": "42601", "message": "syntax"}
+    failed = mapper.frame(2, "sql", 20_000_000, {"db": "shop", "statement": "x", "error": error})
+    assert failed is not None and failed.error == "syntax"
+    assert failed.attributes["error.type"] == "42601"
