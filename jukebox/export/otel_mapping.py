@@ -23,6 +23,7 @@ from typing import Any
 from jukebox.export import otel_ids
 from jukebox.export.otel_content import content_attributes, json_attribute
 from jukebox.export.otel_llm import call_facts, operation, provider_name, request_settings
+from jukebox.frame import KNOWN_KINDS
 from jukebox.redact import Scrubber, redact_argv, redact_text
 
 # A frame that changed more files than this shows the first ones as events and the count.
@@ -182,7 +183,11 @@ class TapeMapper:
         span = getattr(self, handler)(seq, time_ns, payload) if handler is not None else None
         if span is None:
             span = self._span(seq, f"jukebox.{kind}", time_ns, time_ns)
-            span.attributes.update(_scalars(f"jukebox.{kind}", payload, skip=("cost_usd",)))
+            fields = _scalars(f"jukebox.{kind}", payload, skip=("cost_usd",))
+            if kind not in KNOWN_KINDS and not self.capture:
+                # A kind from a later Jukebox: its text could be content this one cannot tell.
+                fields = {k: v for k, v in fields.items() if not isinstance(v, str)}
+            span.attributes.update(fields)
         span.attributes["jukebox.frame.seq"] = seq
         span.attributes["jukebox.frame.kind"] = kind
         if _number(cost):
