@@ -379,3 +379,14 @@ def test_sql_statements_are_database_client_spans() -> None:
     failed = mapper.frame(2, "sql", 20_000_000, {"db": "shop", "statement": "x", "error": error})
     assert failed is not None and failed.error == "syntax"
     assert failed.attributes["error.type"] == "42601"
+
+
+def test_a_newer_kind_keeps_its_text_unless_content_is_asked_for() -> None:
+    payload = {"prompt": "the secret plan", "count": 3, "ok": True}
+    for capture in (False, True):
+        mapper = TapeMapper("later", capture=capture)
+        span = mapper.frame(1, "hologram", 5, payload)
+        assert span is not None and span.name == "jukebox.hologram"
+        assert span.attributes["jukebox.hologram.count"] == 3
+        assert span.attributes["jukebox.hologram.ok"] is True
+        assert ("jukebox.hologram.prompt" in span.attributes) is capture
