@@ -84,6 +84,7 @@ def test_served_page_clicks_through_frames_and_opens_a_diff(
     assert page.locator(f"{strip} .mk.verify.ok").count() == 1
     assert page.locator(f"{strip} .mk.commit").count() == 1
     assert page.inner_text(".jb-timeline-a .row[data-seq='6'] .kind") == "rollback"
+    assert page.get_attribute(f"{strip} .back", "title") == "@6 rolled back to @3"
 
     open_frame(page, "a", 2)  # the first model call: messages in markdown, the tool call
     text = detail_text(page)
@@ -99,6 +100,10 @@ def test_served_page_clicks_through_frames_and_opens_a_diff(
     page.keyboard.press("j")  # the next frame: checkpoint turn-1, the file it added
     page.wait_for_selector("#detail[data-seq='3'][data-state='shown']")
     assert "FILES CHANGED (1)" in detail_text(page) and "notes.txt" in detail_text(page)
+
+    open_frame(page, "a", 6)  # the rollback: back to checkpoint turn-1, frame 3
+    page.click("#detail button.jb-back")
+    page.wait_for_selector("#detail[data-seq='3'][data-state='shown']")
 
     open_frame(page, "a", 5)  # checkpoint turn-2: a modified file, a hostile file and name
     text = detail_text(page)

@@ -281,6 +281,19 @@
     box.appendChild(line);
   }
 
+  // The checkpoint frame a rollback went back to: the latest checkpoint with its id before it
+  // (checkpoint 0 is the start of the run, frame 0).
+  function rolledBackTo(facts, mark) {
+    if (mark.to === null || mark.to === undefined) return null;
+    if (mark.to === 0) return 0;
+    let found = null;
+    for (const m of facts.marks) {
+      if (m.seq >= mark.seq) break;
+      if (m.kind === "checkpoint" && m.id === mark.to) found = m.seq;
+    }
+    return found;
+  }
+
   // ------------------------------------------------------------------ the strips
 
   function strips() {
@@ -307,6 +320,17 @@
         node.style.left = at(mark.seq);
         node.title = "@" + mark.seq + " " + mark.kind + ": " + mark.what;
         strip.appendChild(node);
+      }
+      // Each rollback spans back to its checkpoint, above the line.
+      for (const mark of facts.marks) {
+        if (mark.kind !== "rollback") continue;
+        const back = rolledBackTo(facts, mark);
+        if (back === null) continue;
+        const span = el("div", "back");
+        span.style.left = at(back);
+        span.style.width = "calc(" + at(mark.seq) + " - " + at(back) + ")";
+        span.title = "@" + mark.seq + " rolled back to @" + back;
+        strip.appendChild(span);
       }
       if (CMP && CMP.shared_prefix < count) {
         const node = el("div", "mk diverge");
@@ -586,7 +610,7 @@
     else if (reply.error === undefined) add(out, el("p", "fact", "(nothing)"));
   }
 
-  function kindView(detail, what, out) {
+  function kindView(side, detail, what, out) {
     const p = detail.payload || {};
     switch (detail.kind) {
       case "llm_turn":
@@ -618,6 +642,19 @@
         add(out, el("p", "verdict-bad", "verdict: discarded — " + what));
         add(out, kv(p));
         return;
+      case "rollback": {
+        const facts = DATA[side].facts;
+        const mark = facts.marks.find((m) => m.seq === detail.seq);
+        const back = mark ? rolledBackTo(facts, mark) : null;
+        const line = el("p", null, "rollback " + what);
+        if (back !== null) {
+          const go = el("button", "jb-back", "go to @" + back);
+          go.addEventListener("click", () => jump(side, back));
+          add(line, " ", go);
+        }
+        add(out, line, kv(p));
+        return;
+      }
       default:
         add(out, el("p", null, what));
         add(out, kv(p));
@@ -734,7 +771,7 @@
       else if (detail.seq === CMP.shared_prefix) add(out, el("p", "why", "The tapes part here."));
     }
     if (detail.error) add(out, el("p", "err", "part of this frame could not be read: " + detail.error));
-    kindView(detail, what, out);
+    kindView(side, detail, what, out);
     if (detail.files) filesView(detail, out);
     // Built when opened: a model call's payload can hold megabytes of request and response.
     const raw = el("details", "raw");
