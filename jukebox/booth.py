@@ -1562,7 +1562,14 @@ def run_booth(
 
         run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload),
                             mcp_limits, run.on_trip)  # fmt: skip
+        from jukebox.mcp import verdict as mcp_verdict
         from jukebox.mcp.approvals import read_answer
+
+        def keep_staged(calls: list[Any]) -> None:
+            mcp_verdict.keep(record, mcp_servers, calls)
+            save_record(tapes, record)
+
+        run.mcp.on_change = keep_staged
 
         run.mcp.answer_of = functools.partial(read_answer, tapes, booth_id)
         run.mcp.tell = lambda ask_id, what: _alert(

@@ -68,6 +68,9 @@ class StageGate:
         self.asks: dict[str, str | None] = {}
         # tell(ask id, what): show the operator a question; answer_of(ask id): their answer.
         self.tell: Callable[[str, str], None] | None = None
+        # on_change(staged calls): the booth keeps them in its record as they change, so a
+        # booth whose supervisor died still has them for `booth commit`.
+        self.on_change: Callable[[list[StagedCall]], None] | None = None
         self.answer_of: Callable[[str], str | None] | None = None
         self._next_ask = 1
         self.staged: list[StagedCall] = []
@@ -134,7 +137,12 @@ class StageGate:
             call = StagedCall(f"stage-{self._next}", server, tool, args, newest_checkpoint)
             self._next += 1
             self.staged.append(call)
+            self._changed()
         return {"id": call.id}
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(list(self.staged))
 
     def handle_ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """A call the policy says to ask about: recorded, shown to the operator, answered later
@@ -172,6 +180,8 @@ class StageGate:
         with self._lock:
             dropped = [c.id for c in self.staged if c.after_checkpoint >= checkpoint]
             self.staged = [c for c in self.staged if c.after_checkpoint < checkpoint]
+            if dropped:
+                self._changed()
         if dropped:
             self.record("note", {"event": "mcp_dropped", "ids": dropped, "reason": reason})
         return dropped
