@@ -17,7 +17,7 @@ demo: setup
 	$(PY) -m jukebox.demo
 
 test: setup receivers
-	$(VENV)/bin/ruff check shadowfs jukebox tests bench
+	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
 	$(PY) -m pytest -q tests
 
 bench: setup
@@ -51,7 +51,7 @@ vm-test: setup
 	nice -n 19 $(PY) -m vm $(KERNEL)
 
 lint: setup
-	$(VENV)/bin/ruff check shadowfs jukebox tests bench
+	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
 
 # Bytecode as a wheel install would leave it (PYTHONDONTWRITEBYTECODE may be set): without it the
 # CLI recompiles every module on every start.

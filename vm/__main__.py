@@ -61,6 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     names = args.kernels or os.environ.get("KERNEL", "").split() or list(kernels.DEFAULT)
+    try:
+        kernels.check(names)
+    except kernels.KernelError as exc:
+        _fail(str(exc))
+    if os.environ.get("JUKEBOX_VM_ACCEL", "kvm") not in ("kvm", "tcg"):
+        _fail(f"JUKEBOX_VM_ACCEL={os.environ['JUKEBOX_VM_ACCEL']}: use kvm or tcg, or unset it")
+    try:
+        forced_scale = float(os.environ.get("JUKEBOX_TEST_SLOWDOWN", "0"))
+    except ValueError:
+        _fail(f"JUKEBOX_TEST_SLOWDOWN={os.environ['JUKEBOX_TEST_SLOWDOWN']}: give a factor like 10")
+    if args.timeout <= 0:
+        _fail(f"--timeout {args.timeout:g}: give the seconds one VM may run, e.g. 2700")
     for tool in ("qemu-system-x86_64", "mkfs.ext4", "dpkg-deb", "apt-get", "depmod", "busybox"):
         if shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
             _fail(f"{tool} is not installed: run `make vm-test`, which installs it")
@@ -74,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     tests, extra = subset(SUBSET, args.tests)
 
     accel = boot.accelerator(CACHE, chosen[0], REPO, _log)
-    scale = float(os.environ.get("JUKEBOX_TEST_SLOWDOWN", SLOWDOWN.get(accel, 10)))
+    scale = forced_scale or SLOWDOWN.get(accel, 10)
     venv, prefix = disks.venv_paths(REPO)
     image = disks.python_image(REPO, CACHE, _log)
     settings = {

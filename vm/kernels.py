@@ -128,14 +128,17 @@ def from_file(path: str) -> Kernel:
     return Kernel(image.name if m else version, version, image)
 
 
-def resolve(cache: Path, names: list[str], log=print) -> list[Kernel]:
-    out = []
+def check(names: list[str]) -> None:
+    """Refuses a name that is neither a known suite nor an existing file, before any download."""
     for name in names:
         if name in SUITES:
-            out.append(fetch(cache, name, log))
-        elif os.sep in name or name.startswith("vmlinuz"):
-            out.append(from_file(name))
-        else:
+            continue
+        if os.sep not in name and not name.startswith("vmlinuz"):
             raise KernelError(f"KERNEL={name}: unknown; use one of {', '.join(SUITES)}, "
                               "or a path to a vmlinuz")
-    return out
+        from_file(name)
+
+
+def resolve(cache: Path, names: list[str], log=print) -> list[Kernel]:
+    check(names)
+    return [fetch(cache, n, log) if n in SUITES else from_file(n) for n in names]

@@ -1,0 +1,86 @@
+"""The host side of `make vm-test` (vm/): what it refuses, what it runs, how it reads results.
+
+Booting VMs is not part of `make test`; these check the parts that run on the host in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+from vm import disks, report
+from vm.__main__ import SUBSET, subset
+
+
+def _vm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vm", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+
+
+def test_an_unknown_kernel_is_refused_in_one_line_before_any_download() -> None:
+    for bad in (["no-such-suite"], ["/nowhere/vmlinuz-9.9"]):
+        proc = _vm(*bad)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and bad[0] in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_timeout_is_refused_in_one_line() -> None:
+    proc = _vm("bookworm", "--timeout", "-5")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--timeout" in proc.stderr
+
+
+def test_every_test_the_vm_subset_names_exists() -> None:
+    """A renamed test file would silently drop out of every kernel's run."""
+    tests, extra = subset(SUBSET, None)
+    assert len(tests) >= 10
+    for arg in tests + extra[1::2]:
+        path = REPO / arg.split("::")[0]
+        assert path.is_file(), f"vm/subset.txt names {arg}, which does not exist"
+        if "::" in arg:
+            assert f"def {arg.split('::')[1].split('[')[0]}(" in path.read_text(), arg
+
+
+def test_the_report_counts_what_pytest_wrote(tmp_path: Path) -> None:
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    assert True\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_skipped():\n    pytest.skip('this kernel has no frobnicator')\n"
+        "def test_skipped_too():\n    pytest.skip('this kernel has no frobnicator')\n"
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={run_dir / 'junit.xml'}", str(tmp_path / "test_sample.py")],
+                   capture_output=True, cwd=tmp_path, timeout=120,
+                   env=dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))  # as in the guest
+    (run_dir / "guest.log").write_text(
+        "guest: kernel 6.1.0\nguest: module fuse ok\nguest: module overlay MISSING\n"
+        "guest: fuse protocol 7.38: invalidation expires entries\n"
+    )
+    r = report.read(report.KernelResult("bookworm", "6.1.0", "tcg", 60.0, 30.0, 1, 1), run_dir)
+    assert r.passed == 1
+    assert len(r.failed) == 1 and "test_bad" in r.failed[0] and "one is not two" in r.failed[0]
+    assert r.skipped == {"this kernel has no frobnicator": 2}
+    assert r.fuse == "fuse protocol 7.38: invalidation expires entries"
+    assert not r.ok
+    text = report.render([r])
+    assert "1 passed, 1 failed, 2 skipped" in text
+    assert "overlay MISSING" in text and "skipped 2x: this kernel has no frobnicator" in text
+
+
+def test_no_exit_code_is_a_problem_not_a_pass(tmp_path: Path) -> None:
+    r = report.read(report.KernelResult("sid", "7.2", "tcg", 1.0, 1.0, 2, None), tmp_path)
+    assert not r.ok and r.problem == "no exit code came back from the guest"
+
+
+def test_the_interpreter_is_copied_unless_it_is_the_systems(tmp_path: Path) -> None:
+    for home, prefix in (("/usr/bin", None), ("/opt/py/3.11/bin", Path("/opt/py/3.11"))):
+        (tmp_path / ".venv").mkdir(exist_ok=True)
+        (tmp_path / ".venv" / "pyvenv.cfg").write_text(f"home = {home}\nversion = 3.11.7\n")
+        assert disks.venv_paths(tmp_path) == (tmp_path / ".venv", prefix)
