@@ -1232,7 +1232,19 @@ def _fast_op(kind: str, dfd: int, name: bytes, dst_fd: int, dst_name: bytes) -> 
     with all its checks."""
     try:
         if kind == "rename":
-            os.rename(name, dst_name, src_dir_fd=dfd, dst_dir_fd=dst_fd)
+            # The file renamed over is freed by whoever drops its last reference, and a rename
+            # drops it still holding the directories' locks: there, the freeing (a synchronous
+            # discard on a file system mounted with it) would make every thread renaming in the
+            # same directory wait. Holding the file open moves the freeing to the close.
+            try:
+                old = os.open(dst_name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
+            except FileNotFoundError:
+                old = -1
+            try:
+                os.rename(name, dst_name, src_dir_fd=dfd, dst_dir_fd=dst_fd)
+            finally:
+                if old >= 0:
+                    os.close(old)
         elif kind == "unlink":
             if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
                 return False
