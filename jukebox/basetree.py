@@ -130,9 +130,11 @@ def build_base_tree(
     began = time.time_ns()
     tree = None
     seen: dict[bytes, FileIdentity] = {}
+    trusted: dict[bytes, FileIdentity] = {}
     with step("hashing the tree", "entries", done="hashed the tree") as tick:
         if previous is not None and started is not None and store.has(previous):
             # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
+            trusted = _identities(tape_dir, tree_path, previous)
             with contextlib.suppress(StoreError):
                 tree = build_tree(
                     store,
@@ -141,13 +143,15 @@ def build_base_tree(
                     previous_started_ns=started,
                     exclude=exclude,
                     progress=tick,
-                    known=_identities(tape_dir, tree_path, previous),
+                    known=trusted,
                     seen=seen,
                 )
         if tree is None:
             seen.clear()
             tree = build_tree(store, tree_path, exclude=exclude, seen=seen, progress=tick)
-    _write_stats(tape_dir, tree_path, tree, seen)
+    if tree != previous or seen != trusted:
+        # An unchanged tree leaves the file as it is: 100,000 records are not worth rewriting.
+        _write_stats(tape_dir, tree_path, tree, seen)
     known[tree_path] = {"tree": tree.hex(), "started_ns": began}
     _write(tape_dir, known)
     return tree

@@ -303,6 +303,14 @@ class Store:
         self._lock_mode = mode
         return True
 
+    def hold_shared(self) -> None:
+        """Hold the store as a writer does, from now until it is closed: gc (which needs it
+        alone) waits. For a caller that will refer to objects already stored without putting
+        them again (`tree.build_tree` with a previous tree)."""
+        with self._mutex:
+            if self._lock_mode == 0:
+                self._lock(fcntl.LOCK_SH, block=True)
+
     def _unlock(self) -> None:
         if self._lock_fd >= 0 and self._lock_mode:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

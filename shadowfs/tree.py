@@ -707,6 +707,12 @@ def build_tree(
             f"cannot read directory {os.fsdecode(root)!r} ({exc.strerror}); "
             "pass an existing, readable directory"
         ) from None
+    if previous is not None:
+        # Unchanged directories keep the previous tree's objects without putting them again:
+        # hold the store as a writer from before reading them, so gc cannot remove them.
+        hold = getattr(store, "hold_shared", None)
+        if hold is not None:
+            hold()
     try:
         builder = _Builder(root, store, ref - RACY_NS, on_skip, exclude, known, seen, progress)
         return builder.build(fd, b"", previous, 0)
@@ -770,6 +776,15 @@ class _Builder:
                 if e is not None:
                     entries.append(e)
         entries.sort(key=attrgetter("name"))
+        if (
+            prev is not None
+            and len(entries) == len(prev)
+            and all(e is p or e == p for e, p in zip(entries, prev.values(), strict=True))
+        ):
+            # Nothing changed here (the usual case of a build with `previous`): the previous
+            # tree as it is, neither packed nor hashed nor put again (see `build_tree` for why
+            # it cannot be collected meanwhile).
+            return previous  # type: ignore[return-value]
         data = pack_entries(entries)
         oid = self.store.put("tree", data)
         remember(oid, {e.name: e for e in entries}, packed=data)
