@@ -313,6 +313,20 @@ def _scratch() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _stat_walk(root: Path) -> float:
+    """A bare scandir + lstat of every entry: the floor of a warm build, which must stat every
+    file to trust its cached hash."""
+    t0 = time.perf_counter()
+    stack = [str(root)]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for de in it:
+                de.stat(follow_symlinks=False)
+                if de.is_dir(follow_symlinks=False):
+                    stack.append(de.path)
+    return time.perf_counter() - t0
+
+
 def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
     tree = _sized_tree(s.first_files, s.first_bytes)
     tree_bytes = _du(tree)
@@ -321,6 +335,7 @@ def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
     warm: list[float] = []
     grew: list[int] = []
     git_s: list[float] = []
+    walk_s: list[float] = []
     tape_dirs = []
     for i in range(s.runs):
         tapes = scratch / f"first-tapes-{i}"
@@ -329,6 +344,7 @@ def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
         cold.append(_timed([JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir",
                             str(tapes), "--tape-id", "cold", "--", "true"]))  # fmt: skip
         grew.append(_du(tapes / ".jukebox" / "store"))
+        walk_s.append(_stat_walk(tree))
         warm.append(_timed([JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir",
                             str(tapes), "--tape-id", "warm", "--", "true"]))  # fmt: skip
         repo = scratch / f"first-git-{i}"
@@ -344,7 +360,10 @@ def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
         _row(case, "jukebox booth run (cold)", cold, base, store_mb=store / 1e6,
              note="fresh tape dir: hash the tree, store what it must"),
         _row(case, "jukebox booth run (warm)", warm, base,
+             ratio_stat_walk=statistics.median(warm) / statistics.median(walk_s),
              note="same tape dir again: the stat cache"),
+        _row(case, "scandir + lstat of every entry", walk_s, base,
+             note="Python, warm cache, just before the warm booth: the floor"),
         _row(case, "git add -A (fresh repo)", git_s, base,
              note="hash and store every file into .git"),
     ], tape_dirs  # fmt: skip
