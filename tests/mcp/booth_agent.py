@@ -55,7 +55,8 @@ async def main(steps: list[str]) -> int:
             elif step == "observe":
                 obs = {"entityName": arg, "contents": ["seen"]}
                 result = await session.call_tool("add_observations", {"observations": [obs]})
-                say(step=step, error=result.is_error, structured=result.structured_content)
+                say(step=step, error=result.is_error, structured=result.structured_content,
+                    text=result.content[0].text if result.content else "")  # fmt: skip
             elif step == "checkpoint":
                 control.request({"op": "checkpoint", "label": arg})
             elif step == "rollback":

@@ -1,7 +1,7 @@
 """The stage gate in a booth: destructive calls on the real memory server staged until the
 verdict, run in order by the commit, dropped by rollback and discard, kept by a pending booth
-for a later `jukebox booth commit` from another process; an agent that tries to stage a program
-of its own is refused, and so is a record edited to run one."""
+for a later `jukebox booth commit` from another process, asks answered by the operator; an agent
+that tries to stage a program of its own is refused, and so is a record edited to run one."""
 
 from __future__ import annotations
 
@@ -42,6 +42,35 @@ def booth(s: dict, tape_id: str, commit: str, *steps: str,
     )  # fmt: skip
 
 
+def booth_answering(s: dict, tape_id: str, commit: str, answers: list[str], *steps: str
+                    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """A booth run whose questions (`ask`) the test answers in turn, as an operator would: with
+    `jukebox booth approve` from outside (the agent cannot answer itself: answers go in the
+    hidden tape dir, never over its control socket)."""
+    proc = subprocess.Popen(
+        [JUKEBOX, "booth", "run", "--tree", str(s["tree"]), "--tape-dir", str(s["tapes"]),
+         "--tape-id", tape_id, "--mcp-config", str(s["config"]), "--commit", commit, "--",
+         sys.executable, AGENT, *steps],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=s["tree"],
+    )  # fmt: skip
+    assert proc.stderr is not None
+    asked, seen = [], []
+    for line in proc.stderr:
+        seen.append(line)
+        marker = f"jukebox booth approve {tape_id} "
+        if marker in line:
+            ask_id = line.split(marker)[1].split("`")[0]
+            flag = [] if answers[len(asked)] == "approve" else ["--deny"]
+            asked.append(ask_id)
+            subprocess.run([JUKEBOX, "booth", "approve", tape_id, ask_id, "--tape-dir",
+                            str(s["tapes"]), *flag], check=True, capture_output=True)  # fmt: skip
+            if len(asked) == len(answers):
+                break
+    out, err = proc.communicate(timeout=120)
+    assert asked == [f"ask-{i + 1}" for i in range(len(answers))], "".join(seen) + err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "".join(seen) + err)
+
+
 def said(proc: subprocess.CompletedProcess[str]) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -73,12 +102,17 @@ def entities(memory: Path) -> list[str]:
 def test_pending_booth_keeps_staged_calls_for_a_later_commit(setup: dict) -> None:
     s = setup
     pwned = s["tmp"] / "pwned"
-    proc = booth(s, "p1", "never",
-                 "create", "alpha", "checkpoint", "cp1", "create", "beta",
-                 "rollback", "cp1", "create", "gamma", "attack", str(pwned),
-                 "write", "notes.txt")  # fmt: skip
+    # add_observations asks the operator: the first call is refused, the second approved.
+    proc = booth_answering(s, "p1", "never", ["deny", "approve"], "ask", "add_observations",
+                           "create", "alpha", "checkpoint", "cp1", "create", "beta",
+                           "rollback", "cp1", "create", "gamma", "attack", str(pwned),
+                           "observe", "alpha", "observe", "gamma",
+                           "write", "notes.txt")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     steps = said(proc)
+    refused, approved = [x for x in steps if x["step"] == "observe"]
+    assert refused["error"] and "jukebox refused" in refused["text"]
+    assert "jukebox" not in approved["text"]  # forwarded: the server's own answer
     staged = [x for x in steps if x["step"] == "create"]
     # A well-formed result that says it is staged, with an id; never a silent success.
     assert [x["structured"]["jukebox"]["id"] for x in staged] == ["stage-1", "stage-2", "stage-3"]
@@ -117,7 +151,13 @@ def test_pending_booth_keeps_staged_calls_for_a_later_commit(setup: dict) -> Non
     committed = [c for c in calls if c["decision"] == "commit"]
     assert [c["staged_id"] for c in committed] == ["stage-1", "stage-3"]
     assert all(c["ok"] for c in committed)
-    assert [c["decision"] for c in calls if c.get("reported_by")] == ["stage"] * 3
+    assert [(c["decision"], c["why"]) for c in calls if c.get("reported_by")] == [
+        ("stage", "not readOnlyHint"), ("stage", "not readOnlyHint"),
+        ("stage", "not readOnlyHint"), ("deny", "ask: the operator refused, or did not answer"),
+        ("allow", "ask: the operator approved"),
+    ]
+    answers = payloads(tape, "note", "mcp_answer")
+    assert [a["answer"] for a in answers] == ["deny", "approve"]
     (dropped,) = payloads(tape, "note", "mcp_dropped")
     assert dropped["ids"] == ["stage-2"] and "rollback" in dropped["reason"]
     (report,) = payloads(tape, "note", "mcp_commit")
@@ -152,39 +192,3 @@ def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> 
     (dropped,) = payloads(s["tapes"] / "d1.jbx", "note", "mcp_dropped")
     assert dropped["ids"] == ["stage-1"]
 
-
-def test_ask_waits_for_the_operator(setup: dict) -> None:
-    s = setup
-    proc = subprocess.Popen(
-        [JUKEBOX, "booth", "run", "--tree", str(s["tree"]), "--tape-dir", str(s["tapes"]),
-         "--tape-id", "a1", "--mcp-config", str(s["config"]), "--commit", "never", "--",
-         sys.executable, AGENT, "ask", "create_entities", "create", "yes", "create", "no"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=s["tree"],
-    )  # fmt: skip
-    asked = []
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "jukebox booth approve a1 ask-" in line:
-            ask_id = line.split("jukebox booth approve a1 ")[1].split("`")[0]
-            asked.append(ask_id)
-            answer = ["--deny"] if len(asked) == 2 else []
-            # The agent cannot answer itself: answers go in the hidden tape dir, not the socket.
-            subprocess.run([JUKEBOX, "booth", "approve", "a1", ask_id, "--tape-dir",
-                            str(s["tapes"]), *answer], check=True, capture_output=True)  # fmt: skip
-            if len(asked) == 2:
-                break
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and asked == ["ask-1", "ask-2"]
-    yes, no = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-    assert "refused" not in (yes["text"] or "") and "refused" in no["text"]
-    calls = payloads(s["tapes"] / "a1.jbx", "tool_call")
-    assert [(c["decision"], c["why"]) for c in calls] == [
-        ("allow", "ask: the operator approved"),
-        ("deny", "ask: the operator refused, or did not answer"),
-    ]
-    answers = payloads(s["tapes"] / "a1.jbx", "note", "mcp_answer")
-    assert [a["answer"] for a in answers] == ["approve", "deny"]
-    # Once the run is over, no question waits: an answer is refused.
-    again = subprocess.run([JUKEBOX, "booth", "approve", "a1", "ask-1", "--tape-dir",
-                            str(s["tapes"])], capture_output=True, text=True)  # fmt: skip
-    assert again.returncode == 2
