@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from jukebox.redact import Scrubber, is_secret_env_name, redact_argv
 
 FRAME_KINDS = ("tool_call", "note")
+SYNC_EVERY = 1.0
 NOTE_EVENTS = ("mcp_list", "mcp_read", "mcp_prompt", "mcp_server")
 ASK_POLL = 0.2
 
@@ -70,7 +71,11 @@ class TapeSink:
         self.path = tapes.tape_path(self.tape_id)
         self.store = Store.open(tapes.store_path, create=True)
         self.scrubber = scrubber
-        self.writer = TapeWriter.create(self.path, self.store, self.tape_id)
+        # Each frame is one write(2): a killed gateway loses nothing. The fdatasync that makes
+        # frames survive a power loss runs at most every SYNC_EVERY seconds and at the end, not
+        # per call: it was most of what the gateway added to a call (8 ms of 10, measured).
+        self.writer = TapeWriter.create(self.path, self.store, self.tape_id, fsync=False)
+        self._synced = time.monotonic()
         self.writer.append(
             "run_start",
             {
@@ -85,10 +90,21 @@ class TapeSink:
 
     def record(self, kind: str, payload: dict[str, Any]) -> None:
         self.writer.append(kind, scrub(payload, self.scrubber))
+        if time.monotonic() - self._synced >= SYNC_EVERY:
+            self._sync()
+
+    def _sync(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        self._synced = time.monotonic()
 
     def close(self) -> None:
         # The gateway's run ends when its agent closes the connection: `jukebox ls` says EXITED.
         self.writer.append("exit", {"code": 0, "reason": "the agent closed the connection"})
+        self._sync()
         self.writer.close()
         self.store.close()
 
