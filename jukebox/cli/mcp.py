@@ -112,6 +112,7 @@ def wrap_command(
     # The SDK takes most of a second to import: only once the arguments are known good.
     import anyio
 
+    _one_line_sdk_logs()
     from jukebox.mcp.gateway import GatewayError, serve_stdio
     from jukebox.mcp.record import BoothSink, Sink, TapeSink, env_scrubber
 
@@ -147,6 +148,7 @@ def _replay(tape: str, tape_dir: Path | None, tape_id: str | None, name: str | N
     from jukebox.mcp.record import TapeSink, env_scrubber, scrub
     from jukebox.mcp.replay import RecordedServer
 
+    _one_line_sdk_logs()
     scrubber = env_scrubber(os.environ)
     diverged: list[str] = []
     sink: TapeSink | None = None
@@ -173,6 +175,23 @@ def _replay(tape: str, tape_dir: Path | None, tape_id: str | None, name: str | N
         sink.close()
     if diverged:
         raise CheckFailed(diverged[0].splitlines()[0])
+
+
+def _one_line_sdk_logs() -> None:
+    """The SDK logs what a server got wrong (a line that is not JSON-RPC) with a traceback: the
+    operator gets one line per event instead."""
+    import logging
+
+    class OneLine(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"jukebox: the MCP SDK reports: {record.getMessage()}"
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLine())
+    log = logging.getLogger("mcp")
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING)
+    log.propagate = False
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

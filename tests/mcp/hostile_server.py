@@ -1,7 +1,8 @@
 """A small MCP server written with the SDK for the gateway's hostile cases, run by the tests as
 `python hostile_server.py [MODE]`.
 
-MODE `mute` never answers anything (not even initialize); otherwise it serves tools:
+MODE `mute` never answers anything (not even initialize); `garbage` answers every request with a
+line that is not JSON and a JSON-RPC response to a request nobody sent; otherwise it serves tools:
 `huge` (a result of N bytes), `hang` (never answers), `echo` (its arguments back, read-only),
 `write` (appends a line to $HOSTILE_LOG: an external effect the tests can see).
 """
@@ -47,5 +48,10 @@ if __name__ == "__main__":
         # Reads every request and answers none; leaves when its client closes the pipe.
         while sys.stdin.buffer.read(65536):
             pass
+        sys.exit(0)
+    if sys.argv[1:] == ["garbage"]:
+        for _line in sys.stdin:
+            sys.stdout.write('not json {{{\n{"jsonrpc": "2.0", "id": 99999, "result": 5}\n')
+            sys.stdout.flush()
         sys.exit(0)
     app.run()

@@ -173,11 +173,13 @@ def test_hostile_server_huge_result_a_hang_and_a_secret(tmp_path: Path) -> None:
     assert secret.encode() not in tape.read_bytes()
 
 
-def test_a_server_that_never_answers_initialize_is_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["mute", "garbage"])
+def test_a_server_that_never_answers_initialize_is_a_clear_error(tmp_path: Path,
+                                                                 mode: str) -> None:  # fmt: skip
+    # mute: silence; garbage: lines that are not JSON-RPC, and an answer to nothing asked.
     proc = subprocess.run(
         [JUKEBOX, "mcp", "wrap", "--tape-dir", str(tmp_path / "tapes"), "--start-timeout", "1",
-         "--",
-         *hostile_server("mute")],
+         "--", *hostile_server(mode)],
         input="", capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 1
