@@ -110,7 +110,15 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
             who += f" {endpoint}"
         return f"{who} {p.get('model', '?')}{tokens}{priced}"
     if kind == "tool_call":
-        return f"{p.get('tool', '?')}({short(p.get('args', ''), 40)})"
+        # An MCP call (docs/mcp.md) names its server, and what the stage gate decided.
+        where = f"{p['server']}/" if p.get("server") else ""
+        decision = p.get("decision")
+        said = ""
+        if decision in ("stage", "commit") and p.get("staged_id"):
+            said = f" {'staged' if decision == 'stage' else 'ran'} {p['staged_id']}"
+        elif decision == "deny":
+            said = " denied"
+        return f"{where}{p.get('tool', '?')}({short(p.get('args', ''), 40)}){said}"
     if kind in ("fs", "checkpoint"):
         from jukebox.names import visible
 

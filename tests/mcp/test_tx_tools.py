@@ -86,3 +86,13 @@ def test_deny_mode_refuses_tool_calls_that_are_not_read_only(tmp_path: Path) -> 
     anyio.run(agent)
     decisions = [c["decision"] for c in payloads(tmp_path / "tapes" / "tx2.jbx", "tool_call")]
     assert decisions == ["deny", "deny", "allow"]
+
+
+def test_the_log_names_the_server_and_the_decision() -> None:
+    from jukebox.render import describe
+
+    staged = {"server": "memory", "tool": "create_entities", "args": {"n": 1},
+              "decision": "stage", "staged_id": "stage-2"}  # fmt: skip
+    assert describe("tool_call", staged) == "memory/create_entities({'n': 1}) staged stage-2"
+    assert describe("tool_call", {**staged, "decision": "commit"}).endswith(" ran stage-2")
+    assert describe("tool_call", {"tool": "t", "args": {}, "decision": "deny"}) == "t({}) denied"
