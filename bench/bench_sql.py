@@ -10,7 +10,10 @@ the SAVEPOINT goes with the statement and the RELEASE after the agent's answer, 
 the agent a round trip.
 
 Cases: `SELECT 1` (simple query), a primary-key lookup with a parameter (extended query:
-Parse/Bind/Execute/Sync), and an INSERT of one row. `cpu_us` is the CPU this process spent per
+Parse/Bind/Execute/Sync), and an INSERT of one row. Then pgbench's default (TPC-B-like)
+workload, one client, `-M simple` and `-M extended`, direct and through the proxy: transactions
+per second and the mean latency of one transaction (seven statements in BEGIN … END, so the
+agent's transactions as savepoints). `cpu_us` is the CPU this process spent per
 statement (client and proxy; `overhead_cpu_us` the proxy's share), which a busy machine
 inflates far less than wall time.
 """
@@ -68,6 +71,34 @@ def _rows(case: str, measured: dict[str, tuple[list[float], float]]) -> list[dic
     return rows
 
 
+def _pgbench(cluster: Any, port: int, seconds: int) -> list[dict[str, Any]]:
+    """pgbench's default workload direct and through the proxy (its tables made directly:
+    `pgbench -i` vacuums, which the proxy refuses)."""
+    import re
+    import subprocess
+
+    pgbench = str(cluster.bin / "pgbench")
+    subprocess.run([pgbench, "-i", "-q", "-s", "1", cluster.url("bench")], check=True,
+                   capture_output=True)
+    rows = []
+    # Direct runs first: the proxy's runs leave their rows locked by the booth's transaction,
+    # which would hold up any other client updating them (pgbench's one branch row, always).
+    for system, url in ((DIRECT, cluster.url("bench")),
+                        (PROXY, f"postgresql://agent@127.0.0.1:{port}/bench")):
+        for mode in ("simple", "extended"):
+            out = subprocess.run([pgbench, "-n", "-c", "1", "-M", mode, "-T", str(seconds),
+                                  url], check=True, capture_output=True, text=True,
+                                 timeout=seconds + 120).stdout
+            tps = re.search(r"tps = ([0-9.]+)", out)
+            latency = re.search(r"latency average = ([0-9.]+) ms", out)
+            rows.append({
+                "group": GROUP, "case": f"pgbench TPC-B-like, 1 client, -M {mode}",
+                "system": system, "tps": float(tps.group(1)) if tps else None,
+                "mean_us": float(latency.group(1)) * 1000 if latency else None,
+            })
+    return rows
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     import psycopg
 
@@ -112,6 +143,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                                                     (f"row {i}",))),
                 ):
                     rows += _rows(case, _take_turns(systems, statement, n))
+                rows += _pgbench(cluster, port, 3 if quick else 15)
             finally:
                 direct.close()
                 proxied.close()

@@ -1888,7 +1888,7 @@ def _databases_after(
         elif decision == "keep" and prepared:
             ledger.set_state(tapes, booth_id, ledger.PREPARED)
             writer.append("note", {"event": "sql_prepared", "databases": list(dbs.urls)})
-        elif decision == "keep":
+        elif decision == "keep" and dbs.used():
             dbs.end("ROLLBACK")
             _alert(f"booth {booth_id}: its database work was rolled back (the server cannot "
                    "keep a transaction prepared: max_prepared_transactions = 0)")

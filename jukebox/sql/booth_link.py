@@ -126,6 +126,11 @@ class BoothDatabases:
     def rollback(self, n: int) -> None:
         self._each(lambda s: s.rollback_to(n, CONTROL_TIMEOUT), f"rollback to {n}")
 
+    def used(self) -> list[str]:
+        """The databases whose transaction is open: the agent connected, no verdict yet."""
+        return [name for name, db in self.proxy.databases.items()
+                if db.session.upstream is not None]
+
     @property
     def can_prepare(self) -> bool:
         return all(self.two_phase.values())
@@ -133,15 +138,17 @@ class BoothDatabases:
     def prepare(self, tapes: Any, booth_id: str, state: str) -> None:
         """PREPARE TRANSACTION on every database, its ledger written first (a crash between
         leaves a ledger whose gid may not exist: finishing it is then a no-op)."""
+        from jukebox.sql.upstream import quote_literal
+
+        # A database the agent never connected to has nothing to prepare.
+        used = self.used()
         entries = [{"name": name, "url": self.urls[name], "gid": ledger.gid(booth_id, name)}
-                   for name in self.proxy.databases]
+                   for name in used]
+        if not entries:
+            return
         ledger.write(tapes, booth_id, entries, state)
         for entry in entries:
             session = self.proxy.databases[entry["name"]].session
-            if session.upstream is None:  # the agent never connected: an empty transaction
-                self.proxy.call(session.open(), timeout=60)
-            from jukebox.sql.upstream import quote_literal
-
             self.proxy.call(session.end(f"PREPARE TRANSACTION {quote_literal(entry['gid'])}"),
                             timeout=60)
 

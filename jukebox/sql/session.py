@@ -122,6 +122,8 @@ class SqlSession:
     async def end(self, sql: str) -> None:
         """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after."""
         self.finished = True
+        if self.upstream is None:  # the agent never connected: nothing ran, nothing to end
+            return
         me = object()
         await self.take(me, timeout=5.0)
         try:

@@ -313,3 +313,14 @@ def test_cancel_and_smuggled_commits(pg: Cluster, db: str, proxied: Proxied) -> 
             conn.execute("CALL p()")
         assert conn.execute("SELECT count(*) FROM t").fetchone() == (3,)
     assert rows(pg, db) == "1:one,2:two"
+
+
+def test_a_database_the_agent_never_used_is_never_opened(pg: Cluster) -> None:
+    p = Proxied(pg, "postgres")
+    try:
+        p.end("COMMIT")  # the verdict of a booth whose agent never connected
+    finally:
+        p.proxy.stop()
+    assert p.frames == []
+    assert pg.psql("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE "
+                   "'jukebox booth%'") == "0"
