@@ -167,7 +167,10 @@ def test_one_file_compares_a_fork_offline(
     page.wait_for_selector("#detail[data-side='b'][data-seq='5'][data-state='shown']")
     assert "model gpt-4.1" in detail_text(page)
     page.screenshot(path=str(artefacts / "file-compare.png"))
-    open_frame(page, "a", 4)
+    assert page.url.endswith("#b@5")  # a link to this frame: it opens it again
+    page.goto("about:blank")
+    page.goto(out.as_uri() + "#a@4")
+    page.wait_for_selector("#detail[data-side='a'][data-seq='4'][data-state='shown']")
     assert "model gpt-4o-mini" in detail_text(page) and "The tapes part here." in detail_text(page)
     open_frame(page, "a", 2)  # unpacked from the file: the same conversation, as text
     assert HOSTILE in detail_text(page)

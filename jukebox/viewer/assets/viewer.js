@@ -506,6 +506,12 @@
     }
     if (reveal) timelines[side].reveal(seq);
     if (previous !== timelines[side] || reveal) timelines[side].focus();
+    // The frame in the address (#a@12), so a link or a reload opens it again.
+    try {
+      history.replaceState(null, "", "#" + side + "@" + seq);
+    } catch (e) {
+      // a sandboxed viewer of the file may refuse; the page works without it
+    }
     const token = ++state.token;
     const pane = document.getElementById("detail");
     pane.dataset.state = "loading";
@@ -805,4 +811,8 @@
     }, 0);
   });
   timelines.a.focus();
+  const wanted = /^#([ab])@(\d+)$/.exec(location.hash);
+  if (wanted && timelines[wanted[1]] && Number(wanted[2]) < DATA[wanted[1]].index.count) {
+    select(wanted[1], Number(wanted[2]), true);
+  }
 })();
