@@ -49,7 +49,7 @@ import trio
 
 from jukebox import progress
 from jukebox.breaker import Trip
-from jukebox.frame import SPILL_THRESHOLD
+from jukebox.frame import SPILL_THRESHOLD, canonical_json
 from jukebox.llm.budget import worst_case
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
@@ -122,10 +122,9 @@ SECRET_CODE = "jukebox_proxy_secret"
 NO_RETRY = [("x-should-retry", "false")]
 # Distinct stderr warnings one proxy prints at most (one per path an agent may invent).
 MAX_WARNINGS = 20
-# What recording adds around a stream event's data (`{"chunk":..,"t_ms":..,"data":..}`), and
-# a margin for the rest of a frame, when judging whether it stays small (_may_spill).
-_EVENT_RECORD_BYTES = 64
-_FRAME_MARGIN_BYTES = 512
+# Exchanges up to this size (bodies) have their turn built on the proxy's loop when the sink
+# allows it (`record_inline`): building a larger one would hold every other call up.
+INLINE_TURN_BYTES = 64 * 1024
 # How long a trip waits for the agent to take the answer that explains it before `stop_agent`
 # is called anyway.
 TRIP_NOTICE_S = 1.0
@@ -164,14 +163,14 @@ def _without_usage_chunk(events: list[SSEEvent]) -> bytes:
     return b"".join(out)
 
 
-def _may_spill(ex: Exchange) -> bool:
-    """Whether a body of `ex` may be large enough for the tape writer to move it to the store
-    (a frame value past SPILL_THRESHOLD once encoded), a generous estimate: a stream's events
-    are recorded with their chunk index and time, and headers sit beside the bodies."""
-    response = len(ex.response_body or b"")
-    for event in ex.events or ():
-        response += len(event.data) + _EVENT_RECORD_BYTES
-    return max(len(ex.request_body), response) + _FRAME_MARGIN_BYTES > SPILL_THRESHOLD
+def _spills(payload: Mapping[str, Any]) -> bool:
+    """Whether the tape writer moves a value of `payload` to the store (jukebox.frame's
+    spill_payload), which makes it flush the store: an fsync."""
+    return any(
+        len(canonical_json(value)) > SPILL_THRESHOLD
+        for value in payload.values()
+        if isinstance(value, dict | list | str)
+    )
 
 
 def _recorded_size(ex: Exchange) -> int:
@@ -899,10 +898,17 @@ class ProxyServer:
 
     async def _finish(self, ex: Exchange) -> None:
         """Records the exchange and lets the breaker see it. On the event loop when the sink
-        only writes and the turn is small; otherwise in a worker thread: a large turn takes
-        long to build, and its bodies go to the store, whose flush is an fsync."""
-        if (self.record_inline or self.record is None) and not _may_spill(ex):
-            turn = self._record_turn(ex)
+        only writes (`record_inline`) and the turn is small: a hand-off to a thread and back
+        costs more than the write. Otherwise in a worker thread: a large exchange takes long
+        to build, a body moved to the store makes the writer flush it (an fsync), and another
+        sink may sync each frame."""
+        if (self.record_inline or self.record is None) and _recorded_size(ex) <= INLINE_TURN_BYTES:
+            turn = self._build_turn(ex)
+            if self.record is not None:
+                if _spills(turn.payload):
+                    await trio.to_thread.run_sync(self.record, LLM_TURN, turn.payload)
+                else:
+                    self.record(LLM_TURN, turn.payload)
         else:
             turn = await trio.to_thread.run_sync(self._record_turn, ex)
         self.recorded_bytes += _recorded_size(ex) - len(ex.request_body)
@@ -976,12 +982,16 @@ class ProxyServer:
         failure = _failure(ex)
         return None if failure is None else redact_text(failure, self.scrubber)
 
-    def _record_turn(self, ex: Exchange) -> Turn:
+    def _build_turn(self, ex: Exchange) -> Turn:
         turn = build_turn(ex, self.scrubber, self._price_table())
-        if self.record is not None:
-            self.record(LLM_TURN, turn.payload)
         if self.keep_turns:
             self.turns.append(turn)
+        return turn
+
+    def _record_turn(self, ex: Exchange) -> Turn:
+        turn = self._build_turn(ex)
+        if self.record is not None:
+            self.record(LLM_TURN, turn.payload)
         return turn
 
     async def _tripped(self, trip: Any) -> None:
