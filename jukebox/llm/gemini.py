@@ -3,9 +3,9 @@
 The booth sets `GOOGLE_GEMINI_BASE_URL` (read by the google-genai SDK) and `GEMINI_API_BASE`
 (litellm) to `http://127.0.0.1:P/<secret>/gemini`; the clients append
 `/v1beta/models/{model}:{method}`. The model is in the path, not the body, so the frame's model
-comes from the path when the response does not say it (`modelVersion`), and a replay keeps one
+comes from the path when the response does not say it (`modelVersion`), a replay keeps one
 queue per model and method (`replay_endpoint`): a call to another model than recorded finds
-nothing to match and diverges.
+nothing to match and diverges, and a fork's `--model gemini=M` rewrites the path (`with_model`).
 
 Recorded methods: `generateContent`, `streamGenerateContent` (SSE with `?alt=sse`; each event a
 partial response, usage cumulative in `usageMetadata`), `embedContent`, `batchEmbedContents`
@@ -42,6 +42,19 @@ def model_of(path: str) -> str | None:
     """The model named in a path (the part before `?` of the frame's `path` will do)."""
     match = _PATH.fullmatch(path.partition("?")[0])
     return match.group(1) if match else None
+
+
+def with_model(path: str, model: str) -> str | None:
+    """A decoded path (no query) calling `model` instead of the one it names, or None when it
+    names none. `model` may be `models/M` or `tunedModels/M`, as the SDKs accept it."""
+    match = _PATH.fullmatch(path)
+    if match is None:
+        return None
+    collection, _, name = model.rpartition("/")
+    if collection not in ("", "models", "tunedModels"):
+        return None
+    version = path.split("/", 2)[1]
+    return f"/{version}/{collection or 'models'}/{name}:{match.group(2)}"
 
 
 def replay_endpoint(endpoint: str, path: str | None) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from jukebox.errors import UsageError
-from jukebox.llm.providers import GEMINI, PREFIXES
+from jukebox.llm.providers import PREFIXES
 
 ModelOverride = str | dict[str, str]  # a string: every provider
 
@@ -40,13 +40,8 @@ def parse_model_options(values: Iterable[str]) -> tuple[str | None, dict[str, st
         if provider not in PREFIXES:
             raise UsageError(
                 f"unknown provider {provider!r} in --model {value}: use "
-                + " or ".join(f"{p}=MODEL" for p in PREFIXES if p != GEMINI)
+                + ", ".join(f"{p}=MODEL" for p in PREFIXES)
                 + ", or a bare MODEL for the provider of the frame forked at"
-            )
-        if provider == GEMINI:
-            raise UsageError(
-                f"--model {value}: a Gemini native call names its model in its URL path, which "
-                "a fork does not rewrite; fork an OpenAI or Anthropic call, or change the agent"
             )
         if not model or provider in named:
             raise UsageError(

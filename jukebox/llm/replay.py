@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jukebox.frame import canonical_json
-from jukebox.llm.providers import OPENAI, PREFIXES, replay_endpoint
+from jukebox.llm.model_override import model_for
+from jukebox.llm.providers import GEMINI, OPENAI, PREFIXES, replay_endpoint
 from jukebox.llm.recorder import LLM_TURN
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
@@ -295,6 +296,17 @@ class ReplaySource:
             self._queues.setdefault(key, _Queue()).items.append(ex)
         self.total = sum(len(q.items) for q in self._queues.values())
         self.divergence: Divergence | None = None
+        # Gemini calls a fork sent to another model were recorded under that model's path (it
+        # is in the path, not the body): the models, to find their queues by.
+        self._gemini_overrides = sorted(
+            {
+                model.rpartition("/")[2]
+                for ex in self.exchanges
+                if ex.provider == GEMINI and ex.rewriter is not None
+                for model in [model_for(ex.rewriter.model, GEMINI)]
+                if model
+            }
+        )
 
     @classmethod
     def from_tape(
@@ -371,7 +383,7 @@ class ReplaySource:
             self.mode == "strict" or self.divergence.kind == "halted"
         ):
             raise self.divergence
-        queue = self._queues.setdefault((upstream or provider, endpoint), _Queue())
+        queue = self._queue(upstream or provider, endpoint)
         if not queue.items:
             if self.until is not None:
                 return LIVE
@@ -428,6 +440,20 @@ class ReplaySource:
             later,
         )
         raise self.divergence
+
+
+    def _queue(self, upstream: str, endpoint: str) -> _Queue:
+        """The queue a call takes from: its endpoint's, or for a Gemini call whose own model's
+        queue is done, the queue of the model a fork sent such calls to."""
+        queue = self._queues.setdefault((upstream, endpoint), _Queue())
+        if queue.items or not self._gemini_overrides:
+            return queue
+        method = endpoint.partition(" ")[0]
+        for model in self._gemini_overrides:
+            other = self._queues.get((upstream, f"{method} {model}"))
+            if other is not None and other.items and other.items[0].rewriter is not None:
+                return other
+        return queue
 
 
 def _fork_rewriter(payload: Any) -> RequestRewriter | None:

@@ -3,6 +3,7 @@ system prompt on every request.
 
 Applied by the proxy to each live request before it is forwarded (and before it is recorded, so
 the tape shows what was really sent). The agent's own request is what replay matching sees.
+Gemini's native API names the model in the path, not the body: `path` rewrites it there.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
+from jukebox.llm import gemini
 from jukebox.llm.model_override import model_for
 from jukebox.llm.providers import ANTHROPIC, CHAT, GEMINI, MESSAGES, RESPONSES
 
@@ -25,6 +28,18 @@ class RequestRewriter:
     @property
     def active(self) -> bool:
         return self.model is not None or self.system_prompt is not None
+
+    def path(self, provider: str, path: str, rest: str) -> str | None:
+        """The path and query to forward in place of `rest` when the model override changes
+        the path (Gemini), else None. `path` is the decoded path the proxy routed on."""
+        model = model_for(self.model, provider)
+        if provider != GEMINI or model is None:
+            return None
+        changed = gemini.with_model(path, model)
+        if changed is None or changed == path:
+            return None
+        _, mark, query = rest.partition("?")
+        return quote(changed, safe="/:") + mark + query
 
     def apply(self, provider: str, endpoint: str, body: Any) -> Any:
         """A rewritten copy of `body` (the original is left alone); non-dicts pass unchanged."""

@@ -619,6 +619,10 @@ class ProxyServer:
             if changed != original:
                 ex.request_body = json.dumps(changed, ensure_ascii=False).encode()
                 ex.rewritten = True
+            path = self.rewriter.path(where.provider, where.path, where.rest)
+            if path is not None:  # Gemini's model is in the path: recorded as sent too
+                ex.path = path
+                ex.rewritten = True
         ex.usage_asked_body = ask_for_usage(where.provider, where.endpoint, ex.request_body)
         await self._forward(conn, stream, where, ex)
 
@@ -641,7 +645,7 @@ class ProxyServer:
         return redact_text(f"upstream {upstream} failed: {error!r}", self.scrubber)
 
     def _upstream_request(self, where: Route, ex: Exchange) -> httpx.Request:
-        url = self.upstreams[where.upstream] + where.rest
+        url = self.upstreams[where.upstream] + ex.path  # where.rest, or a fork's rewrite
         headers = [
             (k, v)
             for k, v in ex.request_headers

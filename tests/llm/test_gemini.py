@@ -11,6 +11,9 @@ import httpx
 import pytest
 
 from jukebox.llm.replay import ReplaySource
+from jukebox.llm.rewrite import RequestRewriter
+from jukebox.llm.server import ProxyServer
+from jukebox.tape import Tape, TapeWriter
 from tests.llm.conftest import Recording
 from tests.llm.upstream import FakeUpstream
 
@@ -125,3 +128,46 @@ def test_a_stream_without_sse_is_read_as_its_json_array() -> None:
     ]  # fmt: skip
     s = summarize("gemini", "streamGenerateContent", {}, chunks)
     assert (s.text, s.model, s.input, s.output, s.reported) == ("one two", "gemini-x", 4, 2, True)
+
+
+def test_a_fork_sends_gemini_calls_to_its_model_in_the_path_and_replays_strictly(
+    upstream: FakeUpstream, recording: Recording, tmp_path: Path
+) -> None:
+    """`fork --model gemini=M`, as `fork --exec` runs it: the first call served from the tape,
+    every later one sent live with M in its path (google-genai names the model there, not in
+    the body) and recorded as sent; the fork tape then replays strictly, offline."""
+    with recording.proxy(upstream) as proxy:
+        conversation(proxy.base_urls()["GOOGLE_GEMINI_BASE_URL"])
+    origin = recording.tape()
+    first = next(f.seq for f in origin.frames if f.kind == "llm_turn")
+    overrides = {"model": {"gemini": "gemini-2.5-pro"}}
+    fork_path = tmp_path / "fork.jbx"
+    writer = TapeWriter.fork_from(origin, first + 1, fork_path, "fork", store=recording.store,
+                                  extra={"overrides": overrides, "exec": True})  # fmt: skip
+
+    def after_the_fork(kind: str, payload: Any) -> None:  # the prefix is on the tape already
+        if "replayed_from" not in payload:
+            writer.append(kind, payload)
+
+    before = len(upstream.seen)
+    source = ReplaySource.from_tape(origin, recording.store, until=first)
+    rewriter = RequestRewriter(model=overrides["model"])
+    with ProxyServer(upstreams={"gemini": upstream.url}, record=after_the_fork, replay=source,
+                     rewriter=rewriter) as proxy:  # fmt: skip
+        forked = conversation(proxy.base_urls()["GOOGLE_GEMINI_BASE_URL"])
+    writer.close()
+    sent = [path for _, path, _, _ in upstream.seen[before:]]
+    assert len(sent) == 4 and all("/models/gemini-2.5-pro:" in path for path in sent)
+    assert MODEL not in "".join(sent)
+    tape = Tape.load(fork_path, recording.store)
+    live = [f.resolve_payload(recording.store) for f in tape.frames[first + 2 :]]
+    assert all(t["rewritten"] and "/models/gemini-2.5-pro:" in t["path"] for t in live)
+    assert live[0]["model"] == "gemini-2.5-pro-001"
+    upstream.stop()
+
+    source = ReplaySource.from_tape(tape, recording.store, mode="strict")
+    replay = Recording(tmp_path / "replay")
+    with replay.proxy(None, replay=source) as proxy:
+        assert conversation(proxy.base_urls()["GOOGLE_GEMINI_BASE_URL"]) == forked
+    replay.close()
+    assert source.divergence is None and source.remaining() == 0
