@@ -26,6 +26,7 @@ import fnmatch
 import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from urllib.parse import unquote, urlsplit
 
 REDACTED = "[REDACTED]"
@@ -98,6 +99,7 @@ def is_secret_name(name: str) -> bool:
     return any(m in lowered for m in SECRET_MARKERS)
 
 
+@lru_cache(maxsize=1024)  # asked for every header of every proxied call; names repeat
 def is_secret_header(name: str) -> bool:
     lowered = name.lower()
     if lowered in SECRET_HEADERS:

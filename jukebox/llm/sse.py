@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _EOL = re.compile(rb"\r\n|\r|\n")
@@ -27,15 +27,22 @@ class SSEEvent:
     # Received from the upstream but never sent to the agent (the usage chunk the proxy asked
     # for on the agent's behalf, jukebox.llm.usage): recorded, never replayed.
     hidden: bool = False
+    # The last `json()` and the data it parsed: the proxy asks an event's JSON more than once
+    # (is it the usage chunk, the final event, then its record), and the data may be replaced.
+    _parsed: tuple[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def json(self) -> Any:
         """The data parsed as JSON, or None when it is not JSON (`[DONE]`)."""
-        if not self.data or self.data[0] not in "{[":
-            return None
-        try:
-            return json.loads(self.data)
-        except ValueError:
-            return None
+        if self._parsed is not None and self._parsed[0] is self.data:
+            return self._parsed[1]
+        value = None
+        if self.data and self.data[0] in "{[":
+            try:
+                value = json.loads(self.data)
+            except ValueError:
+                value = None
+        self._parsed = (self.data, value)
+        return value
 
     def to_record(self) -> dict[str, Any]:
         """The event as stored on the tape: JSON data as a value, anything else as a string."""

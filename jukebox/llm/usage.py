@@ -30,6 +30,10 @@ def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
     the request is not a chat (or legacy completions) stream or already asks for it."""
     if provider != OPENAI or endpoint not in (CHAT, COMPLETIONS):
         return None
+    # Most calls are not streams: no need to parse the whole body to see it. (A client that
+    # escaped the key's letters would only have its usage estimated.)
+    if b'"stream"' not in body:
+        return None
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):
