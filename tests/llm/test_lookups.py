@@ -65,6 +65,30 @@ def test_lookups_around_the_proxy_are_refused_and_named(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="booths here run as root")
+@pytest.mark.skipif(not nameservers(), reason="no IPv4 nameserver in /etc/resolv.conf")
+def test_litellm_fetching_its_price_map_at_import_is_named(tmp_path: Path) -> None:
+    """The real litellm, imported under --net none: its fetch of the price map is refused at
+    once and named with its switch (its retries run in a thread the agent does not wait for)."""
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LITELLM_")}
+    proc = subprocess.run(
+        [JUKEBOX, "booth", "run", "--net", "none", "--tree", str(tree), "--tape-dir", str(tapes),
+         "--tape-id", "litellm", "--", sys.executable, "-c", "import os, litellm; os._exit(0)"],
+        capture_output=True, text=True, timeout=120, cwd="/", env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "looked up" in line]
+    assert warned and "raw.githubusercontent.com" in warned[0]
+    assert "litellm's model price map" in warned[0]
+    assert "LITELLM_LOCAL_MODEL_COST_MAP=True" in warned[0]
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        notes = [f.payload for f in Tape.load(tapes / "litellm.jbx", store).frames
+                 if f.kind == "note" and f.payload.get("event") == "lookup_refused"]  # fmt: skip
+    assert notes[0]["host"] == "raw.githubusercontent.com" and "sender" in notes[0]
+
+
 def test_a_query_gets_a_refusal_with_its_id_and_question() -> None:
     # A query for example.org, type A, with recursion desired (as glibc sends it).
     query = bytes.fromhex("abcd01000001000000000000") + b"\x07example\x03org\x00\x00\x01\x00\x01"
