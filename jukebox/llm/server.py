@@ -203,8 +203,8 @@ class ProxyServer:
     failed=, reservation=, retry=) -> Trip | None` and `release(reservation)` (see
     jukebox.breaker.CircuitBreaker). `on_trip(trip)` and `on_divergence(divergence)` are
     called once, from a worker thread, as soon as known; `stop_agent(trip)` once too, but only
-    after the agent has been sent the refusal that
-    explains the trip (and has read it, or TRIP_NOTICE_S has passed).
+    after the agent has been sent the refusal that explains the trip (and has read it, or
+    TRIP_NOTICE_S has passed).
     """
 
     def __init__(
