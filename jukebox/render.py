@@ -150,6 +150,15 @@ def describe(kind: str, payload: dict[str, Any]) -> str:
         return short(p.get("reason", "discarded"))
     if kind == "breaker":
         return f"tripped {p.get('rule', '?')}: {short(p.get('detail', ''))}"
+    if kind == "sql":
+        # One statement through the SQL proxy (docs/sql.md): where, what, and what came of it.
+        error = p.get("error")
+        if isinstance(error, dict):
+            came = f"ERROR {error.get('code', '')}: {short(error.get('message', ''), 30)}"
+        else:
+            came = str(p.get("tag") or "")
+        where = f"{p.get('db', '?')}#{p.get('conn', '?')}"
+        return f"{where} {short(p.get('statement', ''), 40)} → {came}"
     if kind == "exit":
         if p.get("code") is None and isinstance(p.get("signal"), int):
             return f"killed by {signal_name(p['signal'])}"

@@ -124,6 +124,8 @@ def test_commit_and_a_rollback_to_a_checkpoint_while_the_agent_runs(
     assert any(p.get("event") == "sql_commit" for k, p in recorded if k == "note")
     data = (tmp_path / "tapes" / "ok.jbx").read_bytes()
     assert SCRAM_PASSWORD.encode() not in data
+    log = cli(tmp_path, "log", "ok").stdout
+    assert "main#1 INSERT INTO t VALUES (3, 'from the agen… → INSERT 0 1" in log
 
 
 def test_a_pending_booth_survives_a_server_restart_then_commits(
