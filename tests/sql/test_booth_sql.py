@@ -128,7 +128,7 @@ def test_commit_and_a_rollback_to_a_checkpoint_while_the_agent_runs(
     assert "main#1 INSERT INTO t VALUES (3, 'from the agen… → INSERT 0 1" in log
 
 
-def test_a_pending_booth_survives_a_server_restart_then_commits(
+def test_a_pending_booth_survives_a_server_restart_and_a_crash_of_its_commit(
     pg: Cluster, db: str, tmp_path: Path
 ) -> None:
     out = booth(tmp_path, pg.url(db), AGENT, "--commit", "never", "--tape-id", "later")
@@ -137,22 +137,37 @@ def test_a_pending_booth_survives_a_server_restart_then_commits(
     assert pg.psql("SELECT gid FROM pg_prepared_xacts") == "jukebox-later-main"
     pg.restart()
     assert table(pg, db) == "1,2"
-    done = cli(tmp_path, "booth", "commit", "later")
-    assert done.returncode == 0, done.stderr
+    # `booth commit` killed past the file commit point, before COMMIT PREPARED.
+    killed = subprocess.run(
+        [JUKEBOX, "booth", "commit", "later", "--tape-dir", str(tmp_path / "tapes")],
+        capture_output=True, text=True, timeout=60, cwd="/",
+        env={**os.environ, "SHADOWFS_CRASH_AT": "applied"},
+    )
+    assert killed.returncode == -9
+    assert table(pg, db) == "1,2"
+    # The next command finishes both: the files' commit, then the database's.
+    assert cli(tmp_path, "booth", "ls").returncode == 0
     assert table(pg, db) == "1,2,3"
     assert (tmp_path / "tree" / "done.txt").exists()
     assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
 
 
-def test_discard_rolls_the_prepared_transaction_back(
+def test_booth_commit_and_discard_of_pending_booths(
     pg: Cluster, db: str, tmp_path: Path
 ) -> None:
-    out = booth(tmp_path, pg.url(db), AGENT, "--commit", "never", "--tape-id", "dropped")
+    out = booth(tmp_path, pg.url(db), AGENT, "--commit", "never", "--tape-id", "kept")
     assert out.returncode == 0, out.stderr
-    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "1"
+    other = AGENT.replace("(3, ", "(4, ").replace("made_by_agent", "made_too")
+    out = booth(tmp_path, pg.url(db), other, "--commit", "never", "--tape-id", "dropped")
+    assert out.returncode == 0, out.stderr
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "2"
     assert cli(tmp_path, "booth", "discard", "dropped").returncode == 0
+    assert pg.psql("SELECT gid FROM pg_prepared_xacts") == "jukebox-kept-main"
+    done = cli(tmp_path, "booth", "commit", "kept")
+    assert done.returncode == 0, done.stderr
     assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
-    assert table(pg, db) == "1,2"
+    assert table(pg, db) == "1,2,3"
+    assert pg.psql("SELECT to_regclass('made_too') IS NULL", db=db) == "t"
 
 
 def test_a_crash_after_the_file_commit_point_is_finished_by_the_next_command(
