@@ -23,6 +23,9 @@ import httpx
 
 # URLs parsed once: an agent calls the same few endpoints again and again.
 _URL_CACHE_SIZE = 256
+# What the client asked upstream for, as httpx's client did (the agent's own accept-encoding is
+# not forwarded: it gets the decoded bytes the tape records).
+ACCEPT_ENCODING = ("accept-encoding", "gzip, deflate")
 
 
 class UpstreamClient:
@@ -43,6 +46,7 @@ class UpstreamClient:
             if len(self._urls) >= _URL_CACHE_SIZE:
                 self._urls.clear()
             self._urls[url] = parsed
+        headers = [*headers, ACCEPT_ENCODING]
         request = httpx.Request(method, parsed, headers=headers, content=content)
         request.extensions["timeout"] = self._timeout
         return request
