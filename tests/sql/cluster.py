@@ -64,6 +64,18 @@ class Cluster:
                 "full_page_writes = off\nshared_buffers = 16MB\nmax_connections = 40\n"
                 "password_encryption = 'scram-sha-256'\n"
             )
+        # TLS offered (not required) with a throwaway certificate: the proxy's sslmode=prefer
+        # takes it, and a test asks for it with sslmode=require.
+        key, cert = self.dir / "server.key", self.dir / "server.crt"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                        str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1"],
+                       check=True, capture_output=True)
+        key.chmod(0o600)
+        if self.user is not None:
+            for path in (key, cert):
+                os.chown(path, self.user.pw_uid, self.user.pw_gid)
+        with open(self.data / "postgresql.conf", "a") as f:
+            f.write(f"ssl = on\nssl_cert_file = '{cert}'\nssl_key_file = '{key}'\n")
         (self.data / "pg_hba.conf").write_text(
             f"host all {SCRAM_USER} 127.0.0.1/32 scram-sha-256\n"
             "host all all 127.0.0.1/32 trust\nlocal all all trust\n"

@@ -174,11 +174,14 @@ def test_statements_that_escape_the_transaction_are_refused(
     assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
 
 
-def test_scram_upstream_and_secrets_kept_off_the_frames(pg: Cluster, db: str) -> None:
-    p = Proxied(pg, db, url=pg.url(db, SCRAM_USER, SCRAM_PASSWORD))
+def test_scram_over_tls_upstream_and_secrets_kept_off_the_frames(pg: Cluster, db: str) -> None:
+    p = Proxied(pg, db, url=pg.url(db, SCRAM_USER, SCRAM_PASSWORD) + "?sslmode=require")
     try:
         with psycopg.connect(p.url, autocommit=True) as conn:
             assert conn.execute("SELECT current_user").fetchone() == (SCRAM_USER,)
+            assert conn.execute(
+                "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"
+            ).fetchone() == (True,)
             conn.execute("INSERT INTO t VALUES (%s, %s)", (3, f"pw={SCRAM_PASSWORD}"))
             conn.execute(f"SELECT '{SCRAM_PASSWORD}'")
         p.end("COMMIT")
