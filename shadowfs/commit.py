@@ -53,7 +53,7 @@ import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -258,9 +258,16 @@ class _Threads:
         caller undoing the work never races a thread still doing it."""
         if len(calls) < 2:
             return [fn(*args) for args in calls]
+        return self.finish(self.start(fn, calls))
+
+    def start(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Future[Any]]:
         if self.pool is None:
             self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="jbx-commit")
-        futures = [self.pool.submit(fn, *args) for args in calls]
+        return [self.pool.submit(fn, *args) for args in calls]
+
+    @staticmethod
+    def finish(futures: list[Future[Any]]) -> list[Any]:
+        """The results of `start`'s calls once every one has ended (see `run`)."""
         try:
             wait(futures)
         except BaseException:
@@ -962,32 +969,31 @@ def _write_staged(dfd: int, name: bytes, data: bytes, mode: int, mtime_ns: int) 
         os.close(fd)
 
 
-def _stage_chunk(
-    store: CommitStore,
-    dirs: _Dirs,
-    stages: list[_Stage],
-    i: int,
-    syncer: _Syncer,
-    threads: _Threads,
-    interrupted: Interrupted | None,
-) -> tuple[int, int]:
-    """Stage a chunk from ``stages[i]`` on: small regular files read from the store here and
-    written by threads, then the rest one by one (big files, symlinks, special files, and the
-    other names of a hard-link group, whose first name is then in place). Returns (the chunk's
-    end, the bytes written). Only for a commit synced as a whole (``syncer.whole_fs``)."""
-    own = _ChunkDirs(dirs)
-    calls: list[tuple[Any, ...]] = []
-    rest: list[_Stage] = []
-    held = written = 0
-    j = i
+@dataclass(slots=True)
+class _Chunk:
+    """Stages written together: small files by threads, then the rest one by one."""
+
+    start: int
+    end: int
+    own: _ChunkDirs
+    calls: list[tuple[Any, ...]]
+    rest: list[_Stage]  # big files, symlinks, special files, further names of a link group
+    held: int  # bytes of the small files' content
+    futures: list[Future[Any]]
+
+
+def _read_chunk(store: CommitStore, dirs: _Dirs, stages: list[_Stage], i: int) -> _Chunk:
+    """The chunk from ``stages[i]`` on, its small files' content read from the store (here, in
+    the main thread: the store is not shared with the threads)."""
+    c = _Chunk(i, i, _ChunkDirs(dirs), [], [], 0, [])
     try:
-        while (j < len(stages) and j - i < _CHUNK_OPS and held < _CHUNK_BYTES
-               and len(own.fds) < _CHUNK_DIRS):  # fmt: skip
-            s = stages[j]
+        while (c.end < len(stages) and c.end - i < _CHUNK_OPS and c.held < _CHUNK_BYTES
+               and len(c.own.fds) < _CHUNK_DIRS):  # fmt: skip
+            s = stages[c.end]
             e = s.entry
-            j += 1
+            c.end += 1
             if s.link_to is not None or e.kind != FILE or e.size > _SMALL_FILE:
-                rest.append(s)
+                c.rest.append(s)
                 continue
             sink = _Collect()
             store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
@@ -997,16 +1003,54 @@ def _stage_chunk(
                     f"the store gave {len(data)} bytes for {_show(s.path)!r}, whose tree entry "
                     f"says {e.size}; run `jukebox verify` on the store"
                 )
-            calls.append((own.get(s.dir), s.name, data, e.mode, e.mtime_ns))
-            held += len(data)
-        threads.run(_write_staged, calls)
+            c.calls.append((c.own.get(s.dir), s.name, data, e.mode, e.mtime_ns))
+            c.held += len(data)
+    except BaseException:
+        c.own.close()
+        raise
+    return c
+
+
+def _stage_threaded(
+    store: CommitStore,
+    dirs: _Dirs,
+    stages: list[_Stage],
+    syncer: _Syncer,
+    threads: _Threads,
+    interrupted: Interrupted | None,
+    done: Callable[[int, int], None],
+) -> None:
+    """Stage everything, for a commit synced as a whole (``syncer.whole_fs``): each chunk's
+    small files are read while the threads write the previous chunk's, and the rest of a
+    chunk is staged once its small files are written (a hard link's first name is then in
+    place). ``done(k, nbytes)`` is told of each stage staged, in order. Returns or raises only
+    once no thread writes any more."""
+    live: list[_Chunk] = []
+    try:
+        i = 0
+        while i < len(stages) or live:
+            if i < len(stages):
+                _check_interrupt(interrupted)
+                c = _read_chunk(store, dirs, stages, i)
+                live.append(c)
+                c.futures = threads.start(_write_staged, c.calls)
+                i = c.end
+            if len(live) > 1 or i >= len(stages):
+                c = live[0]
+                threads.finish(c.futures)
+                live.pop(0)
+                c.own.close()
+                done(c.start, c.held)
+                for s in c.rest:
+                    _check_interrupt(interrupted)
+                    done(-1, _stage_one(store, dirs, s, syncer, interrupted))
+                for k in range(c.start + 1, c.end):
+                    done(k, 0)
     finally:
-        own.close()
-    written = held
-    for s in rest:
-        _check_interrupt(interrupted)
-        written += _stage_one(store, dirs, s, syncer, interrupted)
-    return j, written
+        for c in live:
+            with contextlib.suppress(BaseException):
+                _Threads.finish(c.futures)
+            c.own.close()
 
 
 def _mtime(dirs: _Dirs, d: bytes) -> int:
@@ -1435,22 +1479,25 @@ def _apply_locked(
         whole_fs = total >= SYNCFS_FROM
         syncer = _Syncer(dirs.root if whole_fs else None)
         threads = _Threads()
+
+        def staged(k: int, nbytes: int) -> None:
+            """Count bytes staged; with k >= 0, stage k is staged whole."""
+            nonlocal written
+            written += nbytes
+            if k >= 0:
+                crash.at(f"stage:{k}")
+                if progress is not None:
+                    progress("stage", k + 1, total)
+
         try:
             with _prefetched(store, (s.entry.oid for s in plan.stages if s.entry.oid)):
-                i = 0
-                while i < total:
+                if whole_fs:
+                    _stage_threaded(store, dirs, plan.stages, syncer, threads, interrupted,
+                                    staged)  # fmt: skip
+                for i in range(0 if whole_fs else total):
                     _check_interrupt(interrupted)
-                    if whole_fs:
-                        j, n = _stage_chunk(store, dirs, plan.stages, i, syncer, threads,
-                                            interrupted)  # fmt: skip
-                    else:
-                        j, n = i + 1, _stage_one(store, dirs, plan.stages[i], syncer, interrupted)
-                    written += n
-                    for k in range(i, j):
-                        crash.at(f"stage:{k}")
-                        if progress is not None:
-                            progress("stage", k + 1, total)
-                    i = j
+                    staged(-1, _stage_one(store, dirs, plan.stages[i], syncer, interrupted))
+                    staged(i, 0)
         finally:
             try:
                 threads.close()
