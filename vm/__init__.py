@@ -1,0 +1,1 @@
+"""`make vm-test`: the kernel-dependent tests in VMs on Debian kernels (docs/vm-tests.md)."""
