@@ -69,6 +69,9 @@ def accelerator(cache: Path, kernel: Kernel, repo: Path, log=print) -> str:
     if verdict_file.exists():
         verdict, _, seen = verdict_file.read_text().strip().partition(" ")
         if seen == key:
+            if verdict == "tcg":
+                log(f"vm: /dev/kvm could not run a stock kernel here ({verdict_file} says so): "
+                    "software emulation (TCG), slower")
             return verdict
     run_dir = cache / "runs" / "kvm-probe"
     shutil.rmtree(run_dir, ignore_errors=True)
