@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.booth.conftest import NOBODY
+from tests.conftest import slow
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
@@ -42,7 +43,7 @@ def jb(
         os.environ, PATH=f"{Path(JUKEBOX).parent}:{os.environ.get('PATH', '')}", **(env or {})
     )
     return subprocess.run(
-        cmd, capture_output=True, text=True, cwd=cwd or "/", env=full_env, timeout=60
+        cmd, capture_output=True, text=True, cwd=cwd or "/", env=full_env, timeout=slow(60)
     )
 
 
@@ -283,7 +284,7 @@ def test_the_agent_reaches_this_jukebox_when_its_path_does_not(work) -> None:
     proc = subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
          "t1", "--", "sh", "-c", 'jukebox booth checkpoint --label here && echo "PATH=$PATH"'],
-        capture_output=True, text=True, cwd="/", env=env, timeout=60,
+        capture_output=True, text=True, cwd="/", env=env, timeout=slow(60),
     )
     assert proc.returncode == 0, proc.stderr
     assert "checkpoint 1 (here)" in proc.stdout
