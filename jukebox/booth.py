@@ -1437,6 +1437,11 @@ def run_booth(
     mcp_servers = stdio_servers(mcp_declared, mcp_config or "") if mcp_declared else {}
     if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
         raise UsageError("--max-sql-rows-changed must be 0 or more")
+    two_phase: dict[str, bool] = {}
+    if databases:
+        from jukebox.sql.booth_link import BoothDatabases
+
+        two_phase = BoothDatabases.probe(databases, needs_two_phase=commit_mode in ("never", "ask"))
     booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
     tape_path = tapes.tape_path(booth_id)
     if tape_path.exists():
@@ -1602,13 +1607,13 @@ def run_booth(
             network = llm_session.network
             dbs = run.databases = BoothDatabases.start(
                 databases,
+                two_phase,
                 record=writer.append,
                 booth_id=booth_id,
                 secrets=[value for key, value in env.items() if img.is_secret(key)],
                 listen=network.listen if network is not None else None,
                 max_rows_changed=max_sql_rows_changed,
                 on_trip=run.on_trip,
-                needs_two_phase=commit_mode in ("never", "ask"),
             )
             env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
             env.update(dbs.agent_env())

@@ -59,24 +59,14 @@ class BoothDatabases:
         self.urls = urls
         self.two_phase = two_phase
 
-    @classmethod
-    def start(
-        cls,
-        urls: Mapping[str, str],
-        *,
-        record: Callable[[str, dict[str, Any]], Any],
-        booth_id: str,
-        secrets: Iterable[str],
-        listen: Callable[[], socket.socket] | None,
-        max_rows_changed: int | None,
-        on_trip: Callable[[Any], Any] | None,
-        needs_two_phase: bool,
-    ) -> BoothDatabases:
+    @staticmethod
+    def probe(urls: Mapping[str, str], needs_two_phase: bool) -> dict[str, bool]:
         """Checks every server is reachable (and, for a booth that may stay pending, takes
-        prepared transactions) before the agent starts; UsageError otherwise."""
-        targets = {name: Target.parse(url) for name, url in urls.items()}
+        prepared transactions) before anything of the booth is made: {name: two-phase?}.
+        UsageError otherwise."""
         two_phase: dict[str, bool] = {}
-        for name, target in targets.items():
+        for name, url in urls.items():
+            target = Target.parse(url)
             try:
                 two_phase[name] = asyncio.run(_probe(target)) > 0
             except (OSError, UpstreamError, asyncio.IncompleteReadError) as error:
@@ -91,6 +81,23 @@ class BoothDatabases:
                     "max_prepared_transactions > 0 in postgresql.conf and restart it, or use "
                     "--commit auto"
                 )
+        return two_phase
+
+    @classmethod
+    def start(
+        cls,
+        urls: Mapping[str, str],
+        two_phase: dict[str, bool],
+        *,
+        record: Callable[[str, dict[str, Any]], Any],
+        booth_id: str,
+        secrets: Iterable[str],
+        listen: Callable[[], socket.socket] | None,
+        max_rows_changed: int | None,
+        on_trip: Callable[[Any], Any] | None,
+    ) -> BoothDatabases:
+        """The proxies, listening (see `probe`, called first)."""
+        targets = {name: Target.parse(url) for name, url in urls.items()}
         record("note", {"event": "sql_databases",
                         "databases": {n: t.public_url() for n, t in targets.items()}})
         proxy = SqlProxy(targets, record, booth_id, secrets=secrets, listen=listen,

@@ -214,3 +214,22 @@ with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
     assert errors[0].startswith("jukebox: VACUUM cannot run")
     bad = cli(tmp_path, "booth", "run", "--pg", "main=mysql://x", "--", "true")
     assert bad.returncode == 2 and "postgresql://" in bad.stderr
+
+
+def test_refused_before_anything_is_made(pg: Cluster, db: str, tmp_path: Path) -> None:
+    """A server that cannot be reached, and one without prepared transactions for a booth that
+    may stay pending, refuse the run (exit 2) before its tape exists."""
+    gone = booth(tmp_path, "postgresql://nobody@127.0.0.1:1/nowhere", AGENT)
+    assert gone.returncode == 2
+    assert "cannot connect to postgresql://nobody@127.0.0.1:1/nowhere" in gone.stderr
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+    pg.psql("ALTER SYSTEM SET max_prepared_transactions = 0")
+    pg.restart()
+    try:
+        never = booth(tmp_path, pg.url(db), AGENT, "--commit", "never")
+        assert never.returncode == 2
+        assert "max_prepared_transactions = 0" in never.stderr
+        assert not (tmp_path / "tapes").exists()
+    finally:
+        pg.psql("ALTER SYSTEM RESET max_prepared_transactions")
+        pg.restart()
