@@ -1452,7 +1452,7 @@ def run_booth(
     agent_cwd = cwd if _is_under(os.path.realpath(cwd), tree_path) else tree_path
     agent_cwd = os.path.realpath(agent_cwd)
 
-    from jukebox.llm.server import DEFAULT_RECORD_LIMIT
+    from jukebox.llm.recorder import DEFAULT_RECORD_LIMIT
     from jukebox.tape import TapeWriter
 
     factory = layer_factory or default_layer_factory

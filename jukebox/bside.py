@@ -441,7 +441,7 @@ def _chdir(path: str) -> Iterator[None]:
 def upstreams_for(endpoint: str | Mapping[str, str] | None) -> dict[str, str]:
     """Where calls after the fork go: a mapping per provider, one base URL for both (the
     OpenAI-style ``.../v1``; Anthropic calls go to it without ``/v1``), or the environment's."""
-    from jukebox.llm.server import upstreams_from_env
+    from jukebox.llm.upstreams import upstreams_from_env
 
     out = upstreams_from_env(os.environ)
     if endpoint is None:

@@ -587,8 +587,8 @@ def replay_exec(
     """Re-runs a recorded booth run offline and checks it against its tape (see the module);
     `honor_timing` answers each model call after its recorded latency, in the recorded order."""
     from jukebox.llm.replay import ReplaySource
-    from jukebox.llm.server import upstreams_from_env
     from jukebox.llm.session import LlmOptions
+    from jukebox.llm.upstreams import upstreams_from_env
     from jukebox.tape import Tape
     from shadowfs.store import Store
 
@@ -751,8 +751,8 @@ def _fork_exec(
 ) -> None:
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
-    from jukebox.llm.server import upstreams_from_env
     from jukebox.llm.session import LlmOptions
+    from jukebox.llm.upstreams import upstreams_from_env
     from jukebox.tape import Tape, TapeWriter
     from shadowfs.store import Store
 

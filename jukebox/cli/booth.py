@@ -244,9 +244,8 @@ def _llm_options(specs: tuple[str, ...]):  # type: ignore[no-untyped-def]
     $JUKEBOX_UPSTREAMS before anything is made."""
     import os
 
-    from jukebox.llm.server import upstreams_from_env
     from jukebox.llm.session import LlmOptions
-    from jukebox.llm.upstreams import LIST_ENV, BadUpstream, with_named
+    from jukebox.llm.upstreams import LIST_ENV, BadUpstream, upstreams_from_env, with_named
 
     if not specs and not os.environ.get(LIST_ENV):
         return None

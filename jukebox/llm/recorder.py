@@ -26,6 +26,10 @@ from jukebox.llm.sse import SSEEvent
 from jukebox.llm.usage import estimate
 from jukebox.redact import Scrubber, redact_headers, redact_query, redact_text
 
+# What one proxy records in all (request and response bodies) when nobody set a limit: the
+# booth passes its --max-scratch instead.
+DEFAULT_RECORD_LIMIT = 1024 * 1024 * 1024
+
 LLM_TURN = "llm_turn"
 
 # Response headers worth nothing on a tape (transport details) or unsafe there (cookies).

@@ -56,15 +56,20 @@ from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
 from jukebox.llm.pricing import PriceTable, per_million, warm_catalogue
 from jukebox.llm.providers import (
-    DEFAULT_UPSTREAMS,
-    PREFIXES,
     UNBILLED,
     Route,
-    base_url_names,
     error_body,
     route,
 )
-from jukebox.llm.recorder import LLM_TURN, Exchange, FrameSink, Turn, build_turn, parse_body
+from jukebox.llm.recorder import (
+    DEFAULT_RECORD_LIMIT,
+    LLM_TURN,
+    Exchange,
+    FrameSink,
+    Turn,
+    build_turn,
+    parse_body,
+)
 from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
 from jukebox.llm.retries import RetryTracker, fingerprint
 from jukebox.llm.rewrite import RequestRewriter
@@ -78,10 +83,8 @@ from jukebox.llm.telemetry import (
     tracing_client,
 )
 from jukebox.llm.upstream_client import UpstreamClient
-from jukebox.llm.upstreams import OFFLINE_URL, check_name, with_named
-from jukebox.llm.upstreams import agent_env as named_env
-from jukebox.llm.upstreams import named as named_upstreams
-from jukebox.llm.upstreams import split as split_upstream
+from jukebox.llm.upstreams import proxy_env, upstreams_from_env
+from jukebox.llm.upstreams import resolve as resolve_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.names import printable
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
@@ -107,9 +110,6 @@ _HOP_RESPONSE = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 )
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
-# What one proxy records in all (request and response bodies) when nobody set a limit: the
-# booth passes its --max-scratch instead.
-DEFAULT_RECORD_LIMIT = 1024 * 1024 * 1024
 READ_SIZE = 65536
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=30.0, read=600.0, write=60.0, pool=60.0)
 BREAKER_CODE = "jukebox_circuit_breaker"
@@ -128,17 +128,6 @@ INLINE_TURN_BYTES = 64 * 1024
 # How long a trip waits for the agent to take the answer that explains it before `stop_agent`
 # is called anyway.
 TRIP_NOTICE_S = 1.0
-
-
-def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The user's own base URLs (the SDK's variable, else an alias) become the upstreams; the
-    providers' public APIs otherwise; and `azure` when AZURE_OPENAI_ENDPOINT is set
-    (jukebox.llm.upstreams), so a replay's or fork's live calls reach it too."""
-    out = {}
-    for provider, default in DEFAULT_UPSTREAMS.items():
-        named = (environ.get(name) for name in base_url_names(provider))
-        out[provider] = (next((url for url in named if url), None) or default).rstrip("/")
-    return with_named(out, (), environ)
 
 
 def _failure(ex: Exchange) -> str | None:
@@ -228,20 +217,12 @@ class ProxyServer:
         record_limit: int | None = None,
         record_inline: bool = False,
     ) -> None:
-        self.upstreams = dict(upstreams or upstreams_from_env({}))
-        for provider, default in DEFAULT_UPSTREAMS.items():
-            # A caller's mapping may predate a provider: a replay's then reaches nothing.
-            self.upstreams.setdefault(provider, OFFLINE_URL if replay is not None else default)
-        # Named upstreams: their protocols apart, their values plain URLs.
-        self.protocols: dict[str, str] = {}
-        for name in named_upstreams(self.upstreams):
-            protocol, url = split_upstream(self.upstreams[check_name(name)])
-            self.protocols[name], self.upstreams[name] = protocol, url
-        if replay is not None:
-            # A replay serves the names its tape used; nothing is forwarded to them.
-            for name, protocol in replay.upstream_protocols.items():
-                if name not in self.upstreams:
-                    self.upstreams[name], self.protocols[name] = OFFLINE_URL, protocol
+        # Named upstreams: their protocols apart, their values plain URLs; a replay serves the
+        # names its tape used, and nothing is forwarded to them.
+        self.upstreams, self.protocols = resolve_upstreams(
+            upstreams or upstreams_from_env({}),
+            replay.upstream_protocols if replay is not None else None,
+        )
         self.named = sorted(self.protocols)
         self.record = record
         self.record_inline = record_inline
@@ -304,11 +285,7 @@ class ProxyServer:
     def base_urls(self) -> dict[str, str]:
         """The environment that points an agent's SDKs at this proxy: every base-URL variable
         a popular client reads, each with the proxy's secret."""
-        out = {
-            name: self.url + prefix for p, prefix in PREFIXES.items() for name in base_url_names(p)
-        }
-        out.update(named_env(self.url, self.protocols))
-        return out
+        return proxy_env(self.url, self.protocols)
 
     def start(self) -> ProxyServer:
         self._thread = threading.Thread(target=self._run, name="jukebox-llm-proxy", daemon=True)

@@ -8,10 +8,11 @@ fork overrides, a circuit breaker. The booth supplies the tape writer and the tr
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jukebox.llm.lookups import LookupWatch
 from jukebox.llm.netns import PrivateNetwork
@@ -19,11 +20,14 @@ from jukebox.llm.placeholder_keys import placeholder_env
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import OPENAI
 from jukebox.llm.recorder import FrameSink
-from jukebox.llm.replay import Divergence, ReplaySource
-from jukebox.llm.rewrite import RequestRewriter
-from jukebox.llm.server import ProxyServer, upstreams_from_env
+from jukebox.llm.standby import Standby
 from jukebox.llm.telemetry import environment_warnings
 from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
+from jukebox.llm.upstreams import resolve, upstreams_from_env
+
+if TYPE_CHECKING:
+    from jukebox.llm.replay import Divergence, ReplaySource
+    from jukebox.llm.rewrite import RequestRewriter
 
 T = TypeVar("T")
 
@@ -42,7 +46,7 @@ class LlmOptions:
 class LlmSession:
     def __init__(
         self,
-        proxy: ProxyServer,
+        proxy: Standby,
         network: PrivateNetwork | None,
         replaying: bool = False,
         lookups: LookupWatch | None = None,
@@ -70,23 +74,38 @@ class LlmSession:
         --max-scratch; DEFAULT_RECORD_LIMIT when None). `on_trip` records a trip at once;
         `stop_agent` is called after the agent has been told why (see ProxyServer)."""
         options = options or LlmOptions()
-        network = PrivateNetwork() if private_network else None
-        try:
-            proxy = ProxyServer(
-                upstreams=options.upstreams or upstreams_from_env(environ),
+        replay = options.replay
+        upstreams = options.upstreams or upstreams_from_env(environ)
+        # Checked now (a bad name, a bad price file): the agent must not start with a proxy
+        # that cannot.
+        _, protocols = resolve(upstreams, replay.upstream_protocols if replay else None)
+        prices = PriceTable.load(tape_dir, environ)
+
+        def make(sock: socket.socket, secret: str) -> Any:
+            # Here, at the first connection: the proxy's imports are most of a booth's start.
+            from jukebox.llm.server import ProxyServer
+
+            return ProxyServer(
+                upstreams=upstreams,
                 record=record,
                 record_inline=True,  # the booth's GroupTape writes; its group commit syncs
-                replay=options.replay,
+                replay=replay,
                 rewriter=options.rewriter,
                 breaker=options.breaker,
                 on_trip=on_trip,
                 stop_agent=stop_agent,
                 on_divergence=options.on_divergence,
                 secrets=secrets,
-                prices=PriceTable.load(tape_dir, environ),
-                sock=network.listen() if network is not None else None,
+                prices=prices,
+                sock=sock,
+                secret=secret,
                 record_limit=record_limit,
-            ).start()
+            )
+
+        network = PrivateNetwork() if private_network else None
+        try:
+            sock = network.listen() if network is not None else None
+            proxy = Standby(make, protocols, sock=sock).start()
         except BaseException:
             if network is not None:
                 network.close()
@@ -106,7 +125,7 @@ class LlmSession:
             if network is not None:
                 network.close()
             raise
-        return cls(proxy, network, replaying=options.replay is not None, lookups=lookups)
+        return cls(proxy, network, replaying=replay is not None, lookups=lookups)
 
     def agent_env(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """What the agent's environment `env` gets: the base URLs, with the proxy's secret (for

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from jukebox.errors import UsageError
-from jukebox.llm.providers import DEFAULT_UPSTREAMS, NAMED_PREFIX, OPENAI
+from jukebox.llm.providers import DEFAULT_UPSTREAMS, NAMED_PREFIX, OPENAI, PREFIXES, base_url_names
 
 AZURE = "azure"
 AZURE_ENDPOINT_ENV = "AZURE_OPENAI_ENDPOINT"
@@ -116,4 +116,44 @@ def agent_env(proxy_url: str, protocols: Mapping[str, str]) -> dict[str, str]:
             out[AZURE_ENDPOINT_ENV] = url
         listed.append(f"{name}={'' if protocol == OPENAI else protocol + '+'}{url}")
     out[LIST_ENV] = " ".join(listed)
+    return out
+
+
+def upstreams_from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The user's own base URLs (the SDK's variable, else an alias) become the upstreams; the
+    providers' public APIs otherwise; and `azure` when AZURE_OPENAI_ENDPOINT is set, so a
+    replay's or fork's live calls reach it too."""
+    out = {}
+    for provider, default in DEFAULT_UPSTREAMS.items():
+        urls = (environ.get(name) for name in base_url_names(provider))
+        out[provider] = (next((url for url in urls if url), None) or default).rstrip("/")
+    return with_named(out, (), environ)
+
+
+def resolve(
+    upstreams: Mapping[str, str], replay_protocols: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """What a proxy serves: (every upstream's plain URL, the protocol of each named one).
+
+    A built-in provider missing from `upstreams` gets its public API, or OFFLINE_URL in a
+    replay (`replay_protocols` given: the names the tape used, each served offline when not
+    configured). Raises BadUpstream for a bad name."""
+    out = dict(upstreams)
+    for provider, default in DEFAULT_UPSTREAMS.items():
+        # A caller's mapping may predate a provider: a replay's then reaches nothing.
+        out.setdefault(provider, OFFLINE_URL if replay_protocols is not None else default)
+    protocols: dict[str, str] = {}
+    for name in named(out):
+        protocols[name], out[name] = split(out[check_name(name)])
+    for name, protocol in (replay_protocols or {}).items():
+        if name not in out:
+            out[name], protocols[name] = OFFLINE_URL, protocol
+    return out, protocols
+
+
+def proxy_env(proxy_url: str, protocols: Mapping[str, str]) -> dict[str, str]:
+    """The environment that points an agent's SDKs at a proxy whose root (secret included) is
+    `proxy_url`: every base-URL variable a popular client reads, and the named upstreams."""
+    out = {name: proxy_url + prefix for p, prefix in PREFIXES.items() for name in base_url_names(p)}
+    out.update(agent_env(proxy_url, protocols))
     return out

@@ -1,0 +1,168 @@
+"""What a user waits for at the start of a command, next to its anchors in the same run.
+
+* `jukebox booth run --tree T -- true`, whole process (store, base tree, mount, the shim, the
+  verdict), beside bubblewrap starting `true` with every namespace it has (`bwrap
+  --unshare-all`, the anchor a sandbox's start is judged against) and `python -c pass` (the
+  floor any Python command stands on). Goal: ≤ 100 ms.
+* `jukebox replay TAPE` of an 8-frame booth tape (three checkpoints and a commit), whole
+  process, beside the same floor. Goal: ≤ 60 ms.
+
+Each command runs `runs` times, the systems interleaved so the machine's drift hits them alike;
+`min_us` is the least disturbed run, `cpu_s` the CPU seconds of the command and every process it
+waited for (the shim, the agent): on a shared machine it moves far less than wall time. Set
+JUKEBOX_BENCH_BASELINE to another version's `jukebox` executable (an older commit installed in
+its own venv) to run it interleaved too, as the `isolation` group does.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import median, percentile
+
+GROUP = "startup"
+JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+BASELINE_ENV = "JUKEBOX_BENCH_BASELINE"
+BOOTH_CASE = "start a sandbox running `true` (whole command)"
+REPLAY_CASE = "replay an 8-frame tape (whole command)"
+BOOTH_SYSTEM = "jukebox booth run --tree T -- true"
+REPLAY_SYSTEM = "jukebox replay TAPE"
+BWRAP_SYSTEM = "bwrap --unshare-all -- true (anchor)"
+FLOOR_SYSTEM = "python -c pass (floor)"
+BOOTH_GOAL_MS = 100.0
+REPLAY_GOAL_MS = 60.0
+# Three checkpoints and an auto commit: run_start, agent_started, 3 checkpoints, fs, exit,
+# commit.
+EIGHT_FRAMES = "for i in 1 2 3; do echo $i > step$i.txt; jukebox booth checkpoint >/dev/null; done"
+
+
+def _timed(argv: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, float]:
+    """(wall µs, CPU seconds of the command and every descendant it waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = (time.perf_counter() - t0) * 1e6
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode not in ok:
+        raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def _bwrap() -> list[str] | None:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return None
+    return [bwrap, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc",
+            "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--", "true"]  # fmt: skip
+
+
+def _interleaved(
+    cases: dict[str, list[str]], runs: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in cases}
+    for argv in cases.values():  # one untimed run each: page cache, bytecode, stat cache
+        _timed(argv)
+    for _ in range(runs):
+        for name, argv in cases.items():
+            wall, cpu = _timed(argv)
+            out[name][0].append(wall)
+            out[name][1].append(cpu)
+    return out
+
+
+def _rows(case: str, results: dict[str, tuple[list[float], list[float]]], anchor: str,
+          goal_ms: float, subject: str) -> list[dict[str, Any]]:  # fmt: skip
+    base = median(results[anchor][0]) if anchor in results else None
+    rows = []
+    for system, (walls, cpus) in results.items():
+        p50 = percentile(walls, 50)
+        note = ""
+        if system == subject or system.startswith("previous version"):
+            note = f"goal ≤ {goal_ms:.0f} ms: {'met' if p50 <= goal_ms * 1e3 else 'not met'}"
+        rows.append({
+            "group": GROUP, "case": case, "system": system,
+            "min_us": min(walls), "p50_us": p50, "p99_us": percentile(walls, 99),
+            "cpu_s": round(median(cpus), 4), "n": len(walls),
+            "ratio": p50 / base if base else None, "note": note,
+        })  # fmt: skip
+    return rows
+
+
+def _load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    if os.geteuid() != 0 and not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return [{"group": GROUP, "case": "all", "system": "jukebox booth",
+                 "note": "skipped: /dev/fuse not usable by this user"}]  # fmt: skip
+    runs = 5 if quick else 20
+    baseline = os.environ.get(BASELINE_ENV)
+    load_before = _load_average()
+    # Not under /tmp: the booth's /tmp is private, and the tree must be the same inside.
+    work = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="jukebox-bench-startup-"))
+    try:
+        tree, tapes, other = work / "tree", work / "tapes", work / "tapes-baseline"
+        tree.mkdir()
+        for i in range(100):
+            (tree / f"file{i}.txt").write_text(f"content {i}\n" * 20)
+        floor = [sys.executable, "-c", "pass"]
+        cases: dict[str, list[str]] = {}
+        bwrap = _bwrap()
+        if bwrap is not None:
+            cases[BWRAP_SYSTEM] = bwrap
+        cases[FLOOR_SYSTEM] = floor
+        # No changes and an auto commit: nothing is left pending, so runs do not pile up.
+        cases[BOOTH_SYSTEM] = [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir",
+                               str(tapes), "--commit", "auto", "--", "true"]  # fmt: skip
+        if baseline:
+            cases[f"previous version ({baseline})"] = [
+                baseline, "booth", "run", "--tree", str(tree), "--tape-dir", str(other),
+                "--commit", "auto", "--", "true"]  # fmt: skip
+        rows = _rows(BOOTH_CASE, _interleaved(cases, runs), BWRAP_SYSTEM if bwrap else
+                     FLOOR_SYSTEM, BOOTH_GOAL_MS, BOOTH_SYSTEM)  # fmt: skip
+
+        replay_tree = work / "replay-tree"
+        replay_tree.mkdir()
+        (replay_tree / "a.txt").write_text("a\n")
+        subprocess.run(
+            [JUKEBOX, "booth", "run", "--tree", str(replay_tree), "--tape-dir", str(tapes),
+             "--tape-id", "eight", "--", "sh", "-c", EIGHT_FRAMES],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        replays: dict[str, list[str]] = {
+            FLOOR_SYSTEM: floor,
+            REPLAY_SYSTEM: [JUKEBOX, "replay", str(tapes / "eight.jbx")],
+        }
+        if baseline:
+            replays[f"previous version ({baseline})"] = [
+                baseline,
+                "replay",
+                str(tapes / "eight.jbx"),
+            ]
+        rows += _rows(
+            REPLAY_CASE, _interleaved(replays, runs), FLOOR_SYSTEM, REPLAY_GOAL_MS, REPLAY_SYSTEM
+        )
+        load = f"load average {load_before} before, {_load_average()} after"
+        for row in rows:
+            row["note"] = "; ".join(x for x in (row["note"], load) if x)
+        return rows
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    for r in run(quick="--quick" in sys.argv):
+        print(r)
