@@ -1194,6 +1194,12 @@ def _children_of(pid: int) -> list[int]:
 def _reap_stragglers() -> int:
     """Kills what the agent left running (we are its subreaper), so nothing writes after the
     final snapshot and nothing holds the mount."""
+    try:
+        # Mostly there is none (the agent's PID namespace died with its init): then no scan of
+        # every process on the machine in /proc.
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0
     killed = 0
     for _ in range(50):
         kids = _children_of(os.getpid())
@@ -1256,6 +1262,8 @@ def _alert(message: str) -> None:
 
 def _host_hooks_refusal(store: Any, base: ObjectId, final: ObjectId) -> str:
     """Why the booth is not committed without --allow-hooks ("" when nothing is flagged)."""
+    if base == final:
+        return ""
     from jukebox.host_hooks import host_hook_changes, refusal
 
     flagged = host_hook_changes(store, base, final)

@@ -1,0 +1,96 @@
+"""What a command imports: the LLM proxy's stack (trio, httpx, h11, the price catalogue's
+pydantic) only once an agent calls a model through it. Asserts which modules a process loaded,
+never how long it took (docs/benchmarks.md has the times)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.llm.upstream import FakeUpstream
+
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
+
+# The modules a booth whose agent never calls a model has no use for.
+PROXY_STACK = ("trio", "httpx", "h11", "genai_prices", "pydantic", "jukebox.llm.server")
+
+# Runs the CLI in this interpreter, then writes what it imported: sys.exit ends every command.
+WRAPPER = """
+import json, sys
+from jukebox.cli import main
+out = sys.argv.pop(1)
+sys.argv[0] = "jukebox"
+try:
+    main()
+    code = 0
+except SystemExit as done:
+    code = done.code
+with open(out, "w") as f:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+"""
+
+
+def _imported(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> set[str]:
+    out = tmp_path / "modules.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPER, str(out), *args],
+        capture_output=True, text=True, cwd="/", timeout=60,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert out.exists(), proc.stderr
+    data = json.loads(out.read_text())
+    assert data["code"] in (0, None), proc.stderr
+    return set(data["modules"])
+
+
+def _stack(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in PROXY_STACK or m in PROXY_STACK)
+
+
+def test_help_imports_no_proxy(tmp_path: Path) -> None:
+    assert _stack(_imported(tmp_path, "--help")) == []
+
+
+def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    script = 'test -n "$OPENAI_BASE_URL" && echo two > a.txt'  # the URL is there all the same
+    modules = _imported(
+        tmp_path, "booth", "run", "--tree", str(tree), "--tape-dir", str(tmp_path / "tapes"),
+        "--", "sh", "-c", script,
+    )  # fmt: skip
+    assert (tree / "a.txt").read_text() == "two\n"  # it ran and committed
+    assert "jukebox.booth" in modules
+    assert _stack(modules) == []
+
+
+def test_the_first_model_call_starts_the_proxy(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    agent = (
+        "import json, os, urllib.request\n"
+        "url = os.environ['OPENAI_BASE_URL'] + '/chat/completions'\n"
+        "body = json.dumps({'model': 'gpt-4o', 'messages': [{'role': 'user', 'content': 'hi'}]})\n"
+        "req = urllib.request.Request(url, body.encode(), {'content-type': 'application/json',"
+        " 'authorization': 'Bearer sk-test'})\n"
+        "reply = json.load(urllib.request.urlopen(req))\n"
+        "open('reply.txt', 'w').write(reply['choices'][0]['message']['content'])\n"
+    )
+    upstream = FakeUpstream().start()
+    try:
+        modules = _imported(
+            tmp_path, "booth", "run", "--tree", str(tree), "--tape-dir", str(tmp_path / "tapes"),
+            "--", sys.executable, "-c", agent,
+            env={"OPENAI_BASE_URL": upstream.openai_url},
+        )  # fmt: skip
+    finally:
+        upstream.stop()
+    assert (tree / "reply.txt").read_text() == "echo: hi"  # through the proxy and back
+    assert len(upstream.seen) == 1
+    assert "jukebox.llm.server" in modules
