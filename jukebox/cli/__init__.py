@@ -125,11 +125,46 @@ def cli(ctx: click.Context) -> None:
 add_output_options(cli)
 
 
-def main() -> None:
-    from jukebox.cli import booth, booth_review, disk, help, mcp, mount, show, tapes, timetravel  # noqa: F401  (registers the sub-commands)
-    from jukebox.cli import export as _export  # noqa: F401  (registers `jukebox export`)
-    from jukebox.cli import view as _view  # noqa: F401  (registers `jukebox view`)
+# The modules that register each command (importing one registers its commands). A command
+# line imports only its command's: each module costs its imports at every start.
+COMMAND_MODULES: dict[str, tuple[str, ...]] = {
+    "booth": ("booth", "booth_review"),
+    **dict.fromkeys(("ls", "log", "verify", "replay", "diff", "gc"), ("tapes",)),
+    **dict.fromkeys(("rm", "prune", "du"), ("disk",)),
+    **dict.fromkeys(("mount", "umount"), ("mount",)),
+    "show": ("show",),
+    "fork": ("timetravel",),
+    "mcp": ("mcp",),
+    "export": ("export",),
+    "view": ("view",),
+}
+ALL_COMMAND_MODULES = (
+    "booth", "booth_review", "disk", "export", "help", "mcp", "mount", "show", "tapes",
+    "timetravel", "view",
+)  # fmt: skip
+COMPLETE_ENV = "_JUKEBOX_COMPLETE"  # click's shell completion asks with it set
 
+
+def register_commands(argv: list[str]) -> None:
+    """Imports the modules of the command `argv` names; all of them when it names none (the
+    list of commands), asks for the top-level help or version, completes a word, names an
+    unknown command (click suggests close ones) or asks `jukebox help` (it walks them all)."""
+    from importlib import import_module
+
+    modules: tuple[str, ...] | None = None
+    if not os.environ.get(COMPLETE_ENV):
+        for arg in argv:
+            if arg in ("-h", "--help", "--version"):
+                break
+            if not arg.startswith("-"):
+                modules = COMMAND_MODULES.get(arg)
+                break
+    for name in modules or ALL_COMMAND_MODULES:
+        import_module(f"jukebox.cli.{name}")
+
+
+def main() -> None:
+    register_commands(sys.argv[1:])
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)
         sys.stdout.flush()  # here, where a closed pipe can still be told from a bug

@@ -52,10 +52,6 @@ def _stack(modules: set[str]) -> list[str]:
     return sorted(m for m in modules if m.split(".")[0] in PROXY_STACK or m in PROXY_STACK)
 
 
-def test_help_imports_no_proxy(tmp_path: Path) -> None:
-    assert _stack(_imported(tmp_path, "--help")) == []
-
-
 def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     tree.mkdir()

@@ -1,0 +1,85 @@
+"""A command imports the modules of its own sub-command only (jukebox.cli.COMMAND_MODULES), and
+never the LLM proxy's stack unless it starts a proxy. Asserts which modules a process loaded,
+never how long it took (docs/benchmarks.md has the times)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from jukebox import cli as cli_module
+
+PROXY_STACK = ("trio", "httpx", "h11", "genai_prices", "pydantic", "jukebox.llm.server")
+
+# Runs the CLI in this interpreter, then writes what it imported: sys.exit ends every command.
+WRAPPER = """
+import json, sys
+from jukebox.cli import main
+out = sys.argv.pop(1)
+sys.argv[0] = "jukebox"
+try:
+    main()
+    code = 0
+except SystemExit as done:
+    code = done.code
+with open(out, "w") as f:
+    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+"""
+
+
+def imported(tmp_path: Path, *args: str) -> tuple[int, set[str]]:
+    out = tmp_path / "modules.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPER, str(out), *args],
+        capture_output=True, text=True, cwd="/", timeout=60,
+    )  # fmt: skip
+    assert out.exists(), proc.stderr
+    data = json.loads(out.read_text())
+    return data["code"] or 0, set(data["modules"])
+
+
+def test_every_command_is_mapped_to_the_modules_that_register_it() -> None:
+    for name in cli_module.ALL_COMMAND_MODULES:
+        __import__(f"jukebox.cli.{name}")
+    for name, command in cli_module.cli.commands.items():
+        if name == "help":  # it walks every command: a command line naming it imports them all
+            continue
+        registered_by = {command.callback.__module__}
+        if isinstance(command, click.Group):
+            registered_by |= {sub.callback.__module__ for sub in command.commands.values()}
+        assert {f"jukebox.cli.{m}" for m in cli_module.COMMAND_MODULES[name]} >= registered_by
+    assert set(cli_module.COMMAND_MODULES) == set(cli_module.cli.commands) - {"help"}
+
+
+def test_a_command_imports_only_its_own_sub_command(tmp_path: Path) -> None:
+    (tmp_path / "tapes").mkdir()
+    code, modules = imported(tmp_path, "ls", "--tape-dir", str(tmp_path / "tapes"))
+    assert code == 0
+    assert "jukebox.cli.tapes" in modules
+    assert not {"jukebox.cli.booth", "jukebox.cli.timetravel", "jukebox.cli.mount"} & modules
+
+
+def test_help_lists_every_command_and_imports_no_proxy(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from jukebox.cli import main; main()", "--help"],
+        capture_output=True, text=True, cwd="/", timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0
+    listed = {line.split()[0] for line in proc.stdout.split("Commands:")[1].splitlines() if line}
+    assert listed == {*cli_module.COMMAND_MODULES, "help"}
+    code, modules = imported(tmp_path, "--help")
+    assert code == 0
+    assert not [m for m in modules if m.split(".")[0] in PROXY_STACK or m in PROXY_STACK]
+
+
+def test_an_unknown_command_is_still_told_apart_from_close_ones(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from jukebox.cli import main; main()", "replya", "x"],
+        capture_output=True, text=True, cwd="/", timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "replay" in proc.stderr  # the suggestion needs every command registered
