@@ -1478,6 +1478,7 @@ def run_booth(
     live: Any = None  # jukebox.export.otel_live.LiveExport with OTEL_EXPORTER_OTLP_ENDPOINT set
     record: BoothRecord | None = None
     cgroup: BoothCgroup | None = None
+    preforked: isolation.PreforkedShim | None = None
     try:
         # Before anything is written: strict mode refuses with nothing half-made.
         protections, cgroup = booth_protections(img, booth_id, seccomp=seccomp)
@@ -1553,6 +1554,9 @@ def run_booth(
             import prctl
 
             prctl.set_child_subreaper(1)
+        if net != "none":  # under --net none the agent starts inside the proxy's network
+            # Forked while no thread runs yet: the agent's start then needs no new interpreter.
+            preforked = isolation.PreforkedShim.fork()
         scratch = booth_scratch(tapes, booth_id)
         # Never over the tree's path here: see isolation.ChildSpec.mount_at.
         layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))
@@ -1605,9 +1609,12 @@ def run_booth(
             stop_agent=run.stop_agent,
             record_limit=scratch_limit,
         )
-        run.spawn = lambda child_spec, **stdio: llm_session.spawn(
-            functools.partial(isolation.spawn, **stdio), child_spec
-        )
+        if preforked is not None and llm_session.network is None:
+            run.spawn = preforked.spawn
+        else:
+            run.spawn = lambda child_spec, **stdio: llm_session.spawn(
+                functools.partial(isolation.spawn, **stdio), child_spec
+            )
         env.update(llm_session.agent_env(env))
         if databases:
             from jukebox.sql.booth_link import BoothDatabases
@@ -1790,6 +1797,8 @@ def run_booth(
         layer = None
         return code
     finally:
+        if preforked is not None:
+            preforked.close()  # ends and reaps it when the agent never started
         if server is not None:
             server.close()
         if dbs is not None:

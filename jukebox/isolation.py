@@ -437,6 +437,127 @@ def spawn(spec: ChildSpec, *, stdin: Any = None, stdout: Any = None, stderr: Any
     return Child(proc, status_r)
 
 
+class _Forked:
+    """What `Child.proc` is for a PreforkedShim: its pid, and the status the caller reaps."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+
+class PreforkedShim:
+    """The exec shim forked from the supervisor while it has no thread yet, waiting for its
+    spec: `spawn` then costs no new interpreter and no imports (a fresh `python -m
+    jukebox.isolation` is most of a booth's start-up), and its preparation overlaps the
+    supervisor's mount.
+
+    Forking is safe only without threads (the reason `spawn` execs a fresh shim), so `fork()`
+    refuses otherwise. The child keeps nothing of the supervisor but the interpreter: every
+    other descriptor is closed at once, the garbage collector is off (no finalizer of the
+    supervisor's objects can run there), and it ends with `os._exit`, never returning into the
+    supervisor's code. One spawn per shim; `close()` ends an unused one."""
+
+    def __init__(self, pid: int, sock: socket.socket, status_r: int) -> None:
+        self.pid = pid
+        self._sock: socket.socket | None = sock
+        self._status_r = status_r
+
+    @classmethod
+    def fork(cls) -> PreforkedShim:
+        if thread_count() != 1:
+            raise IsolationError("the shim can be forked only before the supervisor's threads")
+        parent = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        status_r, status_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                os.close(status_r)
+                _preforked_main(parent, theirs, status_w)
+            finally:
+                os._exit(SETUP_FAILED_STATUS)
+        theirs.close()
+        os.close(status_w)
+        return cls(pid, ours, status_r)
+
+    def spawn(
+        self, spec: ChildSpec, *, stdin: int | None = None, stdout: int | None = None,
+        stderr: int | None = None,
+    ) -> Child:  # fmt: skip
+        """As `spawn`; stdin, stdout and stderr are descriptors, or None for the supervisor's."""
+        if self._sock is None:
+            raise IsolationError("this pre-forked shim was used or closed already")
+        spec.parent_pid = os.getpid()
+        data = spec.to_json()
+        stdio = [fd if fd is not None else i for i, fd in enumerate((stdin, stdout, stderr))]
+        sock, self._sock = self._sock, None
+        try:
+            socket.send_fds(sock, [struct.pack("!Q", len(data))], stdio)
+            sock.sendall(data)
+        except OSError as error:  # it died: its status says how, the caller reaps it
+            os.write(2, f"jukebox: the pre-forked shim is gone ({error.strerror})\n".encode())
+        finally:
+            sock.close()
+        return Child(_Forked(self.pid), self._status_r)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Ends a shim that was never used (its socket's EOF) and reaps it."""
+        if self._sock is None:
+            return
+        self._sock.close()
+        self._sock = None
+        os.close(self._status_r)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
+    """The pre-forked shim until its spec arrives; then the relay, as `_shim_main` is."""
+    import gc
+
+    import prctl
+
+    gc.disable()
+    prctl.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent:
+        return  # the supervisor died before pdeathsig was armed
+    keep = sorted({0, 1, 2, sock.fileno(), status_fd})
+    for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+        os.closerange(low + 1, high)
+    # While the supervisor mounts the layer: what the init and CMD will need.
+    with contextlib.suppress(Exception):
+        from jukebox import private_dev, syscall_filter  # noqa: F401
+
+        syscall_filter.preload()
+    head = b""
+    fds: list[int] = []
+    while len(head) < 8:
+        data, got, _, _ = socket.recv_fds(sock, 8 - len(head), 3)
+        if not data:
+            return  # closed unused
+        head += data
+        fds += got
+    size = struct.unpack("!Q", head)[0]
+    chunks = []
+    while size > 0:
+        chunk = sock.recv(min(size, 1 << 20))
+        if not chunk:
+            return
+        chunks.append(chunk)
+        size -= len(chunk)
+    sock.close()
+    if len(fds) != 3:
+        return
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    # As the exec'd shim is started: a session of its own, out of the caller's process group.
+    os.setsid()
+    _relay_main(ChildSpec.from_json(b"".join(chunks)), status_fd)
+
+
 # --------------------------------------------------------------------------- the shim side
 
 
@@ -656,7 +777,11 @@ def _shim_main(spec_fd: int, status_fd: int) -> None:
             break
         chunks.append(chunk)
     os.close(spec_fd)
-    spec = ChildSpec.from_json(b"".join(chunks))
+    _relay_main(ChildSpec.from_json(b"".join(chunks)), status_fd)
+
+
+def _relay_main(spec: ChildSpec, status_fd: int) -> None:
+    """The relay once it has its spec (from the pipe, or from a PreforkedShim's socket)."""
     if spec.parent_pid and os.getppid() != spec.parent_pid:
         os._exit(SETUP_FAILED_STATUS)  # the supervisor died before pdeathsig was armed
     # Before anything forks: the init, CMD and all they start are born in the booth's cgroup.

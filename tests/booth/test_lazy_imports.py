@@ -90,3 +90,21 @@ def test_the_first_model_call_starts_the_proxy(tmp_path: Path) -> None:
     assert (tree / "reply.txt").read_text() == "echo: hi"  # through the proxy and back
     assert len(upstream.seen) == 1
     assert "jukebox.llm.server" in modules
+
+
+def test_the_agent_holds_no_descriptor_of_the_supervisor(tmp_path: Path) -> None:
+    """The agent's shim is forked from the supervisor (isolation.PreforkedShim): none of the
+    supervisor's descriptors (the store, the tape, the real tree's fd) may reach the agent."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    script = "ls -l /proc/self/fd/ > fds.txt; ls /proc/self/fd | wc -l > count.txt"
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "jukebox"), "booth", "run", "--tree", str(tree),
+         "--tape-dir", str(tmp_path / "tapes"), "--", "sh", "-c", script],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd="/", timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    listing = (tree / "fds.txt").read_text()
+    assert str(tmp_path / "tapes") not in listing and "socket:" not in listing
+    # ls's own descriptor for the directory, and stdin, stdout, stderr.
+    assert int((tree / "count.txt").read_text()) <= 4, listing
