@@ -26,6 +26,7 @@ from pathlib import Path
 from jukebox.booth import BoothRecord, load_record
 from jukebox.booth_abort import _booth_mounts, _gone
 from jukebox.errors import JukeboxError, UsageError
+from jukebox.isolation import RELAY_TITLE
 from jukebox.tapedir import TapeDir
 
 DEFAULT_GRACE = 10.0
@@ -54,9 +55,11 @@ def _parent(pid: int) -> int | None:
 
 def _is_shim(pid: int) -> bool:
     try:
-        return _SHIM in Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    # An exec'd shim, or the agent's relay forked before the supervisor's threads.
+    return _SHIM in cmdline or cmdline.split(b"\0", 1)[0] == RELAY_TITLE.encode()
 
 
 def kill_agent(supervisor: int) -> bool:

@@ -134,6 +134,9 @@ FORWARDED_SIGNALS = frozenset(
 )
 _WAITED = FORWARDED_SIGNALS | {signal.SIGCHLD}
 INIT_TITLE = "jukebox-init"
+# The pre-forked relay's command line (the exec'd one shows `python -I -m jukebox.isolation exec`):
+# `jukebox booth stop` finds the agent's relay among the supervisor's children by it.
+RELAY_TITLE = "jukebox-relay"
 
 
 def inside_booth() -> bool:
@@ -522,6 +525,9 @@ def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
     prctl.set_pdeathsig(signal.SIGKILL)
     if os.getppid() != parent:
         return  # the supervisor died before pdeathsig was armed
+    with contextlib.suppress(Exception):
+        prctl.set_proctitle(RELAY_TITLE)
+        prctl.set_name(RELAY_TITLE)
     keep = sorted({0, 1, 2, sock.fileno(), status_fd})
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
         os.closerange(low + 1, high)

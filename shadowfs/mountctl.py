@@ -43,14 +43,16 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shadowfs import mountinfo
 from shadowfs.errors import ShadowfsError
 from shadowfs.fuse import FSNAME, TIMEOUT, Operations, Server
 from shadowfs.fuse_wire import EXPIRE_ONLY_MINOR, Channel
 from shadowfs.layer import Layer
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 FSTYPE = "fuse.shadowfs"
 PR_SET_PDEATHSIG = 1
@@ -168,6 +170,9 @@ class Mount:
         return self
 
     def _start_child(self) -> Mount:
+        # Here, not at the top: a mount served in this process (a booth's) never needs it.
+        from multiprocessing.connection import Connection
+
         mine, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the child
