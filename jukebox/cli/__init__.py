@@ -128,7 +128,7 @@ add_output_options(cli)
 # The modules that register each command (importing one registers its commands). A command
 # line imports only its command's: each module costs its imports at every start.
 COMMAND_MODULES: dict[str, tuple[str, ...]] = {
-    "booth": ("booth", "booth_review"),
+    "booth": ("booth", "booth_review", "mcp"),
     **dict.fromkeys(("ls", "log", "verify", "replay", "diff", "gc"), ("tapes",)),
     **dict.fromkeys(("rm", "prune", "du"), ("disk",)),
     **dict.fromkeys(("mount", "umount"), ("mount",)),
