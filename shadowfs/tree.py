@@ -760,7 +760,11 @@ class _Builder:
             )
         prev = _entries(self.store, previous) if previous is not None else None
         entries: list[Entry] = []
-        with os.scandir(dfd) as it:
+        subs = [e.oid for e in prev.values() if e.kind == DIR] if prev is not None else []
+        bulk = getattr(self.store, "prefetched", None) if len(subs) > 1 else None
+        # The previous sub-trees' index entries in one query, not one each: a warm build of
+        # 100,000 files in 1,100 directories spent 1.9 of its 13 s in those queries.
+        with bulk(subs) if bulk is not None else contextlib.nullcontext(), os.scandir(dfd) as it:
             for de in it:
                 name = de.name.encode(_FS_ENCODING, _FS_ERRORS)
                 if self.exclude is not None and self.exclude(_join(rel, name)):
