@@ -164,6 +164,7 @@ def test_quick_scale_suite_measures_every_case_side_by_side(tmp_path: Path) -> N
     first = {r["system"]: r for r in rows if r["case"].startswith("first booth")}
     assert first["jukebox booth run (cold)"]["store_mb"] > 0
     assert "jukebox booth run (warm)" in first
+    assert first["jukebox booth run (warm)"]["ratio_stat_walk"] > 0  # the floor, same run
     gc = {r["case"]: r for r in rows if r["system"] == "jukebox gc"}
     assert all(r["removed"] > 0 for r in gc.values()), gc  # the removed tape's checkpoints
     assert set(gc) == {
