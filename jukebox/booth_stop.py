@@ -56,10 +56,12 @@ def _parent(pid: int) -> int | None:
 def _is_shim(pid: int) -> bool:
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
-    # An exec'd shim, or the agent's relay forked before the supervisor's threads.
-    return _SHIM in cmdline or cmdline.split(b"\0", 1)[0] == RELAY_TITLE.encode()
+    # An exec'd shim, or the agent's relay forked before the supervisor's threads (named by
+    # PR_SET_NAME; its command line stays the supervisor's).
+    return _SHIM in cmdline or comm == RELAY_TITLE
 
 
 def kill_agent(supervisor: int) -> bool:

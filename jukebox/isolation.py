@@ -448,6 +448,20 @@ class _Forked:
         self.returncode: int | None = None
 
 
+def set_title(title: str) -> None:
+    """Shows `title` as this process's command line (/proc/PID/cmdline, `ps`): it overwrites
+    the original argument strings in place, padded with NULs. Not python-prctl's
+    set_proctitle, which segfaults in a process forked from one with a long command line (the
+    supervisor of `booth run -- python3 -c SCRIPT`). Python keeps its own copy of argv."""
+    fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+    arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
+    size = arg_end - arg_start
+    if size <= 0:
+        return
+    data = title.encode()[: size - 1]
+    ctypes.memmove(arg_start, data + b"\0" * (size - len(data)), size)
+
+
 class PreforkedShim:
     """The exec shim forked from the supervisor while it has no thread yet, waiting for its
     spec: `spawn` then costs no new interpreter and no imports (a fresh `python -m
@@ -526,8 +540,8 @@ def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
     if os.getppid() != parent:
         return  # the supervisor died before pdeathsig was armed
     with contextlib.suppress(Exception):
-        prctl.set_proctitle(RELAY_TITLE)
-        prctl.set_name(RELAY_TITLE)
+        prctl.set_name(RELAY_TITLE)  # what `booth stop` looks for
+        set_title(RELAY_TITLE)
     keep = sorted({0, 1, 2, sock.fileno(), status_fd})
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
         os.closerange(low + 1, high)
@@ -859,7 +873,7 @@ def _init_main(spec: ChildSpec, status_fd: int, alive_r: int, result_w: int) -> 
         os._exit(SETUP_FAILED_STATUS)  # the relay died before pdeathsig was armed
     os.close(alive_r)
     with contextlib.suppress(Exception):
-        prctl.set_proctitle(INIT_TITLE)  # what `ps` and /proc/1/cmdline show inside
+        set_title(INIT_TITLE)  # what `ps` and /proc/1/cmdline show inside
     if spec.seccomp is not None:
         try:
             from jukebox import syscall_filter

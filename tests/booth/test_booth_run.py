@@ -290,3 +290,15 @@ def test_the_agent_reaches_this_jukebox_when_its_path_does_not(work) -> None:
     assert "checkpoint 1 (here)" in proc.stdout
     # Appended: the agent's own tools (python, pip) still come first.
     assert f"PATH=/usr/bin:/bin:{bin_dir}\n" in proc.stdout
+
+
+def test_an_agent_with_a_long_command_line_runs_under_its_init(tmp_path: Path) -> None:
+    # `python3 -c SCRIPT` with a script of some kilobytes: the pre-forked relay and the init
+    # name themselves over the supervisor's command line, which once crashed them (SIGSEGV).
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    padding = "#" + "y" * 9000
+    script = f"echo INIT=$(tr '\\0' ' ' < /proc/1/cmdline) > init.txt; : '{padding}'"
+    done = booth_run(tree, tmp_path / "tapes", script)
+    assert done.returncode == 0, done.stderr
+    assert (tree / "init.txt").read_text() == "INIT=jukebox-init\n"
