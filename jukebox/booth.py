@@ -59,7 +59,7 @@ from jukebox.progress import note
 from jukebox.protections import Protections, booth_protections, strict_refusal
 from jukebox.record_binding import bound_tape, record_seal
 from jukebox.recorded_image import image_record
-from jukebox.scratchdir import booth_scratch, layer_mountpoint, remove_scratch
+from jukebox.scratchdir import booth_scratch, layer_mountpoint, remove_scratch, socket_dir_prefix
 from jukebox.tapedir import (
     TapeDir,
     check_tape_id,
@@ -928,7 +928,7 @@ def _remove_leftovers(tape_dir: TapeDir, booth_id: str) -> None:
     with contextlib.suppress(OSError):
         os.rmdir(layer_mountpoint(tape_dir, booth_id))  # a killed supervisor's
     # A killed supervisor leaves its control socket's (empty) mount point in /tmp.
-    isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
+    isolation.remove_stale_socket_dirs(socket_dir_prefix(tape_dir.path, booth_id))
 
 
 # --------------------------------------------------------------------------- the supervisor
@@ -1593,7 +1593,7 @@ def run_booth(
             f"booth {booth_id}: the agent asks to call {what}: `jukebox booth approve {booth_id} "
             f"{ask_id}` (or --deny; --tape-dir {tapes.path})"
         )
-        sock_dir = isolation.private_socket_dir(f"jukebox-{booth_id}-")
+        sock_dir = isolation.private_socket_dir(socket_dir_prefix(tapes.path, booth_id))
         sock_path = os.path.join(sock_dir, "control.sock")
         server = ControlServer(sock_path, run.handlers()).start()
         from jukebox.llm.session import LlmSession

@@ -24,7 +24,7 @@ import time
 from jukebox import fusectl, isolation
 from jukebox.booth import load_record
 from jukebox.errors import UsageError
-from jukebox.scratchdir import layer_mountpoint
+from jukebox.scratchdir import layer_mountpoint, socket_dir_prefix
 from jukebox.tapedir import TapeDir
 
 
@@ -32,7 +32,7 @@ def _booth_mounts(tape_dir: TapeDir, pid: int, booth_id: str) -> list[tuple[str,
     """The mounts in `pid`'s namespace made for booth `booth_id` (its layer's mount point in
     the tape dir, its control socket's in /tmp), or [] when `pid` has no such mount."""
     layer = os.path.realpath(layer_mountpoint(tape_dir, booth_id))
-    sockets = os.path.join(isolation.SOCKET_PARENT, f"jukebox-{booth_id}-")
+    sockets = os.path.join(isolation.SOCKET_PARENT, socket_dir_prefix(tape_dir.path, booth_id))
     return [m for m in fusectl.mounts(pid) if m[1] == layer or m[1].startswith(sockets)]
 
 
@@ -69,7 +69,7 @@ def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> lis
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     # The supervisor's (empty) mount points: its namespace died with it.
-    isolation.remove_stale_socket_dirs(f"jukebox-{booth_id}-")
+    isolation.remove_stale_socket_dirs(socket_dir_prefix(tape_dir.path, booth_id))
     with contextlib.suppress(OSError):
         os.rmdir(layer_mountpoint(tape_dir, booth_id))
     return connections

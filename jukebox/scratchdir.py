@@ -16,6 +16,7 @@ layer's inode table, never on disk), in the same dir.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
@@ -31,6 +32,18 @@ def layer_mountpoint(tapes: TapeDir, booth_id: str, *, make: bool = False) -> Pa
     never inside the tree (a run refuses overlapping ones), so the layer reading its base
     through a directory fd can never step onto its own mount, and hidden from the agent."""
     return tapes.private_dir("mnt", booth_id) if make else tapes.state / "mnt" / booth_id
+
+
+def socket_dir_prefix(tape_dir: Path, booth_id: str) -> str:
+    """The name prefix of the booth's control socket directory in /tmp: a digest of the tape dir
+    and the booth id. Fixed length, so a 128-byte booth id still fits a socket path's 108 bytes;
+    and one booth's own, so the clean-up after a killed supervisor never removes the mount point
+    of a booth with the same id in another tape dir (an rmdir on the host detaches the mount
+    in that booth's namespace), nor of an id it is a prefix of."""
+    digest = hashlib.blake2b(
+        f"{os.path.realpath(tape_dir)}\0{booth_id}".encode(), digest_size=8
+    ).hexdigest()
+    return f"jukebox-{digest}-"
 
 
 def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:

@@ -14,13 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from jukebox.scratchdir import socket_dir_prefix
 from tests.booth.conftest import NOBODY
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
@@ -104,9 +104,8 @@ def nothing_left(booth_id: str, tree: Path, tapes: Path) -> None:
     layer = tapes / ".jukebox" / "mnt" / booth_id
     assert not [m for m in mounts("self") if m[1] in (str(tree), str(layer))]
     assert not layer.exists()
-    assert not [
-        n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"jukebox-{booth_id}-")
-    ]
+    prefix = socket_dir_prefix(tapes, booth_id)
+    assert not [n for n in os.listdir("/tmp") if n.startswith(prefix)]
 
 
 @pytest.fixture(params=["root", "nobody"])

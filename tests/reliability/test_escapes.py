@@ -33,6 +33,7 @@ from subprocess import Popen
 
 import pytest
 
+from jukebox.scratchdir import socket_dir_prefix
 from shadowfs import tree as treemod
 from shadowfs.commit import apply
 from shadowfs.errors import ShadowfsError, TreeError
@@ -495,7 +496,8 @@ def battery(
         if os.environ.get("JUKEBOX_ESCAPES_SHOW"):
             print(json.dumps(results, indent=1))
         tree_after, tapes_after = tree_state(tree), tree_state(tapes)
-        tmp_residue = sorted(p.name for p in Path("/tmp").glob("jukebox-esc-*"))
+        prefix = socket_dir_prefix(tapes, "esc")
+        tmp_residue = sorted(p.name for p in Path("/tmp").glob(prefix + "*"))
         canaries_after = canaries.state()
         outside_after = (work / "outside.txt").read_text()
         commit = jb("booth", "commit", "esc", "--tape-dir", str(tapes), python=python, user=user)
