@@ -173,6 +173,7 @@ def test_the_model_override_is_per_provider(
     assert tape.fork(at_frame=at, override_model=both).overrides == {"model": both}
     with pytest.raises(ValueError, match="unknown provider 'mistral'"):
         tape.fork(at_frame=at, override_model={"mistral": "m"})
-    # Gemini is known, but its model is in the URL path, which a fork does not rewrite.
-    with pytest.raises(ValueError, match="names its model in its URL path"):
-        tape.fork(at_frame=at, override_model={"gemini": "g"})
+    # Gemini names its model in the URL path, which a fork rewrites.
+    assert tape.fork(at_frame=at, override_model={"gemini": "g"}).overrides == {
+        "model": {"gemini": "g"}
+    }
