@@ -128,6 +128,9 @@ INLINE_TURN_BYTES = 64 * 1024
 # How long a trip waits for the agent to take the answer that explains it before `stop_agent`
 # is called anyway.
 TRIP_NOTICE_S = 1.0
+# How long stop() lets calls in flight finish: a client may return once it has what it needs
+# (the last content chunk of a stream) while the proxy still reads the stream's end to record it.
+STOP_GRACE_S = 3.0
 
 
 def _failure(ex: Exchange) -> str | None:
@@ -269,6 +272,7 @@ class ProxyServer:
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
         self._error: BaseException | None = None
+        self._in_flight = 0  # requests being handled, changed on the proxy's event loop only
 
     # ------------------------------------------------------------------ life cycle
 
@@ -298,6 +302,9 @@ class ProxyServer:
     def stop(self) -> None:
         if self._thread is None:
             return
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self._in_flight and time.monotonic() < deadline:  # their frames are still to come
+            time.sleep(0.005)
         if self._token is not None and self._scope is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
@@ -386,7 +393,11 @@ class ProxyServer:
                     if request is None:
                         return
                     try:
-                        await self._handle(conn, stream, request, target, body)
+                        self._in_flight += 1
+                        try:
+                            await self._handle(conn, stream, request, target, body)
+                        finally:
+                            self._in_flight -= 1
                     finally:
                         await self._stop_when_answered(moved)
                     if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:

@@ -3,6 +3,7 @@ upstream completes it, and the end of the stream only once the call's frame is w
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -77,3 +78,25 @@ def test_the_parser_releases_bytes_only_up_to_a_point_between_events() -> None:
     parser.close(4.0)
     assert parser.take_rest() == b"data: unterminated"
     assert [e.data for e in parser.events] == ["1", "2", "unterminated"]
+
+
+def test_a_stream_the_agent_left_early_is_recorded_though_the_proxy_stops(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    # A client may stop reading once it has what it needs (litellm returns at the finish chunk)
+    # and the agent exit, while the proxy still reads the stream's end to record it. The proxy's
+    # stop comes right then: it lets the call finish, so its frame is not lost.
+    gate = upstream.server.gate("openai")
+    upstreams = {"openai": upstream.openai_url}
+    with ProxyServer(upstreams=upstreams, record=recording.writer.append) as proxy:
+        o, _ = clients(proxy.base_urls())
+        stream = o.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "one two three"}],
+            stream=True, extra_headers={"x-fake-gate": "openai"},
+        )  # fmt: skip
+        next(iter(stream))  # the first event only: the upstream holds the rest
+        stream.close()
+        threading.Timer(0.5, gate.set).start()  # the rest comes while the proxy is stopping
+    (turn,) = [f.resolve_payload(recording.store) for f in recording.tape().frames[1:]]
+    assert turn["stream"] is True and turn["response"]  # what came before the agent left
+    assert "closed the connection mid-stream" in turn["error"]
