@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from bench.harness import summarize_us
+from bench.harness import sample_us, summarize_us
 from jukebox.tape import Tape, TapeWriter
 from shadowfs import tree
 from shadowfs.store import Store
@@ -121,16 +121,6 @@ def _row(case: str, samples: list[float], note: str = "") -> dict[str, Any]:
     return row
 
 
-def _times(n: int, fn: Any) -> list[float]:
-    fn()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1000.0)
-    return out
-
-
 def run(quick: bool = False) -> list[dict[str, Any]]:
     from jukebox.export.otel_live import LiveExport
     from jukebox.export.otel_send import export_tape, plan_tape
@@ -152,12 +142,13 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     return tape
 
                 rows.append(_row(
-                    f"map a {FRAMES}-frame tape to spans", _times(runs, lambda: plan_tape(load())),
+                    f"map a {FRAMES}-frame tape to spans",
+                    sample_us(lambda: plan_tape(load()), runs),
                     "load, chain check, payloads from the store, file changes from the trees",
                 ))  # fmt: skip
                 rows.append(_row(
                     f"map a {FRAMES}-frame tape to spans, --capture-content",
-                    _times(runs, lambda: plan_tape(load(), capture=True)),
+                    sample_us(lambda: plan_tape(load(), capture=True), runs),
                     "plus every message as the conventions' JSON, scrubbed",
                 ))  # fmt: skip
 
@@ -166,7 +157,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     assert report["spans_sent"] and report["metrics_sent"]
 
                 rows.append(_row(
-                    f"export a {FRAMES}-frame tape over OTLP/HTTP", _times(runs, export),
+                    f"export a {FRAMES}-frame tape over OTLP/HTTP", sample_us(export, runs),
                     "`jukebox export otel` without the interpreter start: spans and metrics "
                     "to a local endpoint that takes them",
                 ))  # fmt: skip

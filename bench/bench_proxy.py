@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from bench.harness import summarize_us
+from bench.harness import overhead_rows
 from jukebox.booth import GroupTape
 from jukebox.llm.server import ProxyServer
 from jukebox.tape import TapeWriter
@@ -117,22 +117,6 @@ def _take_turns(
     return out
 
 
-def _rows(case: str, measured: dict[str, tuple[list[float], float]]) -> list[dict[str, Any]]:
-    rows = []
-    direct = None
-    for system, (samples, cpu_us) in measured.items():
-        row: dict[str, Any] = {"group": GROUP, "case": case, "system": system}
-        row.update(summarize_us(samples))
-        row["cpu_us"] = cpu_us
-        if direct is None:
-            direct = row
-        else:
-            row["overhead_p50_us"] = row["p50_us"] - direct["p50_us"]
-            row["overhead_p99_us"] = row["p99_us"] - direct["p99_us"]
-            row["overhead_cpu_us"] = cpu_us - direct["cpu_us"]
-        rows.append(row)
-    return rows
-
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     n = 150 if quick else 1500
@@ -173,7 +157,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 (FIRST_TOKEN, _first_token, n),
                 (PAUSED_FIRST_TOKEN, lambda c, u: _first_token(c, u, PAUSE_MS), n // 5),
             ):
-                rows += _rows(case, _take_turns(systems, measure, times))
+                rows += overhead_rows(GROUP, case, _take_turns(systems, measure, times))
             for proxy, writer in proxies:
                 proxy.stop()
                 writer.close()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness import summarize_us
+from bench.harness import overhead_rows
 
 GROUP = "sql proxy"
 DIRECT = "direct"
@@ -53,22 +53,6 @@ def _take_turns(
                 cpu[name] += (time.process_time_ns() - c0) / 1000.0
     return {name: (samples[name], cpu[name] / n) for name in samples}
 
-
-def _rows(case: str, measured: dict[str, tuple[list[float], float]]) -> list[dict[str, Any]]:
-    rows = []
-    direct = None
-    for system, (samples, cpu_us) in measured.items():
-        row: dict[str, Any] = {"group": GROUP, "case": case, "system": system}
-        row.update(summarize_us(samples))
-        row["cpu_us"] = round(cpu_us, 1)
-        if direct is None:
-            direct = row
-        else:
-            row["overhead_p50_us"] = row["p50_us"] - direct["p50_us"]
-            row["overhead_p99_us"] = row["p99_us"] - direct["p99_us"]
-            row["overhead_cpu_us"] = round(cpu_us - direct["cpu_us"], 1)
-        rows.append(row)
-    return rows
 
 
 def _pgbench(cluster: Any, port: int, seconds: int) -> list[dict[str, Any]]:
@@ -142,7 +126,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     (INSERT, lambda c, i: c.execute("INSERT INTO w (v) VALUES (%s)",
                                                     (f"row {i}",))),
                 ):
-                    rows += _rows(case, _take_turns(systems, statement, n))
+                    rows += overhead_rows(GROUP, case, _take_turns(systems, statement, n))
                 rows += _pgbench(cluster, port, 3 if quick else 15)
             finally:
                 direct.close()

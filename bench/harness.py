@@ -91,6 +91,28 @@ def summarize_us(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
+def overhead_rows(
+    group: str, case: str, measured: dict[str, tuple[list[float], float]]
+) -> list[dict[str, Any]]:
+    """One row per system of `measured` ({system: (µs samples, CPU µs per call)}, the direct
+    one first), each after the first with what it adds to the direct one at p50, p99 and in
+    CPU: the proxies' benches (LLM, SQL) read their cost this way."""
+    rows: list[dict[str, Any]] = []
+    direct: dict[str, Any] | None = None
+    for system, (samples, cpu_us) in measured.items():
+        row: dict[str, Any] = {"group": group, "case": case, "system": system}
+        row.update(summarize_us(samples))
+        row["cpu_us"] = round(cpu_us, 1)
+        if direct is None:
+            direct = row
+        else:
+            row["overhead_p50_us"] = row["p50_us"] - direct["p50_us"]
+            row["overhead_p99_us"] = row["p99_us"] - direct["p99_us"]
+            row["overhead_cpu_us"] = round(cpu_us - direct["cpu_us"], 1)
+        rows.append(row)
+    return rows
+
+
 def measure_us(fn: Callable[[], object], n: int, warmup: int = 1) -> dict[str, float]:
     """Times fn n times and summarizes: `row.update(measure_us(lambda: op(), n=200))`."""
     return summarize_us(sample_us(fn, n, warmup))

@@ -5,6 +5,7 @@ never how long it took (docs/benchmarks.md has the times)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,15 +32,20 @@ with open(out, "w") as f:
 """
 
 
-def imported(tmp_path: Path, *args: str) -> tuple[int, set[str]]:
+def imported(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, set[str], str]:
+    """Runs `jukebox ARGS` in a fresh interpreter: its exit code, the modules it had loaded
+    at the end, and its stderr."""
     out = tmp_path / "modules.json"
     proc = subprocess.run(
         [sys.executable, "-c", WRAPPER, str(out), *args],
         capture_output=True, text=True, cwd="/", timeout=60,
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert out.exists(), proc.stderr
     data = json.loads(out.read_text())
-    return data["code"] or 0, set(data["modules"])
+    return data["code"] or 0, set(data["modules"]), proc.stderr
 
 
 def test_every_command_is_mapped_to_the_modules_that_register_it() -> None:
@@ -57,7 +63,7 @@ def test_every_command_is_mapped_to_the_modules_that_register_it() -> None:
 
 def test_a_command_imports_only_its_own_sub_command(tmp_path: Path) -> None:
     (tmp_path / "tapes").mkdir()
-    code, modules = imported(tmp_path, "ls", "--tape-dir", str(tmp_path / "tapes"))
+    code, modules, _ = imported(tmp_path, "ls", "--tape-dir", str(tmp_path / "tapes"))
     assert code == 0
     assert "jukebox.cli.tapes" in modules
     assert not {"jukebox.cli.booth", "jukebox.cli.timetravel", "jukebox.cli.mount"} & modules
@@ -71,7 +77,7 @@ def test_help_lists_every_command_and_imports_no_proxy(tmp_path: Path) -> None:
     assert proc.returncode == 0
     listed = {line.split()[0] for line in proc.stdout.split("Commands:")[1].splitlines() if line}
     assert listed == {*cli_module.COMMAND_MODULES, "help"}
-    code, modules = imported(tmp_path, "--help")
+    code, modules, _ = imported(tmp_path, "--help")
     assert code == 0
     assert not [m for m in modules if m.split(".")[0] in PROXY_STACK or m in PROXY_STACK]
 

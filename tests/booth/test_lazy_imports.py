@@ -4,8 +4,6 @@ never how long it took (docs/benchmarks.md has the times)."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,39 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.llm.upstream import FakeUpstream
+from tests.test_cli_imports import PROXY_STACK, imported
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
-# The modules a booth whose agent never calls a model has no use for.
-PROXY_STACK = ("trio", "httpx", "h11", "genai_prices", "pydantic", "jukebox.llm.server")
-
-# Runs the CLI in this interpreter, then writes what it imported: sys.exit ends every command.
-WRAPPER = """
-import json, sys
-from jukebox.cli import main
-out = sys.argv.pop(1)
-sys.argv[0] = "jukebox"
-try:
-    main()
-    code = 0
-except SystemExit as done:
-    code = done.code
-with open(out, "w") as f:
-    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
-"""
-
-
 def _imported(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> set[str]:
-    out = tmp_path / "modules.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", WRAPPER, str(out), *args],
-        capture_output=True, text=True, cwd="/", timeout=60,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    assert out.exists(), proc.stderr
-    data = json.loads(out.read_text())
-    assert data["code"] in (0, None), proc.stderr
-    return set(data["modules"])
+    code, modules, stderr = imported(tmp_path, *args, env=env)
+    assert code == 0, stderr
+    return modules
 
 
 def _stack(modules: set[str]) -> list[str]:
