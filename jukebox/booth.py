@@ -1139,7 +1139,8 @@ class _Run:
         return {"checkpoint": checkpoint, "rollback": rollback, "status": status,
                 "mcp_record": mcp_record, "mcp_stage": mcp_stage,
                 "mcp_ask": lambda req, peer: self.mcp.handle_ask(req),
-                "mcp_ask_status": lambda req, peer: self.mcp.handle_ask_status(req)}  # fmt: skip
+                "mcp_ask_status": lambda req, peer: self.mcp.handle_ask_status(req),
+                "mcp_replay": lambda req, peer: self.mcp.handle_replay(req)}  # fmt: skip
 
 
 def _terminate(pid: int, grace: float) -> None:
@@ -1354,13 +1355,15 @@ def run_booth(
     databases: Mapping[str, str] | None = None,
     max_sql_rows_changed: int | None = None,
     mcp_limits: Any = None,
+    mcp_replay: Any = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
     `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
     against at the commit; the agent finds it rewritten through the gateway in
     `$JUKEBOX_MCP_CONFIG` (docs/mcp.md). `mcp_limits`: the breaker's tool call rules
-    (jukebox.mcp.limits.ToolCallLimits).
+    (jukebox.mcp.limits.ToolCallLimits). `mcp_replay`: in a replay or fork, the recorded MCP
+    answers the gateways inside are served (jukebox.mcp.booth_replay.ToolReplay).
 
     `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
     transaction ends with the verdict (jukebox.sql).
@@ -1579,6 +1582,9 @@ def run_booth(
 
         run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload),
                             mcp_limits, run.on_trip)  # fmt: skip
+        if mcp_replay is not None:
+            mcp_replay.record = writer.append
+            run.mcp.replay = mcp_replay
         from jukebox.mcp import verdict as mcp_verdict
         from jukebox.mcp.approvals import read_answer
 
@@ -1637,6 +1643,10 @@ def run_booth(
             from jukebox.mcp.servers import write_wrapped_config
 
             env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(mcp_declared, sock_dir)
+        if mcp_replay is not None:
+            from jukebox.mcp.record import REPLAY_ENV
+
+            env[REPLAY_ENV] = "1"
         env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
         hide = [
             *img.hidden_paths(),

@@ -8,6 +8,7 @@ each way:
     {"op": "status"}                                     -> {"ok": true, ...}
     {"op": "mcp_record", "kind": ..., "payload": {...}}  -> {"ok": true}  (jukebox.mcp.staging)
     {"op": "mcp_stage", "server": ..., "tool": ..., ...} -> {"ok": true, "id": "stage-1"}
+    {"op": "mcp_replay", "server": ..., "method": ..., "params": {...}}  (a replay's booth only)
     anything else                                        -> {"ok": false, "error": "..."}
 
 The agent is not trusted: every request is validated, a bad one gets an error response on its
@@ -39,6 +40,7 @@ MAX_CONNECTIONS = 64
 MAX_LABEL = 200
 OPS = (
     "checkpoint", "rollback", "status", "mcp_record", "mcp_stage", "mcp_ask", "mcp_ask_status",
+    "mcp_replay",
 )  # fmt: skip
 # Every server answers these; the MCP stage gate's ops only where a handler is given.
 CORE_OPS = ("checkpoint", "rollback", "status")
@@ -95,6 +97,7 @@ def validate(raw: bytes) -> dict[str, Any]:
         "mcp_stage": {"op", "server", "argv", "tool", "args"},
         "mcp_ask": {"op", "server", "tool", "args"},
         "mcp_ask_status": {"op", "id"},
+        "mcp_replay": {"op", "server", "method", "params"},
     }[op]  # fmt: skip
     extra = sorted(set(request) - allowed)
     if extra:

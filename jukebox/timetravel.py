@@ -54,7 +54,7 @@ MODES = ("strict", "loose")
 # The proxy of an offline replay needs upstream URLs; these reach nothing (port 9 is discard),
 # and a replay without `until` refuses every call that would need them anyway.
 OFFLINE_UPSTREAMS = {"openai": "http://127.0.0.1:9/v1", "anthropic": "http://127.0.0.1:9"}
-AGENT_EVENTS = frozenset({"llm_turn", "checkpoint", "rollback"})
+AGENT_EVENTS = frozenset({"llm_turn", "checkpoint", "rollback", "tool_call"})
 SHOW_PATHS = 8
 
 
@@ -70,6 +70,23 @@ class Recorded:
     image: str | None  # the recorded name: a label only, never resolved
     image_record: Any  # run_start's `sandbox_image`: name, content, blake3 (None on old tapes)
     fs: str
+    # run_start's policy.mcp_servers: {name: {"command": [...], "env": [names]}} (--mcp-config)
+    mcp_servers: dict[str, Any] = field(default_factory=dict)
+
+    def mcp_config(self, environ: Mapping[str, str]) -> dict[str, Any] | None:
+        """The declared MCP servers as a .mcp.json for the new booth (its agent finds it in
+        $JUKEBOX_MCP_CONFIG again); the tape names each server's environment variables but
+        holds none of their values: those come from `environ`, where set."""
+        if not self.mcp_servers:
+            return None
+        servers = {}
+        for name, described in self.mcp_servers.items():
+            command = [str(a) for a in described.get("command") or []]
+            if not command:
+                continue
+            env = {k: environ[k] for k in described.get("env") or [] if k in environ}
+            servers[name] = {"command": command[0], "args": command[1:], "env": env}
+        return {"mcpServers": servers}
 
 
 @dataclass
@@ -115,6 +132,7 @@ class ReplayResult:
     seconds: float
     agent_status: int | None
     image: ImageChoice | None = None
+    tools_served: int = 0  # MCP tool calls answered from the tape
     # What went wrong besides a difference, one line each, the agent's own failure first: a
     # replay whose agent failed, or that refused a call the agent then caught, does not pass.
     problems: list[str] = field(default_factory=list)
@@ -129,6 +147,7 @@ class ReplayResult:
     def summary(self) -> str:
         kept = f" on tape {self.tape_id}" if self.tape_path else ""
         live = f", {self.llm_live} live" if self.llm_live else ""
+        live += f", {self.tools_served} tool call(s) served" if self.tools_served else ""
         return (
             f"replayed {self.recorded_frames} recorded frame(s) as {self.frames} new frame(s)"
             f"{kept}: {self.checkpoints_matched}/{self.checkpoints_expected} checkpoint(s) "
@@ -148,6 +167,7 @@ class ForkResult:
     appended: int = 0  # frames the re-execution added after the shared prefix and fork frame
     llm_served: int = 0
     llm_live: int = 0
+    tools_served: int = 0
     spent_usd: float = 0.0
     agent_status: int | None = None
     difference: str | None = None
@@ -183,6 +203,7 @@ def recorded_run(tape: Any) -> Recorded:
             image=start.get("image") if isinstance(start.get("image"), str) else None,
             image_record=start.get("sandbox_image"),
             fs=policy.get("fs") if policy.get("fs") in ("fuse", "overlay") else "fuse",
+            mcp_servers=dict(policy.get("mcp_servers") or {}),
         )
     raise UsageError(
         f"{os.fspath(tape.path)} was not recorded by `jukebox booth run` (its run_start has no "
@@ -395,6 +416,7 @@ def _run_watched(
     name: str,
     image: Image,
     paths: BoothPaths | None = None,
+    mcp_replay: Any = None,
 ) -> tuple[int, float]:
     """Runs the recorded command in a fresh, offline, never-committing booth; returns
     (booth status, seconds). The booth ends discarded and the scratch tree is removed."""
@@ -403,6 +425,15 @@ def _run_watched(
 
     with Store.open(store_path, create=False) as store, _scratch_tree(store, run) as scratch:
         tree, cwd, argv = scratch
+        mcp_config = None
+        declared = run.mcp_config(os.environ)
+        if declared is not None:
+            import json
+
+            # Beside the scratch tree, removed with it.
+            mcp_config = os.path.join(os.path.dirname(tree), "mcp.json")
+            with open(mcp_config, "w") as f:
+                json.dump(declared, f)
         old_cwd = os.getcwd()
         os.chdir(cwd)  # the booth starts the agent in the caller's cwd when it is in the tree
         started = time.monotonic()
@@ -421,6 +452,8 @@ def _run_watched(
                 net="none",
                 layer_factory=watch.layer_factory(default_layer_factory),
                 llm=llm,
+                mcp_config=mcp_config,
+                mcp_replay=mcp_replay,
             )
         finally:
             seconds = time.monotonic() - started
@@ -429,6 +462,16 @@ def _run_watched(
             with contextlib.suppress(JukeboxError):
                 discard_booth(tapes, tape_id)
     return status, seconds
+
+
+def _tool_replay(tape: Any, store: Any, until: int | None,
+                 override: tuple[int, dict[str, Any]] | None = None) -> Any:  # fmt: skip
+    """The recorded MCP answers a replay or fork serves (None when the tape has none)."""
+    if not any(f.kind == "tool_call" for f in tape.frames) and not recorded_run(tape).mcp_servers:
+        return None
+    from jukebox.mcp.booth_replay import ToolReplay
+
+    return ToolReplay.from_tape(tape, store, until, override)
 
 
 def _llm_counts(tape: Any, store: Any) -> tuple[int, int, float]:
@@ -456,6 +499,7 @@ def _first_difference(
     *,
     whole_run: bool,
     remaining: int,
+    tools_remaining: int = 0,
 ) -> tuple[str | None, int]:
     """The first way the replay differs from the original, as a report, and how many
     checkpoints matched before it."""
@@ -517,6 +561,11 @@ def _first_difference(
         return (
             f"replay diverged at the end: the run made fewer model calls than the tape holds "
             f"({remaining} recorded call(s) never asked for)"
+        ), matched
+    if tools_remaining:
+        return (
+            f"replay diverged at the end: the run made fewer MCP tool calls than the tape holds "
+            f"({tools_remaining} recorded call(s) never asked for)"
         ), matched
     return None, matched
 
@@ -614,8 +663,11 @@ def replay_exec(
         source = ReplaySource.from_tape(
             original, store, mode=mode, until=until, honor_timing=honor_timing
         )
+        tools = _tool_replay(original, store, until)
     marks = checkpoint_marks(original, through=until)
     watch = _Watch(marks)
+    if tools is not None:
+        tools.on_divergence = watch.on_divergence
     tape_id = next_tape_id(tapes, run.tape_id, "replay")
     llm = LlmOptions(
         replay=source,
@@ -624,7 +676,7 @@ def replay_exec(
     )
     status, seconds = _run_watched(
         tapes.store_path, run, tapes, tape_id, llm, watch, fs, f"replay of {run.tape_id}",
-        chosen.image, paths,
+        chosen.image, paths, tools,
     )  # fmt: skip
     replay_path = tapes.tape_path(tape_id)
     with Store.open(tapes.store_path, create=False) as store:
@@ -637,6 +689,7 @@ def replay_exec(
             marks,
             whole_run=until is None,
             remaining=source.remaining() if until is None else 0,
+            tools_remaining=tools.remaining() if tools is not None and until is None else 0,
         )
         problems = _run_problems(original, replayed, stopped=watch.killed)
         served, live, spent = _llm_counts(replayed, store)
@@ -658,6 +711,7 @@ def replay_exec(
         seconds=seconds,
         agent_status=status,
         image=chosen,
+        tools_served=tools.served if tools is not None else 0,
         problems=problems,
     )
 
@@ -680,11 +734,15 @@ def fork(
     trust_recorded_image: bool = False,
     paths: BoothPaths | None = None,
     honor_timing: bool = False,
+    tool_result: str | None = None,
 ) -> ForkResult:
     """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs. `model`:
     a bare name, {provider: model}, or `--model` values (see `jukebox.llm.model_override`).
     `honor_timing` (with `exec_`) answers the calls served from the tape after their recorded
-    latency, in the recorded order, as `replay_exec` does."""
+    latency, in the recorded order, as `replay_exec` does. `tool_result`: the result the MCP
+    tool call at frame `at` gets instead of the recorded one (see
+    jukebox.mcp.booth_replay.tool_result_override); MCP tool calls before `at` are served from
+    the tape, later ones go to the real servers."""
     from jukebox.llm.model_override import resolve as resolve_model
     from jukebox.tape import Tape, TapeWriter
     from jukebox.tapedir import check_tape_id
@@ -706,6 +764,11 @@ def fork(
         origin.check_chain()
         pairs = (("model", resolve_model(model, origin, at)), ("system_prompt", system_prompt))
         overrides = {k: v for k, v in pairs if v is not None}
+        if tool_result is not None:
+            from jukebox.mcp.booth_replay import tool_result_override
+
+            _, result = tool_result_override(origin, store, at, tool_result)
+            overrides["tool_result"] = {"frame": at, "result": result}
         if not exec_ and (image is not None or trust_recorded_image or paths is not None):
             raise UsageError(
                 "--image, --trust-recorded-image, --rw, --ro, --hide and --no-private-tmp "
@@ -762,9 +825,15 @@ def _fork_exec(
         source = ReplaySource.from_tape(
             origin, store, mode=mode, until=at - 1, honor_timing=honor_timing
         )
+        override = result.overrides.get("tool_result")
+        tools = _tool_replay(
+            origin, store, at - 1, (at, override["result"]) if override is not None else None
+        )
         prefix_events = sum(1 for f in origin.frames[1:at] if f.kind in AGENT_EVENTS)
     marks = checkpoint_marks(origin, through=at - 1)
     watch = _Watch(marks)
+    if tools is not None:
+        tools.on_divergence = watch.on_divergence
     scratch_id = f"{result.tape_id}.exec"
     llm = LlmOptions(
         replay=source,
@@ -779,7 +848,7 @@ def _fork_exec(
     try:
         status, _ = _run_watched(
             tapes.store_path, run, tapes, scratch_id, llm, watch, fs,
-            f"fork of {run.tape_id} at frame {at}", image, paths,
+            f"fork of {run.tape_id} at frame {at}", image, paths, tools,
         )  # fmt: skip
         result.executed = True
         result.agent_status = status
@@ -821,6 +890,7 @@ def _fork_exec(
                 1 for f in scratch.frames if f.kind == "llm_turn" and "replayed_from" in f.payload
             )
             result.llm_live = sum(1 for f in live_frames if f.kind == "llm_turn")
+            result.tools_served = tools.served if tools is not None else 0
             result.spent_usd = sum(
                 float(f.payload.get("cost_usd") or 0.0) for f in live_frames if f.kind == "llm_turn"
             )

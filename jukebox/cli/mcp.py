@@ -113,6 +113,7 @@ def wrap_command(
     import anyio
 
     _one_line_sdk_logs()
+    from jukebox.mcp.booth_upstream import REPLAY_ENV, BoothReplayUpstream
     from jukebox.mcp.gateway import GatewayError, serve_stdio
     from jukebox.mcp.record import BoothSink, Sink, TapeSink, env_scrubber
 
@@ -125,11 +126,18 @@ def wrap_command(
     else:
         sink = TapeSink(tape_dir, server, argv, policy.describe(), scrubber, tape_id)
         stager = asker = None
+    async def serve() -> None:
+        booth_replay = None
+        if in_booth and os.environ.get(REPLAY_ENV):
+            # A replay or fork of a booth: the supervisor answers from the tape.
+            booth_replay = BoothReplayUpstream(server, argv, scrubber, start_timeout)
+        await serve_stdio(server, argv, sink, policy, timeout=timeout,
+                          start_timeout=start_timeout, stager=stager,
+                          limits=limits if limits.active else None, asker=asker,
+                          booth_replay=booth_replay)  # fmt: skip
+
     try:
-        anyio.run(lambda: serve_stdio(server, argv, sink, policy, timeout=timeout,
-                                      start_timeout=start_timeout, stager=stager,
-                                      limits=limits if limits.active else None,
-                                      asker=asker))
+        anyio.run(serve)
     except BaseExceptionGroup as group:  # the SDK's task groups wrap what failed
         raise _first(group) from None
     except GatewayError:
@@ -160,7 +168,7 @@ def _replay(tape: str, tape_dir: Path | None, tape_id: str | None, name: str | N
 
     # A tape named by its path is read with the store beside it; by its id, from --tape-dir.
     named_by_path = os.sep in tape or tape.endswith(".jbx")
-    recorded = RecordedServer(tape, None if named_by_path else tape_dir, name, on_divergence,
+    recorded = RecordedServer.load(tape, None if named_by_path else tape_dir, name, on_divergence,
                               lambda args: scrub({"a": args}, scrubber)["a"])  # fmt: skip
     # Everything the tape answers is forwarded as recorded: the decisions were taken then.
     policy = Policy("record")

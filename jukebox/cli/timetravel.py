@@ -95,6 +95,13 @@ def run_replay_exec(
     "--system-prompt", default=None, help="System prompt for every request from frame N on."
 )
 @click.option(
+    "--tool-result",
+    default=None,
+    metavar="JSON|TEXT|@FILE",
+    help="The result the MCP tool call at frame N gets instead of the recorded one: an MCP "
+    "result ({\"content\": [...]}), or text; with --exec the agent receives it.",
+)
+@click.option(
     "--exec",
     "exec_",
     is_flag=True,
@@ -124,6 +131,7 @@ def fork_command(
     at: int,
     models: tuple[str, ...],
     system_prompt: str | None,
+    tool_result: str | None,
     exec_: bool,
     strict: bool,
     honor_timing: bool,
@@ -141,6 +149,8 @@ def fork_command(
     tree (a process cannot resume mid-run): model calls recorded before frame N are served from
     the tape, later ones go live (to $OPENAI_BASE_URL / $ANTHROPIC_BASE_URL, else the public
     APIs) with the overrides, and the fork tape gets the frames produced from frame N on.
+    MCP tool calls recorded before frame N are served from the tape too (the one at frame N
+    with --tool-result's result), later ones go to the real servers (docs/mcp.md).
     """
     from jukebox.llm.model_override import describe
     from jukebox.tapedir import TapeRef
@@ -162,11 +172,15 @@ def fork_command(
         trust_recorded_image=trust_recorded_image,
         paths=paths,
         honor_timing=honor_timing,
+        tool_result=tool_result,
     )
     if as_json:
         emit_json(result.to_json())
         sys.exit(result.code)
-    overrides = ", ".join(f"{k}={describe(v)!r}" for k, v in result.overrides.items()) or "none"
+    overrides = ", ".join(
+        f"tool_result@{v['frame']}" if k == "tool_result" else f"{k}={describe(v)!r}"
+        for k, v in result.overrides.items()
+    ) or "none"
     out = click.echo if not exec_ else lambda text: click.echo(text, err=True)
     out(
         f"forked {ref.path} at frame {at} into {result.tape_id} ({result.tape_path}): "
@@ -180,7 +194,8 @@ def fork_command(
             click.echo(f"jukebox: {printable_lines(result.difference)}", err=True)
         out(
             f"re-executed: {result.llm_served} LLM call(s) served from the tape before frame "
-            f"{at}, {result.llm_live} live after it, {result.appended} frame(s) appended, "
+            f"{at}, {result.llm_live} live after it, {result.tools_served} MCP tool call(s) "
+            f"served from the tape, {result.appended} frame(s) appended, "
             f"${result.spent_usd:.4f} spent; agent exit status {result.agent_status}"
         )
     sys.exit(result.code)

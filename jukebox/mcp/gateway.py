@@ -63,6 +63,9 @@ class Gateway:
     limits: Any = None  # jukebox.mcp.limits.ToolCallLimits
     # ask(server, tool, args) -> "approve" | "deny": the operator, through the booth.
     asker: Callable[[str, str, dict[str, Any]], str] | None = None
+    # In the booth of a replay or fork (jukebox.mcp.booth_upstream.BoothReplayUpstream): the
+    # recorded answers come first; a call past the recording goes on through the policy, live.
+    replay: Any = None
     # tool name -> its annotations as on the wire (None: unannotated), from the last listing.
     annotations: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     calls: int = 0
@@ -107,6 +110,10 @@ class Gateway:
 
     async def call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> Any:
         tool, args = params.name, dict(params.arguments or {})
+        if self.replay is not None:
+            served = await self._replayed_call(tool, args)
+            if served is not None:
+                return served
         if tool not in self.annotations:
             # Called without listing first: learn its annotations, so the default is its own.
             await self.list_tools(ctx, None)
@@ -173,6 +180,32 @@ class Gateway:
         replayed = getattr(self.upstream, "replayed_from", None)
         if replayed is not None:
             frame["replayed_from"] = replayed
+        self.sink.record("tool_call", frame)
+        return result
+
+    async def _replayed_call(self, tool: str, args: dict[str, Any]) -> Any:
+        """The recorded answer to this call, recorded again with the frame it came from (its
+        decision was taken when it was recorded); None when the run has gone past its recording
+        (a fork): the call then goes through the policy to the real server."""
+        started = time.perf_counter()
+        answer = await self.replay.recorded_call(tool, args)
+        if answer is None:
+            return None
+        self.calls += 1
+        frame: dict[str, Any] = {
+            "server": self.name, "tool": tool, "args": args, "decision": "replay",
+            "why": f"recorded: {answer.get('decision')} ({answer.get('why')})",
+            "replayed_from": answer.get("frame"), "latency_ms": 0.0,
+        }  # fmt: skip
+        if answer.get("overridden"):
+            frame["overridden"] = True
+        if "error" in answer:
+            error = answer["error"]
+            frame.update(error=error, ok=False, latency_ms=_ms(started))
+            self.sink.record("tool_call", frame)
+            raise MCPError(int(error.get("code", types.INTERNAL_ERROR)), str(error.get("message")))
+        result = types.CallToolResult.model_validate(answer["result"])
+        frame.update(result=answer["result"], ok=not result.is_error, latency_ms=_ms(started))
         self.sink.record("tool_call", frame)
         return result
 
@@ -254,10 +287,16 @@ async def serve_stdio(
     replay: Any = None,
     limits: Any = None,
     asker: Any = None,
+    booth_replay: Any = None,
 ) -> None:
     """Starts the real server `argv`, then serves the agent on this process's stdin and stdout
     (or `agent_streams`, a (read, write) pair) until the agent closes them. With `replay` (a
     jukebox.mcp.replay.RecordedServer) no server starts: the tape answers."""
+    if booth_replay is not None:
+        await _serve_booth_replay(name, argv, sink, policy, booth_replay, timeout=timeout,
+                                  start_timeout=start_timeout, stager=stager,
+                                  agent_streams=agent_streams, limits=limits, asker=asker)
+        return
     if replay is not None:
         init = replay.initialize_result()
         sink.record("note", {"event": "mcp_server", "server": name, "initialize": wire(init),
@@ -292,6 +331,29 @@ async def serve_stdio(
             f"cannot start the MCP server {argv[0]!r}: {error.strerror or error}; check the "
             "command after `--`"
         ) from None
+
+
+async def _serve_booth_replay(name: str, argv: list[str], sink: Sink, policy: Policy,
+                              upstream: Any, *, timeout: float, start_timeout: float,
+                              stager: Stager | None, agent_streams: Any, limits: Any,
+                              asker: Any) -> None:  # fmt: skip
+    """In the booth of a replay or fork: the tape answers (jukebox.mcp.booth_upstream), the real
+    server starts only if the run goes past its recording."""
+    init = await upstream.initialize_result()
+    if init is None:  # this server's recording had already ended: a plain live gateway
+        await serve_stdio(name, argv, sink, policy, timeout=timeout, start_timeout=start_timeout,
+                          stager=stager, agent_streams=agent_streams, limits=limits, asker=asker)
+        return
+    sink.record("note", {"event": "mcp_server", "server": name, "initialize": wire(init),
+                         "replayed": True})  # fmt: skip
+    async with anyio.create_task_group() as tasks:
+        upstream.attach(tasks)
+        gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits, asker,
+                          replay=upstream)  # fmt: skip
+        try:
+            await _serve_agent(gateway, init, agent_streams)
+        finally:
+            upstream.close()
 
 
 async def _serve_agent(gateway: Gateway, init: types.InitializeResult, streams: Any) -> None:

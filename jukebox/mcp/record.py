@@ -29,6 +29,8 @@ FRAME_KINDS = ("tool_call", "note")
 SYNC_EVERY = 1.0
 NOTE_EVENTS = ("mcp_list", "mcp_read", "mcp_prompt", "mcp_server")
 ASK_POLL = 0.2
+# Set by the booth of a replay or fork: its gateways ask the supervisor for the recorded answers.
+REPLAY_ENV = "JUKEBOX_MCP_REPLAY"
 
 
 def wire(model: Any) -> Any:

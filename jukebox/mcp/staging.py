@@ -73,6 +73,8 @@ class StageGate:
         self.on_change: Callable[[list[StagedCall]], None] | None = None
         self.answer_of: Callable[[str], str | None] | None = None
         self._next_ask = 1
+        # A replay or fork: the recorded answers (jukebox.mcp.booth_replay.ToolReplay).
+        self.replay: Any = None
         self.staged: list[StagedCall] = []
         self.tool_calls = 0
         self._next = 1
@@ -172,6 +174,11 @@ class StageGate:
                 self.record("note", {"event": "mcp_answer", "id": ask_id, "answer": answer,
                                      "by": "booth approve"})  # fmt: skip
         return {"answer": answer}
+
+    def handle_replay(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.replay is None:
+            raise RequestError("this booth is no replay: mcp_replay is served in a replay only")
+        return self.replay.handle(request)
 
     # -- the lifecycle ----------------------------------------------------------------------------
 
