@@ -1140,7 +1140,8 @@ class _Run:
                 "mcp_record": mcp_record, "mcp_stage": mcp_stage,
                 "mcp_ask": lambda req, peer: self.mcp.handle_ask(req),
                 "mcp_ask_status": lambda req, peer: self.mcp.handle_ask_status(req),
-                "mcp_replay": lambda req, peer: self.mcp.handle_replay(req)}  # fmt: skip
+                "mcp_replay": lambda req, peer: self.mcp.handle_replay(req),
+                "mcp_blob": lambda req, peer: self.mcp.handle_blob(req)}  # fmt: skip
 
 
 def _terminate(pid: int, grace: float) -> None:

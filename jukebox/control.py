@@ -40,7 +40,7 @@ MAX_CONNECTIONS = 64
 MAX_LABEL = 200
 OPS = (
     "checkpoint", "rollback", "status", "mcp_record", "mcp_stage", "mcp_ask", "mcp_ask_status",
-    "mcp_replay",
+    "mcp_replay", "mcp_blob",
 )  # fmt: skip
 # Every server answers these; the MCP stage gate's ops only where a handler is given.
 CORE_OPS = ("checkpoint", "rollback", "status")
@@ -98,6 +98,7 @@ def validate(raw: bytes) -> dict[str, Any]:
         "mcp_ask": {"op", "server", "tool", "args"},
         "mcp_ask_status": {"op", "id"},
         "mcp_replay": {"op", "server", "method", "params"},
+        "mcp_blob": {"op", "id", "data"},
     }[op]  # fmt: skip
     extra = sorted(set(request) - allowed)
     if extra:

@@ -120,22 +120,20 @@ def _new_tape_id(server: str) -> str:
 
 
 # A control request is one line of at most jukebox.control.MAX_LINE bytes: a result bigger than
-# this is recorded by its size and hash, not whole, when the gateway runs inside a booth.
+# this goes to the supervisor in pieces first (`mcp_blob`), and the frame names it.
 BOOTH_RESULT_LIMIT = 48 * 1024
+# Characters per piece: JSON escapes a character in at most 6 bytes (\uXXXX), so a piece's
+# request stays under the control socket's line limit whatever the result holds.
+BLOB_PIECE = 8 * 1024
+# The largest result the supervisor takes whole; a bigger one is recorded by size and hash only.
+MAX_BLOB = 64 * 1024 * 1024
 
 
-def _fit(payload: dict[str, Any]) -> dict[str, Any]:
+def blob_ref(text: str) -> dict[str, Any]:
     from blake3 import blake3
 
-    for key in ("result",):
-        value = payload.get(key)
-        if value is None:
-            continue
-        text = json.dumps(value, separators=(",", ":"))
-        if len(text) > BOOTH_RESULT_LIMIT:
-            payload = {**payload, key: {"truncated": True, "bytes": len(text),
-                                        "blake3": blake3(text.encode()).hexdigest()}}  # fmt: skip
-    return payload
+    data = text.encode()
+    return {"bytes": len(data), "blake3": blake3(data).hexdigest()}
 
 
 class BoothSink:
@@ -150,8 +148,35 @@ class BoothSink:
     def record(self, kind: str, payload: dict[str, Any]) -> None:
         from jukebox import control
 
-        payload = _fit(scrub(payload, self.scrubber))
+        payload = self._fit(scrub(payload, self.scrubber))
         control.request({"op": "mcp_record", "kind": kind, "payload": payload}, self.socket_path)
+
+    def _fit(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A result too big for one control line is sent in pieces, then named by the frame
+        (`{"blob": ID, "bytes": N, "blake3": H}`), and the supervisor records it whole; past
+        MAX_BLOB, or when the supervisor refuses it, only its size and hash are recorded."""
+        import secrets
+
+        from jukebox import control
+
+        value = payload.get("result")
+        if value is None:
+            return payload
+        text = json.dumps(value, separators=(",", ":"))
+        if len(text) <= BOOTH_RESULT_LIMIT:
+            return payload
+        ref = blob_ref(text)
+        if ref["bytes"] <= MAX_BLOB:
+            blob = secrets.token_hex(8)
+            try:
+                for at in range(0, len(text), BLOB_PIECE):
+                    piece = text[at : at + BLOB_PIECE]
+                    control.request({"op": "mcp_blob", "id": blob, "data": piece},
+                                    self.socket_path)  # fmt: skip
+                return {**payload, "result": {"blob": blob, **ref}}
+            except control.ControlRefused:
+                pass  # too much held at once: the size and the hash, as for a huge one
+        return {**payload, "result": {"truncated": True, **ref}}
 
     def stage(self, server: str, tool: str, args: dict[str, Any]) -> str:
         from jukebox import control

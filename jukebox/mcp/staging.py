@@ -21,10 +21,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from jukebox.control import RequestError
-from jukebox.mcp.record import FRAME_KINDS, NOTE_EVENTS, wire
+from jukebox.mcp.record import FRAME_KINDS, MAX_BLOB, NOTE_EVENTS, blob_ref, wire
 from jukebox.mcp.servers import ServerSpec
 
 MAX_STAGED = 10_000
+# Pieces of big results held until their frame comes (jukebox.mcp.record.BoothSink._fit).
+MAX_BLOBS = 8
+MAX_BLOB_HELD = 2 * MAX_BLOB
 RUN_TIMEOUT = 60.0
 
 Record = Callable[[str, dict[str, Any]], Any]  # (kind, payload): append a frame
@@ -76,6 +79,8 @@ class StageGate:
         # A replay or fork: the recorded answers (jukebox.mcp.booth_replay.ToolReplay).
         self.replay: Any = None
         self.staged: list[StagedCall] = []
+        self.blobs: dict[str, list[str]] = {}
+        self.blob_chars = 0
         self.tool_calls = 0
         self._next = 1
         self._lock = threading.Lock()
@@ -92,6 +97,9 @@ class StageGate:
             with self._lock:  # a staged call's frame must name a call this gate staged
                 if payload.get("staged_id") not in {c.id for c in self.staged}:
                     raise RequestError("a staged tool_call frame must name a call staged here")
+        result = payload.get("result")
+        if isinstance(result, dict) and "blob" in result:
+            payload = {**payload, "result": self._take_blob(result)}
         # The gateway wrote it, inside the booth: the tape says so.
         self.record(kind, {**payload, "reported_by": "gateway"})
         if kind == "tool_call":
@@ -102,6 +110,37 @@ class StageGate:
             ):
                 self._observe(payload.get("server"), payload.get("tool"), payload.get("args"))
         return {}
+
+    def handle_blob(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A piece of a result too big for one control line; its frame comes after the pieces."""
+        blob, data = _str(request, "id", 64), request.get("data")
+        if not isinstance(data, str) or not data:
+            raise RequestError("'data' must be a non-empty string")
+        with self._lock:
+            if blob not in self.blobs and len(self.blobs) >= MAX_BLOBS:
+                raise RequestError(f"{MAX_BLOBS} results are being sent already")
+            if self.blob_chars + len(data) > MAX_BLOB_HELD:
+                raise RequestError("too many bytes of results are being sent at once")
+            self.blobs.setdefault(blob, []).append(data)
+            self.blob_chars += len(data)
+        return {}
+
+    def _take_blob(self, ref: dict[str, Any]) -> Any:
+        """The result a frame names by its blob, checked against the size and hash it says; a
+        blob missing or not matching is recorded as a truncated result (size and hash only)."""
+        with self._lock:
+            pieces = self.blobs.pop(str(ref.get("blob")), [])
+            self.blob_chars -= sum(map(len, pieces))
+        text = "".join(pieces)
+        said = {"bytes": ref.get("bytes"), "blake3": ref.get("blake3")}
+        if text and len(text) <= MAX_BLOB and blob_ref(text) == said:
+            import json
+
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+        return {"truncated": True, **said}
 
     def _observe(self, server: Any, tool: Any, args: Any) -> None:
         if self.limits is None:

@@ -1,7 +1,8 @@
 """Replay and fork of a booth's MCP tool calls: `jukebox replay --exec` serves the recorded
-results offline (no server can start: node is off the PATH) and matches; a changed argument is a
-divergence with the frame and the diff; `jukebox fork --at N --tool-result` gives the agent
-another result at frame N and lets the later calls go to the real server."""
+results offline (no server can start: node is off the PATH; one result is bigger than a control
+socket line) and matches; a changed argument is a divergence with the frame and the diff;
+`jukebox fork --at N --tool-result` gives the agent another result at frame N and lets the
+later calls go to the real server."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.mcp.conftest import JUKEBOX, memory_server, payloads
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 AGENT = str(Path(__file__).resolve().parent / "replay_agent.py")
-SEED = {"type": "entity", "name": "seed", "entityType": "x", "observations": []}
+# Its observation makes read_graph's result bigger than one control-socket line (64 KiB).
+SEED = {"type": "entity", "name": "seed", "entityType": "x", "observations": ["s" * 100_000]}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,9 @@ def test_replay_serves_recorded_tool_calls_offline_and_catches_a_changed_argumen
     calls = payloads(replay, "tool_call")
     original = [c for c in payloads(recorded["tape"], "tool_call") if c["decision"] != "commit"]
     assert [c["decision"] for c in calls] == ["replay"] * 3
+    # Recorded whole although bigger than a control line, so the replay could serve it.
+    big = original[0]["result"]["structuredContent"]["entities"][0]["observations"][0]
+    assert big == "s" * 100_000
     assert [c["result"] for c in calls] == [c["result"] for c in original]
     assert all(c["replayed_from"] is not None for c in calls)
     assert all(p.get("replayed") for p in payloads(replay, "note", "mcp_server"))
