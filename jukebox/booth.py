@@ -1657,6 +1657,7 @@ def run_booth(
             *view["hidden_socket_dirs"],
         ]
         writable = [tree_path, *paths.rw]  # the tree first: the verifier's cwd
+        filtered = protections.is_on("seccomp")
         spec = isolation.ChildSpec(
             argv=argv,
             cwd=agent_cwd,
@@ -1670,7 +1671,8 @@ def run_booth(
             private_tmp=img.private_tmp,
             limits=_rlimits(img, protections),
             net=net,
-            seccomp=list(img.seccomp_allow) if protections.is_on("seccomp") else None,
+            seccomp=list(img.seccomp_allow) if filtered else None,
+            seccomp_bpf=_compiled_filter(img.seccomp_allow) if filtered else None,
             cgroup_procs=cgroup.procs_files,
             cgroup_mounts=cgroup.mounts,
             tmp_size=view["tmp_size"],
@@ -1839,6 +1841,19 @@ def run_booth(
         if writer is None and made_tape_dir is not None:
             remove_unused_tape_dir(made_tape_dir, tapes)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _compiled_filter(allow: Sequence[str]) -> str | None:
+    """The booth's seccomp filter compiled, from this user's cache (hidden from every booth,
+    like the commit key beside it); None leaves the compiling to CMD's process, as before
+    there was a cache, and the reporting of what fails there too."""
+    from jukebox import realtree, syscall_filter
+
+    try:
+        program = syscall_filter.compiled(allow, realtree.commit_key_dir() / "seccomp")
+    except (OSError, ImportError, ValueError, syscall_filter.FilterError):
+        return None
+    return program.hex()
 
 
 def _stop_when_interrupted() -> Callable[[bytes], bool]:

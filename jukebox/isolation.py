@@ -364,6 +364,9 @@ class ChildSpec:
     parent_pid: int = 0
     # The groups of jukebox.syscall_filter let through; None: no seccomp filter at all.
     seccomp: list[str] | None = None
+    # That filter compiled (syscall_filter.compiled, hex), which CMD installs as it is; None
+    # (no usable cache, or it could not be compiled): CMD builds it with libseccomp itself.
+    seccomp_bpf: str | None = None
     # cgroup.procs files the relay joins before it forks (jukebox.cgroups).
     cgroup_procs: list[str] = field(default_factory=list)
     # Their file systems, read-only in the view whatever the image: leaving the cgroup or
@@ -545,11 +548,11 @@ def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
     keep = sorted({0, 1, 2, sock.fileno(), status_fd})
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
         os.closerange(low + 1, high)
-    # While the supervisor mounts the layer: what the init and CMD will need.
+    # While the supervisor mounts the layer: what the init and CMD will need. Not the
+    # libseccomp binding: the spec brings the filter compiled, and the init imports the
+    # binding when it does not (see _init_main).
     with contextlib.suppress(Exception):
         from jukebox import private_dev, syscall_filter  # noqa: F401
-
-        syscall_filter.preload()
     head = b""
     fds: list[int] = []
     while len(head) < 8:
@@ -875,10 +878,12 @@ def _init_main(spec: ChildSpec, status_fd: int, alive_r: int, result_w: int) -> 
     with contextlib.suppress(Exception):
         set_title(INIT_TITLE)  # what `ps` and /proc/1/cmdline show inside
     if spec.seccomp is not None:
+        # Before the view, which may hide where jukebox is installed (a venv under /home).
         try:
             from jukebox import syscall_filter
 
-            syscall_filter.preload()
+            if spec.seccomp_bpf is None:
+                syscall_filter.preload()
         except Exception as error:
             _setup_failed(status_fd, "building the system call filter", error)
     try:
@@ -936,12 +941,16 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
             fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)
         step = "setting resource limits"
         set_limits(spec.limits)
-        seccomp = None
+        seccomp: Any = None
+        program = b""
         if spec.seccomp is not None:
             step = "building the system call filter"
             from jukebox import syscall_filter
 
-            seccomp = syscall_filter.build(spec.seccomp)
+            if spec.seccomp_bpf is not None:
+                program = bytes.fromhex(spec.seccomp_bpf)
+            else:
+                seccomp = syscall_filter.build(spec.seccomp)
         step = "dropping privileges"
         drop_privileges()
         step = f"entering the working directory {spec.cwd}"
@@ -952,10 +961,13 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         for sig in (*FORWARDED_SIGNALS, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
-        if seccomp is not None:
+        if seccomp is not None or program:
             # Last, after no_new_privs: nothing of the set-up above needs a refused call.
             step = "installing the system call filter"
-            seccomp.load()
+            if program:
+                syscall_filter.load_compiled(program)
+            else:
+                seccomp.load()
         step = f"starting {spec.argv[0]!r}"
         os.execvpe(spec.argv[0], spec.argv, spec.env)
     except OSError as error:
