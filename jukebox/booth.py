@@ -1560,7 +1560,7 @@ def run_booth(
             prctl.set_child_subreaper(1)
         if net != "none":  # under --net none the agent starts inside the proxy's network
             # Forked while no thread runs yet: the agent's start then needs no new interpreter.
-            preforked = isolation.PreforkedShim.fork()
+            preforked = isolation.PreforkedShim.fork(cgroup.procs_files)
         scratch = booth_scratch(tapes, booth_id)
         # Never over the tree's path here: see isolation.ChildSpec.mount_at.
         layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))

@@ -483,7 +483,11 @@ class PreforkedShim:
         self._status_r = status_r
 
     @classmethod
-    def fork(cls) -> PreforkedShim:
+    def fork(cls, cgroup_procs: Sequence[str] = ()) -> PreforkedShim:
+        """`cgroup_procs`: the booth's cgroup.procs files (jukebox.cgroups), joined at once.
+        Joining a cgroup v1 hierarchy waits for an RCU grace period in the kernel (10-60 ms
+        here), which then passes while the supervisor mounts the layer instead of after the
+        spec arrives; the spec's own list is joined again only where this failed."""
         if thread_count() != 1:
             raise IsolationError("the shim can be forked only before the supervisor's threads")
         parent = os.getpid()
@@ -494,7 +498,7 @@ class PreforkedShim:
             try:
                 ours.close()
                 os.close(status_r)
-                _preforked_main(parent, theirs, status_w)
+                _preforked_main(parent, theirs, status_w, cgroup_procs)
             finally:
                 os._exit(SETUP_FAILED_STATUS)
         theirs.close()
@@ -532,7 +536,9 @@ class PreforkedShim:
             os.waitpid(self.pid, 0)
 
 
-def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
+def _preforked_main(
+    parent: int, sock: socket.socket, status_fd: int, cgroup_procs: Sequence[str] = ()
+) -> None:
     """The pre-forked shim until its spec arrives; then the relay, as `_shim_main` is."""
     import gc
 
@@ -548,6 +554,12 @@ def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
     keep = sorted({0, 1, 2, sock.fileno(), status_fd})
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
         os.closerange(low + 1, high)
+    joined = []
+    for procs in cgroup_procs:
+        # A failure is left for the relay, which joins again and reports it.
+        with contextlib.suppress(OSError):
+            Path(procs).write_text(str(os.getpid()))
+            joined.append(procs)
     # While the supervisor mounts the layer: what the init and CMD will need. Not the
     # libseccomp binding: the spec brings the filter compiled, and the init imports the
     # binding when it does not (see _init_main).
@@ -578,7 +590,7 @@ def _preforked_main(parent: int, sock: socket.socket, status_fd: int) -> None:
         os.close(fd)
     # As the exec'd shim is started: a session of its own, out of the caller's process group.
     os.setsid()
-    _relay_main(ChildSpec.from_json(b"".join(chunks)), status_fd)
+    _relay_main(ChildSpec.from_json(b"".join(chunks)), status_fd, joined)
 
 
 # --------------------------------------------------------------------------- the shim side
@@ -803,12 +815,15 @@ def _shim_main(spec_fd: int, status_fd: int) -> None:
     _relay_main(ChildSpec.from_json(b"".join(chunks)), status_fd)
 
 
-def _relay_main(spec: ChildSpec, status_fd: int) -> None:
-    """The relay once it has its spec (from the pipe, or from a PreforkedShim's socket)."""
+def _relay_main(spec: ChildSpec, status_fd: int, joined: Sequence[str] = ()) -> None:
+    """The relay once it has its spec (from the pipe, or from a PreforkedShim's socket, with
+    the cgroups that shim joined already)."""
     if spec.parent_pid and os.getppid() != spec.parent_pid:
         os._exit(SETUP_FAILED_STATUS)  # the supervisor died before pdeathsig was armed
     # Before anything forks: the init, CMD and all they start are born in the booth's cgroup.
     for procs in spec.cgroup_procs:
+        if procs in joined:
+            continue
         try:
             Path(procs).write_text(str(os.getpid()))
         except OSError as error:

@@ -93,3 +93,34 @@ def test_nobody_cannot_make_one_and_is_told_why(nobody_python: str) -> None:
     for protection in ("pids_cgroup", "memory_cgroup"):
         assert states[protection].startswith("unavailable: "), states
     assert "as uid 65534" in states["pids_cgroup"], states
+
+
+PREFORKED_JOINS = r"""
+import json, os, time
+from jukebox import cgroups, isolation
+cg = cgroups.create("prefork", processes=50, memory=None)
+shim = isolation.PreforkedShim.fork(cg.procs_files)
+members = {}
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    members = {p: open(p).read().split() for p in cg.procs_files}
+    if all(str(shim.pid) in m for m in members.values()):
+        break
+    time.sleep(0.01)
+joined = {p: str(shim.pid) in m for p, m in members.items()}
+files = len(cg.procs_files)
+shim.close()
+cg.remove()
+print(json.dumps({"joined": joined, "files": files}))
+"""
+
+
+def test_the_preforked_shim_joins_the_booths_cgroup_before_its_spec() -> None:
+    """The cgroup join (an RCU grace period in the kernel) happens while the supervisor still
+    mounts: the shim is in the booth's cgroups before any spec was sent to it."""
+    proc = run_py(PREFORKED_JOINS)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not result["files"]:
+        pytest.skip("no cgroup hierarchy with the booth's controllers here")
+    assert all(result["joined"].values()), result
