@@ -19,6 +19,13 @@ the old or exactly the new state:
    for big files) withdraws the journal, undoes the staging and raises ConflictError.
 5. **Apply.** The operations run (each idempotent: a redo after a crash runs them all again),
    every touched directory is fsynced, then the journal and the prepare record are removed.
+   A file that an operation replaces or removes is not freed there: it is renamed into
+   ``<journal_dir>/trash/`` (when that is on the target's file system), which frees nothing and
+   costs a rename, where freeing its blocks can cost milliseconds (a synchronous discard on a
+   file system mounted with ``discard``). A rename op moves the old file aside only while its
+   staged file is still there, so a redo never moves the new file away.
+6. **Free.** The trash is emptied (shadowfs.trash) once the journal is gone, or left for the
+   caller to free later (``free_trash=False``). It holds only garbage: recovery empties it.
 
 ``recover`` runs on the next open: a valid journal is redone to the new state; otherwise staged
 residue is removed and the tree is exactly the old one.
@@ -36,7 +43,10 @@ itself; ``SHADOWFS_PAUSE_AT`` names one where it stops itself (SIGSTOP) until a 
 test can change the target at exactly that moment. In ``apply``, in order: ``prepare``,
 ``stage:K``, ``staged``, ``journal``, ``op:K``, ``applied``, ``prepare-deleted``
 (``torn-journal`` instead leaves half a journal and dies), or an integer step index into that
-sequence. In ``recover``: ``recover-op:K``, ``recover-applied``, ``recover-prepare-deleted``.
+sequence, then ``freeing`` (the journal is gone, the trash not yet emptied). By name only (no
+step index): ``aside:K``, inside op K once the file it replaces is in the trash and before the
+staged file takes its place. In ``recover``: ``recover-op:K``, ``recover-applied``,
+``recover-prepare-deleted``.
 """
 
 from __future__ import annotations
@@ -72,6 +82,7 @@ from shadowfs.oid import ObjectHasher, ObjectId
 # progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
 from shadowfs.progress import PhasedProgress as Progress
 from shadowfs.syncfs import syncfs
+from shadowfs.trash import empty as empty_trash
 from shadowfs.tree import (
     DEVICES,
     DIR,
@@ -91,6 +102,7 @@ __all__ = [
     "CRASH_ENV",
     "PAUSE_ENV",
     "STAGE_PREFIX",
+    "TRASH_NAME",
     "CommitReport",
     "Progress",
     "apply",
@@ -106,6 +118,7 @@ PAUSE_ENV = "SHADOWFS_PAUSE_AT"
 STAGE_PREFIX = b".jbx-stage-"
 
 JOURNAL_NAME = "commit.journal"
+TRASH_NAME = "trash"
 PREPARE_NAME = "commit.prepare"
 _MAGIC = b"JBXCOMMIT1"
 _MAGIC_KEYED = b"JBXCOMMIT1K"
@@ -405,6 +418,11 @@ class _Crash:
             _die()
         if self.pause == name:
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    def named(self, name: str) -> None:
+        """A point addressed by name only (no step index): safe from any thread."""
+        if self.point == name:
+            _die()
 
 
 def _die() -> None:
@@ -1183,6 +1201,63 @@ def _identity(fd: int) -> list[int]:
     return [st.st_dev, st.st_ino]
 
 
+# --- the trash --------------------------------------------------------------------------------
+
+
+class _Trash:
+    """``<journal_dir>/trash``, where operations move the files they replace or remove (one
+    rename, nothing freed) instead of freeing them. Names are ``<token>-<op index>``: fixed by the
+    journal, so a redo moves a file to the same name."""
+
+    __slots__ = ("fd", "prefix")
+
+    def __init__(self, fd: int, token: str) -> None:
+        self.fd = fd
+        self.prefix = token.encode() + b"-"
+
+    def name(self, k: int) -> bytes:
+        return self.prefix + str(k).encode()
+
+    def take(self, dfd: int, name: bytes, k: int) -> bool:
+        """Move ``name`` (not a directory) from ``dfd`` into the trash; False when it is not
+        there, or cannot be moved here (another file system): then the caller frees it."""
+        try:
+            os.rename(name, self.name(k), src_dir_fd=dfd, dst_dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@contextlib.contextmanager
+def _trash(jfd: int, root: int, token: str) -> Iterator[_Trash | None]:
+    """The trash for a (re)run of a journal: None when the journal directory is not on the
+    target's file system (a rename there would fail: files are freed in place, as before)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(TRASH_NAME, 0o700, dir_fd=jfd)
+    fd = os.open(TRASH_NAME, _DIR_FLAGS, dir_fd=jfd)
+    if os.fstat(fd).st_dev != os.fstat(root).st_dev:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(TRASH_NAME, dir_fd=jfd)
+        yield None
+        return
+    trash = _Trash(fd, token)
+    try:
+        yield trash
+    finally:
+        trash.close()
+
+
+def _free_trash(jfd: int) -> None:
+    """Free whatever an earlier commit left in the trash (all of it garbage)."""
+    empty_trash(TRASH_NAME, dir_fd=jfd)
+
+
 # --- running operations (apply and redo share this path) --------------------------------------
 
 
@@ -1208,14 +1283,38 @@ def _chmod(dirs: _Dirs, path: bytes, mode: int) -> None:
         os.close(fd)
 
 
-def _run_op(dirs: _Dirs, op: list[Any]) -> None:
-    """One journal operation, idempotent: running it again after it took effect is a no-op."""
+def _run_op(
+    dirs: _Dirs,
+    op: list[Any],
+    trash: _Trash | None = None,
+    k: int = -1,
+    crash: _Crash | None = None,
+) -> None:
+    """One journal operation (op ``k``), idempotent: running it again after it took effect is
+    a no-op. With a ``trash``, the file it replaces or removes is moved there, not freed."""
     kind = op[0]
     if kind == "rename":
         sdir, sname, path = op[1], op[2], op[3]
         try:
             dst = dirs.get(_parent(path))
-            os.rename(sname, _name(path), src_dir_fd=dirs.get(sdir), dst_dir_fd=dst)
+            src = dirs.get(sdir)
+            if trash is not None:
+                # Only while the staged file is still there: once it has taken the path, what
+                # is at the path is the new file.
+                try:
+                    os.stat(sname, dir_fd=src, follow_symlinks=False)
+                    staged = True
+                except FileNotFoundError:
+                    staged = False
+                old = _lstat(dirs, path) if staged else None
+                if (
+                    old is not None
+                    and not stat.S_ISDIR(old.st_mode)
+                    and trash.take(dst, _name(path), k)
+                    and crash is not None
+                ):
+                    crash.named(f"aside:{k}")
+            os.rename(sname, _name(path), src_dir_fd=src, dst_dir_fd=dst)
         except OSError as exc:
             if exc.errno not in _GONE or _lstat(dirs, sdir + b"/" + sname if sdir else sname):
                 raise
@@ -1229,7 +1328,7 @@ def _run_op(dirs: _Dirs, op: list[Any]) -> None:
         if kind == "rmdir":
             dirs.forget(path)
             os.rmdir(_name(path), dir_fd=pfd)
-        else:
+        elif trash is None or not trash.take(pfd, _name(path), k):
             os.unlink(_name(path), dir_fd=pfd)
     elif kind == "mkdir":
         try:
@@ -1270,12 +1369,32 @@ def _chunk_end(ops: list[list[Any]], i: int) -> int:
     return j
 
 
-def _fast_op(kind: str, dfd: int, name: bytes, dst_fd: int, dst_name: bytes) -> bool:
-    """The plain case of a rename or an unlink, in a thread. False (a directory where a file
-    was, a name already gone, any error) leaves the operation to `_run_op`, which runs it again
-    with all its checks."""
+def _fast_op(
+    kind: str,
+    dfd: int,
+    name: bytes,
+    dst_fd: int,
+    dst_name: bytes,
+    trash: _Trash | None,
+    k: int,
+    crash: _Crash,
+) -> bool:
+    """The plain case of a rename or an unlink (op ``k``), in a thread. False (a directory where
+    a file was, a name already gone, any error) leaves the operation to `_run_op`, which runs it
+    again with all its checks."""
     try:
-        if kind == "rename":
+        if kind == "rename" and trash is not None:
+            os.stat(name, dir_fd=dfd, follow_symlinks=False)  # staged, still to be renamed
+            try:
+                old = os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                old = None
+            if old is not None:
+                if stat.S_ISDIR(old.st_mode) or not trash.take(dst_fd, dst_name, k):
+                    return False
+                crash.named(f"aside:{k}")
+            os.rename(name, dst_name, src_dir_fd=dfd, dst_dir_fd=dst_fd)
+        elif kind == "rename":
             # The file renamed over is freed by whoever drops its last reference, and a rename
             # drops it still holding the directories' locks: there, the freeing (a synchronous
             # discard on a file system mounted with it) would make every thread renaming in the
@@ -1292,7 +1411,8 @@ def _fast_op(kind: str, dfd: int, name: bytes, dst_fd: int, dst_name: bytes) -> 
         elif kind == "unlink":
             if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
                 return False
-            os.unlink(name, dir_fd=dfd)
+            if trash is None or not trash.take(dfd, name, k):
+                os.unlink(name, dir_fd=dfd)
         else:
             return False
     except OSError:
@@ -1300,27 +1420,35 @@ def _fast_op(kind: str, dfd: int, name: bytes, dst_fd: int, dst_name: bytes) -> 
     return True
 
 
-def _run_ops_threaded(dirs: _Dirs, chunk: list[list[Any]], threads: _Threads) -> None:
-    """Independent operations (see ``_THREADED_OPS``) run in threads; those a thread left
-    undone then run one by one, as `_redo` runs any operation."""
+def _run_ops_threaded(
+    dirs: _Dirs,
+    chunk: list[list[Any]],
+    first: int,
+    threads: _Threads,
+    trash: _Trash | None,
+    crash: _Crash,
+) -> None:
+    """Independent operations (see ``_THREADED_OPS``), ops ``first``.. of the journal, run in
+    threads; those a thread left undone then run one by one, as `_redo` runs any operation."""
     own = _ChunkDirs(dirs)
     calls: list[tuple[Any, ...]] = []
     try:
-        for op in chunk:
+        for k, op in enumerate(chunk, first):
             try:
                 if op[0] == "rename":
-                    calls.append(("rename", own.get(op[1]), op[2],
-                                  own.get(_parent(op[3])), _name(op[3])))  # fmt: skip
+                    calls.append(("rename", own.get(op[1]), op[2], own.get(_parent(op[3])),
+                                  _name(op[3]), trash, k, crash))  # fmt: skip
                 else:
-                    calls.append((op[0], own.get(_parent(op[1])), _name(op[1]), -1, b""))
-            except OSError:
-                calls.append(("", -1, b"", -1, b""))  # a directory not there: `_run_op` decides
+                    calls.append((op[0], own.get(_parent(op[1])), _name(op[1]), -1, b"", trash,
+                                  k, crash))  # fmt: skip
+            except OSError:  # a directory not there: `_run_op` decides
+                calls.append(("", -1, b"", -1, b"", None, k, crash))
         done = threads.run(_fast_op, calls)
     finally:
         own.close()
-    for op, ok in zip(chunk, done, strict=True):
+    for k, (op, ok) in enumerate(zip(chunk, done, strict=True), first):
         if not ok:
-            _run_op(dirs, op)
+            _run_op(dirs, op, trash, k, crash)
 
 
 def _decode_ops(record: dict[str, Any]) -> tuple[list[list[Any]], list[bytes]]:
@@ -1350,6 +1478,7 @@ def _redo(
     crash: _Crash,
     point: str,
     progress: Progress | None,
+    trash: _Trash | None = None,
 ) -> None:
     total = len(ops)
     threaded = total >= SYNCFS_FROM
@@ -1359,9 +1488,9 @@ def _redo(
         while i < total:
             j = _chunk_end(ops, i) if threaded and ops[i][0] in _THREADED_OPS else i + 1
             if j - i > 1:
-                _run_ops_threaded(dirs, ops[i:j], threads)
+                _run_ops_threaded(dirs, ops[i:j], i, threads, trash, crash)
             else:
-                _run_op(dirs, ops[i])
+                _run_op(dirs, ops[i], trash, i, crash)
             for k in range(i, j):
                 crash.at(f"{point}op:{k}")
                 if progress is not None and k % 256 == 0:
@@ -1378,6 +1507,8 @@ def _redo(
             except OSError as exc:
                 if exc.errno not in _GONE:
                     raise
+        if trash is not None:
+            os.fsync(trash.fd)
     if progress is not None:
         progress("apply", total, total)
 
@@ -1398,6 +1529,7 @@ def apply(
     lock_timeout: float | None = None,
     interrupted: Interrupted | None = None,
     known: Known | None = None,
+    free_trash: bool = True,
 ) -> CommitReport:
     """Make the real directory ``target`` go from ``base_tree`` to ``new_tree``, all or nothing.
 
@@ -1422,6 +1554,11 @@ def apply(
     the caller hashed then (any write since changes the ctime). List only files read whole
     with a ctime older than the read by more than the clock's granularity (tree.RACY_NS), as
     `build_tree` trusts an unread file.
+
+    The files the commit replaced or removed go to ``<journal_dir>/trash`` (see the module's
+    doc). ``free_trash`` frees them before returning; with False they are left there for the
+    caller to free when it likes (shadowfs.trash.empty, or moved elsewhere first): garbage that
+    the next `apply` or `recover` with this journal directory frees if still there.
     """
     if base_tree == new_tree:
         return CommitReport(0, 0)
@@ -1431,10 +1568,14 @@ def apply(
         dirs = _Dirs(root)
         try:
             _recover_locked(dirs, jfd, _Crash(steps=False), key)
-            return _apply_locked(
+            report = _apply_locked(
                 store, dirs, jfd, base_tree, new_tree, crash, progress, drop_setid, key,
                 interrupted, known,
             )
+            if free_trash:
+                crash.at("freeing")
+                _free_trash(jfd)
+            return report
         finally:
             dirs.close()
             os.close(root)
@@ -1530,7 +1671,8 @@ def _apply_locked(
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt) and _read_sealed(jfd, JOURNAL_NAME, key)[1]:
             # Ctrl-C past the commit point (between the journal and its check): finish.
-            _redo(dirs, plan.ops, plan.fsync, crash, "", None)
+            with _trash(jfd, dirs.root, token) as trash:
+                _redo(dirs, plan.ops, plan.fsync, crash, "", None, trash)
             _finish(jfd, crash, "prepare-deleted")
             raise
         _undo_staging(dirs, prepare)
@@ -1545,7 +1687,8 @@ def _apply_locked(
         raise
     # Committed. A failure from here on leaves the journal for recover() to finish the job.
     try:
-        _redo(dirs, plan.ops, plan.fsync, crash, "", progress)
+        with _trash(jfd, dirs.root, token) as trash:
+            _redo(dirs, plan.ops, plan.fsync, crash, "", progress, trash)
     except OSError as exc:
         raise ShadowfsError(
             f"the commit into the target is recorded but could not be completed ({exc}); fix the "
@@ -1606,6 +1749,7 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash, key: bytes | None = No
     if not has_journal and not has_prepare:
         # A crash while the prepare record was written leaves at most its temp file: no staging.
         _remove(jfd, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
+        _free_trash(jfd)  # a finished commit's, left to free or killed while freeing
         return False
     identity = _identity(dirs.root)
     for record in (journal, prepare):
@@ -1617,13 +1761,18 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash, key: bytes | None = No
     redone = False
     if journal is not None:
         ops, fsync = _decode_ops(journal)
-        _redo(dirs, ops, fsync, crash, "recover-", None)
+        token = journal.get("token")
+        if not isinstance(token, str) or not token.isalnum():
+            raise TreeError("the commit journal's token is no plain name; the journal is corrupt")
+        with _trash(jfd, dirs.root, token) as trash:
+            _redo(dirs, ops, fsync, crash, "recover-", None, trash)
         crash.at("recover-applied")
         redone = True
     elif prepare is not None:
         # Died before the commit point: drop what was staged, and the tree is the old one.
         _undo_staging(dirs, prepare)
     _finish(jfd, crash, "recover-prepare-deleted")
+    _free_trash(jfd)
     return redone
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -439,6 +441,58 @@ def test_known_files_are_trusted_unread_until_written(tmp_path: Path, store: Sto
     # unread (so a caller must list only files it read whole, as build_tree's cache does).
     apply(store, s.target, s.base, s.new, journal_dir=s.journal, known=_identities(s.target))
     assert_committed(s)
+
+
+def test_replaced_and_removed_files_wait_in_the_trash_until_freed(
+    tmp_path: Path, store: Store
+) -> None:
+    s = Scenario(tmp_path, store, base_tree, everything)
+    replaced = ("edit.txt", "grow.txt", "gone.txt", "dir-gone/d.txt", "f2l", "link-gone")
+    inodes = {os.lstat(s.target / p).st_ino for p in replaced}
+    apply(store, s.target, s.base, s.new, journal_dir=s.journal, free_trash=False)
+    assert snapshot(s.target) == snapshot(s.reference)
+    # Moved aside whole, not freed: the very inodes the tree held, nothing else.
+    trash = s.journal / commit.TRASH_NAME
+    assert os.listdir(s.journal) == [commit.TRASH_NAME]
+    assert inodes <= {os.lstat(p).st_ino for p in trash.iterdir()}
+    # The next recovery (or apply) with that journal directory frees them.
+    assert recover(s.target, s.journal) is False
+    assert_committed(s)
+
+
+def test_a_journal_dir_on_another_file_system_frees_in_place(tmp_path: Path, store: Store) -> None:
+    s = Scenario(tmp_path, store, base_tree, everything)
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    s.journal = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        apply(store, s.target, s.base, s.new, journal_dir=s.journal, free_trash=False)
+        assert_committed(s)  # no trash there: a rename across file systems cannot be
+    finally:
+        shutil.rmtree(s.journal)
+
+
+def test_emptying_a_trash_twice_or_at_once_is_harmless(tmp_path: Path) -> None:
+    from shadowfs import trash
+
+    bin_ = tmp_path / "trash"
+    (bin_ / "sub" / "deeper").mkdir(parents=True)
+    for i in range(200):  # past the threaded threshold
+        write(bin_ / f"f{i}", b"x")
+    write(bin_ / "sub" / "deeper" / "g", b"y")
+    os.symlink("/etc/passwd", bin_ / "sym")
+    busy = os.open(bin_, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(busy, fcntl.LOCK_EX)  # another process emptying it
+        assert trash.empty(bin_, wait=False) is False
+        assert len(os.listdir(bin_)) == 202
+    finally:
+        os.close(busy)
+    assert trash.empty(bin_) is True
+    assert not bin_.exists()
+    assert Path("/etc/passwd").exists()
+    assert trash.empty(bin_) is False  # already gone
 
 
 # --- hostile input ----------------------------------------------------------------------------

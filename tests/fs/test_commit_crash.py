@@ -52,6 +52,7 @@ class World:
     new_state: Snapshot
     stages: int
     ops: int
+    asides: list[int]  # ops that move the file they replace into the trash
 
     @property
     def sequence(self) -> list[str]:
@@ -64,6 +65,7 @@ class World:
             *(f"op:{i}" for i in range(self.ops)),
             "applied",
             "prepare-deleted",
+            "freeing",
         ]
 
 
@@ -82,9 +84,14 @@ def _world(
         materialize(store, base, tmp / "old")
         materialize(store, new, tmp / "new")
         plan = commit._plan(store, new, commit._changes(store, base, new), "x")
+        old = {c.path: c.old for c in plan.changes}
+        asides = [
+            k for k, op in enumerate(plan.ops)
+            if op[0] == "rename" and (o := old.get(op[3])) is not None and o.kind != tree.DIR
+        ]  # fmt: skip
         yield World(
             tmp, store, base, new, snapshot(tmp / "old"), snapshot(tmp / "new"),
-            len(plan.stages), len(plan.ops),
+            len(plan.stages), len(plan.ops), asides,
         )
 
 
@@ -166,6 +173,7 @@ def test_named_points(world: World) -> None:
     points = [
         "prepare", "stage:0", f"stage:{mid_stage}", f"stage:{world.stages - 1}", "staged",
         "journal", "op:0", f"op:{mid_op}", f"op:{world.ops - 1}", "applied", "prepare-deleted",
+        "freeing",
     ]
     for point in points:
         status, new = _trial(world, point)
@@ -184,6 +192,20 @@ def test_named_points_of_a_commit_synced_as_a_whole(big_world: World) -> None:
     # Recovery redoes a big journal in threads too; killed midway, it is run again.
     assert _trial(w, f"op:{w.ops // 3}", f"recover-op:{w.ops // 2}") == (-9, True)
     assert _trial(w, "no-such-point") == (0, True)
+
+
+def test_a_crash_between_moving_a_file_aside_and_renaming_in_its_successor(
+    world: World, big_world: World
+) -> None:
+    """The replaced file is in the trash and its path empty: past the commit point, so the
+    redo renames the staged file in (never moving it aside) and recovery frees the trash."""
+    for w in (world, big_world):  # one by one, and in threads
+        assert len(w.asides) > 2
+        for k in (w.asides[0], w.asides[len(w.asides) // 2], w.asides[-1]):
+            assert _trial(w, f"aside:{k}") == (-9, True), k
+    # Recovery killed right after its own aside, then run again.
+    k = world.asides[1]
+    assert _trial(world, f"aside:{world.asides[0]}", f"aside:{k}") == (-9, True)
 
 
 def test_a_torn_journal_is_no_commit(world: World) -> None:

@@ -1,0 +1,113 @@
+"""Freeing the files a commit replaced or removed, off the commit's clock.
+
+Freeing a file's blocks can be slow: on an ext4 mounted with ``discard`` every freed extent is
+a synchronous discard (2.5-3 ms per small file on a VM's disk, against 78 µs for a rename that
+frees nothing). A commit therefore moves the files it replaces or removes into a *trash*
+directory on the same file system (a rename, which frees nothing) and frees them after its
+commit point, or leaves that to a later moment (`empty_later`).
+
+A trash directory holds only garbage: nothing reads it back, so emptying it may happen at any
+time, be interrupted, and be run twice at once. Whoever empties it holds an exclusive flock on
+it; `empty` with ``wait=False`` leaves a trash alone while another process is on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["empty", "empty_later"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Frees overlap in the file system (each waits on the device), not in Python: a few threads.
+_THREADS = 8
+_THREADED_FROM = 64
+
+
+def _unlink(dfd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dfd)
+
+
+def _clear(dfd: int, threads: ThreadPoolExecutor | None) -> None:
+    """Remove everything inside the directory ``dfd``, never following a symlink."""
+    with os.scandir(dfd) as it:
+        entries = [(de.name, de.is_dir(follow_symlinks=False)) for de in it]
+    files = [name for name, is_dir in entries if not is_dir]
+    if threads is not None and len(files) >= _THREADED_FROM:
+        list(threads.map(lambda n: _unlink(dfd, n), files))
+    else:
+        for name in files:
+            _unlink(dfd, name)
+    for name in (name for name, is_dir in entries if is_dir):
+        try:
+            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                _unlink(dfd, name)  # replaced by a file or a symlink meanwhile
+                continue
+            raise
+        try:
+            _clear(sub, threads)
+        finally:
+            os.close(sub)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(name, dir_fd=dfd)
+
+
+def empty(
+    path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    *,
+    dir_fd: int | None = None,
+    wait: bool = True,
+    remove: bool = True,
+) -> bool:
+    """Free everything in the trash directory ``path`` (relative to ``dir_fd`` when given) and,
+    with ``remove``, the directory itself. Returns False, having done nothing, when it is gone
+    or (``wait=False``) another process is emptying it."""
+    try:
+        fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            return False
+        with ThreadPoolExecutor(_THREADS, thread_name_prefix="shadowfs-trash") as threads:
+            _clear(fd, threads)
+        if remove:
+            with contextlib.suppress(FileNotFoundError, OSError):
+                os.rmdir(path, dir_fd=dir_fd)
+        return True
+    finally:
+        os.close(fd)
+
+
+def empty_later(path: str | os.PathLike[str]) -> None:
+    """Empty and remove the trash directory ``path`` in a detached process, which outlives the
+    caller (a command that just committed returns at once). Should it die, the trash stays
+    for the next `empty` or `empty_later` of it."""
+    subprocess.Popen(
+        [sys.executable, "-m", "shadowfs.trash", os.fspath(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+        start_new_session=True,
+    )
+
+
+if __name__ == "__main__":
+    os.nice(10)  # garbage: whatever else runs goes first
+    for arg in sys.argv[1:]:
+        with contextlib.suppress(OSError):
+            empty(arg, wait=False)
