@@ -310,10 +310,12 @@ class CommitJob:
         from shadowfs.commit import apply
 
         # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
+        # The files the commit replaced stay in its trash, freed in the background on retiring.
         with step("committing", "paths", done="committed") as tick:
             return apply(
                 store, target_fd, base, final, journal_dir=self.fd, drop_setid=True, key=self.key,
                 lock_timeout=timeout, interrupted=interrupted, progress=tick.phased, known=known,
+                free_trash=False,
             )
 
     def __exit__(self, *exc: object) -> None:
@@ -322,7 +324,7 @@ class CommitJob:
         try:
             # A journal past its commit point stays for recovery, and with it the intent.
             if not pending(self.path):
-                _retire(self.path)
+                _retire(self.path, self.tapes)
         finally:
             os.close(self.fd)
 
@@ -340,7 +342,19 @@ def _write_durably(dir_fd: int, name: str, data: bytes) -> None:
     os.fsync(dir_fd)
 
 
-def _retire(path: Path) -> None:
+def _retire(path: Path, tapes: TapeDir) -> None:
+    from shadowfs.commit import TRASH_NAME
+    from shadowfs.trash import empty_later
+
+    # The replaced files (tens of thousands after a big commit, each slow to free on some file
+    # systems) are moved out whole and freed by a process of their own: the command returns.
+    trash = path / TRASH_NAME
+    with contextlib.suppress(OSError):
+        if os.listdir(trash):
+            away = tapes.trash_path / f"{path.name}-{secrets.token_hex(4)}"
+            make_private_dirs(away.parent)
+            os.rename(trash, away)
+            empty_later(away)
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -444,7 +458,7 @@ def _recover_one(
         record = None
     if intent is None:
         if not journal_left:
-            _retire(path)  # killed before its intent: nothing was staged
+            _retire(path, tapes)  # killed before its intent: nothing was staged
             return None
         if record is None or record.final_tree is None:
             raise CheckFailed(f"neither its intent nor its booth record names its tree ({path})")
@@ -467,7 +481,7 @@ def _recover_one(
             _verdict(store, tapes, booth_id, intent, record, finished)
     finally:
         os.close(target)
-    _retire(path)
+    _retire(path, tapes)
     if finished and intent.get("partial") is not None:
         _say(
             f"recovered the interrupted partial commit of booth {booth_id}: finished, {tree} "

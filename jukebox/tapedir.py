@@ -23,6 +23,7 @@ TAPE_SUFFIX = ".jbx"
 TAPE_DIR_ENV = "JUKEBOX_TAPE_DIR"
 STATE_DIRNAME = ".jukebox"
 COMMIT_JOURNALS = "commit-journals"
+COMMIT_TRASH = "commit-trash"
 # Tape dirs this process has recovered already: one look per command is enough.
 _recovered: set[str] = set()
 _TAPE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -169,6 +170,17 @@ class TapeDir:
 
                 recover_commits(home)
         try:
+            trash = os.listdir(home.trash_path)  # emptied by the process each commit starts
+        except OSError:
+            trash = []
+        if trash:
+            # That process died (or still runs: then it keeps the trash locked and this is a
+            # no-op): whoever opens the tape dir next restarts it.
+            from shadowfs.trash import empty_later
+
+            for name in trash:
+                empty_later(home.trash_path / name)
+        try:
             prepared = bool(os.listdir(home.state / "sql"))  # jukebox.sql.ledger
         except OSError:
             prepared = False
@@ -194,6 +206,12 @@ class TapeDir:
     def journals_path(self) -> Path:
         """Where commits keep their redo journals while they run (jukebox.realtree)."""
         return self.state / COMMIT_JOURNALS
+
+    @property
+    def trash_path(self) -> Path:
+        """Where finished commits leave the files they replaced, freed by a background process
+        (jukebox.realtree, shadowfs.trash)."""
+        return self.state / COMMIT_TRASH
 
     def tape_path(self, tape_id: str) -> Path:
         return self.path / f"{check_tape_id(tape_id)}{TAPE_SUFFIX}"

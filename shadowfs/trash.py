@@ -92,10 +92,21 @@ def empty(
         os.close(fd)
 
 
-def empty_later(path: str | os.PathLike[str]) -> None:
+def empty_later(path: str | os.PathLike[str]) -> bool:
     """Empty and remove the trash directory ``path`` in a detached process, which outlives the
     caller (a command that just committed returns at once). Should it die, the trash stays
-    for the next `empty` or `empty_later` of it."""
+    for the next `empty` or `empty_later` of it. False, starting nothing, when the trash is gone
+    or a process is emptying it already."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # released: the process takes the lock itself
     subprocess.Popen(
         [sys.executable, "-m", "shadowfs.trash", os.fspath(path)],
         stdin=subprocess.DEVNULL,
@@ -104,6 +115,7 @@ def empty_later(path: str | os.PathLike[str]) -> None:
         close_fds=True,
         start_new_session=True,
     )
+    return True
 
 
 if __name__ == "__main__":

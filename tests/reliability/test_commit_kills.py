@@ -76,3 +76,41 @@ def test_commit_command_killed_at_random_times_recovers_to_old_or_new(
     if trial == TRIALS - 1:
         print(f"\n{TRIALS} random kills over {span:.3f} s: "
               + ", ".join(f"{b}->{a}: {n}" for (b, a), n in sorted(_seen.items())))
+
+
+def _drained(path: os.PathLike[str], timeout: float = 60) -> bool:
+    """Whether the directory ``path`` is gone or empty within ``timeout`` (a background process
+    empties it; waiting, not timing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if not os.listdir(path):
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_replaced_files_are_freed_by_a_background_process(
+    world: tuple[PendingBooth, float],
+) -> None:
+    booth, _ = world
+    booth.reset()
+    done = booth.commit()
+    assert done.returncode == 0, done.stderr
+    assert booth.state() == "new"
+    assert booth.journals() == []
+    trash = booth.tapes / ".jukebox" / "commit-trash"
+    assert trash.is_dir()  # the commit's trash went there, for a process of its own to free
+    assert _drained(trash)
+    # That process killed midway: the next command that opens the tape dir starts another.
+    left = trash / "kill-0123abcd"
+    (left / "sub").mkdir(parents=True)
+    for i in range(100):
+        (left / f"old-{i}").write_bytes(b"x" * 5000)
+    (left / "sub" / "old").write_bytes(b"y")
+    ls = jb("booth", "ls", "--tape-dir", str(booth.tapes))
+    assert ls.returncode == 0, ls.stderr
+    assert _drained(trash)
+    assert booth.state() == "new"
