@@ -1144,6 +1144,38 @@ class _Run:
                 "mcp_blob": lambda req, peer: self.mcp.handle_blob(req)}  # fmt: skip
 
 
+def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any,
+                         env: Mapping[str, str], img: Image) -> Any:  # fmt: skip
+    """The supervisor's gateway to the streamable-HTTP MCP servers (jukebox.mcp.http_gateway),
+    listening where the agent can connect (inside its network namespace under --net none)."""
+    import socket as socket_mod
+
+    from jukebox.mcp.http_gateway import HttpGateways
+    from jukebox.mcp.policy import Policy
+    from jukebox.mcp.record import scrub
+    from jukebox.redact import Scrubber, url_secrets
+
+    network = llm_session.network
+    if network is not None:
+        listener = network.listen()
+    else:
+        listener = socket_mod.socket(socket_mod.AF_INET, socket_mod.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+    secrets = [v for k, v in env.items() if img.is_secret(k)]
+    for spec in servers.values():
+        secrets.extend(url_secrets(spec.url))
+    scrubber = Scrubber(secrets)
+
+    def stage(server: str, tool: str, args: dict[str, Any]) -> str:
+        with run.lock:  # not between a checkpoint's snapshot and its number
+            return str(run.mcp.stage_declared(server, tool, args, len(run.checkpoints) - 1)["id"])
+
+    gateways = HttpGateways({n: s.url for n, s in servers.items()}, run.mcp,
+                            Policy("staged_acid"), stage, lambda p: scrub(p, scrubber))  # fmt: skip
+    return gateways.start(listener)
+
+
 def _terminate(pid: int, grace: float) -> None:
     """SIGTERM now and SIGKILL if it still runs after `grace` seconds, through a pidfd so that
     a pid the supervisor has reaped and the kernel recycled is never hit."""
@@ -1357,6 +1389,7 @@ def run_booth(
     max_sql_rows_changed: int | None = None,
     mcp_limits: Any = None,
     mcp_replay: Any = None,
+    mcp_upstreams: Mapping[str, str] | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
@@ -1365,6 +1398,8 @@ def run_booth(
     `$JUKEBOX_MCP_CONFIG` (docs/mcp.md). `mcp_limits`: the breaker's tool call rules
     (jukebox.mcp.limits.ToolCallLimits). `mcp_replay`: in a replay or fork, the recorded MCP
     answers the gateways inside are served (jukebox.mcp.booth_replay.ToolReplay).
+    `mcp_upstreams`: {name: URL} of streamable-HTTP MCP servers, served to the agent through the
+    supervisor's gateway (jukebox.mcp.http_gateway), declared like `mcp_config`'s.
 
     `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
     transaction ends with the verdict (jukebox.sql).
@@ -1446,7 +1481,11 @@ def run_booth(
     from jukebox.mcp.servers import read_config, stdio_servers
 
     mcp_declared = read_config(mcp_config) if mcp_config else None
+    from jukebox.mcp.servers import http_servers
+
     mcp_servers = stdio_servers(mcp_declared, mcp_config or "") if mcp_declared else {}
+    mcp_http = http_servers(mcp_declared, dict(mcp_upstreams or {}), mcp_config or "")
+    mcp_servers.update(mcp_http)
     if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
         raise UsageError("--max-sql-rows-changed must be 0 or more")
     two_phase: dict[str, bool] = {}
@@ -1483,6 +1522,7 @@ def run_booth(
     record: BoothRecord | None = None
     cgroup: BoothCgroup | None = None
     preforked: isolation.PreforkedShim | None = None
+    http_gateways: Any = None
     try:
         # Before anything is written: strict mode refuses with nothing half-made.
         protections, cgroup = booth_protections(img, booth_id, seccomp=seccomp)
@@ -1640,10 +1680,17 @@ def run_booth(
             env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
             env.update(dbs.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
-        if mcp_declared is not None:
+        http_urls: dict[str, str] = {}
+        if mcp_http:
+            http_gateways = _start_http_gateways(run, mcp_http, llm_session, env, img)
+            http_urls = http_gateways.urls()
+            env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
+        if mcp_declared is not None or mcp_http:
             from jukebox.mcp.servers import write_wrapped_config
 
-            env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(mcp_declared, sock_dir)
+            env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(
+                mcp_declared or {"mcpServers": {}}, sock_dir, http_urls
+            )
         if mcp_replay is not None:
             from jukebox.mcp.record import REPLAY_ENV
 
@@ -1679,6 +1726,9 @@ def run_booth(
             shm_size=view["shm_size"],
         )
         status, interrupted = _supervise(spec, run, checkpoint_every)
+        if http_gateways is not None:
+            http_gateways.stop()
+            http_gateways = None
         server.close()
         server = None
         llm_session.close()
@@ -1812,6 +1862,8 @@ def run_booth(
     finally:
         if preforked is not None:
             preforked.close()  # ends and reaps it when the agent never started
+        if http_gateways is not None:
+            http_gateways.stop()
         if server is not None:
             server.close()
         if dbs is not None:

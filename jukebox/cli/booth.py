@@ -132,6 +132,14 @@ _ALLOW_HOOKS_HELP = (
     "run against at the commit; the agent finds it rewritten through `jukebox mcp wrap` in "
     "$JUKEBOX_MCP_CONFIG (docs/mcp.md).",
 )
+@click.option(
+    "--mcp-upstream",
+    "mcp_upstreams",
+    multiple=True,
+    metavar="NAME=URL",
+    help="A streamable-HTTP MCP server, served to the agent through the stage gate at "
+    "$JUKEBOX_MCP_URL/NAME/ (repeatable; docs/mcp.md).",
+)
 @click.option("--max-tool-calls", type=int, default=None, metavar="N",
               help="Circuit breaker: stop at the MCP tool call past the Nth.")  # fmt: skip
 @click.option("--max-tool-repeat", type=int, default=None, metavar="N",
@@ -162,6 +170,7 @@ def run(
     strict_sandbox: bool,
     no_seccomp: bool,
     mcp_config: str | None,
+    mcp_upstreams: tuple[str, ...],
     max_tool_calls: int | None,
     max_tool_repeat: int | None,
     cmd: tuple[str, ...],
@@ -224,11 +233,24 @@ def run(
         strict_sandbox=strict_sandbox,
         paths=paths,
         mcp_config=mcp_config,
+        mcp_upstreams=_mcp_upstreams(mcp_upstreams),
         databases=databases,
         max_sql_rows_changed=max_sql_rows_changed,
         mcp_limits=_tool_limits(max_tool_calls, max_tool_repeat),
     )
     sys.exit(code)
+
+
+def _mcp_upstreams(specs: tuple[str, ...]) -> dict[str, str] | None:
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, eq, url = spec.partition("=")
+        if not eq or not name or not url:
+            raise click.BadParameter(f"{spec!r}: write NAME=URL", param_hint="--mcp-upstream")
+        if name in out:
+            raise click.BadParameter(f"{name!r} is named twice", param_hint="--mcp-upstream")
+        out[name] = url
+    return out or None
 
 
 def _tool_limits(max_calls: int | None, max_repeat: int | None):  # type: ignore[no-untyped-def]

@@ -7,7 +7,9 @@ staged calls against, on the host, with the command the operator wrote (never on
 names: the agent could name any program). The agent gets the same config rewritten so that
 each server is `jukebox mcp wrap --name NAME -- COMMAND ARGS...`.
 
-Entries with a `url` (HTTP servers) are kept as they are and not gated.
+Entries with a `url` (streamable-HTTP servers) are kept as they are by `jukebox mcp config`; in
+a booth they are declared too, and reached through the supervisor's HTTP gateway
+(jukebox.mcp.http_gateway), as are the servers of `--mcp-upstream NAME=URL`.
 """
 
 from __future__ import annotations
@@ -26,25 +28,31 @@ class ServerSpec:
     command: str
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    url: str | None = None  # a streamable-HTTP server (then no command)
 
     @property
     def argv(self) -> list[str]:
         return [self.command, *self.args]
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "command": self.command, "args": list(self.args),
-                "env": dict(self.env)}  # fmt: skip
+        out = {"name": self.name, "command": self.command, "args": list(self.args),
+               "env": dict(self.env)}  # fmt: skip
+        if self.url is not None:
+            out["url"] = self.url
+        return out
 
     def describe(self) -> dict[str, Any]:
         """What a tape may say: the command, and the names (never the values) of its env."""
-        from jukebox.redact import redact_argv
+        from jukebox.redact import Scrubber, redact_argv, redact_text, url_secrets
 
+        if self.url is not None:
+            return {"url": redact_text(self.url, Scrubber(url_secrets(self.url)))}
         return {"command": redact_argv(self.argv), "env": sorted(self.env)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServerSpec:
-        return cls(data["name"], data["command"], tuple(data.get("args") or ()),
-                   dict(data.get("env") or {}))  # fmt: skip
+        return cls(data["name"], data.get("command") or "", tuple(data.get("args") or ()),
+                   dict(data.get("env") or {}), data.get("url"))  # fmt: skip
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -87,10 +95,36 @@ def stdio_servers(config: dict[str, Any], where: str = "the MCP config") -> dict
     return out
 
 
-def wrapped_config(config: dict[str, Any], jukebox: str, extra: list[str] | None = None
-                   ) -> dict[str, Any]:  # fmt: skip
-    """The config with each stdio server reached through `jukebox mcp wrap`."""
+def http_servers(config: dict[str, Any] | None, upstreams: dict[str, str] | None = None,
+                 where: str = "the MCP config") -> dict[str, ServerSpec]:  # fmt: skip
+    """The streamable-HTTP servers a config declares (`url`), and those of --mcp-upstream."""
+    out: dict[str, ServerSpec] = {}
+    entries = dict((config or {}).get("mcpServers") or {})
+    for name, entry in entries.items():
+        if isinstance(entry, dict) and "command" not in entry and "url" in entry:
+            out[name] = ServerSpec(name, "", url=_check_url(entry["url"], f"{where}: {name!r}"))
+    for name, url in (upstreams or {}).items():
+        if not name or not name.isprintable() or "/" in name or name.startswith("-"):
+            raise UsageError(f"--mcp-upstream: bad server name {name!r}: use a printable word")
+        if name in out or ("command" in entries.get(name, {})):
+            raise UsageError(f"--mcp-upstream {name}: the MCP config declares {name!r} already")
+        out[name] = ServerSpec(name, "", url=_check_url(url, f"--mcp-upstream {name}"))
+    return out
+
+
+def _check_url(url: object, where: str) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise UsageError(f"{where}: the server's url must be an http:// or https:// URL")
+    return url
+
+
+def wrapped_config(config: dict[str, Any], jukebox: str, extra: list[str] | None = None,
+                   http: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The config with each stdio server reached through `jukebox mcp wrap`, and each HTTP
+    server in `http` (NAME -> the gateway's URL) through the booth's HTTP gateway."""
     servers = dict(config["mcpServers"])
+    for name, url in (http or {}).items():
+        servers[name] = {**servers.get(name, {}), "type": "http", "url": url}
     for name, spec in stdio_servers(config).items():
         entry = dict(servers[name])
         entry["command"] = jukebox
@@ -99,7 +133,8 @@ def wrapped_config(config: dict[str, Any], jukebox: str, extra: list[str] | None
     return {**config, "mcpServers": servers}
 
 
-def write_wrapped_config(config: dict[str, Any], directory: str) -> str:
+def write_wrapped_config(config: dict[str, Any], directory: str,
+                         http: dict[str, str] | None = None) -> str:  # fmt: skip
     """The rewritten config, in a private file the agent can read; its path."""
     import os
     import shutil
@@ -109,5 +144,5 @@ def write_wrapped_config(config: dict[str, Any], directory: str) -> str:
     path = os.path.join(directory, "mcp.json")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     with open(fd, "w") as f:
-        json.dump(wrapped_config(config, jukebox), f, indent=2)
+        json.dump(wrapped_config(config, jukebox, http=http), f, indent=2)
     return path

@@ -166,11 +166,19 @@ class StageGate:
                 f"the MCP server {server!r} was not declared by the operator (declared: "
                 f"{declared}; `jukebox booth run --mcp-config FILE`): its calls cannot be staged"
             )
-        if argv != spec.argv:
+        if spec.url is not None or argv != spec.argv:
             raise RequestError(
                 f"this gateway does not serve the declared command of {server!r}: a staged call "
                 "runs against the declared server only"
             )
+        return self.stage_declared(server, tool, args, newest_checkpoint)
+
+    def stage_declared(self, server: str, tool: str, args: dict[str, Any],
+                       newest_checkpoint: int) -> dict[str, Any]:  # fmt: skip
+        """Stages a call for a declared server (the supervisor's own HTTP gateway calls this
+        directly; a gateway in the booth through handle_stage, which checks its command)."""
+        if server not in self.servers:
+            raise RequestError(f"the MCP server {server!r} was not declared by the operator")
         self._observe(server, tool, args)
         with self._lock:
             if len(self.staged) >= MAX_STAGED:
@@ -290,11 +298,18 @@ async def _run_all(calls: list[StagedCall], servers: dict[str, ServerSpec], reco
                 if session is None:
                     # Entered outside any timeout's scope: the stack leaves them at the end.
                     spec = servers[call.server]
-                    params = StdioServerParameters(
-                        command=spec.command, args=list(spec.args),
-                        env={**environ, **spec.env}, cwd=cwd,
-                    )  # fmt: skip
-                    read, write = await stack.enter_async_context(stdio_client(params))
+                    if spec.url is not None:  # a streamable-HTTP server
+                        from mcp.client.streamable_http import streamable_http_client
+
+                        read, write, *_ = await stack.enter_async_context(
+                            streamable_http_client(spec.url)
+                        )
+                    else:
+                        params = StdioServerParameters(
+                            command=spec.command, args=list(spec.args),
+                            env={**environ, **spec.env}, cwd=cwd,
+                        )  # fmt: skip
+                        read, write = await stack.enter_async_context(stdio_client(params))
                     session = await stack.enter_async_context(ClientSession(read, write))
                     with anyio.fail_after(timeout):
                         await session.initialize()

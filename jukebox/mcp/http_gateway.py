@@ -1,0 +1,209 @@
+"""Streamable-HTTP MCP servers through the stage gate, in the booth's supervisor.
+
+`jukebox booth run --mcp-upstream NAME=URL` (or an entry with a `url` in `--mcp-config`): the
+supervisor connects to the upstream server with the SDK's streamable-HTTP client and serves the
+agent the same server, gated and recorded by jukebox.mcp.gateway.Gateway, with the SDK's own
+streamable-HTTP server (`StreamableHTTPSessionManager`, run by uvicorn) at
+
+    http://127.0.0.1:PORT/SECRET/mcp/NAME/
+
+on a listener the agent can reach (inside its network namespace under `--net none`). Anyone on
+the host can connect to 127.0.0.1, so the path starts with a secret, as the LLM proxy's does: a
+request without it is answered 404 and reaches nothing. The gateway runs in the supervisor, so
+its frames and staged calls go straight to the booth's stage gate (jukebox.mcp.staging), not
+over the control socket.
+
+Everything runs on one event loop in a thread of its own; `stop()` ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from secrets import token_urlsafe
+from typing import Any
+
+from jukebox.errors import JukeboxError
+from jukebox.mcp.policy import Policy
+
+START_TIMEOUT = 30.0
+
+
+class HttpGatewayError(JukeboxError):
+    exit_code = 1
+
+
+class HttpGateways:
+    def __init__(self, upstreams: dict[str, str], gate: Any, policy: Policy,
+                 stage: Callable[[str, str, dict[str, Any]], str],
+                 scrub: Callable[[dict[str, Any]], Any],
+                 timeout: float = 60.0, ask_timeout: float = 300.0) -> None:  # fmt: skip
+        self.upstreams = upstreams
+        self.gate = gate  # jukebox.mcp.staging.StageGate
+        self.policy = policy
+        self.stage = stage  # (server, tool, args) -> the staged call's id, under the booth's lock
+        self.scrub = scrub
+        self.timeout = timeout
+        self.ask_timeout = ask_timeout
+        self.secret = token_urlsafe(24)
+        self.port = 0
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def urls(self) -> dict[str, str]:
+        """NAME -> the URL the agent connects to."""
+        return {name: f"{self.base_url()}{name}/" for name in self.upstreams}
+
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/{self.secret}/mcp/"
+
+    def start(self, listener: socket.socket) -> HttpGateways:
+        """Connects to every upstream and serves the agent on `listener` (a bound, listening
+        socket); raises HttpGatewayError when an upstream does not answer."""
+        self.port = listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._run, args=(listener,),
+                                        name="jukebox-mcp-http", daemon=True)  # fmt: skip
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread.join(timeout=5)
+            raise HttpGatewayError(str(self._error))
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self, listener: socket.socket) -> None:
+        import anyio
+
+        try:
+            anyio.run(self._main, listener)
+        except BaseException as error:  # reported to start(), or lost at exit
+            if not self._ready.is_set():
+                self._error = _first(error)
+        finally:
+            self._ready.set()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def _main(self, listener: socket.socket) -> None:
+        import anyio
+        import uvicorn
+        from mcp import ClientSession
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+        from mcp.shared.exceptions import MCPError
+
+        from jukebox.mcp.gateway import Gateway
+        from jukebox.mcp.record import wire
+
+        managers: dict[str, StreamableHTTPSessionManager] = {}
+        async with contextlib.AsyncExitStack() as stack:
+            for name, url in self.upstreams.items():
+                try:
+                    read, write, *_ = await stack.enter_async_context(streamable_http_client(url))
+                    upstream = await stack.enter_async_context(ClientSession(read, write))
+                    with anyio.fail_after(START_TIMEOUT):
+                        init = await upstream.initialize()
+                except (TimeoutError, MCPError, OSError, Exception) as error:
+                    raise HttpGatewayError(
+                        f"the MCP server {name!r} at {_origin(url)} did not start a session "
+                        f"({_first(error).__class__.__name__}: {_first(error)}): check "
+                        "--mcp-upstream"
+                    ) from None
+                self._record("note", {"event": "mcp_server", "server": name,
+                                      "initialize": wire(init), "transport": "http"})  # fmt: skip
+                gateway = Gateway(name, upstream, _Sink(self), self.policy, self.timeout,
+                                  self._stage, None, self._ask)  # fmt: skip
+                manager = StreamableHTTPSessionManager(app=gateway.server(init))
+                await stack.enter_async_context(manager.run())
+                managers[name] = manager
+            config = uvicorn.Config(_Router(self.secret, managers), log_level="warning",
+                                    lifespan="off", access_log=False)  # fmt: skip
+            self._server = uvicorn.Server(config)
+            self._ready.set()
+            await self._server.serve(sockets=[listener])
+
+    # -- what the gateways ask of the booth -----------------------------------------------------
+
+    def _record(self, kind: str, payload: dict[str, Any]) -> None:
+        from jukebox.control import RequestError
+
+        try:
+            self.gate.handle_record({"kind": kind, "payload": self.scrub(payload)})
+        except RequestError as error:  # a breaker trip: the agent hears why
+            raise HttpGatewayError(str(error)) from None
+
+    def _stage(self, server: str, tool: str, args: dict[str, Any]) -> str:
+        from jukebox.control import RequestError
+
+        try:
+            return self.stage(server, tool, args)
+        except RequestError as error:
+            raise HttpGatewayError(str(error)) from None
+
+    def _ask(self, server: str, tool: str, args: dict[str, Any]) -> str:
+        asked = self.gate.handle_ask({"server": server, "tool": tool, "args": args})
+        deadline = time.monotonic() + self.ask_timeout
+        while time.monotonic() < deadline:
+            answer = self.gate.handle_ask_status({"id": asked["id"]}).get("answer")
+            if answer is not None:
+                return str(answer)
+            time.sleep(0.2)
+        return "deny"
+
+
+class _Sink:
+    def __init__(self, gateways: HttpGateways) -> None:
+        self.gateways = gateways
+
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        self.gateways._record(kind, payload)
+
+    def close(self) -> None:
+        pass
+
+
+class _Router:
+    """ASGI: /SECRET/mcp/NAME[/...] to NAME's session manager; anything else 404."""
+
+    def __init__(self, secret: str, managers: dict[str, Any]) -> None:
+        self.secret = secret
+        self.managers = managers
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        parts = scope["path"].split("/")
+        # ["", SECRET, "mcp", NAME, ...]
+        import hmac
+
+        manager = None
+        if len(parts) >= 4 and hmac.compare_digest(parts[1], self.secret) and parts[2] == "mcp":
+            manager = self.managers.get(parts[3])
+        if manager is None:
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"not found\n"})
+            return
+        await manager.handle_request(scope, receive, send)
+
+
+def _origin(url: str) -> str:
+    from jukebox.redact import url_origin
+
+    return url_origin(url)
+
+
+def _first(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error

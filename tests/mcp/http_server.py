@@ -1,0 +1,39 @@
+"""A streamable-HTTP MCP server for tests/mcp (the SDK's MCPServer, served by uvicorn on
+127.0.0.1): `read_notes` (read-only) and `add_note` (destructive) over a notes file named on
+the command line, so a test sees from outside whether a call reached it. Prints its port."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp.types import ToolAnnotations
+
+NOTES = Path(sys.argv[1])
+server = MCPServer("notes")
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def read_notes() -> str:
+    """The notes, one a line."""
+    return NOTES.read_text() if NOTES.exists() else ""
+
+
+@server.tool(annotations=ToolAnnotations(destructiveHint=True))
+def add_note(text: str) -> str:
+    """Adds a note."""
+    with NOTES.open("a") as f:
+        f.write(text + "\n")
+    return f"added {text!r}"
+
+
+if __name__ == "__main__":
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,80 @@
+"""A streamable-HTTP MCP server through the booth's gateway (`--mcp-upstream NAME=URL`): the
+agent's SDK client reaches it at the URL of the rewritten config, a destructive call is staged
+and invisible to the server until the verdict, then run by the commit; the gateway answers
+nothing without its secret."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mcp.conftest import JUKEBOX, payloads
+
+pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def notes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("http")
+    notes = tmp / "notes.txt"
+    proc = subprocess.Popen([sys.executable, str(HERE / "http_server.py"), str(notes)],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    yield {"url": f"http://127.0.0.1:{port}/mcp", "notes": notes, "tmp": tmp}
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def booth(s: dict, tape_id: str, status: int) -> subprocess.CompletedProcess[str]:
+    tree = s["tmp"] / f"tree-{tape_id}"
+    tree.mkdir()
+    return subprocess.run(
+        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(s["tmp"] / "tapes"),
+         "--tape-id", tape_id, "--mcp-upstream", f"notes={s['url']}", "--commit", "auto", "--",
+         sys.executable, str(HERE / "http_agent.py"), str(status)],
+        capture_output=True, text=True, timeout=120, cwd=tree,
+    )  # fmt: skip
+
+
+def said(proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            step = json.loads(line)
+            out.setdefault(step["step"], []).append(step)
+    return out
+
+
+def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
+    s = notes_server
+    proc = booth(s, "h1", 0)
+    assert proc.returncode == 0, proc.stderr
+    steps = said(proc)
+    (url,) = steps["url"]
+    assert url["url"].startswith(url["base"]) and url["url"].endswith("/mcp/notes/")
+    staged = steps["add_note"][0]
+    assert not staged["error"] and staged["structured"]["jukebox"]["id"] == "stage-1"
+    # Held until the verdict: the server had not seen it when the agent read again.
+    assert [r["text"] for r in steps["read_notes"]] == ["", ""]
+    assert steps["knock"] == [{"step": "knock", "status": 404}]
+    # The commit ran it against the real server, after the agent's run.
+    assert s["notes"].read_text() == "hello\n"
+    tape = s["tmp"] / "tapes" / "h1.jbx"
+    calls = payloads(tape, "tool_call")
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        ("read_notes", "allow"), ("add_note", "stage"), ("read_notes", "allow"),
+        ("add_note", "commit"),
+    ]
+    assert calls[-1]["ok"] and "added" in json.dumps(calls[-1]["result"])
+    (server,) = payloads(tape, "note", "mcp_server")
+    assert server["transport"] == "http" and server["server"] == "notes"
+    (start,) = payloads(tape, "run_start")
+    assert start["policy"]["mcp_servers"] == {"notes": {"url": s["url"]}}
