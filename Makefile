@@ -40,7 +40,7 @@ torture: setup
 # The kernel-dependent tests (vm/subset.txt) in a virtme-ng VM per Debian kernel: bookworm, trixie
 # and sid by default, or KERNEL=bookworm (a suite or a vmlinuz path). Not part of `make test`.
 # QEMU runs at nice 19; see docs/vm-tests.md for times and for adding a kernel.
-VM_APT_PACKAGES := qemu-system-x86 kmod busybox-static e2fsprogs file util-linux
+VM_APT_PACKAGES := qemu-system-x86 qemu-utils kmod busybox-static e2fsprogs file util-linux
 VM_CACHE := .vm-cache
 KERNEL ?=
 

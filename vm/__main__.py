@@ -19,6 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".vm-cache"
 SUBSET = REPO / "vm" / "subset.txt"
 
+# Seconds of tests per kernel under emulation, so that three kernels with their boots fit in the
+# issue's hour on a 2-core machine; vm/subset.txt puts the most kernel-dependent tests first.
+TCG_BUDGET = 1080
+
 # Under emulation everything takes about this many times longer than on the host: the tests'
 # own waits (JUKEBOX_TEST_SLOWDOWN, read by tests/conftest.py) and pytest's timeout scale by it.
 SLOWDOWN = {"tcg": 10, "kvm": 2}
@@ -56,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tests", help="pytest arguments to run instead of vm/subset.txt "
                    "(space-separated test files or ids)")
     p.add_argument("--timeout", type=float, default=float(os.environ.get("JUKEBOX_VM_TIMEOUT",
-                   2700)), help="seconds one VM may run before it is stopped (default 2700)")
+                   0)) or None, help="seconds one VM may run before it is stopped "
+                   "(default 2700, or the budget and 15 minutes)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of tests per kernel before pytest is interrupted and what ran "
+                   "is reported (default $JUKEBOX_VM_BUDGET, else "
+                   f"{TCG_BUDGET} under emulation, none under KVM; 0: no budget)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
 
@@ -71,9 +80,19 @@ def main(argv: list[str] | None = None) -> int:
         forced_scale = float(os.environ.get("JUKEBOX_TEST_SLOWDOWN", "0"))
     except ValueError:
         _fail(f"JUKEBOX_TEST_SLOWDOWN={os.environ['JUKEBOX_TEST_SLOWDOWN']}: give a factor like 10")
-    if args.timeout <= 0:
+    budget = args.budget
+    if budget is None:
+        env_budget = os.environ.get("JUKEBOX_VM_BUDGET")
+        try:
+            budget = float(env_budget) if env_budget else None
+        except ValueError:
+            _fail(f"JUKEBOX_VM_BUDGET={env_budget}: give seconds of tests per kernel, or 0")
+    if budget is not None and budget < 0:
+        _fail(f"--budget {budget:g}: give seconds of tests per kernel, or 0 for none")
+    if args.timeout is not None and args.timeout <= 0:
         _fail(f"--timeout {args.timeout:g}: give the seconds one VM may run, e.g. 2700")
-    for tool in ("qemu-system-x86_64", "mkfs.ext4", "dpkg-deb", "apt-get", "depmod", "busybox"):
+    for tool in ("qemu-system-x86_64", "qemu-img", "mkfs.ext4", "dpkg-deb", "apt-get", "depmod",
+                 "busybox"):
         if shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
             _fail(f"{tool} is not installed: run `make vm-test`, which installs it")
     if not (REPO / ".venv" / "bin" / "python").exists():
@@ -87,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     accel = boot.accelerator(CACHE, chosen[0], REPO, _log)
     scale = forced_scale or SLOWDOWN.get(accel, 10)
+    if budget is None:
+        budget = TCG_BUDGET if accel == "tcg" else 0
+    timeout = args.timeout or max(2700.0, budget + 900)
+    if budget:
+        _log(f"vm: at most {budget / 60:g} min of tests per kernel (--budget 0 runs them all)")
     venv, prefix = disks.venv_paths(REPO)
     image = disks.python_image(REPO, CACHE, _log)
     settings = {
@@ -97,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         "JBX_PYTEST_ARGS": " ".join(extra),
         "JBX_PYTEST_TIMEOUT": str(int(120 * scale)),
         "JUKEBOX_TEST_SLOWDOWN": str(scale),
+        "JBX_BUDGET": str(int(budget)),
     }
     results = []
     for k in chosen:
         _log(f"vm: {k.name}: booting {k.version} under {accel}, {len(tests)} test arguments "
              f"(log: {CACHE / 'runs' / k.name / 'guest.log'})")
-        b = boot.run_tests(CACHE, k, accel, REPO, settings, image, args.timeout, _log)
+        b = boot.run_tests(CACHE, k, accel, REPO, settings, image, timeout, _log)
         r = report.read(report.KernelResult(k.name, k.version, accel, round(b.seconds, 1),
                                             round(b.cpu_seconds, 1), b.attempts, b.exit_code),
                         b.run_dir)

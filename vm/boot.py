@@ -140,8 +140,10 @@ def run_tests(cache: Path, kernel: Kernel, accel: str, repo: Path, settings: dic
         (run_dir / "run.env").write_text(
             "".join(f"{k}={shlex.quote(v)}\n" for k, v in settings.items())
         )
-        scratch = disks.scratch(cache / "scratch.img")
-        disk_paths = [scratch] + ([python_image] if python_image else [])
+        scratch = disks.scratch(run_dir / "scratch.img")  # per kernel: runs may overlap
+        disk_paths = [scratch]
+        if python_image:
+            disk_paths.append(disks.private_view(python_image, run_dir / "python.qcow2"))
         # The guest runs a copy: sh reads a script as it goes, and the checkout may change.
         shutil.copy(repo / "vm" / "guest.sh", run_dir / "guest.sh")
         script = f"sh {shlex.quote(str(run_dir / 'guest.sh'))} {shlex.quote(str(run_dir))}"
@@ -151,6 +153,7 @@ def run_tests(cache: Path, kernel: Kernel, accel: str, repo: Path, settings: dic
         if not finished:
             log(f"vm: {kernel.name}: no end after {timeout:.0f} s, stopped")
         scratch.unlink(missing_ok=True)
+        (run_dir / "python.qcow2").unlink(missing_ok=True)
         code_file = run_dir / "exit-code"
         if code_file.exists():
             return Boot(int(code_file.read_text().strip()), time.monotonic() - start,

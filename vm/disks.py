@@ -97,3 +97,12 @@ def python_image(repo: Path, cache: Path, log=print) -> Path:
     shutil.rmtree(stage, ignore_errors=True)
     keyfile.write_text(key)
     return image
+
+
+def private_view(image: Path, path: Path) -> Path:
+    """A qcow2 file over image, for one VM: QEMU locks a raw disk for writing, so two VMs could
+    not share the Python image, while a backing file is opened read-only and may be shared."""
+    path.unlink(missing_ok=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "raw",
+                    str(path)], check=True)
+    return path

@@ -42,10 +42,15 @@ export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONUNBUFFERED=1  # unbuffered: guest.
 cd "$JBX_REPO" || exit 98
 echo "guest: $("$JBX_VENV/bin/python" -m vm.fuse_probe 2>&1 | tail -1)"
 echo "guest: pytest starts $(date -u +%T)"
+# A budget (seconds) interrupts pytest as Ctrl-C would: it stops after the test it is in, and
+# still writes the JUnit XML, so a slow machine reports what it got through instead of nothing.
+budget=""
+[ "${JBX_BUDGET:-0}" -gt 0 ] && budget="timeout -s INT -k 120 $JBX_BUDGET"
 # shellcheck disable=SC2086  # JBX_TESTS is a list of test ids
-"$JBX_VENV/bin/python" -m pytest -p pytest_timeout -p no:cacheprovider -q -rfEs --basetemp=/tmp/pytest \
+$budget "$JBX_VENV/bin/python" -m pytest -p pytest_timeout -p no:cacheprovider -q -rfEs --basetemp=/tmp/pytest \
     --timeout="$JBX_PYTEST_TIMEOUT" --junitxml="$RUN_DIR/junit.xml" $JBX_PYTEST_ARGS $JBX_TESTS
 rc=$?
+[ -n "$budget" ] && [ "$rc" -eq 124 ] && echo "guest: budget of $JBX_BUDGET s ran out"
 echo "guest: pytest ended $(date -u +%T) with $rc"
 echo "$rc" >"$RUN_DIR/exit-code"
 sync

@@ -23,10 +23,12 @@ class KernelResult:
     modules: list[str] = field(default_factory=list)  # the guest's module lines
     fuse: str = ""  # the FUSE protocol the kernel offered, and so the invalidation path taken
     problem: str | None = None  # why there are no results at all
+    budget_ran_out: str = ""  # the guest's line when pytest was interrupted: results are partial
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.failed and self.problem is None
+        # 124: the budget interrupted pytest; what ran is reported, and it is partial.
+        return self.exit_code in (0, 124) and not self.failed and self.problem is None
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -48,6 +50,9 @@ def read(result: KernelResult, run_dir: Path) -> KernelResult:
         fuse = [ln for ln in guest_log.read_text(errors="replace").splitlines()
                 if ln.startswith("guest: fuse protocol")]
         result.fuse = fuse[0].removeprefix("guest: ") if fuse else "fuse protocol not probed"
+        ran_out = [ln for ln in guest_log.read_text(errors="replace").splitlines()
+                   if ln.startswith("guest: budget of")]
+        result.budget_ran_out = ran_out[0].removeprefix("guest: ") if ran_out else ""
     junit = run_dir / "junit.xml"
     if not junit.exists():
         result.problem = (
@@ -89,6 +94,8 @@ def render(results: list[KernelResult]) -> str:
         out.append(head)
         if r.fuse:
             out.append(f"  {r.fuse}")
+        if r.budget_ran_out:
+            out.append(f"  PARTIAL: {r.budget_ran_out}; the tests after these did not run")
         if r.problem:
             out.append(f"  PROBLEM: {r.problem}")
         out.extend(f"  module: {m.removeprefix('module ')}" for m in r.modules

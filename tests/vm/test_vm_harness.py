@@ -34,6 +34,16 @@ def test_a_bad_timeout_is_refused_in_one_line() -> None:
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--timeout" in proc.stderr
 
 
+def test_a_bad_budget_is_refused_in_one_line() -> None:
+    proc = _vm("bookworm", "--budget", "-1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--budget" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "vm", "bookworm"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60,
+                          env=dict(os.environ, JUKEBOX_VM_BUDGET="soon"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "JUKEBOX_VM_BUDGET=soon" in proc.stderr
+
+
 def test_every_test_the_vm_subset_names_exists() -> None:
     """A renamed test file would silently drop out of every kernel's run."""
     tests, extra = subset(SUBSET, None)
@@ -84,3 +94,17 @@ def test_the_interpreter_is_copied_unless_it_is_the_systems(tmp_path: Path) -> N
         (tmp_path / ".venv").mkdir(exist_ok=True)
         (tmp_path / ".venv" / "pyvenv.cfg").write_text(f"home = {home}\nversion = 3.11.7\n")
         assert disks.venv_paths(tmp_path) == (tmp_path / ".venv", prefix)
+
+
+def test_a_run_cut_by_its_budget_reports_what_ran_as_partial(tmp_path: Path) -> None:
+    (tmp_path / "junit.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.booth.test_cgroups" name="test_a"/>'
+        '<testcase classname="tests.booth.test_cgroups" name="test_b"/>'
+        "</testsuite></testsuites>"
+    )
+    (tmp_path / "guest.log").write_text("guest: budget of 600 s ran out\n")
+    r = report.read(report.KernelResult("trixie", "6.12", "tcg", 700.0, 900.0, 1, 124), tmp_path)
+    assert r.passed == 2 and r.ok  # cut short is not a failure, and says so
+    assert r.budget_ran_out == "budget of 600 s ran out"
+    assert "PARTIAL: budget of 600 s ran out" in report.render([r])
