@@ -43,12 +43,13 @@ torture: setup
 VM_APT_PACKAGES := qemu-system-x86 qemu-utils kmod busybox-static e2fsprogs file util-linux
 VM_CACHE := .vm-cache
 KERNEL ?=
+VM_ARGS ?=  # e.g. VM_ARGS="--parallel --budget 2700"; see `.venv/bin/python -m vm --help`
 
 vm-test: setup
 	@$(MAKE) --no-print-directory system-packages APT_PACKAGES="$(VM_APT_PACKAGES)"
 	@test -x $(VM_CACHE)/vng/bin/vng || { $(PYTHON) -m venv $(VM_CACHE)/vng && \
 	  $(VM_CACHE)/vng/bin/pip install -q 'virtme-ng>=1.42,<2'; }
-	nice -n 19 $(PY) -m vm $(KERNEL)
+	nice -n 19 $(PY) -m vm $(VM_ARGS) $(KERNEL)
 
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
