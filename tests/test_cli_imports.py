@@ -16,19 +16,20 @@ from jukebox import cli as cli_module
 
 PROXY_STACK = ("trio", "httpx", "h11", "genai_prices", "pydantic", "jukebox.llm.server")
 
-# Runs the CLI in this interpreter, then writes what it imported: sys.exit ends every command.
+# Runs the CLI in this interpreter, then writes what it imported: at exit, which commands that
+# skip the interpreter's teardown (jukebox.cli.skip_teardown) still run.
 WRAPPER = """
-import json, sys
+import atexit, json, sys
 from jukebox.cli import main
 out = sys.argv.pop(1)
 sys.argv[0] = "jukebox"
-try:
-    main()
-    code = 0
-except SystemExit as done:
-    code = done.code
-with open(out, "w") as f:
-    json.dump({"code": code, "modules": sorted(sys.modules)}, f)
+
+def dump():
+    with open(out, "w") as f:
+        json.dump({"modules": sorted(sys.modules)}, f)
+
+atexit.register(dump)
+main()
 """
 
 
@@ -45,7 +46,7 @@ def imported(
     )  # fmt: skip
     assert out.exists(), proc.stderr
     data = json.loads(out.read_text())
-    return data["code"] or 0, set(data["modules"]), proc.stderr
+    return proc.returncode, set(data["modules"]), proc.stderr
 
 
 def test_every_command_is_mapped_to_the_modules_that_register_it() -> None:

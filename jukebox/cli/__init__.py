@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 import click
 
@@ -163,8 +164,59 @@ def register_commands(argv: list[str]) -> None:
         import_module(f"jukebox.cli.{name}")
 
 
+_skip_teardown = False
+
+
+def skip_teardown() -> None:
+    """Lets this command's process end without the interpreter's teardown (`_leave`). Only for
+    commands that close what they open (stores, tapes, files, threads) before they return."""
+    global _skip_teardown
+    _skip_teardown = True
+
+
+def _leave(code: object) -> NoReturn:
+    """Ends the process as `sys.exit(code)` would, minus the teardown: freeing every module and
+    object one by one took 39M instructions after a booth's work was done (8% of `booth run --
+    true`; about 10 ms of CPU, and more wall time on a busy machine). What of the teardown
+    matters runs first, in its order: threads that are not daemons are joined, the atexit
+    handlers run (the store's flush at exit, logging's shutdown), the standard streams are
+    flushed."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the message goes to stderr, the status is 1
+        sys.stderr.write(f"{code}\n")
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            status = status or 120  # what the interpreter exits with when its flush fails
+    os._exit(status)
+
+
 def main() -> None:
     register_commands(sys.argv[1:])
+    try:
+        code = _main()
+    except SystemExit as stop:
+        if not _skip_teardown:
+            raise
+        code = stop.code
+    if _skip_teardown:
+        _leave(code)
+    sys.exit(code)
+
+
+def _main() -> int:
     try:
         code = cli.main(prog_name="jukebox", standalone_mode=False)
         sys.stdout.flush()  # here, where a closed pipe can still be told from a bug
@@ -179,4 +231,4 @@ def main() -> None:
         fail(error.format_message(), error.exit_code)
     except click.Abort:
         fail("interrupted", 130)
-    sys.exit(code if isinstance(code, int) else 0)
+    return code if isinstance(code, int) else 0

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from jukebox.cli import cli
+from jukebox.cli import cli, skip_teardown
 from jukebox.cli.booth_view import view_path_options
 from jukebox.cli.review_options import exclude_options
 from jukebox.cli.tapes import listed_tape_dir, tape_dir_option
@@ -213,6 +213,8 @@ def run(
         unknown_cost=unknown_cost,
     )
 
+    # run_booth closes what it opens, whatever the outcome: no teardown needed after it.
+    skip_teardown()
     code = run_booth(
         list(cmd),
         tree=tree,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from jukebox.cli import cli
+from jukebox.cli import cli, skip_teardown
 from jukebox.cli.booth_view import view_path_options
 
 if TYPE_CHECKING:
@@ -463,6 +463,8 @@ def replay_command(
     whole_tape(
         ref, "replay", "drop the @{n} (--exec --until {n} serves frames 0..{n}, then goes live)"
     )
+    # It only reads (the tape, the store): nothing to close that the process's end does not.
+    skip_teardown()
     loaded = load(ref)
     from jukebox.progress import step
 
