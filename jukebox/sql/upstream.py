@@ -84,6 +84,10 @@ class Upstream:
         # Bookkeeping queries of the proxy's own (SAVEPOINT, RELEASE) sent without waiting:
         # their replies are read, and dropped, before anything else is read.
         self.unread_own = 0
+        # What the proxy sends is gathered and written when it next waits for the server (or
+        # at 64 KiB): the agent's Parse, Bind, Execute and Sync, with the proxy's SAVEPOINT
+        # before them, go as one TLS record and one segment, not one system call each.
+        self.out = bytearray()
 
     @classmethod
     async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
@@ -155,7 +159,14 @@ class Upstream:
                                         "proxy does not speak")
 
     def send(self, data: bytes) -> None:
-        self.writer.write(data)
+        self.out += data
+        if len(self.out) >= 65536:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.out:
+            self.writer.write(bytes(self.out))
+            self.out.clear()
 
     def send_own(self, sql: str) -> None:
         self.send(m.message(b"Q", sql.encode() + b"\0"))
@@ -163,6 +174,7 @@ class Upstream:
 
     async def settle(self) -> None:
         """Reads the replies of the queries `send_own` sent; raises the first one's error."""
+        self.flush()
         while self.unread_own:
             self.unread_own -= 1
             failed: dict[str, str] | None = None
@@ -177,6 +189,7 @@ class Upstream:
                 raise UpstreamError(failed.get("M", "error"), failed)
 
     async def read(self) -> tuple[bytes, bytes]:
+        self.flush()
         if self.unread_own:
             await self.settle()
         return await m.read_message(self.reader)
@@ -184,15 +197,21 @@ class Upstream:
     async def query(self, sql: str) -> list[tuple[bytes, bytes]]:
         """Runs the proxy's own `sql` (simple protocol); raises UpstreamError on its error.
         Returns the messages before ReadyForQuery."""
-        if self.unread_own:
-            await self.settle()
+        # Sent with the bookkeeping queries still unanswered: one round trip for all of them.
         self.send(m.message(b"Q", sql.encode() + b"\0"))
+        earlier: UpstreamError | None = None
+        try:
+            await self.settle()
+        except UpstreamError as error:
+            earlier = error  # this query's replies are still read, so the stream stays whole
         out: list[tuple[bytes, bytes]] = []
         failed: dict[str, str] | None = None
         while True:
-            kind, body = await self.read()
+            kind, body = await m.read_message(self.reader)
             if kind == b"Z":
                 self.status = body.decode()
+                if earlier is not None:
+                    raise earlier
                 if failed is not None:
                     raise UpstreamError(failed.get("M", "error"), failed)
                 return out
@@ -213,6 +232,7 @@ class Upstream:
     async def close(self) -> None:
         try:
             self.send(m.message(b"X"))
+            self.flush()
             self.writer.close()
             await self.writer.wait_closed()
         except (OSError, ConnectionError):
