@@ -1390,6 +1390,8 @@ def run_booth(
     mcp_limits: Any = None,
     mcp_replay: Any = None,
     mcp_upstreams: Mapping[str, str] | None = None,
+    record_sql_results: bool = False,
+    sql_replay: Any = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
@@ -1402,7 +1404,9 @@ def run_booth(
     supervisor's gateway (jukebox.mcp.http_gateway), declared like `mcp_config`'s.
 
     `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
-    transaction ends with the verdict (jukebox.sql).
+    transaction ends with the verdict (jukebox.sql); `record_sql_results` keeps what each
+    statement answered on its frame. `sql_replay`: a jukebox.sql.replay.SqlRecording served to
+    the agent instead of databases (replay --exec).
 
     `paths`: what this run adds to the image's view (--rw, --ro, --hide, --no-private-tmp).
 
@@ -1488,6 +1492,9 @@ def run_booth(
     mcp_servers.update(mcp_http)
     if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
         raise UsageError("--max-sql-rows-changed must be 0 or more")
+    if record_sql_results and not databases:
+        raise UsageError("--record-sql-results keeps what --pg databases answer: add --pg "
+                         "NAME=URL, or drop it")
     two_phase: dict[str, bool] = {}
     if databases:
         from jukebox.sql.booth_link import BoothDatabases
@@ -1676,8 +1683,18 @@ def run_booth(
                 listen=network.listen if network is not None else None,
                 max_rows_changed=max_sql_rows_changed,
                 on_trip=run.on_trip,
+                record_results=record_sql_results,
             )
             env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
+            env.update(dbs.agent_env())
+        elif sql_replay is not None:
+            network = llm_session.network
+            dbs = run.databases = sql_replay.start(
+                record=writer.append,
+                secrets=[value for key, value in env.items() if img.is_secret(key)],
+                listen=network.listen if network is not None else None,
+            )
+            env.pop("PGPASSWORD", None)
             env.update(dbs.agent_env())
         env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
         http_urls: dict[str, str] = {}

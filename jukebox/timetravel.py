@@ -417,6 +417,7 @@ def _run_watched(
     image: Image,
     paths: BoothPaths | None = None,
     mcp_replay: Any = None,
+    sql: Any = None,
 ) -> tuple[int, float]:
     """Runs the recorded command in a fresh, offline, never-committing booth; returns
     (booth status, seconds). The booth ends discarded and the scratch tree is removed."""
@@ -454,6 +455,7 @@ def _run_watched(
                 llm=llm,
                 mcp_config=mcp_config,
                 mcp_replay=mcp_replay,
+                sql_replay=sql,
             )
         finally:
             seconds = time.monotonic() - started
@@ -638,6 +640,7 @@ def replay_exec(
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.session import LlmOptions
     from jukebox.llm.upstreams import upstreams_from_env
+    from jukebox.sql.replay import SqlRecording
     from jukebox.tape import Tape
     from shadowfs.store import Store
 
@@ -664,6 +667,7 @@ def replay_exec(
             original, store, mode=mode, until=until, honor_timing=honor_timing
         )
         tools = _tool_replay(original, store, until)
+        sql = SqlRecording.from_tape(original, store)  # --pg: served from the tape
     marks = checkpoint_marks(original, through=until)
     watch = _Watch(marks)
     if tools is not None:
@@ -674,9 +678,11 @@ def replay_exec(
         upstreams=OFFLINE_UPSTREAMS if until is None else upstreams_from_env(os.environ),
         on_divergence=watch.on_divergence,
     )
+    if sql is not None:
+        sql.on_divergence = watch.on_divergence
     status, seconds = _run_watched(
         tapes.store_path, run, tapes, tape_id, llm, watch, fs, f"replay of {run.tape_id}",
-        chosen.image, paths, tools,
+        chosen.image, paths, tools, sql,
     )  # fmt: skip
     replay_path = tapes.tape_path(tape_id)
     with Store.open(tapes.store_path, create=False) as store:
@@ -691,6 +697,11 @@ def replay_exec(
             remaining=source.remaining() if until is None else 0,
             tools_remaining=tools.remaining() if tools is not None and until is None else 0,
         )
+        if difference is None and until is None and sql is not None and sql.remaining():
+            difference = (
+                "replay diverged at the end: the run ran fewer SQL statements than the tape "
+                f"holds ({sql.remaining()} recorded statement(s) never run)"
+            )
         problems = _run_problems(original, replayed, stopped=watch.killed)
         served, live, spent = _llm_counts(replayed, store)
         frames = len(replayed.frames)

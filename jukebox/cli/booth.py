@@ -111,6 +111,12 @@ _ALLOW_HOOKS_HELP = (
     default=None,
     help="Circuit breaker: stop the agent once its statements changed more database rows.",
 )
+@click.option(
+    "--record-sql-results",
+    is_flag=True,
+    help="Keep what each --pg statement answered (rows, scrubbed of secrets) on its sql frame, "
+    "so `jukebox replay --exec` can run the agent again without the database.",
+)
 @click.option("--allow-hooks", is_flag=True, help=_ALLOW_HOOKS_HELP)
 @click.option(
     "--strict-sandbox",
@@ -166,6 +172,7 @@ def run(
     upstreams: tuple[str, ...],
     pg: tuple[str, ...],
     max_sql_rows_changed: int | None,
+    record_sql_results: bool,
     allow_hooks: bool,
     strict_sandbox: bool,
     no_seccomp: bool,
@@ -238,6 +245,7 @@ def run(
         mcp_upstreams=_mcp_upstreams(mcp_upstreams),
         databases=databases,
         max_sql_rows_changed=max_sql_rows_changed,
+        record_sql_results=record_sql_results,
         mcp_limits=_tool_limits(max_tool_calls, max_tool_repeat),
     )
     sys.exit(code)

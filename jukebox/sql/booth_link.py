@@ -95,13 +95,15 @@ class BoothDatabases:
         listen: Callable[[], socket.socket] | None,
         max_rows_changed: int | None,
         on_trip: Callable[[Any], Any] | None,
+        record_results: bool = False,
     ) -> BoothDatabases:
         """The proxies, listening (see `probe`, called first)."""
         targets = {name: Target.parse(url) for name, url in urls.items()}
         record("note", {"event": "sql_databases",
                         "databases": {n: t.public_url() for n, t in targets.items()}})
         proxy = SqlProxy(targets, record, booth_id, secrets=secrets, listen=listen,
-                         max_rows_changed=max_rows_changed, on_trip=on_trip).start()
+                         max_rows_changed=max_rows_changed, on_trip=on_trip,
+                         record_results=record_results).start()
         return cls(proxy, dict(urls), two_phase)
 
     def agent_env(self) -> dict[str, str]:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from jukebox.sql import messages as m
 from jukebox.sql import statements as st
+from jukebox.sql.results import Results
 from jukebox.sql.session import TurnTimeout
 from jukebox.sql.upstream import Upstream, UpstreamError, quote_literal
 
@@ -89,6 +90,9 @@ class AgentConnection:
         self.named: set[str] = set()  # upstream names of this connection's statements
         self.runs: deque[_Run] = deque()
         self.copying_in = False
+        # --record-sql-results: the replies of the statement on its way, as the agent gets
+        # them, kept on its frame (jukebox.sql.results) so a replay can serve them offline.
+        self.kept: Results | None = Results(db.owner.scrubber) if db.owner.record_results else None
         # Replies are gathered and written together: a write per small message would be a TCP
         # segment each, which the agent's delayed ACK can hold up by 40 ms.
         self.out = bytearray()
@@ -139,7 +143,15 @@ class AgentConnection:
 
     def record(self, run: _Run, tag: str | None = None, failure: dict[str, str] | None = None,
                rows_changed: int = 0) -> None:
-        self.db.record_statement(self.number, run, tag, failure, rows_changed)
+        result = self.kept.take() if self.kept is not None else None
+        self.db.record_statement(self.number, run, tag, failure, rows_changed, result)
+
+    def reply(self, kind: bytes, body: bytes) -> None:
+        """One of the server's replies, passed on to the agent (and kept, when recording)."""
+        data = m.message(kind, body)
+        if self.kept is not None:
+            self.kept.add(kind, data)
+        self.send(data)
 
     # ------------------------------------------------------------------ the connection
 
@@ -152,7 +164,10 @@ class AgentConnection:
                 if kind == b"X":
                     return
                 await self.handle(kind, body)
-                await self.drain_agent()
+                # Replies wait while the agent's next messages are already here (a pipeline:
+                # Parse, Bind, Execute, Sync in one packet), so they leave together.
+                if not getattr(self.reader, "_buffer", None):
+                    await self.drain_agent()
         except m.ProtocolError as error:
             self.send(m.error("08P01", f"jukebox: protocol violation: {error}", "FATAL"))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -184,6 +199,7 @@ class AgentConnection:
                 self.send(m.error("08006", f"jukebox: the booth cannot reach its database "
                                   f"{self.session.name!r}: {error}", "FATAL"))
                 return False
+            self.db.note_server(upstream.parameters)
             self.send(m.AUTH_OK)
             for name, value in upstream.parameters.items():
                 self.send(m.parameter_status(name, value))
@@ -332,13 +348,15 @@ class AgentConnection:
                     changed_rows = rows
                 self.copying_in = False
                 if changed_rows and self.db.over_limit(changed_rows):
-                    body = None  # type: ignore[assignment]
-                    self.send(m.error("54000", self.db.limit_message()))
+                    self.reply(b"E", m.error("54000", self.db.limit_message())[5:])
                     failed = True
+                    if self.runs:
+                        self.record(self.runs.popleft(), tag, rows_changed=changed_rows)
+                    continue
+                self.reply(kind, body)
                 if self.runs:
                     self.record(self.runs.popleft(), tag, rows_changed=changed_rows)
-                if body is None:
-                    continue
+                continue
             elif kind == b"E":
                 failed = True
                 fields = m.decode_fields(body)
@@ -347,17 +365,21 @@ class AgentConnection:
                         k.encode() + v.encode() + b"\0" for k, v in fields.items()
                         if k not in ("W", "P", "F", "L", "R")
                     ) + b"\0"
+                self.reply(kind, body)
                 if self.runs:
                     self.record(self.runs.popleft(), failure=fields)
                 self.runs.clear()
+                continue
             elif kind in (b"I", b"s") and self.runs:
+                self.reply(kind, body)
                 self.record(self.runs.popleft())
+                continue
             elif kind == b"G":  # CopyInResponse: the agent's rows come next
-                self.send(m.message(kind, body))
+                self.reply(kind, body)
                 await self.drain_agent()
                 await self.copy_in(up)
                 continue
-            self.send(m.message(kind, body))
+            self.reply(kind, body)
             count += 1
             if count % 256 == 0:
                 await self.drain_agent()

@@ -41,6 +41,7 @@ class DatabaseProxy:
         self.session = SqlSession(name, target, f"jukebox booth {owner.booth_id}")
         self.connections: dict[int, AgentConnection] = {}
         self.server: asyncio.AbstractServer | None = None
+        self.noted = False
 
     @property
     def port(self) -> int:
@@ -77,19 +78,16 @@ class DatabaseProxy:
 
     # ------------------------------------------------------------------ frames and breaker
 
+    def note_server(self, parameters: dict[str, str]) -> None:
+        """With --record-sql-results, once: what the server told each connection at startup
+        (server_version, encodings, DateStyle…), which a replay tells the agent again."""
+        if self.owner.record_results and not self.noted:
+            self.noted = True
+            self.owner.record("note", {"event": "sql_server", "db": self.name,
+                                       "parameters": dict(parameters)})
+
     def params_for_tape(self, bind: m.Bind) -> list[Any]:
-        out: list[Any] = []
-        for i, value in enumerate(bind.params):
-            if value is None:
-                out.append(None)
-            elif bind.param_format(i) == 1:
-                out.append({"binary": len(value)})
-            else:
-                text = value.decode("utf-8", "replace")
-                if len(text) > MAX_PARAM_CHARS:
-                    text = text[:MAX_PARAM_CHARS] + "…"
-                out.append(redact_text(text, self.owner.scrubber))
-        return out
+        return params_for_tape(bind, self.owner.scrubber)
 
     def record_statement(
         self,
@@ -98,16 +96,14 @@ class DatabaseProxy:
         tag: str | None,
         failure: dict[str, str] | None,
         rows_changed: int,
+        result: dict[str, Any] | None = None,
     ) -> None:
         from jukebox.sql.connection import rows_of
 
-        text = run.text if len(run.text) <= MAX_STATEMENT_CHARS else (
-            run.text[:MAX_STATEMENT_CHARS] + "…"
-        )
         payload: dict[str, Any] = {
             "db": self.name,
             "conn": conn,
-            "statement": redact_text(text, self.owner.scrubber),
+            "statement": statement_for_tape(run.text, self.owner.scrubber),
             "ms": round((time.monotonic() - run.started) * 1000, 3),
         }
         if run.params is not None:
@@ -122,6 +118,8 @@ class DatabaseProxy:
                 "code": failure.get("C", ""),
                 "message": redact_text(failure.get("M", ""), self.owner.scrubber),
             }
+        if result is not None:
+            payload.update(result)
         self.owner.record("sql", payload)
 
     def over_limit(self, rows: int) -> bool:
@@ -131,6 +129,27 @@ class DatabaseProxy:
         return (f"jukebox: the circuit breaker tripped: the agent changed more than "
                 f"{self.owner.max_rows_changed} rows (--max-sql-rows-changed); the statement "
                 "was not kept")
+
+
+def statement_for_tape(text: str, scrubber: Scrubber) -> str:
+    if len(text) > MAX_STATEMENT_CHARS:
+        text = text[:MAX_STATEMENT_CHARS] + "…"
+    return redact_text(text, scrubber)
+
+
+def params_for_tape(bind: m.Bind, scrubber: Scrubber) -> list[Any]:
+    out: list[Any] = []
+    for i, value in enumerate(bind.params):
+        if value is None:
+            out.append(None)
+        elif bind.param_format(i) == 1:
+            out.append({"binary": len(value)})
+        else:
+            text = value.decode("utf-8", "replace")
+            if len(text) > MAX_PARAM_CHARS:
+                text = text[:MAX_PARAM_CHARS] + "…"
+            out.append(redact_text(text, scrubber))
+    return out
 
 
 class SqlProxy:
@@ -145,8 +164,10 @@ class SqlProxy:
         listen: Callable[[], socket.socket] | None = None,
         max_rows_changed: int | None = None,
         on_trip: Callable[[Any], Any] | None = None,
+        record_results: bool = False,
     ) -> None:
         self.record = record
+        self.record_results = record_results
         self.booth_id = booth_id
         self.scrubber = Scrubber(secrets)
         self.scrubber.add(t.password for t in databases.values() if t.password)

@@ -97,6 +97,10 @@ def test_a_failed_verifier_leaves_the_database_exactly_as_before(
     assert any(k == "sql" for k, _ in frames(tmp_path, "failed"))
     assert pg.dump(db) == before
     assert not (tmp_path / "tree" / "done.txt").exists()
+    # Recorded without --record-sql-results: a replay cannot serve its database, and says so.
+    replay = cli(tmp_path, "replay", str(tmp_path / "tapes" / "failed.jbx"), "--exec")
+    assert replay.returncode == 2
+    assert "--record-sql-results" in replay.stderr
 
 
 def test_commit_and_a_rollback_to_a_checkpoint_while_the_agent_runs(
@@ -233,3 +237,50 @@ def test_refused_before_anything_is_made(pg: Cluster, db: str, tmp_path: Path) -
     finally:
         pg.psql("ALTER SYSTEM RESET max_prepared_transactions")
         pg.restart()
+
+
+# Reads rows into a file (extended query with psycopg, simple query with psql), so the files a
+# replay ends with say whether it was served the recorded rows.
+RECORDED_RESULTS = """
+import os, subprocess, psycopg
+n = int(os.environ.get("JB_SQL_ROUND", "1"))
+with psycopg.connect(os.environ["DATABASE_URL"]) as conn:
+    conn.execute("INSERT INTO t VALUES (11, %s)", (f"round {n}",))
+    rows = conn.execute("SELECT id, v FROM t WHERE id > %s ORDER BY id", (0,)).fetchall()
+    with conn.cursor().copy("COPY (SELECT id FROM t ORDER BY id) TO STDOUT") as copy:
+        copied = b"".join(bytes(block) for block in copy)
+count = subprocess.run(["psql", "-X", "-At", "-c", "BEGIN; SELECT count(*) FROM t; COMMIT"],
+                       capture_output=True, text=True, check=True).stdout
+open("seen.txt", "w").write(repr(rows) + repr(copied) + count)
+"""
+
+
+def test_recorded_results_replay_offline_and_a_different_statement_diverges(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    out = booth(tmp_path, pg.url(db), RECORDED_RESULTS, "--record-sql-results", "--verify",
+                "true", "--tape-id", "rec")
+    assert out.returncode == 0, out.stderr
+    seen = (tmp_path / "tree" / "seen.txt").read_text()
+    assert "(11, 'round 1')" in seen and "BEGIN\n3\nCOMMIT" in seen
+    kept = [p for k, p in frames(tmp_path, "rec") if k == "sql" and "SELECT id, v" in
+            p["statement"]]
+    assert kept and kept[0]["result"]  # the rows, base64 of the server's messages
+    # The database changes under the tape: a replay never asks it (and runs under --net none).
+    pg.psql("DELETE FROM t", db=db)
+    replay = cli(tmp_path, "replay", str(tmp_path / "tapes" / "rec.jbx"), "--exec", "--json")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    report = json.loads(replay.stdout)
+    assert report["ok"] and report["difference"] is None
+    # Another statement than the recorded one is a divergence, named with both.
+    diverged = subprocess.run(
+        [JUKEBOX, "replay", str(tmp_path / "tapes" / "rec.jbx"), "--exec", "--json",
+         "--tape-dir", str(tmp_path / "tapes")],
+        capture_output=True, text=True, timeout=60, cwd="/",
+        env={**os.environ, "JB_SQL_ROUND": "2"},
+    )
+    assert diverged.returncode == 1, diverged.stdout + diverged.stderr
+    difference = json.loads(diverged.stdout)["difference"]
+    assert "the statement differs from the recorded one" in difference
+    assert "['round 1']" in difference and "['round 2']" in difference
+
