@@ -1392,6 +1392,7 @@ def run_booth(
     mcp_upstreams: Mapping[str, str] | None = None,
     record_sql_results: bool = False,
     sql_replay: Any = None,
+    max_sql_lock_seconds: float | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
@@ -1492,6 +1493,8 @@ def run_booth(
     mcp_servers.update(mcp_http)
     if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
         raise UsageError("--max-sql-rows-changed must be 0 or more")
+    if max_sql_lock_seconds is not None and max_sql_lock_seconds <= 0:
+        raise UsageError("--max-sql-lock-seconds must be more than 0")
     if record_sql_results and not databases:
         raise UsageError("--record-sql-results keeps what --pg databases answer: add --pg "
                          "NAME=URL, or drop it")
@@ -1684,6 +1687,7 @@ def run_booth(
                 max_rows_changed=max_sql_rows_changed,
                 on_trip=run.on_trip,
                 record_results=record_sql_results,
+                max_lock_seconds=max_sql_lock_seconds,
             )
             env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
             env.update(dbs.agent_env())

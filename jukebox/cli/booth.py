@@ -112,6 +112,14 @@ _ALLOW_HOOKS_HELP = (
     help="Circuit breaker: stop the agent once its statements changed more database rows.",
 )
 @click.option(
+    "--max-sql-lock-seconds",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="Circuit breaker: stop the agent and roll its database work back once another client "
+    "waited longer on a lock the booth holds; the agent's own lock waits end after it too.",
+)
+@click.option(
     "--record-sql-results",
     is_flag=True,
     help="Keep what each --pg statement answered (rows, scrubbed of secrets) on its sql frame, "
@@ -173,6 +181,7 @@ def run(
     pg: tuple[str, ...],
     max_sql_rows_changed: int | None,
     record_sql_results: bool,
+    max_sql_lock_seconds: float | None,
     allow_hooks: bool,
     strict_sandbox: bool,
     no_seccomp: bool,
@@ -246,6 +255,7 @@ def run(
         databases=databases,
         max_sql_rows_changed=max_sql_rows_changed,
         record_sql_results=record_sql_results,
+        max_sql_lock_seconds=max_sql_lock_seconds,
         mcp_limits=_tool_limits(max_tool_calls, max_tool_repeat),
     )
     sys.exit(code)

@@ -96,6 +96,7 @@ class BoothDatabases:
         max_rows_changed: int | None,
         on_trip: Callable[[Any], Any] | None,
         record_results: bool = False,
+        max_lock_seconds: float | None = None,
     ) -> BoothDatabases:
         """The proxies, listening (see `probe`, called first)."""
         targets = {name: Target.parse(url) for name, url in urls.items()}
@@ -103,7 +104,8 @@ class BoothDatabases:
                         "databases": {n: t.public_url() for n, t in targets.items()}})
         proxy = SqlProxy(targets, record, booth_id, secrets=secrets, listen=listen,
                          max_rows_changed=max_rows_changed, on_trip=on_trip,
-                         record_results=record_results).start()
+                         record_results=record_results,
+                         max_lock_seconds=max_lock_seconds).start()
         return cls(proxy, dict(urls), two_phase)
 
     def agent_env(self) -> dict[str, str]:

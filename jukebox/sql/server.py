@@ -19,7 +19,7 @@ from jukebox.redact import Scrubber, redact_text
 from jukebox.sql import messages as m
 from jukebox.sql.connection import AgentConnection, _Run, cancel_message
 from jukebox.sql.session import SqlSession
-from jukebox.sql.upstream import Target
+from jukebox.sql.upstream import Target, Upstream, UpstreamError
 
 T = TypeVar("T")
 
@@ -38,10 +38,12 @@ class DatabaseProxy:
         self.name = name
         self.target = target
         self.sock = sock
-        self.session = SqlSession(name, target, f"jukebox booth {owner.booth_id}")
+        self.session = SqlSession(name, target, f"jukebox booth {owner.booth_id}",
+                                  lock_timeout=owner.max_lock_seconds)
         self.connections: dict[int, AgentConnection] = {}
         self.server: asyncio.AbstractServer | None = None
         self.noted = False
+        self.watcher: asyncio.Future[None] | None = None
 
     @property
     def port(self) -> int:
@@ -49,6 +51,37 @@ class DatabaseProxy:
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._accept, sock=self.sock)
+        if self.owner.max_lock_seconds is not None:
+            self.watcher = asyncio.ensure_future(self._watch_locks(self.owner.max_lock_seconds))
+
+    async def _watch_locks(self, limit: float) -> None:
+        """--max-sql-lock-seconds: trips the breaker once another client of the database has
+        waited longer than `limit` on a lock the booth's transaction holds (the booth then
+        stops the agent and rolls the transaction back, which lets the waiter go on). Watched
+        from a connection of its own, as the booth's session is the agent's."""
+        watch: Upstream | None = None
+        every = min(1.0, max(0.2, limit / 4))
+        try:
+            while not self.owner.tripped:
+                await asyncio.sleep(every)
+                up = self.session.upstream
+                if up is None or self.session.finished:
+                    continue
+                if watch is None:
+                    watch = await Upstream.connect(self.target, "jukebox lock watch")
+                row = await watch.scalar(
+                    "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - query_start)), 0)"
+                    " || ' ' || count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    f"AND {int(up.backend_key[0])} = ANY(pg_blocking_pids(pid))"
+                )
+                seconds, _, waiters = (row or "0 0").partition(" ")
+                if float(seconds) > limit:
+                    self.owner.trip_locks(self.name, float(seconds), int(waiters), limit)
+        except (OSError, UpstreamError, asyncio.IncompleteReadError, ValueError):
+            pass  # the watch is lost with its server; the booth's own session says more
+        finally:
+            if watch is not None:
+                await watch.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         number = next(self.owner.numbers)
@@ -69,7 +102,7 @@ class DatabaseProxy:
         if conn is None or conn.key != key or up is None or self.session.holder is not conn:
             return
         try:
-            _, writer = await asyncio.open_connection(self.target.host, self.target.port)
+            _, writer = await self.target.open()
             writer.write(cancel_message(*up.backend_key))
             await writer.drain()
             writer.close()
@@ -165,9 +198,11 @@ class SqlProxy:
         max_rows_changed: int | None = None,
         on_trip: Callable[[Any], Any] | None = None,
         record_results: bool = False,
+        max_lock_seconds: float | None = None,
     ) -> None:
         self.record = record
         self.record_results = record_results
+        self.max_lock_seconds = max_lock_seconds
         self.booth_id = booth_id
         self.scrubber = Scrubber(secrets)
         self.scrubber.add(t.password for t in databases.values() if t.password)
@@ -212,6 +247,18 @@ class SqlProxy:
                         f"--max-sql-rows-changed {limit}")
             threading.Thread(target=self.on_trip, args=(trip,), daemon=True).start()
         return True
+
+    def trip_locks(self, name: str, seconds: float, waiters: int, limit: float) -> None:
+        if self.tripped or self.on_trip is None:
+            return
+        self.tripped = True
+        from jukebox.breaker import Trip
+
+        trip = Trip("sql_lock_held", limit, round(seconds, 1),
+                    f"the booth's transaction on database {name!r} held a lock "
+                    f"{waiters} other session(s) waited on for {seconds:.1f}s, more than "
+                    f"--max-sql-lock-seconds {limit:g}")
+        threading.Thread(target=self.on_trip, args=(trip,), daemon=True).start()
 
     def stop(self) -> None:
         """Stops listening and closes every session (an open transaction is rolled back by

@@ -36,8 +36,13 @@ class TurnTimeout(Exception):
 
 
 class SqlSession:
-    def __init__(self, name: str, target: Target, application_name: str) -> None:
+    def __init__(self, name: str, target: Target, application_name: str,
+                 lock_timeout: float | None = None) -> None:
         self.name = name
+        # With --max-sql-lock-seconds the agent waits on others' locks no longer than others
+        # may wait on the booth's.
+        self.lock_timeout = (f"{max(1, int(lock_timeout * 1000))}ms" if lock_timeout is not None
+                             else LOCK_TIMEOUT)
         self.target = target
         self.application_name = application_name
         self.upstream: Upstream | None = None
@@ -58,7 +63,7 @@ class SqlSession:
                 try:
                     await upstream.query(
                         "BEGIN; SET LOCAL idle_in_transaction_session_timeout = 0; "
-                        f"SET LOCAL lock_timeout = {quote_literal(LOCK_TIMEOUT)}; "
+                        f"SET LOCAL lock_timeout = {quote_literal(self.lock_timeout)}; "
                         "SAVEPOINT jukebox_cp_0"
                     )
                 except BaseException:

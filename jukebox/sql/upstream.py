@@ -15,7 +15,7 @@ import socket
 import ssl
 import struct
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from jukebox.sql import messages as m
 
@@ -50,9 +50,14 @@ class Target:
         if parts.scheme not in ("postgresql", "postgres"):
             raise ValueError("it is not a postgresql:// URL")
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        host = parts.hostname or query.pop("host", "") or "127.0.0.1"
-        if host.startswith("/"):
-            raise ValueError("a Unix socket host is not supported yet; use host:port")
+        # A Unix socket's directory is the host, percent-encoded in the authority
+        # (postgresql://me@%2Fvar%2Frun%2Fpostgresql/db) or as ?host=/var/run/postgresql.
+        netloc_host = unquote(parts.netloc.rpartition("@")[2].partition(":")[0])
+        host = (netloc_host if netloc_host.startswith("/") else parts.hostname) or query.pop(
+            "host", "") or "127.0.0.1"
+        query.pop("host", None)
+        if host.startswith("/") and not os.path.isabs(os.path.normpath(host)):
+            raise ValueError(f"the socket directory {host} is not an absolute path")
         try:
             port = parts.port or int(query.pop("port", "5432"))
         except ValueError:
@@ -67,9 +72,24 @@ class Target:
             raise ValueError(f"sslmode={sslmode} is not one PostgreSQL knows")
         return cls(host, port, user, database, password, sslmode, query)
 
+    @property
+    def unix_socket(self) -> str | None:
+        """The server's socket file, when the host is a directory (libpq's convention)."""
+        if self.host.startswith("/"):
+            return os.path.join(self.host, f".s.PGSQL.{self.port}")
+        return None
+
     def public_url(self) -> str:
         """The URL without its password: what a tape or a message may show."""
-        return f"postgresql://{self.user}@{self.host}:{self.port}/{self.database}"
+        host = quote(self.host, safe="") if self.unix_socket else self.host
+        return f"postgresql://{self.user}@{host}:{self.port}/{self.database}"
+
+    async def open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A plain connection to the server, by TCP or its Unix socket."""
+        path = self.unix_socket
+        if path is not None:
+            return await asyncio.open_unix_connection(path)
+        return await asyncio.open_connection(self.host, self.port)
 
 
 class Upstream:
@@ -91,12 +111,14 @@ class Upstream:
 
     @classmethod
     async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
-        reader, writer = await asyncio.open_connection(target.host, target.port)
+        reader, writer = await target.open()
         sock = writer.get_extra_info("socket")
-        if sock is not None:  # the proxy's own SAVEPOINT and the agent's message go at once
+        if sock is not None and sock.family != socket.AF_UNIX:
+            # The proxy's own SAVEPOINT and the agent's message go at once.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            if target.sslmode != "disable":
+            # No TLS on a Unix socket (the server offers none there, libpq asks for none).
+            if target.sslmode != "disable" and target.unix_socket is None:
                 reader, writer = await _start_tls(reader, writer, target)
             self = cls(reader, writer)
             params = {"user": target.user, "database": target.database,

@@ -13,7 +13,7 @@ import pytest
 
 from jukebox.tape import Tape
 from shadowfs.store import Store
-from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster
+from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster, wait_for
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 
@@ -284,3 +284,39 @@ def test_recorded_results_replay_offline_and_a_different_statement_diverges(
     assert "the statement differs from the recorded one" in difference
     assert "['round 1']" in difference and "['round 2']" in difference
 
+
+
+def test_a_lock_held_too_long_trips_the_breaker_and_lets_the_waiter_go(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    holder = """
+import os, time, psycopg
+with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
+    conn.execute("UPDATE t SET v = 'agent' WHERE id = 1")
+    time.sleep(60)
+"""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    agent = subprocess.Popen(
+        [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tmp_path / "tapes"),
+         "--pg", f"main={pg.url(db)}", "--max-sql-lock-seconds", "1", "--tape-id", "locks",
+         "--", sys.executable, "-c", holder],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+    )
+    try:
+        # Once the booth's transaction holds row 1, another client updates it and waits.
+        holds = ("SELECT count(*) > 0 FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                 "WHERE a.application_name = 'jukebox booth locks' "
+                 "AND l.locktype = 'transactionid'")
+        wait_for(lambda: pg.psql(holds, db=db) == "t", timeout=60)
+        other = pg.psql("UPDATE t SET v = 'other' WHERE id = 1 RETURNING v", db=db)
+        assert other.startswith("other")
+        _, err = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode != 0
+    assert "circuit breaker tripped (sql_lock_held)" in err
+    trips = [p for k, p in frames(tmp_path, "locks") if k == "breaker"]
+    assert trips and trips[0]["rule"] == "sql_lock_held"
+    assert "more than --max-sql-lock-seconds 1" in trips[0]["detail"]
+    assert pg.psql("SELECT v FROM t WHERE id = 1", db=db) == "other"

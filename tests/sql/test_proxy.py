@@ -193,6 +193,24 @@ def test_scram_over_tls_upstream_and_secrets_kept_off_the_frames(pg: Cluster, db
     assert any(f.get("rows_changed") == 1 for f in p.frames)
 
 
+def test_a_unix_socket_server_upstream(pg: Cluster, db: str) -> None:
+    from urllib.parse import quote
+
+    p = Proxied(pg, db, url=f"postgresql://postgres@{quote(str(pg.dir), safe='')}:{pg.port}/{db}")
+    try:
+        with psycopg.connect(p.url, autocommit=True) as conn:
+            conn.execute("INSERT INTO t VALUES (3, 'by socket')")
+            # The server sees the booth's session come in by its socket: no client address.
+            assert conn.execute(
+                "SELECT client_addr IS NULL FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            ).fetchone() == (True,)
+        assert rows(pg, db) == "1:one,2:two"
+        p.end("COMMIT")
+    finally:
+        p.proxy.stop()
+    assert rows(pg, db) == "1:one,2:two,3:by socket"
+
+
 def test_copy_in_and_out(pg: Cluster, db: str, proxied: Proxied) -> None:
     with psycopg.connect(proxied.url, autocommit=True) as conn:
         with conn.cursor().copy("COPY t (id, v) FROM STDIN") as copy:
