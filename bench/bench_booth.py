@@ -30,6 +30,8 @@ from typing import Any
 from bench.harness import percentile
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")
+GROUP = "booth"
+SYSTEM = "jukebox booth (fuse)"
 PAUSE = 0.2  # seconds between a step and its checkpoint in the paused rows
 TAPE_IDS = {(1, 0.0): "cp1", (10, 0.0): "cp10", (1, PAUSE): "cp1p", (10, PAUSE): "cp10p"}
 
@@ -51,6 +53,13 @@ print(json.dumps(out))
 """
 
 
+def checkpoint_case(k: int, pause: float = 0.0) -> str:
+    """The row's case for k dirty files (and a pause before the request)."""
+    files = f"{k} dirty file{'s' if k > 1 else ''}"
+    when = f", {pause} s after the step" if pause else ""
+    return f"checkpoint over the socket ({files}{when})"
+
+
 def _stamped(cmd: list[str]) -> tuple[float, float]:
     """(start->first instruction, first instruction->process end), in microseconds."""
     t0 = time.time()
@@ -64,7 +73,7 @@ def _stamped(cmd: list[str]) -> tuple[float, float]:
 
 def _row(case: str, system: str, samples: list[float], **extra: Any) -> dict[str, Any]:
     return {
-        "group": "booth",
+        "group": GROUP,
         "case": case,
         "system": system,
         "p50_us": percentile(samples, 50),
@@ -158,12 +167,10 @@ def run(quick: bool = False) -> list[dict]:
             "as above, but the agent sleeps between its step and the request, as it would "
             "while waiting for a model: idle threads and cold caches",
         )  # fmt: skip
-        for pause, n, when, note in (back_to_back, paused):
+        for pause, n, _when, note in (back_to_back, paused):
             for k in (1, 10):
                 samples = _checkpoints(tree, tapes, TAPE_IDS[k, pause], n, k, pause)
-                files = f"{k} dirty file{'s' if k > 1 else ''}"
-                rows.append(_row(f"checkpoint over the socket ({files}{when})",
-                                 "jukebox booth (fuse)", samples, note=note))  # fmt: skip
+                rows.append(_row(checkpoint_case(k, pause), SYSTEM, samples, note=note))
     finally:
         for tape_id in TAPE_IDS.values():
             subprocess.run(

@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import backends as bk
+from bench import bench_booth as booth_bench
 from bench import bench_checkpoint_fuse as ckpt_bench
 from bench import bench_isolation as iso_bench
+from bench import bench_loaded as loaded_bench
 from bench import bench_mcp as mcp_bench
 from bench import bench_proxy as proxy_bench
+from bench import bench_startup as startup_bench
 from bench import fs_workloads, scratch_fs
 
 Row = dict[str, Any]
@@ -36,6 +39,9 @@ BIG_FILE_LIMIT_MIB = 64.0
 ISOLATION_LIMIT_MS = 50.0
 PROXY_LIMIT_US = 1000.0
 MCP_LIMIT_US = 1000.0
+# Issue 33: where a user waits.
+PAUSED_CHECKPOINT_LIMIT_US = 300.0
+LOADED_LIMIT = 1.0
 # (system, ratio key, limit, what the issue asks)
 FS_GOALS = (
     (bk.SHADOWFS_FUSE, "ratio_fuse_overlayfs", 1.0, "no slower than fuse-overlayfs"),
@@ -190,10 +196,47 @@ def _mcp_goal(rows: list[Row]) -> list[Verdict]:
                    "overhead_p50_us", MCP_LIMIT_US, "+{:,.0f} µs")]  # fmt: skip
 
 
+def _command_goal(rows: list[Row], case: str, system: str, limit_ms: float, goal: str) -> Verdict:
+    row = _find(rows, group=startup_bench.GROUP, case=case, system=system)
+    if row is None or "p50_us" not in row:
+        return Verdict(goal, "", None)
+    p50 = float(row["p50_us"]) / 1e3
+    shown = f"p50 {p50:,.0f} ms, fastest {float(row['min_us']) / 1e3:,.0f} ms, CPU {row['cpu_s']} s"
+    if row.get("ratio"):
+        shown += f", {float(row['ratio']):.1f}{TIMES} its anchor"
+    return Verdict(goal, shown, p50 <= limit_ms)
+
+
+def _wait_goals(rows: list[Row]) -> list[Verdict]:
+    """Issue 33: a booth's start, a replay, a checkpoint after a pause, FUSE on a busy machine."""
+    out = [
+        _command_goal(rows, startup_bench.BOOTH_CASE, startup_bench.BOOTH_SYSTEM,
+                      startup_bench.BOOTH_GOAL_MS, "`jukebox booth run --tree T -- true`: p50 ≤ "
+                      f"{startup_bench.BOOTH_GOAL_MS:.0f} ms"),
+        _command_goal(rows, startup_bench.REPLAY_CASE, startup_bench.REPLAY_SYSTEM,
+                      startup_bench.REPLAY_GOAL_MS, "`jukebox replay TAPE` (8 frames): p50 ≤ "
+                      f"{startup_bench.REPLAY_GOAL_MS:.0f} ms"),
+    ]  # fmt: skip
+    paused = _find(rows, group=booth_bench.GROUP, system=booth_bench.SYSTEM,
+                   case=booth_bench.checkpoint_case(10, booth_bench.PAUSE))  # fmt: skip
+    out.append(_limit(
+        f"10-file checkpoint {booth_bench.PAUSE} s after the step, in a booth: p50 ≤ 0.3 ms",
+        paused, "p50_us", PAUSED_CHECKPOINT_LIMIT_US, "p50 {:,.0f} µs",
+    ))  # fmt: skip
+    loaded = _find(rows, group=loaded_bench.GROUP, condition=loaded_bench.HOGGED,
+                   workload="geomean", system=bk.SHADOWFS_FUSE)  # fmt: skip
+    out.append(_limit(
+        "shadowfs-fuse with a busy loop per core: no slower than fuse-overlayfs",
+        loaded, "ratio_fuse_overlayfs", LOADED_LIMIT, "geometric mean {:.2f}" + TIMES,
+    ))  # fmt: skip
+    return out
+
+
 def judge(rows: Sequence[Row]) -> list[Verdict]:
     rows = list(rows)
     return [*_checkpoint_goals(rows), *_fs_goals(rows), *_memory_goal(rows),
-            *_isolation_goal(rows), *_proxy_goals(rows), *_mcp_goal(rows)]  # fmt: skip
+            *_isolation_goal(rows), *_proxy_goals(rows), *_mcp_goal(rows),
+            *_wait_goals(rows)]  # fmt: skip
 
 
 def render(verdicts: Sequence[Verdict]) -> str:
