@@ -6,7 +6,9 @@ The agent sees the transaction states PostgreSQL would show it (idle, in a block
 block); the upstream session is always inside the booth's one transaction. Mapping:
 
   agent BEGIN                  nothing upstream: the unit's savepoint jukebox_tx becomes the
-                               block's (every unit of work starts with SAVEPOINT jukebox_tx)
+                               block's (every unit of work outside an attached block starts
+                               with SAVEPOINT jukebox_tx; see jukebox.sql.session for blocks
+                               of several connections open at once)
   agent COMMIT                 RELEASE SAVEPOINT jukebox_tx (then a fresh one for what follows)
   agent ROLLBACK               ROLLBACK TO SAVEPOINT jukebox_tx
   error outside a block        the unit is rolled back to jukebox_tx, as the server would undo
@@ -81,6 +83,9 @@ class AgentConnection:
         self.state = "I"  # what the agent is told: I idle, T in a block, E failed block
         self.up: Upstream | None = None  # the upstream, while this connection holds it
         self.unit_failed = False
+        self.unit_wrote = False  # this unit ran (or will run) a statement that may write
+        self.attached = False  # this connection's block keeps its savepoint on the session
+        self.wrote = False  # this connection's block has written (it can no longer detach)
         self.skipping = False  # after an error in extended messages: drop them until Sync
         self.inflight = False  # forwarded extended messages whose replies are not read yet
         self.special: dict[str, st.Statement] = {}  # statements the proxy answers, by name
@@ -119,27 +124,80 @@ class AgentConnection:
     def up_name(self, name: str) -> str:
         return f"jb{self.number}_{name}" if name else ""
 
-    async def hold(self) -> Upstream:
-        """The upstream, held for this unit; its savepoint jukebox_tx is sent, not awaited."""
+    async def hold(self, write: bool = False) -> Upstream:
+        """The upstream, held for this unit (see jukebox.sql.session for when a unit that
+        writes waits); the unit's savepoint jukebox_tx is sent, not awaited."""
         if self.up is None:
-            up = await self.session.take(self)
-            up.send_own("SAVEPOINT jukebox_tx")
+            up = await self.session.take(self, write=write)
+            if not self.attached:  # an attached block's own savepoint covers its units
+                up.send_own("SAVEPOINT jukebox_tx")
             self.up = up
             self.unit_failed = False
+        elif write and not self.unit_wrote and self.session.attached not in (None, self):
+            # Started as a read nested in another connection's block: a write now would
+            # nest in that block, and the unit's messages are already with the server.
+            raise TurnTimeout(
+                "jukebox: a write came in the same round trip as reads while another "
+                "connection of this agent has a transaction open on the booth's database "
+                f"{self.session.name!r}; send the write after a Sync, or end that transaction"
+            )
+        if write:
+            self.unit_wrote = True
         return self.up
 
+    def detach(self, up: Upstream) -> None:
+        """Another connection needs the session: this idle block, which has only read, gives
+        up its savepoint (its reads need no undoing); its next unit takes a new one."""
+        up.send_own("RELEASE SAVEPOINT jukebox_tx")
+        self.attached = False
+
     async def end_unit(self) -> None:
-        """Outside a block the unit is over: keep or undo it, and let other connections in."""
-        if self.up is None or self.state != "I":
+        """The unit is over: outside a block it is kept or undone; a block keeps its
+        savepoint on the session while it has one of its own; other connections go on."""
+        if self.up is None:
             return
         up = self.up
-        if self.unit_failed or up.status == "E":
-            up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx")
+        if self.state == "I":
+            if self.unit_failed or up.status == "E":
+                up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx")
+            else:
+                up.send_own("RELEASE SAVEPOINT jukebox_tx")
+            self.wrote = False
+            if self.attached:
+                self.attached = False
+                self.session.set_attached(self, False)
+        elif self.state == "E" or up.status == "E":
+            return  # a failed block keeps the session until its ROLLBACK: nobody can use it
         else:
-            up.send_own("RELEASE SAVEPOINT jukebox_tx")
+            self.wrote = self.wrote or self.unit_wrote
+            if not self.attached:
+                if self.session.attached is None:  # the unit's savepoint becomes the block's
+                    self.attached = True
+                    self.session.set_attached(self, True)
+                else:  # read nested in another's block: nothing to keep
+                    up.send_own("RELEASE SAVEPOINT jukebox_tx")
         self.up = None
         self.unit_failed = False
+        self.unit_wrote = False
         self.session.give_back(self)
+
+    def writes(self, kind: bytes, body: bytes) -> bool:
+        """Whether an extended-query message may lead to a write: a Parse of a statement that
+        may write, and its Bind and Execute (so a unit takes its turn at its start)."""
+        if kind == b"P":
+            return not st.reads_only(st.split(m.decode_parse(body).query))
+        if kind == b"B":
+            name = m.decode_bind(body).statement
+            if name in self.special:
+                return False
+            return not st.reads_only(st.split(self.texts.get(name, "")))
+        if kind == b"E":
+            portal = m.decode_execute(body).portal
+            if portal in self.special_portals:
+                return False
+            run = self.portals.get(portal)
+            return not st.reads_only(st.split(run.text if run else ""))
+        return False
 
     def record(self, run: _Run, tag: str | None = None, failure: dict[str, str] | None = None,
                rows_changed: int = 0) -> None:
@@ -211,7 +269,8 @@ class AgentConnection:
 
     async def cleanup(self) -> None:
         """The agent went away: what it left open is undone, as a server would on disconnect."""
-        if (self.up is not None or self.named) and not self.session.finished:
+        if ((self.up is not None or self.named or self.attached or self.state != "I")
+                and not self.session.finished):
             try:
                 up = await self.hold()
                 if self.state != "I":
@@ -243,7 +302,7 @@ class AgentConnection:
             if self.skipping:
                 return
             try:
-                await self.hold()
+                await self.hold(self.writes(kind, body))
             except TurnTimeout as error:
                 self.send(m.error("55P03", str(error)))
                 self.skipping = True
@@ -266,7 +325,7 @@ class AgentConnection:
             self.send(m.ready(self.state))
             return
         try:
-            await self.hold()
+            await self.hold(not st.reads_only(stmts))
         except TurnTimeout as error:
             self.send(m.error("55P03", str(error)))
             self.send(m.ready(self.state))

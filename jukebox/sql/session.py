@@ -2,12 +2,19 @@
 in, the order they take turns in, and the booth's own savepoints.
 
 Design: one server session per database per booth, opened at the first connection, holding one
-transaction (BEGIN) until the verdict. Agent connections take turns on it: a connection holds
-the session from the first message of a unit of work (a simple query, or extended-query messages
-up to Sync) until it is back outside a transaction block, so an agent that writes on one
-connection and reads on another (a pool) always reads its own writes, exactly as if it had
-committed. A connection inside BEGIN … COMMIT keeps the session until its COMMIT: another
-connection that wants it meanwhile waits (see `TURN_TIMEOUT`).
+transaction (BEGIN) until the verdict. Agent connections take turns on it, a unit of work at a
+time (a simple query, or extended-query messages up to Sync: the *wire*), so an agent that
+writes on one connection and reads on another (a pool) always reads its own writes, exactly as
+if it had committed.
+
+Transaction blocks of several connections may be open at once. A block's savepoint (jukebox_tx)
+stays on the session between its units: the *attached* block, one at a time. Whoever needs the
+session while a block that has only read so far is attached and idle *detaches* it (RELEASE:
+its reads need no undoing); its next unit takes a fresh savepoint, which is then its rollback
+point, before its first write. A block that wrote cannot be detached: until its COMMIT or
+ROLLBACK, other connections' units that only read run nested inside it (and see its uncommitted
+rows), and a unit that writes waits for it (see `TURN_TIMEOUT`): its work would otherwise
+vanish with that block's rollback. A block in error keeps the wire until its ROLLBACK.
 
 Savepoints of the proxy's own (`jukebox_` names the agent may not use):
   jukebox_cp_N  the booth's checkpoint N (jukebox_cp_0 at the start), rolled back to by
@@ -46,8 +53,12 @@ class SqlSession:
         self.target = target
         self.application_name = application_name
         self.upstream: Upstream | None = None
-        self.turn = asyncio.Lock()
-        self.holder: Any = None  # the connection that holds the session now
+        self.wire = asyncio.Lock()
+        self.holder: Any = None  # who holds the wire now (a connection, or the booth's own step)
+        self.attached: Any = None  # the connection whose block's savepoint is on the session
+        # Set (and replaced) when the wire is given back or a block attached or ended: what a
+        # write waiting for another connection's block waits on.
+        self.changed = asyncio.Event()
         self.prepared: str | None = None  # the gid of PREPARE TRANSACTION, once done
         self.finished = False
         self.rows_changed = 0
@@ -72,31 +83,71 @@ class SqlSession:
                 self.upstream = upstream
             return self.upstream
 
-    async def take(self, holder: Any, timeout: float = TURN_TIMEOUT) -> Upstream:
+    def blocked_by(self, holder: Any) -> bool:
+        """Whether a block that wrote, of another connection, is attached (its writes would
+        nest in it); an idle block that only read is detached here first."""
+        other = self.attached
+        if other is None or other is holder:
+            return False
+        if not other.wrote and self.holder is None and self.upstream is not None:
+            other.detach(self.upstream)
+            self.attached = None
+            return False
+        return True
+
+    async def take(self, holder: Any, write: bool = True,
+                   timeout: float = TURN_TIMEOUT) -> Upstream:
+        """The wire, for one unit of `holder`; with `write`, also no other connection's
+        written block attached (waited for)."""
         if self.holder is holder:
             assert self.upstream is not None
             return self.upstream
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            await asyncio.wait_for(self.turn.acquire(), timeout)
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                if write and self.blocked_by(holder):
+                    await asyncio.wait_for(self.changed.wait(), left)
+                    continue
+                await asyncio.wait_for(self.wire.acquire(), max(0.001, deadline - loop.time()))
+                if write and self.blocked_by(holder):  # a block attached while we waited
+                    self.wire.release()
+                    continue
+                break
         except TimeoutError:
             raise TurnTimeout(
-                f"jukebox: another connection of this agent holds the booth's database session "
-                f"{self.name!r} in an open transaction (BEGIN without COMMIT) for over "
-                f"{timeout:g}s; all of a booth's connections share one session, so commit "
-                "that transaction first"
+                f"jukebox: another connection of this agent has an open transaction that "
+                f"wrote (BEGIN, a write, no COMMIT yet) on the booth's database {self.name!r} "
+                f"for over {timeout:g}s; all of a booth's connections share one session, so "
+                "a write waits for that transaction's COMMIT or ROLLBACK: end it first"
             ) from None
-        try:
-            upstream = await self.open()
-        except BaseException:
-            self.turn.release()
-            raise
         self.holder = holder
-        return upstream
+        try:
+            return await self.open()
+        except BaseException:
+            self.give_back(holder)
+            raise
 
     def give_back(self, holder: Any) -> None:
         if self.holder is holder:
             self.holder = None
-            self.turn.release()
+            self.wire.release()
+            self._notify()
+
+    def set_attached(self, holder: Any, attached: bool) -> None:
+        """`holder`'s block keeps its savepoint on the session, or no longer does."""
+        if attached:
+            self.attached = holder
+        elif self.attached is holder:
+            self.attached = None
+        self._notify()
+
+    def _notify(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
 
     # ------------------------------------------------------------------ the booth's own steps
 
@@ -104,7 +155,7 @@ class SqlSession:
         if self.upstream is None:  # nothing ran yet: nothing to save or undo
             return
         me = object()
-        await self.take(me, timeout)
+        await self.take(me, timeout=timeout)
         try:
             await self.upstream.query(sql)
         finally:

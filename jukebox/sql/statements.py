@@ -39,6 +39,11 @@ class Statement:
     refusal: str = ""  # why, for REFUSED
     code: str = ""  # its SQLSTATE
     savepoint: str | None = None  # the agent's savepoint name, for SAVEPOINT
+    # Reads only (a SELECT without FOR UPDATE, INTO or a writing WITH; SHOW; the transaction
+    # control the proxy answers itself): it may run while another connection's transaction
+    # block is open (jukebox.sql.session). A function that writes, called by a SELECT, is not
+    # seen: it counts as a read.
+    reads: bool = False
 
 
 def _refuse(text: str, what: str, why: str = "") -> Statement:
@@ -56,19 +61,33 @@ def _has_option(params: tuple | None, name: str) -> bool:
     return any(getattr(p, "defname", None) == name for p in params or ())
 
 
+_WRITES = (ast.InsertStmt, ast.UpdateStmt, ast.DeleteStmt, ast.MergeStmt)
+
+
+def _reads_only(node: object) -> bool:
+    if isinstance(node, ast.VariableShowStmt):
+        return True
+    if not isinstance(node, ast.SelectStmt) or node.lockingClause or node.intoClause:
+        return False
+    with_ = node.withClause
+    return not (with_ is not None and any(
+        isinstance(getattr(cte, "ctequery", None), _WRITES) for cte in with_.ctes or ()
+    ))
+
+
 def classify_node(text: str, node: object) -> Statement:
     if isinstance(node, ast.TransactionStmt):
         kind = node.kind
         if kind in (K.TRANS_STMT_BEGIN, K.TRANS_STMT_START):
-            return Statement(text, BEGIN)
+            return Statement(text, BEGIN, reads=True)
         if kind == K.TRANS_STMT_COMMIT:
             if node.chain:
                 return _refuse(text, "COMMIT AND CHAIN", "use COMMIT, then BEGIN")
-            return Statement(text, COMMIT)
+            return Statement(text, COMMIT, reads=True)
         if kind == K.TRANS_STMT_ROLLBACK:
             if node.chain:
                 return _refuse(text, "ROLLBACK AND CHAIN", "use ROLLBACK, then BEGIN")
-            return Statement(text, ROLLBACK)
+            return Statement(text, ROLLBACK, reads=True)
         if kind in (K.TRANS_STMT_SAVEPOINT, K.TRANS_STMT_RELEASE, K.TRANS_STMT_ROLLBACK_TO):
             name = node.savepoint_name or ""
             if name.lower().startswith(RESERVED_PREFIX):
@@ -110,7 +129,7 @@ def classify_node(text: str, node: object) -> Statement:
         return _refuse(text, "a subscription command")
     if isinstance(node, ast.DiscardStmt):
         return _refuse(text, "DISCARD", "the booth's session is shared by all its connections")
-    return Statement(text, PLAIN)
+    return Statement(text, PLAIN, reads=_reads_only(node))
 
 
 @functools.lru_cache(maxsize=2048)
@@ -141,3 +160,8 @@ def _split(query: str) -> list[Statement]:
         text = raw[start:end].decode("utf-8", "replace").strip()
         out.append(classify_node(text, stmt.stmt))
     return out
+
+
+def reads_only(stmts: tuple[Statement, ...] | list[Statement]) -> bool:
+    """Whether running `stmts` writes nothing (a refused statement runs nothing)."""
+    return all(s.reads or s.kind == REFUSED for s in stmts)

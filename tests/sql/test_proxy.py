@@ -125,23 +125,53 @@ def test_a_pool_reads_its_own_writes_across_connections(proxied: Proxied) -> Non
             a.execute("INSERT INTO t VALUES (10, 'from a')")
         assert b.execute("SELECT v FROM t WHERE id = 10").fetchone() == ("from a",)
         b.commit()
-        # While a holds the session in an open block, b waits for it and then goes on.
-        a.execute("INSERT INTO t VALUES (11, 'later')")
+        # Open blocks of both at once, as psycopg opens one before each first statement.
+        assert a.execute("SELECT count(*) FROM t").fetchone() == (3,)  # a's block: reads
+        assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)  # goes on at once
+        b.execute("INSERT INTO t VALUES (12, 'b, open')")  # b's block writes
+        # a reads inside b's open block, so it sees b's row (a server would not show it)
+        assert a.execute("SELECT count(*) FROM t").fetchone() == (4,)
+        # a write of a waits for b's block to end: a rollback of b must not take it along
         got: list[Any] = []
-        reader = threading.Thread(
-            target=lambda: got.append(b.execute("SELECT count(*) FROM t").fetchone())
+        writer = threading.Thread(
+            target=lambda: got.append(a.execute("INSERT INTO t VALUES (13, 'a')").rowcount)
         )
-        reader.start()
-        reader.join(0.3)
-        assert reader.is_alive() and not got
-        a.commit()
-        reader.join(30)
-        assert got == [(4,)]
+        writer.start()
+        writer.join(0.3)
+        assert writer.is_alive() and not got
+        b.rollback()
+        writer.join(30)
+        assert got == [1]
+        assert a.execute("SELECT string_agg(id::text, ',' ORDER BY id) FROM t").fetchone() == (
+            "1,2,10,13",)
+        a.rollback()  # undoes 13 alone
+        assert b.execute("SELECT string_agg(id::text, ',' ORDER BY id) FROM t").fetchone() == (
+            "1,2,10",)
         b.commit()
     finally:
         a.close()
         b.close()
 
+
+def test_concurrent_transactions_of_an_asyncpg_pool(proxied: Proxied) -> None:
+    import asyncpg
+
+    async def work(pool: Any, n: int) -> None:
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.fetch("SELECT * FROM t")
+            await asyncio.sleep(0.05)  # the other task's transaction opens meanwhile
+            await conn.execute("INSERT INTO t VALUES ($1, 'task')", n)
+            await asyncio.sleep(0.05)
+
+    async def main() -> list[int]:
+        pool = await asyncpg.create_pool(proxied.url, min_size=2, max_size=2)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(work(pool, n) for n in (20, 21, 22))), 60)
+            return [r[0] for r in await pool.fetch("SELECT id FROM t ORDER BY id")]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main()) == [1, 2, 20, 21, 22]
 
 REFUSED = [
     "CREATE DATABASE other",
