@@ -13,6 +13,15 @@ identities in ``base-tree-stats/<hash of the tree path>``, one record per regula
 
 A commit drops the records of the paths it touched (``forget_base_paths``). Anything unreadable
 is an empty cache: the next build reads every file.
+
+The directories' signatures (shadowfs.tree.DirSignatures) live in ``base-tree-dirs/<same
+name>``, one record per directory whose listing was not racily clean::
+
+    file    := magic "JBXDIRS1" tree:oid[32] dev:u64 record*     the build's tree and device
+    record  := path_len:u16 sig[16] tree:oid[32] path[path_len]     (big-endian)
+
+An unchanged directory is then taken whole, unread: a warm build of an unchanged tree is its
+stat walk, and the identities above are read only when some directory changed.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +43,9 @@ from shadowfs.privacy import make_private_dirs
 
 _STATS_MAGIC = b"JBXSTAT2"
 _RECORD = struct.Struct(">HQQq")
+_DIRS_MAGIC = b"JBXDIRS1"
+_DIRS_HEAD = struct.Struct(">32sQ")
+_DIR_RECORD = struct.Struct(">H16s32s")
 FileIdentity = tuple[int, int, int]
 
 
@@ -108,6 +120,71 @@ def _write_stats(
     _replace(_stats_path(tape_dir, tree_path), _STATS_MAGIC + bytes(tree) + records)
 
 
+class _Identities(Mapping[bytes, FileIdentity]):
+    """The identities recorded with a tree, read on first use: a build whose directories all
+    match their signatures never asks (100,000 records are a good part of a warm build)."""
+
+    def __init__(self, tape_dir: TapeDir, tree_path: str, tree: ObjectId) -> None:
+        self._args = (tape_dir, tree_path, tree)
+        self._loaded: dict[bytes, FileIdentity] | None = None
+
+    def load(self) -> dict[bytes, FileIdentity]:
+        if self._loaded is None:
+            self._loaded = _identities(*self._args)
+        return self._loaded
+
+    def __getitem__(self, path: bytes) -> FileIdentity:
+        return self.load()[path]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.load())
+
+    def __len__(self) -> int:
+        return len(self.load())
+
+
+def _dirs_path(tape_dir: TapeDir, tree_path: str) -> Path:
+    return tape_dir.state / "base-tree-dirs" / _stats_path(tape_dir, tree_path).name
+
+
+def _read_dirs(
+    tape_dir: TapeDir, tree_path: str, tree: ObjectId, dev: int
+) -> dict[bytes, tuple[bytes, ObjectId]]:
+    """The signatures recorded with ``tree`` on device ``dev``; none on any mismatch."""
+    try:
+        data = _dirs_path(tape_dir, tree_path).read_bytes()
+    except OSError:
+        return {}
+    at = len(_DIRS_MAGIC) + _DIRS_HEAD.size
+    if not data.startswith(_DIRS_MAGIC) or len(data) < at:
+        return {}
+    built_with, built_dev = _DIRS_HEAD.unpack_from(data, len(_DIRS_MAGIC))
+    if built_with != bytes(tree) or built_dev != dev:
+        return {}
+    out: dict[bytes, tuple[bytes, ObjectId]] = {}
+    unpack, size, end = _DIR_RECORD.unpack_from, _DIR_RECORD.size, len(data)
+    try:
+        while at < end:
+            n, sig, oid = unpack(data, at)
+            at += size + n
+            if at > end:
+                return {}
+            out[data[at - n : at]] = (sig, ObjectId(oid))
+    except struct.error:
+        return {}
+    return out
+
+
+def _write_dirs(
+    tape_dir: TapeDir, tree_path: str, tree: ObjectId, dev: int,
+    sigs: dict[bytes, tuple[bytes, ObjectId]],
+) -> None:  # fmt: skip
+    pack = _DIR_RECORD.pack
+    records = b"".join(pack(len(p), sig, bytes(oid)) + p for p, (sig, oid) in sigs.items())
+    head = _DIRS_MAGIC + _DIRS_HEAD.pack(bytes(tree), dev)
+    _replace(_dirs_path(tape_dir, tree_path), head + records)
+
+
 def build_base_tree(
     store: Any,
     tape_dir: TapeDir,
@@ -118,7 +195,7 @@ def build_base_tree(
     """The tree id of ``tree_path`` now, reusing the last build of the same path."""
     from jukebox.progress import step
     from shadowfs.errors import StoreError
-    from shadowfs.tree import build_tree
+    from shadowfs.tree import DirSignatures, build_tree
 
     known = _read(tape_dir)
     prev = known.get(tree_path)
@@ -128,13 +205,19 @@ def build_base_tree(
             previous = ObjectId.from_hex(prev["tree"])
             started = int(prev["started_ns"])
     began = time.time_ns()
+    try:
+        dev = os.stat(tree_path).st_dev
+    except OSError:
+        dev = -1  # build_tree says what is wrong with the path
     tree = None
     seen: dict[bytes, FileIdentity] = {}
-    trusted: dict[bytes, FileIdentity] = {}
+    trusted: _Identities | None = None
+    sigs = DirSignatures({}, began)
     with step("hashing the tree", "entries", done="hashed the tree") as tick:
         if previous is not None and started is not None and store.has(previous):
             # gc may have taken sub-trees of an unreferenced previous tree: then build afresh.
-            trusted = _identities(tape_dir, tree_path, previous)
+            trusted = _Identities(tape_dir, tree_path, previous)
+            sigs = DirSignatures(_read_dirs(tape_dir, tree_path, previous, dev), began)
             with contextlib.suppress(StoreError):
                 tree = build_tree(
                     store,
@@ -145,13 +228,21 @@ def build_base_tree(
                     progress=tick,
                     known=trusted,
                     seen=seen,
+                    signatures=sigs,
                 )
         if tree is None:
             seen.clear()
-            tree = build_tree(store, tree_path, exclude=exclude, seen=seen, progress=tick)
-    if tree != previous or seen != trusted:
+            trusted = None
+            sigs = DirSignatures({}, began)
+            tree = build_tree(
+                store, tree_path, exclude=exclude, seen=seen, progress=tick, signatures=sigs
+            )
+    unchanged = tree == previous and trusted is not None
+    if not (unchanged and sigs.rebuilt == 0) and not (unchanged and seen == trusted.load()):
         # An unchanged tree leaves the file as it is: 100,000 records are not worth rewriting.
         _write_stats(tape_dir, tree_path, tree, seen)
+    if sigs.new != sigs.old and dev >= 0:
+        _write_dirs(tape_dir, tree_path, tree, dev, sigs.new)
     known[tree_path] = {"tree": tree.hex(), "started_ns": began}
     _write(tape_dir, known)
     return tree

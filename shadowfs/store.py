@@ -541,6 +541,14 @@ class Store:
         with self._mutex:
             return oid in self._staged or oid in self._pending or self._idx().has(oid)
 
+    def present(self, oids: Iterable[ObjectId]) -> set[ObjectId]:
+        """Which of ``oids`` the store holds, in an index query per 500."""
+        with self._mutex:
+            wanted = list(dict.fromkeys(oids))
+            found = {o for o in wanted if o in self._staged or o in self._pending}
+            found.update(self._idx().present([o for o in wanted if o not in found]))
+            return found
+
     def _entry(self, oid: ObjectId) -> IndexEntry:
         with self._mutex:
             entry = self._locate(oid)

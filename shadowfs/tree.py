@@ -660,6 +660,42 @@ def reachable(
 # --- building from a directory ----------------------------------------------------------------
 
 
+Listed = list[tuple[bytes, os.DirEntry[str], os.stat_result]]
+
+
+@dataclass(eq=False)
+class DirSignatures:
+    """What a build with a stat cache of directories reads and leaves (`build_tree`'s
+    ``signatures``): by directory path relative to the root, a digest of the directory's listing
+    (each entry's name, inode, size, mtime, ctime, mode, link count and rdev, in the order the
+    directory lists them) and the tree id built for it.
+
+    A directory whose listing digests to its ``old`` signature, and whose sub-directories all
+    come out as the trees recorded with theirs, *is* that tree: it is neither decoded, compared
+    entry by entry nor stored again. A content write moves a file's ctime, which no writer can
+    set back; a rename or an added entry changes the listing. ``new`` receives the signature of
+    every directory built, but only of those all of whose entries are older than
+    ``started_ns - RACY_NS`` (``started_ns``: this build's start, the reference of the next one;
+    see `build_tree` on racily clean files). ``old`` must come from one build of the same
+    directory, on the same file system (its device), and be kept as a whole."""
+
+    old: Mapping[bytes, tuple[bytes, ObjectId]]
+    started_ns: int
+    new: dict[bytes, tuple[bytes, ObjectId]] = field(default_factory=dict)
+    reused: int = 0  # directories taken from ``old`` as they were
+    rebuilt: int = 0  # directories built entry by entry
+
+
+def _listing_digest(listed: Listed) -> bytes:
+    # repr of ints and bytes is the same in every process (hash() is salted per process).
+    rows = [
+        (n, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_nlink,
+         st.st_rdev)
+        for n, _, st in listed
+    ]  # fmt: skip
+    return blake3(repr(rows).encode()).digest(length=16)
+
+
 def build_tree(
     store: TreeStore,
     path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
@@ -671,6 +707,7 @@ def build_tree(
     known: Mapping[bytes, FileIdentity] | None = None,
     seen: dict[bytes, FileIdentity] | None = None,
     progress: Progress | None = None,
+    signatures: DirSignatures | None = None,
 ) -> ObjectId:
     """Store the directory at ``path`` and everything beneath it; return the root tree id.
 
@@ -697,6 +734,11 @@ def build_tree(
     for state that lives inside a tree but is not part of it (a tape dir inside a project).
 
     ``progress(entries_scanned, None)`` is told of every entry as the scan reaches it.
+
+    ``signatures`` (see DirSignatures) takes unchanged directories whole from the last build
+    with them: a warm build of a big tree costs its stat walk. The previous trees are then read
+    only for directories that changed. When no directory changed (``signatures.rebuilt == 0``),
+    ``seen`` is left empty: the identities are those of the build the signatures come from.
     """
     root = os.fsencode(path)
     ref = previous_started_ns if previous_started_ns is not None else time.time_ns()
@@ -707,23 +749,46 @@ def build_tree(
             f"cannot read directory {os.fsdecode(root)!r} ({exc.strerror}); "
             "pass an existing, readable directory"
         ) from None
-    if previous is not None:
+    if previous is not None or signatures is not None:
         # Unchanged directories keep the previous tree's objects without putting them again:
         # hold the store as a writer from before reading them, so gc cannot remove them.
         hold = getattr(store, "hold_shared", None)
         if hold is not None:
             hold()
+    if signatures is not None and signatures.old:
+        # A signature is trusted only with its tree still stored (gc takes unreferenced ones).
+        oids = {oid for _, oid in signatures.old.values()}
+        present = getattr(store, "present", None)
+        kept = present(oids) if present is not None else {o for o in oids if _has(store, o)}
+        if len(kept) != len(oids):
+            signatures.old = {r: v for r, v in signatures.old.items() if v[1] in kept}
     try:
         builder = _Builder(root, store, ref - RACY_NS, on_skip, exclude, known, seen, progress)
-        return builder.build(fd, b"", previous, 0)
+        builder.sigs = signatures
+        oid = builder.build(fd, b"", previous, 0)
     finally:
         os.close(fd)
+    if signatures is not None and signatures.rebuilt and seen is not None:
+        for rel, listed in builder.reused:
+            for name, _, st in listed:
+                if stat.S_ISREG(st.st_mode):
+                    seen[_join(rel, name)] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+    return oid
+
+
+def _has(store: TreeStore, oid: ObjectId) -> bool:
+    try:
+        store.get(oid)
+    except Exception:  # any store's "missing": the signature is not trusted
+        return False
+    return True
 
 
 class _Builder:
     __slots__ = (
-        "cutoff", "exclude", "known", "on_skip", "progress", "root", "scanned", "seen", "store"
-    )
+        "cutoff", "exclude", "known", "on_skip", "progress", "reused", "root", "scanned", "seen",
+        "sigs", "store",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -745,6 +810,9 @@ class _Builder:
         self.exclude = exclude
         self.known = known
         self.seen = seen
+        self.sigs: DirSignatures | None = None
+        # Directories taken whole from their signatures, with their entries' stats.
+        self.reused: list[tuple[bytes, Listed]] = []
 
     def skip(self, rel: bytes, reason: str) -> None:
         if self.on_skip is not None:
@@ -758,6 +826,8 @@ class _Builder:
                 f"(at {shown!r}), more than a tree records: flatten it, or pick a directory "
                 "inside it"
             )
+        if self.sigs is not None:
+            return self.build_signed(dfd, rel, previous, depth, self.sigs)
         prev = _entries(self.store, previous) if previous is not None else None
         entries: list[Entry] = []
         subs = [e.oid for e in prev.values() if e.kind == DIR] if prev is not None else []
@@ -792,6 +862,93 @@ class _Builder:
         data = pack_entries(entries)
         oid = self.store.put("tree", data)
         remember(oid, {e.name: e for e in entries}, packed=data)
+        return oid
+
+    def build_signed(
+        self, dfd: int, rel: bytes, previous: ObjectId | None, depth: int, sigs: DirSignatures
+    ) -> ObjectId:
+        """`build` with a stat cache of directories (see DirSignatures)."""
+        listed: Listed = []
+        add = listed.append
+        exclude = self.exclude
+        prefix = rel + b"/" if rel else b""
+        with os.scandir(dfd) as it:
+            for de in it:
+                name = de.name.encode(_FS_ENCODING, _FS_ERRORS)
+                if exclude is not None and exclude(prefix + name):
+                    continue
+                try:
+                    add((name, de, de.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    self.skip(prefix + name, "vanished during the scan")
+        if self.progress is not None:  # once a directory: a call per entry shows in profiles
+            self.scanned += len(listed)
+            self.progress(self.scanned, None)
+        sig = _listing_digest(listed)
+        old = sigs.old.get(rel)
+        same = old is not None and old[0] == sig
+        prev: dict[bytes, Entry] | None = None
+        subs: dict[bytes, ObjectId] = {}
+        for name, _, st in listed:
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            sub_rel = _join(rel, name)
+            sub_old = sigs.old.get(sub_rel)
+            if sub_old is not None:
+                sub_prev: ObjectId | None = sub_old[1]
+            else:
+                if prev is None and previous is not None:
+                    prev = _entries(self.store, previous)
+                e = prev.get(name) if prev is not None else None
+                sub_prev = e.oid if e is not None and e.kind == DIR else None
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            except FileNotFoundError:
+                self.skip(sub_rel, "vanished during the scan")
+                same = False
+                continue
+            try:
+                subs[name] = oid = self.build(sub, sub_rel, sub_prev, depth + 1)
+            finally:
+                os.close(sub)
+            same = same and sub_old is not None and sub_old[1] == oid
+        if same:
+            assert old is not None
+            sigs.reused += 1
+            sigs.new[rel] = old
+            self.reused.append((rel, listed))
+            return old[1]
+        sigs.rebuilt += 1
+        if prev is None and previous is not None:
+            prev = _entries(self.store, previous)
+        entries: list[Entry] = []
+        for name, de, st in listed:
+            if stat.S_ISDIR(st.st_mode):
+                if name in subs:
+                    entries.append(stat_entry(name, DIR, st, subs[name]))
+                continue
+            try:
+                e = self.entry(dfd, name, de, rel, prev, depth)
+            except FileNotFoundError:
+                self.skip(_join(rel, name), "vanished during the scan")
+                continue
+            if e is not None:
+                entries.append(e)
+        entries.sort(key=attrgetter("name"))
+        if (
+            prev is not None
+            and len(entries) == len(prev)
+            and all(e is p or e == p for e, p in zip(entries, prev.values(), strict=True))
+        ):
+            oid = previous
+        else:
+            data = pack_entries(entries)
+            oid = self.store.put("tree", data)
+            remember(oid, {e.name: e for e in entries}, packed=data)
+        assert oid is not None
+        cutoff = sigs.started_ns - RACY_NS
+        if all(st.st_mtime_ns < cutoff and st.st_ctime_ns < cutoff for _, _, st in listed):
+            sigs.new[rel] = (sig, oid)
         return oid
 
     def entry(
