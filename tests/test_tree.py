@@ -647,6 +647,99 @@ def test_previous_not_trusted_for_racy_or_chmod_files(tmp_path: Path, store: Cou
     assert lookup(store, third, b"chmod") == chmod and b"cccc" not in reads
 
 
+def _signed_src(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    for d in ("a", "a/deep", "b"):
+        (src / d).mkdir(parents=True)
+    for rel in ("a/f", "a/deep/g", "b/h", "top"):
+        (src / rel).write_bytes(b"original " + rel.encode())
+    os.symlink("top", src / "link")
+    settle(src)
+    return src
+
+
+def _later() -> int:
+    # As if the build had started 10 s from now: everything here is then older than it.
+    return time.time_ns() + 5 * tree.RACY_NS
+
+
+def test_signatures_take_unchanged_directories_whole(tmp_path: Path, store: CountingStore) -> None:
+    src = _signed_src(tmp_path)
+    first_sigs = tree.DirSignatures({}, _later())
+    first = build_tree(store, src, signatures=first_sigs)
+    assert set(first_sigs.new) == {b"", b"a", b"a/deep", b"b"}
+    assert first_sigs.rebuilt == 4 and first_sigs.reused == 0
+    store.flush()
+    tree.clear_cache()
+    store.gets.clear()
+    reads = _count_file_reads(store)
+    sigs = tree.DirSignatures(first_sigs.new, _later())
+    seen: dict[bytes, tree.FileIdentity] = {}
+    assert build_tree(store, src, previous=first, signatures=sigs, seen=seen) == first
+    # Not a tree decoded, not a file read; the identities stand as the signing build left them.
+    assert (sigs.reused, sigs.rebuilt) == (4, 0)
+    assert store.gets == [] and reads == [] and seen == {}
+    assert sigs.new == first_sigs.new
+
+
+def test_a_rewrite_with_its_mtime_put_back_breaks_the_signature(
+    tmp_path: Path, store: CountingStore
+) -> None:
+    src = _signed_src(tmp_path)
+    first_sigs = tree.DirSignatures({}, _later())
+    first = build_tree(store, src, signatures=first_sigs)
+    target = src / "a" / "deep" / "g"
+    st = os.stat(target)
+    target.write_bytes(b"ORIGINAL a/deep/g")  # same size
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    sigs = tree.DirSignatures(first_sigs.new, _later())
+    seen: dict[bytes, tree.FileIdentity] = {}
+    second = build_tree(store, src, previous=first, signatures=sigs, seen=seen)
+    g = lookup(store, second, b"a/deep/g")
+    assert g is not None and g.oid == hash_object("blob", b"ORIGINAL a/deep/g")
+    # Its directory and those above it are built again; the others are taken whole.
+    assert (sigs.rebuilt, sigs.reused) == (3, 1)
+    assert lookup(store, second, b"b") == lookup(store, first, b"b")
+    # Something changed: the identities of every file, reused ones too, for the next build.
+    assert set(seen) == {b"a/f", b"a/deep/g", b"b/h", b"top"}
+
+
+def test_a_directory_swapped_for_an_equal_copy_is_read(
+    tmp_path: Path, store: CountingStore
+) -> None:
+    src = _signed_src(tmp_path)
+    first_sigs = tree.DirSignatures({}, _later())
+    first = build_tree(store, src, signatures=first_sigs)
+    copy = tmp_path / "copy"
+    (copy / "b").mkdir(parents=True)
+    (copy / "b" / "h").write_bytes(b"ORIGINAL b/h")
+    os.utime(copy / "b" / "h", ns=(OLD_NS, OLD_NS))
+    os.utime(copy / "b", ns=(OLD_NS, OLD_NS))
+    os.rename(src / "b", tmp_path / "old-b")
+    os.rename(copy / "b", src / "b")
+    sigs = tree.DirSignatures(first_sigs.new, _later())
+    second = build_tree(store, src, previous=first, signatures=sigs)
+    h = lookup(store, second, b"b/h")
+    assert h is not None and h.oid == hash_object("blob", b"ORIGINAL b/h")
+
+
+def test_racy_directories_are_not_signed_and_gone_trees_not_trusted(
+    tmp_path: Path, store: CountingStore
+) -> None:
+    src = _signed_src(tmp_path)
+    # Written (ctime) within RACY_NS of the build's start: each could still change unseen.
+    racy = tree.DirSignatures({}, time.time_ns())
+    build_tree(store, src, signatures=racy)
+    assert racy.new == {}
+    sigs = tree.DirSignatures({}, _later())
+    first = build_tree(store, src, signatures=sigs)
+    # A signature naming a tree the store no longer holds is ignored: the directory is built.
+    bogus = {rel: (sig, hash_object("tree", b"gone " + rel)) for rel, (sig, _) in sigs.new.items()}
+    again = tree.DirSignatures(bogus, _later())
+    assert build_tree(store, src, previous=first, signatures=again) == first
+    assert again.reused == 0 and again.rebuilt == 4
+
+
 # --- diff -------------------------------------------------------------------------------------
 
 

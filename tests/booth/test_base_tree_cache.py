@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,31 @@ def test_next_booth_records_a_rewrite_whose_mtime_was_put_back(tmp_path: Path) -
         entry = tree.lookup(store, base, b"config.txt")
         assert entry is not None and entry.oid is not None
         assert store.read_bytes(entry.oid) == b"EVIL"
+
+
+def test_directory_signatures_spare_the_identities_until_something_changes(
+    tmp_path: Path,
+) -> None:
+    from jukebox.basetree import build_base_tree
+
+    src, tapes = tmp_path / "tree", TapeDir(tmp_path / "tapes")
+    for d in ("a", "b"):
+        (src / d).mkdir(parents=True)
+        (src / d / "f").write_bytes(b"old " + d.encode())
+    time.sleep(tree.RACY_NS / 1e9 + 0.2)  # past the racy window: the first build signs them
+    with Store.open(tapes.store_path, create=True) as store:
+        first = build_base_tree(store, tapes, str(src))
+        dirs = list((tapes.state / "base-tree-dirs").iterdir())
+        stats = next((tapes.state / "base-tree-stats").iterdir())
+        assert len(dirs) == 1
+        stamp = stats.stat().st_mtime_ns
+        assert build_base_tree(store, tapes, str(src)) == first
+        assert stats.stat().st_mtime_ns == stamp  # not read, not rewritten
+        # A same-size rewrite with its mtime put back: b is built again and its file read.
+        target = src / "b" / "f"
+        subprocess.run([sys.executable, "-c", REWRITE, str(target)], check=True)
+        third = build_base_tree(store, tapes, str(src))
+        entry = tree.lookup(store, third, b"b/f")
+        assert entry is not None and entry.oid is not None
+        assert store.read_bytes(entry.oid) == b"EVILb"
+        assert tree.lookup(store, third, b"a") == tree.lookup(store, first, b"a")
