@@ -13,7 +13,9 @@ Cases: `SELECT 1` (simple query), a primary-key lookup with a parameter (extende
 Parse/Bind/Execute/Sync), and an INSERT of one row. Then pgbench's default (TPC-B-like)
 workload, one client, `-M simple` and `-M extended`, direct and through the proxy: transactions
 per second and the mean latency of one transaction (seven statements in BEGIN … END, so the
-agent's transactions as savepoints). `cpu_us` is the CPU this process spent per
+agent's transactions as savepoints). Last, the same transaction from psycopg taking turns direct,
+direct as savepoints inside one long transaction (what the booth's design costs on the server,
+without the proxy) and through the proxy. `cpu_us` is the CPU this process spent per
 statement (client and proxy; `overhead_cpu_us` the proxy's share), which a busy machine
 inflates far less than wall time.
 """
@@ -31,6 +33,8 @@ from bench.harness import overhead_rows
 GROUP = "sql proxy"
 DIRECT = "direct"
 PROXY = "proxy, recording"
+DIRECT_ONE_TX = "direct, one transaction of savepoints"
+TPCB = "TPC-B-like transaction (7 statements), psycopg"
 SIMPLE = "SELECT 1, simple query"
 LOOKUP = "primary-key lookup, extended query"
 INSERT = "INSERT one row, autocommit"
@@ -83,6 +87,52 @@ def _pgbench(cluster: Any, port: int, seconds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _tpcb(conn: Any, i: int, wrap: tuple[str, str]) -> None:
+    """pgbench's default transaction, its random values seeded by `i`."""
+    import random
+
+    rnd = random.Random(i)
+    aid, tid, delta = rnd.randint(1, 100_000), rnd.randint(1, 10), rnd.randint(-5000, 5000)
+    conn.execute(wrap[0])
+    conn.execute("UPDATE pgbench_accounts SET abalance = abalance + %s WHERE aid = %s",
+                 (delta, aid))
+    conn.execute("SELECT abalance FROM pgbench_accounts WHERE aid = %s", (aid,)).fetchone()
+    conn.execute("UPDATE pgbench_tellers SET tbalance = tbalance + %s WHERE tid = %s",
+                 (delta, tid))
+    conn.execute("UPDATE pgbench_branches SET bbalance = bbalance + %s WHERE bid = 1", (delta,))
+    conn.execute("INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) "
+                 "VALUES (%s, 1, %s, %s, CURRENT_TIMESTAMP)", (tid, aid, delta))
+    conn.execute(wrap[1])
+
+
+def _tpcb_rows(cluster: Any, proxied: Any, n: int) -> list[dict[str, Any]]:
+    """The TPC-B-like transaction taking turns direct, direct inside one long transaction as
+    savepoints (what the booth's one transaction makes of it on the server, without the
+    proxy), and through the proxy: the first gap is the design's, the second the proxy's.
+    The direct ones on databases of their own, since the booth's transaction keeps its rows
+    locked."""
+    import subprocess
+
+    import psycopg
+
+    for db in ("tb_direct", "tb_onetx"):
+        cluster.psql(f"CREATE DATABASE {db}")
+        subprocess.run([str(cluster.bin / "pgbench"), "-i", "-q", "-s", "1", cluster.url(db)],
+                       check=True, capture_output=True)
+    direct = psycopg.connect(cluster.url("tb_direct"), autocommit=True)
+    one_tx = psycopg.connect(cluster.url("tb_onetx"), autocommit=True)
+    try:
+        one_tx.execute("BEGIN")
+        systems = [(DIRECT, (direct, ("BEGIN", "COMMIT"))),
+                   (DIRECT_ONE_TX, (one_tx, ("SAVEPOINT s", "RELEASE SAVEPOINT s"))),
+                   (PROXY, (proxied, ("BEGIN", "COMMIT")))]
+        measured = _take_turns(systems, lambda s, i: _tpcb(s[0], i, s[1]), n)
+    finally:
+        direct.close()
+        one_tx.close()
+    return overhead_rows(GROUP, TPCB, measured)
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     import psycopg
 
@@ -128,6 +178,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 ):
                     rows += overhead_rows(GROUP, case, _take_turns(systems, statement, n))
                 rows += _pgbench(cluster, port, 3 if quick else 15)
+                # After pgbench: the proxy's transactions keep pgbench's rows locked.
+                rows += _tpcb_rows(cluster, proxied, 100 if quick else 1000)
             finally:
                 direct.close()
                 proxied.close()

@@ -819,6 +819,12 @@ def commit_booth(
             from jukebox.sql import ledger
 
             sql = ledger.read(tape_dir, booth_id)
+            if sql is not None and sql.get("state") == ledger.DIRECT:
+                # Its supervisor stopped during its commit: the files are here, the database
+                # work is gone with the server session.
+                _alert(ledger.lost_message(booth_id, sql, "its files are committed now, but"))
+                ledger.remove(tape_dir, booth_id)
+                sql = None
             if sql is not None and (at is not None or only):
                 raise CheckFailed(
                     f"booth {booth_id} not committed: its database work is one prepared "
@@ -1975,7 +1981,13 @@ def _databases_before(
             dbs.end("ROLLBACK")
         return decision, reason, code
     if decision == "commit" and not dbs.can_prepare:
-        return decision, reason, code  # COMMIT after the files (jukebox.sql.booth_link)
+        # COMMIT after the files; the ledger lets the next command say so should the
+        # supervisor stop in between (see jukebox.sql.ledger, `direct`).
+        used = dbs.used()
+        if used:
+            ledger.write(tapes, booth_id, [{"name": n, "url": dbs.urls[n]} for n in used],
+                         ledger.DIRECT)
+        return decision, reason, code
     try:
         dbs.prepare(tapes, booth_id, ledger.COMMITTING if decision == "commit" else
                     ledger.PREPARED)
@@ -1997,7 +2009,9 @@ def _databases_after(
     transactions wait for `booth commit` or `booth discard` (jukebox.sql.ledger)."""
     from jukebox.sql import ledger
 
-    prepared = ledger.read(tapes, booth_id) is not None
+    data = ledger.read(tapes, booth_id)
+    direct = data is not None and data.get("state") == ledger.DIRECT
+    prepared = data is not None and not direct
     try:
         if decision == "done":
             if prepared:
@@ -2016,6 +2030,8 @@ def _databases_after(
     except Exception as error:
         _alert(str(error))
     finally:
+        if direct:
+            ledger.remove(tapes, booth_id)
         dbs.close()
 
 

@@ -320,3 +320,23 @@ with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
     assert trips and trips[0]["rule"] == "sql_lock_held"
     assert "more than --max-sql-lock-seconds 1" in trips[0]["detail"]
     assert pg.psql("SELECT v FROM t WHERE id = 1", db=db) == "other"
+
+
+def test_a_commit_without_prepared_transactions_stopped_midway_is_reported(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    """A server with max_prepared_transactions = 0: the files' commit, then COMMIT. What a
+    supervisor stopped between the two leaves (its ledger `direct`, the booth's record gone):
+    nothing to finish, since the server rolled the session's work back, so the next command
+    says the database work was lost, once."""
+    ledger = tmp_path / "tapes" / ".jukebox" / "sql" / "direct.json"
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    ledger.write_text(json.dumps({"booth": "direct", "state": "direct", "databases": [
+        {"name": "main", "url": pg.url(db, SCRAM_USER, SCRAM_PASSWORD)}]}))
+    first = cli(tmp_path, "booth", "ls")
+    assert first.returncode == 0, first.stderr
+    assert "booth direct: its files were committed, but its database work on main" in first.stderr
+    assert "max_prepared_transactions > 0" in first.stderr
+    assert SCRAM_PASSWORD not in first.stderr
+    assert not ledger.exists()
+    assert "direct" not in cli(tmp_path, "booth", "ls").stderr
