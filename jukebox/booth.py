@@ -2109,6 +2109,8 @@ def _supervise(
 
         if term is not None:
             term.start(on_interrupt=lambda: on_interrupt(lambda: None))  # the pty sent it
+            if run.mcp is not None:  # an MCP call to ask about: asked on this terminal too
+                run.mcp.ask_terminal = term.ask
         ok = child.wait_started()
         run.writer.append("note", {"event": "agent_started", "pid": child.pid, "ok": ok})
         next_auto = time.monotonic() + checkpoint_every if checkpoint_every else None

@@ -24,7 +24,10 @@ The relay, a thread of the supervisor:
   signals the supervisor is asked to pass on through the pty (`send_signal`: TIOCSIG), so they
   too reach the agent's foreground job as terminal signals;
 * when the agent is gone, drains what it wrote, then closes the pty: nothing inside the booth
-  can write to a terminal while the booth asks its question.
+  can write to a terminal while the booth asks its question;
+* asks the operator a question while the agent runs (`ask`: an MCP tool call the policy says to
+  ask about): the keys typed from then until Enter are the answer, echoed by the relay and never
+  passed to the agent.
 """
 
 from __future__ import annotations
@@ -113,6 +116,10 @@ class AgentTerminal:
         self._on_interrupt: Callable[[], None] = lambda: None
         # Sees everything the agent prints on its terminal (jukebox.view_denials keeps a tail).
         self.on_output: Callable[[bytes], None] | None = None
+        # A question being asked (`ask`): [text, shown yet, the line typed so far, done event].
+        self._question: list | None = None
+        self._answer: str | None = None
+        self._ask_lock = threading.Lock()
 
     @classmethod
     def for_caller(cls) -> AgentTerminal | None:
@@ -162,9 +169,57 @@ class AgentTerminal:
         sys.stderr.write(f"jukebox: {message}{end}")
         sys.stderr.flush()
 
+    def ask(self, question: str, wait: float) -> str | None:
+        """Asks the operator `question` on their terminal while the agent runs; the line they
+        type (Ctrl-C: an empty one), or None when there is no one to ask here (stdin is no
+        terminal, or not the booth's to read) or nobody answered within `wait` seconds. One
+        question at a time; the keys typed meanwhile go to the answer, not to the agent."""
+        if not self.interactive or self._thread is None or self._stopping:
+            return None
+        with self._ask_lock:
+            done = threading.Event()
+            self._answer = None
+            self._question = [question, False, b"", done]
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+            answered = done.wait(wait)
+            self._question = None
+            if not answered:
+                self._say(b"\r\n(no answer in time)\r\n")
+            return self._answer if answered else None
+
+    def _say(self, data: bytes) -> None:
+        fd = self._out if self._out is not None else 2
+        with contextlib.suppress(OSError):
+            os.write(fd, data)
+
+    def _answering(self, typed: bytes) -> None:
+        """Keys typed while a question is asked: echoed, edited, ended by Enter."""
+        question = self._question
+        if question is None:
+            return
+        for byte in typed:
+            key = bytes([byte])
+            if key in (b"\r", b"\n", b"\x03"):
+                line = b"" if key == b"\x03" else question[2]
+                self._answer = line.decode(errors="replace").strip()
+                self._say(b"\r\n")
+                question[3].set()
+                return
+            if key in (b"\x7f", b"\x08"):
+                if question[2]:
+                    question[2] = question[2][:-1]
+                    self._say(b"\x08 \x08")
+            elif byte >= 0x20:
+                question[2] += key
+                self._say(key)
+
     def close(self, *, drain: bool) -> None:
         """Ends the relay (after draining the agent's last output when `drain`), closes the pty
         and gives the operator's terminal its settings back."""
+        question = self._question
+        if question is not None:  # the agent is gone: nobody waits for the answer any more
+            question[3].set()
         try:
             if self._thread is not None:
                 self._draining = drain
@@ -204,6 +259,10 @@ class AgentTerminal:
             if self._wake_r in readable:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 64)
+                question = self._question
+                if question is not None and not question[1]:
+                    question[1] = True
+                    self._say(b"\r\njukebox: " + question[0].encode(errors="replace") + b" ")
                 continue  # look at the flags again
             if not readable and not writable:
                 if self._draining:
@@ -234,6 +293,8 @@ class AgentTerminal:
                     typed = b""
                 if not typed:  # the operator's terminal went away
                     reading = False
+                elif self._question is not None:
+                    self._answering(typed)
                 else:
                     self._count_interrupts(typed)
                     pending += typed

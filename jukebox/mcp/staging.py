@@ -25,6 +25,8 @@ from jukebox.mcp.record import FRAME_KINDS, MAX_BLOB, NOTE_EVENTS, blob_ref, wir
 from jukebox.mcp.servers import ServerSpec
 
 MAX_STAGED = 10_000
+# How long a question waits on the terminal (the gateway's --ask-timeout is 300 s by default).
+ASK_WAIT = 300.0
 # Pieces of big results held until their frame comes (jukebox.mcp.record.BoothSink._fit).
 MAX_BLOBS = 8
 MAX_BLOB_HELD = 2 * MAX_BLOB
@@ -75,6 +77,9 @@ class StageGate:
         # booth whose supervisor died still has them for `booth commit`.
         self.on_change: Callable[[list[StagedCall]], None] | None = None
         self.answer_of: Callable[[str], str | None] | None = None
+        # ask_terminal(question, wait): the line the operator typed on the booth's terminal, or
+        # None (no terminal, no answer in time); jukebox.terminal.AgentTerminal.ask.
+        self.ask_terminal: Callable[[str, float], str | None] | None = None
         self._next_ask = 1
         # A replay or fork: the recorded answers (jukebox.mcp.booth_replay.ToolReplay).
         self.replay: Any = None
@@ -207,7 +212,29 @@ class StageGate:
                              "args": args})  # fmt: skip
         if self.tell is not None:
             self.tell(ask_id, f"{server}/{tool}")
+        if self.ask_terminal is not None:
+            threading.Thread(target=self._ask_on_terminal, args=(ask_id, f"{server}/{tool}"),
+                             name="jukebox-mcp-ask", daemon=True).start()  # fmt: skip
         return {"id": ask_id}
+
+    def _ask_on_terminal(self, ask_id: str, what: str) -> None:
+        """The same question on the booth's terminal; the first answer, from here or from
+        `jukebox booth approve`, is the one taken."""
+        assert self.ask_terminal is not None
+        from jukebox.names import printable
+
+        line = self.ask_terminal(
+            printable(f"the agent asks to call {what} ({ask_id}): allow it? [y/N]"), ASK_WAIT
+        )
+        if line is None:
+            return  # nobody here to ask, or no answer: `booth approve` may still answer
+        answer = "approve" if line.lower() in ("y", "yes") else "deny"
+        with self._lock:
+            if self.asks.get(ask_id) is not None:
+                return
+            self.asks[ask_id] = answer
+        self.record("note", {"event": "mcp_answer", "id": ask_id, "answer": answer,
+                             "by": "terminal"})  # fmt: skip
 
     def handle_ask_status(self, request: dict[str, Any]) -> dict[str, Any]:
         ask_id = request.get("id")

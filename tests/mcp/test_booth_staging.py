@@ -192,3 +192,23 @@ def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> 
     (dropped,) = payloads(s["tapes"] / "d1.jbx", "note", "mcp_dropped")
     assert dropped["ids"] == ["stage-1"]
 
+
+
+def test_an_ask_answered_on_the_booths_terminal(setup: dict) -> None:
+    from tests.on_terminal import plain, run_on_terminal
+
+    s = setup
+    status, screen = run_on_terminal(
+        [JUKEBOX, "booth", "run", "--tree", str(s["tree"]), "--tape-dir", str(s["tapes"]),
+         "--tape-id", "t1", "--mcp-config", str(s["config"]), "--", sys.executable, AGENT,
+         "ask", "add_observations", "observe", "nobody"],
+        env=dict(os.environ), cwd=s["tree"], timeout=120,
+        answer=(b"(ask-1): allow it? [y/N]", "y"),
+    )  # fmt: skip
+    text = plain(screen)
+    assert status == 0, text
+    assert "the agent asks to call memory/add_observations (ask-1): allow it? [y/N] y" in text
+    (observe,) = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert "jukebox refused" not in observe["text"]  # forwarded: the server's own answer
+    (answer,) = payloads(s["tapes"] / "t1.jbx", "note", "mcp_answer")
+    assert answer["answer"] == "approve" and answer["by"] == "terminal"
