@@ -1178,7 +1178,8 @@ def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any
             return str(run.mcp.stage_declared(server, tool, args, len(run.checkpoints) - 1)["id"])
 
     gateways = HttpGateways({n: s.url for n, s in servers.items()}, run.mcp,
-                            Policy("staged_acid"), stage, lambda p: scrub(p, scrubber))  # fmt: skip
+                            Policy("staged_acid"), stage, lambda p: scrub(p, scrubber),
+                            replay=run.mcp.replay)  # fmt: skip
     return gateways.start(listener)
 
 

@@ -88,6 +88,11 @@ class Recorded:
             servers[name] = {"command": command[0], "args": command[1:], "env": env}
         return {"mcpServers": servers}
 
+    def mcp_upstreams(self) -> dict[str, str] | None:
+        """The streamable-HTTP servers of the run (--mcp-upstream), for the new booth."""
+        urls = {n: str(d["url"]) for n, d in self.mcp_servers.items() if d.get("url")}
+        return urls or None
+
 
 @dataclass
 class ImageChoice:
@@ -455,6 +460,7 @@ def _run_watched(
                 llm=llm,
                 mcp_config=mcp_config,
                 mcp_replay=mcp_replay,
+                mcp_upstreams=run.mcp_upstreams(),
                 sql_replay=sql,
             )
         finally:

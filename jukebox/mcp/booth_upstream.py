@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -28,7 +29,13 @@ __all__ = ["REPLAY_ENV", "BoothReplayUpstream"]
 
 class BoothReplayUpstream:
     def __init__(self, server: str, argv: list[str], scrubber: Scrubber,
-                 start_timeout: float, socket_path: str | None = None) -> None:  # fmt: skip
+                 start_timeout: float, socket_path: str | None = None,
+                 ask: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 connect: Callable[[], Any] | None = None) -> None:  # fmt: skip
+        # ask(request): the supervisor's answer, asked directly by a gateway that runs in the
+        # supervisor (the streamable-HTTP one); connect(): its live transport (read, write, ...).
+        self.ask = ask
+        self.connect = connect
         self.server = server
         self.argv = argv
         self.scrubber = scrubber
@@ -52,8 +59,11 @@ class BoothReplayUpstream:
         request = {"op": "mcp_replay", "server": self.server, "method": method,
                    "params": params}  # fmt: skip
         try:
-            answer = await anyio.to_thread.run_sync(control.request, request, self.socket_path)
-        except control.ControlError as error:
+            if self.ask is not None:
+                answer = self.ask(request)
+            else:
+                answer = await anyio.to_thread.run_sync(control.request, request, self.socket_path)
+        except (control.ControlError, control.RequestError) as error:
             raise MCPError(types.INTERNAL_ERROR, f"jukebox replay: {error}") from None
         if answer.get("live"):
             self.going_live = True
@@ -94,13 +104,14 @@ class BoothReplayUpstream:
         return self.live
 
     async def _run_live(self) -> None:
-        params = StdioServerParameters(command=self.argv[0], args=self.argv[1:],
-                                       env=dict(os.environ))  # fmt: skip
+        if self.connect is not None:
+            transport = self.connect()
+        else:
+            params = StdioServerParameters(command=self.argv[0], args=self.argv[1:],
+                                           env=dict(os.environ))  # fmt: skip
+            transport = stdio_client(params, errlog=sys.stderr)
         try:
-            async with (
-                stdio_client(params, errlog=sys.stderr) as (read, write),
-                ClientSession(read, write) as session,
-            ):
+            async with transport as (read, write, *_), ClientSession(read, write) as session:
                 with anyio.fail_after(self.start_timeout):
                     await session.initialize()
                 self.live = session

@@ -40,7 +40,8 @@ class HttpGateways:
     def __init__(self, upstreams: dict[str, str], gate: Any, policy: Policy,
                  stage: Callable[[str, str, dict[str, Any]], str],
                  scrub: Callable[[dict[str, Any]], Any],
-                 timeout: float = 60.0, ask_timeout: float = 300.0) -> None:  # fmt: skip
+                 timeout: float = 60.0, ask_timeout: float = 300.0,
+                 replay: Any = None) -> None:  # fmt: skip
         self.upstreams = upstreams
         self.gate = gate  # jukebox.mcp.staging.StageGate
         self.policy = policy
@@ -48,6 +49,9 @@ class HttpGateways:
         self.scrub = scrub
         self.timeout = timeout
         self.ask_timeout = ask_timeout
+        # A replay or fork (jukebox.mcp.booth_replay.ToolReplay): the tape answers, and an
+        # upstream is reached only past the recording.
+        self.replay = replay
         self.secret = token_urlsafe(24)
         self.port = 0
         self._server: Any = None
@@ -108,6 +112,11 @@ class HttpGateways:
         managers: dict[str, StreamableHTTPSessionManager] = {}
         async with contextlib.AsyncExitStack() as stack:
             for name, url in self.upstreams.items():
+                if self.replay is not None:
+                    served = await self._replayed(name, url, stack)
+                    if served is not None:
+                        managers[name] = served
+                        continue
                 try:
                     read, write, *_ = await stack.enter_async_context(streamable_http_client(url))
                     upstream = await stack.enter_async_context(ClientSession(read, write))
@@ -131,6 +140,36 @@ class HttpGateways:
             self._server = uvicorn.Server(config)
             self._ready.set()
             await self._server.serve(sockets=[listener])
+
+    async def _replayed(self, name: str, url: str, stack: contextlib.AsyncExitStack) -> Any:
+        """NAME's session manager with the tape answering (jukebox.mcp.booth_upstream), or None
+        when its recording had ended before the fork (then it is served live)."""
+        import anyio
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+        from jukebox.mcp.booth_upstream import BoothReplayUpstream
+        from jukebox.mcp.gateway import Gateway
+        from jukebox.mcp.record import wire
+        from jukebox.redact import Scrubber
+
+        upstream = BoothReplayUpstream(
+            name, [], Scrubber(), START_TIMEOUT, ask=self.replay.handle,
+            connect=lambda: streamable_http_client(url),
+        )  # fmt: skip
+        init = await upstream.initialize_result()
+        if init is None:
+            return None
+        self._record("note", {"event": "mcp_server", "server": name, "initialize": wire(init),
+                              "transport": "http", "replayed": True})  # fmt: skip
+        tasks = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(upstream.close)  # left before the task group: the live task ends first
+        upstream.attach(tasks)
+        gateway = Gateway(name, upstream, _Sink(self), self.policy, self.timeout, self._stage,
+                          None, self._ask, replay=upstream)  # fmt: skip
+        manager = StreamableHTTPSessionManager(app=gateway.server(init))
+        await stack.enter_async_context(manager.run())
+        return manager
 
     # -- what the gateways ask of the booth -----------------------------------------------------
 

@@ -1,7 +1,8 @@
 """A streamable-HTTP MCP server through the booth's gateway (`--mcp-upstream NAME=URL`): the
 agent's SDK client reaches it at the URL of the rewritten config, a destructive call is staged
 and invisible to the server until the verdict, then run by the commit; the gateway answers
-nothing without its secret."""
+nothing without its secret; with the server stopped, `jukebox replay --exec` serves the run's
+calls from the tape."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def notes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
-    yield {"url": f"http://127.0.0.1:{port}/mcp", "notes": notes, "tmp": tmp}
+    yield {"url": f"http://127.0.0.1:{port}/mcp", "notes": notes, "tmp": tmp, "proc": proc}
     proc.terminate()
     proc.wait(timeout=10)
 
@@ -49,7 +50,8 @@ def said(proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             step = json.loads(line)
-            out.setdefault(step["step"], []).append(step)
+            if "step" in step:  # not replay's --json result
+                out.setdefault(step["step"], []).append(step)
     return out
 
 
@@ -78,3 +80,16 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     assert server["transport"] == "http" and server["server"] == "notes"
     (start,) = payloads(tape, "run_start")
     assert start["policy"]["mcp_servers"] == {"notes": {"url": s["url"]}}
+
+    # Every server stopped: the replay's gateway answers from the tape.
+    s["proc"].terminate()
+    s["proc"].wait(timeout=10)
+    proc = subprocess.run([JUKEBOX, "replay", str(tape), "--exec", "--json"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    again = said(proc)
+    assert again["read_notes"] == steps["read_notes"] and again["add_note"] == steps["add_note"]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["tools_served"] == 3, result
+    replayed = payloads(s["tmp"] / "tapes" / f"{result['tape_id']}.jbx", "tool_call")
+    assert [c["decision"] for c in replayed] == ["replay"] * 3
