@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import summarize_us
-from jukebox.api import Jukebox, SandboxPolicy
+from jukebox.api.api import Jukebox, SandboxPolicy
 
 FILES = 10
 KEYS = 1000

@@ -8,7 +8,7 @@ another over the same tree, so all but the first reuse the previous base tree's 
 
 A checkpoint is acknowledged once its snapshot is in the store and its frame queued; the store's
 fsync, the frame's write and the tape's fdatasync follow within 50 ms (the booth's group commit,
-`jukebox.booth.GroupTape`), so the row is what the agent waits for, not the disk. The
+`jukebox.booth.supervisor.GroupTape`), so the row is what the agent waits for, not the disk. The
 checkpoints run back to back, each after a step that rewrites 1 or 10 of the tree's 100 files,
 so some arrive during the group commit's fsync: p99, the slowest (max) and the mean show
 whether they wait for it. The paused rows sleep 0.2 s between each step and its checkpoint, as
@@ -37,7 +37,7 @@ TAPE_IDS = {(1, 0.0): "cp1", (10, 0.0): "cp10", (1, PAUSE): "cp1p", (10, PAUSE):
 
 CHECKPOINTS = r"""
 import json, sys, time
-from jukebox.control import request
+from jukebox.booth.control import request
 n, k, pause = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 out = []
 for i in range(n):
@@ -158,7 +158,8 @@ def run(quick: bool = False) -> list[dict]:
 
         back_to_back = (
             0.0, n_checkpoints, "",
-            "jukebox.control.request over the agent's kept connection, back to back: snapshot + "
+            "jukebox.booth.control.request over the agent's kept connection, back to back: "
+            "snapshot + "
             "ack; objects and frame durable within 50 ms (group commit), whose fsync a "
             "checkpoint does not wait for; target <= 3 ms",
         )  # fmt: skip

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import measure_us
-from jukebox.breaker import CircuitBreaker
+from jukebox.guard.breaker import CircuitBreaker
 
 REPO = Path(__file__).resolve().parent.parent
 PIECES = 12

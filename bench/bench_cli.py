@@ -19,8 +19,8 @@ FRAMES = 50
 
 
 def record_tape(tape_dir: Path) -> None:
-    from jukebox.tape import TapeWriter
-    from jukebox.tapedir import TapeDir
+    from jukebox.tape.tape import TapeWriter
+    from jukebox.tape.tapedir import TapeDir
     from shadowfs import tree
     from shadowfs.store import Store
 

@@ -65,8 +65,8 @@ FS_WORKLOADS = (
 
 def _switch_image(work: Path) -> tuple[Path | None, str]:
     """The default image with the switchable protections off, or None and why not."""
+    from jukebox.booth.images import IMAGES_DIR, load_image
     from jukebox.errors import UsageError
-    from jukebox.images import IMAGES_DIR, load_image
 
     path = work / "switched-off.toml"
     path.write_text((IMAGES_DIR / "host.toml").read_text() + SWITCH_IMAGE)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import sample_us, summarize_us
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs import tree
 from shadowfs.store import Store
 

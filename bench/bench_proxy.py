@@ -9,8 +9,8 @@ one keep-alive httpx client per system, as an SDK's would, and the systems take 
 call, so a noisy neighbour slows them alike.
 
 Rows: a JSON chat completion and a streamed one (about 12 SSE events), whole call, direct,
-through the proxy recording to a tape as a booth does (jukebox.booth.GroupTape: the frame is
-written before the agent sees the end, its fdatasync joins the group commit's, within 50 ms),
+through the proxy recording to a tape as a booth does (jukebox.booth.supervisor.GroupTape: the frame
+is written before the agent sees the end, its fdatasync joins the group commit's, within 50 ms),
 and through the proxy recording with a TapeWriter's own fdatasync per frame (what
 `ProxyServer(record=writer.append)` gives a caller of the Python API); and the stream's first
 token: from sending the request to holding the first complete SSE event (the frame is written
@@ -35,9 +35,9 @@ from typing import Any
 import httpx
 
 from bench.harness import overhead_rows
-from jukebox.booth import GroupTape
+from jukebox.booth.supervisor import GroupTape
 from jukebox.llm.server import ProxyServer
-from jukebox.tape import TapeWriter
+from jukebox.tape.tape import TapeWriter
 from shadowfs.store import Store
 
 UPSTREAM = Path(__file__).resolve().parents[1] / "tests" / "llm" / "upstream.py"

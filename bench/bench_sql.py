@@ -4,7 +4,8 @@ directly.
 A private PostgreSQL cluster (tests/sql/cluster.py: Debian's `postgresql`, `initdb` in a
 temporary directory, on 127.0.0.1) is started for the run. psycopg 3 connections in autocommit,
 one direct and one through a proxy recording its `sql` frames to a tape as a booth does
-(jukebox.booth.GroupTape), take turns statement by statement, so a noisy neighbour slows them
+(jukebox.booth.supervisor.GroupTape), take turns statement by statement, so a noisy neighbour slows
+them
 alike. Through the proxy every statement is also wrapped in its savepoint (jukebox.sql.session):
 the SAVEPOINT goes with the statement and the RELEASE after the agent's answer, so neither costs
 the agent a round trip.
@@ -136,10 +137,10 @@ def _tpcb_rows(cluster: Any, proxied: Any, n: int) -> list[dict[str, Any]]:
 def run(quick: bool = False) -> list[dict[str, Any]]:
     import psycopg
 
-    from jukebox.booth import GroupTape
+    from jukebox.booth.supervisor import GroupTape
     from jukebox.sql.server import SqlProxy
     from jukebox.sql.upstream import Target
-    from jukebox.tape import TapeWriter
+    from jukebox.tape.tape import TapeWriter
     from shadowfs.store import Store
     from tests.sql.cluster import Cluster, bindir
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import summarize_us
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs.store import Store
 
 FRAMES = 50

@@ -64,7 +64,7 @@ def _paint(browser: Any, url: str, samples: int) -> tuple[list[float], list[floa
 def run(quick: bool = False) -> list[dict[str, Any]]:
     from playwright.sync_api import sync_playwright
 
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
     from jukebox.viewer import page
     from jukebox.viewer.model import TapeView
     from jukebox.viewer.server import ViewerServer

@@ -13,21 +13,21 @@ __version__ = "0.1.0"
 
 # name -> module that defines it
 _EXPORTS = {
-    "Jukebox": "jukebox.api",
-    "SandboxPolicy": "jukebox.api",
-    "Tape": "jukebox.api",
-    "BSide": "jukebox.api",
-    "Report": "jukebox.api",
-    "track": "jukebox.api",
-    "CircuitBreaker": "jukebox.breaker",
-    "BreakerTripped": "jukebox.breaker",
-    "Transaction": "jukebox.transaction",
-    "TransactionClosed": "jukebox.transaction",
-    "Checkpoint": "jukebox.transaction",
-    "Outcome": "jukebox.transaction",
-    "TxFS": "jukebox.transaction",
-    "State": "jukebox.state",
-    "StateVersion": "jukebox.state",
+    "Jukebox": "jukebox.api.api",
+    "SandboxPolicy": "jukebox.api.api",
+    "Tape": "jukebox.api.api",
+    "BSide": "jukebox.api.api",
+    "Report": "jukebox.api.api",
+    "track": "jukebox.api.api",
+    "CircuitBreaker": "jukebox.guard.breaker",
+    "BreakerTripped": "jukebox.guard.breaker",
+    "Transaction": "jukebox.api.transaction",
+    "TransactionClosed": "jukebox.api.transaction",
+    "Checkpoint": "jukebox.api.transaction",
+    "Outcome": "jukebox.api.transaction",
+    "TxFS": "jukebox.api.transaction",
+    "State": "jukebox.api.state",
+    "StateVersion": "jukebox.api.state",
     "ConflictError": "shadowfs.errors",
 }
 
@@ -52,10 +52,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from jukebox.api import BSide, Jukebox, Report, SandboxPolicy, Tape, track
-    from jukebox.breaker import BreakerTripped, CircuitBreaker
-    from jukebox.state import State, StateVersion
-    from jukebox.transaction import Checkpoint, Outcome, Transaction, TransactionClosed, TxFS
+    from jukebox.api.api import BSide, Jukebox, Report, SandboxPolicy, Tape, track
+    from jukebox.api.state import State, StateVersion
+    from jukebox.api.transaction import Checkpoint, Outcome, Transaction, TransactionClosed, TxFS
+    from jukebox.guard.breaker import BreakerTripped, CircuitBreaker
     from shadowfs.errors import ConflictError
 
 

@@ -52,7 +52,7 @@ def _tape_dir(value: Any) -> Any:
 
 
 def _image(value: Any) -> Any:
-    from jukebox.images import image_path
+    from jukebox.booth.images import image_path
 
     if not isinstance(value, str) or not value:
         raise ValueError("write an image name (like \"host\") or a path to a .toml file")
@@ -70,7 +70,7 @@ def _positive_seconds(value: Any) -> Any:
 
 def _breaker_limit(flag: str) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
-        from jukebox.breaker import CircuitBreaker
+        from jukebox.guard.breaker import CircuitBreaker
 
         CircuitBreaker.from_options(**{flag.replace("-", "_"): value})  # UsageError if bad
         return value
@@ -79,7 +79,7 @@ def _breaker_limit(flag: str) -> Callable[[Any], Any]:
 
 
 def _size(value: Any) -> Any:
-    from jukebox.images import parse_size
+    from jukebox.booth.images import parse_size
 
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a size")
@@ -91,7 +91,7 @@ def _size(value: Any) -> Any:
 
 
 def _duration(value: Any) -> Any:
-    from jukebox.realtree import parse_duration
+    from jukebox.trees.realtree import parse_duration
 
     try:
         parse_duration(str(value))
@@ -126,7 +126,7 @@ KEYS: dict[str, Callable[[Any], Any]] = {
 }
 
 # The commands whose flags take their defaults from the file (command path -> keys). tape-dir
-# is not here: every command, and the Python API, reads it through jukebox.tapedir.
+# is not here: every command, and the Python API, reads it through jukebox.tape.tapedir.
 COMMANDS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("booth", "run"): (
         "image", "fs", "net", "commit", "checkpoint-every", "max-cost-usd", "unknown-cost",

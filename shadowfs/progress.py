@@ -1,8 +1,8 @@
 """How a long operation of shadowfs tells its caller how far it got.
 
 shadowfs draws nothing: a caller that wants a progress bar passes one of these callbacks and
-renders it as it likes (jukebox.progress does, with rich, on a terminal). An operation calls it
-often and cheaply; throttling is the caller's business. None means nobody is watching.
+renders it as it likes (jukebox.display.progress does, with rich, on a terminal). An operation calls
+it often and cheaply; throttling is the caller's business. None means nobody is watching.
 """
 
 from __future__ import annotations

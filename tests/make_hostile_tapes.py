@@ -31,8 +31,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from jukebox.frame import canonical_json, encode_frame
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.frame import canonical_json, encode_frame
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store
 from shadowfs.tree import Entry, encode_tree

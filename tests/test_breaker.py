@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.booth import BREAKER_GRACE_S
-from jukebox.breaker import BreakerTripped, CircuitBreaker, Reservation, Trip
+from jukebox.booth.supervisor import BREAKER_GRACE_S
 from jukebox.errors import CheckFailed, UsageError
-from jukebox.tape import Tape
+from jukebox.guard.breaker import BreakerTripped, CircuitBreaker, Reservation, Trip
+from jukebox.tape.tape import Tape
 
 
 def read_file(path: str, call_id: str = "call_0") -> dict:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import TapeWriter
-from jukebox.tapedir import TapeDir
+from jukebox.tape.tape import TapeWriter
+from jukebox.tape.tapedir import TapeDir
 from shadowfs import tree
 from shadowfs.store import Store
 

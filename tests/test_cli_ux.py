@@ -254,7 +254,7 @@ def test_shell_completion_script_and_answers(tmp_path: Path) -> None:
 
 STEPS = """
 import sys, time
-from jukebox import progress
+from jukebox.display import progress
 progress.configure(level=progress.NORMAL, draw=True, color=True)
 with progress.step("spinning", counted=False):
     time.sleep(0.3)
@@ -293,7 +293,7 @@ def test_a_command_keeps_a_short_flag_of_its_own() -> None:
     ]
     from click.testing import CliRunner
 
-    from jukebox import progress, style
+    from jukebox.display import progress, style
 
     before = (progress.level(), progress.drawing(), style.enabled())
     try:
@@ -307,9 +307,9 @@ def test_a_command_keeps_a_short_flag_of_its_own() -> None:
 def test_the_cli_in_a_longer_lived_process_leaves_the_api_plain(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from jukebox import progress, style
     from jukebox.cli import cli
     from jukebox.cli import tapes as _  # noqa: F401  (registers ls)
+    from jukebox.display import progress, style
 
     result = CliRunner().invoke(cli, ["-v", "ls", "--tape-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output

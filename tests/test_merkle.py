@@ -1,10 +1,10 @@
-"""jukebox.merkle against a literal transcription of the RFC 6962 section 2.1 recursions."""
+"""jukebox.tape.merkle against a literal transcription of the RFC 6962 section 2.1 recursions."""
 
 from __future__ import annotations
 
 from blake3 import blake3
 
-from jukebox import merkle
+from jukebox.tape import merkle
 
 
 def H(data: bytes) -> bytes:

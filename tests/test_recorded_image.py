@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.errors import CheckFailed, UsageError
-from jukebox.images import load_image
-from jukebox.recorded_image import (
+from jukebox.booth.images import load_image
+from jukebox.booth.recorded_image import (
     content_hash,
     difference_line,
     image_from_record,
     image_record,
     loosenings,
 )
+from jukebox.errors import CheckFailed, UsageError
 
 
 def image(text: str, tmp_path: Path, name: str = "mine"):  # type: ignore[no-untyped-def]
@@ -97,7 +97,7 @@ def test_a_field_this_module_does_not_know_counts_as_loosening() -> None:
     compares the fields known here."""
     import dataclasses
 
-    from jukebox.images import Image
+    from jukebox.booth.images import Image
 
     @dataclasses.dataclass(frozen=True)
     class Later(Image):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.similarity import (
+from jukebox.guard.similarity import (
     DIM,
     canonical_json,
     cosine,
@@ -183,7 +183,7 @@ def test_vectors_are_the_same_in_another_process() -> None:
     call = {"name": "write_file", "arguments": {"path": "x.py", "content": "print('hi')\n" * 20}}
     code = (
         "import json, sys\n"
-        "from jukebox.similarity import text_vector, tool_call_vector\n"
+        "from jukebox.guard.similarity import text_vector, tool_call_vector\n"
         "texts, call = json.load(sys.stdin)\n"
         "out = [sorted(text_vector(t).items()) for t in texts]\n"
         "out.append(sorted(tool_call_vector(call).items()))\n"

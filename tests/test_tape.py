@@ -14,11 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jukebox import merkle
 from jukebox.errors import CheckFailed, JukeboxError
-from jukebox.frame import SPILL_THRESHOLD, canonical_json, encode_frame, frame_id
-from jukebox.tape import HEADER_SIZE, MAGIC, Tape, TapeWriter
-from jukebox.tape_errors import (
+from jukebox.tape import merkle
+from jukebox.tape.errors import (
     CorruptObject,
     MissingObject,
     NotATape,
@@ -26,6 +24,8 @@ from jukebox.tape_errors import (
     TornTape,
     UnsupportedVersion,
 )
+from jukebox.tape.frame import SPILL_THRESHOLD, canonical_json, encode_frame, frame_id
+from jukebox.tape.tape import HEADER_SIZE, MAGIC, Tape, TapeWriter
 from shadowfs.oid import ObjectId, hash_object
 from shadowfs.store import Store
 

@@ -91,10 +91,10 @@ def stop_quietly() -> None:
 
 
 def fail(message: str, code: int) -> None:
-    from jukebox.names import printable
+    from jukebox.display.names import printable
 
     # Messages quote names from trees and tapes: a terminal must not act on what they hold.
-    from jukebox.style import error_prefix
+    from jukebox.display.style import error_prefix
 
     click.echo(f"{error_prefix('jukebox:')} {printable(message)}", err=True)
     sys.exit(code)
@@ -112,7 +112,7 @@ def cli(ctx: click.Context) -> None:
     ~/.config/jukebox/config.toml; `jukebox help TOPIC` explains booth, tapes, config and more.
     """
     from jukebox.cli.options import load_config
-    from jukebox.tapedir import TAPE_DIR_ENV
+    from jukebox.tape.tapedir import TAPE_DIR_ENV
 
     load_config(ctx)
 

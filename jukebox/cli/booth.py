@@ -15,7 +15,7 @@ from jukebox.cli.review_options import exclude_options
 from jukebox.cli.tapes import listed_tape_dir, tape_dir_option
 
 if TYPE_CHECKING:
-    from jukebox.booth_paths import BoothPaths
+    from jukebox.booth.paths import BoothPaths
 
 
 @cli.group()
@@ -197,8 +197,8 @@ def run(
     A circuit breaker flag that trips stops the agent and rolls the booth back (kept pending
     under --commit never); see docs/breaker.md.
     """
-    from jukebox.booth import run_booth
-    from jukebox.breaker import CircuitBreaker
+    from jukebox.booth.supervisor import run_booth
+    from jukebox.guard.breaker import CircuitBreaker
 
     if cmd[0].startswith("-"):
         # Unknown options are let through so that CMD's own options need no `--`; one before
@@ -206,7 +206,7 @@ def run(
         raise click.UsageError(f"no such option: {cmd[0]}; the agent's command goes after `--`")
     scratch_limit = None
     if max_scratch is not None:
-        from jukebox.images import parse_size
+        from jukebox.booth.images import parse_size
 
         try:
             scratch_limit = parse_size(max_scratch)
@@ -307,9 +307,9 @@ def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
 @click.option("--json", "as_json", is_flag=True, help="A JSON array: one object per booth.")
 def ls(tape_dir: Path | None, as_json: bool) -> None:
     """List pending booths."""
-    from jukebox.booth import list_booths
-    from jukebox.render import table, timestamp
-    from jukebox.style import status
+    from jukebox.booth.supervisor import list_booths
+    from jukebox.display.render import table, timestamp
+    from jukebox.display.style import status
 
     records = list_booths(listed_tape_dir(tape_dir))
     if as_json:
@@ -328,7 +328,7 @@ def ls(tape_dir: Path | None, as_json: bool) -> None:
 
 
 def _duration(text: str | None) -> float | None:
-    from jukebox.realtree import parse_duration
+    from jukebox.trees.realtree import parse_duration
 
     if text is None:
         return None
@@ -366,10 +366,10 @@ def diff(
 ) -> None:
     """What a pending booth would change in its real tree (paths under .git/objects, .venv,
     __pycache__ and node_modules hidden unless --no-default-excludes; a commit applies them)."""
-    from jukebox.booth import change_summary_line, pending_changes
-    from jukebox.names import name_json
-    from jukebox.patch import text_patch
-    from jukebox.review_filter import ReviewFilter
+    from jukebox.booth.supervisor import change_summary_line, pending_changes
+    from jukebox.display.names import name_json
+    from jukebox.review.filter import ReviewFilter
+    from jukebox.review.patch import text_patch
 
     shown = ReviewFilter.from_options(excludes, default_excludes)
     with pending_changes(_tape_dir(tape_dir), booth_id, at) as (store, base, target, every):
@@ -392,7 +392,7 @@ def diff(
             doc |= {"excluded": list(shown.patterns), "hidden": shown.hidden}
             click.echo(json.dumps({**doc, "changes": rows}, indent=1))
             return
-        from jukebox import style
+        from jukebox.display import style
 
         for change in changes:
             click.echo(style.change_line(change_summary_line(change)))
@@ -436,8 +436,8 @@ def commit(
 ) -> None:
     """Apply a pending booth to its real tree (exit 1 listing conflicts if it changed, or if
     the tree's path now leads to another directory; 130 if interrupted)."""
-    from jukebox.booth import commit_booth
-    from jukebox.realtree import recovered
+    from jukebox.booth.supervisor import commit_booth
+    from jukebox.trees.realtree import recovered
 
     tapes = _tape_dir(tape_dir)
     if recovered(tapes, booth_id) == "finished":
@@ -464,7 +464,7 @@ def commit(
 @click.option("--tape-dir", default=None)
 def discard(booth_id: str, tape_dir: str | None) -> None:
     """Drop a pending booth; its real tree is untouched."""
-    from jukebox.booth import discard_booth
+    from jukebox.booth.supervisor import discard_booth
 
     discard_booth(_tape_dir(tape_dir), booth_id)
     click.echo(f"discarded booth {booth_id}")
@@ -475,7 +475,7 @@ def discard(booth_id: str, tape_dir: str | None) -> None:
 @click.option("--tape-dir", default=None)
 def abort(booth_id: str, tape_dir: str | None) -> None:
     """Free a stuck running booth: abort its FUSE connection and kill its supervisor."""
-    from jukebox.booth_abort import abort_booth
+    from jukebox.booth.abort import abort_booth
 
     aborted = abort_booth(_tape_dir(tape_dir), booth_id)
     what = f"FUSE connection {', '.join(map(str, aborted))}" if aborted else "no FUSE connection"
@@ -497,8 +497,8 @@ def abort(booth_id: str, tape_dir: str | None) -> None:
 def stop(booth_id: str, tape_dir: str | None, grace: str) -> None:
     """End a running booth's agent (SIGTERM, then SIGKILL after the grace period); the booth
     stays pending, to diff, commit or discard."""
-    from jukebox.booth_stop import status_after_stop, stop_booth
-    from jukebox.realtree import parse_duration
+    from jukebox.booth.stop import status_after_stop, stop_booth
+    from jukebox.trees.realtree import parse_duration
 
     try:
         seconds = parse_duration(grace)
@@ -526,7 +526,7 @@ def stop(booth_id: str, tape_dir: str | None, grace: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def checkpoint(label: str | None, as_json: bool) -> None:
     """Checkpoint the booth this runs in (uses $JUKEBOX_SOCKET)."""
-    from jukebox.control import NUMERIC_LABEL, request
+    from jukebox.booth.control import NUMERIC_LABEL, request
 
     if label is not None and label.isdigit():
         raise click.BadParameter(NUMERIC_LABEL.format(label=label), param_hint="--label")
@@ -544,7 +544,7 @@ def checkpoint(label: str | None, as_json: bool) -> None:
 @click.option("--to", "to", required=True, help="A checkpoint label or number (0 is the start).")
 def rollback(to: str) -> None:
     """Roll the booth this runs in back to a checkpoint, while it keeps running."""
-    from jukebox.control import request
+    from jukebox.booth.control import request
 
     target: str | int = int(to) if to.isdigit() else to
     response = request({"op": "rollback", "to": target})
@@ -555,7 +555,7 @@ def rollback(to: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def status(as_json: bool) -> None:
     """The booth this runs in: id, tape, checkpoints."""
-    from jukebox.control import request
+    from jukebox.booth.control import request
 
     response = request({"op": "status"})
     if as_json:
@@ -564,7 +564,7 @@ def status(as_json: bool) -> None:
     click.echo(f"booth {response['booth']}  tree {response['tree']}  tape {response['tape']}")
     staged, limit = response.get("staged_bytes"), response.get("scratch_limit")
     if staged is not None:
-        from jukebox.render import size
+        from jukebox.display.render import size
 
         of = f" of {size(limit)} (--max-scratch)" if limit is not None else ""
         click.echo(f"  staged {size(staged)}{of}")

@@ -26,9 +26,9 @@ def export(
     """Print a pending booth's changes as a git-format patch (`> change.patch`), for
     `git am` or `git apply` on its base tree. Binary files go as git binary patches; what
     the default excludes hide (see `booth diff`) is left out, and said so on stderr."""
-    from jukebox.booth import load_record, pending_changes
-    from jukebox.booth_export import added_empty_dirs, export_patch
-    from jukebox.review_filter import ReviewFilter
+    from jukebox.booth.export import added_empty_dirs, export_patch
+    from jukebox.booth.supervisor import load_record, pending_changes
+    from jukebox.review.filter import ReviewFilter
 
     tapes = _tape_dir(tape_dir)
     shown = ReviewFilter.from_options(excludes, default_excludes)
@@ -51,7 +51,7 @@ def export(
         )
     if sys.stdout.isatty():
         # Read on a terminal, not applied: the files' own escape sequences are shown, not run.
-        from jukebox.names import printable_lines
+        from jukebox.display.names import printable_lines
 
         click.echo(printable_lines(result.patch.decode("utf-8", "surrogateescape")), nl=False)
     else:
@@ -85,8 +85,8 @@ def commit_only(
     allow_hooks: bool,
     lock_timeout: float | None,
 ) -> None:
-    """`booth commit ID --only PATH...` (jukebox.booth_partial)."""
-    from jukebox.booth import commit_booth, pending_changes
+    """`booth commit ID --only PATH...` (jukebox.booth.partial)."""
+    from jukebox.booth.supervisor import commit_booth, pending_changes
     from jukebox.errors import UsageError
 
     if not paths:

@@ -1,4 +1,4 @@
-"""The options that adjust an image's view of the host for one booth (jukebox.booth_paths), for
+"""The options that adjust an image's view of the host for one booth (jukebox.booth.paths), for
 `booth run`, `replay --exec` and `fork --exec`: one decorator, received as one `paths`."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _NO_PRIVATE_TMP_HELP = "Show the host's /tmp (read-only) instead of an empty pri
 
 def view_path_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Adds --rw, --ro, --hide and --no-private-tmp; `command` gets them as `paths`, a
-    jukebox.booth_paths.BoothPaths, or None when none was given."""
+    jukebox.booth.paths.BoothPaths, or None when none was given."""
 
     @click.option("--rw", multiple=True, metavar="PATH", help=_RW_HELP)
     @click.option("--ro", multiple=True, metavar="PATH", help=_RO_HELP)
@@ -39,7 +39,7 @@ def view_path_options(command: Callable[..., Any]) -> Callable[..., Any]:
         no_private_tmp: bool,
         **kwargs: Any,
     ) -> Any:
-        from jukebox.booth_paths import BoothPaths
+        from jukebox.booth.paths import BoothPaths
 
         given = rw or ro or hide or no_private_tmp
         paths = BoothPaths.from_options(rw, ro, hide, no_private_tmp) if given else None

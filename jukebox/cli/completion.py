@@ -13,7 +13,7 @@ BOOTH_ARGUMENTS = {"booth_id"}
 
 
 def _tape_dir(ctx: click.Context):  # type: ignore[no-untyped-def]
-    from jukebox.tapedir import TapeDir, default_tape_dir
+    from jukebox.tape.tapedir import TapeDir, default_tape_dir
 
     named = ctx.params.get("tape_dir")
     return TapeDir(Path(named) if named else default_tape_dir())

@@ -1,4 +1,4 @@
-"""Disk space: rm and prune remove tapes, du says what holds space (jukebox.tape_removal)."""
+"""Disk space: rm and prune remove tapes, du says what holds space (jukebox.tape.removal)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ grace_option = click.option(
 
 def remove_and_report(home, tapes, dry_run: bool, run_gc: bool, grace: int, as_json: bool,
                       extra: dict | None = None) -> None:  # fmt: skip
-    from jukebox.render import size
-    from jukebox.tape_removal import collect_garbage, remove_tape
+    from jukebox.display.render import size
+    from jukebox.tape.removal import collect_garbage, remove_tape
 
     if not dry_run:
         for tape in tapes:
@@ -92,7 +92,7 @@ def rm_command(
     Nothing is removed unless every TAPE can be.
     """
     from jukebox.errors import UsageError
-    from jukebox.tape_removal import booth_hold, removable_tape, sweep_trash
+    from jukebox.tape.removal import booth_hold, removable_tape, sweep_trash
 
     home = listed_tape_dir(tape_dir)
     chosen = {}
@@ -143,7 +143,7 @@ def prune_command(
     """
     import time
 
-    from jukebox.tape_removal import (
+    from jukebox.tape.removal import (
         booth_hold,
         parse_duration,
         sweep_trash,
@@ -178,8 +178,8 @@ def prune_command(
 @json_option
 def du_command(tape_dir: Path | None, as_json: bool) -> None:
     """What holds space in the tape dir: tapes, the store, booths' scratch, caches."""
-    from jukebox.render import size, table
-    from jukebox.tape_removal import disk_usage
+    from jukebox.display.render import size, table
+    from jukebox.tape.removal import disk_usage
 
     home = listed_tape_dir(tape_dir)
     usage = disk_usage(home)

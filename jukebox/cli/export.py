@@ -72,7 +72,7 @@ def export_otel_command(
     from jukebox.errors import CheckFailed
     from jukebox.export.otel_content import environment_scrubber
     from jukebox.export.otel_send import export_tape
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tapedir import TapeRef
 
     url = _endpoint(endpoint)
     refs = [TapeRef.parse(t, tape_dir) for t in tapes]

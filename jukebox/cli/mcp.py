@@ -92,7 +92,7 @@ def wrap_command(
         raise UsageError("no server to wrap: write `jukebox mcp wrap [OPTIONS] -- CMD ARGS...`")
     if timeout <= 0 or start_timeout <= 0:
         raise UsageError("--timeout and --start-timeout must be positive numbers of seconds")
-    from jukebox.control import SOCKET_ENV
+    from jukebox.booth.control import SOCKET_ENV
     from jukebox.mcp.limits import ToolCallLimits
 
     limits = ToolCallLimits(max_tool_calls, max_tool_repeat)

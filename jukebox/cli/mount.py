@@ -22,7 +22,7 @@ from jukebox.cli.tapes import check_frame, load_intact, tape_dir_option
 def mount_command(tape: str, directory: Path, tape_dir: Path | None, force: bool) -> None:
     """Show the files at frame N (default: the last) read-only at DIR until `jukebox umount`."""
     from jukebox.errors import UsageError
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
     loaded = load_intact(ref)

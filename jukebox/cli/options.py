@@ -3,8 +3,8 @@
 ``-q/--quiet``, ``-v/--verbose`` and ``--no-color`` are added to every command and group as it
 is registered (``add_output_options``), so ``jukebox --quiet booth run`` and ``jukebox booth
 run --quiet`` mean the same. Each one's callback records it on the root context and applies the
-whole (jukebox.progress, jukebox.style, click's colour) again: the group's options are parsed
-before the sub-command's, and the last application sees them all.
+whole (jukebox.display.progress, jukebox.display.style, click's colour) again: the group's options
+are parsed before the sub-command's, and the last application sees them all.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def kept_output_settings() -> Iterator[None]:
     """The settings a command sets last only as long as it runs: a command invoked inside a
     longer-lived process (click's test runner, a program calling `cli.main`) leaves the Python
     API plain and undrawn afterwards."""
-    from jukebox import progress, style
+    from jukebox.display import progress, style
 
     saved = (progress.level(), progress.drawing(), progress.coloured(), style.enabled())
     try:
@@ -45,7 +45,7 @@ def kept_output_settings() -> Iterator[None]:
 def apply_output(ctx: click.Context) -> None:
     """Sets how talkative and colourful this command is, from its flags, the environment and
     the config file (``no-color``), in that order."""
-    from jukebox import progress, style
+    from jukebox.display import progress, style
 
     root = ctx.find_root()
     given = root.meta.get(_META, {})

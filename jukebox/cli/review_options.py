@@ -9,7 +9,7 @@ import click
 
 
 def exclude_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """`--exclude GLOB` (repeatable) and `--no-default-excludes` (jukebox.review_filter)."""
+    """`--exclude GLOB` (repeatable) and `--no-default-excludes` (jukebox.review.filter)."""
     command = click.option(
         "--no-default-excludes",
         "default_excludes",

@@ -1,4 +1,4 @@
-"""`jukebox show TAPE@N`: one frame in full (jukebox.frame_view)."""
+"""`jukebox show TAPE@N`: one frame in full (jukebox.tape.frame_view)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def show_command(
     """Show one frame in full: a model call's messages and reply (streams put together), a
     tool call, the files it changed with a short diff (hiding what `booth diff` hides), a
     checkpoint, a verdict. Without @N, the last frame. Headers are never shown."""
-    from jukebox.frame_view import frame_view, render_frame
-    from jukebox.review_filter import ReviewFilter
-    from jukebox.tapedir import TapeRef
+    from jukebox.review.filter import ReviewFilter
+    from jukebox.tape.frame_view import frame_view, render_frame
+    from jukebox.tape.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
     shown = ReviewFilter.from_options(excludes, default_excludes)

@@ -14,7 +14,7 @@ from jukebox.cli import cli, skip_teardown
 from jukebox.cli.booth_view import view_path_options
 
 if TYPE_CHECKING:
-    from jukebox.booth_paths import BoothPaths
+    from jukebox.booth.paths import BoothPaths
 
 
 def absolute_tape_dir(
@@ -49,8 +49,8 @@ trust_option = click.option(
 
 
 def ls_filter_options(command: Any) -> Any:
-    """`ls --status/--since/--agent` (jukebox.tape_filters)."""
-    from jukebox.tape_filters import LS_STATUSES
+    """`ls --status/--since/--agent` (jukebox.tape.filters)."""
+    from jukebox.tape.filters import LS_STATUSES
 
     command = click.option(
         "--agent",
@@ -87,7 +87,7 @@ def open_store(tape_dir, *, create: bool = False):
 
 
 def load(ref):
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
 
     return Tape.load(ref.path, open_store(ref.tape_dir))
 
@@ -104,7 +104,7 @@ def listed_tape_dir(tape_dir: Path | None):  # type: ignore[no-untyped-def]
     """The tape dir of a command that reads what is in it (a listing, gc, a pending booth). One
     named with --tape-dir or $JUKEBOX_TAPE_DIR must exist: a mistyped path would list nothing
     and look like an empty dir."""
-    from jukebox.tapedir import TapeDir, require_named_tape_dir
+    from jukebox.tape.tapedir import TapeDir, require_named_tape_dir
 
     home = TapeDir.resolve(tape_dir)
     require_named_tape_dir(home.path, tape_dir)
@@ -147,11 +147,11 @@ def ls_command(
     agent: str | None,
 ) -> None:
     """List the tapes in the tape dir: track id, start time, agent, frames, cost, status."""
+    from jukebox.display.render import money, table, timestamp
+    from jukebox.display.style import status as status_style
     from jukebox.errors import JukeboxError
-    from jukebox.render import money, table, timestamp
-    from jukebox.style import status as status_style
-    from jukebox.tape import Tape
-    from jukebox.tape_filters import TapeFilter, run_start_of
+    from jukebox.tape.filters import TapeFilter, run_start_of
+    from jukebox.tape.tape import Tape
 
     wanted = TapeFilter.from_options(statuses, since, agent)
     home = listed_tape_dir(tape_dir)
@@ -222,7 +222,7 @@ def frame_rows(tape) -> list[dict[str, Any]]:
 
 
 def timeline(tape) -> str:
-    from jukebox.render import describe, seconds, table
+    from jukebox.display.render import describe, seconds, table
 
     rows = []
     for row in frame_rows(tape):
@@ -256,12 +256,12 @@ def tape_argument(name: str = "tape"):
 )
 def log_command(tape: str, tape_dir: Path | None, as_json: bool, follow: bool) -> None:
     """Show a tape's frames as a readable timeline."""
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "log", "drop the @{n}")
     if follow:
-        from jukebox.tape_follow import follow as follow_tape
+        from jukebox.tape.follow import follow as follow_tape
 
         follow_tape(ref.path, ref.tape_dir.booths_path, click.echo, as_json)
         return
@@ -278,8 +278,8 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool, follow: bool) -
         )
         sys.exit(1 if damage is not None else 0)
     summary = loaded.summary()
-    from jukebox.names import printable
-    from jukebox.render import timestamp
+    from jukebox.display.names import printable
+    from jukebox.display.render import timestamp
 
     started = summary.get("started_ns")
     when = f"started {timestamp(started / 1e9)}, " if started else ""
@@ -316,11 +316,11 @@ def verify_report(tape, progress=None) -> dict[str, Any]:
 @json_option
 def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     """Check a tape's hash chain, Merkle root and every object it references. Exit 1 if altered."""
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tapedir import TapeRef
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "verify", "drop the @{n} (every frame's hash covers the ones before)")
-    from jukebox.progress import step
+    from jukebox.display.progress import step
 
     loaded = load(ref)
     with step("verifying the tape", "frames", done="verified the tape") as tick:
@@ -345,7 +345,7 @@ def reconstruct_states(tape, progress=None) -> int:
 
     Shared subtrees are walked once, so a long tape of small steps costs what changed.
     """
-    from jukebox.tape_errors import MissingObject
+    from jukebox.tape.errors import MissingObject
     from shadowfs import tree
 
     store = tape.store
@@ -434,7 +434,7 @@ def replay_command(
     model calls answered from the tape and no network; the first difference from the tape (a
     request, a checkpoint's files, the final files, the exit status) ends it with exit 1.
     """
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tapedir import TapeRef
 
     if exec_:
         from jukebox.cli.timetravel import run_replay_exec
@@ -466,7 +466,7 @@ def replay_command(
     # It only reads (the tape, the store): nothing to close that the process's end does not.
     skip_teardown()
     loaded = load(ref)
-    from jukebox.progress import step
+    from jukebox.display.progress import step
 
     with step("verifying the tape", "frames", done="verified the tape") as tick:
         result = verify_report(loaded, tick)
@@ -484,8 +484,8 @@ def replay_command(
             {**result, "summary": summary, "file_states": states, "frames": frame_rows(loaded)}
         )
         return
-    from jukebox.names import printable
-    from jukebox.render import money, seconds
+    from jukebox.display.names import printable
+    from jukebox.display.render import money, seconds
 
     click.echo(timeline(loaded))
     head = report.head
@@ -525,10 +525,10 @@ def diff_command(
     `jukebox diff TAPE_A TAPE_B` (two tapes, no @) compares two whole runs instead: the shared
     prefix, then frames, models, messages, tool calls, files, tokens and cost of each side.
     """
+    from jukebox.display.names import CHANGE_LETTERS, entry_note, name_json, visible
     from jukebox.errors import UsageError
-    from jukebox.names import CHANGE_LETTERS, entry_note, name_json, visible
-    from jukebox.patch import text_patch
-    from jukebox.tapedir import TapeRef
+    from jukebox.review.patch import text_patch
+    from jukebox.tape.tapedir import TapeRef
     from shadowfs import tree
 
     ref_a = TapeRef.parse(first, tape_dir)
@@ -542,7 +542,7 @@ def diff_command(
                 store_b = store
             else:
                 store_b = open_store(ref_b.tape_dir)
-            from jukebox.tape import Tape
+            from jukebox.tape.tape import Tape
 
             print_comparison(
                 Tape.load(ref_a.path, store),
@@ -587,7 +587,7 @@ def diff_command(
             }
         )
         return
-    from jukebox import style
+    from jukebox.display import style
 
     click.echo(f"diff {label}: {len(changes)} change(s)")
     for change in changes:
@@ -626,7 +626,7 @@ def gc_command(
     tape_dir: Path | None, dry_run: bool, grace_seconds: int, compact: bool, as_json: bool
 ) -> None:
     """Remove store objects that no tape and no pending booth references."""
-    from jukebox.liveness import live_objects
+    from jukebox.tape.liveness import live_objects
 
     home = listed_tape_dir(tape_dir)
     store = open_store(home)
@@ -636,7 +636,7 @@ def gc_command(
         else:
             click.echo(f"nothing to collect: no store in {home.path}")
         return
-    from jukebox.progress import step
+    from jukebox.display.progress import step
 
     with store:
         with step("gc: scanning tapes", "tapes", done="scanned the tapes") as tick:

@@ -20,10 +20,10 @@ from jukebox.cli.tapes import (
     trust_option,
     whole_tape,
 )
-from jukebox.names import printable, printable_lines
+from jukebox.display.names import printable, printable_lines
 
 if TYPE_CHECKING:
-    from jukebox.booth_paths import BoothPaths
+    from jukebox.booth.paths import BoothPaths
 
 
 def report_image(choice, err: bool = True) -> None:  # type: ignore[no-untyped-def]
@@ -58,8 +58,8 @@ def run_replay_exec(
     paths: BoothPaths | None = None,
 ) -> None:
     """`jukebox replay TAPE --exec`: exits 0 when the run matched its tape, 1 at a divergence."""
-    from jukebox.tapedir import TapeRef
-    from jukebox.timetravel import replay_exec
+    from jukebox.tape.tapedir import TapeRef
+    from jukebox.timetravel.timetravel import replay_exec
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "replay", "drop the @{n} (--until {n} serves frames 0..{n}, then goes live)")
@@ -153,8 +153,8 @@ def fork_command(
     with --tool-result's result), later ones go to the real servers (docs/mcp.md).
     """
     from jukebox.llm.model_override import describe
-    from jukebox.tapedir import TapeRef
-    from jukebox.timetravel import fork
+    from jukebox.tape.tapedir import TapeRef
+    from jukebox.timetravel.timetravel import fork
 
     ref = TapeRef.parse(tape, tape_dir)
     whole_tape(ref, "fork", "name the frame with --at {n}")
@@ -205,7 +205,7 @@ def print_comparison(
     tape_a, tape_b, store, markdown: Path | None, as_json: bool, labels: tuple[str, str]
 ) -> None:
     """`jukebox diff TAPE_A TAPE_B`: the full report, as markdown text (or JSON)."""
-    from jukebox.compare import compare_tapes
+    from jukebox.tape.compare import compare_tapes
 
     comparison = compare_tapes(tape_a, tape_b, store, label_a=labels[0], label_b=labels[1])
     if as_json:

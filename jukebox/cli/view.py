@@ -13,7 +13,7 @@ from jukebox.cli.tapes import json_option, load, tape_argument, tape_dir_option,
 
 
 def _view(text: str, tape_dir: Path | None, role: str):  # type: ignore[no-untyped-def]
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tapedir import TapeRef
     from jukebox.viewer.model import TapeView
 
     ref = TapeRef.parse(text, tape_dir)
@@ -64,7 +64,7 @@ def view_command(
     call's messages and tool calls, each frame's file changes side by side, checkpoints,
     rollbacks, the verdict, the breaker, and the tape's verification. Serves the page on
     127.0.0.1 until Ctrl-C, or writes it to one file with --html (no network needed)."""
-    from jukebox.progress import step
+    from jukebox.display.progress import step
     from jukebox.viewer import page
 
     if html_path is not None and port:

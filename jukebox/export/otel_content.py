@@ -3,7 +3,7 @@
 Prompts and replies can hold secrets an agent pasted, so `jukebox export otel` leaves them out
 unless `--capture-content`, and even then every string passes jukebox.redact: the values of
 this process's secret-looking environment variables, key-shaped values (`sk-...`, `ghp_...`),
-`Bearer X`, URL passwords. The conversation is read by jukebox.frame_view, the reader `jukebox
+`Bearer X`, URL passwords. The conversation is read by jukebox.tape.frame_view, the reader `jukebox
 show` uses, so every protocol the proxy records comes out in one shape:
 `[{"role": ..., "parts": [{"type": "text", "content": ...}, {"type": "tool_call", ...}]}]`.
 """
@@ -69,7 +69,7 @@ def content_attributes(
 ) -> dict[str, str]:
     """gen_ai.system_instructions, gen_ai.input.messages and gen_ai.output.messages of one model
     call, each a JSON string (span attributes cannot nest), scrubbed."""
-    from jukebox.frame_view import reply, request_messages
+    from jukebox.tape.frame_view import reply, request_messages
 
     out: dict[str, str] = {}
     system, inputs = _messages(request_messages(payload.get("request")))

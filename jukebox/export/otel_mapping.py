@@ -23,8 +23,8 @@ from typing import Any
 from jukebox.export import otel_ids
 from jukebox.export.otel_content import content_attributes, json_attribute
 from jukebox.export.otel_llm import call_facts, operation, provider_name, request_settings
-from jukebox.frame import KNOWN_KINDS
 from jukebox.redact import Scrubber, redact_argv, redact_text
+from jukebox.tape.frame import KNOWN_KINDS
 
 # A frame that changed more files than this shows the first ones as events and the count.
 FILE_EVENTS = 100
@@ -229,7 +229,7 @@ class TapeMapper:
                 self._root[f"jukebox.run.{key}"] = _text(p[key])
 
     def _verdict(self, kind: str, p: dict[str, Any]) -> None:
-        # The same reading as `jukebox ls` (jukebox.tape.Tape.summary).
+        # The same reading as `jukebox ls` (jukebox.tape.tape.Tape.summary).
         if kind == "commit":
             self._status = "COMMITTED"
         elif kind == "discard":

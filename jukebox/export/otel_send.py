@@ -112,7 +112,7 @@ class Histograms:
 
 def _file_rows(tape: Any, n: int) -> list[dict[str, Any]] | None:
     """Frame ``n``'s file changes against the tree before it (names and sizes, no content)."""
-    from jukebox.names import name_json
+    from jukebox.display.names import name_json
     from shadowfs import tree
 
     frame = tape.frames[n]
@@ -138,7 +138,7 @@ class TapePlans:
 
 
 def plan_tape(tape: Any, *, capture: bool = False, scrubber: Scrubber | None = None) -> TapePlans:
-    """Every span of a loaded tape (jukebox.tape.Tape, chain checked), the run's span last."""
+    """Every span of a loaded tape (jukebox.tape.tape.Tape, chain checked), the run's span last."""
     tape_id = tape.tape_id or os.path.basename(str(tape.path)).removesuffix(".jbx")
     mapper = TapeMapper(tape_id, capture=capture, scrubber=scrubber)
     spans = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jukebox.breaker import Reservation
+from jukebox.guard.breaker import Reservation
 from jukebox.llm.pricing import PriceTable
 
 BYTES_PER_TOKEN = 4

@@ -25,9 +25,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from jukebox import progress
+from jukebox.display import progress
+from jukebox.display.names import printable
 from jukebox.llm.netns import PrivateNetwork
-from jukebox.names import printable
 
 RESOLV_CONF = "/etc/resolv.conf"
 NOTE_EVENT = "lookup_refused"

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jukebox import isolation
+from jukebox.booth import isolation
 
 T = TypeVar("T")
 

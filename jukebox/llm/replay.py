@@ -33,13 +33,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jukebox.frame import canonical_json
 from jukebox.llm.model_override import model_for
 from jukebox.llm.providers import GEMINI, OPENAI, PREFIXES, replay_endpoint
 from jukebox.llm.recorder import LLM_TURN
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
 from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
+from jukebox.tape.frame import canonical_json
 
 MODES = ("strict", "loose")
 
@@ -317,7 +317,7 @@ class ReplaySource:
         until: int | None = None,
         honor_timing: bool = False,
     ) -> ReplaySource:
-        """Every successful llm_turn frame of `tape` (a jukebox.tape.Tape), through `until`."""
+        """Every successful llm_turn frame of `tape` (a jukebox.tape.tape.Tape), through `until`."""
         exchanges = []
         rewriter: RequestRewriter | None = None
         names: dict[str, str] = {}

@@ -47,9 +47,10 @@ import h11
 import httpx
 import trio
 
-from jukebox import progress
-from jukebox.breaker import Trip
-from jukebox.frame import SPILL_THRESHOLD, canonical_json
+from jukebox.display import progress
+from jukebox.display.names import printable
+from jukebox.display.render import size as human
+from jukebox.guard.breaker import Trip
 from jukebox.llm.budget import worst_case
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
@@ -86,9 +87,8 @@ from jukebox.llm.upstream_client import UpstreamClient
 from jukebox.llm.upstreams import proxy_env, upstreams_from_env
 from jukebox.llm.upstreams import resolve as resolve_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
-from jukebox.names import printable
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
-from jukebox.render import size as human
+from jukebox.tape.frame import SPILL_THRESHOLD, canonical_json
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
 _HOP = frozenset(
@@ -156,7 +156,7 @@ def _without_usage_chunk(events: list[SSEEvent]) -> bytes:
 
 
 def _spills(payload: Mapping[str, Any]) -> bool:
-    """Whether the tape writer moves a value of `payload` to the store (jukebox.frame's
+    """Whether the tape writer moves a value of `payload` to the store (jukebox.tape.frame's
     spill_payload), which makes it flush the store: an fsync."""
     return any(
         len(canonical_json(value)) > SPILL_THRESHOLD
@@ -193,7 +193,7 @@ class ProxyServer:
     the proxy records in all (DEFAULT_RECORD_LIMIT by default). `breaker` needs
     `admit(reservation) -> Trip | None`, `observe(cost_usd=, tokens=, text=, tool_calls=,
     failed=, reservation=, retry=) -> Trip | None` and `release(reservation)` (see
-    jukebox.breaker.CircuitBreaker). `on_trip(trip)` and `on_divergence(divergence)` are
+    jukebox.guard.breaker.CircuitBreaker). `on_trip(trip)` and `on_divergence(divergence)` are
     called once, from a worker thread, as soon as known; `stop_agent(trip)` once too, but only
     after the agent has been sent the refusal that explains the trip (and has read it, or
     TRIP_NOTICE_S has passed).

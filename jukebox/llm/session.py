@@ -36,7 +36,7 @@ T = TypeVar("T")
 class LlmOptions:
     replay: ReplaySource | None = None
     rewriter: RequestRewriter | None = None
-    breaker: Any = None  # jukebox.breaker.CircuitBreaker or anything with admit()/observe()
+    breaker: Any = None  # jukebox.guard.breaker.CircuitBreaker or anything with admit()/observe()
     # Default: upstreams_from_env (the user's *_BASE_URL, else public; `azure` from
     # AZURE_OPENAI_ENDPOINT); named upstreams are more keys (jukebox.llm.upstreams).
     upstreams: Mapping[str, str] | None = None

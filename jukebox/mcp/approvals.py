@@ -29,8 +29,8 @@ def read_answer(tape_dir: Any, booth_id: str, ask_id: str) -> str | None:
 
 def write_answer(tape_dir: Any, booth_id: str, ask_id: str, answer: str) -> None:
     """The operator's answer to question `ask_id` of running booth `booth_id`."""
-    from jukebox.booth import load_record
-    from jukebox.tapedir import check_tape_id
+    from jukebox.booth.supervisor import load_record
+    from jukebox.tape.tapedir import check_tape_id
 
     if not ask_id.startswith("ask-") or not ask_id[4:].isdigit():
         raise UsageError(f"bad call id {ask_id!r}: the booth names its questions ask-N")

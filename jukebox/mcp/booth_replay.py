@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jukebox.control import RequestError
+from jukebox.booth.control import RequestError
 from jukebox.errors import UsageError
 from jukebox.mcp.replay import Frame, GoLive, RecordedServer, mcp_frames, server_names
 

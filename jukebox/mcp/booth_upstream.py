@@ -52,7 +52,7 @@ class BoothReplayUpstream:
 
     async def _ask(self, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """The supervisor's answer; None once the recording has ended (live)."""
-        from jukebox import control
+        from jukebox.booth import control
 
         if self.going_live:
             return None

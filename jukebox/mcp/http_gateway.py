@@ -174,7 +174,7 @@ class HttpGateways:
     # -- what the gateways ask of the booth -----------------------------------------------------
 
     def _record(self, kind: str, payload: dict[str, Any]) -> None:
-        from jukebox.control import RequestError
+        from jukebox.booth.control import RequestError
 
         try:
             self.gate.handle_record({"kind": kind, "payload": self.scrub(payload)})
@@ -182,7 +182,7 @@ class HttpGateways:
             raise HttpGatewayError(str(error)) from None
 
     def _stage(self, server: str, tool: str, args: dict[str, Any]) -> str:
-        from jukebox.control import RequestError
+        from jukebox.booth.control import RequestError
 
         try:
             return self.stage(server, tool, args)

@@ -1,6 +1,6 @@
 """The circuit breaker's rules for tool calls: `--max-tool-calls N` (at most N calls in all) and
 `--max-tool-repeat N` (stop at the Nth identical call in a row: same server, tool and arguments,
-an agent stuck in a loop). A trip is a jukebox.breaker.Trip, recorded as a `breaker` frame."""
+an agent stuck in a loop). A trip is a jukebox.guard.breaker.Trip, recorded as a `breaker` frame."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from jukebox.breaker import Trip
 from jukebox.errors import UsageError
+from jukebox.guard.breaker import Trip
 
 
 @dataclass

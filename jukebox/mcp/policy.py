@@ -25,7 +25,7 @@ from typing import Any
 from jukebox.errors import UsageError
 
 DECISIONS = ("allow", "stage", "deny", "ask")
-# staged_acid and deny are SandboxPolicy(mcp_mode=...)'s values (jukebox.api).
+# staged_acid and deny are SandboxPolicy(mcp_mode=...)'s values (jukebox.api.api).
 MODES = ("staged_acid", "deny", "record")
 
 

@@ -63,8 +63,8 @@ class TapeSink:
     def __init__(self, tape_dir: str | os.PathLike[str] | None, server: str, argv: list[str],
                  policy: dict[str, Any], scrubber: Scrubber,
                  tape_id: str | None = None) -> None:  # fmt: skip
-        from jukebox.tape import TapeWriter
-        from jukebox.tapedir import TapeDir, check_tape_id, make_tape_dir
+        from jukebox.tape.tape import TapeWriter
+        from jukebox.tape.tapedir import TapeDir, check_tape_id, make_tape_dir
         from shadowfs.store import Store
 
         tapes = TapeDir(Path(os.path.realpath(TapeDir.resolve(tape_dir).path)))
@@ -119,8 +119,8 @@ def _new_tape_id(server: str) -> str:
     return f"mcp-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-# A control request is one line of at most jukebox.control.MAX_LINE bytes: a result bigger than
-# this goes to the supervisor in pieces first (`mcp_blob`), and the frame names it.
+# A control request is one line of at most jukebox.booth.control.MAX_LINE bytes: a result bigger
+# than this goes to the supervisor in pieces first (`mcp_blob`), and the frame names it.
 BOOTH_RESULT_LIMIT = 48 * 1024
 # Characters per piece: JSON escapes a character in at most 6 bytes (\uXXXX), so a piece's
 # request stays under the control socket's line limit whatever the result holds.
@@ -146,7 +146,7 @@ class BoothSink:
         self.socket_path = socket_path
 
     def record(self, kind: str, payload: dict[str, Any]) -> None:
-        from jukebox import control
+        from jukebox.booth import control
 
         payload = self._fit(scrub(payload, self.scrubber))
         control.request({"op": "mcp_record", "kind": kind, "payload": payload}, self.socket_path)
@@ -157,7 +157,7 @@ class BoothSink:
         MAX_BLOB, or when the supervisor refuses it, only its size and hash are recorded."""
         import secrets
 
-        from jukebox import control
+        from jukebox.booth import control
 
         value = payload.get("result")
         if value is None:
@@ -179,7 +179,7 @@ class BoothSink:
         return {**payload, "result": {"truncated": True, **ref}}
 
     def stage(self, server: str, tool: str, args: dict[str, Any]) -> str:
-        from jukebox import control
+        from jukebox.booth import control
 
         answer = control.request(
             {"op": "mcp_stage", "server": server, "argv": self.argv, "tool": tool, "args": args},
@@ -190,7 +190,7 @@ class BoothSink:
     def ask(self, server: str, tool: str, args: dict[str, Any], wait: float) -> str:
         """Asks the operator through the booth; "approve", or "deny" (also when no answer came
         within `wait` seconds)."""
-        from jukebox import control
+        from jukebox.booth import control
 
         asked = control.request({"op": "mcp_ask", "server": server, "tool": tool,
                                  "args": args}, self.socket_path)  # fmt: skip

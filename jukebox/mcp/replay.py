@@ -34,8 +34,8 @@ class GoLive(Exception):
 
 def load_frames(tape: str | Path, tape_dir: str | Path | None) -> tuple[Path, list[Frame]]:
     """The tool_call and note frames of a tape (payloads resolved), checked."""
-    from jukebox.tape import Tape
-    from jukebox.tapedir import TapeRef
+    from jukebox.tape.tape import Tape
+    from jukebox.tape.tapedir import TapeRef
     from shadowfs.store import Store
 
     ref = TapeRef.parse(str(tape), tape_dir)

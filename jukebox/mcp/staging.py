@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from jukebox.control import RequestError
+from jukebox.booth.control import RequestError
 from jukebox.mcp.record import FRAME_KINDS, MAX_BLOB, NOTE_EVENTS, blob_ref, wire
 from jukebox.mcp.servers import ServerSpec
 
@@ -78,7 +78,7 @@ class StageGate:
         self.on_change: Callable[[list[StagedCall]], None] | None = None
         self.answer_of: Callable[[str], str | None] | None = None
         # ask_terminal(question, wait): the line the operator typed on the booth's terminal, or
-        # None (no terminal, no answer in time); jukebox.terminal.AgentTerminal.ask.
+        # None (no terminal, no answer in time); jukebox.booth.terminal.AgentTerminal.ask.
         self.ask_terminal: Callable[[str, float], str | None] | None = None
         self._next_ask = 1
         # A replay or fork: the recorded answers (jukebox.mcp.booth_replay.ToolReplay).
@@ -221,7 +221,7 @@ class StageGate:
         """The same question on the booth's terminal; the first answer, from here or from
         `jukebox booth approve`, is the one taken."""
         assert self.ask_terminal is not None
-        from jukebox.names import printable
+        from jukebox.display.names import printable
 
         line = self.ask_terminal(
             printable(f"the agent asks to call {what} ({ask_id}): allow it? [y/N]"), ASK_WAIT

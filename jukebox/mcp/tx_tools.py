@@ -1,4 +1,4 @@
-"""Tool calls in a Python API transaction (`jukebox.transaction`): `await tx.tool(session, name,
+"""Tool calls in a Python API transaction (`jukebox.api.transaction`): `await tx.tool(session, name,
 args)` over an `mcp.ClientSession` under the transaction's `mcp_mode`, and
 `tx.stage_tool_call(tool, args, run)` for tools that are not MCP.
 

@@ -1,6 +1,6 @@
 """The stage gate at a booth's verdict: staged calls run after a commit, dropped at a discard,
-kept in the record of a pending booth (jukebox.booth calls these; jukebox.mcp.staging does the
-work)."""
+kept in the record of a pending booth (jukebox.booth.supervisor calls these; jukebox.mcp.staging
+does the work)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def commit_staged(
 ) -> int:  # fmt: skip
     """Runs the staged calls (those before `checkpoint`, if given) after the files were
     committed; says which ran. Returns 0, or 1 when one failed."""
-    from jukebox.progress import note
+    from jukebox.display.progress import note
 
     chosen = calls_up_to(calls, checkpoint)
     if len(chosen) < len(calls):
@@ -56,7 +56,7 @@ def commit_staged(
 def _alert(message: str) -> None:
     import sys
 
-    from jukebox.names import printable
+    from jukebox.display.names import printable
 
     sys.stderr.write(f"jukebox: {printable(message)}\n")
     sys.stderr.flush()

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from jukebox.control import RequestError
+from jukebox.booth.control import RequestError
 from jukebox.errors import UsageError
 from jukebox.sql import ledger
 from jukebox.sql.server import SqlProxy

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from jukebox.errors import CheckFailed
 
 if TYPE_CHECKING:
-    from jukebox.tapedir import TapeDir
+    from jukebox.tape.tapedir import TapeDir
 
 PREPARED = "prepared"
 COMMITTING = "committing"

@@ -7,7 +7,7 @@ connect), and takes the recorded statements of the connection with its number, i
 A statement whose text (scrubbed as the tape keeps it) or bound parameters differ from the next
 recorded one, or one past the end of the recording, is a divergence: the agent gets an error
 and the connection closes, a `note` frame (`event: divergence`) says what differed and the
-replay stops the agent (jukebox.timetravel).
+replay stops the agent (jukebox.timetravel.timetravel).
 
 What is served: the kept replies of each statement (jukebox.sql.results: row descriptions,
 rows, tags, errors, COPY), exactly as recorded; the acknowledgements (ParseComplete,

@@ -240,7 +240,7 @@ class SqlProxy:
             return False
         if not self.tripped and self.on_trip is not None:
             self.tripped = True
-            from jukebox.breaker import Trip
+            from jukebox.guard.breaker import Trip
 
             trip = Trip("sql_rows_changed", limit, self.rows_changed,
                         f"the agent changed {self.rows_changed} database rows, more than "
@@ -252,7 +252,7 @@ class SqlProxy:
         if self.tripped or self.on_trip is None:
             return
         self.tripped = True
-        from jukebox.breaker import Trip
+        from jukebox.guard.breaker import Trip
 
         trip = Trip("sql_lock_held", limit, round(seconds, 1),
                     f"the booth's transaction on database {name!r} held a lock "

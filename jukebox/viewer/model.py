@@ -1,6 +1,6 @@
 """A tape as the viewer's data: plain JSON, built from what `jukebox log`, `show`, `verify` and
-`diff TAPE_A TAPE_B` already compute (jukebox.render, jukebox.frame_view, Tape.verify,
-jukebox.compare), so the page never re-derives what a frame means.
+`diff TAPE_A TAPE_B` already compute (jukebox.display.render, jukebox.tape.frame_view, Tape.verify,
+jukebox.tape.compare), so the page never re-derives what a frame means.
 
 * `index` is every frame in a few columns (kind, time, cost, one line, markers): small enough
   to send whole for 10,000 frames, so the timeline paints at once and a frame's full view is
@@ -9,7 +9,7 @@ jukebox.compare), so the page never re-derives what a frame means.
 * `facts` is the run at a glance: verdict, breaker trips, checkpoints and rollbacks, exit,
   totals, and the Merkle verification of the whole tape (the project's own `Tape.verify`).
 * `comparison` pairs a tape with a second one (a fork): the shared prefix and the turns that
-  differ, from jukebox.compare.
+  differ, from jukebox.tape.compare.
 
 A damaged tape is shown up to the damage, as `jukebox log` does, with the verification saying
 where it breaks: the frames past it are not vouched for and are not shown.
@@ -39,7 +39,7 @@ def _cost(payload: dict[str, Any]) -> float:
 def _read(frame: Any) -> tuple[str, dict[str, Any]]:
     """A frame's kind and payload; one whose record does not decode (the chain vouches for its
     bytes, a hostile writer chose them) is shown as such instead of failing the page."""
-    from jukebox.tape_errors import TamperedTape
+    from jukebox.tape.errors import TamperedTape
 
     try:
         return frame.kind, frame.payload
@@ -48,14 +48,14 @@ def _read(frame: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _short(text: str) -> str:
-    from jukebox.render import short
+    from jukebox.display.render import short
 
     return short(text, LINE_CHARS)
 
 
 @dataclass
 class TapeView:
-    """One loaded tape (a jukebox.tape.Tape) and what the viewer shows of it."""
+    """One loaded tape (a jukebox.tape.tape.Tape) and what the viewer shows of it."""
 
     tape: Any
     label: str
@@ -69,7 +69,7 @@ class TapeView:
         """Every frame the chain vouches for, column by column: `kind` indexes `kinds`, `t` is
         milliseconds from the first frame, `cost` dollars, `what` the line `jukebox log`
         prints, `tree` 1 where the frame holds a file state."""
-        from jukebox.render import describe
+        from jukebox.display.render import describe
 
         frames = self.frames
         start = frames[0].time_ns if frames else 0
@@ -92,7 +92,7 @@ class TapeView:
 
     def facts(self) -> dict[str, Any]:
         """The run at a glance, and the markers the timeline draws."""
-        from jukebox.render import describe
+        from jukebox.display.render import describe
 
         summary = self.tape.summary()
         marks: list[dict[str, Any]] = []
@@ -169,8 +169,8 @@ class TapeView:
 
     def detail(self, n: int) -> dict[str, Any]:
         """Frame ``n`` in full: `jukebox show`'s view, files as `booth diff` filters them."""
-        from jukebox.frame_view import frame_view
-        from jukebox.review_filter import ReviewFilter
+        from jukebox.review.filter import ReviewFilter
+        from jukebox.tape.frame_view import frame_view
 
         if not 0 <= n < len(self.frames):
             raise IndexError(n)
@@ -178,7 +178,7 @@ class TapeView:
             view = frame_view(self.tape, n, ReviewFilter.from_options((), True))
         except Exception as error:  # a missing or corrupt object, a payload of a shape no
             # reader expects (a tape is someone else's): the frame's own fields, and why.
-            from jukebox.frame_view import _no_headers
+            from jukebox.tape.frame_view import _no_headers
 
             frame = self.frames[n]
             kind, payload = _read(frame)
@@ -203,7 +203,7 @@ def _label(value: Any) -> str | None:
 def comparison(a: TapeView, b: TapeView) -> dict[str, Any]:
     """The report of `jukebox diff A B` as data, with the frames the page highlights: the first
     frame after the shared prefix on each side and the frames of the turns that differ."""
-    from jukebox.compare import compare_tapes
+    from jukebox.tape.compare import compare_tapes
 
     result = compare_tapes(a.tape, b.tape, label_a=a.label, label_b=b.label)
     data = result.to_json()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.api import Jukebox, SandboxPolicy
+from jukebox.api.api import Jukebox, SandboxPolicy
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.api import Jukebox, Report, Tape
+from jukebox.api.api import Jukebox, Report, Tape
 from tests.llm.upstream import FakeUpstream
 
 openai = pytest.importorskip("openai")

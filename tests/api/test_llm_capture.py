@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.api import Jukebox
-from jukebox.breaker import CircuitBreaker
-from jukebox.tape import Tape
+from jukebox.api.api import Jukebox
+from jukebox.guard.breaker import CircuitBreaker
+from jukebox.tape.tape import Tape
 from tests.llm.upstream import FakeUpstream
 
 openai = pytest.importorskip("openai")

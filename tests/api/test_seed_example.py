@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "seed_example.py"
@@ -155,11 +155,11 @@ def test_a_second_process_sees_nothing_while_the_first_is_staged(tmp_path: Path)
 def test_import_jukebox_stays_cheap() -> None:
     code = (
         "import sys, jukebox\n"
-        "heavy = [m for m in ('jukebox.api', 'jukebox.transaction', 'shadowfs.layer', "
+        "heavy = [m for m in ('jukebox.api.api', 'jukebox.api.transaction', 'shadowfs.layer', "
         "'shadowfs.store') if m in sys.modules]\n"
         "print(heavy)\n"
         "jukebox.Jukebox\n"
-        "print('jukebox.api' in sys.modules)\n"
+        "print('jukebox.api.api' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == "[]\nTrue\n"

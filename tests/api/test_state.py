@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.state import FrozenDict, FrozenList, State, StateVersion, freeze, thaw
+from jukebox.api.state import FrozenDict, FrozenList, State, StateVersion, freeze, thaw
 from shadowfs.store import Store
 
 
@@ -84,7 +84,7 @@ def test_a_change_shares_all_but_its_path(store: Store) -> None:
 
 
 def test_hash_collisions_are_handled(monkeypatch: pytest.MonkeyPatch, store: Store) -> None:
-    import jukebox.state as st
+    import jukebox.api.state as st
 
     monkeypatch.setattr(st, "_hash", lambda key: len(key) & 3)  # everything collides
     v = StateVersion.from_mapping({f"k{i}": i for i in range(50)})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.api import BSide, Jukebox, Report, Tape
-from jukebox.tape import Tape as PlainTape
+from jukebox.api.api import BSide, Jukebox, Report, Tape
+from jukebox.tape.tape import Tape as PlainTape
 
 
 def _tape(jb: Jukebox, tape_id: str) -> Tape:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.api import Jukebox, SandboxPolicy
-from jukebox.breaker import BreakerTripped, CircuitBreaker
-from jukebox.tape import Tape
-from jukebox.transaction import Outcome, TransactionClosed
+from jukebox.api.api import Jukebox, SandboxPolicy
+from jukebox.api.transaction import Outcome, TransactionClosed
+from jukebox.guard.breaker import BreakerTripped, CircuitBreaker
+from jukebox.tape.tape import Tape
 from shadowfs.errors import ConflictError
 
 
@@ -123,7 +123,7 @@ def test_rollback_to_restores_memory_and_files_together(jb: Jukebox, work: Path)
     checkpoints = [f for f in tape.frames if f.kind == "checkpoint"]
     assert [c.payload["label"] for c in checkpoints] == ["after-a", "later"]
     # The memory is on the tape: the checkpoint's version loads back from the store.
-    from jukebox.state import StateVersion
+    from jukebox.api.state import StateVersion
 
     saved = StateVersion.load(jb.store, checkpoints[0].payload["state"])
     assert saved.to_dict() == {"step": 1, "plan": {"todo": ["a", "b"]}}
@@ -330,7 +330,7 @@ def test_gc_keeps_every_node_of_a_checkpointed_memory(work: Path) -> None:
          "--grace", "0"], cwd=work, capture_output=True, text=True, timeout=60,
     )
     assert gc.returncode == 0, gc.stderr
-    from jukebox.state import StateVersion
+    from jukebox.api.state import StateVersion
     from shadowfs.store import Store
 
     with Store.open(work / "tapes" / ".jukebox" / "store", create=False) as store:

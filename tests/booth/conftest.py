@@ -65,7 +65,7 @@ def nobody_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     ours = next((Path(sys.prefix) / "lib").glob("python3*/site-packages"))
     (site / "jukebox-dev.pth").write_text(f"import site; site.addsitedir({str(ours)!r})\n")
     python = str(base / "bin" / "python")
-    probe = run_py("import jukebox.isolation, prctl", python=python, user=NOBODY)
+    probe = run_py("import jukebox.booth.isolation, prctl", python=python, user=NOBODY)
     if probe.returncode != 0:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"the system python cannot load the project as nobody: {probe.stderr[-300:]}")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import Tape
-from jukebox.tapedir import TapeDir
+from jukebox.tape.tape import Tape
+from jukebox.tape.tapedir import TapeDir
 from shadowfs import tree
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store
@@ -59,7 +59,7 @@ def test_next_booth_records_a_rewrite_whose_mtime_was_put_back(tmp_path: Path) -
 def test_directory_signatures_spare_the_identities_until_something_changes(
     tmp_path: Path,
 ) -> None:
-    from jukebox.basetree import build_base_tree
+    from jukebox.trees.basetree import build_base_tree
 
     src, tapes = tmp_path / "tree", TapeDir(tmp_path / "tapes")
     for d in ("a", "b"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from tests.booth.conftest import NOBODY
 from tests.booth.test_no_hang import _command, jb, nothing_left
 

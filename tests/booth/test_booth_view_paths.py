@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.booth import run_booth
-from jukebox.booth_paths import BoothPaths
+from jukebox.booth.paths import BoothPaths
+from jukebox.booth.supervisor import run_booth
 from jukebox.errors import UsageError
-from jukebox.realtree import commit_key_dir
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
+from jukebox.trees.realtree import commit_key_dir
 from tests.booth.conftest import NOBODY
 from tests.booth.test_no_hang import jb
 

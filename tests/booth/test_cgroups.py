@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox import cgroups
+from jukebox.booth import cgroups
 from tests.booth.conftest import NOBODY, run_py
 
 pytestmark = pytest.mark.usefixtures("root_only")
@@ -81,7 +81,7 @@ def test_a_killed_supervisors_cgroup_is_removed_by_the_next_booth() -> None:
 
 def test_nobody_cannot_make_one_and_is_told_why(nobody_python: str) -> None:
     proc = run_py(
-        "import json; from jukebox import cgroups;"
+        "import json; from jukebox.booth import cgroups;"
         "cg = cgroups.create('nobody', processes=5, memory=1 << 30);"
         "print(json.dumps([cg.states, cg.dirs]))",
         python=nobody_python,
@@ -97,7 +97,7 @@ def test_nobody_cannot_make_one_and_is_told_why(nobody_python: str) -> None:
 
 PREFORKED_JOINS = r"""
 import json, os, time
-from jukebox import cgroups, isolation
+from jukebox.booth import cgroups, isolation
 cg = cgroups.create("prefork", processes=50, memory=None)
 shim = isolation.PreforkedShim.fork(cg.procs_files)
 members = {}

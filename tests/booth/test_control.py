@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jukebox import control
-from jukebox.control import ControlClient, ControlError, ControlRefused, ControlServer, Peer
+from jukebox.booth import control
+from jukebox.booth.control import ControlClient, ControlError, ControlRefused, ControlServer, Peer
 from tests.conftest import slow
 
 

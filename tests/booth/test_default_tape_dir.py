@@ -41,7 +41,7 @@ def test_booth_run_in_the_tree_records_in_the_data_dir(tmp_path: Path) -> None:
 
 
 def test_python_api_uses_the_same_default(tmp_path: Path) -> None:
-    code = "from jukebox.api import Jukebox; print(Jukebox().tapes.path)"
+    code = "from jukebox.api.api import Jukebox; print(Jukebox().tapes.path)"
     for env, want in (
         (user_env(tmp_path), tmp_path / "data" / "jukebox" / "tapes"),
         ({"JUKEBOX_TAPE_DIR": str(tmp_path / "mine")}, tmp_path / "mine"),

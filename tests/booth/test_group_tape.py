@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from jukebox.booth import GroupTape
-from jukebox.tape import Tape, TapeWriter
+from jukebox.booth.supervisor import GroupTape
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs.store import Store
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.images import Image, ImageError, available, load_image, physical_memory
+from jukebox.booth.images import Image, ImageError, available, load_image, physical_memory
 
 
 def test_shipped_images_load() -> None:
@@ -134,7 +134,7 @@ def test_seccomp_and_cgroup_default_on_and_loosen_by_group(tmp_path: Path) -> No
 
 
 def test_a_recorded_image_with_a_looser_filter_or_no_cgroup_is_a_loosening(tmp_path: Path) -> None:
-    from jukebox.recorded_image import loosenings
+    from jukebox.booth.recorded_image import loosenings
 
     def image(text: str) -> Image:
         spec = tmp_path / "i.toml"
@@ -165,7 +165,7 @@ def test_private_tmp_and_shm_sizes(tmp_path: Path) -> None:
     assert image.tmpfs_sizes(32 << 20) == {"tmp": 32 << 20, "shm": 1 << 20}
     assert dict(image.limits) == {}  # not rlimits
     assert image.policy()["tmp_size"] == 64 << 20
-    from jukebox.recorded_image import loosenings
+    from jukebox.booth.recorded_image import loosenings
 
     spec.with_name("default.toml").write_text("")
     default = load_image(str(spec.with_name("default.toml")))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("root_only")
 
 HELPER = r"""
 import json, os, subprocess, sys
-from jukebox import isolation as iso
+from jukebox.booth import isolation as iso
 cfg = json.loads(sys.argv[1])
 tree = cfg["tree"]
 userns = iso.enter_private_namespace()
@@ -277,7 +277,7 @@ def test_file_size_limit_stops_a_writer_with_sigxfsz_or_efbig(tmp_path: Path) ->
 
 
 def test_images_carry_a_file_size_limit(tmp_path: Path) -> None:
-    from jukebox.images import ImageError, load_image
+    from jukebox.booth.images import ImageError, load_image
 
     assert load_image("host").limits["file_size_bytes"] == 8 << 30
     assert load_image("minimal").limits["file_size_bytes"] == 2 << 30

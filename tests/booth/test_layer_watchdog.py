@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from jukebox import fusectl
-from jukebox.layer_watchdog import LayerStuck, LayerWatchdog
+from jukebox.booth import fusectl
+from jukebox.booth.layer_watchdog import LayerStuck, LayerWatchdog
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 

@@ -35,7 +35,7 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
         "--", "sh", "-c", script,
     )  # fmt: skip
     assert (tree / "a.txt").read_text() == "two\n"  # it ran and committed
-    assert "jukebox.booth" in modules
+    assert "jukebox.booth.supervisor" in modules
     assert _stack(modules) == []
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.scratchdir import socket_dir_prefix
+from jukebox.booth.scratchdir import socket_dir_prefix
 from tests.booth.conftest import NOBODY
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")

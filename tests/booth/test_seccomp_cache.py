@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox import syscall_filter
+from jukebox.booth import syscall_filter
 
 pytestmark = pytest.mark.skipif(
     syscall_filter.unavailable_reason() is not None, reason="no seccomp filters here"
@@ -24,7 +24,7 @@ EVERY_GROUP = list(syscall_filter.GROUPS)
 # keyctl (the keyring group) in a child that installs the program: EPERM under the filter.
 REFUSED_IN_CHILD = r"""
 import ctypes, os, sys
-from jukebox import syscall_filter
+from jukebox.booth import syscall_filter
 program = open(sys.argv[1], "rb").read()
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS

@@ -1,4 +1,4 @@
-"""jukebox.terminal on its own: the operator's settings come back when the supervisor fails.
+"""jukebox.booth.terminal on its own: the operator's settings come back when the supervisor fails.
 
 The booth-level attacks are in tests/reliability/test_escape_terminal.py; this one needs a
 failure in the middle of a run, which only an exception raised on purpose gives.
@@ -21,7 +21,7 @@ import pytest
 # inside `relayed` while its relay thread runs, and reports what its terminal looks like after.
 SCRIPT = r"""
 import json, os, termios
-from jukebox.terminal import AgentTerminal, relayed
+from jukebox.booth.terminal import AgentTerminal, relayed
 
 before = termios.tcgetattr(0)
 term = AgentTerminal.for_caller()

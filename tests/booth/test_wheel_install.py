@@ -74,7 +74,7 @@ def test_the_wheel_holds_the_images_and_not_the_checkout(installed: Path, tmp_pa
     probe = run_isolated(
         installed,
         "-c",
-        "import jukebox, jukebox.images as i; print(jukebox.__file__); print(*i.available())",
+        "import jukebox, jukebox.booth.images as i; print(jukebox.__file__); print(*i.available())",
         cwd=tmp_path,
     )
     assert probe.returncode == 0, probe.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jukebox.llm.server import ProxyServer
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs import tree
 from shadowfs.store import Store
 from tests.export import phoenix as phoenix_server

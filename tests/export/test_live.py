@@ -14,7 +14,7 @@ import pytest
 
 from jukebox.export import otel_ids
 from jukebox.export.otel_send import plan_tape
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.export.phoenix import Phoenix
 from tests.export.test_export_cli import closed_port

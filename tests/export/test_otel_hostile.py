@@ -12,7 +12,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from jukebox.export.otel_mapping import TapeMapper
 from jukebox.export.otel_send import collect_metrics, readable_span, resource
-from jukebox.frame import KNOWN_KINDS
+from jukebox.tape.frame import KNOWN_KINDS
 
 # Kept cheap to draw (Hypothesis's own drawing is most of this test's time).
 texts = st.text(alphabet="ab:/ sk-\u202e\x1b", max_size=12)

@@ -22,7 +22,7 @@ from jukebox.export.otel_send import (
     resource,
     send_spans,
 )
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from tests.export.conftest import ARGV_KEY, ENV_SECRET, KEY_SHAPED, Recorded
 
 

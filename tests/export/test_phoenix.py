@@ -12,7 +12,7 @@ import pytest
 from jukebox.export import otel_ids
 from jukebox.export.otel_live import CAPTURE_ENV, from_environment
 from jukebox.export.otel_send import export_tape
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from tests.export.conftest import ENV_SECRET, KEY_SHAPED, Recorded
 from tests.export.phoenix import Phoenix
 from tests.export.test_export_cli import jukebox

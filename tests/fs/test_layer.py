@@ -507,7 +507,7 @@ def test_group_commit_flushes_in_the_background_and_at_exit(
 
 RAPID_CHECKPOINTS = r"""
 import os, sys
-from jukebox.control import request
+from jukebox.booth.control import request
 i = 0
 while True:
     with open("f%d" % (i % 7), "w") as f:
@@ -526,8 +526,8 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
 
     if os.geteuid() != 0:
         pytest.skip("needs root for the booth's mount namespace")
-    from jukebox.isolation import remove_stale_socket_dirs
-    from jukebox.tape import Tape
+    from jukebox.booth.isolation import remove_stale_socket_dirs
+    from jukebox.tape.tape import Tape
 
     work, tapes = tmp_path / "tree", tmp_path / "tapes"
     work.mkdir()
@@ -571,8 +571,8 @@ def test_booth_killed_during_rapid_checkpoints_leaves_a_verifiable_tape(tmp_path
 def test_booth_base_tree_reuses_the_previous_build(tmp_path: Path) -> None:
     import json
 
-    from jukebox.basetree import build_base_tree, forget_base_paths
-    from jukebox.tapedir import TapeDir
+    from jukebox.tape.tapedir import TapeDir
+    from jukebox.trees.basetree import build_base_tree, forget_base_paths
 
     work = tmp_path / "work"
     (work / "sub").mkdir(parents=True)

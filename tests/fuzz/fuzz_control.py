@@ -10,7 +10,7 @@ import json
 from functools import cache
 from typing import Any
 
-from jukebox.control import ControlServer, Peer, RequestError, validate
+from jukebox.booth.control import ControlServer, Peer, RequestError, validate
 from tests.fuzz.common import Target
 from tests.fuzz.scratch import scratch
 

@@ -13,15 +13,15 @@ import logging
 from functools import cache
 
 from jukebox.errors import JukeboxError
-from jukebox.frame import Frame, frame_id
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.frame import Frame, frame_id
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs.errors import ShadowfsError
 from shadowfs.store import Store
 from tests.fuzz.common import Target
 from tests.fuzz.scratch import scratch
 
 # open_append logs the torn tail it cuts; thousands of fuzz inputs would flood stderr.
-logging.getLogger("jukebox.tape").setLevel(logging.ERROR)
+logging.getLogger("jukebox.tape.tape").setLevel(logging.ERROR)
 
 
 @cache

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.control import ControlServer, Peer, RequestError, validate
-from jukebox.frame import Frame, encode_frame, frame_id
-from jukebox.tape_errors import TamperedTape
+from jukebox.booth.control import ControlServer, Peer, RequestError, validate
+from jukebox.tape.errors import TamperedTape
+from jukebox.tape.frame import Frame, encode_frame, frame_id
 from shadowfs.errors import StoreError
 from shadowfs.store import Store
 from tests.fuzz.common import run_short

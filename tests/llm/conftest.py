@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from jukebox.llm.server import ProxyServer
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs.store import Store
 from tests.llm.upstream import FakeUpstream
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.llm.conftest import ANTHROPIC_KEY, OPENAI_KEY
 from tests.llm.upstream import FakeUpstream

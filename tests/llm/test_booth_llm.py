@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.llm.conftest import ANTHROPIC_KEY, OPENAI_KEY
 from tests.llm.upstream import FakeUpstream
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="booths here run as ro
 # Runs a booth replaying a tape, in a fresh process (a booth must start single-threaded).
 REPLAY_DRIVER = """
 import json, sys
-from jukebox.booth import run_booth
+from jukebox.booth.supervisor import run_booth
 from jukebox.llm.replay import ReplaySource
 from jukebox.llm.session import LlmOptions
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 tape_path, store_path, tree, tape_dir, mode, *argv = sys.argv[1:]
 with Store.open(store_path) as store:

@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
-from jukebox.breaker import CircuitBreaker
+from jukebox.guard.breaker import CircuitBreaker
 from jukebox.llm.placeholder_keys import placeholder_env
 from jukebox.llm.replay import Divergence, ReplaySource
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.server import ProxyServer
-from jukebox.tape import Frame, Tape
+from jukebox.tape.tape import Frame, Tape
 from shadowfs.store import Store
 from tests.llm import client_agents
 from tests.llm.conftest import ANTHROPIC_KEY, OPENAI_KEY, Recording

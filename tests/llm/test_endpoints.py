@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
+from jukebox.display.render import describe
 from jukebox.errors import UsageError
 from jukebox.llm.providers import DEFAULT_UPSTREAMS
 from jukebox.llm.replay import ReplaySource
 from jukebox.llm.server import MAX_WARNINGS, ProxyServer, upstreams_from_env
-from jukebox.render import describe
 from tests.llm.conftest import OPENAI_KEY, Recording, clients
 from tests.llm.upstream import FakeUpstream
 
@@ -114,7 +114,7 @@ def _seqs(recording: Recording) -> list[dict[str, int]]:
 
 
 def test_free_endpoints_do_not_count_as_turns(upstream: FakeUpstream, recording: Recording) -> None:
-    from jukebox.breaker import CircuitBreaker
+    from jukebox.guard.breaker import CircuitBreaker
 
     breaker = CircuitBreaker.from_options(max_turns=1)
     with recording.proxy(upstream, breaker=breaker) as proxy:

@@ -13,7 +13,7 @@ import pytest
 from jukebox.llm.replay import ReplaySource
 from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.server import ProxyServer
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.tape import Tape, TapeWriter
 from tests.llm.conftest import Recording
 from tests.llm.upstream import FakeUpstream
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jukebox.llm.lookups import MAX_HOSTS, nameservers, question, refusal, sender, warning
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 
 JUKEBOX = str(Path(sys.executable).parent / "jukebox")

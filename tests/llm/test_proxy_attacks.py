@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from jukebox.breaker import CircuitBreaker
+from jukebox.guard.breaker import CircuitBreaker
 from jukebox.llm.server import ProxyServer
 from jukebox.redact import REDACTED
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.booth.conftest import NOBODY, nobody_python, run_py  # noqa: F401 (a fixture)
 from tests.llm.conftest import OPENAI_KEY, Recording, clients

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from jukebox.llm.server import ProxyServer
-from jukebox.tape import TapeWriter
+from jukebox.tape.tape import TapeWriter
 from shadowfs.store import Store
 from tests.llm import scenario
 from tests.llm.upstream import FakeUpstream

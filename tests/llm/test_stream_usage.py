@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from jukebox.breaker import CircuitBreaker
+from jukebox.guard.breaker import CircuitBreaker
 from jukebox.llm.replay import ReplaySource
 from tests.llm.conftest import Recording, clients, direct_urls
 from tests.llm.test_replay import events_per_chunk, raw_chunks

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from jukebox.breaker import CircuitBreaker
+from jukebox.guard.breaker import CircuitBreaker
 from tests.llm.conftest import Recording, clients
 from tests.llm.upstream import FakeUpstream
 

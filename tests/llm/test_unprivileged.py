@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.booth.conftest import NOBODY, nobody_dir, nobody_python  # noqa: F401 (fixtures)
 from tests.llm.conftest import OPENAI_KEY

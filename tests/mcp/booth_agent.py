@@ -24,7 +24,7 @@ import anyio
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from jukebox import control
+from jukebox.booth import control
 
 
 def say(**fields: object) -> None:

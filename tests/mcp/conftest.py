@@ -62,7 +62,7 @@ async def wrapped(
 
 def payloads(tape: Path, kind: str | None = None, event: str | None = None) -> list[dict]:
     """The payloads (spilled values loaded back) of a tape's frames of `kind` (and `event`)."""
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
     from shadowfs.store import Store
 
     with Store.open(tape.parent / ".jukebox" / "store") as store:

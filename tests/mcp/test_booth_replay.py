@@ -124,7 +124,7 @@ def test_fork_overrides_a_tool_result_and_goes_live_after_it(recorded: dict) -> 
 
 
 def _frames(tape: Path) -> list[tuple[str, dict]]:
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
     from shadowfs.store import Store
 
     with Store.open(tape.parent / ".jukebox" / "store") as store:

@@ -89,7 +89,7 @@ def test_deny_mode_refuses_tool_calls_that_are_not_read_only(tmp_path: Path) -> 
 
 
 def test_the_log_names_the_server_and_the_decision() -> None:
-    from jukebox.render import describe
+    from jukebox.display.render import describe
 
     staged = {"server": "memory", "tool": "create_entities", "args": {"n": 1},
               "decision": "stage", "staged_id": "stage-2"}  # fmt: skip

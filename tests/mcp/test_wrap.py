@@ -97,7 +97,7 @@ def test_memory_server_calls_are_forwarded_and_recorded(tmp_path: Path) -> None:
 
 
 def _seqs(tape: Path) -> list[int]:
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
 
     return [f.seq for f in Tape.load(tape).intact_frames if f.kind == "tool_call"]
 

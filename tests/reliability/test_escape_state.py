@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.realtree import commit_key, commit_key_dir
+from jukebox.trees.realtree import commit_key, commit_key_dir
 from tests.reliability.conftest import AGENT_PYTHON, JUKEBOX, NOBODY, booth_argv, jb
 
 SECRET = "API_KEY=sk-state-canary-0600"
@@ -158,7 +158,7 @@ def _attacked_booth(work: Path, fs: str) -> Run:
         paths = {
             "state_dir": str(tapes / ".jukebox" / "booths"),
             "scratch": str(scratch / "upper" / "sid") if fs == "overlay" else str(scratch),
-            # Where the supervisor's namespace holds the layer (jukebox.scratchdir).
+            # Where the supervisor's namespace holds the layer (jukebox.booth.scratchdir).
             "proc_root": f"/proc/{supervisor}/root{tapes}/.jukebox/mnt/{booth_id}/sid",
         }
         attacker = subprocess.run(

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox import private_dev
+from jukebox.booth import private_dev
 from tests.conftest import slow
 from tests.reliability.conftest import AGENT_PRELUDE, AGENT_PYTHON, JUKEBOX, NOBODY, booth_argv, jb
 

@@ -33,7 +33,7 @@ from subprocess import Popen
 
 import pytest
 
-from jukebox.scratchdir import socket_dir_prefix
+from jukebox.booth.scratchdir import socket_dir_prefix
 from shadowfs import tree as treemod
 from shadowfs.commit import apply
 from shadowfs.errors import ShadowfsError, TreeError
@@ -965,7 +965,7 @@ def test_forged_pending_booth_and_tape_are_refused_cleanly(
     with Store.open(tapes / ".jukebox" / "store") as s:
         bad = s.put("tree", _hostile(s, b"../../escaped"))
         s.flush()
-        from jukebox.tape import TapeWriter
+        from jukebox.tape.tape import TapeWriter
 
         with TapeWriter.open_append(str(tapes / "f1.jbx"), s) as w:
             forged = w.append("fs", {"reason": "forged"}, tree=bad).seq

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.names import name_json, printable, visible
+from jukebox.display.names import name_json, printable, visible
 from tests.booth.conftest import nobody_dir  # noqa: F401  (fixture)
 from tests.booth.test_booth_ask import run_on_a_terminal
 from tests.reliability.conftest import (

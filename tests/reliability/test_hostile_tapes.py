@@ -230,7 +230,7 @@ def test_an_edited_booth_record_commits_nothing_anywhere(home: Path) -> None:
 def forge_consistently(home: Path) -> dict:
     """What a sender who rewrites tape and record together makes: the tape's run_start names
     the victim dir as its tree, so the record pointing there matches it field for field."""
-    from jukebox.tape import Tape, TapeWriter
+    from jukebox.tape.tape import Tape, TapeWriter
     from shadowfs.store import Store
 
     victim = str(home / "victim")
@@ -287,7 +287,7 @@ def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path)
     tree.mkdir()
     elsewhere.mkdir()
     (tree / "a.txt").write_text("a\n")
-    from jukebox.images import load_image
+    from jukebox.booth.images import load_image
 
     secret = json.dumps(list(load_image(None).env_secret))  # the built-in's: tighter limits only
     (tmp_path / "mine.toml").write_text(
@@ -306,8 +306,8 @@ def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path)
                "--image", "./mine.toml", "--", sys.executable, "-c",
                "open('b.txt', 'w').write('b')", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    from jukebox.recorded_image import content_hash, image_from_record
-    from jukebox.tape import Tape
+    from jukebox.booth.recorded_image import content_hash, image_from_record
+    from jukebox.tape.tape import Tape
 
     start = Tape.load(tapes / "m.jbx").frames[0].payload
     recorded = start["sandbox_image"]
@@ -347,7 +347,7 @@ def test_a_custom_image_is_replayed_and_forked_and_never_swapped(tmp_path: Path)
 def _function_tape(tape_dir: Path, module: str, file: str | None, tree_files: dict) -> Path:
     """A tape whose run_start names a tracked function `module:agent` and whose base tree holds
     `tree_files`: what a sender controls."""
-    from jukebox.tape import TapeWriter
+    from jukebox.tape.tape import TapeWriter
     from shadowfs.store import Store
     from shadowfs.tree import Entry, encode_tree
 
@@ -374,7 +374,7 @@ def test_replay_and_diff_never_imports_code_the_tape_brought(
 ) -> None:
     """A notebook or `python -c` has '' (the cwd) on sys.path: a module the tape's tree holds
     must not be imported from the scratch copy, nor a module file inside the tape dir run."""
-    from jukebox.api import Tape
+    from jukebox.api.api import Tape
 
     monkeypatch.syspath_prepend("")
     marker = tmp_path / "pwned"

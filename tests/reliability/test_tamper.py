@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from jukebox.errors import JukeboxError
-from jukebox.tape import HEADER_SIZE, Tape, TapeWriter
+from jukebox.tape.tape import HEADER_SIZE, Tape, TapeWriter
 from shadowfs.errors import StoreError
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store, encode_chunks

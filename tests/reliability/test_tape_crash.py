@@ -27,8 +27,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from jukebox.tape import HEADER_SIZE, Tape, TapeWriter
-from jukebox.tape_errors import TornTape
+from jukebox.tape.errors import TornTape
+from jukebox.tape.tape import HEADER_SIZE, Tape, TapeWriter
 from shadowfs.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ SEED = int(os.environ.get("JUKEBOX_TAPE_CRASH_SEED", "99"))
 WRITER = textwrap.dedent(
     """
     import os, random, sys
-    from jukebox.tape import TapeWriter
+    from jukebox.tape.tape import TapeWriter
     from shadowfs.store import Store
     path, store_dir, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rng = random.Random(seed)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster, wait_for
 

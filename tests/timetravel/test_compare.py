@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from jukebox.compare import compare_tapes, prompt_text
-from jukebox.tape import Tape, TapeWriter
+from jukebox.tape.compare import compare_tapes, prompt_text
+from jukebox.tape.tape import Tape, TapeWriter
 from shadowfs.store import Store
 from shadowfs.tree import build_tree
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from jukebox.tape import HEADER_SIZE, ID_SIZE, LENGTH, Tape
+from jukebox.tape.tape import HEADER_SIZE, ID_SIZE, LENGTH, Tape
 from shadowfs.store import Store
 from tests.timetravel.conftest import AGENT, Recording
 

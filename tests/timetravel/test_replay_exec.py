@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from jukebox.tape import Tape
-from jukebox.timetravel import checkpoint_marks, same_files
+from jukebox.tape.tape import Tape
+from jukebox.timetravel.timetravel import checkpoint_marks, same_files
 from shadowfs.store import Store
 from tests.timetravel.conftest import Recording
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from jukebox.llm.placeholder_keys import PLACEHOLDER_KEY
-from jukebox.tape import Tape
+from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 from tests.timetravel.conftest import JUKEBOX, Recording
 

@@ -49,7 +49,7 @@ def jukebox(
 def tapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tapes]:
     if os.geteuid() != 0:
         pytest.skip("booths here run as root")
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
 
     root = tmp_path_factory.mktemp("viewer")
     tree, tapes_dir = root / "tree", root / "tapes"

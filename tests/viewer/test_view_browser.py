@@ -237,7 +237,7 @@ def build_long_tape(path: Path, store: Any, frames: int) -> None:
     """A run of ``frames`` frames (model calls, tool calls, checkpoints, agent turns), written
     straight to a tape: only the page is under test here. One call near the end carries a long
     system prompt (the rest stay small: a large value goes to the store, one fsync each)."""
-    from jukebox.tape import TapeWriter
+    from jukebox.tape.tape import TapeWriter
 
     t = 1_767_225_600_000_000_000
     with TapeWriter.create(path, store, "big", fsync=False) as w:
@@ -274,7 +274,7 @@ def test_a_10000_frame_tape_draws_only_the_rows_in_view(
 ) -> None:
     """10,000 frames in one file: the timeline holds only the rows in view, the last frame
     opens from the last block, a long prompt is cut until asked for whole."""
-    from jukebox.tape import Tape
+    from jukebox.tape.tape import Tape
     from jukebox.viewer import page as viewer_page
     from jukebox.viewer.model import TapeView
     from shadowfs.store import Store

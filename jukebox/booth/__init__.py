@@ -1,0 +1,1 @@
+"""One sandboxed run: the supervisor, its isolation, its layer, and the booth commands."""

@@ -1,0 +1,178 @@
+"""What one run adds to its image's view of the host: `--rw`, `--ro`, `--hide`, `--no-private-tmp`.
+
+The image decides what the agent sees of the host (read-only, with hidden paths and a private
+/tmp); these flags adjust it for one run without writing an image:
+
+* ``--ro PATH`` shows PATH as the host has it, read-only (executable): a script or a tool under
+  the private /tmp, a directory the image hides.
+* ``--rw PATH`` lets the agent write PATH on the host directly: a virtualenv outside the tree
+  that `pip install -e .` writes to, a cache. It is a hole in the booth: those writes are not
+  staged, not recorded, not undone by a rollback or a discard (docs/booth.md, threat model).
+  So it is refused where it would undo what the booth protects: the tree (written through the
+  layer), the tape dir (hidden from the agent), the directory of this user's commit key (never
+  reachable from a booth) — each in either direction, since write access to an ancestor lets
+  the agent rename it away and put a directory of its own in its place — and the kernel's
+  /proc, /sys and the booth's own /dev.
+* ``--hide PATH`` covers PATH as the image's `hide` list does.
+* ``--no-private-tmp`` shows the host's /tmp (read-only like the rest of the host).
+
+The kept paths are bind mounts of the host's paths, taken before anything is covered and put
+back on top of the covers, as the tree is (jukebox.booth.isolation.build_view); covers inside them
+go on top again. Everything here is recorded in run_start under ``policy.paths``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from jukebox.errors import UsageError
+
+# The kernel's and the booth's own: never a host path to keep.
+NOT_HOST = ("/proc", "/sys", "/dev")
+
+
+def _is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _overlap(a: str, b: str) -> bool:
+    return _is_under(a, b) or _is_under(b, a)
+
+
+def _resolved(flag: str, paths: Iterable[str]) -> tuple[str, ...]:
+    out: list[str] = []
+    for given in paths:
+        path = os.path.realpath(os.path.abspath(os.path.expanduser(given)))
+        if not os.path.lexists(path):
+            raise UsageError(f"{flag} {given}: no such file or directory; give an existing path")
+        if path not in out:
+            out.append(path)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BoothPaths:
+    rw: tuple[str, ...] = ()
+    ro: tuple[str, ...] = ()
+    hide: tuple[str, ...] = ()
+    private_tmp: bool | None = None  # None: as the image says; False: --no-private-tmp
+
+    @classmethod
+    def from_options(
+        cls,
+        rw: Iterable[str] = (),
+        ro: Iterable[str] = (),
+        hide: Iterable[str] = (),
+        no_private_tmp: bool = False,
+    ) -> BoothPaths:
+        """The flags as given, each path resolved (symlinks too) and required to exist."""
+        paths = cls(
+            _resolved("--rw", rw),
+            _resolved("--ro", ro),
+            _resolved("--hide", hide),
+            False if no_private_tmp else None,
+        )
+        both = sorted(set(paths.rw) & set(paths.ro))
+        if both:
+            raise UsageError(f"--rw and --ro both name {both[0]}: keep one")
+        return paths
+
+    def check(self, tree: str, tape_dir: str, key_dir: str) -> None:
+        """Refuses (UsageError) a kept path the booth must not open up, and hiding the tree."""
+        for flag, paths in (("--rw", self.rw), ("--ro", self.ro)):
+            for path in paths:
+                # A read-only view of an ancestor keeps the covers below it; write access to
+                # one does not (rename it, put another in its place), hence `_overlap` for rw.
+                clash = _overlap if flag == "--rw" else _is_under
+                kernel = next((k for k in NOT_HOST if _is_under(path, k)), None)
+                if kernel is not None:
+                    raise UsageError(
+                        f"{flag} {path}: {kernel} is the kernel's or the booth's own, not a host "
+                        "path a booth can keep"
+                    )
+                if clash(path, tree):
+                    raise UsageError(
+                        f"{flag} {path} overlaps the tree {tree}: the agent works on the tree "
+                        "through the booth's layer, which records and can undo every change; "
+                        "drop the flag (or pick a path outside the tree)"
+                    )
+                if clash(path, tape_dir):
+                    raise UsageError(
+                        f"{flag} {path} overlaps the tape dir {tape_dir}, which every booth "
+                        "hides from its agent; pick a path outside it"
+                    )
+                if clash(path, key_dir):
+                    raise UsageError(
+                        f"{flag} {path} overlaps {key_dir}, which holds your commit key: no "
+                        "booth ever reaches it; pick a path outside it"
+                    )
+        for path in self.hide:
+            if path == tree:
+                raise UsageError(
+                    f"--hide {path} is the tree itself: the booth shows the agent its tree "
+                    "whatever is hidden; hide paths inside it or around it"
+                )
+
+    def policy(self) -> dict[str, Any]:
+        """What run_start records (``policy.paths``)."""
+        return {
+            "rw": list(self.rw),
+            "ro": list(self.ro),
+            "hide": list(self.hide),
+            "no_private_tmp": self.private_tmp is False,
+        }
+
+
+# Bounds the walk after a run: a --rw over a huge directory must not make every run slow.
+SET_ID_WALK_LIMIT = 200_000
+
+
+def strip_set_id(paths: Iterable[str], since_ns: int) -> tuple[list[str], bool]:
+    """Takes the set-user-ID and set-group-ID bits off every regular file under `paths` whose
+    status changed at or after `since_ns` (the run's start): what the agent left there. Inside
+    the booth every mount is nosuid, but on the host a root agent's `chmod 4755` copy of a
+    shell in a --rw directory would be a setuid-root program anyone could run, as a booth
+    commit never lets through. Returns (the files changed, whether the walk stopped at
+    SET_ID_WALK_LIMIT entries). Never follows a symlink; call it once nothing of the booth
+    runs any more."""
+    stripped: list[str] = []
+    seen = 0
+    for top in paths:
+        for root, dirs, files in os.walk(top):
+            for name in (*files, *dirs):
+                seen += 1
+                if seen > SET_ID_WALK_LIMIT:
+                    return stripped, True
+                path = os.path.join(root, name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    continue
+                if not (stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID)):
+                    continue
+                if st.st_ctime_ns < since_ns:
+                    continue  # the user's own, from before the run
+                if _drop_set_id(path):
+                    stripped.append(path)
+    return stripped, False
+
+
+def _drop_set_id(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

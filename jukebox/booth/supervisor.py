@@ -1,0 +1,2294 @@
+"""One sandboxed run: the booth supervisor, its verdict, and the pending booths it leaves behind.
+
+`run_booth` is the whole life of a booth, in this order:
+
+1. open the store and a new tape; hash the real tree (the base tree); write run_start (argv, cwd,
+   image and policy, base tree, host facts, the environment's names — never its values);
+2. record the booth in `<tape dir>/.jukebox/booths/<id>.json` (status `running`), so even a crash
+   leaves a trace `jukebox booth ls` can show;
+3. block the signals it will wait for, then enter a private mount namespace (a user namespace
+   too when not root) — before any thread exists, as the kernel demands;
+4. mount the copy-on-write layer over the tree's own path (the layer reaches the real tree
+   through an fd opened before the mount), start the control socket, start CMD through the
+   isolation shim (tape dir hidden, host read-only, capabilities cut, limits set);
+5. wait: the first Ctrl-C reaches the agent, a second one kills it; `--checkpoint-every` takes
+   automatic checkpoints; checkpoints and rollbacks from inside arrive over the socket;
+6. on exit: kill stragglers, snapshot (an `fs` frame), an `exit` frame (status, signal,
+   rusage), the verifier inside the booth (a `verify` frame with its output, truncated);
+7. unmount, then the verdict: `auto` commits (a `commit` frame) when CMD exited 0 and the
+   verifier passed, else rolls back (a `rollback` frame and an alert); `ask` shows the diff and
+   asks; `never` — or any interruption — keeps the booth pending for `jukebox booth commit ID`.
+
+The layer is a seam (`BoothLayer`): the FUSE layer and the kernel overlay both fit behind it,
+and so can anything else that mounts a snapshot-able view at a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import itertools
+import json
+import os
+import platform
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import termios
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from jukebox.booth import isolation
+from jukebox.booth.cgroups import BoothCgroup
+from jukebox.booth.control import SOCKET_ENV, ControlServer, Peer, RequestError
+from jukebox.booth.images import Image, load_image
+from jukebox.booth.paths import SET_ID_WALK_LIMIT, BoothPaths, strip_set_id
+from jukebox.booth.protections import Protections, booth_protections, strict_refusal
+from jukebox.booth.record_binding import bound_tape, record_seal
+from jukebox.booth.recorded_image import image_record
+from jukebox.booth.scratchdir import (
+    booth_scratch,
+    layer_mountpoint,
+    remove_scratch,
+    socket_dir_prefix,
+)
+from jukebox.booth.terminal import AgentTerminal, relayed, send_to_agent
+from jukebox.booth.view_denials import OutputTail, StderrTee, view_denials
+from jukebox.display.progress import note
+from jukebox.errors import CheckFailed, JukeboxError, UsageError
+from jukebox.tape.tapedir import (
+    TapeDir,
+    check_tape_id,
+    make_tape_dir,
+    remove_unused_tape_dir,
+)
+from jukebox.trees.basetree import build_base_tree, forget_committed, known_files
+from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from jukebox.llm.session import LlmOptions
+
+COMMIT_MODES = ("auto", "ask", "never")
+# Not a --commit choice: replays and forks run scratch booths that end discarded, quietly,
+# with a `discard` frame (no "kept pending" notice for a booth nobody will ever commit).
+DISCARD = "discard"
+FS_KINDS = ("fuse", "overlay")
+VERIFY_OUTPUT_MAX = 64 * 1024
+BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
+TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
+BREAKER_GRACE_S = 3.0  # seconds an agent stopped by the circuit breaker gets before SIGKILL
+# SIGWINCH: the operator's window changed; the agent's pty follows (jukebox/booth/terminal.py).
+WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
+# A SIGCHLD taken by a thread that does not block it (one started before the mask was set, or
+# by a library) is discarded, and a wait that trusted it alone would sleep on: the booth's waits
+# look at the child again at least this often.
+CHILD_POLL_SECONDS = 1.0
+
+
+class BoothError(JukeboxError):
+    pass
+
+
+# --------------------------------------------------------------------------- the layer seam
+
+
+class BoothLayer(Protocol):
+    """What the supervisor needs from a copy-on-write layer mounted over the tree."""
+
+    def mount(self) -> None:
+        """Serve base + layer at `LayerContext.mountpoint`, in the current mount namespace."""
+
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        """(tree id, write-journal blob id or None) of the layer now; objects are in the store."""
+
+    def restore(self, tree_id: ObjectId) -> None:
+        """Make the mounted view show `tree_id`, while processes keep running."""
+
+    def unmount(self) -> None: ...
+
+    def discard(self) -> None:
+        """Remove the layer's scratch state; the real tree is untouched."""
+
+    # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
+    # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
+    # Optional: `scratch_usage() -> (staged bytes, limit or None)`, for `booth status`.
+
+
+@dataclass
+class LayerContext:
+    fs: str
+    tree: str  # real path of the tree
+    tree_fd: int  # opened before the namespace and the mount
+    store: Any
+    scratch: Path  # empty, outside the tree, hidden from the agent
+    base_tree: ObjectId
+    userns: bool
+    # The most the layer may stage (apparent bytes); None: no limit. FUSE layers only.
+    scratch_limit: int | None = None
+    # Where the layer is served in the supervisor's namespace; the agent's view puts it at
+    # `tree` (ChildSpec.mount_at). None: at `tree` itself.
+    mountpoint: str | None = None
+
+
+LayerFactory = Callable[[LayerContext], BoothLayer]
+
+
+class _OverlayBoothLayer:
+    def __init__(self, ctx: LayerContext) -> None:
+        from shadowfs.overlay import OverlayLayer
+
+        self.mountpoint = ctx.mountpoint or ctx.tree
+        self.inner = OverlayLayer(
+            ctx.tree, ctx.store, ctx.scratch, ctx.base_tree, userxattr=ctx.userns
+        )
+
+    def mount(self) -> None:
+        self.inner.mount(self.mountpoint)
+
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        return self.inner.snapshot(), None
+
+    def restore(self, tree_id: ObjectId) -> None:
+        self.inner.restore(tree_id)
+
+    def unmount(self) -> None:
+        self.inner.unmount(lazy=True)
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+
+class _FuseBoothLayer:
+    """shadowfs.layer.Layer served by shadowfs.fuse from a background thread."""
+
+    def __init__(self, ctx: LayerContext) -> None:
+        from shadowfs.layer import Layer
+
+        self.mountpoint = ctx.mountpoint or ctx.tree
+        self.scratch = ctx.scratch
+        self.layer = Layer(
+            ctx.tree, ctx.store, ctx.scratch, base_tree=ctx.base_tree,
+            scratch_limit=ctx.scratch_limit,
+        )
+        self._mount: Any = None
+        self._watchdog: Any = None
+
+    def _waiting_on_layer(self, what: str) -> contextlib.AbstractContextManager[None]:
+        watchdog = self._watchdog
+        return watchdog.blocking(what) if watchdog is not None else contextlib.nullcontext()
+
+    def scratch_usage(self) -> tuple[int, int | None]:
+        # Read without the layer lock: an int the workers replace whole.
+        return self.layer.scratch_bytes, self.layer.scratch_limit
+
+    def watch_refused_writes(self, callback: Callable[[OSError], None]) -> None:
+        """``callback(error)`` when the mount refuses a write the agent's kernel had already
+        taken (the scratch limit, or a full scratch disk). Called on a mount worker under the
+        layer lock, so it must hand the work off."""
+        self.layer.on_write_refused = callback
+
+    def mount(self) -> None:
+        from jukebox.booth.fusectl import connection_at
+        from jukebox.booth.layer_watchdog import LayerWatchdog
+        from shadowfs import fuse
+
+        self._mount = fuse.mount(self.layer, self.mountpoint).start()
+        connection = connection_at(os.path.realpath(self.mountpoint))
+        if connection is not None:
+            self._watchdog = LayerWatchdog(connection).start()
+
+    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+        # A group commit (routed to the FUSE thread while mounted): the tape flushes the store
+        # before any frame naming these objects is written (GroupTape).
+        with self._waiting_on_layer("a snapshot"):
+            return self.layer.snapshot(durable=False)  # type: ignore[no-any-return]
+
+    def restore(self, tree_id: ObjectId) -> None:
+        with self._waiting_on_layer("a rollback"):
+            (self._mount or self.layer).restore(tree_id)
+
+    def unmount(self) -> None:
+        if self._mount is not None:
+            mount, self._mount = self._mount, None
+            with self._waiting_on_layer("the unmount"):
+                mount.stop()
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+
+    def discard(self) -> None:
+        self.layer.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def default_layer_factory(ctx: LayerContext) -> BoothLayer:
+    if ctx.fs == "overlay":
+        return _OverlayBoothLayer(ctx)
+    try:
+        return _FuseBoothLayer(ctx)
+    except ImportError as error:
+        raise BoothError(
+            f"the FUSE layer is not available in this build ({error}); run with --fs overlay"
+        ) from None
+
+
+# --------------------------------------------------------------------------- pending booths
+
+
+@dataclass
+class BoothRecord:
+    id: str
+    tree: str
+    base_tree: str
+    tape: str
+    created: float
+    status: str  # running | pending | conflict
+    name: str | None = None
+    final_tree: str | None = None
+    pid: int | None = None
+    agent_status: int | None = None
+    verify: dict[str, Any] | None = None
+    note: str | None = None
+    # The tree's directory as the booth opened it (see jukebox.trees.realtree); also in run_start.
+    tree_dev: int | None = None
+    tree_ino: int | None = None
+    # This user's keyed hash of the fields a commit acts on
+    # (jukebox.booth.record_binding.record_seal): only a booth this user ran here is ever committed
+    # from its record.
+    seal: str | None = None
+    # MCP calls staged and not yet run, and the declared servers they go to (jukebox.mcp.verdict).
+    mcp_staged: list[dict[str, Any]] | None = None
+    mcp_servers: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _record_path(tape_dir: TapeDir, booth_id: str) -> Path:
+    return tape_dir.booths_path / f"{check_tape_id(booth_id)}.json"
+
+
+def save_record(tape_dir: TapeDir, record: BoothRecord) -> None:
+    record.seal = record_seal(record)
+    path = _record_path(tape_dir, record.id)
+    tape_dir.private_dir(path.parent.name)
+    tmp = path.with_suffix(".json.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        json.dump(record.to_json(), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
+    path = _record_path(tape_dir, booth_id)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        _raise_if_finished(tape_dir, booth_id)
+        raise UsageError(
+            f"no pending booth {booth_id!r} in {tape_dir.path}: list them with "
+            f"`jukebox booth ls --tape-dir {tape_dir.path}`"
+        ) from None
+    except ValueError:
+        data = None
+    try:
+        return BoothRecord(**data)  # type: ignore[arg-type]
+    except TypeError:
+        # A record is a plain file beside the tapes: anyone who handed over the dir wrote it.
+        raise CheckFailed(
+            f"{path} is not a booth record (not JSON, or keys a booth never writes): nothing "
+            "was done; remove it by hand if it is not yours"
+        ) from None
+
+
+def this_process() -> dict[str, int]:
+    """pid, uid, gid of this process, as a checkpoint frame's `peer` names its requester."""
+    return Peer(os.getpid(), os.getuid(), os.getgid()).as_dict()
+
+
+def _raise_if_finished(tape_dir: TapeDir, booth_id: str) -> None:
+    """A booth asked for after its verdict: exit 1 saying when and by what it was finished."""
+    from jukebox.booth.finished import finished_booth
+
+    finished = finished_booth(tape_dir, booth_id)
+    if finished is not None:
+        raise CheckFailed(finished)
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_booths(tape_dir: TapeDir) -> list[BoothRecord]:
+    out = []
+    if not tape_dir.booths_path.is_dir():
+        return out
+    for path in sorted(tape_dir.booths_path.glob("*.json")):
+        try:
+            record = BoothRecord(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            continue
+        if record.status == "running" and not _alive(record.pid):
+            record.status = "crashed"  # its supervisor died: commit a checkpoint, or discard
+        # Trust matters for what could be committed: a crashed booth can only be discarded, and
+        # another user's crashed booth is still crashed (not `foreign`) to whoever cleans up.
+        elif record.status != "running":
+            record.status = _trust_status(tape_dir, record) or record.status
+        out.append(record)
+    return out
+
+
+def _trust_status(tape_dir: TapeDir, record: BoothRecord) -> str | None:
+    """`tampered` when the record does not match its tape (or the tape's chain breaks),
+    `foreign` when it does but carries no seal of this user's (a received booth: never
+    committed), else None."""
+    from jukebox.booth.record_binding import NotSealed
+
+    try:
+        bound_tape(tape_dir, record.id, dataclasses.replace(record), sealed=True)
+    except NotSealed:
+        return "foreign"
+    except (JukeboxError, OSError, ValueError):
+        return "tampered"
+    return None
+
+
+@contextlib.contextmanager
+def _locked(tape_dir: TapeDir, booth_id: str) -> Iterator[BoothRecord]:
+    """The record, held under an exclusive lock so two processes never commit one booth twice."""
+    path = _record_path(tape_dir, booth_id)
+    record = load_record(tape_dir, booth_id)
+    lock = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = load_record(tape_dir, booth_id)  # re-read: another process may have finished it
+        yield record
+    finally:
+        os.close(lock)
+
+
+def _finish(tape_dir: TapeDir, booth_id: str) -> None:
+    path = _record_path(tape_dir, booth_id)
+    for p in (path, path.with_suffix(".lock")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _open_store(tape_dir: TapeDir) -> Any:
+    from shadowfs.store import Store
+
+    return Store.open(tape_dir.store_path, create=True)
+
+
+def _append_to_tape(
+    store: Any, tape_path: str, kind: str, payload: dict[str, Any], tree: Any = None,
+    refs: Sequence[Any] = (),
+) -> None:  # fmt: skip
+    from jukebox.tape.tape import TapeWriter
+
+    with TapeWriter.open_append(tape_path, store) as writer:
+        writer.append(kind, payload, refs=refs, tree=tree)
+
+
+# The longest a checkpoint frame (and any frame) waits in memory or in the page cache before it
+# is on disk; also the store's FLUSH_DELAY.
+GROUP_DELAY = 0.05
+
+
+class GroupTape:
+    """The booth's tape writer with group commit: checkpoints are acknowledged before any fsync.
+
+    A checkpoint's frame is kept here, in memory, until a flush — on a background thread within
+    GROUP_DELAY, or at once through `sync` — makes its objects durable (`store.flush()`: the pack
+    fsync, then the index commit); only then is the frame written to the tape, and the tape
+    fdatasynced. So a frame that reaches the disk never names an object that did not: a crash
+    (even a power loss) costs at most the frames of the last GROUP_DELAY, never leaves one
+    pointing at missing objects. Any frame appended while checkpoint frames wait queues behind
+    them, keeping the tape in request order; the rest are written at once (one write(2), so a
+    killed supervisor loses none of them) and fdatasynced by the same flush. `sync` runs before
+    anything leaves the booth: a commit to the real tree, a verdict, the end of the run.
+
+    The background flush takes the waiting frames off the queue and makes their objects durable
+    without the lock: a checkpoint arriving during that fsync (tens of ms on a busy disk) queues
+    its frame behind them instead of waiting for the disk. Other frames that queued only behind
+    those in flight are written with them, not a flush later.
+    """
+
+    def __init__(self, writer: Any, store: Any, delay: float = GROUP_DELAY) -> None:
+        self.writer = writer  # a TapeWriter created with fsync=False
+        self.store = store
+        self.path = writer.path
+        self.delay = delay
+        # fdatasync works on the inode through any descriptor; this one is ours to hold.
+        self._fd = os.open(writer.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        # (kind, payload, refs, tree, time_ns, deferred): deferred frames wait for a flush.
+        self._queue: list[tuple[str, dict[str, Any], tuple[bytes, ...], Any, int, bool]] = []
+        # Frames the background flush took off the queue and has not written yet; appends queue
+        # behind them, and `sync` waits for them.
+        self._in_flight = 0
+        self._landed = threading.Condition(self._lock)
+        self._unsynced = False
+        self._due: float | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the background flusher. Until then every frame is durable when appended: the
+        supervisor enters its namespaces only while it runs no other thread."""
+        self._thread = threading.Thread(target=self._loop, name="jukebox-tape-flush", daemon=True)
+        self._thread.start()
+
+    @property
+    def count(self) -> int:
+        """Frames appended, including those waiting for their flush."""
+        return self.writer.count + self._in_flight + len(self._queue)
+
+    def append(
+        self,
+        kind: str,
+        payload: dict[str, Any],
+        refs: Sequence[bytes] = (),
+        tree: Any = None,
+        *,
+        defer: bool = False,
+    ) -> int:
+        """Record a frame; returns its seq. ``defer``: its objects are not durable yet (a fresh
+        snapshot's), so it waits for the next flush instead of the store flushing now."""
+        with self._lock:
+            self._raise_error()
+            seq = self.writer.count + self._in_flight + len(self._queue)
+            if defer or self._queue or self._in_flight:
+                self._queue.append((kind, payload, tuple(refs), tree, time.time_ns(), defer))
+            else:
+                seq = self.writer.append(kind, payload, refs=refs, tree=tree).seq
+                self._unsynced = True
+            self._schedule()
+            return seq
+
+    def _schedule(self) -> None:
+        if self._thread is None:
+            self._sync_locked()
+        elif self._due is None:
+            self._due = time.monotonic() + self.delay
+            self._wake.notify()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise BoothError(
+                f"the tape {self.path} could not be made durable ({self._error}); the run's "
+                "record is incomplete — free disk space and check the tape dir"
+            )
+
+    def _write_queued(self) -> None:
+        """With the lock held: the queued frames go to the tape, their objects flushed first."""
+        while self._in_flight:
+            self._landed.wait()
+        if self._queue:
+            self.store.flush()
+            self._write_flushed(self._queue)
+            self._queue.clear()
+            self._unsynced = True
+
+    def _write_flushed(self, frames: list[tuple[Any, ...]], *, refs_durable: bool = True) -> None:
+        """With the lock held: ``frames`` to the tape. ``refs_durable``: the store was flushed
+        since their objects were put, and the writer is told so (its own flush per frame
+        would fsync, under the lock, what checkpoints put meanwhile)."""
+        for kind, payload, refs, tree, t, _ in frames:
+            self.writer.append(
+                kind, payload, refs=refs, tree=tree, time_ns=t, refs_durable=refs_durable
+            )
+
+    def sync(self) -> None:
+        """Everything appended so far durable now: objects, then frames, then one fdatasync."""
+        with self._lock:
+            self._raise_error()
+            self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        self._due = None
+        self._write_queued()
+        if self._unsynced:
+            os.fdatasync(self._fd)
+            self._unsynced = False
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and (self._due is None or self._due > time.monotonic()):
+                    self._wake.wait(None if self._due is None else self._due - time.monotonic())
+                if self._closing:
+                    return
+                self._due = None
+                batch, self._queue = self._queue, []
+                self._in_flight = len(batch)
+            try:
+                if batch:
+                    self.store.flush()  # unlocked: see the class docstring
+            except Exception as exc:  # reported by the next append or sync
+                with self._lock:
+                    self._queue[:0] = batch
+                    self._in_flight = 0
+                    self._error = exc
+                    self._landed.notify_all()
+                continue
+            with self._lock:
+                try:
+                    self._write_flushed(batch)
+                    # Frames that queued only because the batch was in flight are written now,
+                    # as they would have been had they come after it.
+                    plain = list(itertools.takewhile(lambda frame: not frame[5], self._queue))
+                    del self._queue[: len(plain)]
+                    self._write_flushed(plain, refs_durable=False)
+                    if batch or plain:
+                        self._unsynced = True
+                    unsynced, self._unsynced = self._unsynced, False
+                except Exception as exc:
+                    self._error = exc
+                    continue
+                finally:
+                    self._in_flight = 0
+                    self._landed.notify_all()
+            if unsynced:
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as exc:
+                    with self._lock:
+                        self._error = exc
+
+    def close(self) -> None:
+        """Sync what is left, stop the flusher, close the tape."""
+        try:
+            self.sync()
+        finally:
+            with self._lock:
+                self._closing = True
+                self._wake.notify()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            self.writer.close()
+
+
+def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
+    """One line per changed path: `A`dded, `M`odified, `D`eleted, `T`ype or mode changed."""
+    from shadowfs.tree import diff_trees
+
+    return [change_summary_line(change) for change in diff_trees(store, base, final)]
+
+
+def change_summary_line(change: Any) -> str:
+    """``A path  (N bytes)``, ``A path  (fifo)``: one shadowfs.tree.Change as a review lists
+    it, with what the entry is (`jukebox.display.names.entry_note`)."""
+    from jukebox.display.names import change_line, entry_note
+
+    return change_line(change.status, change.path) + entry_note(change.new or change.old)
+
+
+def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
+    if record.final_tree is None:
+        if record.status == "running" and _alive(record.pid):
+            raise UsageError(
+                f"booth {record.id} is still running (pid {record.pid}): it has no final state "
+                f"yet; wait for it, stop it (`jukebox booth stop {record.id}`), or give one of "
+                "its checkpoints with --at"
+            )
+        raise UsageError(
+            f"booth {record.id} has no final state: its supervisor (pid {record.pid}) died "
+            f"before the run ended (crashed); commit one of its checkpoints with --at N|LABEL "
+            f"(`jukebox log {record.tape}` lists them), or `jukebox booth discard {record.id}`"
+        )
+    return ObjectId.from_hex(record.base_tree), ObjectId.from_hex(record.final_tree)
+
+
+def pending_checkpoint(record: BoothRecord, at: str) -> Checkpoint:
+    """The checkpoint ``at`` names in a finished booth's tape, found as `jukebox booth rollback
+    --to` finds one inside the booth (`find_checkpoint`)."""
+    from jukebox.tape.tape import Tape
+
+    checkpoints = [Checkpoint(0, "start", ObjectId.from_hex(record.base_tree), 0)]
+    try:
+        frames = Tape.load(record.tape).frames
+    except (OSError, JukeboxError) as error:
+        raise UsageError(
+            f"cannot read the checkpoints of booth {record.id} from {record.tape}: {error}; "
+            "commit or discard it whole"
+        ) from None
+    checkpoints += [
+        Checkpoint(int(f.payload["id"]), f.payload.get("label"), f.tree, f.seq)
+        for f in frames
+        if f.kind == "checkpoint" and f.tree is not None
+    ]
+    found = find_checkpoint(checkpoints, int(at) if at.isdigit() else at)
+    if found is not None:
+        return found
+    if at.isdigit():
+        raise UsageError(
+            f"booth {record.id} has no checkpoint {at}: it has "
+            f"{', '.join(str(c.n) for c in checkpoints)} (0 is the start); see "
+            f"`jukebox log {record.tape}`"
+        )
+    labels = sorted({c.label for c in checkpoints if c.label})
+    raise UsageError(
+        f"booth {record.id} has no checkpoint labelled {at!r}: its labels are "
+        f"{', '.join(labels)}; or give a checkpoint's number"
+    )
+
+
+def _target_tree(
+    record: BoothRecord, at: str | None
+) -> tuple[ObjectId, ObjectId, Checkpoint | None]:
+    """(base tree, the tree a diff or commit of the booth goes to, the checkpoint it is if
+    ``at``)."""
+    from jukebox.booth.partial import partial_base
+
+    # After a partial commit (jukebox.booth.partial) the real tree holds part of the booth: what
+    # is still pending is counted from there.
+    if at is None:
+        _, final = _pending_trees(record)
+        return partial_base(record.tape, record.base_tree), final, None
+    # A checkpoint is on the tape whether or not the run ended: a crashed booth has them too.
+    checkpoint = pending_checkpoint(record, at)
+    return partial_base(record.tape, record.base_tree), checkpoint.tree, checkpoint
+
+
+@contextlib.contextmanager
+def pending_changes(
+    tape_dir: TapeDir, booth_id: str, at: str | None = None
+) -> Iterator[tuple[Any, ObjectId, ObjectId, list[Any]]]:
+    """(store, base tree, target tree, the shadowfs.tree.Changes) of what a commit of the booth
+    (of its checkpoint ``at``, if given) would make; the store stays open inside."""
+    from shadowfs.tree import diff_trees
+
+    record = load_record(tape_dir, booth_id)
+    with _open_store(tape_dir) as store:
+        bound_tape(tape_dir, booth_id, record, store)
+        base, target, _ = _target_tree(record, at)
+        yield store, base, target, diff_trees(store, base, target)
+
+
+Verdict = Callable[[str, dict[str, Any], "ObjectId | None"], None]
+"""verdict(kind, payload, tree): append a frame to the booth's tape, durably."""
+
+
+def commit_tree(
+    store: Any,
+    tape_dir: TapeDir,
+    record: BoothRecord,
+    base: ObjectId,
+    final: ObjectId,
+    *,
+    by: str | None,
+    write: Verdict,
+    checkpoint: Checkpoint | None = None,
+    lock_timeout: float | None = None,
+    partial: list[str] | None = None,
+) -> int:
+    """Commit ``final`` into the booth's real tree (the very directory the booth ran over, see
+    jukebox.trees.realtree), then write the verdict frame and retire the booth record, all under the
+    commit job's lock so recovery never races it. Returns the number of changes. A ``partial``
+    commit (of those paths, jukebox.booth.partial) writes a `partial_commit` note instead and
+    keeps the booth pending.
+
+    Raises ConflictError (nothing applied), CheckFailed (the tree is another directory now, or
+    locked past the timeout) or realtree.Interrupted (exit 130: a signal came, and the commit
+    was undone before its commit point or finished after it)."""
+    from jukebox.trees import realtree
+    from shadowfs.errors import CommitInterrupted, TargetBusy
+    from shadowfs.tree import diff_trees
+
+    timeout = realtree.lock_timeout(lock_timeout)
+    changes = len(diff_trees(store, base, final))  # remembered: the commit diffs the same
+    target = realtree.open_recorded_tree(record.id, record.tree, record.tree_dev, record.tree_ino)
+    try:
+        if _read_only_fs(target):
+            # Before any journal: a commit that cannot stage could not undo itself either.
+            raise CheckFailed(
+                f"commit of booth {record.id} not started: {record.tree} is on a read-only file "
+                f"system; remount it read-write, then `jukebox booth commit {record.id}` (it "
+                "stays pending)"
+            )
+        with (
+            realtree.interrupt_guard() as interrupted,
+            realtree.CommitJob(tape_dir, record.id) as job,
+        ):
+            if not _record_path(tape_dir, record.id).exists():
+                _raise_if_finished(tape_dir, record.id)
+                raise UsageError(f"booth {record.id} was committed meanwhile; nothing to do")
+            cp = {"id": checkpoint.n, "label": checkpoint.label} if checkpoint else None
+            job.begin({
+                "tree": record.tree, "tree_dev": record.tree_dev, "tree_ino": record.tree_ino,
+                "base": base.hex(), "final": final.hex(), "changes": changes, "by": by,
+                "checkpoint": cp, "partial": partial,
+            })
+            try:
+                job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted,
+                          known=known_files(tape_dir, record.tree, base))  # fmt: skip
+            except CommitInterrupted:
+                write("note", {"event": "commit_interrupted", "outcome": "undone", "by": by}, None)
+                raise realtree.Interrupted(
+                    f"interrupted: the commit of booth {record.id} stopped before its commit "
+                    f"point and was undone; {record.tree} is unchanged and the booth stays pending"
+                ) from None
+            except TargetBusy as error:
+                raise CheckFailed(
+                    f"commit of booth {record.id} not started: {error} (--lock-timeout)"
+                ) from None
+            forget_committed(tape_dir, record.tree, store, base, final)
+            payload: dict[str, Any] = {"ok": True, "changes": changes}
+            if by is not None:
+                payload["by"] = by
+                payload["peer"] = this_process()  # who, for a later "already committed"
+            if cp is not None:
+                payload["checkpoint"] = cp
+            if partial is not None:
+                from jukebox.booth.partial import partial_note
+
+                write("note", partial_note(payload, partial, final), final)
+            else:
+                write("commit", payload, final)
+                _finish(tape_dir, record.id)
+            if interrupted():
+                raise realtree.Interrupted(
+                    f"interrupted past the commit point: the commit of booth {record.id} was "
+                    f"finished, {record.tree} holds its {changes} change(s)"
+                )
+    finally:
+        os.close(target)
+    return changes
+
+
+def _refuse_running(record: BoothRecord) -> None:
+    if record.status == "running" and _alive(record.pid):
+        raise UsageError(
+            f"booth {record.id} is still running (pid {record.pid}); wait for it, or end its "
+            f"agent with `jukebox booth stop {record.id}`"
+        )
+
+
+def _read_only_fs(path_or_fd: str | int) -> bool:
+    stats = os.fstatvfs(path_or_fd) if isinstance(path_or_fd, int) else os.statvfs(path_or_fd)
+    return bool(stats.f_flag & os.ST_RDONLY)
+
+
+def commit_booth(
+    tape_dir: TapeDir,
+    booth_id: str,
+    at: str | None = None,
+    *,
+    allow_hooks: bool = False,
+    lock_timeout: float | None = None,
+    only: Sequence[str] | None = None,
+) -> list[str]:
+    """Applies a pending booth to its real tree (its final state, or its checkpoint ``at``: a
+    number or a label), or ``only`` the changes at and under those paths
+    (jukebox.booth.partial); raises CheckFailed listing every conflict, or the hook-like files
+    it changes unless ``allow_hooks`` (jukebox.review.host_hooks)."""
+    from shadowfs.errors import ConflictError
+
+    with _locked(tape_dir, booth_id) as record:
+        _refuse_running(record)
+        with _open_store(tape_dir) as store:
+            bound_tape(tape_dir, booth_id, record, store, sealed=True)  # before any write
+            base, final, checkpoint = _target_tree(record, at)
+            partial = None
+            if only:
+                from jukebox.booth.partial import select, tree_paths
+
+                paths = tree_paths(only, record.tree)
+                final, whole = select(store, booth_id, base, final, paths)
+                partial = None if whole else sorted(os.fsdecode(p) for p in paths)
+            from jukebox.sql import ledger
+
+            sql = ledger.read(tape_dir, booth_id)
+            if sql is not None and sql.get("state") == ledger.DIRECT:
+                # Its supervisor stopped during its commit: the files are here, the database
+                # work is gone with the server session.
+                _alert(ledger.lost_message(booth_id, sql, "its files are committed now, but"))
+                ledger.remove(tape_dir, booth_id)
+                sql = None
+            if sql is not None and (at is not None or only):
+                raise CheckFailed(
+                    f"booth {booth_id} not committed: its database work is one prepared "
+                    "transaction, committed whole or not at all; commit without --at/--only, or "
+                    f"`jukebox booth discard {booth_id}`"
+                )
+            refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
+            if refused:
+                raise CheckFailed(
+                    f"booth {booth_id} not committed: {refused}; review them "
+                    f"(`jukebox booth diff {booth_id}`), then commit with --allow-hooks or "
+                    f"`jukebox booth discard {booth_id}`"
+                )
+            summary = change_summary(store, base, final)
+
+            def verdict(kind: str, payload: dict[str, Any], tree: ObjectId | None) -> None:
+                if kind == "note" and tree is not None:  # a partial commit's tree: referenced
+                    _append_to_tape(store, record.tape, kind, payload, refs=[tree])
+                else:
+                    _append_to_tape(store, record.tape, kind, payload, tree=tree)
+
+            if sql is not None:
+                ledger.set_state(tape_dir, booth_id, ledger.COMMITTING)
+            try:
+                commit_tree(
+                    store, tape_dir, record, base, final, by="booth commit", write=verdict,
+                    checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
+                )
+                if record.mcp_staged and partial is None:
+                    from jukebox.mcp import verdict as mcp_verdict
+
+                    servers, calls = mcp_verdict.from_record(record)
+                    mcp_verdict.commit_staged(
+                        calls, servers, lambda k, p: verdict(k, p, None), record.tree, booth_id,
+                        checkpoint.n if checkpoint is not None else None,
+                    )
+            except ConflictError as error:
+                _append_to_tape(
+                    store,
+                    record.tape,
+                    "note",
+                    {"event": "commit_refused", "conflicts": error.conflicts, "by": "booth commit"},
+                )
+                if sql is not None:
+                    ledger.set_state(tape_dir, booth_id, ledger.PREPARED)
+                raise CheckFailed(
+                    f"commit of booth {booth_id} refused: {len(error.conflicts)} path(s) changed "
+                    f"in {record.tree} since the booth started: "
+                    + ", ".join(error.conflicts)
+                    + f"; it stays pending: `jukebox booth discard {booth_id}` drops it"
+                ) from None
+            if sql is not None:  # past the file commit point: the databases follow
+                done = ledger.finish(tape_dir, booth_id, commit=True)
+                _append_to_tape(store, record.tape, "note",
+                                {"event": "sql_commit", "databases": done, "by": "booth commit"})
+        if record.status == "running" and partial is None:  # crashed, committed at a checkpoint
+            _remove_leftovers(tape_dir, booth_id)
+        return summary
+
+
+def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:
+    """Drops a pending booth. An interrupted commit of it is recovered first (finished or
+    undone), never left half-applied with no booth left to finish it."""
+    from jukebox.trees import realtree
+
+    finished = CheckFailed(
+        f"booth {booth_id} was not discarded: its interrupted commit was past its commit point "
+        "and has been finished, so its real tree holds its changes"
+    )
+    if realtree.recovered(tape_dir, booth_id) == "finished":
+        raise finished
+    with _locked(tape_dir, booth_id) as record:
+        _refuse_running(record)
+        if realtree.recover_commits(tape_dir, only=booth_id, wait=True).get(booth_id) == "finished":
+            raise finished
+        if realtree.has_interrupted_commit(tape_dir, booth_id):
+            raise CheckFailed(
+                f"booth {booth_id} was not discarded: its interrupted commit could not be "
+                f"recovered (see above), and dropping the booth would leave {record.tree} torn"
+            )
+        bound_tape(tape_dir, booth_id, record)  # the record names what discard touches
+        from jukebox.sql import ledger
+
+        ledger.finish(tape_dir, booth_id, commit=False)  # before the record goes: see ledger
+        if os.path.exists(record.tape):
+            with (
+                _open_store(tape_dir) as store,
+                contextlib.suppress(JukeboxError, OSError, ValueError),
+            ):
+                if record.mcp_staged:
+                    from jukebox.mcp import verdict as mcp_verdict
+
+                    mcp_verdict.drop(
+                        mcp_verdict.from_record(record)[1],
+                        lambda k, p: _append_to_tape(store, record.tape, k, p), "booth discard",
+                    )
+                _append_to_tape(
+                    store, record.tape, "discard", {"by": "booth discard", "peer": this_process()}
+                )
+        _remove_leftovers(tape_dir, booth_id)
+        _finish(tape_dir, booth_id)
+
+
+def _remove_leftovers(tape_dir: TapeDir, booth_id: str) -> None:
+    """A finished booth's scratch, and what a killed supervisor left of its mount points."""
+    remove_scratch(tape_dir, booth_id)
+    with contextlib.suppress(OSError):
+        os.rmdir(layer_mountpoint(tape_dir, booth_id))  # a killed supervisor's
+    # A killed supervisor leaves its control socket's (empty) mount point in /tmp.
+    isolation.remove_stale_socket_dirs(socket_dir_prefix(tape_dir.path, booth_id))
+
+
+# --------------------------------------------------------------------------- the supervisor
+
+
+def new_booth_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def host_facts() -> dict[str, Any]:
+    uname = os.uname()
+    return {
+        "kernel": uname.release,
+        "machine": uname.machine,
+        "hostname": socket.gethostname(),
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+        "pid": os.getpid(),
+        "python": platform.python_version(),
+    }
+
+
+def path_reaching_jukebox(path: str) -> str:
+    """The agent's PATH, with the directory of this installation's `jukebox` appended when no
+    `jukebox` is on it: agents checkpoint with `jukebox booth checkpoint`, and a jukebox started
+    from a virtualenv without activating it is not on PATH. Appended, so the agent's own
+    python and tools still come first."""
+    searched = path or os.defpath  # what exec searches when PATH is unset
+    if shutil.which("jukebox", path=searched):
+        return path
+    ours = Path(sys.executable).parent / "jukebox"
+    if not os.access(ours, os.X_OK):
+        return path
+    return f"{searched}{os.pathsep}{ours.parent}"
+
+
+def _is_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+@dataclass
+class Checkpoint:
+    n: int
+    label: str | None
+    tree: ObjectId
+    frame: int | None
+
+
+def find_checkpoint(checkpoints: Sequence[Checkpoint], to: str | int) -> Checkpoint | None:
+    """The checkpoint numbered ``to``, or the latest labelled ``to``; None if there is none."""
+    if isinstance(to, int):
+        return next((cp for cp in checkpoints if cp.n == to), None)
+    return next((cp for cp in reversed(checkpoints) if cp.label == to), None)
+
+
+@dataclass
+class _Run:
+    """The live state the control handlers and the wait loop share."""
+
+    booth_id: str
+    tree: str
+    writer: Any
+    layer: BoothLayer
+    started: float
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    rollbacks: int = 0
+    output: OutputTail = field(default_factory=OutputTail)  # what the agent printed, its end
+    # How the agent is started: through the LLM proxy's session, which under --net none spawns
+    # it inside the private network the proxy listens in.
+    spawn: Callable[..., isolation.Child] = isolation.spawn  # (spec, stdin=, stdout=, stderr=)
+    agent_pid: int | None = None
+    trip: Any = None  # the circuit breaker's Trip, once one fired
+    mcp: Any = None  # the MCP stage gate (jukebox.mcp.staging.StageGate)
+    # The --pg databases (jukebox.sql.booth_link.BoothDatabases): checkpoints and rollbacks
+    # take them along, before the files (their refusal leaves the files as they were).
+    databases: Any = None
+
+    def on_refused_write(self, error: OSError) -> None:
+        """The layer refused a write the agent's kernel had already accepted: the agent learns
+        at fsync or close at best, and its view of that file is no longer what the booth holds.
+        Stopped like a breaker trip, once (on a thread of its own: this runs on a mount
+        worker)."""
+        if self.trip is not None:
+            return
+        from jukebox.display.render import size
+        from jukebox.guard.breaker import Trip
+        from shadowfs.layer import ScratchLimitReached
+
+        staged, limit = self.layer.scratch_usage()  # type: ignore[attr-defined]
+        if isinstance(error, ScratchLimitReached) and limit is not None:
+            trip = Trip(
+                "scratch", limit, staged,
+                f"a write would take the booth's staged files past {size(limit)} "
+                f"(--max-scratch); {size(staged)} staged",
+            )
+        else:
+            trip = Trip(
+                "scratch", limit or 0, staged,
+                f"the disk holding the booth's scratch refused a write ({error.strerror}); "
+                f"{size(staged)} staged",
+            )
+        self.trip = trip
+        threading.Thread(target=self.on_trip, args=(trip,), daemon=True).start()
+
+    def on_trip(self, trip: Any) -> None:
+        """A limit tripped: record it and stop the agent at once."""
+        self.record_trip(trip)
+        self.stop_agent(trip)
+
+    def record_trip(self, trip: Any) -> None:
+        """The breaker fired (called from the proxy's thread, before the agent is answered)."""
+        self.trip = trip
+        self.writer.append("breaker", trip.to_payload())
+
+    def stop_agent(self, trip: Any) -> None:
+        """SIGTERM, then SIGKILL after BREAKER_GRACE_S (the proxy calls this once the agent
+        has been sent the refusal that explains the trip)."""
+        if self.agent_pid is not None:
+            _terminate(self.agent_pid, BREAKER_GRACE_S)
+
+    def checkpoint(
+        self, label: str | None, peer: Peer | None, reason: str = "request"
+    ) -> Checkpoint:
+        with self.lock:
+            n = len(self.checkpoints)
+            if self.databases is not None:
+                self.databases.checkpoint(n)
+            tree, journal = self.layer.snapshot()
+            payload: dict[str, Any] = {"id": n, "label": label, "reason": reason}
+            if journal is not None:
+                payload["journal"] = journal.hex()
+            if peer is not None:
+                payload["peer"] = peer.as_dict()
+            # Acknowledged now; the frame reaches the tape once its objects are durable.
+            seq = self.writer.append(
+                "checkpoint",
+                payload,
+                refs=[journal] if journal is not None else (),
+                tree=tree,
+                defer=True,
+            )
+            cp = Checkpoint(n, label, tree, seq)
+            self.checkpoints.append(cp)
+            return cp
+
+    def find(self, to: str | int) -> Checkpoint:
+        found = find_checkpoint(self.checkpoints, to)
+        if found is not None:
+            return found
+        if isinstance(to, int):
+            raise RequestError(
+                f"no checkpoint {to}: this booth has 0..{len(self.checkpoints) - 1} "
+                "(0 is the start)"
+            )
+        known = sorted({c.label for c in self.checkpoints if c.label})
+        raise RequestError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
+
+    def rollback(self, to: str | int, peer: Peer | None) -> Checkpoint:
+        with self.lock:
+            cp = self.find(to)
+            if self.databases is not None:
+                self.databases.rollback(cp.n)
+            self.layer.restore(cp.tree)
+            payload: dict[str, Any] = {"to": cp.n, "label": cp.label, "reason": "request"}
+            if peer is not None:
+                payload["peer"] = peer.as_dict()
+            self.writer.append("rollback", payload, tree=cp.tree, defer=True)
+            self.rollbacks += 1
+            if self.mcp is not None:
+                self.mcp.drop_after(cp.n, f"rollback to checkpoint {cp.n}")
+            return cp
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any], Peer], dict[str, Any]]]:
+        def checkpoint(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            cp = self.checkpoint(req.get("label"), peer)
+            return {"checkpoint": cp.n, "label": cp.label, "tree": cp.tree.hex(), "frame": cp.frame}
+
+        def rollback(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            cp = self.rollback(req["to"], peer)
+            return {"checkpoint": cp.n, "label": cp.label, "tree": cp.tree.hex()}
+
+        def status(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            usage = getattr(self.layer, "scratch_usage", None)
+            staged, limit = usage() if usage is not None else (None, None)
+            return {
+                "booth": self.booth_id,
+                "staged_bytes": staged,
+                "scratch_limit": limit,
+                "tree": self.tree,
+                "tape": os.fspath(self.writer.path),
+                "frames": self.writer.count,
+                "uptime_s": round(time.monotonic() - self.started, 3),
+                "rollbacks": self.rollbacks,
+                "checkpoints": [
+                    {"n": c.n, "label": c.label, "tree": c.tree.hex(), "frame": c.frame}
+                    for c in self.checkpoints
+                ],
+            }
+
+        def mcp_record(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            return self.mcp.handle_record(req)
+
+        def mcp_stage(req: dict[str, Any], peer: Peer) -> dict[str, Any]:
+            with self.lock:  # not between a checkpoint's snapshot and its number
+                return self.mcp.handle_stage(req, len(self.checkpoints) - 1)
+
+        return {"checkpoint": checkpoint, "rollback": rollback, "status": status,
+                "mcp_record": mcp_record, "mcp_stage": mcp_stage,
+                "mcp_ask": lambda req, peer: self.mcp.handle_ask(req),
+                "mcp_ask_status": lambda req, peer: self.mcp.handle_ask_status(req),
+                "mcp_replay": lambda req, peer: self.mcp.handle_replay(req),
+                "mcp_blob": lambda req, peer: self.mcp.handle_blob(req)}  # fmt: skip
+
+
+def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any,
+                         env: Mapping[str, str], img: Image) -> Any:  # fmt: skip
+    """The supervisor's gateway to the streamable-HTTP MCP servers (jukebox.mcp.http_gateway),
+    listening where the agent can connect (inside its network namespace under --net none)."""
+    import socket as socket_mod
+
+    from jukebox.mcp.http_gateway import HttpGateways
+    from jukebox.mcp.policy import Policy
+    from jukebox.mcp.record import scrub
+    from jukebox.redact import Scrubber, url_secrets
+
+    network = llm_session.network
+    if network is not None:
+        listener = network.listen()
+    else:
+        listener = socket_mod.socket(socket_mod.AF_INET, socket_mod.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+    secrets = [v for k, v in env.items() if img.is_secret(k)]
+    for spec in servers.values():
+        secrets.extend(url_secrets(spec.url))
+    scrubber = Scrubber(secrets)
+
+    def stage(server: str, tool: str, args: dict[str, Any]) -> str:
+        with run.lock:  # not between a checkpoint's snapshot and its number
+            return str(run.mcp.stage_declared(server, tool, args, len(run.checkpoints) - 1)["id"])
+
+    gateways = HttpGateways({n: s.url for n, s in servers.items()}, run.mcp,
+                            Policy("staged_acid"), stage, lambda p: scrub(p, scrubber),
+                            replay=run.mcp.replay)  # fmt: skip
+    return gateways.start(listener)
+
+
+def _terminate(pid: int, grace: float) -> None:
+    """SIGTERM now and SIGKILL if it still runs after `grace` seconds, through a pidfd so that
+    a pid the supervisor has reaped and the kernel recycled is never hit."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    except ProcessLookupError:
+        os.close(pidfd)
+        return
+
+    def kill_after_grace() -> None:
+        try:
+            # A pidfd turns readable when its process exits.
+            exited, _, _ = select.select([pidfd], [], [], grace)
+            if not exited:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
+
+    threading.Thread(target=kill_after_grace, name="breaker-stop", daemon=True).start()
+
+
+def _exit_code(status: int) -> tuple[int | None, int | None]:
+    """(exit status, terminating signal) from a wait status."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.waitstatus_to_exitcode(status), None
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def _reap_stragglers() -> int:
+    """Kills what the agent left running (we are its subreaper), so nothing writes after the
+    final snapshot and nothing holds the mount."""
+    try:
+        # Mostly there is none (the agent's PID namespace died with its init): then no scan of
+        # every process on the machine in /proc.
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return 0
+    killed = 0
+    for _ in range(50):
+        kids = _children_of(os.getpid())
+        if not kids:
+            break
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        for pid in kids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+    return killed
+
+
+def _read_capped(fd: int, limit: int) -> tuple[str, bool]:
+    """All of a pipe, keeping the head and the tail when it exceeds `limit` bytes."""
+    head = b""
+    tail = bytearray()
+    total = 0
+    while True:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        total += len(chunk)
+        if len(head) < limit // 2:
+            take = limit // 2 - len(head)
+            head += chunk[:take]
+            chunk = chunk[take:]
+        tail += chunk
+        if len(tail) > limit // 2:
+            del tail[: len(tail) - limit // 2]
+    truncated = total > len(head) + len(tail)
+    text = head.decode(errors="replace")
+    if truncated:
+        text += f"\n[... {total - len(head) - len(tail)} bytes left out ...]\n"
+    return text + bytes(tail).decode(errors="replace"), truncated
+
+
+def _live_export(booth_id: str, writer: GroupTape) -> Any:
+    """With OTEL_EXPORTER_OTLP_ENDPOINT set, the tape's frames also go to that collector as
+    they are written (docs/otel.md#live-export); the SDK is imported only then."""
+    if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return None
+    from jukebox.export.otel_live import from_environment
+
+    live = from_environment(booth_id, _alert)
+    if live is not None:
+        writer.writer.listener = live.observe
+    return live
+
+
+def _alert(message: str) -> None:
+    from jukebox.display.names import printable
+
+    # Alerts quote paths the agent named (conflicts, hook-like files): shown, never acted on.
+    sys.stderr.write(f"jukebox: {printable(message)}\n")
+    sys.stderr.flush()
+
+
+def _host_hooks_refusal(store: Any, base: ObjectId, final: ObjectId) -> str:
+    """Why the booth is not committed without --allow-hooks ("" when nothing is flagged)."""
+    if base == final:
+        return ""
+    from jukebox.review.host_hooks import host_hook_changes, refusal
+
+    flagged = host_hook_changes(store, base, final)
+    return refusal(flagged) if flagged else ""
+
+
+def _warn_host_hooks(store: Any, base: ObjectId, final: ObjectId) -> None:
+    """`--commit ask` shows the hook-like files first, highlighted on a terminal."""
+    from jukebox.review.host_hooks import host_hook_changes, warning_block
+
+    flagged = host_hook_changes(store, base, final)
+    if flagged:
+        from jukebox.display.style import wanted_on
+
+        sys.stderr.write(warning_block(flagged, highlight=wanted_on(sys.stderr)))
+
+
+def _ask(summary: list[str], booth_id: str) -> str:
+    """'commit', 'discard' or 'keep', asked on the terminal."""
+    shown = summary[:50]
+    sys.stderr.write(f"booth {booth_id}: {len(summary)} change(s)\n")
+    for line in shown:
+        sys.stderr.write(f"  {line}\n")
+    if len(summary) > len(shown):
+        sys.stderr.write(
+            f"  ... and {len(summary) - len(shown)} more (`jukebox booth diff {booth_id}`)\n"
+        )
+    try:
+        # An unbuffered byte stream: a text-mode "r+" open of a tty fails (it is not seekable).
+        tty = open("/dev/tty", "r+b", buffering=0)  # noqa: SIM115
+    except OSError:
+        return "keep"
+    with tty:
+        # Only what the operator types from now on answers: nothing queued during the run
+        # (keys meant for the agent, a terminal's replies to what the agent printed).
+        with contextlib.suppress(termios.error):
+            termios.tcflush(tty.fileno(), termios.TCIFLUSH)
+        while True:
+            tty.write(
+                b"commit these changes to the real tree? [y]es / [N]o, discard / [k]eep pending: "
+            )
+            line = tty.readline()
+            if not line:  # the terminal went away: keep the work rather than guess
+                return "keep"
+            answer = line.decode(errors="replace").strip().lower()
+            if answer in ("y", "yes"):
+                return "commit"
+            if answer in ("", "n", "no"):
+                return "discard"
+            if answer in ("k", "keep"):
+                return "keep"
+
+
+def _redacted_command(
+    argv: list[str], verify: str | None, img: Image
+) -> tuple[list[str], str | None]:
+    """The command line and verifier as a tape may show them: keys on a command line (an
+    option's value, `NAME=value`, key-shaped values, the supervisor's secret environment
+    values) are replaced by the marker (jukebox.redact)."""
+    from jukebox.redact import Scrubber, redact_argv, redact_text
+
+    known = Scrubber(value for name, value in os.environ.items() if img.is_secret(name))
+    return redact_argv(argv, known), redact_text(verify, known) if verify else verify
+
+
+def run_booth(
+    argv: Sequence[str],
+    tree: str | os.PathLike[str] = ".",
+    tape_dir: str | os.PathLike[str] | None = None,
+    tape_id: str | None = None,
+    name: str | None = None,
+    fs: str = "fuse",
+    image: str | Image | None = None,
+    commit_mode: str = "auto",
+    verify_cmd: str | None = None,
+    net: str | None = None,
+    checkpoint_every: float | None = None,
+    *,
+    max_scratch: int | None = None,
+    layer_factory: LayerFactory | None = None,
+    llm: LlmOptions | None = None,
+    breaker: Any = None,
+    allow_hooks: bool = False,
+    seccomp: bool = True,
+    strict_sandbox: bool = False,
+    paths: BoothPaths | None = None,
+    mcp_config: str | None = None,
+    databases: Mapping[str, str] | None = None,
+    max_sql_rows_changed: int | None = None,
+    mcp_limits: Any = None,
+    mcp_replay: Any = None,
+    mcp_upstreams: Mapping[str, str] | None = None,
+    record_sql_results: bool = False,
+    sql_replay: Any = None,
+    max_sql_lock_seconds: float | None = None,
+) -> int:
+    """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
+
+    `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
+    against at the commit; the agent finds it rewritten through the gateway in
+    `$JUKEBOX_MCP_CONFIG` (docs/mcp.md). `mcp_limits`: the breaker's tool call rules
+    (jukebox.mcp.limits.ToolCallLimits). `mcp_replay`: in a replay or fork, the recorded MCP
+    answers the gateways inside are served (jukebox.mcp.booth_replay.ToolReplay).
+    `mcp_upstreams`: {name: URL} of streamable-HTTP MCP servers, served to the agent through the
+    supervisor's gateway (jukebox.mcp.http_gateway), declared like `mcp_config`'s.
+
+    `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
+    transaction ends with the verdict (jukebox.sql); `record_sql_results` keeps what each
+    statement answered on its frame. `sql_replay`: a jukebox.sql.replay.SqlRecording served to
+    the agent instead of databases (replay --exec).
+
+    `paths`: what this run adds to the image's view (--rw, --ro, --hide, --no-private-tmp).
+
+    `seccomp=False` runs without the system call filter; `strict_sandbox` refuses to start
+    (UsageError) when a protection cannot be applied here (see jukebox.booth.protections).
+
+    CMD's own status, except: 1 when CMD exited 0 but `--commit auto` did not commit (the
+    verifier failed, the commit conflicted, or it changes hook-like files and not
+    ``allow_hooks``: see jukebox.review.host_hooks); 125-127 when the sandbox could not start CMD.
+    """
+    argv = list(argv)
+    if not argv:
+        raise UsageError("no command to run: write `jukebox booth run [OPTIONS] -- CMD ...`")
+    if isolation.inside_booth():
+        # An agent has no privilege left to build namespaces (and seccomp refuses unshare).
+        raise UsageError(
+            "a booth cannot run inside a booth (nesting is not supported): run the command "
+            "directly here, or start its booth from outside"
+        )
+    if commit_mode not in COMMIT_MODES and commit_mode != DISCARD:
+        raise UsageError(f"bad --commit {commit_mode!r}: use one of {', '.join(COMMIT_MODES)}")
+    if fs not in FS_KINDS:
+        raise UsageError(f"bad --fs {fs!r}: use one of {', '.join(FS_KINDS)}")
+    if checkpoint_every is not None and checkpoint_every <= 0:
+        raise UsageError("--checkpoint-every must be a positive number of seconds")
+    if breaker is not None:
+        # A jukebox.guard.breaker.CircuitBreaker (the --max-* flags): the LLM proxy admits and
+        # observes every model call through it and calls `_Run.on_trip` when it trips.
+        from jukebox.llm.session import LlmOptions
+
+        llm = dataclasses.replace(llm or LlmOptions(), breaker=breaker)
+    tree_path = os.path.realpath(tree)
+    if not os.path.isdir(tree_path):
+        raise UsageError(f"the tree {tree} is not a directory: pass --tree DIR")
+    if tree_path == "/":
+        raise UsageError(
+            "the tree cannot be / itself: pass --tree with the agent's working directory"
+        )
+    # Nothing is created until the arguments are known good: a refused run leaves no tape dir.
+    tapes = TapeDir(Path(os.path.realpath(TapeDir.resolve(tape_dir).path)))
+    if _is_under(str(tapes.path), tree_path) or _is_under(tree_path, str(tapes.path)):
+        raise UsageError(
+            f"the tape dir {tapes.path} and the tree {tree_path} overlap: the booth would record "
+            "its own tapes; point --tape-dir (or JUKEBOX_TAPE_DIR) outside the tree"
+        )
+    # An Image object is one a replay or fork already chose (never one named by a tape).
+    img: Image = image if isinstance(image, Image) else load_image(image)
+    paths = paths or BoothPaths()
+    if paths.private_tmp is not None:
+        img = dataclasses.replace(img, private_tmp=paths.private_tmp)
+    from jukebox.trees import realtree
+
+    paths.check(tree_path, str(tapes.path), str(realtree.commit_key_dir()))
+    if _read_only_fs(tree_path):
+        why = f"the tree {tree_path} is on a read-only file system: no commit can write there"
+        if commit_mode in ("auto", "ask"):
+            raise UsageError(
+                f"{why}; remount it read-write, or run with --commit never to keep the "
+                "agent's changes pending for review (`jukebox booth diff`)"
+            )
+        _alert(f"{why}; the booth will stay pending for review")
+    net = net or img.net
+    if net not in ("host", "none"):
+        raise UsageError(f"bad --net {net!r}: use host or none")
+    verify = verify_cmd if verify_cmd is not None else img.verify
+    scratch_limit = max_scratch if max_scratch is not None else img.scratch_limit
+    if scratch_limit is not None:
+        if scratch_limit <= 0:
+            raise UsageError("--max-scratch must be a positive size, like 512M or 20G")
+        if fs == "overlay":
+            raise UsageError(
+                "a scratch limit (--max-scratch, or the image's limits.scratch) needs --fs fuse: "
+                "kernel overlayfs writes its upper directory itself; drop the limit or use fuse"
+            )
+    view = isolation.view_policy(img, net, scratch_limit)
+    from jukebox.mcp.servers import read_config, stdio_servers
+
+    mcp_declared = read_config(mcp_config) if mcp_config else None
+    from jukebox.mcp.servers import http_servers
+
+    mcp_servers = stdio_servers(mcp_declared, mcp_config or "") if mcp_declared else {}
+    mcp_http = http_servers(mcp_declared, dict(mcp_upstreams or {}), mcp_config or "")
+    mcp_servers.update(mcp_http)
+    if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
+        raise UsageError("--max-sql-rows-changed must be 0 or more")
+    if max_sql_lock_seconds is not None and max_sql_lock_seconds <= 0:
+        raise UsageError("--max-sql-lock-seconds must be more than 0")
+    if record_sql_results and not databases:
+        raise UsageError("--record-sql-results keeps what --pg databases answer: add --pg "
+                         "NAME=URL, or drop it")
+    two_phase: dict[str, bool] = {}
+    if databases:
+        from jukebox.sql.booth_link import BoothDatabases
+
+        two_phase = BoothDatabases.probe(databases, needs_two_phase=commit_mode in ("never", "ask"))
+    booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
+    tape_path = tapes.tape_path(booth_id)
+    if tape_path.exists():
+        raise UsageError(
+            f"a tape {booth_id!r} already exists in {tapes.path}: pick another --tape-id"
+        )
+    cwd = os.getcwd()
+    agent_cwd = cwd if _is_under(os.path.realpath(cwd), tree_path) else tree_path
+    agent_cwd = os.path.realpath(agent_cwd)
+
+    from jukebox.llm.recorder import DEFAULT_RECORD_LIMIT
+    from jukebox.tape.tape import TapeWriter
+
+    factory = layer_factory or default_layer_factory
+    made_tape_dir = make_tape_dir(tapes.path)
+    store = _open_store(tapes)
+    sock_dir = ""
+    layer_dir = ""
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
+    layer: BoothLayer | None = None
+    server: ControlServer | None = None
+    llm_session: Any = None
+    dbs: Any = None
+    tree_fd = -1
+    writer: Any = None
+    live: Any = None  # jukebox.export.otel_live.LiveExport with OTEL_EXPORTER_OTLP_ENDPOINT set
+    record: BoothRecord | None = None
+    cgroup: BoothCgroup | None = None
+    preforked: isolation.PreforkedShim | None = None
+    http_gateways: Any = None
+    try:
+        # Before anything is written: strict mode refuses with nothing half-made.
+        protections, cgroup = booth_protections(img, booth_id, seccomp=seccomp)
+        if strict_sandbox and protections.unavailable():
+            raise UsageError(strict_refusal(protections))
+        missing = protections.missing_line()
+        if missing:
+            _alert(missing)
+        env = img.filter_env(os.environ)
+        from jukebox.trees.realtree import open_tree
+
+        # The tree's identity, from before its base tree is read: a commit goes into this very
+        # directory or nowhere (see jukebox.trees.realtree).
+        tree_fd, tree_dev, tree_ino = open_tree(tree_path)
+        recorded_argv, recorded_verify = _redacted_command(argv, verify, img)
+        base_tree = build_base_tree(store, tapes, tree_path, exclude=_stop_when_interrupted())
+        writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
+        live = _live_export(booth_id, writer)
+        writer.append(
+            "run_start",
+            {
+                "tape_id": booth_id,
+                "booth": booth_id,
+                "name": name,
+                "argv": recorded_argv,
+                **({"argv_redacted": True} if recorded_argv != argv else {}),
+                "cwd": agent_cwd,
+                "tree": tree_path,
+                "tree_dev": tree_dev,
+                "tree_ino": tree_ino,
+                "base_tree": base_tree.hex(),
+                "image": img.name,
+                # The image whole, hashed: replays compare with it and never resolve its name.
+                "sandbox_image": image_record(img),
+                "policy": {
+                    **img.policy(),
+                    "net": net,
+                    "verify": recorded_verify,
+                    "commit": commit_mode,
+                    "fs": fs,
+                    "checkpoint_every": checkpoint_every,
+                    "scratch_limit": scratch_limit,
+                    "llm_record_limit": scratch_limit or DEFAULT_RECORD_LIMIT,
+                    "view": view,
+                    "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
+                    "protections": protections.policy(),
+                    "paths": paths.policy(),
+                    "mcp_servers": {n: s.describe() for n, s in mcp_servers.items()},
+                    "mcp_limits": mcp_limits.limits() if mcp_limits is not None else None,
+                },
+                "host": host_facts(),
+                "env": img.describe_env(env),
+            },
+            tree=base_tree,
+        )
+        record = BoothRecord(
+            id=booth_id,
+            name=name,
+            tree=tree_path,
+            base_tree=base_tree.hex(),
+            tape=str(tape_path),
+            created=time.time(),
+            status="running",
+            pid=os.getpid(),
+            tree_dev=tree_dev,
+            tree_ino=tree_ino,
+        )
+        save_record(tapes, record)
+
+        # From here on this process lives in the booth's mount namespace.
+        userns = isolation.enter_private_namespace()
+        with contextlib.suppress(OSError):
+            import prctl
+
+            prctl.set_child_subreaper(1)
+        if net != "none":  # under --net none the agent starts inside the proxy's network
+            # Forked while no thread runs yet: the agent's start then needs no new interpreter.
+            preforked = isolation.PreforkedShim.fork(cgroup.procs_files)
+        scratch = booth_scratch(tapes, booth_id)
+        # Never over the tree's path here: see isolation.ChildSpec.mount_at.
+        layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))
+        layer = factory(
+            LayerContext(
+                fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit,
+                mountpoint=layer_dir,
+            )
+        )
+        layer.mount()
+        writer.start()
+        if live is not None:
+            live.start()  # its threads, like the flusher's, only once in the namespaces
+        run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
+        watch = getattr(layer, "watch_refused_writes", None)
+        if watch is not None:
+            watch(run.on_refused_write)
+        run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
+        from jukebox.mcp.staging import StageGate
+
+        run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload),
+                            mcp_limits, run.on_trip)  # fmt: skip
+        if mcp_replay is not None:
+            mcp_replay.record = writer.append
+            run.mcp.replay = mcp_replay
+        from jukebox.mcp import verdict as mcp_verdict
+        from jukebox.mcp.approvals import read_answer
+
+        def keep_staged(calls: list[Any]) -> None:
+            mcp_verdict.keep(record, mcp_servers, calls)
+            save_record(tapes, record)
+
+        run.mcp.on_change = keep_staged
+
+        run.mcp.answer_of = functools.partial(read_answer, tapes, booth_id)
+        run.mcp.tell = lambda ask_id, what: _alert(
+            f"booth {booth_id}: the agent asks to call {what}: `jukebox booth approve {booth_id} "
+            f"{ask_id}` (or --deny; --tape-dir {tapes.path})"
+        )
+        sock_dir = isolation.private_socket_dir(socket_dir_prefix(tapes.path, booth_id))
+        sock_path = os.path.join(sock_dir, "control.sock")
+        server = ControlServer(sock_path, run.handlers()).start()
+        from jukebox.llm.session import LlmSession
+
+        llm_session = LlmSession.start(
+            record=writer.append,
+            environ=os.environ,
+            secrets=[value for key, value in env.items() if img.is_secret(key)],
+            tape_dir=tapes.path,
+            private_network=net == "none",
+            options=llm,
+            on_trip=run.record_trip,
+            stop_agent=run.stop_agent,
+            record_limit=scratch_limit,
+        )
+        if preforked is not None and llm_session.network is None:
+            run.spawn = preforked.spawn
+        else:
+            run.spawn = lambda child_spec, **stdio: llm_session.spawn(
+                functools.partial(isolation.spawn, **stdio), child_spec
+            )
+        env.update(llm_session.agent_env(env))
+        if databases:
+            from jukebox.sql.booth_link import BoothDatabases
+
+            network = llm_session.network
+            dbs = run.databases = BoothDatabases.start(
+                databases,
+                two_phase,
+                record=writer.append,
+                booth_id=booth_id,
+                secrets=[value for key, value in env.items() if img.is_secret(key)],
+                listen=network.listen if network is not None else None,
+                max_rows_changed=max_sql_rows_changed,
+                on_trip=run.on_trip,
+                record_results=record_sql_results,
+                max_lock_seconds=max_sql_lock_seconds,
+            )
+            env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
+            env.update(dbs.agent_env())
+        elif sql_replay is not None:
+            network = llm_session.network
+            dbs = run.databases = sql_replay.start(
+                record=writer.append,
+                secrets=[value for key, value in env.items() if img.is_secret(key)],
+                listen=network.listen if network is not None else None,
+            )
+            env.pop("PGPASSWORD", None)
+            env.update(dbs.agent_env())
+        env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
+        http_urls: dict[str, str] = {}
+        if mcp_http:
+            http_gateways = _start_http_gateways(run, mcp_http, llm_session, env, img)
+            http_urls = http_gateways.urls()
+            env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
+        if mcp_declared is not None or mcp_http:
+            from jukebox.mcp.servers import write_wrapped_config
+
+            env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(
+                mcp_declared or {"mcpServers": {}}, sock_dir, http_urls
+            )
+        if mcp_replay is not None:
+            from jukebox.mcp.record import REPLAY_ENV
+
+            env[REPLAY_ENV] = "1"
+        env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
+        hide = [
+            *img.hidden_paths(),
+            *paths.hide,
+            str(tapes.path),
+            str(realtree.commit_key_dir()),
+            *view["hidden_socket_dirs"],
+        ]
+        writable = [tree_path, *paths.rw]  # the tree first: the verifier's cwd
+        filtered = protections.is_on("seccomp")
+        spec = isolation.ChildSpec(
+            argv=argv,
+            cwd=agent_cwd,
+            env=env,
+            keep=writable,
+            mount_at={tree_path: layer_dir},
+            keep_readonly=[sock_dir],
+            keep_tools=[*isolation.hidden_tools(hide, img.private_tmp, writable), *paths.ro],
+            hide=hide,
+            readonly_root=img.readonly_host,
+            private_tmp=img.private_tmp,
+            limits=_rlimits(img, protections),
+            net=net,
+            seccomp=list(img.seccomp_allow) if filtered else None,
+            seccomp_bpf=_compiled_filter(img.seccomp_allow) if filtered else None,
+            cgroup_procs=cgroup.procs_files,
+            cgroup_mounts=cgroup.mounts,
+            tmp_size=view["tmp_size"],
+            shm_size=view["shm_size"],
+        )
+        status, interrupted = _supervise(spec, run, checkpoint_every)
+        if http_gateways is not None:
+            http_gateways.stop()
+            http_gateways = None
+        server.close()
+        server = None
+        llm_session.close()
+        llm_session = None
+        _reap_stragglers()
+
+        # The verdict.
+        exit_status, exit_signal = status["code"], status["signal"]
+        final_tree, journal = layer.snapshot()
+        fs_payload: dict[str, Any] = {"reason": "exit"}
+        if journal is not None:
+            fs_payload["journal"] = journal.hex()
+        writer.append(
+            "fs", fs_payload, refs=[journal] if journal is not None else (), tree=final_tree
+        )
+        writer.append("exit", status)
+        _report_view_denials(run, spec, status, (str(tapes.path), str(realtree.commit_key_dir())))
+        agent_ok = exit_status == 0 and not status.get("setup_error")
+        verified: dict[str, Any] | None = None
+        if verify and not interrupted:
+            if agent_ok:
+                verified = _run_verifier(spec, verify)
+                interrupted = bool(verified.get("interrupted"))
+            else:
+                verified = {"cmd": verify, "skipped": "the agent failed", "ok": False}
+            writer.append("verify", {**verified, "cmd": recorded_verify})
+        if paths.rw:  # nothing of the booth runs any more
+            _strip_rw_set_id(writer, paths.rw, record.created)
+        layer.unmount()
+
+        record.final_tree = final_tree.hex()
+        record.agent_status = exit_status if exit_status is not None else 128 + (exit_signal or 0)
+        record.verify = {k: v for k, v in (verified or {}).items() if k != "output"} or None
+        passed = verified is None or bool(verified.get("ok"))
+        code = record.agent_status
+        if status.get("setup_error"):
+            _alert(status["setup_error"])
+
+        decision: str
+        reason = ""
+        if run.trip is not None:
+            decision = "keep" if commit_mode == "never" else "discard"
+            reason = f"the circuit breaker tripped ({run.trip.rule})"
+        elif commit_mode == DISCARD:
+            decision = "discard"
+        elif interrupted:
+            decision, reason = "keep", "interrupted"
+        elif commit_mode == "never":
+            decision = "keep"
+        elif commit_mode == "ask":
+            if final_tree != base_tree:
+                _warn_host_hooks(store, base_tree, final_tree)
+            decision = (
+                "commit"
+                if final_tree == base_tree
+                else _ask(change_summary(store, base_tree, final_tree), booth_id)
+            )
+        elif agent_ok and passed:
+            decision = "commit"
+        else:
+            decision = "discard"
+            reason = (
+                f"the verifier failed (exit {verified.get('exit')})"
+                if agent_ok and verified
+                else (status.get("setup_error") or f"the agent exited with {_describe(status)}")
+            )
+
+        hooks_refused = ""
+        if decision == "commit" and commit_mode == "auto" and not allow_hooks:
+            hooks_refused = _host_hooks_refusal(store, base_tree, final_tree)
+            if hooks_refused:
+                decision, reason, code = "keep", hooks_refused, 1
+
+        if dbs is not None:
+            decision, reason, code = _databases_before(
+                dbs, tapes, booth_id, decision, reason, code
+            )
+        # Everything recorded so far is on disk before the real tree changes or a verdict lands.
+        writer.sync()
+        if decision == "commit":
+            decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
+            if decision == "done" and run.mcp.staged:
+                from jukebox.mcp.verdict import commit_staged
+
+                if commit_staged(run.mcp.staged, mcp_servers, run.mcp.record, tree_path,
+                                 booth_id) and code == 0:  # fmt: skip
+                    code = 1
+        if dbs is not None:
+            _databases_after(dbs, tapes, writer, booth_id, decision)
+            dbs = None
+        if decision == "discard":
+            run.mcp.drop_all(reason or "discard")
+            if commit_mode == DISCARD and not reason:
+                writer.append("discard", {"by": "scratch booth", "residue": 0}, tree=base_tree)
+            else:
+                writer.append(
+                    "rollback",
+                    {"reason": reason or "rejected", "to": 0, "final": True, "residue": 0},
+                    tree=base_tree,
+                )
+            if reason:
+                _alert(
+                    f"booth {booth_id} rolled back: {reason}; the real tree {tree_path} was not "
+                    f"touched (tape {tape_path})"
+                )
+                if verified and not verified.get("ok") and verified.get("output"):
+                    sys.stderr.write(verified["output"][-4000:])
+                if commit_mode == "auto" and code == 0:
+                    code = 1
+            _finish(tapes, booth_id)
+        elif decision == "keep":
+            record.status = "pending" if record.status == "running" else record.status
+            record.pid = None
+            record.note = reason or None
+            from jukebox.mcp import verdict as mcp_verdict
+
+            mcp_verdict.keep(record, mcp_servers, run.mcp.staged)
+            save_record(tapes, record)
+            _alert(
+                f"booth {booth_id} kept pending{f' ({reason})' if reason else ''}: "
+                f"`jukebox booth diff {booth_id}`, then `jukebox booth commit {booth_id}"
+                f"{' --allow-hooks' if hooks_refused else ''}` or "
+                f"`jukebox booth discard {booth_id}` (with --tape-dir {tapes.path})"
+            )
+            if interrupted and code == 0:
+                code = 130
+        writer.sync()
+        layer.discard()
+        layer = None
+        return code
+    finally:
+        if preforked is not None:
+            preforked.close()  # ends and reaps it when the agent never started
+        if http_gateways is not None:
+            http_gateways.stop()
+        if server is not None:
+            server.close()
+        if dbs is not None:
+            dbs.close()  # an unfinished transaction is rolled back by its server
+        if llm_session is not None:
+            llm_session.close()
+        if layer is not None:
+            with contextlib.suppress(Exception):
+                layer.unmount()
+            with contextlib.suppress(Exception):
+                layer.discard()
+        if sock_dir:
+            isolation.remove_private_dir(sock_dir)
+        if layer_dir:
+            isolation.remove_private_dir(layer_dir)
+        if tree_fd >= 0:
+            os.close(tree_fd)
+        if cgroup is not None:
+            cgroup.remove()  # the agent's processes are all gone by now (its PID namespace)
+        if writer is not None:
+            # The normal path synced already; on an error path the first error is the news.
+            with contextlib.suppress(Exception):
+                writer.close()
+        if live is not None:
+            live.close()  # bounded (otel_live.CLOSE_TIMEOUT), never raises
+        store.close()
+        if writer is None and made_tape_dir is not None:
+            remove_unused_tape_dir(made_tape_dir, tapes)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _compiled_filter(allow: Sequence[str]) -> str | None:
+    """The booth's seccomp filter compiled, from this user's cache (hidden from every booth,
+    like the commit key beside it); None leaves the compiling to CMD's process, as before
+    there was a cache, and the reporting of what fails there too."""
+    from jukebox.booth import syscall_filter
+    from jukebox.trees import realtree
+
+    try:
+        program = syscall_filter.compiled(allow, realtree.commit_key_dir() / "seccomp")
+    except (OSError, ImportError, ValueError, syscall_filter.FilterError):
+        return None
+    return program.hex()
+
+
+def _stop_when_interrupted() -> Callable[[bytes], bool]:
+    """An `exclude` for reading the base tree that leaves nothing out but stops the read at a
+    pending interrupt: SIGINT/TERM/HUP are blocked by then (for sigtimedwait later), and reading
+    a big tree (/usr: minutes) must not leave Ctrl-C unanswered. Nothing is recorded yet."""
+    interrupts = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    seen = 0
+
+    def check(_path: bytes) -> bool:
+        nonlocal seen
+        seen += 1
+        if seen % 256 == 0 and interrupts & signal.sigpending():
+            signal.sigtimedwait(interrupts, 0)  # taken: it is answered here
+            raise KeyboardInterrupt
+        return False
+
+    return check
+
+
+def _rlimits(img: Image, protections: Protections) -> dict[str, int]:
+    limits = dict(img.limits)
+    if protections.is_on("memory_cgroup"):
+        # The cgroup counts memory really used; RLIMIT_AS counts address space, which runtimes
+        # reserve by the gigabyte (Go, the JVM, V8) and would fail on for nothing.
+        limits.pop("memory_bytes", None)
+    return limits
+
+
+def _describe(status: dict[str, Any]) -> str:
+    if status.get("signal"):
+        return f"signal {status['signal']} ({signal.Signals(status['signal']).name})"
+    return f"status {status.get('code')}"
+
+
+def _databases_before(
+    dbs: Any, tapes: TapeDir, booth_id: str, decision: str, reason: str, code: int
+) -> tuple[str, str, int]:
+    """The databases' part of the verdict before the files': a commit or a kept booth prepares
+    its transactions (two-phase commit); a discard rolls them back. A prepare the server
+    refuses (a deferred constraint, a serialization failure) turns a commit into a discard."""
+    from jukebox.sql import ledger
+
+    if decision == "discard":
+        with contextlib.suppress(Exception):
+            dbs.end("ROLLBACK")
+        return decision, reason, code
+    if decision == "commit" and not dbs.can_prepare:
+        # COMMIT after the files; the ledger lets the next command say so should the
+        # supervisor stop in between (see jukebox.sql.ledger, `direct`).
+        used = dbs.used()
+        if used:
+            ledger.write(tapes, booth_id, [{"name": n, "url": dbs.urls[n]} for n in used],
+                         ledger.DIRECT)
+        return decision, reason, code
+    try:
+        dbs.prepare(tapes, booth_id, ledger.COMMITTING if decision == "commit" else
+                    ledger.PREPARED)
+    except Exception as error:
+        with contextlib.suppress(Exception):
+            dbs.end("ROLLBACK")
+        ledger.remove(tapes, booth_id)
+        if decision == "commit":
+            return "discard", f"the database refused to commit ({error})", code or 1
+        _alert(f"booth {booth_id}: its database work could not be kept pending ({error}); "
+               "it was rolled back")
+    return decision, reason, code
+
+
+def _databases_after(
+    dbs: Any, tapes: TapeDir, writer: Any, booth_id: str, decision: str
+) -> None:
+    """After the file commit point: COMMIT PREPARED (or COMMIT); a kept booth's prepared
+    transactions wait for `booth commit` or `booth discard` (jukebox.sql.ledger)."""
+    from jukebox.sql import ledger
+
+    data = ledger.read(tapes, booth_id)
+    direct = data is not None and data.get("state") == ledger.DIRECT
+    prepared = data is not None and not direct
+    try:
+        if decision == "done":
+            if prepared:
+                done = ledger.finish(tapes, booth_id, commit=True)
+            else:
+                dbs.end("COMMIT")
+                done = list(dbs.urls)
+            writer.append("note", {"event": "sql_commit", "databases": done})
+        elif decision == "keep" and prepared:
+            ledger.set_state(tapes, booth_id, ledger.PREPARED)
+            writer.append("note", {"event": "sql_prepared", "databases": list(dbs.urls)})
+        elif decision == "keep" and dbs.used():
+            dbs.end("ROLLBACK")
+            _alert(f"booth {booth_id}: its database work was rolled back (the server cannot "
+                   "keep a transaction prepared: max_prepared_transactions = 0)")
+    except Exception as error:
+        _alert(str(error))
+    finally:
+        if direct:
+            ledger.remove(tapes, booth_id)
+        dbs.close()
+
+
+def _commit_run(
+    store: Any,
+    tapes: TapeDir,
+    writer: Any,
+    record: BoothRecord,
+    base: ObjectId,
+    final: ObjectId,
+    code: int,
+) -> tuple[str, int]:
+    from shadowfs.errors import ConflictError
+
+    if final == base:
+        writer.append("commit", {"ok": True, "changes": 0}, tree=final)
+        _finish(tapes, record.id)
+        note(f"no changes to commit: {record.tree} is as it was (tape {record.tape})")
+        return "done", code
+    # A kill during the commit leaves a booth recovery can hand back, pending, when it undoes it.
+    save_record(tapes, record)
+
+    def verdict(kind: str, payload: dict[str, Any], tree: ObjectId | None) -> None:
+        writer.append(kind, payload, tree=tree)
+        writer.sync()
+
+    try:
+        changes = commit_tree(store, tapes, record, base, final, by=None, write=verdict)
+    except ConflictError as error:
+        writer.append("note", {"event": "commit_refused", "conflicts": error.conflicts})
+        record.status = "conflict"
+        _alert(
+            f"commit of booth {record.id} refused: the real tree changed under it at "
+            + ", ".join(error.conflicts[:10])
+        )
+        return "keep", 1
+    except CheckFailed as error:
+        writer.append("note", {"event": "commit_refused", "reason": str(error)})
+        _alert(str(error))
+        return "keep", 1
+    plural = "" if changes == 1 else "s"
+    note(f"committed {changes} change{plural} to {record.tree} (tape {record.tape})")
+    return "done", code
+
+
+def _supervise(
+    spec: isolation.ChildSpec, run: _Run, checkpoint_every: float | None
+) -> tuple[dict[str, Any], bool]:
+    """Starts CMD and waits for it, relaying signals; returns (exit payload, interrupted).
+
+    CMD never shares the caller's terminal or process group: a terminal signal reaches it only
+    through the supervisor, which passes the first interrupt on and kills CMD at the second,
+    whether it arrived as a signal or as a key typed into the relayed pty."""
+    started = time.monotonic()
+    with relayed(AgentTerminal.for_caller()) as term, _output_tail(term, run.output) as stdio:
+        spec.terminal = term is not None
+        child = run.spawn(spec, **stdio)
+        run.agent_pid = child.pid
+        lock = threading.Lock()
+        interrupts = 0
+
+        def on_interrupt(forward: Callable[[], None]) -> None:
+            nonlocal interrupts
+            with lock:  # the pty's relay thread calls this too
+                interrupts += 1
+                if interrupts > 1:
+                    if child.proc.returncode is None:  # not reaped: the pid is still ours
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(child.pid, signal.SIGKILL)
+                    return
+            forward()
+            (term.notice if term is not None else _alert)(
+                "interrupt: passed to the agent; interrupt again to kill it"
+            )
+
+        if term is not None:
+            term.start(on_interrupt=lambda: on_interrupt(lambda: None))  # the pty sent it
+            if run.mcp is not None:  # an MCP call to ask about: asked on this terminal too
+                run.mcp.ask_terminal = term.ask
+        ok = child.wait_started()
+        run.writer.append("note", {"event": "agent_started", "pid": child.pid, "ok": ok})
+        next_auto = time.monotonic() + checkpoint_every if checkpoint_every else None
+        while True:
+            with lock:
+                pid, wstatus, usage = os.wait4(child.pid, os.WNOHANG)
+                if pid:  # reaped here, not by Popen
+                    child.proc.returncode = os.waitstatus_to_exitcode(wstatus)
+                    break
+            timeout = max(0.0, next_auto - time.monotonic()) if next_auto is not None else 3600.0
+            info = signal.sigtimedwait(WAITED_SIGNALS, min(timeout, CHILD_POLL_SECONDS))
+            if info is None:
+                if next_auto is not None and time.monotonic() >= next_auto:
+                    with contextlib.suppress(Exception):
+                        run.checkpoint("auto", None, reason="timer")
+                    next_auto = time.monotonic() + (checkpoint_every or 0)
+                continue
+            if info.si_signo == signal.SIGWINCH:
+                if term is not None:
+                    term.resize()
+                continue
+            if info.si_signo == signal.SIGCHLD:
+                continue
+            sig = info.si_signo
+            # Who asked (`jukebox booth stop` sends SIGTERM), for the tape's reader; the uid as
+            # this namespace sees it (an unprivileged booth's own user is 0 here).
+            sender = {"pid": info.si_pid, "uid": info.si_uid}
+            with contextlib.suppress(Exception):
+                run.writer.append(
+                    "note", {"event": "interrupt", "signal": signal.Signals(sig).name, **sender}
+                )
+            on_interrupt(lambda sig=sig: send_to_agent(term, child.pid, sig))  # type: ignore[misc]
+    exit_status, exit_signal = _exit_code(wstatus)
+    payload: dict[str, Any] = {
+        "code": exit_status,
+        "signal": exit_signal,
+        "seconds": round(time.monotonic() - started, 6),
+        "rusage": {
+            "utime_s": round(usage.ru_utime, 6),
+            "stime_s": round(usage.ru_stime, 6),
+            "maxrss_kb": usage.ru_maxrss,
+            "inblock": usage.ru_inblock,
+            "oublock": usage.ru_oublock,
+        },
+    }
+    if not ok:
+        payload["setup_error"] = child.setup_error
+    return payload, interrupts > 0
+
+
+@contextlib.contextmanager
+def _output_tail(term: AgentTerminal | None, tail: OutputTail) -> Iterator[dict[str, Any]]:
+    """The agent's stdio for the spawn, with the tail of what it prints kept in `tail`: from
+    its terminal's relay, or from its stderr teed through a pipe when that is no terminal."""
+    stdio: dict[str, Any] = term.stdio() if term is not None else {}
+    if term is not None:
+        term.on_output = tail.add
+    if stdio.get("stderr") is not None:
+        yield stdio
+        return
+    tee = StderrTee(tail)
+    try:
+        yield {**stdio, "stderr": tee.write_fd}
+    finally:
+        tee.close()
+
+
+def _strip_rw_set_id(writer: Any, rw: Sequence[str], started: float) -> None:
+    """No set-id program the agent made is left in a --rw path (booth_paths.strip_set_id)."""
+    # A second early: file systems stamp ctime from a clock that may lag a tick behind.
+    stripped, stopped = strip_set_id(rw, int((started - 1) * 1e9))
+    if not stripped and not stopped:
+        return
+    writer.append(
+        "note",
+        {"event": "rw_set_id_stripped", "count": len(stripped), "paths": stripped[:100],
+         "walk_stopped": stopped},
+    )  # fmt: skip
+    if stripped:
+        more = f" and {len(stripped) - 3} more" if len(stripped) > 3 else ""
+        _alert(
+            f"took the set-user/group-ID bits off {len(stripped)} file(s) the agent left in "
+            f"--rw paths: {', '.join(stripped[:3])}{more}"
+        )
+    if stopped:
+        _alert(
+            f"looked at the first {SET_ID_WALK_LIMIT} entries of the --rw paths only: set-id "
+            f"files the agent left further in stay set-id; check them (`find {rw[0]} -perm "
+            "/6000`)"
+        )
+
+
+def _report_view_denials(run: _Run, spec: isolation.ChildSpec, status: dict[str, Any],
+                         never: tuple[str, ...]) -> None:  # fmt: skip
+    """Says which hidden or read-only paths the agent failed on, and notes them on the tape."""
+    output = run.output.text() + "\n" + (status.get("setup_error") or "")
+    denials = view_denials(output, spec, never)
+    if not denials:
+        return
+    run.writer.append(
+        "note", {"event": "view_denials", "denials": [d.to_json() for d in denials]}
+    )
+    for denial in denials:
+        _alert(denial.message())
+
+
+def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
+    # No terminal: the verifier's stdin is /dev/null and its output a pipe.
+    vspec = isolation.ChildSpec(
+        **{
+            **spec.__dict__,
+            "argv": ["/bin/sh", "-c", command],
+            "cwd": spec.keep[0],
+            "terminal": False,
+        }
+    )
+    read_fd, write_fd = os.pipe()
+    started = time.monotonic()
+    try:
+        child = isolation.spawn(vspec, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd)
+    finally:
+        os.close(write_fd)
+    # Read on a thread: this one waits for the operator's signals meanwhile.
+    captured: list[tuple[str, bool]] = []
+    reader = threading.Thread(
+        target=lambda: captured.append(_read_capped(read_fd, VERIFY_OUTPUT_MAX)),
+        name="jukebox-verify-output",
+        daemon=True,
+    )
+    reader.start()
+    try:
+        child.wait_started()
+        wstatus, interrupts = _wait_passing_interrupts(child, "the verifier")
+        reader.join()  # the verifier's namespace is gone: nothing holds the pipe
+    finally:
+        if not reader.is_alive():
+            os.close(read_fd)
+    output, truncated = captured[0] if captured else ("", False)
+    exit_status, exit_signal = _exit_code(wstatus)
+    result: dict[str, Any] = {
+        "cmd": command,
+        "exit": exit_status,
+        "signal": exit_signal,
+        "ok": exit_status == 0,
+        "seconds": round(time.monotonic() - started, 6),
+        "output": output,
+        "truncated": truncated,
+    }
+    if child.setup_error:
+        result["setup_error"] = child.setup_error
+    if interrupts:
+        result["interrupted"] = True
+    return result
+
+
+def _wait_passing_interrupts(child: isolation.Child, what: str) -> tuple[int, int]:
+    """Waits for a sandboxed child that holds no terminal, so the operator's Ctrl-C (or a
+    SIGTERM, SIGHUP) reaches it only through here: the first is passed on, a second kills it.
+    Returns (its wait status, the interrupts received)."""
+    interrupts = 0
+    while True:
+        pid, wstatus = os.waitpid(child.pid, os.WNOHANG)
+        if pid:
+            child.proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here
+            return wstatus, interrupts
+        info = signal.sigtimedwait(WAITED_SIGNALS, CHILD_POLL_SECONDS)
+        if info is None or info.si_signo in (signal.SIGCHLD, signal.SIGWINCH):
+            continue
+        interrupts += 1
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, info.si_signo if interrupts == 1 else signal.SIGKILL)
+        if interrupts == 1:
+            _alert(f"interrupt: passed to {what}; interrupt again to kill it")

@@ -1,0 +1,1 @@
+"""Text for a person: names made safe to show, colour, tables, progress."""

@@ -1,0 +1,1 @@
+"""What stops a runaway agent: the circuit breaker and near-duplicate detection."""

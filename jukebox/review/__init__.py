@@ -1,0 +1,1 @@
+"""What a person reads before a commit: line diffs, excluded paths, host hooks."""

@@ -1,0 +1,1 @@
+"""Tapes: frames, the tamper-evident log, where tapes live, and reading them."""

@@ -1,0 +1,374 @@
+"""Tape frames: the record of one thing that happened, and its canonical bytes.
+
+A frame's bytes are canonical JSON (see docs/tape-format.md for the exact rules) so that the same
+frame always hashes to the same id, a human can read a tape with a hex dump, and any language can
+write one with its standard JSON library. The frame id is `hash_object("frame", bytes)`.
+
+Frames parse lazily: a tape load only hashes the bytes, and a frame decodes its JSON the first
+time one of its fields is read. A decoded frame is checked to be canonical, so every reader sees
+the same values the id commits to.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from blake3 import blake3
+
+from jukebox.tape.errors import TamperedTape
+from shadowfs.oid import ObjectId
+
+FORMAT_VERSION = 1
+
+KNOWN_KINDS = frozenset(
+    {
+        "run_start",
+        "agent_turn",
+        "llm_turn",
+        "tool_call",
+        "fs",
+        "checkpoint",
+        "rollback",
+        "verify",
+        "commit",
+        "discard",
+        "breaker",
+        "exit",
+        "fork",
+        "note",
+        "sql",
+    }
+)
+
+# Every kind, known or from a later version, is a short lowercase identifier: this keeps the
+# fixed-position fast parse in `FAST_FRAME` valid for frames this version does not understand.
+KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+
+# A top-level payload value whose canonical JSON is longer than this goes to the store.
+SPILL_THRESHOLD = 4096
+BLOB_KEY = "$blob"
+
+# The canonical encoding puts keys in sorted order, so the first three fields sit at the start of
+# the bytes and the last four at the end, whatever the payload holds: verification reads them
+# with one anchored regex instead of decoding the JSON (twice as fast as two regexes, measured).
+# The greedy `.*` backtracks from the end to the last `,"seq":`, which is the top-level one: `,"`
+# cannot occur inside a JSON string (the quote would be escaped) and nothing nested follows the
+# top-level "seq". Hex fields are matched loosely here and checked by a2b_hex where they are used.
+FAST_FRAME = re.compile(
+    rb'\{"kind":"([a-z][a-z0-9_]{0,31})","mroot":"(.{64})","parent":(?:null|"(.{64})"),'
+    rb'"payload":\{.*,"seq":(0|[1-9][0-9]{0,17}),"time_ns":(-?[0-9]{1,20}),'
+    rb'"tree":(?:null|"(.{64})"),"v":([0-9]{1,5})\}\Z',
+    re.DOTALL,
+)
+FAST_SEQ = re.compile(rb',"seq":(0|[1-9][0-9]{0,17}),"time_ns":')
+
+_FRAME_HEADER = b"frame %d\x00"
+
+
+class ObjectStore(Protocol):
+    """The part of shadowfs.store.Store that tapes use."""
+
+    def put(self, kind: str, data: bytes) -> ObjectId: ...
+
+    def get(self, oid: ObjectId) -> bytes: ...
+
+    def has(self, oid: ObjectId) -> bool: ...
+
+    def flush(self) -> None: ...
+
+
+def _default(value: object) -> object:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    raise TypeError(
+        f"a frame payload cannot hold a {type(value).__name__}; use str, int, float, bool, None, "
+        "bytes, lists and dicts with str keys"
+    )
+
+
+_ENCODER = json.JSONEncoder(
+    ensure_ascii=False,
+    allow_nan=False,
+    sort_keys=True,
+    separators=(",", ":"),
+    default=_default,
+)
+
+
+def canonical_json(value: object) -> bytes:
+    """The canonical encoding of a JSON value (rules in docs/tape-format.md)."""
+    try:
+        return _ENCODER.encode(value).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            "a frame payload holds a string that is not valid Unicode (a lone surrogate); "
+            "pass such data as bytes"
+        ) from None
+    except ValueError as e:
+        if "float" in str(e).lower():
+            raise ValueError("a frame payload cannot hold NaN or infinity; use null") from None
+        raise
+
+
+def frame_id(raw: bytes) -> ObjectId:
+    """`shadowfs.oid.hash_object("frame", raw)`, inlined because tape loads do it per record."""
+    return ObjectId(blake3((_FRAME_HEADER % len(raw)) + raw).digest())
+
+
+def encode_frame(
+    *,
+    seq: int,
+    kind: str,
+    time_ns: int,
+    parent: bytes | None,
+    mroot: bytes,
+    payload: Mapping[str, Any],
+    refs: Iterable[bytes] = (),
+    tree: bytes | None = None,
+) -> bytes:
+    obj = {
+        "v": FORMAT_VERSION,
+        "seq": seq,
+        "kind": kind,
+        "time_ns": time_ns,
+        "parent": parent.hex() if parent is not None else None,
+        "mroot": mroot.hex(),
+        "payload": payload,
+        "refs": sorted({bytes(r).hex() for r in refs}),
+        "tree": tree.hex() if tree is not None else None,
+    }
+    return canonical_json(obj)
+
+
+def spill_payload(
+    payload: Mapping[str, Any], store: ObjectStore | None
+) -> tuple[dict[str, Any], list[ObjectId]]:
+    """Move large top-level payload values into the store as `json` objects.
+
+    Returns the payload to record (large values replaced by {"$blob": hex}) and the new refs.
+    """
+    out = dict(payload)
+    for key, value in out.items():
+        if isinstance(value, dict) and BLOB_KEY in value:
+            raise ValueError(
+                f"payload key {key!r} holds a dict with the reserved key {BLOB_KEY!r}; "
+                "rename that key"
+            )
+    whole = canonical_json(out)
+    if len(whole) <= SPILL_THRESHOLD:
+        return out, []
+    refs: list[ObjectId] = []
+    for key, value in out.items():
+        encoded = canonical_json(value)
+        if len(encoded) > SPILL_THRESHOLD:
+            if store is None:
+                raise ValueError(
+                    f"payload value {key!r} is {len(encoded)} bytes and must go to the store, "
+                    "but the tape writer has no store; open the writer with one"
+                )
+            oid = store.put("json", encoded)
+            out[key] = {BLOB_KEY: oid.hex()}
+            refs.append(oid)
+    return out, refs
+
+
+class Frame:
+    """One frame of a tape. Immutable: fields are read-only views of `raw`.
+
+    `payload` is a plain dict for convenience; changing it changes nothing on the tape.
+    """
+
+    __slots__ = (
+        "_id",
+        "_kind",
+        "_mroot",
+        "_parent",
+        "_payload",
+        "_raw",
+        "_refs",
+        "_resolved",
+        "_seq",
+        "_time_ns",
+        "_tree",
+        "_v",
+    )
+
+    def __init__(self, raw: bytes, digest: bytes) -> None:
+        self._raw = raw
+        self._id = digest
+        self._kind: str | None = None
+        self._resolved: dict[str, Any] | None = None
+
+    @classmethod
+    def _built(
+        cls,
+        raw: bytes,
+        digest: bytes,
+        *,
+        seq: int,
+        kind: str,
+        time_ns: int,
+        parent: bytes | None,
+        mroot: bytes,
+        payload: dict[str, Any],
+        refs: tuple[ObjectId, ...],
+        tree: ObjectId | None,
+    ) -> Frame:
+        f = cls(raw, digest)
+        f._seq = seq
+        f._kind = kind
+        f._time_ns = time_ns
+        f._parent = ObjectId(parent) if parent is not None else None
+        f._mroot = ObjectId(mroot)
+        f._payload = payload
+        f._refs = refs
+        f._tree = tree
+        f._v = FORMAT_VERSION
+        return f
+
+    def _decode(self) -> None:
+        what = "its bytes are not a canonical version 1 frame"
+        try:
+            obj = json.loads(self._raw)
+            if not isinstance(obj, dict):
+                raise ValueError(what)
+            seq = obj["seq"]
+            kind = obj["kind"]
+            time_ns = obj["time_ns"]
+            payload = obj["payload"]
+            v = obj["v"]
+            if not (
+                type(seq) is int
+                and type(time_ns) is int
+                and type(v) is int
+                and isinstance(kind, str)
+                and KIND_RE.match(kind)
+                and isinstance(payload, dict)
+                and isinstance(obj["refs"], list)
+            ):
+                raise ValueError(what)
+            parent = ObjectId.from_hex(obj["parent"]) if obj["parent"] is not None else None
+            mroot = ObjectId.from_hex(obj["mroot"])
+            refs = tuple(ObjectId.from_hex(r) for r in obj["refs"])
+            tree = ObjectId.from_hex(obj["tree"]) if obj["tree"] is not None else None
+            # Only the canonical bytes have one meaning (no duplicate keys, no reordered fields),
+            # so a decoded frame must re-encode to exactly what was hashed.
+            if len(obj) != 9 or canonical_json(obj) != self._raw:
+                raise ValueError(what)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            raise TamperedTape(None, self._seq_hint(), what) from None
+        self._seq = seq
+        self._time_ns = time_ns
+        self._parent = parent
+        self._mroot = mroot
+        self._payload = payload
+        self._refs = refs
+        self._tree = tree
+        self._v = v
+        self._kind = kind
+
+    def _seq_hint(self) -> int:
+        found = FAST_SEQ.findall(self._raw)
+        return int(found[-1]) if found else -1
+
+    def _ensure(self) -> None:
+        if self._kind is None:
+            self._decode()
+
+    @property
+    def raw(self) -> bytes:
+        return self._raw
+
+    @property
+    def id(self) -> ObjectId:
+        if type(self._id) is not ObjectId:
+            self._id = ObjectId(self._id)
+        return self._id  # type: ignore[return-value]
+
+    @property
+    def seq(self) -> int:
+        self._ensure()
+        return self._seq
+
+    @property
+    def kind(self) -> str:
+        self._ensure()
+        return self._kind  # type: ignore[return-value]
+
+    @property
+    def time_ns(self) -> int:
+        self._ensure()
+        return self._time_ns
+
+    @property
+    def parent(self) -> ObjectId | None:
+        self._ensure()
+        return self._parent
+
+    @property
+    def mroot(self) -> ObjectId:
+        self._ensure()
+        return self._mroot
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        self._ensure()
+        return self._payload
+
+    @property
+    def refs(self) -> tuple[ObjectId, ...]:
+        self._ensure()
+        return self._refs
+
+    @property
+    def tree(self) -> ObjectId | None:
+        self._ensure()
+        return self._tree
+
+    @property
+    def version(self) -> int:
+        self._ensure()
+        return self._v
+
+    @property
+    def known_kind(self) -> bool:
+        return self.kind in KNOWN_KINDS
+
+    def resolve_payload(self, store: ObjectStore) -> dict[str, Any]:
+        """The payload with every {"$blob": oid} value loaded back from the store."""
+        if self._resolved is None:
+            out = dict(self.payload)
+            for key, value in out.items():
+                if isinstance(value, dict) and len(value) == 1 and BLOB_KEY in value:
+                    out[key] = self._load_spilled(store, key, value[BLOB_KEY])
+            self._resolved = out
+        return self._resolved
+
+    def _load_spilled(self, store: ObjectStore, key: str, ref: object) -> Any:
+        # A hostile tape can chain valid ids over any payload, so the reference and the bytes it
+        # names are untrusted (fuzzing found a non-hex ref escaping as a bare ValueError).
+        try:
+            if not isinstance(ref, str):
+                raise ValueError
+            return json.loads(store.get(ObjectId.from_hex(ref)))
+        except (ValueError, RecursionError):
+            raise TamperedTape(
+                None,
+                self.seq,
+                f"payload value {key!r} does not name a stored JSON value ({BLOB_KEY} {ref!r:.80})",
+            ) from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Frame) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash(self._id)
+
+    def __repr__(self) -> str:
+        try:
+            return f"Frame(seq={self.seq}, kind={self.kind!r}, id={self.id.short})"
+        except TamperedTape:
+            return f"Frame(undecodable, id={self.id.short})"

@@ -1,0 +1,1 @@
+"""Time travel: re-executing a recorded booth run and forking it."""
