@@ -4,11 +4,11 @@ A booth's FUSE server is Python threads in the supervisor; fuse-overlayfs is C. 
 machine the booth is faster on agent workloads (docs/benchmarks.md, the `fs` group); when every
 core is busy, each FUSE request waits for the scheduler, and more so for a process that needs
 several wake-ups (and the GIL) per request. This group runs a subset of the fs suite's
-workloads (bench.fs_workloads: the same fixtures, mounts and timing) twice, interleaved per
-workload: as the machine is, and with a CPU hog per core started by the bench itself (a busy
-loop each, at normal priority, stopped after). Rows carry the ratio to fuse-overlayfs in the
-same condition and the load average seen; the geometric mean row per condition is the figure
-issue 33 judges (at most 1.0 loaded).
+workloads (bench.fs_workloads: the same fixtures, mounts and timing, the systems interleaved)
+twice, one condition after the other: as the machine is, and with a CPU hog per core started by
+the bench itself (a busy loop each, at normal priority, stopped after). Rows carry the ratio to
+fuse-overlayfs in the same condition and the load average seen; the geometric mean row per
+condition is the figure issue 33 judges (at most 1.0 loaded; bench.goals).
 """
 
 from __future__ import annotations
