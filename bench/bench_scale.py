@@ -371,7 +371,8 @@ def first_booth_case(s: Sizes, scratch: Path) -> tuple[list[Row], list[Path]]:
                             str(tapes), "--tape-id", "warm", "--", "true"]))  # fmt: skip
         for tape_id in ("small-cold", "small-warm"):
             small_s.append(_timed([JUKEBOX, "booth", "run", "--tree", str(small), "--tape-dir",
-                                   str(tapes), "--tape-id", tape_id, "--", "true"]))  # fmt: skip
+                                   str(scratch / f"first-small-{i}"), "--tape-id", tape_id, "--",
+                                   "true"]))  # fmt: skip
         del small_s[-2]  # the warm one: a booth's cost apart from the tree
         repo = scratch / f"first-git-{i}"
         repo.mkdir()
