@@ -779,6 +779,13 @@ def fork(
                 f"so fork at 1..{n}"
             )
         origin.check_chain()
+        if exec_ and any(f.kind == "note" and f.payload.get("event") == "sql_databases"
+                         for f in origin.frames):
+            raise UsageError(
+                f"fork --exec of {origin.tape_id or tape_path} is not supported: its run used "
+                "--pg databases, whose work cannot go live from the fork point yet; fork "
+                "without --exec, or `jukebox replay --exec` it offline"
+            )
         pairs = (("model", resolve_model(model, origin, at)), ("system_prompt", system_prompt))
         overrides = {k: v for k, v in pairs if v is not None}
         if tool_result is not None:

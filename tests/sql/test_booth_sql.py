@@ -283,6 +283,8 @@ def test_recorded_results_replay_offline_and_a_different_statement_diverges(
     difference = json.loads(diverged.stdout)["difference"]
     assert "the statement differs from the recorded one" in difference
     assert "['round 1']" in difference and "['round 2']" in difference
+    fork = cli(tmp_path, "fork", str(tmp_path / "tapes" / "rec.jbx"), "--at", "3", "--exec")
+    assert fork.returncode == 2 and "used --pg databases" in fork.stderr
 
 
 
