@@ -183,20 +183,25 @@ class AgentConnection:
 
     def writes(self, kind: bytes, body: bytes) -> bool:
         """Whether an extended-query message may lead to a write: a Parse of a statement that
-        may write, and its Bind and Execute (so a unit takes its turn at its start)."""
-        if kind == b"P":
-            return not st.reads_only(st.split(m.decode_parse(body).query))
-        if kind == b"B":
-            name = m.decode_bind(body).statement
-            if name in self.special:
-                return False
-            return not st.reads_only(st.split(self.texts.get(name, "")))
-        if kind == b"E":
-            portal = m.decode_execute(body).portal
-            if portal in self.special_portals:
-                return False
-            run = self.portals.get(portal)
-            return not st.reads_only(st.split(run.text if run else ""))
+        may write, and its Bind and Execute (so a unit takes its turn at its start). Reads
+        only the names and text it needs: the message is decoded whole (and checked) after."""
+        fields = body.split(b"\0", 2)
+        try:
+            if kind == b"P" and len(fields) > 2:
+                return not st.reads_only(st.split(fields[1].decode()))
+            if kind == b"B" and len(fields) > 2:
+                name = fields[1].decode()
+                if name in self.special:
+                    return False
+                return not st.reads_only(st.split(self.texts.get(name, "")))
+            if kind == b"E":
+                portal = fields[0].decode()
+                if portal in self.special_portals:
+                    return False
+                run = self.portals.get(portal)
+                return not st.reads_only(st.split(run.text if run else ""))
+        except UnicodeDecodeError:
+            return True  # the decoder refuses it next
         return False
 
     def record(self, run: _Run, tag: str | None = None, failure: dict[str, str] | None = None,
