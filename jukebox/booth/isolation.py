@@ -487,11 +487,15 @@ class PreforkedShim:
         self._status_r = status_r
 
     @classmethod
-    def fork(cls, cgroup_procs: Sequence[str] = ()) -> PreforkedShim:
+    def fork(
+        cls, cgroup_procs: Sequence[str] = (), *, preload_seccomp: bool = False
+    ) -> PreforkedShim:
         """`cgroup_procs`: the booth's cgroup.procs files (jukebox.booth.cgroups), joined at once.
         Joining a cgroup v1 hierarchy waits for an RCU grace period in the kernel (10-60 ms
         here), which then passes while the supervisor mounts the layer instead of after the
-        spec arrives; the spec's own list is joined again only where this failed."""
+        spec arrives; the spec's own list is joined again only where this failed.
+        `preload_seccomp`: the spec will not bring the filter compiled (no usable cache), so
+        CMD compiles it: the libseccomp binding is imported meanwhile too."""
         if thread_count() != 1:
             raise IsolationError("the shim can be forked only before the supervisor's threads")
         parent = os.getpid()
@@ -502,7 +506,7 @@ class PreforkedShim:
             try:
                 ours.close()
                 os.close(status_r)
-                _preforked_main(parent, theirs, status_w, cgroup_procs)
+                _preforked_main(parent, theirs, status_w, cgroup_procs, preload_seccomp)
             finally:
                 os._exit(SETUP_FAILED_STATUS)
         theirs.close()
@@ -541,8 +545,9 @@ class PreforkedShim:
 
 
 def _preforked_main(
-    parent: int, sock: socket.socket, status_fd: int, cgroup_procs: Sequence[str] = ()
-) -> None:
+    parent: int, sock: socket.socket, status_fd: int, cgroup_procs: Sequence[str] = (),
+    preload_seccomp: bool = False,
+) -> None:  # fmt: skip
     """The pre-forked shim until its spec arrives; then the relay, as `_shim_main` is."""
     import gc
 
@@ -564,11 +569,14 @@ def _preforked_main(
         with contextlib.suppress(OSError):
             Path(procs).write_text(str(os.getpid()))
             joined.append(procs)
-    # While the supervisor mounts the layer: what the init and CMD will need. Not the
-    # libseccomp binding: the spec brings the filter compiled, and the init imports the
-    # binding when it does not (see _init_main).
+    # While the supervisor mounts the layer: what the init and CMD will need. The libseccomp
+    # binding only when the spec will not bring the filter compiled (else the init imports it,
+    # see _init_main).
     with contextlib.suppress(Exception):
         from jukebox.booth import private_dev, syscall_filter  # noqa: F401
+
+        if preload_seccomp:
+            syscall_filter.preload()
     head = b""
     fds: list[int] = []
     while len(head) < 8:

@@ -1554,6 +1554,8 @@ def run_booth(
         missing = protections.missing_line()
         if missing:
             _alert(missing)
+        filtered = protections.is_on("seccomp")
+        seccomp_bpf = _compiled_filter(img.seccomp_allow) if filtered else None
         env = img.filter_env(os.environ)
         from jukebox.trees.realtree import open_tree
 
@@ -1623,7 +1625,9 @@ def run_booth(
             prctl.set_child_subreaper(1)
         if net != "none":  # under --net none the agent starts inside the proxy's network
             # Forked while no thread runs yet: the agent's start then needs no new interpreter.
-            preforked = isolation.PreforkedShim.fork(cgroup.procs_files)
+            preforked = isolation.PreforkedShim.fork(
+                cgroup.procs_files, preload_seccomp=filtered and seccomp_bpf is None
+            )
         scratch = booth_scratch(tapes, booth_id)
         # Never over the tree's path here: see isolation.ChildSpec.mount_at.
         layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))
@@ -1738,7 +1742,6 @@ def run_booth(
             *view["hidden_socket_dirs"],
         ]
         writable = [tree_path, *paths.rw]  # the tree first: the verifier's cwd
-        filtered = protections.is_on("seccomp")
         spec = isolation.ChildSpec(
             argv=argv,
             cwd=agent_cwd,
@@ -1753,7 +1756,7 @@ def run_booth(
             limits=_rlimits(img, protections),
             net=net,
             seccomp=list(img.seccomp_allow) if filtered else None,
-            seccomp_bpf=_compiled_filter(img.seccomp_allow) if filtered else None,
+            seccomp_bpf=seccomp_bpf,
             cgroup_procs=cgroup.procs_files,
             cgroup_mounts=cgroup.mounts,
             tmp_size=view["tmp_size"],
@@ -1931,16 +1934,16 @@ def run_booth(
 
 def _compiled_filter(allow: Sequence[str]) -> str | None:
     """The booth's seccomp filter compiled, from this user's cache (hidden from every booth,
-    like the commit key beside it); None leaves the compiling to CMD's process, as before
-    there was a cache, and the reporting of what fails there too."""
+    like the commit key beside it); None (no usable cache) leaves the compiling to CMD's
+    process, as before there was a cache, and the reporting of what fails there too."""
     from jukebox.booth import syscall_filter
     from jukebox.trees import realtree
 
     try:
-        program = syscall_filter.compiled(allow, realtree.commit_key_dir() / "seccomp")
+        program = syscall_filter.cached(allow, realtree.commit_key_dir() / "seccomp")
     except (OSError, ImportError, ValueError, syscall_filter.FilterError):
         return None
-    return program.hex()
+    return program.hex() if program is not None else None
 
 
 def _stop_when_interrupted() -> Callable[[bytes], bool]:

@@ -311,26 +311,27 @@ def _write_cached(path: Path, program: bytes) -> None:
         raise
 
 
-def compiled(allow: Sequence[str] = (), cache_dir: str | os.PathLike[str] | None = None) -> bytes:
+def compiled(allow: Sequence[str] = ()) -> bytes:
     """The filter as the classic BPF program the kernel loads (an array of struct sock_filter),
-    compiled by libseccomp: the same program `build(allow).load()` installs.
+    compiled by libseccomp: the same program `build(allow).load()` installs."""
+    return _export(build(allow))
 
-    With `cache_dir` (a directory only this user can write, hidden from every booth) the program
-    is kept there under a key of everything it depends on, so a booth's start reuses it instead
-    of importing the binding and compiling 160 rules again (about 30 ms of CPU, on the path of
-    every start). A cache that cannot be used is passed over, never an error."""
-    path = None
-    if cache_dir is not None:
-        directory = Path(cache_dir)
-        with contextlib.suppress(OSError):
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if _private_dir(directory):
-            path = directory / f"{_cache_key(allow)}.bpf"
-            program = _read_cached(path)
-            if program is not None:
-                return program
-    program = _export(build(allow))
-    if path is not None:
+
+def cached(allow: Sequence[str], cache_dir: str | os.PathLike[str]) -> bytes | None:
+    """`compiled(allow)`, kept in `cache_dir` (a directory only this user can write, hidden
+    from every booth) under a key of everything it depends on, so a booth's start reuses it
+    instead of importing the binding and compiling 160 rules again (about 30 ms of CPU).
+    Compiled and kept on a miss; None when the directory cannot be used (not this user's, or
+    writable by others, or not creatable): whoever installs the filter compiles it then."""
+    directory = Path(cache_dir)
+    with contextlib.suppress(OSError):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private_dir(directory):
+        return None
+    path = directory / f"{_cache_key(allow)}.bpf"
+    program = _read_cached(path)
+    if program is None:
+        program = compiled(allow)
         with contextlib.suppress(OSError):
             _write_cached(path, program)
     return program
