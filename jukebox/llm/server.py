@@ -1,7 +1,8 @@
 """The recording proxy: an HTTP/1.1 server on 127.0.0.1 between the agent and its model APIs.
 
-It runs its own trio loop in a background thread (h11 for the agent's side, an httpx async
-client upstream), so a booth or a test just starts it and points the SDKs at `base_urls()`.
+It runs its own trio loop in a background thread (h11 on both sides: the agent's here, the
+upstream's in jukebox.llm.upstream_client), so a booth or a test just starts it and points the
+SDKs at `base_urls()`.
 
 Anyone on the host can connect to 127.0.0.1, so each proxy has a secret, the first segment of
 every path it serves (`base_urls()` carry it: `http://127.0.0.1:P/<secret>/openai/v1`, a base
@@ -44,7 +45,6 @@ from secrets import token_urlsafe
 from typing import Any
 
 import h11
-import httpx
 import trio
 
 from jukebox.display import progress
@@ -83,7 +83,13 @@ from jukebox.llm.telemetry import (
     through_proxy,
     tracing_client,
 )
-from jukebox.llm.upstream_client import UpstreamClient
+from jukebox.llm.upstream_client import (
+    Timeouts,
+    UpstreamClient,
+    UpstreamError,
+    UpstreamRequest,
+    UpstreamResponse,
+)
 from jukebox.llm.upstreams import proxy_env, upstreams_from_env
 from jukebox.llm.upstreams import resolve as resolve_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
@@ -102,7 +108,7 @@ _HOP = frozenset(
         "upgrade",
         "host",
         "content-length",
-        # httpx negotiates and decodes compression upstream; the agent gets plain bytes.
+        # The upstream client negotiates and decodes compression; the agent gets plain bytes.
         "accept-encoding",
     }
 )
@@ -111,7 +117,7 @@ _HOP_RESPONSE = frozenset(
 )
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 READ_SIZE = 65536
-UPSTREAM_TIMEOUT = httpx.Timeout(connect=30.0, read=600.0, write=60.0, pool=60.0)
+UPSTREAM_TIMEOUT = Timeouts(connect=30.0, read=600.0, write=60.0)
 BREAKER_CODE = "jukebox_circuit_breaker"
 REPLAY_CODE = "jukebox_replay_divergence"
 RECORD_LIMIT_CODE = "jukebox_record_limit"
@@ -626,13 +632,13 @@ class ProxyServer:
             return None
         return "/" + rest + mark + query
 
-    def _upstream_failed(self, where: Route, error: httpx.HTTPError) -> str:
+    def _upstream_failed(self, where: Route, error: UpstreamError) -> str:
         """What a failed upstream call says, to the agent and onto the tape: the upstream named
         by its origin only (its path may hold another proxy's secret, its userinfo a password)."""
         upstream = url_origin(self.upstreams[where.upstream])
         return redact_text(f"upstream {upstream} failed: {error!r}", self.scrubber)
 
-    def _upstream_request(self, where: Route, ex: Exchange) -> httpx.Request:
+    def _upstream_request(self, where: Route, ex: Exchange) -> UpstreamRequest:
         url = self.upstreams[where.upstream] + ex.path  # where.rest, or a fork's rewrite
         headers = [
             (k, v)
@@ -649,7 +655,7 @@ class ProxyServer:
         ex.queued_ms = (started - ex.received) * 1000
         try:
             upstream = await self._client.send(self._upstream_request(where, ex))
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             ex.latency_ms = (time.perf_counter() - started) * 1000
             ex.status = 502
             ex.error = self._upstream_failed(where, error)
@@ -660,14 +666,14 @@ class ProxyServer:
             return
         try:
             ex.status = upstream.status_code
-            ex.response_headers = list(upstream.headers.multi_items())
+            ex.response_headers = list(upstream.headers)
             out_headers = [(k, v) for k, v in ex.response_headers if k.lower() not in _HOP_RESPONSE]
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            if (upstream.header("content-type") or "").startswith("text/event-stream"):
                 await self._pipe_stream(conn, stream, upstream, ex, out_headers, started)
                 return
             ex.response_body = await upstream.aread()
             ex.latency_ms = (time.perf_counter() - started) * 1000
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             ex.latency_ms = (time.perf_counter() - started) * 1000
             ex.error = f"upstream read failed: {error!r}"
             await self._finish(ex)
@@ -681,7 +687,7 @@ class ProxyServer:
         self,
         conn: h11.Connection,
         stream: trio.SocketStream,
-        upstream: httpx.Response,
+        upstream: UpstreamResponse,
         ex: Exchange,
         headers: list[tuple[str, str]],
         started: float,
@@ -710,7 +716,7 @@ class ProxyServer:
                     except _ClientGone:
                         client_gone = True
                         break
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             ex.error = f"upstream stream broke: {error!r}"
         tail = parser.close((time.perf_counter() - opened) * 1000)
         rest = parser.take_rest()
@@ -758,14 +764,14 @@ class ProxyServer:
         started = time.perf_counter()
         try:
             upstream = await self._client.send(self._upstream_request(where, ex))
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             message = f"jukebox proxy: {self._upstream_failed(where, error)}"
             body = error_body(where.provider, message, status=502)
             await self._send_simple(conn, stream, 502, body)
             return
         try:
             headers = [
-                (k, v) for k, v in upstream.headers.multi_items() if k.lower() not in _HOP_RESPONSE
+                (k, v) for k, v in upstream.headers if k.lower() not in _HOP_RESPONSE
             ]
             await self._send(
                 conn, stream, h11.Response(status_code=upstream.status_code, headers=headers)

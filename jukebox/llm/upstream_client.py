@@ -1,80 +1,482 @@
-"""The proxy's HTTP client to its upstreams: httpx's transport, without httpx's client.
+"""The proxy's HTTP client to its upstreams: HTTP/1.1 on h11 over trio streams, with a pool of
+kept-alive connections.
 
 The proxy forwards every model call, so what its client does per request is added to every
-call. `httpx.AsyncClient` parses and merges the URL, runs auth and redirect handling and keeps
-a cookie jar on every request: about 0.3 ms a call on the dev VM, for features the proxy must
-not use (a shared cookie jar would carry one agent's upstream cookies into every later call,
-and the agent's own client follows its redirects). The transport under it,
-`httpx.AsyncHTTPTransport`, keeps what matters: one pool of keep-alive connections per proxy
-(no TCP, TLS or DNS work per call once a connection is open), timeouts, and httpx's `Response`,
-which decodes gzip, deflate, brotli or zstd as the upstream chose.
+call. httpx's transport (httpcore under it) spent about half of the proxy's CPU per call on the
+dev VM: a pool built for limits the proxy does not set, a request and response model per call,
+a timeout scope around every read and write, and its own h11 bookkeeping. This client keeps
+what matters and nothing else: one h11 connection per upstream socket, kept alive and reused
+(no TCP or TLS handshake per call once one is open), the timeouts, and the decoding of the
+compressions the proxy asks for (gzip, deflate).
 
-The environment's proxy variables (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`), which
-the client honoured, still apply: each upstream origin gets a proxied transport when
-`urllib.request` says its host is not bypassed, decided once per origin.
+Bytes go upstream as the agent sent them: the target is the agent's own (h11 validated it on
+the way in), never re-encoded. An idle connection is reused only if it is younger than
+KEEPALIVE_EXPIRY_S and the upstream has not closed it (its socket is not readable), as
+httpx's pool does.
+
+The environment's proxy variables (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`) still
+apply: an upstream origin that `urllib.request` says is not bypassed goes through httpx's
+transport with that proxy (decided once per origin); its response is adapted to this module's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import select
+import socket
+import ssl
+import time
 import urllib.request
-from collections.abc import Sequence
+import zlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
-import httpx
+import h11
+import trio
 
+# What the client asks upstream for (the agent's own accept-encoding is not forwarded: it gets
+# the decoded bytes the tape records).
+ACCEPT_ENCODING = ("accept-encoding", "gzip, deflate")
+READ_SIZE = 65536
+# Idle connections kept per origin, and for how long (httpx's defaults): an upstream or a NAT on
+# the way forgets an idle connection sooner or later, and a request sent on one it forgot would
+# wait for the read timeout.
+MAX_IDLE_PER_ORIGIN = 20
+KEEPALIVE_EXPIRY_S = 5.0
 # URLs parsed once: an agent calls the same few endpoints again and again.
 _URL_CACHE_SIZE = 256
-# What the client asked upstream for, as httpx's client did (the agent's own accept-encoding is
-# not forwarded: it gets the decoded bytes the tape records).
-ACCEPT_ENCODING = ("accept-encoding", "gzip, deflate")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 30.0
+    read: float = 600.0
+    write: float = 60.0
+
+
+class UpstreamError(Exception):
+    """The upstream could not be reached, or broke off a response. The message names the
+    upstream by host and port only (never a path, which may hold a secret)."""
+
+
+@dataclass(frozen=True)
+class UpstreamRequest:
+    method: str
+    url: str
+    headers: list[tuple[str, str]]
+    content: bytes
+
+
+class UpstreamResponse(Protocol):
+    status_code: int
+    headers: list[tuple[str, str]]  # names lower-case, as received
+
+    def header(self, name: str) -> str | None: ...
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Origin:
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.scheme, self.host, self.port)
+
+    @property
+    def netloc(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.scheme}://{self.netloc}"
+
+
+class _Decoder:
+    """Undoes the content-encodings of a response (gzip, deflate; identity)."""
+
+    def __init__(self, encodings: list[str]) -> None:
+        self._steps: list[Any] = []
+        for encoding in reversed(encodings):  # the last applied is undone first
+            if encoding in ("gzip", "x-gzip"):
+                self._steps.append(zlib.decompressobj(zlib.MAX_WBITS | 16))
+            elif encoding == "deflate":
+                self._steps.append(_Deflate())
+            elif encoding not in ("identity", ""):
+                raise UpstreamError(
+                    f"the upstream answered with content-encoding {encoding!r}, which the proxy "
+                    "did not ask for and cannot decode"
+                )
+
+    def decode(self, data: bytes) -> bytes:
+        try:
+            for step in self._steps:
+                data = step.decompress(data)
+        except zlib.error as error:
+            raise UpstreamError(f"the upstream's compressed body is corrupt: {error}") from None
+        return data
+
+    def flush(self) -> bytes:
+        data = b""
+        try:
+            for step in self._steps:
+                data = step.decompress(data) + step.flush()
+        except zlib.error as error:
+            raise UpstreamError(f"the upstream's compressed body is corrupt: {error}") from None
+        return data
+
+
+class _Deflate:
+    """'deflate' is zlib-wrapped by the standard and raw in some servers: tried in that order."""
+
+    def __init__(self) -> None:
+        self._inner = zlib.decompressobj()
+        self._first = True
+
+    def decompress(self, data: bytes) -> bytes:
+        if self._first and data:
+            self._first = False
+            try:
+                return self._inner.decompress(data)
+            except zlib.error:
+                self._inner = zlib.decompressobj(-zlib.MAX_WBITS)
+        return self._inner.decompress(data)
+
+    def flush(self) -> bytes:
+        return self._inner.flush()
+
+
+class _Connection:
+    """One socket to an upstream, with its h11 state; back in the pool after a clean cycle."""
+
+    def __init__(self, stream: trio.abc.Stream, sock: trio.socket.SocketType) -> None:
+        self.stream = stream
+        self.sock = sock  # the TCP socket under the stream, for the liveness check
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    def usable(self, now: float) -> bool:
+        """An idle connection the upstream still holds open (nothing to read, no EOF)."""
+        if now - self.idle_since > KEEPALIVE_EXPIRY_S:
+            return False
+        try:
+            readable, _, _ = select.select([self.sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable  # EOF, or bytes nobody asked for: not reusable
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):
+            await trio.aclose_forcefully(self.stream)
+
+
+class _Response:
+    """A response on one of the pool's connections, its body read on demand."""
+
+    def __init__(
+        self,
+        client: UpstreamClient,
+        origin: _Origin,
+        conn: _Connection,
+        event: h11.Response,
+    ) -> None:
+        self._client = client
+        self._origin = origin
+        self._conn = conn
+        self.status_code = event.status_code
+        self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers]
+        encodings = [
+            part.strip().lower()
+            for k, v in self.headers
+            if k == "content-encoding"
+            for part in v.split(",")
+        ]
+        self._decoder = _Decoder(encodings) if encodings else None
+        self._done = False
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None:
+            return
+        decoder = self._decoder
+        while True:
+            event = conn.h11.next_event()
+            if event is h11.NEED_DATA:
+                await self._client._receive(conn, self._origin)
+                continue
+            if type(event) is h11.Data:
+                data = bytes(event.data)
+                if decoder is not None:
+                    data = decoder.decode(data)
+                if data:
+                    yield data
+            elif type(event) is h11.EndOfMessage:
+                if decoder is not None:
+                    tail = decoder.flush()
+                    if tail:
+                        yield tail
+                self._done = True
+                return
+            else:  # ConnectionClosed before the end of the body
+                raise UpstreamError(f"{self._origin.name} closed the connection mid-response")
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self.aiter_bytes()])
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._done:
+            self._client._release(self._origin, conn)
+        else:  # the body was not read to its end: the connection is in no state to reuse
+            await conn.aclose()
+
+
+class _ProxiedResponse:
+    """httpx's response through an environment proxy, as this module's."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+        self.status_code = response.status_code
+        self.headers = list(response.headers.multi_items())
+
+    def header(self, name: str) -> str | None:
+        value = self._response.headers.get(name)
+        return value if isinstance(value, str) else None
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        import httpx
+
+        try:
+            async for chunk in self._response.aiter_bytes():
+                yield chunk
+        except httpx.HTTPError as error:
+            raise UpstreamError(repr(error)) from None
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self.aiter_bytes()])
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
 
 
 class UpstreamClient:
-    def __init__(self, timeout: httpx.Timeout) -> None:
-        self._timeout = timeout.as_dict()
-        self._direct = httpx.AsyncHTTPTransport(http2=False)
-        # {(scheme, host, port): transport}: a proxied one, or the direct one.
-        self._routes: dict[tuple[str, str, int | None], httpx.AsyncHTTPTransport] = {}
-        self._proxied: list[httpx.AsyncHTTPTransport] = []
-        self._urls: dict[str, httpx.URL] = {}
+    def __init__(self, timeouts: Timeouts | None = None) -> None:
+        self._timeouts = timeouts or Timeouts()
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._urls: dict[str, tuple[_Origin, str]] = {}
+        # {(scheme, host, port): an httpx transport through the environment's proxy, or None}
+        self._routes: dict[tuple[str, str, int], Any] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
 
     def request(
         self, method: str, url: str, headers: Sequence[tuple[str, str]], content: bytes
-    ) -> httpx.Request:
-        parsed = self._urls.get(url)
-        if parsed is None:
-            parsed = httpx.URL(url)
-            if len(self._urls) >= _URL_CACHE_SIZE:
-                self._urls.clear()
-            self._urls[url] = parsed
-        headers = [*headers, ACCEPT_ENCODING]
-        request = httpx.Request(method, parsed, headers=headers, content=content)
-        request.extensions["timeout"] = self._timeout
-        return request
+    ) -> UpstreamRequest:
+        return UpstreamRequest(method, url, [*headers, ACCEPT_ENCODING], content)
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         """The response with its body unread (`aiter_bytes`, `aread`; then `aclose`)."""
-        response = await self._transport(request.url).handle_async_request(request)
-        response.request = request
-        return response
+        origin, target = self._split(request.url)
+        proxied = self._proxied(origin)
+        if proxied is not None:
+            return await self._send_proxied(proxied, request)
+        try:
+            event = h11.Request(
+                method=request.method,
+                target=target,
+                headers=[
+                    ("host", origin.netloc),
+                    *request.headers,
+                    ("content-length", str(len(request.content))),
+                ],
+            )
+        except h11.LocalProtocolError as error:
+            raise UpstreamError(f"the request cannot be sent as HTTP/1.1: {error}") from None
+        conn = await self._connection(origin)
+        try:
+            data = conn.h11.send(event) or b""
+            if request.content:
+                data += conn.h11.send(h11.Data(data=request.content)) or b""
+            data += conn.h11.send(h11.EndOfMessage()) or b""
+            with trio.fail_after(self._timeouts.write):
+                await conn.stream.send_all(data)
+            while True:
+                answer = conn.h11.next_event()
+                if answer is h11.NEED_DATA:
+                    await self._receive(conn, origin)
+                elif type(answer) is h11.Response:
+                    return _Response(self, origin, conn, answer)
+                elif type(answer) is h11.ConnectionClosed:
+                    raise UpstreamError(f"{origin.name} closed the connection without answering")
+                # an InformationalResponse (1xx): the real answer follows
+        except trio.TooSlowError:
+            await conn.aclose()
+            raise UpstreamError(f"sending to {origin.name} timed out") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            await conn.aclose()
+            raise UpstreamError(f"{origin.name} broke the connection: {error}") from None
+        except (h11.ProtocolError, UpstreamError) as error:
+            await conn.aclose()
+            if isinstance(error, UpstreamError):
+                raise
+            raise UpstreamError(f"{origin.name} answered invalid HTTP: {error}") from None
 
-    def _transport(self, url: httpx.URL) -> httpx.AsyncHTTPTransport:
-        key = (url.scheme, url.host, url.port)
-        transport = self._routes.get(key)
-        if transport is None:
-            transport = self._routes[key] = self._route(url)
-        return transport
+    async def _receive(self, conn: _Connection, origin: _Origin) -> None:
+        try:
+            with trio.fail_after(self._timeouts.read):
+                data = await conn.stream.receive_some(READ_SIZE)
+        except trio.TooSlowError:
+            raise UpstreamError(
+                f"{origin.name} sent nothing for {self._timeouts.read:g} s"
+            ) from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            raise UpstreamError(f"{origin.name} broke the connection: {error}") from None
+        try:
+            conn.h11.receive_data(data)
+        except h11.ProtocolError as error:
+            raise UpstreamError(f"{origin.name} answered invalid HTTP: {error}") from None
 
-    def _route(self, url: httpx.URL) -> httpx.AsyncHTTPTransport:
+    def _split(self, url: str) -> tuple[_Origin, str]:
+        """(origin, request target) of an upstream URL, parsed once per URL."""
+        cached = self._urls.get(url)
+        if cached is not None:
+            return cached
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UpstreamError(f"the upstream URL is not http(s)://HOST/...: {parts.scheme}://")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise UpstreamError("the upstream URL has an invalid port") from None
+        origin = _Origin(parts.scheme, parts.hostname, port)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if len(self._urls) >= _URL_CACHE_SIZE:
+            self._urls.clear()
+        self._urls[url] = (origin, target)
+        return origin, target
+
+    async def _connection(self, origin: _Origin) -> _Connection:
+        idle = self._idle.get(origin.key)
+        if idle:
+            now = time.monotonic()
+            while idle:
+                conn = idle.pop()
+                if conn.usable(now):
+                    return conn
+                await conn.aclose()
+        return await self._connect(origin)
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        try:
+            with trio.fail_after(self._timeouts.connect):
+                tcp = await trio.open_tcp_stream(origin.host, origin.port)
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                stream: trio.abc.Stream = tcp
+                if origin.scheme == "https":
+                    tls = trio.SSLStream(
+                        tcp, self._ssl_context(), server_hostname=origin.host,
+                        https_compatible=True,
+                    )
+                    await tls.do_handshake()
+                    stream = tls
+        except trio.TooSlowError:
+            raise UpstreamError(f"connecting to {origin.name} timed out") from None
+        except (OSError, trio.BrokenResourceError) as error:
+            raise UpstreamError(f"could not connect to {origin.name}: {error}") from None
+        return _Connection(stream, tcp.socket)
+
+    def _release(self, origin: _Origin, conn: _Connection) -> None:
+        """Back to the pool after a complete exchange, if both sides may go on."""
+        states = (conn.h11.our_state, conn.h11.their_state)
+        if self._closed or states != (h11.DONE, h11.DONE):
+            self._close_later(conn)
+            return
+        try:
+            conn.h11.start_next_cycle()
+        except h11.LocalProtocolError:
+            self._close_later(conn)
+            return
+        idle = self._idle.setdefault(origin.key, [])
+        if len(idle) >= MAX_IDLE_PER_ORIGIN:
+            self._close_later(conn)
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def _close_later(self, conn: _Connection) -> None:
+        # Closing a plain socket needs no await; a TLS stream's close_notify is skipped (the
+        # upstream sees the TCP close, as when httpx's pool drops a connection).
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            import httpx  # its trust store (certifi, SSL_CERT_FILE), as before this client
+
+            self._ssl = httpx.create_ssl_context()
+        return self._ssl
+
+    # ------------------------------------------------------------------ environment proxies
+
+    def _proxied(self, origin: _Origin) -> Any:
+        key = origin.key
+        if key not in self._routes:
+            self._routes[key] = self._route(origin)
+        return self._routes[key]
+
+    def _route(self, origin: _Origin) -> Any:
         proxies = urllib.request.getproxies()
-        proxy = proxies.get(url.scheme) or proxies.get("all")
-        if not proxy or urllib.request.proxy_bypass(url.host):
-            return self._direct
-        transport = httpx.AsyncHTTPTransport(
+        proxy = proxies.get(origin.scheme) or proxies.get("all")
+        if not proxy or urllib.request.proxy_bypass(origin.host):
+            return None
+        import httpx
+
+        return httpx.AsyncHTTPTransport(
             http2=False, proxy=proxy if "://" in proxy else f"http://{proxy}"
         )
-        self._proxied.append(transport)
-        return transport
+
+    async def _send_proxied(self, transport: Any, request: UpstreamRequest) -> UpstreamResponse:
+        import httpx
+
+        try:
+            sent = httpx.Request(
+                request.method, request.url, headers=request.headers, content=request.content
+            )
+            t = self._timeouts
+            sent.extensions["timeout"] = {
+                "connect": t.connect, "read": t.read, "write": t.write, "pool": t.connect
+            }
+            response = await transport.handle_async_request(sent)
+        except httpx.HTTPError as error:
+            raise UpstreamError(repr(error)) from None
+        response.request = sent
+        return _ProxiedResponse(response)
 
     async def aclose(self) -> None:
-        for transport in (self._direct, *self._proxied):
-            await transport.aclose()
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                await conn.aclose()
+        self._idle.clear()
+        for transport in self._routes.values():
+            if transport is not None:
+                await transport.aclose()
