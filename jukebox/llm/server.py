@@ -94,7 +94,7 @@ from jukebox.llm.upstreams import proxy_env, upstreams_from_env
 from jukebox.llm.upstreams import resolve as resolve_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
-from jukebox.tape.frame import SPILL_THRESHOLD, canonical_json
+from jukebox.tape.frame import encode_payload, spills
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
 _HOP = frozenset(
@@ -150,25 +150,17 @@ def _failure(ex: Exchange) -> str | None:
     return f"HTTP {ex.status}: {message}"[:500]
 
 
-def _without_usage_chunk(events: list[SSEEvent]) -> bytes:
-    """`events` as sent to an agent that did not ask for usage: the usage chunk marked hidden
-    (recorded, never sent nor replayed), the others encoded."""
-    out = []
+def _without_usage_chunk(events: list[SSEEvent], raw: bytes) -> bytes:
+    """`events` (which `raw` holds, whole) as sent to an agent that did not ask for usage: the
+    usage chunk marked hidden (recorded, never sent nor replayed). Without it, `raw` as it came;
+    with it, the other events re-encoded (their data verbatim)."""
+    hidden = False
     for event in events:
         event.hidden = is_usage_chunk(event)
-        if not event.hidden:
-            out.append(encode_event(event))
-    return b"".join(out)
-
-
-def _spills(payload: Mapping[str, Any]) -> bool:
-    """Whether the tape writer moves a value of `payload` to the store (jukebox.tape.frame's
-    spill_payload), which makes it flush the store: an fsync."""
-    return any(
-        len(canonical_json(value)) > SPILL_THRESHOLD
-        for value in payload.values()
-        if isinstance(value, dict | list | str)
-    )
+        hidden = hidden or event.hidden
+    if not hidden:
+        return raw
+    return b"".join(encode_event(event) for event in events if not event.hidden)
 
 
 def _recorded_size(ex: Exchange) -> int:
@@ -705,8 +697,8 @@ class ProxyServer:
                 ready = parser.take_ready()
                 if ex.usage_asked_body is not None:
                     # The agent did not ask for usage: it gets the events without the usage
-                    # chunk, re-encoded (their data verbatim).
-                    ready = _without_usage_chunk(events)
+                    # chunk.
+                    ready = _without_usage_chunk(events, ready)
                 if held or any(is_final(event) for event in events):
                     held += ready
                     continue
@@ -720,7 +712,7 @@ class ProxyServer:
             ex.error = f"upstream stream broke: {error!r}"
         tail = parser.close((time.perf_counter() - opened) * 1000)
         rest = parser.take_rest()
-        held += _without_usage_chunk(tail) if ex.usage_asked_body is not None else rest
+        held += _without_usage_chunk(tail, rest) if ex.usage_asked_body is not None else rest
         ex.events = parser.events
         ex.latency_ms = (time.perf_counter() - started) * 1000
         if client_gone:
@@ -903,10 +895,13 @@ class ProxyServer:
         if (self.record_inline or self.record is None) and _recorded_size(ex) <= INLINE_TURN_BYTES:
             turn = self._build_turn(ex)
             if self.record is not None:
-                if _spills(turn.payload):
-                    await trio.to_thread.run_sync(self.record, LLM_TURN, turn.payload)
+                # Encoded once, here: the writer reuses it, and a value it moves to the store
+                # makes it flush the store (an fsync), which goes to a thread.
+                payload = encode_payload(turn.payload)
+                if spills(payload):
+                    await trio.to_thread.run_sync(self.record, LLM_TURN, payload)
                 else:
-                    self.record(LLM_TURN, turn.payload)
+                    self.record(LLM_TURN, payload)
         else:
             turn = await trio.to_thread.run_sync(self._record_turn, ex)
         self.recorded_bytes += _recorded_size(ex) - len(ex.request_body)

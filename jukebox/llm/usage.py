@@ -51,6 +51,8 @@ def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
 
 def is_usage_chunk(event: SSEEvent) -> bool:
     """The chunk an OpenAI chat (or completions) stream ends with when usage was asked for."""
+    if '"usage"' not in event.data:  # this runs on every event: most are not worth parsing
+        return False
     data = event.json()
     return (
         isinstance(data, dict) and data.get("choices") == [] and isinstance(data.get("usage"), dict)

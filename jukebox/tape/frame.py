@@ -128,7 +128,10 @@ def encode_frame(
     payload: Mapping[str, Any],
     refs: Iterable[bytes] = (),
     tree: bytes | None = None,
+    payload_json: bytes | None = None,
 ) -> bytes:
+    """The frame's canonical bytes. `payload_json`: `canonical_json(payload)` when the caller
+    has it already (`spill_encoded`), spliced in rather than encoded again."""
     obj = {
         "v": FORMAT_VERSION,
         "seq": seq,
@@ -136,11 +139,54 @@ def encode_frame(
         "time_ns": time_ns,
         "parent": parent.hex() if parent is not None else None,
         "mroot": mroot.hex(),
-        "payload": payload,
+        "payload": payload if payload_json is None else 0,
         "refs": sorted({bytes(r).hex() for r in refs}),
         "tree": tree.hex() if tree is not None else None,
     }
-    return canonical_json(obj)
+    if payload_json is None:
+        return canonical_json(obj)
+    # Keys sort as kind, mroot, parent, payload, ...: the marker's first occurrence is the
+    # payload's own key (kind and the hex fields before it cannot hold a bare quote).
+    head, tail = canonical_json(obj).split(_PAYLOAD_MARK, 1)
+    return b"".join((head, b',"payload":', payload_json, b",", tail))
+
+
+_PAYLOAD_MARK = b',"payload":0,'
+
+
+class EncodedPayload(dict[str, Any]):
+    """A payload with the canonical JSON of each value computed once (`encode_payload`): the
+    tape writer then neither encodes it again to decide what spills nor to write the frame.
+    Read-only, so the encoding cannot go stale."""
+
+    encoded: dict[str, bytes]
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("an EncodedPayload is read-only; build a new one")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
+    __ior__ = _read_only
+
+
+def encode_payload(payload: Mapping[str, Any]) -> EncodedPayload:
+    """`payload` with its values encoded; a sink that is no tape writer sees a plain dict."""
+    out = EncodedPayload(payload)
+    out.encoded = {key: canonical_json(value) for key, value in out.items()}
+    return out
+
+
+def payload_size(payload: EncodedPayload) -> int:
+    """len(canonical_json(payload)), from its encoded values."""
+    keys = sum(len(canonical_json(key)) + 1 for key in payload.encoded)  # "key":
+    values = sum(len(v) for v in payload.encoded.values())
+    return 2 + keys + values + max(len(payload.encoded) - 1, 0)
+
+
+def spills(payload: EncodedPayload) -> bool:
+    """Whether the tape writer will move a value of `payload` to the store (`spill_payload`)."""
+    return payload_size(payload) > SPILL_THRESHOLD and any(
+        len(v) > SPILL_THRESHOLD for v in payload.encoded.values()
+    )
 
 
 def spill_payload(
@@ -150,6 +196,15 @@ def spill_payload(
 
     Returns the payload to record (large values replaced by {"$blob": hex}) and the new refs.
     """
+    body, refs, _ = spill_encoded(payload, store)
+    return body, refs
+
+
+def spill_encoded(
+    payload: Mapping[str, Any], store: ObjectStore | None
+) -> tuple[dict[str, Any], list[ObjectId], bytes | None]:
+    """`spill_payload`, and the canonical JSON of the payload to record when it was had for
+    free (an `EncodedPayload`'s, or the whole encoding that showed nothing spills)."""
     out = dict(payload)
     for key, value in out.items():
         if isinstance(value, dict) and BLOB_KEY in value:
@@ -157,22 +212,35 @@ def spill_payload(
                 f"payload key {key!r} holds a dict with the reserved key {BLOB_KEY!r}; "
                 "rename that key"
             )
-    whole = canonical_json(out)
-    if len(whole) <= SPILL_THRESHOLD:
-        return out, []
+    encoded = payload.encoded if isinstance(payload, EncodedPayload) else None
+    if encoded is not None and all(isinstance(key, str) for key in encoded):
+        if payload_size(payload) <= SPILL_THRESHOLD:  # type: ignore[arg-type]
+            return out, [], _join(encoded)
+    else:
+        whole = canonical_json(out)
+        if len(whole) <= SPILL_THRESHOLD:
+            return out, [], whole
+        encoded = None
     refs: list[ObjectId] = []
     for key, value in out.items():
-        encoded = canonical_json(value)
-        if len(encoded) > SPILL_THRESHOLD:
+        data = encoded[key] if encoded is not None else canonical_json(value)
+        if len(data) > SPILL_THRESHOLD:
             if store is None:
                 raise ValueError(
-                    f"payload value {key!r} is {len(encoded)} bytes and must go to the store, "
+                    f"payload value {key!r} is {len(data)} bytes and must go to the store, "
                     "but the tape writer has no store; open the writer with one"
                 )
-            oid = store.put("json", encoded)
+            oid = store.put("json", data)
             out[key] = {BLOB_KEY: oid.hex()}
             refs.append(oid)
-    return out, refs
+    return out, refs, None
+
+
+def _join(encoded: Mapping[str, bytes]) -> bytes:
+    """The canonical JSON of an object from its values' encodings (keys sorted, as json sorts
+    str keys)."""
+    parts = [canonical_json(key) + b":" + encoded[key] for key in sorted(encoded)]
+    return b"{" + b",".join(parts) + b"}"
 
 
 class Frame:

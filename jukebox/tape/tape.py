@@ -41,7 +41,7 @@ from jukebox.tape.frame import (
     Frame,
     ObjectStore,
     encode_frame,
-    spill_payload,
+    spill_encoded,
 )
 from shadowfs.errors import ObjectCorrupt, ObjectMissing
 from shadowfs.oid import ObjectId
@@ -706,7 +706,7 @@ class TapeWriter:
                         f"run_start names tape {given!r} but the writer records {self.tape_id!r}"
                     )
                 payload = {**payload, "tape_id": self.tape_id}
-            body, spilled = spill_payload(payload, self.store)
+            body, spilled, body_json = spill_encoded(payload, self.store)
             ref_set = {ObjectId(bytes(r)) for r in refs}
             ref_set.update(spilled)
             tree_id = ObjectId(bytes(tree)) if tree is not None else None
@@ -725,6 +725,7 @@ class TapeWriter:
                 payload=body,
                 refs=ref_set,
                 tree=tree_id,
+                payload_json=body_json,
             )
             digest = blake3((_FRAME_HEADER % len(raw)) + raw).digest()
             if ref_set:
