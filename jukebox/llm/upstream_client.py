@@ -216,26 +216,34 @@ class _Response:
         if conn is None:
             return
         decoder = self._decoder
+        # Everything one read brought is yielded at once: an upstream writing each SSE event as
+        # an HTTP chunk of its own would otherwise cost the proxy a parse and a write to the
+        # agent per event even when they arrived together, and none of them comes sooner.
+        parts: list[bytes] = []
         while True:
             event = conn.h11.next_event()
-            if event is h11.NEED_DATA:
-                await self._client._receive(conn, self._origin)
-                continue
             if type(event) is h11.Data:
-                data = bytes(event.data)
-                if decoder is not None:
-                    data = decoder.decode(data)
-                if data:
-                    yield data
-            elif type(event) is h11.EndOfMessage:
+                parts.append(event.data)
+                continue
+            if event is h11.NEED_DATA or type(event) is h11.EndOfMessage:
+                if parts:
+                    data = b"".join(parts)
+                    parts = []
+                    if decoder is not None:
+                        data = decoder.decode(data)
+                    if data:
+                        yield data
+                if event is h11.NEED_DATA:
+                    await self._client._receive(conn, self._origin)
+                    continue
                 if decoder is not None:
                     tail = decoder.flush()
                     if tail:
                         yield tail
                 self._done = True
                 return
-            else:  # ConnectionClosed before the end of the body
-                raise UpstreamError(f"{self._origin.name} closed the connection mid-response")
+            # ConnectionClosed before the end of the body
+            raise UpstreamError(f"{self._origin.name} closed the connection mid-response")
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_bytes()])
