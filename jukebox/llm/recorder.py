@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.frame import canonical_json
 from jukebox.llm.gemini import GEMINI
 from jukebox.llm.gemini import model_of as gemini_model
 from jukebox.llm.pricing import PriceTable
@@ -84,6 +85,11 @@ class Exchange:
     # agent's behalf (jukebox.llm.usage); the tape records the agent's own request.
     usage_asked_body: bytes | None = None
     upstream: str | None = None  # a named upstream's name (jukebox.llm.upstreams)
+    # Recording work done ahead, while the upstream answered (`prepare_request`,
+    # `prepare_events`): (the scrubber's count then, the recorded value, its canonical JSON).
+    # Used only if the scrubber learned no secret since; otherwise done again.
+    prepared_request: tuple[int, Any, bytes | None] | None = None
+    prepared_events: list[tuple[int, dict[str, Any], bytes | None]] = field(default_factory=list)
 
     @property
     def stream(self) -> bool:
@@ -95,6 +101,32 @@ class Turn:
     payload: dict[str, Any]
     summary: Summary
     cost_usd: float | None
+    # Canonical JSON of payload values already encoded (jukebox.frame.encode_payload's `known`).
+    encoded: dict[str, bytes] = field(default_factory=dict)
+
+
+def _encoded(value: Any) -> bytes | None:
+    try:
+        return canonical_json(value)
+    except (ValueError, TypeError):  # the tape writer raises it, where it always did
+        return None
+
+
+def prepare_request(ex: Exchange, scrubber: Scrubber) -> None:
+    """The request's recorded value and encoding, made while the upstream works on it."""
+    count = scrubber.count
+    value = parse_body(scrubber.bytes(ex.request_body))
+    ex.prepared_request = (count, value, _encoded(value))
+
+
+def prepare_events(ex: Exchange, events: list[SSEEvent], scrubber: Scrubber) -> None:
+    """The records of a stream's events (scrubbed), made while the next ones are awaited.
+    `events` are the stream's next ones, in order, after those already prepared."""
+    count = scrubber.count
+    for event in events:
+        event.data = scrubber.text(event.data)
+        record = event.to_record()
+        ex.prepared_events.append((count, record, _encoded(record)))
 
 
 def parse_body(data: bytes) -> Any:
@@ -108,14 +140,33 @@ def parse_body(data: bytes) -> Any:
 
 
 def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> Turn:
-    request = parse_body(scrubber.bytes(ex.request_body))
+    count = scrubber.count
+    encoded: dict[str, bytes] = {}
+    ahead = ex.prepared_request
+    if ahead is not None and ahead[0] == count:
+        request = ahead[1]
+        if ahead[2] is not None:
+            encoded["request"] = ahead[2]
+    else:
+        request = parse_body(scrubber.bytes(ex.request_body))
     events: list[dict[str, Any]] | None = None
     response: Any
     if ex.events is not None:
         events = []
-        for event in ex.events:
+        prepared = ex.prepared_events
+        fresh = len(prepared) <= len(ex.events) and all(p[0] == count for p in prepared)
+        if not fresh:
+            prepared = []
+        for i, event in enumerate(ex.events):
+            if i < len(prepared):
+                events.append(prepared[i][1])
+                continue
             event.data = scrubber.text(event.data)
             events.append(event.to_record())
+        parts = [p[2] for p in prepared]
+        parts += [_encoded(record) for record in events[len(prepared) :]]
+        if prepared and all(part is not None for part in parts):  # the list, as canonical_json
+            encoded["response"] = b"[" + b",".join(parts) + b"]"  # type: ignore[arg-type]
         datas = [e.get("data") for e in events]
         summary = summarize(ex.provider, ex.endpoint, request, events=datas)
         response = events
@@ -171,4 +222,4 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         payload["usage_requested"] = True
     if estimated:
         payload["usage_estimated"] = True
-    return Turn(payload, summary, cost)
+    return Turn(payload, summary, cost, encoded)

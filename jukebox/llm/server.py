@@ -40,7 +40,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from secrets import token_urlsafe
 from typing import Any
 
@@ -70,6 +70,8 @@ from jukebox.llm.recorder import (
     Turn,
     build_turn,
     parse_body,
+    prepare_events,
+    prepare_request,
 )
 from jukebox.llm.replay import LIVE, Divergence, Recorded, ReplaySource
 from jukebox.llm.retries import RetryTracker, fingerprint
@@ -150,6 +152,24 @@ def _failure(ex: Exchange) -> str | None:
     return f"HTTP {ex.status}: {message}"[:500]
 
 
+def _split_at_final(
+    events: list[SSEEvent], ready: bytes, hide_usage: bool
+) -> tuple[bytes, bytes, list[SSEEvent]]:
+    """What of `ready` (the bytes of `events`, complete) may go to the agent now, what must wait
+    for the turn's frame (from the event that ends the stream on), and the events sent now.
+    `hide_usage`: the agent did not ask for usage (see `_without_usage_chunk`)."""
+    final = next((i for i, event in enumerate(events) if is_final(event)), None)
+    if final is None:
+        now = _without_usage_chunk(events, ready) if hide_usage else ready
+        return now, b"", events
+    cut = events[final - 1].end if final else 0
+    before, after = events[:final], events[final:]
+    if hide_usage:
+        now = _without_usage_chunk(before, ready[:cut])
+        return now, _without_usage_chunk(after, ready[cut:]), before
+    return ready[:cut], ready[cut:], before
+
+
 def _without_usage_chunk(events: list[SSEEvent], raw: bytes) -> bytes:
     """`events` (which `raw` holds, whole) as sent to an agent that did not ask for usage: the
     usage chunk marked hidden (recorded, never sent nor replayed). Without it, `raw` as it came;
@@ -169,6 +189,15 @@ def _recorded_size(ex: Exchange) -> int:
     for event in ex.events or ():
         size += len(event.data)
     return size
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`first` (when not empty), then `rest`'s non-empty chunks."""
+    if first:
+        yield first
+    async for chunk in rest:
+        if chunk:
+            yield chunk
 
 
 class _ClientGone(Exception):
@@ -645,8 +674,11 @@ class ProxyServer:
     ) -> None:
         started = time.perf_counter()
         ex.queued_ms = (started - ex.received) * 1000
+        # The request's record is made while the upstream works on it, off the answer's path
+        # (on the loop: when the turn is built on a thread, the thread does it).
+        ahead = (lambda: prepare_request(ex, self.scrubber)) if self._record_inline(ex) else None
         try:
-            upstream = await self._client.send(self._upstream_request(where, ex))
+            upstream = await self._client.send(self._upstream_request(where, ex), ahead)
         except UpstreamError as error:
             ex.latency_ms = (time.perf_counter() - started) * 1000
             ex.status = 502
@@ -686,28 +718,39 @@ class ProxyServer:
     ) -> None:
         parser = SSEParser()
         opened = time.perf_counter()
-        await self._send(conn, stream, h11.Response(status_code=ex.status, headers=headers))
+        ahead = self._record_inline(ex)
+        # The head goes out at once, unless the upstream's first bytes came with it: then both
+        # go in one write, which wakes the agent once.
+        head: h11.Response | None = h11.Response(status_code=ex.status, headers=headers)
+        first = upstream.buffered()
+        if not first:
+            await self._send(conn, stream, head)
+            head = None
         held = b""  # from the event that ends the stream on: sent once the frame is written
         client_gone = False
         try:
-            async for chunk in upstream.aiter_bytes():
-                if not chunk:
-                    continue
+            async for chunk in _after(first, upstream.aiter_bytes()):
                 events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
                 ready = parser.take_ready()
-                if ex.usage_asked_body is not None:
-                    # The agent did not ask for usage: it gets the events without the usage
-                    # chunk.
-                    ready = _without_usage_chunk(events, ready)
-                if held or any(is_final(event) for event in events):
-                    held += ready
+                # An agent that did not ask for usage gets the events without the usage chunk.
+                hide_usage = ex.usage_asked_body is not None
+                if held:
+                    held += _without_usage_chunk(events, ready) if hide_usage else ready
                     continue
-                if ready and not client_gone:
+                ready, wait, events = _split_at_final(events, ready, hide_usage)
+                held += wait
+                out = [h11.Data(data=ready)] if ready else []
+                if head is not None:
+                    out.insert(0, head)
+                    head = None
+                if out and not client_gone:
                     try:
-                        await self._send(conn, stream, h11.Data(data=ready))
+                        await self._send(conn, stream, *out)
                     except _ClientGone:
                         client_gone = True
                         break
+                if ahead:  # their records, while the next events are on their way
+                    prepare_events(ex, events, self.scrubber)
         except UpstreamError as error:
             ex.error = f"upstream stream broke: {error!r}"
         tail = parser.close((time.perf_counter() - opened) * 1000)
@@ -719,8 +762,14 @@ class ProxyServer:
             ex.error = ex.error or "the agent closed the connection mid-stream"
         await self._finish(ex)
         if client_gone or ex.error is not None:
+            if head is not None and not client_gone:  # a broken stream, as without the proxy
+                with contextlib.suppress(_ClientGone):
+                    await self._send(conn, stream, head)
             raise _ClientGone()
-        await self._send(conn, stream, *([h11.Data(data=held)] if held else []), h11.EndOfMessage())
+        out = [h11.Data(data=held)] if held else []
+        if head is not None:
+            out.insert(0, head)
+        await self._send(conn, stream, *out, h11.EndOfMessage())
 
     async def _passthrough(
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
@@ -892,12 +941,12 @@ class ProxyServer:
         costs more than the write. Otherwise in a worker thread: a large exchange takes long
         to build, a body moved to the store makes the writer flush it (an fsync), and another
         sink may sync each frame."""
-        if (self.record_inline or self.record is None) and _recorded_size(ex) <= INLINE_TURN_BYTES:
+        if self._record_inline(ex):
             turn = self._build_turn(ex)
             if self.record is not None:
                 # Encoded once, here: the writer reuses it, and a value it moves to the store
                 # makes it flush the store (an fsync), which goes to a thread.
-                payload = encode_payload(turn.payload)
+                payload = encode_payload(turn.payload, turn.encoded)
                 if spills(payload):
                     await trio.to_thread.run_sync(self.record, LLM_TURN, payload)
                 else:
@@ -919,6 +968,11 @@ class ProxyServer:
             if trip is not None:
                 # The call that tripped still gets its answer; the agent is stopped after.
                 await self._tripped(trip)
+
+    def _record_inline(self, ex: Exchange) -> bool:
+        """Whether `ex`'s turn is built on the loop (see `_finish`)."""
+        inline = self.record_inline or self.record is None
+        return inline and _recorded_size(ex) <= INLINE_TURN_BYTES
 
     def _price_table(self) -> PriceTable:
         """The prices, with the breaker's `--unknown-cost price=IN/OUT` as the fallback (read

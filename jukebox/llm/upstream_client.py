@@ -28,7 +28,7 @@ import ssl
 import time
 import urllib.request
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -74,6 +74,8 @@ class UpstreamResponse(Protocol):
     headers: list[tuple[str, str]]  # names lower-case, as received
 
     def header(self, name: str) -> str | None: ...
+
+    def buffered(self) -> bytes: ...
 
     def aiter_bytes(self) -> AsyncIterator[bytes]: ...
 
@@ -211,39 +213,47 @@ class _Response:
                 return v
         return None
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        if conn is None:
-            return
-        decoder = self._decoder
-        # Everything one read brought is yielded at once: an upstream writing each SSE event as
-        # an HTTP chunk of its own would otherwise cost the proxy a parse and a write to the
-        # agent per event even when they arrived together, and none of them comes sooner.
+    def buffered(self) -> bytes:
+        """The body bytes already received, decoded, taken without waiting (b"" if none)."""
+        if self._conn is None or self._done:
+            return b""
+        return self._drain(self._conn)
+
+    def _drain(self, conn: _Connection) -> bytes:
+        """Everything the last reads brought, at once: an upstream writing each SSE event as an
+        HTTP chunk of its own would otherwise cost the proxy a parse and a write to the agent
+        per event even when they arrived together, and none of them would come sooner. Sets
+        `_done` at the end of the body."""
         parts: list[bytes] = []
         while True:
             event = conn.h11.next_event()
             if type(event) is h11.Data:
                 parts.append(event.data)
-                continue
-            if event is h11.NEED_DATA or type(event) is h11.EndOfMessage:
-                if parts:
-                    data = b"".join(parts)
-                    parts = []
-                    if decoder is not None:
-                        data = decoder.decode(data)
-                    if data:
-                        yield data
-                if event is h11.NEED_DATA:
-                    await self._client._receive(conn, self._origin)
-                    continue
-                if decoder is not None:
-                    tail = decoder.flush()
-                    if tail:
-                        yield tail
+            elif event is h11.NEED_DATA:
+                break
+            elif type(event) is h11.EndOfMessage:
                 self._done = True
-                return
-            # ConnectionClosed before the end of the body
-            raise UpstreamError(f"{self._origin.name} closed the connection mid-response")
+                break
+            else:  # ConnectionClosed before the end of the body
+                raise UpstreamError(f"{self._origin.name} closed the connection mid-response")
+        data = b"".join(parts)
+        decoder = self._decoder
+        if decoder is not None:
+            data = decoder.decode(data)
+            if self._done:
+                data += decoder.flush()
+        return data
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None:
+            return
+        while not self._done:
+            data = self._drain(conn)
+            if data:
+                yield data
+            if not self._done:
+                await self._client._receive(conn, self._origin)
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_bytes()])
@@ -265,6 +275,9 @@ class _ProxiedResponse:
         self._response = response
         self.status_code = response.status_code
         self.headers = list(response.headers.multi_items())
+
+    def buffered(self) -> bytes:
+        return b""
 
     def header(self, name: str) -> str | None:
         value = self._response.headers.get(name)
@@ -301,11 +314,17 @@ class UpstreamClient:
     ) -> UpstreamRequest:
         return UpstreamRequest(method, url, [*headers, ACCEPT_ENCODING], content)
 
-    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
-        """The response with its body unread (`aiter_bytes`, `aread`; then `aclose`)."""
+    async def send(
+        self, request: UpstreamRequest, meanwhile: Callable[[], object] | None = None
+    ) -> UpstreamResponse:
+        """The response with its body unread (`aiter_bytes`, `aread`; then `aclose`).
+        `meanwhile()` is called once the request is on its way, before its answer is awaited:
+        work that would otherwise wait for the answer and then delay it."""
         origin, target = self._split(request.url)
         proxied = self._proxied(origin)
         if proxied is not None:
+            if meanwhile is not None:
+                meanwhile()
             return await self._send_proxied(proxied, request)
         try:
             event = h11.Request(
@@ -327,6 +346,8 @@ class UpstreamClient:
             data += conn.h11.send(h11.EndOfMessage()) or b""
             with trio.fail_after(self._timeouts.write):
                 await conn.stream.send_all(data)
+            if meanwhile is not None:
+                meanwhile()
             while True:
                 answer = conn.h11.next_event()
                 if answer is h11.NEED_DATA:

@@ -24,6 +24,8 @@ from jukebox.llm.budget import BYTES_PER_TOKEN
 from jukebox.llm.providers import CHAT, COMPLETIONS, OPENAI, Summary
 from jukebox.llm.sse import SSEEvent
 
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+
 
 def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
     """The body to forward instead of `body` so that the upstream reports usage, or None when
@@ -45,6 +47,13 @@ def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
         return None  # malformed: the upstream's answer to it is the agent's
     if (options or {}).get("include_usage") is True:
         return None
+    if "stream_options" not in request:
+        # The agent's bytes kept, the option put in front: no re-encoding of the body (UTF-8
+        # JSON; json.loads also reads UTF-16 and -32, which are encoded again instead).
+        stripped = body.lstrip(b" \t\r\n")
+        if stripped[:1] == b"{" and b"\x00" not in stripped[:4]:
+            at = len(body) - len(stripped) + 1
+            return body[:at] + _INCLUDE_USAGE + body[at:]
     request["stream_options"] = {**(options or {}), "include_usage": True}
     return json.dumps(request, ensure_ascii=False).encode()
 

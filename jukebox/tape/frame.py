@@ -168,18 +168,37 @@ class EncodedPayload(dict[str, Any]):
     __ior__ = _read_only
 
 
-def encode_payload(payload: Mapping[str, Any]) -> EncodedPayload:
-    """`payload` with its values encoded; a sink that is no tape writer sees a plain dict."""
+def encode_payload(
+    payload: Mapping[str, Any], known: Mapping[str, bytes] | None = None
+) -> EncodedPayload:
+    """`payload` with its values encoded; a sink that is no tape writer sees a plain dict.
+    `known`: values the caller encoded already (`canonical_json(payload[key])`, each)."""
     out = EncodedPayload(payload)
-    out.encoded = {key: canonical_json(value) for key, value in out.items()}
+    known = known or {}
+    out.encoded = {
+        key: known[key] if key in known else canonical_json(value) for key, value in out.items()
+    }
     return out
 
 
 def payload_size(payload: EncodedPayload) -> int:
     """len(canonical_json(payload)), from its encoded values."""
-    keys = sum(len(canonical_json(key)) + 1 for key in payload.encoded)  # "key":
+    keys = sum(len(_key(key)) + 1 for key in payload.encoded)  # "key":
     values = sum(len(v) for v in payload.encoded.values())
     return 2 + keys + values + max(len(payload.encoded) - 1, 0)
+
+
+_KEYS: dict[str, bytes] = {}
+
+
+def _key(key: str) -> bytes:
+    """A payload key's canonical JSON: the same few keys, frame after frame."""
+    encoded = _KEYS.get(key)
+    if encoded is None:
+        encoded = canonical_json(key)
+        if len(_KEYS) < 1024:
+            _KEYS[key] = encoded
+    return encoded
 
 
 def spills(payload: EncodedPayload) -> bool:
@@ -239,7 +258,7 @@ def spill_encoded(
 def _join(encoded: Mapping[str, bytes]) -> bytes:
     """The canonical JSON of an object from its values' encodings (keys sorted, as json sorts
     str keys)."""
-    parts = [canonical_json(key) + b":" + encoded[key] for key in sorted(encoded)]
+    parts = [_key(key) + b":" + encoded[key] for key in sorted(encoded)]
     return b"{" + b",".join(parts) + b"}"
 
 
