@@ -3,8 +3,9 @@ calling the upstream directly.
 
 The upstream is the fake OpenAI server of the tests (tests/llm/upstream.py), on 127.0.0.1 in a
 process of its own (sharing a GIL with it would bill its Python time to the proxy), so the
-numbers are the proxy's own cost: parsing, forwarding through httpx, SSE parsing on the side,
-and writing the llm_turn frame before the agent sees the end of the response. Calls go through
+numbers are the proxy's own cost: parsing, forwarding (jukebox.llm.upstream_client), SSE
+parsing on the side, and writing the llm_turn frame before the agent sees the end of the
+response. Calls go through
 one keep-alive httpx client per system, as an SDK's would, and the systems take turns call by
 call, so a noisy neighbour slows them alike.
 
