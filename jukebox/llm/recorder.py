@@ -108,7 +108,7 @@ class Turn:
 def _encoded(value: Any) -> bytes | None:
     try:
         return canonical_json(value)
-    except (ValueError, TypeError):  # the tape writer raises it, where it always did
+    except (ValueError, TypeError, RecursionError):  # the writer raises it, as it always did
         return None
 
 

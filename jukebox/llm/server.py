@@ -36,6 +36,7 @@ import contextlib
 import hmac
 import json
 import os
+import select
 import socket
 import sys
 import threading
@@ -152,24 +153,6 @@ def _failure(ex: Exchange) -> str | None:
     return f"HTTP {ex.status}: {message}"[:500]
 
 
-def _split_at_final(
-    events: list[SSEEvent], ready: bytes, hide_usage: bool
-) -> tuple[bytes, bytes, list[SSEEvent]]:
-    """What of `ready` (the bytes of `events`, complete) may go to the agent now, what must wait
-    for the turn's frame (from the event that ends the stream on), and the events sent now.
-    `hide_usage`: the agent did not ask for usage (see `_without_usage_chunk`)."""
-    final = next((i for i, event in enumerate(events) if is_final(event)), None)
-    if final is None:
-        now = _without_usage_chunk(events, ready) if hide_usage else ready
-        return now, b"", events
-    cut = events[final - 1].end if final else 0
-    before, after = events[:final], events[final:]
-    if hide_usage:
-        now = _without_usage_chunk(before, ready[:cut])
-        return now, _without_usage_chunk(after, ready[cut:]), before
-    return ready[:cut], ready[cut:], before
-
-
 def _without_usage_chunk(events: list[SSEEvent], raw: bytes) -> bytes:
     """`events` (which `raw` holds, whole) as sent to an agent that did not ask for usage: the
     usage chunk marked hidden (recorded, never sent nor replayed). Without it, `raw` as it came;
@@ -191,13 +174,23 @@ def _recorded_size(ex: Exchange) -> int:
     return size
 
 
-async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """`first` (when not empty), then `rest`'s non-empty chunks."""
+async def _after(
+    first: list[bytes], rest: AsyncIterator[list[bytes]]
+) -> AsyncIterator[list[bytes]]:
+    """`first` (when not empty), then `rest`."""
     if first:
         yield first
-    async for chunk in rest:
-        if chunk:
-            yield chunk
+    async for parts in rest:
+        yield parts
+
+
+def _peer_closed(stream: trio.SocketStream) -> bool:
+    """Whether the agent has closed its end of the connection (or reset it), seen without
+    reading: a request it sent meanwhile stays unread."""
+    poller = select.poll()
+    poller.register(stream.socket.fileno(), select.POLLRDHUP)
+    gone = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+    return any(events & gone for _, events in poller.poll(0))
 
 
 class _ClientGone(Exception):
@@ -728,19 +721,26 @@ class ProxyServer:
             head = None
         held = b""  # from the event that ends the stream on: sent once the frame is written
         client_gone = False
+        # An agent that did not ask for usage gets the events without the usage chunk.
+        hide_usage = ex.usage_asked_body is not None
         try:
-            async for chunk in _after(first, upstream.aiter_bytes()):
-                events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
-                ready = parser.take_ready()
-                # An agent that did not ask for usage gets the events without the usage chunk.
-                hide_usage = ex.usage_asked_body is not None
-                if held:
-                    held += _without_usage_chunk(events, ready) if hide_usage else ready
-                    continue
-                ready, wait, events = _split_at_final(events, ready, hide_usage)
-                held += wait
-                out = [h11.Data(data=ready)] if ready else []
-                if head is not None:
+            async for parts in _after(first, upstream.aiter_chunks()):
+                # Each HTTP chunk is parsed and framed as it came; what one read brought goes
+                # to the agent in one write.
+                out: list[Any] = []
+                sent: list[SSEEvent] = []
+                for chunk in parts:
+                    events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
+                    ready = parser.take_ready()
+                    if hide_usage:
+                        ready = _without_usage_chunk(events, ready)
+                    if held or any(is_final(event) for event in events):
+                        held += ready
+                        continue
+                    if ready:
+                        out.append(h11.Data(data=ready))
+                    sent += events
+                if out and head is not None:
                     out.insert(0, head)
                     head = None
                 if out and not client_gone:
@@ -750,7 +750,7 @@ class ProxyServer:
                         client_gone = True
                         break
                 if ahead:  # their records, while the next events are on their way
-                    prepare_events(ex, events, self.scrubber)
+                    prepare_events(ex, sent, self.scrubber)
         except UpstreamError as error:
             ex.error = f"upstream stream broke: {error!r}"
         tail = parser.close((time.perf_counter() - opened) * 1000)
@@ -758,6 +758,8 @@ class ProxyServer:
         held += _without_usage_chunk(tail, rest) if ex.usage_asked_body is not None else rest
         ex.events = parser.events
         ex.latency_ms = (time.perf_counter() - started) * 1000
+        # Fewer writes than events: a write to an agent that left may still have succeeded.
+        client_gone = client_gone or _peer_closed(stream)
         if client_gone:
             ex.error = ex.error or "the agent closed the connection mid-stream"
         await self._finish(ex)

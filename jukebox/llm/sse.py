@@ -30,9 +30,6 @@ class SSEEvent:
     # The last `json()` and the data it parsed: the proxy asks an event's JSON more than once
     # (is it the usage chunk, the final event, then its record), and the data may be replaced.
     _parsed: tuple[str, Any] | None = field(default=None, repr=False, compare=False)
-    # Where the event's bytes end in what the next `take_ready` returns (set by the parser's
-    # feed): the bytes before an event that must wait can go on without it.
-    end: int = field(default=0, repr=False, compare=False)
 
     def json(self) -> Any:
         """The data parsed as JSON, or None when it is not JSON (`[DONE]`)."""
@@ -141,7 +138,6 @@ class SSEParser:
             pos = match.end()
             event = self._line(line, index, t_ms)
             if event is not None:
-                event.end = base + pos
                 done.append(event)
             if fed and not self._data and self._event is None:
                 self._ready = base + pos

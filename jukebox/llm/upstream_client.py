@@ -75,7 +75,9 @@ class UpstreamResponse(Protocol):
 
     def header(self, name: str) -> str | None: ...
 
-    def buffered(self) -> bytes: ...
+    def buffered(self) -> list[bytes]: ...
+
+    def aiter_chunks(self) -> AsyncIterator[list[bytes]]: ...
 
     def aiter_bytes(self) -> AsyncIterator[bytes]: ...
 
@@ -213,47 +215,51 @@ class _Response:
                 return v
         return None
 
-    def buffered(self) -> bytes:
-        """The body bytes already received, decoded, taken without waiting (b"" if none)."""
+    def buffered(self) -> list[bytes]:
+        """The body's HTTP chunks already received, decoded, taken without waiting."""
         if self._conn is None or self._done:
-            return b""
+            return []
         return self._drain(self._conn)
 
-    def _drain(self, conn: _Connection) -> bytes:
-        """Everything the last reads brought, at once: an upstream writing each SSE event as an
-        HTTP chunk of its own would otherwise cost the proxy a parse and a write to the agent
-        per event even when they arrived together, and none of them would come sooner. Sets
-        `_done` at the end of the body."""
+    def _drain(self, conn: _Connection) -> list[bytes]:
+        """The HTTP chunks the last reads brought, all of them: an upstream writing each SSE
+        event as a chunk of its own sends several per read, and the proxy passes them on in
+        one write (framed as they came) rather than one write, and one wake-up of the agent,
+        each. Sets `_done` at the end of the body."""
         parts: list[bytes] = []
+        decoder = self._decoder
         while True:
             event = conn.h11.next_event()
             if type(event) is h11.Data:
-                parts.append(event.data)
+                data = bytes(event.data) if decoder is None else decoder.decode(event.data)
+                if data:
+                    parts.append(data)
             elif event is h11.NEED_DATA:
-                break
+                return parts
             elif type(event) is h11.EndOfMessage:
                 self._done = True
-                break
+                tail = decoder.flush() if decoder is not None else b""
+                if tail:
+                    parts.append(tail)
+                return parts
             else:  # ConnectionClosed before the end of the body
                 raise UpstreamError(f"{self._origin.name} closed the connection mid-response")
-        data = b"".join(parts)
-        decoder = self._decoder
-        if decoder is not None:
-            data = decoder.decode(data)
-            if self._done:
-                data += decoder.flush()
-        return data
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+    async def aiter_chunks(self) -> AsyncIterator[list[bytes]]:
+        """The body's HTTP chunks, decoded, as each read brings them (never an empty list)."""
         conn = self._conn
         if conn is None:
             return
         while not self._done:
-            data = self._drain(conn)
-            if data:
-                yield data
+            parts = self._drain(conn)
+            if parts:
+                yield parts
             if not self._done:
                 await self._client._receive(conn, self._origin)
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        async for parts in self.aiter_chunks():
+            yield b"".join(parts)
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_bytes()])
@@ -276,8 +282,8 @@ class _ProxiedResponse:
         self.status_code = response.status_code
         self.headers = list(response.headers.multi_items())
 
-    def buffered(self) -> bytes:
-        return b""
+    def buffered(self) -> list[bytes]:
+        return []
 
     def header(self, name: str) -> str | None:
         value = self._response.headers.get(name)
@@ -291,6 +297,11 @@ class _ProxiedResponse:
                 yield chunk
         except httpx.HTTPError as error:
             raise UpstreamError(repr(error)) from None
+
+    async def aiter_chunks(self) -> AsyncIterator[list[bytes]]:
+        async for chunk in self.aiter_bytes():
+            if chunk:
+                yield [chunk]
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_bytes()])

@@ -167,6 +167,9 @@ class EncodedPayload(dict[str, Any]):
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _read_only
     __ior__ = _read_only
 
+    def __reduce__(self) -> Any:  # a copy (copy, deepcopy, pickle) is a plain dict
+        return (dict, (dict(self),))
+
 
 def encode_payload(
     payload: Mapping[str, Any], known: Mapping[str, bytes] | None = None
