@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jukebox.frame import canonical_json
 from jukebox.llm.gemini import GEMINI
 from jukebox.llm.gemini import model_of as gemini_model
 from jukebox.llm.pricing import PriceTable
@@ -26,6 +25,7 @@ from jukebox.llm.providers import Summary, summarize
 from jukebox.llm.sse import SSEEvent
 from jukebox.llm.usage import estimate
 from jukebox.redact import Scrubber, redact_headers, redact_query, redact_text
+from jukebox.tape.frame import canonical_json
 
 # What one proxy records in all (request and response bodies) when nobody set a limit: the
 # booth passes its --max-scratch instead.
