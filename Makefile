@@ -18,6 +18,7 @@ demo: setup
 
 test: setup receivers
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
 
 bench: setup
@@ -53,6 +54,7 @@ vm-test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
+	$(VENV)/bin/mypy
 
 # Bytecode as a wheel install would leave it (PYTHONDONTWRITEBYTECODE may be set): without it the
 # CLI recompiles every module on every start.

@@ -816,7 +816,9 @@ def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
     return True
 
 
-def _prefetched(store: CommitStore, oids: Iterable[ObjectId]) -> contextlib.AbstractContextManager:
+def _prefetched(
+    store: CommitStore, oids: Iterable[ObjectId]
+) -> contextlib.AbstractContextManager[object]:
     """The store's bulk index lookup for ``oids`` (shadowfs.store.Store.prefetched), when it has
     one: a commit reads every object it touches, one index query each otherwise."""
     bulk = getattr(store, "prefetched", None)
@@ -1409,14 +1411,14 @@ def _fast_op(
             # discard on a file system mounted with it) would make every thread renaming in the
             # same directory wait. Holding the file open moves the freeing to the close.
             try:
-                old = os.open(dst_name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
+                held = os.open(dst_name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dst_fd)
             except FileNotFoundError:
-                old = -1
+                held = -1
             try:
                 os.rename(name, dst_name, src_dir_fd=dfd, dst_dir_fd=dst_fd)
             finally:
-                if old >= 0:
-                    os.close(old)
+                if held >= 0:
+                    os.close(held)
         elif kind == "unlink":
             if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
                 return False
@@ -1610,8 +1612,10 @@ def _apply_locked(
     plan = _plan(store, new_tree, changes, token, drop_setid)
     seen: dict[bytes, Seen] = {}
     known_ = known or {}
-    unknown = (c for c in changes if c.old is not None and c.old.oid and c.path not in known_)
-    with _prefetched(store, (c.old.oid for c in unknown)):  # type: ignore[union-attr]
+    unknown = (
+        oid for c in changes if c.old is not None and (oid := c.old.oid) and c.path not in known_
+    )
+    with _prefetched(store, unknown):
         conflicts = _conflicts(store, dirs, plan, progress, seen, known)
     if conflicts:
         raise ConflictError(conflicts)
@@ -1619,7 +1623,9 @@ def _apply_locked(
     identity = _identity(dirs.root)
     # Staging bumps these directories' mtimes; undoing it must put them back, or the tree would
     # not be exactly the old one.
-    stage_dirs = [[_enc(d), _mtime(dirs, d)] for d in sorted({s.dir for s in plan.stages})]
+    stage_dirs: list[list[Any]] = [
+        [_enc(d), _mtime(dirs, d)] for d in sorted({s.dir for s in plan.stages})
+    ]
     prepare = {"target": identity, "token": token, "dirs": stage_dirs}
     written = 0
     try:
@@ -1842,7 +1848,7 @@ def clean_residue(
     directories are searched; without, the whole tree is, never following symlinks.
     """
     own = not isinstance(target, int)
-    root = _open_target(target) if own else target  # type: ignore[arg-type]
+    root = target if isinstance(target, int) else _open_target(target)
     walker = _Dirs(root)
     removed = 0
     try:

@@ -52,6 +52,7 @@ import errno
 import logging
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -127,7 +128,7 @@ class Operations:
 
     # ------------------------------------------------------------------ helpers
 
-    def _attr(self, node: Node, packer: Any = w.ATTR, *head: int) -> bytes:
+    def _attr(self, node: Node, packer: struct.Struct = w.ATTR, *head: int) -> bytes:
         """The node's fuse_attr, packed after ``head`` by ``packer`` (the attribute alone, or
         behind an entry or attr_out header: one pack call either way)."""
         # Hot: runs for every lookup, getattr and readdirplus entry.

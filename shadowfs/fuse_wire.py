@@ -301,7 +301,7 @@ def ensure_fusectl() -> bool:
     if _fusectl_tried or not os.path.isdir(FUSECTL):
         return False
     _fusectl_tried = True
-    return _libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) == 0
+    return bool(_libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) == 0)
 
 
 def _mount_minor(mountpoint: str) -> int:

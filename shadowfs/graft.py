@@ -81,4 +81,5 @@ def _graft(
         shape = mine if mine is not None else taken
         assert shape is not None
         entries[name] = tree.make_entry(name, tree.DIR, shape.mode, 0, shape.mtime_ns, child, None)
-    return store.put("tree", tree.encode_tree(list(entries.values())))
+    oid: ObjectId = store.put("tree", tree.encode_tree(list(entries.values())))
+    return oid

@@ -101,6 +101,7 @@ from typing import Any
 
 from shadowfs import tree as trees
 from shadowfs.bounded import BoundedMap
+from shadowfs.errors import TreeError
 from shadowfs.journal import Journal
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
@@ -1006,7 +1007,8 @@ class Layer:
         if b is not None:
             return b
         if node.src == SRC_BASE:
-            fd = os.open(node.base_path, _BASE_READ, dir_fd=self.base_fd)
+            # A node from the base (SRC_BASE) has its path there.
+            fd = os.open(node.base_path, _BASE_READ, dir_fd=self.base_fd)  # type: ignore[arg-type]
             b = Backing(fd, False)
         elif node.src == SRC_SCRATCH:
             b = Backing(os.open(self._scratch(node), os.O_RDWR | os.O_CLOEXEC), True)
@@ -1051,7 +1053,8 @@ class Layer:
                 if node.backing is not None:
                     job.src_fd = os.dup(node.backing.fd)
                 else:
-                    job.src_fd = os.open(node.base_path, _BASE_READ, dir_fd=self.base_fd)
+                    # A node from the base (SRC_BASE) has its path there.
+                    job.src_fd = os.open(node.base_path, _BASE_READ, dir_fd=self.base_fd)  # type: ignore[arg-type]
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -1796,7 +1799,8 @@ class Layer:
             self._drop_image(node)
             if len(data) == node.size:
                 base = prev if prev is not None and len(data) >= DELTA_MIN else None
-                return self.store.put("blob", data, delta_base=base)
+                put: ObjectId = self.store.put("blob", data, delta_base=base)
+                return put
         if node.size <= DELTA_MAX:
             # Small content is read whole, through the fd the node may keep open already: a
             # snapshot of a few small files is mostly these reads.
@@ -1813,8 +1817,10 @@ class Layer:
                     os.close(fd)
             if len(data) <= node.size:
                 base = prev if prev is not None and len(data) >= DELTA_MIN else None
-                return self.store.put("blob", data, delta_base=base)
-        return self.store.put_file(self._scratch(node))
+                put = self.store.put("blob", data, delta_base=base)
+                return put
+        oid: ObjectId = self.store.put_file(self._scratch(node))
+        return oid
 
     def _entry(self, node: Node, name: bytes) -> Entry:
         fmt = node.fmt
@@ -1869,7 +1875,7 @@ class Layer:
                 # by construction (modes masked, times clamped where they enter).
                 bad = check_entry(e)
                 if bad:
-                    raise trees.TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
+                    raise TreeError(f"cannot encode a tree entry with {bad}; fix the entry")
                 reshaped = True
                 entry_record(e)
                 new[name] = e
@@ -1905,7 +1911,9 @@ class Layer:
             old_get = old.get
             new_get = new.get
             self._remember_step(
-                d.oid, oid, [(n, o, e) for n in marks if (o := old_get(n)) is not (e := new_get(n))]
+                d.oid,
+                oid,
+                [(n, was, now) for n in marks if (was := old_get(n)) is not (now := new_get(n))],
             )
         d.oid = oid
         d.tree_entries = (oid, new, data)
@@ -2001,7 +2009,9 @@ class Layer:
         # test per entry, in a comprehension, skips a large directory's unchanged names at C
         # speed.
         new_get = new.get
-        diffs = [(n, o, e) for n, o in old.items() if (e := new_get(n)) is not o]
+        diffs: list[tuple[bytes, Entry | None, Entry | None]] = [
+            (n, o, e) for n, o in old.items() if (e := new_get(n)) is not o
+        ]
         diffs += [(n, None, new[n]) for n in new.keys() - old.keys()]
         self._remember_step(cur, target, diffs)
         return diffs
@@ -2214,7 +2224,7 @@ class Layer:
             raise _err(errno.EISDIR if node.fmt == S_IFDIR else errno.EINVAL, os.fsdecode(path))
         h = self.open(node.ino, os.O_RDONLY)
         try:
-            chunks = []
+            chunks: list[bytes] = []
             off = 0
             while True:
                 piece = self.read(h, off, 1 << 20)

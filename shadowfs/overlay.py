@@ -195,7 +195,7 @@ class OverlayLayer:
                 raise OverlayError(f"booth dir {os.fsdecode(self.booth_dir)!r} contains "
                                    f"{bad.decode()!r}, which overlay mount options cannot carry; "
                                    "choose a plainer path")
-        make_private_dirs(self.booth_dir)  # it will hold the agent's files
+        make_private_dirs(os.fsdecode(self.booth_dir))  # it will hold the agent's files
         if os.listdir(self.booth_dir):
             raise OverlayError(f"booth dir {os.fsdecode(self.booth_dir)!r} is not empty; pass an "
                                "absent or empty directory")
@@ -321,7 +321,8 @@ class OverlayLayer:
         tree = self.snapshot()
         self.unmount()
         self._unbind()
-        apply(self.store, os.fsdecode(self.base), self.base_tree, tree, journal_dir=journal_dir)
+        # The store is a shadowfs.store.Store, which both protocols describe a part of.
+        apply(self.store, os.fsdecode(self.base), self.base_tree, tree, journal_dir=journal_dir)  # type: ignore[arg-type]
         return tree
 
     # --- snapshot -----------------------------------------------------------------------------

@@ -350,7 +350,7 @@ class Store:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                end = os.fstat(fd).st_size
+                end: int | None = os.fstat(fd).st_size
                 if end != size:
                     end = self._recover_tail(name, fd, size)
                 if end is not None:
@@ -843,6 +843,8 @@ class Store:
         while the disk works; what they add joins the next flush."""
         with self._soon:
             self._due = None  # a flush requested for later is this one
+        # _lose_batch() sets _lost behind mypy's back: it stays `str | None` here.
+        lost: str | None
         with self._flush_lock:
             self._drain()
             with self._mutex:

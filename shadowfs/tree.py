@@ -122,6 +122,12 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class TreeReader(Protocol):
+    """What reading a tree needs from a store: an object's bytes."""
+
+    def get(self, oid: ObjectId) -> bytes: ...
+
+
 class TreeStore(Protocol):
     """What trees need from a store (shadowfs.store.Store provides it)."""
 
@@ -557,7 +563,7 @@ def remember(
             _cache.popitem(last=False)
 
 
-def entries(store: TreeStore, tree_id: ObjectId) -> dict[bytes, Entry]:
+def entries(store: TreeReader, tree_id: ObjectId) -> dict[bytes, Entry]:
     """Entries of a tree by name, in name order. Cached by id: a tree's id fixes its bytes, so the
     cache can never go stale; the dict is shared, so callers must not change it."""
     with _cache_lock:
@@ -582,7 +588,7 @@ def packed_bytes(tree_id: ObjectId) -> bytes | None:
 _entries = entries
 
 
-def read_tree(store: TreeStore, tree_id: ObjectId) -> list[Entry]:
+def read_tree(store: TreeReader, tree_id: ObjectId) -> list[Entry]:
     """The entries of one tree, sorted by name."""
     return list(_entries(store, tree_id).values())
 
@@ -599,7 +605,9 @@ def _join(prefix: bytes, name: bytes) -> bytes:
     return prefix + b"/" + name if prefix else name
 
 
-def walk(store: TreeStore, tree_id: ObjectId, prefix: bytes = b"") -> Iterator[tuple[bytes, Entry]]:
+def walk(
+    store: TreeReader, tree_id: ObjectId, prefix: bytes = b""
+) -> Iterator[tuple[bytes, Entry]]:
     """Every entry under a tree, depth first (a directory before its contents), names in order."""
     stack = [(prefix, iter(_entries(store, tree_id).values()))]
     while stack:
@@ -614,7 +622,7 @@ def walk(store: TreeStore, tree_id: ObjectId, prefix: bytes = b"") -> Iterator[t
             stack.append((path, iter(_entries(store, e.oid).values())))  # type: ignore[arg-type]
 
 
-def lookup(store: TreeStore, tree_id: ObjectId, path: bytes) -> Entry | None:
+def lookup(store: TreeReader, tree_id: ObjectId, path: bytes) -> Entry | None:
     """The entry at a relative path (b"a/b/c"), or None when nothing is there."""
     parts = [p for p in path.split(b"/") if p]
     if not parts:
@@ -940,7 +948,8 @@ class _Builder:
             and len(entries) == len(prev)
             and all(e is p or e == p for e, p in zip(entries, prev.values(), strict=True))
         ):
-            oid = previous
+            # prev holds previous's entries, so previous is not None here.
+            oid = previous  # type: ignore[assignment]
         else:
             data = pack_entries(entries)
             oid = self.store.put("tree", data)

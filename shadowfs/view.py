@@ -213,7 +213,7 @@ class TreeView(pyfuse3.Operations):
         if node.kind_of_oid != "chunks":
             return self.blobs.get(e.oid)[off : off + size]  # type: ignore[arg-type]
         if node.spans is None:
-            node.spans = _chunk_spans(self.store.get(e.oid))  # type: ignore[arg-type]
+            node.spans = _chunk_spans(self.store.get(e.oid))
         starts, oids = node.spans
         end = min(off + size, e.size)
         i = bisect.bisect_right(starts, off) - 1
@@ -347,7 +347,8 @@ def _store_path(store: Any) -> str:
     path = getattr(store, "path", None) or getattr(store, "root", None)
     if path is None:
         raise ViewError("the store has no path attribute; open it with Store.open(path)")
-    return os.fspath(path)
+    fspath: str = os.fspath(path)
+    return fspath
 
 
 def unmount(mountpoint: str | os.PathLike[str]) -> None:

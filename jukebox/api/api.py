@@ -509,7 +509,7 @@ class Jukebox:
                     f"@track cannot wrap the generator {f.__qualname__}: track a function that "
                     "returns its result"
                 )
-            run_name = name or getattr(f, "__qualname__", "agent")
+            run_name = name or str(getattr(f, "__qualname__", "agent"))
             function = describe_function(f)
 
             if inspect.iscoroutinefunction(f):
@@ -542,7 +542,7 @@ class Jukebox:
                 wrapper = run_sync
             wrapper.__jukebox_track__ = {"name": run_name, **function}
             _tracked[(function["import_path"], function["file"])] = wrapper
-            return wrapper  # type: ignore[no-any-return]
+            return wrapper
 
         return decorate(fn) if fn is not None else decorate
 

@@ -277,7 +277,7 @@ def resolve_function(
             )
     found = registry.get((import_path, file))
     if found is not None:
-        return found  # type: ignore[no-any-return]
+        return found
     module_name = str(function.get("module"))
     qualname = str(function.get("qualname"))
     if "<locals>" in qualname:
@@ -295,7 +295,7 @@ def resolve_function(
                 f"cannot re-execute {import_path}: {module_name} has no {qualname} any more; "
                 "restore the function or fork a tape it recorded"
             )
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def _module(name: str, file: str | None, import_path: str) -> Any:
@@ -336,6 +336,7 @@ def _module(name: str, file: str | None, import_path: str) -> Any:
 
 def call_arguments(fn: Callable, values: Mapping[str, Any]) -> tuple[list[Any], dict[str, Any]]:
     """The recorded arguments (bound by name, defaults applied) as a call again."""
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -483,9 +484,9 @@ def reexecute(
     origin = Tape.load(origin_path, store)
     origin.check_chain()  # a damaged tape says nothing we may act on
     start = origin.frames[0].payload
-    run = start.get("run") if isinstance(start.get("run"), dict) else {}
-    function = run.get("function") if isinstance(run.get("function"), dict) else None
-    arguments = run.get("args") if isinstance(run.get("args"), dict) else None
+    run = start["run"] if isinstance(start.get("run"), dict) else {}
+    function = run["function"] if isinstance(run.get("function"), dict) else None
+    arguments = run["args"] if isinstance(run.get("args"), dict) else None
     if function is None or arguments is None:
         raise ValueError(
             f"{origin_path} was not recorded by a @jb.track function, so there is nothing to "

@@ -57,7 +57,7 @@ _ENCODER = json.JSONEncoder(
 # --------------------------------------------------------------------------- frozen values
 
 
-class FrozenDict(dict):  # type: ignore[type-arg]
+class FrozenDict(dict):
     """A dict that refuses changes: the form nested dicts take inside the state.
 
     It stays a dict subclass so it serialises with `json` and compares equal to plain dicts.
@@ -72,7 +72,7 @@ class FrozenDict(dict):  # type: ignore[type-arg]
 
     __setitem__ = __delitem__ = _refuse
     clear = pop = popitem = setdefault = update = _refuse
-    __ior__ = _refuse  # type: ignore[assignment]
+    __ior__ = _refuse
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))
@@ -87,15 +87,15 @@ class FrozenDict(dict):  # type: ignore[type-arg]
         return (FrozenDict, (dict(self),))
 
 
-class FrozenList(list):  # type: ignore[type-arg]
+class FrozenList(list):
     """A list that refuses changes: the form nested lists take inside the state (equal to the
     plain list it came from, and serialised by `json` like one)."""
 
     __slots__ = ()
 
     _refuse = FrozenDict._refuse
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
-    append = extend = insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self))
@@ -315,7 +315,8 @@ def _save(root: _Node, store: Any, written: list[ObjectId] | None = None) -> Obj
             continue
         # The canonical encoding of {"b": bitmap, "e": [leaf | {"n": child id}, ...]}.
         slots = ",".join(
-            f'{{"n":"{item.oid.hex()}"}}' if type(item) is _Node else item[2]
+            # A child node was saved before its parent (children first), so it has its id.
+            f'{{"n":"{item.oid.hex()}"}}' if type(item) is _Node else item[2]  # type: ignore[union-attr]
             for item in node.items
         )
         data = f'{{"b":{node.bitmap},"e":[{slots}]}}'.encode()

@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from jukebox.errors import JukeboxError
 
@@ -363,7 +363,7 @@ def _forget_kept() -> None:
 os.register_at_fork(after_in_child=_forget_kept)
 
 
-def _usable(client: ControlClient | None) -> bool:
+def _usable(client: ControlClient | None) -> TypeGuard[ControlClient]:
     """Whether a kept connection still serves: not closed by the booth meanwhile (a restarted
     booth, a dropped connection), and holding no stray bytes."""
     if client is None:

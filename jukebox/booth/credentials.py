@@ -135,7 +135,7 @@ def _get_caps() -> tuple[int, int, int]:
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
     _check(_libc.capget(ctypes.byref(header), data), "capget")
-    return tuple(  # type: ignore[return-value]
+    return tuple(
         getattr(data[0], f) | getattr(data[1], f) << 32
         for f in ("effective", "permitted", "inheritable")
     )

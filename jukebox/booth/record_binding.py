@@ -64,8 +64,8 @@ def record_seal(record: BoothRecord) -> str:
         if getattr(record, key, None):
             sealed[key] = getattr(record, key)
     body = canonical_json(sealed)
-    key = commit_key()  # made now if this user has none yet: never compare against no key
-    return (blake3(body, key=key) if key is not None else blake3(body)).hexdigest()
+    seal_key = commit_key()  # made now if this user has none yet: never compare against no key
+    return (blake3(body, key=seal_key) if seal_key is not None else blake3(body)).hexdigest()
 
 
 class NotSealed(CheckFailed):
@@ -121,7 +121,8 @@ def bound_tape(
              if f.kind == "fs" and f.payload.get("reason") == "exit" and f.tree is not None),
             None,
         )  # fmt: skip
-        if final is None or final.tree.hex() != record.final_tree:
+        # final.tree is not None: the search above takes only frames with a tree
+        if final is None or final.tree.hex() != record.final_tree:  # type: ignore[union-attr]
             raise mismatch("final_tree", "is not the tree the tape's exit fs frame recorded")
     if sealed and record.seal != record_seal(record):
         raise NotSealed(booth_id)

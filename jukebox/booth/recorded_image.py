@@ -68,7 +68,7 @@ def image_from_record(record: Any, where: str) -> Image:
             f"{where}: the recorded image's content does not hash to its recorded blake3 "
             f"{str(digest)[:16]!r}: the tape was altered; run `jukebox verify` on it"
         )
-    name = record.get("name") if isinstance(record.get("name"), str) else "recorded"
+    name = record["name"] if isinstance(record.get("name"), str) else "recorded"
     label = Path(f"<image recorded in {where}>")
     img = parse_image(dict(content), label)
     return dataclasses.replace(img, name=name, path=label)

@@ -211,7 +211,7 @@ class _FuseBoothLayer:
         # A group commit (routed to the FUSE thread while mounted): the tape flushes the store
         # before any frame naming these objects is written (GroupTape).
         with self._waiting_on_layer("a snapshot"):
-            return self.layer.snapshot(durable=False)  # type: ignore[no-any-return]
+            return self.layer.snapshot(durable=False)
 
     def restore(self, tree_id: ObjectId) -> None:
         with self._waiting_on_layer("a rollback"):
@@ -304,7 +304,7 @@ def load_record(tape_dir: TapeDir, booth_id: str) -> BoothRecord:
     except ValueError:
         data = None
     try:
-        return BoothRecord(**data)  # type: ignore[arg-type]
+        return BoothRecord(**data)
     except TypeError:
         # A record is a plain file beside the tapes: anyone who handed over the dir wrote it.
         raise CheckFailed(
@@ -340,7 +340,7 @@ def _alive(pid: int | None) -> bool:
 
 
 def list_booths(tape_dir: TapeDir) -> list[BoothRecord]:
-    out = []
+    out: list[BoothRecord] = []
     if not tape_dir.booths_path.is_dir():
         return out
     for path in sorted(tape_dir.booths_path.glob("*.json")):
@@ -1352,10 +1352,10 @@ def _ask(summary: list[str], booth_id: str) -> str:
             tty.write(
                 b"commit these changes to the real tree? [y]es / [N]o, discard / [k]eep pending: "
             )
-            line = tty.readline()
-            if not line:  # the terminal went away: keep the work rather than guess
+            typed = tty.readline()
+            if not typed:  # the terminal went away: keep the work rather than guess
                 return "keep"
-            answer = line.decode(errors="replace").strip().lower()
+            answer = typed.decode(errors="replace").strip().lower()
             if answer in ("y", "yes"):
                 return "commit"
             if answer in ("", "n", "no"):

@@ -22,7 +22,7 @@ class JukeboxGroup(click.Group):
 
     group_class = type  # sub-groups (`jukebox booth`) are JukeboxGroups too
 
-    def main(self, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+    def main(self, *args, **kwargs):
         from jukebox.cli.options import kept_output_settings
 
         with kept_output_settings():
@@ -36,7 +36,7 @@ class JukeboxGroup(click.Group):
         add_completion(cmd)
         super().add_command(cmd, name)
 
-    def invoke(self, ctx: click.Context):  # type: ignore[override]
+    def invoke(self, ctx: click.Context):
         from jukebox.errors import JukeboxError
         from shadowfs.errors import ConflictError, ShadowfsError
 
@@ -205,6 +205,7 @@ def _leave(code: object) -> NoReturn:
 
 def main() -> None:
     register_commands(sys.argv[1:])
+    code: object
     try:
         code = _main()
     except SystemExit as stop:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -273,7 +273,7 @@ def _mcp_upstreams(specs: tuple[str, ...]) -> dict[str, str] | None:
     return out or None
 
 
-def _tool_limits(max_calls: int | None, max_repeat: int | None):  # type: ignore[no-untyped-def]
+def _tool_limits(max_calls: int | None, max_repeat: int | None):
     if max_calls is None and max_repeat is None:
         return None
     from jukebox.mcp.limits import ToolCallLimits
@@ -281,7 +281,7 @@ def _tool_limits(max_calls: int | None, max_repeat: int | None):  # type: ignore
     return ToolCallLimits(max_calls, max_repeat)
 
 
-def _llm_options(specs: tuple[str, ...]):  # type: ignore[no-untyped-def]
+def _llm_options(specs: tuple[str, ...]):
     """The proxy's options for `--upstream NAME=URL` values (None: the defaults), checked with
     $JUKEBOX_UPSTREAMS before anything is made."""
     import os
@@ -298,7 +298,7 @@ def _llm_options(specs: tuple[str, ...]):  # type: ignore[no-untyped-def]
         raise click.BadParameter(str(bad), param_hint="--upstream") from None
 
 
-def _tape_dir(tape_dir: str | None):  # type: ignore[no-untyped-def]
+def _tape_dir(tape_dir: str | None):
     return listed_tape_dir(Path(tape_dir) if tape_dir is not None else None)
 
 
@@ -388,7 +388,9 @@ def diff(
                 if patch:
                     row["patch"] = text_patch(store, change, indent="")
                 rows.append(row)
-            doc = {"booth": booth_id, "at": at, "from_tree": base.hex(), "to_tree": target.hex()}
+            doc: dict[str, Any] = {
+                "booth": booth_id, "at": at, "from_tree": base.hex(), "to_tree": target.hex()
+            }
             doc |= {"excluded": list(shown.patterns), "hidden": shown.hidden}
             click.echo(json.dumps({**doc, "changes": rows}, indent=1))
             return

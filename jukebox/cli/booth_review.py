@@ -55,7 +55,8 @@ def export(
 
         click.echo(printable_lines(result.patch.decode("utf-8", "surrogateescape")), nl=False)
     else:
-        out = click.get_binary_stream("stdout")
+        # click 8.3 deprecates it behind a module __getattr__, which mypy reads as `object`.
+        out = click.get_binary_stream("stdout")  # type: ignore[operator]
         out.write(result.patch)
         out.flush()
     binary = f" ({result.binary} binary)" if result.binary else ""

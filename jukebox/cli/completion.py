@@ -12,7 +12,7 @@ TAPE_ARGUMENTS = {"tape", "tapes", "first", "second"}
 BOOTH_ARGUMENTS = {"booth_id"}
 
 
-def _tape_dir(ctx: click.Context):  # type: ignore[no-untyped-def]
+def _tape_dir(ctx: click.Context):
     from jukebox.tape.tapedir import TapeDir, default_tape_dir
 
     named = ctx.params.get("tape_dir")

@@ -98,7 +98,7 @@ def export_otel_command(
         )
 
 
-def _line(report: dict, url: str) -> str:  # type: ignore[type-arg]
+def _line(report: dict, url: str) -> str:
     sent = "sent" if report["spans_sent"] else "NOT accepted"
     line = f"{report['tape_id']}: {report['spans']} span(s) {sent}, trace {report['trace_id']}"
     if report["metrics_sent"] is False:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -17,7 +18,7 @@ def mcp_group() -> None:
     """Record, gate and replay an agent's MCP tool calls (docs/mcp.md)."""
 
 
-def _policy_options(fn):  # type: ignore[no-untyped-def]
+def _policy_options(fn):
     fn = click.option("--ask", "ask", multiple=True, metavar="TOOL",
                       help="Ask the operator before this tool runs (repeatable; a pattern, "
                       "SERVER/TOOL or TOOL, with * and ?).")(fn)  # fmt: skip
@@ -119,6 +120,8 @@ def wrap_command(
 
     scrubber = env_scrubber(os.environ)
     sink: Sink
+    stager: Any
+    asker: Any
     if in_booth:  # the tape dir is hidden in a booth: the supervisor records, and stages
         booth_sink = BoothSink(argv, scrubber)
         sink, stager = booth_sink, booth_sink.stage
@@ -161,7 +164,7 @@ def _replay(tape: str, tape_dir: Path | None, tape_id: str | None, name: str | N
     diverged: list[str] = []
     sink: TapeSink | None = None
 
-    def on_divergence(divergence) -> None:  # type: ignore[no-untyped-def]
+    def on_divergence(divergence) -> None:
         diverged.append(divergence.message())
         assert sink is not None
         sink.record("note", divergence.to_payload())

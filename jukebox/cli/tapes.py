@@ -100,7 +100,7 @@ def load_intact(ref):
     return tape
 
 
-def listed_tape_dir(tape_dir: Path | None):  # type: ignore[no-untyped-def]
+def listed_tape_dir(tape_dir: Path | None):
     """The tape dir of a command that reads what is in it (a listing, gc, a pending booth). One
     named with --tape-dir or $JUKEBOX_TAPE_DIR must exist: a mistyped path would list nothing
     and look like an empty dir."""
@@ -581,7 +581,8 @@ def diff_command(
                 "from_tree": old_tree.hex() if old_tree else None,
                 "to_tree": new_tree.hex() if new_tree else None,
                 "changes": [
-                    {**name_json(c.path), "status": c.status, "kind": (c.new or c.old).kind}
+                    # a change has a new entry, an old one, or both
+                    {**name_json(c.path), "status": c.status, "kind": (c.new or c.old).kind}  # type: ignore[union-attr]
                     for c in changes
                 ],
             }

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from jukebox.booth.paths import BoothPaths
 
 
-def report_image(choice, err: bool = True) -> None:  # type: ignore[no-untyped-def]
+def report_image(choice, err: bool = True) -> None:
     """The image lines of a replay or fork: what a recorded image loosens, how the image used
     differs from the recorded one."""
     if choice is None:

@@ -12,7 +12,7 @@ from jukebox.cli import cli
 from jukebox.cli.tapes import json_option, load, tape_argument, tape_dir_option, whole_tape
 
 
-def _view(text: str, tape_dir: Path | None, role: str):  # type: ignore[no-untyped-def]
+def _view(text: str, tape_dir: Path | None, role: str):
     from jukebox.tape.tapedir import TapeRef
     from jukebox.viewer.model import TapeView
 
@@ -92,7 +92,7 @@ def view_command(
     _serve(a, b, port, as_json)
 
 
-def _serve(a, b, port: int, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+def _serve(a, b, port: int, as_json: bool) -> None:
     from jukebox.errors import UsageError
     from jukebox.viewer import page
     from jukebox.viewer.server import ViewerServer

@@ -100,7 +100,7 @@ def call_facts(endpoint: str, response: Any) -> CallFacts:
                     _reason(facts, choice.get("finish_reason"))
         elif endpoint == "responses":
             # A stream's last event carries the whole response.
-            body = obj.get("response") if isinstance(obj.get("response"), dict) else obj
+            body: dict[str, Any] = obj["response"] if isinstance(obj.get("response"), dict) else obj
             _take(facts, body, "model", "id")
             status = body.get("status")
             details = body.get("incomplete_details")
@@ -112,7 +112,7 @@ def call_facts(endpoint: str, response: Any) -> CallFacts:
                 reason = details.get("reason") if isinstance(details, dict) else None
                 facts.finish_reasons = [str(reason or "incomplete")]
         elif endpoint in ("messages",):
-            body = obj.get("message") if isinstance(obj.get("message"), dict) else obj
+            body = obj["message"] if isinstance(obj.get("message"), dict) else obj
             _take(facts, body, "model", "id")
             _reason(facts, body.get("stop_reason"))
             delta = obj.get("delta")

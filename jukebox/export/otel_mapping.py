@@ -18,7 +18,7 @@ ids come from the tape id (jukebox.export.otel_ids). docs/otel.md has the table.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from jukebox.export import otel_ids
 from jukebox.export.otel_content import content_attributes, json_attribute
@@ -63,7 +63,7 @@ class MetricPoint:
     attributes: dict[str, Any]
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -150,7 +150,7 @@ class TapeMapper:
         }
         self._links: list[tuple[int, int]] = []
         self._providers: set[str] = set()
-        self._tokens = [0, 0]
+        self._tokens: list[int | float] = [0, 0]
         self._cost = 0.0
         self._status: str | None = None
         self._exited = False
@@ -216,9 +216,9 @@ class TapeMapper:
         )
 
     def _run_start(self, p: dict[str, Any]) -> None:
-        given = p.get("argv") if isinstance(p.get("argv"), list) else []
+        given = p["argv"] if isinstance(p.get("argv"), list) else []
         argv = [str(a) for a in given if isinstance(a, str | int | float)]
-        name = p.get("name") if isinstance(p.get("name"), str) else None
+        name = p["name"] if isinstance(p.get("name"), str) else None
         if name is None and argv:
             name = argv[0].rsplit("/", 1)[-1]
         self._root["gen_ai.agent.name"] = name or "agent"
@@ -248,7 +248,7 @@ class TapeMapper:
         request = p.get("request")
         model = request.get("model") if isinstance(request, dict) else None
         if not isinstance(model, str):
-            model = p.get("model") if isinstance(p.get("model"), str) else None
+            model = p["model"] if isinstance(p.get("model"), str) else None
         facts = call_facts(endpoint, p.get("response"))
         latency = _ns(p.get("latency_ms"), 1e6)
         start = time_ns - latency
@@ -259,13 +259,13 @@ class TapeMapper:
         common = {"gen_ai.operation.name": op, "gen_ai.provider.name": provider}
         if model:
             a["gen_ai.request.model"] = common["gen_ai.request.model"] = model
-        usage = p.get("usage") if isinstance(p.get("usage"), dict) else {}
+        usage = p["usage"] if isinstance(p.get("usage"), dict) else {}
         status = p.get("status")
         failed = not (isinstance(status, int) and 200 <= status < 300)
         # The frame's `model` is the answer's, else the request's: only an answer names one.
-        recorded = p.get("model") if isinstance(p.get("model"), str) and not failed else None
+        recorded = p["model"] if isinstance(p.get("model"), str) and not failed else None
         if facts.response_model or recorded:
-            response_model = facts.response_model or recorded
+            response_model = str(facts.response_model or recorded)
             a["gen_ai.response.model"] = common["gen_ai.response.model"] = response_model
         if facts.response_id:
             a["gen_ai.response.id"] = facts.response_id
@@ -291,7 +291,7 @@ class TapeMapper:
             value = p.get(key)
             if isinstance(value, str | int | bool) and value is not None:
                 a[f"jukebox.llm.{key}"] = value
-        calls = p.get("tool_calls") if isinstance(p.get("tool_calls"), list) else []
+        calls = p["tool_calls"] if isinstance(p.get("tool_calls"), list) else []
         names = [c.get("name") for c in calls if isinstance(c, dict)]
         if names and all(isinstance(n, str) for n in names):
             a["jukebox.llm.tool_calls"] = names
@@ -323,8 +323,8 @@ class TapeMapper:
             if isinstance(p.get(key), str):
                 a["gen_ai.tool.call.id"] = p[key]
                 break
-        error = p.get("error") if isinstance(p.get("error"), dict) else None
-        result = p.get("result") if isinstance(p.get("result"), dict) else {}
+        error = p["error"] if isinstance(p.get("error"), dict) else None
+        result = p["result"] if isinstance(p.get("result"), dict) else {}
         if mcp:
             # The MCP conventions' client attributes, on the execute_tool span they extend.
             a["mcp.method.name"] = "tools/call"
@@ -350,9 +350,9 @@ class TapeMapper:
     def _sql(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
         """A statement through the SQL proxy (docs/sql.md), as the database conventions' client
         span; the statement's text and parameters are content (literals, rows' values)."""
-        tag = p.get("tag") if isinstance(p.get("tag"), str) else ""
+        tag = p["tag"] if isinstance(p.get("tag"), str) else ""
         op = tag.split(" ", 1)[0] if tag else ""
-        db = p.get("db") if isinstance(p.get("db"), str) else None
+        db = p["db"] if isinstance(p.get("db"), str) else None
         name = " ".join(x for x in (op, db) if x) or "postgresql"
         span = self._span(seq, name, time_ns - _ns(p.get("ms"), 1e6), time_ns, "client")
         a = span.attributes
@@ -364,7 +364,7 @@ class TapeMapper:
         if _number(p.get("rows")):
             a["db.response.returned_rows"] = p["rows"]
         a.update(_scalars("jukebox.sql", p, skip=("statement", "db", "tag", "rows")))
-        error = p.get("error") if isinstance(p.get("error"), dict) else None
+        error = p["error"] if isinstance(p.get("error"), dict) else None
         if error is not None:
             code = str(error.get("code") or "_OTHER")
             a["error.type"] = a["db.response.status_code"] = code
@@ -434,7 +434,7 @@ class TapeMapper:
 
     def _fork(self, seq: int, time_ns: int, p: dict[str, Any]) -> SpanPlan:
         span = self._span(seq, "jukebox.fork", time_ns, time_ns)
-        origin = p.get("forked_from") if isinstance(p.get("forked_from"), dict) else {}
+        origin = p["forked_from"] if isinstance(p.get("forked_from"), dict) else {}
         original = origin.get("tape")
         if isinstance(original, str):
             span.attributes["jukebox.fork.from"] = original

@@ -62,7 +62,7 @@ import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from jukebox.errors import CheckFailed, UsageError
 from jukebox.guard.similarity import Vector, cosine, output_vector, tool_call_signature
@@ -133,7 +133,7 @@ class BreakerState(NamedTuple):
     tripped: Trip | None
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -147,7 +147,7 @@ def _check_limit(name: str, value: object, *, minimum: int, money: bool = False)
             raise ValueError(
                 f"{name} must be a positive number of US dollars (e.g. 0.50), not {value!r}"
             )
-    elif not _is_int(value) or value < minimum:  # type: ignore[operator]
+    elif not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be a whole number >= {minimum}, not {value!r}")
 
 
@@ -183,6 +183,21 @@ def _fmt_usd(value: float) -> str:
 
 class CircuitBreaker:
     """Limits on one run; see the module docstring for exactly when each rule trips."""
+
+    # What reset() sets and state()/restore() carry: declared here because reset() sets them.
+    _cost_nano: int
+    _tokens: int
+    _turns: int
+    _repeat_run: int
+    _last_key: Any
+    _last_vector: Vector | None
+    _fail_key: Any
+    _fail_run: int
+    _last_calls: str | None
+    _tripped: Trip | None
+    _held_turns: int
+    _held_tokens: int
+    _held_nano: int
 
     def __init__(
         self,
@@ -609,12 +624,12 @@ class CircuitBreaker:
             self._tokens = 0
             self._turns = 0
             self._repeat_run = 0
-            self._last_key: Any = None
-            self._last_vector: Vector | None = None
-            self._fail_key: Any = None
+            self._last_key = None
+            self._last_vector = None
+            self._fail_key = None
             self._fail_run = 0
-            self._last_calls: str | None = None
-            self._tripped: Trip | None = None
+            self._last_calls = None
+            self._tripped = None
             # What admit() holds for calls in flight (not part of state(): a call in flight
             # settles whatever a rollback does).
             self._held_turns = 0

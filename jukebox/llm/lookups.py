@@ -71,7 +71,8 @@ def question(packet: bytes) -> str | None:
     """The name a DNS query asks for (its first question), or None for a malformed packet."""
     if len(packet) < 12 or packet[2] & 0x80:  # too short, or a response
         return None
-    labels, at = [], 12
+    labels: list[str] = []
+    at = 12
     while at < len(packet):
         size = packet[at]
         if size == 0:

@@ -83,8 +83,8 @@ def _parse(data: Mapping[str, Any], source: str) -> dict[str, Price]:
         out[name] = Price(
             input=float(entry["input"]),
             output=float(entry["output"]),
-            cached_input=float(entry.get("cached_input", entry["input"])),
-            cache_write=float(entry.get("cache_write", entry["input"])),
+            cached_input=float(entry["cached_input" if "cached_input" in entry else "input"]),
+            cache_write=float(entry["cache_write" if "cache_write" in entry else "input"]),
             family=entry.get("family", False),
         )
     return out

@@ -113,7 +113,7 @@ class LlmSession:
         try:
             if proxy.named:
                 # The names the agent was given: its replay gets the same (jukebox.llm.upstreams).
-                note = {"event": UPSTREAMS_NOTE, "names": proxy.named}
+                note: dict[str, Any] = {"event": UPSTREAMS_NOTE, "names": proxy.named}
                 other = {n: p for n, p in proxy.protocols.items() if p != OPENAI}
                 if other:
                     note["protocols"] = other

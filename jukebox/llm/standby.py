@@ -76,7 +76,8 @@ class Standby:
         return self
 
     def _wait(self) -> None:
-        readable, _, _ = select.select([self._sock, self._wake_r], [], [])
+        waiting: list[Any] = [self._sock, self._wake_r]  # a socket and a pipe's fd
+        readable, _, _ = select.select(waiting, [], [])
         if self._stopping or self._sock not in readable:
             return
         try:

@@ -360,7 +360,8 @@ async def _serve_agent(gateway: Gateway, init: types.InitializeResult, streams: 
     server = gateway.server(init)
     options = server.create_initialization_options()
     if streams is not None:
-        await server.run(*streams, options)
+        agent_read, agent_write = streams
+        await server.run(agent_read, agent_write, options)
     else:
         async with stdio_server() as (agent_read, agent_write):
             await server.run(agent_read, agent_write, options)

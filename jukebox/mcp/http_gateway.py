@@ -165,7 +165,8 @@ class HttpGateways:
         tasks = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(upstream.close)  # left before the task group: the live task ends first
         upstream.attach(tasks)
-        gateway = Gateway(name, upstream, _Sink(self), self.policy, self.timeout, self._stage,
+        # A BoothReplayUpstream answers the calls Gateway makes of a ClientSession.
+        gateway = Gateway(name, upstream, _Sink(self), self.policy, self.timeout, self._stage,  # type: ignore[arg-type]
                           None, self._ask, replay=upstream)  # fmt: skip
         manager = StreamableHTTPSessionManager(app=gateway.server(init))
         await stack.enter_async_context(manager.run())

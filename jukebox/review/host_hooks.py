@@ -155,7 +155,8 @@ def host_hook_changes(store: Any, base: ObjectId, final: ObjectId) -> list[HookC
                 why = f"a git config replaced by a {new.kind}"  # a symlink, a fifo, ...
             else:
                 old = change.old
-                why = _config_change(store, old.oid if old and old.kind == FILE else None, new.oid)
+                old_oid = old.oid if old and old.kind == FILE else None
+                why = _config_change(store, old_oid, new.oid)  # type: ignore[arg-type]  # a FILE has an oid
         if why is not None:
             flagged.append(HookChange(change.path, why))
     return flagged

@@ -376,7 +376,7 @@ class Frame:
     def id(self) -> ObjectId:
         if type(self._id) is not ObjectId:
             self._id = ObjectId(self._id)
-        return self._id  # type: ignore[return-value]
+        return self._id
 
     @property
     def seq(self) -> int:

@@ -182,7 +182,8 @@ def reply(payload: dict[str, Any]) -> dict[str, Any]:
          "arguments": call.get("arguments")}
         for call in summary.tool_calls
     ]  # fmt: skip
-    return {"blocks": blocks, "stream_events": len(response)}
+    # events is not None: response is the list of stream events they came from
+    return {"blocks": blocks, "stream_events": len(response)}  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- files
@@ -201,7 +202,7 @@ def file_changes(tape: Any, n: int, shown: Any) -> list[dict[str, Any]] | None:
         return None
     # A commit frame's tree is the state it wrote into the real tree, which held the base.
     before = tape.frames[0].tree if frame.kind == "commit" else tape.tree_at(n - 1)
-    out = []
+    out: list[dict[str, Any]] = []
     for change in shown.keep(tree.diff_trees(tape.store, before, frame.tree)):
         row: dict[str, Any] = {**name_json(change.path), "status": change.status}
         entry = change.new or change.old

@@ -197,7 +197,7 @@ def recorded_run(tape: Any) -> Recorded:
         start = tape.frames[0].resolve_payload(tape.store)  # a large image may be in the store
     argv, base = start.get("argv"), start.get("base_tree")
     if tape.frames and tape.frames[0].kind == "run_start" and isinstance(argv, list) and base:
-        policy = start.get("policy") if isinstance(start.get("policy"), dict) else {}
+        policy = start["policy"] if isinstance(start.get("policy"), dict) else {}
         tree = str(start.get("tree") or "")
         return Recorded(
             tape_id=tape.tape_id or Path(os.fspath(tape.path)).stem,
@@ -205,9 +205,9 @@ def recorded_run(tape: Any) -> Recorded:
             tree=tree,
             cwd=str(start.get("cwd") or tree),
             base_tree=ObjectId.from_hex(base),
-            image=start.get("image") if isinstance(start.get("image"), str) else None,
+            image=start["image"] if isinstance(start.get("image"), str) else None,
             image_record=start.get("sandbox_image"),
-            fs=policy.get("fs") if policy.get("fs") in ("fuse", "overlay") else "fuse",
+            fs=policy["fs"] if policy.get("fs") in ("fuse", "overlay") else "fuse",
             mcp_servers=dict(policy.get("mcp_servers") or {}),
         )
     raise UsageError(
@@ -250,7 +250,7 @@ def select_image(run: Recorded, image: str | None, trust_recorded: bool) -> Imag
 
 def checkpoint_marks(tape: Any, through: int | None = None) -> list[CheckpointMark]:
     """The checkpoints the agent asked for (timer ones excluded), through frame `through`."""
-    marks = []
+    marks: list[CheckpointMark] = []
     for frame in tape.frames:
         if through is not None and frame.seq > through:
             break
@@ -787,12 +787,12 @@ def fork(
                 "without --exec, or `jukebox replay --exec` it offline"
             )
         pairs = (("model", resolve_model(model, origin, at)), ("system_prompt", system_prompt))
-        overrides = {k: v for k, v in pairs if v is not None}
+        overrides: dict[str, Any] = {k: v for k, v in pairs if v is not None}
         if tool_result is not None:
             from jukebox.mcp.booth_replay import tool_result_override
 
-            _, result = tool_result_override(origin, store, at, tool_result)
-            overrides["tool_result"] = {"frame": at, "result": result}
+            _, replaced = tool_result_override(origin, store, at, tool_result)
+            overrides["tool_result"] = {"frame": at, "result": replaced}
         if not exec_ and (image is not None or trust_recorded_image or paths is not None):
             raise UsageError(
                 "--image, --trust-recorded-image, --rw, --ro, --hide and --no-private-tmp "

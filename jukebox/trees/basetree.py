@@ -238,7 +238,8 @@ def build_base_tree(
                 store, tree_path, exclude=exclude, seen=seen, progress=tick, signatures=sigs
             )
     unchanged = tree == previous and trusted is not None
-    if not (unchanged and sigs.rebuilt == 0) and not (unchanged and seen == trusted.load()):
+    # unchanged implies trusted is not None
+    if not (unchanged and sigs.rebuilt == 0) and not (unchanged and seen == trusted.load()):  # type: ignore[union-attr]
         # An unchanged tree leaves the file as it is: 100,000 records are not worth rewriting.
         _write_stats(tape_dir, tree_path, tree, seen)
     if sigs.new != sigs.old and dev >= 0:
