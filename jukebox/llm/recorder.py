@@ -101,7 +101,8 @@ class Turn:
     payload: dict[str, Any]
     summary: Summary
     cost_usd: float | None
-    # Canonical JSON of payload values already encoded (jukebox.frame.encode_payload's `known`).
+    # Canonical JSON of payload values already encoded
+    # (jukebox.tape.frame.encode_payload's `known`).
     encoded: dict[str, bytes] = field(default_factory=dict)
 
 

@@ -197,7 +197,7 @@ class _Response:
     ) -> None:
         self._client = client
         self._origin = origin
-        self._conn = conn
+        self._conn: _Connection | None = conn
         self.status_code = event.status_code
         self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers]
         encodings = [
@@ -391,7 +391,8 @@ class UpstreamClient:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             raise UpstreamError(f"{origin.name} broke the connection: {error}") from None
         try:
-            conn.h11.receive_data(data)
+            # h11 takes any bytes-like (it copies into its own buffer): no copy here.
+            conn.h11.receive_data(data)  # type: ignore[arg-type]
         except h11.ProtocolError as error:
             raise UpstreamError(f"{origin.name} answered invalid HTTP: {error}") from None
 
