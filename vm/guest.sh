@@ -23,12 +23,17 @@ scratch=$(blkid -L jbx-scratch)
 mount -t ext4 "$scratch" /tmp && chmod 1777 /tmp || { echo "guest: no scratch disk"; echo 97 >"$RUN_DIR/exit-code"; exit 97; }
 mkdir -p /tmp/home && export HOME=/tmp/home
 
+# virtme-ng gives /etc, /srv, /var and the like a writable overlay but leaves /root read-only; the
+# escape tests plant a canary there (a host file the booth must not reach), so it gets a tmpfs
+# (first: the interpreter below may live under /root, and is bind-mounted onto it).
+mount -t tmpfs -o mode=0700 jbx-root /root && echo "guest: /root on a tmpfs"
+
 # The interpreter and the checkout's venv from an ext4 image, at the paths they have on the
 # host: importing the suite's packages over 9p takes three times as long.
 py=$(blkid -L jbx-python)
 if [ -n "$py" ] && mkdir -p /run/jbx-python && mount -t ext4 -o ro "$py" /run/jbx-python; then
     [ -d /run/jbx-python/venv ] && mount --bind /run/jbx-python/venv "$JBX_VENV"
-    [ -d /run/jbx-python/prefix ] && mount --bind /run/jbx-python/prefix "$JBX_PREFIX"
+    [ -d /run/jbx-python/prefix ] && mkdir -p "$JBX_PREFIX" && mount --bind /run/jbx-python/prefix "$JBX_PREFIX"
     echo "guest: python from the image"
 else
     echo "guest: python over 9p (no image)"
