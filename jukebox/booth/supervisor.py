@@ -1430,8 +1430,130 @@ def run_booth(
     CMD's own status, except: 1 when CMD exited 0 but `--commit auto` did not commit (the
     verifier failed, the commit conflicted, or it changes hook-like files and not
     ``allow_hooks``: see jukebox.review.host_hooks); 125-127 when the sandbox could not start CMD.
+
+    In four steps: the options are checked (`_BoothOptions`: nothing is created until they are
+    known good, so a refused run leaves no tape dir), the booth is set up (`_set_up`, every
+    resource on one ExitStack that closes them in reverse, whatever happens), the agent runs
+    (`_run_agent`), and the verdict is decided (`decide_verdict`) and carried out (`_conclude`).
     """
     argv = list(argv)
+    _check_command(argv, commit_mode, fs, checkpoint_every)
+    if breaker is not None:
+        # A jukebox.guard.breaker.CircuitBreaker (the --max-* flags): the LLM proxy admits and
+        # observes every model call through it and calls `_Run.on_trip` when it trips.
+        from jukebox.llm.session import LlmOptions
+
+        llm = dataclasses.replace(llm or LlmOptions(), breaker=breaker)
+    tree_path, tapes = _checked_tree(tree, tape_dir)
+    # An Image object is one a replay or fork already chose (never one named by a tape).
+    img: Image = image if isinstance(image, Image) else load_image(image)
+    paths = paths or BoothPaths()
+    if paths.private_tmp is not None:
+        img = dataclasses.replace(img, private_tmp=paths.private_tmp)
+    from jukebox.trees import realtree
+
+    paths.check(tree_path, str(tapes.path), str(realtree.commit_key_dir()))
+    _check_writable(tree_path, commit_mode)
+    net = net or img.net
+    if net not in ("host", "none"):
+        raise UsageError(f"bad --net {net!r}: use host or none")
+    scratch_limit = _checked_scratch_limit(
+        max_scratch if max_scratch is not None else img.scratch_limit, fs
+    )
+    view = isolation.view_policy(img, net, scratch_limit)
+    mcp_declared, mcp_servers, mcp_http = _mcp_servers(mcp_config, mcp_upstreams)
+    two_phase = _checked_databases(
+        databases, commit_mode, max_sql_rows_changed, max_sql_lock_seconds, record_sql_results
+    )
+    booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
+    tape_path = tapes.tape_path(booth_id)
+    if tape_path.exists():
+        raise UsageError(
+            f"a tape {booth_id!r} already exists in {tapes.path}: pick another --tape-id"
+        )
+    cwd = os.getcwd()
+    agent_cwd = cwd if _is_under(os.path.realpath(cwd), tree_path) else tree_path
+    options = _BoothOptions(
+        argv=argv,
+        tree_path=tree_path,
+        tapes=tapes,
+        booth_id=booth_id,
+        tape_path=tape_path,
+        agent_cwd=os.path.realpath(agent_cwd),
+        name=name,
+        fs=fs,
+        img=img,
+        commit_mode=commit_mode,
+        verify=verify_cmd if verify_cmd is not None else img.verify,
+        net=net,
+        checkpoint_every=checkpoint_every,
+        scratch_limit=scratch_limit,
+        view=view,
+        paths=paths,
+        layer_factory=layer_factory or default_layer_factory,
+        llm=llm,
+        allow_hooks=allow_hooks,
+        seccomp=seccomp,
+        strict_sandbox=strict_sandbox,
+        mcp_declared=mcp_declared,
+        mcp_servers=mcp_servers,
+        mcp_http=mcp_http,
+        mcp_limits=mcp_limits,
+        mcp_replay=mcp_replay,
+        databases=databases,
+        two_phase=two_phase,
+        max_sql_rows_changed=max_sql_rows_changed,
+        record_sql_results=record_sql_results,
+        sql_replay=sql_replay,
+        max_sql_lock_seconds=max_sql_lock_seconds,
+    )
+    with contextlib.ExitStack() as stack:
+        booth = _set_up(stack, options)
+        return _conclude(booth, _run_agent(booth))
+
+
+@dataclass(frozen=True)
+class _BoothOptions:
+    """run_booth's arguments, checked, with what they resolve to (the image, the paths, the
+    booth's id, the MCP servers declared, the databases' two-phase support)."""
+
+    argv: list[str]
+    tree_path: str
+    tapes: TapeDir
+    booth_id: str
+    tape_path: Path
+    agent_cwd: str
+    name: str | None
+    fs: str
+    img: Image
+    commit_mode: str
+    verify: str | None
+    net: str
+    checkpoint_every: float | None
+    scratch_limit: int | None
+    view: dict[str, Any]
+    paths: BoothPaths
+    layer_factory: LayerFactory
+    llm: LlmOptions | None
+    allow_hooks: bool
+    seccomp: bool
+    strict_sandbox: bool
+    mcp_declared: dict[str, Any] | None
+    mcp_servers: dict[str, Any]
+    mcp_http: dict[str, Any]
+    mcp_limits: Any
+    mcp_replay: Any
+    databases: Mapping[str, str] | None
+    two_phase: dict[str, bool]
+    max_sql_rows_changed: int | None
+    record_sql_results: bool
+    sql_replay: Any
+    max_sql_lock_seconds: float | None
+
+
+def _check_command(
+    argv: list[str], commit_mode: str, fs: str, checkpoint_every: float | None
+) -> None:
     if not argv:
         raise UsageError("no command to run: write `jukebox booth run [OPTIONS] -- CMD ...`")
     if isolation.inside_booth():
@@ -1446,12 +1568,12 @@ def run_booth(
         raise UsageError(f"bad --fs {fs!r}: use one of {', '.join(FS_KINDS)}")
     if checkpoint_every is not None and checkpoint_every <= 0:
         raise UsageError("--checkpoint-every must be a positive number of seconds")
-    if breaker is not None:
-        # A jukebox.guard.breaker.CircuitBreaker (the --max-* flags): the LLM proxy admits and
-        # observes every model call through it and calls `_Run.on_trip` when it trips.
-        from jukebox.llm.session import LlmOptions
 
-        llm = dataclasses.replace(llm or LlmOptions(), breaker=breaker)
+
+def _checked_tree(
+    tree: str | os.PathLike[str], tape_dir: str | os.PathLike[str] | None
+) -> tuple[str, TapeDir]:
+    """The tree's real path and the tape dir (not made yet), which must not overlap."""
     tree_path = os.path.realpath(tree)
     if not os.path.isdir(tree_path):
         raise UsageError(f"the tree {tree} is not a directory: pass --tree DIR")
@@ -1459,34 +1581,28 @@ def run_booth(
         raise UsageError(
             "the tree cannot be / itself: pass --tree with the agent's working directory"
         )
-    # Nothing is created until the arguments are known good: a refused run leaves no tape dir.
     tapes = TapeDir(Path(os.path.realpath(TapeDir.resolve(tape_dir).path)))
     if _is_under(str(tapes.path), tree_path) or _is_under(tree_path, str(tapes.path)):
         raise UsageError(
             f"the tape dir {tapes.path} and the tree {tree_path} overlap: the booth would record "
             "its own tapes; point --tape-dir (or JUKEBOX_TAPE_DIR) outside the tree"
         )
-    # An Image object is one a replay or fork already chose (never one named by a tape).
-    img: Image = image if isinstance(image, Image) else load_image(image)
-    paths = paths or BoothPaths()
-    if paths.private_tmp is not None:
-        img = dataclasses.replace(img, private_tmp=paths.private_tmp)
-    from jukebox.trees import realtree
+    return tree_path, tapes
 
-    paths.check(tree_path, str(tapes.path), str(realtree.commit_key_dir()))
-    if _read_only_fs(tree_path):
-        why = f"the tree {tree_path} is on a read-only file system: no commit can write there"
-        if commit_mode in ("auto", "ask"):
-            raise UsageError(
-                f"{why}; remount it read-write, or run with --commit never to keep the "
-                "agent's changes pending for review (`jukebox booth diff`)"
-            )
-        _alert(f"{why}; the booth will stay pending for review")
-    net = net or img.net
-    if net not in ("host", "none"):
-        raise UsageError(f"bad --net {net!r}: use host or none")
-    verify = verify_cmd if verify_cmd is not None else img.verify
-    scratch_limit = max_scratch if max_scratch is not None else img.scratch_limit
+
+def _check_writable(tree_path: str, commit_mode: str) -> None:
+    if not _read_only_fs(tree_path):
+        return
+    why = f"the tree {tree_path} is on a read-only file system: no commit can write there"
+    if commit_mode in ("auto", "ask"):
+        raise UsageError(
+            f"{why}; remount it read-write, or run with --commit never to keep the "
+            "agent's changes pending for review (`jukebox booth diff`)"
+        )
+    _alert(f"{why}; the booth will stay pending for review")
+
+
+def _checked_scratch_limit(scratch_limit: int | None, fs: str) -> int | None:
     if scratch_limit is not None:
         if scratch_limit <= 0:
             raise UsageError("--max-scratch must be a positive size, like 512M or 20G")
@@ -1495,441 +1611,580 @@ def run_booth(
                 "a scratch limit (--max-scratch, or the image's limits.scratch) needs --fs fuse: "
                 "kernel overlayfs writes its upper directory itself; drop the limit or use fuse"
             )
-    view = isolation.view_policy(img, net, scratch_limit)
-    from jukebox.mcp.servers import read_config, stdio_servers
+    return scratch_limit
 
-    mcp_declared = read_config(mcp_config) if mcp_config else None
-    from jukebox.mcp.servers import http_servers
 
-    mcp_servers = stdio_servers(mcp_declared, mcp_config or "") if mcp_declared else {}
-    mcp_http = http_servers(mcp_declared, dict(mcp_upstreams or {}), mcp_config or "")
-    mcp_servers.update(mcp_http)
-    if max_sql_rows_changed is not None and max_sql_rows_changed < 0:
+def _mcp_servers(
+    mcp_config: str | None, mcp_upstreams: Mapping[str, str] | None
+) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+    """The `.mcp.json` as declared, every MCP server the booth serves, and the HTTP ones."""
+    from jukebox.mcp.servers import http_servers, read_config, stdio_servers
+
+    declared = read_config(mcp_config) if mcp_config else None
+    servers = stdio_servers(declared, mcp_config or "") if declared else {}
+    served_http = http_servers(declared, dict(mcp_upstreams or {}), mcp_config or "")
+    servers.update(served_http)
+    return declared, servers, served_http
+
+
+def _checked_databases(
+    databases: Mapping[str, str] | None,
+    commit_mode: str,
+    max_rows_changed: int | None,
+    max_lock_seconds: float | None,
+    record_results: bool,
+) -> dict[str, bool]:
+    """Whether each --pg database can prepare a transaction (two-phase commit)."""
+    if max_rows_changed is not None and max_rows_changed < 0:
         raise UsageError("--max-sql-rows-changed must be 0 or more")
-    if max_sql_lock_seconds is not None and max_sql_lock_seconds <= 0:
+    if max_lock_seconds is not None and max_lock_seconds <= 0:
         raise UsageError("--max-sql-lock-seconds must be more than 0")
-    if record_sql_results and not databases:
+    if record_results and not databases:
         raise UsageError("--record-sql-results keeps what --pg databases answer: add --pg "
                          "NAME=URL, or drop it")
-    two_phase: dict[str, bool] = {}
-    if databases:
-        from jukebox.sql.booth_link import BoothDatabases
+    if not databases:
+        return {}
+    from jukebox.sql.booth_link import BoothDatabases
 
-        two_phase = BoothDatabases.probe(databases, needs_two_phase=commit_mode in ("never", "ask"))
-    booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
-    tape_path = tapes.tape_path(booth_id)
-    if tape_path.exists():
-        raise UsageError(
-            f"a tape {booth_id!r} already exists in {tapes.path}: pick another --tape-id"
-        )
-    cwd = os.getcwd()
-    agent_cwd = cwd if _is_under(os.path.realpath(cwd), tree_path) else tree_path
-    agent_cwd = os.path.realpath(agent_cwd)
+    return BoothDatabases.probe(databases, needs_two_phase=commit_mode in ("never", "ask"))
 
+
+@dataclass
+class _Booth:
+    """A booth set up: what the run and the verdict use. The resources are on `_set_up`'s
+    ExitStack; `services` and `databases_open` are stacks of their own, closed earlier on the
+    normal path (the proxies when the agent is gone, the databases with their verdict), and
+    `layer_open` is emptied once the layer was discarded on the normal path."""
+
+    options: _BoothOptions
+    store: Any
+    writer: GroupTape
+    record: BoothRecord
+    base_tree: ObjectId
+    recorded_verify: str | None
+    layer: BoothLayer
+    layer_open: contextlib.ExitStack
+    run: _Run
+    services: contextlib.ExitStack
+    databases_open: contextlib.ExitStack
+    spec: isolation.ChildSpec
+
+
+@dataclass
+class _Outcome:
+    """What the agent's run came to, once it is over: its `exit` payload, whether it was
+    interrupted, the verifier's result (None when none ran), the final tree."""
+
+    status: dict[str, Any]
+    code: int  # the agent's exit status, 128 + N for signal N
+    interrupted: bool
+    verified: dict[str, Any] | None
+    final_tree: ObjectId
+
+
+def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
+    """Makes the booth, up to a ChildSpec ready to start; everything made is on `stack`."""
     from jukebox.llm.recorder import DEFAULT_RECORD_LIMIT
+    from jukebox.trees.realtree import open_tree
+
+    tapes, booth_id = o.tapes, o.booth_id
+    # Blocked before any thread exists, restored last: see _supervise's sigtimedwait.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
+    stack.callback(signal.pthread_sigmask, signal.SIG_SETMASK, old_mask)
+    # A tape dir this run made goes again when no tape was started in it.
+    unused_tape_dir = stack.enter_context(contextlib.ExitStack())
+    made_tape_dir = make_tape_dir(tapes.path)
+    if made_tape_dir is not None:
+        unused_tape_dir.callback(remove_unused_tape_dir, made_tape_dir, tapes)
+    store = _open_store(tapes)
+    stack.callback(store.close)
+    # Before anything is written: strict mode refuses with nothing half-made.
+    protections, cgroup = booth_protections(o.img, booth_id, seccomp=o.seccomp)
+    stack.callback(cgroup.remove)  # the agent's processes are all gone by then (its PID ns)
+    if o.strict_sandbox and protections.unavailable():
+        raise UsageError(strict_refusal(protections))
+    missing = protections.missing_line()
+    if missing:
+        _alert(missing)
+    filtered = protections.is_on("seccomp")
+    seccomp_bpf = _compiled_filter(o.img.seccomp_allow) if filtered else None
+    env = o.img.filter_env(os.environ)
+    # The tree's identity, from before its base tree is read: a commit goes into this very
+    # directory or nowhere (see jukebox.trees.realtree).
+    tree_fd, tree_dev, tree_ino = open_tree(o.tree_path)
+    stack.callback(os.close, tree_fd)
+    recorded_argv, recorded_verify = _redacted_command(o.argv, o.verify, o.img)
+    base_tree = build_base_tree(store, tapes, o.tree_path, exclude=_stop_when_interrupted())
+    writer, live = stack.enter_context(_opened_tape(o, store))
+    unused_tape_dir.pop_all()
+    writer.append(
+        "run_start",
+        {
+            "tape_id": booth_id,
+            "booth": booth_id,
+            "name": o.name,
+            "argv": recorded_argv,
+            **({"argv_redacted": True} if recorded_argv != o.argv else {}),
+            "cwd": o.agent_cwd,
+            "tree": o.tree_path,
+            "tree_dev": tree_dev,
+            "tree_ino": tree_ino,
+            "base_tree": base_tree.hex(),
+            "image": o.img.name,
+            # The image whole, hashed: replays compare with it and never resolve its name.
+            "sandbox_image": image_record(o.img),
+            "policy": {
+                **o.img.policy(),
+                "net": o.net,
+                "verify": recorded_verify,
+                "commit": o.commit_mode,
+                "fs": o.fs,
+                "checkpoint_every": o.checkpoint_every,
+                "scratch_limit": o.scratch_limit,
+                "llm_record_limit": o.scratch_limit or DEFAULT_RECORD_LIMIT,
+                "view": o.view,
+                "breaker": getattr(o.llm.breaker, "limits", None) if o.llm is not None else None,
+                "protections": protections.policy(),
+                "paths": o.paths.policy(),
+                "mcp_servers": {n: s.describe() for n, s in o.mcp_servers.items()},
+                "mcp_limits": o.mcp_limits.limits() if o.mcp_limits is not None else None,
+            },
+            "host": host_facts(),
+            "env": o.img.describe_env(env),
+        },
+        tree=base_tree,
+    )
+    record = BoothRecord(
+        id=booth_id,
+        name=o.name,
+        tree=o.tree_path,
+        base_tree=base_tree.hex(),
+        tape=str(o.tape_path),
+        created=time.time(),
+        status="running",
+        pid=os.getpid(),
+        tree_dev=tree_dev,
+        tree_ino=tree_ino,
+    )
+    save_record(tapes, record)
+
+    # From here on this process lives in the booth's mount namespace.
+    userns = isolation.enter_private_namespace()
+    with contextlib.suppress(OSError):
+        import prctl
+
+        prctl.set_child_subreaper(1)
+    preforked: isolation.PreforkedShim | None = None
+    if o.net != "none":  # under --net none the agent starts inside the proxy's network
+        # Forked while no thread runs yet: the agent's start then needs no new interpreter.
+        preforked = isolation.PreforkedShim.fork(
+            cgroup.procs_files, preload_seccomp=filtered and seccomp_bpf is None
+        )
+        stack.callback(preforked.close)  # ends and reaps it when the agent never started
+    scratch = booth_scratch(tapes, booth_id)
+    # Never over the tree's path here: see isolation.ChildSpec.mount_at.
+    layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))
+    stack.callback(isolation.remove_private_dir, layer_dir)
+    layer = o.layer_factory(
+        LayerContext(
+            o.fs, o.tree_path, tree_fd, store, scratch, base_tree, userns, o.scratch_limit,
+            mountpoint=layer_dir,
+        )
+    )
+    layer_open = stack.enter_context(contextlib.ExitStack())
+    layer_open.callback(_quietly, layer.discard)
+    layer_open.callback(_quietly, layer.unmount)
+    layer.mount()
+    writer.start()
+    if live is not None:
+        live.start()  # its threads, like the flusher's, only once in the namespaces
+    run = _Run(booth_id, o.tree_path, writer, layer, time.monotonic())
+    watch = getattr(layer, "watch_refused_writes", None)
+    if watch is not None:
+        watch(run.on_refused_write)
+    run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
+    _stage_mcp_calls(o, run, record)
+    sock_dir = isolation.private_socket_dir(socket_dir_prefix(tapes.path, booth_id))
+    stack.callback(isolation.remove_private_dir, sock_dir)
+    services = stack.enter_context(contextlib.ExitStack())
+    databases_open = stack.enter_context(contextlib.ExitStack())
+    sock_path = os.path.join(sock_dir, "control.sock")
+    llm_session = _start_services(o, run, env, services, databases_open, preforked, sock_path)
+    env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
+    _start_mcp_gateways(o, run, env, services, sock_dir, llm_session)
+    spec = _child_spec(o, env, layer_dir, sock_dir, protections, cgroup, seccomp_bpf)
+    return _Booth(o, store, writer, record, base_tree, recorded_verify, layer, layer_open, run,
+                  services, databases_open, spec)  # fmt: skip
+
+
+def _quietly(close: Callable[[], None]) -> None:
+    """For clean-ups on an error path: the first error is the news, not what it left behind."""
+    with contextlib.suppress(Exception):
+        close()
+
+
+@contextlib.contextmanager
+def _opened_tape(o: _BoothOptions, store: Any) -> Iterator[tuple[GroupTape, Any]]:
+    """The booth's tape, and its live export (jukebox.export.otel_live.LiveExport, with
+    OTEL_EXPORTER_OTLP_ENDPOINT set), closed in that order."""
     from jukebox.tape.tape import TapeWriter
 
-    factory = layer_factory or default_layer_factory
-    made_tape_dir = make_tape_dir(tapes.path)
-    store = _open_store(tapes)
-    sock_dir = ""
-    layer_dir = ""
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED_SIGNALS)
-    layer: BoothLayer | None = None
-    server: ControlServer | None = None
-    llm_session: Any = None
-    dbs: Any = None
-    tree_fd = -1
-    writer: Any = None
-    live: Any = None  # jukebox.export.otel_live.LiveExport with OTEL_EXPORTER_OTLP_ENDPOINT set
-    record: BoothRecord | None = None
-    cgroup: BoothCgroup | None = None
-    preforked: isolation.PreforkedShim | None = None
-    http_gateways: Any = None
+    writer = GroupTape(TapeWriter.create(o.tape_path, store, o.booth_id, fsync=False), store)
+    live = None
     try:
-        # Before anything is written: strict mode refuses with nothing half-made.
-        protections, cgroup = booth_protections(img, booth_id, seccomp=seccomp)
-        if strict_sandbox and protections.unavailable():
-            raise UsageError(strict_refusal(protections))
-        missing = protections.missing_line()
-        if missing:
-            _alert(missing)
-        filtered = protections.is_on("seccomp")
-        seccomp_bpf = _compiled_filter(img.seccomp_allow) if filtered else None
-        env = img.filter_env(os.environ)
-        from jukebox.trees.realtree import open_tree
-
-        # The tree's identity, from before its base tree is read: a commit goes into this very
-        # directory or nowhere (see jukebox.trees.realtree).
-        tree_fd, tree_dev, tree_ino = open_tree(tree_path)
-        recorded_argv, recorded_verify = _redacted_command(argv, verify, img)
-        base_tree = build_base_tree(store, tapes, tree_path, exclude=_stop_when_interrupted())
-        writer = GroupTape(TapeWriter.create(tape_path, store, booth_id, fsync=False), store)
-        live = _live_export(booth_id, writer)
-        writer.append(
-            "run_start",
-            {
-                "tape_id": booth_id,
-                "booth": booth_id,
-                "name": name,
-                "argv": recorded_argv,
-                **({"argv_redacted": True} if recorded_argv != argv else {}),
-                "cwd": agent_cwd,
-                "tree": tree_path,
-                "tree_dev": tree_dev,
-                "tree_ino": tree_ino,
-                "base_tree": base_tree.hex(),
-                "image": img.name,
-                # The image whole, hashed: replays compare with it and never resolve its name.
-                "sandbox_image": image_record(img),
-                "policy": {
-                    **img.policy(),
-                    "net": net,
-                    "verify": recorded_verify,
-                    "commit": commit_mode,
-                    "fs": fs,
-                    "checkpoint_every": checkpoint_every,
-                    "scratch_limit": scratch_limit,
-                    "llm_record_limit": scratch_limit or DEFAULT_RECORD_LIMIT,
-                    "view": view,
-                    "breaker": getattr(llm.breaker, "limits", None) if llm is not None else None,
-                    "protections": protections.policy(),
-                    "paths": paths.policy(),
-                    "mcp_servers": {n: s.describe() for n, s in mcp_servers.items()},
-                    "mcp_limits": mcp_limits.limits() if mcp_limits is not None else None,
-                },
-                "host": host_facts(),
-                "env": img.describe_env(env),
-            },
-            tree=base_tree,
-        )
-        record = BoothRecord(
-            id=booth_id,
-            name=name,
-            tree=tree_path,
-            base_tree=base_tree.hex(),
-            tape=str(tape_path),
-            created=time.time(),
-            status="running",
-            pid=os.getpid(),
-            tree_dev=tree_dev,
-            tree_ino=tree_ino,
-        )
-        save_record(tapes, record)
-
-        # From here on this process lives in the booth's mount namespace.
-        userns = isolation.enter_private_namespace()
-        with contextlib.suppress(OSError):
-            import prctl
-
-            prctl.set_child_subreaper(1)
-        if net != "none":  # under --net none the agent starts inside the proxy's network
-            # Forked while no thread runs yet: the agent's start then needs no new interpreter.
-            preforked = isolation.PreforkedShim.fork(
-                cgroup.procs_files, preload_seccomp=filtered and seccomp_bpf is None
-            )
-        scratch = booth_scratch(tapes, booth_id)
-        # Never over the tree's path here: see isolation.ChildSpec.mount_at.
-        layer_dir = str(layer_mountpoint(tapes, booth_id, make=True))
-        layer = factory(
-            LayerContext(
-                fs, tree_path, tree_fd, store, scratch, base_tree, userns, scratch_limit,
-                mountpoint=layer_dir,
-            )
-        )
-        layer.mount()
-        writer.start()
-        if live is not None:
-            live.start()  # its threads, like the flusher's, only once in the namespaces
-        run = _Run(booth_id, tree_path, writer, layer, time.monotonic())
-        watch = getattr(layer, "watch_refused_writes", None)
-        if watch is not None:
-            watch(run.on_refused_write)
-        run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
-        from jukebox.mcp.staging import StageGate
-
-        run.mcp = StageGate(mcp_servers, lambda kind, payload: writer.append(kind, payload),
-                            mcp_limits, run.on_trip)  # fmt: skip
-        if mcp_replay is not None:
-            mcp_replay.record = writer.append
-            run.mcp.replay = mcp_replay
-        from jukebox.mcp import verdict as mcp_verdict
-        from jukebox.mcp.approvals import read_answer
-
-        def keep_staged(calls: list[Any]) -> None:
-            mcp_verdict.keep(record, mcp_servers, calls)
-            save_record(tapes, record)
-
-        run.mcp.on_change = keep_staged
-
-        run.mcp.answer_of = functools.partial(read_answer, tapes, booth_id)
-        run.mcp.tell = lambda ask_id, what: _alert(
-            f"booth {booth_id}: the agent asks to call {what}: `jukebox booth approve {booth_id} "
-            f"{ask_id}` (or --deny; --tape-dir {tapes.path})"
-        )
-        sock_dir = isolation.private_socket_dir(socket_dir_prefix(tapes.path, booth_id))
-        sock_path = os.path.join(sock_dir, "control.sock")
-        server = ControlServer(sock_path, run.handlers()).start()
-        from jukebox.llm.session import LlmSession
-
-        llm_session = LlmSession.start(
-            record=writer.append,
-            environ=os.environ,
-            secrets=[value for key, value in env.items() if img.is_secret(key)],
-            tape_dir=tapes.path,
-            private_network=net == "none",
-            options=llm,
-            on_trip=run.record_trip,
-            stop_agent=run.stop_agent,
-            record_limit=scratch_limit,
-        )
-        if preforked is not None and llm_session.network is None:
-            run.spawn = preforked.spawn
-        else:
-            run.spawn = lambda child_spec, **stdio: llm_session.spawn(
-                functools.partial(isolation.spawn, **stdio), child_spec
-            )
-        env.update(llm_session.agent_env(env))
-        if databases:
-            from jukebox.sql.booth_link import BoothDatabases
-
-            network = llm_session.network
-            dbs = run.databases = BoothDatabases.start(
-                databases,
-                two_phase,
-                record=writer.append,
-                booth_id=booth_id,
-                secrets=[value for key, value in env.items() if img.is_secret(key)],
-                listen=network.listen if network is not None else None,
-                max_rows_changed=max_sql_rows_changed,
-                on_trip=run.on_trip,
-                record_results=record_sql_results,
-                max_lock_seconds=max_sql_lock_seconds,
-            )
-            env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
-            env.update(dbs.agent_env())
-        elif sql_replay is not None:
-            network = llm_session.network
-            dbs = run.databases = sql_replay.start(
-                record=writer.append,
-                secrets=[value for key, value in env.items() if img.is_secret(key)],
-                listen=network.listen if network is not None else None,
-            )
-            env.pop("PGPASSWORD", None)
-            env.update(dbs.agent_env())
-        env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
-        http_urls: dict[str, str] = {}
-        if mcp_http:
-            http_gateways = _start_http_gateways(run, mcp_http, llm_session, env, img)
-            http_urls = http_gateways.urls()
-            env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
-        if mcp_declared is not None or mcp_http:
-            from jukebox.mcp.servers import write_wrapped_config
-
-            env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(
-                mcp_declared or {"mcpServers": {}}, sock_dir, http_urls
-            )
-        if mcp_replay is not None:
-            from jukebox.mcp.record import REPLAY_ENV
-
-            env[REPLAY_ENV] = "1"
-        env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
-        hide = [
-            *img.hidden_paths(),
-            *paths.hide,
-            str(tapes.path),
-            str(realtree.commit_key_dir()),
-            *view["hidden_socket_dirs"],
-        ]
-        writable = [tree_path, *paths.rw]  # the tree first: the verifier's cwd
-        spec = isolation.ChildSpec(
-            argv=argv,
-            cwd=agent_cwd,
-            env=env,
-            keep=writable,
-            mount_at={tree_path: layer_dir},
-            keep_readonly=[sock_dir],
-            keep_tools=[*isolation.hidden_tools(hide, img.private_tmp, writable), *paths.ro],
-            hide=hide,
-            readonly_root=img.readonly_host,
-            private_tmp=img.private_tmp,
-            limits=_rlimits(img, protections),
-            net=net,
-            seccomp=list(img.seccomp_allow) if filtered else None,
-            seccomp_bpf=seccomp_bpf,
-            cgroup_procs=cgroup.procs_files,
-            cgroup_mounts=cgroup.mounts,
-            tmp_size=view["tmp_size"],
-            shm_size=view["shm_size"],
-        )
-        status, interrupted = _supervise(spec, run, checkpoint_every)
-        if http_gateways is not None:
-            http_gateways.stop()
-            http_gateways = None
-        server.close()
-        server = None
-        llm_session.close()
-        llm_session = None
-        _reap_stragglers()
-
-        # The verdict.
-        exit_status, exit_signal = status["code"], status["signal"]
-        final_tree, journal = layer.snapshot()
-        fs_payload: dict[str, Any] = {"reason": "exit"}
-        if journal is not None:
-            fs_payload["journal"] = journal.hex()
-        writer.append(
-            "fs", fs_payload, refs=[journal] if journal is not None else (), tree=final_tree
-        )
-        writer.append("exit", status)
-        _report_view_denials(run, spec, status, (str(tapes.path), str(realtree.commit_key_dir())))
-        agent_ok = exit_status == 0 and not status.get("setup_error")
-        verified: dict[str, Any] | None = None
-        if verify and not interrupted:
-            if agent_ok:
-                verified = _run_verifier(spec, verify)
-                interrupted = bool(verified.get("interrupted"))
-            else:
-                verified = {"cmd": verify, "skipped": "the agent failed", "ok": False}
-            writer.append("verify", {**verified, "cmd": recorded_verify})
-        if paths.rw:  # nothing of the booth runs any more
-            _strip_rw_set_id(writer, paths.rw, record.created)
-        layer.unmount()
-
-        record.final_tree = final_tree.hex()
-        record.agent_status = exit_status if exit_status is not None else 128 + (exit_signal or 0)
-        record.verify = {k: v for k, v in (verified or {}).items() if k != "output"} or None
-        passed = verified is None or bool(verified.get("ok"))
-        code = record.agent_status
-        if status.get("setup_error"):
-            _alert(status["setup_error"])
-
-        decision: str
-        reason = ""
-        if run.trip is not None:
-            decision = "keep" if commit_mode == "never" else "discard"
-            reason = f"the circuit breaker tripped ({run.trip.rule})"
-        elif commit_mode == DISCARD:
-            decision = "discard"
-        elif interrupted:
-            decision, reason = "keep", "interrupted"
-        elif commit_mode == "never":
-            decision = "keep"
-        elif commit_mode == "ask":
-            if final_tree != base_tree:
-                _warn_host_hooks(store, base_tree, final_tree)
-            decision = (
-                "commit"
-                if final_tree == base_tree
-                else _ask(change_summary(store, base_tree, final_tree), booth_id)
-            )
-        elif agent_ok and passed:
-            decision = "commit"
-        else:
-            decision = "discard"
-            reason = (
-                f"the verifier failed (exit {verified.get('exit')})"
-                if agent_ok and verified
-                else (status.get("setup_error") or f"the agent exited with {_describe(status)}")
-            )
-
-        hooks_refused = ""
-        if decision == "commit" and commit_mode == "auto" and not allow_hooks:
-            hooks_refused = _host_hooks_refusal(store, base_tree, final_tree)
-            if hooks_refused:
-                decision, reason, code = "keep", hooks_refused, 1
-
-        if dbs is not None:
-            decision, reason, code = _databases_before(
-                dbs, tapes, booth_id, decision, reason, code
-            )
-        # Everything recorded so far is on disk before the real tree changes or a verdict lands.
-        writer.sync()
-        if decision == "commit":
-            decision, code = _commit_run(store, tapes, writer, record, base_tree, final_tree, code)
-            if decision == "done" and run.mcp.staged:
-                from jukebox.mcp.verdict import commit_staged
-
-                if commit_staged(run.mcp.staged, mcp_servers, run.mcp.record, tree_path,
-                                 booth_id) and code == 0:  # fmt: skip
-                    code = 1
-        if dbs is not None:
-            _databases_after(dbs, tapes, writer, booth_id, decision)
-            dbs = None
-        if decision == "discard":
-            run.mcp.drop_all(reason or "discard")
-            if commit_mode == DISCARD and not reason:
-                writer.append("discard", {"by": "scratch booth", "residue": 0}, tree=base_tree)
-            else:
-                writer.append(
-                    "rollback",
-                    {"reason": reason or "rejected", "to": 0, "final": True, "residue": 0},
-                    tree=base_tree,
-                )
-            if reason:
-                _alert(
-                    f"booth {booth_id} rolled back: {reason}; the real tree {tree_path} was not "
-                    f"touched (tape {tape_path})"
-                )
-                if verified and not verified.get("ok") and verified.get("output"):
-                    sys.stderr.write(verified["output"][-4000:])
-                if commit_mode == "auto" and code == 0:
-                    code = 1
-            _finish(tapes, booth_id)
-        elif decision == "keep":
-            record.status = "pending" if record.status == "running" else record.status
-            record.pid = None
-            record.note = reason or None
-            from jukebox.mcp import verdict as mcp_verdict
-
-            mcp_verdict.keep(record, mcp_servers, run.mcp.staged)
-            save_record(tapes, record)
-            _alert(
-                f"booth {booth_id} kept pending{f' ({reason})' if reason else ''}: "
-                f"`jukebox booth diff {booth_id}`, then `jukebox booth commit {booth_id}"
-                f"{' --allow-hooks' if hooks_refused else ''}` or "
-                f"`jukebox booth discard {booth_id}` (with --tape-dir {tapes.path})"
-            )
-            if interrupted and code == 0:
-                code = 130
-        writer.sync()
-        layer.discard()
-        layer = None
-        return code
+        live = _live_export(o.booth_id, writer)
+        yield writer, live
     finally:
-        if preforked is not None:
-            preforked.close()  # ends and reaps it when the agent never started
-        if http_gateways is not None:
-            http_gateways.stop()
-        if server is not None:
-            server.close()
-        if dbs is not None:
-            dbs.close()  # an unfinished transaction is rolled back by its server
-        if llm_session is not None:
-            llm_session.close()
-        if layer is not None:
-            with contextlib.suppress(Exception):
-                layer.unmount()
-            with contextlib.suppress(Exception):
-                layer.discard()
-        if sock_dir:
-            isolation.remove_private_dir(sock_dir)
-        if layer_dir:
-            isolation.remove_private_dir(layer_dir)
-        if tree_fd >= 0:
-            os.close(tree_fd)
-        if cgroup is not None:
-            cgroup.remove()  # the agent's processes are all gone by now (its PID namespace)
-        if writer is not None:
-            # The normal path synced already; on an error path the first error is the news.
-            with contextlib.suppress(Exception):
-                writer.close()
+        # The normal path synced already; on an error path the first error is the news.
+        _quietly(writer.close)
         if live is not None:
             live.close()  # bounded (otel_live.CLOSE_TIMEOUT), never raises
-        store.close()
-        if writer is None and made_tape_dir is not None:
-            remove_unused_tape_dir(made_tape_dir, tapes)
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
+    """The gate the agent's MCP calls pass: staged for the verdict, asked about, replayed."""
+    from jukebox.mcp import verdict as mcp_verdict
+    from jukebox.mcp.approvals import read_answer
+    from jukebox.mcp.staging import StageGate
+
+    writer = run.writer
+    run.mcp = StageGate(o.mcp_servers, lambda kind, payload: writer.append(kind, payload),
+                        o.mcp_limits, run.on_trip)  # fmt: skip
+    if o.mcp_replay is not None:
+        o.mcp_replay.record = writer.append
+        run.mcp.replay = o.mcp_replay
+
+    def keep_staged(calls: list[Any]) -> None:
+        mcp_verdict.keep(record, o.mcp_servers, calls)
+        save_record(o.tapes, record)
+
+    run.mcp.on_change = keep_staged
+    run.mcp.answer_of = functools.partial(read_answer, o.tapes, o.booth_id)
+    run.mcp.tell = lambda ask_id, what: _alert(
+        f"booth {o.booth_id}: the agent asks to call {what}: `jukebox booth approve "
+        f"{o.booth_id} {ask_id}` (or --deny; --tape-dir {o.tapes.path})"
+    )
+
+
+def _start_services(
+    o: _BoothOptions,
+    run: _Run,
+    env: dict[str, str],
+    services: contextlib.ExitStack,
+    databases_open: contextlib.ExitStack,
+    preforked: isolation.PreforkedShim | None,
+    sock_path: str,
+) -> Any:
+    """The control socket, the LLM proxy and the --pg databases' proxies, on their stacks;
+    the agent's environment learns how to reach them. Returns the LLM proxy's session."""
+    from jukebox.llm.session import LlmSession
+
+    server = ControlServer(sock_path, run.handlers()).start()
+    services.callback(server.close)
+    writer = run.writer
+    llm_session = LlmSession.start(
+        record=writer.append,
+        environ=os.environ,
+        secrets=[value for key, value in env.items() if o.img.is_secret(key)],
+        tape_dir=o.tapes.path,
+        private_network=o.net == "none",
+        options=o.llm,
+        on_trip=run.record_trip,
+        stop_agent=run.stop_agent,
+        record_limit=o.scratch_limit,
+    )
+    services.callback(llm_session.close)
+    if preforked is not None and llm_session.network is None:
+        run.spawn = preforked.spawn
+    else:
+        run.spawn = lambda child_spec, **stdio: llm_session.spawn(
+            functools.partial(isolation.spawn, **stdio), child_spec
+        )
+    env.update(llm_session.agent_env(env))
+    network = llm_session.network
+    listen = network.listen if network is not None else None
+    # The LLM proxy's session adds to the environment: its secrets are hidden from SQL too.
+    secret_values = [value for key, value in env.items() if o.img.is_secret(key)]
+    if o.databases:
+        from jukebox.sql.booth_link import BoothDatabases
+
+        run.databases = BoothDatabases.start(
+            o.databases,
+            o.two_phase,
+            record=writer.append,
+            booth_id=o.booth_id,
+            secrets=secret_values,
+            listen=listen,
+            max_rows_changed=o.max_sql_rows_changed,
+            on_trip=run.on_trip,
+            record_results=o.record_sql_results,
+            max_lock_seconds=o.max_sql_lock_seconds,
+        )
+    elif o.sql_replay is not None:
+        run.databases = o.sql_replay.start(
+            record=writer.append, secrets=secret_values, listen=listen
+        )
+    if run.databases is not None:
+        # An unfinished transaction is rolled back by its server.
+        databases_open.callback(run.databases.close)
+        env.pop("PGPASSWORD", None)  # the proxy trusts the agent; the server's is not its
+        env.update(run.databases.agent_env())
+    return llm_session
+
+
+def _start_mcp_gateways(
+    o: _BoothOptions,
+    run: _Run,
+    env: dict[str, str],
+    services: contextlib.ExitStack,
+    sock_dir: str,
+    llm_session: Any,
+) -> None:
+    """The HTTP MCP servers' gateway, and the agent's `.mcp.json` rewritten through it."""
+    http_urls: dict[str, str] = {}
+    if o.mcp_http:
+        http_gateways = _start_http_gateways(run, o.mcp_http, llm_session, env, o.img)
+        services.callback(http_gateways.stop)
+        http_urls = http_gateways.urls()
+        env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
+    if o.mcp_declared is not None or o.mcp_http:
+        from jukebox.mcp.servers import write_wrapped_config
+
+        env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(
+            o.mcp_declared or {"mcpServers": {}}, sock_dir, http_urls
+        )
+    if o.mcp_replay is not None:
+        from jukebox.mcp.record import REPLAY_ENV
+
+        env[REPLAY_ENV] = "1"
+
+
+def _child_spec(
+    o: _BoothOptions,
+    env: dict[str, str],
+    layer_dir: str,
+    sock_dir: str,
+    protections: Protections,
+    cgroup: BoothCgroup,
+    seccomp_bpf: str | None,
+) -> isolation.ChildSpec:
+    """How the agent is started: its view of the host, its limits, its environment."""
+    from jukebox.trees import realtree
+
+    env["PATH"] = path_reaching_jukebox(env.get("PATH", ""))
+    img = o.img
+    hide = [
+        *img.hidden_paths(),
+        *o.paths.hide,
+        str(o.tapes.path),
+        str(realtree.commit_key_dir()),
+        *o.view["hidden_socket_dirs"],
+    ]
+    writable = [o.tree_path, *o.paths.rw]  # the tree first: the verifier's cwd
+    filtered = protections.is_on("seccomp")
+    return isolation.ChildSpec(
+        argv=o.argv,
+        cwd=o.agent_cwd,
+        env=env,
+        keep=writable,
+        mount_at={o.tree_path: layer_dir},
+        keep_readonly=[sock_dir],
+        keep_tools=[*isolation.hidden_tools(hide, img.private_tmp, writable), *o.paths.ro],
+        hide=hide,
+        readonly_root=img.readonly_host,
+        private_tmp=img.private_tmp,
+        limits=_rlimits(img, protections),
+        net=o.net,
+        seccomp=list(img.seccomp_allow) if filtered else None,
+        seccomp_bpf=seccomp_bpf,
+        cgroup_procs=cgroup.procs_files,
+        cgroup_mounts=cgroup.mounts,
+        tmp_size=o.view["tmp_size"],
+        shm_size=o.view["shm_size"],
+    )
+
+
+def _run_agent(b: _Booth) -> _Outcome:
+    """Runs the agent and its verifier; records the final tree (`fs`), `exit` and `verify`."""
+    from jukebox.trees import realtree
+
+    o, writer, record = b.options, b.writer, b.record
+    status, interrupted = _supervise(b.spec, b.run, o.checkpoint_every)
+    b.services.close()
+    _reap_stragglers()
+
+    final_tree, journal = b.layer.snapshot()
+    fs_payload: dict[str, Any] = {"reason": "exit"}
+    if journal is not None:
+        fs_payload["journal"] = journal.hex()
+    writer.append(
+        "fs", fs_payload, refs=[journal] if journal is not None else (), tree=final_tree
+    )
+    writer.append("exit", status)
+    _report_view_denials(b.run, b.spec, status,
+                         (str(o.tapes.path), str(realtree.commit_key_dir())))  # fmt: skip
+    verified: dict[str, Any] | None = None
+    if o.verify and not interrupted:
+        if status["code"] == 0 and not status.get("setup_error"):
+            verified = _run_verifier(b.spec, o.verify)
+            interrupted = bool(verified.get("interrupted"))
+        else:
+            verified = {"cmd": o.verify, "skipped": "the agent failed", "ok": False}
+        writer.append("verify", {**verified, "cmd": b.recorded_verify})
+    if o.paths.rw:  # nothing of the booth runs any more
+        _strip_rw_set_id(writer, o.paths.rw, record.created)
+    b.layer.unmount()
+
+    exit_status, exit_signal = status["code"], status["signal"]
+    code = exit_status if exit_status is not None else 128 + (exit_signal or 0)
+    record.final_tree = final_tree.hex()
+    record.agent_status = code
+    record.verify = {k: v for k, v in (verified or {}).items() if k != "output"} or None
+    if status.get("setup_error"):
+        _alert(status["setup_error"])
+    return _Outcome(status, code, interrupted, verified, final_tree)
+
+
+@dataclass(frozen=True)
+class BoothVerdict:
+    """What becomes of a booth's work (`decide_verdict`): `decision` is "commit", "discard",
+    "keep" (pending), or "ask" (`--commit ask` and the tree changed: the operator decides);
+    `reason`, when there is one, is told to the operator and recorded."""
+
+    decision: str
+    reason: str = ""
+
+
+def decide_verdict(
+    commit_mode: str,
+    status: Mapping[str, Any],
+    verified: Mapping[str, Any] | None,
+    *,
+    interrupted: bool,
+    tripped: str | None,
+    changed: bool,
+) -> BoothVerdict:
+    """The verdict a finished run's facts call for, before the checks that read the store (host
+    hooks) or ask the databases. `status` is the `exit` frame's payload, `verified` the `verify`
+    frame's (None when no verifier ran), `tripped` the circuit breaker's rule when it tripped,
+    `changed` whether the final tree differs from the base tree.
+
+    A trip wins over everything (kept under `never`, else discarded), then a scratch booth's
+    discard, an interruption (kept), `never` (kept) and `ask`; `auto` commits when the agent
+    exited 0 and the verifier, if any, passed, and otherwise discards, saying why."""
+    if tripped is not None:
+        decision = "keep" if commit_mode == "never" else "discard"
+        return BoothVerdict(decision, f"the circuit breaker tripped ({tripped})")
+    if commit_mode == DISCARD:
+        return BoothVerdict("discard")
+    if interrupted:
+        return BoothVerdict("keep", "interrupted")
+    if commit_mode == "never":
+        return BoothVerdict("keep")
+    if commit_mode == "ask":
+        return BoothVerdict("ask" if changed else "commit")
+    agent_ok = status.get("code") == 0 and not status.get("setup_error")
+    if agent_ok and (verified is None or verified.get("ok")):
+        return BoothVerdict("commit")
+    if agent_ok and verified:
+        return BoothVerdict("discard", f"the verifier failed (exit {verified.get('exit')})")
+    return BoothVerdict(
+        "discard", status.get("setup_error") or f"the agent exited with {_describe(status)}"
+    )
+
+
+def _conclude(b: _Booth, out: _Outcome) -> int:
+    """Carries out the verdict: the host-hook check, the databases' part, the commit, and the
+    discard or the pending booth; returns run_booth's exit status."""
+    o, run, store, record = b.options, b.run, b.store, b.record
+    base_tree, final_tree = b.base_tree, out.final_tree
+    code = out.code
+    verdict = decide_verdict(
+        o.commit_mode, out.status, out.verified, interrupted=out.interrupted,
+        tripped=run.trip.rule if run.trip is not None else None, changed=final_tree != base_tree,
+    )  # fmt: skip
+    decision, reason = verdict.decision, verdict.reason
+    if decision == "ask":
+        _warn_host_hooks(store, base_tree, final_tree)
+        decision = _ask(change_summary(store, base_tree, final_tree), o.booth_id)
+
+    hooks_refused = ""
+    if decision == "commit" and o.commit_mode == "auto" and not o.allow_hooks:
+        hooks_refused = _host_hooks_refusal(store, base_tree, final_tree)
+        if hooks_refused:
+            decision, reason, code = "keep", hooks_refused, 1
+
+    dbs = run.databases
+    if dbs is not None:
+        decision, reason, code = _databases_before(dbs, o.tapes, o.booth_id, decision, reason,
+                                                   code)  # fmt: skip
+    # Everything recorded so far is on disk before the real tree changes or a verdict lands.
+    b.writer.sync()
+    if decision == "commit":
+        decision, code = _commit_run(store, o.tapes, b.writer, record, base_tree, final_tree,
+                                     code)  # fmt: skip
+        if decision == "done" and run.mcp.staged:
+            from jukebox.mcp.verdict import commit_staged
+
+            if commit_staged(run.mcp.staged, o.mcp_servers, run.mcp.record, o.tree_path,
+                             o.booth_id) and code == 0:  # fmt: skip
+                code = 1
+    if dbs is not None:
+        b.databases_open.pop_all()  # _databases_after closes them, whatever happens
+        _databases_after(dbs, o.tapes, b.writer, o.booth_id, decision)
+    if decision == "discard":
+        code = _discarded(b, out, reason, code)
+    elif decision == "keep":
+        code = _kept(b, out, reason, code, hooks_refused=bool(hooks_refused))
+    b.writer.sync()
+    b.layer.discard()
+    b.layer_open.pop_all()
+    return code
+
+
+def _discarded(b: _Booth, out: _Outcome, reason: str, code: int) -> int:
+    o = b.options
+    b.run.mcp.drop_all(reason or "discard")
+    if o.commit_mode == DISCARD and not reason:
+        b.writer.append("discard", {"by": "scratch booth", "residue": 0}, tree=b.base_tree)
+    else:
+        b.writer.append(
+            "rollback",
+            {"reason": reason or "rejected", "to": 0, "final": True, "residue": 0},
+            tree=b.base_tree,
+        )
+    if reason:
+        _alert(
+            f"booth {o.booth_id} rolled back: {reason}; the real tree {o.tree_path} was not "
+            f"touched (tape {o.tape_path})"
+        )
+        verified = out.verified
+        if verified and not verified.get("ok") and verified.get("output"):
+            sys.stderr.write(verified["output"][-4000:])
+        if o.commit_mode == "auto" and code == 0:
+            code = 1
+    _finish(o.tapes, o.booth_id)
+    return code
+
+
+def _kept(b: _Booth, out: _Outcome, reason: str, code: int, *, hooks_refused: bool) -> int:
+    from jukebox.mcp import verdict as mcp_verdict
+
+    o, record, booth_id = b.options, b.record, b.options.booth_id
+    record.status = "pending" if record.status == "running" else record.status
+    record.pid = None
+    record.note = reason or None
+    mcp_verdict.keep(record, o.mcp_servers, b.run.mcp.staged)
+    save_record(o.tapes, record)
+    _alert(
+        f"booth {booth_id} kept pending{f' ({reason})' if reason else ''}: "
+        f"`jukebox booth diff {booth_id}`, then `jukebox booth commit {booth_id}"
+        f"{' --allow-hooks' if hooks_refused else ''}` or "
+        f"`jukebox booth discard {booth_id}` (with --tape-dir {o.tapes.path})"
+    )
+    if out.interrupted and code == 0:
+        code = 130
+    return code
 
 
 def _compiled_filter(allow: Sequence[str]) -> str | None:
@@ -1973,7 +2228,7 @@ def _rlimits(img: Image, protections: Protections) -> dict[str, int]:
     return limits
 
 
-def _describe(status: dict[str, Any]) -> str:
+def _describe(status: Mapping[str, Any]) -> str:
     if status.get("signal"):
         return f"signal {status['signal']} ({signal.Signals(status['signal']).name})"
     return f"status {status.get('code')}"
