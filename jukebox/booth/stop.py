@@ -23,6 +23,7 @@ import signal
 import time
 from pathlib import Path
 
+from jukebox.booth import procs
 from jukebox.booth.abort import _booth_mounts, _gone
 from jukebox.booth.isolation import RELAY_TITLE
 from jukebox.booth.supervisor import BoothRecord, load_record
@@ -34,23 +35,6 @@ DEFAULT_GRACE = 10.0
 # booth pending; a bigger tree's snapshot takes longer, so this only bounds the waiting.
 SETTLE_SECONDS = 120.0
 _SHIM = b"jukebox.booth.isolation\0exec\0"
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                found += map(int, Path(f"/proc/{pid}/task/{task}/children").read_text().split())
-    return found
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rpartition(")")[2].split()[1])
 
 
 def _is_shim(pid: int) -> bool:
@@ -68,14 +52,14 @@ def kill_agent(supervisor: int) -> bool:
     """SIGKILLs the agent's relay, a child of `supervisor` running the exec shim; returns
     whether there was one."""
     killed = False
-    for child in _children(supervisor):
+    for child in procs.children_of(supervisor):
         try:
             pidfd = os.pidfd_open(child)
         except OSError:
             continue  # gone meanwhile
         try:
             # Checked through the pidfd's process: a pid recycled after the open is not it.
-            if _parent(child) == supervisor and _is_shim(child):
+            if procs.parent_of(child) == supervisor and _is_shim(child):
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     killed = True
@@ -85,7 +69,8 @@ def kill_agent(supervisor: int) -> bool:
 
 
 def _agent_running(supervisor: int) -> bool:
-    return any(_is_shim(c) and _parent(c) == supervisor for c in _children(supervisor))
+    children = procs.children_of(supervisor)
+    return any(_is_shim(c) and procs.parent_of(c) == supervisor for c in children)
 
 
 def _current(tape_dir: TapeDir, booth_id: str) -> BoothRecord | None:

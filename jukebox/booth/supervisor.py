@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jukebox.booth import isolation
+from jukebox.booth import isolation, procs
 from jukebox.booth.cgroups import BoothCgroup
 from jukebox.booth.control import SOCKET_ENV, ControlServer, Peer, RequestError
 from jukebox.booth.images import Image, load_image
@@ -1222,22 +1222,6 @@ def _exit_code(status: int) -> tuple[int | None, int | None]:
     return os.waitstatus_to_exitcode(status), None
 
 
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if int(fields[1]) == pid:
-            out.append(int(entry))
-    return out
-
-
 def _reap_stragglers() -> int:
     """Kills what the agent left running (we are its subreaper), so nothing writes after the
     final snapshot and nothing holds the mount."""
@@ -1249,7 +1233,7 @@ def _reap_stragglers() -> int:
         return 0
     killed = 0
     for _ in range(50):
-        kids = _children_of(os.getpid())
+        kids = procs.children_of(os.getpid())
         if not kids:
             break
         for pid in kids:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jukebox.booth import procs
 from jukebox.booth.images import Image
 from jukebox.booth.paths import BoothPaths
 from jukebox.errors import JukeboxError, UsageError
@@ -306,24 +307,10 @@ def _stop_agent() -> int:
     namespace with it only once the kernel gets round to it, and an agent woken by the reply to
     its checkpoint meanwhile could still reach the proxy. A pending SIGKILL lets no more of a
     process's own code run."""
-    children: dict[str, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = stat[stat.rfind(b")") + 2 :].split()[1].decode()
-        children.setdefault(ppid, []).append(entry)
-    todo = list(children.get(str(os.getpid()), ()))
     killed = 0
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, ()))
+    for pid in procs.descendants_of(os.getpid()):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             killed += 1
     return killed
 
