@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench import backends as bk
 from bench import bench_booth as booth
 from bench import bench_isolation as iso
@@ -19,6 +21,9 @@ from bench import bench_startup as startup
 from bench import goals
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Selectable: `-m bench` runs only the benchmark harness's tests, `-m "not bench"` skips them.
+pytestmark = pytest.mark.bench
 
 
 def _ckpt(case: str, p50: float, **extra: Any) -> dict[str, Any]:

@@ -15,6 +15,9 @@ from bench import harness
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Selectable: `-m bench` runs only the benchmark harness's tests, `-m "not bench"` skips them.
+pytestmark = pytest.mark.bench
+
 
 def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str, dict]:
     out_md, out_json = tmp_path / "report.md", tmp_path / "rows.json"
