@@ -90,3 +90,34 @@ def test_an_unknown_command_is_still_told_apart_from_close_ones(tmp_path: Path) 
     )  # fmt: skip
     assert proc.returncode == 2
     assert "replay" in proc.stderr  # the suggestion needs every command registered
+
+
+def _jukebox(cwd: Path, env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", "from jukebox.cli import main; main()", *args],
+        capture_output=True, text=True, cwd=cwd, timeout=60, env={**os.environ, **env},
+    )  # fmt: skip
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_replay_runs_without_click_and_says_what_click_says(tmp_path: Path) -> None:
+    """`jukebox replay TAPE` skips click (jukebox.cli.fast); `replay -- TAPE` means the same
+    and goes through click: output, errors and exit codes must be the same."""
+    from tests.test_cli_read import record_run
+
+    tapes = tmp_path / "tapes"
+    record_run(tapes, tmp_path / "work")
+    (tapes / "torn.jbx").write_bytes((tapes / "tr_demo.jbx").read_bytes()[:-5])
+    env = {"JUKEBOX_TAPE_DIR": str(tapes)}
+    code, modules, _ = imported(tmp_path, "replay", "tr_demo", env=env)
+    assert code == 0
+    assert not [m for m in modules if m == "click" or m.startswith("click.")]
+    cases = [  # the options, the tape, the exit code
+        ((), "tr_demo", 0), (("--json",), "tr_demo", 0), (("-q", "--no-color"), "tr_demo", 0),
+        ((), "tr_demo@1", 2), ((), "nope", 2), ((), "torn", 1),
+        (("--tape-dir", str(tmp_path / "work")), "tr_demo", 2),
+    ]  # fmt: skip
+    for options, tape, code in cases:
+        fast = _jukebox(tmp_path, env, "replay", *options, tape)
+        assert fast[0] == code, (options, tape, fast[2])
+        assert fast == _jukebox(tmp_path, env, "replay", *options, "--", tape), (options, tape)

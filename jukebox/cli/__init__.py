@@ -1,130 +1,24 @@
 """The `jukebox` command.
 
-Sub-commands import their machinery lazily: `jukebox replay` of a 50-frame tape, interpreter start
-included, must stay well under 150 ms, so nothing heavy is imported at module level here.
+This module imports no click, and nothing heavy at module level: `main` runs the commands a user
+waits on most (`jukebox replay TAPE`, jukebox.cli.fast) without it when their command line holds
+nothing but what that path parses, and hands every other command line to the click app
+(jukebox.cli.app), which imports the module of the command it names only. Both paths share the
+error lines and exit codes here (`guarded`, `fail`), so a command reads the same either way.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-import click
+if TYPE_CHECKING:
+    from jukebox.cli.app import JukeboxGroup as JukeboxGroup
+    from jukebox.cli.app import cli as cli
 
-from jukebox import __version__
-from jukebox.cli.options import add_output_options
-
-
-class JukeboxGroup(click.Group):
-    """Turns the errors we raise on purpose into one line and the documented exit code, and
-    gives every command the output options (jukebox.cli.options)."""
-
-    group_class = type  # sub-groups (`jukebox booth`) are JukeboxGroups too
-
-    def main(self, *args, **kwargs):
-        from jukebox.cli.options import kept_output_settings
-
-        with kept_output_settings():
-            return super().main(*args, **kwargs)
-
-    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
-        from jukebox.cli.completion import add_completion
-        from jukebox.cli.options import add_output_options
-
-        add_output_options(cmd)
-        add_completion(cmd)
-        super().add_command(cmd, name)
-
-    def invoke(self, ctx: click.Context):
-        from jukebox.errors import JukeboxError
-        from shadowfs.errors import ConflictError, ShadowfsError
-
-        try:
-            return super().invoke(ctx)
-        except JukeboxError as error:
-            fail(str(error), error.exit_code)
-        except ConflictError as error:
-            fail(str(error), 1)
-        except ShadowfsError as error:
-            fail(str(error), 2)
-        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as error:
-            name = error.filename or ""
-            fail(f"{error.strerror}: {name}: check the path and its permissions", 2)
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-            raise
-        except Exception as error:  # a bug of ours: still one line unless asked for more
-            if isinstance(error, BrokenPipeError) and stdout_closed():
-                stop_quietly()
-            if os.environ.get("JUKEBOX_DEBUG"):
-                raise
-            fail(
-                f"internal error: {type(error).__name__}: {error} "
-                "(rerun with JUKEBOX_DEBUG=1 for a traceback and report it)",
-                70,
-            )
-
-
-def stdout_closed() -> bool:
-    """Whether whoever read stdout is gone (`jukebox diff A@0 A | head -1`): a pipe whose
-    reading end is closed polls as an error. An EPIPE from anything else is a bug to report."""
-    import select
-
-    poller = select.poll()
-    try:
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-    except (ValueError, OSError):
-        return False
-    return any(events & select.POLLERR for _, events in poller.poll(0))
-
-
-def stop_quietly() -> None:
-    """What a Unix tool does when its reader goes away: no message, the status of SIGPIPE.
-    stdout goes to /dev/null first, so the interpreter's last flush cannot fail again."""
-    import signal
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    sys.exit(128 + signal.SIGPIPE)
-
-
-def fail(message: str, code: int) -> None:
-    from jukebox.display.names import printable
-
-    # Messages quote names from trees and tapes: a terminal must not act on what they hold.
-    from jukebox.display.style import error_prefix
-
-    click.echo(f"{error_prefix('jukebox:')} {printable(message)}", err=True)
-    sys.exit(code)
-
-
-@click.group(cls=JukeboxGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="jukebox")
-@click.pass_context
-def cli(ctx: click.Context) -> None:
-    """Jukebox: the flight recorder and undo button for AI agents.
-
-    TAPE is a .jbx path or a tape id in the tape dir ($JUKEBOX_TAPE_DIR, else
-    ${XDG_DATA_HOME:-~/.local/share}/jukebox/tapes);
-    TAPE@N selects frame N (frames count from 0). Defaults come from
-    ~/.config/jukebox/config.toml; `jukebox help TOPIC` explains booth, tapes, config and more.
-    """
-    from jukebox.cli.options import load_config
-    from jukebox.tape.tapedir import TAPE_DIR_ENV
-
-    load_config(ctx)
-
-    # Resolved once, at the start of every command, in the directory the user ran it from:
-    # replays and forks run in a scratch tree, agents inherit the variable.
-    named = os.environ.get(TAPE_DIR_ENV)
-    if named:
-        os.environ[TAPE_DIR_ENV] = os.path.abspath(named)
-
-
-add_output_options(cli)
-
+T = TypeVar("T")
 
 # The modules that register each command (importing one registers its commands). A command
 # line imports only its command's: each module costs its imports at every start.
@@ -146,6 +40,18 @@ ALL_COMMAND_MODULES = (
 COMPLETE_ENV = "_JUKEBOX_COMPLETE"  # click's shell completion asks with it set
 
 
+def __getattr__(name: str) -> Any:
+    """`cli` and `JukeboxGroup` live in jukebox.cli.app: importing it imports click, so only
+    the modules that register click commands (and the click path of `main`) ask for them."""
+    if name in ("cli", "JukeboxGroup"):
+        from jukebox.cli import app
+
+        value = getattr(app, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jukebox.cli' has no attribute {name!r}")
+
+
 def register_commands(argv: list[str]) -> None:
     """Imports the modules of the command `argv` names; all of them when it names none (the
     list of commands), asks for the top-level help or version, completes a word, names an
@@ -162,6 +68,107 @@ def register_commands(argv: list[str]) -> None:
                 break
     for name in modules or ALL_COMMAND_MODULES:
         import_module(f"jukebox.cli.{name}")
+
+
+def absolute_tape_dir_env() -> None:
+    """Resolved once, at the start of every command, in the directory the user ran it from:
+    replays and forks run in a scratch tree, agents inherit the variable."""
+    from jukebox.tape.tapedir import TAPE_DIR_ENV
+
+    named = os.environ.get(TAPE_DIR_ENV)
+    if named:
+        os.environ[TAPE_DIR_ENV] = os.path.abspath(named)
+
+
+def echo(text: str, err: bool = False) -> None:
+    """What click.echo does with a line of text: written and flushed, the colour codes taken
+    out when the stream is not a terminal (style only paints when colour is wanted at all)."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        terminal = stream.isatty()
+    except (ValueError, AttributeError):
+        terminal = False
+    if not terminal and "\x1b" in text:
+        import re
+
+        text = re.sub(r"\033\[[;?0-9]*[a-zA-Z]", "", text)
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def stdout_closed() -> bool:
+    """Whether whoever read stdout is gone (`jukebox diff A@0 A | head -1`): a pipe whose
+    reading end is closed polls as an error. An EPIPE from anything else is a bug to report."""
+    import select
+
+    poller = select.poll()
+    try:
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (ValueError, OSError):
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def stop_quietly() -> NoReturn:
+    """What a Unix tool does when its reader goes away: no message, the status of SIGPIPE.
+    stdout goes to /dev/null first, so the interpreter's last flush cannot fail again."""
+    import signal
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    from jukebox.display.names import printable
+
+    # Messages quote names from trees and tapes: a terminal must not act on what they hold.
+    from jukebox.display.style import error_prefix
+
+    echo(f"{error_prefix('jukebox:')} {printable(message)}", err=True)
+    sys.exit(code)
+
+
+def _is_click_exit(error: BaseException) -> bool:
+    """click's own Exit, Abort and usage errors, which its caller turns into lines; click is
+    imported only when a click command ran, so an error from elsewhere is never one."""
+    click = sys.modules.get("click")
+    if click is None:
+        return False
+    return isinstance(error, (click.exceptions.Exit, click.exceptions.Abort, click.ClickException))
+
+
+def guarded(call: Callable[[], T]) -> T:
+    """Runs a command, turning the errors we raise on purpose into one line and the documented
+    exit code."""
+    from jukebox.errors import JukeboxError
+    from shadowfs.errors import ConflictError, ShadowfsError
+
+    try:
+        return call()
+    except JukeboxError as error:
+        fail(str(error), error.exit_code)
+    except ConflictError as error:
+        fail(str(error), 1)
+    except ShadowfsError as error:
+        fail(str(error), 2)
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as error:
+        name = error.filename or ""
+        fail(f"{error.strerror}: {name}: check the path and its permissions", 2)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except Exception as error:  # a bug of ours: still one line unless asked for more
+        if _is_click_exit(error):
+            raise
+        if isinstance(error, BrokenPipeError) and stdout_closed():
+            stop_quietly()
+        if os.environ.get("JUKEBOX_DEBUG"):
+            raise
+        fail(
+            f"internal error: {type(error).__name__}: {error} "
+            "(rerun with JUKEBOX_DEBUG=1 for a traceback and report it)",
+            70,
+        )
 
 
 _skip_teardown = False
@@ -204,10 +211,19 @@ def _leave(code: object) -> NoReturn:
 
 
 def main() -> None:
-    register_commands(sys.argv[1:])
+    from jukebox.cli import fast
+
+    argv = sys.argv[1:]
+    run = None if os.environ.get(COMPLETE_ENV) else fast.planned(argv)
     code: object
     try:
-        code = _main()
+        if run is not None:
+            code = fast.run(run)
+        else:
+            register_commands(argv)
+            from jukebox.cli.app import run_click
+
+            code = run_click()
     except SystemExit as stop:
         if not _skip_teardown:
             raise
@@ -215,21 +231,3 @@ def main() -> None:
     if _skip_teardown:
         _leave(code)
     sys.exit(code)
-
-
-def _main() -> int:
-    try:
-        code = cli.main(prog_name="jukebox", standalone_mode=False)
-        sys.stdout.flush()  # here, where a closed pipe can still be told from a bug
-    except BrokenPipeError:
-        if not stdout_closed():
-            raise
-        stop_quietly()
-    except click.UsageError as error:
-        where = error.ctx.command_path if error.ctx else "jukebox"
-        fail(f"{error.format_message()} (see `{where} --help`)", 2)
-    except click.ClickException as error:
-        fail(error.format_message(), error.exit_code)
-    except click.Abort:
-        fail("interrupted", 130)
-    return code if isinstance(code, int) else 0

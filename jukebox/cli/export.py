@@ -8,7 +8,8 @@ from urllib.parse import urlsplit
 import click
 
 from jukebox.cli import cli
-from jukebox.cli.tapes import emit_json, json_option, load_intact, tape_dir_option, whole_tape
+from jukebox.cli.reading import emit_json, load_intact, whole_tape
+from jukebox.cli.tapes import json_option, tape_dir_option
 
 
 @cli.group("export")

@@ -45,24 +45,19 @@ def kept_output_settings() -> Iterator[None]:
 def apply_output(ctx: click.Context) -> None:
     """Sets how talkative and colourful this command is, from its flags, the environment and
     the config file (``no-color``), in that order."""
-    from jukebox.display import progress, style
+    from jukebox.cli.output import configure_output
+    from jukebox.display import style
 
     root = ctx.find_root()
     given = root.meta.get(_META, {})
     if given.get("quiet") and given.get("verbose"):
         raise click.UsageError("--quiet and --verbose contradict each other: give one")
-    level = progress.QUIET if given.get("quiet") else progress.NORMAL
-    if given.get("verbose"):
-        level = progress.VERBOSE
-    config = root.meta.get("jukebox.config")
-    from_file = bool(config is not None and config.get("no-color"))
-    color = not style.no_color_requested(bool(given.get("no_color")) or from_file)
-    style.configure(color)
-    progress.configure(level=level, draw=True, color=color)
-    told = root.meta.get("jukebox.config_told")
-    if level == progress.VERBOSE and config is not None and config.path is not None and not told:
-        root.meta["jukebox.config_told"] = True
-        progress.detail(f"config {config.path}: {', '.join(config.values) or 'empty'}")
+    told = bool(root.meta.get("jukebox.config_told"))
+    root.meta["jukebox.config_told"] = configure_output(
+        bool(given.get("quiet")), bool(given.get("verbose")), bool(given.get("no_color")),
+        root.meta.get("jukebox.config"), told,
+    )  # fmt: skip
+    color = style.enabled()
     if not color:
         # click.echo would otherwise keep codes on a terminal; contexts made later inherit it.
         node: click.Context | None = ctx

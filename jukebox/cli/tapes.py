@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -10,8 +9,20 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from jukebox.cli import cli, skip_teardown
+from jukebox.cli import cli
 from jukebox.cli.booth_view import view_path_options
+from jukebox.cli.reading import (
+    check_frame,
+    emit_json,
+    frame_rows,
+    load,
+    load_intact,
+    open_store,
+    replay_offline,
+    timeline,
+    verify_report,
+    whole_tape,
+)
 
 if TYPE_CHECKING:
     from jukebox.booth.paths import BoothPaths
@@ -73,33 +84,6 @@ def ls_filter_options(command: Any) -> Any:
     )(command)
 
 
-def emit_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, sort_keys=True))
-
-
-def open_store(tape_dir, *, create: bool = False):
-    """The tape dir's store, or None when there is none yet (a tape with no objects needs none)."""
-    from shadowfs.store import Store
-
-    if not create and not tape_dir.store_path.is_dir():
-        return None
-    return Store.open(tape_dir.store_path, create=create)
-
-
-def load(ref):
-    from jukebox.tape.tape import Tape
-
-    return Tape.load(ref.path, open_store(ref.tape_dir))
-
-
-def load_intact(ref):
-    """The tape, refused (exit 1, one line) when its hash chain breaks anywhere: what a command
-    acts on or shows as the files of a frame must come from a tape the chain vouches for."""
-    tape = load(ref)
-    tape.check_chain()
-    return tape
-
-
 def listed_tape_dir(tape_dir: Path | None):
     """The tape dir of a command that reads what is in it (a listing, gc, a pending booth). One
     named with --tape-dir or $JUKEBOX_TAPE_DIR must exist: a mistyped path would list nothing
@@ -109,30 +93,6 @@ def listed_tape_dir(tape_dir: Path | None):
     home = TapeDir.resolve(tape_dir)
     require_named_tape_dir(home.path, tape_dir)
     return home
-
-
-def whole_tape(ref, command: str, instead: str) -> None:
-    """Refuse TAPE@N where ``command`` works on a whole tape: the frame would be ignored.
-    ``instead`` says what to do, with ``{n}`` for the frame given."""
-    n = ref.frame
-    if n is not None:
-        from jukebox.errors import UsageError
-
-        raise UsageError(
-            f"`jukebox {command}` takes a whole tape, not frame @{n}: " + instead.format(n=n)
-        )
-
-
-def check_frame(tape, ref) -> int:
-    n = ref.frame if ref.frame is not None else len(tape.frames) - 1
-    if not 0 <= n < len(tape.frames):
-        from jukebox.errors import UsageError
-
-        raise UsageError(
-            f"{ref.path} has {len(tape.frames)} frame(s), numbered 0 to {len(tape.frames) - 1}: "
-            f"there is no frame {n}"
-        )
-    return n
 
 
 @cli.command("ls")
@@ -204,41 +164,6 @@ def ls_command(
     )
 
 
-def frame_rows(tape) -> list[dict[str, Any]]:
-    """The frames the hash chain vouches for (all of them, on an intact tape)."""
-    start = tape.frames[0].time_ns if tape.frames else 0
-    return [
-        {
-            "seq": f.seq,
-            "kind": f.kind,
-            "time_ns": f.time_ns,
-            "offset_ns": f.time_ns - start,
-            "id": f.id.hex(),
-            "tree": f.tree.hex() if f.tree else None,
-            "payload": f.payload,
-        }
-        for f in tape.intact_frames
-    ]
-
-
-def timeline(tape) -> str:
-    from jukebox.display.render import describe, seconds, table
-
-    rows = []
-    for row in frame_rows(tape):
-        tree = row["tree"][:12] if row["tree"] else ""
-        rows.append(
-            [
-                f"@{row['seq']}",
-                "+" + seconds(row["offset_ns"]),
-                row["kind"],
-                tree,
-                describe(row["kind"], row["payload"]),
-            ]
-        )
-    return table(["FRAME", "AT", "KIND", "TREE", "WHAT"], rows, right=(1,))
-
-
 def tape_argument(name: str = "tape"):
     return click.argument(name, metavar="TAPE")
 
@@ -299,17 +224,6 @@ def log_command(tape: str, tape_dir: Path | None, as_json: bool, follow: bool) -
         )
 
 
-def verify_report(tape, progress=None) -> dict[str, Any]:
-    report = tape.verify(check_objects=tape.store is not None, deep=True, progress=progress)
-    return {
-        "ok": report.ok,
-        "head": report.head.to_json(),
-        "problems": [str(p) for p in report.problems],
-        "objects_checked": tape.store is not None,
-        "_report": report,
-    }
-
-
 @cli.command("verify")
 @tape_argument()
 @tape_dir_option
@@ -338,43 +252,6 @@ def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
         f", merkle root {head.merkle_root.hex()}"
         + ("" if result["objects_checked"] else " (no store beside the tape: objects not checked)")
     )
-
-
-def reconstruct_states(tape, progress=None) -> int:
-    """Walks every file state the tape names and checks each object it needs is in the store.
-
-    Shared subtrees are walked once, so a long tape of small steps costs what changed.
-    """
-    from jukebox.tape.errors import MissingObject
-    from shadowfs import tree
-
-    store = tape.store
-    seen: set[bytes] = set()
-    states = 0
-    for frame in tape.frames:
-        if frame.tree is None:
-            continue
-        states += 1
-        if store is None:
-            raise MissingObject(tape.path, frame.seq, frame.tree)
-        pending = [frame.tree]
-        while pending:
-            oid = pending.pop()
-            if oid in seen:
-                continue
-            seen.add(oid)
-            if not store.has(oid):
-                raise MissingObject(tape.path, frame.seq, oid)
-            for entry in tree.read_tree(store, oid):
-                if entry.kind == "dir":
-                    pending.append(entry.oid)
-                elif entry.oid is not None and entry.oid not in seen:
-                    seen.add(entry.oid)
-                    if not store.has(entry.oid):
-                        raise MissingObject(tape.path, frame.seq, entry.oid)
-        if progress:
-            progress(frame.seq + 1, len(tape.frames))
-    return states
 
 
 @cli.command("replay")
@@ -434,7 +311,6 @@ def replay_command(
     model calls answered from the tape and no network; the first difference from the tape (a
     request, a checkpoint's files, the final files, the exit status) ends it with exit 1.
     """
-    from jukebox.tape.tapedir import TapeRef
 
     if exec_:
         from jukebox.cli.timetravel import run_replay_exec
@@ -459,44 +335,7 @@ def replay_command(
             "--strict, --loose, --until, --no-record, --honor-timing, --fs, --image and "
             "--trust-recorded-image re-execute the run: add --exec"
         )
-    ref = TapeRef.parse(tape, tape_dir)
-    whole_tape(
-        ref, "replay", "drop the @{n} (--exec --until {n} serves frames 0..{n}, then goes live)"
-    )
-    # It only reads (the tape, the store): nothing to close that the process's end does not.
-    skip_teardown()
-    loaded = load(ref)
-    from jukebox.display.progress import step
-
-    with step("verifying the tape", "frames", done="verified the tape") as tick:
-        result = verify_report(loaded, tick)
-    report = result.pop("_report")
-    if not report.ok:
-        if as_json:
-            emit_json(result)
-            sys.exit(1)
-        report.raise_for_problems()
-    with step("rebuilding file states", "frames", done="rebuilt the file states") as tick:
-        states = reconstruct_states(loaded, progress=tick)
-    summary = loaded.summary()
-    if as_json:
-        emit_json(
-            {**result, "summary": summary, "file_states": states, "frames": frame_rows(loaded)}
-        )
-        return
-    from jukebox.display.names import printable
-    from jukebox.display.render import money, seconds
-
-    click.echo(timeline(loaded))
-    head = report.head
-    click.echo(
-        f"replayed {head.count} frame(s) of {printable(summary['tape_id'])} offline: "
-        f"{states} file state(s) "
-        f"rebuilt, {money(summary['cost_usd'])} recorded, "
-        f"{seconds(summary['duration_ns'])} of run time, "
-        f"status {summary['status']}"
-    )
-    click.echo(f"verified: hash chain and merkle root {head.merkle_root.hex()}")
+    replay_offline(tape, tape_dir, as_json)
 
 
 @cli.command("diff")

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
-from jukebox.cli.tapes import json_option, load, tape_argument, tape_dir_option, whole_tape
+from jukebox.cli.reading import load, whole_tape
+from jukebox.cli.tapes import json_option, tape_argument, tape_dir_option
 
 
 def _view(text: str, tape_dir: Path | None, role: str):

@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 from typing import IO, Any
 
-import click
-
 
 class _Settings:
     enabled = False
@@ -46,8 +44,16 @@ def wanted_on(stream: IO[Any]) -> bool:
         return False
 
 
-def paint(text: str, **style: Any) -> str:
-    return click.style(text, **style) if _settings.enabled else text
+# The SGR codes click.style writes for the colours used here: the same bytes, without importing
+# click into commands that never need it (`jukebox replay` starts without it).
+_FG = {"red": 31, "green": 32, "yellow": 33, "magenta": 35, "cyan": 36, "bright_black": 90}
+
+
+def paint(text: str, *, fg: str | None = None, bold: bool = False) -> str:
+    if not _settings.enabled:
+        return text
+    codes = (f"\x1b[{_FG[fg]}m" if fg else "") + ("\x1b[1m" if bold else "")
+    return f"{codes}{text}\x1b[0m"
 
 
 def header(text: str) -> str:
