@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,20 @@ _POLL = 0.00005
 class Arrivals:
     """The requests read so far (by ``unique``) and the ones being served."""
 
-    __slots__ = ("_early", "_early_max", "_lock", "_next", "_serving")
+    __slots__ = ("_clock", "_early", "_early_max", "_lock", "_next", "_pause", "_serving")
 
-    def __init__(self, early_max: int = EARLY_MAX) -> None:
+    def __init__(
+        self,
+        early_max: int = EARLY_MAX,
+        clock: Callable[[], float] = time.monotonic,
+        pause: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """``clock`` and ``pause`` are what a barrier's wait reads the time with and polls
+        with: a test passes its own, to see a barrier decide to wait, and to move the time
+        past GAP_WAIT, without sleeping."""
         self._early_max = early_max
+        self._clock = clock
+        self._pause = pause
         self._lock = threading.Lock()
         # Every number below _next has been read; _early holds the ones read above it.
         self._next: int | None = None
@@ -69,19 +80,20 @@ class Arrivals:
         """Return once every request numbered below ``unique`` has been read and answered.
 
         Called by the worker serving request ``unique``, which must have `arrived`."""
-        deadline = time.monotonic() + gap_wait
+        clock = self._clock
+        deadline = clock() + gap_wait
         while True:
             with self._lock:
                 nxt = self._next
                 read_all = nxt is None or nxt > unique
-                if not read_all and time.monotonic() > deadline:
+                if not read_all and clock() > deadline:
                     log.debug("shadowfs: requests %d..%d never arrived; a barrier went on", nxt,
                               unique - STEP)
                     self._advance(unique)
                     read_all = True
                 if read_all and not any(u < unique for u in self._serving):
                     return
-            time.sleep(_POLL)
+            self._pause(_POLL)
 
     def _advance(self, nxt: int) -> None:
         """Every number below ``nxt`` counts as read (holes below it given up on)."""

@@ -420,6 +420,8 @@ class Scratch:
                 if kind == "create":
                     ino = arg
                     self._ready.append((ino, os.open(f"{self.directory}/{ino}", flags, 0o600)))
+                elif kind == "settle":
+                    arg.set()
                 else:
                     for path in arg:
                         with contextlib.suppress(OSError):
@@ -483,6 +485,16 @@ class Scratch:
             self._jobs.put(("unlink-all", self._later))
             self._later = []
             self._later_bytes = 0
+
+    def settle(self) -> None:
+        """Return once the worker has done every job handed to it so far (jobs run in order).
+        A sync point for tests: a removal still waiting for a later wake-up is not one of them,
+        which a test sees without sleeping and hoping the worker would have run by then."""
+        self._own()
+        if self._thread is not None:
+            done = threading.Event()
+            self._jobs.put(("settle", done))
+            done.wait()
 
     def close(self) -> None:
         """Stop the worker once its queue is done; close the fds of files never taken."""
