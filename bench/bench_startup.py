@@ -12,11 +12,16 @@ Each command runs `runs` times, the systems interleaved so the machine's drift h
 waited for (the shim, the agent): on a shared machine it moves far less than wall time. Set
 JUKEBOX_BENCH_BASELINE to another version's `jukebox` executable (an older commit installed in
 its own venv) to run it interleaved too, as the `isolation` group does.
+
+Where valgrind is installed, the replay and the floor are also counted once in instructions
+(`instructions`, cachegrind, PYTHONHASHSEED fixed): a figure the machine's load cannot move, so
+two runs of different code compare even when their wall times were taken at different loads.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -55,6 +60,20 @@ def _timed(argv: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, float]:
         raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu
+
+
+def _instructions(argv: list[str]) -> int | None:
+    """The instructions `argv` runs (user space, the whole process), or None without valgrind."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        return None
+    proc = subprocess.run(
+        [valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+         *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )  # fmt: skip
+    found = re.search(r"I\s+refs:\s+([\d,]+)", proc.stderr)
+    return int(found[1].replace(",", "")) if proc.returncode == 0 and found else None
 
 
 def _bwrap() -> list[str] | None:
@@ -160,9 +179,17 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 "replay",
                 str(tapes / "eight.jbx"),
             ]
-        rows += _rows(
+        replay_rows = _rows(
             REPLAY_CASE, _interleaved(replays, runs), FLOOR_SYSTEM, REPLAY_GOAL_MS, REPLAY_SYSTEM
         )
+        floor_count = _instructions(floor)
+        for row in replay_rows:
+            count = _instructions(replays[row["system"]])
+            if count is not None:
+                row["instructions"] = count
+                if floor_count:
+                    row["instructions_vs_floor"] = round(count / floor_count, 2)
+        rows += replay_rows
         load = f"load average {load_before} before, {_load_average()} after"
         for row in rows:
             row["note"] = "; ".join(x for x in (row["note"], load) if x)

@@ -204,6 +204,10 @@ def _command_goal(rows: list[Row], case: str, system: str, limit_ms: float, goal
     shown = f"p50 {p50:,.0f} ms, fastest {float(row['min_us']) / 1e3:,.0f} ms, CPU {row['cpu_s']} s"
     if row.get("ratio"):
         shown += f", {float(row['ratio']):.1f}{TIMES} its anchor"
+    if row.get("instructions"):
+        shown += f", {int(row['instructions']) / 1e6:,.0f}M instructions"
+        if row.get("instructions_vs_floor"):
+            shown += f" ({row['instructions_vs_floor']}{TIMES} `python -c pass`)"
     return Verdict(goal, shown, p50 <= limit_ms)
 
 

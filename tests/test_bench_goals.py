@@ -206,6 +206,10 @@ def test_the_waits_a_user_feels_are_judged_from_their_own_rows() -> None:
     assert start.met is False
     assert start.measured == "p50 362 ms, fastest 290 ms, CPU 0.05 s, 36.2\u00d7 its anchor"
     assert by_goal["`jukebox replay TAPE` (8 frames): p50 ≤ 60 ms"].met is True
+    # The instructions, where valgrind counted them: what no load moves.
+    rows[1] |= {"instructions": 257_600_000, "instructions_vs_floor": 2.88}
+    replay = goals.judge(rows)[-3]
+    assert replay.measured.endswith(", 258M instructions (2.88\u00d7 `python -c pass`)")
     paused = by_goal["10-file checkpoint 0.2 s after the step, in a booth: p50 ≤ 0.3 ms"]
     assert (paused.met, paused.measured) == (False, "p50 964 µs")
     fuse = by_goal["shadowfs-fuse with a busy loop per core: no slower than fuse-overlayfs"]
