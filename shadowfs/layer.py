@@ -260,6 +260,7 @@ class Node:
         self.tree_entries: HeldTree | None = None
         # Only directories have names to mark; the rest share one empty set (216 bytes saved per
         # file, which adds up on a 100,000-file tree).
+        # the shared frozenset is never added to: only directories (real sets) get names
         self.dirty_names: set[bytes] = set() if fmt == S_IFDIR else _NO_NAMES  # type: ignore[assignment]
         self.links: list[tuple[Node, bytes]] = []
         # A regular file's hard-link group key in trees (`shadowfs.tree.Entry.link`), 0 until
@@ -816,6 +817,7 @@ class Layer:
                 if d.oid is None or not self._tree_has_links(d.oid):
                     continue
                 self._load(d)
+            # _load just filled children
             stack.extend(c for c in d.children.values() if c.fmt == S_IFDIR)  # type: ignore[union-attr]
 
     def _tree_has_links(self, oid: ObjectId) -> bool:
@@ -831,12 +833,14 @@ class Layer:
         while stack:
             top, it = stack[-1]
             for e in it:
+                # a file or directory entry has an oid (only a symlink's is None)
                 sub = e.link != 0 or (e.kind == DIR and memo.get(e.oid))  # type: ignore[arg-type]
                 if sub:
                     for t, _ in stack:  # a tree holding this one holds a link too
                         memo[t] = True
                     return True
                 if sub is None:
+                    # a file or directory entry has an oid (only a symlink's is None)
                     stack.append((e.oid, iter(_entries(store, e.oid).values())))  # type: ignore[arg-type]
                     break
             else:
@@ -920,14 +924,17 @@ class Layer:
             return d
         if name == b"..":
             return d.links[0][0] if d.links else d
+        # children is None only until _load; a directory reached here is loaded
         child = d.children.get(name)  # type: ignore[union-attr]
         if child is None:
             if missing is _RAISE:
                 raise _err(errno.ENOENT)
+            # missing is the caller's default (Any), returned as given
             return missing  # type: ignore[no-any-return]
         return child
 
     def children(self, ino: int) -> list[tuple[bytes, Node]]:
+        # children is None only until _load; a directory reached here is loaded
         return list(self._dir(ino).children.items())  # type: ignore[union-attr]
 
     def alive(self, node: Node) -> bool:
@@ -1128,6 +1135,7 @@ class Layer:
             self._imaged.add(node)
 
     def _drop_image(self, node: Node) -> None:
+        # called only for a node holding an image
         self._image_bytes -= len(node.image)  # type: ignore[arg-type]
         node.image = None
         self._imaged.discard(node)
@@ -1302,6 +1310,7 @@ class Layer:
             raise _err(errno.EINVAL)
 
     def _link(self, d: Node, name: bytes, node: Node, now: int) -> None:
+        # children is None only until _load; a directory reached here is loaded (callers' _dir)
         d.children[name] = node  # type: ignore[index]
         node.links.append((d, name))
         self._changed_dir(d, now)
@@ -1313,6 +1322,7 @@ class Layer:
     ) -> tuple[Node, Node]:
         d = self._dir(parent)
         self._check_name(name)
+        # children is None only until _load; a directory reached here is loaded
         if name in d.children:  # type: ignore[operator]
             raise _err(errno.EEXIST)
         now = time.time_ns()
@@ -1336,6 +1346,7 @@ class Layer:
     ) -> tuple[Handle, Node]:
         d = self._dir(parent)
         self._check_name(name)
+        # children is None only until _load; a directory reached here is loaded
         if name in d.children:  # type: ignore[operator]
             raise _err(errno.EEXIST)
         files = self._files
@@ -1433,6 +1444,7 @@ class Layer:
             raise _err(errno.EPERM)
         d = self._dir(parent)
         self._check_name(name)
+        # children is None only until _load; a directory reached here is loaded
         if name in d.children:  # type: ignore[operator]
             raise _err(errno.EEXIST)
         if not node.links:
@@ -1454,6 +1466,7 @@ class Layer:
         node = self.node(ino)
         if node.fmt != S_IFLNK:
             raise _err(errno.EINVAL)
+        # a symlink always has a target (Entry.target is None for the other kinds)
         return node.target  # type: ignore[return-value]
 
     def _u(self, uid: int | None) -> int:
@@ -1472,6 +1485,7 @@ class Layer:
     def unlink(self, parent: int, name: bytes, pid: int = 0) -> Node:
         d = self._dir(parent)
         self._check_length(name)
+        # children is None only until _load; a directory reached here is loaded
         child = d.children.get(name)  # type: ignore[union-attr]
         if child is None:
             raise _err(errno.ENOENT)
@@ -1483,6 +1497,7 @@ class Layer:
     def rmdir(self, parent: int, name: bytes, pid: int = 0) -> Node:
         d = self._dir(parent)
         self._check_length(name)
+        # children is None only until _load; a directory reached here is loaded
         child = d.children.get(name)  # type: ignore[union-attr]
         if child is None:
             raise _err(errno.ENOENT)
@@ -1495,6 +1510,7 @@ class Layer:
 
     def _remove(self, d: Node, name: bytes, child: Node) -> Node:
         now = time.time_ns()
+        # children is None only until _load; a directory reached here is loaded (callers' _dir)
         del d.children[name]  # type: ignore[union-attr]
         self._touch(d, name)
         self._changed_dir(d, now)
@@ -1518,9 +1534,11 @@ class Layer:
         nd = self._dir(new_parent)
         self._check_length(old_name)
         self._check_name(new_name)
+        # children is None only until _load; a directory reached here is loaded
         src = od.children.get(old_name)  # type: ignore[union-attr]
         if src is None:
             raise _err(errno.ENOENT)
+        # children is None only until _load; a directory reached here is loaded
         dst = nd.children.get(new_name)  # type: ignore[union-attr]
         paths = (self.path_of(od, old_name), self.path_of(nd, new_name))
         if flags & RENAME_EXCHANGE:
@@ -1536,7 +1554,9 @@ class Layer:
             now = time.time_ns()
             src.links.remove((od, old_name))
             dst.links.remove((nd, new_name))
+            # children is None only until _load; a directory reached here is loaded
             od.children[old_name] = dst  # type: ignore[index]
+            # children is None only until _load; a directory reached here is loaded
             nd.children[new_name] = src  # type: ignore[index]
             dst.links.append((od, old_name))
             src.links.append((nd, new_name))
@@ -1565,12 +1585,14 @@ class Layer:
                 self._check_depth(nd, self._height(src))
         self.journal.record("rename", paths, pid, arg=flags)
         now = time.time_ns()
+        # children is None only until _load; a directory reached here is loaded
         del od.children[old_name]  # type: ignore[union-attr]
         src.links.remove((od, old_name))
         self._touch(od, old_name)
         self._changed_dir(od, now)
         self._count_subdir(od, src, -1)
         if dst is not None:
+            # children is None only until _load; a directory reached here is loaded
             del nd.children[new_name]  # type: ignore[union-attr]
             self._count_subdir(nd, dst, -1)
             dst.ctime_ns = now
@@ -1607,6 +1629,7 @@ class Layer:
                 else:
                     oid = item.oid if isinstance(item, Node) else item
                     entries = _entries(self.store, oid).values()
+                    # a file or directory entry has an oid (only a symlink's is None)
                     below += [e.oid for e in entries if e.kind == DIR]  # type: ignore[misc]
             level = below
         return height
@@ -1857,6 +1880,7 @@ class Layer:
                 rdev=node.rdev, link=node.link_key,
             )
         t = node.target
+        # a symlink node always has a target
         return make_entry(name, SYMLINK, node.mode, len(t), node.mtime_ns, None, t)  # type: ignore[arg-type]
 
     def _build(self, d: Node) -> None:
@@ -1910,7 +1934,9 @@ class Layer:
             # A new directory's previous tree is the empty one, of version 1.
             previous = packed if d.oid is not None else b"\x01"
             changed = [new[n].record for n in marks if n in new]
+            # every entry of `new` carries its record (decoded, or encoded just above)
             version = trees.records_version(changed, previous)  # type: ignore[arg-type]
+            # every entry of `new` carries its record (decoded, or encoded just above)
             data = pack_records([e.record for e in new.values()], version)  # type: ignore[misc]
         oid = self.store.put("tree", data)
         # The next snapshot or restore starts from this tree: keep it decoded. The trees it
@@ -1935,6 +1961,7 @@ class Layer:
         root = self.root
         if root.dirty_names:
             self._build(root)
+            # _build just gave the root its tree id
             self.last_tree = root.oid  # type: ignore[assignment]
         if self._imaged:
             self._drop_images()
@@ -2038,6 +2065,7 @@ class Layer:
         if children is None:
             d.oid = target
             return
+        # a loaded directory has a tree id (a new one has no children loaded, returned above)
         cur: ObjectId = d.oid  # type: ignore[assignment]
         steps = self._steps
         # The usual rollback undoes the last snapshot's build of this directory.
@@ -2050,12 +2078,14 @@ class Layer:
         inval = self._inval
         base: dict[bytes, Entry] | None = None
         changed = False
+        # diffs is None only when not found, and then _scan's list replaced it
         for name, a, b in diffs:  # type: ignore[union-attr]
             oe, ne = (b, a) if back else (a, b)
             if oe is None:
                 changed = True
                 if base is None:
                     base = self._base_entries(d)
+                # oe is None, so the name is new: ne is its entry
                 self._attach(d, name, ne, base)  # type: ignore[arg-type]
                 if d.lookups:
                     # The kernel may hold the name as missing (see shadowfs.fuse).
@@ -2067,6 +2097,7 @@ class Layer:
                 # Field by field rather than Entry.__eq__, which builds two tuples per call.
                 if kind == DIR:
                     if oe.oid != ne.oid:
+                        # a file or directory entry has an oid (only a symlink's is None)
                         self._reconcile(child, ne.oid, now)  # type: ignore[arg-type]
                     elif oe.mode == ne.mode and oe.mtime_ns == ne.mtime_ns:
                         continue
@@ -2163,6 +2194,7 @@ class Layer:
         child = self._from_entry(
             e, base.get(name), prefix + name if d.base_path is not None else None
         )
+        # children is None only until _load; a directory reached here is loaded (callers' _load)
         d.children[name] = child  # type: ignore[index]
         child.links.append((d, name))
 
@@ -2252,6 +2284,7 @@ class Layer:
         """Create or replace the file at ``path`` (its directory must exist)."""
         d, name = self._parent(path)
         pid = os.getpid()
+        # children is None only until _load; a directory reached here is loaded (_parent)
         node = d.children.get(name)  # type: ignore[union-attr]
         limit = self.scratch_limit
         if limit is not None:
@@ -2306,6 +2339,7 @@ class Layer:
     @_routed()
     def delete(self, path: PathLike, *, recursive: bool = False) -> None:
         d, name = self._parent(path)
+        # children is None only until _load; a directory reached here is loaded (_parent)
         node = d.children.get(name)  # type: ignore[union-attr]
         if node is None:
             raise _err(errno.ENOENT, os.fsdecode(path))

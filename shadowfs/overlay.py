@@ -585,9 +585,11 @@ class OverlayLayer:
                 st = os.lstat(path)
             except FileNotFoundError:
                 yield r
+                # a file or directory entry has an oid (only a symlink's is None)
                 yield from self._plan_copy_ups(path, r, b.oid, t.oid)  # type: ignore[arg-type]
                 continue
             if stat.S_ISDIR(st.st_mode) and not self._opaque(path):
+                # a file or directory entry has an oid (only a symlink's is None)
                 yield from self._plan_copy_ups(path, r, b.oid, t.oid)  # type: ignore[arg-type]
 
     def _sync_dir(self, upath: bytes, rel: bytes, base_oid: ObjectId | None,
@@ -637,6 +639,7 @@ class OverlayLayer:
                 self._own(path, rel)
                 opaque = False
             lower = b.oid if b is not None and b.kind == DIR and not opaque else None
+            # a file or directory entry has an oid (only a symlink's is None)
             self._sync_dir(path, rel, lower, t.oid, opaque)  # type: ignore[arg-type]
             os.chmod(path, t.mode)
             os.utime(path, ns=(t.mtime_ns, t.mtime_ns))
@@ -685,6 +688,7 @@ class OverlayLayer:
                 os.utime(path, ns=(t.mtime_ns, t.mtime_ns), follow_symlinks=False)
             return
         staged = self._staging_name()
+        # a symlink always has a target (Entry.target is None for the other kinds)
         os.symlink(t.target, staged)  # type: ignore[arg-type]
         os.utime(staged, ns=(t.mtime_ns, t.mtime_ns), follow_symlinks=False)
         self._replace(staged, path, rel, x)
@@ -693,6 +697,7 @@ class OverlayLayer:
         staged = self._staging_name()
         fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with open(fd, "wb") as f:
+            # a file or directory entry has an oid (only a symlink's is None)
             self.store.read_file_into(t.oid, f)  # type: ignore[arg-type]
             f.flush()
             self._own(staged, rel, fd=fd)

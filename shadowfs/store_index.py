@@ -106,7 +106,9 @@ def _entry(path: Path, row: tuple[object, ...]) -> IndexEntry:
     ):
         raise _damaged(path, ValueError(f"a malformed row for object {oid!r:.80}"))
     return IndexEntry(
+        # the row's columns were type-checked just above (_is_oid, _is_len)
         ObjectId(oid), kind, pack, offset, stored_len, raw_len, size,  # type: ignore[arg-type]
+        # the row's columns were type-checked just above (_is_oid, _is_len)
         None if base is None else ObjectId(base), depth, created,  # type: ignore[arg-type]
     )
 

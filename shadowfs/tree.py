@@ -204,6 +204,7 @@ def stat_entry(
         link = link_key(st) if st.st_nlink > 1 else 0
         return Entry(name, kind, mode, st.st_size, mtime, oid, target, 0, link)
     if kind == SYMLINK:
+        # a symlink always has a target (Entry.target is None for the other kinds)
         return Entry(name, kind, mode, len(target), mtime, oid, target)  # type: ignore[arg-type]
     if kind == DIR:
         return Entry(name, kind, mode, 0, mtime, oid, target)
@@ -619,6 +620,7 @@ def walk(
         path = _join(base, e.name)
         yield path, e
         if e.kind == DIR:
+            # a file or directory entry has an oid (only a symlink's is None)
             stack.append((path, iter(_entries(store, e.oid).values())))  # type: ignore[arg-type]
 
 
@@ -636,6 +638,7 @@ def lookup(store: TreeReader, tree_id: ObjectId, path: bytes) -> Entry | None:
             return e
         if e.kind != DIR:
             return None
+        # a file or directory entry has an oid (only a symlink's is None)
         tree = e.oid  # type: ignore[assignment]
     return None
 
@@ -866,6 +869,7 @@ class _Builder:
             # Nothing changed here (the usual case of a build with `previous`): the previous
             # tree as it is, neither packed nor hashed nor put again (see `build_tree` for why
             # it cannot be collected meanwhile).
+            # unchanged entries mean previous is the tree id they were read from
             return previous  # type: ignore[return-value]
         data = pack_entries(entries)
         oid = self.store.put("tree", data)
@@ -1044,6 +1048,7 @@ def _under(store: TreeStore, e: Entry, path: bytes, status: str, out: list[Chang
     if e.kind != DIR:
         return
     added = status == "added"
+    # a file or directory entry has an oid (only a symlink's is None)
     for p, sub in walk(store, e.oid, path):  # type: ignore[arg-type]
         out.append(Change(p, status, None, sub) if added else Change(p, status, sub, None))
 
@@ -1175,6 +1180,7 @@ def _fill(
         if e.kind == FILE:
             fd = os.open(name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
             with open(fd, "wb", closefd=True) as f:
+                # a file or directory entry has an oid (only a symlink's is None)
                 store.read_file_into(e.oid, f)  # type: ignore[arg-type]
                 f.flush()
                 # After the data: a write by a non-root owner would clear setuid/setgid bits.
@@ -1184,6 +1190,7 @@ def _fill(
             os.mkdir(name, 0o700, dir_fd=dfd)
             sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
             try:
+                # a file or directory entry has an oid (only a symlink's is None)
                 _fill(store, e.oid, sub, depth + 1, linker, _join(rel, name))  # type: ignore[arg-type]
                 # After the contents: creating them would bump the mtime, and a read-only mode
                 # would forbid creating them.
@@ -1192,6 +1199,7 @@ def _fill(
             finally:
                 os.close(sub)
         elif e.kind == SYMLINK:
+            # a symlink always has a target (Entry.target is None for the other kinds)
             os.symlink(e.target, name, dir_fd=dfd)  # type: ignore[arg-type]
             os.utime(name, ns=times, dir_fd=dfd, follow_symlinks=False)
         else:

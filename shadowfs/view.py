@@ -117,6 +117,7 @@ class TreeView(pyfuse3.Operations):
         if node.children is None:
             if node.entry.kind != DIR:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
+            # a file or directory entry has an oid (only a symlink's is None)
             entries = read_tree(self.store, node.entry.oid)  # type: ignore[arg-type]
             node.children = {e.name: e for e in entries}
             node.names = [e.name for e in entries]
@@ -177,6 +178,7 @@ class TreeView(pyfuse3.Operations):
         e = self._node(inode).entry
         if e.kind != SYMLINK:
             raise pyfuse3.FUSEError(errno.EINVAL)
+        # a symlink always has a target (Entry.target is None for the other kinds)
         return e.target  # type: ignore[return-value]
 
     async def opendir(self, inode: int, ctx: Any) -> int:
@@ -211,6 +213,7 @@ class TreeView(pyfuse3.Operations):
         if node.kind_of_oid is None:
             node.kind_of_oid = self.store.kind(e.oid)
         if node.kind_of_oid != "chunks":
+            # a file or directory entry has an oid (only a symlink's is None)
             return self.blobs.get(e.oid)[off : off + size]  # type: ignore[arg-type]
         if node.spans is None:
             node.spans = _chunk_spans(self.store.get(e.oid))

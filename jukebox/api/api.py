@@ -644,12 +644,14 @@ def track(fn: F | None = None, *, name: str | None = None) -> Any:
             async def lazy_async(*args: Any, **kwargs: Any) -> Any:
                 return await resolve()(*args, **kwargs)
 
+            # the wrapper keeps f's signature (functools.wraps), which mypy cannot see
             return lazy_async  # type: ignore[return-value]
 
         @functools.wraps(f)
         def lazy(*args: Any, **kwargs: Any) -> Any:
             return resolve()(*args, **kwargs)
 
+        # the wrapper keeps f's signature (functools.wraps), which mypy cannot see
         return lazy  # type: ignore[return-value]
 
     return decorate(fn) if fn is not None else decorate

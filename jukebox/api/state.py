@@ -74,6 +74,7 @@ class FrozenDict(dict):
     clear = pop = popitem = setdefault = update = _refuse
     __ior__ = _refuse
 
+    # Mapping declares __hash__ None; a frozen value is hashable on purpose
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))
 
@@ -97,6 +98,7 @@ class FrozenList(list):
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
     append = extend = insert = pop = remove = clear = sort = reverse = _refuse
 
+    # Sequence declares __hash__ None; a frozen value is hashable on purpose
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(self))
 
@@ -249,6 +251,7 @@ def _set(node: _Node, key: str, h: int, value: Any, shift: int) -> tuple[_Node, 
     elif item[0] == key:
         if _same(item[1], value):
             return node, False
+        # a leaf stands where a node was: _set's slots hold either
         child, added = _leaf(key, value), False  # type: ignore[assignment]
     else:
         child, added = _pair(item, _hash(item[0]), _leaf(key, value), h, shift + _BITS), True
@@ -301,6 +304,7 @@ def _save(root: _Node, store: Any, written: list[ObjectId] | None = None) -> Obj
     """Store every node of ``root`` not yet in ``store`` (children first); the root's id.
     The ids of the nodes stored now are appended to ``written``."""
     if root.home is store:
+        # a root already stored in this store has its id
         return root.oid  # type: ignore[return-value]
     stack: list[tuple[_Node, bool]] = [(root, False)]
     while stack:
@@ -324,6 +328,7 @@ def _save(root: _Node, store: Any, written: list[ObjectId] | None = None) -> Obj
         node.home = store
         if written is not None:
             written.append(node.oid)
+    # saved just above (children first): the root has its id
     return root.oid  # type: ignore[return-value]
 
 
@@ -430,6 +435,7 @@ class StateVersion(Mapping[str, Any]):
             )
         return Mapping.__eq__(self, other)
 
+    # mutable-looking mapping: unhashable, as dict is (Mapping types __hash__ as a method)
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:

@@ -1060,6 +1060,7 @@ class Transaction:
     def _live_layer(self) -> Layer:
         if self.status != OPEN or self._layer is None:
             self._check_open()
+        # _check_open raised unless the layer is there
         return self._layer  # type: ignore[return-value]
 
     def _cleanup(self) -> None:

@@ -531,6 +531,7 @@ class PreforkedShim:
             os.write(2, f"jukebox: the pre-forked shim is gone ({error.strerror})\n".encode())
         finally:
             sock.close()
+        # _Forked has the waitpid/kill surface Child uses of a Popen
         return Child(_Forked(self.pid), self._status_r)  # type: ignore[arg-type]
 
     def close(self) -> None:

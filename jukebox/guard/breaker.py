@@ -379,6 +379,7 @@ class CircuitBreaker:
     def _admit_cost_trip(self, cost_nano: int) -> Trip:
         spent = self._cost_nano / NANO
         worst = cost_nano / NANO
+        # called only when max_cost_usd is set (then _cost_limit is too)
         if self._cost_nano >= self._cost_limit:  # type: ignore[operator]
             why = f"the run has spent {_fmt_usd(spent)}, all of max_cost_usd"
             worst = spent
@@ -389,13 +390,16 @@ class CircuitBreaker:
             )
         return Trip(
             "max_cost_usd",
+            # called only when max_cost_usd is set
             self.max_cost_usd,  # type: ignore[arg-type]
             worst,
+            # called only when max_cost_usd is set
             f"{why} {_fmt_usd(self.max_cost_usd)}, so the call is refused; "  # type: ignore[arg-type]
             "raise --max-cost-usd if the task is worth more",
         )
 
     def _admit_tokens_trip(self, tokens: int, this_call: int) -> Trip:
+        # called only when max_tokens is set
         if self._tokens >= self.max_tokens:  # type: ignore[operator]
             why = f"the run has used {self._tokens} tokens, all of max_tokens"
             tokens = self._tokens
@@ -407,6 +411,7 @@ class CircuitBreaker:
             )
         return Trip(
             "max_tokens",
+            # called only when max_tokens is set
             self.max_tokens,  # type: ignore[arg-type]
             tokens,
             f"{why} {self.max_tokens}, so the call is refused; lower the call's max_tokens or "
@@ -529,9 +534,11 @@ class CircuitBreaker:
             spent = self._cost_nano / NANO
             return Trip(
                 "max_cost_usd",
+                # this branch runs only when max_cost_usd is set
                 self.max_cost_usd,  # type: ignore[arg-type]
                 spent,
                 f"the run has spent {_fmt_usd(spent)}, over max_cost_usd "
+                # this branch runs only when max_cost_usd is set
                 f"{_fmt_usd(self.max_cost_usd)} after {self._turns} turn(s); "  # type: ignore[arg-type]
                 "raise --max-cost-usd if the task is worth more",
             )
@@ -573,6 +580,7 @@ class CircuitBreaker:
     def _turns_trip(self, turn: int) -> Trip:
         return Trip(
             "max_turns",
+            # called only when max_turns is set
             self.max_turns,  # type: ignore[arg-type]
             turn,
             f"turn {turn} would exceed max_turns {self.max_turns}; raise --max-turns if the "

@@ -167,6 +167,7 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         parts = [p[2] for p in prepared]
         parts += [_encoded(record) for record in events[len(prepared) :]]
         if prepared and all(part is not None for part in parts):  # the list, as canonical_json
+            # the `if` just above saw every part encoded (none is None)
             encoded["response"] = b"[" + b",".join(parts) + b"]"  # type: ignore[arg-type]
         datas = [e.get("data") for e in events]
         summary = summarize(ex.provider, ex.endpoint, request, events=datas)

@@ -1066,6 +1066,7 @@ class ProxyServer:
         with trio.move_on_after(TRIP_NOTICE_S):
             await answered.wait()
         with trio.CancelScope(shield=True):  # a proxy stopping meanwhile still stops it
+            # stop_agent is Callable[[Any], Any]; trio's stub wants a typed one
             await trio.to_thread.run_sync(self.stop_agent, trip)  # type: ignore[arg-type]
 
     async def _diverged(self, divergence: Divergence) -> None:

@@ -336,6 +336,7 @@ class AgentConnection:
             self.send(m.ready(self.state))
             return
         if len(stmts) == 1 and stmts[0].kind == st.PLAIN:
+            # a PLAIN statement is forwarded only once the upstream is connected
             self.up.send(m.message(b"Q", text.encode() + b"\0"))  # type: ignore[union-attr]
             self.runs.append(_Run(stmts[0].text))
             await self.relay()

@@ -239,6 +239,7 @@ def decode_describe(body: bytes) -> Describe:
 
 
 def decode_close(body: bytes) -> Close:
+    # _decode_target builds the class it is given: a Close
     return _decode_target(body, Close)  # type: ignore[return-value]
 
 

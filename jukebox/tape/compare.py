@@ -98,6 +98,7 @@ class Side:
         model = (self.fork or {}).get("overrides", {}).get("model")
         if model:
             shown = describe_model_override(model)
+            # model came from self.fork, so it is a dict here
             text += f" (fork override from frame {self.fork['at']}: {shown})"  # type: ignore[index]
         return text
 

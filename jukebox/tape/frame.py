@@ -236,6 +236,7 @@ def spill_encoded(
             )
     encoded = payload.encoded if isinstance(payload, EncodedPayload) else None
     if encoded is not None and all(isinstance(key, str) for key in encoded):
+        # an EncodedPayload is what payload_size measures; typed as the mapping it wraps
         if payload_size(payload) <= SPILL_THRESHOLD:  # type: ignore[arg-type]
             return out, [], _join(encoded)
     else:
@@ -386,6 +387,7 @@ class Frame:
     @property
     def kind(self) -> str:
         self._ensure()
+        # _ensure() has read the frame, so _kind is set
         return self._kind  # type: ignore[return-value]
 
     @property

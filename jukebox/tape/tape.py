@@ -325,6 +325,7 @@ class Tape:
             problems, _ = self._check_chain(roots=False)
             found = [p for p in self._split_problems + problems if isinstance(p, TamperedTape)]
             self._damage = min(found, key=lambda p: p.seq) if found else None
+        # assigned just above: no longer the False meaning unchecked
         return self._damage  # type: ignore[return-value]
 
     @property

@@ -257,6 +257,7 @@ def known_files(tape_dir: TapeDir, tree_path: str, tree: ObjectId) -> dict[bytes
 
     prev = _read(tape_dir).get(tree_path)
     try:
+        # prev None raises TypeError, caught below as an unusable record
         cutoff = int(prev["started_ns"]) - RACY_NS  # type: ignore[index]
     except (TypeError, ValueError, KeyError):
         return {}
