@@ -471,6 +471,7 @@ def _changes(store: CommitStore, a: ObjectId, b: ObjectId) -> list[Change]:
                     status = "mode" if old.mode != new.mode else "mtime"
                     if old.mode != new.mode or old.mtime_ns != new.mtime_ns:
                         out.append(Change(path, status, old, new))
+                    # both are directories here, and a directory entry has an oid
                     stack.append((path, old.oid, new.oid))  # type: ignore[arg-type]
                 elif old.oid != new.oid or old.target != new.target or old.rdev != new.rdev:
                     out.append(Change(path, "modified", old, new))
@@ -490,6 +491,7 @@ def _changes(store: CommitStore, a: ObjectId, b: ObjectId) -> list[Change]:
 def _below(store: CommitStore, e: Entry, path: bytes, out: list[Change], *, added: bool) -> None:
     if e.kind != DIR:
         return
+    # a file or directory entry has an oid (only a symlink's is None)
     for p, sub in walk(store, e.oid, path):  # type: ignore[arg-type]
         out.append(Change(p, "added", None, sub) if added else Change(p, "deleted", sub, None))
 
@@ -727,6 +729,7 @@ def _holds(
             return False
         raise
     try:
+        # a file or directory entry has an oid (only a symlink's is None)
         return stat.S_ISREG(os.fstat(fd).st_mode) and _same_content(store, fd, e.size, e.oid)  # type: ignore[arg-type]
     finally:
         os.close(fd)
@@ -938,6 +941,7 @@ def _stage_one(
                 follow_symlinks=False)
         return 0
     if e.kind == SYMLINK:
+        # a symlink always has a target (Entry.target is None for the other kinds)
         os.symlink(e.target, s.name, dir_fd=dfd)  # type: ignore[arg-type]
         os.utime(s.name, ns=times, dir_fd=dfd, follow_symlinks=False)
         return 0
@@ -954,6 +958,7 @@ def _stage_one(
     fd = os.open(s.name, _CREATE_FLAGS, 0o600, dir_fd=dfd)
     try:
         sink = _WriteSink(fd, interrupted)
+        # a file or directory entry has an oid (only a symlink's is None)
         store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
         sink.finish()
         if sink.written != e.size:
@@ -1025,6 +1030,7 @@ def _read_chunk(store: CommitStore, dirs: _Dirs, stages: list[_Stage], i: int) -
                 c.rest.append(s)
                 continue
             sink = _Collect()
+            # a file or directory entry has an oid (only a symlink's is None)
             store.read_file_into(e.oid, sink)  # type: ignore[arg-type]
             data = b"".join(sink.parts)
             if len(data) != e.size:

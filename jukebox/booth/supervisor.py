@@ -1030,6 +1030,7 @@ class _Run:
         from jukebox.guard.breaker import Trip
         from shadowfs.layer import ScratchLimitReached
 
+        # only the FUSE layer refuses writes (watch_refused_writes), and it has scratch_usage
         staged, limit = self.layer.scratch_usage()  # type: ignore[attr-defined]
         if isinstance(error, ScratchLimitReached) and limit is not None:
             trip = Trip(
@@ -2392,7 +2393,7 @@ def _supervise(
                 run.writer.append(
                     "note", {"event": "interrupt", "signal": signal.Signals(sig).name, **sender}
                 )
-            on_interrupt(lambda sig=sig: send_to_agent(term, child.pid, sig))  # type: ignore[misc]
+            on_interrupt(functools.partial(send_to_agent, term, child.pid, sig))
     exit_status, exit_signal = _exit_code(wstatus)
     payload: dict[str, Any] = {
         "code": exit_status,
