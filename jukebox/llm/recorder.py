@@ -89,7 +89,11 @@ class Exchange:
     # `prepare_events`): (the scrubber's count then, the recorded value, its canonical JSON).
     # Used only if the scrubber learned no secret since; otherwise done again.
     prepared_request: tuple[int, Any, bytes | None] | None = None
-    prepared_events: list[tuple[int, dict[str, Any], bytes | None]] = field(default_factory=list)
+    prepared_events: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    # The canonical JSON of the prepared events' records, a batch at a time (each the items of
+    # a list, comma-joined: one encoder call per upstream read rather than one per event), or
+    # None for a batch that would not encode.
+    prepared_json: list[bytes | None] = field(default_factory=list)
 
     @property
     def stream(self) -> bool:
@@ -123,11 +127,22 @@ def prepare_request(ex: Exchange, scrubber: Scrubber) -> None:
 def prepare_events(ex: Exchange, events: list[SSEEvent], scrubber: Scrubber) -> None:
     """The records of a stream's events (scrubbed), made while the next ones are awaited.
     `events` are the stream's next ones, in order, after those already prepared."""
+    if not events:
+        return
     count = scrubber.count
+    records = []
     for event in events:
         event.data = scrubber.text(event.data)
-        record = event.to_record()
-        ex.prepared_events.append((count, record, _encoded(record)))
+        records.append(event.to_record())
+    ex.prepared_events += [(count, record) for record in records]
+    ex.prepared_json.append(_items(records))
+
+
+def _items(records: list[dict[str, Any]]) -> bytes | None:
+    """The canonical JSON of `records` as a list, without its brackets (None: it does not
+    encode; the writer then says why)."""
+    encoded = _encoded(records)
+    return encoded[1:-1] if encoded is not None else None
 
 
 def parse_body(data: bytes) -> Any:
@@ -164,11 +179,13 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
                 continue
             event.data = scrubber.text(event.data)
             events.append(event.to_record())
-        parts = [p[2] for p in prepared]
-        parts += [_encoded(record) for record in events[len(prepared) :]]
-        if prepared and all(part is not None for part in parts):  # the list, as canonical_json
-            # the `if` just above saw every part encoded (none is None)
-            encoded["response"] = b"[" + b",".join(parts) + b"]"  # type: ignore[arg-type]
+        if prepared:  # the list, as canonical_json would encode it
+            parts = list(ex.prepared_json)
+            if len(events) > len(prepared):
+                parts.append(_items(events[len(prepared) :]))
+            if all(part is not None for part in parts):
+                # the `if` just above saw every part encoded (none is None)
+                encoded["response"] = b"[" + b",".join(parts) + b"]"  # type: ignore[arg-type]
         datas = [e.get("data") for e in events]
         summary = summarize(ex.provider, ex.endpoint, request, events=datas)
         response = events

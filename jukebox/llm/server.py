@@ -53,6 +53,7 @@ from jukebox.display.names import printable
 from jukebox.display.render import size as human
 from jukebox.guard.breaker import Trip
 from jukebox.llm.budget import worst_case
+from jukebox.llm.fastio import fileno, read_some, write_all
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
@@ -164,6 +165,11 @@ def _without_usage_chunk(events: list[SSEEvent], raw: bytes) -> bytes:
     if not hidden:
         return raw
     return b"".join(encode_event(event) for event in events if not event.hidden)
+
+
+def _framed(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked body (RFC 9112 7.1), as h11 frames it."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def _recorded_size(ex: Exchange) -> int:
@@ -444,8 +450,7 @@ class ProxyServer:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            data = await stream.receive_some(READ_SIZE)
-            conn.receive_data(data)
+            conn.receive_data(await read_some(stream, fileno(stream), READ_SIZE))
 
     async def _read_request(
         self, conn: h11.Connection, stream: trio.SocketStream
@@ -496,10 +501,12 @@ class ProxyServer:
 
     async def _send(self, conn: h11.Connection, stream: trio.SocketStream, *events: Any) -> None:
         """`events` in one write: a response's parts sent together wake the agent once."""
-        data = b"".join(conn.send(event) or b"" for event in events)
+        await self._write(stream, b"".join(conn.send(event) or b"" for event in events))
+
+    async def _write(self, stream: trio.SocketStream, data: bytes) -> None:
         if data:
             try:
-                await stream.send_all(data)
+                await write_all(stream, fileno(stream), data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 raise _ClientGone() from None
 
@@ -712,14 +719,19 @@ class ProxyServer:
         parser = SSEParser()
         opened = time.perf_counter()
         ahead = self._record_inline(ex)
-        # The head goes out at once, unless the upstream's first bytes came with it: then both
-        # go in one write, which wakes the agent once.
-        head: h11.Response | None = h11.Response(status_code=ex.status, headers=headers)
+        # The head is framed by h11 now (its state moves on to the body) and goes out at once,
+        # unless the upstream's first bytes came with it: then both go in one write, which
+        # wakes the agent once.
+        head = conn.send(h11.Response(status_code=ex.status, headers=headers)) or b""
+        # Body chunks are framed here, as h11 would (it announced `chunked` to an HTTP/1.1
+        # agent, and for an HTTP/1.0 one the body runs to the close): an h11 event per chunk
+        # cost more than the rest of relaying it.
+        chunked = b"\r\ntransfer-encoding: chunked\r\n" in head.lower()
         first = upstream.buffered()
         if not first:
-            await self._send(conn, stream, head)
-            head = None
-        held = b""  # from the event that ends the stream on: sent once the frame is written
+            await self._write(stream, head)
+            head = b""
+        held: list[bytes] = []  # from the event that ends the stream on: sent after the frame
         client_gone = False
         # An agent that did not ask for usage gets the events without the usage chunk.
         hide_usage = ex.usage_asked_body is not None
@@ -727,25 +739,24 @@ class ProxyServer:
             async for parts in _after(first, upstream.aiter_chunks()):
                 # Each HTTP chunk is parsed and framed as it came; what one read brought goes
                 # to the agent in one write.
-                out: list[Any] = []
+                out: list[bytes] = [head] if head else []
                 sent: list[SSEEvent] = []
                 for chunk in parts:
                     events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
                     ready = parser.take_ready()
                     if hide_usage:
                         ready = _without_usage_chunk(events, ready)
-                    if held or any(is_final(event) for event in events):
-                        held += ready
-                        continue
                     if ready:
-                        out.append(h11.Data(data=ready))
+                        framed = _framed(ready) if chunked else ready
+                        if held or any(is_final(event) for event in events):
+                            held.append(framed)
+                            continue
+                        out.append(framed)
                     sent += events
-                if out and head is not None:
-                    out.insert(0, head)
-                    head = None
-                if out and not client_gone:
+                if len(out) > bool(head) and not client_gone:
+                    head = b""
                     try:
-                        await self._send(conn, stream, *out)
+                        await self._write(stream, b"".join(out))
                     except _ClientGone:
                         client_gone = True
                         break
@@ -755,7 +766,9 @@ class ProxyServer:
             ex.error = f"upstream stream broke: {error!r}"
         tail = parser.close((time.perf_counter() - opened) * 1000)
         rest = parser.take_rest()
-        held += _without_usage_chunk(tail, rest) if ex.usage_asked_body is not None else rest
+        rest = _without_usage_chunk(tail, rest) if ex.usage_asked_body is not None else rest
+        if rest:
+            held.append(_framed(rest) if chunked else rest)
         ex.events = parser.events
         ex.latency_ms = (time.perf_counter() - started) * 1000
         # Fewer writes than events: a write to an agent that left may still have succeeded.
@@ -764,14 +777,12 @@ class ProxyServer:
             ex.error = ex.error or "the agent closed the connection mid-stream"
         await self._finish(ex)
         if client_gone or ex.error is not None:
-            if head is not None and not client_gone:  # a broken stream, as without the proxy
+            if head and not client_gone:  # a broken stream, as without the proxy
                 with contextlib.suppress(_ClientGone):
-                    await self._send(conn, stream, head)
+                    await self._write(stream, head)
             raise _ClientGone()
-        out = [h11.Data(data=held)] if held else []
-        if head is not None:
-            out.insert(0, head)
-        await self._send(conn, stream, *out, h11.EndOfMessage())
+        end = conn.send(h11.EndOfMessage()) or b""
+        await self._write(stream, b"".join([head, *held, end]))
 
     async def _passthrough(
         self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
