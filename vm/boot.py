@@ -9,6 +9,7 @@ whatever else the machine is doing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shlex
@@ -100,11 +101,22 @@ def _read(path: Path) -> str:
         return ""
 
 
+def _group_nice(pid: int) -> None:
+    """Gives the VM's session the niceness its processes have. A new session is a scheduling
+    group of its own where the kernel groups by session (sched_autogroup, the default on Debian):
+    `nice` then only ranks processes inside that group, and QEMU at nice 19 still took as much CPU
+    as any other session. A failure (no autogroup, a negative value without CAP_SYS_NICE) leaves
+    the VM as it was."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/autogroup").write_text(os.environ.get("JUKEBOX_VM_NICE", "19"))
+
+
 def _run_vm(cmd: list[str], cache: Path, repo: Path, timeout: float, out) -> bool:
     """Runs one VM to its end; False when it had to be stopped. QEMU is a grandchild of vng:
     the whole process group goes, so no emulator outlives its run."""
     proc = subprocess.Popen(cmd, env=_env(cache), stdin=subprocess.DEVNULL, stdout=out,
                             stderr=subprocess.STDOUT, cwd=repo, start_new_session=True)
+    _group_nice(proc.pid)
     try:
         proc.wait(timeout)
         return True
