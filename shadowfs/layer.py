@@ -813,12 +813,12 @@ class Layer:
         stack = [self.root]
         while stack:
             d = stack.pop()
-            if d.children is None:
+            kids = d.children
+            if kids is None:
                 if d.oid is None or not self._tree_has_links(d.oid):
                     continue
-                self._load(d)
-            # _load just filled children
-            stack.extend(c for c in d.children.values() if c.fmt == S_IFDIR)  # type: ignore[union-attr]
+                kids = self._load(d)
+            stack.extend(c for c in kids.values() if c.fmt == S_IFDIR)
 
     def _tree_has_links(self, oid: ObjectId) -> bool:
         """Whether a hard-linked file lies under tree ``oid``; each tree's answer is kept, so
@@ -871,12 +871,12 @@ class Layer:
             raise _err(errno.ENOENT)
         return node
 
-    def _dir(self, ino: int) -> Node:
+    def _dir(self, ino: int) -> tuple[Node, dict[bytes, Node]]:
+        """The directory ``ino`` and its entries, loaded."""
         d = self.node(ino)
         if d.fmt != S_IFDIR:
             raise _err(errno.ENOTDIR)
-        self._load(d)
-        return d
+        return d, self._load(d)
 
     def attrs(self, node: Node) -> Node:
         """The node with every attribute resolved (call before reading its fields)."""
@@ -917,15 +917,14 @@ class Layer:
     def lookup(self, parent: int, name: bytes, missing: Any = _RAISE) -> Node:
         """The node at ``name`` in directory ``parent``; if there is none, ``missing`` when
         given, else ENOENT."""
-        d = self._dir(parent)
+        d, kids = self._dir(parent)
         # Not a missing name, which the kernel would cache as one (see shadowfs.fuse).
         self._check_length(name)
         if name == b".":
             return d
         if name == b"..":
             return d.links[0][0] if d.links else d
-        # children is None only until _load; a directory reached here is loaded
-        child = d.children.get(name)  # type: ignore[union-attr]
+        child = kids.get(name)
         if child is None:
             if missing is _RAISE:
                 raise _err(errno.ENOENT)
@@ -934,8 +933,7 @@ class Layer:
         return child
 
     def children(self, ino: int) -> list[tuple[bytes, Node]]:
-        # children is None only until _load; a directory reached here is loaded
-        return list(self._dir(ino).children.items())  # type: ignore[union-attr]
+        return list(self._dir(ino)[1].items())
 
     def alive(self, node: Node) -> bool:
         return self.inodes.get(node.ino) is node
@@ -1320,10 +1318,9 @@ class Layer:
     def _add(
         self, parent: int, name: bytes, fmt: int, mode: int, uid: int, gid: int, ino: int = 0
     ) -> tuple[Node, Node]:
-        d = self._dir(parent)
+        d, kids = self._dir(parent)
         self._check_name(name)
-        # children is None only until _load; a directory reached here is loaded
-        if name in d.children:  # type: ignore[operator]
+        if name in kids:
             raise _err(errno.EEXIST)
         now = time.time_ns()
         node = self._new(fmt, stat.S_IMODE(mode), now, ino)
@@ -1344,10 +1341,9 @@ class Layer:
         gid: int | None = None,
         pid: int = 0,
     ) -> tuple[Handle, Node]:
-        d = self._dir(parent)
+        d, kids = self._dir(parent)
         self._check_name(name)
-        # children is None only until _load; a directory reached here is loaded
-        if name in d.children:  # type: ignore[operator]
+        if name in kids:
             raise _err(errno.EEXIST)
         files = self._files
         if files.low():
@@ -1410,7 +1406,7 @@ class Layer:
         gid: int | None = None,
         pid: int = 0,
     ) -> Node:
-        self._check_depth(self._dir(parent), 1)
+        self._check_depth(self._dir(parent)[0], 1)
         d, node = self._add(parent, name, S_IFDIR, mode, self._u(uid), self._g(gid))
         node.children = {}
         node.subdirs = 0
@@ -1442,10 +1438,9 @@ class Layer:
         node = self.node(ino)
         if node.fmt == S_IFDIR:
             raise _err(errno.EPERM)
-        d = self._dir(parent)
+        d, kids = self._dir(parent)
         self._check_name(name)
-        # children is None only until _load; a directory reached here is loaded
-        if name in d.children:  # type: ignore[operator]
+        if name in kids:
             raise _err(errno.EEXIST)
         if not node.links:
             raise _err(errno.ENOENT)
@@ -1483,10 +1478,9 @@ class Layer:
         self._maybe_drop(child)
 
     def unlink(self, parent: int, name: bytes, pid: int = 0) -> Node:
-        d = self._dir(parent)
+        d, kids = self._dir(parent)
         self._check_length(name)
-        # children is None only until _load; a directory reached here is loaded
-        child = d.children.get(name)  # type: ignore[union-attr]
+        child = kids.get(name)
         if child is None:
             raise _err(errno.ENOENT)
         if child.fmt == S_IFDIR:
@@ -1495,10 +1489,9 @@ class Layer:
         return self._remove(d, name, child)
 
     def rmdir(self, parent: int, name: bytes, pid: int = 0) -> Node:
-        d = self._dir(parent)
+        d, kids = self._dir(parent)
         self._check_length(name)
-        # children is None only until _load; a directory reached here is loaded
-        child = d.children.get(name)  # type: ignore[union-attr]
+        child = kids.get(name)
         if child is None:
             raise _err(errno.ENOENT)
         if child.fmt != S_IFDIR:
@@ -1530,16 +1523,14 @@ class Layer:
         flags: int = 0,
         pid: int = 0,
     ) -> None:
-        od = self._dir(old_parent)
-        nd = self._dir(new_parent)
+        od, okids = self._dir(old_parent)
+        nd, nkids = self._dir(new_parent)
         self._check_length(old_name)
         self._check_name(new_name)
-        # children is None only until _load; a directory reached here is loaded
-        src = od.children.get(old_name)  # type: ignore[union-attr]
+        src = okids.get(old_name)
         if src is None:
             raise _err(errno.ENOENT)
-        # children is None only until _load; a directory reached here is loaded
-        dst = nd.children.get(new_name)  # type: ignore[union-attr]
+        dst = nkids.get(new_name)
         paths = (self.path_of(od, old_name), self.path_of(nd, new_name))
         if flags & RENAME_EXCHANGE:
             if dst is None:
@@ -1554,10 +1545,8 @@ class Layer:
             now = time.time_ns()
             src.links.remove((od, old_name))
             dst.links.remove((nd, new_name))
-            # children is None only until _load; a directory reached here is loaded
-            od.children[old_name] = dst  # type: ignore[index]
-            # children is None only until _load; a directory reached here is loaded
-            nd.children[new_name] = src  # type: ignore[index]
+            okids[old_name] = dst
+            nkids[new_name] = src
             dst.links.append((od, old_name))
             src.links.append((nd, new_name))
             for d, n in ((od, old_name), (nd, new_name)):
@@ -1585,15 +1574,13 @@ class Layer:
                 self._check_depth(nd, self._height(src))
         self.journal.record("rename", paths, pid, arg=flags)
         now = time.time_ns()
-        # children is None only until _load; a directory reached here is loaded
-        del od.children[old_name]  # type: ignore[union-attr]
+        del okids[old_name]
         src.links.remove((od, old_name))
         self._touch(od, old_name)
         self._changed_dir(od, now)
         self._count_subdir(od, src, -1)
         if dst is not None:
-            # children is None only until _load; a directory reached here is loaded
-            del nd.children[new_name]  # type: ignore[union-attr]
+            del nkids[new_name]
             self._count_subdir(nd, dst, -1)
             dst.ctime_ns = now
             self._unlink_child(nd, new_name, dst)
@@ -2065,7 +2052,8 @@ class Layer:
         if children is None:
             d.oid = target
             return
-        # a loaded directory has a tree id (a new one has no children loaded, returned above)
+        # None (a directory made since the last build) works too: _steps has no entry for it
+        # and _scan reads None as the empty tree, as _entries does
         cur: ObjectId = d.oid  # type: ignore[assignment]
         steps = self._steps
         # The usual rollback undoes the last snapshot's build of this directory.
@@ -2219,15 +2207,15 @@ class Layer:
             node = child
         return node
 
-    def _parent(self, path: PathLike) -> tuple[Node, bytes]:
+    def _parent(self, path: PathLike) -> tuple[Node, dict[bytes, Node], bytes]:
+        """The directory holding ``path``, its entries (loaded), and the name in it."""
         parts = _split(path)
         if not parts:
             raise _err(errno.EINVAL, os.fsdecode(path))
         d = self.resolve(b"/".join(parts[:-1]))
         if d.fmt != S_IFDIR:
             raise _err(errno.ENOTDIR, os.fsdecode(path))
-        self._load(d)
-        return d, parts[-1]
+        return d, self._load(d), parts[-1]
 
     @_routed()
     def exists(self, path: PathLike) -> bool:
@@ -2282,10 +2270,9 @@ class Layer:
     @_routed()
     def write_file(self, path: PathLike, data: bytes, mode: int = 0o644) -> None:
         """Create or replace the file at ``path`` (its directory must exist)."""
-        d, name = self._parent(path)
+        d, kids, name = self._parent(path)
         pid = os.getpid()
-        # children is None only until _load; a directory reached here is loaded (_parent)
-        node = d.children.get(name)  # type: ignore[union-attr]
+        node = kids.get(name)
         limit = self.scratch_limit
         if limit is not None:
             # Checked before anything changes, so a refused write leaves the file as it was.
@@ -2338,9 +2325,8 @@ class Layer:
 
     @_routed()
     def delete(self, path: PathLike, *, recursive: bool = False) -> None:
-        d, name = self._parent(path)
-        # children is None only until _load; a directory reached here is loaded (_parent)
-        node = d.children.get(name)  # type: ignore[union-attr]
+        d, kids, name = self._parent(path)
+        node = kids.get(name)
         if node is None:
             raise _err(errno.ENOENT, os.fsdecode(path))
         pid = os.getpid()
