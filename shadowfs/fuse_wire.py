@@ -27,6 +27,8 @@ import struct
 import subprocess
 from collections.abc import Iterable
 
+from shadowfs.libc import libc as _libc
+
 # ------------------------------------------------------------------ opcodes
 
 LOOKUP = 1
@@ -162,8 +164,6 @@ def dirent(ino: int, off: int, name: bytes, dtype: int) -> bytes:
 
 # ------------------------------------------------------------------ the channel
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 MS_NOSUID = 2
 MS_NODEV = 4
 

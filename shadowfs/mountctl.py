@@ -32,7 +32,6 @@ it instead of leaving the test process blocked on its own mount at exit.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -50,6 +49,7 @@ from shadowfs.errors import ShadowfsError
 from shadowfs.fuse import FSNAME, TIMEOUT, Operations, Server
 from shadowfs.fuse_wire import EXPIRE_ONLY_MINOR, Channel
 from shadowfs.layer import Layer
+from shadowfs.libc import libc as _libc
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -58,10 +58,6 @@ FSTYPE = "fuse.shadowfs"
 PR_SET_PDEATHSIG = 1
 MNT_DETACH = 2
 _SCHED_PARAM = os.sched_param(0)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
 
 class MountError(ShadowfsError):
     pass
@@ -382,7 +378,7 @@ class Mount:
 
 def _child(parent: Mount, conn: Connection) -> None:  # pragma: no cover - runs in the child
     """A forked child serving the layer; answers (method, args, kwargs, sync) from the parent."""
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:
         return
     layer = parent.layer

@@ -39,6 +39,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from shadowfs.errors import ShadowfsError, TreeError
+from shadowfs.libc import libc as _libc
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
 from shadowfs.tree import (
@@ -75,11 +76,6 @@ _MNT_DETACH = 2
 # Not exported by the time module; the coarse clock is the one the kernel stamps ctimes with.
 _CLOCK_REALTIME_COARSE = 5
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 _SYNC_FILE_RANGE_WAIT_BEFORE = 1
 _SYNC_FILE_RANGE_WRITE = 2
 

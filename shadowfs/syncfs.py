@@ -11,8 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syncfs.argtypes = [ctypes.c_int]
+from shadowfs.libc import libc as _libc
 
 
 def syncfs(fd: int) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import platform
 from pathlib import Path
+
+from shadowfs.libc import check as _check
+from shadowfs.libc import libc as _libc
 
 # What a root agent keeps, and why. Everything else goes (see docs/booth.md, "The agent's
 # capabilities"): the ways out of the namespaces (SYS_ADMIN, SYS_PTRACE, SYS_CHROOT, ...),
@@ -94,9 +96,6 @@ KEYCTL_JOIN_SESSION_KEYRING = 1
 # keyctl has no libc wrapper (it lives in libkeyutils): the raw syscall, by architecture.
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280}
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
-_libc.syscall.restype = ctypes.c_long
 
 
 class _CapHeader(ctypes.Structure):
@@ -109,12 +108,6 @@ class _CapData(ctypes.Structure):
         ("permitted", ctypes.c_uint32),
         ("inheritable", ctypes.c_uint32),
     ]
-
-
-def _check(result: int, what: str) -> None:
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def _prctl(option: int, arg: int = 0) -> int:

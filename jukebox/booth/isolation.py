@@ -64,6 +64,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from jukebox.booth import credentials
+from shadowfs.libc import check as _check
+from shadowfs.libc import libc as _libc
 
 if TYPE_CHECKING:
     from jukebox.booth.images import Image
@@ -151,26 +153,6 @@ def inside_booth() -> bool:
 
 class IsolationError(Exception):
     """The sandbox could not be set up; the message names the step and what to do."""
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_void_p,
-]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-_libc.unshare.argtypes = [ctypes.c_int]
-
-
-def _check(result: int, what: str) -> int:
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return result
 
 
 def _b(path: str | os.PathLike[str] | None) -> bytes | None:

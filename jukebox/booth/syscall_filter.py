@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shadowfs.libc import libc
+
 LOW32 = 0xFFFFFFFF
 # The comparison operators of libseccomp (scmp_compare), named here so the rules below can be
 # written before (and without) loading the library.
@@ -348,9 +350,6 @@ def load_compiled(program: bytes) -> None:
         raise FilterError(f"a compiled filter of {len(program)} bytes is not a BPF program")
     buf = ctypes.create_string_buffer(program, len(program))
     prog = _SockFprog(len(program) // SOCK_FILTER_SIZE, ctypes.addressof(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
-    # Variadic: every argument as a full unsigned long, as the kernel reads them.
-    ulong = ctypes.c_ulong
-    if libc.prctl(ulong(PR_SET_SECCOMP), ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog),
-                  ulong(0), ulong(0)) != 0:  # fmt: skip
+    # `prog` (and `buf`, which it points into) live until the call returns.
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))

@@ -20,12 +20,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from jukebox.booth import isolation
+from shadowfs.libc import libc as _libc
 
 T = TypeVar("T")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-
 
 def setns(fd: int, nstype: int) -> None:
     if _libc.setns(fd, nstype) < 0:
