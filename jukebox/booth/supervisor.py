@@ -625,12 +625,12 @@ def _pending_trees(record: BoothRecord) -> tuple[ObjectId, ObjectId]:
     return ObjectId.from_hex(record.base_tree), ObjectId.from_hex(record.final_tree)
 
 
-def pending_checkpoint(record: BoothRecord, at: str) -> Checkpoint:
+def pending_checkpoint(record: BoothRecord, at: str) -> RollbackPoint:
     """The checkpoint ``at`` names in a finished booth's tape, found as `jukebox booth rollback
     --to` finds one inside the booth (`find_checkpoint`)."""
     from jukebox.tape.tape import Tape
 
-    checkpoints = [Checkpoint(0, "start", ObjectId.from_hex(record.base_tree), 0)]
+    checkpoints = [RollbackPoint(0, "start", ObjectId.from_hex(record.base_tree), 0)]
     try:
         frames = Tape.load(record.tape).frames
     except (OSError, JukeboxError) as error:
@@ -639,7 +639,7 @@ def pending_checkpoint(record: BoothRecord, at: str) -> Checkpoint:
             "commit or discard it whole"
         ) from None
     checkpoints += [
-        Checkpoint(int(f.payload["id"]), f.payload.get("label"), f.tree, f.seq)
+        RollbackPoint(int(f.payload["id"]), f.payload.get("label"), f.tree, f.seq)
         for f in frames
         if f.kind == "checkpoint" and f.tree is not None
     ]
@@ -661,7 +661,7 @@ def pending_checkpoint(record: BoothRecord, at: str) -> Checkpoint:
 
 def _target_tree(
     record: BoothRecord, at: str | None
-) -> tuple[ObjectId, ObjectId, Checkpoint | None]:
+) -> tuple[ObjectId, ObjectId, RollbackPoint | None]:
     """(base tree, the tree a diff or commit of the booth goes to, the checkpoint it is if
     ``at``)."""
     from jukebox.booth.partial import partial_base
@@ -704,7 +704,7 @@ def commit_tree(
     *,
     by: str | None,
     write: Verdict,
-    checkpoint: Checkpoint | None = None,
+    checkpoint: RollbackPoint | None = None,
     lock_timeout: float | None = None,
     partial: list[str] | None = None,
 ) -> int:
@@ -982,14 +982,18 @@ def _is_under(path: str, parent: str) -> bool:
 
 
 @dataclass
-class Checkpoint:
+class RollbackPoint:
+    """A checkpoint a booth took, as what a rollback or a partial commit goes back to: its
+    number (0 is the start), label, tree, and the seq of its `checkpoint` frame on the tape.
+    Not the Python API's `jukebox.Checkpoint`, which holds the agent's memory too."""
+
     n: int
     label: str | None
     tree: ObjectId
     frame: int | None
 
 
-def find_checkpoint(checkpoints: Sequence[Checkpoint], to: str | int) -> Checkpoint | None:
+def find_checkpoint(checkpoints: Sequence[RollbackPoint], to: str | int) -> RollbackPoint | None:
     """The checkpoint numbered ``to``, or the latest labelled ``to``; None if there is none."""
     if isinstance(to, int):
         return next((cp for cp in checkpoints if cp.n == to), None)
@@ -1005,7 +1009,7 @@ class _Run:
     writer: Any
     layer: BoothLayer
     started: float
-    checkpoints: list[Checkpoint] = field(default_factory=list)
+    checkpoints: list[RollbackPoint] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     rollbacks: int = 0
     output: OutputTail = field(default_factory=OutputTail)  # what the agent printed, its end
@@ -1065,7 +1069,7 @@ class _Run:
 
     def checkpoint(
         self, label: str | None, peer: Peer | None, reason: str = "request"
-    ) -> Checkpoint:
+    ) -> RollbackPoint:
         with self.lock:
             n = len(self.checkpoints)
             if self.databases is not None:
@@ -1084,11 +1088,11 @@ class _Run:
                 tree=tree,
                 defer=True,
             )
-            cp = Checkpoint(n, label, tree, seq)
+            cp = RollbackPoint(n, label, tree, seq)
             self.checkpoints.append(cp)
             return cp
 
-    def find(self, to: str | int) -> Checkpoint:
+    def find(self, to: str | int) -> RollbackPoint:
         found = find_checkpoint(self.checkpoints, to)
         if found is not None:
             return found
@@ -1100,7 +1104,7 @@ class _Run:
         known = sorted({c.label for c in self.checkpoints if c.label})
         raise RequestError(f"no checkpoint labelled {to!r}: known labels are {known or 'none'}")
 
-    def rollback(self, to: str | int, peer: Peer | None) -> Checkpoint:
+    def rollback(self, to: str | int, peer: Peer | None) -> RollbackPoint:
         with self.lock:
             cp = self.find(to)
             if self.databases is not None:
@@ -1787,7 +1791,7 @@ def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
     watch = getattr(layer, "watch_refused_writes", None)
     if watch is not None:
         watch(run.on_refused_write)
-    run.checkpoints.append(Checkpoint(0, "start", base_tree, 0))
+    run.checkpoints.append(RollbackPoint(0, "start", base_tree, 0))
     _stage_mcp_calls(o, run, record)
     sock_dir = isolation.private_socket_dir(socket_dir_prefix(tapes.path, booth_id))
     stack.callback(isolation.remove_private_dir, sock_dir)
