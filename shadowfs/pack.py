@@ -130,6 +130,36 @@ def _parse_fixed(buf: bytes | memoryview) -> tuple[int, int, int, int, int, byte
     return flags, kind_len, created, raw_len, stored_len, oid
 
 
+_BLOB_KIND = b"blob"
+_BLOB_HEADER_LEN = FIXED_LEN + len(_BLOB_KIND)
+
+
+def plain_blob_payload(
+    buf: bytes | memoryview, at: int, oid: bytes, raw_len: int, stored_len: int
+) -> tuple[bool, int] | None:
+    """For the record at ``buf[at:]`` that should be the plain (non-delta) blob ``oid`` of
+    these lengths: (zstd, offset of its payload in buf), or None when it is anything else.
+    For a bulk read that checks every payload against its id, which covers what the header's
+    crc would (parse_header is the full check)."""
+    try:
+        magic, flags, kind_len, _, _, raw, stored, got = _FIXED.unpack_from(buf, at)
+    except struct.error:
+        return None
+    end = at + _BLOB_HEADER_LEN
+    if (
+        magic != RECORD_MAGIC
+        or got != oid
+        or raw != raw_len
+        or stored != stored_len
+        or flags & ~FLAG_ZSTD
+        or kind_len != len(_BLOB_KIND)
+        or buf[end - len(_BLOB_KIND) : end] != _BLOB_KIND
+        or len(buf) < end + stored_len
+    ):
+        return None
+    return bool(flags), end
+
+
 def _plain_word(kind: bytes) -> bool:
     return kind.isascii() and kind.replace(b"_", b"").isalnum()
 

@@ -270,6 +270,39 @@ def test_a_flipped_payload_byte_names_the_pack_and_offset(tmp_path: Path) -> Non
         assert problems[0].offset > 0
 
 
+def test_read_blobs_reads_many_files_at_once_as_read_file_into_does(tmp_path: Path) -> None:
+    """The commit's bulk read: plain and raw blobs from the pack, a delta, a chunked file and a
+    blob not flushed yet, in the order asked; a damaged record or a tree is refused."""
+    with Store.open(tmp_path / "store") as store:
+        plain = [store.put("blob", text(500, seed)) for seed in range(40)]
+        raw = store.put("blob", os.urandom(64))
+        delta = store.put("blob", text(500, 3) + b"edit", delta_base=plain[3])
+        big = tmp_path / "big"
+        big.write_bytes(os.urandom(CHUNK_SIZE + 10))
+        chunked = store.put_file(big)
+        tree = store.put("tree", b"\x01")
+        store.flush()
+        waiting = store.put("blob", b"not flushed yet")
+        asked = [plain[7], raw, delta, *plain, chunked, waiting, plain[7]]
+        want = []
+        for oid in asked:
+            sink = io.BytesIO()
+            store.read_file_into(oid, sink)
+            want.append(sink.getvalue())
+        assert store.read_blobs(asked) == want
+        with pytest.raises(StoreError, match="not file content"):
+            store.read_blobs([plain[0], tree])
+    pack = packs(tmp_path / "store")[0]
+    data = bytearray(pack.read_bytes())
+    at = data.index(bytes(plain[20]))  # the record's header names its id
+    data[at + 40] ^= 0x01  # its payload
+    pack.write_bytes(data)
+    with Store.open(tmp_path / "store") as store:
+        assert store.read_blobs(plain[:20]) == [text(500, seed) for seed in range(20)]
+        with pytest.raises(ObjectCorrupt, match=str(plain[20])):
+            store.read_blobs(plain)
+
+
 def _small_mixed_store(root: Path) -> dict[ObjectId, bytes]:
     """One small pack holding every record shape: zstd, raw, empty, delta, chunks, another kind."""
     contents: dict[ObjectId, bytes] = {}
