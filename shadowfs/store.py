@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import fcntl
 import functools
+import io
 import os
 import struct
 import threading
@@ -677,12 +678,14 @@ class Store:
             todo.sort(key=_pack_order)
             for span in _spans(todo):
                 self._read_span(span, out)
-        for i, data in enumerate(out):
+        contents: list[bytes] = []
+        for oid, data in zip(oids, out, strict=True):
             if data is None:
-                sink = _Gather()
-                self.read_file_into(oids[i], sink)  # type: ignore[arg-type]
-                out[i] = b"".join(sink.parts)
-        return out  # type: ignore[return-value]
+                sink = io.BytesIO()
+                self.read_file_into(oid, sink)
+                data = sink.getvalue()
+            contents.append(data)
+        return contents
 
     def _read_span(
         self, span: list[tuple[str, int, int, IndexEntry]], out: list[bytes | None]
@@ -1461,19 +1464,6 @@ def _spans(
         end = max(end, offset + e.record_len)
     if span:
         yield span
-
-
-class _Gather:
-    """A file object keeping what is written to it."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-
-    def write(self, data: bytes) -> int:
-        self.parts.append(data)
-        return len(data)
 
 
 def _write_all(fileobj: BinaryIO, data: bytes) -> None:
