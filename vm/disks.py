@@ -21,7 +21,8 @@ def _mkfs(image: Path, label: str, size: str, root: Path | None = None) -> None:
     cmd = ["mkfs.ext4", "-q", "-F", "-L", label, "-E", "lazy_itable_init=1,lazy_journal_init=1"]
     if root is not None:
         cmd += ["-d", str(root)]
-    subprocess.run([*cmd, str(image), size], check=True)
+    # stderr for mkfs's chatter: under --parallel, stdout carries each kernel's JSON report.
+    subprocess.run([*cmd, str(image), size], check=True, stdout=sys.stderr)
 
 
 def scratch(path: Path) -> Path:
@@ -104,5 +105,5 @@ def private_view(image: Path, path: Path) -> Path:
     not share the Python image, while a backing file is opened read-only and may be shared."""
     path.unlink(missing_ok=True)
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(image), "-F", "raw",
-                    str(path)], check=True)
+                    str(path)], check=True, stdout=sys.stderr)
     return path
