@@ -1,14 +1,27 @@
-"""What the MCP gateway adds to a tool call: `jukebox mcp wrap` against calling the server
-directly, both with the SDK's ClientSession over stdio.
+"""What the MCP gateway adds to a tool call, over stdio and over streamable HTTP.
 
-The server is a small one written with the SDK (tests/mcp/hostile_server.py, its read-only `echo`
-tool); each call sends 100 bytes of text and gets them back. The gateway's row records every call
-on its own tape, as it does in use. `overhead_p50_us` is the gateway's p50 less the direct one's.
+Every series is the SDK's ClientSession calling a small SDK server's read-only `echo` tool with
+100 bytes of text. The anchors run in the same run, taking turns call by call with the gateway
+they anchor, so both see the same machine at the same moment:
+
+- stdio, outside a booth: the server (tests/mcp/hostile_server.py) directly, and through
+  `jukebox mcp wrap`, which records every call on its own tape.
+- In a booth (`jukebox booth run --mcp-config ... --mcp-upstream ...`), one agent times four
+  sessions in turns: the stdio server started directly, the same server through the wrapper of
+  `$JUKEBOX_MCP_CONFIG` (its frames go to the supervisor over the control socket), the
+  streamable-HTTP server (tests/mcp/http_server.py) at its own URL, and the same server through
+  the supervisor's HTTP gateway at `$JUKEBOX_MCP_URL/NAME/` (recorded on the booth's tape).
+
+A booth needs root and /dev/fuse: without them only the stdio rows are measured.
+`overhead_p50_us` is the gateway's p50 less its anchor's, `ratio` the gateway's p50 over it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -18,28 +31,115 @@ from typing import Any
 from bench.harness import summarize_us
 
 GROUP = "mcp"
-CASE = "tool call, stdio (echo, 100 B)"
+STDIO = "tool call, stdio (echo, 100 B)"
+STDIO_BOOTH = "tool call, stdio, in a booth (echo, 100 B)"
+HTTP_BOOTH = "tool call, streamable HTTP, in a booth (echo, 100 B)"
 DIRECT = "direct"
-GATEWAY = "jukebox mcp wrap"
+WRAP = "jukebox mcp wrap"
+HTTP_GATEWAY = "booth HTTP gateway"
 REPO = Path(__file__).resolve().parent.parent
 SERVER = [sys.executable, str(REPO / "tests" / "mcp" / "hostile_server.py")]
+HTTP_SERVER = [sys.executable, str(REPO / "tests" / "mcp" / "http_server.py")]
+WARMUP = 20
+ARGS = {"text": "x" * 100}
 
 
-async def _samples(command: list[str], n: int, warmup: int) -> list[float]:
+async def _take_turns(opened: dict[str, Any], n: int) -> dict[str, list[float]]:
+    """Calls `echo` on every session in turn, n times after WARMUP untimed rounds."""
+    out: dict[str, list[float]] = {name: [] for name in opened}
+    for i in range(n + WARMUP):
+        for name, session in opened.items():
+            started = time.perf_counter()
+            await session.call_tool("echo", ARGS)
+            if i >= WARMUP:
+                out[name].append((time.perf_counter() - started) * 1e6)
+    return out
+
+
+async def _sessions(stdio: dict[str, list[str]], http: dict[str, str], n: int) -> dict[str, Any]:
+    import contextlib
+
     from mcp import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
+    from mcp.client.streamable_http import streamable_http_client
 
-    params = StdioServerParameters(command=command[0], args=command[1:], env=dict(os.environ))
-    out: list[float] = []
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
-        await session.list_tools()
-        for i in range(warmup + n):
-            started = time.perf_counter()
-            await session.call_tool("echo", {"text": "x" * 100})
-            if i >= warmup:
-                out.append((time.perf_counter() - started) * 1e6)
-    return out
+    opened: dict[str, Any] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        for name, command in stdio.items():
+            params = StdioServerParameters(command=command[0], args=command[1:],
+                                           env=dict(os.environ))  # fmt: skip
+            read, write = await stack.enter_async_context(stdio_client(params))
+            opened[name] = await stack.enter_async_context(ClientSession(read, write))
+        for name, url in http.items():
+            read, write, *_ = await stack.enter_async_context(streamable_http_client(url))
+            opened[name] = await stack.enter_async_context(ClientSession(read, write))
+        for session in opened.values():
+            await session.initialize()
+            await session.list_tools()
+        return await _take_turns(opened, n)
+
+
+def _rows(case: str, samples: dict[str, list[float]], anchor: str) -> list[dict[str, Any]]:
+    base = summarize_us(samples[anchor])
+    rows = [{"group": GROUP, "case": case, "system": DIRECT, **base}]
+    for system, values in samples.items():
+        if system == anchor:
+            continue
+        row = summarize_us(values)
+        rows.append({"group": GROUP, "case": case, "system": system, **row,
+                     "overhead_p50_us": row["p50_us"] - base["p50_us"],
+                     "ratio": round(row["p50_us"] / base["p50_us"], 2)})  # fmt: skip
+    return rows
+
+
+def _booth_agent(n: int) -> None:
+    """Inside the booth: the four sessions in turns; one JSON line of samples on stdout."""
+    import anyio
+
+    with open(os.environ["JUKEBOX_MCP_CONFIG"]) as f:
+        servers = json.load(f)["mcpServers"]
+    wrapped = servers["echo"]
+    samples = anyio.run(_sessions, {
+        "stdio direct": SERVER, "stdio wrap": [wrapped["command"], *wrapped["args"]],
+    }, {"http direct": os.environ["BENCH_MCP_HTTP"], "http gateway": servers["notes"]["url"]},
+        n)  # fmt: skip
+    print("BENCH " + json.dumps(samples), flush=True)
+
+
+def _in_booth(n: int, tmp: Path) -> list[dict[str, Any]]:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        return []
+    server = subprocess.Popen([*HTTP_SERVER, str(tmp / "notes.txt")], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert server.stdout is not None
+        url = f"http://127.0.0.1:{int(server.stdout.readline())}/mcp"
+        config = tmp / "mcp.json"
+        config.write_text(json.dumps({"mcpServers": {
+            "echo": {"command": SERVER[0], "args": SERVER[1:]}}}))  # fmt: skip
+        tree = tmp / "tree"
+        tree.mkdir()
+        jukebox = str(Path(sys.executable).parent / "jukebox")
+        proc = subprocess.run(
+            [jukebox, "booth", "run", "--tree", str(tree), "--tape-dir", str(tmp / "tapes"),
+             "--net", "host", "--mcp-config", str(config), "--mcp-upstream", f"notes={url}",
+             "--commit", "auto", "--", sys.executable, "-m", "bench.bench_mcp", "agent", str(n)],
+            capture_output=True, text=True, cwd=REPO, timeout=600,
+            env={**os.environ, "BENCH_MCP_HTTP": url, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the booth's bench agent failed ({proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")  # fmt: skip
+    samples = json.loads(lines[-1].removeprefix("BENCH "))
+    rows = _rows(STDIO_BOOTH, {DIRECT: samples["stdio direct"], WRAP: samples["stdio wrap"]},
+                 DIRECT)  # fmt: skip
+    rows += _rows(HTTP_BOOTH, {DIRECT: samples["http direct"],
+                               HTTP_GATEWAY: samples["http gateway"]}, DIRECT)  # fmt: skip
+    return rows
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -47,12 +147,20 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
     n = 40 if quick else 400
     jukebox = str(Path(sys.executable).parent / "jukebox")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="jukebox-bench-mcp-") as tapes:
-        wrapped = [jukebox, "mcp", "wrap", "--tape-dir", tapes, "--", *SERVER]
-        direct = summarize_us(anyio.run(_samples, SERVER, n, 10))
-        through = summarize_us(anyio.run(_samples, wrapped, n, 10))
-    rows.append({"group": GROUP, "case": CASE, "system": DIRECT, **direct})
-    rows.append({"group": GROUP, "case": CASE, "system": GATEWAY, **through,
-                 "overhead_p50_us": through["p50_us"] - direct["p50_us"]})  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="jukebox-bench-mcp-"))
+    try:
+        wrapped = [jukebox, "mcp", "wrap", "--tape-dir", str(tmp / "own-tapes"), "--", *SERVER]
+        samples = anyio.run(_sessions, {DIRECT: SERVER, WRAP: wrapped}, {}, n)
+        rows = _rows(STDIO, samples, DIRECT)
+        rows += _in_booth(n, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["agent"]:
+        _booth_agent(int(sys.argv[2]))
+    else:
+        for r in run(quick="--quick" in sys.argv):
+            print(r)

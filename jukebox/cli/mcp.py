@@ -116,18 +116,20 @@ def wrap_command(
     _one_line_sdk_logs()
     from jukebox.mcp.booth_upstream import REPLAY_ENV, BoothReplayUpstream
     from jukebox.mcp.gateway import GatewayError, serve_stdio
-    from jukebox.mcp.record import BoothSink, Sink, TapeSink, env_scrubber
+    from jukebox.mcp.record import BoothSink, DeferredSink, TapeSink, env_scrubber
 
     scrubber = env_scrubber(os.environ)
-    sink: Sink
     stager: Any
     asker: Any
+    # Frames are written after the agent has its answer, on a thread of their own.
     if in_booth:  # the tape dir is hidden in a booth: the supervisor records, and stages
         booth_sink = BoothSink(argv, scrubber)
-        sink, stager = booth_sink, booth_sink.stage
-        asker = functools.partial(booth_sink.ask, wait=ask_timeout)
+        sink = DeferredSink(booth_sink)
+        stager = functools.partial(sink.call, booth_sink.stage)
+        asker = functools.partial(sink.call, functools.partial(booth_sink.ask, wait=ask_timeout))
     else:
-        sink = TapeSink(tape_dir, server, argv, policy.describe(), scrubber, tape_id)
+        sink = DeferredSink(TapeSink(tape_dir, server, argv, policy.describe(), scrubber,
+                                     tape_id))  # fmt: skip
         stager = asker = None
     async def serve() -> None:
         booth_replay = None

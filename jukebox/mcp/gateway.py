@@ -23,7 +23,6 @@ import mcp.types as types
 from mcp import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 from jukebox.errors import JukeboxError
@@ -69,6 +68,8 @@ class Gateway:
     # tool name -> its annotations as on the wire (None: unannotated), from the last listing.
     annotations: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     calls: int = 0
+    # Where the operator sets the timeout, as the timeout's message says it.
+    timeout_hint: str = " (jukebox mcp wrap --timeout)"
 
     async def _bounded(self, what: str, call: Awaitable[T]) -> T:
         try:
@@ -78,7 +79,7 @@ class Gateway:
             raise MCPError(
                 TIMEOUT_CODE,
                 f"jukebox: the MCP server {self.name!r} did not answer {what} within "
-                f"{self.timeout:g}s (jukebox mcp wrap --timeout)",
+                f"{self.timeout:g}s{self.timeout_hint}",
             ) from None
 
     async def _listed(self, what: str, call: Awaitable[Any]) -> Any:
@@ -175,7 +176,8 @@ class Gateway:
             frame.update(error={"message": str(error)}, ok=False, latency_ms=_ms(started))
             self.sink.record("tool_call", frame)
             raise MCPError(types.INTERNAL_ERROR, f"jukebox: {error}") from None
-        frame.update(result=wire(result), ok=not getattr(result, "is_error", False),
+        # The model itself: the sink turns it into JSON after the agent has its answer.
+        frame.update(result=result, ok=not getattr(result, "is_error", False),
                      latency_ms=_ms(started))  # fmt: skip
         replayed = getattr(self.upstream, "replayed_from", None)
         if replayed is not None:
@@ -363,5 +365,7 @@ async def _serve_agent(gateway: Gateway, init: types.InitializeResult, streams: 
         agent_read, agent_write = streams
         await server.run(agent_read, agent_write, options)
     else:
-        async with stdio_server() as (agent_read, agent_write):
+        from jukebox.mcp.fdstdio import agent_stdio
+
+        async with agent_stdio() as (agent_read, agent_write):
             await server.run(agent_read, agent_write, options)

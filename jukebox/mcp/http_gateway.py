@@ -58,6 +58,7 @@ class HttpGateways:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._sink: Any = None  # a jukebox.mcp.record.DeferredSink, made on the gateways' loop
 
     def urls(self) -> dict[str, str]:
         """NAME -> the URL the agent connects to."""
@@ -69,6 +70,10 @@ class HttpGateways:
     def start(self, listener: socket.socket) -> HttpGateways:
         """Connects to every upstream and serves the agent on `listener` (a bound, listening
         socket); raises HttpGatewayError when an upstream does not answer."""
+        # A socket object made from the descriptor learns its protocol from the kernel: asyncio
+        # sets TCP_NODELAY only on connections whose proto says TCP, and without it every SSE
+        # event the agent waits for sat ~40 ms behind the headers (Nagle, delayed ACK).
+        listener = socket.socket(fileno=listener.detach())
         self.port = listener.getsockname()[1]
         self._thread = threading.Thread(target=self._run, args=(listener,),
                                         name="jukebox-mcp-http", daemon=True)  # fmt: skip
@@ -107,10 +112,13 @@ class HttpGateways:
         from mcp.shared.exceptions import MCPError
 
         from jukebox.mcp.gateway import Gateway
-        from jukebox.mcp.record import wire
+        from jukebox.mcp.record import DeferredSink, wire
 
         managers: dict[str, StreamableHTTPSessionManager] = {}
+        # Frames go to the tape after the agent has its answer (jukebox.mcp.record.DeferredSink).
+        self._sink = DeferredSink(_Sink(self))
         async with contextlib.AsyncExitStack() as stack:
+            stack.callback(self._sink.close)
             for name, url in self.upstreams.items():
                 if self.replay is not None:
                     served = await self._replayed(name, url, stack)
@@ -130,8 +138,8 @@ class HttpGateways:
                     ) from None
                 self._record("note", {"event": "mcp_server", "server": name,
                                       "initialize": wire(init), "transport": "http"})  # fmt: skip
-                gateway = Gateway(name, upstream, _Sink(self), self.policy, self.timeout,
-                                  self._stage, None, self._ask)  # fmt: skip
+                gateway = Gateway(name, upstream, self._sink, self.policy, self.timeout,
+                                  self._stage, None, self._ask, timeout_hint="")  # fmt: skip
                 manager = StreamableHTTPSessionManager(app=gateway.server(init))
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
@@ -166,8 +174,8 @@ class HttpGateways:
         stack.callback(upstream.close)  # left before the task group: the live task ends first
         upstream.attach(tasks)
         # A BoothReplayUpstream answers the calls Gateway makes of a ClientSession.
-        gateway = Gateway(name, upstream, _Sink(self), self.policy, self.timeout, self._stage,  # type: ignore[arg-type]
-                          None, self._ask, replay=upstream)  # fmt: skip
+        gateway = Gateway(name, upstream, self._sink, self.policy, self.timeout, self._stage,  # type: ignore[arg-type]
+                          None, self._ask, replay=upstream, timeout_hint="")  # fmt: skip
         manager = StreamableHTTPSessionManager(app=gateway.server(init))
         await stack.enter_async_context(manager.run())
         return manager
@@ -186,12 +194,14 @@ class HttpGateways:
         from jukebox.booth.control import RequestError
 
         try:
-            return self.stage(server, tool, args)
+            # After the frames queued before it, as the booth must see them.
+            return str(self._sink.call(self.stage, server, tool, args))
         except RequestError as error:
             raise HttpGatewayError(str(error)) from None
 
     def _ask(self, server: str, tool: str, args: dict[str, Any]) -> str:
-        asked = self.gate.handle_ask({"server": server, "tool": tool, "args": args})
+        asked = self._sink.call(self.gate.handle_ask, {"server": server, "tool": tool,
+                                                       "args": args})  # fmt: skip
         deadline = time.monotonic() + self.ask_timeout
         while time.monotonic() < deadline:
             answer = self.gate.handle_ask_status({"id": asked["id"]}).get("answer")
@@ -206,7 +216,9 @@ class _Sink:
         self.gateways = gateways
 
     def record(self, kind: str, payload: dict[str, Any]) -> None:
-        self.gateways._record(kind, payload)
+        from jukebox.mcp.record import wire
+
+        self.gateways._record(kind, {k: wire(v) for k, v in payload.items()})
 
     def close(self) -> None:
         pass

@@ -91,6 +91,7 @@ class TapeSink:
         )
 
     def record(self, kind: str, payload: dict[str, Any]) -> None:
+        payload = {k: wire(v) for k, v in payload.items()}
         self.writer.append(kind, scrub(payload, self.scrubber))
         if time.monotonic() - self._synced >= SYNC_EVERY:
             self._sync()
@@ -148,7 +149,7 @@ class BoothSink:
     def record(self, kind: str, payload: dict[str, Any]) -> None:
         from jukebox.booth import control
 
-        payload = self._fit(scrub(payload, self.scrubber))
+        payload = self._fit(scrub({k: wire(v) for k, v in payload.items()}, self.scrubber))
         control.request({"op": "mcp_record", "kind": kind, "payload": payload}, self.socket_path)
 
     def _fit(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -205,3 +206,82 @@ class BoothSink:
 
     def close(self) -> None:
         pass
+
+
+class DeferredSink:
+    """Frames written after the agent has its answer: `record` queues the frame and returns, and
+    one thread hands the frames, in their order, to the sink behind (a tape write, or a
+    control-socket round trip to the booth's supervisor). Requests that need an answer (stage,
+    ask) go through the same thread, after every frame queued before them, so the booth sees
+    everything in the order it happened.
+
+    A frame's values may still be SDK models: they are turned into JSON on that thread, not on
+    the agent's path. A frame the sink behind refuses (a booth whose breaker tripped) is said on
+    stderr in one line; the booth stops the agent itself."""
+
+    def __init__(self, inner: Any) -> None:
+        import queue
+        import threading
+
+        self.inner = inner
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._said = False
+        self._thread = threading.Thread(target=self._work, name="jukebox-mcp-frames", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, done = item
+            try:
+                value = fn(*args)
+            except BaseException as error:  # handed to the waiting caller, or said once
+                if done is not None:
+                    done.append(error)
+                    done.event.set()
+                elif not self._said:
+                    self._said = True
+                    _say(f"a frame was not recorded: {error}")
+                continue
+            if done is not None:
+                done.append(value)
+                done.event.set()
+
+    def record(self, kind: str, payload: dict[str, Any]) -> None:
+        self._queue.put((self._record, (kind, payload), None))
+
+    def _record(self, kind: str, payload: dict[str, Any]) -> None:
+        self.inner.record(kind, {k: wire(v) for k, v in payload.items()})
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the frames' thread, after the frames queued before; its value."""
+        import threading
+
+        done = _Done()
+        done.event = threading.Event()
+        self._queue.put((fn, args, done))
+        done.event.wait()
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+
+    def flush(self) -> None:
+        self.call(lambda: None)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.inner.close()
+
+
+class _Done(list[Any]):
+    event: Any
+
+
+def _say(message: str) -> None:
+    import sys
+
+    sys.stderr.write(f"jukebox: {message}\n")
+    sys.stderr.flush()

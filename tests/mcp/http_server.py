@@ -22,6 +22,12 @@ def read_notes() -> str:
     return NOTES.read_text() if NOTES.exists() else ""
 
 
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def echo(text: str) -> str:
+    """Its argument back."""
+    return text
+
+
 @server.tool(annotations=ToolAnnotations(destructiveHint=True))
 def add_note(text: str) -> str:
     """Adds a note."""
@@ -31,7 +37,9 @@ def add_note(text: str) -> str:
 
 
 if __name__ == "__main__":
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and
+    # without it each SSE event waits ~40 ms for the client's delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     print(sock.getsockname()[1], flush=True)
