@@ -154,6 +154,19 @@ _ALLOW_HOOKS_HELP = (
     help="A streamable-HTTP MCP server, served to the agent through the stage gate at "
     "$JUKEBOX_MCP_URL/NAME/ (repeatable; docs/mcp.md).",
 )
+@click.option("--mcp-policy", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="MCP tool policy (TOML: mode, and a [tools] table of \"PATTERN\" = "
+              "\"allow|stage|deny|ask\"), for every server of --mcp-config and "
+              "--mcp-upstream (docs/mcp.md).")  # fmt: skip
+@click.option("--mcp-allow", multiple=True, metavar="TOOL",
+              help="Forward this MCP tool's calls at once (repeatable; SERVER/TOOL or TOOL, "
+              "with * and ?; after --mcp-policy's rules).")  # fmt: skip
+@click.option("--mcp-stage", multiple=True, metavar="TOOL",
+              help="Hold this MCP tool's calls until the verdict (repeatable).")  # fmt: skip
+@click.option("--mcp-deny", multiple=True, metavar="TOOL",
+              help="Refuse this MCP tool (repeatable).")  # fmt: skip
+@click.option("--mcp-ask", multiple=True, metavar="TOOL",
+              help="Ask the operator before this MCP tool runs (repeatable).")  # fmt: skip
 @click.option("--max-tool-calls", type=int, default=None, metavar="N",
               help="Circuit breaker: stop at the MCP tool call past the Nth.")  # fmt: skip
 @click.option("--max-tool-repeat", type=int, default=None, metavar="N",
@@ -187,6 +200,11 @@ def run(
     no_seccomp: bool,
     mcp_config: str | None,
     mcp_upstreams: tuple[str, ...],
+    mcp_policy: str | None,
+    mcp_allow: tuple[str, ...],
+    mcp_stage: tuple[str, ...],
+    mcp_deny: tuple[str, ...],
+    mcp_ask: tuple[str, ...],
     max_tool_calls: int | None,
     max_tool_repeat: int | None,
     cmd: tuple[str, ...],
@@ -257,8 +275,19 @@ def run(
         record_sql_results=record_sql_results,
         max_sql_lock_seconds=max_sql_lock_seconds,
         mcp_limits=_tool_limits(max_tool_calls, max_tool_repeat),
+        mcp_policy=_mcp_policy(mcp_policy, mcp_allow, mcp_stage, mcp_deny, mcp_ask),
     )
     sys.exit(code)
+
+
+def _mcp_policy(path: str | None, allow: tuple[str, ...], stage: tuple[str, ...],
+                deny: tuple[str, ...], ask: tuple[str, ...]):  # fmt: skip
+    """The booth's MCP policy (jukebox.mcp.policy), or None: the tools' annotations decide."""
+    if path is None and not (allow or stage or deny or ask):
+        return None
+    from jukebox.mcp.policy import build_policy, flag_rules
+
+    return build_policy(None, path, flag_rules(allow, stage, deny, ask))
 
 
 def _mcp_upstreams(specs: tuple[str, ...]) -> dict[str, str] | None:

@@ -134,15 +134,31 @@ def wrapped_config(config: dict[str, Any], jukebox: str, extra: list[str] | None
 
 
 def write_wrapped_config(config: dict[str, Any], directory: str,
-                         http: dict[str, str] | None = None) -> str:  # fmt: skip
-    """The rewritten config, in a private file the agent can read; its path."""
+                         http: dict[str, str] | None = None,
+                         policy: Any = None) -> str:  # fmt: skip
+    """The rewritten config, in a private file the agent can read; its path. With `policy` (the
+    booth's jukebox.mcp.policy.Policy), each wrapper reads it from a file beside the config."""
     import os
     import shutil
     import sys
 
     jukebox = shutil.which("jukebox") or os.path.join(os.path.dirname(sys.executable), "jukebox")
-    path = os.path.join(directory, "mcp.json")
+    extra: list[str] = []
+    if policy is not None:
+        tools: dict[str, str] = {}
+        for rule in policy.rules:  # in order, the last of a pattern last: the last match wins
+            tools.pop(rule.pattern, None)
+            tools[rule.pattern] = rule.decision
+        extra = ["--policy", _write_new(os.path.join(directory, "mcp-policy.json"),
+                                        {"mode": policy.mode, "tools": tools})]  # fmt: skip
+    return _write_new(os.path.join(directory, "mcp.json"),
+                      wrapped_config(config, jukebox, extra, http=http))  # fmt: skip
+
+
+def _write_new(path: str, data: Any) -> str:
+    import os
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     with open(fd, "w") as f:
-        json.dump(wrapped_config(config, jukebox, http=http), f, indent=2)
+        json.dump(data, f, indent=2)
     return path

@@ -34,12 +34,13 @@ def notes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     proc.wait(timeout=10)
 
 
-def booth(s: dict, tape_id: str, status: int) -> subprocess.CompletedProcess[str]:
+def booth(s: dict, tape_id: str, status: int, *extra: str) -> subprocess.CompletedProcess[str]:
     tree = s["tmp"] / f"tree-{tape_id}"
     tree.mkdir()
     return subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(s["tmp"] / "tapes"),
-         "--tape-id", tape_id, "--mcp-upstream", f"notes={s['url']}", "--commit", "auto", "--",
+         "--tape-id", tape_id, "--mcp-upstream", f"notes={s['url']}", "--commit", "auto", *extra,
+         "--",
          sys.executable, str(HERE / "http_agent.py"), str(status)],
         capture_output=True, text=True, timeout=120, cwd=tree,
     )  # fmt: skip
@@ -53,6 +54,29 @@ def said(proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
             if "step" in step:  # not replay's --json result
                 out.setdefault(step["step"], []).append(step)
     return out
+
+
+def test_policy_rules_apply_to_an_http_server(notes_server: dict) -> None:
+    # A rule from the policy file, then a flag after it: the flag wins for add_note.
+    s = notes_server
+    policy = s["tmp"] / "policy.toml"
+    policy.write_text('[tools]\n"notes/add_note" = "stage"\n"read_*" = "deny"\n')
+    proc = booth(s, "p1", 0, "--mcp-policy", str(policy), "--mcp-deny", "notes/add_note",
+                 "--mcp-allow", "read_notes")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    steps = said(proc)
+    refused = steps["add_note"][0]
+    assert refused["error"] and "rule notes/add_note" in refused["text"]
+    assert [r["error"] for r in steps["read_notes"]] == [False, False]
+    assert not s["notes"].exists()  # refused: it never reached the server
+    tape = s["tmp"] / "tapes" / "p1.jbx"
+    calls = payloads(tape, "tool_call")
+    assert [(c["tool"], c["decision"], c["why"]) for c in calls] == [
+        ("read_notes", "allow", "rule read_notes"), ("add_note", "deny", "rule notes/add_note"),
+        ("read_notes", "allow", "rule read_notes"),
+    ]  # fmt: skip
+    (start,) = payloads(tape, "run_start")
+    assert ["notes/add_note", "deny"] in start["policy"]["mcp_policy"]["rules"]
 
 
 def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
