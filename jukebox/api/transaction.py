@@ -793,10 +793,13 @@ class Transaction:
         return self._tools
 
     def stage_tool_call(self, tool: str, args: Mapping[str, Any] | None = None,
-                        run: Any = None, *, server: str | None = None) -> str:  # fmt: skip
+                        run: Any = None, *, server: str | None = None,
+                        compensate: Any = None) -> str:  # fmt: skip
         """Stage a call of a tool that is not MCP: ``run()`` (a function, or a coroutine
         function: then ``await tx.commit()``) runs only at the commit, after the files, in the
-        order staged. Returns its id. Refused (PermissionError) under mcp_mode='deny'."""
+        order staged. Returns its id. Refused (PermissionError) under mcp_mode='deny'.
+        ``compensate()``, if given, runs when a call staged after this one fails at the commit
+        (this one having run); docs/mcp.md says what that can promise."""
         if run is None or not callable(run):
             raise TypeError("stage_tool_call needs run=, the function the commit calls")
         with self._lock:
@@ -811,17 +814,29 @@ class Transaction:
                     "use mcp_mode='staged_acid' to stage it until the commit"
                 )
             newest = self.checkpoints[-1].n if self.checkpoints else 0
-            return self._tool_stage().stage(tool, _json_safe(args), run, server, newest)
+            return self._tool_stage().stage(tool, _json_safe(args), run, server, newest,
+                                            compensate=compensate)  # fmt: skip
 
     async def tool(self, session: Any, name: str, args: Mapping[str, Any] | None = None, *,
-                   server: str | None = None) -> Any:  # fmt: skip
+                   server: str | None = None, rules: Mapping[str, str] | None = None,
+                   ask: Any = None,
+                   compensate: tuple[str, Mapping[str, Any]] | None = None) -> Any:  # fmt: skip
         """Call MCP tool ``name`` over ``session`` (an ``mcp.ClientSession``) under the
         transaction's mcp_mode: read-only tools (their own annotations) run now; others are
         staged until ``await tx.commit()`` (staged_acid) or refused (deny). Returns the tool's
-        result, or one that says it was staged (with its id) or refused."""
+        result, or one that says it was staged (with its id) or refused.
+
+        ``rules``: {"PATTERN": "allow|stage|deny|ask"} before the annotations, as a policy
+        file's (docs/mcp.md). ``ask(server, tool, args)`` (a function or coroutine function)
+        answers a call decided ``ask``: true runs it now, false refuses it; without it an ask is
+        refused. ``compensate=(TOOL, ARGS)``: the call the commit makes over the same session
+        if a call staged after this one fails, once this one has run."""
         self._check_open()
         newest = self.checkpoints[-1].n if self.checkpoints else 0
-        return await self._tool_stage().tool(session, name, dict(args or {}), server, newest)
+        return await self._tool_stage().tool(
+            session, name, dict(args or {}), server, newest, rules=rules, ask=ask,
+            compensate=(compensate[0], dict(compensate[1])) if compensate else None,
+        )  # fmt: skip
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -32,6 +32,10 @@ class _Staged:
     args: dict[str, Any]
     run: Callable[[], Any]
     after_checkpoint: int
+    # Run if a call staged after this one fails at the commit, once this one has run.
+    compensate: Callable[[], Any] | None = None
+    compensate_tool: str | None = None
+    compensate_args: dict[str, Any] | None = None
 
 
 class ToolStage:
@@ -50,8 +54,12 @@ class ToolStage:
         return {**frame, **fields}
 
     def stage(self, tool: str, args: dict[str, Any], run: Callable[[], Any], server: str | None,
-              after_checkpoint: int, why: str = "stage_tool_call") -> str:  # fmt: skip
-        call = _Staged(f"stage-{self._next}", tool, server, args, run, after_checkpoint)
+              after_checkpoint: int, why: str = "stage_tool_call",
+              compensate: Callable[[], Any] | None = None,
+              compensate_tool: str | None = None,
+              compensate_args: dict[str, Any] | None = None) -> str:  # fmt: skip
+        call = _Staged(f"stage-{self._next}", tool, server, args, run, after_checkpoint,
+                       compensate, compensate_tool, compensate_args)  # fmt: skip
         self._next += 1
         self.calls.append(call)
         self.append("tool_call", self._frame(call, decision="stage", why=why, ok=True,
@@ -74,7 +82,8 @@ class ToolStage:
     # -- MCP --------------------------------------------------------------------------------------
 
     async def tool(self, session: Any, name: str, args: dict[str, Any], server: str | None,
-                   after_checkpoint: int) -> Any:  # fmt: skip
+                   after_checkpoint: int, rules: Any = None, ask: Any = None,
+                   compensate: tuple[str, dict[str, Any]] | None = None) -> Any:  # fmt: skip
         import mcp.types as types
 
         known = self._annotations.get(id(session))
@@ -83,10 +92,30 @@ class ToolStage:
             known = {t.name: (wire(t.annotations) if t.annotations is not None else None)
                      for t in listing.tools}  # fmt: skip
             self._annotations[id(session)] = known
-        decision = self.policy.decide(server or "", name, known.get(name))
+        policy = self.policy
+        if rules:
+            from jukebox.mcp.policy import Policy, build_policy
+
+            policy = Policy(self.policy.mode, build_policy(
+                None, flags=[(d, p) for p, d in rules.items()]).rules)  # fmt: skip
+        decision = policy.decide(server or "", name, known.get(name))
         base: dict[str, Any] = {"tool": name, "args": args, **decision.as_dict()}
         if server is not None:
             base["server"] = server
+        if decision.decision == "ask" and ask is not None:
+            # The operator here is the caller's function: ask(server, tool, args) -> bool.
+            answer = ask(server, name, args)
+            if inspect.isawaitable(answer):
+                answer = await answer
+            approved = bool(answer)
+            self.append("note", {"event": "mcp_answer", "server": server, "tool": name,
+                                 "answer": "approve" if approved else "deny",
+                                 "by": "ask="})  # fmt: skip
+            from jukebox.mcp.policy import Decision
+
+            decision = Decision("allow" if approved else "deny", "ask: the operator " + (
+                "approved" if approved else "refused"))  # fmt: skip
+            base.update(decision.as_dict())
         if decision.decision in ("deny", "ask"):
             text = (f"jukebox refused this call of {name!r} ({decision.why}; the transaction's "
                     "mcp_mode); it did not run.")  # fmt: skip
@@ -96,8 +125,17 @@ class ToolStage:
                                       "ok": False})  # fmt: skip
             return result
         if decision.decision == "stage":
+            undo = None
+            if compensate is not None:
+                undo_call = (compensate[0], dict(compensate[1]))
+
+                def undo() -> Any:
+                    return session.call_tool(*undo_call)
+
+            undo_tool, undo_args = compensate if compensate is not None else (None, None)
             staged = self.stage(name, args, lambda: session.call_tool(name, args), server,
-                                after_checkpoint, why=decision.why)  # fmt: skip
+                                after_checkpoint, why=decision.why, compensate=undo,
+                                compensate_tool=undo_tool, compensate_args=undo_args)  # fmt: skip
             text = (f"jukebox staged this call as {staged}: it has not run. It runs only if the "
                     "transaction commits, in the order it was staged.")  # fmt: skip
             return types.CallToolResult(
@@ -144,10 +182,12 @@ class ToolStage:
                 if inspect.isawaitable(value):
                     value = await value
             except Exception as error:
-                self._failed(calls, j, report, f"{type(error).__name__}: {error}", started)
+                await self._failed_async(calls, j, report, f"{type(error).__name__}: {error}",
+                                         started)  # fmt: skip
                 return report
             if getattr(value, "is_error", False):
-                self._failed(calls, j, report, "the tool reported an error", started, value)
+                await self._failed_async(calls, j, report, "the tool reported an error", started,
+                                         value)  # fmt: skip
                 return report
             self._ran(call, value, report, started)
         self.append("note", report)
@@ -161,13 +201,70 @@ class ToolStage:
 
     def _failed(self, calls: list[_Staged], i: int, report: dict[str, Any], error: str,
                 started: float, value: Any = None) -> None:  # fmt: skip
+        self._fail_frame(calls, i, report, error, started, value)
+        for call in self._to_compensate(calls, i, report):
+            begun = time.perf_counter()
+            try:
+                undone = call.compensate() if call.compensate is not None else None
+                if inspect.isawaitable(undone):
+                    close = getattr(undone, "close", None)
+                    if close is not None:
+                        close()
+                    raise RuntimeError("a coroutine compensation needs `await tx.commit()`")
+            except Exception as exc:
+                self._compensated(call, report, None, f"{type(exc).__name__}: {exc}", begun)
+                continue
+            self._compensated(call, report, undone, None, begun)
+        self.append("note", report)
+
+    async def _failed_async(self, calls: list[_Staged], i: int, report: dict[str, Any],
+                            error: str, started: float, value: Any = None) -> None:  # fmt: skip
+        self._fail_frame(calls, i, report, error, started, value)
+        for call in self._to_compensate(calls, i, report):
+            begun = time.perf_counter()
+            try:
+                undone = call.compensate() if call.compensate is not None else None
+                if inspect.isawaitable(undone):
+                    undone = await undone
+            except Exception as exc:
+                self._compensated(call, report, None, f"{type(exc).__name__}: {exc}", begun)
+                continue
+            failed = "the tool reported an error" if getattr(undone, "is_error", False) else None
+            self._compensated(call, report, undone, failed, begun)
+        self.append("note", report)
+
+    def _fail_frame(self, calls: list[_Staged], i: int, report: dict[str, Any], error: str,
+                    started: float, value: Any) -> None:  # fmt: skip
         fields: dict[str, Any] = {"decision": "commit", "ok": False, "error": {"message": error},
                                   "latency_ms": _ms(started)}  # fmt: skip
         if value is not None:
             fields["result"] = _jsonable(value)
         self.append("tool_call", self._frame(calls[i], **fields))
         report.update(failed=calls[i].id, error=error, not_run=[c.id for c in calls[i + 1:]])
-        self.append("note", report)
+
+    @staticmethod
+    def _to_compensate(calls: list[_Staged], i: int, report: dict[str, Any]) -> list[_Staged]:
+        """The calls that ran before the failed one and declared a compensation, newest first."""
+        ran = set(report["ran"])
+        chosen = [c for c in reversed(calls[:i]) if c.id in ran and c.compensate is not None]
+        if chosen:
+            report.update(compensated=[], compensation_failed=[])
+        return chosen
+
+    def _compensated(self, call: _Staged, report: dict[str, Any], value: Any, error: str | None,
+                     started: float) -> None:  # fmt: skip
+        frame: dict[str, Any] = {"tool": call.compensate_tool or call.tool,
+                                 "args": call.compensate_args or {},
+                                 "staged_id": call.id, "decision": "compensate",
+                                 "ok": error is None, "latency_ms": _ms(started)}  # fmt: skip
+        if call.server is not None:
+            frame["server"] = call.server
+        if value is not None:
+            frame["result"] = _jsonable(value)
+        if error is not None:
+            frame["error"] = {"message": error}
+        self.append("tool_call", frame)
+        report["compensated" if error is None else "compensation_failed"].append(call.id)
 
 
 def _jsonable(value: Any) -> Any:

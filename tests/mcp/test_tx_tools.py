@@ -96,3 +96,51 @@ def test_the_log_names_the_server_and_the_decision() -> None:
     assert describe("tool_call", staged) == "memory/create_entities({'n': 1}) staged stage-2"
     assert describe("tool_call", {**staged, "decision": "commit"}).endswith(" ran stage-2")
     assert describe("tool_call", {"tool": "t", "args": {}, "decision": "deny"}) == "t({}) denied"
+
+
+def test_ask_and_a_compensating_call_over_the_memory_server(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    env = {**os.environ, "MEMORY_FILE_PATH": str(tmp_path / "memory.jsonl")}
+    asked: list[tuple] = []
+
+    async def operator(server, tool, args) -> bool:  # type: ignore[no-untyped-def]
+        asked.append((server, tool, args))
+        return args["entities"][0]["name"] == "asked-yes"
+
+    def fail() -> None:
+        raise RuntimeError("the ticket system is down")
+
+    async def agent() -> None:
+        params = StdioServerParameters(command=memory_server()[0], env=env)
+        async with stdio_client(params) as (r, w), ClientSession(r, w) as session:
+            await session.initialize()
+            jb = Jukebox(tape_dir=str(tmp_path / "tapes"), sandbox=SandboxPolicy(root=tree))
+            async with jb.transaction(tape_id="tx3") as tx:
+                rules = {"memory/create_*": "ask"}
+                yes = await tx.tool(session, "create_entities", entity("asked-yes"),
+                                    server="memory", rules=rules, ask=operator)  # fmt: skip
+                no = await tx.tool(session, "create_entities", entity("asked-no"),
+                                   server="memory", rules=rules, ask=operator)  # fmt: skip
+                assert not yes.is_error and no.is_error
+                # The approved call ran at once; the refused one never did.
+                assert names(await tx.tool(session, "read_graph", {})) == ["asked-yes"]
+                await tx.tool(session, "create_entities", entity("alpha"), server="memory",
+                              compensate=("delete_entities", {"entityNames": ["alpha"]}))
+                tx.stage_tool_call("notify", {"to": "ops"}, run=fail)
+                outcome = await tx.commit()
+            assert outcome.tool_calls["ran"] == ["stage-1"]
+            assert outcome.tool_calls["failed"] == "stage-2"
+            # alpha was created by the commit, then taken back when notify failed.
+            assert outcome.tool_calls["compensated"] == ["stage-1"]
+            assert names(await session.call_tool("read_graph", {})) == ["asked-yes"]
+
+    anyio.run(agent)
+    assert [a[2]["entities"][0]["name"] for a in asked] == ["asked-yes", "asked-no"]
+    calls = payloads(tmp_path / "tapes" / "tx3.jbx", "tool_call")
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        ("create_entities", "allow"), ("create_entities", "deny"), ("read_graph", "allow"),
+        ("create_entities", "stage"), ("notify", "stage"), ("create_entities", "commit"),
+        ("notify", "commit"), ("delete_entities", "compensate"),
+    ]  # fmt: skip
+    assert calls[0]["why"] == "ask: the operator approved" and calls[-1]["ok"]
