@@ -119,15 +119,18 @@ def wrap_command(
     from jukebox.mcp.record import BoothSink, DeferredSink, TapeSink, env_scrubber
 
     scrubber = env_scrubber(os.environ)
+    sink: Any
     stager: Any
     asker: Any
-    # Frames are written after the agent has its answer, on a thread of their own.
     if in_booth:  # the tape dir is hidden in a booth: the supervisor records, and stages
+        # Each frame reaches the supervisor before the agent has its answer: an agent that
+        # exits at once ends the booth, which kills this process with whatever it still held.
         booth_sink = BoothSink(argv, scrubber)
-        sink = DeferredSink(booth_sink)
-        stager = functools.partial(sink.call, booth_sink.stage)
-        asker = functools.partial(sink.call, functools.partial(booth_sink.ask, wait=ask_timeout))
+        sink, stager = booth_sink, booth_sink.stage
+        asker = functools.partial(booth_sink.ask, wait=ask_timeout)
     else:
+        # Outside a booth frames are written after the agent has its answer, on a thread of
+        # their own, and all of them when the agent closes the connection.
         sink = DeferredSink(TapeSink(tape_dir, server, argv, policy.describe(), scrubber,
                                      tape_id))  # fmt: skip
         stager = asker = None

@@ -55,6 +55,11 @@ async def agent_stdio() -> AsyncIterator[tuple[Any, Any]]:
         async with _serve(read_fd, write_fd) as streams:
             yield streams
     finally:
+        # The pipes' open file descriptions may be shared with other processes: leave them
+        # blocking, as they came.
+        for fd in (read_fd, write_fd):
+            with contextlib.suppress(OSError):
+                os.set_blocking(fd, True)
         os.dup2(saved_in, 0)
         os.dup2(saved_out, 1)
         for fd in (saved_in, saved_out, read_fd, write_fd):
