@@ -41,7 +41,7 @@ class HttpGateways:
                  stage: Callable[[str, str, dict[str, Any]], str],
                  scrub: Callable[[dict[str, Any]], Any],
                  timeout: float = 60.0, ask_timeout: float = 300.0,
-                 replay: Any = None) -> None:  # fmt: skip
+                 replay: Any = None, scrubber: Any = None) -> None:  # fmt: skip
         self.upstreams = upstreams
         self.gate = gate  # jukebox.mcp.staging.StageGate
         self.policy = policy
@@ -53,6 +53,13 @@ class HttpGateways:
         # upstream is reached only past the recording.
         self.replay = replay
         self.secret = token_urlsafe(24)
+        # jukebox.redact.Scrubber: the secrets `scrub` takes out of every frame. A replay
+        # compares the agent's arguments with the recorded ones through it (the tape holds them
+        # redacted), and the gateway's own URL secret is one of them.
+        from jukebox.redact import Scrubber
+
+        self.scrubber = scrubber if scrubber is not None else Scrubber()
+        self.scrubber.add([self.secret])
         self.port = 0
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -159,10 +166,9 @@ class HttpGateways:
         from jukebox.mcp.booth_upstream import BoothReplayUpstream
         from jukebox.mcp.gateway import Gateway
         from jukebox.mcp.record import wire
-        from jukebox.redact import Scrubber
 
         upstream = BoothReplayUpstream(
-            name, [], Scrubber(), START_TIMEOUT, ask=self.replay.handle,
+            name, [], self.scrubber, START_TIMEOUT, ask=self.replay.handle,
             connect=lambda: streamable_http_client(url),
         )  # fmt: skip
         init = await upstream.initialize_result()

@@ -30,7 +30,9 @@ async def main(status: int) -> int:
     ):
         await session.initialize()
         await session.list_tools()
-        for tool, args in (("read_notes", {}), ("add_note", {"text": "hello"}),
+        # A secret of the operator's in an argument: the tape must never hold it.
+        text = " ".join(filter(None, ["hello", os.environ.get("NOTES_API_TOKEN")]))
+        for tool, args in (("read_notes", {}), ("add_note", {"text": text}),
                            ("read_notes", {})):  # fmt: skip
             result = await session.call_tool(tool, args)
             say(step=tool, error=result.is_error, text=result.content[0].text,

@@ -7,6 +7,7 @@ calls from the tape."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ from tests.mcp.conftest import JUKEBOX, payloads
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 HERE = Path(__file__).resolve().parent
+TOKEN = "notes-token-5ec7e7-0123456789"
+ENV = {**os.environ, "NOTES_API_TOKEN": TOKEN}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def booth(s: dict, tape_id: str, status: int, *extra: str) -> subprocess.Complet
          "--tape-id", tape_id, "--mcp-upstream", f"notes={s['url']}", "--commit", "auto", *extra,
          "--",
          sys.executable, str(HERE / "http_agent.py"), str(status)],
-        capture_output=True, text=True, timeout=120, cwd=tree,
+        capture_output=True, text=True, timeout=120, cwd=tree, env=ENV,
     )  # fmt: skip
 
 
@@ -92,7 +95,8 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     assert [r["text"] for r in steps["read_notes"]] == ["", ""]
     assert steps["knock"] == [{"step": "knock", "status": 404}]
     # The commit ran it against the real server, after the agent's run.
-    assert s["notes"].read_text() == "hello\n"
+    assert s["notes"].read_text() == f"hello {TOKEN}\n"  # the commit ran it as the agent sent it
+    assert TOKEN.encode() not in (s["tmp"] / "tapes" / "h1.jbx").read_bytes()
     tape = s["tmp"] / "tapes" / "h1.jbx"
     calls = payloads(tape, "tool_call")
     assert [(c["tool"], c["decision"]) for c in calls] == [
@@ -108,8 +112,9 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     # Every server stopped: the replay's gateway answers from the tape.
     s["proc"].terminate()
     s["proc"].wait(timeout=10)
+    # The replay compares the agent's arguments with the recorded ones without the secret.
     proc = subprocess.run([JUKEBOX, "replay", str(tape), "--exec", "--json"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=120, env=ENV)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     again = said(proc)
     assert again["read_notes"] == steps["read_notes"] and again["add_note"] == steps["add_note"]
