@@ -43,11 +43,23 @@ class ServerSpec:
 
     def describe(self) -> dict[str, Any]:
         """What a tape may say: the command, and the names (never the values) of its env."""
-        from jukebox.redact import Scrubber, redact_argv, redact_text, url_secrets
+        from jukebox.redact import (
+            Scrubber,
+            is_secret_env_name,
+            redact_argv,
+            redact_text,
+            url_secrets,
+        )
 
         if self.url is not None:
             return {"url": redact_text(self.url, Scrubber(url_secrets(self.url)))}
-        return {"command": redact_argv(self.argv), "env": sorted(self.env)}
+        # The values of variables whose names do not look secret, so that a fork can start the
+        # server as it was (redacted further if they hold a key-shaped value or a URL password).
+        values = {}
+        for key, value in sorted(self.env.items()):
+            if not is_secret_env_name(key):
+                values[key] = redact_text(redact_argv([value])[0], Scrubber(url_secrets(value)))
+        return {"command": redact_argv(self.argv), "env": sorted(self.env), "env_values": values}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServerSpec:
@@ -162,3 +174,35 @@ def _write_new(path: str, data: Any) -> str:
     with open(fd, "w") as f:
         json.dump(data, f, indent=2)
     return path
+
+
+def restored_env(server: str, described: dict[str, Any], environ: Any,
+                 ask: Any = None) -> dict[str, str]:  # fmt: skip
+    """A recorded stdio server's environment for a replay or fork: the caller's value of each
+    variable it had, else the value on the tape (recorded for names that do not look secret);
+    a value on neither (a secret, or one redacted) is asked for with `ask(server, name)` (a
+    terminal) or left out, and said in one line: the server needs it only if the run goes past
+    its recording."""
+    import sys
+
+    from jukebox.redact import REDACTED
+
+    recorded = {k: v for k, v in (described.get("env_values") or {}).items()
+                if isinstance(v, str) and REDACTED not in v}  # fmt: skip
+    out: dict[str, str] = {}
+    missing = []
+    for key in described.get("env") or []:
+        value = environ.get(key, recorded.get(key))
+        if value is None and ask is not None:
+            value = ask(server, key)
+        if value is None:
+            missing.append(key)
+        else:
+            out[key] = value
+    if missing:
+        sys.stderr.write(
+            f"jukebox: the MCP server {server!r} ran with {', '.join(missing)} set; the tape "
+            "keeps no such value: set it in the environment if the run goes past its "
+            "recording\n"
+        )
+    return out

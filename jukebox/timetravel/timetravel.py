@@ -85,7 +85,9 @@ class Recorded:
             command = [str(a) for a in described.get("command") or []]
             if not command:
                 continue
-            env = {k: environ[k] for k in described.get("env") or [] if k in environ}
+            from jukebox.mcp.servers import restored_env
+
+            env = restored_env(name, described, environ, _ask_env if _terminal() else None)
             servers[name] = {"command": command[0], "args": command[1:], "env": env}
         return {"mcpServers": servers}
 
@@ -910,3 +912,18 @@ def _fork_exec(
         result.code = 1 if difference is not None or result.problems else 0
     finally:
         scratch_path.unlink(missing_ok=True)
+
+
+def _terminal() -> bool:
+    import sys
+
+    return sys.stdin.isatty() and sys.stderr.isatty()
+
+
+def _ask_env(server: str, name: str) -> str | None:
+    """A recorded MCP server's secret, typed by the operator (not echoed); None if left empty."""
+    import getpass
+
+    value = getpass.getpass(f"jukebox: the MCP server {server!r} ran with {name} set; its "
+                            "value (not shown; Enter to leave it out): ")  # fmt: skip
+    return value or None

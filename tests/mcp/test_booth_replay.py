@@ -26,6 +26,9 @@ AGENT = str(Path(__file__).resolve().parent / "replay_agent.py")
 SEED = {"type": "entity", "name": "seed", "entityType": "x", "observations": ["s" * 100_000]}
 
 
+TOKEN = "memory-token-0123456789abcdef"
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """One booth run with the real memory server, recorded and committed (its staged call ran)."""
@@ -38,7 +41,8 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     memory.write_text(json.dumps(SEED) + "\n")
     config = tmp / "mcp.json"
     config.write_text(json.dumps({"mcpServers": {"memory": {
-        "command": memory_server()[0], "env": {"MEMORY_FILE_PATH": str(memory)},
+        "command": memory_server()[0],
+        "env": {"MEMORY_FILE_PATH": str(memory), "MEMORY_API_TOKEN": TOKEN},
     }}}))  # fmt: skip
     proc = subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
@@ -100,10 +104,20 @@ def test_fork_overrides_a_tool_result_and_goes_live_after_it(recorded: dict) -> 
     override = {"content": [{"type": "text", "text": "forked"}],
                 "structuredContent": {"entities": [{"name": "forked", "entityType": "x",
                                                     "observations": []}], "relations": []}}
+    # The server's environment comes back from the tape (MEMORY_FILE_PATH is no secret): the
+    # caller does not set it.
+    (start,) = payloads(recorded["tape"], "run_start")
+    described = start["policy"]["mcp_servers"]["memory"]
+    assert described["env_values"] == {"MEMORY_FILE_PATH": str(recorded["memory"])}
+    assert "MEMORY_FILE_PATH" not in os.environ
+    # A secret's value never reaches the tape: the fork says it is missing, in one line.
+    assert described["env"] == ["MEMORY_API_TOKEN", "MEMORY_FILE_PATH"]
+    assert TOKEN.encode() not in recorded["tape"].read_bytes()
     proc = jukebox("fork", str(recorded["tape"]), "--at", str(at), "--tool-result",
-                   json.dumps(override), "--exec", "--tape-dir", str(recorded["tapes"]),
-                   env={"MEMORY_FILE_PATH": str(recorded["memory"])})  # fmt: skip
+                   json.dumps(override), "--exec", "--tape-dir",
+                   str(recorded["tapes"]))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert "'memory' ran with MEMORY_API_TOKEN set; the tape keeps no such value" in proc.stderr
     steps = said(proc)
     assert steps[0] == {"step": "read", "names": ["forked"]}
     assert "staged" in steps[1]["text"]  # past the fork, the booth's policy again
