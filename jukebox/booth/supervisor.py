@@ -1162,7 +1162,8 @@ class _Run:
 
 
 def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any,
-                         env: Mapping[str, str], img: Image) -> Any:  # fmt: skip
+                         env: Mapping[str, str], img: Image,
+                         policy: Any = None) -> Any:  # fmt: skip
     """The supervisor's gateway to the streamable-HTTP MCP servers (jukebox.mcp.http_gateway),
     listening where the agent can connect (inside its network namespace under --net none)."""
     import socket as socket_mod
@@ -1189,8 +1190,8 @@ def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any
             return str(run.mcp.stage_declared(server, tool, args, len(run.checkpoints) - 1)["id"])
 
     gateways = HttpGateways({n: s.url for n, s in servers.items()}, run.mcp,
-                            Policy("staged_acid"), stage, lambda p: scrub(p, scrubber),
-                            replay=run.mcp.replay)  # fmt: skip
+                            policy or Policy("staged_acid"), stage, lambda p: scrub(p, scrubber),
+                            replay=run.mcp.replay, scrubber=scrubber)  # fmt: skip
     return gateways.start(listener)
 
 
@@ -1392,6 +1393,7 @@ def run_booth(
     mcp_limits: Any = None,
     mcp_replay: Any = None,
     mcp_upstreams: Mapping[str, str] | None = None,
+    mcp_policy: Any = None,
     record_sql_results: bool = False,
     sql_replay: Any = None,
     max_sql_lock_seconds: float | None = None,
@@ -1405,6 +1407,8 @@ def run_booth(
     answers the gateways inside are served (jukebox.mcp.booth_replay.ToolReplay).
     `mcp_upstreams`: {name: URL} of streamable-HTTP MCP servers, served to the agent through the
     supervisor's gateway (jukebox.mcp.http_gateway), declared like `mcp_config`'s.
+    `mcp_policy`: a jukebox.mcp.policy.Policy for every MCP server's calls (None: the tools'
+    annotations decide, under staged_acid).
 
     `databases`: {name: postgresql:// URL} (--pg), each behind a SQL savepoint proxy whose
     transaction ends with the verdict (jukebox.sql); `record_sql_results` keeps what each
@@ -1489,6 +1493,7 @@ def run_booth(
         mcp_http=mcp_http,
         mcp_limits=mcp_limits,
         mcp_replay=mcp_replay,
+        mcp_policy=mcp_policy,
         databases=databases,
         two_phase=two_phase,
         max_sql_rows_changed=max_sql_rows_changed,
@@ -1532,6 +1537,7 @@ class _BoothOptions:
     mcp_http: dict[str, Any]
     mcp_limits: Any
     mcp_replay: Any
+    mcp_policy: Any
     databases: Mapping[str, str] | None
     two_phase: dict[str, bool]
     max_sql_rows_changed: int | None
@@ -1737,6 +1743,7 @@ def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
                 "paths": o.paths.policy(),
                 "mcp_servers": {n: s.describe() for n, s in o.mcp_servers.items()},
                 "mcp_limits": o.mcp_limits.limits() if o.mcp_limits is not None else None,
+                "mcp_policy": o.mcp_policy.describe() if o.mcp_policy is not None else None,
             },
             "host": host_facts(),
             "env": o.img.describe_env(env),
@@ -1837,7 +1844,14 @@ def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
     from jukebox.mcp.staging import StageGate
 
     writer = run.writer
-    run.mcp = StageGate(o.mcp_servers, lambda kind, payload: writer.append(kind, payload),
+    from jukebox.mcp.record import scrub
+    from jukebox.redact import Scrubber
+
+    # The calls a commit runs carry the arguments as the agent sent them (secrets too): their
+    # frames, and every other the gate records, lose the operator's secret values first.
+    secrets = Scrubber(v for k, v in o.img.filter_env(os.environ).items() if o.img.is_secret(k))
+    run.mcp = StageGate(o.mcp_servers,
+                        lambda kind, payload: writer.append(kind, scrub(payload, secrets)),
                         o.mcp_limits, run.on_trip)  # fmt: skip
     if o.mcp_replay is not None:
         o.mcp_replay.record = writer.append
@@ -1932,7 +1946,8 @@ def _start_mcp_gateways(
     """The HTTP MCP servers' gateway, and the agent's `.mcp.json` rewritten through it."""
     http_urls: dict[str, str] = {}
     if o.mcp_http:
-        http_gateways = _start_http_gateways(run, o.mcp_http, llm_session, env, o.img)
+        http_gateways = _start_http_gateways(run, o.mcp_http, llm_session, env, o.img,
+                                             o.mcp_policy)  # fmt: skip
         services.callback(http_gateways.stop)
         http_urls = http_gateways.urls()
         env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
@@ -1940,7 +1955,7 @@ def _start_mcp_gateways(
         from jukebox.mcp.servers import write_wrapped_config
 
         env["JUKEBOX_MCP_CONFIG"] = write_wrapped_config(
-            o.mcp_declared or {"mcpServers": {}}, sock_dir, http_urls
+            o.mcp_declared or {"mcpServers": {}}, sock_dir, http_urls, o.mcp_policy
         )
     if o.mcp_replay is not None:
         from jukebox.mcp.record import REPLAY_ENV
