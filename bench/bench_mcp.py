@@ -36,6 +36,7 @@ STDIO_BOOTH = "tool call, stdio, in a booth (echo, 100 B)"
 HTTP_BOOTH = "tool call, streamable HTTP, in a booth (echo, 100 B)"
 DIRECT = "direct"
 WRAP = "jukebox mcp wrap"
+GATEWAY, CASE = WRAP, STDIO  # the stdio goal's row (bench/goals.py)
 HTTP_GATEWAY = "booth HTTP gateway"
 REPO = Path(__file__).resolve().parent.parent
 SERVER = [sys.executable, str(REPO / "tests" / "mcp" / "hostile_server.py")]

@@ -191,8 +191,12 @@ def _proxy_goals(rows: list[Row]) -> list[Verdict]:
 
 def _mcp_goal(rows: list[Row]) -> list[Verdict]:
     """What the MCP gateway adds to a tool call, at the p50, against calling the server."""
-    row = _find(rows, group=mcp_bench.GROUP, system=mcp_bench.GATEWAY)
+    row = _find(rows, group=mcp_bench.GROUP, case=mcp_bench.STDIO, system=mcp_bench.GATEWAY)
+    http = _find(rows, group=mcp_bench.GROUP, case=mcp_bench.HTTP_BOOTH,
+                 system=mcp_bench.HTTP_GATEWAY)  # fmt: skip
     return [_limit("MCP gateway: ≤ 1 ms added to a stdio tool call (p50)", row,
+                   "overhead_p50_us", MCP_LIMIT_US, "+{:,.0f} µs"),
+            _limit("MCP gateway: ≤ 1 ms added to a streamable-HTTP tool call (p50)", http,
                    "overhead_p50_us", MCP_LIMIT_US, "+{:,.0f} µs")]  # fmt: skip
 
 

@@ -53,6 +53,8 @@ def _full_run(*, slow_rollback: bool = False) -> list[dict[str, Any]]:
                      "overhead_p50_us": 800.0, "overhead_cpu_us": 900.0})
     rows.append({"group": mcp.GROUP, "case": mcp.CASE, "system": mcp.GATEWAY,
                  "overhead_p50_us": 600.0})
+    rows.append({"group": mcp.GROUP, "case": mcp.HTTP_BOOTH, "system": mcp.HTTP_GATEWAY,
+                 "overhead_p50_us": 700.0})
     rows += _waits(booth_ms=90.0, replay_ms=50.0, paused_us=250.0, loaded_ratio=0.9)
     return rows  # fmt: skip
 
@@ -83,7 +85,7 @@ def _startups(p50_by_system: dict[str, float]) -> list[dict[str, Any]]:
 def test_a_run_that_meets_every_goal_says_so_goal_by_goal() -> None:
     verdicts = goals.judge(_full_run())
 
-    assert len(verdicts) == 20
+    assert len(verdicts) == 21
     assert all(v.met is True for v in verdicts), [v for v in verdicts if v.met is not True]
     table = goals.render(verdicts)
     assert "| 10-file checkpoint through the mount, 100,000-file tree: p50 ≤ 1 ms |" in table
@@ -93,7 +95,9 @@ def test_a_run_that_meets_every_goal_says_so_goal_by_goal() -> None:
     assert "| LLM proxy, recording: ≤ 1 ms added to a stream's first token (p50) | +800 µs, " \
         "900 µs CPU | met |" in table
     assert "| MCP gateway: ≤ 1 ms added to a stdio tool call (p50) | +600 µs | met |" in table
-    assert table.endswith("20 of 20 measured goals met.")
+    http = "| MCP gateway: ≤ 1 ms added to a streamable-HTTP tool call (p50) | +700 µs | met |"
+    assert http in table
+    assert table.endswith("21 of 21 measured goals met.")
 
 
 def test_a_missed_goal_and_an_unmeasured_one_are_told_apart() -> None:
@@ -111,7 +115,7 @@ def test_a_missed_goal_and_an_unmeasured_one_are_told_apart() -> None:
     assert [m.met for m in memory] == [None]
     table = goals.render(list(by_goal.values()))
     assert "| **not met** |" in table and "| — | not measured |" in table
-    assert table.endswith("17 of 19 measured goals met.")
+    assert table.endswith("18 of 20 measured goals met.")
 
 
 def test_a_run_that_measured_no_goal_renders_nothing() -> None:
@@ -135,7 +139,7 @@ def test_the_command_judges_a_saved_run_and_exits_1_on_a_miss(tmp_path: Path) ->
     ok = _cli(str(good))
     missed = _cli(str(bad), "--json")
 
-    assert ok.returncode == 0 and "20 of 20 measured goals met." in ok.stdout
+    assert ok.returncode == 0 and "21 of 21 measured goals met." in ok.stdout
     assert missed.returncode == 1
     verdicts = json.loads(missed.stdout)
     assert [v["verdict"] for v in verdicts].count("not met") == 1
@@ -160,7 +164,7 @@ def test_the_report_opens_with_the_goals_before_the_tables_behind_them() -> None
     report = harness.render_report([result], {"cpu": "test"}, "python -m bench", False, "now")
 
     assert report.index("## Goals") < report.index("## checkpoint")
-    assert "20 of 20 measured goals met." in report
+    assert "21 of 21 measured goals met." in report
 
 
 def test_a_backend_that_could_not_run_says_why_its_goal_was_not_measured() -> None:
