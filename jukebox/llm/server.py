@@ -332,8 +332,10 @@ class ProxyServer:
         while self._in_flight and time.monotonic() < deadline:  # their frames are still to come
             time.sleep(0.005)
         if self._token is not None and self._scope is not None:
+            # run_sync_soon, not trio.from_thread.run_sync: stop() may be called from inside
+            # another trio run (an async agent ending its run), where the blocking form refuses.
             with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+                self._token.run_sync_soon(self._scope.cancel)
         self._thread.join()
         self._thread = None
         with contextlib.suppress(OSError):
