@@ -24,7 +24,14 @@ from jukebox.tape.errors import (
     TornTape,
     UnsupportedVersion,
 )
-from jukebox.tape.frame import SPILL_THRESHOLD, canonical_json, encode_frame, frame_id
+from jukebox.tape.frame import (
+    SPILL_THRESHOLD,
+    canonical_json,
+    encode_frame,
+    encode_payload,
+    frame_id,
+    spill_encoded,
+)
 from jukebox.tape.tape import HEADER_SIZE, MAGIC, Tape, TapeWriter
 from shadowfs.oid import ObjectId, hash_object
 from shadowfs.store import Store
@@ -581,3 +588,40 @@ def test_refs_the_caller_made_durable_are_not_flushed_again_but_spilled_objects_
         with Store.open(tmp_path / "store", create=False) as other:
             assert other.has(spilled[0]) and other.has(oid)
         w.close()
+
+
+def test_a_large_encoded_payload_is_joined_not_encoded_again_and_the_bytes_are_the_same(
+    tmp_path: Path,
+) -> None:
+    # Past the threshold in total, with no value over it (a streamed llm_turn), or with one
+    # that spills: the writer splices the join of the values' encodings in, and the frames
+    # must be the very bytes the plain encoding of the payload gives.
+    half = "y" * (SPILL_THRESHOLD // 2)
+    payloads = [
+        {"a": half, "b": half, "é": [1, 2.5, None, {"z": "ü"}]},  # 4 KiB+ in total, no spill
+        {"a": half, "big": "x" * (SPILL_THRESHOLD + 1), "n": 1},  # one value spills
+        {"small": 1},
+    ]
+    for p in payloads:
+        with Store.open(tmp_path / "s0") as store:
+            body, refs, joined = spill_encoded(encode_payload(p), store)
+        assert joined == canonical_json(body), "the join is the payload's canonical JSON"
+        assert len(refs) == ("big" in p)
+    raws = []
+    for i, wrap in enumerate((dict, encode_payload)):
+        with Store.open(tmp_path / f"s{i + 1}") as store:
+            w = TapeWriter.create(tmp_path / f"t{i}.jbx", store, "same", fsync=False)
+            w.append("run_start", {}, time_ns=1)
+            for n, p in enumerate(payloads):
+                f = w.append("note", wrap(p), time_ns=2 + n)
+                again = encode_frame(seq=f.seq, kind=f.kind, time_ns=f.time_ns, parent=f.parent,
+                                     mroot=f.mroot, payload=f.payload, refs=f.refs, tree=f.tree)
+                assert again == f.raw
+            w.close()
+            tape = Tape.load(tmp_path / f"t{i}.jbx", store)
+            assert tape.verify(deep=True).ok
+            assert [f.resolve_payload(store) for f in tape.frames[1:]] == [
+                json.loads(canonical_json(p)) for p in payloads
+            ]
+            raws.append([f.raw for f in tape.frames])
+    assert raws[0] == raws[1]

@@ -226,7 +226,8 @@ def spill_encoded(
     payload: Mapping[str, Any], store: ObjectStore | None
 ) -> tuple[dict[str, Any], list[ObjectId], bytes | None]:
     """`spill_payload`, and the canonical JSON of the payload to record when it was had for
-    free (an `EncodedPayload`'s, or the whole encoding that showed nothing spills)."""
+    free: an `EncodedPayload`'s (its values' encodings joined, a spilled one's reference in
+    its place), or the whole encoding that showed nothing spills; None otherwise."""
     out = dict(payload)
     for key, value in out.items():
         if isinstance(value, dict) and BLOB_KEY in value:
@@ -235,6 +236,7 @@ def spill_encoded(
                 "rename that key"
             )
     encoded = payload.encoded if isinstance(payload, EncodedPayload) else None
+    whole = b""
     if encoded is not None and all(isinstance(key, str) for key in encoded):
         # an EncodedPayload is what payload_size measures; typed as the mapping it wraps
         if payload_size(payload) <= SPILL_THRESHOLD:  # type: ignore[arg-type]
@@ -245,6 +247,7 @@ def spill_encoded(
             return out, [], whole
         encoded = None
     refs: list[ObjectId] = []
+    kept = dict(encoded) if encoded is not None else None
     for key, value in out.items():
         data = encoded[key] if encoded is not None else canonical_json(value)
         if len(data) > SPILL_THRESHOLD:
@@ -256,7 +259,14 @@ def spill_encoded(
             oid = store.put("json", data)
             out[key] = {BLOB_KEY: oid.hex()}
             refs.append(oid)
-    return out, refs, None
+            if kept is not None:
+                kept[key] = canonical_json(out[key])
+    # Past the threshold in total, whether or not a value spilled: the values' encodings are
+    # at hand, so the payload's is their join (encoding it again was most of a streamed
+    # turn's write).
+    if kept is not None:
+        return out, refs, _join(kept)
+    return out, refs, None if refs else whole
 
 
 def _join(encoded: Mapping[str, bytes]) -> bytes:
