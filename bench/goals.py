@@ -178,6 +178,8 @@ def _proxy_goals(rows: list[Row]) -> list[Verdict]:
         (proxy_bench.WHOLE_JSON, "a JSON chat call"),
         (proxy_bench.WHOLE_STREAM, "a streamed chat call"),
         (proxy_bench.FIRST_TOKEN, "a stream's first token"),
+        (proxy_bench.PAUSED_FIRST_TOKEN,
+         f"a stream's first token, the model pausing {proxy_bench.PAUSE_MS} ms after it"),
     ):
         row = _find(proxy, case=case)
         extra = row.get("overhead_cpu_us") if row else None
