@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import socket
 
 import pytest
 
@@ -141,3 +143,50 @@ def test_upstream_errors_are_recorded_and_returned_unchanged(
         conn.request("POST", f"/{proxy.secret}/openai/v1/chat/completions/nope", body=b"{}")
         resp = conn.getresponse()
         assert resp.status == 404 and json.loads(resp.read())["error"]["type"] == "not_found"
+
+
+def _tcp_sockets_of_this_process() -> list[socket.socket]:
+    """Duplicates of every connected TCP socket this process holds (close them)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # gone meanwhile, or not a socket after all
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family == socket.AF_INET:
+                sock.getpeername()  # connected, not a listener
+                out.append(sock)
+                continue
+        except OSError:
+            pass
+        sock.close()
+    return out
+
+
+def test_the_proxy_sets_tcp_nodelay_on_the_agents_and_the_upstreams_connections(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    # Without it, a reply written in two pieces waits for the peer's delayed ACK (40 ms on
+    # Linux): the MCP gateway's listener had that stall on every call.
+    body = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})
+    with recording.proxy(upstream) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port)
+        conn.request("POST", f"/{proxy.secret}/openai/v1/chat/completions", body=body,
+                     headers={"authorization": f"Bearer {OPENAI_KEY}"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read()
+        # Both kept alive: the agent's connection, and the proxy's upstream one in its pool.
+        socks = _tcp_sockets_of_this_process()
+        try:
+            accepted = [s for s in socks if s.getsockname()[1] == proxy.port]
+            connected = [s for s in socks if s.getpeername()[1] == upstream.port]
+            assert len(accepted) == 1 and len(connected) == 1
+            for sock in (*accepted, *connected):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        finally:
+            for sock in socks:
+                sock.close()
+        conn.close()
