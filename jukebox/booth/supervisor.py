@@ -1171,7 +1171,6 @@ def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any
     from jukebox.mcp.http_gateway import HttpGateways
     from jukebox.mcp.policy import Policy
     from jukebox.mcp.record import scrub
-    from jukebox.redact import Scrubber, url_secrets
 
     network = llm_session.network
     if network is not None:
@@ -1180,10 +1179,13 @@ def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any
         listener = socket_mod.socket(socket_mod.AF_INET, socket_mod.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         listener.listen(128)
-    secrets = [v for k, v in env.items() if img.is_secret(k)]
+    # One scrubber with the stage gate's: a frame the gate records (a staged call run by the
+    # commit, a stdio wrapper's) loses the same secrets as the gateway's own, the gateway's path
+    # secret (added by HttpGateways) among them: an agent may pass its URL as an argument.
+    scrubber = run.mcp.secrets
+    scrubber.add(v for k, v in env.items() if img.is_secret(k))
     for spec in servers.values():
-        secrets.extend(url_secrets(spec.url))
-    scrubber = Scrubber(secrets)
+        scrubber.add(spec.secrets())
 
     def stage(server: str, tool: str, args: dict[str, Any]) -> str:
         with run.lock:  # not between a checkpoint's snapshot and its number
@@ -1191,7 +1193,8 @@ def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any
 
     gateways = HttpGateways({n: s.url for n, s in servers.items()}, run.mcp,
                             policy or Policy("staged_acid"), stage, lambda p: scrub(p, scrubber),
-                            replay=run.mcp.replay, scrubber=scrubber)  # fmt: skip
+                            replay=run.mcp.replay, scrubber=scrubber,
+                            headers={n: s.headers for n, s in servers.items()})  # fmt: skip
     return gateways.start(listener)
 
 
@@ -1849,10 +1852,15 @@ def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
 
     # The calls a commit runs carry the arguments as the agent sent them (secrets too): their
     # frames, and every other the gate records, lose the operator's secret values first.
+    # The declared servers' own secrets too (an HTTP server's URL password and headers).
     secrets = Scrubber(v for k, v in o.img.filter_env(os.environ).items() if o.img.is_secret(k))
+    for spec in o.mcp_servers.values():
+        secrets.add(spec.secrets())
     run.mcp = StageGate(o.mcp_servers,
                         lambda kind, payload: writer.append(kind, scrub(payload, secrets)),
                         o.mcp_limits, run.on_trip)  # fmt: skip
+    run.mcp.secrets = secrets
+    run.mcp.policy = o.mcp_policy
     if o.mcp_replay is not None:
         o.mcp_replay.record = writer.append
         run.mcp.replay = o.mcp_replay

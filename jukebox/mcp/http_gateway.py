@@ -41,8 +41,15 @@ class HttpGateways:
                  stage: Callable[[str, str, dict[str, Any]], str],
                  scrub: Callable[[dict[str, Any]], Any],
                  timeout: float = 60.0, ask_timeout: float = 300.0,
-                 replay: Any = None, scrubber: Any = None) -> None:  # fmt: skip
+                 replay: Any = None, scrubber: Any = None,
+                 headers: dict[str, dict[str, str]] | None = None) -> None:  # fmt: skip
+        from jukebox.mcp.servers import ServerSpec
+
         self.upstreams = upstreams
+        # NAME -> the server as declared: its URL, and the headers sent with every request.
+        self.specs = {name: ServerSpec(name, "", url=url, headers=dict((headers or {}).get(name)
+                                                                      or {}))
+                      for name, url in upstreams.items()}  # fmt: skip
         self.gate = gate  # jukebox.mcp.staging.StageGate
         self.policy = policy
         self.stage = stage  # (server, tool, args) -> the staged call's id, under the booth's lock
@@ -114,7 +121,6 @@ class HttpGateways:
         import anyio
         import uvicorn
         from mcp import ClientSession
-        from mcp.client.streamable_http import streamable_http_client
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.shared.exceptions import MCPError
 
@@ -133,7 +139,9 @@ class HttpGateways:
                         managers[name] = served
                         continue
                 try:
-                    read, write, *_ = await stack.enter_async_context(streamable_http_client(url))
+                    read, write, *_ = await stack.enter_async_context(
+                        self.specs[name].http_transport()
+                    )
                     upstream = await stack.enter_async_context(ClientSession(read, write))
                     with anyio.fail_after(START_TIMEOUT):
                         init = await upstream.initialize()
@@ -160,7 +168,6 @@ class HttpGateways:
         """NAME's session manager with the tape answering (jukebox.mcp.booth_upstream), or None
         when its recording had ended before the fork (then it is served live)."""
         import anyio
-        from mcp.client.streamable_http import streamable_http_client
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
         from jukebox.mcp.booth_upstream import BoothReplayUpstream
@@ -169,7 +176,7 @@ class HttpGateways:
 
         upstream = BoothReplayUpstream(
             name, [], self.scrubber, START_TIMEOUT, ask=self.replay.handle,
-            connect=lambda: streamable_http_client(url),
+            connect=self.specs[name].http_transport,
         )  # fmt: skip
         init = await upstream.initialize_result()
         if init is None:

@@ -50,9 +50,60 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class Compensation:
+    """A policy file's `[compensate]` entry: when a staged call of a tool matching `pattern`
+    ran at the commit and a later one failed, `tool` is called on the same server with `args`,
+    where a string `"$args.PATH"` stands for that part of the staged call's arguments (PATH:
+    keys and list indexes joined by dots; `*` takes every item of a list)."""
+
+    pattern: str
+    tool: str
+    args: dict[str, Any]
+
+    def resolve(self, call_args: dict[str, Any]) -> dict[str, Any] | None:
+        """The compensating call's arguments for one staged call; None when a path it names is
+        missing from them (that call then has no compensation)."""
+        try:
+            resolved = _fill(self.args, call_args)
+        except LookupError:
+            return None
+        assert isinstance(resolved, dict)
+        return resolved
+
+    def describe(self) -> list[Any]:
+        return [self.pattern, self.tool, self.args]
+
+
+def _fill(template: Any, call_args: dict[str, Any]) -> Any:
+    if isinstance(template, dict):
+        return {k: _fill(v, call_args) for k, v in template.items()}
+    if isinstance(template, list):
+        return [_fill(v, call_args) for v in template]
+    if isinstance(template, str) and (template == "$args" or template.startswith("$args.")):
+        return _walk(call_args, template.split(".")[1:])
+    return template
+
+
+def _walk(value: Any, path: list[str]) -> Any:
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if key == "*":
+        if not isinstance(value, list):
+            raise LookupError(key)
+        return [_walk(item, rest) for item in value]
+    if isinstance(value, list) and key.isdigit() and int(key) < len(value):
+        return _walk(value[int(key)], rest)
+    if isinstance(value, dict) and key in value:
+        return _walk(value[key], rest)
+    raise LookupError(key)
+
+
+@dataclass(frozen=True)
 class Policy:
     mode: str = "staged_acid"
     rules: tuple[Rule, ...] = field(default_factory=tuple)
+    compensations: tuple[Compensation, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,8 +133,21 @@ class Policy:
             return Decision("allow", f"mode record (would stage: {chosen.why})")
         return chosen
 
+    def compensation(self, server: str, tool: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """The compensating call ({"tool", "args"}) the policy declares for a staged call, the
+        last matching entry's; None when none matches or its arguments cannot be filled."""
+        for entry in reversed(self.compensations):
+            if Rule(entry.pattern, "stage").matches(server, tool):
+                filled = entry.resolve(args)
+                return None if filled is None else {"tool": entry.tool, "args": filled}
+        return None
+
     def describe(self) -> dict[str, Any]:
-        return {"mode": self.mode, "rules": [[r.pattern, r.decision] for r in self.rules]}
+        out: dict[str, Any] = {"mode": self.mode,
+                               "rules": [[r.pattern, r.decision] for r in self.rules]}  # fmt: skip
+        if self.compensations:
+            out["compensate"] = [c.describe() for c in self.compensations]
+        return out
 
 
 def _check_rule(pattern: object, decision: object, where: str) -> Rule:
@@ -98,7 +162,28 @@ def _check_rule(pattern: object, decision: object, where: str) -> Rule:
 
 def load_policy_file(path: str | Path) -> tuple[str | None, list[Rule]]:
     """A policy file: TOML (or JSON) with an optional `mode` and a `[tools]` table of
-    `"PATTERN" = "DECISION"`."""
+    `"PATTERN" = "DECISION"` (its `[compensate]` table: load_compensations)."""
+    mode, rules, _ = _load(path)
+    return mode, rules
+
+
+def load_compensations(path: str | Path) -> list[Compensation]:
+    """A policy file's `[compensate]` table: `"PATTERN" = {tool = "TOOL", args = {...}}`."""
+    return _load(path)[2]
+
+
+def _check_compensation(pattern: object, entry: object, where: str) -> Compensation:
+    _check_rule(pattern, "stage", where)
+    if (not isinstance(entry, dict) or set(entry) - {"tool", "args"}
+            or not isinstance(entry.get("tool"), str) or not entry["tool"]
+            or not isinstance(entry.get("args", {}), dict)):  # fmt: skip
+        raise UsageError(
+            f"{where}: [compensate] {pattern!r} must be {{tool = \"TOOL\", args = {{...}}}}"
+        )
+    return Compensation(str(pattern), entry["tool"], dict(entry.get("args", {})))
+
+
+def _load(path: str | Path) -> tuple[str | None, list[Rule], list[Compensation]]:
     path = Path(path)
     try:
         text = path.read_text()
@@ -110,11 +195,11 @@ def load_policy_file(path: str | Path) -> tuple[str | None, list[Rule]]:
         raise UsageError(f"the MCP policy file {path} is not valid: {error}") from None
     if not isinstance(data, dict):
         raise UsageError(f"the MCP policy file {path} must hold a table with `mode` and `tools`")
-    unknown = sorted(set(data) - {"mode", "tools"})
+    unknown = sorted(set(data) - {"mode", "tools", "compensate"})
     if unknown:
         raise UsageError(
             f"the MCP policy file {path} has unknown key(s) {', '.join(unknown)}: "
-            "only `mode` and `[tools]` are read"
+            "only `mode`, `[tools]` and `[compensate]` are read"
         )
     mode = data.get("mode")
     if mode is not None and mode not in MODES:
@@ -122,7 +207,11 @@ def load_policy_file(path: str | Path) -> tuple[str | None, list[Rule]]:
     tools = data.get("tools", {})
     if not isinstance(tools, dict):
         raise UsageError(f"{path}: `tools` must be a table of \"PATTERN\" = \"DECISION\"")
-    return mode, [_check_rule(p, d, str(path)) for p, d in tools.items()]
+    compensate = data.get("compensate", {})
+    if not isinstance(compensate, dict):
+        raise UsageError(f"{path}: `compensate` must be a table of \"PATTERN\" = {{tool, args}}")
+    return (mode, [_check_rule(p, d, str(path)) for p, d in tools.items()],
+            [_check_compensation(p, e, str(path)) for p, e in compensate.items()])  # fmt: skip
 
 
 def build_policy(
@@ -133,11 +222,12 @@ def build_policy(
 ) -> Policy:
     """The policy from a file, then flags (decision, pattern), then the mode (flag over file)."""
     rules: list[Rule] = []
+    compensations: list[Compensation] = []
     file_mode = None
     if policy_file:
-        file_mode, rules = load_policy_file(policy_file)
+        file_mode, rules, compensations = _load(policy_file)
     rules.extend(_check_rule(pattern, decision, "--" + decision) for decision, pattern in flags)
-    return Policy(mode or file_mode or default_mode, tuple(rules))
+    return Policy(mode or file_mode or default_mode, tuple(rules), tuple(compensations))
 
 
 def flag_rules(allow: Sequence[str], stage: Sequence[str], deny: Sequence[str],

@@ -14,7 +14,9 @@ a booth they are declared too, and reached through the supervisor's HTTP gateway
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,9 @@ class ServerSpec:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     url: str | None = None  # a streamable-HTTP server (then no command)
+    # An HTTP server's headers (an `Authorization` of the operator's): sent to it by the
+    # gateway and the commit, never shown to the agent, never on a tape (secrets).
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def argv(self) -> list[str]:
@@ -39,6 +44,28 @@ class ServerSpec:
                "env": dict(self.env)}  # fmt: skip
         if self.url is not None:
             out["url"] = self.url
+        if self.headers:
+            out["headers"] = dict(self.headers)
+        return out
+
+    def http_transport(self) -> Any:
+        """The SDK's streamable-HTTP client for this server (an async context manager giving
+        (read, write, ...)), sending its headers with every request."""
+        from mcp.client.streamable_http import streamable_http_client
+
+        assert self.url is not None
+        if not self.headers:
+            return streamable_http_client(self.url)
+        return _with_headers(self.url, dict(self.headers))
+
+    def secrets(self) -> list[str]:
+        """What this server's declaration holds that no frame may: its URL's password, its
+        headers' values (every one: a config names no header that is safe to show)."""
+        from jukebox.redact import secret_values, url_secrets
+
+        out = url_secrets(self.url or "")
+        for name, value in self.headers.items():
+            out.extend(secret_values(name, value))
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -52,7 +79,10 @@ class ServerSpec:
         )
 
         if self.url is not None:
-            return {"url": redact_text(self.url, Scrubber(url_secrets(self.url)))}
+            out: dict[str, Any] = {"url": redact_text(self.url, Scrubber(url_secrets(self.url)))}
+            if self.headers:  # their names only: the values are the operator's secrets
+                out["headers"] = sorted(self.headers)
+            return out
         # The values of variables whose names do not look secret, so that a fork can start the
         # server as it was (redacted further if they hold a key-shaped value or a URL password).
         values = {}
@@ -64,7 +94,22 @@ class ServerSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServerSpec:
         return cls(data["name"], data.get("command") or "", tuple(data.get("args") or ()),
-                   dict(data.get("env") or {}), data.get("url"))  # fmt: skip
+                   dict(data.get("env") or {}), data.get("url"),
+                   dict(data.get("headers") or {}))  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _with_headers(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
+    # The SDK's client takes headers through an httpx client of its own making (the same
+    # timeouts as its default one); it leaves a client it was given open: closed here.
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    async with (
+        create_mcp_http_client(headers=headers) as client,
+        streamable_http_client(url, http_client=client) as streams,
+    ):
+        yield streams
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -114,7 +159,13 @@ def http_servers(config: dict[str, Any] | None, upstreams: dict[str, str] | None
     entries = dict((config or {}).get("mcpServers") or {})
     for name, entry in entries.items():
         if isinstance(entry, dict) and "command" not in entry and "url" in entry:
-            out[name] = ServerSpec(name, "", url=_check_url(entry["url"], f"{where}: {name!r}"))
+            headers = entry.get("headers", {})
+            if not isinstance(headers, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in headers.items()
+            ):
+                raise UsageError(f"{where}: server {name!r}: \"headers\" must map names to strings")
+            out[name] = ServerSpec(name, "", url=_check_url(entry["url"], f"{where}: {name!r}"),
+                                   headers=dict(headers))  # fmt: skip
     for name, url in (upstreams or {}).items():
         if not name or not name.isprintable() or "/" in name or name.startswith("-"):
             raise UsageError(f"--mcp-upstream: bad server name {name!r}: use a printable word")
@@ -136,7 +187,10 @@ def wrapped_config(config: dict[str, Any], jukebox: str, extra: list[str] | None
     server in `http` (NAME -> the gateway's URL) through the booth's HTTP gateway."""
     servers = dict(config["mcpServers"])
     for name, url in (http or {}).items():
-        servers[name] = {**servers.get(name, {}), "type": "http", "url": url}
+        # Without the operator's headers: the gateway sends them upstream, the agent never
+        # holds them.
+        entry = {k: v for k, v in servers.get(name, {}).items() if k != "headers"}
+        servers[name] = {**entry, "type": "http", "url": url}
     for name, spec in stdio_servers(config).items():
         entry = dict(servers[name])
         entry["command"] = jukebox

@@ -43,6 +43,13 @@ class StagedCall:
     args: dict[str, Any]
     # The newest checkpoint when it was staged: rolling back to it or later keeps the call.
     after_checkpoint: int
+    # The arguments as a frame may show them (the secrets known when it was staged replaced),
+    # when they differ: the commit runs `args`, and its frame shows these, even when it runs
+    # from a pending booth's record, after the secrets of its run (the gateway's) are gone.
+    shown: dict[str, Any] | None = None
+    # The compensating call the operator's policy declares for it ({"tool", "args"}): run if a
+    # later staged call fails at the commit.
+    compensate: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +57,8 @@ class StagedCall:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StagedCall:
         return cls(str(data["id"]), str(data["server"]), str(data["tool"]), dict(data["args"]),
-                   int(data["after_checkpoint"]))  # fmt: skip
+                   int(data["after_checkpoint"]), data.get("shown"),
+                   data.get("compensate"))  # fmt: skip
 
 
 def _str(request: dict[str, Any], key: str, limit: int = 256) -> str:
@@ -87,6 +95,13 @@ class StageGate:
         self.blobs: dict[str, list[str]] = {}
         self.blob_chars = 0
         self.tool_calls = 0
+        # The jukebox.redact.Scrubber `record` applies (the booth's): the secrets found later
+        # (the HTTP gateway's path secret) are added to it, so that every frame loses them.
+        from jukebox.redact import Scrubber
+
+        self.secrets = Scrubber()
+        # The booth's jukebox.mcp.policy.Policy: the compensations its file declares.
+        self.policy: Any = None
         self._next = 1
         self._lock = threading.Lock()
 
@@ -188,7 +203,13 @@ class StageGate:
         with self._lock:
             if len(self.staged) >= MAX_STAGED:
                 raise RequestError(f"{MAX_STAGED} calls are staged already")
-            call = StagedCall(f"stage-{self._next}", server, tool, args, newest_checkpoint)
+            from jukebox.mcp.record import scrub
+
+            shown = scrub({"a": args}, self.secrets)["a"]
+            compensate = (self.policy.compensation(server, tool, args)
+                          if self.policy is not None else None)  # fmt: skip
+            call = StagedCall(f"stage-{self._next}", server, tool, args, newest_checkpoint,
+                              shown if shown != args else None, compensate)  # fmt: skip
             self._next += 1
             self.staged.append(call)
             self._changed()
@@ -252,7 +273,11 @@ class StageGate:
     def handle_replay(self, request: dict[str, Any]) -> dict[str, Any]:
         if self.replay is None:
             raise RequestError("this booth is no replay: mcp_replay is served in a replay only")
-        return self.replay.handle(request)
+        from jukebox.mcp.record import scrub
+
+        # The tape holds arguments without the booth's secrets (this replay's HTTP gateway path
+        # secret among them, which a wrapper inside does not know): compare them the same way.
+        return self.replay.handle(scrub(request, self.secrets))
 
     # -- the lifecycle ----------------------------------------------------------------------------
 
@@ -316,7 +341,8 @@ async def _run_all(calls: list[StagedCall], servers: dict[str, ServerSpec], reco
     sessions: dict[str, ClientSession] = {}
     async with contextlib.AsyncExitStack() as stack:
         for i, call in enumerate(calls):
-            frame: dict[str, Any] = {"server": call.server, "tool": call.tool, "args": call.args,
+            shown = call.shown if call.shown is not None else call.args
+            frame: dict[str, Any] = {"server": call.server, "tool": call.tool, "args": shown,
                                      "decision": "commit", "staged_id": call.id}  # fmt: skip
             started = time.perf_counter()
             error: str | None = None
@@ -325,12 +351,8 @@ async def _run_all(calls: list[StagedCall], servers: dict[str, ServerSpec], reco
                 if session is None:
                     # Entered outside any timeout's scope: the stack leaves them at the end.
                     spec = servers[call.server]
-                    if spec.url is not None:  # a streamable-HTTP server
-                        from mcp.client.streamable_http import streamable_http_client
-
-                        read, write, *_ = await stack.enter_async_context(
-                            streamable_http_client(spec.url)
-                        )
+                    if spec.url is not None:  # a streamable-HTTP server, with its headers
+                        read, write, *_ = await stack.enter_async_context(spec.http_transport())
                     else:
                         params = StdioServerParameters(
                             command=spec.command, args=list(spec.args),
@@ -359,8 +381,44 @@ async def _run_all(calls: list[StagedCall], servers: dict[str, ServerSpec], reco
                 report["failed"] = call.id
                 report["error"] = error
                 report["not_run"] = [c.id for c in calls[i + 1:]]
+                await _compensate(calls[:i], sessions, record, timeout, report)
                 return
             report["ran"].append(call.id)
+
+
+async def _compensate(ran: list[StagedCall], sessions: dict[str, Any], record: Record,
+                      timeout: float, report: dict[str, Any]) -> None:  # fmt: skip
+    """A staged call failed: the calls that ran before it and declared a compensation get it,
+    newest first, over the same sessions, once each; a compensation's failure does not stop
+    the others. Another call with effects of its own, not an undo (docs/mcp.md)."""
+    import anyio
+
+    chosen = [c for c in reversed(ran) if c.compensate is not None]
+    if not chosen:
+        return
+    report.update(compensated=[], compensation_failed=[])
+    for call in chosen:
+        assert call.compensate is not None
+        tool, args = str(call.compensate["tool"]), dict(call.compensate.get("args") or {})
+        frame: dict[str, Any] = {"server": call.server, "tool": tool, "args": args,
+                                 "decision": "compensate", "staged_id": call.id}  # fmt: skip
+        started = time.perf_counter()
+        error: str | None = None
+        try:
+            with anyio.fail_after(timeout):
+                result = await sessions[call.server].call_tool(tool, args)
+            frame["result"] = wire(result)
+            if getattr(result, "is_error", False):
+                error = _text_of(result) or "the tool reported an error"
+        except TimeoutError:
+            error = f"no answer within {timeout:g}s"
+        except Exception as exc:  # the server broke the protocol or went away
+            error = f"{type(exc).__name__}: {exc}"
+        frame.update(ok=error is None, latency_ms=round((time.perf_counter() - started) * 1e3, 3))
+        if error is not None:
+            frame["error"] = {"message": error}
+        record("tool_call", frame)
+        report["compensated" if error is None else "compensation_failed"].append(call.id)
 
 
 def _text_of(result: Any) -> str:

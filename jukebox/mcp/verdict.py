@@ -40,17 +40,36 @@ def commit_staged(
                         "reason": f"staged after checkpoint {checkpoint}"})  # fmt: skip
     if not chosen:
         return 0
-    report = run_staged(chosen, servers, append, tree, dict(os.environ))
+    report = run_staged(chosen, servers, _scrubbed(append, servers), tree, dict(os.environ))
     ran = ", ".join(report["ran"]) or "none"
     if report["failed"] is None:
         note(f"ran {len(report['ran'])} staged MCP call(s) of booth {booth_id}: {ran}")
         return 0
+    compensated = ""
+    if "compensated" in report:
+        failed = ", ".join(report["compensation_failed"]) or "none"
+        compensated = (f"; compensated: {', '.join(report['compensated']) or 'none'}; "
+                       f"compensation failed: {failed}")  # fmt: skip
     _alert(
         f"staged MCP call {report['failed']} of booth {booth_id} failed ({report['error']}); "
-        f"ran before it: {ran}; not run: {', '.join(report['not_run']) or 'none'}. The files "
-        "are committed; the calls that ran cannot be undone"
+        f"ran before it: {ran}; not run: {', '.join(report['not_run']) or 'none'}"
+        f"{compensated}. The files are committed; the calls that ran cannot be undone"
     )
     return 1
+
+
+def _scrubbed(append: Append, servers: dict[str, ServerSpec]) -> Append:
+    """`append` with the secrets known here taken out of every frame: the declared servers'
+    (an HTTP server's URL password and headers) and this environment's secret-looking
+    variables. A booth's supervisor scrubs its own frames too; a pending booth committed later
+    has only these (its staged calls carry the arguments shown when they were staged)."""
+    from jukebox.mcp.record import scrub
+    from jukebox.redact import Scrubber, is_secret_env_name
+
+    scrubber = Scrubber(v for k, v in os.environ.items() if is_secret_env_name(k))
+    for spec in servers.values():
+        scrubber.add(spec.secrets())
+    return lambda kind, payload: append(kind, scrub(payload, scrubber))
 
 
 def _alert(message: str) -> None:

@@ -60,8 +60,10 @@ async def wrapped(
         yield session
 
 
-def payloads(tape: Path, kind: str | None = None, event: str | None = None) -> list[dict]:
-    """The payloads (spilled values loaded back) of a tape's frames of `kind` (and `event`)."""
+def payloads(tape: Path, kind: str | None = None, event: str | None = None,
+             server: str | None = None) -> list[dict]:  # fmt: skip
+    """The payloads (spilled values loaded back) of a tape's frames of `kind` (and `event`,
+    and `server`)."""
     from jukebox.tape.tape import Tape
     from shadowfs.store import Store
 
@@ -71,7 +73,9 @@ def payloads(tape: Path, kind: str | None = None, event: str | None = None) -> l
             if kind is not None and f.kind != kind:
                 continue
             p = f.resolve_payload(store)
-            if event is None or p.get("event") == event:
+            if (event is None or p.get("event") == event) and (
+                server is None or p.get("server") == server
+            ):
                 out.append(p)
     return out
 

@@ -22,7 +22,8 @@ def say(**fields: object) -> None:
 
 async def main(status: int) -> int:
     with open(os.environ["JUKEBOX_MCP_CONFIG"]) as f:
-        url = json.load(f)["mcpServers"]["notes"]["url"]
+        servers = json.load(f)["mcpServers"]
+    url = servers["notes"]["url"]
     say(step="url", url=url, base=os.environ["JUKEBOX_MCP_URL"])
     async with (
         streamable_http_client(url) as (read, write, *_),
@@ -30,13 +31,18 @@ async def main(status: int) -> int:
     ):
         await session.initialize()
         await session.list_tools()
-        # A secret of the operator's in an argument: the tape must never hold it.
-        text = " ".join(filter(None, ["hello", os.environ.get("NOTES_API_TOKEN")]))
+        # A secret of the operator's in an argument, and the gateway's own URL (its path
+        # secret): the tape must never hold either.
+        secret = url.split("/")[3]  # http://127.0.0.1:PORT/SECRET/mcp/notes/
+        text = " ".join(filter(None, ["hello", os.environ.get("NOTES_API_TOKEN"), secret]))
         for tool, args in (("read_notes", {}), ("add_note", {"text": text}),
                            ("read_notes", {})):  # fmt: skip
             result = await session.call_tool(tool, args)
             say(step=tool, error=result.is_error, text=result.content[0].text,
                 structured=result.structured_content)  # fmt: skip
+    say(step="config", notes=servers["notes"])
+    if "echo" in servers:  # a stdio server beside it, through `jukebox mcp wrap`
+        await echo(servers["echo"], secret)
     # The same gateway without its secret: nothing.
     port = url.split("/")[2]
     try:
@@ -45,6 +51,19 @@ async def main(status: int) -> int:
     except urllib.error.HTTPError as error:
         say(step="knock", status=error.code)
     return status
+
+
+async def echo(entry: dict, text: str) -> None:
+    """The stdio server's echo tool, given the HTTP gateway's path secret: allowed (read-only),
+    so its arguments and its result both hold it."""
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    params = StdioServerParameters(command=entry["command"], args=entry["args"],
+                                   env=dict(os.environ))  # fmt: skip
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        result = await session.call_tool("echo", {"text": text})
+        say(step="echo", error=result.is_error, text=result.content[0].text)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A streamable-HTTP MCP server for tests/mcp (the SDK's MCPServer, served by uvicorn on
 127.0.0.1): `read_notes` (read-only) and `add_note` (destructive) over a notes file named on
-the command line, so a test sees from outside whether a call reached it. Prints its port."""
+the command line, so a test sees from outside whether a call reached it, and the Authorization
+header of every request (NOTES.auth). Prints its port."""
 
 from __future__ import annotations
 
@@ -43,5 +44,16 @@ if __name__ == "__main__":
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     print(sock.getsockname()[1], flush=True)
-    config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
+    app = server.streamable_http_app()
+
+    async def seen_headers(scope: dict, receive: object, send: object) -> None:
+        # Each request's Authorization header, a line each in NOTES.auth: the test sees what
+        # the gateway and the commit sent upstream.
+        if scope["type"] == "http":
+            auth = dict(scope["headers"]).get(b"authorization", b"-").decode()
+            with NOTES.with_suffix(".auth").open("a") as f:
+                f.write(auth + "\n")
+        await app(scope, receive, send)  # type: ignore[arg-type]
+
+    config = uvicorn.Config(seen_headers, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])

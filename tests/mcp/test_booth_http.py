@@ -21,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "notes-token-5ec7e7-0123456789"
+AUTH = "auth-header-0f3c2a-9876543210"  # the config's Authorization: Bearer value
 ENV = {**os.environ, "NOTES_API_TOKEN": TOKEN}
 
 
@@ -38,11 +39,13 @@ def notes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 
 
 def booth(s: dict, tape_id: str, status: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    """A booth run of http_agent.py; `notes` from --mcp-upstream unless `extra` declares it."""
     tree = s["tmp"] / f"tree-{tape_id}"
     tree.mkdir()
+    declared = [] if "--mcp-config" in extra else ["--mcp-upstream", f"notes={s['url']}"]
     return subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(s["tmp"] / "tapes"),
-         "--tape-id", tape_id, "--mcp-upstream", f"notes={s['url']}", "--commit", "auto", *extra,
+         "--tape-id", tape_id, *declared, "--commit", "auto", *extra,
          "--",
          sys.executable, str(HERE / "http_agent.py"), str(status)],
         capture_output=True, text=True, timeout=120, cwd=tree, env=ENV,
@@ -83,8 +86,16 @@ def test_policy_rules_apply_to_an_http_server(notes_server: dict) -> None:
 
 
 def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
+    # Declared in a Claude Code style config, with the operator's Authorization header, beside
+    # a stdio server.
     s = notes_server
-    proc = booth(s, "h1", 0)
+    config = s["tmp"] / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {
+        "notes": {"type": "http", "url": s["url"], "headers": {"Authorization": f"Bearer {AUTH}"}},
+        "echo": {"command": sys.executable, "args": [str(HERE / "hostile_server.py")]},
+    }}))  # fmt: skip
+    s["notes"].with_suffix(".auth").unlink(missing_ok=True)  # what the other tests sent
+    proc = booth(s, "h1", 0, "--mcp-config", str(config))
     assert proc.returncode == 0, proc.stderr
     steps = said(proc)
     (url,) = steps["url"]
@@ -94,20 +105,35 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     # Held until the verdict: the server had not seen it when the agent read again.
     assert [r["text"] for r in steps["read_notes"]] == ["", ""]
     assert steps["knock"] == [{"step": "knock", "status": 404}]
-    # The commit ran it against the real server, after the agent's run.
-    assert s["notes"].read_text() == f"hello {TOKEN}\n"  # the commit ran it as the agent sent it
-    assert TOKEN.encode() not in (s["tmp"] / "tapes" / "h1.jbx").read_bytes()
+    # The commit ran it against the real server, after the agent's run, as the agent sent it.
+    secret = url["base"].split("/")[3]
+    assert s["notes"].read_text() == f"hello {TOKEN} {secret}\n"
+    # The header reached the server on every request (the gateway's and the commit's); the
+    # agent's config has none of it.
+    seen = s["notes"].with_suffix(".auth").read_text().splitlines()
+    assert len(seen) > 3 and set(seen) == {f"Bearer {AUTH}"}, seen
+    assert "headers" not in steps["config"][0]["notes"]
+    assert steps["echo"] == [{"step": "echo", "error": False, "text": secret}]
     tape = s["tmp"] / "tapes" / "h1.jbx"
     calls = payloads(tape, "tool_call")
     assert [(c["tool"], c["decision"]) for c in calls] == [
         ("read_notes", "allow"), ("add_note", "stage"), ("read_notes", "allow"),
-        ("add_note", "commit"),
+        ("echo", "allow"), ("add_note", "commit"),
     ]
     assert calls[-1]["ok"] and "added" in json.dumps(calls[-1]["result"])
-    (server,) = payloads(tape, "note", "mcp_server")
-    assert server["transport"] == "http" and server["server"] == "notes"
+    # The path secret, the operator's token and the header: in no frame (the stdio wrapper's
+    # and the commit's included), no file of the tape dir, nothing the booth said.
+    frames = json.dumps(payloads(tape))
+    assert calls[-1]["args"] == {"text": "hello [REDACTED] [REDACTED]"}
+    for value in (secret, TOKEN, AUTH):
+        assert value not in frames and value not in proc.stderr, value
+        for path in (s["tmp"] / "tapes").rglob("*"):
+            assert not path.is_file() or value.encode() not in path.read_bytes(), (value, path)
+    (server,) = payloads(tape, "note", "mcp_server", server="notes")
+    assert server["transport"] == "http"
     (start,) = payloads(tape, "run_start")
-    assert start["policy"]["mcp_servers"] == {"notes": {"url": s["url"]}}
+    assert start["policy"]["mcp_servers"]["notes"] == {"url": s["url"],
+                                                       "headers": ["Authorization"]}  # fmt: skip
 
     # Every server stopped: the replay's gateway answers from the tape.
     s["proc"].terminate()
@@ -119,6 +145,9 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     again = said(proc)
     assert again["read_notes"] == steps["read_notes"] and again["add_note"] == steps["add_note"]
     result = json.loads(proc.stdout.splitlines()[-1])
-    assert result["tools_served"] == 3, result
+    assert result["tools_served"] == 4, result
     replayed = payloads(s["tmp"] / "tapes" / f"{result['tape_id']}.jbx", "tool_call")
-    assert [c["decision"] for c in replayed] == ["replay"] * 3
+    assert [c["decision"] for c in replayed] == ["replay"] * 4
+    # The replay's gateway has a secret of its own, compared and kept off its tape the same way.
+    fresh = again["url"][0]["base"].split("/")[3]
+    assert fresh != secret and fresh not in json.dumps(replayed)

@@ -166,17 +166,26 @@ def test_pending_booth_keeps_staged_calls_for_a_later_commit(setup: dict) -> Non
 
 def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> None:
     s = setup
-    # A passing verdict: the files, then the calls; the failing one stops the rest.
+    # A passing verdict: the files, then the calls; the failing one stops the rest, and the
+    # one that ran before it gets the compensating call the operator's policy file declares.
+    policy = s["tmp"] / "policy.toml"
+    policy.write_text('[compensate."memory/create_entities"]\ntool = "delete_entities"\n'
+                      'args = {entityNames = "$args.entities.*.name"}\n')  # fmt: skip
     proc = booth(s, "c1", "auto", "create", "delta", "observe", "nobody-here",
-                 "create", "epsilon", "write", "c1.txt")  # fmt: skip
+                 "create", "epsilon", "write", "c1.txt",
+                 opts=["--mcp-policy", str(policy)])  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "staged MCP call stage-2 of booth c1 failed" in proc.stderr
     assert "ran before it: stage-1; not run: stage-3" in proc.stderr
+    assert "compensated: stage-1; compensation failed: none" in proc.stderr
     assert (s["tree"] / "c1.txt").exists()
-    assert entities(s["memory"]) == ["delta"]
+    assert entities(s["memory"]) == []  # delta was created by the commit, then deleted
     (report,) = payloads(s["tapes"] / "c1.jbx", "note", "mcp_commit")
     assert report["ran"] == ["stage-1"] and report["failed"] == "stage-2"
-    assert report["not_run"] == ["stage-3"]
+    assert report["not_run"] == ["stage-3"] and report["compensated"] == ["stage-1"]
+    undo = payloads(s["tapes"] / "c1.jbx", "tool_call")[-1]
+    assert (undo["decision"], undo["tool"], undo["args"], undo["ok"]) == (
+        "compensate", "delete_entities", {"entityNames": ["delta"]}, True)  # fmt: skip
 
     # The breaker counts tool calls: the second staged call trips --max-tool-calls 1, the
     # agent is stopped, the booth rolled back and its staged call dropped, nothing reaches
@@ -185,7 +194,7 @@ def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> 
                  opts=["--max-tool-calls", "1"])  # fmt: skip
     assert proc.returncode != 0, proc.stderr
     assert "circuit breaker tripped" in proc.stderr
-    assert entities(s["memory"]) == ["delta"]
+    assert entities(s["memory"]) == []
     assert not (s["tree"] / "d1.txt").exists()
     (trip,) = payloads(s["tapes"] / "d1.jbx", "breaker")
     assert trip["rule"] == "max_tool_calls" and trip["limit"] == 1

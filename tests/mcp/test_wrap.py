@@ -194,9 +194,13 @@ def test_a_server_that_never_answers_initialize_is_a_clear_error(tmp_path: Path,
         (["--mode", "staged_acid", "--", "true"], "staging needs a booth"),
         (["--allow", "x", "--deny", "", "--", "true"], "non-empty"),
         (["--timeout", "0", "--", "true"], "--timeout"),
+        (["--policy", "{bad_compensation}", "--", "true"], "must be {tool"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[compensate]\n"memory/create_*" = "delete_entities"\n')
+    args = [a.format(bad_compensation=bad) for a in args]
     proc = subprocess.run([JUKEBOX, "mcp", "wrap", "--tape-dir", str(tmp_path), *args],
                           input="", capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode in (1, 2), proc.stderr
