@@ -38,7 +38,13 @@ from jukebox.sql import messages as m
 from jukebox.sql import statements as st
 from jukebox.sql.results import Results
 from jukebox.sql.session import TurnTimeout
-from jukebox.sql.upstream import Upstream, UpstreamError, quote_literal
+from jukebox.sql.upstream import (
+    RELEASE_TX,
+    SAVEPOINT_TX,
+    Upstream,
+    UpstreamError,
+    quote_literal,
+)
 
 if TYPE_CHECKING:
     from jukebox.sql.server import DatabaseProxy
@@ -101,6 +107,9 @@ class AgentConnection:
         # Replies are gathered and written together: a write per small message would be a TCP
         # segment each, which the agent's delayed ACK can hold up by 40 ms.
         self.out = bytearray()
+        # The frames of statements answered, waiting for their answer to leave (`record`).
+        self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
+                                dict[str, Any] | None, float]] = []
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -116,6 +125,8 @@ class AgentConnection:
         if self.out:
             self.writer.write(bytes(self.out))
             self.out.clear()
+        if self.frames:
+            self.write_frames()
 
     async def drain_agent(self) -> None:
         self.flush()
@@ -130,7 +141,7 @@ class AgentConnection:
         if self.up is None:
             up = await self.session.take(self, write=write)
             if not self.attached:  # an attached block's own savepoint covers its units
-                up.send_own("SAVEPOINT jukebox_tx")
+                up.send_own(SAVEPOINT_TX)
             self.up = up
             self.unit_failed = False
         elif write and not self.unit_wrote and self.session.attached not in (None, self):
@@ -148,7 +159,7 @@ class AgentConnection:
     def detach(self, up: Upstream) -> None:
         """Another connection needs the session: this idle block, which has only read, gives
         up its savepoint (its reads need no undoing); its next unit takes a new one."""
-        up.send_own("RELEASE SAVEPOINT jukebox_tx")
+        up.send_own(RELEASE_TX)
         self.attached = False
 
     async def end_unit(self) -> None:
@@ -161,7 +172,7 @@ class AgentConnection:
             if self.unit_failed or up.status == "E":
                 up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx")
             else:
-                up.send_own("RELEASE SAVEPOINT jukebox_tx")
+                up.send_own(RELEASE_TX)
             self.wrote = False
             if self.attached:
                 self.attached = False
@@ -175,7 +186,7 @@ class AgentConnection:
                     self.attached = True
                     self.session.set_attached(self, True)
                 else:  # read nested in another's block: nothing to keep
-                    up.send_own("RELEASE SAVEPOINT jukebox_tx")
+                    up.send_own(RELEASE_TX)
         self.up = None
         self.unit_failed = False
         self.unit_wrote = False
@@ -206,8 +217,16 @@ class AgentConnection:
 
     def record(self, run: _Run, tag: str | None = None, failure: dict[str, str] | None = None,
                rows_changed: int = 0) -> None:
+        """The statement's frame, written once its answer has gone to the agent (`flush`):
+        the agent does not wait for the redaction and the tape's write."""
         result = self.kept.take() if self.kept is not None else None
-        self.db.record_statement(self.number, run, tag, failure, rows_changed, result)
+        self.frames.append((run, tag, failure, rows_changed, result, time.monotonic()))
+
+    def write_frames(self) -> None:
+        frames, self.frames = self.frames, []
+        for run, tag, failure, rows_changed, result, ended in frames:
+            self.db.record_statement(self.number, run, tag, failure, rows_changed, result,
+                                     ended)
 
     def reply(self, kind: bytes, body: bytes) -> None:
         """One of the server's replies, passed on to the agent (and kept, when recording)."""
@@ -382,7 +401,10 @@ class AgentConnection:
         elif self.state == "I":
             self.send(m.notice("25P01", "there is no transaction in progress"))
         elif kind == st.COMMIT and self.state == "T":
-            await up.query("RELEASE SAVEPOINT jukebox_tx; SAVEPOINT jukebox_tx")
+            await up.query(RELEASE_TX)
+            # What follows in this unit needs its savepoint; the unit's end usually releases
+            # it at once, and then neither is sent (Upstream.send_own).
+            up.send_own(SAVEPOINT_TX)
             self.state = "I"
         else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
             await up.query("ROLLBACK TO SAVEPOINT jukebox_tx")

@@ -130,14 +130,17 @@ class DatabaseProxy:
         failure: dict[str, str] | None,
         rows_changed: int,
         result: dict[str, Any] | None = None,
+        ended: float | None = None,
     ) -> None:
+        """The statement's `sql` frame; `ended` is when its answer came (the frame itself is
+        written after the answer went to the agent, off the reply's path)."""
         from jukebox.sql.connection import rows_of
 
         payload: dict[str, Any] = {
             "db": self.name,
             "conn": conn,
             "statement": statement_for_tape(run.text, self.owner.scrubber),
-            "ms": round((time.monotonic() - run.started) * 1000, 3),
+            "ms": round(((ended or time.monotonic()) - run.started) * 1000, 3),
         }
         if run.params is not None:
             payload["params"] = run.params

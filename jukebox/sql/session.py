@@ -63,6 +63,7 @@ class SqlSession:
         self.finished = False
         self.rows_changed = 0
         self._opening = asyncio.Lock()
+        self._waiting = 0  # takers waiting for the wire (a free wire goes to them first)
 
     async def open(self) -> Upstream:
         """The upstream, connected and inside the booth's transaction (opened once)."""
@@ -102,6 +103,13 @@ class SqlSession:
         if self.holder is holder:
             assert self.upstream is not None
             return self.upstream
+        if (self.upstream is not None and not self.wire.locked() and not self._waiting
+                and not (write and self.blocked_by(holder))):
+            # The common case, a free wire: taken without wait_for's task and its two turns
+            # of the event loop, a cost every statement paid.
+            await self.wire.acquire()  # a free asyncio.Lock is taken without yielding
+            self.holder = holder
+            return self.upstream
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
@@ -112,7 +120,12 @@ class SqlSession:
                 if write and self.blocked_by(holder):
                     await asyncio.wait_for(self.changed.wait(), left)
                     continue
-                await asyncio.wait_for(self.wire.acquire(), max(0.001, deadline - loop.time()))
+                self._waiting += 1
+                try:
+                    await asyncio.wait_for(self.wire.acquire(),
+                                           max(0.001, deadline - loop.time()))
+                finally:
+                    self._waiting -= 1
                 if write and self.blocked_by(holder):  # a block attached while we waited
                     self.wire.release()
                     continue

@@ -19,6 +19,10 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from jukebox.sql import messages as m
 
+# The savepoint of the agent's unit of work or transaction block (jukebox.sql.session).
+SAVEPOINT_TX = "SAVEPOINT jukebox_tx"
+RELEASE_TX = "RELEASE SAVEPOINT jukebox_tx"
+
 
 class UpstreamError(Exception):
     """The server refused or failed something the proxy itself asked."""
@@ -104,6 +108,8 @@ class Upstream:
         # Bookkeeping queries of the proxy's own (SAVEPOINT, RELEASE) sent without waiting:
         # their replies are read, and dropped, before anything else is read.
         self.unread_own = 0
+        # Bookkeeping queries not yet in `out`: always the last thing to send (see send_own).
+        self.own: list[str] = []
         # What the proxy sends is gathered and written when it next waits for the server (or
         # at 64 KiB): the agent's Parse, Bind, Execute and Sync, with the proxy's SAVEPOINT
         # before them, go as one TLS record and one segment, not one system call each.
@@ -181,17 +187,32 @@ class Upstream:
                                         "proxy does not speak")
 
     def send(self, data: bytes) -> None:
+        if self.own:
+            self._put_own()
         self.out += data
         if len(self.out) >= 65536:
             self.flush()
 
     def flush(self) -> None:
+        if self.own:
+            self._put_own()
         if self.out:
             self.writer.write(bytes(self.out))
             self.out.clear()
 
     def send_own(self, sql: str) -> None:
-        self.send(m.message(b"Q", sql.encode() + b"\0"))
+        """A bookkeeping query of the proxy's own, its reply read (and dropped) later.
+        Consecutive ones go as one Query: the server answers a Query with a flush of its own,
+        which is a wake-up of the proxy, and a savepoint taken and released with nothing in
+        between (the agent's COMMIT, then the end of its unit) is not sent at all."""
+        if sql == RELEASE_TX and self.own and self.own[-1] == SAVEPOINT_TX:
+            self.own.pop()
+            return
+        self.own.append(sql)
+
+    def _put_own(self) -> None:
+        self.out += m.message(b"Q", "; ".join(self.own).encode() + b"\0")
+        self.own.clear()
         self.unread_own += 1
 
     async def settle(self) -> None:
