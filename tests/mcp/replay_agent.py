@@ -1,10 +1,11 @@
 """An agent run in a booth by tests/mcp/test_booth_replay.py, then replayed and forked: it reads
 the memory server's graph (allowed: read-only), creates an entity (staged) whose name ends in
 $SUFFIX (a replay with another SUFFIX diverges), and reads the graph again. Prints one JSON line
-per call, for the test to read."""
+per call, for the test to read, and a hash of the server's declared MEMORY_API_TOKEN."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -34,6 +35,9 @@ async def main() -> int:
         say(step="create", error=created.is_error, text=created.content[0].text)
         graph = await session.call_tool("read_graph", {})
         say(step="read", names=[e["name"] for e in graph.structured_content["entities"]])
+    # Which MEMORY_API_TOKEN the server was declared with (a hash: never the value itself).
+    token = entry.get("env", {}).get("MEMORY_API_TOKEN", "")
+    say(step="token", sha=hashlib.sha256(token.encode()).hexdigest()[:16])
     return 0
 
 

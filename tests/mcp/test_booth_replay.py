@@ -6,6 +6,7 @@ later calls go to the real server."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -67,7 +68,7 @@ def jukebox(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 def test_replay_serves_recorded_tool_calls_offline_and_catches_a_changed_argument(
     recorded: dict,
 ) -> None:
-    out = recorded["out"]
+    out = recorded["out"][:3]
     assert out[0] == {"step": "read", "names": ["seed"]} and "staged" in out[1]["text"]
     assert "alpha" in [json.loads(x)["name"] for x in recorded["memory"].read_text().split()]
     # No MCP server can start in the replay: node is not on its PATH.
@@ -113,17 +114,28 @@ def test_fork_overrides_a_tool_result_and_goes_live_after_it(recorded: dict) -> 
     # A secret's value never reaches the tape: the fork says it is missing, in one line.
     assert described["env"] == ["MEMORY_API_TOKEN", "MEMORY_FILE_PATH"]
     assert TOKEN.encode() not in recorded["tape"].read_bytes()
-    proc = jukebox("fork", str(recorded["tape"]), "--at", str(at), "--tool-result",
-                   json.dumps(override), "--exec", "--tape-dir",
-                   str(recorded["tapes"]))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "'memory' ran with MEMORY_API_TOKEN set; the tape keeps no such value" in proc.stderr
-    steps = said(proc)
+    # On a terminal, the operator is asked for it (not echoed), and the fork's server gets it.
+    from tests.on_terminal import plain, run_on_terminal
+
+    question = ("'memory' ran with MEMORY_API_TOKEN set; its value (not shown; Enter to leave "
+                "it out)")
+    status, screen = run_on_terminal(
+        [JUKEBOX, "fork", str(recorded["tape"]), "--at", str(at), "--tool-result",
+         json.dumps(override), "--exec", "--tape-dir", str(recorded["tapes"])],
+        env=dict(os.environ), timeout=120, answer=(question.encode(), TOKEN),
+    )  # fmt: skip
+    text = plain(screen)
+    assert status == 0, text
+    assert question in text and TOKEN not in text
+    assert "the tape keeps no such value" not in text
+    steps = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert steps[3] == {"step": "token", "sha": hashlib.sha256(TOKEN.encode()).hexdigest()[:16]}
     assert steps[0] == {"step": "read", "names": ["forked"]}
     assert "staged" in steps[1]["text"]  # past the fork, the booth's policy again
     # Live: the real server answers, and its graph holds what the original's commit created.
     assert steps[2] == {"step": "read", "names": ["seed", "alpha"]}
     fork_tape = recorded["tapes"] / "r1-fork-1.jbx"
+    assert TOKEN not in json.dumps(payloads(fork_tape))
     calls = payloads(fork_tape, "tool_call")
     assert calls[0]["overridden"] and calls[0]["replayed_from"] == at
     assert calls[0]["result"]["structuredContent"]["entities"][0]["name"] == "forked"
