@@ -1,7 +1,7 @@
 """A streamable-HTTP MCP server for tests/mcp (the SDK's MCPServer, served by uvicorn on
 127.0.0.1): `read_notes` (read-only) and `add_note` (destructive) over a notes file named on
-the command line, so a test sees from outside whether a call reached it, and the Authorization
-header of every request (NOTES.auth). Prints its port."""
+the command line, so a test sees from outside whether a call reached it, and with --log-auth
+the Authorization header of every request (NOTES.auth). Prints its port."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 
 NOTES = Path(sys.argv[1])
+LOG_AUTH = sys.argv[2:] == ["--log-auth"]  # off for bench/bench_mcp.py: no file write per call
 server = MCPServer("notes")
 
 
@@ -55,5 +56,5 @@ if __name__ == "__main__":
                 f.write(auth + "\n")
         await app(scope, receive, send)  # type: ignore[arg-type]
 
-    config = uvicorn.Config(seen_headers, log_level="warning")
+    config = uvicorn.Config(seen_headers if LOG_AUTH else app, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])

@@ -29,8 +29,8 @@ ENV = {**os.environ, "NOTES_API_TOKEN": TOKEN}
 def notes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("http")
     notes = tmp / "notes.txt"
-    proc = subprocess.Popen([sys.executable, str(HERE / "http_server.py"), str(notes)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(HERE / "http_server.py"), str(notes),
+                             "--log-auth"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
     yield {"url": f"http://127.0.0.1:{port}/mcp", "notes": notes, "tmp": tmp, "proc": proc}
