@@ -642,7 +642,7 @@ def _with_whole_link_groups(
 # --- conflict check ---------------------------------------------------------------------------
 
 
-class _Mismatch(Exception):
+class _Mismatch(ShadowfsError):
     pass
 
 

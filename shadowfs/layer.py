@@ -101,7 +101,7 @@ from typing import Any
 
 from shadowfs import tree as trees
 from shadowfs.bounded import BoundedMap
-from shadowfs.errors import TreeError
+from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.journal import Journal
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
@@ -164,7 +164,7 @@ _BASE_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _COPY_STEP = 64 * 1024 * 1024
 
 
-class ScratchLimitReached(OSError):
+class ScratchLimitReached(ShadowfsError, OSError):
     """ENOSPC from the layer's scratch limit (`Layer(scratch_limit=...)`), not from the disk."""
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from jukebox.api.transaction import TapeLog, _relative, current_redirect
+from jukebox.errors import CheckFailed
 from jukebox.tape.frame import Frame
 from jukebox.tape.tape import Tape, TapeWriter
 from jukebox.tape.tapedir import TapeDir
@@ -75,7 +76,7 @@ COMPARED: dict[str, tuple[str, ...]] = {
 SHOW = 100
 
 
-class ReplayDiverged(Exception):
+class ReplayDiverged(CheckFailed):
     """The re-executed function stopped matching its tape before the fork point."""
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jukebox.booth.isolation import _is_under
+from jukebox.errors import JukeboxError
 
 CONTROLLERS = ("pids", "memory")
 PROTECTION_NAMES = {"pids": "pids_cgroup", "memory": "memory_cgroup"}
@@ -37,7 +38,7 @@ GROUP_DIR = "jukebox"
 RMDIR_WAIT_S = 2.0  # the last processes of a booth may still be exiting when it ends
 
 
-class CgroupUnavailable(Exception):
+class CgroupUnavailable(JukeboxError):
     """This controller cannot be used here; the message says why."""
 
 

@@ -59,7 +59,7 @@ class ControlRefused(ControlError):
     exit_code = 2
 
 
-class RequestError(ValueError):
+class RequestError(JukeboxError, ValueError):
     """A request the server refuses; its message goes back to the client."""
 
 

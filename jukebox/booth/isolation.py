@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from jukebox.booth import credentials
+from jukebox.errors import JukeboxError
 from shadowfs.libc import check as _check
 from shadowfs.libc import libc as _libc
 
@@ -151,7 +152,7 @@ def inside_booth() -> bool:
         return False
 
 
-class IsolationError(Exception):
+class IsolationError(JukeboxError):
     """The sandbox could not be set up; the message names the step and what to do."""
 
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jukebox.errors import JukeboxError
 from shadowfs.libc import libc
 
 LOW32 = 0xFFFFFFFF
@@ -184,7 +185,7 @@ GROUPS: dict[str, tuple[Refusal, ...]] = {
 }
 
 
-class FilterError(Exception):
+class FilterError(JukeboxError):
     """The filter could not be built or loaded; the message says which step."""
 
 

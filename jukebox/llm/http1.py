@@ -18,6 +18,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jukebox.errors import JukeboxError
+
 # A response head, a chunk-size line or a trailer section longer than this is refused.
 MAX_HEAD_BYTES = 64 * 1024
 MAX_LINE_BYTES = 4096
@@ -31,7 +33,7 @@ _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
-class ProtocolError(Exception):
+class ProtocolError(JukeboxError):
     """The upstream's bytes are not HTTP/1.1 this client can read; or a request it cannot send."""
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
+from jukebox.errors import JukeboxError
+
 _DECODE_ROUNDS = 4
 _FORBIDDEN = ("/", "\\", "\x00")
 
 
-class PathRefused(ValueError):
+class PathRefused(JukeboxError, ValueError):
     """The request's path leaves its prefix or cannot be judged; the message says which."""
 
 

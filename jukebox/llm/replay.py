@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.errors import CheckFailed
 from jukebox.llm.model_override import model_for
 from jukebox.llm.providers import GEMINI, OPENAI, PREFIXES, replay_endpoint
 from jukebox.llm.recorder import LLM_TURN
@@ -104,7 +105,7 @@ class Live:
 LIVE = Live()
 
 
-class Divergence(Exception):
+class Divergence(CheckFailed):
     """The run stopped matching its tape."""
 
     def __init__(

@@ -51,6 +51,7 @@ import trio
 from jukebox.display import progress
 from jukebox.display.names import printable
 from jukebox.display.render import size as human
+from jukebox.errors import JukeboxError
 from jukebox.guard.breaker import Trip
 from jukebox.llm.budget import worst_case
 from jukebox.llm.fastio import fileno, read_some, write_all
@@ -199,11 +200,11 @@ def _peer_closed(stream: trio.SocketStream) -> bool:
     return any(events & gone for _, events in poller.poll(0))
 
 
-class _ClientGone(Exception):
+class _ClientGone(JukeboxError):
     pass
 
 
-class _Stranger(Exception):
+class _Stranger(JukeboxError):
     """A request without this proxy's secret: answered before its body is read."""
 
 

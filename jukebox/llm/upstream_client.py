@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from jukebox.errors import JukeboxError
 from jukebox.llm.fastio import fileno, read_some, write_all
 from jukebox.llm.http1 import ClosedEarly, Head, ProtocolError, ResponseReader, encode_request
 
@@ -60,7 +61,7 @@ class Timeouts:
     write: float = 60.0
 
 
-class UpstreamError(Exception):
+class UpstreamError(JukeboxError):
     """The upstream could not be reached, or broke off a response. The message names the
     upstream by host and port only (never a path, which may hold a secret)."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import mcp.types as types
 from mcp.shared.exceptions import MCPError
 
-from jukebox.errors import UsageError
+from jukebox.errors import JukeboxError, UsageError
 from jukebox.llm.replay import Divergence, json_diff
 
 DIVERGED_CODE = -32002
@@ -27,7 +27,7 @@ Frame = tuple[int, str, dict[str, Any]]
 LIST_METHODS = ("tools/list", "resources/list", "resources/templates/list", "prompts/list")
 
 
-class GoLive(Exception):
+class GoLive(JukeboxError):
     """The recording of this server ends here and the run may go on live (a fork, or a replay
     with --until): the gateway forwards this request, and every later one, to the real server."""
 

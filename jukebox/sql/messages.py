@@ -13,6 +13,8 @@ import asyncio
 import struct
 from dataclasses import dataclass
 
+from jukebox.errors import JukeboxError
+
 PROTOCOL_3 = 196608
 SSL_REQUEST = 80877103
 GSSENC_REQUEST = 80877104
@@ -25,7 +27,7 @@ MAX_STARTUP = 10_000
 MAX_MESSAGE = 64 * 1024 * 1024
 
 
-class ProtocolError(ValueError):
+class ProtocolError(JukeboxError, ValueError):
     """Bytes that are not the message they claim to be."""
 
 

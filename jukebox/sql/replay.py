@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jukebox.errors import UsageError
+from jukebox.errors import CheckFailed, UsageError
 from jukebox.redact import Scrubber
 from jukebox.sql import messages as m
 from jukebox.sql import results
@@ -123,7 +123,7 @@ class SqlRecording:
         return sum(len(q) for db in self.databases.values() for q in db.by_conn.values())
 
 
-class Diverged(Exception):
+class Diverged(CheckFailed):
     pass
 
 

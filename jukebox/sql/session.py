@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from jukebox.errors import JukeboxError
 from jukebox.sql.upstream import Target, Upstream, UpstreamError, quote_literal
 
 # How long a connection (or a checkpoint) waits for the session while another connection holds
@@ -38,7 +39,7 @@ TURN_TIMEOUT = 30.0
 LOCK_TIMEOUT = "30s"
 
 
-class TurnTimeout(Exception):
+class TurnTimeout(JukeboxError):
     pass
 
 

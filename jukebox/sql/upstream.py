@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from jukebox.errors import JukeboxError
 from jukebox.sql import messages as m
 
 # The savepoint of the agent's unit of work or transaction block (jukebox.sql.session).
@@ -24,7 +25,7 @@ SAVEPOINT_TX = "SAVEPOINT jukebox_tx"
 RELEASE_TX = "RELEASE SAVEPOINT jukebox_tx"
 
 
-class UpstreamError(Exception):
+class UpstreamError(JukeboxError):
     """The server refused or failed something the proxy itself asked."""
 
     def __init__(self, text: str, fields: dict[str, str] | None = None) -> None:
