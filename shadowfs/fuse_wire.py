@@ -180,12 +180,15 @@ class Channel:
     def __init__(self, fd: int, mountpoint: str) -> None:
         self.fd = fd
         self.mountpoint = mountpoint
+        ensure_fusectl()
         # The connection's number in fusectl (the mount's device minor), read at mount time:
         # a stat of the mount point would wait for the answer to INIT.
         self.minor = _mount_minor(mountpoint)
+        # Which connection that number names now: once the mount is gone its number passes to
+        # the next FUSE mount on the machine (see `fusectl_identity`).
+        self.fusectl_id = fusectl_identity(self.minor) if self.minor >= 0 else None
         # The protocol minor agreed at INIT (set by the server that answers it); 0 before.
         self.protocol_minor = 0
-        ensure_fusectl()
 
     @classmethod
     def open(cls, mountpoint: str, *, fsname: str, subtype: str, allow_other: bool) -> Channel:
@@ -253,15 +256,18 @@ class Channel:
 
     def abort(self) -> None:
         """End the connection: readers blocked on the fd wake with ENODEV, users of the mount
-        get ENOTCONN. Through fusectl (`ensure_fusectl`); quiet when it is not available."""
-        if self.minor < 0:
+        get ENOTCONN. Through fusectl (`ensure_fusectl`); quiet when it is not available, and
+        when the connection has ended already (its number may be another mount's by then)."""
+        if self.minor < 0 or self.fusectl_id is None:
             return
-        with contextlib.suppress(OSError), open(self._fusectl("abort"), "w") as f:
-            f.write("1")
+        with contextlib.suppress(OSError):
+            abort_connection(self.minor, self.fusectl_id)
 
     def requests_waiting(self) -> int | None:
         """How many requests the kernel has sent or queued that are not answered yet (fusectl's
-        ``waiting``; writeback included); None when fusectl is not available."""
+        ``waiting``; writeback included); None when fusectl is not available. By number, without
+        `abort`'s check: it is asked while the mount serves, when the number is this one's, and
+        a wrong count could only cost or spare a barrier round trip."""
         if self.minor < 0:
             return None
         try:
@@ -302,6 +308,45 @@ def ensure_fusectl() -> bool:
         return False
     _fusectl_tried = True
     return bool(_libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) == 0)
+
+
+def fusectl_identity(minor: int) -> tuple[int, int] | None:
+    """(device, inode) of FUSE connection ``minor``'s directory in fusectl, or None when there
+    is none. The number is the mount's device minor, which the kernel hands to the next mount
+    once this one's super block is gone: an abort by number alone, sent late (after a lazy
+    unmount, from a thread that outlived its mount), ended whichever mount had it by then. Each
+    connection's directory is a new inode, so the pair names one connection."""
+    try:
+        st = os.stat(f"{FUSECTL}/{minor}")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def abort_connection(minor: int, identity: tuple[int, int]) -> bool:
+    """Abort FUSE connection ``minor`` if it is still the one ``identity`` (`fusectl_identity`)
+    was taken of; False when that connection is gone. The directory stays open from the check
+    to the write: if the connection ends in between, its ``abort`` file is gone with it
+    (ENOENT), and a stale ``abort`` file does nothing. OSError when fusectl refuses."""
+    try:
+        dfd = os.open(f"{FUSECTL}/{minor}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        st = os.fstat(dfd)
+        if (st.st_dev, st.st_ino) != identity:
+            return False
+        try:
+            fd = os.open("abort", os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            return False
+        try:
+            os.write(fd, b"1")
+        finally:
+            os.close(fd)
+        return True
+    finally:
+        os.close(dfd)
 
 
 def _mount_minor(mountpoint: str) -> int:

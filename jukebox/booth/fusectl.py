@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 
+from shadowfs.fuse_wire import abort_connection, fusectl_identity
 from shadowfs.mountctl import FSTYPE
+
+__all__ = ["abort_connection", "fusectl_identity"]
 from shadowfs.mountinfo import unescape
 
 FUSECTL = "/sys/fs/fuse/connections"
@@ -52,8 +55,11 @@ def abort(number: int) -> None:
         f.write("1")
 
 
-def waiting(number: int) -> int:
-    """How many requests of FUSE connection `number` wait for an answer (0 when it is gone)."""
+def waiting(number: int, identity: tuple[int, int] | None = None) -> int:
+    """How many requests of FUSE connection `number` wait for an answer (0 when it is gone, or
+    when `identity` is given and the number now names another connection)."""
+    if identity is not None and fusectl_identity(number) != identity:
+        return 0
     try:
         with open(os.path.join(FUSECTL, str(number), "waiting")) as f:
             return int(f.read().strip() or 0)

@@ -44,6 +44,10 @@ class LayerWatchdog:
         interrupt_grace: float = INTERRUPT_GRACE,
     ) -> None:
         self.connection = connection
+        # Taken now, while the layer is mounted: the unmount runs inside `blocking`, and once
+        # the mount is gone its number may be the next FUSE mount's (another booth's), which
+        # the watchdog must then neither count nor abort.
+        self._identity = fusectl.fusectl_identity(connection)
         self.limit = limit
         self.interrupt_grace = interrupt_grace
         self.fired: str | None = None
@@ -92,7 +96,8 @@ class LayerWatchdog:
             lasted = time.monotonic() - since
             interrupted = bool(INTERRUPTS & signal.sigpending())
             due = lasted >= self.limit or (interrupted and lasted >= self.interrupt_grace)
-            if not due or fusectl.waiting(self.connection) == 0:
+            identity = self._identity
+            if not due or identity is None or fusectl.waiting(self.connection, identity) == 0:
                 continue
             cause = "an interrupt" if interrupted and lasted < self.limit else f"{lasted:.0f} s"
             self.fired = (
@@ -101,4 +106,5 @@ class LayerWatchdog:
                 "agent stopped; the real tree was not touched"
             )
             with contextlib.suppress(OSError):
-                fusectl.abort(self.connection)
+                if not fusectl.abort_connection(self.connection, identity):
+                    self.fired = None  # that connection ended meanwhile: nothing to free

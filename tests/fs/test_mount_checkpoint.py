@@ -21,6 +21,7 @@ from shadowfs.layer import Layer
 from shadowfs.mountctl import Mount, MountError, is_mounted
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store
+from tests.conftest import slow
 from tests.fs.conftest import needs_fuse
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
@@ -495,6 +496,44 @@ def test_a_mount_brings_up_fusectl_where_the_machine_did_not(
         # A number, not None: the connection's fusectl files are readable. Not 0: a probe of the
         # new mount (a STATFS, say) may be in flight at that moment.
         assert m._channel is not None and m._channel.requests_waiting() is not None
+
+
+def test_a_late_abort_spares_the_mount_that_took_the_connections_number(
+    layer: Layer, tmp_path: Path
+) -> None:
+    # A FUSE connection's number in fusectl is its mount's device minor, which the kernel gives
+    # to the next FUSE mount once the super block is gone. An abort by number sent after that
+    # (Mount.stop's, after a lazy unmount, when the workers are slow to leave; a failing
+    # worker's; a booth watchdog's during the unmount) ended the next mount: under emulation a
+    # snapshot sent to it came back ECONNABORTED (docs/vm-tests.md).
+    from shadowfs import fuse_wire
+
+    if not fuse_wire.ensure_fusectl():
+        pytest.skip("fusectl is not mounted at /sys/fs/fuse/connections")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for _ in range(10):
+        with Mount(layer, mnt) as first:
+            old = first._channel
+            assert old is not None and old.minor >= 0
+        # The kernel frees the number with the super block, which a lazy unmount may defer.
+        gone = os.path.join(fuse_wire.FUSECTL, str(old.minor))
+        deadline = time.monotonic() + slow(10)
+        while os.path.exists(gone) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with Mount(layer, mnt) as second:
+            assert second._channel is not None
+            if second._channel.minor != old.minor:
+                continue  # another process on the machine took the number first
+            old.abort()
+            assert (mnt / "README").read_text() == "readme\n"
+            assert os.statvfs(mnt).f_bsize > 0
+            second._channel.abort()  # its own abort still works
+            with pytest.raises(OSError) as ended:
+                os.statvfs(mnt)
+            assert ended.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+            return
+    pytest.skip("the connection's number went to other mounts ten times in a row")
 
 
 def _errno_of(call: str) -> str:
