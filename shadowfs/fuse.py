@@ -541,8 +541,13 @@ class Server:
         self.error: BaseException | None = None
         # What has been read and is being served, in the kernel's numbering.
         self._arrivals = Arrivals()
+        # Workers not yet returned, and whether the last one out closes the channel.
+        self._live = 0
+        self._exit_lock = threading.Lock()
+        self._close_on_exit = False
 
     def start(self) -> None:
+        self._live = self.workers
         for i in range(self.workers):
             t = threading.Thread(target=self._work, name=f"shadowfs-fuse-{i}", daemon=True)
             t.start()
@@ -555,6 +560,17 @@ class Server:
     @property
     def running(self) -> bool:
         return any(t.is_alive() for t in self._threads)
+
+    def close_channel(self) -> None:
+        """Close the channel's fd now, or when the last worker returns if one still runs. A
+        worker reads the fd by its number, which the process gives to the next file it opens
+        once the fd is closed: a worker late to leave would read that file (a socket, a store's
+        file) as requests, and could end another mount in its failure path."""
+        with self._exit_lock:
+            if self._live > 0:
+                self._close_on_exit = True
+                return
+        self.channel.close()
 
     def _work(self) -> None:
         self.idents.add(threading.get_ident())
@@ -602,6 +618,11 @@ class Server:
         finally:
             with contextlib.suppress(KeyError):
                 self.idents.remove(threading.get_ident())
+            with self._exit_lock:
+                self._live -= 1
+                close = self._live == 0 and self._close_on_exit
+            if close:
+                self.channel.close()
 
     def _serve(self, req: Any) -> bool:
         """Answer one request; True when the connection is over."""

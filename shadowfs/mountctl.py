@@ -238,7 +238,7 @@ class Mount:
         if server.running:
             channel.abort()
             server.join(10.0)
-        channel.close()
+        server.close_channel()
         self._server = None
         self._channel = None
 

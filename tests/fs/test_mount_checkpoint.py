@@ -536,6 +536,27 @@ def test_a_late_abort_spares_the_mount_that_took_the_connections_number(
     pytest.skip("the connection's number went to other mounts ten times in a row")
 
 
+def test_the_channel_stays_open_until_its_last_worker_leaves(layer: Layer, tmp_path: Path) -> None:
+    # Workers read the /dev/fuse fd by number: closed under a worker still running (a stop
+    # that gave up waiting), the number would go to the next file this process opens.
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mount(layer, mnt).start()
+    try:
+        server, channel = m._server, m._channel
+        assert server is not None and channel is not None and server.running
+        fd = channel.fd
+        server.close_channel()
+        assert channel.fd == fd and os.fstat(fd), "closed under its workers"
+        assert (mnt / "README").read_text() == "readme\n"  # and still served
+    finally:
+        m.stop()
+    deadline = time.monotonic() + slow(10)
+    while server.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server.running and channel.fd == -1, "the last worker out closes it"
+
+
 def _errno_of(call: str) -> str:
     """A child script that calls os.CALL(argv[1]) and prints the errno it fails with."""
     return (
