@@ -1682,7 +1682,7 @@ class _Outcome:
 
 def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
     """Makes the booth, up to a ChildSpec ready to start; everything made is on `stack`."""
-    from jukebox.llm.recorder import DEFAULT_RECORD_LIMIT
+    from jukebox.llm.defaults import DEFAULT_RECORD_LIMIT
     from jukebox.trees.realtree import open_tree
 
     tapes, booth_id = o.tapes, o.booth_id

@@ -216,7 +216,6 @@ def run(
     under --commit never); see docs/breaker.md.
     """
     from jukebox.booth.supervisor import run_booth
-    from jukebox.guard.breaker import CircuitBreaker
 
     if cmd[0].startswith("-"):
         # Unknown options are let through so that CMD's own options need no `--`; one before
@@ -239,13 +238,18 @@ def run(
         from jukebox.sql.booth_link import parse_specs
 
         databases = parse_specs(pg)
-    breaker = CircuitBreaker.from_options(
-        max_cost_usd=max_cost_usd,
-        max_tokens=max_tokens,
-        max_turns=max_turns,
-        max_repeat=max_repeat,
-        unknown_cost=unknown_cost,
-    )
+    breaker = None
+    if any(v is not None for v in (max_cost_usd, max_tokens, max_turns, max_repeat, unknown_cost)):
+        # Only then: the breaker's module is imported by no booth that sets none of its flags.
+        from jukebox.guard.breaker import CircuitBreaker
+
+        breaker = CircuitBreaker.from_options(
+            max_cost_usd=max_cost_usd,
+            max_tokens=max_tokens,
+            max_turns=max_turns,
+            max_repeat=max_repeat,
+            unknown_cost=unknown_cost,
+        )
 
     # run_booth closes what it opens, whatever the outcome: no teardown needed after it.
     skip_teardown()

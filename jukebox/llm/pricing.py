@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from jukebox.errors import UsageError
+from jukebox.llm.defaults import PRICES_ENV, named_price_files
 
-PRICES_ENV = "JUKEBOX_PRICES"
-TAPE_DIR_FILE = "prices.toml"
 _FIELDS = ("input", "output", "cached_input", "cache_write", "family")
 # What a provider appends to a model's name for one dated snapshot of that same model.
 _SNAPSHOT = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{8}|\d{4}|latest)")
@@ -246,10 +245,8 @@ class PriceTable:
     ) -> PriceTable:
         environ = os.environ if environ is None else environ
         table: dict[str, Price] = {}
-        if tape_dir is not None and (Path(tape_dir) / TAPE_DIR_FILE).is_file():
-            table.update(_read(Path(tape_dir) / TAPE_DIR_FILE))
-        if environ.get(PRICES_ENV):
-            table.update(_read(Path(environ[PRICES_ENV])))
+        for path in named_price_files(tape_dir, environ):
+            table.update(_read(Path(path)))
         return cls(table)
 
     def with_fallback(self, fallback: Price | None) -> PriceTable:

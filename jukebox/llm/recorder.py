@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jukebox.llm.defaults import DEFAULT_RECORD_LIMIT as DEFAULT_RECORD_LIMIT
 from jukebox.llm.gemini import GEMINI
 from jukebox.llm.gemini import model_of as gemini_model
 from jukebox.llm.pricing import PriceTable
@@ -26,10 +27,6 @@ from jukebox.llm.sse import SSEEvent
 from jukebox.llm.usage import estimate
 from jukebox.redact import Scrubber, redact_headers, redact_query, redact_text
 from jukebox.tape.frame import canonical_json
-
-# What one proxy records in all (request and response bodies) when nobody set a limit: the
-# booth passes its --max-scratch instead.
-DEFAULT_RECORD_LIMIT = 1024 * 1024 * 1024
 
 LLM_TURN = "llm_turn"
 

@@ -3,6 +3,11 @@
 
 `LlmOptions` is what a caller of `run_booth` chooses: record (the default), replay from a tape,
 fork overrides, a circuit breaker. The booth supplies the tape writer and the trip callback.
+
+Every booth starts a session, most of them for agents that never call a model: this module
+imports only what the standby proxy needs (jukebox.llm.standby); the price table, the recorder,
+the private network and the lookups' watch are imported when used (the price table by the
+proxy's start, unless a price file is named, which is read, and so checked, at once).
 """
 
 from __future__ import annotations
@@ -14,18 +19,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from jukebox.llm.lookups import LookupWatch
-from jukebox.llm.netns import PrivateNetwork
-from jukebox.llm.placeholder_keys import placeholder_env
-from jukebox.llm.pricing import PriceTable
+from jukebox.llm.defaults import named_price_files
 from jukebox.llm.providers import OPENAI
-from jukebox.llm.recorder import FrameSink
 from jukebox.llm.standby import Standby
 from jukebox.llm.telemetry import environment_warnings
 from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
 from jukebox.llm.upstreams import resolve, upstreams_from_env
 
 if TYPE_CHECKING:
+    from jukebox.llm.lookups import LookupWatch
+    from jukebox.llm.netns import PrivateNetwork
+    from jukebox.llm.recorder import FrameSink
     from jukebox.llm.replay import Divergence, ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
 
@@ -79,7 +83,11 @@ class LlmSession:
         # Checked now (a bad name, a bad price file): the agent must not start with a proxy
         # that cannot.
         _, protocols = resolve(upstreams, replay.upstream_protocols if replay else None)
-        prices = PriceTable.load(tape_dir, environ)
+        prices: Any = None  # no file named: the proxy's default, the catalogue alone
+        if named_price_files(tape_dir, environ):
+            from jukebox.llm.pricing import PriceTable
+
+            prices = PriceTable.load(tape_dir, environ)
 
         def make(sock: socket.socket, secret: str) -> Any:
             # Here, at the first connection: the proxy's imports are most of a booth's start.
@@ -102,7 +110,11 @@ class LlmSession:
                 record_limit=record_limit,
             )
 
-        network = PrivateNetwork() if private_network else None
+        network = None
+        if private_network:
+            from jukebox.llm.netns import PrivateNetwork
+
+            network = PrivateNetwork()
         try:
             sock = network.listen() if network is not None else None
             proxy = Standby(make, protocols, sock=sock).start()
@@ -119,7 +131,11 @@ class LlmSession:
                     note["protocols"] = other
                 record("note", note)
             # What the agent tries to reach around the proxy, seen by its lookups.
-            lookups = LookupWatch.start(network, record) if network is not None else None
+            lookups = None
+            if network is not None:
+                from jukebox.llm.lookups import LookupWatch
+
+                lookups = LookupWatch.start(network, record)
         except BaseException:
             proxy.stop()
             if network is not None:
@@ -136,6 +152,8 @@ class LlmSession:
         for line in environment_warnings(env or {}, offline=self.network is not None):
             print(f"jukebox: {line}", file=sys.stderr, flush=True)
         if self.replaying:
+            from jukebox.llm.placeholder_keys import placeholder_env
+
             out.update(placeholder_env(env or {}))
         return out
 

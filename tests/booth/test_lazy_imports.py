@@ -4,6 +4,7 @@ never how long it took (docs/benchmarks.md has the times)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from tests.llm.upstream import FakeUpstream
 from tests.test_cli_imports import PROXY_STACK, imported
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
+# What a booth imports only when its agent calls a model or a --max-* flag is set.
+LATER = {"jukebox.llm.pricing", "jukebox.llm.recorder", "jukebox.guard.breaker", "decimal"}
 
 def _imported(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> set[str]:
     code, modules, stderr = imported(tmp_path, *args, env=env)
@@ -37,6 +40,27 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     assert (tree / "a.txt").read_text() == "two\n"  # it ran and committed
     assert "jukebox.booth.supervisor" in modules
     assert _stack(modules) == []
+    # Nor the proxy's recording side (the price table, the recorder) nor, with no --max-* flag,
+    # the circuit breaker: their imports were a fifth of a booth's start.
+    assert sorted(modules & LATER) == []
+
+
+def test_a_bad_price_file_still_stops_a_booth_before_its_agent(tmp_path: Path) -> None:
+    """The price table is read at the start only when a file is named: a broken one is still an
+    error before anything runs, not a proxy failing at the agent's first call."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    prices = tmp_path / "prices.toml"
+    prices.write_text("[models\n")
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "jukebox"), "booth", "run", "--tree", str(tree),
+         "--tape-dir", str(tmp_path / "tapes"), "--", "sh", "-c", "echo ran > ran.txt"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd="/", timeout=60,
+        env={**os.environ, "JUKEBOX_PRICES": str(prices)},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"the price table {prices} is not valid TOML" in proc.stderr
+    assert not (tree / "ran.txt").exists()
 
 
 def test_the_first_model_call_starts_the_proxy(tmp_path: Path) -> None:
