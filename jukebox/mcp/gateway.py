@@ -31,6 +31,17 @@ from jukebox.mcp.record import Sink, wire
 
 T = TypeVar("T")
 
+
+class UpstreamSession(ClientSession):
+    """The gateway's client of the real server: the SDK's ClientSession without its check of
+    a tool's result against the tool's `outputSchema`. The gateway passes results through
+    as they came; the agent's own client checks them (the check, a JSON Schema validation per
+    call, and a `tools/list` of its own for a tool it had not listed, cost every call)."""
+
+    async def validate_tool_result(self, name: str, result: types.CallToolResult) -> None:
+        return None
+
+
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_START_TIMEOUT = 30.0
 # JSON-RPC's "server error" range, as the SDK uses it for its own request timeout.
@@ -310,7 +321,7 @@ async def serve_stdio(
     try:
         async with (
             stdio_client(params, errlog=sys.stderr) as (read, write),
-            ClientSession(read, write) as upstream,
+            UpstreamSession(read, write) as upstream,
         ):
             gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits, asker)
             try:

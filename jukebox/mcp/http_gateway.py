@@ -120,11 +120,10 @@ class HttpGateways:
     async def _main(self, listener: socket.socket) -> None:
         import anyio
         import uvicorn
-        from mcp import ClientSession
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.shared.exceptions import MCPError
 
-        from jukebox.mcp.gateway import Gateway
+        from jukebox.mcp.gateway import Gateway, UpstreamSession
         from jukebox.mcp.record import DeferredSink, wire
 
         managers: dict[str, StreamableHTTPSessionManager] = {}
@@ -142,7 +141,7 @@ class HttpGateways:
                     read, write, *_ = await stack.enter_async_context(
                         self.specs[name].http_transport()
                     )
-                    upstream = await stack.enter_async_context(ClientSession(read, write))
+                    upstream = await stack.enter_async_context(UpstreamSession(read, write))
                     with anyio.fail_after(START_TIMEOUT):
                         init = await upstream.initialize()
                 except (TimeoutError, MCPError, OSError, Exception) as error:
