@@ -44,8 +44,9 @@ torture: setup
 VM_APT_PACKAGES := qemu-system-x86 qemu-utils kmod busybox-static e2fsprogs file util-linux
 VM_CACHE := .vm-cache
 KERNEL ?=
-# Side by side with 45 min of tests each: the whole subset ran in 45 min this way on 2 cores under
-# emulation (docs/vm-tests.md); in turn it would take over two hours. 3 GiB of memory per VM.
+# Side by side with 45 min of tests each: the whole subset ran in 42 min this way on 2 cores under
+# emulation, but with QEMU at nice 0, not 19 (docs/vm-tests.md, "Budget"); in turn it would take
+# over two hours. 3 GiB of memory per VM.
 VM_ARGS ?= --parallel --budget 2700  # see `.venv/bin/python -m vm --help`
 
 vm-test: setup
