@@ -160,6 +160,9 @@ class EncodedPayload(dict[str, Any]):
     Read-only, so the encoding cannot go stale."""
 
     encoded: dict[str, bytes]
+    # len(canonical_json(self)), once known (`payload_size`): asked twice per frame (does it
+    # spill, then by the writer).
+    size: int | None = None
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("an EncodedPayload is read-only; build a new one")
@@ -186,9 +189,12 @@ def encode_payload(
 
 def payload_size(payload: EncodedPayload) -> int:
     """len(canonical_json(payload)), from its encoded values."""
-    keys = sum(len(_key(key)) + 1 for key in payload.encoded)  # "key":
-    values = sum(len(v) for v in payload.encoded.values())
-    return 2 + keys + values + max(len(payload.encoded) - 1, 0)
+    if payload.size is None:
+        encoded = payload.encoded
+        # {} around, "key": before each value, commas between the items
+        keys = sum(map(len, map(_key, encoded))) + len(encoded)
+        payload.size = 2 + keys + sum(map(len, encoded.values())) + max(len(encoded) - 1, 0)
+    return payload.size
 
 
 _KEYS: dict[str, bytes] = {}
