@@ -26,19 +26,37 @@ def fileno(stream: trio.abc.Stream) -> int | None:
     return None
 
 
-async def write_all(stream: trio.abc.Stream, fd: int | None, data: bytes) -> None:
-    """`stream.send_all(data)`: at once when the socket takes all of it."""
+def try_write(fd: int | None, data: bytes) -> int:
+    """How much of `data` the socket took at once, without waiting (0 for no descriptor).
+    A caller that would put a deadline around a write needs one only when this falls short:
+    a trio cancel scope costs more than the write on loopback."""
     if fd is None:
-        await stream.send_all(data)
-        return
+        return 0
     try:
-        sent = os.write(fd, data)
+        return os.write(fd, data)
     except BlockingIOError:
-        sent = 0
+        return 0
     except OSError as error:  # EPIPE, ECONNRESET, EBADF (closed): as trio says them
         raise trio.BrokenResourceError(str(error)) from error
+
+
+def try_read(fd: int | None, size: int) -> bytes | None:
+    """Up to `size` bytes already there (b"" at the end), or None when a read would wait."""
+    if fd is None:
+        return None
+    try:
+        return os.read(fd, size)
+    except BlockingIOError:
+        return None
+    except OSError as error:
+        raise trio.BrokenResourceError(str(error)) from error
+
+
+async def write_all(stream: trio.abc.Stream, fd: int | None, data: bytes) -> None:
+    """`stream.send_all(data)`: at once when the socket takes all of it."""
+    sent = try_write(fd, data)
     if sent < len(data):
-        await stream.send_all(memoryview(data)[sent:])
+        await stream.send_all(memoryview(data)[sent:] if sent else data)
 
 
 async def read_some(stream: trio.abc.Stream, fd: int | None, size: int) -> bytes:
@@ -46,9 +64,7 @@ async def read_some(stream: trio.abc.Stream, fd: int | None, size: int) -> bytes
     if fd is None:
         return bytes(await stream.receive_some(size))
     while True:
-        try:
-            return os.read(fd, size)
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(fd)
-        except OSError as error:
-            raise trio.BrokenResourceError(str(error)) from error
+        data = try_read(fd, size)
+        if data is not None:
+            return data
+        await trio.lowlevel.wait_readable(fd)

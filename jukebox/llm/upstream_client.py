@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import trio
 
 from jukebox.errors import JukeboxError
-from jukebox.llm.fastio import fileno, read_some, write_all
+from jukebox.llm.fastio import fileno, read_some, try_read, try_write, write_all
 from jukebox.llm.http1 import ClosedEarly, Head, ProtocolError, ResponseReader, encode_request
 
 # What the client asks upstream for (the agent's own accept-encoding is not forwarded: it gets
@@ -351,8 +351,10 @@ class UpstreamClient:
         conn = await self._connection(origin)
         conn.reader = ResponseReader(head_request=request.method == "HEAD")
         try:
-            with trio.fail_after(self._timeouts.write):  # a scope only: no checkpoint
-                await write_all(conn.stream, conn.fd, data)
+            sent = try_write(conn.fd, data)  # nearly always all of it: no deadline needed
+            if sent < len(data):
+                with trio.fail_after(self._timeouts.write):  # a scope only: no checkpoint
+                    await write_all(conn.stream, conn.fd, data[sent:])
             if meanwhile is not None:
                 meanwhile()
             while True:
@@ -378,8 +380,10 @@ class UpstreamClient:
 
     async def _receive(self, conn: _Connection, origin: _Origin) -> None:
         try:
-            with trio.fail_after(self._timeouts.read):
-                data = await read_some(conn.stream, conn.fd, READ_SIZE)
+            data = try_read(conn.fd, READ_SIZE)  # there already: no deadline needed
+            if data is None:
+                with trio.fail_after(self._timeouts.read):
+                    data = await read_some(conn.stream, conn.fd, READ_SIZE)
         except trio.TooSlowError:
             raise UpstreamError(
                 f"{origin.name} sent nothing for {self._timeouts.read:g} s"
