@@ -129,6 +129,20 @@ class SSEParser:
         buf = self._buf
         # Where buf starts in the untaken bytes (it is their tail: a partial line at most).
         base = len(self._raw) - len(buf)
+        if b"\r" not in buf:
+            # Lines end in \n alone, as every API's streams do: one split, not a regex search
+            # per line (the parse is on the path of every event).
+            lines = buf.split(b"\n")
+            self._buf = lines.pop()
+            for raw in lines:
+                pos += len(raw) + 1
+                event = self._line(raw.decode("utf-8", errors="replace"), index, t_ms)
+                if event is not None:
+                    done.append(event)
+                if fed and not self._data and self._event is None:
+                    self._ready = base + pos
+            self.events.extend(done)
+            return done
         while True:
             match = _EOL.search(buf, pos)
             # A lone \r at the very end may be the first half of \r\n: wait for more.

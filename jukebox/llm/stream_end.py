@@ -21,14 +21,19 @@ FINAL_TYPES = frozenset(
         "error",  # both: a stream that fails ends with its error
     }
 )
-
+# is_final spells each of them out again: keep both in step.
 
 def is_final(event: SSEEvent) -> bool:
     """Whether `event` ends its stream: OpenAI Chat's `[DONE]`, or a final event type."""
     if event.data.strip() == "[DONE]" or event.event in FINAL_TYPES:
         return True
-    # Parsed only when a final type is named in it: this runs on every event of every stream.
-    if not any(kind in event.data for kind in FINAL_TYPES):
+    # Parsed only when a final type is named in it: this runs on every event of every stream
+    # (substring tests in a row, not a generator over the set: twice as fast, as is a regex).
+    data = event.data
+    if not (
+        "message_stop" in data or "response.completed" in data or "response.failed" in data
+        or "response.incomplete" in data or "error" in data
+    ):  # fmt: skip
         return False
-    data = event.json()
-    return isinstance(data, dict) and data.get("type") in FINAL_TYPES
+    value = event.json()
+    return isinstance(value, dict) and value.get("type") in FINAL_TYPES

@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jukebox.errors import UsageError
 from jukebox.llm.pricing import PriceTable
 from jukebox.llm.providers import summarize
-from jukebox.llm.sse import SSEParser, encode_event, event_from_record
+from jukebox.llm.sse import SSEEvent, SSEParser, encode_event, event_from_record
+from jukebox.llm.stream_end import FINAL_TYPES, is_final
 from jukebox.redact import Scrubber, redact_headers
 
 
@@ -26,6 +29,48 @@ def test_sse_parser_handles_split_lines_crlf_comments_and_an_unterminated_tail()
     assert tail.data == "[DO" and tail.chunk == 1
     again = event_from_record(first.to_record())
     assert encode_event(again) == b'event: a\ndata: {"x":1}\n\n'
+
+
+_SSE_LINES = st.lists(st.sampled_from(
+    ["", "", ": ping", "event: a", "id: 7", 'data: {"x": 1}', "data: é", "data:", "data: [DONE]"]
+), max_size=12)  # fmt: skip
+
+
+def _parsed(data: bytes, cuts: list[int]) -> tuple[list[tuple[str, str | None]], bytes, bytes]:
+    p = SSEParser()
+    ready = b""
+    for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        p.feed(data[a:b], 0.0)
+        ready += p.take_ready()
+    p.close(1.0)
+    return [(e.data, e.event) for e in p.events], ready, p.take_rest()
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=_SSE_LINES, cuts=st.lists(st.integers(0, 200), max_size=4))
+def test_sse_parser_gives_the_same_events_for_lf_and_crlf_lines_however_read(
+    lines: list[str], cuts: list[int]
+) -> None:
+    # Streams end lines in \n (split at once) or \r\n (searched line by line): both parse
+    # alike, and what is passed on is every byte, cut only between events.
+    lf = "".join(f"{line}\n" for line in lines).encode()
+    crlf = lf.replace(b"\n", b"\r\n")
+    for data in (lf, crlf):
+        events, ready, rest = _parsed(data, sorted(c for c in cuts if c <= len(data)))
+        assert events == _parsed(lf, [])[0]
+        assert ready + rest == data
+        alone = SSEParser()
+        alone.feed(ready, 0.0)
+        assert alone.close(1.0) == [], "passed on in the middle of an event"
+
+
+def test_each_final_type_ends_a_stream_and_other_events_do_not() -> None:
+    for kind in FINAL_TYPES:
+        assert is_final(SSEEvent(f'{{"type": "{kind}"}}'))
+        assert is_final(SSEEvent("{}", event=kind))
+    assert is_final(SSEEvent("[DONE]"))
+    assert not is_final(SSEEvent('{"type": "message_delta", "text": "an error"}'))
+    assert not is_final(SSEEvent('{"choices": [{"delta": {"content": "hi"}}]}'))
 
 
 @pytest.mark.parametrize(
