@@ -625,3 +625,28 @@ def test_a_large_encoded_payload_is_joined_not_encoded_again_and_the_bytes_are_t
             ]
             raws.append([f.raw for f in tape.frames])
     assert raws[0] == raws[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.one_of(
+    st.text(), st.integers(-(2**80), 2**80), st.floats(), st.booleans(), st.none(),
+    st.sampled_from(["\ud800", "\u2028", "\x00\x1f\x7f\"\\"]),
+))  # fmt: skip
+def test_a_scalar_is_encoded_as_the_encoder_does_or_refused_alike(value: object) -> None:
+    # canonical_json encodes bare scalars without the json encoder (its set-up per call was
+    # most of the cost): the bytes, and a refusal's message, must be the encoder's.
+    from jukebox.tape.frame import _ENCODER
+
+    def general() -> bytes:
+        try:
+            return _ENCODER.encode(value).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a lone surrogate") from None
+
+    try:
+        expected = general()
+    except ValueError:
+        with pytest.raises(ValueError, match=r"NaN or infinity|lone surrogate"):
+            canonical_json(value)
+        return
+    assert canonical_json(value) == expected

@@ -12,6 +12,7 @@ the same values the id commits to.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
@@ -98,8 +99,35 @@ _ENCODER = json.JSONEncoder(
 )
 
 
+# What the encoder above makes of a string (ensure_ascii=False), of an int and a finite
+# float (their repr), and of the constants. A bare scalar is most of a payload's values, and
+# the encoder sets itself up on every call: about 2.5 µs, where these take 0.2-0.6 µs.
+_encode_str = json.encoder.encode_basestring
+_CONSTANTS = {None: b"null", True: b"true", False: b"false"}
+
+
+def _scalar_json(value: object) -> bytes | None:
+    """`value`'s canonical JSON when it is a plain scalar the fast way encodes, else None."""
+    # Exactly these types (`type(...) is`): a subclass may encode otherwise.
+    if type(value) is str:
+        try:
+            return _encode_str(value).encode("utf-8")
+        except UnicodeEncodeError:
+            return None  # a lone surrogate: said by canonical_json, as for any value
+    if type(value) is int:
+        return int.__repr__(value).encode()
+    if type(value) is float:
+        return float.__repr__(value).encode() if math.isfinite(value) else None
+    if value is None or type(value) is bool:
+        return _CONSTANTS[value]
+    return None
+
+
 def canonical_json(value: object) -> bytes:
     """The canonical encoding of a JSON value (rules in docs/tape-format.md)."""
+    fast = _scalar_json(value)
+    if fast is not None:
+        return fast
     try:
         return _ENCODER.encode(value).encode("utf-8")
     except UnicodeEncodeError:
