@@ -154,7 +154,7 @@ class HttpGateways:
                                       "initialize": wire(init), "transport": "http"})  # fmt: skip
                 gateway = Gateway(name, upstream, self._sink, self.policy, self.timeout,
                                   self._stage, None, self._ask, timeout_hint="")  # fmt: skip
-                manager = StreamableHTTPSessionManager(app=gateway.server(init))
+                manager = _manager(gateway, init)
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
             config = uvicorn.Config(_Router(self.secret, managers), log_level="warning",
@@ -167,7 +167,6 @@ class HttpGateways:
         """NAME's session manager with the tape answering (jukebox.mcp.booth_upstream), or None
         when its recording had ended before the fork (then it is served live)."""
         import anyio
-        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
         from jukebox.mcp.booth_upstream import BoothReplayUpstream
         from jukebox.mcp.gateway import Gateway
@@ -188,7 +187,7 @@ class HttpGateways:
         # A BoothReplayUpstream answers the calls Gateway makes of a ClientSession.
         gateway = Gateway(name, upstream, self._sink, self.policy, self.timeout, self._stage,  # type: ignore[arg-type]
                           None, self._ask, replay=upstream, timeout_hint="")  # fmt: skip
-        manager = StreamableHTTPSessionManager(app=gateway.server(init))
+        manager = _manager(gateway, init)
         await stack.enter_async_context(manager.run())
         return manager
 
@@ -259,6 +258,16 @@ class _Router:
             await send({"type": "http.response.body", "body": b"not found\n"})
             return
         await manager.handle_request(scope, receive, send)
+
+
+def _manager(gateway: Any, init: Any) -> Any:
+    """The SDK's streamable-HTTP server for one gateway. Its answers are plain JSON bodies, not
+    a server-sent event stream per request: the gateway sends nothing to the agent while a call
+    runs (no progress, no logging), and the stream's setup cost ~1 ms a call (bench/bench_mcp.py;
+    the spec lets a server answer a POST either way, and the SDK's client takes both)."""
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+    return StreamableHTTPSessionManager(app=gateway.server(init), json_response=True)
 
 
 def _origin(url: str) -> str:
