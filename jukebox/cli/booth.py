@@ -11,8 +11,8 @@ import click
 
 from jukebox.cli import cli, skip_teardown
 from jukebox.cli.booth_view import view_path_options
+from jukebox.cli.options import listed_tape_dir, tape_dir_option
 from jukebox.cli.review_options import exclude_options
-from jukebox.cli.tapes import listed_tape_dir, tape_dir_option
 
 if TYPE_CHECKING:
     from jukebox.booth.paths import BoothPaths

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.options import json_option, listed_tape_dir, tape_dir_option
 from jukebox.cli.reading import emit_json
-from jukebox.cli.tapes import json_option, listed_tape_dir, tape_dir_option
 
 STATUSES = ("committed", "discarded", "rolled_back", "exited", "running", "damaged", "unreadable")
 

@@ -8,8 +8,8 @@ from urllib.parse import urlsplit
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.options import json_option, tape_dir_option
 from jukebox.cli.reading import emit_json, load_intact, whole_tape
-from jukebox.cli.tapes import json_option, tape_dir_option
 
 
 @cli.group("export")

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from jukebox.cli import cli
-from jukebox.cli.tapes import tape_dir_option
+from jukebox.cli.options import tape_dir_option
 
 
 @cli.group("mcp")

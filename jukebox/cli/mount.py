@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.options import tape_dir_option
 from jukebox.cli.reading import check_frame, load_intact
-from jukebox.cli.tapes import tape_dir_option
 
 
 @cli.command("mount")

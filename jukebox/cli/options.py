@@ -10,7 +10,9 @@ are parsed before the sub-command's, and the last application sees them all.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
 
@@ -111,3 +113,34 @@ def load_config(ctx: click.Context) -> None:
     if defaults:
         ctx.default_map = {**(ctx.default_map or {}), **defaults}
     apply_output(ctx)
+
+
+# The tape dir and --json options, shared by every command module: here, not in jukebox.cli.tapes
+# (the read side's commands and their imports), which `booth run` does not need.
+def absolute_tape_dir(
+    ctx: click.Context, param: click.Parameter, value: Path | None
+) -> Path | None:
+    """Resolved once, where the user typed it: a replay or fork later runs in a scratch tree,
+    where a relative tape dir would name another directory (inside the tree)."""
+    return Path(os.path.abspath(value)) if value is not None else None
+
+
+tape_dir_option = click.option(
+    "--tape-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    callback=absolute_tape_dir,
+    help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ~/.local/share/jukebox/tapes).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+def listed_tape_dir(tape_dir: Path | None):
+    """The tape dir of a command that reads what is in it (a listing, gc, a pending booth). One
+    named with --tape-dir or $JUKEBOX_TAPE_DIR must exist: a mistyped path would list nothing
+    and look like an empty dir."""
+    from jukebox.tape.tapedir import TapeDir, require_named_tape_dir
+
+    home = TapeDir.resolve(tape_dir)
+    require_named_tape_dir(home.path, tape_dir)
+    return home

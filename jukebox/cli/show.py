@@ -7,9 +7,9 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.options import json_option, tape_dir_option
 from jukebox.cli.reading import check_frame, emit_json, load_intact
 from jukebox.cli.review_options import exclude_options
-from jukebox.cli.tapes import json_option, tape_dir_option
 
 
 @cli.command("show")

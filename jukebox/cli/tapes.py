@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +10,7 @@ import click
 
 from jukebox.cli import cli
 from jukebox.cli.booth_view import view_path_options
+from jukebox.cli.options import json_option, listed_tape_dir, tape_dir_option
 from jukebox.cli.reading import (
     check_frame,
     emit_json,
@@ -28,22 +28,6 @@ if TYPE_CHECKING:
     from jukebox.booth.paths import BoothPaths
 
 
-def absolute_tape_dir(
-    ctx: click.Context, param: click.Parameter, value: Path | None
-) -> Path | None:
-    """Resolved once, where the user typed it: a replay or fork later runs in a scratch tree,
-    where a relative tape dir would name another directory (inside the tree)."""
-    return Path(os.path.abspath(value)) if value is not None else None
-
-
-tape_dir_option = click.option(
-    "--tape-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    callback=absolute_tape_dir,
-    help="Where tapes live (default: $JUKEBOX_TAPE_DIR, else ~/.local/share/jukebox/tapes).",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 image_option = click.option(
     "--image",
     default=None,
@@ -82,17 +66,6 @@ def ls_filter_options(command: Any) -> Any:
         type=click.Choice(LS_STATUSES, case_sensitive=False),
         help="Only tapes with this status (repeatable).",
     )(command)
-
-
-def listed_tape_dir(tape_dir: Path | None):
-    """The tape dir of a command that reads what is in it (a listing, gc, a pending booth). One
-    named with --tape-dir or $JUKEBOX_TAPE_DIR must exist: a mistyped path would list nothing
-    and look like an empty dir."""
-    from jukebox.tape.tapedir import TapeDir, require_named_tape_dir
-
-    home = TapeDir.resolve(tape_dir)
-    require_named_tape_dir(home.path, tape_dir)
-    return home
 
 
 @cli.command("ls")

@@ -12,8 +12,9 @@ import click
 
 from jukebox.cli import cli
 from jukebox.cli.booth_view import view_path_options
+from jukebox.cli.options import tape_dir_option
 from jukebox.cli.reading import emit_json, whole_tape
-from jukebox.cli.tapes import image_option, tape_argument, tape_dir_option, trust_option
+from jukebox.cli.tapes import image_option, tape_argument, trust_option
 from jukebox.display.names import printable, printable_lines
 
 if TYPE_CHECKING:

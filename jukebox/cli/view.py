@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from jukebox.cli import cli
+from jukebox.cli.options import json_option, tape_dir_option
 from jukebox.cli.reading import load, whole_tape
-from jukebox.cli.tapes import json_option, tape_argument, tape_dir_option
+from jukebox.cli.tapes import tape_argument
 
 
 def _view(text: str, tape_dir: Path | None, role: str):

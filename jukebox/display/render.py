@@ -6,7 +6,6 @@ and `replay` must start fast. Everything here is pure formatting; nothing reads 
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,6 +14,10 @@ WIDTH_FALLBACK = 120
 
 
 def terminal_width() -> int:
+    # Imported here: a replay renders a line, not a table, and shutil (with bz2 and lzma) is
+    # 6 M instructions at each start.
+    import shutil
+
     return shutil.get_terminal_size((WIDTH_FALLBACK, 24)).columns
 
 

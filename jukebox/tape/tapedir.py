@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +96,10 @@ def make_tape_dir(path: Path) -> Path | None:
 def remove_unused_tape_dir(made: Path, tapes: TapeDir) -> None:
     """Undoes `make_tape_dir` after a run that wrote no tape: no empty tape dir is left."""
     if not tapes.tape_paths():
+        # Imported here: shutil (with bz2 and lzma behind it) is 6 M instructions that a
+        # replay, which reads the tape dir, would otherwise pay at every start.
+        import shutil
+
         shutil.rmtree(made, ignore_errors=True)
 
 

@@ -43,6 +43,7 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     # Nor the proxy's recording side (the price table, the recorder) nor, with no --max-* flag,
     # the circuit breaker: their imports were a fifth of a booth's start.
     assert sorted(modules & LATER) == []
+    assert "jukebox.cli.tapes" not in modules  # the read side's commands: not a booth's
 
 
 def test_a_bad_price_file_still_stops_a_booth_before_its_agent(tmp_path: Path) -> None:
