@@ -413,6 +413,12 @@ def _child(parent: Mount, conn: Connection) -> None:  # pragma: no cover - runs 
                 value = m.call(getattr(fn, "__wrapped__", fn), layer, *args, sync=sync, **kwargs)
                 conn.send(("ok", value))
             except BaseException as exc:
+                # A worker that failed logged it here, where nobody reads it (a forked child's
+                # log records go to the copy of its parent's handlers), and ended the connection:
+                # the caller would see only the ECONNABORTED or ENOTCONN that followed.
+                server = m._server
+                if server is not None and server.error is not None and exc is not server.error:
+                    exc.add_note(f"the mount's FUSE worker failed first: {server.error!r}")
                 conn.send(("err", exc))
     finally:
         m.stop()

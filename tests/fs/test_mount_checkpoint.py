@@ -5,6 +5,7 @@ after it."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -555,6 +556,39 @@ def test_the_channel_stays_open_until_its_last_worker_leaves(layer: Layer, tmp_p
     while server.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not server.running and channel.fd == -1, "the last worker out closes it"
+
+
+def test_a_served_childs_failed_worker_is_named_to_the_caller(
+    layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker failing outside the handlers ends its connection and logs why; in a forked child
+    # that log is lost, and a checkpoint came back as a bare ECONNABORTED (docs/vm-tests.md).
+    from shadowfs import fuse, fuse_wire
+
+    serve = fuse.Server._serve
+
+    def failing(self: fuse.Server, req: bytes) -> bool:
+        op = int.from_bytes(bytes(req[4:8]), "little")
+        if op == fuse_wire.WRITE:
+            time.sleep(0.3)  # still unanswered after the syncfs: the barrier's STATFS goes out
+        elif op == fuse_wire.STATFS:
+            raise RuntimeError("a worker's bug")
+        return serve(self, req)
+
+    monkeypatch.setattr(fuse.Server, "_serve", failing)  # the child is forked with it
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with Mount(layer, mnt, process=True):
+        fd = os.open(mnt / "dirty.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, b"in the kernel's cache until the checkpoint's syncfs")
+            with pytest.raises(OSError) as failed:
+                layer.snapshot()
+        finally:
+            with contextlib.suppress(OSError):  # the connection is over: its flush fails
+                os.close(fd)
+    assert failed.value.errno in (errno.ECONNABORTED, errno.ENOTCONN), failed.value
+    assert any("a worker's bug" in note for note in getattr(failed.value, "__notes__", []))
 
 
 def _errno_of(call: str) -> str:
