@@ -66,7 +66,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -98,6 +98,9 @@ from shadowfs.tree import (
     read_tree,
     walk,
 )
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 __all__ = [
     "CRASH_ENV",
@@ -153,15 +156,6 @@ _SMALL_FILE = 1 << 20
 
 Interrupted = Callable[[], bool]
 Target = int | str | bytes | os.PathLike[str] | os.PathLike[bytes]
-
-
-class CommitStore(Protocol):
-    """What a commit needs from a store (shadowfs.store.Store provides it)."""
-
-    def get(self, oid: ObjectId) -> bytes: ...
-    def kind(self, oid: ObjectId) -> str: ...
-    def read_file_into(self, oid: ObjectId, fileobj: Any) -> None: ...
-    def read_blobs(self, oids: list[ObjectId]) -> list[bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,7 +437,7 @@ def _die() -> None:
 # --- the diff a commit needs ------------------------------------------------------------------
 
 
-def _changes(store: CommitStore, a: ObjectId, b: ObjectId) -> list[Change]:
+def _changes(store: ObjectReader, a: ObjectId, b: ObjectId) -> list[Change]:
     """Every path whose entry differs between two trees, mtime-only differences included.
 
     tree.diff_trees deliberately ignores mtime-only differences; a commit must carry them, or the
@@ -490,7 +484,7 @@ def _changes(store: CommitStore, a: ObjectId, b: ObjectId) -> list[Change]:
     return out
 
 
-def _below(store: CommitStore, e: Entry, path: bytes, out: list[Change], *, added: bool) -> None:
+def _below(store: ObjectReader, e: Entry, path: bytes, out: list[Change], *, added: bool) -> None:
     if e.kind != DIR:
         return
     # a file or directory entry has an oid (only a symlink's is None)
@@ -521,7 +515,7 @@ class _Plan:
 
 
 def _plan(
-    store: CommitStore,
+    store: ObjectReader,
     new_tree: ObjectId,
     changes: list[Change],
     token: str,
@@ -614,7 +608,7 @@ def _plan(
 
 
 def _with_whole_link_groups(
-    store: CommitStore, new_tree: ObjectId, changes: list[Change]
+    store: ObjectReader, new_tree: ObjectId, changes: list[Change]
 ) -> tuple[list[Change], set[int]]:
     """``changes`` plus, for each hard-link group a change writes anew, its other names in the
     new tree: a group is staged as one new inode with all its names linked to it, so a name
@@ -652,7 +646,7 @@ class _CompareSink:
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data)
         while view:
             got = os.read(self.fd, min(len(view), _READ_SIZE))
@@ -675,7 +669,7 @@ class _CompareSink:
             self.write(bytes(n))
 
 
-def _same_content(store: CommitStore, fd: int, size: int, oid: ObjectId) -> bool:
+def _same_content(store: ObjectReader, fd: int, size: int, oid: ObjectId) -> bool:
     if store.kind(oid) == "blob":
         hasher = ObjectHasher("blob", size)
         left = size
@@ -695,7 +689,7 @@ def _same_content(store: CommitStore, fd: int, size: int, oid: ObjectId) -> bool
 
 
 def _holds(
-    store: CommitStore,
+    store: ObjectReader,
     dirs: _Dirs,
     path: bytes,
     e: Entry,
@@ -756,7 +750,7 @@ def _seen(st: os.stat_result | None) -> Seen:
 
 
 def _conflicts(
-    store: CommitStore,
+    store: ObjectReader,
     dirs: _Dirs,
     plan: _Plan,
     progress: Progress | None,
@@ -822,7 +816,7 @@ def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
 
 
 def _prefetched(
-    store: CommitStore, oids: Iterable[ObjectId]
+    store: ObjectReader, oids: Iterable[ObjectId]
 ) -> contextlib.AbstractContextManager[object]:
     """The store's bulk index lookup for ``oids`` (shadowfs.store.Store.prefetched), when it has
     one: a commit reads every object it touches, one index query each otherwise."""
@@ -928,7 +922,7 @@ class _Syncer:
 
 
 def _stage_one(
-    store: CommitStore,
+    store: ObjectReader,
     dirs: _Dirs,
     s: _Stage,
     syncer: _Syncer,
@@ -1005,7 +999,7 @@ class _Chunk:
     futures: list[Future[Any]]
 
 
-def _read_chunk(store: CommitStore, dirs: _Dirs, stages: list[_Stage], i: int) -> _Chunk:
+def _read_chunk(store: ObjectReader, dirs: _Dirs, stages: list[_Stage], i: int) -> _Chunk:
     """The chunk from ``stages[i]`` on, its small files' content read from the store (here, in
     the main thread: the store is not shared with the threads), in one bulk read."""
     c = _Chunk(i, i, _ChunkDirs(dirs), [], [], 0, [])
@@ -1039,7 +1033,7 @@ def _read_chunk(store: CommitStore, dirs: _Dirs, stages: list[_Stage], i: int) -
 
 
 def _stage_threaded(
-    store: CommitStore,
+    store: ObjectReader,
     dirs: _Dirs,
     stages: list[_Stage],
     syncer: _Syncer,
@@ -1555,7 +1549,7 @@ def _collector_paused() -> Iterator[None]:
 
 
 def apply(
-    store: CommitStore,
+    store: ObjectReader,
     target: Target,
     base_tree: ObjectId,
     new_tree: ObjectId,
@@ -1620,7 +1614,7 @@ def apply(
 
 
 def _apply_locked(
-    store: CommitStore,
+    store: ObjectReader,
     dirs: _Dirs,
     jfd: int,
     base_tree: ObjectId,
@@ -1818,7 +1812,7 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash, key: bytes | None = No
 
 
 def holds_tree(
-    store: CommitStore,
+    store: ObjectReader,
     target: Target,
     base_tree: ObjectId,
     new_tree: ObjectId,

@@ -10,11 +10,14 @@ way are re-encoded; everything else is shared with ``base`` by id.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shadowfs import tree
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectStore
 
 _WHOLE: dict[bytes, Any] = {}  # a trie leaf: the path is taken whole
 
@@ -48,7 +51,7 @@ def _trie(paths: Iterable[bytes]) -> dict[bytes, Any]:
     return root
 
 
-def graft(store: Any, base: ObjectId, source: ObjectId, paths: Iterable[bytes]) -> ObjectId:
+def graft(store: ObjectStore, base: ObjectId, source: ObjectId, paths: Iterable[bytes]) -> ObjectId:
     """The id of ``base`` with ``paths`` (relative, `/`-separated) as in ``source``; the trees
     it makes are put in ``store``. Raises GraftError when a path's parent is a directory on
     one side only."""
@@ -56,7 +59,7 @@ def graft(store: Any, base: ObjectId, source: ObjectId, paths: Iterable[bytes]) 
 
 
 def _graft(
-    store: Any, base: ObjectId | None, source: ObjectId | None, trie: dict[bytes, Any],
+    store: ObjectStore, base: ObjectId | None, source: ObjectId | None, trie: dict[bytes, Any],
     prefix: bytes,
 ) -> ObjectId:  # fmt: skip
     entries = dict(tree.entries(store, base)) if base is not None else {}

@@ -97,7 +97,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shadowfs import tree as trees
 from shadowfs.bounded import BoundedMap
@@ -119,6 +119,9 @@ from shadowfs.tree import (
     make_entry,
     pack_records,
 )
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 SRC_BASE = 0
 SRC_STORE = 1
@@ -186,7 +189,7 @@ _Diff = tuple[bytes, Entry | None, Entry | None]
 HeldTree = tuple[ObjectId, dict[bytes, Entry], bytes | None]
 
 
-def _entries(store: Any, oid: ObjectId | None) -> dict[bytes, Entry]:
+def _entries(store: ObjectReader, oid: ObjectId | None) -> dict[bytes, Entry]:
     """A tree's entries by name (cached and shared by shadowfs.tree: never mutate the result)."""
     if oid is None:
         return {}
@@ -613,7 +616,7 @@ class Layer:
     def __init__(
         self,
         base: PathLike,
-        store: Any,
+        store: ObjectStore,
         scratch_dir: PathLike,
         *,
         base_tree: ObjectId | None = None,

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from operator import attrgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.libc import libc as _libc
@@ -51,13 +51,15 @@ from shadowfs.tree import (
     SPECIALS,
     SYMLINK,
     Entry,
-    TreeStore,
     build_tree,
     entry_record,
     make_special,
     records_version,
     stat_entry,
 )
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 from shadowfs.tree import entries as _tree_entries
 from shadowfs.tree import pack_entries as _pack_sorted_entries
 from shadowfs.tree import packed_bytes as _packed_bytes
@@ -142,7 +144,7 @@ def _join(prefix: bytes, name: bytes) -> bytes:
     return prefix + b"/" + name if prefix else name
 
 
-def _entries(store: TreeStore, oid: ObjectId | None) -> dict[bytes, Entry]:
+def _entries(store: ObjectReader, oid: ObjectId | None) -> dict[bytes, Entry]:
     """A tree's entries by name: the tree cache's own dict, so read only (a snapshot visits
     every upper directory, and a copy of its base listing cost most of a visit)."""
     if oid is None:
@@ -165,7 +167,7 @@ class OverlayLayer:
     def __init__(
         self,
         base: str | os.PathLike[str],
-        store: TreeStore,
+        store: ObjectStore,
         booth_dir: str | os.PathLike[str],
         base_tree: ObjectId | None = None,
         *,
@@ -317,8 +319,7 @@ class OverlayLayer:
         tree = self.snapshot()
         self.unmount()
         self._unbind()
-        # The store is a shadowfs.store.Store, which both protocols describe a part of.
-        apply(self.store, os.fsdecode(self.base), self.base_tree, tree, journal_dir=journal_dir)  # type: ignore[arg-type]
+        apply(self.store, os.fsdecode(self.base), self.base_tree, tree, journal_dir=journal_dir)
         return tree
 
     # --- snapshot -----------------------------------------------------------------------------

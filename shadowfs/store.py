@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
-from typing import BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import zstandard
 
@@ -52,6 +52,9 @@ from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
 from shadowfs.progress import Progress
 from shadowfs.store_index import IndexEntry, StoreIndex
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ByteSink
 
 CHUNK_SIZE = 4 * 1024 * 1024
 # The longest a `flush_soon()` leaves objects unflushed (plus at most FOREGROUND_WAIT).
@@ -621,7 +624,7 @@ class Store:
         staged = self._staged.get(oid)
         return staged.size if staged is not None else self._entry(oid).size
 
-    def read_file_into(self, oid: ObjectId, fileobj: BinaryIO) -> int:
+    def read_file_into(self, oid: ObjectId, fileobj: ByteSink) -> int:
         """Writes a blob's or chunked file's bytes to fileobj, chunk by chunk; returns the size.
 
         A ``fileobj`` with a ``skip(n)`` method (seek n bytes on, leaving a hole) is given each
@@ -1466,7 +1469,7 @@ def _spans(
         yield span
 
 
-def _write_all(fileobj: BinaryIO, data: bytes) -> None:
+def _write_all(fileobj: ByteSink, data: bytes) -> None:
     view = memoryview(data)
     while view:
         n = fileobj.write(view)

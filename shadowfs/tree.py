@@ -56,7 +56,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
@@ -64,6 +64,9 @@ from shadowfs.bounded import BoundedMap
 from shadowfs.errors import TreeError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
 from shadowfs.progress import Progress
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 FILE = "file"
 DIR = "dir"
@@ -120,21 +123,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: should a regular file be swapped for a fifo between lstat and open, do not hang.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class TreeReader(Protocol):
-    """What reading a tree needs from a store: an object's bytes."""
-
-    def get(self, oid: ObjectId) -> bytes: ...
-
-
-class TreeStore(Protocol):
-    """What trees need from a store (shadowfs.store.Store provides it)."""
-
-    def put(self, kind: str, data: bytes) -> ObjectId: ...
-    def get(self, oid: ObjectId) -> bytes: ...
-    def put_file(self, path_or_fd: int | str | bytes | os.PathLike[str]) -> ObjectId: ...
-    def read_file_into(self, oid: ObjectId, fileobj: BinaryIO) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,7 +552,7 @@ def remember(
             _cache.popitem(last=False)
 
 
-def entries(store: TreeReader, tree_id: ObjectId) -> dict[bytes, Entry]:
+def entries(store: ObjectReader, tree_id: ObjectId) -> dict[bytes, Entry]:
     """Entries of a tree by name, in name order. Cached by id: a tree's id fixes its bytes, so the
     cache can never go stale; the dict is shared, so callers must not change it."""
     with _cache_lock:
@@ -589,7 +577,7 @@ def packed_bytes(tree_id: ObjectId) -> bytes | None:
 _entries = entries
 
 
-def read_tree(store: TreeReader, tree_id: ObjectId) -> list[Entry]:
+def read_tree(store: ObjectReader, tree_id: ObjectId) -> list[Entry]:
     """The entries of one tree, sorted by name."""
     return list(_entries(store, tree_id).values())
 
@@ -607,7 +595,7 @@ def _join(prefix: bytes, name: bytes) -> bytes:
 
 
 def walk(
-    store: TreeReader, tree_id: ObjectId, prefix: bytes = b""
+    store: ObjectReader, tree_id: ObjectId, prefix: bytes = b""
 ) -> Iterator[tuple[bytes, Entry]]:
     """Every entry under a tree, depth first (a directory before its contents), names in order."""
     stack = [(prefix, iter(_entries(store, tree_id).values()))]
@@ -624,7 +612,7 @@ def walk(
             stack.append((path, iter(_entries(store, e.oid).values())))  # type: ignore[arg-type]
 
 
-def lookup(store: TreeReader, tree_id: ObjectId, path: bytes) -> Entry | None:
+def lookup(store: ObjectReader, tree_id: ObjectId, path: bytes) -> Entry | None:
     """The entry at a relative path (b"a/b/c"), or None when nothing is there."""
     parts = [p for p in path.split(b"/") if p]
     if not parts:
@@ -644,7 +632,7 @@ def lookup(store: TreeReader, tree_id: ObjectId, path: bytes) -> Entry | None:
 
 
 def reachable(
-    store: TreeStore, tree_id: ObjectId, walked: set[ObjectId] | None = None
+    store: ObjectReader, tree_id: ObjectId, walked: set[ObjectId] | None = None
 ) -> set[ObjectId]:
     """The tree's own id and every tree, blob and chunks id beneath it.
 
@@ -708,7 +696,7 @@ def _listing_digest(listed: Listed) -> bytes:
 
 
 def build_tree(
-    store: TreeStore,
+    store: ObjectStore,
     path: str | bytes | os.PathLike[str] | os.PathLike[bytes],
     *,
     previous: ObjectId | None = None,
@@ -787,7 +775,7 @@ def build_tree(
     return oid
 
 
-def _has(store: TreeStore, oid: ObjectId) -> bool:
+def _has(store: ObjectReader, oid: ObjectId) -> bool:
     try:
         store.get(oid)
     except Exception:  # any store's "missing": the signature is not trusted
@@ -804,7 +792,7 @@ class _Builder:
     def __init__(
         self,
         root: bytes,
-        store: TreeStore,
+        store: ObjectStore,
         cutoff: int,
         on_skip: SkipCallback | None,
         exclude: Callable[[bytes], bool] | None = None,
@@ -1044,7 +1032,7 @@ class _Builder:
 # --- diff -------------------------------------------------------------------------------------
 
 
-def _under(store: TreeStore, e: Entry, path: bytes, status: str, out: list[Change]) -> None:
+def _under(store: ObjectReader, e: Entry, path: bytes, status: str, out: list[Change]) -> None:
     if e.kind != DIR:
         return
     added = status == "added"
@@ -1053,7 +1041,7 @@ def _under(store: TreeStore, e: Entry, path: bytes, status: str, out: list[Chang
         out.append(Change(p, status, None, sub) if added else Change(p, status, sub, None))
 
 
-def diff_trees(store: TreeStore, a: ObjectId | None, b: ObjectId | None) -> list[Change]:
+def diff_trees(store: ObjectReader, a: ObjectId | None, b: ObjectId | None) -> list[Change]:
     """What changed from tree ``a`` to tree ``b`` (None is the empty tree), sorted by path.
 
     Sub-trees with equal ids are skipped unread. An added or deleted directory is listed along with
@@ -1080,7 +1068,7 @@ def diff_trees(store: TreeStore, a: ObjectId | None, b: ObjectId | None) -> list
     return out
 
 
-def _diff_trees(store: TreeStore, a: ObjectId | None, b: ObjectId | None) -> list[Change]:
+def _diff_trees(store: ObjectReader, a: ObjectId | None, b: ObjectId | None) -> list[Change]:
     out: list[Change] = []
     stack = [(b"", a, b)]
     while stack:
@@ -1123,7 +1111,9 @@ def _diff_trees(store: TreeStore, a: ObjectId | None, b: ObjectId | None) -> lis
 
 
 def materialize(
-    store: TreeStore, tree_id: ObjectId, dest: str | bytes | os.PathLike[str] | os.PathLike[bytes]
+    store: ObjectReader,
+    tree_id: ObjectId,
+    dest: str | bytes | os.PathLike[str] | os.PathLike[bytes],
 ) -> None:
     """Recreate a tree in ``dest``, which must be absent or an empty directory.
 
@@ -1168,7 +1158,7 @@ class _Linker:
 
 
 def _fill(
-    store: TreeStore, tree_id: ObjectId, dfd: int, depth: int, linker: _Linker, rel: bytes = b""
+    store: ObjectReader, tree_id: ObjectId, dfd: int, depth: int, linker: _Linker, rel: bytes = b""
 ) -> None:
     if depth > MAX_DEPTH:
         raise TreeError(f"tree {tree_id} nests deeper than {MAX_DEPTH} levels; refusing it")

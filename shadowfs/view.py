@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyfuse3
 import trio
@@ -33,7 +33,10 @@ import trio
 from shadowfs import mountinfo
 from shadowfs.errors import ShadowfsError
 from shadowfs.oid import ObjectId
-from shadowfs.tree import DIR, FILE, SPECIAL_FMT, SYMLINK, Entry, TreeStore, read_tree
+from shadowfs.tree import DIR, FILE, SPECIAL_FMT, SYMLINK, Entry, read_tree
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 # The tree never changes under the mount: let the kernel keep what it learned for a day.
 _TIMEOUT = 86400.0
@@ -65,7 +68,7 @@ class _Node:
 class _BlobCache:
     """Object bytes by id, bounded by total size; ids are content hashes, so never stale."""
 
-    def __init__(self, store: TreeStore, limit: int = _BLOB_CACHE_BYTES) -> None:
+    def __init__(self, store: ObjectReader, limit: int = _BLOB_CACHE_BYTES) -> None:
         self.store = store
         self.limit = limit
         self.used = 0
@@ -93,7 +96,9 @@ class TreeView(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, store: Any, tree_id: ObjectId, root_mtime_ns: int | None = None) -> None:
+    def __init__(
+        self, store: ObjectReader, tree_id: ObjectId, root_mtime_ns: int | None = None
+    ) -> None:
         super().__init__()
         self.store = store
         self.blobs = _BlobCache(store)
@@ -210,13 +215,15 @@ class TreeView(pyfuse3.Operations):
         e = node.entry
         if off >= e.size or size <= 0:
             return b""
+        oid = e.oid
+        if oid is None:  # only a symlink's is None, and `open` let only files through
+            raise pyfuse3.FUSEError(errno.EIO)
         if node.kind_of_oid is None:
-            node.kind_of_oid = self.store.kind(e.oid)
+            node.kind_of_oid = self.store.kind(oid)
         if node.kind_of_oid != "chunks":
-            # a file or directory entry has an oid (only a symlink's is None)
-            return self.blobs.get(e.oid)[off : off + size]  # type: ignore[arg-type]
+            return self.blobs.get(oid)[off : off + size]
         if node.spans is None:
-            node.spans = _chunk_spans(self.store.get(e.oid))
+            node.spans = _chunk_spans(self.store.get(oid))
         starts, oids = node.spans
         end = min(off + size, e.size)
         i = bisect.bisect_right(starts, off) - 1

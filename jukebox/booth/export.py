@@ -24,9 +24,12 @@ import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox import __version__
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 ZERO_ID = "0" * 40
 # git's binary test: a NUL within the first 8000 bytes (xdiff's FIRST_FEW_BYTES).
@@ -60,7 +63,7 @@ class Export:
     specials_left_out: list[bytes]  # fifos, sockets, devices: no git patch holds them either
 
 
-def _side(store: Any, entry: Any) -> Side | None:
+def _side(store: ObjectReader, entry: Any) -> Side | None:
     if entry is None or entry.kind not in ("file", "symlink"):
         return None  # a directory, or a special file (fifo, socket, device): not in git
     if entry.kind == "symlink":
@@ -156,7 +159,7 @@ def file_patch(path: bytes, old: Side | None, new: Side | None) -> tuple[bytes, 
     return b"".join(out), False
 
 
-def _sections(store: Any, change: Any) -> list[tuple[Side | None, Side | None]]:
+def _sections(store: ObjectReader, change: Any) -> list[tuple[Side | None, Side | None]]:
     """The (old, new) file pairs one tree change makes in a git patch: none for a directory,
     a delete and an add where git cannot change a file's type in place."""
     old, new = _side(store, change.old), _side(store, change.new)

@@ -77,6 +77,7 @@ from shadowfs.oid import ObjectId
 
 if TYPE_CHECKING:
     from jukebox.llm.session import LlmOptions
+    from shadowfs.objects import ObjectReader
 
 COMMIT_MODES = ("auto", "ask", "never")
 # Not a --commit choice: replays and forks run scratch booths that end discarded, quietly,
@@ -594,7 +595,7 @@ class GroupTape:
             self.writer.close()
 
 
-def change_summary(store: Any, base: ObjectId, final: ObjectId) -> list[str]:
+def change_summary(store: ObjectReader, base: ObjectId, final: ObjectId) -> list[str]:
     """One line per changed path: `A`dded, `M`odified, `D`eleted, `T`ype or mode changed."""
     from shadowfs.tree import diff_trees
 
@@ -1300,7 +1301,7 @@ def _alert(message: str) -> None:
     sys.stderr.flush()
 
 
-def _host_hooks_refusal(store: Any, base: ObjectId, final: ObjectId) -> str:
+def _host_hooks_refusal(store: ObjectReader, base: ObjectId, final: ObjectId) -> str:
     """Why the booth is not committed without --allow-hooks ("" when nothing is flagged)."""
     if base == final:
         return ""
@@ -1310,7 +1311,7 @@ def _host_hooks_refusal(store: Any, base: ObjectId, final: ObjectId) -> str:
     return refusal(flagged) if flagged else ""
 
 
-def _warn_host_hooks(store: Any, base: ObjectId, final: ObjectId) -> None:
+def _warn_host_hooks(store: ObjectReader, base: ObjectId, final: ObjectId) -> None:
     """`--commit ask` shows the hook-like files first, highlighted on a terminal."""
     from jukebox.review.host_hooks import host_hook_changes, warning_block
 

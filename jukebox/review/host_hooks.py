@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jukebox.display.names import visible
 from shadowfs.oid import ObjectId
 from shadowfs.tree import DIR, FILE, diff_trees
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 _ANYWHERE_FILES = frozenset({b".envrc", b".devcontainer.json", b".pre-commit-config.yaml"})
 _ANYWHERE_DIRS = frozenset({b".devcontainer", b".husky"})
@@ -101,7 +104,7 @@ def _config_settings(data: bytes) -> set[tuple[str, str]] | None:
     return found
 
 
-def _config_change(store: Any, old: ObjectId | None, new: ObjectId) -> str | None:
+def _config_change(store: ObjectReader, old: ObjectId | None, new: ObjectId) -> str | None:
     """Why a changed git config is flagged, or None when it sets no new program."""
 
     def settings(oid: ObjectId) -> set[tuple[str, str]] | None:
@@ -142,7 +145,7 @@ def _kind_of(parts: list[bytes]) -> str | None:
     return None
 
 
-def host_hook_changes(store: Any, base: ObjectId, final: ObjectId) -> list[HookChange]:
+def host_hook_changes(store: ObjectReader, base: ObjectId, final: ObjectId) -> list[HookChange]:
     """The changes from ``base`` to ``final`` that would run code on the host later."""
     flagged = []
     for change in diff_trees(store, base, final):

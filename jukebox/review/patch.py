@@ -8,9 +8,12 @@ print them under each change line. Names and the files' own lines are escaped vi
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.display.names import printable, visible
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 # Beyond this a line diff is unreadable and slow to compute; the change line says it changed.
 PATCH_MAX_BYTES = 1 << 20
@@ -19,7 +22,7 @@ BINARY_PROBE = 8192
 INDENT = "     "
 
 
-def _side(store: Any, entry: Any) -> bytes | None:
+def _side(store: ObjectReader, entry: Any) -> bytes | None:
     """The file's bytes, b"" for no file on this side, None for something that is no file."""
     if entry is None:
         return b""
@@ -28,7 +31,7 @@ def _side(store: Any, entry: Any) -> bytes | None:
     return store.read_bytes(entry.oid) if entry.oid is not None else b""
 
 
-def text_patch(store: Any, change: Any, indent: str = INDENT) -> str:
+def text_patch(store: ObjectReader, change: Any, indent: str = INDENT) -> str:
     """The unified diff of ``change`` (a shadowfs.tree.Change), each line after ``indent``; one
     note for a binary or large file; "" when neither side is a regular file."""
     sizes = [e.size for e in (change.old, change.new) if e is not None and e.kind == "file"]

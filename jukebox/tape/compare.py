@@ -22,12 +22,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.display.names import CHANGE_LETTERS, name_json, printable, visible
 from jukebox.display.render import money
 from jukebox.llm.model_override import describe as describe_model_override
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 SHOW_CHARS = 160  # how much of a prompt or reply one line of the report shows
 SHOW_FILES = 50  # file changes listed before "... and N more"
@@ -358,7 +361,7 @@ def compare_tapes(
     return Comparison(a, b, prefix, differing, first, files)
 
 
-def read_side(tape: Any, store: Any, label: str | None = None) -> Side:
+def read_side(tape: Any, store: ObjectReader, label: str | None = None) -> Side:
     tape.check_chain()  # a damaged tape is refused, not compared
     summary = tape.summary()
     turns: list[Turn] = []
@@ -447,7 +450,7 @@ def read_agent_turn(frame: Any) -> Turn:
     )
 
 
-def read_turn(frame: Any, store: Any) -> Turn:
+def read_turn(frame: Any, store: ObjectReader) -> Turn:
     """An llm_turn frame as a Turn; the reply text is re-read from the recorded response."""
     from jukebox.llm.providers import summarize
 

@@ -15,12 +15,15 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
 from jukebox.tape.errors import TamperedTape
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectWriter
 
 FORMAT_VERSION = 1
 
@@ -67,18 +70,6 @@ FAST_FRAME = re.compile(
 FAST_SEQ = re.compile(rb',"seq":(0|[1-9][0-9]{0,17}),"time_ns":')
 
 _FRAME_HEADER = b"frame %d\x00"
-
-
-class ObjectStore(Protocol):
-    """The part of shadowfs.store.Store that tapes use."""
-
-    def put(self, kind: str, data: bytes) -> ObjectId: ...
-
-    def get(self, oid: ObjectId) -> bytes: ...
-
-    def has(self, oid: ObjectId) -> bool: ...
-
-    def flush(self) -> None: ...
 
 
 def _default(value: object) -> object:
@@ -246,7 +237,7 @@ def spills(payload: EncodedPayload) -> bool:
 
 
 def spill_payload(
-    payload: Mapping[str, Any], store: ObjectStore | None
+    payload: Mapping[str, Any], store: ObjectWriter | None
 ) -> tuple[dict[str, Any], list[ObjectId]]:
     """Move large top-level payload values into the store as `json` objects.
 
@@ -257,7 +248,7 @@ def spill_payload(
 
 
 def spill_encoded(
-    payload: Mapping[str, Any], store: ObjectStore | None
+    payload: Mapping[str, Any], store: ObjectWriter | None
 ) -> tuple[dict[str, Any], list[ObjectId], bytes | None]:
     """`spill_payload`, and the canonical JSON of the payload to record when it was had for
     free: an `EncodedPayload`'s (its values' encodings joined, a spilled one's reference in
@@ -473,7 +464,7 @@ class Frame:
     def known_kind(self) -> bool:
         return self.kind in KNOWN_KINDS
 
-    def resolve_payload(self, store: ObjectStore) -> dict[str, Any]:
+    def resolve_payload(self, store: ObjectReader) -> dict[str, Any]:
         """The payload with every {"$blob": oid} value loaded back from the store."""
         if self._resolved is None:
             out = dict(self.payload)
@@ -483,7 +474,7 @@ class Frame:
             self._resolved = out
         return self._resolved
 
-    def _load_spilled(self, store: ObjectStore, key: str, ref: object) -> Any:
+    def _load_spilled(self, store: ObjectReader, key: str, ref: object) -> Any:
         # A hostile tape can chain valid ids over any payload, so the reference and the bytes it
         # names are untrusted (fuzzing found a non-hex ref escaping as a bare ValueError).
         try:

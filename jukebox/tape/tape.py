@@ -20,7 +20,7 @@ import time
 from binascii import a2b_hex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -39,13 +39,15 @@ from jukebox.tape.frame import (
     FORMAT_VERSION,
     KNOWN_KINDS,
     Frame,
-    ObjectStore,
     encode_frame,
     spill_encoded,
 )
 from shadowfs.errors import ObjectCorrupt, ObjectMissing
 from shadowfs.oid import ObjectId
 from shadowfs.progress import Progress
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 __all__ = [
     "HEADER_SIZE",
@@ -444,7 +446,7 @@ class Tape:
         return VerifyReport(not problems, head, problems)
 
     def _check_frames(
-        self, store: ObjectStore | None, progress: Progress | None = None
+        self, store: ObjectReader | None, progress: Progress | None = None
     ) -> list[TapeProblem]:
         problems: list[TapeProblem] = []
         seen: set[bytes] = set()

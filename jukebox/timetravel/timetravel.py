@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.booth import procs
 from jukebox.booth.images import Image
@@ -50,6 +50,9 @@ from jukebox.booth.paths import BoothPaths
 from jukebox.errors import JukeboxError, UsageError
 from jukebox.tape.tapedir import TapeDir
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 MODES = ("strict", "loose")
 # The proxy of an offline replay needs upstream URLs; these reach nothing (port 9 is discard),
@@ -282,7 +285,7 @@ def exit_code(tape: Any) -> int | None:
     return None
 
 
-def same_files(store: Any, a: ObjectId | None, b: ObjectId | None) -> list[str]:
+def same_files(store: ObjectReader, a: ObjectId | None, b: ObjectId | None) -> list[str]:
     """The paths that differ (content, kind or mode; not mtimes), as `M path` lines."""
     if a == b:
         return []
