@@ -72,6 +72,22 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
     assert not os.path.exists(control_dir)
 
 
+def interrupt_once_stuck(connection: int) -> threading.Thread:
+    """Sends this process a SIGINT once the kernel holds a request of `connection` unanswered
+    (the test's own call, its server stopped): seen through fusectl, not guessed from a sleep."""
+
+    def send() -> None:
+        # The bound only turns a broken test into a failure: the call then never gets stuck.
+        deadline = time.monotonic() + 30
+        while fusectl.waiting(connection) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_a_call_stuck_past_the_limit_is_aborted(served) -> None:
     mnt, connection, server = served
     watchdog = LayerWatchdog(connection, limit=1.0).start()
@@ -92,12 +108,13 @@ def test_an_interrupt_frees_a_stuck_call_before_the_limit(interrupts_blocked, se
     mnt, connection, server = served
     watchdog = LayerWatchdog(connection, limit=3600).start()
     os.kill(server, signal.SIGSTOP)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    sender = interrupt_once_stuck(connection)
     try:
         with pytest.raises(LayerStuck) as stuck, watchdog.blocking("a rollback"):
             os.stat(mnt / "new-name")
     finally:
         watchdog.close()
+        sender.join()
     assert "a rollback" in str(stuck.value) and "an interrupt" in str(stuck.value)
     # The interrupt itself is left for the supervisor's own signal loop to answer.
     assert signal.sigtimedwait({signal.SIGINT}, 0) is not None

@@ -143,8 +143,11 @@ def test_a_running_writer_continues_from_the_restored_file(
         while log.stat().st_size < len(at_t1) + 500:
             time.sleep(0.01)
         layer.restore(t1)
-        time.sleep(0.1)
-        now = log.read_bytes()
+        # The writer's first whole line after the restored end: waited for, not slept for.
+        deadline = time.monotonic() + slow(10)
+        while (now := log.read_bytes()).count(b"\n") <= at_t1.count(b"\n"):
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.01)
         assert now.startswith(at_t1), "the rollback discarded what came after the checkpoint"
         lines = now.decode().splitlines()
         assert len(lines) > len(at_t1.decode().splitlines()), "the writer kept appending"
