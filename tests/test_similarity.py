@@ -140,7 +140,8 @@ def test_same_tool_on_another_file_is_not_a_repeat() -> None:
 
 
 def test_long_arguments_compare_as_text() -> None:
-    content = (REPO / "jukebox" / "errors.py").read_text()
+    # A small Python module (an early jukebox/errors.py), frozen like the prose above.
+    content = (PROSE / "errors-module.txt").read_text()
     write = {"name": "write_file", "arguments": {"path": "errors.py", "content": content}}
     tweaked = {
         "name": "write_file",
