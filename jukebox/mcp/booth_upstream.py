@@ -162,9 +162,9 @@ class BoothReplayUpstream:
         ) or await (await self._session()).read_resource(uri)
 
     async def get_prompt(self, name: str, arguments: Any = None) -> Any:
-        return await self._answer(
-            "prompts/get", {"name": name}, types.GetPromptResult
-        ) or await (await self._session()).get_prompt(name, arguments)
+        return await self._answer("prompts/get", {"name": name}, types.GetPromptResult) or await (
+            await self._session()
+        ).get_prompt(name, arguments)
 
     async def call_tool(self, name: str, arguments: dict[str, Any] | None = None) -> Any:
         # Only past the recording: the gateway asked recorded_call first.

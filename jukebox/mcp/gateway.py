@@ -306,9 +306,19 @@ async def serve_stdio(
     (or `agent_streams`, a (read, write) pair) until the agent closes them. With `replay` (a
     jukebox.mcp.replay.RecordedServer) no server starts: the tape answers."""
     if booth_replay is not None:
-        await _serve_booth_replay(name, argv, sink, policy, booth_replay, timeout=timeout,
-                                  start_timeout=start_timeout, stager=stager,
-                                  agent_streams=agent_streams, limits=limits, asker=asker)
+        await _serve_booth_replay(
+            name,
+            argv,
+            sink,
+            policy,
+            booth_replay,
+            timeout=timeout,
+            start_timeout=start_timeout,
+            stager=stager,
+            agent_streams=agent_streams,
+            limits=limits,
+            asker=asker,
+        )
         return
     if replay is not None:
         init = replay.initialize_result()
@@ -354,8 +364,18 @@ async def _serve_booth_replay(name: str, argv: list[str], sink: Sink, policy: Po
     server starts only if the run goes past its recording."""
     init = await upstream.initialize_result()
     if init is None:  # this server's recording had already ended: a plain live gateway
-        await serve_stdio(name, argv, sink, policy, timeout=timeout, start_timeout=start_timeout,
-                          stager=stager, agent_streams=agent_streams, limits=limits, asker=asker)
+        await serve_stdio(
+            name,
+            argv,
+            sink,
+            policy,
+            timeout=timeout,
+            start_timeout=start_timeout,
+            stager=stager,
+            agent_streams=agent_streams,
+            limits=limits,
+            asker=asker,
+        )
         return
     sink.record("note", {"event": "mcp_server", "server": name, "initialize": wire(init),
                          "replayed": True})  # fmt: skip

@@ -178,7 +178,7 @@ def _check_compensation(pattern: object, entry: object, where: str) -> Compensat
             or not isinstance(entry.get("tool"), str) or not entry["tool"]
             or not isinstance(entry.get("args", {}), dict)):  # fmt: skip
         raise UsageError(
-            f"{where}: [compensate] {pattern!r} must be {{tool = \"TOOL\", args = {{...}}}}"
+            f'{where}: [compensate] {pattern!r} must be {{tool = "TOOL", args = {{...}}}}'
         )
     return Compensation(str(pattern), entry["tool"], dict(entry.get("args", {})))
 
@@ -206,10 +206,10 @@ def _load(path: str | Path) -> tuple[str | None, list[Rule], list[Compensation]]
         raise UsageError(f"{path}: bad mode {mode!r}: use one of {', '.join(MODES)}")
     tools = data.get("tools", {})
     if not isinstance(tools, dict):
-        raise UsageError(f"{path}: `tools` must be a table of \"PATTERN\" = \"DECISION\"")
+        raise UsageError(f'{path}: `tools` must be a table of "PATTERN" = "DECISION"')
     compensate = data.get("compensate", {})
     if not isinstance(compensate, dict):
-        raise UsageError(f"{path}: `compensate` must be a table of \"PATTERN\" = {{tool, args}}")
+        raise UsageError(f'{path}: `compensate` must be a table of "PATTERN" = {{tool, args}}')
     return (mode, [_check_rule(p, d, str(path)) for p, d in tools.items()],
             [_check_compensation(p, e, str(path)) for p, e in compensate.items()])  # fmt: skip
 

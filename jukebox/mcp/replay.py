@@ -160,9 +160,7 @@ class RecordedServer:
         return types.ListPromptsResult.model_validate(self.respond("prompts/list", {}))
 
     async def read_resource(self, uri: str) -> types.ReadResourceResult:
-        return types.ReadResourceResult.model_validate(
-            self.respond("resources/read", {"uri": uri})
-        )
+        return types.ReadResourceResult.model_validate(self.respond("resources/read", {"uri": uri}))
 
     async def get_prompt(self, name: str, arguments: Any = None) -> types.GetPromptResult:
         return types.GetPromptResult.model_validate(self.respond("prompts/get", {"name": name}))

@@ -122,8 +122,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"the MCP config {path} is not JSON: {error}") from None
     if not isinstance(data, dict) or not isinstance(data.get("mcpServers"), dict):
         raise UsageError(
-            f"the MCP config {path} has no \"mcpServers\" object: write it as Claude Code's "
-            "or Cursor's .mcp.json ({\"mcpServers\": {NAME: {\"command\": ..., \"args\": []}}})"
+            f'the MCP config {path} has no "mcpServers" object: write it as Claude Code\'s '
+            'or Cursor\'s .mcp.json ({"mcpServers": {NAME: {"command": ..., "args": []}}})'
         )
     return data
 
@@ -141,13 +141,13 @@ def stdio_servers(config: dict[str, Any], where: str = "the MCP config") -> dict
             continue  # an HTTP server (url): not gated here
         command, args, env = entry.get("command"), entry.get("args", []), entry.get("env", {})
         if not isinstance(command, str) or not command:
-            raise UsageError(f"{where}: server {name!r} needs a \"command\" string")
+            raise UsageError(f'{where}: server {name!r} needs a "command" string')
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise UsageError(f"{where}: server {name!r}: \"args\" must be a list of strings")
+            raise UsageError(f'{where}: server {name!r}: "args" must be a list of strings')
         if not isinstance(env, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in env.items()
         ):
-            raise UsageError(f"{where}: server {name!r}: \"env\" must map names to strings")
+            raise UsageError(f'{where}: server {name!r}: "env" must map names to strings')
         out[name] = ServerSpec(name, command, tuple(args), dict(env))
     return out
 
@@ -163,7 +163,7 @@ def http_servers(config: dict[str, Any] | None, upstreams: dict[str, str] | None
             if not isinstance(headers, dict) or not all(
                 isinstance(k, str) and k and isinstance(v, str) for k, v in headers.items()
             ):
-                raise UsageError(f"{where}: server {name!r}: \"headers\" must map names to strings")
+                raise UsageError(f'{where}: server {name!r}: "headers" must map names to strings')
             out[name] = ServerSpec(name, "", url=_check_url(entry["url"], f"{where}: {name!r}"),
                                    headers=dict(headers))  # fmt: skip
     for name, url in (upstreams or {}).items():

@@ -380,7 +380,7 @@ async def _run_all(calls: list[StagedCall], servers: dict[str, ServerSpec], reco
             if error is not None:
                 report["failed"] = call.id
                 report["error"] = error
-                report["not_run"] = [c.id for c in calls[i + 1:]]
+                report["not_run"] = [c.id for c in calls[i + 1 :]]
                 await _compensate(calls[:i], sessions, record, timeout, report)
                 return
             report["ran"].append(call.id)

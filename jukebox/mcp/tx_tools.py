@@ -240,7 +240,7 @@ class ToolStage:
         if value is not None:
             fields["result"] = _jsonable(value)
         self.append("tool_call", self._frame(calls[i], **fields))
-        report.update(failed=calls[i].id, error=error, not_run=[c.id for c in calls[i + 1:]])
+        report.update(failed=calls[i].id, error=error, not_run=[c.id for c in calls[i + 1 :]])
 
     @staticmethod
     def _to_compensate(calls: list[_Staged], i: int, report: dict[str, Any]) -> list[_Staged]:
