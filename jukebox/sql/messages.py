@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 from jukebox.errors import JukeboxError
 
@@ -62,7 +63,13 @@ def decode_startup(code: int, body: bytes) -> Startup:
     return Startup(code, params, body)
 
 
-async def read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+class Reads(Protocol):
+    """What messages are read from: an asyncio.StreamReader, or the upstream's Wire."""
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+async def read_message(reader: Reads) -> tuple[bytes, bytes]:
     """(type byte, body) of the next message."""
     head = await reader.readexactly(5)
     kind = head[:1]
