@@ -173,6 +173,30 @@ def _framed(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
+def _head(
+    conn: h11.Connection,
+    status: int,
+    framing: list[tuple[str, str]],
+    checked: list[tuple[str, str]],
+) -> bytes:
+    """A response's head: h11 frames it with `framing` (so its state knows how the body is
+    framed, and adds what it needs), and `checked`, an upstream's headers that the proxy's
+    client has parsed and validated (jukebox.llm.http1, or httpx's h11 behind an environment
+    proxy), go in as they came. h11 would check each of them three times more (the Response,
+    then twice adding its framing), which was most of the cost of relaying a head. Values go
+    out as the bytes they were read from (latin-1), where h11 would fail on a non-ASCII one."""
+    head = conn.send(h11.Response(status_code=status, headers=framing)) or b""
+    lines = []
+    for name, value in checked:
+        try:
+            raw = value.encode("latin-1")
+        except UnicodeEncodeError:  # httpx decoded it as UTF-8
+            raw = value.encode()
+        lines.append(b"%b: %b\r\n" % (name.encode("latin-1"), raw))
+    # h11 ends a head with an empty line: the headers go before it.
+    return head[:-2] + b"".join(lines) + b"\r\n"
+
+
 def _recorded_size(ex: Exchange) -> int:
     """The bytes a turn puts on the tape's side, bodies only (the frame's own keys are small)."""
     size = len(ex.request_body) + len(ex.response_body or b"")
@@ -520,12 +544,20 @@ class ProxyServer:
         status: int,
         body: bytes,
         headers: list[tuple[str, str]] | None = None,
+        checked: bool = False,
     ) -> None:
+        """`checked`: `headers` are an upstream's, parsed (and so validated) by the proxy's
+        client (`_head`)."""
         hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in _HOP_RESPONSE]
+        framing = [("content-length", str(len(body)))]
         if not any(k.lower() == "content-type" for k, _ in hdrs):
-            hdrs.append(("content-type", "application/json"))
-        hdrs.append(("content-length", str(len(body))))
-        response = h11.Response(status_code=status, headers=hdrs)
+            framing.insert(0, ("content-type", "application/json"))
+        if checked:
+            head = _head(conn, status, framing, hdrs)
+            tail = (h11.Data(data=body), h11.EndOfMessage())
+            await self._write(stream, head + b"".join(conn.send(e) or b"" for e in tail))
+            return
+        response = h11.Response(status_code=status, headers=[*hdrs, *framing])
         await self._send(conn, stream, response, h11.Data(data=body), h11.EndOfMessage())
 
     # ------------------------------------------------------------------ one request
@@ -708,7 +740,7 @@ class ProxyServer:
         finally:
             await upstream.aclose()
         await self._finish(ex)
-        await self._send_simple(conn, stream, ex.status, ex.response_body, out_headers)
+        await self._send_simple(conn, stream, ex.status, ex.response_body, out_headers, True)
 
     async def _pipe_stream(
         self,
@@ -725,7 +757,7 @@ class ProxyServer:
         # The head is framed by h11 now (its state moves on to the body) and goes out at once,
         # unless the upstream's first bytes came with it: then both go in one write, which
         # wakes the agent once.
-        head = conn.send(h11.Response(status_code=ex.status, headers=headers)) or b""
+        head = _head(conn, ex.status, [], headers)
         # Body chunks are framed here, as h11 would (it announced `chunked` to an HTTP/1.1
         # agent, and for an HTTP/1.0 one the body runs to the close): an h11 event per chunk
         # cost more than the rest of relaying it.

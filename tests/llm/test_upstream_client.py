@@ -6,6 +6,7 @@ upstream closed never used again, and an encoding nobody asked for refused as a 
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import socket
 import threading
@@ -94,6 +95,8 @@ class RawUpstream:
                     name = "deflate" if encoding == "raw-deflate" else encoding
                     lines.append(f"content-encoding: {name}".encode())
                 lines.append(f"content-length: {len(payload)}".encode())
+                if "latin1" in said.split():  # a header value that is not ASCII
+                    lines.append(b"x-note: caf\xe9, d\xe9j\xe0 vu")
                 conn.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + payload)
                 if "close" in said.split():
                     conn.close()
@@ -169,3 +172,23 @@ def test_an_encoding_the_proxy_did_not_ask_for_is_a_502(raw: RawUpstream) -> Non
     assert caught.value.status_code == 502
     (turn,) = proxy.turns
     assert turn.payload["status"] == 502 and "content-encoding 'br'" in turn.payload["error"]
+
+
+def test_an_upstream_header_that_is_not_ascii_reaches_the_agent_byte_for_byte(
+    raw: RawUpstream,
+) -> None:
+    # The upstream's headers go to the agent as the proxy's client read them; h11 refused a
+    # non-ASCII value, which cost the agent its answer and the tape its turn.
+    body = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "latin1"}]})
+    with ProxyServer(upstreams={"openai": raw.url}) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port)
+        conn.request("POST", f"/{proxy.secret}/openai/v1/chat/completions", body=body,
+                     headers={"authorization": f"Bearer {OPENAI_KEY}"})  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read()) == ANSWER
+        assert resp.getheader("x-note") == "caf\xe9, d\xe9j\xe0 vu"  # latin-1, as sent
+        assert resp.getheader("content-length") == str(len(json.dumps(ANSWER)))
+        conn.close()
+    (turn,) = proxy.turns
+    assert turn.payload["status"] == 200
+    assert turn.payload["response_headers"]["x-note"] == "caf\xe9, d\xe9j\xe0 vu"
