@@ -184,6 +184,22 @@ def test_a_booth_over_the_real_etc_finishes_and_leaves_etc_alone(tmp_path: Path)
     assert jb("booth", "discard", "etc1", "--tape-dir", str(tapes)).returncode == 0
 
 
+# Each create and unlink is a request the layer's server must answer (a write to a file the
+# kernel has open and cached may never reach it).
+AGENT_LOOP = "while :; do echo y > new; rm new; done"
+
+
+def running(command: str) -> bool:
+    """Whether `sh -c command` runs, in whatever PID namespace: seen in /proc (the whole
+    command line, not the `jukebox booth run ... -- sh -c command` that starts it)."""
+    wanted = f"sh\0-c\0{command}\0".encode()
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and Path(f"/proc/{pid}/cmdline").read_bytes() == wanted:
+                return True
+    return False
+
+
 def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
     python, user, base = who
     tree, tapes = base / "tree", base / "tapes"
@@ -195,7 +211,8 @@ def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
         tree,
         tapes,
         "stuck1",
-        "read go; echo y > new; echo after $?",
+        # Until one of its requests finds the server stopped and stays in the kernel.
+        AGENT_LOOP,
         python=python,
         user=user,
     )
@@ -207,11 +224,16 @@ def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
     device = layer_mounts(proc.pid, tapes, "stuck1")[0][0]
     connection = Path("/sys/fs/fuse/connections") / device.partition(":")[2]
     assert connection.is_dir()
-    # A supervisor that no longer answers (stopped here) leaves the agent's create waiting in
-    # the kernel for good; SIGKILL alone would not free it.
+    # A supervisor that no longer answers (stopped here) leaves the agent's request waiting in
+    # the kernel for good; SIGKILL alone would not free it. The layer is mounted before the
+    # agent starts: stopped before that, the supervisor would leave nothing waiting on it.
+    wait_for(lambda: running(AGENT_LOOP), "the agent running", proc)
     os.kill(proc.pid, signal.SIGSTOP)
-    proc.stdin.write("go\n")
-    proc.stdin.flush()
+    wait_for(
+        lambda: int((connection / "waiting").read_text()) > 0,
+        "the agent's request waiting on the layer",
+        proc,
+    )
     aborted = jb("booth", "abort", "stuck1", "--tape-dir", str(tapes), python=python, user=user)
     assert aborted.returncode == 0, aborted.stderr
     assert f"FUSE connection {connection.name}" in aborted.stdout
