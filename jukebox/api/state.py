@@ -26,10 +26,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from zlib import crc32
 
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectWriter
 
 __all__ = ["FrozenDict", "FrozenList", "State", "StateVersion", "freeze", "thaw"]
 
@@ -300,7 +303,7 @@ def _leaves(node: _Node) -> Iterator[tuple[str, Any]]:
 
 
 
-def _save(root: _Node, store: Any, written: list[ObjectId] | None = None) -> ObjectId:
+def _save(root: _Node, store: ObjectWriter, written: list[ObjectId] | None = None) -> ObjectId:
     """Store every node of ``root`` not yet in ``store`` (children first); the root's id.
     The ids of the nodes stored now are appended to ``written``."""
     if root.home is store:
@@ -332,7 +335,7 @@ def _save(root: _Node, store: Any, written: list[ObjectId] | None = None) -> Obj
     return root.oid  # type: ignore[return-value]
 
 
-def _load(store: Any, oid: ObjectId, depth: int = 0) -> tuple[_Node, int]:
+def _load(store: ObjectReader, oid: ObjectId, depth: int = 0) -> tuple[_Node, int]:
     if depth > _LAST_SHIFT // _BITS + 2:
         raise ValueError(f"state node {oid.hex()} nests deeper than any state version can")
     try:
@@ -387,7 +390,7 @@ class StateVersion(Mapping[str, Any]):
         return v
 
     @classmethod
-    def load(cls, store: Any, oid: ObjectId | str) -> StateVersion:
+    def load(cls, store: ObjectReader, oid: ObjectId | str) -> StateVersion:
         """The version a checkpoint saved (``oid``: its id, or the id's hex)."""
         if isinstance(oid, str):
             oid = ObjectId.from_hex(oid)
@@ -461,7 +464,7 @@ class StateVersion(Mapping[str, Any]):
 
     # -- the store ---------------------------------------------------------------------------
 
-    def save(self, store: Any, written: list[ObjectId] | None = None) -> ObjectId:
+    def save(self, store: ObjectWriter, written: list[ObjectId] | None = None) -> ObjectId:
         """Store this version (only nodes not yet in ``store``) and return its id; the ids of
         the nodes stored by this call are appended to ``written``. A frame lists those in its
         refs, so `jukebox gc` (which expands trees, not state nodes) keeps every node a tape's

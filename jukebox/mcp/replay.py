@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mcp.types as types
 from mcp.shared.exceptions import MCPError
 
 from jukebox.errors import JukeboxError, UsageError
 from jukebox.llm.replay import Divergence, json_diff
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 DIVERGED_CODE = -32002
 Frame = tuple[int, str, dict[str, Any]]
@@ -45,7 +48,7 @@ def load_frames(tape: str | Path, tape_dir: str | Path | None) -> tuple[Path, li
         return ref.path, mcp_frames(loaded, store)
 
 
-def mcp_frames(tape: Any, store: Any, until: int | None = None) -> list[Frame]:
+def mcp_frames(tape: Any, store: ObjectReader, until: int | None = None) -> list[Frame]:
     """(seq, kind, payload) of a loaded tape's MCP frames, through frame `until`."""
     return [(f.seq, f.kind, f.resolve_payload(store)) for f in tape.intact_frames
             if f.kind in ("tool_call", "note") and (until is None or f.seq <= until)]  # fmt: skip

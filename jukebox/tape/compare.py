@@ -317,7 +317,7 @@ class Comparison:
 def compare_tapes(
     tape_a: Any,
     tape_b: Any,
-    store: Any = None,
+    store: ObjectReader | None = None,
     *,
     label_a: str | None = None,
     label_b: str | None = None,
