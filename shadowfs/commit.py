@@ -78,7 +78,7 @@ from shadowfs.errors import (
     TargetBusy,
     TreeError,
 )
-from shadowfs.oid import ObjectHasher, ObjectId
+from shadowfs.oid import ObjectHasher, ObjectId, hash_object
 
 # progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
 from shadowfs.progress import PhasedProgress as Progress
@@ -147,6 +147,7 @@ SYNCFS_FROM = 256
 # overlap (15 times faster there with 8 threads). In chunks of at most this many operations,
 # this many distinct directories and this many bytes of staged content in memory.
 _THREADS = 16
+_THREADED_FROM = 64  # fewer files than this to read for the conflict check: read here
 _CHUNK_OPS = 1024
 _CHUNK_DIRS = 128
 _CHUNK_BYTES = 32 << 20
@@ -749,6 +750,35 @@ def _seen(st: os.stat_result | None) -> Seen:
     return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def _same_blob_at(dfd: int, name: bytes, size: int, oid: ObjectId) -> bool:
+    """Does the file ``name`` in ``dfd`` hold exactly the blob ``oid`` of ``size`` bytes?
+    `_holds`'s content check, in a thread: blake3 lets go of the GIL on big reads, and the
+    reads themselves wait on the disk."""
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (*_GONE, errno.ENXIO):
+            return False
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        if size <= _READ_SIZE:
+            data = os.read(fd, size + 1)  # one byte more: a file grown since is no match
+            return len(data) == size and hash_object("blob", data) == oid
+        hasher = ObjectHasher("blob", size)
+        left = size
+        while left:
+            chunk = os.read(fd, min(left, _READ_SIZE))
+            if not chunk:
+                return False
+            hasher.update(chunk)
+            left -= len(chunk)
+        return hasher.oid() == oid and not os.read(fd, 1)
+    finally:
+        os.close(fd)
+
+
 def _conflicts(
     store: ObjectReader,
     dirs: _Dirs,
@@ -756,25 +786,82 @@ def _conflicts(
     progress: Progress | None,
     seen: dict[bytes, Seen] | None = None,
     known: Known | None = None,
+    threads: _Threads | None = None,
 ) -> list[str]:
     """The touched paths that no longer hold what the base says. ``seen`` collects each checked
-    path's stat identity, taken before its content is compared, for `_changed_since`."""
+    path's stat identity, taken before its content is compared, for `_changed_since`.
+
+    The reading and hashing of files ``known`` does not vouch for runs in ``threads``
+    (lstats stay here: with the directories cached, a thread costs more than the call);
+    anything unusual (a chunked file, a symlink, a special file) is checked here
+    by `_holds`."""
+    threads = threads if threads is not None else _Threads()
     created = {op[1] for op in plan.ops if op[0] == "mkdir"}
-    bad: list[bytes] = []
+    checked = [c for c in plan.changes if _parent(c.path) not in created]
+    # Beneath a directory this commit creates: the directory's check covers it.
     total = len(plan.changes)
-    for i, c in enumerate(plan.changes):
-        if progress is not None and i % 256 == 0:
-            progress("check", i, total)
-        if _parent(c.path) in created:
-            continue  # beneath a directory this commit creates: the directory's check covers it
+    bad: list[bytes] = []
+    reads: list[Change] = []  # regular files whose content must be compared
+    for k, c in enumerate(checked):
+        if progress is not None and k % 256 == 0:
+            progress("check", k - len(reads), total)  # the files still to read count later
         st = _lstat(dirs, c.path)
         if seen is not None:
             seen[c.path] = _seen(st)
-        if c.old is None:
+        e = c.old
+        if e is None:
             if st is not None or not _reachable_dir(dirs, _parent(c.path)):
                 bad.append(c.path)
-        elif st is None or not _holds(store, dirs, c.path, c.old, st, known):
+            continue
+        if st is None:
             bad.append(c.path)
+        elif (
+            e.kind == FILE
+            and stat.S_ISREG(st.st_mode)
+            and stat.S_IMODE(st.st_mode) == e.mode
+            and st.st_size == e.size
+        ):
+            if known is None or known.get(c.path) != (st.st_dev, st.st_ino, st.st_ctime_ns):
+                reads.append(c)
+            # else: the very file the caller hashed into the base, unwritten since
+        elif not _holds(store, dirs, c.path, e, st, known):
+            bad.append(c.path)
+    blobs: list[Change] = []
+    for c in reads:
+        # a file entry has an oid (only a symlink's is None)
+        if store.kind(c.old.oid) == "blob":  # type: ignore[union-attr,arg-type]
+            blobs.append(c)
+        elif not _holds(store, dirs, c.path, c.old, None, known):  # type: ignore[arg-type]
+            bad.append(c.path)
+    i = 0
+    while i < len(blobs):
+        own = _ChunkDirs(dirs)
+        try:
+            calls: list[tuple[Any, ...]] = []
+            paths: list[bytes] = []
+            while i < len(blobs) and len(calls) < _CHUNK_OPS:
+                c = blobs[i]
+                parent = _parent(c.path)
+                if parent not in own.fds and len(own.fds) >= _CHUNK_DIRS:
+                    break
+                i += 1
+                try:
+                    dfd = own.get(parent)
+                except OSError as exc:
+                    if exc.errno not in _GONE:
+                        raise
+                    bad.append(c.path)
+                    continue
+                calls.append((dfd, _name(c.path), c.old.size, c.old.oid))  # type: ignore[union-attr]
+                paths.append(c.path)
+            # A few files are read here: starting the threads would cost more.
+            many = len(calls) >= _THREADED_FROM
+            fine = threads.run(_same_blob_at, calls) if many else _batch(_same_blob_at, calls)
+        finally:
+            own.close()
+        bad.extend(path for path, ok in zip(paths, fine, strict=True) if not ok)
+        if progress is not None:
+            progress("check", total - len(blobs) + i, total)
     for d, names in plan.removed_dirs.items():
         if d in bad:
             continue
@@ -1456,15 +1543,23 @@ def _run_ops_threaded(
 
 def _encode_ops(ops: list[list[Any]]) -> list[list[Any]]:
     """The journal's form of ``ops``: their paths (``op[1]``, and a rename's two more) as text
-    (see `_enc`); a commit of 50,000 files writes 100,000 of them."""
-    out: list[list[Any]] = []
-    add = out.append
+    (see `_enc`); a commit of 50,000 files writes 150,000 of them. Decoded in one call over
+    all of them joined by NUL, which no path holds (`_check_path`): a call per path was half a
+    second of such a commit."""
+    paths: list[bytes] = []
+    add = paths.append
     for op in ops:
+        add(op[1])
         if op[0] == "rename":
-            add(["rename", _enc(op[1]), _enc(op[2]), _enc(op[3])])
-        else:
-            add([op[0], _enc(op[1]), *op[2:]])
-    return out
+            add(op[2])
+            add(op[3])
+    texts = iter(_enc(b"\0".join(paths)).split("\0"))
+    return [
+        ["rename", next(texts), next(texts), next(texts)]
+        if op[0] == "rename"
+        else [op[0], next(texts), *op[2:]]
+        for op in ops
+    ]
 
 
 def _decode_ops(record: dict[str, Any]) -> tuple[list[list[Any]], list[bytes]]:
@@ -1636,8 +1731,35 @@ def _apply_locked(
     unknown = (
         oid for c in changes if c.old is not None and (oid := c.old.oid) and c.path not in known_
     )
+    checks = _Threads()
+    try:
+        return _staged_and_applied(
+            store, dirs, jfd, plan, token, unknown, seen, checks, crash, progress, key,
+            interrupted, known, len(changes),
+        )
+    finally:
+        checks.close()
+
+
+def _staged_and_applied(
+    store: ObjectReader,
+    dirs: _Dirs,
+    jfd: int,
+    plan: _Plan,
+    token: str,
+    unknown: Iterable[ObjectId],
+    seen: dict[bytes, Seen],
+    checks: _Threads,
+    crash: _Crash,
+    progress: Progress | None,
+    key: bytes | None,
+    interrupted: Interrupted | None,
+    known: Known | None,
+    n_changes: int,
+) -> CommitReport:
+    """`_apply_locked` from the conflict check on; ``checks``: the threads of the checks."""
     with _prefetched(store, unknown):
-        conflicts = _conflicts(store, dirs, plan, progress, seen, known)
+        conflicts = _conflicts(store, dirs, plan, progress, seen, known, checks)
     if conflicts:
         raise ConflictError(conflicts)
 
@@ -1731,7 +1853,7 @@ def _apply_locked(
         ) from exc
     crash.at("applied")
     _finish(jfd, crash, "prepare-deleted")
-    return CommitReport(len(changes), written)
+    return CommitReport(n_changes, written)
 
 
 def _tear(jfd: int, sealed: bytes) -> None:

@@ -1068,43 +1068,68 @@ def diff_trees(store: ObjectReader, a: ObjectId | None, b: ObjectId | None) -> l
     return out
 
 
+def _uncached(oids: Iterable[ObjectId | None]) -> list[ObjectId]:
+    with _cache_lock:
+        return [o for o in oids if o is not None and o not in _cache]
+
+
 def _diff_trees(store: ObjectReader, a: ObjectId | None, b: ObjectId | None) -> list[Change]:
+    """Level by level, each level's unread trees looked up in the index in bulk (one query per
+    500, not one each): the diff of a 50,000-file booth reads 1,100 trees on either side."""
     out: list[Change] = []
-    stack = [(b"", a, b)]
-    while stack:
-        prefix, ta, tb = stack.pop()
-        if ta == tb:
-            continue
-        old_entries = _entries(store, ta) if ta is not None else {}
-        new_entries = _entries(store, tb) if tb is not None else {}
-        for name, old in old_entries.items():
-            new = new_entries.get(name)
-            path = _join(prefix, name)
-            if new is None:
-                out.append(Change(path, "deleted", old, None))
-                _under(store, old, path, "deleted", out)
-            elif old.kind != new.kind:
-                out.append(Change(path, "type", old, new))
-                _under(store, old, path, "deleted", out)
-                _under(store, new, path, "added", out)
-            elif old.kind == DIR:
-                if old.mode != new.mode:
-                    out.append(Change(path, "mode", old, new))
-                if old.oid != new.oid:
-                    stack.append((path, old.oid, new.oid))
-            elif old.oid != new.oid or old.target != new.target or old.rdev != new.rdev:
-                out.append(Change(path, "modified", old, new))
-            elif old.link != new.link:
-                out.append(Change(path, "link", old, new))
-            elif old.mode != new.mode:
-                out.append(Change(path, "mode", old, new))
-        for name, new in new_entries.items():
-            if name not in old_entries:
-                path = _join(prefix, name)
-                out.append(Change(path, "added", None, new))
-                _under(store, new, path, "added", out)
+    level = [(b"", a, b)]
+    bulk = getattr(store, "prefetched", None)
+    while level:
+        wanted = _uncached(t for _, ta, tb in level if ta != tb for t in (ta, tb)) if bulk else []
+        deeper: list[tuple[bytes, ObjectId | None, ObjectId | None]] = []
+        with bulk(wanted) if bulk is not None and len(wanted) > 1 else contextlib.nullcontext():
+            for prefix, ta, tb in level:
+                _diff_level(store, prefix, ta, tb, out, deeper)
+        level = deeper
     out.sort(key=attrgetter("path"))
     return out
+
+
+def _diff_level(
+    store: ObjectReader,
+    prefix: bytes,
+    ta: ObjectId | None,
+    tb: ObjectId | None,
+    out: list[Change],
+    stack: list[tuple[bytes, ObjectId | None, ObjectId | None]],
+) -> None:
+    """The changes between trees ``ta`` and ``tb`` at ``prefix`` into ``out``; the pairs of
+    differing sub-trees onto ``stack``."""
+    if ta == tb:
+        return
+    old_entries = _entries(store, ta) if ta is not None else {}
+    new_entries = _entries(store, tb) if tb is not None else {}
+    for name, old in old_entries.items():
+        new = new_entries.get(name)
+        path = _join(prefix, name)
+        if new is None:
+            out.append(Change(path, "deleted", old, None))
+            _under(store, old, path, "deleted", out)
+        elif old.kind != new.kind:
+            out.append(Change(path, "type", old, new))
+            _under(store, old, path, "deleted", out)
+            _under(store, new, path, "added", out)
+        elif old.kind == DIR:
+            if old.mode != new.mode:
+                out.append(Change(path, "mode", old, new))
+            if old.oid != new.oid:
+                stack.append((path, old.oid, new.oid))
+        elif old.oid != new.oid or old.target != new.target or old.rdev != new.rdev:
+            out.append(Change(path, "modified", old, new))
+        elif old.link != new.link:
+            out.append(Change(path, "link", old, new))
+        elif old.mode != new.mode:
+            out.append(Change(path, "mode", old, new))
+    for name, new in new_entries.items():
+        if name not in old_entries:
+            path = _join(prefix, name)
+            out.append(Change(path, "added", None, new))
+            _under(store, new, path, "added", out)
 
 
 # --- materialize ------------------------------------------------------------------------------

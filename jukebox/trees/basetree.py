@@ -26,6 +26,7 @@ stat walk, and the identities above are read only when some directory changed.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -272,11 +273,16 @@ def forget_base_paths(tape_dir: TapeDir, tree_path: str, touched: Iterable[bytes
     gone = set(touched)
     if not stats or not gone:
         return
-    kept = {
-        path: ident
-        for path, ident in stats.items()
-        if not any(path[:i] in gone for i in _prefix_ends(path))
-    }
+    # The paths beneath a gone one sort right after it, between it + "/" and it + "0" ("/" is
+    # 0x2F, "0" 0x30): a bisection each, not a look at every ancestor of every path (a commit
+    # of 50,000 files against 100,000 identities).
+    paths = sorted(stats)
+    drop = set(gone)
+    for g in gone:
+        lo = bisect.bisect_left(paths, g + b"/")
+        hi = bisect.bisect_left(paths, g + b"0", lo)
+        drop.update(paths[lo:hi])
+    kept = {path: ident for path, ident in stats.items() if path not in drop}
     if len(kept) != len(stats):
         _write_stats(tape_dir, tree_path, tree, kept)
 
@@ -289,9 +295,3 @@ def forget_committed(
 
     if base != final:
         forget_base_paths(tape_dir, tree_path, (c.path for c in diff_trees(store, base, final)))
-
-
-def _prefix_ends(path: bytes) -> list[int]:
-    """Where each of ``path``'s ancestors and itself ends: b"a/b/c" -> [1, 3, 5]."""
-    ends = [i for i, byte in enumerate(path) if byte == 0x2F]
-    return [*ends, len(path)]

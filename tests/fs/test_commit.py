@@ -409,6 +409,40 @@ def test_every_conflict_is_listed(tmp_path: Path, store: Store) -> None:
     assert info.value.conflicts == ["chmod.sh", "edit.txt", "new"]
 
 
+def _many_files(src: Path) -> None:
+    # More directories than a chunk of threaded reads holds (commit._CHUNK_DIRS), a big file
+    # among them: the reads of the conflict check go to threads in several chunks.
+    for i in range(commit._CHUNK_DIRS + 20):
+        write(src / f"d{i:03d}" / "f", b"old %d\n" % i)
+    write(src / "big", b"b" * (3 << 20))
+
+
+def _rewrite_every_file(src: Path) -> None:
+    for i in range(commit._CHUNK_DIRS + 20):
+        write(src / f"d{i:03d}" / "f", b"new %d\n" % i)
+    write(src / "big", b"B" * (3 << 20))
+
+
+@pytest.mark.parametrize("vouched", [False, True])
+def test_a_big_check_finds_every_edit_underneath(
+    tmp_path: Path, store: Store, vouched: bool
+) -> None:
+    """The files the caller does not vouch for are read and hashed in threads, each compared
+    with its own base content: a same-size edit anywhere among them is found, and only it."""
+    s = Scenario(tmp_path, store, _many_files, _rewrite_every_file)
+    known = _identities(s.target) if vouched else None  # taken before the edits below
+    for rel, data in (("d003/f", b"OLD 3\n"), ("d140/f", b"odl 140\n"), ("big", b"c" * (3 << 20))):
+        p = s.target / rel
+        st = p.stat()
+        p.write_bytes(data)  # same size, mtime put back: only the content tells
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    before = snapshot(s.target, with_root=True)
+    with pytest.raises(ConflictError) as info:
+        apply(store, s.target, s.base, s.new, journal_dir=s.journal, known=known)
+    assert info.value.conflicts == ["big", "d003/f", "d140/f"]
+    assert snapshot(s.target, with_root=True) == before
+
+
 def test_second_apply_of_the_same_change_conflicts(tmp_path: Path, store: Store) -> None:
     s = Scenario(tmp_path, store, base_tree, _edit)
     s.apply()
