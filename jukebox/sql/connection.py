@@ -297,6 +297,14 @@ class AgentConnection:
                 and not self.session.finished):
             try:
                 up = await self.hold()
+                if self.copying_in:
+                    # Gone in the middle of COPY FROM STDIN: the server waits for its rows,
+                    # and any other message would end the booth's session ("protocol
+                    # synchronization was lost"). CopyFail ends the COPY with an error.
+                    self.copying_in = False
+                    up.send(m.message(b"f", b"jukebox: the agent's connection ended during "
+                                            b"COPY\0"))
+                    await self.relay(drop_only=True)
                 if self.state != "I":
                     self.state = "I"
                     self.unit_failed = True

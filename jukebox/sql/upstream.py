@@ -167,6 +167,8 @@ class Wire:
             except ssl.SSLWantWriteError:
                 await self._ready(self.loop.add_writer, self.loop.remove_writer)
                 continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                chunk = b""  # the server closed the session, as a plain EOF says
             if not chunk:
                 raise asyncio.IncompleteReadError(b"", None)
             if self.at:
@@ -206,7 +208,8 @@ class Wire:
                 self.loop.add_writer(self.fd, self._writable)
             return
         except OSError as error:
-            self.error = error  # the next read says so
+            # The next read says so, as a lost connection (a TLS error is an OSError too).
+            self.error = ConnectionResetError(f"the server's connection failed: {error}")
             self.out.clear()
             self.retry = None
         if self.writing:
