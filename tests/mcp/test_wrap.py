@@ -173,6 +173,21 @@ def test_hostile_server_huge_result_a_hang_and_a_secret(tmp_path: Path) -> None:
     assert secret.encode() not in tape.read_bytes()
 
 
+def test_max_tool_repeat_refuses_the_nth_identical_call_in_a_row(tmp_path: Path) -> None:
+    async def agent() -> list[tuple[bool, str]]:
+        async with wrapped(hostile_server(), "--tape-dir", str(tmp_path / "tapes"),
+                           "--max-tool-repeat", "2") as s:  # fmt: skip
+            out = []
+            for text in ("a", "b", "b"):  # a, b: different calls; b again: the 2nd in a row
+                result = await s.call_tool("echo", {"text": text})
+                out.append((result.is_error, result.content[0].text))
+            return out
+
+    a, b, again = anyio.run(agent)
+    assert a == (False, "a") and b == (False, "b")
+    assert again[0] and "--max-tool-repeat 2" in again[1] and "it did not run" in again[1]
+
+
 @pytest.mark.parametrize("mode", ["mute", "garbage"])
 def test_a_server_that_never_answers_initialize_is_a_clear_error(tmp_path: Path,
                                                                  mode: str) -> None:  # fmt: skip
