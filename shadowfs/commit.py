@@ -801,7 +801,7 @@ def _conflicts(
     # Beneath a directory this commit creates: the directory's check covers it.
     total = len(plan.changes)
     bad: list[bytes] = []
-    reads: list[Change] = []  # regular files whose content must be compared
+    reads: list[tuple[bytes, Entry, ObjectId]] = []  # regular files whose content must be compared
     for k, c in enumerate(checked):
         if progress is not None and k % 256 == 0:
             progress("check", k - len(reads), total)  # the files still to read count later
@@ -822,17 +822,19 @@ def _conflicts(
             and st.st_size == e.size
         ):
             if known is None or known.get(c.path) != (st.st_dev, st.st_ino, st.st_ctime_ns):
-                reads.append(c)
+                if e.oid is None:
+                    bad.append(c.path)  # a file entry without content: a damaged base, never held
+                else:
+                    reads.append((c.path, e, e.oid))
             # else: the very file the caller hashed into the base, unwritten since
         elif not _holds(store, dirs, c.path, e, st, known):
             bad.append(c.path)
-    blobs: list[Change] = []
-    for c in reads:
-        # a file entry has an oid (only a symlink's is None)
-        if store.kind(c.old.oid) == "blob":  # type: ignore[union-attr,arg-type]
-            blobs.append(c)
-        elif not _holds(store, dirs, c.path, c.old, None, known):  # type: ignore[arg-type]
-            bad.append(c.path)
+    blobs: list[tuple[bytes, int, ObjectId]] = []
+    for path, e, oid in reads:
+        if store.kind(oid) == "blob":
+            blobs.append((path, e.size, oid))
+        elif not _holds(store, dirs, path, e, None, known):
+            bad.append(path)
     i = 0
     while i < len(blobs):
         own = _ChunkDirs(dirs)
@@ -840,8 +842,8 @@ def _conflicts(
             calls: list[tuple[Any, ...]] = []
             paths: list[bytes] = []
             while i < len(blobs) and len(calls) < _CHUNK_OPS:
-                c = blobs[i]
-                parent = _parent(c.path)
+                path, size, oid = blobs[i]
+                parent = _parent(path)
                 if parent not in own.fds and len(own.fds) >= _CHUNK_DIRS:
                     break
                 i += 1
@@ -850,10 +852,10 @@ def _conflicts(
                 except OSError as exc:
                     if exc.errno not in _GONE:
                         raise
-                    bad.append(c.path)
+                    bad.append(path)
                     continue
-                calls.append((dfd, _name(c.path), c.old.size, c.old.oid))  # type: ignore[union-attr]
-                paths.append(c.path)
+                calls.append((dfd, _name(path), size, oid))
+                paths.append(path)
             # A few files are read here: starting the threads would cost more.
             many = len(calls) >= _THREADED_FROM
             fine = threads.run(_same_blob_at, calls) if many else _batch(_same_blob_at, calls)
