@@ -1024,6 +1024,14 @@ class _Run:
     # take them along, before the files (their refusal leaves the files as they were).
     databases: Any = None
 
+    def scrubbed(self, text: str | None) -> str | None:
+        """Text the agent chose (a checkpoint's label, the verifier's output), as a frame may
+        show it: the booth's known secrets replaced, its proxies' path secrets among them (the
+        agent's environment holds its base URLs, secret included)."""
+        if text is None or self.mcp is None:
+            return text
+        return str(self.mcp.secrets.text(text))
+
     def on_refused_write(self, error: OSError) -> None:
         """The layer refused a write the agent's kernel had already accepted: the agent learns
         at fsync or close at best, and its view of that file is no longer what the booth holds.
@@ -1076,7 +1084,8 @@ class _Run:
             if self.databases is not None:
                 self.databases.checkpoint(n)
             tree, journal = self.layer.snapshot()
-            payload: dict[str, Any] = {"id": n, "label": label, "reason": reason}
+            # The label as the agent gave it stays the one `rollback --to` finds.
+            payload: dict[str, Any] = {"id": n, "label": self.scrubbed(label), "reason": reason}
             if journal is not None:
                 payload["journal"] = journal.hex()
             if peer is not None:
@@ -1111,7 +1120,9 @@ class _Run:
             if self.databases is not None:
                 self.databases.rollback(cp.n)
             self.layer.restore(cp.tree)
-            payload: dict[str, Any] = {"to": cp.n, "label": cp.label, "reason": "request"}
+            payload: dict[str, Any] = {
+                "to": cp.n, "label": self.scrubbed(cp.label), "reason": "request"
+            }
             if peer is not None:
                 payload["peer"] = peer.as_dict()
             self.writer.append("rollback", payload, tree=cp.tree, defer=True)
@@ -1913,10 +1924,15 @@ def _start_services(
             functools.partial(isolation.spawn, **stdio), child_spec
         )
     env.update(llm_session.agent_env(env))
+    # The proxy's secret is in the base URLs the agent gets: what the agent passes on elsewhere
+    # (an MCP tool's arguments, an SQL statement, a checkpoint's label, the verifier's output)
+    # loses it too, as its model calls do.
+    run.mcp.secrets.add([llm_session.proxy.secret])
     network = llm_session.network
     listen = network.listen if network is not None else None
     # The LLM proxy's session adds to the environment: its secrets are hidden from SQL too.
     secret_values = [value for key, value in env.items() if o.img.is_secret(key)]
+    secret_values.append(llm_session.proxy.secret)
     if o.databases:
         from jukebox.sql.booth_link import BoothDatabases
 
@@ -1960,6 +1976,8 @@ def _start_mcp_gateways(
         services.callback(http_gateways.stop)
         http_urls = http_gateways.urls()
         env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
+        # An agent that pastes that URL into a prompt: its secret is the model calls' too.
+        llm_session.add_secrets([http_gateways.secret])
     if o.mcp_declared is not None or o.mcp_http:
         from jukebox.mcp.servers import write_wrapped_config
 
@@ -2040,6 +2058,10 @@ def _run_agent(b: _Booth) -> _Outcome:
     if o.verify and not interrupted:
         if status["code"] == 0 and not status.get("setup_error"):
             verified = _run_verifier(b.spec, o.verify)
+            # Its environment is the agent's: what it prints may show the proxy's secret (its
+            # base URLs) and the supervisor's secret values. Scrubbed for the tape and for the
+            # booth's own stderr, which shows a failing verifier's output.
+            verified["output"] = b.run.scrubbed(verified["output"])
             interrupted = bool(verified.get("interrupted"))
         else:
             verified = {"cmd": o.verify, "skipped": "the agent failed", "ok": False}

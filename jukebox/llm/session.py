@@ -89,7 +89,7 @@ class LlmSession:
 
             prices = PriceTable.load(tape_dir, environ)
 
-        def make(sock: socket.socket, secret: str) -> Any:
+        def make(sock: socket.socket, secret: str, learned: list[str]) -> Any:
             # Here, at the first connection: the proxy's imports are most of a booth's start.
             from jukebox.llm.server import ProxyServer
 
@@ -103,7 +103,7 @@ class LlmSession:
                 on_trip=on_trip,
                 stop_agent=stop_agent,
                 on_divergence=options.on_divergence,
-                secrets=secrets,
+                secrets=[*secrets, *learned],
                 prices=prices,
                 sock=sock,
                 secret=secret,
@@ -156,6 +156,11 @@ class LlmSession:
 
             out.update(placeholder_env(env or {}))
         return out
+
+    def add_secrets(self, values: list[str]) -> None:
+        """More values the proxy scrubs from what it records (another gateway's path secret,
+        made after the proxy's session)."""
+        self.proxy.add_secrets(values)
 
     def spawn(self, spawn: Callable[[Any], T], spec: Any) -> T:
         """Starts the agent with `spawn(spec)`, inside the private network when there is one

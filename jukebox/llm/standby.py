@@ -33,13 +33,14 @@ from jukebox.llm.upstreams import proxy_env
 class Standby:
     """Stands in for a ProxyServer until its first connection.
 
-    `make(sock, secret)` builds the proxy (not started) on the listening socket; it runs on the
+    `make(sock, secret, secrets)` builds the proxy (not started) on the listening socket, with
+    `secrets` (values learned since, `add_secrets`) to scrub besides its own; it runs on the
     standby's thread. `protocols` are the named upstreams' (jukebox.llm.upstreams.resolve), so
     `base_urls()` is the proxy's own without building it."""
 
     def __init__(
         self,
-        make: Callable[[socket.socket, str], Any],
+        make: Callable[[socket.socket, str, list[str]], Any],
         protocols: Mapping[str, str],
         sock: socket.socket | None = None,
         host: str = "127.0.0.1",
@@ -58,6 +59,9 @@ class Standby:
         # The agent's environment, handed to the proxy when it starts (see ProxyServer).
         self.agent_environ: Mapping[str, str] = os.environ
         self.proxy: Any = None  # the ProxyServer, once the first connection started it
+        self._secrets: list[str] = []  # `add_secrets`' values, for a proxy not started yet
+        self._made: Any = None  # the proxy, from its making on (`proxy` once it has started)
+        self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -70,6 +74,15 @@ class Standby:
     def base_urls(self) -> dict[str, str]:
         return proxy_env(self.url, self.protocols)
 
+    def add_secrets(self, values: list[str]) -> None:
+        """Values the proxy scrubs from what it records, besides those it was made with: to
+        the running proxy's scrubber, or kept for its start."""
+        with self._lock:
+            self._secrets += values
+            made = self._made
+        if made is not None:
+            made.scrubber.add(values)
+
     def start(self) -> Standby:
         self._thread = threading.Thread(target=self._wait, name="jukebox-llm-standby", daemon=True)
         self._thread.start()
@@ -81,7 +94,8 @@ class Standby:
         if self._stopping or self._sock not in readable:
             return
         try:
-            proxy = self._make(self._sock, self.secret)
+            with self._lock:  # a value added from now on goes to the proxy's own scrubber
+                proxy = self._made = self._make(self._sock, self.secret, list(self._secrets))
             proxy.agent_environ = self.agent_environ
             self.proxy = proxy.start()
         except Exception as error:  # the agent's calls then fail to connect; the booth goes on

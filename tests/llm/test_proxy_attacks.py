@@ -437,3 +437,73 @@ def test_max_scratch_caps_what_the_proxy_records(upstream: FakeUpstream, tmp_pat
     recorded = [p for kind, p in frames if kind == "llm_turn"]
     assert 0 < len(recorded) < 20
     assert sum(len(p["request"]["messages"][0]["content"]) for p in recorded) <= 1 << 20
+
+
+# An agent that spreads its base URLs (the proxy's secret in each) everywhere it can: its model
+# calls with both SDKs (a prompt, a header, a stream, a path no endpoint has), a checkpoint's
+# label and the rollback to it. The verifier prints them too, then fails, so that the booth
+# shows its output on stderr.
+SPREADER = r"""
+import os, subprocess
+import anthropic, openai
+base, abase = os.environ["OPENAI_BASE_URL"], os.environ["ANTHROPIC_API_URL"]
+o = openai.OpenAI(max_retries=0, default_headers={"x-agent-note": base})
+a = anthropic.Anthropic(max_retries=0)
+say = [{"role": "user", "content": "mine: " + base + " " + abase}]
+o.chat.completions.create(model="gpt-4o-mini", messages=say)
+for _ in o.chat.completions.create(model="gpt-4o-mini", messages=say, stream=True):
+    pass
+a.messages.create(model="claude-haiku-4-5", max_tokens=50, messages=say)
+with a.messages.stream(model="claude-haiku-4-5", max_tokens=50, messages=say) as s:
+    for _ in s:
+        pass
+o.models.list()
+try:
+    o.post("/no-endpoint/" + base, cast_to=object, body={})
+except openai.NotFoundError:
+    pass
+label = "at " + base
+for step in (["checkpoint", "--label", label], ["rollback", "--to", label]):
+    # Captured: the CLI tells its caller the label, which is the agent's own business.
+    subprocess.run(["jukebox", "booth", *step], check=True, capture_output=True)
+"""
+SPREADING_VERIFIER = "printenv OPENAI_BASE_URL ANTHROPIC_API_URL OPENAI_API_BASE; exit 1"
+
+
+@booths_as_root
+def test_the_secret_reaches_no_byte_of_the_tape_dir_nor_the_booths_output(
+    upstream: FakeUpstream, tmp_path: Path
+) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    (tree / "agent.py").write_text(SPREADER)
+    proc = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
+                   "--tape-id", "spread", "--verify", SPREADING_VERIFIER, "--",
+                   sys.executable, "agent.py", env=booth_env(upstream))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr  # the verifier failed
+    # The upstream got the agent's header as sent (only the record is scrubbed): the secret.
+    (base,) = {v for _, _, h, _ in upstream.seen for k, v in h.items() if k == "x-agent-note"}
+    secret = base.split("/")[3]
+    assert len(secret) == 43 and base.endswith(f"/{secret}/openai/v1")
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        tape = Tape.load(tapes / "spread.jbx", store)
+        frames = [(f.kind, f.resolve_payload(store)) for f in tape.frames]
+        objects = b"".join(store.get(oid) for oid in store.iter_oids())  # decompressed
+    # Every spreading happened, and was recorded, scrubbed.
+    kinds = [kind for kind, _ in frames]
+    assert kinds.count("llm_turn") == 4 and kinds.count("checkpoint") == 1
+    notes = [p["path"] for kind, p in frames if kind == "note" and p["event"] == "llm_passthrough"]
+    assert notes[0] == "/models" and notes[1].startswith("/no-endpoint/") and len(notes) == 2
+    assert notes[1].endswith(f"/{REDACTED}/openai/v1")
+    (checkpoint,) = [p for kind, p in frames if kind == "checkpoint"]
+    (rollback,) = [p for kind, p in frames if kind == "rollback" and not p.get("final")]
+    assert checkpoint["label"] == rollback["label"] == f"at {base.replace(secret, REDACTED)}"
+    (verify,) = [p for kind, p in frames if kind == "verify"]
+    assert verify["output"].count(REDACTED) == 3
+    assert f"/{REDACTED}/anthropic" in proc.stderr  # the failed verifier's output, shown
+    # Not one byte: every file of the tape dir as it lies on disk, every stored object
+    # decompressed, and all the booth printed.
+    on_disk = b"".join(p.read_bytes() for p in tapes.rglob("*") if p.is_file())
+    printed = {"stdout": proc.stdout.encode(), "stderr": proc.stderr.encode()}
+    for where, data in {"tape dir": on_disk, "objects": objects, **printed}.items():
+        assert secret.encode() not in data, where
