@@ -129,6 +129,7 @@ def sweep(tapes: TapeDir) -> None:
         return
     for booth_id in names:
         if (tapes.booths_path / f"{booth_id}.json").exists():
+            _pending_again(tapes, booth_id)
             continue
         data = read(tapes, booth_id)
         if data is None:
@@ -142,6 +143,20 @@ def sweep(tapes: TapeDir) -> None:
             finish(tapes, booth_id, commit=data.get("state") == COMMITTING)
         except CheckFailed as error:
             print(f"jukebox: {error}", file=sys.stderr)
+
+
+def _pending_again(tapes: TapeDir, booth_id: str) -> None:
+    """A commit killed before its files' commit point, just undone by this process's
+    recovery (jukebox.trees.realtree), handed the booth back pending: its transaction, still
+    prepared, is pending again too. Left `committing`, anything that later dropped the
+    booth's record without `booth discard` would have the next sweep commit it alone."""
+    from jukebox.trees.realtree import recovered
+
+    if recovered(tapes, booth_id) != "undone":
+        return  # not recovered here: a live commit of it may be past its files' commit point
+    data = read(tapes, booth_id)
+    if data is not None and data.get("state") == COMMITTING:
+        write(tapes, booth_id, data["databases"], PREPARED)
 
 
 def lost_message(booth_id: str, data: dict[str, Any], files: str) -> str:

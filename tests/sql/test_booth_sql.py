@@ -342,3 +342,46 @@ def test_a_commit_without_prepared_transactions_stopped_midway_is_reported(
     assert SCRAM_PASSWORD not in first.stderr
     assert not ledger.exists()
     assert "direct" not in cli(tmp_path, "booth", "ls").stderr
+
+
+@pytest.mark.parametrize("point", ["prepare", "applied"])
+def test_a_supervisor_killed_mid_commit_leaves_files_and_database_agreeing(
+    pg: Cluster, db: str, tmp_path: Path, point: str
+) -> None:
+    """`--commit auto`, the supervisor SIGKILLed at the worst instants of its verdict: with the
+    database transaction prepared and the files' commit not yet at its commit point
+    (`prepare`), and past the files' commit point before COMMIT PREPARED (`applied`). After
+    the next command's recovery the files and the database agree, and the prepared
+    transaction is finished or still owned by the booth handed back pending."""
+    tree, ledger = tmp_path / "tree", tmp_path / "tapes" / ".jukebox" / "sql" / "cut.json"
+    killed = booth(tmp_path, pg.url(db), AGENT, "--verify", "true", "--tape-id", "cut",
+                   env={"SHADOWFS_CRASH_AT": point})
+    assert killed.returncode == -9, killed.stderr
+    # Killed with the transaction prepared: nothing of it is visible yet.
+    assert pg.psql("SELECT gid FROM pg_prepared_xacts") == "jukebox-cut-main"
+    assert table(pg, db) == "1,2"
+    recovered = cli(tmp_path, "booth", "ls", "--json")
+    assert recovered.returncode == 0, recovered.stderr
+    if point == "applied":  # past both commit points: both committed, nothing left prepared
+        assert "recovered the interrupted commit of booth cut: finished" in recovered.stderr
+        assert (tree / "done.txt").exists()
+        assert table(pg, db) == "1,2,3"
+        assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+        assert not ledger.exists()
+        assert json.loads(recovered.stdout) == []
+        return
+    # Before the files' commit point: both undone, the booth pending with its transaction
+    # prepared (its ledger back to `prepared`, so a discard rolls it back) ...
+    assert "recovered the interrupted commit of booth cut: undone" in recovered.stderr
+    assert not (tree / "done.txt").exists()
+    assert table(pg, db) == "1,2"
+    assert json.loads(ledger.read_text())["state"] == "prepared"
+    assert [b["status"] for b in json.loads(recovered.stdout)] == ["pending"]
+    assert pg.psql("SELECT gid FROM pg_prepared_xacts") == "jukebox-cut-main"
+    # ... which `booth commit` finishes whole: the files, then the database.
+    done = cli(tmp_path, "booth", "commit", "cut")
+    assert done.returncode == 0, done.stderr
+    assert (tree / "done.txt").exists()
+    assert table(pg, db) == "1,2,3"
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+    assert not ledger.exists()
