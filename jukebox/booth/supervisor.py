@@ -826,12 +826,6 @@ def commit_booth(
             from jukebox.sql import ledger
 
             sql = ledger.read(tape_dir, booth_id)
-            if sql is not None and sql.get("state") == ledger.DIRECT:
-                # Its supervisor stopped during its commit: the files are here, the database
-                # work is gone with the server session.
-                _alert(ledger.lost_message(booth_id, sql, "its files are committed now, but"))
-                ledger.remove(tape_dir, booth_id)
-                sql = None
             if sql is not None and (at is not None or only):
                 raise CheckFailed(
                     f"booth {booth_id} not committed: its database work is one prepared "
@@ -1470,7 +1464,7 @@ def run_booth(
     )
     view = isolation.view_policy(img, net, scratch_limit)
     mcp_declared, mcp_servers, mcp_http = _mcp_servers(mcp_config, mcp_upstreams)
-    two_phase = _checked_databases(
+    _checked_databases(
         databases, commit_mode, max_sql_rows_changed, max_sql_lock_seconds, record_sql_results
     )
     booth_id = check_tape_id(tape_id) if tape_id else new_booth_id()
@@ -1510,7 +1504,6 @@ def run_booth(
         mcp_replay=mcp_replay,
         mcp_policy=mcp_policy,
         databases=databases,
-        two_phase=two_phase,
         max_sql_rows_changed=max_sql_rows_changed,
         record_sql_results=record_sql_results,
         sql_replay=sql_replay,
@@ -1524,7 +1517,7 @@ def run_booth(
 @dataclass(frozen=True)
 class _BoothOptions:
     """run_booth's arguments, checked, with what they resolve to (the image, the paths, the
-    booth's id, the MCP servers declared, the databases' two-phase support)."""
+    booth's id, the MCP servers declared)."""
 
     argv: list[str]
     tree_path: str
@@ -1554,7 +1547,6 @@ class _BoothOptions:
     mcp_replay: Any
     mcp_policy: Any
     databases: Mapping[str, str] | None
-    two_phase: dict[str, bool]
     max_sql_rows_changed: int | None
     record_sql_results: bool
     sql_replay: Any
@@ -1643,8 +1635,8 @@ def _checked_databases(
     max_rows_changed: int | None,
     max_lock_seconds: float | None,
     record_results: bool,
-) -> dict[str, bool]:
-    """Whether each --pg database can prepare a transaction (two-phase commit)."""
+) -> None:
+    """The --pg options checked, and each database reached (see BoothDatabases.probe)."""
     if max_rows_changed is not None and max_rows_changed < 0:
         raise UsageError("--max-sql-rows-changed must be 0 or more")
     if max_lock_seconds is not None and max_lock_seconds <= 0:
@@ -1653,10 +1645,12 @@ def _checked_databases(
         raise UsageError("--record-sql-results keeps what --pg databases answer: add --pg "
                          "NAME=URL, or drop it")
     if not databases:
-        return {}
+        return
     from jukebox.sql.booth_link import BoothDatabases
 
-    return BoothDatabases.probe(databases, needs_two_phase=commit_mode in ("never", "ask"))
+    # Only a scratch booth (time travel) can do without prepared transactions: it commits
+    # nothing and keeps nothing.
+    BoothDatabases.probe(databases, needs_two_phase=commit_mode != DISCARD)
 
 
 @dataclass
@@ -1938,7 +1932,6 @@ def _start_services(
 
         run.databases = BoothDatabases.start(
             o.databases,
-            o.two_phase,
             record=writer.append,
             booth_id=o.booth_id,
             secrets=secret_values,
@@ -2281,14 +2274,6 @@ def _databases_before(
         with contextlib.suppress(Exception):
             dbs.end("ROLLBACK")
         return decision, reason, code
-    if decision == "commit" and not dbs.can_prepare:
-        # COMMIT after the files; the ledger lets the next command say so should the
-        # supervisor stop in between (see jukebox.sql.ledger, `direct`).
-        used = dbs.used()
-        if used:
-            ledger.write(tapes, booth_id, [{"name": n, "url": dbs.urls[n]} for n in used],
-                         ledger.DIRECT)
-        return decision, reason, code
     try:
         dbs.prepare(tapes, booth_id, ledger.COMMITTING if decision == "commit" else
                     ledger.PREPARED)
@@ -2306,13 +2291,12 @@ def _databases_before(
 def _databases_after(
     dbs: Any, tapes: TapeDir, writer: Any, booth_id: str, decision: str
 ) -> None:
-    """After the file commit point: COMMIT PREPARED (or COMMIT); a kept booth's prepared
-    transactions wait for `booth commit` or `booth discard` (jukebox.sql.ledger)."""
+    """After the file commit point: COMMIT PREPARED; a kept booth's prepared transactions
+    wait for `booth commit` or `booth discard` (jukebox.sql.ledger). No ledger: nothing was
+    prepared, as the agent never connected (or a replay's stand-in served it)."""
     from jukebox.sql import ledger
 
-    data = ledger.read(tapes, booth_id)
-    direct = data is not None and data.get("state") == ledger.DIRECT
-    prepared = data is not None and not direct
+    prepared = ledger.read(tapes, booth_id) is not None
     try:
         if decision == "done":
             if prepared:
@@ -2324,15 +2308,9 @@ def _databases_after(
         elif decision == "keep" and prepared:
             ledger.set_state(tapes, booth_id, ledger.PREPARED)
             writer.append("note", {"event": "sql_prepared", "databases": list(dbs.urls)})
-        elif decision == "keep" and dbs.used():
-            dbs.end("ROLLBACK")
-            _alert(f"booth {booth_id}: its database work was rolled back (the server cannot "
-                   "keep a transaction prepared: max_prepared_transactions = 0)")
     except Exception as error:
         _alert(str(error))
     finally:
-        if direct:
-            ledger.remove(tapes, booth_id)
         dbs.close()
 
 

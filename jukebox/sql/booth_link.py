@@ -54,40 +54,42 @@ async def _probe(target: Target) -> int:
 
 
 class BoothDatabases:
-    def __init__(self, proxy: SqlProxy, urls: dict[str, str], two_phase: dict[str, bool]) -> None:
+    def __init__(self, proxy: SqlProxy, urls: dict[str, str]) -> None:
         self.proxy = proxy
         self.urls = urls
-        self.two_phase = two_phase
 
     @staticmethod
-    def probe(urls: Mapping[str, str], needs_two_phase: bool) -> dict[str, bool]:
-        """Checks every server is reachable (and, for a booth that may stay pending, takes
-        prepared transactions) before anything of the booth is made: {name: two-phase?}.
-        UsageError otherwise."""
-        two_phase: dict[str, bool] = {}
+    def probe(urls: Mapping[str, str], needs_two_phase: bool) -> None:
+        """Checks every server is reachable and, for a booth whose work may be committed or
+        kept pending, takes prepared transactions, before anything of the booth is made.
+        UsageError otherwise.
+
+        Without prepared transactions a commit could not be atomic: the files, then COMMIT,
+        and a supervisor stopped between the two would leave the files committed and the
+        database work rolled back by the server; a booth kept pending would lose it outright.
+        So such a server is refused unless nothing can be committed (a scratch booth)."""
         for name, url in urls.items():
             target = Target.parse(url)
             try:
-                two_phase[name] = asyncio.run(_probe(target)) > 0
+                two_phase = asyncio.run(_probe(target)) > 0
             except (OSError, UpstreamError, asyncio.IncompleteReadError) as error:
                 raise UsageError(
                     f"--pg {name}: cannot connect to {target.public_url()} ({error}); start the "
                     "server or fix the URL"
                 ) from None
-            if needs_two_phase and not two_phase[name]:
+            if needs_two_phase and not two_phase:
                 raise UsageError(
-                    f"--pg {name}: the server has max_prepared_transactions = 0, so a booth kept "
-                    "pending (--commit never or ask) cannot keep its database work; set "
-                    "max_prepared_transactions > 0 in postgresql.conf and restart it, or use "
-                    "--commit auto"
+                    f"--pg {name}: the server {target.public_url()} has "
+                    "max_prepared_transactions = 0, so the booth's database work cannot commit "
+                    "atomically with its files; set max_prepared_transactions to 1 or more on "
+                    "that server (postgresql.conf, or ALTER SYSTEM SET "
+                    "max_prepared_transactions = 10) and restart it"
                 )
-        return two_phase
 
     @classmethod
     def start(
         cls,
         urls: Mapping[str, str],
-        two_phase: dict[str, bool],
         *,
         record: Callable[[str, dict[str, Any]], Any],
         booth_id: str,
@@ -106,7 +108,7 @@ class BoothDatabases:
                          max_rows_changed=max_rows_changed, on_trip=on_trip,
                          record_results=record_results,
                          max_lock_seconds=max_lock_seconds).start()
-        return cls(proxy, dict(urls), two_phase)
+        return cls(proxy, dict(urls))
 
     def agent_env(self) -> dict[str, str]:
         """DATABASE_URL and PG* for the first database, NAME_DATABASE_URL for each."""
@@ -142,10 +144,6 @@ class BoothDatabases:
         return [name for name, db in self.proxy.databases.items()
                 if db.session.upstream is not None]
 
-    @property
-    def can_prepare(self) -> bool:
-        return all(self.two_phase.values())
-
     def prepare(self, tapes: Any, booth_id: str, state: str) -> None:
         """PREPARE TRANSACTION on every database, its ledger written first (a crash between
         leaves a ledger whose gid may not exist: finishing it is then a no-op)."""
@@ -164,7 +162,7 @@ class BoothDatabases:
                             timeout=60)
 
     def end(self, sql: str) -> None:
-        """COMMIT or ROLLBACK every database (without two-phase commit)."""
+        """ROLLBACK every database (or, unused since `prepare`, COMMIT)."""
         errors = []
         for name, db in self.proxy.databases.items():
             try:

@@ -8,14 +8,15 @@ URL the booth was given, password included, to finish it later), says where and 
   prepared    the files are not committed: `booth commit` or `booth discard` decides
   committing  the file commit has begun: once the booth's record is gone (the file commit
               finished, here or by recovery) the database commits too
-  direct      a server without prepared transactions (max_prepared_transactions = 0): the
-              file commit has begun and a plain COMMIT follows it. A supervisor stopped in
-              between leaves nothing to finish (its session closed, so the server rolled the
-              work back): the ledger only lets the next command say so, and is then dropped
 
 `sweep` runs when a tape dir with ledgers is opened, after the file commits were recovered: a
 ledger whose booth record is gone is finished, COMMIT PREPARED when it was committing, else
-ROLLBACK PREPARED (its booth was discarded).
+ROLLBACK PREPARED (its booth was discarded). A commit killed before its files' commit point
+and undone by the recovery hands its booth back pending, so its ledger goes back to `prepared`.
+
+A booth never runs against a server without prepared transactions (max_prepared_transactions
+= 0) unless it can commit nothing (jukebox.sql.booth_link.BoothDatabases.probe): with a plain
+COMMIT after the files, a supervisor stopped between the two would lose the database work.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 PREPARED = "prepared"
 COMMITTING = "committing"
-DIRECT = "direct"
 LEDGER_DIR = "sql"
 
 
@@ -101,7 +101,7 @@ def finish(tapes: TapeDir, booth_id: str, commit: bool) -> list[str]:
 
     done = []
     for entry in data.get("databases", []):
-        if "gid" not in entry:  # `direct`: no prepared transaction to finish
+        if "gid" not in entry:  # an older version's `direct` commit: nothing prepared
             continue
         try:
             asyncio.run(_finish_one(entry["url"], entry["gid"], commit))
@@ -134,11 +134,6 @@ def sweep(tapes: TapeDir) -> None:
         data = read(tapes, booth_id)
         if data is None:
             continue
-        if data.get("state") == DIRECT:
-            print(f"jukebox: {lost_message(booth_id, data, 'its files were committed, but')}",
-                  file=sys.stderr)
-            remove(tapes, booth_id)
-            continue
         try:
             finish(tapes, booth_id, commit=data.get("state") == COMMITTING)
         except CheckFailed as error:
@@ -157,18 +152,3 @@ def _pending_again(tapes: TapeDir, booth_id: str) -> None:
     data = read(tapes, booth_id)
     if data is not None and data.get("state") == COMMITTING:
         write(tapes, booth_id, data["databases"], PREPARED)
-
-
-def lost_message(booth_id: str, data: dict[str, Any], files: str) -> str:
-    """What a `direct` ledger left by a stopped supervisor means, in one line."""
-    from jukebox.redact import redact_url
-
-    names = ", ".join(f"{e.get('name')} ({redact_url(str(e.get('url')))})"
-                      for e in data.get("databases", []))
-    return (
-        f"booth {booth_id}: {files} its database work on {names} was lost: the supervisor "
-        "stopped before the server's COMMIT, and a server without prepared transactions "
-        "(max_prepared_transactions = 0) cannot keep it meanwhile; its statements are on its "
-        f"tape (`jukebox log {booth_id}`). Set max_prepared_transactions > 0 for a commit "
-        "that survives this"
-    )

@@ -428,8 +428,6 @@ class SqlReplay:
     def used(self) -> list[str]:
         return []
 
-    can_prepare = True
-
     def prepare(self, tapes: Any, booth_id: str, state: str) -> None:
         pass
 

@@ -221,8 +221,9 @@ with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
 
 
 def test_refused_before_anything_is_made(pg: Cluster, db: str, tmp_path: Path) -> None:
-    """A server that cannot be reached, and one without prepared transactions for a booth that
-    may stay pending, refuse the run (exit 2) before its tape exists."""
+    """A server that cannot be reached refuses the run (exit 2) before its tape exists; so does
+    one without prepared transactions, whatever the commit mode (`auto`, the default, too: its
+    commit could not be atomic), before the agent has run: nothing to lose."""
     gone = booth(tmp_path, "postgresql://nobody@127.0.0.1:1/nowhere", AGENT)
     assert gone.returncode == 2
     assert "cannot connect to postgresql://nobody@127.0.0.1:1/nowhere" in gone.stderr
@@ -230,10 +231,16 @@ def test_refused_before_anything_is_made(pg: Cluster, db: str, tmp_path: Path) -
     pg.psql("ALTER SYSTEM SET max_prepared_transactions = 0")
     pg.restart()
     try:
-        never = booth(tmp_path, pg.url(db), AGENT, "--commit", "never")
-        assert never.returncode == 2
-        assert "max_prepared_transactions = 0" in never.stderr
-        assert not (tmp_path / "tapes").exists()
+        for mode in ("auto", "never"):
+            refused = booth(tmp_path, pg.url(db), AGENT, "--commit", mode, "--verify", "true")
+            assert refused.returncode == 2, refused.stderr
+            line = refused.stderr.strip()
+            assert "\n" not in line
+            assert "max_prepared_transactions = 0" in line
+            assert "ALTER SYSTEM SET max_prepared_transactions = 10) and restart it" in line
+            assert not (tmp_path / "tapes").exists()
+            assert not list((tmp_path / "tree").iterdir())  # the agent never ran
+            assert table(pg, db) == "1,2"
     finally:
         pg.psql("ALTER SYSTEM RESET max_prepared_transactions")
         pg.restart()
@@ -322,26 +329,6 @@ with psycopg.connect(os.environ["DATABASE_URL"], autocommit=True) as conn:
     assert trips and trips[0]["rule"] == "sql_lock_held"
     assert "more than --max-sql-lock-seconds 1" in trips[0]["detail"]
     assert pg.psql("SELECT v FROM t WHERE id = 1", db=db) == "other"
-
-
-def test_a_commit_without_prepared_transactions_stopped_midway_is_reported(
-    pg: Cluster, db: str, tmp_path: Path
-) -> None:
-    """A server with max_prepared_transactions = 0: the files' commit, then COMMIT. What a
-    supervisor stopped between the two leaves (its ledger `direct`, the booth's record gone):
-    nothing to finish, since the server rolled the session's work back, so the next command
-    says the database work was lost, once."""
-    ledger = tmp_path / "tapes" / ".jukebox" / "sql" / "direct.json"
-    ledger.parent.mkdir(parents=True, exist_ok=True)
-    ledger.write_text(json.dumps({"booth": "direct", "state": "direct", "databases": [
-        {"name": "main", "url": pg.url(db, SCRAM_USER, SCRAM_PASSWORD)}]}))
-    first = cli(tmp_path, "booth", "ls")
-    assert first.returncode == 0, first.stderr
-    assert "booth direct: its files were committed, but its database work on main" in first.stderr
-    assert "max_prepared_transactions > 0" in first.stderr
-    assert SCRAM_PASSWORD not in first.stderr
-    assert not ledger.exists()
-    assert "direct" not in cli(tmp_path, "booth", "ls").stderr
 
 
 @pytest.mark.parametrize("point", ["prepare", "applied"])
