@@ -68,8 +68,38 @@ def finished_booth(tape_dir: TapeDir, booth_id: str) -> str | None:
             writer = "the run itself" + _who(frames[0].payload.get("host") if frames else None)
         changes = frame.payload.get("changes")
         what = f" ({changes} change(s))" if frame.kind == "commit" and changes is not None else ""
+        calls = unfinished_calls(frames[frames.index(frame) :])
         return (
             f"booth {booth_id} was already {verdict}{what} at {timestamp(frame.time_ns / 1e9)} "
-            f"by {writer}: nothing to do (`jukebox log {path}`)"
+            f"by {writer}{calls}: nothing to do (`jukebox log {path}`)"
         )
     return None
+
+
+def unfinished_calls(frames: list[Any]) -> str:
+    """What a commit that stopped while it ran staged MCP calls (its process killed) left: ""
+    when it finished, else the words for which ran, which may have reached its server and
+    which never started. Frames are durable one by one (jukebox.mcp.staging.run_staged): the
+    first call without a frame was the one in flight."""
+    from jukebox.mcp.staging import MCP_COMMIT_BEGIN
+
+    begun: list[str] = []
+    ran: set[str] = set()
+    for frame in frames:
+        payload = frame.payload
+        if frame.kind == "note" and payload.get("event") == MCP_COMMIT_BEGIN:
+            begun, ran = [str(i) for i in payload.get("ids") or []], set()
+        elif frame.kind == "note" and payload.get("event") == "mcp_commit":
+            begun = []
+        elif frame.kind == "tool_call" and payload.get("decision") == "commit":
+            ran.add(str(payload.get("staged_id")))
+    left = [i for i in begun if i not in ran]
+    if not left:
+        return ""
+    done = ", ".join(i for i in begun if i in ran) or "none"
+    never = ", ".join(left[1:]) or "none"
+    return (
+        f"; its staged MCP calls stopped midway (the process running them was killed): ran "
+        f"{done}; {left[0]} may have reached its server; never started: {never}; none is run "
+        "again"
+    )

@@ -2154,7 +2154,13 @@ def _conclude(b: _Booth, out: _Outcome) -> int:
         if decision == "done" and run.mcp.staged:
             from jukebox.mcp.verdict import commit_staged
 
-            if commit_staged(run.mcp.staged, o.mcp_servers, run.mcp.record, o.tree_path,
+            def durably(kind: str, payload: dict[str, Any]) -> None:
+                # Each frame on disk before the next call starts: a supervisor killed midway
+                # leaves a tape that says which calls ran (jukebox.mcp.staging.run_staged).
+                run.mcp.record(kind, payload)
+                b.writer.sync()
+
+            if commit_staged(run.mcp.staged, o.mcp_servers, durably, o.tree_path,
                              o.booth_id) and code == 0:  # fmt: skip
                 code = 1
     if dbs is not None:

@@ -31,6 +31,8 @@ ASK_WAIT = 300.0
 MAX_BLOBS = 8
 MAX_BLOB_HELD = 2 * MAX_BLOB
 RUN_TIMEOUT = 60.0
+# The note written before a commit runs its staged calls (their ids, in order).
+MCP_COMMIT_BEGIN = "mcp_commit_begin"
 
 Record = Callable[[str, dict[str, Any]], Any]  # (kind, payload): append a frame
 
@@ -317,13 +319,19 @@ def run_staged(
     timeout: float = RUN_TIMEOUT,
 ) -> dict[str, Any]:
     """Runs `calls` in order against the declared servers; the first failure stops the rest.
-    Each call is a `tool_call` frame (decision `commit`), then one `mcp_commit` note says which
-    ran. Returns that note's payload."""
+    An `mcp_commit_begin` note names them first, each call is a `tool_call` frame (decision
+    `commit`), then one `mcp_commit` note says which ran. Returns that note's payload.
+
+    `record` must make each frame durable before it returns (the booth syncs its tape): a
+    process killed midway leaves a tape that says which calls finished, that the first one
+    without a frame may have reached its server, and that the rest never started
+    (jukebox.booth.finished.unfinished_calls). Nothing runs them again."""
     import anyio
 
     report: dict[str, Any] = {"event": "mcp_commit", "ran": [], "failed": None, "not_run": []}
     if not calls:
         return report
+    record("note", {"event": MCP_COMMIT_BEGIN, "ids": [c.id for c in calls]})
     anyio.run(_run_all, calls, servers, record, cwd, environ, timeout, report)
     record("note", report)
     return report
