@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jukebox.errors import UsageError
+from shadowfs.values import Value, setfield
 
 CONFIG_ENV = "JUKEBOX_CONFIG"
 
@@ -142,10 +142,14 @@ ENVIRONMENT = {
 }
 
 
-@dataclass(frozen=True)
-class Config:
-    path: Path | None = None  # None: no file
-    values: dict[str, Any] = field(default_factory=dict)
+class Config(Value):
+    __slots__ = FIELDS = ("path", "values")
+    path: Path | None  # None: no file
+    values: dict[str, Any]
+
+    def __init__(self, path: Path | None = None, values: dict[str, Any] | None = None) -> None:
+        setfield(self, "path", path)
+        setfield(self, "values", {} if values is None else values)
 
     def get(self, key: str) -> Any:
         """The file's value for ``key``, or None when unset or overridden by its env var."""

@@ -65,7 +65,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
@@ -561,7 +561,7 @@ def _plan(
                 mkdirs.append(["mkdir", p])
             continue
         if drop_setid and n.mode & _SETID:
-            n = replace(n, mode=n.mode & ~_SETID)
+            n = n.replace(mode=n.mode & ~_SETID)
         if (
             o is None or o.kind != n.kind or o.oid != n.oid or o.target != n.target
             or o.rdev != n.rdev or n.link in restaged
@@ -1958,7 +1958,7 @@ def holds_tree(
                     return False
                 continue
             if drop_setid and n.kind != DIR and n.mode & _SETID:
-                n = replace(n, mode=n.mode & ~_SETID)
+                n = n.replace(mode=n.mode & ~_SETID)
             if not _holds(store, dirs, c.path, n):
                 return False
             st = _lstat(dirs, c.path)

@@ -34,7 +34,7 @@ import signal
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -522,7 +522,7 @@ class OverlayLayer:
     def _linked(self, e: Entry, st: os.stat_result) -> Entry:
         """``e`` with the key a restore gave its upper inode's group, if it made that inode."""
         if e.link and (st.st_dev, st.st_ino) in self._link_keys:
-            return replace(e, link=self._link_keys[st.st_dev, st.st_ino])
+            return e.replace(link=self._link_keys[st.st_dev, st.st_ino])
         return e
 
     # --- restore ------------------------------------------------------------------------------

@@ -22,13 +22,13 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import zstandard
 
 from shadowfs.errors import StoreError
 from shadowfs.oid import OID_SIZE, ObjectId
+from shadowfs.values import Value, setfield
 
 PACK_MAGIC = b"SFPACK\x00\x01"
 PACK_HEADER_LEN = len(PACK_MAGIC)
@@ -64,8 +64,8 @@ def pack_name_ok(name: object) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class RecordHeader:
+class RecordHeader(Value):
+    __slots__ = FIELDS = ("oid", "kind", "flags", "created", "raw_len", "stored_len", "base")
     oid: ObjectId
     kind: str
     flags: int
@@ -73,6 +73,18 @@ class RecordHeader:
     raw_len: int
     stored_len: int
     base: ObjectId | None
+
+    def __init__(
+        self, oid: ObjectId, kind: str, flags: int, created: int, raw_len: int, stored_len: int,
+        base: ObjectId | None,
+    ) -> None:  # fmt: skip
+        setfield(self, "oid", oid)
+        setfield(self, "kind", kind)
+        setfield(self, "flags", flags)
+        setfield(self, "created", created)
+        setfield(self, "raw_len", raw_len)
+        setfield(self, "stored_len", stored_len)
+        setfield(self, "base", base)
 
     @property
     def header_len(self) -> int:
@@ -238,12 +250,16 @@ def decode_payload(
 # --------------------------------------------------------------------------- scanning
 
 
-@dataclass(frozen=True, slots=True)
-class Found:
+class Found(Value):
     """An intact record header (its payload is not checked yet)."""
 
+    __slots__ = FIELDS = ("offset", "header")
     offset: int
     header: RecordHeader
+
+    def __init__(self, offset: int, header: RecordHeader) -> None:
+        setfield(self, "offset", offset)
+        setfield(self, "header", header)
 
     @property
     def payload_offset(self) -> int:
@@ -254,20 +270,28 @@ class Found:
         return self.payload_offset + self.header.stored_len
 
 
-@dataclass(frozen=True, slots=True)
-class Damaged:
+class Damaged(Value):
     """Bytes from offset to end that hold no intact record."""
 
+    __slots__ = FIELDS = ("offset", "end", "reason")
     offset: int
     end: int
     reason: str
 
+    def __init__(self, offset: int, end: int, reason: str) -> None:
+        setfield(self, "offset", offset)
+        setfield(self, "end", end)
+        setfield(self, "reason", reason)
 
-@dataclass(frozen=True, slots=True)
-class TornTail:
+
+class TornTail(Value):
     """An unfinished final record: a write cut short by a crash, never indexed."""
 
+    __slots__ = FIELDS = ("offset",)
     offset: int
+
+    def __init__(self, offset: int) -> None:
+        setfield(self, "offset", offset)
 
 
 ScanItem = Found | Damaged | TornTail

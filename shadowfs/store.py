@@ -39,7 +39,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
 from typing import TYPE_CHECKING, BinaryIO, NamedTuple
@@ -52,6 +51,7 @@ from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
 from shadowfs.progress import Progress
 from shadowfs.store_index import IndexEntry, StoreIndex
+from shadowfs.values import Value, setfield
 
 if TYPE_CHECKING:
     from shadowfs.objects import ByteSink
@@ -81,14 +81,20 @@ _MAX_OPEN_PACKS = 256
 _CHUNK_ENTRY = struct.Struct("<32sQ")
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
+class Problem(Value):
     """One bad thing verify found. oid is None when the damage hides which object it was."""
 
+    __slots__ = FIELDS = ("oid", "pack", "offset", "reason")
     oid: ObjectId | None
     pack: str
     offset: int
     reason: str
+
+    def __init__(self, oid: ObjectId | None, pack: str, offset: int, reason: str) -> None:
+        setfield(self, "oid", oid)
+        setfield(self, "pack", pack)
+        setfield(self, "offset", offset)
+        setfield(self, "reason", reason)
 
     def __str__(self) -> str:
         who = f"object {self.oid}" if self.oid is not None else "unknown object"
@@ -109,23 +115,38 @@ class _Staged(NamedTuple):
 _staged = functools.partial(tuple.__new__, _Staged)
 
 
-@dataclass(frozen=True, slots=True)
-class GcReport:
+class GcReport(Value):
+    __slots__ = FIELDS = ("kept", "removed", "bytes_freed", "bytes_left")
     kept: int
     removed: int
     bytes_freed: int
     # Garbage bytes left in packs too little of which is garbage to be worth rewriting (see
     # `Store.gc`'s min_waste); their objects are gone from the index all the same.
-    bytes_left: int = 0
+    bytes_left: int
+
+    def __init__(self, kept: int, removed: int, bytes_freed: int, bytes_left: int = 0) -> None:
+        setfield(self, "kept", kept)
+        setfield(self, "removed", removed)
+        setfield(self, "bytes_freed", bytes_freed)
+        setfield(self, "bytes_left", bytes_left)
 
 
-@dataclass(frozen=True, slots=True)
-class StoreStats:
+class StoreStats(Value):
+    __slots__ = FIELDS = ("objects", "raw_bytes", "stored_bytes", "packs", "pack_bytes")
     objects: int
     raw_bytes: int
     stored_bytes: int
     packs: int
     pack_bytes: int
+
+    def __init__(
+        self, objects: int, raw_bytes: int, stored_bytes: int, packs: int, pack_bytes: int
+    ) -> None:
+        setfield(self, "objects", objects)
+        setfield(self, "raw_bytes", raw_bytes)
+        setfield(self, "stored_bytes", stored_bytes)
+        setfield(self, "packs", packs)
+        setfield(self, "pack_bytes", pack_bytes)
 
 
 def encode_chunks(chunks: list[tuple[ObjectId, int]]) -> bytes:

@@ -12,7 +12,6 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from shadowfs.errors import StoreError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
 from shadowfs.pack import header_len, pack_name_ok
 from shadowfs.privacy import PRIVATE_FILE
+from shadowfs.values import Value, setfield
 
 FORMAT = "1"
 BUSY_TIMEOUT_S = 60.0
@@ -45,10 +45,13 @@ _SCHEMA = (
 _COLUMNS = "oid, kind, pack, offset, stored_len, raw_len, size, delta_base, depth, created"
 
 
-@dataclass(frozen=True, slots=True)
-class IndexEntry:
+class IndexEntry(Value):
     """Where an object lives. `size` is the content size: the file size for a `chunks` object."""
 
+    __slots__ = FIELDS = (
+        "oid", "kind", "pack", "offset", "stored_len", "raw_len", "size", "delta_base", "depth",
+        "created",
+    )  # fmt: skip
     oid: ObjectId
     kind: str
     pack: str
@@ -60,12 +63,30 @@ class IndexEntry:
     depth: int
     created: int
 
+    def __init__(
+        self, oid: ObjectId, kind: str, pack: str, offset: int, stored_len: int, raw_len: int,
+        size: int, delta_base: ObjectId | None, depth: int, created: int,
+    ) -> None:  # fmt: skip
+        setfield(self, "oid", oid)
+        setfield(self, "kind", kind)
+        setfield(self, "pack", pack)
+        setfield(self, "offset", offset)
+        setfield(self, "stored_len", stored_len)
+        setfield(self, "raw_len", raw_len)
+        setfield(self, "size", size)
+        setfield(self, "delta_base", delta_base)
+        setfield(self, "depth", depth)
+        setfield(self, "created", created)
+
     @property
     def record_len(self) -> int:
         return header_len(self.kind, self.delta_base is not None) + self.stored_len
 
     def moved(self, pack: str, offset: int) -> IndexEntry:
-        return replace(self, pack=pack, offset=offset)
+        return IndexEntry(
+            self.oid, self.kind, pack, offset, self.stored_len, self.raw_len, self.size,
+            self.delta_base, self.depth, self.created,
+        )  # fmt: skip
 
     def row(self) -> tuple[object, ...]:
         return (

@@ -54,9 +54,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -64,6 +63,7 @@ from shadowfs.bounded import BoundedMap
 from shadowfs.errors import TreeError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
 from shadowfs.progress import Progress
+from shadowfs.values import Value, setfield
 
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader, ObjectStore
@@ -124,9 +124,12 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
+_ENTRY_FIELDS = ("name", "kind", "mode", "size", "mtime_ns", "oid", "target", "rdev", "link")
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+
+class Entry(Value):
+    __slots__ = (*_ENTRY_FIELDS, "record")
+    FIELDS = _ENTRY_FIELDS
     name: bytes
     kind: str
     mode: int
@@ -135,18 +138,37 @@ class Entry:
     oid: ObjectId | None
     target: bytes | None
     # A device's number (st_rdev); 0 for every other kind.
-    rdev: int = 0
+    rdev: int
     # A hard-link group key within the root tree (kinds 8-12: a file, fifo, socket or device
     # with other names); 0 for none.
-    link: int = 0
+    link: int
     # The entry's encoded bytes once known (decoded from, or packed into, a tree): a directory
     # re-encoded after a change then joins its unchanged entries' bytes instead of packing each
     # again. Not part of the entry's value; never set it by hand (`entry_record` fills it).
-    record: bytes | None = field(default=None, init=False, compare=False, repr=False)
+    record: bytes | None
+
+    def __init__(
+        self, name: bytes, kind: str, mode: int, size: int, mtime_ns: int, oid: ObjectId | None,
+        target: bytes | None, rdev: int = 0, link: int = 0,
+    ) -> None:  # fmt: skip
+        setfield(self, "name", name)
+        setfield(self, "kind", kind)
+        setfield(self, "mode", mode)
+        setfield(self, "size", size)
+        setfield(self, "mtime_ns", mtime_ns)
+        setfield(self, "oid", oid)
+        setfield(self, "target", target)
+        setfield(self, "rdev", rdev)
+        setfield(self, "link", link)
+        setfield(self, "record", None)
+
+    def replace(self, **changes: Any) -> Entry:
+        """A copy with `changes` to its fields (the contract of `dataclasses.replace`: the cached
+        record is not carried over, an unknown name is a TypeError)."""
+        return Entry(**{**dict(zip(_ENTRY_FIELDS, self._key(self), strict=True)), **changes})
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
+class Change(Value):
     """One path that differs between two trees.
 
     status: ``added`` | ``deleted`` | ``modified`` (content, symlink target or device number; the
@@ -155,10 +177,17 @@ class Change:
     Apply ``new`` wholesale; ``old`` is what was there.
     """
 
+    __slots__ = FIELDS = ("path", "status", "old", "new")
     path: bytes
     status: str
     old: Entry | None
     new: Entry | None
+
+    def __init__(self, path: bytes, status: str, old: Entry | None, new: Entry | None) -> None:
+        setfield(self, "path", path)
+        setfield(self, "status", status)
+        setfield(self, "old", old)
+        setfield(self, "new", new)
 
 
 SkipCallback = Callable[[bytes, str], None]
@@ -374,10 +403,7 @@ def _malformed(why: str) -> TreeError:
 
 
 _entry_new = Entry.__new__
-_SETTERS = tuple(
-    Entry.__dict__[f].__set__
-    for f in ("name", "kind", "mode", "size", "mtime_ns", "oid", "target", "rdev", "link")
-)
+_SETTERS = tuple(Entry.__dict__[f].__set__ for f in _ENTRY_FIELDS)
 _set_record = Entry.__dict__["record"].__set__
 _DOTS = (b".", b"..")
 
@@ -390,7 +416,7 @@ def make_entry(
     rdev: int = 0,
     link: int = 0,
 ) -> Entry:
-    """Entry(...) without the frozen dataclass __init__, which costs 2.5x as much through
+    """Entry(...) without its __init__, which costs 2.5x as much through
     object.__setattr__: decoding big directories and building a snapshot's trees make many."""
     e = _entry_new(Entry)
     s_name, s_kind, s_mode, s_size, s_mtime, s_oid, s_target, s_rdev, s_link = _SETTERS
@@ -662,7 +688,6 @@ def reachable(
 Listed = list[tuple[bytes, os.DirEntry[str], os.stat_result]]
 
 
-@dataclass(eq=False)
 class DirSignatures:
     """What a build with a stat cache of directories reads and leaves (`build_tree`'s
     ``signatures``): by directory path relative to the root, a digest of the directory's listing
@@ -678,11 +703,25 @@ class DirSignatures:
     see `build_tree` on racily clean files). ``old`` must come from one build of the same
     directory, on the same file system (its device), and be kept as a whole."""
 
-    old: Mapping[bytes, tuple[bytes, ObjectId]]
-    started_ns: int
-    new: dict[bytes, tuple[bytes, ObjectId]] = field(default_factory=dict)
-    reused: int = 0  # directories taken from ``old`` as they were
-    rebuilt: int = 0  # directories built entry by entry
+    def __init__(
+        self,
+        old: Mapping[bytes, tuple[bytes, ObjectId]],
+        started_ns: int,
+        new: dict[bytes, tuple[bytes, ObjectId]] | None = None,
+        reused: int = 0,
+        rebuilt: int = 0,
+    ) -> None:
+        self.old = old
+        self.started_ns = started_ns
+        self.new: dict[bytes, tuple[bytes, ObjectId]] = {} if new is None else new
+        self.reused = reused  # directories taken from ``old`` as they were
+        self.rebuilt = rebuilt  # directories built entry by entry
+
+    def __repr__(self) -> str:
+        return (
+            f"DirSignatures(old={self.old!r}, started_ns={self.started_ns!r}, new={self.new!r}, "
+            f"reused={self.reused!r}, rebuilt={self.rebuilt!r})"
+        )
 
 
 def _listing_digest(listed: Listed) -> bytes:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import stat
@@ -198,7 +197,7 @@ def test_a_decoded_tree_re_encodes_with_one_entry_changed_from_its_kept_records(
     assert all(e.record is not None for e in decoded)
     if decoded:
         victim = decoded[len(decoded) // 2]
-        changed = dataclasses.replace(victim, mtime_ns=mtime)
+        changed = victim.replace(mtime_ns=mtime)
         assert changed.record is None
         decoded[len(decoded) // 2] = changed
     fresh = [
@@ -215,12 +214,12 @@ def test_splice_swaps_same_length_records_and_gives_up_when_in_doubt() -> None:
     a = Entry(b"a.txt", "file", 0o644, 1, OLD_NS, OID_A, None)
     b = Entry(b"b.txt", "file", 0o644, 1, OLD_NS, OID_B, None)
     packed = encode_tree([a, b])
-    b2 = dataclasses.replace(b, mtime_ns=OLD_NS + 1, oid=OID_A)
+    b2 = b.replace(mtime_ns=OLD_NS + 1, oid=OID_A)
     old, new = tree.entry_record(b), tree.entry_record(b2)
     assert tree.splice_records(packed, [(old, new)]) == encode_tree([a, b2])
     assert tree.splice_records(packed, []) == packed
     # A record of another length would move everything after it.
-    longer = dataclasses.replace(b, name=b"bb.txt")
+    longer = b.replace(name=b"bb.txt")
     assert tree.splice_records(packed, [(old, tree.entry_record(longer))]) is None
     # A record that is not there, or whose bytes occur twice, has no certain place.
     assert tree.splice_records(packed, [(tree.entry_record(b2), old)]) is None
@@ -485,7 +484,7 @@ def test_special_files_and_hard_links_are_recorded_and_made_again(
 
     def unlinked(entries: dict[bytes, Entry]) -> dict[bytes, Entry]:
         return {
-            p: dataclasses.replace(e, link=0, oid=None if e.kind == "dir" else e.oid)
+            p: e.replace(link=0, oid=None if e.kind == "dir" else e.oid)
             for p, e in entries.items()
         }
 

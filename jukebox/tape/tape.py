@@ -19,7 +19,6 @@ import threading
 import time
 from binascii import a2b_hex
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
@@ -45,6 +44,7 @@ from jukebox.tape.frame import (
 from shadowfs.errors import ObjectCorrupt, ObjectMissing
 from shadowfs.oid import ObjectId
 from shadowfs.progress import Progress
+from shadowfs.values import Value, setfield
 
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader, ObjectStore
@@ -71,21 +71,30 @@ MAX_FRAME_SIZE = 1 << 26
 _FRAME_HEADER = b"frame %d\x00"
 
 
-@dataclass(frozen=True, slots=True)
-class TornTail:
+class TornTail(Value):
     """Where the intact prefix of a tape ends and why the bytes after it are not a record."""
 
+    __slots__ = FIELDS = ("offset", "reason")
     offset: int
     reason: str
 
+    def __init__(self, offset: int, reason: str) -> None:
+        setfield(self, "offset", offset)
+        setfield(self, "reason", reason)
 
-@dataclass(frozen=True, slots=True)
-class Head:
+
+class Head(Value):
     """What a tape's last frame commits to: frame count, last frame id, Merkle root of all ids."""
 
+    __slots__ = FIELDS = ("count", "last_frame_id", "merkle_root")
     count: int
     last_frame_id: ObjectId | None
     merkle_root: ObjectId
+
+    def __init__(self, count: int, last_frame_id: ObjectId | None, merkle_root: ObjectId) -> None:
+        setfield(self, "count", count)
+        setfield(self, "last_frame_id", last_frame_id)
+        setfield(self, "merkle_root", merkle_root)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,11 +104,24 @@ class Head:
         }
 
 
-@dataclass(slots=True)
 class VerifyReport:
-    ok: bool
-    head: Head
-    problems: list[TapeProblem] = field(default_factory=list)
+    __slots__ = ("head", "ok", "problems")
+
+    def __init__(self, ok: bool, head: Head, problems: list[TapeProblem] | None = None) -> None:
+        self.ok = ok
+        self.head = head
+        self.problems: list[TapeProblem] = [] if problems is None else problems
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is self.__class__:
+            assert isinstance(other, VerifyReport)
+            return (self.ok, self.head, self.problems) == (other.ok, other.head, other.problems)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value: unhashable
+
+    def __repr__(self) -> str:
+        return f"VerifyReport(ok={self.ok!r}, head={self.head!r}, problems={self.problems!r})"
 
     def raise_for_problems(self) -> None:
         """Raise the first problem found (the one to fix first), if any."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from jukebox.errors import UsageError
 from shadowfs.privacy import is_loose, make_private_dirs, tighten, tighten_tree
+from shadowfs.values import Value, setfield
 
 TAPE_SUFFIX = ".jbx"
 TAPE_DIR_ENV = "JUKEBOX_TAPE_DIR"
@@ -112,14 +112,15 @@ def check_tape_id(tape_id: str) -> str:
     return tape_id
 
 
-@dataclass(frozen=True)
-class TapeDir:
+class TapeDir(Value):
     """A tape dir. Its tapes are 0600 and its state dir 0700 (docs/booth.md, "Threat model");
     one opened that an older version left readable to others is tightened on the spot."""
 
+    __slots__ = FIELDS = ("path",)
     path: Path
 
-    def __post_init__(self) -> None:
+    def __init__(self, path: Path) -> None:
+        setfield(self, "path", path)
         # One lstat per opening; the walk runs once, on a tape dir from before private state.
         if is_loose(self.state):
             self._tighten()
@@ -231,13 +232,18 @@ class TapeDir:
         )
 
 
-@dataclass(frozen=True)
-class TapeRef:
+class TapeRef(Value):
     """A TAPE[@N] argument resolved to a file, its tape dir, and an optional frame."""
 
+    __slots__ = FIELDS = ("path", "tape_dir", "frame")
     path: Path
     tape_dir: TapeDir
     frame: int | None
+
+    def __init__(self, path: Path, tape_dir: TapeDir, frame: int | None) -> None:
+        setfield(self, "path", path)
+        setfield(self, "tape_dir", tape_dir)
+        setfield(self, "frame", frame)
 
     @classmethod
     def parse(cls, text: str, tape_dir: str | os.PathLike[str] | None = None) -> TapeRef:
