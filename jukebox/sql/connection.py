@@ -101,6 +101,12 @@ class AgentConnection:
         self.named: set[str] = set()  # upstream names of this connection's statements
         self.runs: deque[_Run] = deque()
         self.copying_in = False
+        # A failed block between the agent's messages: it keeps the wire (nothing else can run
+        # in a failed transaction), but a rollback of the booth may take it (`undo`).
+        self.parked = False
+        # The checkpoint a rollback of the booth went back to under this connection's open
+        # block, undoing it: until the agent's ROLLBACK its statements get an error.
+        self.undone: int | None = None
         # --record-sql-results: the replies of the statement on its way, as the agent gets
         # them, kept on its frame (jukebox.sql.results) so a replay can serve them offline.
         self.kept: Results | None = Results(db.owner.scrubber) if db.owner.record_results else None
@@ -156,6 +162,46 @@ class AgentConnection:
             self.unit_wrote = True
         return self.up
 
+    def undo(self, n: int) -> None:
+        """The booth rolls back to checkpoint `n` under this connection's open block (it wrote,
+        or it failed): its work and savepoints go with the rest, so the block is failed, as a
+        server would fail a transaction it had to roll back; the agent's ROLLBACK ends it."""
+        self.up = None
+        self.attached = self.wrote = self.unit_wrote = self.unit_failed = self.parked = False
+        self.state = "E"
+        self.undone = n
+
+    def undone_error(self) -> bytes:
+        return m.error(
+            "25P02",
+            f"jukebox: the booth rolled back to checkpoint {self.undone} while this "
+            "transaction was open, which undid its work; commands are ignored until ROLLBACK",
+        )
+
+    def ends_block(self, stmts: tuple[st.Statement, ...] | list[st.Statement]) -> bool:
+        return len(stmts) == 1 and stmts[0].kind in (st.COMMIT, st.ROLLBACK)
+
+    def ends_undone(self, kind: bytes, body: bytes) -> bool:
+        """Whether an extended-query message of an undone block is part of its ROLLBACK (or
+        COMMIT): the Parse of one, or a Bind, Describe, Execute or Close naming one."""
+        ends = (st.COMMIT, st.ROLLBACK)
+        fields = body.split(b"\0", 2)
+        try:
+            if kind == b"P" and len(fields) > 2:
+                return self.ends_block(st.split(fields[1].decode()))
+            if kind == b"B" and len(fields) > 2:
+                stmt = self.special.get(fields[1].decode())
+            elif kind == b"E":
+                stmt = self.special_portals.get(fields[0].decode())
+            elif kind in (b"D", b"C") and body[:1] in (b"S", b"P"):
+                name = body[1:].split(b"\0", 1)[0].decode()
+                stmt = (self.special if body[:1] == b"S" else self.special_portals).get(name)
+            else:
+                return kind == b"H"
+        except UnicodeDecodeError:
+            return False
+        return stmt is not None and stmt.kind in ends
+
     def detach(self, up: Upstream) -> None:
         """Another connection needs the session: this idle block, which has only read, gives
         up its savepoint (its reads need no undoing); its next unit takes a new one."""
@@ -178,7 +224,10 @@ class AgentConnection:
                 self.attached = False
                 self.session.set_attached(self, False)
         elif self.state == "E" or up.status == "E":
-            return  # a failed block keeps the session until its ROLLBACK: nobody can use it
+            # A failed block keeps the session until its ROLLBACK: nobody can use it.
+            self.parked = True
+            self.session.changed.set()  # a rollback of the booth waiting may take it now
+            return
         else:
             self.wrote = self.wrote or self.unit_wrote
             if not self.attached:
@@ -326,6 +375,13 @@ class AgentConnection:
     # ------------------------------------------------------------------ messages
 
     async def handle(self, kind: bytes, body: bytes) -> None:
+        self.parked = False  # at work again: the wire it holds is in use
+        if self.undone is not None and kind in (b"P", b"B", b"D", b"E", b"C", b"H"):
+            if not self.skipping and not self.ends_undone(kind, body):
+                self.send(self.undone_error())
+                self.skipping = True
+            if self.skipping:
+                return
         if kind == b"Q":
             await self.on_query(m.decode_query(body))
         elif kind == b"S":
@@ -354,6 +410,10 @@ class AgentConnection:
         stmts = st.split(text)
         if not stmts:
             self.send(m.message(b"I"))
+            self.send(m.ready(self.state))
+            return
+        if self.undone is not None and not self.ends_block(stmts):
+            self.send(self.undone_error())
             self.send(m.ready(self.state))
             return
         try:
@@ -415,7 +475,9 @@ class AgentConnection:
             up.send_own(SAVEPOINT_TX)
             self.state = "I"
         else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
-            await up.query("ROLLBACK TO SAVEPOINT jukebox_tx")
+            if self.undone is None:  # else the booth's rollback took its savepoint already
+                await up.query("ROLLBACK TO SAVEPOINT jukebox_tx")
+            self.undone = None
             self.state, self.unit_failed, tag = "I", False, "ROLLBACK"
         self.send(m.command_complete(tag))
         self.record(run, tag)

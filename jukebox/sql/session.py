@@ -63,6 +63,13 @@ class SqlSession:
         self.prepared: str | None = None  # the gid of PREPARE TRANSACTION, once done
         self.finished = False
         self.rows_changed = 0
+        # The booth's checkpoints with a savepoint on the session (0 from its start; one taken
+        # before the agent first connected has none: nothing had run), and those a rollback
+        # went back past. Known here, a rollback to one of those is refused before it is sent:
+        # a ROLLBACK TO a savepoint that is not there would abort the booth's transaction.
+        self.points: list[int] = []
+        self.taken = 0  # the highest checkpoint number asked for
+        self.gone: set[int] = set()
         self._opening = asyncio.Lock()
         self._waiting = 0  # takers waiting for the wire (a free wire goes to them first)
 
@@ -83,6 +90,7 @@ class SqlSession:
                     await upstream.close()
                     raise
                 self.upstream = upstream
+                self.points = [0]
             return self.upstream
 
     def blocked_by(self, holder: Any) -> bool:
@@ -176,18 +184,70 @@ class SqlSession:
             self.give_back(me)
 
     async def checkpoint(self, n: int, timeout: float) -> None:
+        self.taken = max(self.taken, n)
+        if self.upstream is None:
+            return
         await self._own(f"SAVEPOINT jukebox_cp_{int(n)}", timeout)
+        self.points.append(n)
 
     async def rollback_to(self, n: int, timeout: float) -> None:
-        try:
-            await self._own(f"ROLLBACK TO SAVEPOINT jukebox_cp_{int(n)}", timeout)
-        except UpstreamError as error:
-            if error.code == "3B001":  # invalid_savepoint_specification
-                raise UpstreamError(
-                    f"database {self.name!r} cannot go to checkpoint {n}: an earlier rollback "
-                    "went back past it (a database only goes back)"
+        """ROLLBACK TO SAVEPOINT jukebox_cp_N. Open blocks of the agent's connections are
+        part of what goes back: a block that wrote, or one that failed and keeps the wire,
+        has its savepoint after checkpoint N, so it is undone with the rest and told so at
+        its next statement (`AgentConnection.undo`), rather than waited for: the agent asking
+        for the rollback is often the one holding that block open, and waiting would only
+        time out. A unit running now is waited for (up to `timeout`)."""
+        if n in self.gone:
+            raise UpstreamError(
+                f"database {self.name!r} cannot go to checkpoint {n}: an earlier rollback "
+                "went back past it (a database only goes back)"
+            )
+        if self.upstream is None:  # nothing ran yet: nothing to undo
+            return
+        # A checkpoint taken before the agent's first connection is the session's start.
+        point = max(p for p in self.points if p <= n)
+        me = object()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self._undo_blocks(n)
+            if not self.wire.locked() and not self._waiting and not self.blocked_by(me):
+                await self.wire.acquire()  # free, nobody waiting: taken without yielding
+                self.holder = me
+                break
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                raise TurnTimeout(
+                    f"jukebox: a statement of the agent on the booth's database {self.name!r} "
+                    f"ran for over {timeout:g}s; the rollback waits for it to end"
                 ) from None
-            raise
+        try:
+            if self.upstream is None:
+                raise UpstreamError("the booth's database session has ended")
+            await self.upstream.query(f"ROLLBACK TO SAVEPOINT jukebox_cp_{int(point)}")
+            self.points = [p for p in self.points if p <= point]
+            self.gone.update(range(n + 1, self.taken + 1))
+        finally:
+            self.give_back(me)
+
+    def _undo_blocks(self, n: int) -> None:
+        """Before rollback to checkpoint N: a connection parked in a failed block gives the
+        wire up, and the attached block, if it wrote, is dropped; both are undone."""
+        holder = self.holder
+        if holder is not None and getattr(holder, "parked", False):
+            holder.undo(n)
+            if self.attached is holder:
+                self.attached = None
+            self.holder = None
+            self.wire.release()
+        attached = self.attached
+        if attached is not None and attached.wrote and attached is not self.holder:
+            attached.undo(n)
+            self.attached = None
 
     async def end(self, sql: str) -> None:
         """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after."""

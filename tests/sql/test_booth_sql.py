@@ -372,3 +372,74 @@ def test_a_supervisor_killed_mid_commit_leaves_files_and_database_agreeing(
     assert table(pg, db) == "1,2,3"
     assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
     assert not ledger.exists()
+
+
+# Rolls back while other connections hold transactions open: one that wrote, one that only
+# read, one failed (which keeps the booth's session until its ROLLBACK).
+OPEN_BLOCKS = """
+import os, subprocess, time, psycopg
+def jb(*args):
+    return subprocess.run(["jukebox", "booth", *args], capture_output=True, text=True)
+url = os.environ["DATABASE_URL"]
+jb("checkpoint", "--label", "early")  # before any connection: nothing ran yet
+auto = psycopg.connect(url, autocommit=True)
+def ids():
+    return ",".join(str(r[0]) for r in auto.execute("SELECT id FROM t ORDER BY id"))
+auto.execute("INSERT INTO t VALUES (5, 'kept')")
+jb("checkpoint", "--label", "a")
+held = psycopg.connect(url)  # psycopg opens a block before its first statement
+held.execute("INSERT INTO t VALUES (6, 'in an open block')")
+reader = psycopg.connect(url)
+reader.execute("SELECT count(*) FROM t").fetchone()
+failed = psycopg.connect(url)
+try:
+    failed.execute("SELECT 1/0")
+except psycopg.errors.DivisionByZero:
+    pass
+start = time.monotonic()
+out = [str(jb("rollback", "--to", "a").returncode), f"{time.monotonic() - start:.1f}"]
+for conn in (held, failed):
+    try:
+        conn.execute("SELECT 1")
+        out.append("ran")
+    except psycopg.errors.InFailedSqlTransaction as error:
+        out.append(str(error).splitlines()[0])
+    conn.rollback()
+out.append(str(reader.execute("SELECT count(*) FROM t").fetchone()[0]))
+reader.commit()
+held.execute("INSERT INTO t VALUES (7, 'after')")
+held.commit()
+out.append(ids())
+out.append(str(jb("rollback", "--to", "early").returncode))
+out.append(ids())
+gone = jb("rollback", "--to", "a")  # past it already: refused, the database still serves
+out.append(f"{gone.returncode} {gone.stderr.strip()}")
+auto.execute("INSERT INTO t VALUES (8, 'last')")
+out.append(ids())
+open("seen.txt", "w").write("\\n".join(out))
+"""
+
+
+def test_a_rollback_undoes_other_connections_open_transactions(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    """`booth rollback` while other connections of the agent hold transactions open goes at
+    once (it used to wait 10 s for a block that wrote and fail): a block that wrote or failed is
+    undone with the rest and told so at its next statement, then runs again after its
+    ROLLBACK; a block that only read carries on. A checkpoint taken before the agent's first
+    connection is the database's start; one a rollback went past is refused, and the booth's
+    transaction is not harmed by asking."""
+    out = booth(tmp_path, pg.url(db), OPEN_BLOCKS, "--verify", "true", "--tape-id", "open")
+    assert out.returncode == 0, out.stderr
+    seen = (tmp_path / "tree" / "seen.txt").read_text().splitlines()
+    code, took, held, failed, counted, after, early, at_start, gone, last = seen
+    assert code == "0" and float(took) < 5
+    undone = ("jukebox: the booth rolled back to checkpoint 2 while this transaction was open, "
+              "which undid its work; commands are ignored until ROLLBACK")
+    assert held == failed == undone
+    assert counted == "3"  # 1, 2, 5: row 6 went with the rollback
+    assert after == "1,2,5,7"
+    assert early == "0" and at_start == "1,2"
+    assert gone.startswith("2 ") and "cannot go to checkpoint 2" in gone
+    assert last == "1,2,8"
+    assert table(pg, db) == "1,2,8"
