@@ -35,6 +35,19 @@ class GatedStore:
         return getattr(self.store, name)
 
 
+class WatchedCondition(threading.Condition):
+    """The tape's condition for frames in flight, which tells the test when a thread waits on
+    it: the event a sync that must wait for the background flush is seen to reach."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 @contextlib.contextmanager
 def flush_held(tmp_path: Path) -> Iterator[tuple[Store, GatedStore, GroupTape]]:
     """A started group-commit tape whose first checkpoint's flush is held at the gate."""
@@ -72,14 +85,32 @@ def test_a_checkpoint_queues_behind_a_flush_in_progress_instead_of_waiting_for_i
         assert not arriving.is_alive(), "an append waited for the flush in progress"
         assert got == [2, 3] and tape.count == 4
 
-        # A sync (before a commit or a verdict) must wait for the frames in flight.
-        syncing = threading.Thread(target=tape.sync)
+        # A sync (before a commit or a verdict) must wait for the frames in flight: it is seen
+        # waiting for them to land (not merely not done yet after a while, which a sync thread
+        # that has not run at all also is), and once it returns they are all on the tape.
+        landed = WatchedCondition(tape._lock)
+        with tape._lock:
+            tape._landed = landed
+        on_tape_at_return: list[list[Any]] = []
+
+        def sync() -> None:
+            tape.sync()
+            loaded = Tape.load(tmp_path / "t1.jbx")
+            on_tape_at_return.append([f.payload.get("n", f.kind) for f in loaded.frames])
+
+        syncing = threading.Thread(target=sync)
         syncing.start()
-        time.sleep(0.2)
-        assert syncing.is_alive(), "sync returned while frames were still in flight"
+        deadline = time.monotonic() + 10
+        while not landed.waiting.is_set() and syncing.is_alive():
+            assert time.monotonic() < deadline, "sync neither waited for the frames nor returned"
+            landed.waiting.wait(0.01)
+        assert syncing.is_alive() and not on_tape_at_return, (
+            "sync returned while frames were still in flight"
+        )
         gated.gate.set()
         syncing.join(10)
         assert not syncing.is_alive()
+        assert on_tape_at_return == [["run_start", 1, 2, "note"]]
         tape.close()
 
         recorded = Tape.load(tmp_path / "t1.jbx", store)
