@@ -21,6 +21,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -828,17 +829,27 @@ def test_killing_the_supervisor_ends_every_process_of_the_booth(runner: tuple) -
 
 def test_stragglers_die_with_the_run(booth_ready: None, tmp_path: Path) -> None:
     tree, tapes = _prepare(tmp_path, None)
-    marker = f"1.{os.getpid()}{time.monotonic_ns() % 100000}"
+    marker = f"straggler.{os.getpid()}{time.monotonic_ns() % 100000}"
+    # The straggler carries the marker in its own argv ($0) from its exec on, and the agent
+    # leaves only once it has shown it runs (c.txt): the check below cannot miss it for being
+    # slow to start. Left alone it would outlive the test by far, so it cannot be gone by
+    # having ended by itself either (a one-second straggler was, before the run returned).
     script = (
-        f"setsid sh -c 'sleep {marker}; echo late >> a.txt' </dev/null >/dev/null 2>&1 & "
-        "echo done > b.txt"
+        f"setsid sh -c 'echo started > c.txt; sleep 600' {marker} </dev/null >/dev/null 2>&1 & "
+        "while [ ! -e c.txt ]; do sleep 0.01; done; echo done > b.txt"
     )
-    run = jb(*booth_argv(tree, tapes, "s1"), "sh", "-c", script, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    # The init exited with the agent: the kernel had killed the straggler before the verdict.
-    assert _processes_with(marker) == []
-    time.sleep(1.5)
-    assert (tree / "a.txt").read_text() == "one\n" and (tree / "b.txt").read_text() == "done\n"
+    try:
+        run = jb(*booth_argv(tree, tapes, "s1"), "sh", "-c", script, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert (tree / "c.txt").read_text() == "started\n"  # it ran while the agent did
+        # The init exited with the agent: the kernel had killed the straggler (and waited for
+        # it to die) before the verdict, so it is gone the moment the run returns.
+        assert _processes_with(marker) == []
+        assert (tree / "b.txt").read_text() == "done\n"
+    finally:
+        for pid in _processes_with(marker):  # only when the booth let it live
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_big_file_and_many_files_round_trip(booth_ready: None, tmp_path: Path) -> None:
