@@ -382,6 +382,16 @@ def test_a_rollback_leaves_the_fuse_workers_as_it_found_them(
     assert all(os.sched_getscheduler(t.native_id) == os.SCHED_OTHER for t in workers)
 
 
+def forgets_served(mnt: Path) -> None:
+    """Return once every FORGET the kernel had queued for ``mnt`` before this call is in the
+    layer. A STATFS is answered only after every request numbered below it (the mount's
+    barrier, `shadowfs.fuse_arrivals`), but a FORGET is numbered when a worker reads it, which
+    the kernel does ahead of requests queued after it, and so after the first STATFS was
+    numbered: the first round trip gets it read, the second waits for it to be served."""
+    os.statvfs(mnt)
+    os.statvfs(mnt)
+
+
 def test_a_rollback_expires_the_kernels_entries_and_their_next_use_finds_the_restored_files(
     served: tuple[Mount, Path], layer: Layer
 ) -> None:
@@ -395,8 +405,10 @@ def test_a_rollback_expires_the_kernels_entries_and_their_next_use_finds_the_res
     changed = os.stat(mnt / "kept.txt").st_ino  # the kernel now holds both names
     layer.snapshot()
     layer.restore(t0)
-    # Only expired: the kernel keeps the replaced inode, so no FORGET has let it go.
-    time.sleep(0.3)
+    # Only expired: the kernel keeps the replaced inode, so no FORGET has let it go. A dropped
+    # entry would have queued that FORGET during the restore's notification itself (FUSE
+    # evicts an inode at its last reference); the barrier makes sure it was served.
+    forgets_served(mnt)
     assert changed in layer.inodes
     # The next use of each name asks LOOKUP again.
     assert (mnt / "kept.txt").read_text() == "first\n"
@@ -558,6 +570,24 @@ def test_the_channel_stays_open_until_its_last_worker_leaves(layer: Layer, tmp_p
     assert not server.running and channel.fd == -1, "the last worker out closes it"
 
 
+def hold_writes_until_counted(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set once a checkpoint has counted the requests left unanswered after its
+    syncfs (`Channel.requests_waiting`): a WRITE held until then is one the count saw, however
+    slow the machine, where a fixed wait could run out before the count was taken."""
+    from shadowfs import fuse_wire
+
+    counted = threading.Event()
+    count = fuse_wire.Channel.requests_waiting
+
+    def counting(self: fuse_wire.Channel) -> int | None:
+        waiting = count(self)
+        counted.set()
+        return waiting
+
+    monkeypatch.setattr(fuse_wire.Channel, "requests_waiting", counting)
+    return counted
+
+
 def test_a_served_childs_failed_worker_is_named_to_the_caller(
     layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -566,11 +596,13 @@ def test_a_served_childs_failed_worker_is_named_to_the_caller(
     from shadowfs import fuse, fuse_wire
 
     serve = fuse.Server._serve
+    counted = hold_writes_until_counted(monkeypatch)
 
     def failing(self: fuse.Server, req: bytes) -> bool:
         op = int.from_bytes(bytes(req[4:8]), "little")
         if op == fuse_wire.WRITE:
-            time.sleep(0.3)  # still unanswered after the syncfs: the barrier's STATFS goes out
+            # Still unanswered when the checkpoint counts what is: the barrier's STATFS goes out.
+            counted.wait(10)
         elif op == fuse_wire.STATFS:
             raise RuntimeError("a worker's bug")
         return serve(self, req)
@@ -713,12 +745,13 @@ def test_a_checkpoint_skips_the_barrier_round_trip_only_when_no_request_is_unans
     seen: list[int] = []
     serve = fuse.Server._serve
     held = threading.Event()
+    counted = hold_writes_until_counted(monkeypatch)
 
     def counting(self: fuse.Server, req: bytes) -> bool:
         op = int.from_bytes(bytes(req[4:8]), "little")
         seen.append(op)
         if op == fuse_wire.WRITE and held.is_set():
-            time.sleep(0.3)  # still unanswered when the syncfs returns
+            counted.wait(10)  # still unanswered when the checkpoint counts what is
         return serve(self, req)
 
     monkeypatch.setattr(fuse.Server, "_serve", counting)
@@ -735,6 +768,7 @@ def test_a_checkpoint_skips_the_barrier_round_trip_only_when_no_request_is_unans
         assert content(store, t1, "quiet.txt") == b"closed, so written back already"
         with open(mnt / "open.txt", "wb", buffering=0) as f:
             f.write(b"dirty in the kernel's cache")
+            counted.clear()  # the first checkpoint's count is not this one's
             held.set()
             t2, _ = layer.snapshot()
             held.clear()
