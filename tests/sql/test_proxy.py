@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,17 @@ def proxied(pg: Cluster, db: str) -> Iterator[Proxied]:
         yield p
     finally:
         p.proxy.stop()
+
+
+def writes_waiting(proxied: Proxied) -> int:
+    """How many units of the agent's connections wait for another's written block to end:
+    the waiters of the session's `changed` event (asyncio.Event keeps them in `_waiters`),
+    read on the proxy's own loop."""
+
+    async def count() -> int:
+        return len(vars(proxied.session().changed)["_waiters"])
+
+    return int(proxied.proxy.call(count(), timeout=10))
 
 
 def rows(pg: Cluster, db: str) -> str:
@@ -143,7 +155,13 @@ def test_a_pool_reads_its_own_writes_across_connections(proxied: Proxied) -> Non
             target=lambda: got.append(a.execute("INSERT INTO t VALUES (13, 'a')").rowcount)
         )
         writer.start()
-        writer.join(0.3)
+        # Seen waiting in the proxy, not merely unanswered after a while (which a write that
+        # has not been sent yet also is).
+        deadline = time.monotonic() + 30
+        while not writes_waiting(proxied):
+            assert writer.is_alive(), f"a's write went through b's open block: {got}"
+            assert time.monotonic() < deadline, "a's write never came to wait for b's block"
+            time.sleep(0.01)
         assert writer.is_alive() and not got
         b.rollback()
         writer.join(30)
