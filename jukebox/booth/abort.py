@@ -9,9 +9,15 @@ mounted, so a booth's own user may abort it.
 
 The connection is found from the supervisor's own mount namespace (/proc/PID/mountinfo), at the
 mount point only a booth of that id uses (`scratchdir.layer_mountpoint`, in the tape dir): a
-recycled pid or connection number cannot lead to somebody else's mount. Then the supervisor is
-killed; its relay, the init and the agent follow it (PR_SET_PDEATHSIG), and the booth is left
-crashed, for `jukebox booth discard` (its tape keeps everything recorded up to then).
+recycled pid cannot lead to somebody else's mount. A connection's number is its mount's device
+minor, which the kernel gives to the next FUSE mount once the super block is gone; a booth
+ending between the look and the abort would leave its number to another mount. So the number's
+fusectl directory is identified (device, inode) before the booth's mount is confirmed to hold
+it, and the abort goes only to that directory (`fusectl.abort_connection`, as the supervisor's
+own watchdog does): a number that went to another mount meanwhile is refused, not aborted.
+Then the supervisor is killed; its relay, the init and the agent follow it (PR_SET_PDEATHSIG),
+and the booth is left crashed, for `jukebox booth discard` (its tape keeps everything recorded
+up to then).
 """
 
 from __future__ import annotations
@@ -46,23 +52,22 @@ def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> lis
             f"booth {booth_id} is not running (status {record.status}): nothing to abort; "
             f"`jukebox booth discard {booth_id}` drops it"
         )
+    # Each number's identity first, then the booth's mounts: a number still the booth's after
+    # its identity was taken was the booth's when it was taken (the super block outlived both).
+    seen = fusectl.connections(_booth_mounts(tape_dir, pid, booth_id))
+    identities = {number: fusectl.fusectl_identity(number) for number in seen}
     mounts = _booth_mounts(tape_dir, pid, booth_id)
-    connections = fusectl.connections(mounts)
     if not mounts:
         raise UsageError(
             f"process {pid} is not booth {booth_id}'s supervisor any more: nothing to abort; "
             f"`jukebox booth discard {booth_id}` drops it"
         )
-    for number in connections:
-        try:
-            fusectl.abort(number)
-        except FileNotFoundError:
-            continue  # ended meanwhile
-        except PermissionError:
-            raise UsageError(
-                f"cannot abort booth {booth_id}'s FUSE connection {number}: it belongs to "
-                "another user; run `jukebox booth abort` as the user who started the booth"
-            ) from None
+    found = [
+        (number, identity)
+        for number in fusectl.connections(mounts)
+        if (identity := identities.get(number)) is not None
+    ]
+    connections = abort_connections(booth_id, found)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + grace
@@ -73,6 +78,30 @@ def abort_booth(tape_dir: TapeDir, booth_id: str, *, grace: float = 10.0) -> lis
     with contextlib.suppress(OSError):
         os.rmdir(layer_mountpoint(tape_dir, booth_id))
     return connections
+
+
+def abort_connections(booth_id: str, found: list[tuple[int, tuple[int, int]]]) -> list[int]:
+    """Aborts booth `booth_id`'s FUSE connections, each a (number, fusectl identity) taken
+    while the number was the booth's; returns the numbers aborted. UsageError, with nothing
+    more aborted, when a number now names another mount's connection."""
+    aborted = []
+    for number, identity in found:
+        try:
+            if fusectl.abort_connection(number, identity):
+                aborted.append(number)
+                continue
+        except PermissionError:
+            raise UsageError(
+                f"cannot abort booth {booth_id}'s FUSE connection {number}: it belongs to "
+                "another user; run `jukebox booth abort` as the user who started the booth"
+            ) from None
+        if fusectl.fusectl_identity(number) is not None:
+            raise UsageError(
+                f"booth {booth_id}'s FUSE connection {number} ended and its number went to "
+                f"another mount: not aborted; run `jukebox booth abort {booth_id}` again"
+            )
+        # Ended meanwhile, and the number is nobody's: nothing to abort there.
+    return aborted
 
 
 def _gone(pid: int) -> bool:

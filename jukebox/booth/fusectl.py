@@ -49,12 +49,6 @@ def connection_at(mountpoint: str) -> int | None:
     return found[-1] if found else None
 
 
-def abort(number: int) -> None:
-    """Fail every waiting and later request of FUSE connection `number` (ENOTCONN)."""
-    with open(os.path.join(FUSECTL, str(number), "abort"), "w") as f:
-        f.write("1")
-
-
 def waiting(number: int, identity: tuple[int, int] | None = None) -> int:
     """How many requests of FUSE connection `number` wait for an answer (0 when it is gone, or
     when `identity` is given and the number now names another connection)."""

@@ -52,7 +52,9 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
     assert connection is not None
     # Should the watchdog fail, this frees the test instead of leaving it in the kernel (and the
     # test fails: the call then raises a plain OSError, not LayerStuck).
-    backstop = threading.Timer(60, lambda: fusectl.abort(connection))
+    identity = fusectl.fusectl_identity(connection)
+    assert identity is not None
+    backstop = threading.Timer(60, lambda: fusectl.abort_connection(connection, identity))
     backstop.start()
     try:
         yield mnt, connection, mount._pid

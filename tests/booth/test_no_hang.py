@@ -10,6 +10,7 @@ view has the layer there."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -296,3 +297,56 @@ def test_an_interrupt_while_the_tree_is_read_stops_the_booth(started, tmp_path: 
     assert err.strip() == "jukebox: interrupted", err
     assert not (tapes / "big1.jbx").exists()
     assert not (tapes / ".jukebox" / "booths" / "big1.json").exists()
+
+
+def test_abort_refuses_a_connection_number_another_mount_took(tmp_path: Path) -> None:
+    # A connection's number is its mount's device minor, which the kernel gives to the next
+    # FUSE mount once the super block is gone: a booth ending between `booth abort`'s look at
+    # its mounts and the abort would leave its number to someone else's mount.
+    from jukebox.booth.abort import abort_connections
+    from jukebox.errors import UsageError
+    from shadowfs import fuse_wire
+    from shadowfs.layer import Layer
+    from shadowfs.mountctl import Mount
+    from shadowfs.store import Store
+
+    if not fuse_wire.ensure_fusectl():
+        pytest.skip("fusectl is not mounted at /sys/fs/fuse/connections")
+    base, mnt = tmp_path / "base", tmp_path / "mnt"
+    base.mkdir()
+    mnt.mkdir()
+    (base / "f").write_text("base\n")
+    with Store.open(tmp_path / "store", create=True) as store:
+        layer = Layer(base, store, tmp_path / "scratch")
+        try:
+            for _ in range(10):
+                with Mount(layer, mnt) as booths:  # the booth's layer, as abort found it
+                    assert booths._channel is not None
+                    number, identity = booths._channel.minor, booths._channel.fusectl_id
+                    assert number >= 0 and identity is not None
+                gone = Path(fuse_wire.FUSECTL) / str(number)
+                deadline = time.monotonic() + 10
+                while gone.exists():  # the number is freed with the super block
+                    assert time.monotonic() < deadline, "the booth's connection never ended"
+                    time.sleep(0.01)
+                with Mount(layer, mnt) as other:
+                    assert other._channel is not None
+                    if other._channel.minor != number:
+                        continue  # another process on the machine took the number first
+                    with pytest.raises(UsageError) as refused:
+                        abort_connections("b1", [(number, identity)])
+                    message = str(refused.value)
+                    assert "\n" not in message and f"connection {number}" in message
+                    assert "another mount" in message
+                    assert (mnt / "f").read_text() == "base\n"  # the other mount still serves
+                    # Its own identity is what an abort of it takes.
+                    assert other._channel.fusectl_id is not None
+                    mine = [(number, other._channel.fusectl_id)]
+                    assert abort_connections("b2", mine) == [number]
+                    with pytest.raises(OSError) as ended:
+                        os.statvfs(mnt)
+                    assert ended.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+                return
+        finally:
+            layer.close()
+    pytest.skip("the connection's number went to other mounts ten times in a row")
