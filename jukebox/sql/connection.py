@@ -104,9 +104,12 @@ class AgentConnection:
         # A failed block between the agent's messages: it keeps the wire (nothing else can run
         # in a failed transaction), but a rollback of the booth may take it (`undo`).
         self.parked = False
-        # The checkpoint a rollback of the booth went back to under this connection's open
-        # block, undoing it: until the agent's ROLLBACK its statements get an error.
-        self.undone: int | None = None
+        # An open block of this connection undone under it (a rollback of the booth, or its
+        # bookkeeping failed): the error its statements get until the agent's ROLLBACK.
+        self.undone: bytes | None = None
+        # Its last unit, outside a block, undone after it had completed (its bookkeeping
+        # failed, read by another connection): the error its next statement gets, once.
+        self.lost: bytes | None = None
         # --record-sql-results: the replies of the statement on its way, as the agent gets
         # them, kept on its frame (jukebox.sql.results) so a replay can serve them offline.
         self.kept: Results | None = Results(db.owner.scrubber) if db.owner.record_results else None
@@ -147,7 +150,7 @@ class AgentConnection:
         if self.up is None:
             up = await self.session.take(self, write=write)
             if not self.attached:  # an attached block's own savepoint covers its units
-                up.send_own(SAVEPOINT_TX)
+                up.send_own(SAVEPOINT_TX, self)
             self.up = up
             self.unit_failed = False
         elif write and not self.unit_wrote and self.session.attached not in (None, self):
@@ -162,6 +165,29 @@ class AgentConnection:
             self.unit_wrote = True
         return self.up
 
+    def own_failed(self, fields: dict[str, str]) -> None:
+        """A bookkeeping query of this connection's failed (its unit's SAVEPOINT, the RELEASE
+        or ROLLBACK TO at its end, or its block's RELEASE when detached), read by whoever read
+        the server next, which may be another connection (Upstream.settle). It aborted the
+        booth's transaction; the next failed unit's ROLLBACK TO SAVEPOINT jukebox_tx then
+        undoes this connection's last unit too. A unit of its own running now fails; else it
+        is told at its next message, and an open block is failed until its ROLLBACK."""
+        if self.up is not None:
+            self.unit_failed = True
+            return
+        error = m.error(
+            "40003",  # statement_completion_unknown: it completed, then was undone
+            f"jukebox: the booth's bookkeeping after this connection's last statement failed "
+            f"({fields.get('M', 'error')}), which undid that statement's work after it had "
+            "completed; run it again",
+        )
+        if self.state == "I":
+            self.lost = error
+        else:
+            self.state, self.undone, self.attached, self.wrote = "E", error, False, False
+            if self.session.attached is self:
+                self.session.set_attached(self, False)
+
     def undo(self, n: int) -> None:
         """The booth rolls back to checkpoint `n` under this connection's open block (it wrote,
         or it failed): its work and savepoints go with the rest, so the block is failed, as a
@@ -169,13 +195,10 @@ class AgentConnection:
         self.up = None
         self.attached = self.wrote = self.unit_wrote = self.unit_failed = self.parked = False
         self.state = "E"
-        self.undone = n
-
-    def undone_error(self) -> bytes:
-        return m.error(
+        self.undone = m.error(
             "25P02",
-            f"jukebox: the booth rolled back to checkpoint {self.undone} while this "
-            "transaction was open, which undid its work; commands are ignored until ROLLBACK",
+            f"jukebox: the booth rolled back to checkpoint {n} while this transaction was "
+            "open, which undid its work; commands are ignored until ROLLBACK",
         )
 
     def ends_block(self, stmts: tuple[st.Statement, ...] | list[st.Statement]) -> bool:
@@ -205,7 +228,7 @@ class AgentConnection:
     def detach(self, up: Upstream) -> None:
         """Another connection needs the session: this idle block, which has only read, gives
         up its savepoint (its reads need no undoing); its next unit takes a new one."""
-        up.send_own(RELEASE_TX)
+        up.send_own(RELEASE_TX, self)
         self.attached = False
 
     async def end_unit(self) -> None:
@@ -216,9 +239,10 @@ class AgentConnection:
         up = self.up
         if self.state == "I":
             if self.unit_failed or up.status == "E":
-                up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx")
+                up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx",
+                            self)
             else:
-                up.send_own(RELEASE_TX)
+                up.send_own(RELEASE_TX, self)
             self.wrote = False
             if self.attached:
                 self.attached = False
@@ -235,7 +259,7 @@ class AgentConnection:
                     self.attached = True
                     self.session.set_attached(self, True)
                 else:  # read nested in another's block: nothing to keep
-                    up.send_own(RELEASE_TX)
+                    up.send_own(RELEASE_TX, self)
         self.up = None
         self.unit_failed = False
         self.unit_wrote = False
@@ -376,9 +400,17 @@ class AgentConnection:
 
     async def handle(self, kind: bytes, body: bytes) -> None:
         self.parked = False  # at work again: the wire it holds is in use
+        if self.lost is not None and kind in (b"Q", b"P", b"B", b"D", b"E", b"C"):
+            lost, self.lost = self.lost, None
+            self.send(lost)
+            if kind == b"Q":
+                self.send(m.ready(self.state))
+            else:
+                self.skipping = True
+            return
         if self.undone is not None and kind in (b"P", b"B", b"D", b"E", b"C", b"H"):
             if not self.skipping and not self.ends_undone(kind, body):
-                self.send(self.undone_error())
+                self.send(self.undone)
                 self.skipping = True
             if self.skipping:
                 return
@@ -413,7 +445,7 @@ class AgentConnection:
             self.send(m.ready(self.state))
             return
         if self.undone is not None and not self.ends_block(stmts):
-            self.send(self.undone_error())
+            self.send(self.undone)
             self.send(m.ready(self.state))
             return
         try:
@@ -472,7 +504,7 @@ class AgentConnection:
             await up.query(RELEASE_TX)
             # What follows in this unit needs its savepoint; the unit's end usually releases
             # it at once, and then neither is sent (Upstream.send_own).
-            up.send_own(SAVEPOINT_TX)
+            up.send_own(SAVEPOINT_TX, self)
             self.state = "I"
         else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
             if self.undone is None:  # else the booth's rollback took its savepoint already
@@ -494,6 +526,8 @@ class AgentConnection:
             kind, body = await up.read()
             if kind == b"Z":
                 up.status = body.decode()
+                if up.status != "E":
+                    up.spoiled = None
                 break
             if drop_only:
                 continue
@@ -517,6 +551,15 @@ class AgentConnection:
             elif kind == b"E":
                 failed = True
                 fields = m.decode_fields(body)
+                if up.spoiled is not None and fields.get("C") == "25P02":
+                    # Aborted by a bookkeeping query that failed just before (Upstream.settle),
+                    # not by anything of this unit: nothing of it ran, so it can run again.
+                    who, why = up.spoiled
+                    fields = {"S": "ERROR", "V": "ERROR", "C": "40001", "M": (
+                        f"jukebox: this statement did not run: the booth's bookkeeping for "
+                        f"its connection {who} failed just before it ({why}); run it again")}
+                    body = b"".join(k.encode() + v.encode() + b"\0"
+                                    for k, v in fields.items()) + b"\0"
                 if refusal:  # the proxy's own RAISE: the agent need not see it was a DO block
                     body = b"".join(
                         k.encode() + v.encode() + b"\0" for k, v in fields.items()

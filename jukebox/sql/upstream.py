@@ -14,6 +14,7 @@ import os
 import socket
 import ssl
 import struct
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -263,10 +264,16 @@ class Upstream:
         self.backend_key: tuple[int, int] = (0, 0)
         self.status = "I"
         # Bookkeeping queries of the proxy's own (SAVEPOINT, RELEASE) sent without waiting:
-        # their replies are read, and dropped, before anything else is read.
-        self.unread_own = 0
-        # Bookkeeping queries not yet in `out`: always the last thing to send (see send_own).
-        self.own: list[str] = []
+        # their replies are read, and dropped, before anything else is read. One entry per
+        # Query sent: whose it is (an agent connection, or None: the booth's own step).
+        self.unread: deque[Any] = deque()
+        # Bookkeeping queries not yet in `out`, with whose they are: always the last thing to
+        # send (see send_own).
+        self.own: list[tuple[str, Any]] = []
+        # An agent connection's bookkeeping query failed, which aborted the booth's
+        # transaction: (its number, the server's message), until the session is out of that
+        # state. Statements sent in the same round trip fail for that cause, and say so.
+        self.spoiled: tuple[int, str] | None = None
         # What the proxy sends is gathered and written when it next waits for the server (or
         # at 64 KiB): the agent's Parse, Bind, Execute and Sync, with the proxy's SAVEPOINT
         # before them, go as one TLS record and one segment, not one system call each.
@@ -353,26 +360,38 @@ class Upstream:
             self.wire.write(bytes(self.out))
             self.out.clear()
 
-    def send_own(self, sql: str) -> None:
-        """A bookkeeping query of the proxy's own, its reply read (and dropped) later.
-        Consecutive ones go as one Query: the server answers a Query with a flush of its own,
-        which is a wake-up of the proxy, and a savepoint taken and released with nothing in
-        between (the agent's COMMIT, then the end of its unit) is not sent at all."""
-        if sql == RELEASE_TX and self.own and self.own[-1] == SAVEPOINT_TX:
+    def send_own(self, sql: str, owner: Any = None) -> None:
+        """A bookkeeping query of the proxy's own for `owner` (the agent connection whose unit
+        it keeps or undoes; None: the booth's own step), its reply read (and dropped) later,
+        by whoever reads next. Consecutive ones of one owner go as one Query: the server
+        answers a Query with a flush of its own, which is a wake-up of the proxy, and a
+        savepoint taken and released with nothing in between (the agent's COMMIT, then the
+        end of its unit) is not sent at all. Those of different owners go as Queries of their
+        own, still in the same write, so that an error names its owner (see `settle`)."""
+        if sql == RELEASE_TX and self.own and self.own[-1] == (SAVEPOINT_TX, owner):
             self.own.pop()
             return
-        self.own.append(sql)
+        self.own.append((sql, owner))
 
     def _put_own(self) -> None:
-        self.out += m.message(b"Q", "; ".join(self.own).encode() + b"\0")
+        start = 0
+        for i in range(1, len(self.own) + 1):
+            if i == len(self.own) or self.own[i][1] is not self.own[start][1]:
+                sql = "; ".join(q for q, _ in self.own[start:i])
+                self.out += m.message(b"Q", sql.encode() + b"\0")
+                self.unread.append(self.own[start][1])
+                start = i
         self.own.clear()
-        self.unread_own += 1
 
     async def settle(self) -> None:
-        """Reads the replies of the queries `send_own` sent; raises the first one's error."""
+        """Reads the replies of the queries `send_own` sent. An error of an agent
+        connection's query goes to that connection (its `own_failed`), whoever is reading:
+        the reader is often another connection, whose own statements are not at fault. The
+        first error of the booth's own steps is raised, once every reply is read."""
         self.flush()
-        while self.unread_own:
-            self.unread_own -= 1
+        raised: dict[str, str] | None = None
+        while self.unread:
+            owner = self.unread.popleft()
             failed: dict[str, str] | None = None
             while True:
                 kind, body = await m.read_message(self.wire)
@@ -381,12 +400,20 @@ class Upstream:
                 if kind == b"Z":
                     self.status = body.decode()
                     break
-            if failed is not None:
-                raise UpstreamError(failed.get("M", "error"), failed)
+            if self.status != "E":
+                self.spoiled = None
+            if failed is not None and owner is not None:
+                if self.spoiled is None and self.status == "E":
+                    self.spoiled = (owner.number, failed.get("M", "error"))
+                owner.own_failed(failed)
+            elif failed is not None and raised is None:
+                raised = failed
+        if raised is not None:
+            raise UpstreamError(raised.get("M", "error"), raised)
 
     async def read(self) -> tuple[bytes, bytes]:
         self.flush()
-        if self.unread_own:
+        if self.unread:
             await self.settle()
         return await m.read_message(self.wire)
 

@@ -23,7 +23,7 @@ import pytest
 
 from jukebox.sql import messages as m
 from jukebox.sql.server import SqlProxy
-from jukebox.sql.upstream import Target
+from jukebox.sql.upstream import RELEASE_TX, Target
 from tests.fuzz.common import mutate
 from tests.sql.cluster import SCRAM_PASSWORD, SCRAM_USER, Cluster, wait_for
 
@@ -175,6 +175,46 @@ def test_a_pool_reads_its_own_writes_across_connections(proxied: Proxied) -> Non
     finally:
         a.close()
         b.close()
+
+
+def test_a_failed_bookkeeping_query_is_told_to_its_own_connection(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    """The RELEASE that keeps a unit's work is sent with the next connection's statement and
+    read by it. Should it fail (a late cancel, the server's own trouble: faulted here by
+    swapping the queued RELEASE for a query the real server refuses, which leaves the unit's
+    savepoint in place as a failed RELEASE does), the error is its own connection's: the
+    other connection's statement did not run and says so, retryable, its connection alive;
+    the connection whose work was undone is told at its next statement."""
+    a = psycopg.connect(proxied.url, autocommit=True)
+    b = psycopg.connect(proxied.url, autocommit=True)
+    try:
+        a.execute("INSERT INTO t VALUES (3, 'kept, then undone')")
+        conn_a = proxied.proxy.databases["main"].connections[1]
+
+        async def fail_the_release() -> None:
+            up = proxied.session().upstream
+            assert up is not None and up.own == [(RELEASE_TX, conn_a)]
+            up.own[0] = ("SELECT 1/0", conn_a)
+
+        proxied.proxy.call(fail_the_release(), timeout=10)
+        with pytest.raises(psycopg.errors.SerializationFailure) as not_run:
+            b.execute("SELECT count(*) FROM t")
+        assert "did not run: the booth's bookkeeping for its connection 1 failed just before " \
+               "it (division by zero); run it again" in str(not_run.value)
+        assert not b.closed
+        assert b.execute("SELECT count(*) FROM t").fetchone() == (2,)  # a's row went
+        with pytest.raises(psycopg.errors.StatementCompletionUnknown) as lost:
+            a.execute("SELECT 1")
+        assert "bookkeeping after this connection's last statement failed (division by zero)" \
+            in str(lost.value)
+        a.execute("INSERT INTO t VALUES (3, 'again')")
+        assert b.execute("SELECT v FROM t WHERE id = 3").fetchone() == ("again",)
+    finally:
+        a.close()
+        b.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:again"
 
 
 def test_concurrent_transactions_of_an_asyncpg_pool(proxied: Proxied) -> None:
