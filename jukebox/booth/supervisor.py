@@ -1712,7 +1712,12 @@ def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
         _alert(missing)
     filtered = protections.is_on("seccomp")
     seccomp_bpf = _compiled_filter(o.img.seccomp_allow) if filtered else None
-    env = o.img.filter_env(os.environ)
+    from jukebox.mcp.servers import HEADER_ENV_PREFIX
+
+    # A replay's or fork's MCP headers (jukebox.mcp.servers.header_env_name) are the
+    # operator's credentials, for the supervisor's HTTP gateway: never the agent's.
+    env = {k: v for k, v in o.img.filter_env(os.environ).items()
+           if not k.startswith(HEADER_ENV_PREFIX)}  # fmt: skip
     # The tree's identity, from before its base tree is read: a commit goes into this very
     # directory or nowhere (see jukebox.trees.realtree).
     tree_fd, tree_dev, tree_ino = open_tree(o.tree_path)

@@ -227,6 +227,18 @@ def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     )
 
 
+def mcp_config_option(f):
+    """`--mcp-config FILE` of a replay or fork: where its MCP servers' secrets come from."""
+    return click.option(
+        "--mcp-config",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        metavar="FILE",
+        help="--exec: the .mcp.json whose servers' \"headers\" and \"env\" give the values a "
+        "tape never keeps (else $JUKEBOX_MCP_HEADER_<SERVER>_<HEADER> and the environment).",
+    )(f)
+
+
 @cli.command("replay")
 @tape_argument()
 @tape_dir_option
@@ -262,6 +274,7 @@ def verify_command(tape: str, tape_dir: Path | None, as_json: bool) -> None:
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="--exec layer.")
 @image_option
 @trust_option
+@mcp_config_option
 @json_option
 @view_path_options
 def replay_command(
@@ -277,6 +290,7 @@ def replay_command(
     trust_recorded_image: bool,
     as_json: bool,
     paths: BoothPaths | None,
+    mcp_config: Path | None,
 ) -> None:
     """Verify a tape, then walk every frame rebuilding the file state at each, offline.
 
@@ -291,7 +305,7 @@ def replay_command(
         mode = "loose" if strict is False else "strict"
         run_replay_exec(
             tape, tape_dir, mode, until, record, fs, as_json, image, trust_recorded_image,
-            honor_timing, paths,
+            honor_timing, paths, mcp_config,
         )  # fmt: skip
         return
     if paths is not None:
@@ -300,13 +314,13 @@ def replay_command(
         raise UsageError("--rw, --ro, --hide and --no-private-tmp shape the booth: add --exec")
     if (
         strict is not None or until is not None or fs is not None or not record
-        or image is not None or trust_recorded_image or honor_timing
+        or image is not None or trust_recorded_image or honor_timing or mcp_config is not None
     ):  # fmt: skip
         from jukebox.errors import UsageError
 
         raise UsageError(
-            "--strict, --loose, --until, --no-record, --honor-timing, --fs, --image and "
-            "--trust-recorded-image re-execute the run: add --exec"
+            "--strict, --loose, --until, --no-record, --honor-timing, --fs, --image, "
+            "--trust-recorded-image and --mcp-config re-execute the run: add --exec"
         )
     replay_offline(tape, tape_dir, as_json)
 

@@ -14,7 +14,7 @@ from jukebox.cli import cli
 from jukebox.cli.booth_view import view_path_options
 from jukebox.cli.options import tape_dir_option
 from jukebox.cli.reading import emit_json, whole_tape
-from jukebox.cli.tapes import image_option, tape_argument, trust_option
+from jukebox.cli.tapes import image_option, mcp_config_option, tape_argument, trust_option
 from jukebox.display.names import printable, printable_lines
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ def run_replay_exec(
     trust_recorded_image: bool = False,
     honor_timing: bool = False,
     paths: BoothPaths | None = None,
+    mcp_config: Path | None = None,
 ) -> None:
     """`jukebox replay TAPE --exec`: exits 0 when the run matched its tape, 1 at a divergence."""
     from jukebox.tape.tapedir import TapeRef
@@ -61,6 +62,7 @@ def run_replay_exec(
     result = replay_exec(
         ref.path, ref.tape_dir.path, mode, until, record=record, fs=fs, image=image,
         trust_recorded_image=trust_recorded_image, honor_timing=honor_timing, paths=paths,
+        mcp_config=mcp_config,
     )  # fmt: skip
     # The agent owns stdout (its own output, as it printed it when recorded); ours is stderr,
     # except the --json result, which comes last on stdout.
@@ -115,6 +117,7 @@ def run_replay_exec(
     "recorded order.",
 )
 @click.option("--tape-id", default=None, help="The new tape's id (default: <id>-fork-<n>).")
+@mcp_config_option
 @click.option("--fs", type=click.Choice(["fuse", "overlay"]), default=None, help="Booth layer.")
 @image_option
 @trust_option
@@ -137,6 +140,7 @@ def fork_command(
     tape_dir: Path | None,
     as_json: bool,
     paths: BoothPaths | None,
+    mcp_config: Path | None,
 ) -> None:
     """Make a new tape sharing TAPE's frames 0..N-1, with overrides for what follows.
 
@@ -145,7 +149,8 @@ def fork_command(
     the tape, later ones go live (to $OPENAI_BASE_URL / $ANTHROPIC_BASE_URL, else the public
     APIs) with the overrides, and the fork tape gets the frames produced from frame N on.
     MCP tool calls recorded before frame N are served from the tape too (the one at frame N
-    with --tool-result's result), later ones go to the real servers (docs/mcp.md).
+    with --tool-result's result), later ones go to the real servers (docs/mcp.md), with the
+    headers and secret env values from --mcp-config or the environment.
     """
     from jukebox.llm.model_override import describe
     from jukebox.tape.tapedir import TapeRef
@@ -168,6 +173,7 @@ def fork_command(
         paths=paths,
         honor_timing=honor_timing,
         tool_result=tool_result,
+        mcp_config=mcp_config,
     )
     if as_json:
         emit_json(result.to_json())

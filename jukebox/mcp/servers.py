@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,4 +260,41 @@ def restored_env(server: str, described: dict[str, Any], environ: Any,
             "keeps no such value: set it in the environment if the run goes past its "
             "recording\n"
         )
+    return out
+
+
+# A header's value for a replay or fork, from the environment: JUKEBOX_MCP_HEADER_<SERVER>_<NAME>.
+# The booth keeps these variables from its agent (they are the operator's credentials).
+HEADER_ENV_PREFIX = "JUKEBOX_MCP_HEADER_"
+
+
+def header_env_name(server: str, header: str) -> str:
+    """The variable a replay or fork reads `header`'s value of `server` from: the names upper
+    case, anything but letters and digits as `_` (`notes`, `Authorization`:
+    JUKEBOX_MCP_HEADER_NOTES_AUTHORIZATION)."""
+    return HEADER_ENV_PREFIX + re.sub(r"[^A-Z0-9]", "_", f"{server}_{header}".upper())
+
+
+def restored_headers(server: str, names: list[str], given: dict[str, Any] | None,
+                     environ: Any, how: str) -> dict[str, str]:  # fmt: skip
+    """A recorded HTTP server's headers for a replay or fork that may reach it: the tape names
+    them (run_start's `headers`) and never holds a value, so each comes from `given` (that
+    server's entry in the caller's --mcp-config) or the environment. A missing one is a
+    UsageError naming it and both ways to give it; `how` names the command to run again."""
+    from jukebox.display.names import printable
+
+    entry = given or {}
+    found = entry.get("headers")
+    headers: dict[str, Any] = found if isinstance(found, dict) else {}
+    by_name = {str(k).lower(): v for k, v in headers.items() if isinstance(v, str)}
+    out: dict[str, str] = {}
+    for name in names:
+        value = by_name.get(name.lower(), environ.get(header_env_name(server, name)))
+        if value is None:
+            raise UsageError(printable(
+                f"the MCP server {server!r} was sent the header {name!r}, whose value no tape "
+                f"keeps: give it in {how} --mcp-config FILE (\"headers\" of {server!r}) or as "
+                f"${header_env_name(server, name)}"
+            ))  # fmt: skip
+        out[name] = value
     return out

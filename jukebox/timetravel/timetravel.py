@@ -74,30 +74,66 @@ class Recorded:
     image: str | None  # the recorded name: a label only, never resolved
     image_record: Any  # run_start's `sandbox_image`: name, content, blake3 (None on old tapes)
     fs: str
-    # run_start's policy.mcp_servers: {name: {"command": [...], "env": [names]}} (--mcp-config)
+    # run_start's policy.mcp_servers: {name: {"command": [...], "env": [names]}} (--mcp-config),
+    # {name: {"url": URL, "headers": [names]}} (streamable HTTP)
     mcp_servers: dict[str, Any] = field(default_factory=dict)
+    # The caller's --mcp-config for a replay or fork (its servers' `env` and `headers`), and
+    # the HTTP servers' headers taken from it or the environment (resolve_mcp_headers).
+    mcp_given: dict[str, Any] = field(default_factory=dict)
+    mcp_headers: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def mcp_config(self, environ: Mapping[str, str]) -> dict[str, Any] | None:
         """The declared MCP servers as a .mcp.json for the new booth (its agent finds it in
-        $JUKEBOX_MCP_CONFIG again); the tape names each server's environment variables but
-        holds none of their values: those come from `environ`, where set."""
+        $JUKEBOX_MCP_CONFIG again); the tape names each server's environment variables and
+        headers but holds none of their secret values: those come from the caller's
+        --mcp-config or `environ`, where set."""
         if not self.mcp_servers:
             return None
-        servers = {}
+        from jukebox.mcp.servers import restored_env
+        from jukebox.redact import REDACTED
+
+        servers: dict[str, Any] = {}
         for name, described in self.mcp_servers.items():
+            found = self.mcp_given.get(name)
+            given: dict[str, Any] = found if isinstance(found, dict) else {}
+            if described.get("url"):
+                url = str(described["url"])
+                if REDACTED in url and isinstance(given.get("url"), str):
+                    url = given["url"]  # the recorded one lost its password: the caller's
+                entry: dict[str, Any] = {"type": "http", "url": url}
+                if self.mcp_headers.get(name):
+                    entry["headers"] = dict(self.mcp_headers[name])
+                servers[name] = entry
+                continue
             command = [str(a) for a in described.get("command") or []]
             if not command:
                 continue
-            from jukebox.mcp.servers import restored_env
-
-            env = restored_env(name, described, environ, _ask_env if _terminal() else None)
+            found_env = given.get("env")
+            given_env: dict[str, Any] = found_env if isinstance(found_env, dict) else {}
+            env = restored_env(name, described, {**environ, **given_env},
+                               _ask_env if _terminal() else None)  # fmt: skip
             servers[name] = {"command": command[0], "args": command[1:], "env": env}
         return {"mcpServers": servers}
 
-    def mcp_upstreams(self) -> dict[str, str] | None:
-        """The streamable-HTTP servers of the run (--mcp-upstream), for the new booth."""
-        urls = {n: str(d["url"]) for n, d in self.mcp_servers.items() if d.get("url")}
-        return urls or None
+    def resolve_mcp_headers(self, config: str | os.PathLike[str] | None,
+                            environ: Mapping[str, str], how: str, live: bool) -> None:  # fmt: skip
+        """Reads the caller's --mcp-config, and when the run may go `live` past its recording
+        takes the value of every header the tape says an HTTP server was sent from it or
+        `environ`: the server is reached as the run reached it, or nothing starts and a
+        UsageError names the header missing (`how`: the command that takes --mcp-config).
+        A replay that never goes live sends the server nothing and needs none."""
+        from jukebox.mcp.servers import read_config, restored_headers
+
+        if config is not None:
+            self.mcp_given = dict(read_config(os.fspath(config))["mcpServers"])
+        if not live:
+            return
+        for name, described in self.mcp_servers.items():
+            names = described.get("headers")
+            if described.get("url") and isinstance(names, list) and names:
+                self.mcp_headers[name] = restored_headers(
+                    name, [str(n) for n in names], self.mcp_given.get(name), environ, how
+                )
 
 
 @dataclass
@@ -430,7 +466,9 @@ def _run_watched(
 
             # Beside the scratch tree, removed with it.
             mcp_config = os.path.join(os.path.dirname(tree), "mcp.json")
-            with open(mcp_config, "w") as f:
+            # Private: it may hold the caller's headers and env values.
+            fd = os.open(mcp_config, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with open(fd, "w") as f:
                 json.dump(declared, f)
         old_cwd = os.getcwd()
         os.chdir(cwd)  # the booth starts the agent in the caller's cwd when it is in the tree
@@ -452,7 +490,6 @@ def _run_watched(
                 llm=llm,
                 mcp_config=mcp_config,
                 mcp_replay=mcp_replay,
-                mcp_upstreams=run.mcp_upstreams(),
                 sql_replay=sql,
             )
         finally:
@@ -632,9 +669,12 @@ def replay_exec(
     trust_recorded_image: bool = False,
     honor_timing: bool = False,
     paths: BoothPaths | None = None,
+    mcp_config: str | os.PathLike[str] | None = None,
 ) -> ReplayResult:
     """Re-runs a recorded booth run offline and checks it against its tape (see the module);
-    `honor_timing` answers each model call after its recorded latency, in the recorded order."""
+    `honor_timing` answers each model call after its recorded latency, in the recorded order.
+    `mcp_config`: the caller's `.mcp.json`, where the MCP servers' secret env values and
+    headers come from (else the environment; Recorded.resolve_mcp_headers)."""
     from jukebox.llm.replay import ReplaySource
     from jukebox.llm.session import LlmOptions
     from jukebox.llm.upstreams import upstreams_from_env
@@ -660,6 +700,8 @@ def replay_exec(
             )
         original.check_chain()  # a damaged tape says nothing we may act on
         run = recorded_run(original)
+        run.resolve_mcp_headers(mcp_config, os.environ, "`jukebox replay --exec --until N`",
+                                live=until is not None)  # fmt: skip
         chosen = select_image(run, image, trust_recorded_image)
         source = ReplaySource.from_tape(
             original, store, mode=mode, until=until, honor_timing=honor_timing
@@ -744,6 +786,7 @@ def fork(
     paths: BoothPaths | None = None,
     honor_timing: bool = False,
     tool_result: str | None = None,
+    mcp_config: str | os.PathLike[str] | None = None,
 ) -> ForkResult:
     """Forks a tape at frame `at` (1..len): see the module for what `exec_` re-runs. `model`:
     a bare name, {provider: model}, or `--model` values (see `jukebox.llm.model_override`).
@@ -751,7 +794,8 @@ def fork(
     latency, in the recorded order, as `replay_exec` does. `tool_result`: the result the MCP
     tool call at frame `at` gets instead of the recorded one (see
     jukebox.mcp.booth_replay.tool_result_override); MCP tool calls before `at` are served from
-    the tape, later ones go to the real servers."""
+    the tape, later ones go to the real servers. `mcp_config`: the caller's `.mcp.json`, where
+    those servers' secret env values and headers come from (else the environment)."""
     from jukebox.llm.model_override import resolve as resolve_model
     from jukebox.tape.tape import Tape, TapeWriter
     from jukebox.tape.tapedir import check_tape_id
@@ -795,6 +839,10 @@ def fork(
                 "--honor-timing paces the calls --exec serves from the tape: add --exec"
             )
         run = recorded_run(origin) if exec_ else None
+        if run is not None:  # before anything is written: a missing header stops it here
+            run.resolve_mcp_headers(mcp_config, os.environ, "`jukebox fork --exec`", live=True)
+        elif mcp_config is not None:
+            raise UsageError("--mcp-config gives the MCP servers of --exec: add --exec")
         chosen = select_image(run, image, trust_recorded_image) if run is not None else None
         base_id = origin.tape_id or Path(os.fspath(tape_path)).stem
         new_id = check_tape_id(tape_id) if tape_id else next_tape_id(tapes, base_id, "fork")

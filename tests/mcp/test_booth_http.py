@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from jukebox.errors import UsageError
 from tests.mcp.conftest import JUKEBOX, payloads
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 HERE = Path(__file__).resolve().parent
 TOKEN = "notes-token-5ec7e7-0123456789"
 AUTH = "auth-header-0f3c2a-9876543210"  # the config's Authorization: Bearer value
+FORK_AUTH = "fork-header-77d1e0-1357924680"  # the fork's, from the environment
 ENV = {**os.environ, "NOTES_API_TOKEN": TOKEN}
 
 
@@ -135,6 +137,33 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     assert start["policy"]["mcp_servers"]["notes"] == {"url": s["url"],
                                                        "headers": ["Authorization"]}  # fmt: skip
 
+    # A fork past the recording reaches the server again, with the header the tape names and
+    # never holds: a fork without its value stops before anything runs, and says how to give it.
+    from jukebox.tape.tape import Tape
+
+    at = [i for i, f in enumerate(Tape.load(tape).frames) if f.kind == "tool_call"][2]
+    fork = [JUKEBOX, "fork", str(tape), "--at", str(at), "--exec", "--tape-id", "h1-fork"]
+    missing = subprocess.run(fork, capture_output=True, text=True, timeout=60, env=ENV)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "'Authorization'" in missing.stderr and "--mcp-config FILE" in missing.stderr
+    assert "$JUKEBOX_MCP_HEADER_NOTES_AUTHORIZATION" in missing.stderr
+    assert not (s["tmp"] / "tapes" / "h1-fork.jbx").exists()
+    s["notes"].with_suffix(".auth").unlink()
+    forked = subprocess.run(fork, capture_output=True, text=True, timeout=120, env={
+        **ENV, "JUKEBOX_MCP_HEADER_NOTES_AUTHORIZATION": f"Bearer {FORK_AUTH}"})  # fmt: skip
+    assert forked.returncode == 0, forked.stderr
+    assert said(forked)["read_notes"][1]["text"].startswith("hello")  # live: the committed note
+    seen = s["notes"].with_suffix(".auth").read_text().splitlines()
+    assert seen and set(seen) == {f"Bearer {FORK_AUTH}"}, seen
+    fork_calls = payloads(s["tmp"] / "tapes" / "h1-fork.jbx", "tool_call")
+    assert [(c["tool"], c["decision"]) for c in fork_calls][-2:] == [
+        ("read_notes", "allow"), ("echo", "allow")]  # fmt: skip
+    (fork_start,) = payloads(s["tmp"] / "tapes" / "h1-fork.jbx", "run_start")
+    assert fork_start["policy"]["mcp_servers"]["notes"]["headers"] == ["Authorization"]
+    for path in (s["tmp"] / "tapes").rglob("*"):  # the fork's tape and store included
+        for value in (AUTH, FORK_AUTH):
+            assert not path.is_file() or value.encode() not in path.read_bytes(), (value, path)
+
     # Every server stopped: the replay's gateway answers from the tape.
     s["proc"].terminate()
     s["proc"].wait(timeout=10)
@@ -151,3 +180,32 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
     # The replay's gateway has a secret of its own, compared and kept off its tape the same way.
     fresh = again["url"][0]["base"].split("/")[3]
     assert fresh != secret and fresh not in json.dumps(replayed)
+
+
+def test_fork_headers_from_the_callers_config_before_the_environment(tmp_path: Path) -> None:
+    # What `fork --exec --mcp-config FILE` and `replay --exec --until N` resolve before the
+    # booth starts (the fork above takes the environment's; here both are given).
+    from jukebox.mcp.servers import header_env_name
+    from jukebox.timetravel.timetravel import Recorded
+    from shadowfs.oid import ObjectId
+
+    config = tmp_path / "now.json"
+    config.write_text(json.dumps({"mcpServers": {"my-notes": {
+        "type": "http", "url": "https://elsewhere.example/mcp",
+        "headers": {"authorization": "Bearer from-config"}}}}))  # fmt: skip
+    env = {header_env_name("my-notes", "Authorization"): "Bearer from-env",
+           header_env_name("my-notes", "X-Team"): "blue"}  # fmt: skip
+    assert list(env) == ["JUKEBOX_MCP_HEADER_MY_NOTES_AUTHORIZATION",
+                         "JUKEBOX_MCP_HEADER_MY_NOTES_X_TEAM"]  # fmt: skip
+    run = Recorded("t", ["agent"], "/t", "/t", ObjectId(bytes(32)), None, None, "fuse",
+                   {"my-notes": {"url": "https://mcp.example/mcp",
+                                 "headers": ["Authorization", "X-Team"]}})  # fmt: skip
+    run.resolve_mcp_headers(config, env, "`jukebox fork --exec`", live=True)
+    # The recorded URL (the config's is another server's now), the headers by name.
+    assert run.mcp_config({}) == {"mcpServers": {"my-notes": {
+        "type": "http", "url": "https://mcp.example/mcp",
+        "headers": {"Authorization": "Bearer from-config", "X-Team": "blue"}}}}  # fmt: skip
+    # A replay that never goes past its recording sends the server nothing: none is needed.
+    run.resolve_mcp_headers(None, {}, "`jukebox replay --exec --until N`", live=False)
+    with pytest.raises(UsageError, match=r"'X-Team'.*JUKEBOX_MCP_HEADER_MY_NOTES_X_TEAM"):
+        run.resolve_mcp_headers(config, {}, "`jukebox fork --exec`", live=True)
