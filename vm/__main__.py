@@ -6,6 +6,7 @@ See docs/vm-tests.md. Kernels are Debian suites (bookworm, trixie, sid) or a vml
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -54,6 +55,44 @@ def subset(path: Path, only: str | None) -> tuple[list[str], list[str]]:
     return tests, extra
 
 
+# A `--parallel` run's children (one `python -m vm KERNEL` each) run under their parent's lock:
+# this names the descriptor they inherit it on.
+LOCK_FD_ENV = "JUKEBOX_VM_LOCK_FD"
+
+
+def hold_lock(cache: Path) -> int:
+    """Takes CACHE/lock (flock) for this run and returns its descriptor, held until exit; exits
+    2 when another run holds it. Two runs at once would boot VMs over the same scratch disks,
+    run directories, reports and kernel downloads."""
+    path = cache / "lock"
+    inherited = os.environ.get(LOCK_FD_ENV)
+    if inherited:
+        # The parent's descriptor: flock again on the open file that holds the lock keeps it.
+        try:
+            fd = int(inherited)
+            same = os.fstat(fd)
+            here = os.stat(path)
+            if (same.st_dev, same.st_ino) == (here.st_dev, here.st_ino):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+        except (ValueError, OSError):
+            pass
+        _fail(f"{LOCK_FD_ENV}={inherited} is not this run's lock {path}: unset it")
+    cache.mkdir(exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        who = f" (pid {holder})" if holder.isdigit() else ""
+        _fail(f"another run holds {path}{who}: wait for it to end, or stop it; two runs would "
+              "share its scratch files")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vm", description=__doc__.splitlines()[0])
     p.add_argument("kernels", nargs="*", help="bookworm, trixie, sid, or a vmlinuz path "
@@ -94,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"--budget {budget:g}: give seconds of tests per kernel, or 0 for none")
     if args.timeout is not None and args.timeout <= 0:
         _fail(f"--timeout {args.timeout:g}: give the seconds one VM may run, e.g. 2700")
+    # Before anything reads or writes the cache (kernels, images, runs): a second run stops
+    # here, in a second, and a VM of the first is never booted over files the second rewrote.
+    lock = hold_lock(CACHE)
     for tool in ("qemu-system-x86_64", "qemu-img", "mkfs.ext4", "dpkg-deb", "apt-get", "depmod",
                  "busybox"):
         if shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None:
@@ -128,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     started = time.monotonic()
     if args.parallel and len(chosen) > 1:
-        results = _side_by_side(names, args.tests, budget, timeout)
+        results = _side_by_side(names, args.tests, budget, timeout, lock)
     else:
         results = [_one(k, accel, settings, image, timeout, len(tests)) for k in chosen]
     total = time.monotonic() - started
@@ -156,14 +198,16 @@ def _one(k: kernels.Kernel, accel: str, settings: dict[str, str], image: Path | 
 
 
 def _side_by_side(names: list[str], only: str | None, budget: float,
-                  timeout: float) -> list[report.KernelResult]:
+                  timeout: float, lock: int) -> list[report.KernelResult]:
     """One `python -m vm KERNEL --json` per kernel, all at once: each measures its own VM's CPU
     time, which one process running several VMs could not tell apart."""
     extra = ["--budget", str(budget), "--timeout", str(timeout), "--json"]
     if only:
         extra += ["--tests", only]
-    procs = [subprocess.Popen([sys.executable, "-m", "vm", n, *extra], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True) for n in names]
+    env = dict(os.environ, **{LOCK_FD_ENV: str(lock)})
+    procs = [subprocess.Popen([sys.executable, "-m", "vm", n, *extra], cwd=REPO, env=env,
+                              pass_fds=(lock,), stdout=subprocess.PIPE, text=True)
+             for n in names]
     results = []
     for n, proc in zip(names, procs, strict=True):
         out, _ = proc.communicate()

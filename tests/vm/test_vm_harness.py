@@ -6,6 +6,7 @@ Booting VMs is not part of `make test`; these check the parts that run on the ho
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,44 @@ def test_a_run_cut_by_its_budget_reports_what_ran_as_partial(tmp_path: Path) -> 
     assert r.passed == 2 and r.ok  # cut short is not a failure, and says so
     assert r.budget_ran_out == "budget of 600 s ran out"
     assert "PARTIAL: budget of 600 s ran out" in report.render([r])
+
+
+HOLDER = """
+import os, subprocess, sys
+from vm.__main__ import CACHE, LOCK_FD_ENV, hold_lock
+fd = hold_lock(CACHE)
+# What a --parallel run's children do: they run under the lock their parent passes them.
+child = subprocess.run(
+    [sys.executable, "-c", "from vm.__main__ import CACHE, hold_lock; hold_lock(CACHE)"],
+    env=dict(os.environ, **{LOCK_FD_ENV: str(fd)}), pass_fds=(fd,), capture_output=True, text=True,
+)
+print("held", child.returncode, child.stderr.strip(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_run_is_refused_while_one_holds_the_lock(tmp_path: Path) -> None:
+    # The harness copied: its cache (and lock) are then under tmp_path, never the checkout's,
+    # which a real `make vm-test` may be using right now.
+    shutil.copytree(REPO / "vm", tmp_path / "vm", ignore=shutil.ignore_patterns("__pycache__"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=tmp_path, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "held 0 \n"  # its child ran under its lock
+        second = subprocess.run([sys.executable, "-m", "vm", "bookworm"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.count("\n") == 1, second.stderr
+        assert "another run holds" in second.stderr and f"(pid {holder.pid})" in second.stderr
+        # Refused before it looked at tools, kernels or the venv (none here).
+        assert not (tmp_path / ".vm-cache" / "kernels").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # Released with its holder's exit: the next run takes it.
+    taken = subprocess.run(
+        [sys.executable, "-c", "from vm.__main__ import CACHE, hold_lock; hold_lock(CACHE)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert taken.returncode == 0, taken.stderr
