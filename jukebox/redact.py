@@ -158,6 +158,9 @@ class Scrubber:
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self._lock = threading.Lock()
         self._values: tuple[bytes, ...] = ()
+        # The same values as text, kept beside: `text` runs on every event of every stream, and
+        # decoding each value there cost more than the search.
+        self._texts: tuple[str, ...] = ()
         self.add(secrets)
 
     def add(self, secrets: Iterable[str]) -> None:
@@ -166,7 +169,11 @@ class Scrubber:
             if fresh - set(self._values):
                 # Longest first: a key that contains another key is replaced whole.
                 merged = set(self._values) | fresh
-                self._values = tuple(sorted(merged, key=len, reverse=True))
+                values = tuple(sorted(merged, key=len, reverse=True))
+                # One tuple each, swapped whole: a reader on another thread sees the old set
+                # or the new one, never a mix (text values first: the count names both).
+                self._texts = tuple(value.decode() for value in values)
+                self._values = values
 
     def learn_headers(self, headers: Iterable[tuple[str, str]]) -> None:
         found: list[str] = []
@@ -183,8 +190,7 @@ class Scrubber:
         return data
 
     def text(self, data: str) -> str:
-        for value in self._values:
-            plain = value.decode()
+        for plain in self._texts:
             if plain in data:
                 data = data.replace(plain, REDACTED)
         return data

@@ -131,15 +131,29 @@ class SSEParser:
         base = len(self._raw) - len(buf)
         if b"\r" not in buf:
             # Lines end in \n alone, as every API's streams do: one split, not a regex search
-            # per line (the parse is on the path of every event).
+            # per line (the parse is on the path of every event). A `data: ` line and the empty
+            # line ending an event, nearly all the lines of a model's stream, are handled here,
+            # the rest by `_line`.
             lines = buf.split(b"\n")
             self._buf = lines.pop()
+            data = self._data
             for raw in lines:
                 pos += len(raw) + 1
-                event = self._line(raw.decode("utf-8", errors="replace"), index, t_ms)
+                if raw[:6] == b"data: ":
+                    data.append(raw[6:].decode("utf-8", errors="replace"))
+                    continue  # an event is begun: no point between events here
+                if raw:
+                    event = self._line(raw.decode("utf-8", errors="replace"), index, t_ms)
+                elif data or self._event is not None:
+                    event = SSEEvent("\n".join(data), self._event, self._id, index, t_ms)
+                    data = self._data = []
+                    self._event = None
+                else:
+                    event = None
                 if event is not None:
                     done.append(event)
-                if fed and not self._data and self._event is None:
+                    data = self._data
+                if fed and not data and self._event is None:
                     self._ready = base + pos
             self.events.extend(done)
             return done
