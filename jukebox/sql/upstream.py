@@ -374,6 +374,14 @@ class Upstream:
         self.own.append((sql, owner))
 
     def _put_own(self) -> None:
+        own = self.own
+        first = own[0][1]
+        if len(own) == 1 or (len(own) == 2 and own[1][1] is first):  # one owner: the usual
+            sql = own[0][0] if len(own) == 1 else f"{own[0][0]}; {own[1][0]}"
+            self.out += m.message(b"Q", sql.encode() + b"\0")
+            self.unread.append(first)
+            own.clear()
+            return
         start = 0
         for i in range(1, len(self.own) + 1):
             if i == len(self.own) or self.own[i][1] is not self.own[start][1]:
