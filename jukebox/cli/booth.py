@@ -167,6 +167,10 @@ _ALLOW_HOOKS_HELP = (
               help="Refuse this MCP tool (repeatable).")  # fmt: skip
 @click.option("--mcp-ask", multiple=True, metavar="TOOL",
               help="Ask the operator before this MCP tool runs (repeatable).")  # fmt: skip
+@click.option("--mcp-compensate", multiple=True, metavar="TOOL=ENTRY",
+              help="The call that compensates a staged call of TOOL if a later one fails at "
+              "the commit: ENTRY as a policy file's [compensate] entry, {tool = \"T\", args = "
+              "{...}} (or JSON); repeatable, after --mcp-policy's (docs/mcp.md).")  # fmt: skip
 @click.option("--max-tool-calls", type=int, default=None, metavar="N",
               help="Circuit breaker: stop at the MCP tool call past the Nth.")  # fmt: skip
 @click.option("--max-tool-repeat", type=int, default=None, metavar="N",
@@ -205,6 +209,7 @@ def run(
     mcp_stage: tuple[str, ...],
     mcp_deny: tuple[str, ...],
     mcp_ask: tuple[str, ...],
+    mcp_compensate: tuple[str, ...],
     max_tool_calls: int | None,
     max_tool_repeat: int | None,
     cmd: tuple[str, ...],
@@ -279,19 +284,22 @@ def run(
         record_sql_results=record_sql_results,
         max_sql_lock_seconds=max_sql_lock_seconds,
         mcp_limits=_tool_limits(max_tool_calls, max_tool_repeat),
-        mcp_policy=_mcp_policy(mcp_policy, mcp_allow, mcp_stage, mcp_deny, mcp_ask),
+        mcp_policy=_mcp_policy(
+            mcp_policy, mcp_allow, mcp_stage, mcp_deny, mcp_ask, mcp_compensate
+        ),
     )
     sys.exit(code)
 
 
 def _mcp_policy(path: str | None, allow: tuple[str, ...], stage: tuple[str, ...],
-                deny: tuple[str, ...], ask: tuple[str, ...]):  # fmt: skip
+                deny: tuple[str, ...], ask: tuple[str, ...],
+                compensate: tuple[str, ...] = ()):  # fmt: skip
     """The booth's MCP policy (jukebox.mcp.policy), or None: the tools' annotations decide."""
-    if path is None and not (allow or stage or deny or ask):
+    if path is None and not (allow or stage or deny or ask or compensate):
         return None
     from jukebox.mcp.policy import build_policy, flag_rules
 
-    return build_policy(None, path, flag_rules(allow, stage, deny, ask))
+    return build_policy(None, path, flag_rules(allow, stage, deny, ask), compensate=compensate)
 
 
 def _mcp_upstreams(specs: tuple[str, ...]) -> dict[str, str] | None:

@@ -183,6 +183,27 @@ def _check_compensation(pattern: object, entry: object, where: str) -> Compensat
     return Compensation(str(pattern), entry["tool"], dict(entry.get("args", {})))
 
 
+def parse_compensation(spec: str, where: str = "--mcp-compensate") -> Compensation:
+    """One compensation as a flag gives it: `PATTERN=ENTRY`, ENTRY a policy file's
+    `[compensate]` entry written as a TOML inline table (`{tool = "T", args = {...}}`) or as a
+    JSON object (`{"tool": "T", "args": {...}}`)."""
+    pattern, eq, entry = spec.partition("=")
+    pattern, entry = pattern.strip(), entry.strip()
+    if not eq or not pattern or not entry:
+        raise UsageError(
+            f"{where} {spec!r}: write SERVER/TOOL={{tool = \"TOOL\", args = {{...}}}}, as a "
+            "policy file's [compensate] entry"
+        )
+    try:
+        data = json.loads(entry) if entry.startswith('{"') else tomllib.loads(f"e = {entry}")["e"]
+    except ValueError as error:  # tomllib.TOMLDecodeError is one
+        raise UsageError(
+            f"{where} {pattern}: {entry!r} is neither a TOML inline table nor a JSON object "
+            f"({error})"
+        ) from None
+    return _check_compensation(pattern, data, where)
+
+
 def _load(path: str | Path) -> tuple[str | None, list[Rule], list[Compensation]]:
     path = Path(path)
     try:
@@ -219,14 +240,18 @@ def build_policy(
     policy_file: str | None = None,
     flags: Iterable[tuple[str, str]] = (),
     default_mode: str = "staged_acid",
+    compensate: Iterable[str] = (),
 ) -> Policy:
-    """The policy from a file, then flags (decision, pattern), then the mode (flag over file)."""
+    """The policy from a file, then flags (decision, pattern), then the mode (flag over file).
+    `compensate`: `--mcp-compensate` values (parse_compensation), after the file's entries, so
+    that for a tool both name the flag's wins (the last matching entry)."""
     rules: list[Rule] = []
     compensations: list[Compensation] = []
     file_mode = None
     if policy_file:
         file_mode, rules, compensations = _load(policy_file)
     rules.extend(_check_rule(pattern, decision, "--" + decision) for decision, pattern in flags)
+    compensations.extend(parse_compensation(spec) for spec in compensate)
     return Policy(mode or file_mode or default_mode, tuple(rules), tuple(compensations))
 
 

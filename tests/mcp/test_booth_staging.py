@@ -167,13 +167,16 @@ def test_pending_booth_keeps_staged_calls_for_a_later_commit(setup: dict) -> Non
 def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> None:
     s = setup
     # A passing verdict: the files, then the calls; the failing one stops the rest, and the
-    # one that ran before it gets the compensating call the operator's policy file declares.
+    # one that ran before it gets the compensating call the operator declares: the policy
+    # file's entry, then --mcp-compensate's for the same tool, which wins (the last one).
     policy = s["tmp"] / "policy.toml"
-    policy.write_text('[compensate."memory/create_entities"]\ntool = "delete_entities"\n'
+    policy.write_text('[compensate."memory/create_entities"]\ntool = "no_such_tool"\n'
                       'args = {entityNames = "$args.entities.*.name"}\n')  # fmt: skip
+    flag = ('memory/create_*={tool = "delete_entities", '
+            'args = {entityNames = "$args.entities.*.name"}}')  # fmt: skip
     proc = booth(s, "c1", "auto", "create", "delta", "observe", "nobody-here",
                  "create", "epsilon", "write", "c1.txt",
-                 opts=["--mcp-policy", str(policy)])  # fmt: skip
+                 opts=["--mcp-policy", str(policy), "--mcp-compensate", flag])  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "staged MCP call stage-2 of booth c1 failed" in proc.stderr
     assert "ran before it: stage-1; not run: stage-3" in proc.stderr
@@ -186,6 +189,9 @@ def test_verdicts_commit_in_order_stop_at_a_failure_and_discard(setup: dict) -> 
     undo = payloads(s["tapes"] / "c1.jbx", "tool_call")[-1]
     assert (undo["decision"], undo["tool"], undo["args"], undo["ok"]) == (
         "compensate", "delete_entities", {"entityNames": ["delta"]}, True)  # fmt: skip
+    (start,) = payloads(s["tapes"] / "c1.jbx", "run_start")
+    assert [c[:2] for c in start["policy"]["mcp_policy"]["compensate"]] == [
+        ["memory/create_entities", "no_such_tool"], ["memory/create_*", "delete_entities"]]
 
     # The breaker counts tool calls: the second staged call trips --max-tool-calls 1, the
     # agent is stopped, the booth rolled back and its staged call dropped, nothing reaches
@@ -221,3 +227,21 @@ def test_an_ask_answered_on_the_booths_terminal(setup: dict) -> None:
     assert "jukebox refused" not in observe["text"]  # forwarded: the server's own answer
     (answer,) = payloads(s["tapes"] / "t1.jbx", "note", "mcp_answer")
     assert answer["answer"] == "approve" and answer["by"] == "terminal"
+
+
+def test_compensate_flag_takes_a_policy_files_entry_as_toml_or_json() -> None:
+    from jukebox.errors import UsageError
+    from jukebox.mcp.policy import build_policy, parse_compensation
+
+    toml = parse_compensation('m/create={tool = "delete", args = {names = "$args.items.*.id"}}')
+    json_form = parse_compensation('m/create={"tool": "delete", '
+                                   '"args": {"names": "$args.items.*.id"}}')  # fmt: skip
+    assert toml == json_form
+    policy = build_policy(None, compensate=['m/create={tool = "delete", args = {}}',
+                                            'm/*={tool = "undo"}'])  # fmt: skip
+    assert policy.compensation("m", "create", {}) == {"tool": "undo", "args": {}}  # the last
+    for bad, said in (("m/create", "write SERVER/TOOL={tool"),
+                      ("m/create={tool = }", "neither a TOML inline table nor a JSON object"),
+                      ('m/create={tool = "t", when = "now"}', "must be {tool")):  # fmt: skip
+        with pytest.raises(UsageError, match=said.replace("{", r"\{")):
+            parse_compensation(bad)
