@@ -53,6 +53,15 @@ SYNC = m.message(b"S")
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
 
 
+class BlockUndone(TurnTimeout):
+    """The connection's open block was undone while it waited for the session; `reply` is
+    the error its statement gets (AgentConnection.undone)."""
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__("the open transaction was undone")
+        self.reply = reply
+
+
 @dataclass
 class _Run:
     """A statement on its way: what a `sql` frame says of it."""
@@ -148,7 +157,13 @@ class AgentConnection:
         """The upstream, held for this unit (see jukebox.sql.session for when a unit that
         writes waits); the unit's savepoint jukebox_tx is sent, not awaited."""
         if self.up is None:
+            was = self.undone
             up = await self.session.take(self, write=write)
+            if self.undone is not None and was is None:
+                # Its open block was undone while it waited for the session (a rollback of
+                # the booth): what it was about to send belongs to that block, so not run.
+                self.session.give_back(self)
+                raise BlockUndone(self.undone)
             if not self.attached:  # an attached block's own savepoint covers its units
                 up.send_own(SAVEPOINT_TX, self)
             self.up = up
@@ -424,7 +439,8 @@ class AgentConnection:
             try:
                 await self.hold(self.writes(kind, body))
             except TurnTimeout as error:
-                self.send(m.error("55P03", str(error)))
+                self.send(error.reply if isinstance(error, BlockUndone) else
+                          m.error("55P03", str(error)))  # fmt: skip
                 self.skipping = True
                 return
             await {
@@ -451,7 +467,8 @@ class AgentConnection:
         try:
             await self.hold(not st.reads_only(stmts))
         except TurnTimeout as error:
-            self.send(m.error("55P03", str(error)))
+            self.send(error.reply if isinstance(error, BlockUndone) else
+                      m.error("55P03", str(error)))  # fmt: skip
             self.send(m.ready(self.state))
             return
         if len(stmts) == 1 and stmts[0].kind == st.PLAIN:

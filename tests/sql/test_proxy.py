@@ -217,6 +217,49 @@ def test_a_failed_bookkeeping_query_is_told_to_its_own_connection(
     assert rows(pg, db) == "1:one,2:two,3:again"
 
 
+def test_a_rollback_undoes_a_block_waiting_for_the_session(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    """A block that wrote is undone by a rollback of the booth even when its next statement is
+    already waiting for the session (another connection's long read holds it): that
+    statement belongs to the undone block, so it does not run, and the block's ROLLBACK ends
+    it with nothing of it left."""
+    a = psycopg.connect(proxied.url)
+    c = psycopg.connect(proxied.url, autocommit=True)
+    session = proxied.session()
+    try:
+        c.execute("SELECT 1")  # the session is open: checkpoint 1 is a savepoint on it
+        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
+        a.execute("INSERT INTO t VALUES (3, 'a, open')")
+        sleeper = threading.Thread(target=lambda: c.execute("SELECT pg_sleep(0.6)"))
+        sleeper.start()
+        wait_for(lambda: session.holder is proxied.proxy.databases["main"].connections[2])
+        got: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                a.execute("INSERT INTO t VALUES (4, 'a, waiting')")
+            except psycopg.Error as error:
+                got.append(error)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        wait_for(lambda: session._waiting == 1)
+        proxied.proxy.call(session.rollback_to(1, 10), timeout=10)
+        writer.join(10)
+        sleeper.join(10)
+        assert len(got) == 1 and isinstance(got[0], psycopg.errors.InFailedSqlTransaction)
+        assert "rolled back to checkpoint 1 while this transaction was open" in str(got[0])
+        a.rollback()
+        assert a.execute("SELECT count(*) FROM t").fetchone() == (2,)
+        a.commit()
+    finally:
+        a.close()
+        c.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two"
+
+
 def test_concurrent_transactions_of_an_asyncpg_pool(proxied: Proxied) -> None:
     import asyncpg
 
