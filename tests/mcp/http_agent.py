@@ -40,7 +40,9 @@ async def main(status: int) -> int:
             result = await session.call_tool(tool, args)
             say(step=tool, error=result.is_error, text=result.content[0].text,
                 structured=result.structured_content)  # fmt: skip
-    say(step="config", notes=servers["notes"])
+    # A fork's header variables are the supervisor's, never the agent's.
+    say(step="config", notes=servers["notes"],
+        header_env=sorted(k for k in os.environ if k.startswith("JUKEBOX_MCP_HEADER_")))
     if "echo" in servers:  # a stdio server beside it, through `jukebox mcp wrap`
         await echo(servers["echo"], secret)
     # The same gateway without its secret: nothing.

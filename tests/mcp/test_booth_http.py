@@ -153,6 +153,7 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
         **ENV, "JUKEBOX_MCP_HEADER_NOTES_AUTHORIZATION": f"Bearer {FORK_AUTH}"})  # fmt: skip
     assert forked.returncode == 0, forked.stderr
     assert said(forked)["read_notes"][1]["text"].startswith("hello")  # live: the committed note
+    assert said(forked)["config"][0]["header_env"] == []  # kept from the agent
     seen = s["notes"].with_suffix(".auth").read_text().splitlines()
     assert seen and set(seen) == {f"Bearer {FORK_AUTH}"}, seen
     fork_calls = payloads(s["tmp"] / "tapes" / "h1-fork.jbx", "tool_call")
