@@ -307,7 +307,7 @@ def is_view(mountpoint: str | os.PathLike[str]) -> bool:
 
 
 def serve_tree(
-    store: Any,
+    store: ObjectReader,
     tree_id: ObjectId,
     mountpoint: str | os.PathLike[str],
     *,

@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jukebox.api.state import StateVersion
 from jukebox.api.transaction import (
@@ -51,6 +51,10 @@ from jukebox.redact import KEY_SHAPES, MIN_SECRET_LEN, REDACTED, is_secret_name
 from jukebox.tape import tape as _tape
 from jukebox.tape.compare import Comparison, compare_tapes
 from jukebox.tape.tapedir import TapeDir, check_tape_id, default_tape_dir
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectStore
+    from shadowfs.store import Store
 
 __all__ = ["BSide", "Jukebox", "Report", "SandboxPolicy", "Tape", "track"]
 
@@ -428,7 +432,7 @@ class Jukebox:
         self.sandbox = sandbox
         self.breaker = breaker
         self.recovered: list[tuple[str, str]] = []
-        self._store: Any = None
+        self._store: Store | None = None
         self._lock = threading.Lock()
         self.tapes.path.mkdir(parents=True, exist_ok=True)
         state = self.tapes.state
@@ -440,7 +444,7 @@ class Jukebox:
         return self.tapes.path
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Store:
         """The tape dir's content-addressed store, opened on first use."""
         if self._store is None:
             with self._lock:
@@ -589,7 +593,9 @@ class Jukebox:
         return _open_run_tape(self.tapes, self.store, run)
 
 
-def _open_run_tape(tapes: TapeDir, store: Any, run: Run, log: TapeLog | None = None) -> TapeLog:
+def _open_run_tape(
+    tapes: TapeDir, store: ObjectStore, run: Run, log: TapeLog | None = None
+) -> TapeLog:
     """A tape for a run's model calls made outside any transaction (``transaction: 0``)."""
     tape_id = new_tape_id()
     if log is None:

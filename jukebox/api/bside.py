@@ -51,13 +51,16 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.api.transaction import TapeLog, _relative, current_redirect
 from jukebox.errors import CheckFailed
 from jukebox.tape.frame import Frame
 from jukebox.tape.tape import Tape, TapeWriter
 from jukebox.tape.tapedir import TapeDir
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 # Payload fields that say what the agent did, per frame kind; the rest (times, pids, paths of
 # the scratch copy, journal ids) differs between any two runs.
@@ -116,7 +119,7 @@ def _short_full(value: Any) -> str:
     return json.dumps(json.loads(json.dumps(value, default=str)), sort_keys=True)
 
 
-def mismatch(store: Any, want: Frame, kind: str, payload: Mapping[str, Any],
+def mismatch(store: ObjectReader, want: Frame, kind: str, payload: Mapping[str, Any],
              tree: Any) -> str | None:
     """Why a re-executed frame is not the recorded one, or None when it is."""
     if want.kind != kind:
@@ -194,7 +197,7 @@ class ForkLog(TapeLog):
 class _Session:
     """One re-execution's shared state: the origin, the match position, the divergence."""
 
-    def __init__(self, origin: Tape, store: Any, at: int, writer: TapeWriter, scratch: Path,
+    def __init__(self, origin: Tape, store: ObjectStore, at: int, writer: TapeWriter, scratch: Path,
                  model_override: str | None) -> None:
         self.origin = origin
         self.origin_id = origin.tape_id or Path(os.fspath(origin.path)).stem
@@ -247,7 +250,7 @@ class Redirect:
 
     root: str
     tapes: TapeDir
-    store: Any
+    store: ObjectStore
     target: int  # the rank of the transaction the origin tape recorded (0: the run's own tape)
     session: _Session
 
@@ -395,7 +398,7 @@ def _run(fn: Callable, args: list[Any], kwargs: dict[str, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _scratch(store: Any, start: Mapping[str, Any], tape_dir: Path
+def _scratch(store: ObjectReader, start: Mapping[str, Any], tape_dir: Path
              ) -> Iterator[tuple[Path, str, str, TapeDir]]:
     """(temp dir, root, cwd, scratch tape dir): the base tree copied, removed afterwards."""
     from shadowfs.oid import ObjectId
@@ -467,7 +470,7 @@ def upstreams_for(endpoint: str | Mapping[str, str] | None) -> dict[str, str]:
 
 def reexecute(
     origin_path: Path,
-    store: Any,
+    store: ObjectStore,
     at: int,
     *,
     tape_id: str,

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -66,6 +66,9 @@ from shadowfs.commit import recover as recover_commit
 from shadowfs.errors import ConflictError
 from shadowfs.layer import Layer
 from shadowfs.oid import ObjectId, hash_object
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 __all__ = [
     "Checkpoint",
@@ -117,7 +120,7 @@ class TapeLog:
     under load). A power loss can cost the frames after the last sync, never a verdict.
     """
 
-    def __init__(self, path: Path, store: Any, tape_id: str) -> None:
+    def __init__(self, path: Path, store: ObjectStore, tape_id: str) -> None:
         self.writer = TapeWriter.create(path, store, tape_id, fsync=False)
         # fdatasync works on the inode through any descriptor; this one is ours to hold.
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -273,7 +276,9 @@ def _relative(path: str, root: str) -> str | None:
     return None
 
 
-def build_base(store: Any, root: str, tape_dir: str, tapes: TapeDir | None = None) -> ObjectId:
+def build_base(
+    store: ObjectStore, root: str, tape_dir: str, tapes: TapeDir | None = None
+) -> ObjectId:
     """The tree of ``root`` as a transaction sees it: without the tape dir's own records. With
     ``tapes``, the last build of ``root`` recorded there serves as a stat cache
     (jukebox.trees.basetree), so unchanged files are not read again."""
@@ -1175,7 +1180,7 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 class _CommitGuard:
     """One commit into one root at a time (across processes), with its owner record."""
 
-    def __init__(self, tapes: TapeDir, root: str, store: Any) -> None:
+    def __init__(self, tapes: TapeDir, root: str, store: ObjectStore) -> None:
         key = _commit_key(root)
         base = tapes.private_dir("commits")
         self.tapes = tapes
@@ -1205,7 +1210,7 @@ class _CommitGuard:
         self.fd = -1
 
 
-def _holds_new(store: Any, root: str, base: ObjectId, new: ObjectId) -> bool:
+def _holds_new(store: ObjectReader, root: str, base: ObjectId, new: ObjectId) -> bool:
     """After a recovery that had no journal to redo: did the commit finish (True) or never
     reach its commit point (False)? The tree is exactly one or the other, so one changed path
     decides."""
@@ -1236,6 +1241,8 @@ def _holds_new(store: Any, root: str, base: ObjectId, new: ObjectId) -> bool:
             return False
         if change.status == "mode":
             return stat.S_IMODE(st.st_mode) == e.mode
+        if e.oid is None:
+            return False  # a file entry without content: a damaged tree, never held
         with open(path, "rb") as f:
             data = f.read()
         if store.kind(e.oid) == "blob":
@@ -1244,7 +1251,7 @@ def _holds_new(store: Any, root: str, base: ObjectId, new: ObjectId) -> bool:
     return True
 
 
-def _settle(owner: Path, journal_dir: Path, store: Any) -> str | None:
+def _settle(owner: Path, journal_dir: Path, store: ObjectStore) -> str | None:
     """Finish or undo a dead process's commit and record the real verdict on its tape."""
     try:
         record = json.loads(owner.read_text())
@@ -1287,7 +1294,7 @@ def _settle(owner: Path, journal_dir: Path, store: Any) -> str | None:
     return COMMITTED if applied else ROLLED_BACK
 
 
-def recover_commits(tapes: TapeDir, store: Any) -> list[tuple[str, str]]:
+def recover_commits(tapes: TapeDir, store: ObjectStore) -> list[tuple[str, str]]:
     """Settle every commit into any root whose process died midway, and remove dead
     transactions' scratch space. Returns (tape id, verdict) per settled commit."""
     clean_scratch(tapes)

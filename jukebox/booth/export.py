@@ -189,7 +189,7 @@ def _header_text(text: str) -> str:
 
 
 def export_patch(
-    store: Any,
+    store: ObjectReader,
     changes: Sequence[Any],
     *,
     subject: str,

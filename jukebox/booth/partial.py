@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.errors import UsageError
 from shadowfs.oid import ObjectId
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectStore
 
 PARTIAL_EVENT = "partial_commit"
 
@@ -68,7 +71,7 @@ def tree_paths(paths: Sequence[str], tree_root: str, cwd: str | None = None) -> 
 
 
 def select(
-    store: Any, booth_id: str, base: ObjectId, target: ObjectId, paths: list[bytes]
+    store: ObjectStore, booth_id: str, base: ObjectId, target: ObjectId, paths: list[bytes]
 ) -> tuple[ObjectId, bool]:
     """(the tree a commit of only ``paths`` applies, whether that is all of the booth's
     pending changes). A path at or under which the booth changes nothing is refused."""

@@ -24,7 +24,7 @@ A user with no writable home has no key: their seals are plain hashes, which bin
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jukebox.errors import CheckFailed
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from jukebox.booth.supervisor import BoothRecord
     from jukebox.tape.tape import Tape
     from jukebox.tape.tapedir import TapeDir
+    from shadowfs.objects import ObjectStore
 
 # Record fields that are the record's own bookkeeping, whatever run_start holds under the name.
 _OWN = frozenset({"id", "tape", "created", "status", "final_tree", "pid", "agent_status",
@@ -79,7 +80,7 @@ class NotSealed(CheckFailed):
 
 
 def bound_tape(
-    tape_dir: TapeDir, booth_id: str, record: BoothRecord, store: Any = None, *,
+    tape_dir: TapeDir, booth_id: str, record: BoothRecord, store: ObjectStore | None = None, *,
     sealed: bool = False,
 ) -> Tape:  # fmt: skip
     """The record's tape, loaded and checked against the record (see the module docstring);

@@ -77,7 +77,7 @@ from shadowfs.oid import ObjectId
 
 if TYPE_CHECKING:
     from jukebox.llm.session import LlmOptions
-    from shadowfs.objects import ObjectReader
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 COMMIT_MODES = ("auto", "ask", "never")
 # Not a --commit choice: replays and forks run scratch booths that end discarded, quietly,
@@ -130,7 +130,7 @@ class LayerContext:
     fs: str
     tree: str  # real path of the tree
     tree_fd: int  # opened before the namespace and the mount
-    store: Any
+    store: ObjectStore
     scratch: Path  # empty, outside the tree, hidden from the agent
     base_tree: ObjectId
     userns: bool
@@ -402,7 +402,7 @@ def _open_store(tape_dir: TapeDir) -> Any:
 
 
 def _append_to_tape(
-    store: Any, tape_path: str, kind: str, payload: dict[str, Any], tree: Any = None,
+    store: ObjectStore, tape_path: str, kind: str, payload: dict[str, Any], tree: Any = None,
     refs: Sequence[Any] = (),
 ) -> None:  # fmt: skip
     from jukebox.tape.tape import TapeWriter
@@ -435,7 +435,7 @@ class GroupTape:
     those in flight are written with them, not a flush later.
     """
 
-    def __init__(self, writer: Any, store: Any, delay: float = GROUP_DELAY) -> None:
+    def __init__(self, writer: Any, store: ObjectStore, delay: float = GROUP_DELAY) -> None:
         self.writer = writer  # a TapeWriter created with fsync=False
         self.store = store
         self.path = writer.path
@@ -697,7 +697,7 @@ Verdict = Callable[[str, dict[str, Any], "ObjectId | None"], None]
 
 
 def commit_tree(
-    store: Any,
+    store: ObjectReader,
     tape_dir: TapeDir,
     record: BoothRecord,
     base: ObjectId,
@@ -1661,7 +1661,7 @@ class _Booth:
     `layer_open` is emptied once the layer was discarded on the normal path."""
 
     options: _BoothOptions
-    store: Any
+    store: ObjectStore
     writer: GroupTape
     record: BoothRecord
     base_tree: ObjectId
@@ -1834,7 +1834,7 @@ def _quietly(close: Callable[[], None]) -> None:
 
 
 @contextlib.contextmanager
-def _opened_tape(o: _BoothOptions, store: Any) -> Iterator[tuple[GroupTape, Any]]:
+def _opened_tape(o: _BoothOptions, store: ObjectStore) -> Iterator[tuple[GroupTape, Any]]:
     """The booth's tape, and its live export (jukebox.export.otel_live.LiveExport, with
     OTEL_EXPORTER_OTLP_ENDPOINT set), closed in that order."""
     from jukebox.tape.tape import TapeWriter
@@ -2326,7 +2326,7 @@ def _databases_after(
 
 
 def _commit_run(
-    store: Any,
+    store: ObjectReader,
     tapes: TapeDir,
     writer: Any,
     record: BoothRecord,

@@ -31,7 +31,7 @@ import itertools
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.errors import CheckFailed
 from jukebox.llm.model_override import model_for
@@ -41,6 +41,9 @@ from jukebox.llm.rewrite import RequestRewriter
 from jukebox.llm.sse import SSEEvent, event_from_record
 from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
 from jukebox.tape.frame import canonical_json
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 MODES = ("strict", "loose")
 
@@ -313,7 +316,7 @@ class ReplaySource:
     def from_tape(
         cls,
         tape: Any,
-        store: Any,
+        store: ObjectReader,
         mode: str = "strict",
         until: int | None = None,
         honor_timing: bool = False,

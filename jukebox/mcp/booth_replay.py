@@ -18,11 +18,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.booth.control import RequestError
 from jukebox.errors import UsageError
 from jukebox.mcp.replay import Frame, GoLive, RecordedServer, mcp_frames, server_names
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 METHODS = ("initialize", "tools/call", "tools/list", "resources/list",
            "resources/templates/list", "prompts/list", "resources/read", "prompts/get")  # fmt: skip
@@ -47,7 +50,7 @@ class ToolReplay:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_tape(cls, tape: Any, store: Any, until: int | None = None,
+    def from_tape(cls, tape: Any, store: ObjectReader, until: int | None = None,
                   override: tuple[int, dict[str, Any]] | None = None) -> ToolReplay:  # fmt: skip
         """The MCP traffic of `tape` through frame `until` (None: all of it; past it: live),
         and through the overridden frame."""
@@ -108,7 +111,9 @@ class ToolReplay:
                 return out
 
 
-def tool_result_override(tape: Any, store: Any, at: int, value: str) -> tuple[int, dict[str, Any]]:
+def tool_result_override(
+    tape: Any, store: ObjectReader, at: int, value: str
+) -> tuple[int, dict[str, Any]]:
     """`fork --tool-result VALUE` for the tool call at frame `at`: VALUE is a JSON object with
     `content` (an MCP tool result as on the wire), other JSON, or text (`@FILE`: read from FILE);
     anything but a result object becomes one text block."""

@@ -27,7 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.errors import CheckFailed, UsageError
 from jukebox.redact import Scrubber
@@ -35,6 +35,9 @@ from jukebox.sql import messages as m
 from jukebox.sql import results
 from jukebox.sql import statements as st
 from jukebox.sql.server import params_for_tape, statement_for_tape
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader
 
 # The server parameters a client needs when the tape has none (recorded before they were kept).
 DEFAULT_PARAMETERS = {
@@ -85,7 +88,7 @@ class SqlRecording:
         return SqlReplay(self, record, secrets, listen, self.on_divergence).start()
 
     @classmethod
-    def from_tape(cls, tape: Any, store: Any) -> SqlRecording | None:
+    def from_tape(cls, tape: Any, store: ObjectReader) -> SqlRecording | None:
         """None when the run used no database; UsageError when its SQL cannot be served."""
         dbs: dict[str, RecordedDatabase] = {}
         missing = 0

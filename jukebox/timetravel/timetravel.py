@@ -395,7 +395,7 @@ class _Watch:
 
         return WatchedLayer
 
-    def observe(self, store: Any, tree: ObjectId) -> None:
+    def observe(self, store: ObjectReader, tree: ObjectId) -> None:
         i, self.snapshots = self.snapshots, self.snapshots + 1
         if (
             self.stopped is None
@@ -414,7 +414,7 @@ class _Watch:
 
 
 @contextlib.contextmanager
-def _scratch_tree(store: Any, run: Recorded) -> Iterator[tuple[str, str, list[str]]]:
+def _scratch_tree(store: ObjectReader, run: Recorded) -> Iterator[tuple[str, str, list[str]]]:
     """A temporary copy of the base tree: (tree path, cwd for the agent, argv), removed after."""
     from jukebox.display.progress import step
     from shadowfs.tree import materialize
@@ -501,7 +501,7 @@ def _run_watched(
     return status, seconds
 
 
-def _tool_replay(tape: Any, store: Any, until: int | None,
+def _tool_replay(tape: Any, store: ObjectReader, until: int | None,
                  override: tuple[int, dict[str, Any]] | None = None) -> Any:  # fmt: skip
     """The recorded MCP answers a replay or fork serves (None when the tape has none)."""
     if not any(f.kind == "tool_call" for f in tape.frames) and not recorded_run(tape).mcp_servers:
@@ -511,7 +511,7 @@ def _tool_replay(tape: Any, store: Any, until: int | None,
     return ToolReplay.from_tape(tape, store, until, override)
 
 
-def _llm_counts(tape: Any, store: Any) -> tuple[int, int, float]:
+def _llm_counts(tape: Any, store: ObjectReader) -> tuple[int, int, float]:
     """(calls served from a tape, live calls, dollars spent on the live ones)."""
     served = live = 0
     spent = 0.0
@@ -531,7 +531,7 @@ def _llm_counts(tape: Any, store: Any) -> tuple[int, int, float]:
 def _first_difference(
     original: Any,
     replay: Any,
-    store: Any,
+    store: ObjectReader,
     marks: list[CheckpointMark],
     *,
     whole_run: bool,

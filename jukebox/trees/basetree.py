@@ -34,13 +34,16 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
 from jukebox.tape.tapedir import TapeDir
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 _STATS_MAGIC = b"JBXSTAT2"
 _RECORD = struct.Struct(">HQQq")
@@ -187,7 +190,7 @@ def _write_dirs(
 
 
 def build_base_tree(
-    store: Any,
+    store: ObjectStore,
     tape_dir: TapeDir,
     tree_path: str,
     *,
@@ -288,7 +291,7 @@ def forget_base_paths(tape_dir: TapeDir, tree_path: str, touched: Iterable[bytes
 
 
 def forget_committed(
-    tape_dir: TapeDir, tree_path: str, store: Any, base: ObjectId, final: ObjectId
+    tape_dir: TapeDir, tree_path: str, store: ObjectReader, base: ObjectId, final: ObjectId
 ) -> None:
     """``forget_base_paths`` for every path a commit from ``base`` to ``final`` touched."""
     from shadowfs.tree import diff_trees

@@ -40,7 +40,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -48,6 +48,9 @@ from jukebox.errors import CheckFailed, JukeboxError, UsageError
 from jukebox.tape.tapedir import TapeDir, check_tape_id
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
+
+if TYPE_CHECKING:
+    from shadowfs.objects import ObjectReader, ObjectStore
 
 INTENT_NAME = "intent.json"
 LOCK_TIMEOUT_ENV = "JUKEBOX_LOCK_TIMEOUT"
@@ -297,7 +300,7 @@ class CommitJob:
 
     def apply(
         self,
-        store: Any,
+        store: ObjectReader,
         target_fd: int,
         base: ObjectId,
         final: ObjectId,
@@ -505,7 +508,7 @@ def _recover_one(
 
 
 def _verdict(
-    store: Any,
+    store: ObjectStore,
     tapes: TapeDir,
     booth_id: str,
     intent: dict[str, Any],
@@ -549,7 +552,7 @@ def _verdict(
         booths.save_record(tapes, record)
 
 
-def _ends_with_commit(tape: Path, store: Any, final: ObjectId) -> bool:
+def _ends_with_commit(tape: Path, store: ObjectStore, final: ObjectId) -> bool:
     """Whether the verdict is already there (the kill came after the frame, before cleanup)."""
     from jukebox.tape.tape import Tape
 
