@@ -248,6 +248,8 @@ class SqlSession:
         if attached is not None and attached.wrote and attached is not self.holder:
             attached.undo(n)
             self.attached = None
+        if holder is not self.holder or attached is not self.attached:
+            self._notify()  # writes that waited for that block may go once the rollback is done
 
     async def end(self, sql: str) -> None:
         """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after."""
