@@ -47,7 +47,14 @@ from jukebox.api.transaction import (
     recover_commits,
 )
 from jukebox.guard.breaker import CircuitBreaker
-from jukebox.redact import KEY_SHAPES, MIN_SECRET_LEN, REDACTED, is_secret_name
+from jukebox.redact import (
+    KEY_SHAPES,
+    MIN_SECRET_LEN,
+    REDACTED,
+    Scrubber,
+    is_secret_name,
+    redact_text,
+)
 from jukebox.tape import tape as _tape
 from jukebox.tape.compare import Comparison, compare_tapes
 from jukebox.tape.tapedir import TapeDir, check_tape_id, default_tape_dir
@@ -126,10 +133,16 @@ class SandboxPolicy:
 
 
 def _secret_env_values() -> list[str]:
+    """The secret-named variables' values, and the running proxy's secret: the base URLs it
+    puts in the environment carry it, and a tracked call may be handed one, return one or fail
+    with one in its message (`requests` and httpx errors name the URL)."""
     out = []
     for name, value in os.environ.items():
         if len(value) >= MIN_SECRET_LEN and is_secret_name(name):
             out.append(value)
+    proxy = _capture.proxy
+    if proxy is not None:
+        out.append(proxy.secret)
     return out
 
 
@@ -219,7 +232,8 @@ def describe_function(fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 def _error_payload(error: BaseException) -> dict[str, Any]:
-    return {"type": type(error).__name__, "message": str(error)[:2000]}
+    message = redact_text(str(error), Scrubber(_secret_env_values()))
+    return {"type": type(error).__name__, "message": message[:2000]}
 
 
 # --------------------------------------------------------------------------- model calls
@@ -244,6 +258,11 @@ class _LlmCapture:
         self._proxy: Any = None
         self._saved: dict[str, str | None] = {}
         self.pinned = False  # a B side's proxy: stays up between its runs, stopped by it
+
+    @property
+    def proxy(self) -> Any:
+        """The running proxy, or None."""
+        return self._proxy
 
     def _start(self, tape_dir: Path, **options: Any) -> None:
         from jukebox.llm.pricing import PriceTable

@@ -10,6 +10,7 @@ import pytest
 
 from jukebox.api.api import Jukebox
 from jukebox.guard.breaker import CircuitBreaker
+from jukebox.redact import REDACTED
 from jukebox.tape.tape import Tape
 from tests.llm.upstream import FakeUpstream
 
@@ -76,6 +77,53 @@ def test_sdk_calls_land_on_the_open_transactions_tape(
     assert own.frames[0].payload["run"]["id"] == tape.frames[0].payload["run"]["id"]
     assert own.verify().ok and tape.verify().ok
 
+
+
+def test_the_proxys_secret_stays_off_the_runs_record(
+    jb: Jukebox, upstream: FakeUpstream, work: Path
+) -> None:
+    """The base URL a tracked call finds in its environment carries the proxy's secret; a call
+    handed it, returning it or failing with it in its message (as `requests` and httpx errors
+    name the URL) records it redacted, like the environment's secret values."""
+    urls: list[str] = []
+
+    def ask(url: str) -> None:
+        openai.OpenAI(max_retries=0).chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "at " + url}]
+        )
+
+    @jb.track(name="handed")
+    def handed(url: str) -> str:
+        ask(url)
+        return url
+
+    @jb.track(name="failing")
+    def failing(url: str) -> None:
+        ask(url)
+        raise ConnectionError(f"Max retries exceeded with url: {url}/models")
+
+    @jb.track(name="outer")
+    def outer() -> str:
+        urls.append(os.environ["OPENAI_BASE_URL"])
+        handed(urls[0])
+        with pytest.raises(ConnectionError):
+            failing(urls[0])
+        return urls[0]
+
+    outer()
+    secret = urls[0].split("/")[3]
+    assert len(secret) == 43 and len(upstream.seen) == 2
+    frames = [f.payload for p in jb.tapes.tape_paths() for f in Tape.load(p).frames]
+    starts = {f["name"]: f["run"]["args"] for f in frames if "run" in f and "name" in f}
+    assert starts["handed"]["values"] == starts["failing"]["values"] == {"url": REDACTED}
+    ends = [f for f in frames if "code" in f]
+    # handed's (outer made no model call of its own: it has no tape)
+    assert [f["result"] for f in ends if "result" in f] == [REDACTED]
+    (error,) = [f["error"] for f in ends if "error" in f]
+    shown = urls[0].replace(secret, REDACTED)
+    assert error["message"] == f"Max retries exceeded with url: {shown}/models"
+    on_disk = b"".join(p.read_bytes() for p in jb.tapes.path.rglob("*") if p.is_file())
+    assert secret.encode() not in on_disk
 
 def test_the_breaker_stops_sdk_calls_and_the_transaction_rolls_back(
     work: Path, upstream: FakeUpstream
