@@ -55,12 +55,13 @@ def _lines(log: Path) -> list[str]:
 
 
 def _booth_processes(marker: str) -> list[int]:
-    """Processes still running with `marker` on their command line (the agent, its servers)."""
+    """Processes still running with `marker` in their command line or environment: this test's
+    agents and servers only (another test on the machine may run the same server)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
+            with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/environ", "rb") as e:
+                if marker.encode() in f.read() + e.read():
                     out.append(int(pid))
         except OSError:
             continue
@@ -103,7 +104,7 @@ def test_supervisor_killed_with_calls_held_and_while_its_commit_runs_them(tmp_pa
         # Everything of the booths went with their supervisors (PDEATHSIG down the chain):
         # nothing is left that could still send a held call.
         _until(lambda: not _booth_processes(AGENT), "the agents are gone")
-        _until(lambda: not _booth_processes(str(HOSTILE_SERVER)), "the servers are gone")
+        _until(lambda: not _booth_processes(str(tmp_path)), "the servers are gone")  # their log
     finally:
         for booth in (held, running):
             if booth["proc"].poll() is None:
