@@ -65,7 +65,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
@@ -98,6 +97,7 @@ from shadowfs.tree import (
     read_tree,
     walk,
 )
+from shadowfs.values import Record, Value, setfield
 
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader
@@ -159,10 +159,14 @@ Interrupted = Callable[[], bool]
 Target = int | str | bytes | os.PathLike[str] | os.PathLike[bytes]
 
 
-@dataclass(frozen=True, slots=True)
-class CommitReport:
+class CommitReport(Value):
+    __slots__ = FIELDS = ("changed", "bytes_written")
     changed: int  # paths that differed between the two trees (metadata-only changes included)
     bytes_written: int  # file content bytes staged and renamed into place
+
+    def __init__(self, changed: int, bytes_written: int) -> None:
+        setfield(self, "changed", changed)
+        setfield(self, "bytes_written", bytes_written)
 
 
 # --- paths ------------------------------------------------------------------------------------
@@ -496,23 +500,51 @@ def _below(store: ObjectReader, e: Entry, path: bytes, out: list[Change], *, add
 # --- planning ---------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Stage:
+class _Stage(Record):
+    __slots__ = FIELDS = ("path", "dir", "name", "entry", "link_to")
     path: bytes  # final place
     dir: bytes  # existing directory the staged entry is written in
     name: bytes  # staged name inside dir
     entry: Entry
     # For a hard link: the stage of its group made first, which this one is a link to.
-    link_to: _Stage | None = None
+    link_to: _Stage | None
+
+    def __init__(
+        self,
+        path: bytes,
+        dir: bytes,
+        name: bytes,
+        entry: Entry,
+        link_to: _Stage | None = None,
+    ) -> None:
+        self.path = path
+        self.dir = dir
+        self.name = name
+        self.entry = entry
+        self.link_to = link_to
 
 
-@dataclass(slots=True)
-class _Plan:
+class _Plan(Record):
+    __slots__ = FIELDS = ("changes", "stages", "ops", "fsync", "removed_dirs")
     changes: list[Change]
     stages: list[_Stage]
     ops: list[list[Any]]  # journal operations, paths still bytes
     fsync: list[bytes]
     removed_dirs: dict[bytes, set[bytes]]  # dir -> names base says it holds
+
+    def __init__(
+        self,
+        changes: list[Change],
+        stages: list[_Stage],
+        ops: list[list[Any]],
+        fsync: list[bytes],
+        removed_dirs: dict[bytes, set[bytes]],
+    ) -> None:
+        self.changes = changes
+        self.stages = stages
+        self.ops = ops
+        self.fsync = fsync
+        self.removed_dirs = removed_dirs
 
 
 def _plan(
@@ -1075,10 +1107,10 @@ def _write_staged(dfd: int, name: bytes, data: bytes, mode: int, mtime_ns: int) 
         os.close(fd)
 
 
-@dataclass(slots=True)
-class _Chunk:
+class _Chunk(Record):
     """Stages written together: small files by threads, then the rest one by one."""
 
+    __slots__ = FIELDS = ("start", "end", "own", "calls", "rest", "held", "futures")
     start: int
     end: int
     own: _ChunkDirs
@@ -1086,6 +1118,24 @@ class _Chunk:
     rest: list[_Stage]  # big files, symlinks, special files, further names of a link group
     held: int  # bytes of the small files' content
     futures: list[Future[Any]]
+
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        own: _ChunkDirs,
+        calls: list[tuple[Any, ...]],
+        rest: list[_Stage],
+        held: int,
+        futures: list[Future[Any]],
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.own = own
+        self.calls = calls
+        self.rest = rest
+        self.held = held
+        self.futures = futures
 
 
 def _read_chunk(store: ObjectReader, dirs: _Dirs, stages: list[_Stage], i: int) -> _Chunk:

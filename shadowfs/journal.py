@@ -35,7 +35,8 @@ empty. Decoding refuses non-minimal varints, unknown ops and trailing bytes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+
+from shadowfs.values import Record
 
 MAGIC = b"SJNL"
 VERSION = 1
@@ -60,16 +61,21 @@ OPS: tuple[str, ...] = (
 _CODES = {name: i for i, name in enumerate(OPS)}
 
 
-@dataclass(slots=True)
-class JournalOp:
-    op: str
-    paths: tuple[bytes, ...]
-    pid: int
-    time_ns: int
-    offset: int = 0
-    length: int = 0
-    arg: int = 0
-    extra: bytes = b""
+class JournalOp(Record):
+    __slots__ = FIELDS = ("op", "paths", "pid", "time_ns", "offset", "length", "arg", "extra")
+
+    def __init__(
+        self, op: str, paths: tuple[bytes, ...], pid: int, time_ns: int, offset: int = 0,
+        length: int = 0, arg: int = 0, extra: bytes = b"",
+    ) -> None:  # fmt: skip
+        self.op = op
+        self.paths = paths
+        self.pid = pid
+        self.time_ns = time_ns
+        self.offset = offset
+        self.length = length
+        self.arg = arg
+        self.extra = extra
 
 
 def _uv(n: int, out: bytearray) -> None:

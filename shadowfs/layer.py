@@ -96,7 +96,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shadowfs import tree as trees
@@ -119,6 +118,7 @@ from shadowfs.tree import (
     make_entry,
     pack_records,
 )
+from shadowfs.values import Value, setfield
 
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader, ObjectStore
@@ -514,8 +514,11 @@ class Scratch:
         self._reset()
 
 
-@dataclass(frozen=True, slots=True)
-class NodeStat:
+class NodeStat(Value):
+    __slots__ = FIELDS = (
+        "st_mode", "st_ino", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime_ns",
+        "st_mtime_ns", "st_ctime_ns", "st_blocks",
+    )  # fmt: skip
     st_mode: int
     st_ino: int
     st_nlink: int
@@ -526,6 +529,21 @@ class NodeStat:
     st_mtime_ns: int
     st_ctime_ns: int
     st_blocks: int
+
+    def __init__(
+        self, st_mode: int, st_ino: int, st_nlink: int, st_uid: int, st_gid: int, st_size: int,
+        st_atime_ns: int, st_mtime_ns: int, st_ctime_ns: int, st_blocks: int,
+    ) -> None:  # fmt: skip
+        setfield(self, "st_mode", st_mode)
+        setfield(self, "st_ino", st_ino)
+        setfield(self, "st_nlink", st_nlink)
+        setfield(self, "st_uid", st_uid)
+        setfield(self, "st_gid", st_gid)
+        setfield(self, "st_size", st_size)
+        setfield(self, "st_atime_ns", st_atime_ns)
+        setfield(self, "st_mtime_ns", st_mtime_ns)
+        setfield(self, "st_ctime_ns", st_ctime_ns)
+        setfield(self, "st_blocks", st_blocks)
 
 
 PathLike = str | bytes | os.PathLike[str]

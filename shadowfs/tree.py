@@ -55,7 +55,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
@@ -162,10 +162,6 @@ class Entry(Value):
         setfield(self, "link", link)
         setfield(self, "record", None)
 
-    def replace(self, **changes: Any) -> Entry:
-        """A copy with `changes` to its fields (the contract of `dataclasses.replace`: the cached
-        record is not carried over, an unknown name is a TypeError)."""
-        return Entry(**{**dict(zip(_ENTRY_FIELDS, self._key(self), strict=True)), **changes})
 
 
 class Change(Value):

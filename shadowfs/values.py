@@ -22,9 +22,12 @@ from typing import Any, ClassVar, TypeVar
 setfield = object.__setattr__
 
 V = TypeVar("V", bound="Value")
+F = TypeVar("F", bound="_Fields")
 
 
 def _key_of(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    if not names:  # a base class
+        return lambda obj: ()
     if len(names) == 1:  # attrgetter of one name gives the value, not a 1-tuple
         one = attrgetter(names[0])
         return lambda obj: (one(obj),)
@@ -38,11 +41,14 @@ def _rebuild(cls: type[V], state: tuple[tuple[str, Any], ...]) -> V:
     return obj
 
 
-class Value:
-    """An immutable value: see the module's docstring."""
+class _Fields:
+    """Equality and repr by the value's fields, as a dataclass has them."""
 
     __slots__ = ()
     FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Every parameter of the class's `__init__`, in order: FIELDS unless a class says otherwise
+    # (a field left out of the value but given at construction; `dataclasses.fields`' list).
+    INIT: ClassVar[tuple[str, ...]] = ()
     # Set on each subclass (a class attribute); typed as an instance's so that mypy does not
     # take it for a method bound to the instance.
     _key: Callable[[Any], tuple[Any, ...]]
@@ -52,18 +58,45 @@ class Value:
         # A plain function as a class attribute would bind as a method; the key is kept in a
         # staticmethod so `type(self)._key(self)` and `self._key(self)` both work.
         cls._key = staticmethod(_key_of(cls.FIELDS))
+        if "INIT" not in cls.__dict__:
+            cls.INIT = cls.FIELDS
 
     def __eq__(self, other: object) -> bool:
         if other.__class__ is self.__class__:
             return self._key(self) == self._key(other)
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash(self._key(self))
-
     def __repr__(self) -> str:
         shown = ", ".join(f"{n}={v!r}" for n, v in zip(self.FIELDS, self._key(self), strict=True))
         return f"{type(self).__qualname__}({shown})"
+
+    def replace(self: F, **changes: Any) -> F:
+        """A new instance with `changes` to its fields (`dataclasses.replace`'s contract: built
+        through `__init__`, so what it does not take, a cache, is not carried over; an unknown
+        name is a TypeError)."""
+        return type(self)(**{**{name: getattr(self, name) for name in self.INIT}, **changes})
+
+    def fields_dict(self) -> dict[str, Any]:
+        """The fields by name, one level deep (what `dataclasses.asdict` gives of a value whose
+        fields hold no dataclass, list or dict to copy)."""
+        return dict(zip(self.FIELDS, self._key(self), strict=True))
+
+
+class Record(_Fields):
+    """A mutable value (a dataclass with ``eq`` and not ``frozen``): unhashable, and its
+    `__init__` assigns as any class's does."""
+
+    __slots__ = ()
+    __hash__ = None  # type: ignore[assignment]  # mutable and compared by value: unhashable
+
+
+class Value(_Fields):
+    """An immutable value: see the module's docstring."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        return hash(self._key(self))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"cannot assign to field {name!r}")

@@ -26,11 +26,11 @@ import contextlib
 import errno
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from jukebox.booth.isolation import _is_under
 from jukebox.errors import JukeboxError
+from shadowfs.values import Record, Value, setfield
 
 CONTROLLERS = ("pids", "memory")
 PROTECTION_NAMES = {"pids": "pids_cgroup", "memory": "memory_cgroup"}
@@ -42,21 +42,33 @@ class CgroupUnavailable(JukeboxError):
     """This controller cannot be used here; the message says why."""
 
 
-@dataclass(frozen=True)
-class Hierarchy:
+class Hierarchy(Value):
+    __slots__ = FIELDS = ("mount", "own", "v2")
     mount: str  # where it is mounted
     own: str  # this process's cgroup in it, relative to the mount ("/" is its root)
     v2: bool
 
+    def __init__(self, mount: str, own: str, v2: bool) -> None:
+        setfield(self, "mount", mount)
+        setfield(self, "own", own)
+        setfield(self, "v2", v2)
 
-@dataclass
-class BoothCgroup:
+
+class BoothCgroup(Record):
     """The cgroup directories one booth made (one per hierarchy) and what each enforces."""
 
-    name: str
-    dirs: list[str] = field(default_factory=list)
-    mounts: list[str] = field(default_factory=list)  # the file systems the dirs are on
-    states: dict[str, str] = field(default_factory=dict)  # protection name -> "on" | why not
+    __slots__ = FIELDS = ("name", "dirs", "mounts", "states")
+
+    def __init__(
+        self, name: str, dirs: list[str] | None = None, mounts: list[str] | None = None,
+        states: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.dirs: list[str] = [] if dirs is None else dirs
+        # The file systems the dirs are on.
+        self.mounts: list[str] = [] if mounts is None else mounts
+        # protection name -> "on" | why not
+        self.states: dict[str, str] = {} if states is None else states
 
     @property
     def procs_files(self) -> list[str]:

@@ -29,10 +29,10 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from jukebox.errors import JukeboxError
+from shadowfs.values import Value, setfield
 
 SOCKET_ENV = "JUKEBOX_SOCKET"
 MAX_LINE = 64 * 1024
@@ -63,11 +63,16 @@ class RequestError(JukeboxError, ValueError):
     """A request the server refuses; its message goes back to the client."""
 
 
-@dataclass(frozen=True)
-class Peer:
+class Peer(Value):
+    __slots__ = FIELDS = ("pid", "uid", "gid")
     pid: int
     uid: int
     gid: int
+
+    def __init__(self, pid: int, uid: int, gid: int) -> None:
+        setfield(self, "pid", pid)
+        setfield(self, "uid", uid)
+        setfield(self, "gid", gid)
 
     def as_dict(self) -> dict[str, int]:
         return {"pid": self.pid, "uid": self.uid, "gid": self.gid}

@@ -30,13 +30,13 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jukebox.booth.syscall_filter import GROUPS, check_groups
 from jukebox.errors import UsageError
 from jukebox.redact import SECRET_ENV_PATTERNS
+from shadowfs.values import Value, setfield
 
 # Package data, so that a wheel install has them too.
 IMAGES_DIR = Path(__file__).resolve().parent / "sandbox_images"
@@ -56,29 +56,79 @@ class ImageError(UsageError):
     pass
 
 
-@dataclass(frozen=True)
-class Image:
+class Image(Value):
+    # Every field; `source` is not part of the value (compared and shown without it).
+    __slots__ = INIT = (
+        "name", "path", "description", "net", "verify", "readonly_host", "private_tmp", "only",
+        "hide", "env_allow", "env_secret", "env_set", "limits", "scratch_limit", "source",
+        "seccomp", "seccomp_allow", "cgroup", "tmp_size", "shm_size",
+    )  # fmt: skip
+    FIELDS = tuple(n for n in INIT if n != "source")
     name: str
     path: Path
-    description: str = ""
-    net: str = "host"
-    verify: str | None = None
-    readonly_host: bool = True
-    private_tmp: bool = True
-    only: tuple[str, ...] = ()
-    hide: tuple[str, ...] = ()
-    env_allow: tuple[str, ...] = ("*",)
-    env_secret: tuple[str, ...] = SECRET_PATTERNS
-    env_set: Mapping[str, str] = field(default_factory=dict)
-    limits: Mapping[str, int] = field(default_factory=dict)  # resource limits (rlimits)
-    scratch_limit: int | None = None  # bytes the booth's layer may stage in all
+    description: str
+    net: str
+    verify: str | None
+    readonly_host: bool
+    private_tmp: bool
+    only: tuple[str, ...]
+    hide: tuple[str, ...]
+    env_allow: tuple[str, ...]
+    env_secret: tuple[str, ...]
+    env_set: Mapping[str, str]
+    limits: Mapping[str, int]  # resource limits (rlimits)
+    scratch_limit: int | None  # bytes the booth's layer may stage in all
     # The parsed TOML as written: what a tape records of the image (jukebox.booth.recorded_image).
-    source: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    seccomp: bool = True
-    seccomp_allow: tuple[str, ...] = ()  # groups of jukebox.booth.syscall_filter let through
-    cgroup: bool = True
-    tmp_size: int | None = None  # the private /tmp's size in bytes (None: the default)
-    shm_size: int | None = None  # the private /dev/shm's size in bytes (None: the default)
+    source: Mapping[str, Any]
+    seccomp: bool
+    seccomp_allow: tuple[str, ...]  # groups of jukebox.booth.syscall_filter let through
+    cgroup: bool
+    tmp_size: int | None  # the private /tmp's size in bytes (None: the default)
+    shm_size: int | None  # the private /dev/shm's size in bytes (None: the default)
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        description: str = "",
+        net: str = "host",
+        verify: str | None = None,
+        readonly_host: bool = True,
+        private_tmp: bool = True,
+        only: tuple[str, ...] = (),
+        hide: tuple[str, ...] = (),
+        env_allow: tuple[str, ...] = ("*",),
+        env_secret: tuple[str, ...] = SECRET_PATTERNS,
+        env_set: Mapping[str, str] | None = None,
+        limits: Mapping[str, int] | None = None,
+        scratch_limit: int | None = None,
+        source: Mapping[str, Any] | None = None,
+        seccomp: bool = True,
+        seccomp_allow: tuple[str, ...] = (),
+        cgroup: bool = True,
+        tmp_size: int | None = None,
+        shm_size: int | None = None,
+    ) -> None:
+        setfield(self, "name", name)
+        setfield(self, "path", path)
+        setfield(self, "description", description)
+        setfield(self, "net", net)
+        setfield(self, "verify", verify)
+        setfield(self, "readonly_host", readonly_host)
+        setfield(self, "private_tmp", private_tmp)
+        setfield(self, "only", only)
+        setfield(self, "hide", hide)
+        setfield(self, "env_allow", env_allow)
+        setfield(self, "env_secret", env_secret)
+        setfield(self, "env_set", {} if env_set is None else env_set)
+        setfield(self, "limits", {} if limits is None else limits)
+        setfield(self, "scratch_limit", scratch_limit)
+        setfield(self, "source", {} if source is None else source)
+        setfield(self, "seccomp", seccomp)
+        setfield(self, "seccomp_allow", seccomp_allow)
+        setfield(self, "cgroup", cgroup)
+        setfield(self, "tmp_size", tmp_size)
+        setfield(self, "shm_size", shm_size)
 
     def is_secret(self, name: str) -> bool:
         return _matches(name, self.env_secret)

@@ -59,7 +59,6 @@ import sys
 import tempfile
 import termios
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -67,6 +66,7 @@ from jukebox.booth import credentials
 from jukebox.errors import JukeboxError
 from shadowfs.libc import check as _check
 from shadowfs.libc import libc as _libc
+from shadowfs.values import Record
 
 if TYPE_CHECKING:
     from jukebox.booth.images import Image
@@ -315,54 +315,101 @@ def remove_private_dir(path: str) -> None:
 # --------------------------------------------------------------------------- the child's spec
 
 
-@dataclass
-class ChildSpec:
+class ChildSpec(Record):
     """Everything the exec shim needs; travels to it as JSON over a pipe (never on argv, where
     the environment's secret values would be world-readable in /proc/PID/cmdline)."""
 
+    FIELDS = (
+        "argv", "cwd", "env", "keep", "mount_at", "keep_readonly", "keep_tools", "hide",
+        "readonly_root", "private_tmp", "limits", "net", "terminal", "parent_pid", "seccomp",
+        "seccomp_bpf", "cgroup_procs", "cgroup_mounts", "tmp_size", "shm_size",
+    )  # fmt: skip
     argv: list[str]
     cwd: str
     env: dict[str, str]
-    keep: list[str] = field(default_factory=list)  # mounts that stay reachable (the tree)
+    keep: list[str]  # mounts that stay reachable (the tree)
     # Kept paths whose mount is taken from elsewhere in the supervisor's namespace: target ->
     # source. The tree's layer is mounted at jukebox.booth.scratchdir.layer_mountpoint, never over
     # the tree in the supervisor's namespace, so nothing the supervisor or its threads open
     # there (imports and shared libraries, /etc lookups, /etc/ld.so.cache, certificates) can
     # wait on its own FUSE server. The source is detached from the agent's view once cloned.
-    mount_at: dict[str, str] = field(default_factory=dict)
+    mount_at: dict[str, str]
     # Mounts that stay reachable read-only (the control socket's directory: connect() needs no
     # write access to the mount, creating a file beside the socket does).
-    keep_readonly: list[str] = field(default_factory=list)
+    keep_readonly: list[str]
     # Read-only but executable: jukebox's own interpreter and installation when they live where
     # the image hides (a venv under /tmp), so `jukebox booth checkpoint` works from inside.
-    keep_tools: list[str] = field(default_factory=list)
-    hide: list[str] = field(
-        default_factory=list
-    )  # covered by an empty read-only tmpfs (or /dev/null for files)
-    readonly_root: bool = True
-    private_tmp: bool = True
-    limits: dict[str, int] = field(default_factory=dict)  # keys of RLIMITS
-    net: str = "host"  # "host" | "none"
+    keep_tools: list[str]
+    # Covered by an empty read-only tmpfs (or /dev/null for files).
+    hide: list[str]
+    readonly_root: bool
+    private_tmp: bool
+    limits: dict[str, int]  # keys of RLIMITS
+    net: str  # "host" | "none"
     # CMD's stdin (else stdout, stderr) is the booth's pty, to become its controlling terminal.
-    terminal: bool = False
-    parent_pid: int = 0
+    terminal: bool
+    parent_pid: int
     # The groups of jukebox.booth.syscall_filter let through; None: no seccomp filter at all.
-    seccomp: list[str] | None = None
+    seccomp: list[str] | None
     # That filter compiled (syscall_filter.compiled, hex), which CMD installs as it is; None
     # (no usable cache, or it could not be compiled): CMD builds it with libseccomp itself.
-    seccomp_bpf: str | None = None
+    seccomp_bpf: str | None
     # cgroup.procs files the relay joins before it forks (jukebox.booth.cgroups).
-    cgroup_procs: list[str] = field(default_factory=list)
+    cgroup_procs: list[str]
     # Their file systems, read-only in the view whatever the image: leaving the cgroup or
     # raising its limits is a write there.
-    cgroup_mounts: list[str] = field(default_factory=list)
+    cgroup_mounts: list[str]
     # Sizes in bytes of the private /tmp and /dev/shm; None leaves the kernel's default (half
     # of RAM each), which the booth never does (see Image.tmpfs_sizes).
-    tmp_size: int | None = None
-    shm_size: int | None = None
+    tmp_size: int | None
+    shm_size: int | None
+
+    def __init__(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        keep: list[str] | None = None,
+        mount_at: dict[str, str] | None = None,
+        keep_readonly: list[str] | None = None,
+        keep_tools: list[str] | None = None,
+        hide: list[str] | None = None,
+        readonly_root: bool = True,
+        private_tmp: bool = True,
+        limits: dict[str, int] | None = None,
+        net: str = "host",
+        terminal: bool = False,
+        parent_pid: int = 0,
+        seccomp: list[str] | None = None,
+        seccomp_bpf: str | None = None,
+        cgroup_procs: list[str] | None = None,
+        cgroup_mounts: list[str] | None = None,
+        tmp_size: int | None = None,
+        shm_size: int | None = None,
+    ) -> None:
+        self.argv = argv
+        self.cwd = cwd
+        self.env = env
+        self.keep = list() if keep is None else keep
+        self.mount_at = dict() if mount_at is None else mount_at
+        self.keep_readonly = list() if keep_readonly is None else keep_readonly
+        self.keep_tools = list() if keep_tools is None else keep_tools
+        self.hide = list() if hide is None else hide
+        self.readonly_root = readonly_root
+        self.private_tmp = private_tmp
+        self.limits = dict() if limits is None else limits
+        self.net = net
+        self.terminal = terminal
+        self.parent_pid = parent_pid
+        self.seccomp = seccomp
+        self.seccomp_bpf = seccomp_bpf
+        self.cgroup_procs = list() if cgroup_procs is None else cgroup_procs
+        self.cgroup_mounts = list() if cgroup_mounts is None else cgroup_mounts
+        self.tmp_size = tmp_size
+        self.shm_size = shm_size
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        return json.dumps(self.fields_dict()).encode()  # asdict's JSON: no field nests a class
 
     @classmethod
     def from_json(cls, data: bytes) -> ChildSpec:

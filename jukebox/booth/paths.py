@@ -26,10 +26,10 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from jukebox.errors import UsageError
+from shadowfs.values import Value, setfield
 
 # The kernel's and the booth's own: never a host path to keep.
 NOT_HOST = ("/proc", "/sys", "/dev")
@@ -54,12 +54,21 @@ def _resolved(flag: str, paths: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class BoothPaths:
-    rw: tuple[str, ...] = ()
-    ro: tuple[str, ...] = ()
-    hide: tuple[str, ...] = ()
-    private_tmp: bool | None = None  # None: as the image says; False: --no-private-tmp
+class BoothPaths(Value):
+    __slots__ = FIELDS = ("rw", "ro", "hide", "private_tmp")
+    rw: tuple[str, ...]
+    ro: tuple[str, ...]
+    hide: tuple[str, ...]
+    private_tmp: bool | None  # None: as the image says; False: --no-private-tmp
+
+    def __init__(
+        self, rw: tuple[str, ...] = (), ro: tuple[str, ...] = (), hide: tuple[str, ...] = (),
+        private_tmp: bool | None = None,
+    ) -> None:  # fmt: skip
+        setfield(self, "rw", rw)
+        setfield(self, "ro", ro)
+        setfield(self, "hide", hide)
+        setfield(self, "private_tmp", private_tmp)
 
     @classmethod
     def from_options(

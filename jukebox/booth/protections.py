@@ -9,11 +9,10 @@ line in MEANINGS saying what running without it means.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from jukebox.booth import cgroups, syscall_filter
 from jukebox.booth.cgroups import BoothCgroup
 from jukebox.booth.images import Image
+from shadowfs.values import Record
 
 ON = "on"
 OFF = "off"
@@ -30,9 +29,11 @@ MEANINGS: dict[str, str] = {
 }
 
 
-@dataclass
-class Protections:
-    states: dict[str, str] = field(default_factory=dict)
+class Protections(Record):
+    __slots__ = FIELDS = ("states",)
+
+    def __init__(self, states: dict[str, str] | None = None) -> None:
+        self.states: dict[str, str] = {} if states is None else states
 
     def set(self, name: str, state: str) -> None:
         self.states[name] = state

@@ -12,7 +12,6 @@ they are left out of the recorded content, which names them under `redacted_env`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -71,13 +70,13 @@ def image_from_record(record: Any, where: str) -> Image:
     name = record["name"] if isinstance(record.get("name"), str) else "recorded"
     label = Path(f"<image recorded in {where}>")
     img = parse_image(dict(content), label)
-    return dataclasses.replace(img, name=name, path=label)
+    return img.replace(name=name, path=label)
 
 
 def differences(a: Image, b: Image) -> list[str]:
     """The names of the policy fields two images set differently (every field of the image's
-    dataclass but its identity, so a field added later is compared too)."""
-    names = [f.name for f in dataclasses.fields(a) if f.name not in _IDENTITY]
+    class but its identity, so a field added later is compared too)."""
+    names = [name for name in a.INIT if name not in _IDENTITY]
     return [name for name in names if getattr(a, name) != getattr(b, name, None)]
 
 

@@ -26,7 +26,6 @@ and so can anything else that mounts a snapshot-able view at a path.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import functools
 import itertools
@@ -44,7 +43,6 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -74,6 +72,7 @@ from jukebox.tape.tapedir import (
 )
 from jukebox.trees.basetree import build_base_tree, forget_committed, known_files
 from shadowfs.oid import ObjectId
+from shadowfs.values import Record, Value, setfield
 
 if TYPE_CHECKING:
     from jukebox.llm.session import LlmOptions
@@ -125,8 +124,11 @@ class BoothLayer(Protocol):
     # Optional: `scratch_usage() -> (staged bytes, limit or None)`, for `booth status`.
 
 
-@dataclass
-class LayerContext:
+class LayerContext(Record):
+    FIELDS = (
+        "fs", "tree", "tree_fd", "store", "scratch", "base_tree", "userns", "scratch_limit",
+        "mountpoint",
+    )  # fmt: skip
     fs: str
     tree: str  # real path of the tree
     tree_fd: int  # opened before the namespace and the mount
@@ -135,10 +137,32 @@ class LayerContext:
     base_tree: ObjectId
     userns: bool
     # The most the layer may stage (apparent bytes); None: no limit. FUSE layers only.
-    scratch_limit: int | None = None
+    scratch_limit: int | None
     # Where the layer is served in the supervisor's namespace; the agent's view puts it at
     # `tree` (ChildSpec.mount_at). None: at `tree` itself.
-    mountpoint: str | None = None
+    mountpoint: str | None
+
+    def __init__(
+        self,
+        fs: str,
+        tree: str,
+        tree_fd: int,
+        store: Any,
+        scratch: Path,
+        base_tree: ObjectId,
+        userns: bool,
+        scratch_limit: int | None = None,
+        mountpoint: str | None = None,
+    ) -> None:
+        self.fs = fs
+        self.tree = tree
+        self.tree_fd = tree_fd
+        self.store = store
+        self.scratch = scratch
+        self.base_tree = base_tree
+        self.userns = userns
+        self.scratch_limit = scratch_limit
+        self.mountpoint = mountpoint
 
 
 LayerFactory = Callable[[LayerContext], BoothLayer]
@@ -246,30 +270,72 @@ def default_layer_factory(ctx: LayerContext) -> BoothLayer:
 # --------------------------------------------------------------------------- pending booths
 
 
-@dataclass
-class BoothRecord:
+class BoothRecord(Record):
+    FIELDS = (
+        "id", "tree", "base_tree", "tape", "created", "status", "name", "final_tree", "pid",
+        "agent_status", "verify", "note", "tree_dev", "tree_ino", "seal", "mcp_staged",
+        "mcp_servers",
+    )  # fmt: skip
     id: str
     tree: str
     base_tree: str
     tape: str
     created: float
     status: str  # running | pending | conflict
-    name: str | None = None
-    final_tree: str | None = None
-    pid: int | None = None
-    agent_status: int | None = None
-    verify: dict[str, Any] | None = None
-    note: str | None = None
+    name: str | None
+    final_tree: str | None
+    pid: int | None
+    agent_status: int | None
+    verify: dict[str, Any] | None
+    note: str | None
     # The tree's directory as the booth opened it (see jukebox.trees.realtree); also in run_start.
-    tree_dev: int | None = None
-    tree_ino: int | None = None
+    tree_dev: int | None
+    tree_ino: int | None
     # This user's keyed hash of the fields a commit acts on
     # (jukebox.booth.record_binding.record_seal): only a booth this user ran here is ever committed
     # from its record.
-    seal: str | None = None
+    seal: str | None
     # MCP calls staged and not yet run, and the declared servers they go to (jukebox.mcp.verdict).
-    mcp_staged: list[dict[str, Any]] | None = None
-    mcp_servers: dict[str, Any] | None = None
+    mcp_staged: list[dict[str, Any]] | None
+    mcp_servers: dict[str, Any] | None
+
+    def __init__(
+        self,
+        id: str,
+        tree: str,
+        base_tree: str,
+        tape: str,
+        created: float,
+        status: str,
+        name: str | None = None,
+        final_tree: str | None = None,
+        pid: int | None = None,
+        agent_status: int | None = None,
+        verify: dict[str, Any] | None = None,
+        note: str | None = None,
+        tree_dev: int | None = None,
+        tree_ino: int | None = None,
+        seal: str | None = None,
+        mcp_staged: list[dict[str, Any]] | None = None,
+        mcp_servers: dict[str, Any] | None = None,
+    ) -> None:
+        self.id = id
+        self.tree = tree
+        self.base_tree = base_tree
+        self.tape = tape
+        self.created = created
+        self.status = status
+        self.name = name
+        self.final_tree = final_tree
+        self.pid = pid
+        self.agent_status = agent_status
+        self.verify = verify
+        self.note = note
+        self.tree_dev = tree_dev
+        self.tree_ino = tree_ino
+        self.seal = seal
+        self.mcp_staged = mcp_staged
+        self.mcp_servers = mcp_servers
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -366,7 +432,7 @@ def _trust_status(tape_dir: TapeDir, record: BoothRecord) -> str | None:
     from jukebox.booth.record_binding import NotSealed
 
     try:
-        bound_tape(tape_dir, record.id, dataclasses.replace(record), sealed=True)
+        bound_tape(tape_dir, record.id, record.replace(), sealed=True)
     except NotSealed:
         return "foreign"
     except (JukeboxError, OSError, ValueError):
@@ -976,16 +1042,22 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-@dataclass
-class RollbackPoint:
+class RollbackPoint(Record):
     """A checkpoint a booth took, as what a rollback or a partial commit goes back to: its
     number (0 is the start), label, tree, and the seq of its `checkpoint` frame on the tape.
     Not the Python API's `jukebox.Checkpoint`, which holds the agent's memory too."""
 
+    FIELDS = ("n", "label", "tree", "frame")
     n: int
     label: str | None
     tree: ObjectId
     frame: int | None
+
+    def __init__(self, n: int, label: str | None, tree: ObjectId, frame: int | None) -> None:
+        self.n = n
+        self.label = label
+        self.tree = tree
+        self.frame = frame
 
 
 def find_checkpoint(checkpoints: Sequence[RollbackPoint], to: str | int) -> RollbackPoint | None:
@@ -995,28 +1067,63 @@ def find_checkpoint(checkpoints: Sequence[RollbackPoint], to: str | int) -> Roll
     return next((cp for cp in reversed(checkpoints) if cp.label == to), None)
 
 
-@dataclass
-class _Run:
+class _Run(Record):
     """The live state the control handlers and the wait loop share."""
 
+    FIELDS = (
+        "booth_id", "tree", "writer", "layer", "started", "checkpoints", "lock", "rollbacks",
+        "output", "spawn", "agent_pid", "trip", "mcp", "databases",
+    )  # fmt: skip
     booth_id: str
     tree: str
     writer: Any
     layer: BoothLayer
     started: float
-    checkpoints: list[RollbackPoint] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    rollbacks: int = 0
-    output: OutputTail = field(default_factory=OutputTail)  # what the agent printed, its end
+    checkpoints: list[RollbackPoint]
+    lock: threading.Lock
+    rollbacks: int
+    output: OutputTail  # what the agent printed, its end
     # How the agent is started: through the LLM proxy's session, which under --net none spawns
     # it inside the private network the proxy listens in.
-    spawn: Callable[..., isolation.Child] = isolation.spawn  # (spec, stdin=, stdout=, stderr=)
-    agent_pid: int | None = None
-    trip: Any = None  # the circuit breaker's Trip, once one fired
-    mcp: Any = None  # the MCP stage gate (jukebox.mcp.staging.StageGate)
+    spawn: Callable[..., isolation.Child]  # (spec, stdin=, stdout=, stderr=)
+    agent_pid: int | None
+    trip: Any  # the circuit breaker's Trip, once one fired
+    mcp: Any  # the MCP stage gate (jukebox.mcp.staging.StageGate)
     # The --pg databases (jukebox.sql.booth_link.BoothDatabases): checkpoints and rollbacks
     # take them along, before the files (their refusal leaves the files as they were).
-    databases: Any = None
+    databases: Any
+
+    def __init__(
+        self,
+        booth_id: str,
+        tree: str,
+        writer: Any,
+        layer: BoothLayer,
+        started: float,
+        checkpoints: list[RollbackPoint] | None = None,
+        lock: threading.Lock | None = None,
+        rollbacks: int = 0,
+        output: OutputTail | None = None,
+        spawn: Callable[..., isolation.Child] = isolation.spawn,
+        agent_pid: int | None = None,
+        trip: Any = None,
+        mcp: Any = None,
+        databases: Any = None,
+    ) -> None:
+        self.booth_id = booth_id
+        self.tree = tree
+        self.writer = writer
+        self.layer = layer
+        self.started = started
+        self.checkpoints = [] if checkpoints is None else checkpoints
+        self.lock = threading.Lock() if lock is None else lock
+        self.rollbacks = rollbacks
+        self.output = OutputTail() if output is None else output
+        self.spawn = spawn
+        self.agent_pid = agent_pid
+        self.trip = trip
+        self.mcp = mcp
+        self.databases = databases
 
     def scrubbed(self, text: str | None) -> str | None:
         """Text the agent chose (a checkpoint's label, the verifier's output), as a frame may
@@ -1445,13 +1552,13 @@ def run_booth(
         # observes every model call through it and calls `_Run.on_trip` when it trips.
         from jukebox.llm.session import LlmOptions
 
-        llm = dataclasses.replace(llm or LlmOptions(), breaker=breaker)
+        llm = (llm or LlmOptions()).replace(breaker=breaker)
     tree_path, tapes = _checked_tree(tree, tape_dir)
     # An Image object is one a replay or fork already chose (never one named by a tape).
     img: Image = image if isinstance(image, Image) else load_image(image)
     paths = paths or BoothPaths()
     if paths.private_tmp is not None:
-        img = dataclasses.replace(img, private_tmp=paths.private_tmp)
+        img = img.replace(private_tmp=paths.private_tmp)
     from jukebox.trees import realtree
 
     paths.check(tree_path, str(tapes.path), str(realtree.commit_key_dir()))
@@ -1514,11 +1621,17 @@ def run_booth(
         return _conclude(booth, _run_agent(booth))
 
 
-@dataclass(frozen=True)
-class _BoothOptions:
+class _BoothOptions(Value):
     """run_booth's arguments, checked, with what they resolve to (the image, the paths, the
     booth's id, the MCP servers declared)."""
 
+    FIELDS = (
+        "argv", "tree_path", "tapes", "booth_id", "tape_path", "agent_cwd", "name", "fs", "img",
+        "commit_mode", "verify", "net", "checkpoint_every", "scratch_limit", "view", "paths",
+        "layer_factory", "llm", "allow_hooks", "seccomp", "strict_sandbox", "mcp_declared",
+        "mcp_servers", "mcp_http", "mcp_limits", "mcp_replay", "mcp_policy", "databases",
+        "max_sql_rows_changed", "record_sql_results", "sql_replay", "max_sql_lock_seconds",
+    )  # fmt: skip
     argv: list[str]
     tree_path: str
     tapes: TapeDir
@@ -1551,6 +1664,74 @@ class _BoothOptions:
     record_sql_results: bool
     sql_replay: Any
     max_sql_lock_seconds: float | None
+
+    def __init__(
+        self,
+        argv: list[str],
+        tree_path: str,
+        tapes: TapeDir,
+        booth_id: str,
+        tape_path: Path,
+        agent_cwd: str,
+        name: str | None,
+        fs: str,
+        img: Image,
+        commit_mode: str,
+        verify: str | None,
+        net: str,
+        checkpoint_every: float | None,
+        scratch_limit: int | None,
+        view: dict[str, Any],
+        paths: BoothPaths,
+        layer_factory: LayerFactory,
+        llm: LlmOptions | None,
+        allow_hooks: bool,
+        seccomp: bool,
+        strict_sandbox: bool,
+        mcp_declared: dict[str, Any] | None,
+        mcp_servers: dict[str, Any],
+        mcp_http: dict[str, Any],
+        mcp_limits: Any,
+        mcp_replay: Any,
+        mcp_policy: Any,
+        databases: Mapping[str, str] | None,
+        max_sql_rows_changed: int | None,
+        record_sql_results: bool,
+        sql_replay: Any,
+        max_sql_lock_seconds: float | None,
+    ) -> None:
+        setfield(self, "argv", argv)
+        setfield(self, "tree_path", tree_path)
+        setfield(self, "tapes", tapes)
+        setfield(self, "booth_id", booth_id)
+        setfield(self, "tape_path", tape_path)
+        setfield(self, "agent_cwd", agent_cwd)
+        setfield(self, "name", name)
+        setfield(self, "fs", fs)
+        setfield(self, "img", img)
+        setfield(self, "commit_mode", commit_mode)
+        setfield(self, "verify", verify)
+        setfield(self, "net", net)
+        setfield(self, "checkpoint_every", checkpoint_every)
+        setfield(self, "scratch_limit", scratch_limit)
+        setfield(self, "view", view)
+        setfield(self, "paths", paths)
+        setfield(self, "layer_factory", layer_factory)
+        setfield(self, "llm", llm)
+        setfield(self, "allow_hooks", allow_hooks)
+        setfield(self, "seccomp", seccomp)
+        setfield(self, "strict_sandbox", strict_sandbox)
+        setfield(self, "mcp_declared", mcp_declared)
+        setfield(self, "mcp_servers", mcp_servers)
+        setfield(self, "mcp_http", mcp_http)
+        setfield(self, "mcp_limits", mcp_limits)
+        setfield(self, "mcp_replay", mcp_replay)
+        setfield(self, "mcp_policy", mcp_policy)
+        setfield(self, "databases", databases)
+        setfield(self, "max_sql_rows_changed", max_sql_rows_changed)
+        setfield(self, "record_sql_results", record_sql_results)
+        setfield(self, "sql_replay", sql_replay)
+        setfield(self, "max_sql_lock_seconds", max_sql_lock_seconds)
 
 
 def _check_command(
@@ -1653,13 +1834,16 @@ def _checked_databases(
     BoothDatabases.probe(databases, needs_two_phase=commit_mode != DISCARD)
 
 
-@dataclass
-class _Booth:
+class _Booth(Record):
     """A booth set up: what the run and the verdict use. The resources are on `_set_up`'s
     ExitStack; `services` and `databases_open` are stacks of their own, closed earlier on the
     normal path (the proxies when the agent is gone, the databases with their verdict), and
     `layer_open` is emptied once the layer was discarded on the normal path."""
 
+    FIELDS = (
+        "options", "store", "writer", "record", "base_tree", "recorded_verify", "layer",
+        "layer_open", "run", "services", "databases_open", "spec",
+    )  # fmt: skip
     options: _BoothOptions
     store: ObjectStore
     writer: GroupTape
@@ -1673,17 +1857,59 @@ class _Booth:
     databases_open: contextlib.ExitStack
     spec: isolation.ChildSpec
 
+    def __init__(
+        self,
+        options: _BoothOptions,
+        store: Any,
+        writer: GroupTape,
+        record: BoothRecord,
+        base_tree: ObjectId,
+        recorded_verify: str | None,
+        layer: BoothLayer,
+        layer_open: contextlib.ExitStack,
+        run: _Run,
+        services: contextlib.ExitStack,
+        databases_open: contextlib.ExitStack,
+        spec: isolation.ChildSpec,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self.writer = writer
+        self.record = record
+        self.base_tree = base_tree
+        self.recorded_verify = recorded_verify
+        self.layer = layer
+        self.layer_open = layer_open
+        self.run = run
+        self.services = services
+        self.databases_open = databases_open
+        self.spec = spec
 
-@dataclass
-class _Outcome:
+
+class _Outcome(Record):
     """What the agent's run came to, once it is over: its `exit` payload, whether it was
     interrupted, the verifier's result (None when none ran), the final tree."""
 
+    FIELDS = ("status", "code", "interrupted", "verified", "final_tree")
     status: dict[str, Any]
     code: int  # the agent's exit status, 128 + N for signal N
     interrupted: bool
     verified: dict[str, Any] | None
     final_tree: ObjectId
+
+    def __init__(
+        self,
+        status: dict[str, Any],
+        code: int,
+        interrupted: bool,
+        verified: dict[str, Any] | None,
+        final_tree: ObjectId,
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.interrupted = interrupted
+        self.verified = verified
+        self.final_tree = final_tree
 
 
 def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
@@ -2078,14 +2304,18 @@ def _run_agent(b: _Booth) -> _Outcome:
     return _Outcome(status, code, interrupted, verified, final_tree)
 
 
-@dataclass(frozen=True)
-class BoothVerdict:
+class BoothVerdict(Value):
     """What becomes of a booth's work (`decide_verdict`): `decision` is "commit", "discard",
     "keep" (pending), or "ask" (`--commit ask` and the tree changed: the operator decides);
     `reason`, when there is one, is told to the operator and recorded."""
 
+    FIELDS = ("decision", "reason")
     decision: str
-    reason: str = ""
+    reason: str
+
+    def __init__(self, decision: str, reason: str = "") -> None:
+        setfield(self, "decision", decision)
+        setfield(self, "reason", reason)
 
 
 def decide_verdict(

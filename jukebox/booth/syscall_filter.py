@@ -39,12 +39,12 @@ import os
 import stat
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from jukebox.errors import JukeboxError
 from shadowfs.libc import libc
+from shadowfs.values import Value, setfield
 
 LOW32 = 0xFFFFFFFF
 # The comparison operators of libseccomp (scmp_compare), named here so the rules below can be
@@ -71,13 +71,24 @@ PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
 
 
-@dataclass(frozen=True)
-class Refusal:
+_EPERM = errno.EPERM  # a Refusal's default, named apart from its `errno` field
+
+
+class Refusal(Value):
     """One rule: `syscall` fails with `errno` when every (arg, op, a, b) comparison holds."""
 
+    __slots__ = FIELDS = ("syscall", "args", "errno")
     syscall: str
-    args: tuple[tuple[int, int, int, int], ...] = ()
-    errno: int = errno.EPERM
+    args: tuple[tuple[int, int, int, int], ...]
+    errno: int
+
+    def __init__(
+        self, syscall: str, args: tuple[tuple[int, int, int, int], ...] = (),
+        errno: int = _EPERM,
+    ) -> None:  # fmt: skip
+        setfield(self, "syscall", syscall)
+        setfield(self, "args", args)
+        setfield(self, "errno", errno)
 
 
 def _calls(*names: str) -> tuple[Refusal, ...]:

@@ -23,10 +23,10 @@ import contextlib
 import os
 import re
 import threading
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from jukebox.booth.paths import NOT_HOST
+from shadowfs.values import Value, setfield
 
 if TYPE_CHECKING:
     from jukebox.booth.isolation import ChildSpec
@@ -101,13 +101,20 @@ class StderrTee:
                 os.close(self._read)
 
 
-@dataclass(frozen=True)
-class Denial:
+class Denial(Value):
+    __slots__ = FIELDS = ("path", "error", "why", "under", "flag")
     path: str
     error: str  # ENOENT | EROFS
     why: str  # private_tmp | hidden | read-only
     under: str  # the cover, the kept path, or "/" (the host)
     flag: str  # what would let the agent at it
+
+    def __init__(self, path: str, error: str, why: str, under: str, flag: str) -> None:
+        setfield(self, "path", path)
+        setfield(self, "error", error)
+        setfield(self, "why", why)
+        setfield(self, "under", under)
+        setfield(self, "flag", flag)
 
     def message(self) -> str:
         if self.why == "private_tmp":
@@ -128,7 +135,7 @@ class Denial:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.fields_dict()  # every field a str: asdict's copy, one level deep
 
 
 def _is_under(path: str, parent: str) -> bool:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from jukebox.llm import gemini
 from jukebox.llm.gemini import GEMINI
 from jukebox.llm.paths import confine
+from shadowfs.values import Record, Value, setfield
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
@@ -80,17 +80,22 @@ UNBILLED = frozenset({MODERATIONS, COUNT_TOKENS, gemini.COUNT})
 NAMED_PREFIX = "/upstream/"
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(Value):
+    __slots__ = FIELDS = ("provider", "endpoint", "rest", "upstream", "path")
     provider: str  # the wire protocol: OPENAI or ANTHROPIC
     endpoint: str  # a value of _ENDPOINTS, or OTHER
     rest: str  # the path and query after the provider prefix, appended to the upstream base
-    upstream: str = ""  # the upstream's name: the provider's own, or a named one's
-    path: str = ""  # the decoded path the endpoint was matched on
+    upstream: str  # the upstream's name: the provider's own (the default), or a named one's
+    path: str  # the decoded path the endpoint was matched on
 
-    def __post_init__(self) -> None:
-        if not self.upstream:
-            object.__setattr__(self, "upstream", self.provider)
+    def __init__(
+        self, provider: str, endpoint: str, rest: str, upstream: str = "", path: str = ""
+    ) -> None:
+        setfield(self, "provider", provider)
+        setfield(self, "endpoint", endpoint)
+        setfield(self, "rest", rest)
+        setfield(self, "upstream", upstream or provider)
+        setfield(self, "path", path)
 
     @property
     def recorded(self) -> bool:
@@ -184,16 +189,31 @@ def error_body(
 # --------------------------------------------------------------------------- summaries
 
 
-@dataclass
-class Summary:
-    model: str | None = None
-    input: int = 0  # every prompt token, cached or not
-    output: int = 0
-    cached: int = 0  # prompt tokens read from the provider's cache
-    cache_write: int = 0  # prompt tokens written to the cache (Anthropic bills them apart)
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    text: str = ""
-    reported: bool = False  # the upstream said how many tokens (else jukebox.llm.usage estimates)
+class Summary(Record):
+    __slots__ = FIELDS = (
+        "model", "input", "output", "cached", "cache_write", "tool_calls", "text", "reported"
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        model: str | None = None,
+        input: int = 0,  # every prompt token, cached or not
+        output: int = 0,
+        cached: int = 0,  # prompt tokens read from the provider's cache
+        cache_write: int = 0,  # prompt tokens written to the cache (Anthropic bills them apart)
+        tool_calls: list[dict[str, Any]] | None = None,
+        text: str = "",
+        # The upstream said how many tokens (else jukebox.llm.usage estimates).
+        reported: bool = False,
+    ) -> None:
+        self.model = model
+        self.input = input
+        self.output = output
+        self.cached = cached
+        self.cache_write = cache_write
+        self.tool_calls: list[dict[str, Any]] = [] if tool_calls is None else tool_calls
+        self.text = text
+        self.reported = reported
 
     def usage(self) -> dict[str, int]:
         out = {"input": self.input, "output": self.output, "cached": self.cached}

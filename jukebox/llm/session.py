@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from jukebox.llm.defaults import named_price_files
@@ -25,6 +24,7 @@ from jukebox.llm.standby import Standby
 from jukebox.llm.telemetry import environment_warnings
 from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
 from jukebox.llm.upstreams import resolve, upstreams_from_env
+from shadowfs.values import Record
 
 if TYPE_CHECKING:
     from jukebox.llm.lookups import LookupWatch
@@ -36,15 +36,29 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-@dataclass
-class LlmOptions:
-    replay: ReplaySource | None = None
-    rewriter: RequestRewriter | None = None
-    breaker: Any = None  # jukebox.guard.breaker.CircuitBreaker or anything with admit()/observe()
+class LlmOptions(Record):
+    FIELDS = ("replay", "rewriter", "breaker", "upstreams", "on_divergence")
+    replay: ReplaySource | None
+    rewriter: RequestRewriter | None
+    breaker: Any  # jukebox.guard.breaker.CircuitBreaker or anything with admit()/observe()
     # Default: upstreams_from_env (the user's *_BASE_URL, else public; `azure` from
     # AZURE_OPENAI_ENDPOINT); named upstreams are more keys (jukebox.llm.upstreams).
-    upstreams: Mapping[str, str] | None = None
-    on_divergence: Callable[[Divergence], Any] | None = None
+    upstreams: Mapping[str, str] | None
+    on_divergence: Callable[[Divergence], Any] | None
+
+    def __init__(
+        self,
+        replay: ReplaySource | None = None,
+        rewriter: RequestRewriter | None = None,
+        breaker: Any = None,
+        upstreams: Mapping[str, str] | None = None,
+        on_divergence: Callable[[Divergence], Any] | None = None,
+    ) -> None:
+        self.replay = replay
+        self.rewriter = rewriter
+        self.breaker = breaker
+        self.upstreams = upstreams
+        self.on_divergence = on_divergence
 
 
 class LlmSession:
@@ -167,7 +181,7 @@ class LlmSession:
         (the spec then says `host`: the shim must not make yet another, empty, namespace)."""
         if self.network is None:
             return spawn(spec)
-        return self.network.call(spawn, replace(spec, net="host"))
+        return self.network.call(spawn, spec.replace(net="host"))
 
     def close(self) -> None:
         if self.lookups is not None:

@@ -20,15 +20,19 @@ docs/llm-proxy.md ("Telemetry") lists, for users, what turns each known sender o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from jukebox.llm.providers import OPENAI
+from shadowfs.values import Value, setfield
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(Value):
+    __slots__ = FIELDS = ("who", "off")
     who: str  # the library, as a user knows it
     off: str  # the setting that turns it off
+
+    def __init__(self, who: str, off: str) -> None:
+        setfield(self, "who", who)
+        setfield(self, "off", off)
 
 
 AGENTS_TRACES = Source("the OpenAI Agents SDK's tracing", "OPENAI_AGENTS_DISABLE_TRACING=1")

@@ -18,23 +18,35 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jukebox.errors import UsageError
+from shadowfs.values import Value, setfield
 
 
-@dataclass(frozen=True)
-class ServerSpec:
+class ServerSpec(Value):
+    __slots__ = FIELDS = ("name", "command", "args", "env", "url", "headers")
     name: str
     command: str
-    args: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    url: str | None = None  # a streamable-HTTP server (then no command)
+    args: tuple[str, ...]
+    env: dict[str, str]
+    url: str | None  # a streamable-HTTP server (then no command)
     # An HTTP server's headers (an `Authorization` of the operator's): sent to it by the
     # gateway and the commit, never shown to the agent, never on a tape (secrets).
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str]
+
+    def __init__(
+        self, name: str, command: str, args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None, url: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        setfield(self, "name", name)
+        setfield(self, "command", command)
+        setfield(self, "args", args)
+        setfield(self, "env", {} if env is None else env)
+        setfield(self, "url", url)
+        setfield(self, "headers", {} if headers is None else headers)
 
     @property
     def argv(self) -> list[str]:

@@ -14,15 +14,16 @@ stops the rest. Their effects are outside the booth: nothing here can undo them.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from jukebox.booth.control import RequestError
 from jukebox.mcp.record import FRAME_KINDS, MAX_BLOB, NOTE_EVENTS, blob_ref, wire
 from jukebox.mcp.servers import ServerSpec
+from shadowfs import values
 
 MAX_STAGED = 10_000
 # How long a question waits on the terminal (the gateway's --ask-timeout is 300 s by default).
@@ -37,24 +38,31 @@ MCP_COMMIT_BEGIN = "mcp_commit_begin"
 Record = Callable[[str, dict[str, Any]], Any]  # (kind, payload): append a frame
 
 
-@dataclass
-class StagedCall:
-    id: str
-    server: str
-    tool: str
-    args: dict[str, Any]
-    # The newest checkpoint when it was staged: rolling back to it or later keeps the call.
-    after_checkpoint: int
-    # The arguments as a frame may show them (the secrets known when it was staged replaced),
-    # when they differ: the commit runs `args`, and its frame shows these, even when it runs
-    # from a pending booth's record, after the secrets of its run (the gateway's) are gone.
-    shown: dict[str, Any] | None = None
-    # The compensating call the operator's policy declares for it ({"tool", "args"}): run if a
-    # later staged call fails at the commit.
-    compensate: dict[str, Any] | None = None
+class StagedCall(values.Record):
+    __slots__ = FIELDS = ("id", "server", "tool", "args", "after_checkpoint", "shown", "compensate")
+
+    def __init__(
+        self, id: str, server: str, tool: str, args: dict[str, Any], after_checkpoint: int,
+        shown: dict[str, Any] | None = None, compensate: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        self.id = id
+        self.server = server
+        self.tool = tool
+        self.args = args
+        # The newest checkpoint when it was staged: rolling back to it or later keeps the call.
+        self.after_checkpoint = after_checkpoint
+        # The arguments as a frame may show them (the secrets known when it was staged
+        # replaced), when they differ: the commit runs `args`, and its frame shows these, even
+        # when it runs from a pending booth's record, after the secrets of its run (the
+        # gateway's) are gone.
+        self.shown = shown
+        # The compensating call the operator's policy declares for it ({"tool", "args"}): run
+        # if a later staged call fails at the commit.
+        self.compensate = compensate
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # A copy as deep as dataclasses.asdict's: the caller may change what it gets.
+        return copy.deepcopy(self.fields_dict())
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StagedCall:

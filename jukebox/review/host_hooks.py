@@ -24,12 +24,12 @@ committed by ``--commit auto`` nor by ``jukebox booth commit`` without ``--allow
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jukebox.display.names import visible
 from shadowfs.oid import ObjectId
 from shadowfs.tree import DIR, FILE, diff_trees
+from shadowfs.values import Value, setfield
 
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader
@@ -69,10 +69,14 @@ _SECTION = re.compile(r'\[\s*([A-Za-z0-9.-]+)(?:\s+"(?:[^"\\]|\\.)*")?\s*\]\s*(.
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*(?:=\s*(.*))?")
 
 
-@dataclass(frozen=True)
-class HookChange:
+class HookChange(Value):
+    __slots__ = FIELDS = ("path", "why")
     path: bytes
     why: str
+
+    def __init__(self, path: bytes, why: str) -> None:
+        setfield(self, "path", path)
+        setfield(self, "why", why)
 
     def line(self) -> str:
         return f"{visible(self.path)} ({self.why})"
