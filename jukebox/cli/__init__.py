@@ -217,9 +217,8 @@ def main() -> None:
     run = None if os.environ.get(COMPLETE_ENV) else fast.planned(argv)
     code: object
     try:
-        if run is not None:
-            code = fast.run(run)
-        else:
+        code = None if run is None else fast.run(run)
+        if code is None:
             register_commands(argv)
             from jukebox.cli.app import run_click
 

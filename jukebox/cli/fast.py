@@ -1,5 +1,7 @@
 """The command lines `jukebox.cli.main` runs without click: `jukebox replay TAPE`, with
-`--tape-dir DIR`, `--json` and the output flags, in any order.
+`--tape-dir DIR`, `--json` and the output flags, in any order; `jukebox booth run [OPTIONS]
+[--] CMD ...` with only the options of `BOOTH_OPTIONS` (each given once, as `--flag VALUE`) and
+the output flags, and no config file value for `booth run`.
 
 Importing click and building the app and its commands cost about as much CPU as the replay of an
 8-frame tape itself (docs/benchmarks.md, "Where a user waits"). This path parses only what it
@@ -38,6 +40,84 @@ class Replay:
         self.flags = flags
 
 
+class BoothRun:
+    """A `jukebox booth run [OPTIONS] CMD` command line, parsed: `options` by run_booth's
+    parameter names."""
+
+    __slots__ = ("cmd", "flags", "options")
+
+    def __init__(self, cmd: list[str], options: dict[str, str], flags: set[str]) -> None:
+        self.cmd = cmd
+        self.options = options
+        self.flags = flags
+
+
+# The options of `booth run` this path parses (each takes one value), by run_booth's parameter
+# names; a choice's values as click's Choice takes them (case-sensitive). Any other option, one
+# given twice, `--flag=VALUE`, a value that looks like an option: click parses the line. Their
+# defaults are run_booth's own, which the click command passes when no flag is given.
+BOOTH_OPTIONS = {
+    "--tree": "tree",
+    "--tape-dir": "tape_dir",
+    "--tape-id": "tape_id",
+    "--name": "name",
+    "--fs": "fs",
+    "--image": "image",
+    "--commit": "commit_mode",
+    "--verify": "verify_cmd",
+    "--net": "net",
+}
+BOOTH_CHOICES = {
+    "fs": ("fuse", "overlay"),
+    "commit_mode": ("auto", "ask", "never"),
+    "net": ("host", "none"),
+}
+
+
+def planned_booth(argv: list[str]) -> BoothRun | None:
+    """A `booth run` command line parsed, or None when click should parse it."""
+    flags: set[str] = set()
+    i = 0
+    while i < len(argv) and argv[i] in OUTPUT_FLAGS:
+        flags.add(OUTPUT_FLAGS[argv[i]])
+        i += 1
+    if argv[i : i + 1] != ["booth"]:
+        return None
+    i += 1
+    while i < len(argv) and argv[i] in OUTPUT_FLAGS:
+        flags.add(OUTPUT_FLAGS[argv[i]])
+        i += 1
+    if argv[i : i + 1] != ["run"]:
+        return None
+    i += 1
+    options: dict[str, str] = {}
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            i += 1
+            break
+        if not arg.startswith("-"):
+            break  # CMD: click stops at it too (allow_interspersed_args=False)
+        if arg in OUTPUT_FLAGS:
+            flags.add(OUTPUT_FLAGS[arg])
+            i += 1
+            continue
+        name = BOOTH_OPTIONS.get(arg)
+        if name is None or name in options or i + 1 >= len(argv):
+            return None
+        value = argv[i + 1]
+        if not value or value.startswith("-"):
+            return None
+        if name in BOOTH_CHOICES and value not in BOOTH_CHOICES[name]:
+            return None  # click's error message
+        options[name] = value
+        i += 2
+    cmd = argv[i:]
+    if not cmd or cmd[0].startswith("-") or {"quiet", "verbose"} <= flags:
+        return None
+    return BoothRun(cmd, options, flags)
+
+
 def _usable_tape_dir(value: str) -> bool:
     """A --tape-dir value click takes as is: not empty, not option-like, not an existing file
     (click.Path(file_okay=False) refuses that with a usage error of its own)."""
@@ -52,8 +132,10 @@ def _usable_tape_dir(value: str) -> bool:
     return stat.S_ISDIR(st.st_mode)
 
 
-def planned(argv: list[str]) -> Replay | None:
+def planned(argv: list[str]) -> Replay | BoothRun | None:
     """The command line parsed, or None when click should parse it."""
+    if next((a for a in argv if a not in OUTPUT_FLAGS), None) == "booth":
+        return planned_booth(argv)
     flags: set[str] = set()
     i = 0
     while i < len(argv) and argv[i] in OUTPUT_FLAGS:
@@ -89,13 +171,16 @@ def planned(argv: list[str]) -> Replay | None:
     return Replay(tape, tape_dir, as_json, flags)
 
 
-def run(plan: Replay) -> int:
+def run(plan: Replay | BoothRun) -> int | None:
     """Runs the planned command as the click app would: the config file, the output settings,
-    the tape dir made absolute, the command, the last flush."""
+    the tape dir made absolute, the command, the last flush. None: nothing was run or written,
+    and click is to run the command line (`booth run` with defaults in the config file)."""
     from jukebox.cli import absolute_tape_dir_env, guarded, stdout_closed, stop_quietly
     from jukebox.display import progress, style
 
-    def call() -> None:
+    def call() -> bool:
+        if isinstance(plan, BoothRun):
+            return booth_run(plan)
         from jukebox import config
         from jukebox.cli.output import configure_output
         from jukebox.cli.reading import replay_offline
@@ -106,10 +191,12 @@ def run(plan: Replay) -> int:
         absolute_tape_dir_env()
         tape_dir = Path(os.path.abspath(plan.tape_dir)) if plan.tape_dir is not None else None
         replay_offline(plan.tape, tape_dir, plan.as_json)
+        return True
 
     saved = (progress.level(), progress.drawing(), progress.coloured(), style.enabled())
     try:
-        guarded(call)
+        if not guarded(call):
+            return None
         sys.stdout.flush()  # here, where a closed pipe can still be told from a bug
     except BrokenPipeError:
         if not stdout_closed():
@@ -119,3 +206,42 @@ def run(plan: Replay) -> int:
         progress.configure(level=saved[0], draw=saved[1], color=saved[2])
         style.configure(saved[3])
     return 0
+
+
+def booth_run(plan: BoothRun) -> bool:
+    """`booth run` as jukebox.cli.booth's `run` does it with no other flag given: every option
+    it does not parse is at its default, which is run_booth's own (no breaker, no proxy options,
+    no MCP, no databases, no view paths, seccomp on). Ends the process with the run's status;
+    returns False, having done nothing, when click is to run the command line."""
+    from jukebox import config
+    from jukebox.cli import absolute_tape_dir_env, skip_teardown
+    from jukebox.cli.output import configure_output
+    from jukebox.llm.upstreams import LIST_ENV
+
+    loaded = config.load()
+    booth_keys = config.COMMANDS[("booth", "run")]
+    if any(loaded.get(key) is not None for key in booth_keys) or os.environ.get(LIST_ENV):
+        # Defaults from the file (click's default_map), or upstreams to check with click's
+        # error line: nothing has been said or done yet.
+        return False
+    flags = plan.flags
+    configure_output("quiet" in flags, "verbose" in flags, "no_color" in flags, loaded, False)
+    absolute_tape_dir_env()
+    from jukebox.booth.supervisor import run_booth
+
+    # run_booth closes what it opens, whatever the outcome: no teardown needed after it.
+    skip_teardown()
+    o = plan.options
+    code = run_booth(
+        list(plan.cmd),
+        tree=o.get("tree", "."),
+        tape_dir=o.get("tape_dir"),
+        tape_id=o.get("tape_id"),
+        name=o.get("name"),
+        fs=o.get("fs", "fuse"),
+        image=o.get("image"),
+        commit_mode=o.get("commit_mode", "auto"),
+        verify_cmd=o.get("verify_cmd"),
+        net=o.get("net"),
+    )
+    sys.exit(code)

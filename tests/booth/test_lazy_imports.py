@@ -44,6 +44,46 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     # the circuit breaker: their imports were a fifth of a booth's start.
     assert sorted(modules & LATER) == []
     assert "jukebox.cli.tapes" not in modules  # the read side's commands: not a booth's
+    # Such a command line is parsed without click (jukebox.cli.fast), and nothing on a booth's
+    # path builds a dataclass (shadowfs.values): together a fifth of the supervisor's imports.
+    assert not [m for m in modules if m == "click" or m.startswith("click.")]
+    assert not {"dataclasses", "inspect", "ast", "jukebox.cli.booth"} & modules
+
+
+def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "jukebox"), "booth", "run", *args],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return proc.returncode, proc.stderr
+
+
+def test_a_booth_run_says_the_same_without_click(tmp_path: Path) -> None:
+    """`booth run` parsed by jukebox.cli.fast and by click (an option given twice goes to
+    click) runs the same booth and says the same; a config file's defaults for `booth run`
+    send the command line to click, which applies them."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    said = []
+    for twice, tape_id in (((), "fast"), (("--commit", "never"), "click")):
+        code, stderr = _booth(
+            tmp_path, "--tree", "tree", "--tape-dir", "tapes", "--tape-id", tape_id,
+            "--commit", "never", *twice, "sh", "-c", "echo $0 > a.txt; exit 3", tape_id,
+        )  # fmt: skip
+        said.append((code, stderr.replace(tape_id, "ID")))
+        assert (tmp_path / "tapes" / f"{tape_id}.jbx").exists()
+    assert said[0] == said[1]
+    assert said[0][0] == 3 and "kept pending" in said[0][1]
+    assert not (tree / "a.txt").exists()  # --commit never: pending, the tree untouched
+    config = tmp_path / "config.toml"
+    config.write_text('commit = "never"\n')
+    code, stderr = _booth(
+        tmp_path, "--tree", "tree", "--tape-dir", "tapes", "--", "sh", "-c", "echo x > a.txt",
+        env={"JUKEBOX_CONFIG": str(config)},
+    )  # fmt: skip
+    assert code == 0 and "kept pending" in stderr, stderr
+    assert not (tree / "a.txt").exists()
 
 
 def test_a_bad_price_file_still_stops_a_booth_before_its_agent(tmp_path: Path) -> None:
