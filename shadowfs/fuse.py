@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import stat
 import struct
@@ -61,8 +60,9 @@ from typing import Any
 from shadowfs import fuse_wire as w
 from shadowfs.fuse_arrivals import Arrivals
 from shadowfs.layer import S_IFDIR, S_IFREG, SRC_SCRATCH, Layer, Node
+from shadowfs.lazylog import LazyLogger
 
-log = logging.getLogger(__name__)
+log = LazyLogger(__name__)  # logging imported at the first message
 
 TIMEOUT = 300.0
 THREAD_IO = 1024 * 1024

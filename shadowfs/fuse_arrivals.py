@@ -18,12 +18,13 @@ which no worker can have waited out for the GIL.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
+from shadowfs.lazylog import LazyLogger
+
+log = LazyLogger(__name__)  # logging imported at the first message
 
 STEP = 2
 # Longer than a worker can plausibly wait for the GIL after read(2) (a few switch intervals of

@@ -114,10 +114,9 @@ class TapeSink:
 
 def _new_tape_id(server: str) -> str:
     import re
-    import secrets
 
     safe = re.sub(r"[^a-z0-9-]", "-", server.lower())[:24].strip("-") or "server"
-    return f"mcp-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    return f"mcp-{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}"
 
 
 # A control request is one line of at most jukebox.booth.control.MAX_LINE bytes: a result bigger
@@ -156,8 +155,6 @@ class BoothSink:
         """A result too big for one control line is sent in pieces, then named by the frame
         (`{"blob": ID, "bytes": N, "blake3": H}`), and the supervisor records it whole; past
         MAX_BLOB, or when the supervisor refuses it, only its size and hash are recorded."""
-        import secrets
-
         from jukebox.booth import control
 
         value = payload.get("result")
@@ -168,7 +165,7 @@ class BoothSink:
             return payload
         ref = blob_ref(text)
         if ref["bytes"] <= MAX_BLOB:
-            blob = secrets.token_hex(8)
+            blob = os.urandom(8).hex()
             try:
                 for at in range(0, len(text), BLOB_PIECE):
                     piece = text[at : at + BLOB_PIECE]

@@ -33,7 +33,6 @@ import json
 import os
 import pwd
 import re
-import secrets
 import shutil
 import signal
 import sys
@@ -167,10 +166,11 @@ def commit_key(*, create: bool = True) -> bytes | None:
         return None
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        # os.urandom as secrets does it, without importing secrets (hmac, random) at the start.
+        tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, secrets.token_bytes(KEY_SIZE))
+            os.write(fd, os.urandom(KEY_SIZE))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -354,7 +354,7 @@ def _retire(path: Path, tapes: TapeDir) -> None:
     trash = path / TRASH_NAME
     with contextlib.suppress(OSError):
         if os.listdir(trash):
-            away = tapes.trash_path / f"{path.name}-{secrets.token_hex(4)}"
+            away = tapes.trash_path / f"{path.name}-{os.urandom(4).hex()}"
             make_private_dirs(away.parent)
             os.rename(trash, away)
             empty_later(away)
