@@ -141,6 +141,36 @@ def test_the_secret_never_reaches_the_tape(upstream: FakeUpstream, recording: Re
     assert proxy.secret.encode() not in everything_recorded(recording.path, recording.store)
 
 
+
+def test_secrets_added_to_a_standby_are_scrubbed_before_and_after_its_start(
+    upstream: FakeUpstream, recording: Recording
+) -> None:
+    """A booth hands its standby the HTTP MCP gateway's path secret once the gateway is up,
+    which may be before or after the agent's first call has started the proxy."""
+    from jukebox.llm.standby import Standby
+
+    early, late = "gateway-secret-early-0001", "gateway-secret-late-0002"
+
+    def make(sock: socket.socket, secret: str, learned: list[str]) -> ProxyServer:
+        return ProxyServer(upstreams={"openai": upstream.openai_url, "anthropic": upstream.url},
+                           record=recording.writer.append, sock=sock, secret=secret,
+                           secrets=learned)  # fmt: skip
+
+    standby = Standby(make, {}).start()
+    try:
+        standby.add_secrets([early])
+        o, _ = clients(standby.base_urls())
+        ask(o, f"mine: {early}")  # starts the proxy
+        standby.add_secrets([late])
+        ask(o, f"mine: {late} {early}")
+    finally:
+        standby.stop()
+    assert [t["request"]["messages"][0]["content"] for t in turns(recording)] == [
+        f"mine: {REDACTED}", f"mine: {REDACTED} {REDACTED}"
+    ]
+    data = everything_recorded(recording.path, recording.store)
+    assert early.encode() not in data and late.encode() not in data
+
 # --------------------------------------------------------------------------- paths
 
 
