@@ -12,13 +12,16 @@ from shadowfs.lazylog import LazyLogger
 
 
 def test_a_message_reaches_the_module_logger(caplog: pytest.LogCaptureFixture) -> None:
-    log = LazyLogger("shadowfs.fuse")
-    with caplog.at_level("DEBUG", logger="shadowfs.fuse"):
+    # A name no other test has made: a library configuring logging earlier in the session
+    # (dictConfig's disable_existing_loggers) disables every logger that existed by then.
+    name = "shadowfs.lazylog_test"
+    log = LazyLogger(name)
+    with caplog.at_level("DEBUG", logger=name):
         log.error("shadowfs: request %d failed", 7)
         log.debug("shadowfs: requests %d..%d never arrived", 1, 2)
     assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("shadowfs.fuse", "ERROR", "shadowfs: request 7 failed"),
-        ("shadowfs.fuse", "DEBUG", "shadowfs: requests 1..2 never arrived"),
+        (name, "ERROR", "shadowfs: request 7 failed"),
+        (name, "DEBUG", "shadowfs: requests 1..2 never arrived"),
     ]
 
 
