@@ -101,7 +101,9 @@ def artefacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("viewer-screenshots")
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: sync Playwright keeps its event loop marked running on this thread until it
+# stops, and a later test's `asyncio.run` (tests/export) refuses to start under it.
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     from playwright import sync_api as playwright
 
