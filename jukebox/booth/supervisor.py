@@ -1073,7 +1073,7 @@ class _Run(Record):
 
     FIELDS = (
         "booth_id", "tree", "writer", "layer", "started", "checkpoints", "lock", "rollbacks",
-        "output", "spawn", "agent_pid", "trip", "mcp", "databases",
+        "output", "spawn", "agent_pid", "trip", "mcp", "databases", "secrets",
     )  # fmt: skip
     booth_id: str
     tree: str
@@ -1093,6 +1093,10 @@ class _Run(Record):
     # The --pg databases (jukebox.sql.booth_link.BoothDatabases): checkpoints and rollbacks
     # take them along, before the files (their refusal leaves the files as they were).
     databases: Any
+    # The booth's one scrubber (jukebox.redact.Scrubber): the operator's secret values and the
+    # path secrets of the booth's proxies. Whatever the agent chose that reaches a frame (a
+    # label, the verifier's output, an MCP call's arguments, through the gate) passes it.
+    secrets: Any
 
     def __init__(
         self,
@@ -1110,7 +1114,12 @@ class _Run(Record):
         trip: Any = None,
         mcp: Any = None,
         databases: Any = None,
+        secrets: Any = None,
     ) -> None:
+        if secrets is None:
+            from jukebox.redact import Scrubber
+
+            secrets = Scrubber()
         self.booth_id = booth_id
         self.tree = tree
         self.writer = writer
@@ -1125,14 +1134,13 @@ class _Run(Record):
         self.trip = trip
         self.mcp = mcp
         self.databases = databases
+        self.secrets = secrets
 
     def scrubbed(self, text: str | None) -> str | None:
         """Text the agent chose (a checkpoint's label, the verifier's output), as a frame may
         show it: the booth's known secrets replaced, its proxies' path secrets among them (the
         agent's environment holds its base URLs, secret included)."""
-        if text is None or self.mcp is None:
-            return text
-        return str(self.mcp.secrets.text(text))
+        return None if text is None else str(self.secrets.text(text))
 
     def on_refused_write(self, error: OSError) -> None:
         """The layer refused a write the agent's kernel had already accepted: the agent learns
@@ -1296,7 +1304,7 @@ def _start_http_gateways(run: _Run, servers: Mapping[str, Any], llm_session: Any
     # One scrubber with the stage gate's: a frame the gate records (a staged call run by the
     # commit, a stdio wrapper's) loses the same secrets as the gateway's own, the gateway's path
     # secret (added by HttpGateways) among them: an agent may pass its URL as an argument.
-    scrubber = run.mcp.secrets
+    scrubber = run.secrets
     scrubber.add(v for k, v in env.items() if img.is_secret(k))
     for spec in servers.values():
         scrubber.add(spec.secrets())
@@ -2086,12 +2094,12 @@ def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
 
     writer = run.writer
     from jukebox.mcp.record import scrub
-    from jukebox.redact import Scrubber
 
     # The calls a commit runs carry the arguments as the agent sent them (secrets too): their
     # frames, and every other the gate records, lose the operator's secret values first.
     # The declared servers' own secrets too (an HTTP server's URL password and headers).
-    secrets = Scrubber(v for k, v in o.img.filter_env(os.environ).items() if o.img.is_secret(k))
+    secrets = run.secrets
+    secrets.add(v for k, v in o.img.filter_env(os.environ).items() if o.img.is_secret(k))
     for spec in o.mcp_servers.values():
         secrets.add(spec.secrets())
     run.mcp = StageGate(o.mcp_servers,
@@ -2153,7 +2161,7 @@ def _start_services(
     # The proxy's secret is in the base URLs the agent gets: what the agent passes on elsewhere
     # (an MCP tool's arguments, an SQL statement, a checkpoint's label, the verifier's output)
     # loses it too, as its model calls do.
-    run.mcp.secrets.add([llm_session.proxy.secret])
+    run.secrets.add([llm_session.proxy.secret])
     network = llm_session.network
     listen = network.listen if network is not None else None
     # The LLM proxy's session adds to the environment: its secrets are hidden from SQL too.

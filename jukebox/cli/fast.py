@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 # The output flags every command takes (jukebox.cli.options.OUTPUT_FLAGS), by parameter name.
 OUTPUT_FLAGS = {
@@ -42,11 +43,11 @@ class Replay:
 
 class BoothRun:
     """A `jukebox booth run [OPTIONS] CMD` command line, parsed: `options` by run_booth's
-    parameter names."""
+    parameter names (string values, passed to it as keywords)."""
 
     __slots__ = ("cmd", "flags", "options")
 
-    def __init__(self, cmd: list[str], options: dict[str, str], flags: set[str]) -> None:
+    def __init__(self, cmd: list[str], options: dict[str, Any], flags: set[str]) -> None:
         self.cmd = cmd
         self.options = options
         self.flags = flags
@@ -90,7 +91,7 @@ def planned_booth(argv: list[str]) -> BoothRun | None:
     if argv[i : i + 1] != ["run"]:
         return None
     i += 1
-    options: dict[str, str] = {}
+    options: dict[str, Any] = {}
     while i < len(argv):
         arg = argv[i]
         if arg == "--":
@@ -231,17 +232,5 @@ def booth_run(plan: BoothRun) -> bool:
 
     # run_booth closes what it opens, whatever the outcome: no teardown needed after it.
     skip_teardown()
-    o = plan.options
-    code = run_booth(
-        list(plan.cmd),
-        tree=o.get("tree", "."),
-        tape_dir=o.get("tape_dir"),
-        tape_id=o.get("tape_id"),
-        name=o.get("name"),
-        fs=o.get("fs", "fuse"),
-        image=o.get("image"),
-        commit_mode=o.get("commit_mode", "auto"),
-        verify_cmd=o.get("verify_cmd"),
-        net=o.get("net"),
-    )
-    sys.exit(code)
+    # An option not given is left to run_booth's own default, as the click command's is.
+    sys.exit(run_booth(list(plan.cmd), **plan.options))
