@@ -41,7 +41,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -85,6 +85,7 @@ FS_KINDS = ("fuse", "overlay")
 VERIFY_OUTPUT_MAX = 64 * 1024
 BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
 TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
+MCP_URL_ENV = "JUKEBOX_MCP_URL"  # the HTTP MCP servers' gateway, its path secret included
 BREAKER_GRACE_S = 3.0  # seconds an agent stopped by the circuit breaker gets before SIGKILL
 # SIGWINCH: the operator's window changed; the agent's pty follows (jukebox/booth/terminal.py).
 WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
@@ -1851,7 +1852,7 @@ class _Booth(Record):
 
     FIELDS = (
         "options", "store", "writer", "record", "base_tree", "recorded_verify", "layer",
-        "layer_open", "run", "services", "databases_open", "spec",
+        "layer_open", "run", "services", "databases_open", "spec", "verifier_env",
     )  # fmt: skip
     options: _BoothOptions
     store: ObjectStore
@@ -1865,6 +1866,7 @@ class _Booth(Record):
     services: contextlib.ExitStack
     databases_open: contextlib.ExitStack
     spec: isolation.ChildSpec
+    verifier_env: dict[str, str]  # the agent's, without its stopped proxies (_verifier_env)
 
     def __init__(
         self,
@@ -1880,6 +1882,7 @@ class _Booth(Record):
         services: contextlib.ExitStack,
         databases_open: contextlib.ExitStack,
         spec: isolation.ChildSpec,
+        verifier_env: dict[str, str],
     ) -> None:
         self.options = options
         self.store = store
@@ -1893,6 +1896,7 @@ class _Booth(Record):
         self.services = services
         self.databases_open = databases_open
         self.spec = spec
+        self.verifier_env = verifier_env
 
 
 class _Outcome(Record):
@@ -2054,12 +2058,34 @@ def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
     services = stack.enter_context(contextlib.ExitStack())
     databases_open = stack.enter_context(contextlib.ExitStack())
     sock_path = os.path.join(sock_dir, "control.sock")
+    before_proxies = dict(env)
     llm_session = _start_services(o, run, env, services, databases_open, preforked, sock_path)
     env.update({SOCKET_ENV: sock_path, BOOTH_ID_ENV: booth_id, TAPE_ID_ENV: booth_id})
     _start_mcp_gateways(o, run, env, services, sock_dir, llm_session)
     spec = _child_spec(o, env, layer_dir, sock_dir, protections, cgroup, seccomp_bpf)
+    verifier_env = _verifier_env(
+        env, before_proxies, [*llm_session.proxy.base_urls(), MCP_URL_ENV]
+    )
     return _Booth(o, store, writer, record, base_tree, recorded_verify, layer, layer_open, run,
-                  services, databases_open, spec)  # fmt: skip
+                  services, databases_open, spec, verifier_env)  # fmt: skip
+
+
+def _verifier_env(
+    env: Mapping[str, str], before: Mapping[str, str], proxied: Iterable[str]
+) -> dict[str, str]:
+    """The verifier's environment: the agent's `env`, except the variables `proxied` that
+    pointed the agent at the booth's LLM proxy and MCP gateway, which have stopped by the time
+    the verifier runs (their URLs would reach nothing, and carry the proxies' path secrets).
+    Each gets back the value it had `before` the booth set it (the operator's own
+    OPENAI_BASE_URL, say), or goes: a verifier that calls a model calls it as it would outside
+    the booth, unrecorded, and under --net none has no network at all."""
+    out = dict(env)
+    for name in proxied:
+        if name in before:
+            out[name] = before[name]
+        else:
+            out.pop(name, None)
+    return out
 
 
 def _quietly(close: Callable[[], None]) -> None:
@@ -2208,7 +2234,7 @@ def _start_mcp_gateways(
                                              o.mcp_policy)  # fmt: skip
         services.callback(http_gateways.stop)
         http_urls = http_gateways.urls()
-        env["JUKEBOX_MCP_URL"] = http_gateways.base_url()
+        env[MCP_URL_ENV] = http_gateways.base_url()
         # An agent that pastes that URL into a prompt: its secret is the model calls' too.
         llm_session.add_secrets([http_gateways.secret])
     if o.mcp_declared is not None or o.mcp_http:
@@ -2290,10 +2316,11 @@ def _run_agent(b: _Booth) -> _Outcome:
     verified: dict[str, Any] | None = None
     if o.verify and not interrupted:
         if status["code"] == 0 and not status.get("setup_error"):
-            verified = _run_verifier(b.spec, o.verify)
-            # Its environment is the agent's: what it prints may show the proxy's secret (its
-            # base URLs) and the supervisor's secret values. Scrubbed for the tape and for the
-            # booth's own stderr, which shows a failing verifier's output.
+            verified = _run_verifier(b.spec.replace(env=b.verifier_env), o.verify)
+            # What it prints may show the supervisor's secret values (its environment is the
+            # agent's, mostly) and the proxies' path secrets (the agent may leave its base URLs
+            # in the tree). Scrubbed for the tape and for the booth's own stderr, which shows
+            # a failing verifier's output.
             verified["output"] = b.run.scrubbed(verified["output"])
             interrupted = bool(verified.get("interrupted"))
         else:
