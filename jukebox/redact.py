@@ -195,6 +195,31 @@ class Scrubber:
                 data = data.replace(plain, REDACTED)
         return data
 
+    def host(self, name: str) -> str:
+        """A host name as a frame or a log may show it (the agent's DNS lookups): the known
+        values replaced in any case, since DNS names are case-insensitive and a resolver may
+        change the case, and across the dots between labels, since a label holds 63 bytes at
+        most and a longer value is split over several."""
+        kept = [i for i, c in enumerate(name) if c != "."]
+        flat = "".join(name[i] for i in kept).lower()
+        spans: list[tuple[int, int]] = []
+        for plain in self._texts:
+            needle = plain.replace(".", "").lower()
+            at = flat.find(needle) if needle else -1
+            while at != -1:
+                spans.append((kept[at], kept[at + len(needle) - 1] + 1))
+                at = flat.find(needle, at + 1)
+        if not spans:
+            return name
+        out, end = [], 0
+        for start, stop in sorted(spans):
+            if start < end:  # overlapping values: one marker for both
+                end = max(end, stop)
+                continue
+            out += [name[end:start], REDACTED]
+            end = stop
+        return "".join(out) + name[end:]
+
     @property
     def count(self) -> int:
         return len(self._values)

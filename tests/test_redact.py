@@ -98,6 +98,17 @@ def test_free_text_loses_every_shape_at_once() -> None:
     assert out.startswith("upstream https://[REDACTED]@h/x failed")
 
 
+def test_host_names_lose_known_values_in_any_case_and_across_labels() -> None:
+    scrub = Scrubber(["Tok3nValue-AbCdEf", "short", "abcdefgh.ijkl"])
+    assert scrub.host("tok3nvalue-abcdef.example.org") == f"{R}.example.org"
+    assert scrub.host("x.TOK3N.value-AbCdEf.y") == f"x.{R}.y"  # split over two labels
+    assert scrub.host("abcdefghijkl.org") == f"{R}.org"  # a value with a dot, joined
+    # Values that overlap in the name give one marker; a value shorter than 8 is no secret.
+    scrub.add(["efabcdefgh"])
+    assert scrub.host("tok3nvalue-abcdefabcdefgh.short.org") == f"{R}.short.org"
+    assert scrub.host("example.org") == "example.org"
+
+
 @pytest.mark.parametrize(
     "target",
     [

@@ -2175,6 +2175,7 @@ def _start_services(
         on_trip=run.record_trip,
         stop_agent=run.stop_agent,
         record_limit=o.scratch_limit,
+        scrubber=run.secrets,  # the proxy's secret joins it below, before the agent starts
     )
     services.callback(llm_session.close)
     if preforked is not None and llm_session.network is None:

@@ -7,9 +7,12 @@ loopback alias for each IPv4 nameserver that is not on loopback already): every 
 `REFUSED` (the resolver then fails as it would with no network, at once), and each name once
 gives a stderr line and a `note` frame (`event: lookup_refused`, `host`, and the sender when it
 is a known one: litellm's price map, LangSmith, tiktoken's encodings, ...) with the switch that
-turns it off (jukebox.llm.telemetry). Addresses used without a lookup, and resolvers that do
-not read resolv.conf, are not seen. Where the namespace cannot take the alias or the port (a
-booth without the privilege), nothing is watched and nothing changes.
+turns it off (jukebox.llm.telemetry). A name is the agent's choice, and may carry a secret it
+holds (its base URLs' path secret, the operator's keys in its environment): both the line and
+the note show it through the booth's scrubber (`Scrubber.host`). Addresses used without a
+lookup, and resolvers that do not read resolv.conf, are not seen. Where the namespace cannot
+take the alias or the port (a booth without the privilege), nothing is watched and nothing
+changes.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import struct
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jukebox.display import progress
 from jukebox.display.names import printable
 from jukebox.llm.netns import PrivateNetwork
+
+if TYPE_CHECKING:
+    from jukebox.redact import Scrubber
 
 RESOLV_CONF = "/etc/resolv.conf"
 NOTE_EVENT = "lookup_refused"
@@ -139,9 +145,15 @@ def _bind(servers: list[str]) -> list[socket.socket]:
 class LookupWatch:
     """Answers and reports the agent's DNS lookups inside its private network."""
 
-    def __init__(self, socks: list[socket.socket], record: Callable[[str, dict[str, Any]], Any]):
+    def __init__(
+        self,
+        socks: list[socket.socket],
+        record: Callable[[str, dict[str, Any]], Any],
+        scrubber: Scrubber | None = None,
+    ):
         self._socks = socks
         self._record = record
+        self._scrubber = scrubber
         self._seen: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="jukebox-lookups", daemon=True)
@@ -150,9 +162,13 @@ class LookupWatch:
 
     @classmethod
     def start(
-        cls, network: PrivateNetwork, record: Callable[[str, dict[str, Any]], Any]
+        cls,
+        network: PrivateNetwork,
+        record: Callable[[str, dict[str, Any]], Any],
+        scrubber: Scrubber | None = None,
     ) -> LookupWatch:
-        return cls(network.call(_bind, nameservers()), record)
+        """`scrubber`: the booth's, read at each new name (it learns values after the start)."""
+        return cls(network.call(_bind, nameservers()), record, scrubber)
 
     @property
     def watching(self) -> bool:
@@ -174,8 +190,10 @@ class LookupWatch:
         if host in self._seen or len(self._seen) > MAX_HOSTS:
             return
         self._seen.add(host)
-        note: dict[str, Any] = {"event": NOTE_EVENT, "host": host}
         known = sender(host)
+        if self._scrubber is not None:
+            host = self._scrubber.host(host)
+        note: dict[str, Any] = {"event": NOTE_EVENT, "host": host}
         if len(self._seen) > MAX_HOSTS:  # an agent inventing names fills no tape nor terminal
             line = f"note: more than {MAX_HOSTS} names looked up; the others are not listed"
             note = {"event": NOTE_EVENT, "more": True}

@@ -87,10 +87,13 @@ class LlmSession:
         on_trip: Callable[[Any], Any] | None = None,
         record_limit: int | None = None,
         stop_agent: Callable[[Any], Any] | None = None,
+        scrubber: Any = None,
     ) -> LlmSession:
         """`record_limit`: the bytes of model traffic the proxy may record (the booth's
         --max-scratch; DEFAULT_RECORD_LIMIT when None). `on_trip` records a trip at once;
-        `stop_agent` is called after the agent has been told why (see ProxyServer)."""
+        `stop_agent` is called after the agent has been told why (see ProxyServer).
+        `scrubber` (a jukebox.redact.Scrubber, the booth's): what the agent's lookups under
+        --net none show of a name passes it."""
         options = options or LlmOptions()
         replay = options.replay
         upstreams = options.upstreams or upstreams_from_env(environ)
@@ -149,7 +152,7 @@ class LlmSession:
             if network is not None:
                 from jukebox.llm.lookups import LookupWatch
 
-                lookups = LookupWatch.start(network, record)
+                lookups = LookupWatch.start(network, record, scrubber)
         except BaseException:
             proxy.stop()
             if network is not None:
