@@ -51,7 +51,7 @@ _ALLOW_HOOKS_HELP = (
     show_default=True,
     help="auto: commit on success, roll back on failure; ask; never: keep the booth pending.",
 )
-@click.option("--verify", "verify_cmd", default=None, help="Verifier command run in the booth, after the agent (its model calls unrecorded).")
+@click.option("--verify", "verify_cmd", default=None, help="Verifier command run in the booth.")
 @click.option("--net", type=click.Choice(["host", "none"]), default=None, help="Network access.")
 @click.option(
     "--checkpoint-every", type=float, default=None, help="Automatic checkpoint every N seconds."
