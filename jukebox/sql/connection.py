@@ -101,6 +101,9 @@ class AgentConnection:
         self.unit_wrote = False  # this unit ran (or will run) a statement that may write
         self.attached = False  # this connection's block keeps its savepoint on the session
         self.wrote = False  # this connection's block has written (it can no longer detach)
+        # Its block took the savepoint jukebox_in before its first SAVEPOINT of the agent's:
+        # a commit that keeps the block's jukebox_tx releases the agent's ones from there.
+        self.marked = False
         self.skipping = False  # after an error in extended messages: drop them until Sync
         self.inflight = False  # forwarded extended messages whose replies are not read yet
         self.special: dict[str, st.Statement] = {}  # statements the proxy answers, by name
@@ -200,6 +203,8 @@ class AgentConnection:
             self.lost = error
         else:
             self.state, self.undone, self.attached, self.wrote = "E", error, False, False
+            self.marked = False
+            self.session.block_lost(self)
             if self.session.attached is self:
                 self.session.set_attached(self, False)
 
@@ -209,6 +214,7 @@ class AgentConnection:
         server would fail a transaction it had to roll back; the agent's ROLLBACK ends it."""
         self.up = None
         self.attached = self.wrote = self.unit_wrote = self.unit_failed = self.parked = False
+        self.marked = False
         self.state = "E"
         self.undone = m.error(
             "25P02",
@@ -253,7 +259,9 @@ class AgentConnection:
             return
         up = self.up
         if self.state == "I":
-            if self.unit_failed or up.status == "E":
+            if self.session.pending_on is self:  # its block undone at its end (a disconnect)
+                up.send_own(self.session.block_ends(self, "rollback"), self)
+            elif self.unit_failed or up.status == "E":
                 up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx",
                             self)
             else:
@@ -489,6 +497,11 @@ class AgentConnection:
         up = self.up
         assert up is not None
         kind = stmt.kind
+        if kind == st.SAVEPOINT and self.state == "T" and not self.marked and (
+            stmt.text[:9].upper() == "SAVEPOINT"
+        ):
+            up.send_own("SAVEPOINT jukebox_in", self)
+            self.marked = True
         if kind == st.PLAIN or (kind == st.SAVEPOINT and self.state != "I") or (
             kind == st.BEGIN and self.state == "E"
         ):
@@ -518,15 +531,23 @@ class AgentConnection:
         elif self.state == "I":
             self.send(m.notice("25P01", "there is no transaction in progress"))
         elif kind == st.COMMIT and self.state == "T":
-            await up.query(RELEASE_TX)
+            if self.session.pending_on is self:
+                await up.query(self.session.block_ends(self, "commit"))
+            else:
+                await up.query(RELEASE_TX)
+            self.marked = False
             # What follows in this unit needs its savepoint; the unit's end usually releases
             # it at once, and then neither is sent (Upstream.send_own).
             up.send_own(SAVEPOINT_TX, self)
             self.state = "I"
         else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
-            if self.undone is None:  # else the booth's rollback took its savepoint already
+            if self.session.pending_on is self:
+                await up.query(self.session.block_ends(self, "rollback"))
+                up.send_own(SAVEPOINT_TX, self)  # for what follows in this unit
+            elif self.undone is None:  # else the booth's rollback took its savepoint already
                 await up.query("ROLLBACK TO SAVEPOINT jukebox_tx")
             self.undone = None
+            self.marked = False
             self.state, self.unit_failed, tag = "I", False, "ROLLBACK"
         self.send(m.command_complete(tag))
         self.record(run, tag)

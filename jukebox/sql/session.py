@@ -70,6 +70,16 @@ class SqlSession:
         self.points: list[int] = []
         self.taken = 0  # the highest checkpoint number asked for
         self.gone: set[int] = set()
+        # Checkpoints asked for while a block of the agent's that wrote (or failed) was open:
+        # the committed state then is the state before that block (`pending_on`), where its
+        # own savepoint jukebox_tx is. They are answered at once and get their savepoint when
+        # the block ends (`block_ends`), or the block's undoing takes them along.
+        self.pending: list[int] = []
+        self.pending_on: Any = None
+        # Checkpoints whose savepoint jukebox_cp_N sits above the work of the block that was
+        # open when they were taken, which then committed: that block's jukebox_tx was kept
+        # under its work, and going back to N goes back to it (`rollback_to`).
+        self.deferred: set[int] = set()
         self._opening = asyncio.Lock()
         self._waiting = 0  # takers waiting for the wire (a free wire goes to them first)
 
@@ -184,11 +194,86 @@ class SqlSession:
             self.give_back(me)
 
     async def checkpoint(self, n: int, timeout: float) -> None:
+        """SAVEPOINT jukebox_cp_N, or, while a block of the agent that wrote (or failed) is
+        open, a checkpoint at the state before that block, answered at once (see `pending`):
+        the block has not committed, so the committed state is the one its savepoint marks.
+        Only a unit running now is waited for (up to `timeout`)."""
         self.taken = max(self.taken, n)
         if self.upstream is None:
             return
-        await self._own(f"SAVEPOINT jukebox_cp_{int(n)}", timeout)
-        self.points.append(n)
+        me = object()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if not self.wire.locked() and not self._waiting and not self.blocked_by(me):
+                await self.wire.acquire()  # free, nobody waiting: taken without yielding
+                self.holder = me
+                break
+            block = self._open_block()
+            if block is not None:
+                self.pending.append(n)
+                self.pending_on = block
+                return
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                raise TurnTimeout(
+                    f"jukebox: a statement of the agent on the booth's database {self.name!r} "
+                    f"ran for over {timeout:g}s; the checkpoint waits for it to end"
+                ) from None
+        try:
+            if self.upstream is None:
+                raise UpstreamError("the booth's database session has ended")
+            await self.upstream.query(f"SAVEPOINT jukebox_cp_{int(n)}")
+            self.points.append(n)
+        finally:
+            self.give_back(me)
+
+    def _open_block(self) -> Any:
+        """The agent's open block a checkpoint is taken before, when no unit is running: the
+        attached block that wrote, else a failed block parked on the session."""
+        holder = self.holder
+        if holder is not None and not getattr(holder, "parked", False):
+            return None  # a unit is running: waited for
+        attached = self.attached
+        if attached is not None and attached.wrote:
+            return attached
+        return holder
+
+    def block_ends(self, conn: Any, how: str) -> str:
+        """`conn`'s block ends (`how`: "commit" or "rollback") while checkpoints wait for it:
+        the SQL that ends it and gives them their savepoint, in place of the usual RELEASE or
+        ROLLBACK TO of jukebox_tx. A rollback leaves the state before the block: the savepoint
+        is taken there. A commit keeps the block's jukebox_tx under its work (the state
+        before it) and takes jukebox_cp_N above (`deferred`); the agent's own savepoints
+        still open in the block are released first (`jukebox_in` marks the first)."""
+        first = self.pending[0]
+        self.pending, self.pending_on = [], None
+        self.points.append(first)
+        if how == "rollback":
+            sql = "ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx; "
+            other = self.attached
+            if other is not None and other is not conn and not other.wrote:
+                # A failed unit inside another's idle block that only read: that block's
+                # savepoint is under this one, and its reads need no undoing (detached).
+                sql += "RELEASE SAVEPOINT jukebox_tx; "
+                other.attached = False
+                self.attached = None
+                self._notify()
+            return f"{sql}SAVEPOINT jukebox_cp_{first}"
+        self.deferred.add(first)
+        release = "RELEASE SAVEPOINT jukebox_in; " if conn.marked else ""
+        return f"{release}SAVEPOINT jukebox_cp_{first}"
+
+    def block_lost(self, conn: Any) -> None:
+        """`conn`'s block was undone by a failed bookkeeping query of its own, with the state
+        before it: checkpoints waiting for it have nowhere to go."""
+        if self.pending_on is conn:
+            self.gone.update(self.pending)
+            self.pending, self.pending_on = [], None
 
     async def rollback_to(self, n: int, timeout: float) -> None:
         """ROLLBACK TO SAVEPOINT jukebox_cp_N. Open blocks of the agent's connections are
@@ -204,13 +289,12 @@ class SqlSession:
             )
         if self.upstream is None:  # nothing ran yet: nothing to undo
             return
-        # A checkpoint taken before the agent's first connection is the session's start.
-        point = max(p for p in self.points if p <= n)
         me = object()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        pops = 0  # units parked on a block checkpoints wait for, whose savepoints go first
         while True:
-            self._undo_blocks(n)
+            pops += self._undo_blocks(n)
             if not self.wire.locked() and not self._waiting and not self.blocked_by(me):
                 await self.wire.acquire()  # free, nobody waiting: taken without yielding
                 self.holder = me
@@ -228,17 +312,35 @@ class SqlSession:
         try:
             if self.upstream is None:
                 raise UpstreamError("the booth's database session has ended")
-            await self.upstream.query(f"ROLLBACK TO SAVEPOINT jukebox_cp_{int(point)}")
+            undo = "ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx; "
+            if self.pending and n >= self.pending[0]:
+                # To a checkpoint taken while a block was open, which is undone now: the
+                # state before it, its jukebox_tx (under a failed unit parked inside it).
+                point = self.pending[0]
+                sql = undo * pops + f"{undo}SAVEPOINT jukebox_cp_{point}"
+                self.points.append(point)
+            else:
+                # A checkpoint taken before the agent's first connection is the start.
+                point = max(p for p in self.points if p <= n)
+                sql = f"ROLLBACK TO SAVEPOINT jukebox_cp_{int(point)}"
+                if point in self.deferred:  # back to the kept jukebox_tx under that block
+                    sql += f"; {undo}SAVEPOINT jukebox_cp_{point}"
+            await self.upstream.query(sql)
+            self.pending, self.pending_on = [], None
             self.points = [p for p in self.points if p <= point]
+            self.deferred = {p for p in self.deferred if p < point}
             self.gone.update(range(n + 1, self.taken + 1))
         finally:
             self.give_back(me)
 
-    def _undo_blocks(self, n: int) -> None:
+    def _undo_blocks(self, n: int) -> int:
         """Before rollback to checkpoint N: a connection parked in a failed block gives the
-        wire up, and the attached block, if it wrote, is dropped; both are undone."""
+        wire up, and the attached block, if it wrote, is dropped; both are undone. Returns 1
+        when the parked one was a unit inside the block checkpoints wait for."""
         holder = self.holder
+        inside = 0
         if holder is not None and getattr(holder, "parked", False):
+            inside = int(self.pending_on is not None and holder is not self.pending_on)
             holder.undo(n)
             if self.attached is holder:
                 self.attached = None
@@ -250,6 +352,7 @@ class SqlSession:
             self.attached = None
         if holder is not self.holder or attached is not self.attached:
             self._notify()  # writes that waited for that block may go once the rollback is done
+        return inside
 
     async def end(self, sql: str) -> None:
         """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after."""

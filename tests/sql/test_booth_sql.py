@@ -397,7 +397,10 @@ try:
 except psycopg.errors.DivisionByZero:
     pass
 start = time.monotonic()
-out = [str(jb("rollback", "--to", "a").returncode), f"{time.monotonic() - start:.1f}"]
+mid = jb("checkpoint", "--label", "mid")  # the state before the open blocks, at once
+out = [f"{mid.returncode} {time.monotonic() - start:.1f}"]
+start = time.monotonic()
+out += [str(jb("rollback", "--to", "a").returncode), f"{time.monotonic() - start:.1f}"]
 for conn in (held, failed):
     try:
         conn.execute("SELECT 1")
@@ -423,8 +426,9 @@ open("seen.txt", "w").write("\\n".join(out))
 def test_a_rollback_undoes_other_connections_open_transactions(
     pg: Cluster, db: str, tmp_path: Path
 ) -> None:
-    """`booth rollback` while other connections of the agent hold transactions open goes at
-    once (it used to wait 10 s for a block that wrote and fail): a block that wrote or failed is
+    """`booth checkpoint` and `booth rollback` while other connections of the agent hold
+    transactions open go at once (they used to wait 10 s for a block that wrote and fail): a
+    block that wrote or failed is
     undone with the rest and told so at its next statement, then runs again after its
     ROLLBACK; a block that only read carries on. A checkpoint taken before the agent's first
     connection is the database's start; one a rollback went past is refused, and the booth's
@@ -432,7 +436,8 @@ def test_a_rollback_undoes_other_connections_open_transactions(
     out = booth(tmp_path, pg.url(db), OPEN_BLOCKS, "--verify", "true", "--tape-id", "open")
     assert out.returncode == 0, out.stderr
     seen = (tmp_path / "tree" / "seen.txt").read_text().splitlines()
-    code, took, held, failed, counted, after, early, at_start, gone, last = seen
+    mid, code, took, held, failed, counted, after, early, at_start, gone, last = seen
+    assert mid.split()[0] == "0" and float(mid.split()[1]) < 5  # it waited 10 s and failed
     assert code == "0" and float(took) < 5
     undone = ("jukebox: the booth rolled back to checkpoint 2 while this transaction was open, "
               "which undid its work; commands are ignored until ROLLBACK")

@@ -260,6 +260,70 @@ def test_a_rollback_undoes_a_block_waiting_for_the_session(
     assert rows(pg, db) == "1:one,2:two"
 
 
+def test_a_checkpoint_while_blocks_are_open_is_the_state_before_them(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    """A checkpoint while another connection's block that wrote (or failed) is open is
+    answered at once (it waited 10 s and failed): it is the committed state then, before that
+    block, whether the block commits after it (a rollback to it undoes the whole block, not
+    the part after the checkpoint) or rolls back; the agent's own savepoints left open by
+    the block's COMMIT are gone as the server would have them."""
+    auto = psycopg.connect(proxied.url, autocommit=True)
+    a = psycopg.connect(proxied.url)
+    session = proxied.session()
+
+    def checkpoint(n: int) -> None:
+        start = time.monotonic()
+        proxied.proxy.call(session.checkpoint(n, 10), timeout=10)
+        assert time.monotonic() - start < 1
+
+    def ids() -> str:
+        return ",".join(str(r[0]) for r in auto.execute("SELECT id FROM t ORDER BY id"))
+
+    try:
+        auto.execute("INSERT INTO t VALUES (3, 'before the block')")
+        a.execute("INSERT INTO t VALUES (4, 'in the block')")
+        a.execute("SAVEPOINT mine")  # the agent's own, still open at its COMMIT
+        checkpoint(1)
+        a.execute("INSERT INTO t VALUES (5, 'in the block, after the checkpoint')")
+        a.commit()
+        auto.execute("INSERT INTO t VALUES (6, 'after the block')")
+        checkpoint(2)
+        auto.execute("INSERT INTO t VALUES (7, 'after checkpoint 2')")
+        proxied.proxy.call(session.rollback_to(2, 10), timeout=10)
+        assert ids() == "1,2,3,4,5,6"
+        proxied.proxy.call(session.rollback_to(1, 10), timeout=10)
+        assert ids() == "1,2,3"  # the whole block went: it had not committed at 1
+        with pytest.raises(psycopg.errors.InvalidSavepointSpecification):
+            a.execute("ROLLBACK TO SAVEPOINT mine")  # released with its block, as on a server
+        a.rollback()
+        a.execute("INSERT INTO t VALUES (8, 'a block that rolls back')")
+        checkpoint(3)
+        a.rollback()
+        auto.execute("INSERT INTO t VALUES (9, 'after')")
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            a.execute("SELECT 1/0")  # a failed block keeps the session
+        checkpoint(4)
+        a.rollback()
+        auto.execute("INSERT INTO t VALUES (10, 'after')")
+        proxied.proxy.call(session.rollback_to(4, 10), timeout=10)
+        assert ids() == "1,2,3,9"
+        proxied.proxy.call(session.rollback_to(3, 10), timeout=10)
+        assert ids() == "1,2,3"
+        a.execute("INSERT INTO t VALUES (11, 'open at the rollback')")
+        checkpoint(5)
+        proxied.proxy.call(session.rollback_to(5, 10), timeout=10)
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+            a.execute("SELECT 1")
+        a.rollback()
+        auto.execute("INSERT INTO t VALUES (12, 'last')")
+    finally:
+        a.close()
+        auto.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:before the block,12:last"
+
+
 def test_concurrent_transactions_of_an_asyncpg_pool(proxied: Proxied) -> None:
     import asyncpg
 
