@@ -392,7 +392,16 @@ class AgentConnection:
         if ((self.up is not None or self.named or self.attached or self.state != "I")
                 and not self.session.finished):
             try:
-                up = await self.hold()
+                while True:
+                    try:
+                        up = await self.hold()
+                        break
+                    except TurnTimeout:
+                        # Its block undone while this waited for the session (a rollback of
+                        # the booth), or the wait ran out: its prepared statements are still
+                        # on the shared session, so it takes its turn again to close them.
+                        if self.session.finished:
+                            raise
                 if self.copying_in:
                     # Gone in the middle of COPY FROM STDIN: the server waits for its rows,
                     # and any other message would end the booth's session ("protocol

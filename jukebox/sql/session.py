@@ -43,6 +43,10 @@ class TurnTimeout(JukeboxError):
     pass
 
 
+# `pending_on` of checkpoints whose block a rollback under way undoes (no connection's).
+_UNDONE = object()
+
+
 class SqlSession:
     def __init__(self, name: str, target: Target, application_name: str,
                  lock_timeout: float | None = None) -> None:
@@ -341,6 +345,7 @@ class SqlSession:
         inside = 0
         if holder is not None and getattr(holder, "parked", False):
             inside = int(self.pending_on is not None and holder is not self.pending_on)
+            self._disown(holder)
             holder.undo(n)
             if self.attached is holder:
                 self.attached = None
@@ -348,11 +353,18 @@ class SqlSession:
             self.wire.release()
         attached = self.attached
         if attached is not None and attached.wrote and attached is not self.holder:
+            self._disown(attached)
             attached.undo(n)
             self.attached = None
         if holder is not self.holder or attached is not self.attached:
             self._notify()  # writes that waited for that block may go once the rollback is done
         return inside
+
+    def _disown(self, conn: Any) -> None:
+        """`conn`'s block is undone by the rollback under way, which takes the checkpoints
+        waiting for it (`pending`) to the state before it: its own end no longer does."""
+        if self.pending_on is conn:
+            self.pending_on = _UNDONE
 
     async def end(self, sql: str) -> None:
         """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after."""

@@ -324,6 +324,37 @@ def test_a_checkpoint_while_blocks_are_open_is_the_state_before_them(
     assert rows(pg, db) == "1:one,2:two,3:before the block,12:last"
 
 
+def test_a_connection_gone_while_queued_leaves_no_prepared_statements(
+    proxied: Proxied
+) -> None:
+    """An agent connection that ends while its close waits for the session (another
+    connection's long read holds it), its open block undone meanwhile by a rollback of the
+    booth, still closes its named prepared statements on the shared server session: they
+    used to stay there for the booth's life."""
+    a = psycopg.connect(proxied.url)
+    c = psycopg.connect(proxied.url, autocommit=True)
+    session = proxied.session()
+    conns = proxied.proxy.databases["main"].connections
+    prepared = "SELECT name FROM pg_prepared_statements ORDER BY name"
+    try:
+        a.execute("INSERT INTO t VALUES (%s, 'a, open')", (3,), prepare=True)
+        assert c.execute(prepared).fetchall() == [("jb1__pg3_0",)]
+        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
+        sleeper = threading.Thread(target=lambda: c.execute("SELECT pg_sleep(0.6)"))
+        sleeper.start()
+        wait_for(lambda: session.holder is conns[2])
+        a.close()  # its end waits for the session, in the queue
+        wait_for(lambda: session._waiting == 1)
+        proxied.proxy.call(session.rollback_to(1, 10), timeout=10)
+        sleeper.join(10)
+        wait_for(lambda: 1 not in conns)
+        assert c.execute(prepared).fetchall() == []
+        assert c.execute("SELECT count(*) FROM t").fetchone() == (2,)
+    finally:
+        a.close()
+        c.close()
+
+
 def test_concurrent_transactions_of_an_asyncpg_pool(proxied: Proxied) -> None:
     import asyncpg
 
