@@ -46,7 +46,8 @@ test can change the target at exactly that moment. In ``apply``, in order: ``pre
 sequence, then ``freeing`` (the journal is gone, the trash not yet emptied). By name only (no
 step index): ``aside:K``, inside op K once the file it replaces is in the trash and before the
 staged file takes its place. In ``recover``: ``recover-op:K``, ``recover-applied``,
-``recover-prepare-deleted``.
+``recover-prepare-deleted``. The booth's database verdict reads the same variable for
+``sql-prepare`` and ``sql-prepared`` (PREPARE TRANSACTION sent; answered: jukebox.sql.booth_link).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ jukebox.sql.ledger).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -156,10 +158,19 @@ class BoothDatabases:
         if not entries:
             return
         ledger.write(tapes, booth_id, entries, state)
+        # Crash tests (shadowfs.commit's SHADOWFS_CRASH_AT): `sql-prepare` kills the process
+        # with PREPARE TRANSACTION sent, before its answer (the server may finish it or not);
+        # `sql-prepared` once the server has answered it, before anything else is recorded.
+        from shadowfs.commit import CRASH_ENV  # the verdict's file commit imports it anyway
+
+        point = os.environ.get(CRASH_ENV)
         for entry in entries:
             session = self.proxy.databases[entry["name"]].session
-            self.proxy.call(session.end(f"PREPARE TRANSACTION {quote_literal(entry['gid'])}"),
+            self.proxy.call(session.end(f"PREPARE TRANSACTION {quote_literal(entry['gid'])}",
+                                        die_when_sent=point == "sql-prepare"),
                             timeout=60)
+            if point == "sql-prepared":
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def end(self, sql: str) -> None:
         """ROLLBACK every database (or, unused since `prepare`, COMMIT)."""

@@ -147,8 +147,27 @@ def _pending_again(tapes: TapeDir, booth_id: str) -> None:
     booth's record without `booth discard` would have the next sweep commit it alone."""
     from jukebox.trees.realtree import recovered
 
-    if recovered(tapes, booth_id) != "undone":
+    if recovered(tapes, booth_id) != "undone" and not _never_began(tapes, booth_id):
         return  # not recovered here: a live commit of it may be past its files' commit point
     data = read(tapes, booth_id)
     if data is not None and data.get("state") == COMMITTING:
         write(tapes, booth_id, data["databases"], PREPARED)
+
+
+def _never_began(tapes: TapeDir, booth_id: str) -> bool:
+    """Whether the booth's supervisor died before its files' commit began (during or just
+    after PREPARE TRANSACTION): its record still says running, with no final state, and no
+    file commit of it is under way or left to recover. Its database work is then pending
+    with it (or was rolled back by the server): never to be committed alone."""
+    from jukebox.booth.supervisor import _alive
+    from jukebox.trees.realtree import has_interrupted_commit
+
+    try:
+        record = json.loads((tapes.booths_path / f"{booth_id}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("status") != "running":
+        return False
+    pid = record.get("pid")
+    return (record.get("final_tree") is None and isinstance(pid, int) and not _alive(pid)
+            and not has_interrupted_commit(tapes, booth_id))

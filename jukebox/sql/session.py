@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from typing import Any
 
 from jukebox.errors import JukeboxError
+from jukebox.sql import messages as m
 from jukebox.sql.upstream import Target, Upstream, UpstreamError, quote_literal
 
 # How long a connection (or a checkpoint) waits for the session while another connection holds
@@ -366,14 +369,20 @@ class SqlSession:
         if self.pending_on is conn:
             self.pending_on = _UNDONE
 
-    async def end(self, sql: str) -> None:
-        """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after."""
+    async def end(self, sql: str, die_when_sent: bool = False) -> None:
+        """The verdict: COMMIT, ROLLBACK or PREPARE TRANSACTION; the session closes after.
+        `die_when_sent`: a crash test's SIGKILL once `sql` has left, before its answer."""
         self.finished = True
         if self.upstream is None:  # the agent never connected: nothing ran, nothing to end
             return
         me = object()
         await self.take(me, timeout=5.0)
         try:
+            if self.upstream is not None and die_when_sent:
+                self.upstream.send(m.message(b"Q", sql.encode() + b"\0"))
+                self.upstream.flush()
+                await self.upstream.wire.drain()
+                os.kill(os.getpid(), signal.SIGKILL)
             if self.upstream is not None:
                 await self.upstream.query(sql)
         finally:

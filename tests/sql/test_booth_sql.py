@@ -374,6 +374,31 @@ def test_a_supervisor_killed_mid_commit_leaves_files_and_database_agreeing(
     assert not ledger.exists()
 
 
+def test_a_supervisor_killed_during_prepare_transaction_commits_neither(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    """`--commit auto`, the supervisor SIGKILLed during its PREPARE TRANSACTION (the crash
+    point `sql-prepared`: the server has prepared it, the supervisor has recorded nothing
+    more): the files' commit never began. After the next command neither is committed, the
+    ledger says `prepared` (never to be committed alone), a commit of a checkpoint is
+    refused, and `booth discard` rolls both back, leaving nothing prepared."""
+    tree, ledger = tmp_path / "tree", tmp_path / "tapes" / ".jukebox" / "sql" / "prep.json"
+    killed = booth(tmp_path, pg.url(db), AGENT, "--verify", "true", "--tape-id", "prep",
+                   env={"SHADOWFS_CRASH_AT": "sql-prepared"})
+    assert killed.returncode == -9, killed.stderr
+    assert pg.psql("SELECT gid FROM pg_prepared_xacts") == "jukebox-prep-main"
+    listed = cli(tmp_path, "booth", "ls", "--json")
+    assert [b["status"] for b in json.loads(listed.stdout)] == ["crashed"]
+    assert json.loads(ledger.read_text())["state"] == "prepared"
+    refused = cli(tmp_path, "booth", "commit", "prep", "--at", "0")
+    assert refused.returncode == 1 and "one prepared transaction" in refused.stderr
+    assert not (tree / "done.txt").exists() and table(pg, db) == "1,2"
+    gone = cli(tmp_path, "booth", "discard", "prep")
+    assert gone.returncode == 0, gone.stderr
+    assert pg.psql("SELECT count(*) FROM pg_prepared_xacts") == "0"
+    assert table(pg, db) == "1,2" and not (tree / "done.txt").exists() and not ledger.exists()
+
+
 # Rolls back while other connections hold transactions open: one that wrote, one that only
 # read, one failed (which keeps the booth's session until its ROLLBACK).
 OPEN_BLOCKS = """
