@@ -24,7 +24,6 @@ import re
 import shutil
 import socket
 import struct
-import subprocess
 from collections.abc import Iterable
 
 from shadowfs.libc import libc as _libc
@@ -371,6 +370,8 @@ def _fusermount(mountpoint: str, opts: Iterable[str]) -> int:
     tool = shutil.which("fusermount3")
     if tool is None:
         raise OSError(errno.EPERM, "mounting needs root or fusermount3 (apt-get install fuse3)")
+    import subprocess  # not at the top: a mount as root (a booth's) never runs the helper
+
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))

@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +79,11 @@ def unmount(path: str | os.PathLike[str], *, lazy: bool = True) -> None:
         return
     if _libc.umount2(os.fsencode(p), MNT_DETACH if lazy else 0) == 0:
         return
+    # Only for a process that may not unmount itself: shutil and subprocess are not imported
+    # at the top, where a booth's start would pay for them (docs/benchmarks.md).
+    import shutil
+    import subprocess
+
     tools = []
     if shutil.which("fusermount3"):
         tools.append(["fusermount3", "-u", *(["-z"] if lazy else []), p])
@@ -178,6 +180,8 @@ class Mount:
                 _child(self, Connection(theirs.detach()))
                 code = 0
             except BaseException:
+                import traceback  # only here: linecache, tokenize, textwrap (booth start)
+
                 traceback.print_exc()
             finally:
                 os._exit(code)

@@ -54,9 +54,7 @@ import signal
 import socket
 import stat
 import struct
-import subprocess
 import sys
-import tempfile
 import termios
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,6 +67,8 @@ from shadowfs.libc import libc as _libc
 from shadowfs.values import Record
 
 if TYPE_CHECKING:
+    import subprocess
+
     from jukebox.booth.images import Image
 
 CLONE_NEWNS = 0x00020000
@@ -275,7 +275,7 @@ def private_socket_dir(prefix: str) -> str:
     inside the booth's namespace. The agent gets the directory read-only (`keep_readonly`): it
     can connect to the socket but not create anything beside it.
     """
-    path = tempfile.mkdtemp(prefix=prefix, dir=SOCKET_PARENT)
+    path = _new_private_dir(prefix)
     try:
         mount(
             "tmpfs",
@@ -292,6 +292,21 @@ def private_socket_dir(prefix: str) -> str:
             "`jukebox booth run`"
         ) from error
     return path
+
+
+def _new_private_dir(prefix: str) -> str:
+    """As tempfile.mkdtemp(prefix=prefix, dir=SOCKET_PARENT): a new 0700 directory under a
+    random name, never one that was there (mkdir fails on any existing name, a symlink
+    included, and another is drawn). Not tempfile itself: its import (with random) is paid
+    at every booth's start for this one call."""
+    for _ in range(100):
+        path = os.path.join(SOCKET_PARENT, prefix + os.urandom(6).hex())
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, f"no free name for {prefix}* in {SOCKET_PARENT}")
 
 
 def remove_stale_socket_dirs(prefix: str) -> None:
@@ -447,6 +462,10 @@ class Child:
 
 def spawn(spec: ChildSpec, *, stdin: Any = None, stdout: Any = None, stderr: Any = None) -> Child:
     """Starts `spec.argv` in the sandbox through the exec shim; returns without waiting for it."""
+    # Here, not at the top: the agent's shim is pre-forked (PreforkedShim), and a booth
+    # without a verifier never needs subprocess (nor locale, which it imports).
+    import subprocess
+
     spec.parent_pid = os.getpid()
     spec_r, spec_w = os.pipe()
     status_r, status_w = os.pipe()

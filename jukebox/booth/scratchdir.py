@@ -16,11 +16,12 @@ layer's inode table, never on disk), in the same dir.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import stat
 from pathlib import Path
+
+from blake3 import blake3
 
 from jukebox.booth import isolation
 from jukebox.tape.tapedir import TapeDir
@@ -40,9 +41,8 @@ def socket_dir_prefix(tape_dir: Path, booth_id: str) -> str:
     and one booth's own, so the clean-up after a killed supervisor never removes the mount point
     of a booth with the same id in another tape dir (an rmdir on the host detaches the mount
     in that booth's namespace), nor of an id it is a prefix of."""
-    digest = hashlib.blake2b(
-        f"{os.path.realpath(tape_dir)}\0{booth_id}".encode(), digest_size=8
-    ).hexdigest()
+    # BLAKE3, the store's hash (loaded already): hashlib's import is OpenSSL's initialisation.
+    digest = blake3(f"{os.path.realpath(tape_dir)}\0{booth_id}".encode()).hexdigest(length=8)
     return f"jukebox-{digest}-"
 
 

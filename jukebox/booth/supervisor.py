@@ -36,7 +36,6 @@ import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import termios
 import threading
@@ -2786,6 +2785,8 @@ def _run_verifier(spec: isolation.ChildSpec, command: str) -> dict[str, Any]:
     )
     read_fd, write_fd = os.pipe()
     started = time.monotonic()
+    import subprocess  # here: a booth without a verifier starts without it (and locale)
+
     try:
         child = isolation.spawn(vspec, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd)
     finally:

@@ -32,15 +32,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import hashlib
 import importlib.util
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from blake3 import blake3
 
 from jukebox.errors import JukeboxError
 from shadowfs.libc import libc
@@ -64,8 +64,10 @@ NETLINK_ROUTE = 0
 ALLOWED_FAMILIES = frozenset({AF_UNIX, AF_INET, AF_INET6, AF_NETLINK})
 LIBSECCOMP = "libseccomp.so.2"
 # Bumped whenever what goes into the cache key or the file's layout changes.
-CACHE_FORMAT = 1
-DIGEST_SIZE = 32  # the SHA-256 of the program, ahead of it in a cache file
+# 2: BLAKE3 (the store's hash, loaded already) rather than hashlib's SHA-256, whose import
+# (OpenSSL's initialisation with it) was a booth start's largest single import.
+CACHE_FORMAT = 2
+DIGEST_SIZE = 32  # the BLAKE3 of the program, ahead of it in a cache file
 SOCK_FILTER_SIZE = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
@@ -265,7 +267,14 @@ def build(allow: Sequence[str] = ()) -> Any:
     return context
 
 
+def digest(program: bytes) -> bytes:
+    """What a cache file holds ahead of its program (DIGEST_SIZE bytes)."""
+    return blake3(program).digest()
+
+
 def _export(context: Any) -> bytes:
+    import tempfile  # on a cache miss only
+
     with tempfile.TemporaryFile() as out:
         context.export_bpf(out)
         out.seek(0)
@@ -284,7 +293,7 @@ def _cache_key(allow: Sequence[str]) -> str:
     material = json.dumps(
         [CACHE_FORMAT, sorted(allow), rules, version, api, uname.machine, uname.release]
     )
-    return hashlib.sha256(material.encode()).hexdigest()
+    return blake3(material.encode()).hexdigest()
 
 
 def _private_dir(path: Path) -> bool:
@@ -304,20 +313,22 @@ def _read_cached(path: Path) -> bytes | None:
         return None
     with os.fdopen(fd, "rb") as f:
         data = f.read(1 << 20)
-    digest, program = data[:DIGEST_SIZE], data[DIGEST_SIZE:]
+    expected, program = data[:DIGEST_SIZE], data[DIGEST_SIZE:]
     # The file is written without an fsync: a crash can leave it short or empty, never loaded.
     if not program or len(program) % SOCK_FILTER_SIZE:
         return None
-    if hashlib.sha256(program).digest() != digest:
+    if digest(program) != expected:
         return None
     return program
 
 
 def _write_cached(path: Path, program: bytes) -> None:
+    import tempfile  # on a cache miss only
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(hashlib.sha256(program).digest() + program)
+            f.write(digest(program) + program)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -5,7 +5,6 @@ loads refuses what the filter refuses."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import subprocess
 import sys
@@ -82,13 +81,13 @@ def test_a_program_planted_where_others_can_write_is_not_loaded(tmp_path: Path) 
     strict = syscall_filter.cached((), cache)
     (path,) = _cached_files(cache)
     loose = _fresh(EVERY_GROUP)
-    path.write_bytes(hashlib.sha256(loose).digest() + loose)
+    path.write_bytes(syscall_filter.digest(loose) + loose)
     cache.chmod(0o777)
     assert syscall_filter.cached((), cache) is None  # not loaded: compiled where installed
     # A symlink in the key's place is not followed either.
     cache.chmod(0o700)
     other = tmp_path / "planted.bpf"
-    other.write_bytes(hashlib.sha256(loose).digest() + loose)
+    other.write_bytes(syscall_filter.digest(loose) + loose)
     path.unlink()
     path.symlink_to(other)
     assert syscall_filter.cached((), cache) == strict
