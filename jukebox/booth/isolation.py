@@ -136,6 +136,11 @@ FORWARDED_SIGNALS = frozenset(
     }
 )
 _WAITED = FORWARDED_SIGNALS | {signal.SIGCHLD}
+# What the supervisor blocks and waits for (jukebox.booth.supervisor.WAITED_SIGNALS); SIGWINCH:
+# the operator's window changed, and the agent's pty follows (jukebox/booth/terminal.py).
+SUPERVISOR_WAITED = frozenset(
+    {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
+)
 INIT_TITLE = "jukebox-init"
 # The pre-forked relay's command line (the exec'd one shows
 # `python -I -m jukebox.booth.isolation exec`): `jukebox booth stop` finds the agent's relay
@@ -528,7 +533,16 @@ class PreforkedShim:
     refuses otherwise. The child keeps nothing of the supervisor but the interpreter: every
     other descriptor is closed at once, the garbage collector is off (no finalizer of the
     supervisor's objects can run there), and it ends with `os._exit`, never returning into the
-    supervisor's code. One spawn per shim; `close()` ends an unused one."""
+    supervisor's code. One spawn per shim; `close()` ends an unused one.
+
+    Forked `join_later`, it is forked before the supervisor has imported most of itself or
+    entered its namespaces (`jukebox booth run`'s start, jukebox.cli.fast): a process that
+    small costs less to fork and far less afterwards, as neither it, the init nor CMD forked
+    from it copy the supervisor's pages on write (about 40% of a booth's page faults were
+    such copies), and it imports what it needs on the other CPU while the supervisor goes on.
+    It then takes the booth's cgroups from `prepare()` and joins the supervisor's user and
+    mount namespaces (setns) when its spec arrives: the namespaces, and all that is set up
+    in them after, are the ones a shim forked there would have had."""
 
     def __init__(self, pid: int, sock: socket.socket, status_r: int) -> None:
         self.pid = pid
@@ -537,8 +551,9 @@ class PreforkedShim:
 
     @classmethod
     def fork(
-        cls, cgroup_procs: Sequence[str] = (), *, preload_seccomp: bool = False
-    ) -> PreforkedShim:
+        cls, cgroup_procs: Sequence[str] = (), *, preload_seccomp: bool = False,
+        join_later: bool = False,
+    ) -> PreforkedShim:  # fmt: skip
         """`cgroup_procs`: the booth's cgroup.procs files (jukebox.booth.cgroups), joined at once.
         Joining a cgroup v1 hierarchy waits for an RCU grace period in the kernel (10-60 ms
         here), which then passes while the supervisor mounts the layer instead of after the
@@ -550,17 +565,40 @@ class PreforkedShim:
         parent = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
+        # Born with the signals the supervisor waits for blocked, as when it is forked after
+        # the supervisor blocked them (jukebox.booth.supervisor.WAITED_SIGNALS): the caller's
+        # Ctrl-C is the supervisor's to pass on, never a reason for the shim to die.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_WAITED)
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            raise
         if pid == 0:
             try:
                 ours.close()
                 os.close(status_r)
-                _preforked_main(parent, theirs, status_w, cgroup_procs, preload_seccomp)
+                _preforked_main(
+                    parent, theirs, status_w, cgroup_procs, preload_seccomp, join_later
+                )
             finally:
                 os._exit(SETUP_FAILED_STATUS)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         theirs.close()
         os.close(status_w)
         return cls(pid, ours, status_r)
+
+    def prepare(self, cgroup_procs: Sequence[str], *, preload_seccomp: bool) -> None:
+        """For a shim forked `join_later`: the booth's cgroup.procs files, joined at once (see
+        `fork`), and whether CMD will compile the filter. A shim that died meanwhile is told
+        nothing: `spawn` reports it."""
+        if self._sock is None:
+            return
+        data = json.dumps(
+            {"cgroup_procs": list(cgroup_procs), "preload_seccomp": preload_seccomp}
+        ).encode()
+        with contextlib.suppress(OSError):
+            self._sock.sendall(_HEADER.pack(_PREPARE, len(data)) + data)
 
     def spawn(
         self, spec: ChildSpec, *, stdin: int | None = None, stdout: int | None = None,
@@ -574,7 +612,7 @@ class PreforkedShim:
         stdio = [fd if fd is not None else i for i, fd in enumerate((stdin, stdout, stderr))]
         sock, self._sock = self._sock, None
         try:
-            socket.send_fds(sock, [struct.pack("!Q", len(data))], stdio)
+            socket.send_fds(sock, [_HEADER.pack(_SPEC, len(data))], stdio)
             sock.sendall(data)
         except OSError as error:  # it died: its status says how, the caller reaps it
             os.write(2, f"jukebox: the pre-forked shim is gone ({error.strerror})\n".encode())
@@ -594,9 +632,63 @@ class PreforkedShim:
             os.waitpid(self.pid, 0)
 
 
+# A message to a pre-forked shim: its kind, then the length of what follows. `_PREPARE`
+# (JSON: cgroup_procs, preload_seccomp) only to a shim forked join_later; `_SPEC` (the
+# ChildSpec's JSON) comes with CMD's stdin, stdout and stderr and is the last.
+_HEADER = struct.Struct("!cQ")
+_PREPARE, _SPEC = b"P", b"S"
+
+
+def _join_cgroups(cgroup_procs: Sequence[str]) -> list[str]:
+    joined = []
+    for procs in cgroup_procs:
+        # A failure is left for the relay, which joins again and reports it.
+        with contextlib.suppress(OSError):
+            Path(procs).write_text(str(os.getpid()))
+            joined.append(procs)
+    return joined
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, bytes, list[int]] | None:
+    """One message (kind, body, descriptors that came with it); None at EOF."""
+    head = b""
+    fds: list[int] = []
+    while len(head) < _HEADER.size:
+        data, got, _, _ = socket.recv_fds(sock, _HEADER.size - len(head), 3)
+        fds += got
+        if not data:
+            return None
+        head += data
+    kind, size = _HEADER.unpack(head)
+    chunks = []
+    while size > 0:
+        chunk = sock.recv(min(size, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        size -= len(chunk)
+    return kind, b"".join(chunks), fds
+
+
+def _join_namespaces_of(pid: int) -> None:
+    """Enters `pid`'s user namespace (when it is not this process's) and mount namespace:
+    where a shim forked by it after it entered them would be."""
+    for name, flag in (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS)):
+        path = f"/proc/{pid}/ns/{name}"
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.getppid() != pid:  # the pid is no longer our supervisor's
+                raise OSError(errno.ESRCH, "the supervisor is gone")
+            theirs, mine = os.fstat(fd), os.stat(f"/proc/self/ns/{name}")
+            if (theirs.st_dev, theirs.st_ino) != (mine.st_dev, mine.st_ino):
+                _check(_libc.setns(fd, flag), f"setns {path}")
+        finally:
+            os.close(fd)
+
+
 def _preforked_main(
     parent: int, sock: socket.socket, status_fd: int, cgroup_procs: Sequence[str] = (),
-    preload_seccomp: bool = False,
+    preload_seccomp: bool = False, join_later: bool = False,
 ) -> None:  # fmt: skip
     """The pre-forked shim until its spec arrives; then the relay, as `_shim_main` is."""
     import gc
@@ -613,12 +705,7 @@ def _preforked_main(
     keep = sorted({0, 1, 2, sock.fileno(), status_fd})
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
         os.closerange(low + 1, high)
-    joined = []
-    for procs in cgroup_procs:
-        # A failure is left for the relay, which joins again and reports it.
-        with contextlib.suppress(OSError):
-            Path(procs).write_text(str(os.getpid()))
-            joined.append(procs)
+    joined = _join_cgroups(cgroup_procs)
     # While the supervisor mounts the layer: what the init and CMD will need. The libseccomp
     # binding only when the spec will not bring the filter compiled (else the init imports it,
     # see _init_main).
@@ -627,32 +714,33 @@ def _preforked_main(
 
         if preload_seccomp:
             syscall_filter.preload()
-    head = b""
-    fds: list[int] = []
-    while len(head) < 8:
-        data, got, _, _ = socket.recv_fds(sock, 8 - len(head), 3)
-        if not data:
+    while True:
+        message = _receive(sock)
+        if message is None:
             return  # closed unused
-        head += data
-        fds += got
-    size = struct.unpack("!Q", head)[0]
-    chunks = []
-    while size > 0:
-        chunk = sock.recv(min(size, 1 << 20))
-        if not chunk:
-            return
-        chunks.append(chunk)
-        size -= len(chunk)
+        kind, body, fds = message
+        if kind != _PREPARE:
+            break
+        prepared = json.loads(body)
+        joined += _join_cgroups(prepared["cgroup_procs"])
+        if prepared["preload_seccomp"]:
+            with contextlib.suppress(Exception):
+                syscall_filter.preload()
     sock.close()
-    if len(fds) != 3:
+    if kind != _SPEC or len(fds) != 3:
         return
+    if join_later:
+        try:
+            _join_namespaces_of(parent)
+        except OSError as error:
+            _setup_failed(status_fd, "joining the supervisor's namespaces", error)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
     # As the exec'd shim is started: a session of its own, out of the caller's process group.
     os.setsid()
-    _relay_main(ChildSpec.from_json(b"".join(chunks)), status_fd, joined)
+    _relay_main(ChildSpec.from_json(body), status_fd, joined)
 
 
 # --------------------------------------------------------------------------- the shim side

@@ -86,8 +86,7 @@ BOOTH_ID_ENV = "JUKEBOX_BOOTH_ID"
 TAPE_ID_ENV = "JUKEBOX_TAPE_ID"
 MCP_URL_ENV = "JUKEBOX_MCP_URL"  # the HTTP MCP servers' gateway, its path secret included
 BREAKER_GRACE_S = 3.0  # seconds an agent stopped by the circuit breaker gets before SIGKILL
-# SIGWINCH: the operator's window changed; the agent's pty follows (jukebox/booth/terminal.py).
-WAITED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
+WAITED_SIGNALS = set(isolation.SUPERVISOR_WAITED)
 # A SIGCHLD taken by a thread that does not block it (one started before the mask was set, or
 # by a library) is discarded, and a wait that trusted it alone would sleep on: the booth's waits
 # look at the child again at least this often.
@@ -1522,8 +1521,13 @@ def run_booth(
     record_sql_results: bool = False,
     sql_replay: Any = None,
     max_sql_lock_seconds: float | None = None,
+    preforked: isolation.PreforkedShim | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
+
+    `preforked`: the agent's shim, forked `join_later` by the caller before it imported this
+    module (jukebox.cli.fast); run_booth uses it, or ends it when the agent starts otherwise
+    (`--net none`). The caller still closes it if run_booth raised before taking it.
 
     `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
     against at the commit; the agent finds it rewritten through the gateway in
@@ -1626,7 +1630,7 @@ def run_booth(
         max_sql_lock_seconds=max_sql_lock_seconds,
     )
     with contextlib.ExitStack() as stack:
-        booth = _set_up(stack, options)
+        booth = _set_up(stack, options, preforked)
         return _conclude(booth, _run_agent(booth))
 
 
@@ -1924,8 +1928,11 @@ class _Outcome(Record):
         self.final_tree = final_tree
 
 
-def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
-    """Makes the booth, up to a ChildSpec ready to start; everything made is on `stack`."""
+def _set_up(
+    stack: contextlib.ExitStack, o: _BoothOptions, early: isolation.PreforkedShim | None = None
+) -> _Booth:
+    """Makes the booth, up to a ChildSpec ready to start; everything made is on `stack`.
+    `early`: the agent's shim, forked before the supervisor's imports (run_booth)."""
     from jukebox.llm.defaults import DEFAULT_RECORD_LIMIT
     from jukebox.trees.realtree import open_tree
 
@@ -1950,6 +1957,13 @@ def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
         _alert(missing)
     filtered = protections.is_on("seccomp")
     seccomp_bpf = _compiled_filter(o.img.seccomp_allow) if filtered else None
+    if early is not None:
+        stack.callback(early.close)  # ends and reaps it when the agent never started
+        if o.net == "none":  # the agent starts inside the proxy's network: not through it
+            early.close()
+            early = None
+        else:  # it joins the cgroups meanwhile, as the shim forked below does at once
+            early.prepare(cgroup.procs_files, preload_seccomp=filtered and seccomp_bpf is None)
     from jukebox.mcp.servers import HEADER_ENV_PREFIX
 
     # A replay's or fork's MCP headers (jukebox.mcp.servers.header_env_name) are the
@@ -2022,8 +2036,8 @@ def _set_up(stack: contextlib.ExitStack, o: _BoothOptions) -> _Booth:
         import prctl
 
         prctl.set_child_subreaper(1)
-    preforked: isolation.PreforkedShim | None = None
-    if o.net != "none":  # under --net none the agent starts inside the proxy's network
+    preforked = early
+    if preforked is None and o.net != "none":  # under --net none: in the proxy's network
         # Forked while no thread runs yet: the agent's start then needs no new interpreter.
         preforked = isolation.PreforkedShim.fork(
             cgroup.procs_files, preload_seccomp=filtered and seccomp_bpf is None

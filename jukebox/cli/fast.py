@@ -228,9 +228,18 @@ def booth_run(plan: BoothRun) -> bool:
     flags = plan.flags
     configure_output("quiet" in flags, "verbose" in flags, "no_color" in flags, loaded, False)
     absolute_tape_dir_env()
-    from jukebox.booth.supervisor import run_booth
+    from jukebox.booth.isolation import PreforkedShim
 
-    # run_booth closes what it opens, whatever the outcome: no teardown needed after it.
-    skip_teardown()
-    # An option not given is left to run_booth's own default, as the click command's is.
-    sys.exit(run_booth(list(plan.cmd), **plan.options))
+    # The agent's shim, forked now, while this process is small: see PreforkedShim. It
+    # imports what it needs on the other CPU while this one imports the supervisor.
+    shim = PreforkedShim.fork(join_later=True)
+    try:
+        from jukebox.booth.supervisor import run_booth
+
+        # run_booth closes what it opens, whatever the outcome: no teardown needed after it.
+        skip_teardown()
+        # An option not given is left to run_booth's own default, as the click command's is.
+        code = run_booth(list(plan.cmd), preforked=shim, **plan.options)
+    finally:
+        shim.close()  # nothing to do when it was used or closed: else its set-up failed
+    sys.exit(code)
