@@ -58,6 +58,7 @@ vm-test: setup
 lint: setup
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 # Bytecode as a wheel install would leave it (PYTHONDONTWRITEBYTECODE may be set): without it the
 # CLI recompiles every module on every start.
