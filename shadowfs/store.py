@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 import zstandard
 
 from shadowfs import pack as pk
+from shadowfs import wakeups
 from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
 from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
@@ -1070,7 +1071,8 @@ class Store:
             due = time.monotonic() + delay
             if self._due is None or due < self._due:
                 self._due = due
-                self._soon.notify()
+                # After the answer when a control request scheduled it (shadowfs.wakeups).
+                wakeups.notify(self._soon)
 
     def _flush_loop(self) -> None:
         while True:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from jukebox.errors import JukeboxError
+from shadowfs import wakeups
 from shadowfs.values import Value, setfield
 
 SOCKET_ENV = "JUKEBOX_SOCKET"
@@ -44,6 +45,18 @@ OPS = (
 )  # fmt: skip
 # Every server answers these; the MCP stage gate's ops only where a handler is given.
 CORE_OPS = ("checkpoint", "rollback", "status")
+# The keys each op allows. Built once: a request's path runs cold after the agent's pause, and
+# nine sets built per request were a share of it.
+ALLOWED_KEYS = {
+    "checkpoint": frozenset({"op", "label"}), "rollback": frozenset({"op", "to"}),
+    "status": frozenset({"op"}),
+    "mcp_record": frozenset({"op", "kind", "payload"}),
+    "mcp_stage": frozenset({"op", "server", "argv", "tool", "args"}),
+    "mcp_ask": frozenset({"op", "server", "tool", "args"}),
+    "mcp_ask_status": frozenset({"op", "id"}),
+    "mcp_replay": frozenset({"op", "server", "method", "params"}),
+    "mcp_blob": frozenset({"op", "id", "data"}),
+}  # fmt: skip
 
 
 class ControlError(JukeboxError):
@@ -96,17 +109,9 @@ def validate(raw: bytes) -> dict[str, Any]:
     op = request.get("op")
     if op not in OPS:
         raise RequestError(f"unknown op {op!r}: use one of {', '.join(OPS)}")
-    allowed = {
-        "checkpoint": {"op", "label"}, "rollback": {"op", "to"}, "status": {"op"},
-        "mcp_record": {"op", "kind", "payload"},
-        "mcp_stage": {"op", "server", "argv", "tool", "args"},
-        "mcp_ask": {"op", "server", "tool", "args"},
-        "mcp_ask_status": {"op", "id"},
-        "mcp_replay": {"op", "server", "method", "params"},
-        "mcp_blob": {"op", "id", "data"},
-    }[op]  # fmt: skip
-    extra = sorted(set(request) - allowed)
-    if extra:
+    allowed = ALLOWED_KEYS[op]
+    if not allowed.issuperset(request):
+        extra = sorted(set(request) - allowed)
         raise RequestError(f"unexpected key(s) {', '.join(map(repr, extra))} for op {op!r}")
     if op == "checkpoint":
         label = request.get("label")
@@ -219,7 +224,9 @@ class ControlServer:
                     conn: _Conn = key.data
                     try:
                         if events & selectors.EVENT_READ:
-                            self._read(conn)
+                            # Flushes a request scheduled are woken once it is answered.
+                            with wakeups.deferred():
+                                self._read(conn)
                         if events & selectors.EVENT_WRITE and conn.out:
                             self._flush(conn)
                     except OSError:
@@ -293,8 +300,12 @@ class ControlServer:
         return _encode({"ok": True, **result})
 
 
+# One encoder for every line: `json.dumps` with options builds a JSONEncoder per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+
 def _encode(response: dict[str, Any]) -> bytes:
-    return json.dumps(response, separators=(",", ":"), default=str).encode() + b"\n"
+    return _ENCODER.encode(response).encode() + b"\n"
 
 
 class ControlClient:

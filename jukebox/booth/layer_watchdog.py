@@ -20,7 +20,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from types import TracebackType
 
 from jukebox.booth import fusectl
 from jukebox.errors import JukeboxError
@@ -65,26 +65,9 @@ class LayerWatchdog:
         if self._thread.is_alive():
             self._thread.join()
 
-    @contextlib.contextmanager
-    def blocking(self, what: str) -> Iterator[None]:
+    def blocking(self, what: str) -> _Blocking:
         """Marks the calling thread as waiting on the layer for `what` (nestable)."""
-        ident = threading.get_ident()
-        with self._lock:
-            outer = self._calls.get(ident)
-            if outer is None:
-                self._calls[ident] = (what, time.monotonic())
-        try:
-            yield
-        except Exception as error:
-            if self.fired is not None:
-                raise LayerStuck(self.fired) from error
-            raise
-        finally:
-            if outer is None:
-                with self._lock:
-                    self._calls.pop(ident, None)
-        if self.fired is not None:
-            raise LayerStuck(self.fired)
+        return _Blocking(self, what)
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL):
@@ -108,3 +91,41 @@ class LayerWatchdog:
             with contextlib.suppress(OSError):
                 if not fusectl.abort_connection(self.connection, identity):
                     self.fired = None  # that connection ended meanwhile: nothing to free
+
+
+class _Blocking:
+    """`LayerWatchdog.blocking`'s section. A class, not a generator: every checkpoint enters one,
+    and on a request that runs cold (after the agent's pause) each frame of contextlib's
+    machinery costs tens of µs."""
+
+    __slots__ = ("_ident", "_outer", "_watchdog", "_what")
+
+    def __init__(self, watchdog: LayerWatchdog, what: str) -> None:
+        self._watchdog = watchdog
+        self._what = what
+
+    def __enter__(self) -> None:
+        watchdog = self._watchdog
+        self._ident = ident = threading.get_ident()
+        with watchdog._lock:
+            self._outer = watchdog._calls.get(ident)
+            if self._outer is None:
+                watchdog._calls[ident] = (self._what, time.monotonic())
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        watchdog = self._watchdog
+        if self._outer is None:
+            with watchdog._lock:
+                watchdog._calls.pop(self._ident, None)
+        fired = watchdog.fired
+        if fired is None:
+            return
+        if error is None:
+            raise LayerStuck(fired)
+        if isinstance(error, Exception):
+            raise LayerStuck(fired) from error

@@ -69,6 +69,7 @@ from jukebox.tape.tapedir import (
     remove_unused_tape_dir,
 )
 from jukebox.trees.basetree import build_base_tree, forget_committed, known_files
+from shadowfs import wakeups
 from shadowfs.oid import ObjectId
 from shadowfs.values import Record, Value, setfield
 
@@ -558,7 +559,8 @@ class GroupTape:
             self._sync_locked()
         elif self._due is None:
             self._due = time.monotonic() + self.delay
-            self._wake.notify()
+            # After the answer when a control request appended this (shadowfs.wakeups).
+            wakeups.notify(self._wake)
 
     def _raise_error(self) -> None:
         if self._error is not None:

@@ -13,6 +13,7 @@ import pytest
 
 from jukebox.booth.supervisor import GroupTape
 from jukebox.tape.tape import Tape, TapeWriter
+from shadowfs import wakeups
 from shadowfs.store import Store
 
 
@@ -159,3 +160,40 @@ def test_a_failed_group_commit_writes_no_frame_naming_objects_not_on_disk(tmp_pa
         with pytest.raises(Exception, match="No space left on device"):
             tape.close()
         assert [f.kind for f in Tape.load(tmp_path / "t1.jbx", store).frames] == ["run_start"]
+
+
+class CountedCondition(threading.Condition):
+    """The tape's wake-up condition, counting the notifications its flusher gets."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
+
+
+def test_a_checkpoint_answered_from_the_control_thread_wakes_the_flusher_only_after(
+    tmp_path: Path,
+) -> None:
+    # The control server answers inside wakeups.deferred(): the flusher, woken earlier, would
+    # take turns at the interpreter lock with the answer. Woken after, it still writes the frame.
+    with Store.open(tmp_path / "store", create=True) as store:
+        writer = TapeWriter.create(tmp_path / "t1.jbx", store, "t1", fsync=False)
+        tape = GroupTape(writer, store, delay=0.01)
+        tape.append("run_start", {"tape_id": "t1"})
+        wake = tape._wake = CountedCondition(tape._lock)
+        tape.start()
+        with wakeups.deferred():
+            oid = store.put("blob", b"step")
+            assert tape.append("checkpoint", {"n": 1}, refs=[oid], defer=True) == 1
+            assert wake.notified == 0
+        assert wake.notified == 1
+        deadline = time.monotonic() + 10
+        while len(Tape.load(tmp_path / "t1.jbx").frames) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [f.kind for f in Tape.load(tmp_path / "t1.jbx", store).frames] == [
+            "run_start", "checkpoint",
+        ]  # fmt: skip
+        tape.close()
