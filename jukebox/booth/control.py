@@ -32,13 +32,15 @@ from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from jukebox.errors import JukeboxError
-from shadowfs import wakeups
+from shadowfs import sched, wakeups
 from shadowfs.values import Value, setfield
 
 SOCKET_ENV = "JUKEBOX_SOCKET"
 MAX_LINE = 64 * 1024
 MAX_CONNECTIONS = 64
 MAX_LABEL = 200
+# The control thread's scheduler slice, the shortest the kernel takes (shadowfs.sched).
+CONTROL_SLICE = 0.0001
 OPS = (
     "checkpoint", "rollback", "status", "mcp_record", "mcp_stage", "mcp_ask", "mcp_ask_status",
     "mcp_replay", "mcp_blob",
@@ -214,6 +216,9 @@ class ControlServer:
             os.unlink(self.path)
 
     def _serve(self) -> None:
+        # This thread sleeps until the agent asks, and the agent waits for its answer: a short
+        # slice lets it run at once when woken on a busy machine (shadowfs.sched).
+        sched.short_slice(CONTROL_SLICE)
         while not self._stop:
             for key, events in self._sel.select():
                 if key.data == "wake":

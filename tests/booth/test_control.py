@@ -75,6 +75,33 @@ def test_round_trips(served) -> None:
     assert booth.peers == [me, me]
 
 
+def _sched_field(tid: int, name: str) -> int | None:
+    """A field of the kernel's per-thread scheduler report (CONFIG_SCHED_DEBUG kernels)."""
+    try:
+        text = Path(f"/proc/self/task/{tid}/sched").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return int(value)
+    return None
+
+
+def test_the_control_thread_asks_for_a_short_slice_and_keeps_its_nice_value(served) -> None:
+    # Woken by the agent on a busy machine, it should preempt what runs instead of waiting for
+    # a slice to end (shadowfs.sched); its share of the CPU (nice) stays what the user chose.
+    _, path, server = served
+    control.request({"op": "status"}, path)  # the thread is serving, past its set-up
+    tid = server._thread.native_id
+    assert tid is not None
+    major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    if _sched_field(tid, "se.slice") is None or (major, minor) < (6, 12):
+        pytest.skip("no per-thread slice here (a kernel before 6.12, or no scheduler report)")
+    assert _sched_field(tid, "se.slice") == int(control.CONTROL_SLICE * 1e9)
+    assert os.getpriority(os.PRIO_PROCESS, tid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def test_handler_refusal_becomes_an_error_response(served) -> None:
     _, path, _ = served
     with pytest.raises(ControlRefused, match="no checkpoint labelled 'nope'") as refused:

@@ -1,0 +1,58 @@
+"""A thread's scheduler slice: how long it may run before the kernel looks for another task.
+
+Linux's fair scheduler (EEVDF, 6.6 and later) gives each task a deadline one slice after it is
+picked, and from 6.12 a task may ask for a slice of its own (sched_setattr's `sched_runtime`,
+0.1-100 ms; no privilege needed, its nice value and share of the CPU unchanged). A thread that
+sleeps most of the time and must answer quickly when woken (the booth's control socket) asks
+for a short one: its earlier deadline lets it preempt a task that was running when it woke,
+instead of waiting for that task's slice to end (milliseconds on a machine whose cores are
+busy). Older kernels ignore the field; other systems have no such call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from shadowfs.libc import libc
+
+# sched_setattr(2) by architecture; libc has no wrapper for it.
+_SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(os.uname().machine)
+_SCHED_ATTR_SIZE_VER0 = 48
+
+
+class _SchedAttr(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("sched_policy", ctypes.c_uint32),
+        ("sched_flags", ctypes.c_uint64),
+        ("sched_nice", ctypes.c_int32),
+        ("sched_priority", ctypes.c_uint32),
+        ("sched_runtime", ctypes.c_uint64),
+        ("sched_deadline", ctypes.c_uint64),
+        ("sched_period", ctypes.c_uint64),
+    ]
+
+
+def short_slice(seconds: float) -> bool:
+    """Ask for a slice of ``seconds`` for the calling thread; whether the kernel accepted it.
+
+    Only for a thread under the normal policy (SCHED_BATCH and SCHED_IDLE, which someone chose,
+    stay as they are), and keeping its nice value: the call sets both."""
+    if _SYS_SCHED_SETATTR is None:
+        return False
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:
+            return False
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return False
+    attr = _SchedAttr(
+        size=_SCHED_ATTR_SIZE_VER0,
+        sched_policy=os.SCHED_OTHER,
+        sched_nice=nice,
+        sched_runtime=int(seconds * 1e9),
+    )
+    result: int = libc.syscall(_SYS_SCHED_SETATTR, 0, ctypes.byref(attr), 0)
+    return result == 0
