@@ -55,6 +55,13 @@ async def _probe(target: Target) -> int:
         await up.close()
 
 
+async def _after_frames(db: Any, step: Any) -> Any:
+    """`step` (a checkpoint, a rollback), once the statements answered before it are on the
+    tape before its own frame."""
+    db.write_frames()
+    return await step
+
+
 class BoothDatabases:
     def __init__(self, proxy: SqlProxy, urls: dict[str, str]) -> None:
         self.proxy = proxy
@@ -129,7 +136,8 @@ class BoothDatabases:
     def _each(self, step: Callable[[Any], Any], what: str) -> None:
         for name, db in self.proxy.databases.items():
             try:
-                self.proxy.call(step(db.session), timeout=CONTROL_TIMEOUT + 30)
+                self.proxy.call(_after_frames(db, step(db.session)),
+                                timeout=CONTROL_TIMEOUT + 30)
             except TurnTimeout as error:
                 raise RequestError(f"database {name}: {what} waited too long: {error}") from None
             except (UpstreamError, OSError) as error:
@@ -166,9 +174,10 @@ class BoothDatabases:
         point = os.environ.get(CRASH_ENV)
         for entry in entries:
             session = self.proxy.databases[entry["name"]].session
-            self.proxy.call(session.end(f"PREPARE TRANSACTION {quote_literal(entry['gid'])}",
-                                        die_when_sent=point == "sql-prepare"),
-                            timeout=60)
+            self.proxy.call(_after_frames(
+                self.proxy.databases[entry["name"]],
+                session.end(f"PREPARE TRANSACTION {quote_literal(entry['gid'])}",
+                            die_when_sent=point == "sql-prepare")), timeout=60)
             if point == "sql-prepared":
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -177,7 +186,7 @@ class BoothDatabases:
         errors = []
         for name, db in self.proxy.databases.items():
             try:
-                self.proxy.call(db.session.end(sql), timeout=60)
+                self.proxy.call(_after_frames(db, db.session.end(sql)), timeout=60)
             except Exception as error:
                 errors.append(f"{name}: {error}")
         if errors:

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from jukebox.sql.server import DatabaseProxy
 
 SYNC = m.message(b"S")
+# How long the frames of statements answered wait for the agent's next statement, to be written
+# while the server works on it, before they are written anyway.
+FRAMES_DELAY = 0.002
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
 
 
@@ -131,6 +134,7 @@ class AgentConnection:
         # The frames of statements answered, waiting for their answer to leave (`record`).
         self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
                                 dict[str, Any] | None, float]] = []
+        self.frames_due: asyncio.TimerHandle | None = None
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -146,8 +150,11 @@ class AgentConnection:
         if self.out:
             self.writer.write(bytes(self.out))
             self.out.clear()
-        if self.frames:
-            self.write_frames()
+        if self.frames and self.frames_due is None:
+            # Not now: the agent's next statement usually follows at once, and the frames are
+            # then written while the server works on it (`relay`); an idle agent's, soon.
+            self.frames_due = asyncio.get_running_loop().call_later(FRAMES_DELAY,
+                                                                    self.write_frames)
 
     async def drain_agent(self) -> None:
         self.flush()
@@ -319,6 +326,9 @@ class AgentConnection:
         self.frames.append((run, tag, failure, rows_changed, result, time.monotonic()))
 
     def write_frames(self) -> None:
+        if self.frames_due is not None:
+            self.frames_due.cancel()
+            self.frames_due = None
         frames, self.frames = self.frames, []
         for run, tag, failure, rows_changed, result, ended in frames:
             self.db.record_statement(self.number, run, tag, failure, rows_changed, result,
@@ -426,6 +436,7 @@ class AgentConnection:
             except Exception:  # the session is gone already (the verdict, a server restart)
                 self.session.give_back(self)
         self.flush()
+        self.write_frames()
         self.writer.close()
 
     # ------------------------------------------------------------------ messages
@@ -569,6 +580,11 @@ class AgentConnection:
         assert up is not None
         failed = False
         count = 0
+        if self.frames:
+            # The earlier statements' frames, written while the server answers this one
+            # rather than in the agent's way between its statements.
+            up.flush()
+            self.write_frames()
         while True:
             kind, body = await up.read()
             if kind == b"Z":

@@ -158,6 +158,12 @@ class DatabaseProxy:
             payload.update(result)
         self.owner.record("sql", payload)
 
+    def write_frames(self) -> None:
+        """The frames of statements answered still waiting (AgentConnection.flush), written
+        before a checkpoint, a rollback or the verdict, so the tape keeps them before it."""
+        for conn in list(self.connections.values()):
+            conn.write_frames()
+
     def over_limit(self, rows: int) -> bool:
         return self.owner.count_rows(rows)
 
@@ -286,6 +292,7 @@ class SqlProxy:
                 if db.server is not None:
                     db.server.close()
                 for conn in list(db.connections.values()):
+                    conn.write_frames()
                     conn.writer.close()
                 await db.session.close()
             me = asyncio.current_task()

@@ -143,6 +143,10 @@ class Wire:
         self.retry: bytes | None = None
         self.writing = False  # waiting for the socket to take `out`
         self.error: BaseException | None = None
+        # The socket stays registered for reading with the loop between waits (`_readable`):
+        # adding and removing it around every wait cost two epoll_ctl calls a statement.
+        self.watching = False
+        self.waiter: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -163,7 +167,7 @@ class Wire:
             try:
                 chunk = self.sock.recv(262_144)
             except (BlockingIOError, ssl.SSLWantReadError):
-                await self._ready(self.loop.add_reader, self.loop.remove_reader)
+                await self._wait_readable()
                 continue
             except ssl.SSLWantWriteError:
                 await self._ready(self.loop.add_writer, self.loop.remove_writer)
@@ -177,6 +181,26 @@ class Wire:
                 self.at = 0
             self.buf += chunk
             return
+
+    async def _wait_readable(self) -> None:
+        if not self.watching:
+            self.loop.add_reader(self.fd, self._readable)
+            self.watching = True
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def _readable(self) -> None:
+        waiter = self.waiter
+        if waiter is None:
+            # Nobody reads now (the server closed, or said something unasked): stop watching,
+            # or the loop would call this at every turn until someone reads.
+            self.loop.remove_reader(self.fd)
+            self.watching = False
+        elif not waiter.done():
+            waiter.set_result(None)
 
     async def _ready(self, add: Any, remove: Any) -> None:
         done = self.loop.create_future()
@@ -239,11 +263,14 @@ class Wire:
                 tls.do_handshake()
                 return
             except ssl.SSLWantReadError:
-                await self._ready(self.loop.add_reader, self.loop.remove_reader)
+                await self._wait_readable()
             except ssl.SSLWantWriteError:
                 await self._ready(self.loop.add_writer, self.loop.remove_writer)
 
     def close(self) -> None:
+        if self.watching:
+            self.watching = False
+            self.loop.remove_reader(self.fd)
         if self.writing:
             self.writing = False
             self.loop.remove_writer(self.fd)
