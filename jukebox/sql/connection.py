@@ -116,6 +116,8 @@ class AgentConnection:
         self.named: set[str] = set()  # upstream names of this connection's statements
         self.runs: deque[_Run] = deque()
         self.copying_in = False
+        # Characters of bookkeeping ahead of the agent's text in its Query (Upstream.send_query)
+        self.shift = 0
         # A failed block between the agent's messages: it keeps the wire (nothing else can run
         # in a failed transaction), but a rollback of the booth may take it (`undo`).
         self.parked = False
@@ -153,8 +155,10 @@ class AgentConnection:
         if self.frames and self.frames_due is None:
             # Not now: the agent's next statement usually follows at once, and the frames are
             # then written while the server works on it (`relay`); an idle agent's, soon.
+            # The timer is not cancelled by those writes: back-to-back statements arm one
+            # every FRAMES_DELAY, not one each.
             self.frames_due = asyncio.get_running_loop().call_later(FRAMES_DELAY,
-                                                                    self.write_frames)
+                                                                    self.frames_timer)
 
     async def drain_agent(self) -> None:
         self.flush()
@@ -325,10 +329,11 @@ class AgentConnection:
         result = self.kept.take() if self.kept is not None else None
         self.frames.append((run, tag, failure, rows_changed, result, time.monotonic()))
 
+    def frames_timer(self) -> None:
+        self.frames_due = None
+        self.write_frames()
+
     def write_frames(self) -> None:
-        if self.frames_due is not None:
-            self.frames_due.cancel()
-            self.frames_due = None
         frames, self.frames = self.frames, []
         for run, tag, failure, rows_changed, result, ended in frames:
             self.db.record_statement(self.number, run, tag, failure, rows_changed, result,
@@ -501,7 +506,7 @@ class AgentConnection:
             return
         if len(stmts) == 1 and stmts[0].kind == st.PLAIN:
             # a PLAIN statement is forwarded only once the upstream is connected
-            self.up.send(m.message(b"Q", text.encode() + b"\0"))  # type: ignore[union-attr]
+            self.shift = self.up.send_query(text)  # type: ignore[union-attr]
             self.runs.append(_Run(stmts[0].text))
             await self.relay()
         else:
@@ -525,7 +530,7 @@ class AgentConnection:
         if kind == st.PLAIN or (kind == st.SAVEPOINT and self.state != "I") or (
             kind == st.BEGIN and self.state == "E"
         ):
-            up.send(m.message(b"Q", stmt.text.encode() + b"\0"))
+            self.shift = up.send_query(stmt.text)
             self.runs.append(_Run(stmt.text))
             return not await self.relay()
         if kind == st.SAVEPOINT:
@@ -586,12 +591,32 @@ class AgentConnection:
             up.flush()
             self.write_frames()
         while True:
-            kind, body = await up.read()
+            kind, body = up.ready() or await up.read()
             if kind == b"Z":
                 up.status = body.decode()
                 if up.status != "E":
                     up.spoiled = None
+                up.prefix.clear()
                 break
+            if up.prefix:  # the bookkeeping ahead of the agent's statement in its Query
+                if kind == b"C":
+                    up.prefix.popleft()
+                elif kind == b"E":
+                    # It failed, which aborted the booth's transaction: the agent's statement
+                    # did not run. The error is its owner's (see Upstream.settle).
+                    owner = up.prefix[0]
+                    up.prefix.clear()
+                    fields = m.decode_fields(body)
+                    up.spoiled = (owner.number, fields.get("M", "error"))
+                    owner.own_failed(fields)
+                    if not drop_only:
+                        error = self.not_run(up.spoiled)
+                        self.reply(kind, error)
+                        if self.runs:
+                            self.record(self.runs.popleft(), failure=m.decode_fields(error))
+                        self.runs.clear()
+                    failed = True
+                continue  # its notices too
             if drop_only:
                 continue
             if kind == b"C":
@@ -617,10 +642,10 @@ class AgentConnection:
                 if up.spoiled is not None and fields.get("C") == "25P02":
                     # Aborted by a bookkeeping query that failed just before (Upstream.settle),
                     # not by anything of this unit: nothing of it ran, so it can run again.
-                    who, why = up.spoiled
-                    fields = {"S": "ERROR", "V": "ERROR", "C": "40001", "M": (
-                        f"jukebox: this statement did not run: the booth's bookkeeping for "
-                        f"its connection {who} failed just before it ({why}); run it again")}
+                    body = self.not_run(up.spoiled)
+                    fields = m.decode_fields(body)
+                elif self.shift and "P" in fields:  # its position in the agent's own text
+                    fields["P"] = str(max(1, int(fields["P"]) - self.shift))
                     body = b"".join(k.encode() + v.encode() + b"\0"
                                     for k, v in fields.items()) + b"\0"
                 if refusal:  # the proxy's own RAISE: the agent need not see it was a DO block
@@ -646,11 +671,21 @@ class AgentConnection:
             count += 1
             if count % 256 == 0:
                 await self.drain_agent()
+        self.shift = 0
         if failed and self.state == "I":
             self.unit_failed = True
         if self.state != "I":
             self.state = "E" if up.status == "E" else "T"
         return failed
+
+    @staticmethod
+    def not_run(spoiled: tuple[int, str]) -> bytes:
+        """The error of a statement that did not run: a bookkeeping query failed before it."""
+        who, why = spoiled
+        fields = {"S": "ERROR", "V": "ERROR", "C": "40001", "M": (
+            f"jukebox: this statement did not run: the booth's bookkeeping for its connection "
+            f"{who} failed just before it ({why}); run it again")}
+        return b"".join(k.encode() + v.encode() + b"\0" for k, v in fields.items()) + b"\0"
 
     async def copy_in(self, up: Upstream) -> None:
         self.copying_in = True

@@ -9,6 +9,7 @@ it byte for byte, so types, formats and errors reach the agent exactly as the se
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import socket
@@ -160,6 +161,26 @@ class Wire:
             self.at = 0
         return data
 
+    def next_message(self) -> tuple[bytes, bytes] | None:
+        """(type byte, body) of the next message when all of it is here already, else None:
+        a statement's replies come in one read, and taking them from the buffer without a
+        coroutine per message (m.read_message and its two readexactly) is most of reading
+        them."""
+        buf, at = self.buf, self.at
+        if len(buf) - at < 5:
+            return None
+        (length,) = _LENGTH.unpack_from(buf, at + 1)
+        end = at + 1 + length
+        if length < 4 or length > m.MAX_MESSAGE or len(buf) < end:
+            return None  # too long or too short: m.read_message says so
+        kind, body = bytes(buf[at : at + 1]), bytes(buf[at + 5 : end])
+        if end == len(buf):
+            buf.clear()
+            self.at = 0
+        else:
+            self.at = end
+        return kind, body
+
     async def _fill(self) -> None:
         while True:
             if self.error is not None:
@@ -277,6 +298,21 @@ class Wire:
         self.sock.close()
 
 
+_LENGTH = struct.Struct("!i")
+# The agent's extended-query messages a bookkeeping query can go ahead of (`Upstream.send`).
+_EXTENDED = (b"P", b"B", b"D", b"E", b"C")
+
+
+@functools.lru_cache(maxsize=64)
+def _extended(sql: str) -> bytes:
+    """Parse, Bind and Execute of one statement of the proxy's own, unnamed (as a Query would,
+    they replace the agent's unnamed statement and portal; the agent's messages that follow
+    make their own)."""
+    return (m.message(b"P", b"\0" + sql.encode() + b"\0\0\0")
+            + m.message(b"B", b"\0\0" + b"\0\0" * 3)
+            + m.message(b"E", b"\0\0\0\0\0"))
+
+
 def _settle(done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
@@ -297,6 +333,9 @@ class Upstream:
         # Bookkeeping queries not yet in `out`, with whose they are: always the last thing to
         # send (see send_own).
         self.own: list[tuple[str, Any]] = []
+        # The owners of the bookkeeping statements `send_query` put ahead of the agent's in
+        # its Query, one per statement, until their replies are read (by the relay).
+        self.prefix: deque[Any] = deque()
         # An agent connection's bookkeeping query failed, which aborted the booth's
         # transaction: (its number, the server's message), until the session is out of that
         # state. Statements sent in the same round trip fail for that cause, and say so.
@@ -375,7 +414,19 @@ class Upstream:
 
     def send(self, data: bytes) -> None:
         if self.own:
-            self._put_own()
+            if data[:1] in _EXTENDED and not self.prefix and all(
+                    owner is not None for _, owner in self.own):
+                # Ahead of the agent's extended-query messages, as extended messages of their
+                # own: the server flushes once, at the agent's Sync, where a Query of them
+                # was answered with a flush (a wake-up of the proxy, a TLS record) of its own.
+                # Their replies are the reader's to drop (`prefix`), as `send_query`'s.
+                for sql, owner in self.own:
+                    for part in sql.split("; "):
+                        self.out += _extended(part)
+                        self.prefix.append(owner)
+                self.own.clear()
+            else:
+                self._put_own()
         self.out += data
         if len(self.out) >= 65536:
             self.flush()
@@ -386,6 +437,24 @@ class Upstream:
         if self.out:
             self.wire.write(bytes(self.out))
             self.out.clear()
+
+    def send_query(self, text: str) -> int:
+        """The agent's simple Query, with the bookkeeping queries waiting (`send_own`) ahead of
+        it in the same query string: the server answers one Query with one flush, where it
+        flushed once for the bookkeeping and once for the statement (a wake-up of the proxy
+        and a TLS record each). Their replies are the reader's to drop (`prefix`). Returns
+        how many characters went ahead of the agent's text (an error's position is shifted
+        back by as many)."""
+        own = self.own
+        if not own or self.prefix or any(owner is None for _, owner in own):
+            self.send(m.message(b"Q", text.encode() + b"\0"))
+            return 0
+        head = "; ".join(sql for sql, _ in own) + "; "
+        for sql, owner in own:
+            self.prefix.extend([owner] * (sql.count(";") + 1))
+        own.clear()
+        self.out += m.message(b"Q", (head + text).encode() + b"\0")
+        return len(head)
 
     def send_own(self, sql: str, owner: Any = None) -> None:
         """A bookkeeping query of the proxy's own for `owner` (the agent connection whose unit
@@ -429,7 +498,7 @@ class Upstream:
             owner = self.unread.popleft()
             failed: dict[str, str] | None = None
             while True:
-                kind, body = await m.read_message(self.wire)
+                kind, body = self.wire.next_message() or await m.read_message(self.wire)
                 if kind == b"E" and failed is None:
                     failed = m.decode_fields(body)
                 if kind == b"Z":
@@ -446,11 +515,18 @@ class Upstream:
         if raised is not None:
             raise UpstreamError(raised.get("M", "error"), raised)
 
+    def ready(self) -> tuple[bytes, bytes] | None:
+        """The next message when it is here and nothing is to be sent or settled first."""
+        if self.own or self.out or self.unread:
+            return None
+        return self.wire.next_message()
+
     async def read(self) -> tuple[bytes, bytes]:
-        self.flush()
+        if self.own or self.out:
+            self.flush()
         if self.unread:
             await self.settle()
-        return await m.read_message(self.wire)
+        return self.wire.next_message() or await m.read_message(self.wire)
 
     async def query(self, sql: str) -> list[tuple[bytes, bytes]]:
         """Runs the proxy's own `sql` (simple protocol); raises UpstreamError on its error.

@@ -210,6 +210,18 @@ def test_a_failed_bookkeeping_query_is_told_to_its_own_connection(
             in str(lost.value)
         a.execute("INSERT INTO t VALUES (3, 'again')")
         assert b.execute("SELECT v FROM t WHERE id = 3").fetchone() == ("again",)
+        # A simple query (psql) carries the bookkeeping ahead of its statement in one query
+        # string: the same error, its own position in an error of its own.
+        a.execute("INSERT INTO t VALUES (4, 'kept, then undone')")
+        proxied.proxy.call(fail_the_release(), timeout=10)
+        out = proxied.psql("SELECT count(*) FROM t")
+        assert out.returncode == 1 and "did not run: the booth's bookkeeping for its " \
+            "connection 1 failed just before it (division by zero)" in out.stderr
+        with pytest.raises(psycopg.errors.StatementCompletionUnknown):
+            a.execute("SELECT 1")
+        out = proxied.psql("SELECT nosuch FROM t")
+        assert "LINE 1: SELECT nosuch FROM t\n" + " " * 15 + "^" in out.stderr
+        assert proxied.psql("SELECT count(*) FROM t").stdout == "3\n"
     finally:
         a.close()
         b.close()
@@ -597,8 +609,9 @@ def test_cancel_and_smuggled_commits(pg: Cluster, db: str, proxied: Proxied) -> 
     # holds the GIL, so one in this process would wait on the proxy's thread forever).
     sleeper = subprocess.Popen(["psql", "-X", "-d", proxied.url, "-c", "SELECT pg_sleep(60)"],
                                stderr=subprocess.PIPE, text=True)
+    # (The booth's savepoint goes ahead of a simple query's text, in the same query string.)
     wait_for(lambda: pg.psql("SELECT count(*) FROM pg_stat_activity WHERE query LIKE "
-                             "'SELECT pg_sleep%'") == "1")
+                             "'%SELECT pg_sleep(60)' AND pid <> pg_backend_pid()") == "1")
     sleeper.send_signal(signal.SIGINT)
     _, err = sleeper.communicate(timeout=30)
     assert "canceling statement due to user request" in err
