@@ -148,6 +148,7 @@ class Wire:
         # adding and removing it around every wait cost two epoll_ctl calls a statement.
         self.watching = False
         self.waiter: asyncio.Future[None] | None = None
+        self.unasked = 0  # calls of `_readable` in a row with nobody waiting
 
     # ------------------------------------------------------------------ reading
 
@@ -208,6 +209,7 @@ class Wire:
             self.loop.add_reader(self.fd, self._readable)
             self.watching = True
         self.waiter = self.loop.create_future()
+        self.unasked = 0
         try:
             await self.waiter
         finally:
@@ -216,10 +218,14 @@ class Wire:
     def _readable(self) -> None:
         waiter = self.waiter
         if waiter is None:
-            # Nobody reads now (the server closed, or said something unasked): stop watching,
-            # or the loop would call this at every turn until someone reads.
-            self.loop.remove_reader(self.fd)
-            self.watching = False
+            # Once after every wait (the loop had the readiness that woke it twice, and the
+            # reader took the data in between): nothing. Twice in a row, nobody reads (the
+            # server closed, or said something unasked): stop watching, or the loop would
+            # call this at every turn until someone reads.
+            self.unasked += 1
+            if self.unasked > 1:
+                self.loop.remove_reader(self.fd)
+                self.watching = False
         elif not waiter.done():
             waiter.set_result(None)
 
