@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from urllib.parse import unquote, urlsplit
 
@@ -62,8 +62,34 @@ _SECRET_OPTIONS = frozenset(
 )
 _SECRET_OPTION_SUFFIXES = ("-key", "-token", "-secret", "-password", "-passwd", "-credentials")
 
+class _Pattern:
+    """A regular expression compiled at its first use. Compiling this module's seven cost
+    about 15 M instructions, a booth's start paid them to redact a command line like `true`
+    that none can match, and `redact_text` now tries a pattern only on text holding what it
+    cannot match without (`_may_hold_secrets`)."""
+
+    __slots__ = ("_compiled", "_flags", "pattern")
+
+    def __init__(self, pattern: str, flags: int = 0) -> None:
+        self.pattern = pattern
+        self._flags = flags
+        self._compiled: re.Pattern[str] | None = None
+
+    def compiled(self) -> re.Pattern[str]:
+        compiled = self._compiled
+        if compiled is None:  # two threads may both compile: the same pattern either way
+            compiled = self._compiled = re.compile(self.pattern, self._flags)
+        return compiled
+
+    def sub(self, repl: str | Callable[[re.Match[str]], str], text: str) -> str:
+        return self.compiled().sub(repl, text)
+
+    def search(self, text: str) -> re.Match[str] | None:
+        return self.compiled().search(text)
+
+
 # Values shaped like the providers' keys, wherever they appear in free text.
-KEY_SHAPES = re.compile(
+KEY_SHAPES = _Pattern(
     r"""
       \bsk-[A-Za-z0-9][A-Za-z0-9_-]{10,}          # OpenAI (sk-, sk-proj-), Anthropic (sk-ant-)
     | \b(?:AKIA|ASIA)[0-9A-Z]{16}\b                # AWS access key ids
@@ -76,17 +102,20 @@ KEY_SHAPES = re.compile(
     """,
     re.VERBOSE,
 )
+# What every alternative of KEY_SHAPES starts with, as it is written (the pattern has no
+# IGNORECASE): text holding none of these holds no key shape.
+_KEY_PREFIXES = ("sk-", "AKIA", "ASIA", "gh", "github_pat_", "xox", "AIza", "glpat-", "hf_")
 # scheme://user:password@ (a user name alone, as in ssh://git@host, is kept).
-_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:]*:[^/\s@]*@")
-_AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic|token)(\s+)[A-Za-z0-9._~+/=-]{8,}")
-_SECRET_HEADER_LINE = re.compile(
+_URL_USERINFO = _Pattern(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@:]*:[^/\s@]*@")
+_AUTH_SCHEME = _Pattern(r"(?i)\b(bearer|basic|token)(\s+)[A-Za-z0-9._~+/=-]{8,}")
+_SECRET_HEADER_LINE = _Pattern(
     r"(?i)\b(authorization|proxy-authorization|x-api-key|api-key|x-goog-api-key|cookie)"
     r"(\s*:\s*)([^\r\n\"']+)"
 )
 _VALUE = r"""("[^"]*"|'[^']*'|[^\s"']+)"""
-_OPTION_VALUE = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)" + _VALUE)
-_ASSIGNMENT = re.compile(r"""(?<![\w-])([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|'[^']*'|[^\s"'&]+)""")
-_QUERY_IN_TEXT = re.compile(r"[?&][^\s=&#\"']+=[^\s&#\"']*")
+_OPTION_VALUE = _Pattern(r"(?<![\w-])(--?[A-Za-z][\w-]*)(=|\s+)" + _VALUE)
+_ASSIGNMENT = _Pattern(r"""(?<![\w-])([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|'[^']*'|[^\s"'&]+)""")
+_QUERY_IN_TEXT = _Pattern(r"[?&][^\s=&#\"']+=[^\s&#\"']*")
 
 # Values shorter than this are not scrubbed from bodies: replacing every "abc" in a prompt would
 # wreck the record while protecting nothing a real key would need.
@@ -289,13 +318,29 @@ def redact_text(text: str, known: Scrubber | None = None) -> str:
     `--secret-option X`, `SECRET_NAME=X` and secret query parameters."""
     if known is not None:
         text = known.text(text)
-    text = _URL_USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text)
-    text = _SECRET_HEADER_LINE.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
-    text = _AUTH_SCHEME.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
-    text = _OPTION_VALUE.sub(_secret_option_value, text)
-    text = _ASSIGNMENT.sub(_secret_assignment, text)
-    text = _QUERY_IN_TEXT.sub(_secret_query_pair, text)
-    return KEY_SHAPES.sub(REDACTED, text)
+    # Each pattern is tried only where it could match: what it needs is checked on the text
+    # as it is at that step (a replacement is the marker, which holds none of it).
+    if "://" in text and "@" in text:
+        text = _URL_USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text)
+    if ":" in text:
+        text = _SECRET_HEADER_LINE.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+    if _has_space(text):
+        text = _AUTH_SCHEME.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+    if "-" in text and ("=" in text or _has_space(text)):
+        text = _OPTION_VALUE.sub(_secret_option_value, text)
+    if "=" in text:
+        text = _ASSIGNMENT.sub(_secret_assignment, text)
+        if "?" in text or "&" in text:
+            text = _QUERY_IN_TEXT.sub(_secret_query_pair, text)
+    if any(prefix in text for prefix in _KEY_PREFIXES):
+        text = KEY_SHAPES.sub(REDACTED, text)
+    return text
+
+
+def _has_space(text: str) -> bool:
+    """Whether `text` holds a character `\\s` matches: str.split() splits on exactly those
+    (both are Py_UNICODE_ISSPACE), so text without one splits into itself alone."""
+    return text.split() != [text]
 
 
 def redact_argv(argv: Sequence[str], known: Scrubber | None = None) -> list[str]:

@@ -87,6 +87,41 @@ def test_urls_lose_passwords_and_name_their_origin_only() -> None:
     assert url_secrets("https://api.example.com/v1") == []
 
 
+def _every_pattern(text: str) -> str:
+    """redact_text as it was before it checked what each pattern needs: all seven, in order."""
+    from jukebox import redact as r
+
+    text = r._URL_USERINFO.compiled().sub(lambda m: m.group(1) + R + "@", text)
+    text = r._SECRET_HEADER_LINE.compiled().sub(lambda m: m.group(1) + m.group(2) + R, text)
+    text = r._AUTH_SCHEME.compiled().sub(lambda m: m.group(1) + m.group(2) + R, text)
+    text = r._OPTION_VALUE.compiled().sub(r._secret_option_value, text)
+    text = r._ASSIGNMENT.compiled().sub(r._secret_assignment, text)
+    text = r._QUERY_IN_TEXT.compiled().sub(r._secret_query_pair, text)
+    return r.KEY_SHAPES.compiled().sub(R, text)
+
+
+def test_skipping_a_pattern_that_cannot_match_changes_nothing() -> None:
+    """redact_text tries a pattern only on text holding what the pattern needs: over secrets of
+    every shape, joined by every kind of separator (Unicode spaces \\s matches included), the
+    result is the same as trying all seven."""
+    pieces = [
+        "https://me:pw-123@example.com/r", "Authorization: Bearer abcdefgh12345", "Bearer",
+        "abcdefgh12345", "--api-key", "--token=t0k3n", "OPENAI_API_KEY=sk-abc", "?key=abcdef",
+        "&sig=zzzzzzzz", "sk-proj-abcdefghijklmnop", "AKIAABCDEFGHIJKLMNOP", "ghp_" + "a" * 36,
+        "github_pat_" + "b" * 22, "xoxb-1234-5678-abcdefgh", "AIza" + "c" * 32, "glpat-" + "d" * 20,
+        "hf_" + "e" * 24, "cookie:x", "x-api-key:abc", "ssh://git@github.com/x", "true", "",
+    ]  # fmt: skip
+    joins = ["", " ", "\t", "\n", "\u00a0", "\u2003", "\x1c", "=", "-", ":", "?", "&", "@"]
+    seen = 0
+    for a in pieces:
+        for b in pieces:
+            for join in joins:
+                text = a + join + b
+                assert redact_text(text) == _every_pattern(text), repr(text)
+                seen += text != redact_text(text)
+    assert seen  # secrets were found, not only passed through
+
+
 def test_free_text_loses_every_shape_at_once() -> None:
     text = (
         "upstream https://u:pw-secret-1@h/x failed: ConnectError('x-api-key: abc123456') "
