@@ -223,6 +223,26 @@ def move_mount(fd: int, target: str) -> None:
     _check(result, f"move_mount to {target}")
 
 
+# prctl(2) options, called through libc rather than the python-prctl module, whose import (about
+# 5 M instructions) the supervisor and the pre-forked shim each paid at every booth's start.
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, arg: int = 0) -> None:
+    """prctl(option, arg) with an integer argument; OSError when refused."""
+    _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+def set_thread_name(name: str) -> None:
+    """The process's name (its main thread's `comm`, what `ps -o comm` and /proc/PID/stat
+    show), cut to the kernel's 15 bytes as prctl(PR_SET_NAME) does."""
+    buf = ctypes.create_string_buffer(name.encode()[:15])
+    _check(_libc.prctl(PR_SET_NAME, ctypes.addressof(buf), 0, 0, 0), "prctl(PR_SET_NAME)")
+
+
 def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -693,14 +713,12 @@ def _preforked_main(
     """The pre-forked shim until its spec arrives; then the relay, as `_shim_main` is."""
     import gc
 
-    import prctl
-
     gc.disable()
-    prctl.set_pdeathsig(signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         return  # the supervisor died before pdeathsig was armed
     with contextlib.suppress(Exception):
-        prctl.set_name(RELAY_TITLE)  # what `booth stop` looks for
+        set_thread_name(RELAY_TITLE)  # what `booth stop` looks for
         set_title(RELAY_TITLE)
     keep = sorted({0, 1, 2, sock.fileno(), status_fd})
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
@@ -950,11 +968,9 @@ def drop_privileges() -> None:
 
 def _shim_main(spec_fd: int, status_fd: int) -> None:
     """The relay: reads the spec, makes the PID namespace, forks the init and waits for it."""
-    import prctl
-
     os.set_inheritable(status_fd, False)
     # First: should the supervisor die from now on, so does this process and all below it.
-    prctl.set_pdeathsig(signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     chunks = []
     while True:
         chunk = os.read(spec_fd, 1 << 20)
@@ -1019,10 +1035,8 @@ def _relay(init: int) -> int:
 def _exit_as(status: int) -> None:
     """Ends this process the way CMD ended: its exit status, or killed by its signal."""
     if os.WIFSIGNALED(status):
-        import prctl
-
         sig = os.WTERMSIG(status)
-        prctl.set_dumpable(0)  # the relay's own core is of no use to anybody
+        prctl(PR_SET_DUMPABLE, 0)  # the relay's own core is of no use to anybody
         if sig != signal.SIGKILL:
             signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
@@ -1033,9 +1047,7 @@ def _exit_as(status: int) -> None:
 
 def _init_main(spec: ChildSpec, status_fd: int, alive_r: int, result_w: int) -> None:
     """Pid 1 of the booth's PID namespace: builds the view, starts CMD, reaps, exits with CMD."""
-    import prctl
-
-    prctl.set_pdeathsig(signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     readable, _, _ = select.select([alive_r], [], [], 0)
     if readable:
         os._exit(SETUP_FAILED_STATUS)  # the relay died before pdeathsig was armed
@@ -1094,9 +1106,7 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
     """CMD's process: session, limits, privileges, working directory, then exec."""
     step = "starting a session of its own"
     try:
-        import prctl
-
-        prctl.set_pdeathsig(signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         # Its own session and process group: kill(0, ...) reaches nothing outside the booth,
         # and no terminal but the booth's pty can be its controlling terminal.
         os.setsid()

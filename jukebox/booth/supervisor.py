@@ -2035,9 +2035,7 @@ def _set_up(
     # From here on this process lives in the booth's mount namespace.
     userns = isolation.enter_private_namespace()
     with contextlib.suppress(OSError):
-        import prctl
-
-        prctl.set_child_subreaper(1)
+        isolation.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1)
     preforked = early
     if preforked is None and o.net != "none":  # under --net none: in the proxy's network
         # Forked while no thread runs yet: the agent's start then needs no new interpreter.

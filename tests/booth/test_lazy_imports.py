@@ -51,6 +51,7 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     # tempfile (with random) only for a seccomp cache miss. (hashlib and subprocess come with
     # this booth's commit: the journal's seal, the trash's freeing process.)
     assert "tempfile" not in modules
+    assert "prctl" not in modules  # its calls go through libc (isolation.prctl)
 
 
 def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
