@@ -761,3 +761,28 @@ def test_a_device_node_is_committed_only_by_a_committer_with_cap_mknod() -> None
         assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_big_commit_gives_every_file_its_mode_whatever_the_umask(
+    tmp_path: Path, store: Store, umask: int
+) -> None:
+    """Past SYNCFS_FROM files the threads create the staged files with their final mode when
+    the umask keeps all of it, and fchmod the others (setuid, setgid, sticky, bits the umask
+    clears): each file ends with exactly its tree's mode either way."""
+    modes = [0o644, 0o755, 0o444, 0o600, 0o4755, 0o2750, 0o1644, 0o666]
+
+    def mutate(src: Path) -> None:
+        for i in range(commit.SYNCFS_FROM + 8):
+            write(src / f"d{i % 3}/f{i}", b"x%d\n" % i, modes[i % len(modes)], mtime_ns=None)
+
+    s = Scenario(tmp_path, store, lambda src: write(src / "keep", b"k\n"), mutate)
+    old = os.umask(umask)
+    try:
+        s.apply()
+    finally:
+        os.umask(old)
+    assert snapshot(s.target) == snapshot(s.reference)
+    for i in range(commit.SYNCFS_FROM + 8):
+        st = os.lstat(s.target / f"d{i % 3}/f{i}")
+        assert stat.S_IMODE(st.st_mode) == modes[i % len(modes)]
