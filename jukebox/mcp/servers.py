@@ -64,12 +64,8 @@ class ServerSpec(Value):
     def http_transport(self) -> Any:
         """The SDK's streamable-HTTP client for this server (an async context manager giving
         (read, write, ...)), sending its headers with every request."""
-        from mcp.client.streamable_http import streamable_http_client
-
         assert self.url is not None
-        if not self.headers:
-            return streamable_http_client(self.url)
-        return _with_headers(self.url, dict(self.headers))
+        return _http_client(self.url, dict(self.headers))
 
     def secrets(self) -> list[str]:
         """What this server's declaration holds that no frame may: its URL's password, its
@@ -112,17 +108,89 @@ class ServerSpec(Value):
 
 
 @contextlib.asynccontextmanager
-async def _with_headers(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
-    # The SDK's client takes headers through an httpx client of its own making (the same
-    # timeouts as its default one); it leaves a client it was given open: closed here.
+async def _http_client(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
+    # The SDK's client with an httpx client of jukebox's making: the SDK's timeouts, the
+    # server's headers, and a transport that keeps the connection (_keep_alive). The SDK leaves
+    # a client it was given open: closed here.
+    import httpx2
     from mcp.client.streamable_http import streamable_http_client
-    from mcp.shared._httpx_utils import create_mcp_http_client
+    from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 
+    timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+    transport = _keep_alive(httpx2.AsyncHTTPTransport())
     async with (
-        create_mcp_http_client(headers=headers) as client,
+        httpx2.AsyncClient(timeout=timeout, headers=headers or None, transport=transport) as client,
         streamable_http_client(url, http_client=client) as streams,
     ):
         yield streams
+
+
+# How long the end of a POST's event stream is waited for once its answer came, and how many
+# bytes of it are read, before the connection is given up (closed) instead of kept.
+DRAIN_WAIT = 0.1
+DRAIN_BYTES = 64 * 1024
+
+
+def _keep_alive(inner: Any) -> Any:
+    """An httpx transport that keeps the connection of a POST answered with a server-sent event
+    stream. The SDK's client closes such a response as soon as the event with its answer came,
+    before the end of the body (which the server sends right after it): httpx then closes the
+    connection, so every call paid a new TCP connection to the server and the server a new one
+    from us (bench/bench_mcp.py: most of what the booth's HTTP gateway added to a call). Here
+    closing the response first reads what is left of it, at most DRAIN_BYTES within DRAIN_WAIT,
+    so the connection goes back to the pool; a server that holds the stream open past the
+    answer makes that wait once, and the transport stops waiting for that server."""
+    import anyio
+    import httpx2
+
+    class DrainedAtClose(httpx2.AsyncByteStream):
+        # A body read through one iterator, so that `aclose` reads on where the reader stopped.
+        reader: Any = None
+
+        def __init__(self, body: Any, transport: KeepAlive) -> None:
+            self.body = body
+            self.transport = transport
+
+        def _iterator(self) -> Any:
+            if self.reader is None:
+                self.reader = aiter(self.body)
+            return self.reader
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            async for chunk in self._iterator():
+                yield chunk
+
+        async def aclose(self) -> None:
+            try:
+                seen = 0
+                with anyio.move_on_after(DRAIN_WAIT) as waited:
+                    async for chunk in self._iterator():
+                        seen += len(chunk)
+                        if seen > DRAIN_BYTES:
+                            break
+                if waited.cancelled_caught:
+                    self.transport.drain = False
+            except Exception:  # a broken stream: closed below, as the SDK would have
+                pass
+            finally:
+                await self.body.aclose()
+
+    class KeepAlive(httpx2.AsyncBaseTransport):
+        def __init__(self) -> None:
+            self.drain = True
+
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            response = await inner.handle_async_request(request)
+            kind = response.headers.get("content-type", "")
+            if self.drain and request.method == "POST" and kind.startswith("text/event-stream"):
+                assert isinstance(response.stream, httpx2.AsyncByteStream)
+                response.stream = DrainedAtClose(response.stream, self)
+            return response
+
+        async def aclose(self) -> None:
+            await inner.aclose()
+
+    return KeepAlive()
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A streamable-HTTP MCP server for tests/mcp (the SDK's MCPServer, served by uvicorn on
 127.0.0.1): `read_notes` (read-only) and `add_note` (destructive) over a notes file named on
 the command line, so a test sees from outside whether a call reached it, and with --log-auth
-the Authorization header of every request (NOTES.auth). Prints its port."""
+the Authorization header of every request (NOTES.auth) and the client's port (NOTES.peers: one
+port per connection). Prints its port."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ if __name__ == "__main__":
             auth = dict(scope["headers"]).get(b"authorization", b"-").decode()
             with NOTES.with_suffix(".auth").open("a") as f:
                 f.write(auth + "\n")
+            with NOTES.with_suffix(".peers").open("a") as f:
+                f.write(f"{scope['method']} {scope['client'][1]}\n")
         await app(scope, receive, send)  # type: ignore[arg-type]
 
     config = uvicorn.Config(seen_headers if LOG_AUTH else app, log_level="warning")
