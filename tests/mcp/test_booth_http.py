@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 TOKEN = "notes-token-5ec7e7-0123456789"
 AUTH = "auth-header-0f3c2a-9876543210"  # the config's Authorization: Bearer value
 FORK_AUTH = "fork-header-77d1e0-1357924680"  # the fork's, from the environment
+REPLAY_AUTH = "replay-header-4b9e21-2468013579"  # replay --until's, from its --mcp-config
 ENV = {**os.environ, "NOTES_API_TOKEN": TOKEN}
 
 
@@ -62,6 +63,32 @@ def said(proc: subprocess.CompletedProcess[str]) -> dict[str, list[dict]]:
             if "step" in step:  # not replay's --json result
                 out.setdefault(step["step"], []).append(step)
     return out
+
+
+def test_upstream_client_keeps_its_connection(notes_server: dict) -> None:
+    # The server answers each call with an event stream, which the SDK's client closes before
+    # its end: the gateway's client (and the commit's) reads that end, so its calls share one
+    # connection instead of a new one each (what most of the HTTP gateway's cost per call was).
+    import anyio
+    from mcp import ClientSession
+
+    from jukebox.mcp.servers import ServerSpec
+
+    s = notes_server
+    peers = s["notes"].with_suffix(".peers")
+    peers.unlink(missing_ok=True)
+    spec = ServerSpec("notes", "", url=s["url"], headers={"Authorization": "Bearer keep"})
+
+    async def calls() -> list[str]:
+        async with spec.http_transport() as (read, write, *_), ClientSession(read, write) as c:
+            await c.initialize()
+            return [(await c.call_tool("echo", {"text": f"n{i}"})).content[0].text  # type: ignore[union-attr]
+                    for i in range(6)]  # fmt: skip
+
+    assert anyio.run(calls) == [f"n{i}" for i in range(6)]
+    posts = [line.split()[1] for line in peers.read_text().splitlines() if line.startswith("POST")]
+    assert len(posts) >= 8, posts  # initialize, initialized, 6 calls (the SDK's own list too)
+    assert len(set(posts)) <= 2, posts  # a second one at most, while the first still drains
 
 
 def test_policy_rules_apply_to_an_http_server(notes_server: dict) -> None:
@@ -161,8 +188,32 @@ def test_http_server_through_the_stage_gate(notes_server: dict) -> None:
         ("read_notes", "allow"), ("echo", "allow")]  # fmt: skip
     (fork_start,) = payloads(s["tmp"] / "tapes" / "h1-fork.jbx", "run_start")
     assert fork_start["policy"]["mcp_servers"]["notes"]["headers"] == ["Authorization"]
-    for path in (s["tmp"] / "tapes").rglob("*"):  # the fork's tape and store included
-        for value in (AUTH, FORK_AUTH):
+
+    # `replay --exec --until N` past the staged call: the second read goes live, with the header
+    # from the caller's --mcp-config (the fork above took the environment's); without either
+    # it stops before anything runs, naming this command.
+    staged_at = [i for i, f in enumerate(Tape.load(tape).frames) if f.kind == "tool_call"][1]
+    until = [JUKEBOX, "replay", str(tape), "--exec", "--until", str(staged_at), "--json"]
+    missing = subprocess.run(until, capture_output=True, text=True, timeout=60, env=ENV)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+    assert "`jukebox replay --exec --until N`" in missing.stderr, missing.stderr
+    now = s["tmp"] / "now.json"
+    now.write_text(json.dumps({"mcpServers": {"notes": {
+        "type": "http", "url": s["url"], "headers": {"authorization": f"Bearer {REPLAY_AUTH}"}}}}))
+    s["notes"].with_suffix(".auth").unlink()
+    replayed_until = subprocess.run([*until, "--mcp-config", str(now)], capture_output=True,
+                                    text=True, timeout=120, env=ENV)  # fmt: skip
+    assert replayed_until.returncode == 0, replayed_until.stderr
+    reads = said(replayed_until)["read_notes"]
+    assert reads[0]["text"] == "" and reads[1]["text"].startswith("hello")  # served, then live
+    seen = s["notes"].with_suffix(".auth").read_text().splitlines()
+    assert seen and set(seen) == {f"Bearer {REPLAY_AUTH}"}, seen
+    result = json.loads(replayed_until.stdout.splitlines()[-1])
+    until_calls = payloads(s["tmp"] / "tapes" / f"{result['tape_id']}.jbx", "tool_call")
+    assert [(c["tool"], c["decision"]) for c in until_calls][:3] == [
+        ("read_notes", "replay"), ("add_note", "replay"), ("read_notes", "allow")]  # fmt: skip
+    for path in (s["tmp"] / "tapes").rglob("*"):  # the fork's and the replay's included
+        for value in (AUTH, FORK_AUTH, REPLAY_AUTH):
             assert not path.is_file() or value.encode() not in path.read_bytes(), (value, path)
 
     # Every server stopped: the replay's gateway answers from the tape.
