@@ -14,12 +14,20 @@ they anchor, so both see the same machine at the same moment:
 
 A booth needs root and /dev/fuse: without them only the stdio rows are measured.
 `overhead_p50_us` is the gateway's p50 less its anchor's, `ratio` the gateway's p50 over it.
+
+With valgrind, the HTTP rows get `instructions`: what one call costs each process, counted by
+callgrind (every thread of it, after uncounted warm-up calls), a figure the machine's load does
+not move: the HTTP server on its own (the anchor), and the booth's HTTP gateway in front of it,
+in a process of its own (`python -m bench.bench_mcp gateway URL`: jukebox.mcp.http_gateway with
+a stage gate recording on a tape, as the supervisor runs it).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -143,6 +151,104 @@ def _in_booth(n: int, tmp: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _gateway(url: str) -> None:
+    """The booth's HTTP gateway in front of `url`, in this process, its frames on a tape through
+    a stage gate, as the supervisor runs it; prints its URL, serves until stdin closes."""
+    import socket
+
+    from jukebox.mcp.http_gateway import HttpGateways
+    from jukebox.mcp.policy import Policy
+    from jukebox.mcp.record import scrub
+    from jukebox.mcp.staging import StageGate
+    from jukebox.redact import Scrubber
+    from jukebox.tape.tape import TapeWriter
+    from shadowfs.store import Store
+
+    tmp = Path(tempfile.mkdtemp(prefix="jukebox-bench-mcp-gw-"))
+    store = Store.open(tmp / "store", create=True)
+    writer = TapeWriter.create(tmp / "gw.jbx", store, "gw", fsync=False)
+    writer.append("run_start", {"tape_id": "gw"})
+    scrubber = Scrubber(["bench-secret-0123456789"])  # a booth always has one (the path's)
+    gateways = HttpGateways({"notes": url}, StageGate({}, writer.append), Policy("staged_acid"),
+                            lambda server, tool, args: "stage-1",
+                            lambda payload: scrub(payload, scrubber),
+                            scrubber=scrubber)  # fmt: skip
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    gateways.start(listener)
+    print(gateways.urls()["notes"], flush=True)
+    sys.stdin.read()
+    gateways.stop()
+    writer.close()
+    store.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _callgrind(pid: int, *command: str) -> None:
+    subprocess.run(["callgrind_control", *command, str(pid)], check=True, capture_output=True,
+                   timeout=300)  # fmt: skip
+
+
+def http_instructions(n: int, tmp: Path) -> dict[str, int]:
+    """Instructions per echo call of the HTTP server alone and of the gateway in front of it,
+    each process under callgrind; empty without valgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        return {}
+    import anyio
+
+    procs: dict[str, subprocess.Popen[str]] = {}
+    url = ""  # the server's, then the gateway's in front of it
+    try:
+        for name, command in (("server", [*HTTP_SERVER, str(tmp / "cg-notes.txt")]),
+                              ("gateway", [sys.executable, "-m", "bench.bench_mcp", "gateway"])):
+            if name == "gateway":
+                command.append(url)
+            proc = procs[name] = subprocess.Popen(
+                ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                 f"--callgrind-out-file={tmp}/cg-{name}.out", *command],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                          "PYTHONHASHSEED": "0"},
+            )  # fmt: skip
+            assert proc.stdout is not None
+            line = proc.stdout.readline().strip()
+            url = line if name == "gateway" else f"http://127.0.0.1:{int(line)}/mcp"
+
+        async def calls() -> None:
+            from mcp import ClientSession
+            from mcp.client.streamable_http import streamable_http_client
+
+            async with (streamable_http_client(url) as (read, write, *_),
+                        ClientSession(read, write) as session):  # fmt: skip
+                await session.initialize()
+                await session.list_tools()
+                for _ in range(WARMUP):
+                    await session.call_tool("echo", ARGS)
+                for proc in procs.values():
+                    _callgrind(proc.pid, "--instr=on")
+                for _ in range(n):
+                    await session.call_tool("echo", ARGS)
+                await anyio.sleep(1)  # the gateway's frames thread writes the last frames
+
+        anyio.run(calls)
+        out = {}
+        for name, proc in procs.items():
+            _callgrind(proc.pid, "--instr=off")
+            _callgrind(proc.pid, "--dump")
+            dumps = glob.glob(f"{tmp}/cg-{name}.out*")
+            totals = [int(x) for d in dumps
+                      for x in re.findall(r"^totals: (\d+)", Path(d).read_text(), re.M)]
+            out[name] = round(max(totals) / n)
+        return out
+    finally:
+        for proc in procs.values():
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     import anyio
 
@@ -154,6 +260,13 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         samples = anyio.run(_sessions, {DIRECT: SERVER, WRAP: wrapped}, {}, n)
         rows = _rows(STDIO, samples, DIRECT)
         rows += _in_booth(n, tmp)
+        # Minutes under valgrind: not in a quick run.
+        counted = {} if quick else http_instructions(100, tmp)
+        if counted:
+            for row in rows:
+                if row["case"] == HTTP_BOOTH:
+                    row["instructions"] = counted["server" if row["system"] == DIRECT
+                                                  else "gateway"]  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
@@ -162,6 +275,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["agent"]:
         _booth_agent(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["gateway"]:
+        _gateway(sys.argv[2])
     else:
         for r in run(quick="--quick" in sys.argv):
             print(r)
