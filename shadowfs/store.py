@@ -37,7 +37,11 @@ import os
 import struct
 import threading
 import time
-import weakref
+
+# weakref.WeakSet is this class (weakref re-exports it); the weakref module itself, which a
+# command reading a tape needs nothing else of, costs about 2.5 M instructions to import, and
+# _weakrefset is loaded already (threading, abc).
+from _weakrefset import WeakSet
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from stat import S_ISREG
@@ -169,7 +173,7 @@ def decode_chunks(raw: bytes) -> list[tuple[ObjectId, int]]:
 
 # Stores with a group flush possibly outstanding: a normal interpreter exit flushes them, so
 # "durable within FLUSH_DELAY" holds for a program that snapshots and returns without close().
-_SOON: weakref.WeakSet[Store] = weakref.WeakSet()
+_SOON: WeakSet[Store] = WeakSet()
 
 
 @atexit.register
