@@ -1,10 +1,11 @@
 """Background threads woken after an answer, not before it.
 
 A checkpoint schedules two background flushes (the store's group commit, the booth's tape). Each
-schedule notified a sleeping thread at once, which then woke and asked for the interpreter lock
-while the checkpoint was still being answered: the answer waited for those threads' turns (on a
-machine where code that slept runs cold, 150-200 µs each, measured with `perf sched` beside
-timestamps in the control thread). Neither flush is due for tens of milliseconds, so nothing is
+schedule notified a sleeping thread at once, which then woke, preempted the
+control thread and asked for the interpreter lock while the checkpoint was still being
+answered: the answer waited for those threads' turns (1.1-2.6 ms each in the mean of 90
+checkpoints taken after a pause, `perf sched` beside timestamps in the control thread;
+docs/benchmarks.md). Neither flush is due for tens of milliseconds, so nothing is
 lost by waking them once the answer has left.
 
 `notify(cond)` notifies at once, unless the calling thread is inside `deferred()`, which then
