@@ -183,8 +183,10 @@ class LookupWatch:
                     host = question(packet)
                     if host is None:
                         continue
-                    sock.sendto(refusal(packet), peer)
+                    # Noted before the agent hears the refusal: an agent that exits on it
+                    # would otherwise race the tape's closing, and the note could be lost.
                     self._seen_once(host)
+                    sock.sendto(refusal(packet), peer)
 
     def _seen_once(self, host: str) -> None:
         if host in self._seen or len(self._seen) > MAX_HOSTS:
@@ -213,5 +215,14 @@ class LookupWatch:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        # A query the thread had not read yet (an agent whose resolver gave up under load, and
+        # exited) is still a name the agent tried: noted, never dropped with the socket.
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                while True:
+                    packet, _ = sock.recvfrom(4096, socket.MSG_DONTWAIT)
+                    host = question(packet)
+                    if host is not None:
+                        self._seen_once(host)
         for sock in self._socks:
             sock.close()

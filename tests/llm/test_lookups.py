@@ -5,13 +5,24 @@ and, for a known sender, the switch that turns it off."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from jukebox.llm.lookups import MAX_HOSTS, nameservers, question, refusal, sender, warning
+from jukebox.llm.lookups import (
+    MAX_HOSTS,
+    LookupWatch,
+    nameservers,
+    question,
+    refusal,
+    sender,
+    warning,
+)
 from jukebox.tape.tape import Tape
 from shadowfs.store import Store
 
@@ -102,3 +113,38 @@ def test_a_query_gets_a_refusal_with_its_id_and_question() -> None:
     # A name is the agent's: a terminal escape in a label is shown, never sent to the terminal.
     hostile = bytes.fromhex("abcd01000001000000000000") + b"\x05\x1b[31m\x03org\x00\x00\x01\x00\x01"
     assert "\x1b" in question(hostile) and "\x1b" not in warning(question(hostile))
+
+
+def _query(name: bytes) -> bytes:
+    labels = b"".join(bytes([len(part)]) + part for part in name.split(b"."))
+    return bytes.fromhex("abcd01000001000000000000") + labels + b"\x00\x00\x01\x00\x01"
+
+
+def test_a_query_still_unread_when_the_watch_closes_is_noted() -> None:
+    """An agent whose resolver gave up (a loaded machine) and exited leaves its query unread in
+    the socket when the booth closes the watch: the name is still noted, not dropped with it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    entered, release = threading.Event(), threading.Event()
+    notes: list[str] = []
+
+    def record(kind: str, payload: dict) -> None:
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(30)  # the watch's thread held in its first note
+        notes.append(payload["host"])
+
+    watch = LookupWatch([sock], record)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as agent:
+        agent.sendto(_query(b"first.example.org"), sock.getsockname())
+        assert entered.wait(30)
+        agent.sendto(_query(b"second.example.org"), sock.getsockname())
+        closer = threading.Thread(target=watch.close)
+        closer.start()
+        while not watch._stop.is_set():  # close has begun: the thread ends after its note
+            time.sleep(0.001)
+        release.set()
+        closer.join(30)
+    assert not closer.is_alive()
+    assert notes == ["first.example.org", "second.example.org"]
+    assert sock.fileno() == -1  # closed with the watch
