@@ -50,9 +50,6 @@ if TYPE_CHECKING:
     from jukebox.sql.server import DatabaseProxy
 
 SYNC = m.message(b"S")
-# How long the frames of statements answered wait for the agent's next statement, to be written
-# while the server works on it, before they are written anyway.
-FRAMES_DELAY = 0.002
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
 
 
@@ -136,7 +133,6 @@ class AgentConnection:
         # The frames of statements answered, waiting for their answer to leave (`record`).
         self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
                                 dict[str, Any] | None, float]] = []
-        self.frames_due: asyncio.TimerHandle | None = None
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -152,13 +148,11 @@ class AgentConnection:
         if self.out:
             self.writer.write(bytes(self.out))
             self.out.clear()
-        if self.frames and self.frames_due is None:
-            # Not now: the agent's next statement usually follows at once, and the frames are
-            # then written while the server works on it (`relay`); an idle agent's, soon.
-            # The timer is not cancelled by those writes: back-to-back statements arm one
-            # every FRAMES_DELAY, not one each.
-            self.frames_due = asyncio.get_running_loop().call_later(FRAMES_DELAY,
-                                                                    self.frames_timer)
+        if self.frames and not getattr(self.reader, "_buffer", None):
+            # Now, while the agent reads its answer; but when its next message is here
+            # already (a pipeline), once that has left for the server (`relay`), while the
+            # server works on it.
+            self.write_frames()
 
     async def drain_agent(self) -> None:
         self.flush()
@@ -328,10 +322,6 @@ class AgentConnection:
         the agent does not wait for the redaction and the tape's write."""
         result = self.kept.take() if self.kept is not None else None
         self.frames.append((run, tag, failure, rows_changed, result, time.monotonic()))
-
-    def frames_timer(self) -> None:
-        self.frames_due = None
-        self.write_frames()
 
     def write_frames(self) -> None:
         frames, self.frames = self.frames, []
