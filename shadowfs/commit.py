@@ -856,7 +856,9 @@ def _conflicts(
         ):
             if known is None or known.get(c.path) != (st.st_dev, st.st_ino, st.st_ctime_ns):
                 if e.oid is None:
-                    bad.append(c.path)  # a file entry without content: a damaged base, never held
+                    # No decoded tree holds such an entry (decoding gives every file its oid);
+                    # one built by hand may: content not known is never taken as held.
+                    bad.append(c.path)
                 else:
                     reads.append((c.path, e, e.oid))
             # else: the very file the caller hashed into the base, unwritten since
