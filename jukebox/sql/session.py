@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from jukebox.errors import JukeboxError
@@ -200,6 +201,36 @@ class SqlSession:
         finally:
             self.give_back(me)
 
+    async def _turn(
+        self, me: object, timeout: float, waiter: str,
+        first: Callable[[], None] | None = None, instead: Callable[[], bool] | None = None,
+    ) -> bool:  # fmt: skip
+        """The wire for a checkpoint or a rollback (`waiter`), once no unit runs on it: True
+        when taken. At each look `first` runs, and `instead`, when the wire is not free, may
+        answer the caller another way (False: the wire is not taken). A unit running now is
+        waited for up to `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if first is not None:
+                first()
+            if not self.wire.locked() and not self._waiting and not self.blocked_by(me):
+                await self.wire.acquire()  # free, nobody waiting: taken without yielding
+                self.holder = me
+                return True
+            if instead is not None and instead():
+                return False
+            left = deadline - loop.time()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                raise TurnTimeout(
+                    f"jukebox: a statement of the agent on the booth's database {self.name!r} "
+                    f"ran for over {timeout:g}s; the {waiter} waits for it to end"
+                ) from None
+
     async def checkpoint(self, n: int, timeout: float) -> None:
         """SAVEPOINT jukebox_cp_N, or, while a block of the agent that wrote (or failed) is
         open, a checkpoint at the state before that block, answered at once (see `pending`):
@@ -209,28 +240,17 @@ class SqlSession:
         if self.upstream is None:
             return
         me = object()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            if not self.wire.locked() and not self._waiting and not self.blocked_by(me):
-                await self.wire.acquire()  # free, nobody waiting: taken without yielding
-                self.holder = me
-                break
+
+        def parked() -> bool:
             block = self._open_block()
-            if block is not None:
-                self.pending.append(n)
-                self.pending_on = block
-                return
-            left = deadline - loop.time()
-            try:
-                if left <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
-                raise TurnTimeout(
-                    f"jukebox: a statement of the agent on the booth's database {self.name!r} "
-                    f"ran for over {timeout:g}s; the checkpoint waits for it to end"
-                ) from None
+            if block is None:
+                return False
+            self.pending.append(n)
+            self.pending_on = block
+            return True
+
+        if not await self._turn(me, timeout, "checkpoint", instead=parked):
+            return
         try:
             if self.upstream is None:
                 raise UpstreamError("the booth's database session has ended")
@@ -297,25 +317,13 @@ class SqlSession:
         if self.upstream is None:  # nothing ran yet: nothing to undo
             return
         me = object()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         pops = 0  # units parked on a block checkpoints wait for, whose savepoints go first
-        while True:
+
+        def undo_blocks() -> None:
+            nonlocal pops
             pops += self._undo_blocks(n)
-            if not self.wire.locked() and not self._waiting and not self.blocked_by(me):
-                await self.wire.acquire()  # free, nobody waiting: taken without yielding
-                self.holder = me
-                break
-            left = deadline - loop.time()
-            try:
-                if left <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
-                raise TurnTimeout(
-                    f"jukebox: a statement of the agent on the booth's database {self.name!r} "
-                    f"ran for over {timeout:g}s; the rollback waits for it to end"
-                ) from None
+
+        await self._turn(me, timeout, "rollback", first=undo_blocks)
         try:
             if self.upstream is None:
                 raise UpstreamError("the booth's database session has ended")
