@@ -12,10 +12,10 @@ each way:
     anything else                                        -> {"ok": false, "error": "..."}
 
 The agent is not trusted: every request is validated, a bad one gets an error response on its
-own connection and nothing else happens. One server thread serves every connection through a
-selector, which also serialises the handlers (two checkpoints never race inside the layer), and
-keeps a flood of connections from becoming a flood of threads. Each request carries the peer's
-credentials (SO_PEERCRED) to the handler so the tape can say who asked.
+own connection and nothing else happens. Each connection is read by a thread of its own (at
+most MAX_CONNECTIONS of them), and the handlers take turns under one lock (two checkpoints never
+race inside the layer). Each request carries the peer's credentials (SO_PEERCRED) to the handler
+so the tape can say who asked.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
-import selectors
 import socket
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
+from typing import Any
 
 from jukebox.errors import JukeboxError
 from shadowfs import sched, wakeups
@@ -100,7 +99,7 @@ Handler = Callable[[dict[str, Any], Peer], dict[str, Any]]
 def validate(raw: bytes) -> dict[str, Any]:
     """The request as a dict with exactly the keys its op allows, or RequestError."""
     try:
-        request = json.loads(raw)
+        request = _loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise RequestError(f"request is not JSON: {error}") from None
     except RecursionError:
@@ -154,18 +153,15 @@ def peer_of(sock: socket.socket) -> Peer:
     return Peer(pid, uid, gid)
 
 
-class _Conn:
-    __slots__ = ("buf", "out", "peer", "sock")
-
-    def __init__(self, sock: socket.socket, peer: Peer) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.buf = b""
-        self.out = b""
-
-
 class ControlServer:
-    """Serves the control socket at `path` from one background thread until close()."""
+    """Serves the control socket at `path` until close(): one thread accepts, and each
+    connection has a thread of its own, blocked in `recv` on it until the agent asks.
+
+    The agent keeps one connection (`request`) and, between its requests, waits for its model:
+    its request then wakes exactly the thread that reads it, which answers from the same stack
+    frame, with no event loop's dispatch in between (after a pause that code runs cold, and
+    every frame on the path costs). Handlers take turns under one lock, so two checkpoints never
+    race inside the layer; at most MAX_CONNECTIONS connections (and threads) are served."""
 
     def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
         missing = set(CORE_OPS) - set(handlers)
@@ -174,18 +170,15 @@ class ControlServer:
         self.path = path
         self.handlers = handlers
         self.requests = 0
-        self._sel = selectors.DefaultSelector()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._listener.bind(path)
         os.chmod(path, 0o600)
         self._listener.listen(MAX_CONNECTIONS)
-        self._listener.setblocking(False)
-        self._wake_r, self._wake_w = os.pipe()
-        self._sel.register(self._listener, selectors.EVENT_READ, None)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._conns: dict[int, _Conn] = {}
+        self._turn = threading.Lock()  # one handler at a time
+        self._conns_lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name="jukebox-control", daemon=True)
 
@@ -203,91 +196,82 @@ class ControlServer:
         if self._stop:
             return
         self._stop = True
-        os.write(self._wake_w, b"x")
+        # shutdown wakes a thread blocked in accept (EINVAL) or recv (end of stream).
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        for conn in list(self._conns.values()):
-            conn.sock.close()
+        with self._conns_lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for _, thread in conns:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         self._listener.close()
-        self._sel.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     def _serve(self) -> None:
+        while not self._stop:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._stop:
+                    return
+                continue  # a connection reset before it was accepted, or no fd left: go on
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Serve an accepted connection on a thread of its own, unless too many are open."""
+        with self._conns_lock:
+            if self._stop or len(self._conns) >= MAX_CONNECTIONS:
+                sock.close()
+                return
+            thread = threading.Thread(
+                target=self._serve_conn, args=(sock,), name="jukebox-control-conn", daemon=True
+            )
+            self._conns[sock] = thread
+        thread.start()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
         # This thread sleeps until the agent asks, and the agent waits for its answer: a short
         # slice lets it run at once when woken on a busy machine (shadowfs.sched).
         sched.short_slice(CONTROL_SLICE)
-        while not self._stop:
-            for key, events in self._sel.select():
-                if key.data == "wake":
+        try:
+            peer = peer_of(sock)
+            buf = b""
+            while not self._stop:
+                data = sock.recv(65536)
+                if not data:
                     return
-                if key.data is None:
-                    self._accept()
-                else:
-                    conn: _Conn = key.data
-                    try:
-                        if events & selectors.EVENT_READ:
-                            # Flushes a request scheduled are woken once it is answered.
-                            with wakeups.deferred():
-                                self._read(conn)
-                        if events & selectors.EVENT_WRITE and conn.out:
-                            self._flush(conn)
-                    except OSError:
-                        self._drop(conn)
-
-    def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        if len(self._conns) >= MAX_CONNECTIONS:
+                buf += data
+                if b"\n" in buf:
+                    *lines, buf = buf.split(b"\n")
+                    self._answer(sock, lines, peer)
+                if len(buf) > MAX_LINE:
+                    error = {"ok": False, "error": f"request longer than {MAX_LINE} bytes"}
+                    sock.sendall(_encode(error))
+                    return
+        except OSError:
+            return  # the agent went away mid-answer, or close() shut the connection
+        finally:
+            with self._conns_lock:
+                self._conns.pop(sock, None)
             sock.close()
-            return
-        sock.setblocking(False)
-        conn = _Conn(sock, peer_of(sock))
-        self._conns[sock.fileno()] = conn
-        self._sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _drop(self, conn: _Conn) -> None:
-        self._conns.pop(conn.sock.fileno(), None)
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(conn.sock)
-        conn.sock.close()
-
-    def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(65536)
-        except BlockingIOError:
-            return
-        if not data:
-            self._drop(conn)
-            return
-        conn.buf += data
-        while b"\n" in conn.buf:
-            line, conn.buf = conn.buf.split(b"\n", 1)
-            if line.strip():
-                conn.out += self.dispatch(line, conn.peer)
-        if len(conn.buf) > MAX_LINE:
-            conn.out += _encode({"ok": False, "error": f"request longer than {MAX_LINE} bytes"})
-            conn.buf = b""
-            self._flush(conn)
-            self._drop(conn)
-            return
-        if conn.out:
-            self._flush(conn)
-
-    def _flush(self, conn: _Conn) -> None:
-        try:
-            sent = conn.sock.send(conn.out)
-        except BlockingIOError:
-            sent = 0
-        conn.out = conn.out[sent:]
-        # A client that does not read its answers is only watched for writability while it owes.
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.modify(conn.sock, want, conn)
+    def _answer(self, sock: socket.socket, lines: list[bytes], peer: Peer) -> None:
+        """Handle complete request lines and send their answers, in order."""
+        # Flushes a request scheduled are woken once it is answered (shadowfs.wakeups).
+        with wakeups.deferred():
+            with self._turn:
+                out = b"".join([self.dispatch(line, peer) for line in lines if line.strip()])
+            # An answer fits the socket's buffer unless the agent stopped reading: then the
+            # flushes are woken before this thread waits for it (below).
+            sent = sock.send(out, socket.MSG_DONTWAIT) if out else 0
+        if sent < len(out):
+            sock.sendall(out[sent:])
 
     def dispatch(self, line: bytes, peer: Peer) -> bytes:
         """One request line to one response line; never raises."""
@@ -305,16 +289,47 @@ class ControlServer:
         return _encode({"ok": True, **result})
 
 
-# One encoder for every line: `json.dumps` with options builds a JSONEncoder per call.
+# One encoder for every line, called directly: `json.dumps` builds a JSONEncoder per call, and
+# `JSONEncoder.encode` builds its C encoder per call too, through two Python frames; after the
+# agent's pause each frame and each first use of the `re` engine runs from cold caches. The
+# direct encoder skips the check for circular structures, which no request or answer has.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+try:
+    _C_ENCODE = c_make_encoder(
+        None, str, encode_basestring_ascii, None, ":", ",", False, False, True
+    )
+except TypeError:  # another interpreter's private signature, or no C accelerator
+    _C_ENCODE = None
 
 
 def _encode(response: dict[str, Any]) -> bytes:
-    return _ENCODER.encode(response).encode() + b"\n"
+    if _C_ENCODE is None:
+        return _ENCODER.encode(response).encode() + b"\n"
+    return "".join(_C_ENCODE(response, 0)).encode() + b"\n"
+
+
+# The C scanner behind `json.loads`, without its Python frames, encoding detection and the
+# regular expressions it strips whitespace with. A line it cannot take whole (whitespace around
+# the value, another encoding, bad JSON) goes through `json.loads`, which names the problem.
+_SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        text = raw.decode()
+        value, end = _SCAN(text, 0)
+        if end == len(text):
+            return value
+    except (StopIteration, ValueError):  # UnicodeDecodeError and JSONDecodeError among them
+        pass
+    return json.loads(raw)
 
 
 class ControlClient:
-    """A connection to a booth's control socket; reusable for several requests."""
+    """A connection to a booth's control socket; reusable for several requests.
+
+    A blocking socket whose waits the kernel bounds (SO_SNDTIMEO, SO_RCVTIMEO): a request is
+    one `send` and one `recv`, where a socket with a Python timeout polls before each."""
 
     def __init__(self, path: str | None = None, timeout: float = 30.0) -> None:
         path = path or os.environ.get(SOCKET_ENV)
@@ -324,8 +339,9 @@ class ControlClient:
             )
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
+        self.timeout = -1.0
         try:
+            self.set_timeout(timeout)
             self.sock.connect(path)
         except OSError as error:
             self.sock.close()
@@ -334,6 +350,15 @@ class ControlClient:
                 "is the booth still running?"
             ) from None
         self._buf = b""
+
+    def set_timeout(self, timeout: float) -> None:
+        """The longest a request may wait for the socket (each send and each recv)."""
+        if timeout != self.timeout:
+            whole = int(timeout)
+            tv = struct.pack("ll", whole, int((timeout - whole) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.timeout = timeout
 
     def close(self) -> None:
         self.sock.close()
@@ -344,23 +369,37 @@ class ControlClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def send(self, request: dict[str, Any]) -> None:
+        """Sends one request (`call` sends and reads its answer)."""
+        try:
+            self.sock.sendall(_encode(request))
+        except BlockingIOError:  # SO_SNDTIMEO ran out
+            raise ControlError(f"the booth did not take a request on {self.path} in time") from None
+
     def call(self, request: dict[str, Any]) -> dict[str, Any]:
         """Sends one request and returns the raw response (ok true or false)."""
         try:
-            self.sock.sendall(_encode(request))
-            while b"\n" not in self._buf:
+            self.send(request)
+            return self.answer()
+        except OSError as error:
+            raise ControlError(f"control socket {self.path} failed: {error.strerror}") from None
+
+    def answer(self) -> dict[str, Any]:
+        """Reads the answer to the request sent last."""
+        buf = self._buf
+        try:
+            while b"\n" not in buf:
                 chunk = self.sock.recv(65536)
                 if not chunk:
                     raise ControlError(
                         f"the booth closed the control socket {self.path} mid-request"
                     )
-                self._buf += chunk
-        except TimeoutError:
+                buf += chunk
+        except BlockingIOError:  # SO_RCVTIMEO ran out
             raise ControlError(f"the booth did not answer on {self.path} in time") from None
-        except OSError as error:
-            raise ControlError(f"control socket {self.path} failed: {error.strerror}") from None
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        line, self._buf = buf.split(b"\n", 1)
+        answer: dict[str, Any] = _loads(line)
+        return answer
 
 
 # This process's connections, by socket path. A fresh connection per request cost the booth an
@@ -383,22 +422,9 @@ def _forget_kept() -> None:
 
 os.register_at_fork(after_in_child=_forget_kept)
 
-
-def _usable(client: ControlClient | None) -> TypeGuard[ControlClient]:
-    """Whether a kept connection still serves: not closed by the booth meanwhile (a restarted
-    booth, a dropped connection), and holding no stray bytes."""
-    if client is None:
-        return False
-    try:
-        # A zero-timeout poll: recv on a socket with a timeout would wait for data first.
-        poller = select.poll()
-        poller.register(client.sock, select.POLLIN)
-        ready = poller.poll(0)
-    except (OSError, ValueError):
-        return False
-    # Idle, as it should be; anything to read is the end of the stream (the booth closed it)
-    # or bytes nobody asked for.
-    return not ready
+# What `send` on a kept connection raises when the booth had closed it (a restarted booth, a
+# dropped connection): the request never reached a booth, so it is sent again on a new one.
+_GONE = (BrokenPipeError, ConnectionResetError, ConnectionRefusedError)
 
 
 def request(
@@ -413,19 +439,27 @@ def request(
     key = path or ""
     with _kept_lock:
         client = _kept.get(key)
-        if not _usable(client):
+        try:
+            if client is not None:
+                try:
+                    client.set_timeout(timeout)
+                    client.send(request)
+                except _GONE:
+                    client.close()
+                    client = None
+            if client is None:
+                client = _kept[key] = ControlClient(path, timeout)
+                client.send(request)
+            response = client.answer()
+        except BaseException as failure:
+            # A failure, a garbled answer or an interrupt mid-request: whatever the booth made
+            # of it, this connection is out of step now.
             if client is not None:
                 client.close()
             _kept.pop(key, None)
-            client = _kept[key] = ControlClient(path, timeout)
-        client.sock.settimeout(timeout)
-        try:
-            response = client.call(request)
-        except BaseException:
-            # A failure, a garbled answer or an interrupt mid-request: whatever the booth made
-            # of it, this connection is out of step now.
-            client.close()
-            _kept.pop(key, None)
+            if isinstance(failure, OSError):
+                where = client.path if client is not None else path
+                raise ControlError(f"control socket {where} failed: {failure.strerror}") from None
             raise
     if not response.get("ok"):
         error = ControlRefused if response.get("refused") else ControlError

@@ -93,7 +93,8 @@ def test_the_control_thread_asks_for_a_short_slice_and_keeps_its_nice_value(serv
     # a slice to end (shadowfs.sched); its share of the CPU (nice) stays what the user chose.
     _, path, server = served
     control.request({"op": "status"}, path)  # the thread is serving, past its set-up
-    tid = server._thread.native_id
+    (thread,) = server._conns.values()  # the thread that reads this process's connection
+    tid = thread.native_id
     assert tid is not None
     major, minor = (int(part) for part in os.uname().release.split(".")[:2])
     if _sched_field(tid, "se.slice") is None or (major, minor) < (6, 12):
@@ -197,13 +198,13 @@ def test_requests_from_one_process_share_a_connection_and_reopen_it_when_the_boo
     path = str(tmp_path / "kept.sock")
     accepted: list[int] = []
     with ControlServer(path, booth.handlers()) as server:
-        accept = server._accept
+        admit = server._admit
 
-        def counting_accept() -> None:
+        def counting_admit(sock: socket.socket) -> None:
             accepted.append(1)
-            accept()
+            admit(sock)
 
-        server._accept = counting_accept  # type: ignore[method-assign]
+        server._admit = counting_admit  # type: ignore[method-assign]
         for _ in range(3):
             assert control.request({"op": "status"}, path)["ok"]
         assert len(accepted) == 1
