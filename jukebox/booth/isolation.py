@@ -250,6 +250,12 @@ def thread_count() -> int:
 # --------------------------------------------------------------------------- the supervisor side
 
 
+def makes_user_namespace() -> bool:
+    """Whether `enter_private_namespace` makes a user namespace too: only when not root. A
+    shim forked before it (PreforkedShim, join_later) joins one by the same rule."""
+    return os.geteuid() != 0
+
+
 def enter_private_namespace() -> bool:
     """Moves this process into a private mount namespace; returns True if a user namespace was made.
 
@@ -262,7 +268,7 @@ def enter_private_namespace() -> bool:
             "start the booth from a fresh process (the `jukebox booth run` command does)"
         )
     uid, gid = os.geteuid(), os.getegid()
-    userns = uid != 0
+    userns = makes_user_namespace()
     try:
         unshare(CLONE_NEWNS | (CLONE_NEWUSER if userns else 0))
     except OSError as error:
@@ -690,20 +696,20 @@ def _receive(sock: socket.socket) -> tuple[bytes, bytes, list[int]] | None:
     return kind, b"".join(chunks), fds
 
 
-def _join_namespaces_of(pid: int) -> None:
-    """Enters `pid`'s user namespace (when it is not this process's) and mount namespace:
-    where a shim forked by it after it entered them would be."""
-    for name, flag in (("user", CLONE_NEWUSER), ("mnt", CLONE_NEWNS)):
-        path = f"/proc/{pid}/ns/{name}"
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if os.getppid() != pid:  # the pid is no longer our supervisor's
-                raise OSError(errno.ESRCH, "the supervisor is gone")
-            theirs, mine = os.fstat(fd), os.stat(f"/proc/self/ns/{name}")
-            if (theirs.st_dev, theirs.st_ino) != (mine.st_dev, mine.st_ino):
-                _check(_libc.setns(fd, flag), f"setns {path}")
-        finally:
-            os.close(fd)
+def _join_namespaces_of(supervisor: int | OSError | None) -> None:
+    """Enters the user namespace the supervisor made (when it made one) and its mount
+    namespace, through `supervisor`, a pidfd of it: where a shim forked by it after it
+    entered them would be. Never through /proc/PID: where /proc is not of this PID namespace
+    (`nsenter --pid`, `unshare --pid` without --mount-proc) the number names another process
+    there, whose namespaces a shim would join (tests/booth/test_shim_attacks.py); a pidfd
+    names its process for good, and setns through it fails once that process is gone."""
+    if not isinstance(supervisor, int):
+        raise supervisor or OSError(errno.EBADF, "no pidfd of the supervisor")
+    flags = CLONE_NEWNS | (CLONE_NEWUSER if makes_user_namespace() else 0)
+    try:
+        _check(_libc.setns(supervisor, flags), "setns into the supervisor's namespaces")
+    finally:
+        os.close(supervisor)  # the init forked next keeps no handle on the supervisor
 
 
 def _preforked_main(
@@ -715,12 +721,23 @@ def _preforked_main(
 
     gc.disable()
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    supervisor: int | OSError | None = None
+    if join_later:
+        try:
+            supervisor = os.pidfd_open(parent)
+        except OSError as error:  # reported as the join's failure when the spec comes
+            supervisor = error
     if os.getppid() != parent:
-        return  # the supervisor died before pdeathsig was armed
+        # The supervisor died before pdeathsig was armed; checked after pidfd_open, so the
+        # pidfd is of the supervisor, not of a process that took its number since.
+        return
     with contextlib.suppress(Exception):
         set_thread_name(RELAY_TITLE)  # what `booth stop` looks for
         set_title(RELAY_TITLE)
-    keep = sorted({0, 1, 2, sock.fileno(), status_fd})
+    kept = {0, 1, 2, sock.fileno(), status_fd}
+    if isinstance(supervisor, int):
+        kept.add(supervisor)
+    keep = sorted(kept)
     for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
         os.closerange(low + 1, high)
     joined = _join_cgroups(cgroup_procs)
@@ -749,7 +766,7 @@ def _preforked_main(
         return
     if join_later:
         try:
-            _join_namespaces_of(parent)
+            _join_namespaces_of(supervisor)
         except OSError as error:
             _setup_failed(status_fd, "joining the supervisor's namespaces", error)
     for target, fd in enumerate(fds):
