@@ -40,9 +40,9 @@ torture: setup
 
 # The kernel-dependent tests (vm/subset.txt) in a virtme-ng VM per Debian kernel: bookworm, trixie
 # and sid by default, or KERNEL=bookworm (a suite or a vmlinuz path). Not part of `make test`.
-# QEMU runs at nice 19; see docs/vm-tests.md for times and for adding a kernel.
+# QEMU runs at nice 19; see docs/vm-tests.md for times and for adding a kernel. The runner
+# installs virtme-ng into .vm-cache/vng itself, under the lock a run holds on the cache.
 VM_APT_PACKAGES := qemu-system-x86 qemu-utils kmod busybox-static e2fsprogs file util-linux
-VM_CACHE := .vm-cache
 KERNEL ?=
 # Side by side with 45 min of tests each: the whole subset ran in 42 min this way on 2 cores under
 # emulation, but with QEMU at nice 0, not 19 (docs/vm-tests.md, "Budget"); in turn it would take
@@ -51,8 +51,6 @@ VM_ARGS ?= --parallel --budget 2700  # see `.venv/bin/python -m vm --help`
 
 vm-test: setup
 	@$(MAKE) --no-print-directory system-packages APT_PACKAGES="$(VM_APT_PACKAGES)"
-	@test -x $(VM_CACHE)/vng/bin/vng || { $(PYTHON) -m venv $(VM_CACHE)/vng && \
-	  $(VM_CACHE)/vng/bin/pip install -q 'virtme-ng>=1.42,<2'; }
 	nice -n 19 $(PY) -m vm $(VM_ARGS) $(KERNEL)
 
 lint: setup

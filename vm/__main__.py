@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         _fail("no .venv in the checkout: run `make setup` first")
     CACHE.mkdir(exist_ok=True)
     try:
+        boot.install_vng(CACHE, _log)  # under the lock, as everything else in the cache
+    except boot.VngError as exc:
+        _fail(str(exc))
+    try:
         chosen = kernels.resolve(CACHE, names, _log)
     except kernels.KernelError as exc:
         _fail(str(exc))

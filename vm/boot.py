@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,31 @@ PROBE_SECONDS = 120
 
 def nice() -> list[str]:
     return ["nice", "-n", os.environ.get("JUKEBOX_VM_NICE", "19")]
+
+
+VNG_REQUIREMENT = "virtme-ng>=1.42,<2"
+
+
+class VngError(Exception):
+    """virtme-ng could not be installed; the message says which step failed and how."""
+
+
+def install_vng(cache: Path, log=print) -> None:
+    """virtme-ng from PyPI into CACHE/vng, a venv of its own, unless it is there. The caller
+    holds the run's lock (vm.__main__.hold_lock): two runs installing at once would build one
+    venv over the other, and one of them would boot with a half-installed vng."""
+    venv = cache / "vng"
+    if os.access(venv / "bin" / "vng", os.X_OK):
+        return
+    log(f"vm: installing {VNG_REQUIREMENT} into {venv}")
+    # --clear: what an interrupted install left is rebuilt, not trusted.
+    for cmd in ([sys.executable, "-m", "venv", "--clear", str(venv)],
+                [str(venv / "bin" / "pip"), "install", "-q", VNG_REQUIREMENT]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+            raise VngError(f"installing virtme-ng: `{shlex.join(cmd)}` failed"
+                           + (f": {tail[0]}" if tail else ""))
 
 
 def vng(cache: Path) -> str:

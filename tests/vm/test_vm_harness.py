@@ -6,6 +6,7 @@ Booting VMs is not part of `make test`; these check the parts that run on the ho
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -151,3 +152,45 @@ def test_a_second_run_is_refused_while_one_holds_the_lock(tmp_path: Path) -> Non
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
     assert taken.returncode == 0, taken.stderr
+
+
+def test_virtme_ng_is_installed_under_the_runs_lock(tmp_path: Path) -> None:
+    """`make vm-test` leaves the install to the runner, which makes .vm-cache/vng only while it
+    holds the cache's lock: two runs started at once cannot build one venv over the other."""
+    recipe = re.search(r"^vm-test:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M)
+    assert recipe is not None
+    assert "pip" not in recipe.group(1) and "venv" not in recipe.group(1), recipe.group(1)
+    shutil.copytree(REPO / "vm", tmp_path / "vm", ignore=shutil.ignore_patterns("__pycache__"))
+    # What the runner checks for before it installs: the tools and a .venv (only looked at).
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("qemu-system-x86_64", "qemu-img", "mkfs.ext4", "dpkg-deb", "apt-get", "depmod",
+                 "busybox"):
+        (tools / tool).write_text("#!/bin/sh\nexit 0\n")
+        (tools / tool).chmod(0o755)
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").touch()
+    # A file where the venv goes: the install's first step fails on it at once, offline.
+    (tmp_path / ".vm-cache").mkdir()
+    (tmp_path / ".vm-cache" / "vng").write_text("in the way\n")
+    env = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}")
+
+    def run_vm() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "vm", "bookworm"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], cwd=tmp_path, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "held 0 \n"
+        refused = run_vm()
+        assert refused.returncode == 2 and "another run holds" in refused.stderr, refused.stderr
+        assert "virtme-ng" not in refused.stderr, refused.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    ran = run_vm()  # the lock is free: this run takes it, then installs
+    assert ran.returncode == 2, ran.stderr
+    assert "installing virtme-ng: `" in ran.stderr and "Not a directory" in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr
