@@ -30,7 +30,7 @@ from tests.conftest import slow
 pytestmark = pytest.mark.usefixtures("root_only")
 
 DRIVER = r"""
-import json, os, signal, sys, time
+import json, os, select, signal, sys, time
 from jukebox.booth import isolation as iso
 from jukebox.booth import private_dev, syscall_filter  # what the shim imports, read as root
 
@@ -112,7 +112,7 @@ def hostile(ready_w, hold_r, hold_w):
     os.read(hold_r, 1)
 
 
-def supervisor(report_w, go_r, out_w):
+def supervisor(report_w, go_r, out_w, script):
     # As `jukebox booth run`: the shim first, then the namespace and the layer over the tree.
     shim = iso.PreforkedShim.fork(join_later=True)
     iso.enter_private_namespace()
@@ -121,7 +121,7 @@ def supervisor(report_w, go_r, out_w):
     send(report_w, {"sup": os.getpid(), "shim": shim.pid})
     if os.read(go_r, 1) != b"g":
         return
-    spec = iso.ChildSpec(argv=["sh", "-c", SCRIPT, "cmd", TREE], cwd="/", env=ENV,
+    spec = iso.ChildSpec(argv=["sh", "-c", script, "cmd", TREE], cwd="/", env=ENV,
                          keep=[TREE], hide=[])
     child = shim.spawn(spec, stdout=out_w, stderr=out_w)
     send(report_w, {"sent": True})
@@ -133,11 +133,11 @@ def supervisor(report_w, go_r, out_w):
 
 class Run:
     # One supervisor, its pipes, and what its CMD wrote.
-    def __init__(self):
+    def __init__(self, script=SCRIPT):
         self.rep_r, rep_w = os.pipe()
         go_r, self.go_w = os.pipe()
         self.out_r, out_w = os.pipe()
-        self.pid = fork(supervisor, rep_w, go_r, out_w)
+        self.pid = fork(supervisor, rep_w, go_r, out_w, script)
         for fd in (rep_w, go_r, out_w):
             os.close(fd)
         self.reports = os.fdopen(self.rep_r)
@@ -193,6 +193,33 @@ def killed_after_spec():
     run.go()
     run.kill()
     return {"shim_status": run.reap_shim(), "out": drain(run.out_r)}
+
+
+def killed_after_join():
+    # The supervisor dies once CMD runs, in the namespaces the shim joined (a user namespace
+    # too, when not root: were pdeathsig lost on the way, the agent would outlive its booth).
+    run = Run("echo RAN; exec sleep 600")
+    run.go()
+    started = os.read(run.out_r, 64).decode()
+    run.kill()
+    # Bounded waits, so that a failing run reports rather than hangs; not measures of time.
+    deadline = time.monotonic() + cfg["bound"]
+    status = None
+    while status is None and time.monotonic() < deadline:
+        done, raw = os.waitpid(run.shim, os.WNOHANG)
+        status = raw if done else time.sleep(0.01)
+    if status is None:  # the relay outlived its supervisor: end it, its init follows
+        os.kill(run.shim, signal.SIGKILL)
+        os.waitpid(run.shim, 0)
+    # EOF once nobody holds CMD's stdout: CMD and all it started are gone.
+    gone, _, _ = select.select([run.out_r], [], [], max(deadline - time.monotonic(), 1))
+    ended = bool(gone) and os.read(run.out_r, 64) == b""
+    while True:  # the init, reparented here when the relay died
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    return {"started": started, "shim_status": status, "cmd_ended": ended}
 
 
 def pid_reused(result_w):
@@ -303,7 +330,8 @@ print(json.dumps(tried))
 """
 
 SCENARIOS = [
-    "control", "other_user", "killed_waiting", "killed_after_spec", "pid_reused", "foreign_proc"
+    "control", "other_user", "killed_waiting", "killed_after_spec", "killed_after_join",
+    "pid_reused", "foreign_proc",
 ]
 OTHER_UID = 65533  # the other user when the booth's is nobody
 
@@ -315,7 +343,8 @@ def _as(user: int | None, cmd: list[str]) -> list[str]:
 
 
 def _drive(tree: Path, python: str, user: int | None) -> dict:
-    cmd = _as(user, [python, "-c", DRIVER, json.dumps({"tree": str(tree), "scenarios": SCENARIOS})])
+    config = {"tree": str(tree), "scenarios": SCENARIOS, "bound": slow(20)}
+    cmd = _as(user, [python, "-c", DRIVER, json.dumps(config)])
     # This checkout's code, wherever the venv's editable install points.
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -330,7 +359,7 @@ def _drive(tree: Path, python: str, user: int | None) -> dict:
         hostile = subprocess.run(_as(other, [system, "-c", HOSTILE, shim]), capture_output=True,
                                  text=True, cwd="/", timeout=slow(30))
         assert hostile.returncode == 0, hostile.stderr
-        out, err = proc.communicate("go\n", timeout=slow(60))
+        out, err = proc.communicate("go\n", timeout=slow(90))
     finally:
         proc.kill()
     assert proc.returncode == 0, err
@@ -397,6 +426,17 @@ def test_a_supervisor_killed_once_the_spec_is_sent_leaves_nothing_running(
     """The shim held stopped between its spec and its join, the one moment a reparented shim
     could join the wrong namespaces."""
     _never_ran(driven["killed_after_spec"])
+
+
+def test_a_supervisor_killed_once_cmd_runs_takes_cmd_with_it(driven: dict) -> None:
+    """After the join (into a user namespace too, as nobody), the relay still dies with the
+    supervisor, and with it the init and CMD: the agent never outlives its booth."""
+    joined = driven["killed_after_join"]
+    assert joined["started"].startswith("RAN"), joined
+    status = joined["shim_status"]
+    assert status is not None, joined  # the relay did not outlive the supervisor
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, joined
+    assert joined["cmd_ended"], joined
 
 
 def test_the_dead_supervisors_number_taken_by_a_hostile_process_is_never_joined(
