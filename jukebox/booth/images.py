@@ -28,7 +28,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,11 @@ from shadowfs.values import Value, setfield
 
 # Package data, so that a wheel install has them too.
 IMAGES_DIR = Path(__file__).resolve().parent / "sandbox_images"
+# The built-in images parsed, each beside the exact text it was parsed from (`write_parsed`):
+# package data too, as trusted as the TOML files and this code. tomllib costs a booth's start
+# about 3.4 ms to import, and the image is read at every start; a copy is used only for a file
+# whose text is, character for character, the text it holds, so an edited image is parsed.
+PARSED_NAME = "parsed.json"
 DEFAULT_IMAGE = "host"
 NET_MODES = ("host", "none")
 SECRET_PATTERNS = SECRET_ENV_PATTERNS
@@ -223,11 +227,55 @@ def available() -> list[str]:
 
 def load_image(name_or_path: str | None = None) -> Image:
     path = image_path(name_or_path or DEFAULT_IMAGE)
+    text = path.read_text()
+    data = parsed_copy(IMAGES_DIR / PARSED_NAME, path.name, text) if _built_in(path) else None
+    if data is None:
+        data = parse_toml(path, text)
+    return parse_image(data, path)
+
+
+def _built_in(path: Path) -> bool:
+    return path.parent == IMAGES_DIR and path.suffix == ".toml"
+
+
+def parse_toml(path: Path, text: str) -> dict[str, Any]:
+    import tomllib
+
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ImageError(f"sandbox image {path} is not valid TOML: {error}") from None
-    return parse_image(data, path)
+
+
+def parsed_copy(copies: Path, name: str, text: str) -> dict[str, Any] | None:
+    """The parsed image `name` from the file `copies`, when it was parsed from exactly `text`;
+    None when there is no copy of it, or one of other text (the image was edited since: it is
+    parsed again), or the file cannot be read as one."""
+    import json
+
+    try:
+        with open(copies, encoding="utf-8") as f:
+            entry = json.load(f).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(entry, dict) or entry.get("text") != text:
+        return None
+    data = entry.get("data")
+    return data if isinstance(data, dict) else None
+
+
+def write_parsed(images_dir: Path = IMAGES_DIR) -> str:
+    """The content of `PARSED_NAME` for the TOML images in `images_dir`: each image's text and
+    what tomllib makes of it. Its values are what TOML and JSON share (strings, integers,
+    booleans, lists and tables; an image holds nothing else), so they come back the same.
+    `python -m jukebox.booth.images` rewrites the shipped one; a test checks it is current."""
+    import json
+
+    copies = {}
+    for path in sorted(images_dir.glob("*.toml")):
+        text = path.read_text()
+        copies[path.name] = {"text": text, "data": parse_toml(path, text)}
+    return json.dumps(copies, indent=1, ensure_ascii=False) + "\n"
 
 
 class _Reader:
@@ -364,3 +412,7 @@ def parse_image(data: Mapping[str, Any], path: Path) -> Image:
         tmp_size=sizes.get("tmp"),
         shm_size=sizes.get("shm"),
     )
+
+
+if __name__ == "__main__":
+    (IMAGES_DIR / PARSED_NAME).write_text(write_parsed(), encoding="utf-8")

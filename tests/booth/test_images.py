@@ -6,7 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.booth.images import Image, ImageError, available, load_image, physical_memory
+from jukebox.booth.images import (
+    IMAGES_DIR,
+    PARSED_NAME,
+    Image,
+    ImageError,
+    available,
+    load_image,
+    parse_image,
+    parse_toml,
+    parsed_copy,
+    physical_memory,
+    write_parsed,
+)
 
 
 def test_shipped_images_load() -> None:
@@ -23,6 +35,37 @@ def test_shipped_images_load() -> None:
         "processes",
         "file_size_bytes",
     }
+
+
+def test_the_shipped_parsed_copy_is_current_and_loads_as_the_toml_does() -> None:
+    """`python -m jukebox.booth.images` after editing an image; a stale copy is never used
+    (below), but each start would pay for tomllib again."""
+    assert (IMAGES_DIR / PARSED_NAME).read_text(encoding="utf-8") == write_parsed()
+    for name in available():
+        path = IMAGES_DIR / f"{name}.toml"
+        parsed = parse_image(parse_toml(path, path.read_text()), path)
+        loaded = load_image(name)
+        assert loaded == parsed
+        # What a tape records of the image (recorded_image) is its source, in its order.
+        assert list(loaded.source.items()) == list(parsed.source.items())
+
+
+def test_a_parsed_copy_of_other_text_is_not_used(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    text = (IMAGES_DIR / "host.toml").read_text()
+    (images / "host.toml").write_text(text)
+    copies = tmp_path / PARSED_NAME
+    copies.write_text(write_parsed(images))
+    assert parsed_copy(copies, "host.toml", text) == parse_toml(images / "host.toml", text)
+    edited = text.replace('private_tmp = true', 'private_tmp = false')
+    assert edited != text
+    assert parsed_copy(copies, "host.toml", edited) is None  # parsed again, from the file
+    assert parsed_copy(copies, "other.toml", text) is None
+    assert parsed_copy(tmp_path / "missing.json", "host.toml", text) is None
+    for broken in ("{", "[]", '{"host.toml": 1}', '{"host.toml": {"text": "x"}}'):
+        copies.write_text(broken)
+        assert parsed_copy(copies, "host.toml", text) is None
 
 
 def test_env_filtering_and_secret_names() -> None:

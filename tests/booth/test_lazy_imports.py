@@ -52,6 +52,8 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     # this booth's commit: the journal's seal, the trash's freeing process.)
     assert "tempfile" not in modules
     assert "prctl" not in modules  # its calls go through libc (isolation.prctl)
+    # The built-in image comes from its parsed copy (jukebox.booth.images.PARSED_NAME).
+    assert "tomllib" not in modules
 
 
 def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
