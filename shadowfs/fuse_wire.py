@@ -21,7 +21,6 @@ import ctypes
 import errno
 import os
 import re
-import shutil
 import socket
 import struct
 from collections.abc import Iterable
@@ -367,6 +366,8 @@ _OCTAL = re.compile(rb"\\([0-7]{3})")
 
 def _fusermount(mountpoint: str, opts: Iterable[str]) -> int:
     """Mount through the setuid fusermount3 helper and receive the /dev/fuse fd from it."""
+    import shutil  # with bz2 and lzma: a mount as root (a booth's) never runs the helper
+
     tool = shutil.which("fusermount3")
     if tool is None:
         raise OSError(errno.EPERM, "mounting needs root or fusermount3 (apt-get install fuse3)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import platform
+import os
 from pathlib import Path
 
 from shadowfs.libc import check as _check
@@ -163,7 +163,7 @@ def join_fresh_session_keyring() -> None:
     KEYRING with no name): what the command plants in `@s` is freed when the booth ends, and
     the caller's session keyring is out of its reach. A kernel without keyrings has nothing to
     replace, and a host seccomp filter that refuses keyctl already keeps the command out."""
-    number = SYS_KEYCTL.get(platform.machine())
+    number = SYS_KEYCTL.get(os.uname().machine)  # platform.machine(), without platform
     if number is None:
         return
     result = _libc.syscall(

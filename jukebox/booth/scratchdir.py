@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -74,4 +73,6 @@ def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.lstat(child).st_mode):  # not a symlink to a directory
                     os.chmod(child, 0o700)
+    import shutil  # with bz2 and lzma: not at every start of a booth, whose end may not need it
+
     shutil.rmtree(path, ignore_errors=True)

@@ -33,7 +33,6 @@ import json
 import os
 import pwd
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -358,6 +357,8 @@ def _retire(path: Path, tapes: TapeDir) -> None:
             make_private_dirs(away.parent)
             os.rename(trash, away)
             empty_later(away)
+    import shutil  # with bz2 and lzma: not at every start of a booth, whose end may not need it
+
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
