@@ -37,12 +37,12 @@ MAX_HINTS = 5
 # descriptor passed out of the booth) before it stops waiting (it keeps copying meanwhile).
 DRAIN_SECONDS = 1.0
 
-_ENOENT = re.compile(
+_ENOENT = (
     r"No such file or directory|Directory nonexistent|\bnot found\b|[Cc]an't open|"
     r"cannot open|\[Errno 2\]"
 )
-_EROFS = re.compile(r"Read-only file system|\[Errno 30\]")
-_PATH = re.compile(r"(?<![\w.~-])(/[^\s'\"`:,;()<>\[\]{}]+)")
+_EROFS = r"Read-only file system|\[Errno 30\]"
+_PATH = r"(?<![\w.~-])(/[^\s'\"`:,;()<>\[\]{}]+)"
 
 
 class OutputTail:
@@ -182,14 +182,18 @@ def _writable_suggestion(path: str, under: str) -> str:
 def view_denials(text: str, spec: ChildSpec, never: tuple[str, ...] = ()) -> list[Denial]:
     """The paths in the agent's output (`text`) whose error the booth's view explains; never
     one under `never` (the tape dir, the commit key's dir: no flag opens those)."""
+    if "/" not in text:  # no path to name (most runs: the agent said nothing of the kind)
+        return []
+    # Compiled here, not at import: a booth's start, where the module is imported, need not.
+    enoent, erofs, paths = re.compile(_ENOENT), re.compile(_EROFS), re.compile(_PATH)
     layout = _layout(spec)
     never = (*never, *NOT_HOST)  # no flag keeps those either
     found: dict[str, Denial] = {}
     for line in text.splitlines():
-        error = "EROFS" if _EROFS.search(line) else "ENOENT" if _ENOENT.search(line) else None
+        error = "EROFS" if erofs.search(line) else "ENOENT" if enoent.search(line) else None
         if error is None:
             continue
-        for match in _PATH.finditer(line):
+        for match in paths.finditer(line):
             path = os.path.normpath(match.group(1).rstrip("."))
             if any(_is_under(path, n) for n in never):
                 continue
