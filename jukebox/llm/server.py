@@ -1,8 +1,8 @@
 """The recording proxy: an HTTP/1.1 server on 127.0.0.1 between the agent and its model APIs.
 
-It runs its own trio loop in a background thread (h11 on both sides: the agent's here, the
-upstream's in jukebox.llm.upstream_client), so a booth or a test just starts it and points the
-SDKs at `base_urls()`.
+It runs its own trio loop in a background thread (HTTP/1.1 of its own on both sides: the
+agent's in jukebox.llm.http1_agent, the upstream's in jukebox.llm.upstream_client), so a booth
+or a test just starts it and points the SDKs at `base_urls()`.
 
 Anyone on the host can connect to 127.0.0.1, so each proxy has a secret, the first segment of
 every path it serves (`base_urls()` carry it: `http://127.0.0.1:P/<secret>/openai/v1`, a base
@@ -45,7 +45,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from secrets import token_urlsafe
 from typing import Any
 
-import h11
 import trio
 
 from jukebox.display import progress
@@ -55,6 +54,7 @@ from jukebox.errors import JukeboxError
 from jukebox.guard.breaker import Trip
 from jukebox.llm.budget import worst_case
 from jukebox.llm.fastio import fileno, read_some, write_all
+from jukebox.llm.http1_agent import AgentConnection, BadRequest, Request
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
 from jukebox.llm.placeholder_keys import carries_placeholder
@@ -166,35 +166,6 @@ def _without_usage_chunk(events: list[SSEEvent], raw: bytes) -> bytes:
     if not hidden:
         return raw
     return b"".join(encode_event(event) for event in events if not event.hidden)
-
-
-def _framed(data: bytes) -> bytes:
-    """`data` as one chunk of a chunked body (RFC 9112 7.1), as h11 frames it."""
-    return b"%x\r\n%b\r\n" % (len(data), data)
-
-
-def _head(
-    conn: h11.Connection,
-    status: int,
-    framing: list[tuple[str, str]],
-    checked: list[tuple[str, str]],
-) -> bytes:
-    """A response's head: h11 frames it with `framing` (so its state knows how the body is
-    framed, and adds what it needs), and `checked`, an upstream's headers that the proxy's
-    client has parsed and validated (jukebox.llm.http1, or httpx's h11 behind an environment
-    proxy), go in as they came. h11 would check each of them three times more (the Response,
-    then twice adding its framing), which was most of the cost of relaying a head. Values go
-    out as the bytes they were read from (latin-1), where h11 would fail on a non-ASCII one."""
-    head = conn.send(h11.Response(status_code=status, headers=framing)) or b""
-    lines = []
-    for name, value in checked:
-        try:
-            raw = value.encode("latin-1")
-        except UnicodeEncodeError:  # httpx decoded it as UTF-8
-            raw = value.encode()
-        lines.append(b"%b: %b\r\n" % (name.encode("latin-1"), raw))
-    # h11 ends a head with an empty line: the headers go before it.
-    return head[:-2] + b"".join(lines) + b"\r\n"
 
 
 def _recorded_size(ex: Exchange) -> int:
@@ -427,14 +398,14 @@ class ProxyServer:
                 await stream.aclose()
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        conn = AgentConnection()
         moved = trio.Event()  # set once the agent's next request (or its close) arrives here
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, _ClientGone):
             async with stream:
                 while True:
                     try:
                         request, target, body = await self._read_request(conn, stream)
-                    except h11.RemoteProtocolError as error:
+                    except BadRequest as error:
                         await self._fail_protocol(conn, stream, error)
                         return
                     except _Stranger:
@@ -453,17 +424,14 @@ class ProxyServer:
                             self._in_flight -= 1
                     finally:
                         await self._stop_when_answered(moved)
-                    if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    if not conn.reusable:
                         if self.trip is not None:
                             # A client that closes after each response (`Connection: close`)
                             # has taken its answer once it closes its end.
                             await self._until_closed(stream)
                             moved.set()
                         return
-                    try:
-                        conn.start_next_cycle()
-                    except h11.LocalProtocolError:
-                        return
+                    conn.next_cycle()
 
     async def _until_closed(self, stream: trio.SocketStream) -> None:
         """Waits (at most TRIP_NOTICE_S) for the client to close its end, discarding data."""
@@ -472,63 +440,53 @@ class ProxyServer:
                 while await stream.receive_some(READ_SIZE):
                     pass
 
-    async def _next_event(self, conn: h11.Connection, stream: trio.SocketStream) -> Any:
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            conn.receive_data(await read_some(stream, fileno(stream), READ_SIZE))
-
     async def _read_request(
-        self, conn: h11.Connection, stream: trio.SocketStream
-    ) -> tuple[h11.Request | None, str, bytes]:
+        self, conn: AgentConnection, stream: trio.SocketStream
+    ) -> tuple[Request | None, str, bytes]:
         """The request, its target after the secret, and its body. Without the secret the body
         is never read: a stranger cannot make the proxy hold 64 MiB per connection."""
-        event = await self._next_event(conn, stream)
-        if not isinstance(event, h11.Request):
-            return None, "", b""
-        target = self._inside(event.target.decode("latin-1"))
+        fd = fileno(stream)
+        while (request := conn.request()) is None:
+            if conn.closed:
+                return None, "", b""
+            conn.feed(await read_some(stream, fd, READ_SIZE))
+        target = self._inside(request.target)
         if target is None:
             raise _Stranger()
-        parts = []
-        size = 0
-        while True:
-            part = await self._next_event(conn, stream)
-            if isinstance(part, h11.Data):
-                size += len(part.data)
-                if size > MAX_REQUEST_BYTES:
-                    raise h11.RemoteProtocolError("request body too large", 413)
-                parts.append(bytes(part.data))
-            elif isinstance(part, h11.EndOfMessage):
-                return event, target, b"".join(parts)
-            elif isinstance(part, h11.ConnectionClosed):
+        parts = conn.body()
+        size = sum(map(len, parts))
+        while not conn.body_done:
+            if conn.closed:
                 raise _ClientGone()
+            if size > MAX_REQUEST_BYTES:
+                break
+            conn.feed(await read_some(stream, fd, READ_SIZE))
+            for part in conn.body():
+                size += len(part)
+                parts.append(part)
+        if size > MAX_REQUEST_BYTES:
+            raise BadRequest("request body too large", 413)
+        return request, target, parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _fail_protocol(
-        self, conn: h11.Connection, stream: trio.SocketStream, error: h11.RemoteProtocolError
+        self, conn: AgentConnection, stream: trio.SocketStream, error: BadRequest
     ) -> None:
-        if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+        if not conn.started:
             body = json.dumps({"error": {"message": f"bad request: {error}"}}).encode()
-            await self._send_simple(conn, stream, error.error_status_hint, body)
+            await self._write(
+                stream, conn.head(error.status, [("content-type", "application/json")],
+                                  length=len(body), close=True) + body
+            )  # fmt: skip
 
-    async def _refuse_stranger(self, conn: h11.Connection, stream: trio.SocketStream) -> None:
+    async def _refuse_stranger(self, conn: AgentConnection, stream: trio.SocketStream) -> None:
         """403, then the connection is closed: its body, if any, is never read."""
         message = (
             "jukebox proxy: this proxy serves only the agent of its own booth; use the "
             "OPENAI_BASE_URL and ANTHROPIC_BASE_URL the booth set, which carry its secret"
         )
         body = error_body("openai", message, SECRET_CODE)
-        headers = [
-            ("content-type", "application/json"),
-            ("content-length", str(len(body))),
-            ("connection", "close"),
-        ]
-        response = h11.Response(status_code=403, headers=headers)
-        await self._send(conn, stream, response, h11.Data(data=body), h11.EndOfMessage())
-
-    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, *events: Any) -> None:
-        """`events` in one write: a response's parts sent together wake the agent once."""
-        await self._write(stream, b"".join(conn.send(event) or b"" for event in events))
+        head = conn.head(403, [("content-type", "application/json")], length=len(body), close=True)
+        await self._write(stream, head + body)
 
     async def _write(self, stream: trio.SocketStream, data: bytes) -> None:
         if data:
@@ -539,39 +497,36 @@ class ProxyServer:
 
     async def _send_simple(
         self,
-        conn: h11.Connection,
+        conn: AgentConnection,
         stream: trio.SocketStream,
         status: int,
         body: bytes,
         headers: list[tuple[str, str]] | None = None,
         checked: bool = False,
     ) -> None:
-        """`checked`: `headers` are an upstream's, parsed (and so validated) by the proxy's
-        client (`_head`)."""
+        """A whole response in one write (it wakes the agent once). `checked`: `headers` are
+        an upstream's, parsed (and so validated) by the proxy's client, and go out as read."""
         hdrs = [(k, v) for k, v in (headers or []) if k.lower() not in _HOP_RESPONSE]
-        framing = [("content-length", str(len(body)))]
         if not any(k.lower() == "content-type" for k, _ in hdrs):
-            framing.insert(0, ("content-type", "application/json"))
+            hdrs.insert(0, ("content-type", "application/json"))
         if checked:
-            head = _head(conn, status, framing, hdrs)
-            tail = (h11.Data(data=body), h11.EndOfMessage())
-            await self._write(stream, head + b"".join(conn.send(e) or b"" for e in tail))
-            return
-        response = h11.Response(status_code=status, headers=[*hdrs, *framing])
-        await self._send(conn, stream, response, h11.Data(data=body), h11.EndOfMessage())
+            head = conn.head(status, length=len(body), checked=hdrs)
+        else:
+            head = conn.head(status, hdrs, length=len(body))
+        await self._write(stream, head + conn.data(body) + conn.end())
 
     # ------------------------------------------------------------------ one request
 
     async def _handle(
         self,
-        conn: h11.Connection,
+        conn: AgentConnection,
         stream: trio.SocketStream,
-        request: h11.Request,
+        request: Request,
         target: str,
         body: bytes,
     ) -> None:
-        method = request.method.decode("ascii")
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers]
+        method = request.method
+        headers = request.headers
         try:
             where = route(method, target, self.protocols)
         except PathRefused as refused:
@@ -640,7 +595,7 @@ class ProxyServer:
 
     async def _serve_call(
         self,
-        conn: h11.Connection,
+        conn: AgentConnection,
         stream: trio.SocketStream,
         where: Route,
         ex: Exchange,
@@ -705,7 +660,7 @@ class ProxyServer:
         return self._client.request(ex.method, url, headers, body)
 
     async def _forward(
-        self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
+        self, conn: AgentConnection, stream: trio.SocketStream, where: Route, ex: Exchange
     ) -> None:
         started = time.perf_counter()
         ex.queued_ms = (started - ex.received) * 1000
@@ -744,7 +699,7 @@ class ProxyServer:
 
     async def _pipe_stream(
         self,
-        conn: h11.Connection,
+        conn: AgentConnection,
         stream: trio.SocketStream,
         upstream: UpstreamResponse,
         ex: Exchange,
@@ -754,14 +709,9 @@ class ProxyServer:
         parser = SSEParser()
         opened = time.perf_counter()
         ahead = self._record_inline(ex)
-        # The head is framed by h11 now (its state moves on to the body) and goes out at once,
-        # unless the upstream's first bytes came with it: then both go in one write, which
-        # wakes the agent once.
-        head = _head(conn, ex.status, [], headers)
-        # Body chunks are framed here, as h11 would (it announced `chunked` to an HTTP/1.1
-        # agent, and for an HTTP/1.0 one the body runs to the close): an h11 event per chunk
-        # cost more than the rest of relaying it.
-        chunked = b"\r\ntransfer-encoding: chunked\r\n" in head.lower()
+        # The head goes out at once, unless the upstream's first bytes came with it: then both
+        # go in one write, which wakes the agent once.
+        head = conn.head(ex.status, checked=headers)
         first = upstream.buffered()
         if not first:
             await self._write(stream, head)
@@ -782,7 +732,7 @@ class ProxyServer:
                     if hide_usage:
                         ready = _without_usage_chunk(events, ready)
                     if ready:
-                        framed = _framed(ready) if chunked else ready
+                        framed = conn.data(ready)
                         if held or any(is_final(event) for event in events):
                             held.append(framed)
                             continue
@@ -803,7 +753,7 @@ class ProxyServer:
         rest = parser.take_rest()
         rest = _without_usage_chunk(tail, rest) if ex.usage_asked_body is not None else rest
         if rest:
-            held.append(_framed(rest) if chunked else rest)
+            held.append(conn.data(rest))
         ex.events = parser.events
         ex.latency_ms = (time.perf_counter() - started) * 1000
         # Fewer writes than events: a write to an agent that left may still have succeeded.
@@ -816,11 +766,11 @@ class ProxyServer:
                 with contextlib.suppress(_ClientGone):
                     await self._write(stream, head)
             raise _ClientGone()
-        end = conn.send(h11.EndOfMessage()) or b""
+        end = conn.end()
         await self._write(stream, b"".join([head, *held, end]))
 
     async def _passthrough(
-        self, conn: h11.Connection, stream: trio.SocketStream, where: Route, ex: Exchange
+        self, conn: AgentConnection, stream: trio.SocketStream, where: Route, ex: Exchange
     ) -> None:
         """Paths that are not model calls: forwarded byte for byte, noted but not recorded, with
         one stderr line per path so that what a replay cannot serve is seen while recording."""
@@ -862,11 +812,9 @@ class ProxyServer:
             headers = [
                 (k, v) for k, v in upstream.headers if k.lower() not in _HOP_RESPONSE
             ]
-            await self._send(
-                conn, stream, h11.Response(status_code=upstream.status_code, headers=headers)
-            )
+            await self._write(stream, conn.head(upstream.status_code, checked=headers))
             async for chunk in upstream.aiter_bytes():
-                await self._send(conn, stream, h11.Data(data=chunk))
+                await self._write(stream, conn.data(chunk))
         finally:
             await upstream.aclose()
         # Noted before the agent sees the end, as model calls are: the tape's order is the
@@ -879,7 +827,7 @@ class ProxyServer:
                 status=upstream.status_code,
                 latency_ms=round((time.perf_counter() - started) * 1000, 3),
             )
-        await self._send(conn, stream, h11.EndOfMessage())
+        await self._write(stream, conn.end())
 
     def _warn_once(self, key: tuple[str, ...], line: str) -> None:
         if key in self._warned or len(self._warned) > MAX_WARNINGS:
@@ -897,7 +845,7 @@ class ProxyServer:
 
     async def _telemetry_answered(
         self,
-        conn: h11.Connection,
+        conn: AgentConnection,
         stream: trio.SocketStream,
         where: Route,
         ex: Exchange,
@@ -921,7 +869,7 @@ class ProxyServer:
     # ------------------------------------------------------------------ replay
 
     async def _serve_recorded(
-        self, conn: h11.Connection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
+        self, conn: AgentConnection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
     ) -> None:
         try:
             await self._send_recorded(conn, stream, ex, rec)
@@ -930,7 +878,7 @@ class ProxyServer:
                 self._pacer.answered(rec)
 
     async def _send_recorded(
-        self, conn: h11.Connection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
+        self, conn: AgentConnection, stream: trio.SocketStream, ex: Exchange, rec: Recorded
     ) -> None:
         started = time.perf_counter()
         arrived = trio.current_time()
@@ -954,7 +902,7 @@ class ProxyServer:
         ex.events = rec.events
         if pacer is not None:
             await pacer.until(arrived, headers_after_s(rec))
-        await self._send(conn, stream, h11.Response(status_code=rec.status, headers=headers))
+        await self._write(stream, conn.head(rec.status, headers))
         opened = trio.current_time()
         chunks: list[list[bytes]] = []
         times: list[float] = []  # when each chunk came, in seconds after the headers
@@ -975,11 +923,11 @@ class ProxyServer:
                     await pacer.in_turn(rec, arrived)
                 ex.latency_ms = (time.perf_counter() - started) * 1000
                 await self._finish(ex)
-                await self._send(conn, stream, h11.Data(data=b"".join(parts)), h11.EndOfMessage())
+                await self._write(stream, conn.data(b"".join(parts)) + conn.end())
                 return
-            await self._send(conn, stream, h11.Data(data=b"".join(parts)))
+            await self._write(stream, conn.data(b"".join(parts)))
         await self._finish(ex)
-        await self._send(conn, stream, h11.EndOfMessage())
+        await self._write(stream, conn.end())
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -1126,7 +1074,7 @@ class ProxyServer:
             await trio.to_thread.run_sync(self.on_divergence, divergence)
 
     async def _refuse_record_limit(
-        self, conn: h11.Connection, stream: trio.SocketStream, provider: str, size: int
+        self, conn: AgentConnection, stream: trio.SocketStream, provider: str, size: int
     ) -> None:
         """The call would take the recorded bodies past the limit: refused, not recorded, and
         the proxy trips (in a booth: a `breaker` frame, the agent stopped, the run rolled back)
@@ -1144,7 +1092,7 @@ class ProxyServer:
         )
 
     async def _refuse_trip(
-        self, conn: h11.Connection, stream: trio.SocketStream, provider: str
+        self, conn: AgentConnection, stream: trio.SocketStream, provider: str
     ) -> None:
         trip = self.trip
         rule = getattr(trip, "rule", "?")

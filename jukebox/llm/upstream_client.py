@@ -11,8 +11,8 @@ compressions the proxy asks for (gzip, deflate). Requests and responses are enco
 by jukebox.llm.http1 (h11's events cost about 150 µs a streamed call), and a plain TCP socket
 is read and written without trio's scheduling rounds when it is ready (jukebox.llm.fastio).
 
-Bytes go upstream as the agent sent them: the target is the agent's own (h11 validated it on
-the way in), never re-encoded. An idle connection is reused only if it is younger than
+Bytes go upstream as the agent sent them: the target is the agent's own (jukebox.llm.http1_agent
+validated it on the way in), never re-encoded. An idle connection is reused only if it is younger than
 KEEPALIVE_EXPIRY_S and the upstream has not closed it (its socket is not readable), as
 httpx's pool does.
 
