@@ -2113,13 +2113,15 @@ def _verifier_env(
     the verifier runs (their URLs would reach nothing, and carry the proxies' path secrets).
     Each gets back the value it had `before` the booth set it (the operator's own
     OPENAI_BASE_URL, say), or goes: a verifier that calls a model calls it as it would outside
-    the booth, unrecorded, and under --net none has no network at all."""
+    the booth, unrecorded, and under --net none has no network at all. The booth's control
+    socket goes too: a verifier judges the run, it does not checkpoint or roll it back."""
     out = dict(env)
     for name in proxied:
         if name in before:
             out[name] = before[name]
         else:
             out.pop(name, None)
+    out.pop(SOCKET_ENV, None)
     return out
 
 

@@ -141,3 +141,23 @@ def test_net_none_reaches_the_proxy_and_nothing_else(
     # The fake upstream listens on the host's 127.0.0.1: the agent cannot reach it directly.
     assert out["host_port"] == "ConnectionRefusedError"
     assert out["outside"] != "connected"
+
+
+def test_the_verifier_gets_neither_the_control_socket_nor_the_stopped_proxies(
+    upstream: FakeUpstream, tmp_path: Path
+) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    # The agent sees them all; the verifier prints what it got, and fails so that it is shown.
+    agent = "test -n \"$JUKEBOX_SOCKET\" && test -n \"$JUKEBOX_BOOTH_ID\""
+    proc = run_cli("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
+                   "--tape-id", "v", "--verify", "env; exit 1", "--", "sh", "-c", agent,
+                   env=booth_env(upstream))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    with Store.open(tapes / ".jukebox" / "store") as store:
+        tape = Tape.load(tapes / "v.jbx", store)
+        (verify,) = [f.resolve_payload(store) for f in tape.frames if f.kind == "verify"]
+    seen = dict(line.split("=", 1) for line in verify["output"].splitlines() if "=" in line)
+    assert "JUKEBOX_BOOTH_ID" in seen  # the verifier's env was printed whole
+    assert "JUKEBOX_SOCKET" not in seen
+    assert seen["OPENAI_BASE_URL"] == upstream.openai_url  # the operator's own, not the proxy's
