@@ -83,9 +83,8 @@ class Exchange:
     usage_asked_body: bytes | None = None
     upstream: str | None = None  # a named upstream's name (jukebox.llm.upstreams)
     # Recording work done ahead, while the upstream answered (`prepare_request`,
-    # `prepare_events`): (the scrubber's count then, the recorded value, its canonical JSON).
-    # Used only if the scrubber learned no secret since; otherwise done again.
-    prepared_request: tuple[int, Any, bytes | None] | None = None
+    # `prepare_events`). Used only if the scrubber learned no secret since; otherwise done again.
+    prepared_request: Prepared | None = None
     prepared_events: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     # The canonical JSON of the prepared events' records, a batch at a time (each the items of
     # a list, comma-joined: one encoder call per upstream read rather than one per event), or
@@ -95,6 +94,18 @@ class Exchange:
     @property
     def stream(self) -> bool:
         return self.events is not None
+
+
+@dataclass(slots=True)
+class Prepared:
+    """What a turn records of the request, made while the upstream works on it."""
+
+    count: int  # the scrubber's count then
+    request: Any  # the recorded request body
+    request_json: bytes | None  # its canonical JSON (None: it does not encode)
+    path: str
+    headers: dict[str, str]
+    headers_json: bytes | None
 
 
 @dataclass
@@ -115,10 +126,26 @@ def _encoded(value: Any) -> bytes | None:
 
 
 def prepare_request(ex: Exchange, scrubber: Scrubber) -> None:
-    """The request's recorded value and encoding, made while the upstream works on it."""
+    """The request's recorded values and encodings (body, path, headers), made while the
+    upstream works on it."""
     count = scrubber.count
     value = parse_body(scrubber.bytes(ex.request_body))
-    ex.prepared_request = (count, value, _encoded(value))
+    headers = _request_headers(ex, scrubber)
+    ex.prepared_request = Prepared(
+        count, value, _encoded(value), _path(ex, scrubber), headers, _encoded(headers)
+    )
+
+
+def _path(ex: Exchange, scrubber: Scrubber) -> str:
+    return redact_query(scrubber.text(ex.path))
+
+
+def _request_headers(ex: Exchange, scrubber: Scrubber) -> dict[str, str]:
+    return {
+        k: scrubber.text(v)
+        for k, v in redact_headers(ex.request_headers).items()
+        if k not in _DROP_REQUEST_HEADERS
+    }
 
 
 def prepare_events(ex: Exchange, events: list[SSEEvent], scrubber: Scrubber) -> None:
@@ -156,12 +183,15 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
     count = scrubber.count
     encoded: dict[str, bytes] = {}
     ahead = ex.prepared_request
-    if ahead is not None and ahead[0] == count:
-        request = ahead[1]
-        if ahead[2] is not None:
-            encoded["request"] = ahead[2]
+    if ahead is not None and ahead.count == count:
+        request, path, request_headers = ahead.request, ahead.path, ahead.headers
+        if ahead.request_json is not None:
+            encoded["request"] = ahead.request_json
+        if ahead.headers_json is not None:
+            encoded["request_headers"] = ahead.headers_json
     else:
         request = parse_body(scrubber.bytes(ex.request_body))
+        path, request_headers = _path(ex, scrubber), _request_headers(ex, scrubber)
     events: list[dict[str, Any]] | None = None
     response: Any
     if ex.events is not None:
@@ -214,12 +244,8 @@ def build_turn(ex: Exchange, scrubber: Scrubber, prices: PriceTable | None) -> T
         "cost_usd": cost,
         "request": request,
         "response": response,
-        "path": redact_query(scrubber.text(ex.path)),
-        "request_headers": {
-            k: scrubber.text(v)
-            for k, v in redact_headers(ex.request_headers).items()
-            if k not in _DROP_REQUEST_HEADERS
-        },
+        "path": path,
+        "request_headers": request_headers,
         "response_headers": {
             k: scrubber.text(v)
             for k, v in redact_headers(ex.response_headers).items()

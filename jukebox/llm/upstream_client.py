@@ -11,10 +11,10 @@ compressions the proxy asks for (gzip, deflate). Requests and responses are enco
 by jukebox.llm.http1 (h11's events cost about 150 µs a streamed call), and a plain TCP socket
 is read and written without trio's scheduling rounds when it is ready (jukebox.llm.fastio).
 
-Bytes go upstream as the agent sent them: the target is the agent's own (jukebox.llm.http1_agent
-validated it on the way in), never re-encoded. An idle connection is reused only if it is younger than
-KEEPALIVE_EXPIRY_S and the upstream has not closed it (its socket is not readable), as
-httpx's pool does.
+Bytes go upstream as the agent sent them: the target is the agent's own
+(jukebox.llm.http1_agent validated it on the way in), never re-encoded. An idle connection is
+reused only if it is younger than KEEPALIVE_EXPIRY_S and the upstream has not closed it (its
+socket is not readable), as httpx's pool does.
 
 The environment's proxy variables (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`) still
 apply: an upstream origin that `urllib.request` says is not bypassed goes through httpx's
