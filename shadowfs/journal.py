@@ -95,11 +95,14 @@ class Journal:
     continuing write to extend), so taking the journal at a snapshot costs one record's
     encoding, not all of them."""
 
-    __slots__ = ("_buf", "_count", "_last", "_last_write_fh")
+    __slots__ = ("_buf", "_count", "_last", "_last_write_fh", "changes")
 
     def __init__(self) -> None:
         self._buf = bytearray()
         self._count = 0
+        # Operations recorded and writes extended, ever (not reset by a take): whether the
+        # layer changed between two looks (`shadowfs.quiet_fold`).
+        self.changes = 0
         self._last: JournalOp | None = None
         self._last_write_fh = -1
         self._reset()
@@ -120,6 +123,7 @@ class Journal:
             _encode_op(last, self._buf)
         self._last = op
         self._count += 1
+        self.changes += 1
 
     def record(
         self,
@@ -150,6 +154,7 @@ class Journal:
             last = self._last
             if last is not None and last.offset + last.length == offset:
                 last.length += length
+                self.changes += 1
                 return True
         return False
 
@@ -161,6 +166,17 @@ class Journal:
         data = bytes(self._buf)
         self._reset()
         return data
+
+    def encoded(self) -> bytes:
+        """What `take_encoded` would give now, the journal left as it is."""
+        data = bytearray(self._buf)
+        if self._last is not None:
+            _encode_op(self._last, data)
+        return bytes(data)
+
+    def clear(self) -> None:
+        """Start an empty journal, its bytes taken through `encoded`."""
+        self._reset()
 
     def take(self) -> list[JournalOp]:
         """Hand over the recorded operations and start an empty journal."""

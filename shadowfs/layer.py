@@ -695,6 +695,9 @@ class Layer:
         # showing the refused bytes: whoever runs the writer should stop it. Runs on the
         # mount's worker, under the layer lock: it must not block.
         self.on_write_refused: Callable[[OSError], None] | None = None
+        # Called when the root gets its first change since the last snapshot or fold
+        # (`shadowfs.quiet_fold`); on a worker, under the layer lock: it must not block.
+        self.on_dirty: Callable[[], None] | None = None
         root = self._new(S_IFDIR, stat.S_IMODE(st.st_mode), clamp_time_ns(st.st_mtime_ns))
         root.uid, root.gid = st.st_uid, st.st_gid
         root.atime_ns, root.ctime_ns = st.st_atime_ns, st.st_ctime_ns
@@ -703,6 +706,8 @@ class Layer:
         root.lookups = 1 << 62  # the kernel never forgets the root
         self.root = root
         self.last_tree: ObjectId = base_tree
+        # The journal as `fold` stored it: (its `changes` then, its id).
+        self._folded_journal: tuple[int, ObjectId] | None = None
         self._mount: Any = None
         self._closed = False
 
@@ -1022,6 +1027,9 @@ class Layer:
                 return
             p.dirty_names.add(pname)
             d = p
+        # The root's first mark: the layer has changes to fold again.
+        if self.on_dirty is not None and len(d.dirty_names) == 1 and d is self.root:
+            self.on_dirty()
 
     def _touch_node(self, node: Node) -> None:
         for d, name in node.links:
@@ -1975,6 +1983,20 @@ class Layer:
             self._drop_images()
         return self.last_tree
 
+    @_routed(sync=True)
+    def fold(self) -> None:
+        """Store now what the next snapshot would: the trees of what changed since the last
+        one, and the journal as it stands, which stays to be taken (`shadowfs.quiet_fold`). A
+        snapshot with nothing changed since finds them stored; their objects are made durable
+        with its own."""
+        journal = self.journal
+        with _CollectorPaused(), self._foreground():
+            self._fold()
+            folded = self._folded_journal
+            if len(journal) and (folded is None or folded[0] != journal.changes):
+                oid = self.store.put("journal", journal.encoded())
+                self._folded_journal = (journal.changes, oid)
+
     @_routed(sync=True, stores=True)
     def snapshot(self, durable: bool = True) -> tuple[ObjectId, ObjectId | None]:
         """Store what changed since the last snapshot; return (tree id, journal id or None).
@@ -1984,12 +2006,25 @@ class Layer:
         are in the store at once, readable through it, and made durable by its background flush
         within FLUSH_DELAY (`Store.flush_soon`); whoever then records these ids durably (a tape
         frame, a commit claim) must `store.flush()` first, as `TapeWriter.append` does."""
+        journal = self.journal
+        folded, self._folded_journal = self._folded_journal, None
+        if (
+            folded is not None
+            and folded[0] == journal.changes
+            and len(journal)
+            and not self.root.dirty_names
+        ):
+            # `fold` stored it all and nothing was recorded since: only the journal to take.
+            tree_id = self._fold()
+            journal.clear()
+            self._flush(durable)
+            return tree_id, folded[1]
         with _CollectorPaused():
             with self._foreground():
                 tree_id = self._fold()
                 journal_id = None
-                if len(self.journal):
-                    journal_id = self.store.put("journal", self.journal.take_encoded())
+                if len(journal):
+                    journal_id = self.store.put("journal", journal.take_encoded())
             self._flush(durable)
         return tree_id, journal_id
 
@@ -2015,7 +2050,8 @@ class Layer:
         store; their journal stays pending for the next snapshot, followed by a ``restore`` op.
         ``durable`` is as for `snapshot`, for what the restore stored (nothing when there were
         no unsnapshotted changes). Kernel invalidations are queued (see `take_invalidations`)."""
-        stores = bool(self.root.dirty_names)
+        # What a fold stored since the last snapshot is made durable with what this stores.
+        stores = bool(self.root.dirty_names) or self._folded_journal is not None
         with _CollectorPaused():
             with self._foreground():
                 if stores:

@@ -204,6 +204,7 @@ class _FuseBoothLayer:
         )
         self._mount: Any = None
         self._watchdog: Any = None
+        self._quiet: Any = None
 
     def _waiting_on_layer(self, what: str) -> contextlib.AbstractContextManager[None]:
         watchdog = self._watchdog
@@ -223,11 +224,18 @@ class _FuseBoothLayer:
         from jukebox.booth.fusectl import connection_at
         from jukebox.booth.layer_watchdog import LayerWatchdog
         from shadowfs import fuse
+        from shadowfs.quiet_fold import QuietFold
 
         self._mount = fuse.mount(self.layer, self.mountpoint).start()
         connection = connection_at(os.path.realpath(self.mountpoint))
         if connection is not None:
             self._watchdog = LayerWatchdog(connection).start()
+        # A checkpoint asked for after the agent's pause finds its step's files stored.
+        self._quiet = QuietFold(self.layer, fold=self._fold).start()
+
+    def _fold(self) -> None:
+        with self._waiting_on_layer("folding the agent's changes"):
+            self.layer.fold()
 
     def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
         # A group commit (routed to the FUSE thread while mounted): the tape flushes the store
@@ -240,6 +248,9 @@ class _FuseBoothLayer:
             (self._mount or self.layer).restore(tree_id)
 
     def unmount(self) -> None:
+        if self._quiet is not None:
+            self._quiet.close()  # no fold once the layer is no longer behind the mount's lock
+            self._quiet = None
         if self._mount is not None:
             mount, self._mount = self._mount, None
             with self._waiting_on_layer("the unmount"):
@@ -249,6 +260,9 @@ class _FuseBoothLayer:
             self._watchdog = None
 
     def discard(self) -> None:
+        if self._quiet is not None:
+            self._quiet.close()
+            self._quiet = None
         self.layer.close()
         _remove_dir(self.scratch)
 
