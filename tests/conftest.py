@@ -11,6 +11,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _absolute_pythonpath() -> None:
+    """Children started in another directory (booth tests run theirs from `/`) must import the
+    checkout under test: a relative PYTHONPATH such as `.`, which a run from a worktree sets,
+    would name their own directory and let them import whatever the venv installed instead."""
+    raw = os.environ.get("PYTHONPATH")
+    if raw:
+        entries = [str(Path(e).resolve()) if e else e for e in raw.split(os.pathsep)]
+        os.environ["PYTHONPATH"] = os.pathsep.join(entries)
+
+
+_absolute_pythonpath()
+
+
 def _slowdown() -> float:
     raw = os.environ.get("JUKEBOX_TEST_SLOWDOWN", "1")
     try:
