@@ -74,6 +74,26 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, int, int]]:
     assert not os.path.exists(control_dir)
 
 
+def stop_server(pid: int) -> None:
+    """SIGSTOP the layer's server and wait until every one of its threads is stopped: kill()
+    returns before a busy machine has stopped them all, and a thread still running would answer
+    the test's call (ENOENT) instead of leaving it stuck."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the layer's server {pid} did not stop")
+
+
 def interrupt_once_stuck(connection: int) -> threading.Thread:
     """Sends this process a SIGINT once the kernel holds a request of `connection` unanswered
     (the test's own call, its server stopped): seen through fusectl, not guessed from a sleep."""
@@ -96,7 +116,7 @@ def test_a_call_stuck_past_the_limit_is_aborted(served) -> None:
     try:
         with watchdog.blocking("a snapshot"):
             assert (mnt / "f").read_text() == "base\n"  # answered: nothing fires
-        os.kill(server, signal.SIGSTOP)
+        stop_server(server)
         with pytest.raises(LayerStuck) as stuck, watchdog.blocking("a snapshot"):
             os.stat(mnt / "new-name")
     finally:
@@ -109,7 +129,7 @@ def test_a_call_stuck_past_the_limit_is_aborted(served) -> None:
 def test_an_interrupt_frees_a_stuck_call_before_the_limit(interrupts_blocked, served) -> None:
     mnt, connection, server = served
     watchdog = LayerWatchdog(connection, limit=3600).start()
-    os.kill(server, signal.SIGSTOP)
+    stop_server(server)
     sender = interrupt_once_stuck(connection)
     try:
         with pytest.raises(LayerStuck) as stuck, watchdog.blocking("a rollback"):
