@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,14 +20,15 @@ PROXY_STACK = ("trio", "httpx", "h11", "genai_prices", "pydantic", "jukebox.llm.
 # Runs the CLI in this interpreter, then writes what it imported: at exit, which commands that
 # skip the interpreter's teardown (jukebox.cli.skip_teardown) still run.
 WRAPPER = """
-import atexit, json, sys
+import atexit, gc, json, sys
 from jukebox.cli import main
 out = sys.argv.pop(1)
 sys.argv[0] = "jukebox"
 
 def dump():
     with open(out, "w") as f:
-        json.dump({"modules": sorted(sys.modules)}, f)
+        gc_state = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+        json.dump({"modules": sorted(sys.modules), "gc": gc_state}, f)
 
 atexit.register(dump)
 main()
@@ -92,6 +94,13 @@ def test_an_unknown_command_is_still_told_apart_from_close_ones(tmp_path: Path) 
     assert "replay" in proc.stderr  # the suggestion needs every command registered
 
 
+def collector_after(tmp_path: Path) -> dict[str, Any]:
+    """The garbage collector's state at the end of the last `imported` run in `tmp_path`:
+    whether it ran, and how many objects were frozen (jukebox.cli.fast.resume_gc)."""
+    state: dict[str, Any] = json.loads((tmp_path / "modules.json").read_text())["gc"]
+    return state
+
+
 def _jukebox(cwd: Path, env: dict[str, str], *args: str) -> tuple[int, str, str]:
     proc = subprocess.run(
         [sys.executable, "-c", "from jukebox.cli import main; main()", *args],
@@ -116,6 +125,11 @@ def test_replay_runs_without_click_and_says_what_click_says(tmp_path: Path) -> N
     # The classes on its path are shadowfs.values.Value: dataclasses (with inspect, ast, dis
     # and tokenize behind it) was a third of a replay's instructions.
     assert not {"dataclasses", "inspect", "ast"} & modules
+    # The collector was paused while it started (jukebox.cli.fast.pause_gc), and runs again,
+    # what the start made frozen, once the tape is read; likewise after a refusal.
+    assert collector_after(tmp_path)["enabled"] and collector_after(tmp_path)["frozen"] > 0
+    code, _, _ = imported(tmp_path, "replay", "nope", env=env)
+    assert code == 2 and collector_after(tmp_path)["enabled"]
     cases = [  # the options, the tape, the exit code
         ((), "tr_demo", 0), (("--json",), "tr_demo", 0), (("-q", "--no-color"), "tr_demo", 0),
         ((), "tr_demo@1", 2), ((), "nope", 2), ((), "torn", 1),

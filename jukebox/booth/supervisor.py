@@ -1560,12 +1560,15 @@ def run_booth(
     sql_replay: Any = None,
     max_sql_lock_seconds: float | None = None,
     preforked: isolation.PreforkedShim | None = None,
+    set_up: Callable[[], None] | None = None,
 ) -> int:
     """Runs `argv` in a booth over `tree`; returns the exit status for the caller to exit with.
 
     `preforked`: the agent's shim, forked `join_later` by the caller before it imported this
     module (jukebox.cli.fast); run_booth uses it, or ends it when the agent starts otherwise
     (`--net none`). The caller still closes it if run_booth raised before taking it.
+    `set_up`: called once the booth is set up, before its agent starts (jukebox.cli.fast turns
+    the interpreter's cyclic garbage collector back on there).
 
     `mcp_config`: a `.mcp.json` whose stdio servers are the ones staged MCP calls may run
     against at the commit; the agent finds it rewritten through the gateway in
@@ -1669,6 +1672,8 @@ def run_booth(
     )
     with contextlib.ExitStack() as stack:
         booth = _set_up(stack, options, preforked)
+        if set_up is not None:
+            set_up()
         return _conclude(booth, _run_agent(booth))
 
 

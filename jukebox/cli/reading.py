@@ -157,7 +157,10 @@ def replay_offline(tape: str, tape_dir: Path | None, as_json: bool) -> None:
     # It only reads (the tape, the store): nothing to close that the process's end does not.
     skip_teardown()
     loaded = load(ref)
+    from jukebox.cli.fast import resume_gc
     from jukebox.display.progress import step
+
+    resume_gc()  # paused by jukebox.cli.fast while the command started and read the tape
 
     with step("verifying the tape", "frames", done="verified the tape") as tick:
         result = verify_report(loaded, tick)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.llm.upstream import FakeUpstream
-from tests.test_cli_imports import PROXY_STACK, imported
+from tests.test_cli_imports import PROXY_STACK, collector_after, imported
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 # What a booth imports only when its agent calls a model or a --max-* flag is set.
@@ -54,6 +54,9 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     assert "prctl" not in modules  # its calls go through libc (isolation.prctl)
     # The built-in image comes from its parsed copy (jukebox.booth.images.PARSED_NAME).
     assert "tomllib" not in modules
+    # The collector, paused for the start, ran again from the agent's start on, the start's
+    # objects frozen (jukebox.cli.fast.resume_gc: run_booth's `set_up`).
+    assert collector_after(tmp_path)["enabled"] and collector_after(tmp_path)["frozen"] > 0
 
 
 def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
