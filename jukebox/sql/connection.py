@@ -50,7 +50,13 @@ if TYPE_CHECKING:
     from jukebox.sql.server import DatabaseProxy
 
 SYNC = m.message(b"S")
+CLOSE_UNNAMED = m.Close("S", "").encode()
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
+# How long a statement's frame may wait, when the agent pipelined its next statement, for that
+# one to leave for the server, before it is written anyway.
+FRAME_DELAY = 0.002
+# Agent replies passed on since the last wait for the agent to take them (backpressure).
+DRAIN_EVERY = 1 << 20
 
 
 class BlockUndone(TurnTimeout):
@@ -64,10 +70,12 @@ class BlockUndone(TurnTimeout):
 
 @dataclass
 class _Run:
-    """A statement on its way: what a `sql` frame says of it."""
+    """A statement on its way: what a `sql` frame says of it. `bind`: its bound values, made
+    fit for the tape (scrubbed) only when its frame is written, off the reply's path."""
 
     text: str
     params: list[Any] | None = None
+    bind: m.Bind | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -91,8 +99,9 @@ class AgentConnection:
     ) -> None:
         self.db = db
         self.session = db.session
-        self.reader = reader
+        self.stream = m.AgentStream(reader)
         self.writer = writer
+        self.loop = asyncio.get_running_loop()
         self.number = number
         self.key = secrets.randbits(31)
         self.state = "I"  # what the agent is told: I idle, T in a block, E failed block
@@ -111,6 +120,12 @@ class AgentConnection:
         self.texts: dict[str, str] = {}  # statement name → its text, for frames
         self.portals: dict[str, _Run] = {}
         self.named: set[str] = set()  # upstream names of this connection's statements
+        # The agent's unnamed statement, as its Parse went to the server. The server's one
+        # unnamed statement is replaced by any Parse of it and by any Query: the proxy's own
+        # bookkeeping and other connections' units do both between this connection's round
+        # trips, so a Bind of it is preceded by this Parse again when the server's unnamed
+        # statement is no longer this one (Upstream.unnamed).
+        self.unnamed: tuple[AgentConnection, bytes] | None = None
         self.runs: deque[_Run] = deque()
         self.copying_in = False
         # Characters of bookkeeping ahead of the agent's text in its Query (Upstream.send_query)
@@ -133,6 +148,7 @@ class AgentConnection:
         # The frames of statements answered, waiting for their answer to leave (`record`).
         self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
                                 dict[str, Any] | None, float]] = []
+        self.frame_timer: asyncio.TimerHandle | None = None
         sock = writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -148,11 +164,19 @@ class AgentConnection:
         if self.out:
             self.writer.write(bytes(self.out))
             self.out.clear()
-        if self.frames and not getattr(self.reader, "_buffer", None):
-            # Now, while the agent reads its answer; but when its next message is here
-            # already (a pipeline), once that has left for the server (`relay`), while the
-            # server works on it.
-            self.write_frames()
+        if self.frames:
+            if not self.stream.pending():
+                # Now, while the agent reads its answer and works out its next statement (the
+                # frame of a statement costs about as much as the server's answer to it).
+                self.write_frames()
+            elif self.frame_timer is None:
+                # Its next message is here already (a pipeline): once that has left for the
+                # server (`relay`), while the server works on it; or soon, whatever comes.
+                self.frame_timer = self.loop.call_later(FRAME_DELAY, self._frames_due)
+
+    def _frames_due(self) -> None:
+        self.frame_timer = None
+        self.write_frames()
 
     async def drain_agent(self) -> None:
         self.flush()
@@ -267,8 +291,8 @@ class AgentConnection:
             if self.session.pending_on is self:  # its block undone at its end (a disconnect)
                 up.send_own(self.session.block_ends(self, "rollback"), self)
             elif self.unit_failed or up.status == "E":
-                up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx",
-                            self)
+                up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx"
+                            + self.session.place_stranded(), self)
             else:
                 up.send_own(RELEASE_TX, self)
             self.wrote = False
@@ -278,7 +302,7 @@ class AgentConnection:
         elif self.state == "E" or up.status == "E":
             # A failed block keeps the session until its ROLLBACK: nobody can use it.
             self.parked = True
-            self.session.changed.set()  # a rollback of the booth waiting may take it now
+            self.session.notify()  # a rollback of the booth waiting may take it now
             return
         else:
             self.wrote = self.wrote or self.unit_wrote
@@ -342,14 +366,15 @@ class AgentConnection:
         try:
             if not await self.startup():
                 return
+            stream = self.stream
             while True:
-                kind, body = await m.read_message(self.reader)
+                kind, body = stream.next_message() or await m.read_message(stream)
                 if kind == b"X":
                     return
                 await self.handle(kind, body)
                 # Replies wait while the agent's next messages are already here (a pipeline:
                 # Parse, Bind, Execute, Sync in one packet), so they leave together.
-                if not getattr(self.reader, "_buffer", None):
+                if self.out and not stream.pending():
                     await self.drain_agent()
         except m.ProtocolError as error:
             self.send(m.error("08P01", f"jukebox: protocol violation: {error}", "FATAL"))
@@ -363,7 +388,7 @@ class AgentConnection:
 
     async def startup(self) -> bool:
         for _ in range(3):  # SSLRequest, GSSENCRequest, then the real startup
-            start = await m.read_startup(self.reader)
+            start = await m.read_startup(self.stream)
             if start.code in (m.SSL_REQUEST, m.GSSENC_REQUEST):
                 # TLS on 127.0.0.1 inside the booth buys nothing: clients fall back to plain.
                 self.send(b"N")
@@ -432,6 +457,9 @@ class AgentConnection:
                 self.session.give_back(self)
         self.flush()
         self.write_frames()
+        if self.frame_timer is not None:
+            self.frame_timer.cancel()
+            self.frame_timer = None
         self.writer.close()
 
     # ------------------------------------------------------------------ messages
@@ -574,79 +602,47 @@ class AgentConnection:
         up = self.up
         assert up is not None
         failed = False
-        count = 0
+        passed = 0  # bytes passed on since the agent was last waited for
         if self.frames:
             # The earlier statements' frames, written while the server answers this one
             # rather than in the agent's way between its statements.
             up.flush()
             self.write_frames()
+        bulk = self.kept is None and not drop_only
         while True:
+            if bulk and not up.prefix and not up.dropping:
+                # Rows, descriptions, ParseComplete…: the messages the proxy passes on as they
+                # are go on in one piece, as many as are here, not one by one.
+                run = up.passthrough()
+                if run:
+                    self.send(run)
+                    passed += len(run)
+                    if passed >= DRAIN_EVERY:
+                        passed = 0
+                        await self.drain_agent()
+                    continue
             kind, body = up.ready() or await up.read()
             if kind == b"Z":
                 up.status = body.decode()
                 if up.status != "E":
                     up.spoiled = None
                 up.prefix.clear()
+                up.dropping.clear()
                 break
             if up.prefix:  # the bookkeeping ahead of the agent's statement in its Query
-                if kind == b"C":
-                    up.prefix.popleft()
-                elif kind == b"E":
-                    # It failed, which aborted the booth's transaction: the agent's statement
-                    # did not run. The error is its owner's (see Upstream.settle).
-                    owner = up.prefix[0]
-                    up.prefix.clear()
-                    fields = m.decode_fields(body)
-                    up.spoiled = (owner.number, fields.get("M", "error"))
-                    owner.own_failed(fields)
-                    if not drop_only:
-                        error = self.not_run(up.spoiled)
-                        self.reply(kind, error)
-                        if self.runs:
-                            self.record(self.runs.popleft(), failure=m.decode_fields(error))
-                        self.runs.clear()
-                    failed = True
+                failed = self.prefix_reply(up, kind, body, drop_only) or failed
                 continue  # its notices too
             if drop_only:
                 continue
+            if up.dropping and kind in up.dropping:  # the proxy's Parse or Close again
+                up.dropping.remove(kind)
+                continue
             if kind == b"C":
-                tag = m.decode_tag(body)
-                rows, changed = rows_of(tag)
-                changed_rows = rows if changed and rows else 0
-                if self.copying_in and tag.startswith("COPY") and rows:
-                    changed_rows = rows
-                self.copying_in = False
-                if changed_rows and self.db.over_limit(changed_rows):
-                    self.reply(b"E", m.error("54000", self.db.limit_message())[5:])
-                    failed = True
-                    if self.runs:
-                        self.record(self.runs.popleft(), tag, rows_changed=changed_rows)
-                    continue
-                self.reply(kind, body)
-                if self.runs:
-                    self.record(self.runs.popleft(), tag, rows_changed=changed_rows)
+                failed = not self.completed(body) or failed
                 continue
             elif kind == b"E":
                 failed = True
-                fields = m.decode_fields(body)
-                if up.spoiled is not None and fields.get("C") == "25P02":
-                    # Aborted by a bookkeeping query that failed just before (Upstream.settle),
-                    # not by anything of this unit: nothing of it ran, so it can run again.
-                    body = self.not_run(up.spoiled)
-                    fields = m.decode_fields(body)
-                elif self.shift and "P" in fields:  # its position in the agent's own text
-                    fields["P"] = str(max(1, int(fields["P"]) - self.shift))
-                    body = b"".join(k.encode() + v.encode() + b"\0"
-                                    for k, v in fields.items()) + b"\0"
-                if refusal:  # the proxy's own RAISE: the agent need not see it was a DO block
-                    body = b"".join(
-                        k.encode() + v.encode() + b"\0" for k, v in fields.items()
-                        if k not in ("W", "P", "F", "L", "R")
-                    ) + b"\0"
-                self.reply(kind, body)
-                if self.runs:
-                    self.record(self.runs.popleft(), failure=fields)
-                self.runs.clear()
+                self.failed(up, body, refusal)
                 continue
             elif kind in (b"I", b"s") and self.runs:
                 self.reply(kind, body)
@@ -658,8 +654,9 @@ class AgentConnection:
                 await self.copy_in(up)
                 continue
             self.reply(kind, body)
-            count += 1
-            if count % 256 == 0:
+            passed += len(body)
+            if passed >= DRAIN_EVERY:
+                passed = 0
                 await self.drain_agent()
         self.shift = 0
         if failed and self.state == "I":
@@ -667,6 +664,65 @@ class AgentConnection:
         if self.state != "I":
             self.state = "E" if up.status == "E" else "T"
         return failed
+
+    def prefix_reply(self, up: Upstream, kind: bytes, body: bytes, drop_only: bool) -> bool:
+        """A reply to the bookkeeping ahead of the agent's statement; True when it failed."""
+        if kind == b"C":
+            up.prefix.popleft()
+        elif kind == b"E":
+            # It failed, which aborted the booth's transaction: the agent's statement did not
+            # run. The error is its owner's (see Upstream.settle).
+            owner = up.prefix[0]
+            up.prefix.clear()
+            fields = m.decode_fields(body)
+            up.spoiled = (owner.number, fields.get("M", "error"))
+            owner.own_failed(fields)
+            if not drop_only:
+                error = self.not_run(up.spoiled)
+                self.reply(kind, error)
+                if self.runs:
+                    self.record(self.runs.popleft(), failure=m.decode_fields(error))
+                self.runs.clear()
+            return True
+        return False
+
+    def completed(self, body: bytes) -> bool:
+        """A CommandComplete: passed on and recorded; False when the breaker refused it."""
+        tag = m.decode_tag(body)
+        rows, changed = rows_of(tag)
+        changed_rows = rows if changed and rows else 0
+        if self.copying_in and tag.startswith("COPY") and rows:
+            changed_rows = rows
+        self.copying_in = False
+        refused = bool(changed_rows) and self.db.over_limit(changed_rows)
+        if refused:
+            self.reply(b"E", m.error("54000", self.db.limit_message())[5:])
+        else:
+            self.reply(b"C", body)
+        if self.runs:
+            self.record(self.runs.popleft(), tag, rows_changed=changed_rows)
+        return not refused
+
+    def failed(self, up: Upstream, body: bytes, refusal: bool) -> None:
+        """An ErrorResponse of the agent's statement, passed on (and recorded)."""
+        fields = m.decode_fields(body)
+        if up.spoiled is not None and fields.get("C") == "25P02":
+            # Aborted by a bookkeeping query that failed just before (Upstream.settle), not
+            # by anything of this unit: nothing of it ran, so it can run again.
+            body = self.not_run(up.spoiled)
+            fields = m.decode_fields(body)
+        elif self.shift and "P" in fields:  # its position in the agent's own text
+            fields["P"] = str(max(1, int(fields["P"]) - self.shift))
+            body = b"".join(k.encode() + v.encode() + b"\0" for k, v in fields.items()) + b"\0"
+        if refusal:  # the proxy's own RAISE: the agent need not see it was a DO block
+            body = b"".join(
+                k.encode() + v.encode() + b"\0" for k, v in fields.items()
+                if k not in ("W", "P", "F", "L", "R")
+            ) + b"\0"
+        self.reply(b"E", body)
+        if self.runs:
+            self.record(self.runs.popleft(), failure=fields)
+        self.runs.clear()
 
     @staticmethod
     def not_run(spoiled: tuple[int, str]) -> bytes:
@@ -680,7 +736,7 @@ class AgentConnection:
     async def copy_in(self, up: Upstream) -> None:
         self.copying_in = True
         while True:
-            kind, body = await m.read_message(self.reader)
+            kind, body = await self.stream.read_message()
             if kind in (b"d", b"c", b"f"):
                 up.send(m.message(kind, body))
                 if kind != b"d":
@@ -715,10 +771,18 @@ class AgentConnection:
         if stmt.kind == st.PLAIN:
             self.special.pop(parse.name, None)
             if parse.name:
-                self.named.add(self.up_name(parse.name))
-            parse.name = self.up_name(parse.name)
-            self.forward(parse.encode())
+                name = self.up_name(parse.name)
+                self.named.add(name)
+                self.forward(m.message(b"P", name.encode() + body[len(parse.name.encode()):]))
+                return
+            data = m.message(b"P", body)
+            self.forward(data)
+            up = self.up
+            assert up is not None
+            self.unnamed = up.unnamed = (self, data)
             return
+        if not parse.name:
+            self.unnamed = None
         self.special[parse.name] = stmt
         await self.drain()
         if not self.skipping:
@@ -734,16 +798,21 @@ class AgentConnection:
                 self.send(m.BIND_COMPLETE)
             return
         self.special_portals.pop(bind.portal, None)
-        self.portals[bind.portal] = _Run(
-            self.texts.get(bind.statement, ""), self.db.params_for_tape(bind)
-        )
-        bind.portal, bind.statement = self.up_name(bind.portal), self.up_name(bind.statement)
-        self.forward(bind.encode())
+        self.portals[bind.portal] = _Run(self.texts.get(bind.statement, ""), bind=bind)
+        if not bind.statement:
+            self.own_unnamed()
+        if bind.portal or bind.statement:
+            head = len(bind.portal.encode()) + len(bind.statement.encode()) + 2
+            body = (self.up_name(bind.portal).encode() + b"\0"
+                    + self.up_name(bind.statement).encode() + b"\0" + body[head:])
+        self.forward(m.message(b"B", body))
 
     async def on_describe(self, body: bytes) -> None:
         what = m.decode_describe(body)
         stmt = (self.special if what.what == "S" else self.special_portals).get(what.name)
         if stmt is None:
+            if what.what == "S" and not what.name:
+                self.own_unnamed()
             what.name = self.up_name(what.name)
             self.forward(what.encode())
             return
@@ -756,9 +825,12 @@ class AgentConnection:
         stmt = self.special_portals.get(execute.portal)
         if stmt is None:
             run = self.portals.get(execute.portal) or _Run("")
-            self.runs.append(_Run(run.text, run.params))
-            execute.portal = self.up_name(execute.portal)
-            self.forward(execute.encode())
+            self.runs.append(_Run(run.text, run.params, run.bind))
+            if execute.portal:
+                execute.portal = self.up_name(execute.portal)
+                self.forward(execute.encode())
+            else:
+                self.forward(m.message(b"E", body))
             return
         await self.drain()
         if not self.skipping and not await self.run(stmt):
@@ -775,7 +847,31 @@ class AgentConnection:
         close.name = self.up_name(close.name)
         if close.what == "S":
             self.named.discard(close.name)
+            if not close.name:
+                self.unnamed = None
+                self.forward(close.encode())
+                assert self.up is not None
+                self.up.unnamed = None
+                return
         self.forward(close.encode())
+
+    def own_unnamed(self) -> None:
+        """Before a Bind or Describe of the agent's unnamed statement: the server's unnamed
+        statement made this connection's again when something replaced it since (see
+        `unnamed`); its ParseComplete is the proxy's to drop. Without one of its own, the
+        server's is closed first, so that the agent gets the server's error rather than
+        another connection's statement."""
+        up = self.up
+        assert up is not None
+        mine = self.unnamed
+        if mine is None:  # rare: a client binding what it never parsed (or closed)
+            up.send(CLOSE_UNNAMED)
+            up.unnamed = None
+            up.dropping.append(b"3")
+        elif up.unnamed is not mine or up.own:
+            up.send(mine[1])
+            up.unnamed = mine
+            up.dropping.append(b"1")
 
     async def on_flush(self, body: bytes) -> None:
         await self.drain()

@@ -142,8 +142,11 @@ class DatabaseProxy:
             "statement": self.owner.statement_for_tape(run.text),
             "ms": round(((ended or time.monotonic()) - run.started) * 1000, 3),
         }
-        if run.params is not None:
-            payload["params"] = run.params
+        params = run.params
+        if params is None and run.bind is not None:
+            params = self.params_for_tape(run.bind)  # scrubbed here, off the reply's path
+        if params is not None:
+            payload["params"] = params
         if tag is not None:
             payload["tag"] = tag
             payload["rows"] = rows_of(tag)[0]

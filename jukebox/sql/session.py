@@ -68,6 +68,7 @@ class SqlSession:
         # Set (and replaced) when the wire is given back or a block attached or ended: what a
         # write waiting for another connection's block waits on.
         self.changed = asyncio.Event()
+        self._watching = 0  # waits on `changed` under way (none: nothing to tell)
         self.prepared: str | None = None  # the gid of PREPARE TRANSACTION, once done
         self.finished = False
         self.rows_changed = 0
@@ -88,6 +89,9 @@ class SqlSession:
         # open when they were taken, which then committed: that block's jukebox_tx was kept
         # under its work, and going back to N goes back to it (`rollback_to`).
         self.deferred: set[int] = set()
+        # Checkpoints whose block a failed bookkeeping query undid, until the rollback that
+        # follows takes their savepoint (`block_lost`).
+        self.stranded: list[int] = []
         self._opening = asyncio.Lock()
         self._waiting = 0  # takers waiting for the wire (a free wire goes to them first)
 
@@ -145,7 +149,7 @@ class SqlSession:
                 if left <= 0:
                     raise TimeoutError
                 if write and self.blocked_by(holder):
-                    await asyncio.wait_for(self.changed.wait(), left)
+                    await self._watch(left)
                     continue
                 self._waiting += 1
                 try:
@@ -175,7 +179,7 @@ class SqlSession:
         if self.holder is holder:
             self.holder = None
             self.wire.release()
-            self._notify()
+            self.notify()
 
     def set_attached(self, holder: Any, attached: bool) -> None:
         """`holder`'s block keeps its savepoint on the session, or no longer does."""
@@ -183,11 +187,19 @@ class SqlSession:
             self.attached = holder
         elif self.attached is holder:
             self.attached = None
-        self._notify()
+        self.notify()
 
-    def _notify(self) -> None:
-        changed, self.changed = self.changed, asyncio.Event()
-        changed.set()
+    def notify(self) -> None:
+        if self._watching:  # a fresh Event at every statement's end was a cost of its own
+            changed, self.changed = self.changed, asyncio.Event()
+            changed.set()
+
+    async def _watch(self, timeout: float) -> None:
+        self._watching += 1
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        finally:
+            self._watching -= 1
 
     # ------------------------------------------------------------------ the booth's own steps
 
@@ -224,7 +236,7 @@ class SqlSession:
             try:
                 if left <= 0:
                     raise TimeoutError
-                await asyncio.wait_for(self.changed.wait(), left)
+                await self._watch(left)
             except TimeoutError:
                 raise TurnTimeout(
                     f"jukebox: a statement of the agent on the booth's database {self.name!r} "
@@ -289,18 +301,31 @@ class SqlSession:
                 sql += "RELEASE SAVEPOINT jukebox_tx; "
                 other.attached = False
                 self.attached = None
-                self._notify()
+                self.notify()
             return f"{sql}SAVEPOINT jukebox_cp_{first}"
         self.deferred.add(first)
         release = "RELEASE SAVEPOINT jukebox_in; " if conn.marked else ""
         return f"{release}SAVEPOINT jukebox_cp_{first}"
 
     def block_lost(self, conn: Any) -> None:
-        """`conn`'s block was undone by a failed bookkeeping query of its own, with the state
-        before it: checkpoints waiting for it have nowhere to go."""
+        """`conn`'s block is undone by a failed bookkeeping query of its own, read by another
+        unit: that unit's own SAVEPOINT was refused in the aborted transaction, so its
+        rollback (`ROLLBACK TO SAVEPOINT jukebox_tx`) goes back to the block's savepoint, the
+        state before the block, which is what checkpoints waiting for the block are: their
+        savepoint is taken there (`place_stranded`)."""
         if self.pending_on is conn:
-            self.gone.update(self.pending)
+            self.stranded = self.pending
             self.pending, self.pending_on = [], None
+
+    def place_stranded(self) -> str:
+        """The SQL that gives checkpoints stranded by `block_lost` their savepoint, to follow
+        the rollback of the unit that read the failure."""
+        if not self.stranded:
+            return ""
+        first = self.stranded[0]
+        self.stranded = []
+        self.points.append(first)
+        return f"; SAVEPOINT jukebox_cp_{int(first)}"
 
     async def rollback_to(self, n: int, timeout: float) -> None:
         """ROLLBACK TO SAVEPOINT jukebox_cp_N. Open blocks of the agent's connections are
@@ -309,6 +334,11 @@ class SqlSession:
         its next statement (`AgentConnection.undo`), rather than waited for: the agent asking
         for the rollback is often the one holding that block open, and waiting would only
         time out. A unit running now is waited for (up to `timeout`)."""
+        if n in self.stranded:  # its block's undoing is not over: nowhere to go yet
+            raise UpstreamError(
+                f"database {self.name!r} cannot go to checkpoint {n} yet: the transaction it "
+                "was taken before failed and is still being undone; try again"
+            )
         if n in self.gone:
             raise UpstreamError(
                 f"database {self.name!r} cannot go to checkpoint {n}: an earlier rollback "
@@ -318,10 +348,21 @@ class SqlSession:
             return
         me = object()
         pops = 0  # units parked on a block checkpoints wait for, whose savepoints go first
+        reader = None  # an idle block that has only read, whose savepoint the rollback ends
 
         def undo_blocks() -> None:
-            nonlocal pops
+            nonlocal pops, reader
             pops += self._undo_blocks(n)
+            other = self.attached
+            if (other is not None and not other.wrote and not self.wire.locked()
+                    and not self._waiting):
+                # The wire is the rollback's now (`_turn`). Detached by the rollback's own SQL,
+                # not by a RELEASE ahead of it: a failed unit of another connection inside
+                # that block has the transaction aborted, and the RELEASE would fail there,
+                # failing the block that had only read.
+                other.attached = False
+                self.attached = None
+                reader = other
 
         await self._turn(me, timeout, "rollback", first=undo_blocks)
         try:
@@ -332,10 +373,15 @@ class SqlSession:
                 # To a checkpoint taken while a block was open, which is undone now: the
                 # state before it, its jukebox_tx (under a failed unit parked inside it).
                 point = self.pending[0]
-                sql = undo * pops + f"{undo}SAVEPOINT jukebox_cp_{point}"
+                # A block that only read, whose failed unit parked inside it was that block:
+                # its savepoint is just under that unit's, and goes too (it read only).
+                release = "RELEASE SAVEPOINT jukebox_tx; " if reader is not None else ""
+                sql = undo * pops + f"{undo}{release}SAVEPOINT jukebox_cp_{point}"
                 self.points.append(point)
             else:
-                # A checkpoint taken before the agent's first connection is the start.
+                # A checkpoint taken before the agent's first connection is the start. A block
+                # that only read attached now took its savepoint after that checkpoint: it
+                # goes with the rest, its reads need no undoing.
                 point = max(p for p in self.points if p <= n)
                 sql = f"ROLLBACK TO SAVEPOINT jukebox_cp_{int(point)}"
                 if point in self.deferred:  # back to the kept jukebox_tx under that block
@@ -344,6 +390,7 @@ class SqlSession:
             self.pending, self.pending_on = [], None
             self.points = [p for p in self.points if p <= point]
             self.deferred = {p for p in self.deferred if p < point}
+            self.stranded = [p for p in self.stranded if p <= point]
             self.gone.update(range(n + 1, self.taken + 1))
         finally:
             self.give_back(me)
@@ -368,7 +415,7 @@ class SqlSession:
             attached.undo(n)
             self.attached = None
         if holder is not self.holder or attached is not self.attached:
-            self._notify()  # writes that waited for that block may go once the rollback is done
+            self.notify()  # writes that waited for that block may go once the rollback is done
         return inside
 
     def _disown(self, conn: Any) -> None:

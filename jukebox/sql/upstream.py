@@ -162,6 +162,27 @@ class Wire:
             self.at = 0
         return data
 
+    def take_run(self) -> bytes:
+        """The messages here in full, up to the first the proxy looks into (`_LOOKED_AT`),
+        as they came: they are passed on to the agent in one piece."""
+        buf = self.buf
+        at = start = self.at
+        size = len(buf)
+        while size - at >= 5 and buf[at] not in _LOOKED_AT:
+            (length,) = _LENGTH.unpack_from(buf, at + 1)
+            if length < 4 or length > m.MAX_MESSAGE or at + 1 + length > size:
+                break
+            at += 1 + length
+        if at == start:
+            return b""
+        data = bytes(buf[start:at])
+        if at == size:
+            buf.clear()
+            self.at = 0
+        else:
+            self.at = at
+        return data
+
     def next_message(self) -> tuple[bytes, bytes] | None:
         """(type byte, body) of the next message when all of it is here already, else None:
         a statement's replies come in one read, and taking them from the buffer without a
@@ -305,6 +326,10 @@ class Wire:
 
 
 _LENGTH = struct.Struct("!i")
+# The server's messages the relay reads (AgentConnection.relay): CommandComplete, an error,
+# ReadyForQuery, CopyInResponse, EmptyQueryResponse, PortalSuspended. The others pass on as
+# they are.
+_LOOKED_AT = frozenset(b"CEZGIs")
 # The agent's extended-query messages a bookkeeping query can go ahead of (`Upstream.send`).
 _EXTENDED = (b"P", b"B", b"D", b"E", b"C")
 
@@ -350,6 +375,13 @@ class Upstream:
         # at 64 KiB): the agent's Parse, Bind, Execute and Sync, with the proxy's SAVEPOINT
         # before them, go as one TLS record and one segment, not one system call each.
         self.out = bytearray()
+        # Which agent connection's unnamed statement the server's unnamed statement is (its
+        # AgentConnection.unnamed), None when it is nobody's: a Query and any Parse of the
+        # unnamed statement (the proxy's bookkeeping) replace it.
+        self.unnamed: Any = None
+        # Replies to the proxy's Parse or Close of the agent's unnamed statement sent again
+        # (b"1", b"3"), for the relay to drop, until the unit's ReadyForQuery.
+        self.dropping: list[bytes] = []
 
     @classmethod
     async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
@@ -419,7 +451,10 @@ class Upstream:
                                         "proxy does not speak")
 
     def send(self, data: bytes) -> None:
+        if data[:1] == b"Q":
+            self.unnamed = None
         if self.own:
+            self.unnamed = None
             if data[:1] in _EXTENDED and not self.prefix and all(
                     owner is not None for _, owner in self.own):
                 # Ahead of the agent's extended-query messages, as extended messages of their
@@ -452,6 +487,7 @@ class Upstream:
         how many characters went ahead of the agent's text (an error's position is shifted
         back by as many)."""
         own = self.own
+        self.unnamed = None
         if not own or self.prefix or any(owner is None for _, owner in own):
             self.send(m.message(b"Q", text.encode() + b"\0"))
             return 0
@@ -476,6 +512,7 @@ class Upstream:
         self.own.append((sql, owner))
 
     def _put_own(self) -> None:
+        self.unnamed = None
         own = self.own
         first = own[0][1]
         if len(own) == 1 or (len(own) == 2 and own[1][1] is first):  # one owner: the usual
@@ -520,6 +557,13 @@ class Upstream:
                 raised = failed
         if raised is not None:
             raise UpstreamError(raised.get("M", "error"), raised)
+
+    def passthrough(self) -> bytes:
+        """The replies here that pass on as they are (Wire.take_run), when nothing is to be
+        sent or settled first."""
+        if self.own or self.out or self.unread:
+            return b""
+        return self.wire.take_run()
 
     def ready(self) -> tuple[bytes, bytes] | None:
         """The next message when it is here and nothing is to be sent or settled first."""

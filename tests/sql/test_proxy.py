@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -365,6 +366,138 @@ def test_a_connection_gone_while_queued_leaves_no_prepared_statements(
     finally:
         a.close()
         c.close()
+
+
+def test_the_unnamed_statement_outlives_its_round_trip(proxied: Proxied) -> None:
+    """A client that Parses the unnamed statement, Syncs, and Binds it in a later round trip
+    (libpq's PQprepare(conn, "") then PQexecPrepared) gets its own statement, though the
+    proxy's bookkeeping and other connections' units replace the server's one unnamed
+    statement in between; one that binds an unnamed statement it never parsed gets the
+    server's error, never another connection's statement."""
+    from psycopg.pq import ExecStatus
+
+    a = psycopg.connect(proxied.url, autocommit=True)
+    b = psycopg.connect(proxied.url, autocommit=True)
+    c = psycopg.connect(proxied.url, autocommit=True)
+    try:
+        pa, pb = a.pgconn, b.pgconn
+        assert pa.prepare(b"", b"SELECT v FROM t WHERE id = $1").status == ExecStatus.COMMAND_OK
+        b.execute("INSERT INTO t VALUES (%s, 'three')", (3,))  # an unnamed Parse of its own
+        assert pb.prepare(b"", b"SELECT 'b' || count(*) FROM t WHERE id > $1").status == \
+            ExecStatus.COMMAND_OK
+        for key, value in ((b"1", b"one"), (b"3", b"three"), (b"2", b"two")):
+            got = pa.exec_prepared(b"", [key])
+            assert got.status == ExecStatus.TUPLES_OK, got.error_message
+            assert got.get_value(0, 0) == value
+        got = pb.exec_prepared(b"", [b"1"])
+        assert got.status == ExecStatus.TUPLES_OK and got.get_value(0, 0) == b"b2"
+        # PQdescribePrepared holds the GIL while it waits (the proxy runs in this process):
+        # its asynchronous form, waited for here.
+        pa.send_describe_prepared(b"")
+        while pa.flush():
+            select.select([], [pa.socket], [], 10)
+        while pa.consume_input() or pa.is_busy():
+            select.select([pa.socket], [], [], 10)
+        assert pa.get_result().nparams == 1  # type: ignore[union-attr]
+        assert pa.get_result() is None
+        # Inside a transaction block, with the agent's COMMIT between.
+        a.execute("BEGIN")
+        assert pa.prepare(b"", b"SELECT count(*) FROM t").status == ExecStatus.COMMAND_OK
+        a.execute("INSERT INTO t VALUES (4, 'four')")
+        assert pa.exec_prepared(b"", []).get_value(0, 0) == b"4"
+        a.execute("COMMIT")
+        assert pa.exec_prepared(b"", []).get_value(0, 0) == b"4"
+        got = c.pgconn.exec_prepared(b"", [])
+        assert got.status == ExecStatus.FATAL_ERROR
+        assert b"unnamed prepared statement does not exist" in got.error_message
+        assert c.execute("SELECT count(*) FROM t").fetchone() == (4,)
+    finally:
+        a.close()
+        b.close()
+        c.close()
+
+
+def test_a_rollback_leaves_a_block_that_only_read_alone_beside_a_failed_one(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    """A connection's failed statement inside another connection's idle block that has only
+    read aborts the server's transaction; a rollback of the booth then undoes the failed
+    block and leaves the reading one untouched (its savepoint used to be RELEASEd in the
+    aborted transaction, which failed it with a bookkeeping error), both when the checkpoint
+    was taken before the failure and while the failed block held the session."""
+    auto = psycopg.connect(proxied.url, autocommit=True)
+    reader = psycopg.connect(proxied.url)
+    failed = psycopg.connect(proxied.url)
+    session = proxied.session()
+    try:
+        auto.execute("SELECT 1")
+        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
+        auto.execute("INSERT INTO t VALUES (3, 'after checkpoint 1')")
+        for n in (1, 2):
+            assert reader.execute("SELECT count(*) FROM t").fetchone() == (3,)
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                failed.execute("SELECT 1/0")
+            if n == 2:  # taken while the failed block holds the session: the state before it
+                proxied.proxy.call(session.checkpoint(2, 10), timeout=10)
+            proxied.proxy.call(session.rollback_to(n, 10), timeout=10)
+            # Checkpoint 1 is before row 3; checkpoint 2, the state before the failed block.
+            after = (2,) if n == 1 else (3,)
+            assert reader.execute("SELECT count(*) FROM t").fetchone() == after
+            reader.commit()
+            with pytest.raises(psycopg.errors.InFailedSqlTransaction) as undone:
+                failed.execute("SELECT 1")
+            assert f"rolled back to checkpoint {n}" in str(undone.value)
+            failed.rollback()
+            assert failed.execute("SELECT count(*) FROM t").fetchone() == after
+            failed.commit()
+            auto.execute("INSERT INTO t VALUES (%s, 'again')", (3 + n - 1,))
+    finally:
+        auto.close()
+        reader.close()
+        failed.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:again,4:again"
+
+
+def test_a_checkpoint_outlives_the_failed_bookkeeping_that_undid_its_block(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    """A checkpoint taken while a block that wrote is open is the state before that block.
+    When a bookkeeping query of that block's connection fails (faulted here by queueing, as
+    its own, a query the server refuses), the unit that reads the failure rolls back to the
+    block's savepoint: the checkpoint's state. The checkpoint is taken there and a rollback
+    to it works (it was marked gone, as if a rollback had passed it)."""
+    w = psycopg.connect(proxied.url)
+    b = psycopg.connect(proxied.url, autocommit=True)
+    session = proxied.session()
+    try:
+        b.execute("INSERT INTO t VALUES (3, 'before the block')")
+        w.execute("INSERT INTO t VALUES (4, 'in the block')")
+        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
+        conn_w = proxied.proxy.databases["main"].connections[1]
+
+        async def fail_its_bookkeeping() -> None:
+            up = session.upstream
+            assert up is not None and session.pending_on is conn_w
+            up.send_own("SELECT 1/0", conn_w)
+
+        proxied.proxy.call(fail_its_bookkeeping(), timeout=10)
+        with pytest.raises(psycopg.errors.SerializationFailure):
+            b.execute("SELECT count(*) FROM t")
+        assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)  # the block went
+        with pytest.raises(psycopg.errors.StatementCompletionUnknown):
+            w.execute("SELECT 1")
+        w.rollback()
+        b.execute("INSERT INTO t VALUES (5, 'after the checkpoint')")
+        proxied.proxy.call(session.rollback_to(1, 10), timeout=10)
+        assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)
+        w.execute("INSERT INTO t VALUES (6, 'a block after')")
+        w.commit()
+    finally:
+        w.close()
+        b.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:before the block,6:a block after"
 
 
 def test_concurrent_transactions_of_an_asyncpg_pool(proxied: Proxied) -> None:
