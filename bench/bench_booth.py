@@ -12,7 +12,10 @@ fsync, the frame's write and the tape's fdatasync follow within 50 ms (the booth
 checkpoints run back to back, each after a step that rewrites 1 or 10 of the tree's 100 files,
 so some arrive during the group commit's fsync: p99, the slowest (max) and the mean show
 whether they wait for it. The paused rows sleep 0.2 s between each step and its checkpoint, as
-an agent does while a model answers: the checkpoint then wakes idle threads and cold caches.
+an agent does while a model answers: the checkpoint then wakes idle threads and cold caches. In
+that pause the booth has stored the step's files, trees and journal already (50 ms after the
+layer's last change, `shadowfs.quiet_fold`), as it would for any agent that pauses, so a paused
+row times what is left of the checkpoint: the request and its answer, the syncfs, the frame.
 """
 
 from __future__ import annotations
@@ -166,7 +169,8 @@ def run(quick: bool = False) -> list[dict]:
         paused = (
             PAUSE, n_paused, f", {PAUSE} s after the step",
             "as above, but the agent sleeps between its step and the request, as it would "
-            "while waiting for a model: idle threads and cold caches",
+            "while waiting for a model: idle threads and cold caches; the step's changes were "
+            "stored in the pause (shadowfs.quiet_fold)",
         )  # fmt: skip
         for pause, n, _when, note in (back_to_back, paused):
             for k in (1, 10):
