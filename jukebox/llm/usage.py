@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from jukebox.llm.budget import BYTES_PER_TOKEN
@@ -25,6 +26,8 @@ from jukebox.llm.providers import CHAT, COMPLETIONS, OPENAI, Summary
 from jukebox.llm.sse import SSEEvent
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+# What a body that asks for a stream holds (JSON allows whitespace around the colon).
+_STREAM_TRUE = re.compile(rb'"stream"[ \t\r\n]*:[ \t\r\n]*true')
 
 
 def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
@@ -32,9 +35,10 @@ def ask_for_usage(provider: str, endpoint: str, body: bytes) -> bytes | None:
     the request is not a chat (or legacy completions) stream or already asks for it."""
     if provider != OPENAI or endpoint not in (CHAT, COMPLETIONS):
         return None
-    # Most calls are not streams: no need to parse the whole body to see it. (A client that
-    # escaped the key's letters would only have its usage estimated.)
-    if b'"stream"' not in body:
+    # Most calls are not streams, and some say `"stream": false`: no need to parse the whole
+    # body, on the call's way upstream, to see it. (A client that escaped the key's letters
+    # would only have its usage estimated.)
+    if _STREAM_TRUE.search(body) is None:
         return None
     try:
         request = json.loads(body)

@@ -4,6 +4,7 @@ the upstream still reports none, and reads Anthropic's usage from its stream eve
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from jukebox.guard.breaker import CircuitBreaker
 from jukebox.llm.replay import ReplaySource
+from jukebox.llm.usage import ask_for_usage
 from tests.llm.conftest import Recording, clients, direct_urls
 from tests.llm.test_replay import events_per_chunk, raw_chunks
 from tests.llm.upstream import FakeUpstream
@@ -124,3 +126,22 @@ def test_anthropic_streams_are_counted_from_their_events(
     assert turn["usage"]["input"] == final.usage.input_tokens > 0
     assert turn["usage"]["output"] == final.usage.output_tokens > 1  # message_delta's count
     assert breaker.state().tokens == turn["usage"]["input"] + turn["usage"]["output"]
+
+
+@pytest.mark.parametrize(
+    ("body", "asked"),
+    [
+        (b'{"model": "m", "stream": false, "messages": []}', False),
+        (b'{"model": "m", "messages": [{"content": "say \\"stream\\": true"}]}', False),
+        (b'{"model": "m", "stream": true}', True),
+        (b'{\n  "model": "m",\n  "stream" :\n    true\n}', True),  # pretty-printed
+        (b'{"stream": true, "stream_options": {"include_usage": true}}', False),
+    ],
+)
+def test_only_a_stream_that_does_not_ask_for_usage_is_asked_for_it(
+    body: bytes, asked: bool
+) -> None:
+    forwarded = ask_for_usage("openai", "chat.completions", body)
+    assert (forwarded is not None) == asked
+    if forwarded is not None:
+        assert json.loads(forwarded)["stream_options"] == {"include_usage": True}
