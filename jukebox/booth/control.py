@@ -269,7 +269,10 @@ class ControlServer:
                 out = b"".join([self.dispatch(line, peer) for line in lines if line.strip()])
             # An answer fits the socket's buffer unless the agent stopped reading: then the
             # flushes are woken before this thread waits for it (below).
-            sent = sock.send(out, socket.MSG_DONTWAIT) if out else 0
+            try:
+                sent = sock.send(out, socket.MSG_DONTWAIT) if out else 0
+            except BlockingIOError:
+                sent = 0
         if sent < len(out):
             sock.sendall(out[sent:])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -189,6 +190,41 @@ def test_pipelined_requests_on_one_connection(served) -> None:
         f = s.makefile("rb")
         answers = [json.loads(f.readline()) for _ in range(3)]
     assert [a.get("checkpoint") for a in answers[:2]] == [1, 2] and answers[2]["count"] == 3
+
+
+def test_an_answer_waits_for_a_client_that_stopped_reading(tmp_path: Path) -> None:
+    # The agent's end is full (it has not read for a while): the answer waits for it, and the
+    # connection stays, instead of failing the send that must not block.
+    server = ControlServer(str(tmp_path / "c.sock"), Booth().handlers())
+    ours, agent = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                ours.send(b"x" * 4096)
+        ours.setblocking(True)
+        failed: list[BaseException] = []
+
+        def answer() -> None:
+            try:
+                server._answer(ours, [b'{"op": "status"}'], Peer(1, 0, 0))
+            except BaseException as error:  # reported below
+                failed.append(error)
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        agent.settimeout(slow(10))
+        got = b""
+        with contextlib.suppress(TimeoutError):
+            while not got.endswith(b"\n"):
+                got += agent.recv(65536).lstrip(b"x")
+        thread.join(slow(10))
+        assert not failed, failed
+        assert json.loads(got)["ok"] is True
+    finally:
+        ours.close()
+        agent.close()
+        server.close()
 
 
 def test_requests_from_one_process_share_a_connection_and_reopen_it_when_the_booth_drops_it(
