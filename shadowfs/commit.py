@@ -112,6 +112,7 @@ __all__ = [
     "Progress",
     "apply",
     "clean_residue",
+    "collector_paused",
     "holds_tree",
     "lock_holders",
     "pending",
@@ -1187,6 +1188,11 @@ class _Chunk(Record):
         self.futures = futures
 
 
+def _small(s: _Stage) -> bool:
+    """Whether `_stage_threaded` writes this stage from a bulk read, in a thread."""
+    return s.link_to is None and s.entry.kind == FILE and s.entry.size <= _SMALL_FILE
+
+
 def _read_chunk(
     store: ObjectReader, dirs: _Dirs, stages: list[_Stage], i: int, umask: int | None
 ) -> _Chunk:
@@ -1200,7 +1206,7 @@ def _read_chunk(
             s = stages[c.end]
             e = s.entry
             c.end += 1
-            if s.link_to is not None or e.kind != FILE or e.size > _SMALL_FILE:
+            if not _small(s):
                 c.rest.append(s)
                 continue
             small.append(s)
@@ -1735,11 +1741,13 @@ def _redo(
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the length of a commit. A commit of 50,000
     files makes millions of objects (changes, entries, operations, journal text), none of them
     in cycles, and each of the collector's full passes walks them all: 1.3 of the 4 s of CPU
-    such a commit took. Reference counting still frees everything as before."""
+    such a commit took. Reference counting still frees everything as before. A caller that
+    diffs the same trees before the commit (a review, a hook check) holds it off around those
+    too; nested, the outermost one turns it back on."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -1747,7 +1755,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
 
 
 def apply(
@@ -1797,7 +1804,7 @@ def apply(
     if base_tree == new_tree:
         return CommitReport(0, 0)
     crash = _Crash()
-    with _journal_dir(journal_dir) as jfd, _collector_paused():
+    with _journal_dir(journal_dir) as jfd, collector_paused():
         root = _open_target(target, lock_timeout, interrupted)
         dirs = _Dirs(root)
         try:
@@ -1897,7 +1904,9 @@ def _staged_and_applied(
                     progress("stage", k + 1, total)
 
         try:
-            with _prefetched(store, (s.entry.oid for s in plan.stages if s.entry.oid)):
+            # The small files of a threaded staging are looked up by the bulk reads.
+            rest = (s.entry.oid for s in plan.stages if not (whole_fs and _small(s)))
+            with _prefetched(store, (oid for oid in rest if oid)):
                 if whole_fs:
                     _stage_threaded(store, dirs, plan.stages, syncer, threads, interrupted,
                                     staged, umask)  # fmt: skip

@@ -682,68 +682,77 @@ class Store:
         """The content of each file object of ``oids`` (as `read_file_into` writes it), read
         in one pass over the packs: records in pack order, neighbours in one pread, each
         checked against its id. A commit stages 50,000 small files from here; one `get` each
-        spent most of that in per-object lookups, reads and parsing.
+        spent most of that in per-object lookups, reads and parsing. Their index rows are
+        looked up here too, in bulk (`StoreIndex.plain_blobs`), unless prefetched.
 
         Anything but a blob stored whole and already flushed (a delta, a `chunks` file, a
         record the checks refuse) goes through `read_file_into`, which says what is wrong."""
         out: list[bytes | None] = [None] * len(oids)
         with self._mutex:
             w = self._writer
-            todo: list[tuple[str, int, int, IndexEntry]] = []
+            todo: list[_Span] = []
+            ask: dict[ObjectId, list[int]] = {}
             for i, oid in enumerate(oids):
                 staged = self._staged.get(oid)
                 if staged is not None:
                     if staged.kind == "blob":
                         out[i] = staged.data  # hashed to this id by put, in this process
                     continue
-                e = self._locate(oid)
-                if (
-                    e is not None
-                    and e.kind == "blob"
+                e = self._pending.get(oid) or self._prefetched.get(oid)
+                if e is None:
+                    ask.setdefault(oid, []).append(i)
+                elif (
+                    e.kind == "blob"
                     and e.delta_base is None
                     and (w is None or e.pack != w.name)
                 ):
-                    todo.append((e.pack, e.offset, i, e))
+                    todo.append((e.pack, e.offset, i, e.oid, e.raw_len, e.stored_len))
+            if ask:
+                for oid_b, pack, offset, stored_len, raw_len in self._idx().plain_blobs(list(ask)):
+                    if w is None or pack != w.name:
+                        for i in ask[oid_b]:  # type: ignore[index]  # bytes hash as their ObjectId
+                            todo.append((pack, offset, i, oid_b, raw_len, stored_len))
             todo.sort(key=_pack_order)
             for span in _spans(todo):
                 self._read_span(span, out)
+        left = [oid for oid, data in zip(oids, out, strict=True) if data is None]
         contents: list[bytes] = []
-        for oid, data in zip(oids, out, strict=True):
-            if data is None:
-                sink = io.BytesIO()
-                self.read_file_into(oid, sink)
-                data = sink.getvalue()
-            contents.append(data)
+        with self.prefetched(left) if len(left) > 1 else contextlib.nullcontext():
+            for oid, data in zip(oids, out, strict=True):
+                if data is None:
+                    sink = io.BytesIO()
+                    self.read_file_into(oid, sink)
+                    data = sink.getvalue()
+                contents.append(data)
         return contents
 
-    def _read_span(
-        self, span: list[tuple[str, int, int, IndexEntry]], out: list[bytes | None]
-    ) -> None:
+    def _read_span(self, span: list[_Span], out: list[bytes | None]) -> None:
         """Decode the records of one span (see `_spans`) into ``out``; those it cannot stay None."""
         start = span[0][1]
         try:
-            end = span[-1][1] + span[-1][3].record_len
+            last = span[-1]
+            end = last[1] + _BLOB_RECORD_HEADER + last[5]
             buf = os.pread(self._fd(span[0][0]), end - start, start)
         except OSError:
             return  # gone (gc moved it) or unreadable: `read_file_into` looks again
         dctx = self._dctx
-        for _, offset, i, e in span:
-            found = pk.plain_blob_payload(buf, offset - start, e.oid, e.raw_len, e.stored_len)
+        for _, offset, i, oid, raw_len, stored_len in span:
+            found = pk.plain_blob_payload(buf, offset - start, oid, raw_len, stored_len)
             if found is None:
                 continue
             zstd, at = found
-            payload = memoryview(buf)[at : at + e.stored_len]
+            payload = memoryview(buf)[at : at + stored_len]
             if not zstd:
                 raw = bytes(payload)
             else:
                 try:
                     # Checked first: a flipped content size must not become a huge alloc.
-                    if zstandard.frame_content_size(payload) != e.raw_len:
+                    if zstandard.frame_content_size(payload) != raw_len:
                         continue
                     raw = dctx.decompress(payload)
                 except zstandard.ZstdError:
                     continue
-            if len(raw) == e.raw_len and hash_object("blob", raw) == e.oid:
+            if len(raw) == raw_len and hash_object("blob", raw) == oid:
                 out[i] = raw
 
     def read_bytes(self, oid: ObjectId) -> bytes:
@@ -1471,18 +1480,21 @@ _SPAN_GAP = 64 << 10
 _SPAN_MAX = 8 << 20
 
 
-def _pack_order(item: tuple[str, int, int, IndexEntry]) -> tuple[str, int]:
+# A plain blob's record: (pack, offset, index in the caller's list, oid, raw_len, stored_len).
+_Span = tuple[str, int, int, bytes, int, int]
+_BLOB_RECORD_HEADER = pk.header_len("blob", False)
+
+
+def _pack_order(item: _Span) -> tuple[str, int]:
     return item[0], item[1]
 
 
-def _spans(
-    todo: list[tuple[str, int, int, IndexEntry]],
-) -> Iterator[list[tuple[str, int, int, IndexEntry]]]:
-    """Runs of (pack, offset, index, entry), in pack order, close enough to read at once."""
-    span: list[tuple[str, int, int, IndexEntry]] = []
+def _spans(todo: list[_Span]) -> Iterator[list[_Span]]:
+    """Runs of plain blob records (see `_Span`), in pack order, close enough to read at once."""
+    span: list[_Span] = []
     end = 0
     for item in todo:
-        pack, offset, _, e = item
+        pack, offset = item[0], item[1]
         if span and (
             pack != span[0][0] or offset > end + _SPAN_GAP or offset - span[0][1] > _SPAN_MAX
         ):
@@ -1491,7 +1503,7 @@ def _spans(
         if not span:
             end = offset
         span.append(item)
-        end = max(end, offset + e.record_len)
+        end = max(end, offset + _BLOB_RECORD_HEADER + item[5])
     if span:
         yield span
 

@@ -302,6 +302,28 @@ class StoreIndex:
                 found[e.oid] = e
         return found
 
+    def plain_blobs(self, oids: list[ObjectId]) -> list[tuple[bytes, str, int, int, int]]:
+        """(oid, pack, offset, stored_len, raw_len) of each of ``oids`` stored as a blob whole
+        (no delta), in a query per 500, for a bulk read: no `IndexEntry` each (a third of the
+        cost of looking up a commit's 50,000 files), the row checked by sqlite. A row that is
+        anything else, or fails a check, is left out: the caller reads that object the usual
+        way, whose lookup says what is wrong with it."""
+        found: list[tuple[bytes, str, int, int, int]] = []
+        for i in range(0, len(oids), 500):
+            part = oids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            rows = self._all(
+                "SELECT oid, pack, offset, stored_len, raw_len FROM objects"
+                f" WHERE oid IN ({marks}) AND kind = 'blob' AND delta_base IS NULL"
+                f" AND typeof(oid) = 'blob' AND length(oid) = {OID_SIZE} AND typeof(pack) = 'text'"
+                " AND typeof(offset) = 'integer' AND offset BETWEEN 0 AND 4611686018427387904"
+                f" AND typeof(stored_len) = 'integer' AND stored_len BETWEEN 0 AND {MAX_RECORD_LEN}"
+                f" AND typeof(raw_len) = 'integer' AND raw_len BETWEEN 0 AND {MAX_RECORD_LEN}",
+                tuple(bytes(o) for o in part),
+            )
+            found += [r for r in rows if r[1] in _GOOD_PACKS or _good_pack(r[1])]
+        return found
+
     def entries(self) -> Iterator[IndexEntry]:
         for row in self._all(f"SELECT {_COLUMNS} FROM objects"):
             yield _entry(self.path, row)

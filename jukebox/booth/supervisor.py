@@ -901,9 +901,12 @@ def commit_booth(
     number or a label), or ``only`` the changes at and under those paths
     (jukebox.booth.partial); raises CheckFailed listing every conflict, or the hook-like files
     it changes unless ``allow_hooks`` (jukebox.review.host_hooks)."""
+    from shadowfs.commit import collector_paused
     from shadowfs.errors import ConflictError
 
-    with _locked(tape_dir, booth_id) as record:
+    # The hook check, the summary and the commit diff the same trees: 50,000 changes are
+    # millions of objects that Python's cyclic collector would walk again and again.
+    with _locked(tape_dir, booth_id) as record, collector_paused():
         _refuse_running(record)
         with _open_store(tape_dir) as store:
             bound_tape(tape_dir, booth_id, record, store, sealed=True)  # before any write
@@ -2657,6 +2660,7 @@ def _commit_run(
     final: ObjectId,
     code: int,
 ) -> tuple[str, int]:
+    from shadowfs.commit import collector_paused
     from shadowfs.errors import ConflictError
 
     if final == base:
@@ -2672,7 +2676,8 @@ def _commit_run(
         writer.sync()
 
     try:
-        changes = commit_tree(store, tapes, record, base, final, by=None, write=verdict)
+        with collector_paused():  # see commit_booth
+            changes = commit_tree(store, tapes, record, base, final, by=None, write=verdict)
     except ConflictError as error:
         writer.append("note", {"event": "commit_refused", "conflicts": error.conflicts})
         record.status = "conflict"
