@@ -23,6 +23,7 @@ row whose ratio is 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -227,38 +228,50 @@ def rewrite_case(s: Sizes, scratch: Path) -> list[Row]:
 
 
 def commit_case(s: Sizes, scratch: Path) -> list[Row]:
+    """Leaves nothing behind in ``scratch``: its trees, repos and tape dir go as each is done
+    with, a failed run's too (the tape dir holds a store of the whole tree)."""
     lower = _small_tree(s.commit_files)
     case = f"commit {s.commit_files:,} changed files"
     booth_s: list[float] = []
     freed_s: list[float] = []
     git_s: list[float] = []
     tapes = scratch / "commit-tapes"
-    for i in range(s.runs):
-        tree = scratch / f"commit-tree-{i}"
-        subprocess.run(["cp", "-a", "--", str(lower), str(tree)], check=True)
-        _booth(tree, tapes, f"c{i}", [sys.executable, "-c", REWRITE])
-        os.sync()
-        t0 = time.perf_counter()
-        booth_s.append(_timed([JUKEBOX, "booth", "commit", f"c{i}", "--tape-dir", str(tapes)]))
-        # The replaced files are freed by a background process: wait for it (the git side
-        # must not share the disk with it), and say how long after the commit it was done.
-        _drained(tapes / ".jukebox" / "commit-trash")
-        freed_s.append(time.perf_counter() - t0)
-        shutil.rmtree(tree)
+    try:
+        for i in range(s.runs):
+            tree = scratch / f"commit-tree-{i}"
+            try:
+                subprocess.run(["cp", "-a", "--", str(lower), str(tree)], check=True)
+                _booth(tree, tapes, f"c{i}", [sys.executable, "-c", REWRITE])
+                os.sync()
+                t0 = time.perf_counter()
+                booth_s.append(_timed([JUKEBOX, "booth", "commit", f"c{i}", "--tape-dir",
+                                       str(tapes)]))  # fmt: skip
+                # The replaced files are freed by a background process: wait for it (the git
+                # side must not share the disk with it), and say how long after the commit it
+                # was done.
+                _drained(tapes / ".jukebox" / "commit-trash")
+                freed_s.append(time.perf_counter() - t0)
+            finally:
+                shutil.rmtree(tree, ignore_errors=True)
 
-        repo = scratch / f"commit-git-{i}"
-        subprocess.run(["cp", "-a", "--", str(lower), str(repo)], check=True)
-        git(repo, "init", "-q", "-b", "main")
-        # 50,000 loose objects start a detached `git gc --auto`, which would run beside the
-        # timed commit (and pack objects from under the rewrite).
-        git(repo, "config", "gc.auto", "0")
-        git(repo, "add", "-A")
-        git(repo, "commit", "-q", "-m", "base")
-        subprocess.run([sys.executable, "-c", REWRITE], cwd=repo, check=True)
-        os.sync()
-        git_s.append(_timed(["sh", "-c", "git add -A && git commit -q -m change"], cwd=repo,
-                            env=git_env()))  # fmt: skip
-        shutil.rmtree(repo)
+            repo = scratch / f"commit-git-{i}"
+            try:
+                subprocess.run(["cp", "-a", "--", str(lower), str(repo)], check=True)
+                git(repo, "init", "-q", "-b", "main")
+                # 50,000 loose objects start a detached `git gc --auto`, which would run beside
+                # the timed commit (and pack objects from under the rewrite).
+                git(repo, "config", "gc.auto", "0")
+                git(repo, "add", "-A")
+                git(repo, "commit", "-q", "-m", "base")
+                subprocess.run([sys.executable, "-c", REWRITE], cwd=repo, check=True)
+                os.sync()
+                git_s.append(_timed(["sh", "-c", "git add -A && git commit -q -m change"],
+                                    cwd=repo, env=git_env()))  # fmt: skip
+            finally:
+                shutil.rmtree(repo, ignore_errors=True)
+    finally:
+        _drained(tapes / ".jukebox" / "commit-trash")
+        shutil.rmtree(tapes, ignore_errors=True)
     base = statistics.median(git_s)
     return [
         _row(case, "jukebox booth commit", booth_s, base,
@@ -481,6 +494,30 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
+def _one_case(name: str, quick: bool, runs: int | None) -> list[Row]:
+    """One case alone, in a scratch dir of its own that goes with it (`python -m
+    bench.bench_scale commit --runs 1`)."""
+    s = Sizes.for_mode(quick)
+    if runs is not None:
+        s = dataclasses.replace(s, runs=runs)
+    cases: dict[str, Callable[[Path], list[Row]]] = {
+        "rewrite": lambda p: rewrite_case(s, p),
+        "commit": lambda p: commit_case(s, p),
+        "append": lambda p: append_case(s),
+        "first": lambda p: first_booth_case(s, p)[0],
+    }
+    if name not in cases:
+        raise SystemExit(f"no case {name!r}: one of {', '.join(cases)}")
+    with _scratch() as scratch:
+        return cases[name](scratch)
+
+
 if __name__ == "__main__":
-    for row in run(quick="--quick" in sys.argv):
+    args = sys.argv[1:]
+    quick = "--quick" in args
+    runs = int(args[args.index("--runs") + 1]) if "--runs" in args else None
+    names = [a for i, a in enumerate(args) if not a.startswith("--")
+             and (i == 0 or args[i - 1] != "--runs")]  # fmt: skip
+    rows = [r for n in names for r in _one_case(n, quick, runs)] if names else run(quick=quick)
+    for row in rows:
         print(row)
