@@ -896,11 +896,12 @@ def commit_booth(
     allow_hooks: bool = False,
     lock_timeout: float | None = None,
     only: Sequence[str] | None = None,
-) -> list[str]:
+) -> int:
     """Applies a pending booth to its real tree (its final state, or its checkpoint ``at``: a
     number or a label), or ``only`` the changes at and under those paths
     (jukebox.booth.partial); raises CheckFailed listing every conflict, or the hook-like files
-    it changes unless ``allow_hooks`` (jukebox.review.host_hooks)."""
+    it changes unless ``allow_hooks`` (jukebox.review.host_hooks). Returns how many paths
+    changed (a count: the lines of a summary were 0.1-0.3 s of a 50,000-file commit)."""
     from shadowfs.commit import collector_paused
     from shadowfs.errors import ConflictError
 
@@ -934,7 +935,6 @@ def commit_booth(
                     f"(`jukebox booth diff {booth_id}`), then commit with --allow-hooks or "
                     f"`jukebox booth discard {booth_id}`"
                 )
-            summary = change_summary(store, base, final)
 
             def verdict(kind: str, payload: dict[str, Any], tree: ObjectId | None) -> None:
                 if kind == "note" and tree is not None:  # a partial commit's tree: referenced
@@ -945,7 +945,7 @@ def commit_booth(
             if sql is not None:
                 ledger.set_state(tape_dir, booth_id, ledger.COMMITTING)
             try:
-                commit_tree(
+                changes = commit_tree(
                     store, tape_dir, record, base, final, by="booth commit", write=verdict,
                     checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
                 )
@@ -978,7 +978,7 @@ def commit_booth(
                                 {"event": "sql_commit", "databases": done, "by": "booth commit"})
         if record.status == "running" and partial is None:  # crashed, committed at a checkpoint
             _remove_leftovers(tape_dir, booth_id)
-        return summary
+        return changes
 
 
 def discard_booth(tape_dir: TapeDir, booth_id: str) -> None:

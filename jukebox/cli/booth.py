@@ -497,9 +497,13 @@ def commit(
 
         commit_only(tapes, booth_id, paths, at, allow_hooks, lock_timeout)
         return
-    lines = commit_booth(tapes, booth_id, at, allow_hooks=allow_hooks, lock_timeout=lock_timeout)
+    changes = commit_booth(tapes, booth_id, at, allow_hooks=allow_hooks, lock_timeout=lock_timeout)
+    # Everything it opened is closed. The trees and diffs it keeps cached are millions of
+    # objects after a 50,000-file commit, which the interpreter's teardown would walk and free
+    # one by one: 0.6 s at load 7.
+    skip_teardown()
     what = f"checkpoint {at} of booth" if at is not None else "booth"
-    click.echo(f"committed {what} {booth_id}: {len(lines)} change(s)")
+    click.echo(f"committed {what} {booth_id}: {changes} change(s)")
 
 
 @booth.command("discard")

@@ -93,16 +93,16 @@ def commit_only(
     if not paths:
         raise UsageError(f"--only needs the paths to commit: `jukebox booth commit {booth_id} "
                          "--only PATH...`")  # fmt: skip
-    lines = commit_booth(
+    changes = commit_booth(
         tapes, booth_id, at, allow_hooks=allow_hooks, lock_timeout=lock_timeout, only=paths
     )
     what = f"checkpoint {at} of booth" if at is not None else "booth"
     if not (tapes.booths_path / f"{booth_id}.json").exists():
-        click.echo(f"committed {what} {booth_id}: {len(lines)} change(s), all it had left")
+        click.echo(f"committed {what} {booth_id}: {changes} change(s), all it had left")
         return
     with pending_changes(tapes, booth_id) as (_store, _base, _target, left):
         remaining = len(left)
     click.echo(
-        f"committed {len(lines)} change(s) of {what} {booth_id}; {remaining} change(s) stay "
+        f"committed {changes} change(s) of {what} {booth_id}; {remaining} change(s) stay "
         f"pending: `jukebox booth diff {booth_id}`"
     )
