@@ -1703,10 +1703,14 @@ def _redo(
     point: str,
     progress: Progress | None,
     trash: _Trash | None = None,
+    threads: _Threads | None = None,
 ) -> None:
+    """Run ``ops`` (from op 0: each is idempotent), then make them durable. ``threads``: the
+    caller's, left open; else threads of its own, closed before it returns."""
     total = len(ops)
     threaded = total >= SYNCFS_FROM
-    threads = _Threads()
+    own = threads is None
+    threads = _Threads() if threads is None else threads
     try:
         i = 0
         while i < total:
@@ -1721,7 +1725,8 @@ def _redo(
                     progress("apply", k, total)
             i = j
     finally:
-        threads.close()
+        if own:
+            threads.close()
     if len(fsync) >= SYNCFS_FROM:
         syncfs(dirs.root)
     else:
@@ -1845,14 +1850,16 @@ def _apply_locked(
     unknown = (
         oid for c in changes if c.old is not None and (oid := c.old.oid) and c.path not in known_
     )
-    checks = _Threads()
+    # One set of threads for the check's reads, the staging and the operations: each start of
+    # 16 threads waits for every one of them to run, milliseconds each on a busy machine.
+    threads = _Threads()
     try:
         return _staged_and_applied(
-            store, dirs, jfd, plan, token, unknown, seen, checks, crash, progress, key,
+            store, dirs, jfd, plan, token, unknown, seen, threads, crash, progress, key,
             interrupted, known, len(changes),
         )
     finally:
-        checks.close()
+        threads.close()
 
 
 def _staged_and_applied(
@@ -1863,7 +1870,7 @@ def _staged_and_applied(
     token: str,
     unknown: Iterable[ObjectId],
     seen: dict[bytes, Seen],
-    checks: _Threads,
+    threads: _Threads,
     crash: _Crash,
     progress: Progress | None,
     key: bytes | None,
@@ -1871,9 +1878,10 @@ def _staged_and_applied(
     known: Known | None,
     n_changes: int,
 ) -> CommitReport:
-    """`_apply_locked` from the conflict check on; ``checks``: the threads of the checks."""
+    """`_apply_locked` from the conflict check on; ``threads``: the threads of its steps, each
+    step's work in them ended before the next step begins."""
     with _prefetched(store, unknown):
-        conflicts = _conflicts(store, dirs, plan, progress, seen, known, checks)
+        conflicts = _conflicts(store, dirs, plan, progress, seen, known, threads)
     if conflicts:
         raise ConflictError(conflicts)
 
@@ -1892,7 +1900,6 @@ def _staged_and_applied(
         whole_fs = total >= SYNCFS_FROM
         syncer = _Syncer(dirs.root if whole_fs else None)
         umask = _umask()
-        threads = _Threads()
 
         def staged(k: int, nbytes: int) -> None:
             """Count bytes staged; with k >= 0, stage k is staged whole."""
@@ -1916,10 +1923,7 @@ def _staged_and_applied(
                                           umask))  # fmt: skip
                     staged(i, 0)
         finally:
-            try:
-                threads.close()
-            finally:
-                syncer.close()
+            syncer.close()
         if not whole_fs:
             for d, _ in stage_dirs:
                 os.fsync(dirs.get(_dec(d)))
@@ -1963,7 +1967,7 @@ def _staged_and_applied(
     # Committed. A failure from here on leaves the journal for recover() to finish the job.
     try:
         with _trash(jfd, dirs.root, token) as trash:
-            _redo(dirs, plan.ops, plan.fsync, crash, "", progress, trash)
+            _redo(dirs, plan.ops, plan.fsync, crash, "", progress, trash, threads)
     except OSError as exc:
         raise ShadowfsError(
             f"the commit into the target is recorded but could not be completed ({exc}); fix the "
