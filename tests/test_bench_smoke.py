@@ -160,6 +160,8 @@ def test_quick_scale_suite_measures_every_case_side_by_side(tmp_path: Path) -> N
     for system in ("native", "kernel-overlay", "shadowfs-fuse", "shadowfs-overlay"):
         assert ("rewrite", system) in timed
     assert {("commit", "jukebox booth commit"), ("commit", "git add -A && git commit")} <= timed
+    on_ext4 = {r["system"] for r in rows if r["case"].endswith("journaled ext4 image")}
+    assert on_ext4 == {"jukebox booth commit", "git add -A && git commit"}, rows
     appends = {(r["fs"], r["system"]) for r in rows if r["case"].startswith("append")}
     assert {("tmp", "cp --reflink=auto"), ("tmp", "shadowfs-fuse"), ("xfs", "shadowfs-fuse")} <= (
         appends
