@@ -941,11 +941,12 @@ def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
 
 
 def _prefetched(
-    store: ObjectReader, oids: Iterable[ObjectId]
+    store: ObjectReader, oids: Iterable[ObjectId], how: str = "prefetched"
 ) -> contextlib.AbstractContextManager[object]:
-    """The store's bulk index lookup for ``oids`` (shadowfs.store.Store.prefetched), when it has
-    one: a commit reads every object it touches, one index query each otherwise."""
-    bulk = getattr(store, "prefetched", None)
+    """The store's bulk index lookup for ``oids`` (shadowfs.store.Store.prefetched, or
+    ``how="prefetched_blobs"`` for `read_blobs`), when it has one: a commit reads every object
+    it touches, one index query each otherwise."""
+    bulk = getattr(store, how, None)
     return bulk(oids) if bulk is not None else contextlib.nullcontext()
 
 
@@ -1911,9 +1912,14 @@ def _staged_and_applied(
                     progress("stage", k + 1, total)
 
         try:
-            # The small files of a threaded staging are looked up by the bulk reads.
+            # The small files of a threaded staging are located for the bulk reads, all of
+            # them before any thread runs (see Store.prefetched_blobs); the rest prefetched.
+            small = [s.entry.oid for s in plan.stages if whole_fs and _small(s)]
             rest = (s.entry.oid for s in plan.stages if not (whole_fs and _small(s)))
-            with _prefetched(store, (oid for oid in rest if oid)):
+            with (
+                _prefetched(store, (oid for oid in small if oid), "prefetched_blobs"),
+                _prefetched(store, (oid for oid in rest if oid)),
+            ):
                 if whole_fs:
                     _stage_threaded(store, dirs, plan.stages, syncer, threads, interrupted,
                                     staged, umask)  # fmt: skip

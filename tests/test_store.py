@@ -290,6 +290,8 @@ def test_read_blobs_reads_many_files_at_once_as_read_file_into_does(tmp_path: Pa
             store.read_file_into(oid, sink)
             want.append(sink.getvalue())
         assert store.read_blobs(asked) == want
+        with store.prefetched_blobs(asked):  # places found ahead, as a commit's staging does
+            assert store.read_blobs(asked) == want
         with pytest.raises(StoreError, match="not file content"):
             store.read_blobs([plain[0], tree])
     pack = packs(tmp_path / "store")[0]
@@ -300,6 +302,8 @@ def test_read_blobs_reads_many_files_at_once_as_read_file_into_does(tmp_path: Pa
     with Store.open(tmp_path / "store") as store:
         assert store.read_blobs(plain[:20]) == [text(500, seed) for seed in range(20)]
         with pytest.raises(ObjectCorrupt, match=str(plain[20])):
+            store.read_blobs(plain)
+        with store.prefetched_blobs(plain), pytest.raises(ObjectCorrupt, match=str(plain[20])):
             store.read_blobs(plain)
 
 
