@@ -350,33 +350,13 @@ def _scratch() -> Iterator[Path]:
 EXT4_IMAGE_BYTES = 8 << 30  # sparse: the commit case writes under 1 GiB to it
 
 
-@contextlib.contextmanager
-def _journaled_ext4() -> Iterator[Path]:
-    """A scratch dir on a fresh ext4 loop image with a journal (mkfs.ext4's default), removed
-    after. This VM's root ext4 has no journal, and without one ext4 skips every inode freed in
-    the last minute when it allocates one (docs/benchmarks.md, the inode scan): a commit and
-    git's side, which create 50,000 files each, pay that scan there and not on the file system
-    most trees are on."""
-    if os.geteuid() != 0:
-        raise scratch_fs.ScratchUnavailable("an ext4 loop image needs root to mount.")
-    work = Path(tempfile.mkdtemp(prefix="jukebox-bench-ext4-"))
-    image, mnt = work / "image", work / "mnt"
-    mounted = False
-    try:
-        mnt.mkdir()
-        with open(image, "wb") as f:
-            f.truncate(EXT4_IMAGE_BYTES)
-        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
-        subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True,
-                       capture_output=True)  # fmt: skip
-        mounted = True
-        root = mnt / "scratch"
-        root.mkdir()
-        yield root
-    finally:
-        if mounted and subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+def _journaled_ext4() -> contextlib.AbstractContextManager[Path]:
+    """A scratch dir on a fresh ext4 loop image with a journal (mkfs.ext4's default). This
+    VM's root ext4 has no journal, and without one ext4 skips every inode freed in the last
+    minute when it allocates one (docs/benchmarks.md, the inode scan): a commit and git's side,
+    which create 50,000 files each, pay that scan there and not on the file system most trees
+    are on."""
+    return scratch_fs.loop_image(["mkfs.ext4", "-q", "-F"], EXT4_IMAGE_BYTES, "ext4")
 
 
 def commit_on_ext4_case(s: Sizes) -> list[Row]:
@@ -384,7 +364,7 @@ def commit_on_ext4_case(s: Sizes) -> list[Row]:
     try:
         with _journaled_ext4() as root:
             rows = commit_case(s, root)
-    except (scratch_fs.ScratchUnavailable, subprocess.CalledProcessError) as exc:
+    except scratch_fs.ScratchUnavailable as exc:
         return [{"group": GROUP, "case": f"commit {s.commit_files:,} changed files, "
                  "journaled ext4 image", "system": "-", "note": str(exc)}]  # fmt: skip
     for row in rows:

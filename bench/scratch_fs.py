@@ -91,19 +91,27 @@ def place(name: str) -> Iterator[Place]:
 
 @contextlib.contextmanager
 def _xfs_image() -> Iterator[Path]:
-    if os.geteuid() != 0:
-        raise ScratchUnavailable("an XFS loop image needs root to mount.")
     if shutil.which("mkfs.xfs") is None:
         raise ScratchUnavailable("mkfs.xfs is missing: apt-get install xfsprogs.")
-    work = Path(tempfile.mkdtemp(prefix="jukebox-bench-xfs-"))
+    with loop_image(["mkfs.xfs", "-q", "-m", "reflink=1"], XFS_IMAGE_BYTES, "XFS") as root:
+        yield root
+
+
+@contextlib.contextmanager
+def loop_image(mkfs: list[str], size: int, what: str) -> Iterator[Path]:
+    """A scratch dir on a fresh sparse image of ``size`` bytes made by ``mkfs`` (the image's
+    path appended), loop-mounted, all of it removed after."""
+    if os.geteuid() != 0:
+        raise ScratchUnavailable(f"an {what} loop image needs root to mount.")
+    work = Path(tempfile.mkdtemp(prefix=f"jukebox-bench-{what.lower()}-"))
     image, mnt = work / "image", work / "mnt"
     mounted = False
     try:
         mnt.mkdir()
         with open(image, "wb") as f:
-            f.truncate(XFS_IMAGE_BYTES)
-        _run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], "mkfs.xfs")
-        _run(["mount", "-o", "loop", str(image), str(mnt)], "mounting the XFS image")
+            f.truncate(size)
+        _run([*mkfs, str(image)], mkfs[0])
+        _run(["mount", "-o", "loop", str(image), str(mnt)], f"mounting the {what} image")
         mounted = True
         root = mnt / "scratch"
         root.mkdir()
