@@ -28,6 +28,7 @@ from mcp.shared.exceptions import MCPError
 from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Decision, Policy
 from jukebox.mcp.record import Sink, wire
+from jukebox.mcp.relay import RELAY_ID_BASE, Relay, upstream_stdio
 
 T = TypeVar("T")
 
@@ -82,16 +83,18 @@ class Gateway:
     # Where the operator sets the timeout, as the timeout's message says it.
     timeout_hint: str = " (jukebox mcp wrap --timeout)"
 
+    TIMEOUT_CODE = TIMEOUT_CODE
+
+    def timeout_message(self, what: str) -> str:
+        return (f"jukebox: the MCP server {self.name!r} did not answer {what} within "
+                f"{self.timeout:g}s{self.timeout_hint}")  # fmt: skip
+
     async def _bounded(self, what: str, call: Awaitable[T]) -> T:
         try:
             with anyio.fail_after(self.timeout):
                 return await call
         except TimeoutError:
-            raise MCPError(
-                TIMEOUT_CODE,
-                f"jukebox: the MCP server {self.name!r} did not answer {what} within "
-                f"{self.timeout:g}s{self.timeout_hint}",
-            ) from None
+            raise MCPError(TIMEOUT_CODE, self.timeout_message(what)) from None
 
     async def _listed(self, what: str, call: Awaitable[Any]) -> Any:
         started = time.perf_counter()
@@ -110,14 +113,14 @@ class Gateway:
         for tool in result.tools:
             notes = wire(tool.annotations) if tool.annotations is not None else None
             self.annotations[tool.name] = notes
-            if tool.output_schema is not None and self._decide(tool.name).decision != "allow":
+            if tool.output_schema is not None and self.decide(tool.name).decision != "allow":
                 # A staged or refused call has no output to match the schema: the agent's client
                 # would reject the notice that stands in for it.
                 tool = tool.model_copy(update={"output_schema": None})
             tools.append(tool)
         return result.model_copy(update={"tools": tools})
 
-    def _decide(self, tool: str) -> Decision:
+    def decide(self, tool: str) -> Decision:
         return self.policy.decide(self.name, tool, self.annotations.get(tool))
 
     async def call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> Any:
@@ -129,15 +132,15 @@ class Gateway:
         if tool not in self.annotations:
             # Called without listing first: learn its annotations, so the default is its own.
             await self.list_tools(ctx, None)
-        decision = self._decide(tool)
+        decision = self.decide(tool)
         frame: dict[str, Any] = {"server": self.name, "tool": tool, "args": args,
                                  **decision.as_dict()}  # fmt: skip
         self.calls += 1
         started = time.perf_counter()
         trip = self.limits.observe(self.name, tool, args) if self.limits is not None else None
         if trip is not None:
-            decision = Decision("deny", f"circuit breaker: {trip.detail}")
-            frame.update(decision.as_dict(), breaker=trip.to_payload())
+            return self.refuse(tool, frame, Decision("deny", f"circuit breaker: {trip.detail}"),
+                               started, breaker=trip.to_payload())  # fmt: skip
         if decision.decision == "ask":
             if self.asker is None:
                 # Nobody can answer on a gateway's own stdio (it is the agent's pipe).
@@ -149,10 +152,7 @@ class Gateway:
                     "approved" if approved else "refused, or did not answer"))  # fmt: skip
             frame.update(decision.as_dict())
         if decision.decision == "deny":
-            result = _refusal(tool, self.name, decision.why)
-            frame.update(result=wire(result), ok=False, latency_ms=_ms(started))
-            self.sink.record("tool_call", frame)
-            return result
+            return self.refuse(tool, frame, decision, started)
         if decision.decision == "stage":
             if self.stager is None:
                 raise MCPError(types.INTERNAL_ERROR, "jukebox: no booth to stage this call in")
@@ -193,6 +193,15 @@ class Gateway:
         replayed = getattr(self.upstream, "replayed_from", None)
         if replayed is not None:
             frame["replayed_from"] = replayed
+        self.sink.record("tool_call", frame)
+        return result
+
+    def refuse(self, tool: str, frame: dict[str, Any], decision: Decision, started: float,
+               **extra: Any) -> types.CallToolResult:  # fmt: skip
+        """The refusal the agent gets for a call `decision` denies, recorded."""
+        result = _refusal(tool, self.name, decision.why)
+        frame.update(decision.as_dict(), **extra)
+        frame.update(result=wire(result), ok=False, latency_ms=_ms(started))
         self.sink.record("tool_call", frame)
         return result
 
@@ -327,13 +336,22 @@ async def serve_stdio(
         gateway = Gateway(name, replay, sink, policy, timeout, stager, limits)
         await _serve_agent(gateway, init, agent_streams)
         return
-    params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+    relay: Relay | None = None
     try:
-        async with (
-            stdio_client(params, errlog=sys.stderr) as (read, write),
-            UpstreamSession(read, write) as upstream,
-        ):
+        if agent_streams is None:
+            # The agent's pipes and the server's, both read here: allowed calls are relayed.
+            relay = Relay(None)
+            transport: Any = upstream_stdio(argv, relay)
+        else:
+            params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+            transport = stdio_client(params, errlog=sys.stderr)
+        async with transport as (read, write), UpstreamSession(read, write) as upstream:
+            if relay is not None:
+                # Its own requests numbered apart from the agent's, which reach the same pipe.
+                upstream._dispatcher._next_id = RELAY_ID_BASE  # type: ignore[attr-defined]
             gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits, asker)
+            if relay is not None:
+                relay.gateway = gateway
             try:
                 with anyio.fail_after(start_timeout):
                     init = await upstream.initialize()
@@ -348,7 +366,7 @@ async def serve_stdio(
                 ) from None
             sink.record("note", {"event": "mcp_server", "server": name,
                                  "initialize": wire(init)})  # fmt: skip
-            await _serve_agent(gateway, init, agent_streams)
+            await _serve_agent(gateway, init, agent_streams, relay)
     except OSError as error:
         raise GatewayError(
             f"cannot start the MCP server {argv[0]!r}: {error.strerror or error}; check the "
@@ -389,14 +407,27 @@ async def _serve_booth_replay(name: str, argv: list[str], sink: Sink, policy: Po
             upstream.close()
 
 
-async def _serve_agent(gateway: Gateway, init: types.InitializeResult, streams: Any) -> None:
+async def _serve_agent(gateway: Gateway, init: types.InitializeResult, streams: Any,
+                       relay: Relay | None = None) -> None:  # fmt: skip
     server = gateway.server(init)
     options = server.create_initialization_options()
     if streams is not None:
         agent_read, agent_write = streams
         await server.run(agent_read, agent_write, options)
-    else:
-        from jukebox.mcp.fdstdio import agent_stdio
+        return
+    from jukebox.mcp.fdstdio import agent_stdio
 
-        async with agent_stdio() as (agent_read, agent_write):
+    intercept = relay.from_agent if relay is not None else None
+    async with agent_stdio(intercept) as (agent_read, agent_write, pipe):
+        if relay is None or pipe is None:
             await server.run(agent_read, agent_write, options)
+            return
+        relay.agent = pipe
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(relay.watch)
+                await server.run(agent_read, agent_write, options)
+                tasks.cancel_scope.cancel()
+        finally:
+            relay.agent = None
+            relay.close()

@@ -3,7 +3,8 @@
 
 MODE `mute` never answers anything (not even initialize); `garbage` answers every request with a
 line that is not JSON and a JSON-RPC response to a request nobody sent; otherwise it serves tools:
-`huge` (a result of N bytes), `hang` (never answers), `echo` (its arguments back, read-only),
+`huge` (a result of N bytes), `hang` (never answers), `die` (the server exits mid-call), `echo`
+(its arguments back, read-only),
 `write` (appends a line to $HOSTILE_LOG: an external effect the tests can see).
 """
 
@@ -29,6 +30,11 @@ async def hang() -> str:
 
     await anyio.sleep_forever()
     return "never"
+
+
+@app.tool(annotations=ToolAnnotations(read_only_hint=True))
+def die() -> str:
+    os._exit(3)
 
 
 @app.tool(annotations=ToolAnnotations(read_only_hint=True))

@@ -173,6 +173,31 @@ def test_hostile_server_huge_result_a_hang_and_a_secret(tmp_path: Path) -> None:
     assert secret.encode() not in tape.read_bytes()
 
 
+def test_a_relayed_call_cancelled_by_the_agent_and_one_the_server_dies_in(tmp_path: Path) -> None:
+    # Both calls are read-only, so relayed as they came (jukebox.mcp.relay), not through the
+    # gateway's SDK server and client: the cancellation must reach the server, and a server
+    # that dies must fail the call it held, not leave the agent waiting.
+    tapes = tmp_path / "tapes"
+
+    async def agent() -> str:
+        async with wrapped(hostile_server(), "--tape-dir", str(tapes)) as s:
+            await s.list_tools()  # the gateway knows the tools' annotations: it may relay
+            with anyio.move_on_after(1) as waited:
+                await s.call_tool("hang", {})
+            assert waited.cancelled_caught  # the SDK's client sends notifications/cancelled
+            echoed = await s.call_tool("echo", {"text": "after"})
+            assert echoed.content[0].text == "after"
+            with pytest.raises(MCPError) as error:
+                await s.call_tool("die", {})
+            return str(error.value)
+
+    assert "closed its connection before answering" in anyio.run(agent)
+    hang, echo, die = payloads(only_tape(tapes), "tool_call")
+    assert hang["ok"] is False and hang["error"] == {"message": "cancelled by the agent"}
+    assert echo["ok"] is True and echo["result"]["content"][0]["text"] == "after"
+    assert die["ok"] is False and "closed its connection" in die["error"]["message"]
+
+
 def test_max_tool_repeat_refuses_the_nth_identical_call_in_a_row(tmp_path: Path) -> None:
     async def agent() -> list[tuple[bool, str]]:
         async with wrapped(hostile_server(), "--tape-dir", str(tmp_path / "tapes"),
