@@ -236,10 +236,7 @@ def http_instructions(n: int, tmp: Path) -> dict[str, int]:
         for name, proc in procs.items():
             _callgrind(proc.pid, "--instr=off")
             _callgrind(proc.pid, "--dump")
-            dumps = glob.glob(f"{tmp}/cg-{name}.out*")
-            totals = [int(x) for d in dumps
-                      for x in re.findall(r"^totals: (\d+)", Path(d).read_text(), re.M)]
-            out[name] = round(max(totals) / n)
+            out[name] = _totals(f"{tmp}/cg-{name}.out", n)
         return out
     finally:
         for proc in procs.values():
@@ -247,6 +244,75 @@ def http_instructions(n: int, tmp: Path) -> dict[str, int]:
                 proc.stdin.close()
             proc.terminate()
             proc.wait(timeout=60)
+
+
+def _pid_of(marker: str) -> int:
+    """The process whose command line holds `marker` (a callgrind output path of this run)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"--callgrind-out-file={marker}".encode() in cmdline:
+                return int(entry)
+    raise RuntimeError(f"no process runs with {marker}")
+
+
+def _totals(out: str, n: int) -> int:
+    totals = [int(x) for d in glob.glob(f"{out}*")
+              for x in re.findall(r"^totals: (\d+)", Path(d).read_text(), re.M)]  # fmt: skip
+    return round(max(totals) / n)
+
+
+def stdio_instructions(n: int, tmp: Path) -> dict[str, int]:
+    """Instructions per echo call of the stdio server alone and of `jukebox mcp wrap` in front
+    of it (recording on its own tape), each process under callgrind; empty without valgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        return {}
+    import contextlib
+
+    import anyio
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    jukebox = str(Path(sys.executable).parent / "jukebox")
+    commands = {
+        "server": SERVER,
+        "gateway": [jukebox, "mcp", "wrap", "--tape-dir", str(tmp / "cg-tapes"), "--", *SERVER],
+    }
+    outs = {name: f"{tmp}/cg-stdio-{name}.out" for name in commands}
+
+    async def calls() -> dict[str, int]:
+        async with contextlib.AsyncExitStack() as stack:
+            sessions = []
+            for name, command in commands.items():
+                params = StdioServerParameters(
+                    command="valgrind", args=["--tool=callgrind", "--instr-atstart=no",
+                                              f"--callgrind-out-file={outs[name]}", *command],
+                    env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"},
+                )  # fmt: skip
+                read, write = await stack.enter_async_context(stdio_client(params))
+                session = await stack.enter_async_context(ClientSession(read, write))
+                await session.initialize()
+                await session.list_tools()
+                sessions.append(session)
+            for _ in range(WARMUP):
+                for session in sessions:
+                    await session.call_tool("echo", ARGS)
+            pids = {name: _pid_of(out) for name, out in outs.items()}
+            for pid in pids.values():
+                _callgrind(pid, "--instr=on")
+            for _ in range(n):
+                for session in sessions:
+                    await session.call_tool("echo", ARGS)
+            await anyio.sleep(1)  # the wrapper's frames thread writes the last frames
+            for pid in pids.values():
+                _callgrind(pid, "--instr=off")
+                _callgrind(pid, "--dump")
+        return {name: _totals(out, n) for name, out in outs.items()}
+
+    return anyio.run(calls)
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -261,10 +327,10 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         rows = _rows(STDIO, samples, DIRECT)
         rows += _in_booth(n, tmp)
         # Minutes under valgrind: not in a quick run.
-        counted = {} if quick else http_instructions(100, tmp)
-        if counted:
+        for case, count in ((HTTP_BOOTH, http_instructions), (STDIO, stdio_instructions)):
+            counted = {} if quick else count(100, tmp)
             for row in rows:
-                if row["case"] == HTTP_BOOTH:
+                if counted and row["case"] == case:
                     row["instructions"] = counted["server" if row["system"] == DIRECT
                                                   else "gateway"]  # fmt: skip
     finally:
