@@ -242,7 +242,10 @@ class ControlServer:
         try:
             peer = peer_of(sock)
             buf = b""
-            while not self._stop:
+            # Until the end of the stream, also once close() shut it: what a client wrote
+            # before is still read first (an MCP gateway's frames, written without waiting for
+            # their answers by a wrapper the agent's end killed: jukebox.mcp.record.BoothSink).
+            while True:
                 data = sock.recv(65536)
                 if not data:
                     return
@@ -267,6 +270,8 @@ class ControlServer:
         with wakeups.deferred():
             with self._turn:
                 out = b"".join([self.dispatch(line, peer) for line in lines if line.strip()])
+            if self._stop:
+                return  # nobody reads answers any more: close() shut the connection
             # An answer fits the socket's buffer unless the agent stopped reading: then the
             # flushes are woken before this thread waits for it (below).
             try:
@@ -309,6 +314,11 @@ def _encode(response: dict[str, Any]) -> bytes:
     if _C_ENCODE is None:
         return _ENCODER.encode(response).encode() + b"\n"
     return "".join(_C_ENCODE(response, 0)).encode() + b"\n"
+
+
+def encode_request(request: dict[str, Any]) -> bytes:
+    """One request as its line on the socket."""
+    return _encode(request)
 
 
 # The C scanner behind `json.loads`, without its Python frames, encoding detection and the

@@ -123,8 +123,8 @@ def wrap_command(
     stager: Any
     asker: Any
     if in_booth:  # the tape dir is hidden in a booth: the supervisor records, and stages
-        # Each frame reaches the supervisor before the agent has its answer: an agent that
-        # exits at once ends the booth, which kills this process with whatever it still held.
+        # Each frame is in the supervisor's socket before the agent has its answer: an agent
+        # that exits at once ends the booth, which kills this process with whatever it held.
         booth_sink = BoothSink(argv, scrubber)
         sink, stager = booth_sink, booth_sink.stage
         asker = functools.partial(booth_sink.ask, wait=ask_timeout)

@@ -138,18 +138,39 @@ def blob_ref(text: str) -> dict[str, Any]:
 
 class BoothSink:
     """Inside a booth: frames go to the supervisor over the control socket ($JUKEBOX_SOCKET),
-    which appends them to the booth's tape; staged calls are held there too."""
+    which appends them to the booth's tape; staged calls are held there too.
+
+    Every request goes on one connection of its own (_Link), in order. A frame is written to it
+    before the agent has its answer, without waiting for the supervisor's: once written it is in
+    the socket, which outlives this process (an agent that exits at once ends the booth, and
+    the booth's end kills this process), and the supervisor reads what its socket still holds
+    before it ends the booth (jukebox.booth.control.ControlServer.close). A stage or an ask
+    waits for its answer, after every frame written before it."""
 
     def __init__(self, argv: list[str], scrubber: Scrubber, socket_path: str | None = None) -> None:
         self.argv = argv
         self.scrubber = scrubber
         self.socket_path = socket_path
+        self._link: _Link | None = None
+
+    def _connected(self) -> _Link:
+        if self._link is None:
+            self._link = _Link(self.socket_path)
+        return self._link
 
     def record(self, kind: str, payload: dict[str, Any]) -> None:
-        from jukebox.booth import control
+        from jukebox.booth.control import encode_request
 
-        payload = self._fit(scrub({k: wire(v) for k, v in payload.items()}, self.scrubber))
-        control.request({"op": "mcp_record", "kind": kind, "payload": payload}, self.socket_path)
+        payload = {k: wire(v) for k, v in payload.items()}
+        line = encode_request({"op": "mcp_record", "kind": kind, "payload": payload})
+        if self.scrubber.count:
+            # JSON escapes nothing in a secret made of printable ASCII: replacing in the text
+            # is exact (as `scrub` does).
+            line = self.scrubber.text(line.decode()).encode()
+        if len(line) > BOOTH_RESULT_LIMIT:
+            payload = self._fit(scrub(payload, self.scrubber))
+            line = encode_request({"op": "mcp_record", "kind": kind, "payload": payload})
+        self._connected().send(line)
 
     def _fit(self, payload: dict[str, Any]) -> dict[str, Any]:
         """A result too big for one control line is sent in pieces, then named by the frame
@@ -169,40 +190,128 @@ class BoothSink:
             try:
                 for at in range(0, len(text), BLOB_PIECE):
                     piece = text[at : at + BLOB_PIECE]
-                    control.request({"op": "mcp_blob", "id": blob, "data": piece},
-                                    self.socket_path)  # fmt: skip
+                    self._connected().call({"op": "mcp_blob", "id": blob, "data": piece})
                 return {**payload, "result": {"blob": blob, **ref}}
             except control.ControlRefused:
                 pass  # too much held at once: the size and the hash, as for a huge one
         return {**payload, "result": {"truncated": True, **ref}}
 
     def stage(self, server: str, tool: str, args: dict[str, Any]) -> str:
-        from jukebox.booth import control
-
-        answer = control.request(
-            {"op": "mcp_stage", "server": server, "argv": self.argv, "tool": tool, "args": args},
-            self.socket_path,
+        answer = self._connected().call(
+            {"op": "mcp_stage", "server": server, "argv": self.argv, "tool": tool, "args": args}
         )
         return str(answer["id"])
 
     def ask(self, server: str, tool: str, args: dict[str, Any], wait: float) -> str:
         """Asks the operator through the booth; "approve", or "deny" (also when no answer came
         within `wait` seconds)."""
-        from jukebox.booth import control
-
-        asked = control.request({"op": "mcp_ask", "server": server, "tool": tool,
-                                 "args": args}, self.socket_path)  # fmt: skip
+        link = self._connected()
+        asked = link.call({"op": "mcp_ask", "server": server, "tool": tool, "args": args})
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            answer = control.request({"op": "mcp_ask_status", "id": asked["id"]},
-                                     self.socket_path).get("answer")  # fmt: skip
+            answer = link.call({"op": "mcp_ask_status", "id": asked["id"]}).get("answer")
             if answer is not None:
                 return str(answer)
             time.sleep(ASK_POLL)
         return "deny"
 
     def close(self) -> None:
-        pass
+        if self._link is not None:
+            self._link.close()
+
+
+class _Link:
+    """One connection to the booth's control socket, its requests answered in order: a frame
+    is sent without waiting for its answer (read later, and said on stderr if it was a
+    refusal: a booth whose breaker tripped, which stops the agent itself); a request that
+    needs its answer reads past those first. Threads take turns on it (the gateway's loop
+    records, its worker threads stage and ask)."""
+
+    def __init__(self, path: str | None) -> None:
+        import select
+        import threading
+
+        from jukebox.booth.control import ControlClient
+
+        self.client = ControlClient(path)
+        self._poller = select.poll()
+        self._poller.register(self.client.sock, select.POLLIN)
+        self.owed = 0  # answers to frames not read yet
+        self.lock = threading.Lock()
+        self._buf = b""
+        self._said = False
+
+    def send(self, line: bytes) -> None:
+        with self.lock:
+            try:
+                self.client.sock.sendall(line)
+            except OSError as error:  # the booth is gone: it ends this process anyway
+                self._say(f"a frame was not recorded: {error.strerror or error}")
+                return
+            self.owed += 1
+            # The answers already there, without waiting (the socket has a timeout: a recv
+            # would wait for one).
+            while self.owed and self._poller.poll(0):
+                try:
+                    chunk = self.client.sock.recv(65536)
+                except OSError:
+                    chunk = None
+                if not chunk:
+                    break
+                self._buf += chunk
+                self._settle()
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Sends `request` and returns its answer; raises as jukebox.booth.control.request."""
+        from jukebox.booth import control
+
+        with self.lock:
+            try:
+                self.client.sock.sendall(control.encode_request(request))
+                while True:
+                    self._settle()
+                    if not self.owed and b"\n" in self._buf:
+                        break
+                    chunk = self.client.sock.recv(65536)
+                    if not chunk:
+                        raise control.ControlError(
+                            f"the booth closed the control socket {self.client.path} mid-request"
+                        )
+                    self._buf += chunk
+            except TimeoutError:
+                raise control.ControlError(
+                    f"the booth did not answer on {self.client.path} in time"
+                ) from None
+            except OSError as error:
+                raise control.ControlError(
+                    f"control socket {self.client.path} failed: {error.strerror}"
+                ) from None
+            line, self._buf = self._buf.split(b"\n", 1)
+        response = json.loads(line)
+        if not response.get("ok"):
+            error_type = control.ControlRefused if response.get("refused") else control.ControlError
+            raise error_type(f"the booth refused {request.get('op')}: {response.get('error')}")
+        return response
+
+    def _settle(self) -> None:
+        """Reads the frames' answers in the buffer; a refusal is said once."""
+        while self.owed and b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            self.owed -= 1
+            if b'"ok":true' not in line:
+                try:
+                    error = json.loads(line).get("error")
+                except ValueError:
+                    error = line.decode(errors="replace")
+                self._say(f"a frame was not recorded: the booth refused it: {error}")
+
+    def _say(self, message: str) -> None:
+        if not self._said:
+            self._said = True
+            _say(message)
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class DeferredSink:

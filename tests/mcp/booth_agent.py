@@ -7,9 +7,11 @@ takes its steps from argv:
     checkpoint LABEL    ask the booth for a checkpoint
     rollback LABEL      ask the booth to roll back to it
     ask TOOL            (first) the gateway asks the operator before TOOL runs
+    search QUERY        search_nodes QUERY (read-only: relayed as it came)
     write FILE          write FILE in the tree
     attack              try to stage calls on programs the operator never declared
     exit N              leave with status N
+    vanish N            leave with status N at once, with no goodbye to the gateway
 
 Prints one JSON line per step, for the test to read.
 """
@@ -52,6 +54,9 @@ async def main(steps: list[str]) -> int:
                 result = await session.call_tool("create_entities", {"entities": [entity]})
                 say(step=step, error=result.is_error, structured=result.structured_content,
                     text=result.content[0].text)  # fmt: skip
+            elif step == "search":
+                result = await session.call_tool("search_nodes", {"query": arg})
+                say(step=step, error=result.is_error)
             elif step == "observe":
                 obs = {"entityName": arg, "contents": ["seen"]}
                 result = await session.call_tool("add_observations", {"observations": [obs]})
@@ -77,6 +82,8 @@ async def main(steps: list[str]) -> int:
                 say(step=step, refusals=refusals)
             elif step == "exit":
                 return int(arg)
+            elif step == "vanish":
+                os._exit(int(arg))
     return 0
 
 

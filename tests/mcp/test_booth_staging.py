@@ -245,3 +245,17 @@ def test_compensate_flag_takes_a_policy_files_entry_as_toml_or_json() -> None:
                       ('m/create={tool = "t", when = "now"}', "must be {tool")):  # fmt: skip
         with pytest.raises(UsageError, match=said.replace("{", r"\{")):
             parse_compensation(bad)
+
+
+def test_an_agent_that_leaves_at_once_loses_no_frame(setup: dict) -> None:
+    # The wrapper writes each frame to the supervisor's socket before the agent has its answer,
+    # without waiting for the supervisor's reply; the agent's end ends the booth and kills the
+    # wrapper at once, and the supervisor still reads every frame its socket holds.
+    s = setup
+    proc = booth(s, "v1", "auto", "search", "a", "search", "b", "search", "c", "vanish", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert [x["step"] for x in said(proc)] == ["search"] * 3
+    calls = payloads(s["tapes"] / "v1.jbx", "tool_call")
+    assert [(c["tool"], c["args"]["query"], c["ok"]) for c in calls] == [
+        ("search_nodes", q, True) for q in "abc"
+    ]
