@@ -154,15 +154,7 @@ class Relay:
         if call is None:
             return False
         frame = call.frame
-        error = message.get("error")
-        if error is not None:
-            error = error if isinstance(error, dict) else {"message": str(error)}
-            frame.update(error={"code": error.get("code"), "message": error.get("message")},
-                         ok=False)  # fmt: skip
-        else:
-            result = message.get("result")
-            failed = isinstance(result, dict) and result.get("isError") is True
-            frame.update(result=result, ok=not failed)
+        answered(frame, message)
         frame["latency_ms"] = _ms(call.started)
         # Recorded before the agent has its answer: inside a booth that is a write to the
         # supervisor's socket (jukebox.mcp.record.BoothSink), which outlives this process.
@@ -215,6 +207,17 @@ class Relay:
                               ok=False, latency_ms=_ms(call.started))  # fmt: skip
             self.gateway.sink.record("tool_call", call.frame)
         self.pending.clear()
+
+
+def answered(frame: dict[str, Any], message: dict[str, Any]) -> None:
+    """The frame of a relayed call says what the server's answer `message` says."""
+    error = message.get("error")
+    if error is not None:
+        said = error if isinstance(error, dict) else {"message": str(error)}
+        frame.update(error={"code": said.get("code"), "message": said.get("message")}, ok=False)
+    else:
+        result = message.get("result")
+        frame.update(result=result, ok=not (isinstance(result, dict) and result.get("isError")))
 
 
 def _response(id: Any, result: dict[str, Any]) -> bytes:
