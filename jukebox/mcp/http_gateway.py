@@ -124,9 +124,12 @@ class HttpGateways:
         from mcp.shared.exceptions import MCPError
 
         from jukebox.mcp.gateway import Gateway, UpstreamSession
+        from jukebox.mcp.http_relay import HttpRelay
         from jukebox.mcp.record import DeferredSink, wire
+        from jukebox.mcp.relay import RELAY_ID_BASE
 
         managers: dict[str, StreamableHTTPSessionManager] = {}
+        relays: dict[str, HttpRelay] = {}
         # Frames go to the tape after the agent has its answer (jukebox.mcp.record.DeferredSink).
         self._sink = DeferredSink(_Sink(self))
         async with contextlib.AsyncExitStack() as stack:
@@ -138,10 +141,13 @@ class HttpGateways:
                         managers[name] = served
                         continue
                 try:
-                    read, write, *_ = await stack.enter_async_context(
+                    read, write, link = await stack.enter_async_context(
                         self.specs[name].http_transport()
                     )
                     upstream = await stack.enter_async_context(UpstreamSession(read, write))
+                    # Its own requests numbered apart from the agents' relayed ones, which
+                    # reach the server in the same session.
+                    upstream._dispatcher._next_id = RELAY_ID_BASE  # type: ignore[attr-defined]
                     with anyio.fail_after(START_TIMEOUT):
                         init = await upstream.initialize()
                 except (TimeoutError, MCPError, OSError, Exception) as error:
@@ -157,7 +163,8 @@ class HttpGateways:
                 manager = _manager(gateway, init)
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
-            config = uvicorn.Config(_Router(self.secret, managers), log_level="warning",
+                relays[name] = HttpRelay(gateway, link, _sessions_of(manager))
+            config = uvicorn.Config(_Router(self.secret, managers, relays), log_level="warning",
                                     lifespan="off", access_log=False)  # fmt: skip
             self._server = uvicorn.Server(config)
             self._ready.set()
@@ -236,11 +243,14 @@ class _Sink:
 
 
 class _Router:
-    """ASGI: /SECRET/mcp/NAME[/...] to NAME's session manager; anything else 404."""
+    """ASGI: /SECRET/mcp/NAME[/...] to NAME's session manager, a tool call the policy allows
+    through NAME's relay (jukebox.mcp.http_relay); anything else 404."""
 
-    def __init__(self, secret: str, managers: dict[str, Any]) -> None:
+    def __init__(self, secret: str, managers: dict[str, Any],
+                 relays: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.secret = secret
         self.managers = managers
+        self.relays = relays or {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -257,7 +267,50 @@ class _Router:
                         "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
             await send({"type": "http.response.body", "body": b"not found\n"})
             return
+        relay = self.relays.get(parts[3])
+        if relay is not None and scope["method"] == "POST":
+            body = await _body(receive)
+            if body is None:
+                return  # the agent left
+            if await relay.handle(scope, body, send):
+                return
+            receive = _again(body, receive)
         await manager.handle_request(scope, receive, send)
+
+
+async def _body(receive: Any) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _again(body: bytes, receive: Any) -> Any:
+    """`receive` for a request whose body was read already: the body, then what comes."""
+    given = False
+
+    async def again() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def _sessions_of(manager: Any) -> Any:
+    """Whether the SDK's server `manager` holds the session of this id (its own table)."""
+    held = manager._server_instances
+
+    def holds(session: str) -> bool:
+        return session in held
+
+    return holds
 
 
 def _manager(gateway: Any, init: Any) -> Any:

@@ -63,7 +63,7 @@ class ServerSpec(Value):
 
     def http_transport(self) -> Any:
         """The SDK's streamable-HTTP client for this server (an async context manager giving
-        (read, write, ...)), sending its headers with every request."""
+        (read, write, link), link an HttpLink), sending its headers with every request."""
         assert self.url is not None
         return _http_client(self.url, dict(self.headers))
 
@@ -107,6 +107,19 @@ class ServerSpec(Value):
                    dict(data.get("headers") or {}))  # fmt: skip
 
 
+class HttpLink:
+    """What a request sent beside the SDK's client needs to join its session with the server
+    (jukebox.mcp.http_relay): the URL, the httpx client (its headers and its pool), and what
+    the SDK's client sends and learns, as seen on the wire: the session id the server gave,
+    the protocol version it stamps."""
+
+    def __init__(self, url: str, client: Any) -> None:
+        self.url = url
+        self.client = client
+        self.session_id: str | None = None
+        self.protocol_version: str | None = None
+
+
 @contextlib.asynccontextmanager
 async def _http_client(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
     # The SDK's client with an httpx client of jukebox's making: the SDK's timeouts, the
@@ -120,9 +133,10 @@ async def _http_client(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
     transport = _keep_alive(httpx2.AsyncHTTPTransport())
     async with (
         httpx2.AsyncClient(timeout=timeout, headers=headers or None, transport=transport) as client,
-        streamable_http_client(url, http_client=client) as streams,
+        streamable_http_client(url, http_client=client) as (read, write),
     ):
-        yield streams
+        transport.link = HttpLink(url, client)
+        yield read, write, transport.link
 
 
 # How long the end of a POST's event stream is waited for once its answer came, and how many
@@ -178,9 +192,18 @@ def _keep_alive(inner: Any) -> Any:
     class KeepAlive(httpx2.AsyncBaseTransport):
         def __init__(self) -> None:
             self.drain = True
+            self.link: HttpLink | None = None
 
         async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
             response = await inner.handle_async_request(request)
+            link = self.link
+            if link is not None:
+                version = request.headers.get("mcp-protocol-version")
+                if version is not None:
+                    link.protocol_version = version
+                session = response.headers.get("mcp-session-id")
+                if session is not None:
+                    link.session_id = session
             kind = response.headers.get("content-type", "")
             if self.drain and request.method == "POST" and kind.startswith("text/event-stream"):
                 assert isinstance(response.stream, httpx2.AsyncByteStream)
