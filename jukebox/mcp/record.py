@@ -249,8 +249,7 @@ class _Link:
                 self._say(f"a frame was not recorded: {error.strerror or error}")
                 return
             self.owed += 1
-            # The answers already there, without waiting (the socket has a timeout: a recv
-            # would wait for one).
+            # The answers already there, without waiting for one.
             while self.owed and self._poller.poll(0):
                 try:
                     chunk = self.client.sock.recv(65536)
@@ -278,7 +277,7 @@ class _Link:
                             f"the booth closed the control socket {self.client.path} mid-request"
                         )
                     self._buf += chunk
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):  # the socket's timeout ran out
                 raise control.ControlError(
                     f"the booth did not answer on {self.client.path} in time"
                 ) from None
