@@ -284,6 +284,11 @@ def stdio_instructions(n: int, tmp: Path) -> dict[str, int]:
     outs = {name: f"{tmp}/cg-stdio-{name}.out" for name in commands}
 
     async def calls() -> dict[str, int]:
+        # valgrind's own lines, and the server's log, on nobody's terminal
+        with open(os.devnull, "w") as quiet:
+            return await counted(quiet)
+
+    async def counted(quiet: Any) -> dict[str, int]:
         async with contextlib.AsyncExitStack() as stack:
             sessions = []
             for name, command in commands.items():
@@ -292,7 +297,7 @@ def stdio_instructions(n: int, tmp: Path) -> dict[str, int]:
                                               f"--callgrind-out-file={outs[name]}", *command],
                     env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "0"},
                 )  # fmt: skip
-                read, write = await stack.enter_async_context(stdio_client(params))
+                read, write = await stack.enter_async_context(stdio_client(params, quiet))
                 session = await stack.enter_async_context(ClientSession(read, write))
                 await session.initialize()
                 await session.list_tools()
