@@ -15,9 +15,11 @@ they anchor, so both see the same machine at the same moment:
 A booth needs root and /dev/fuse: without them only the stdio rows are measured.
 `overhead_p50_us` is the gateway's p50 less its anchor's, `ratio` the gateway's p50 over it.
 
-With valgrind, the HTTP rows get `instructions`: what one call costs each process, counted by
-callgrind (every thread of it, after uncounted warm-up calls), a figure the machine's load does
-not move: the HTTP server on its own (the anchor), and the booth's HTTP gateway in front of it,
+With valgrind, the stdio rows outside a booth and the HTTP rows get `instructions`: what one
+call costs each process, counted by callgrind (every thread of it, after uncounted warm-up
+calls), a figure the machine's load does not move: the stdio server on its own and
+`jukebox mcp wrap` in front of it (`stdio_instructions`); the HTTP server on its own (the
+anchor), and the booth's HTTP gateway in front of it,
 in a process of its own (`python -m bench.bench_mcp gateway URL`: jukebox.mcp.http_gateway with
 a stage gate recording on a tape, as the supervisor runs it).
 """
