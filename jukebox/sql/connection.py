@@ -494,10 +494,7 @@ class AgentConnection:
                           m.error("55P03", str(error)))  # fmt: skip
                 self.skipping = True
                 return
-            await {
-                b"P": self.on_parse, b"B": self.on_bind, b"D": self.on_describe,
-                b"E": self.on_execute, b"C": self.on_close, b"H": self.on_flush,
-            }[kind](body)
+            await _EXTENDED[kind](self, body)
         elif kind in (b"d", b"c", b"f"):
             pass  # copy data after the copy ended: the server ignores it too
         else:
@@ -610,6 +607,8 @@ class AgentConnection:
             self.write_frames()
         bulk = self.kept is None and not drop_only
         while True:
+            if up.prefix and not drop_only:
+                up.skip_prefix()
             if bulk and not up.prefix and not up.dropping:
                 # Rows, descriptions, ParseComplete…: the messages the proxy passes on as they
                 # are go on in one piece, as many as are here, not one by one.
@@ -886,6 +885,13 @@ class AgentConnection:
         self.send(m.ready(self.state))
         await self.drain_agent()
         await self.end_unit()
+
+
+_EXTENDED = {
+    b"P": AgentConnection.on_parse, b"B": AgentConnection.on_bind,
+    b"D": AgentConnection.on_describe, b"E": AgentConnection.on_execute,
+    b"C": AgentConnection.on_close, b"H": AgentConnection.on_flush,
+}
 
 
 def cancel_message(pid: int, key: int) -> bytes:

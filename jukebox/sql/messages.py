@@ -274,20 +274,52 @@ def decode_parse(body: bytes) -> Parse:
 
 
 def decode_bind(body: bytes) -> Bind:
-    c = _Cursor(body)
-    portal, statement = c.cstring(), c.cstring()
-    formats = [c.int16() for _ in range(c.count())]
+    # Field by field with struct rather than _Cursor's method calls: a Bind comes with every
+    # statement an agent sends with parameters.
+    end = body.find(b"\0")
+    mid = body.find(b"\0", end + 1) if end >= 0 else -1
+    if mid < 0:
+        raise ProtocolError("a string is not terminated")
+    portal, statement = _text(body[:end]), _text(body[end + 1 : mid])
+    at, size = mid + 1, len(body)
     params: list[bytes | None] = []
-    for _ in range(c.count()):
-        n = c.int32()
-        params.append(None if n == -1 else c.take(n))
-    results = [c.int16() for _ in range(c.count())]
-    c.end()
+    try:
+        (n,) = _INT16.unpack_from(body, at)
+        formats = list(struct.unpack_from(f"!{_count(n)}h", body, at + 2))
+        at += 2 + 2 * n
+        (n,) = _INT16.unpack_from(body, at)
+        at += 2
+        for _ in range(_count(n)):
+            (length,) = _LENGTH.unpack_from(body, at)
+            at += 4
+            if length == -1:
+                params.append(None)
+                continue
+            if length < 0 or at + length > size:
+                raise ProtocolError("a message is shorter than its fields")
+            params.append(body[at : at + length])
+            at += length
+        (n,) = _INT16.unpack_from(body, at)
+        results = list(struct.unpack_from(f"!{_count(n)}h", body, at + 2))
+        at += 2 + 2 * n
+    except struct.error:
+        raise ProtocolError("a message is shorter than its fields") from None
+    if at != size:
+        raise ProtocolError("a message is longer than its fields")
     if any(f not in (0, 1) for f in formats + results):
         raise ProtocolError("a format code other than text (0) or binary (1)")
     if len(formats) not in (0, 1, len(params)):
         raise ProtocolError("parameter formats do not match the parameters")
     return Bind(portal, statement, formats, params, results)
+
+
+def _count(n: int) -> int:
+    if n < 0:
+        raise ProtocolError("a negative count")
+    return n
+
+
+_INT16 = struct.Struct("!h")
 
 
 def _decode_target(body: bytes, cls: type[Describe]) -> Describe:

@@ -183,6 +183,28 @@ class Wire:
             self.at = at
         return data
 
+    def skip_own(self, count: int) -> int:
+        """Drops the ParseComplete, BindComplete and CommandComplete replies to up to `count`
+        of the proxy's own statements here (their notices or an error are left to be read
+        one by one); returns how many statements' replies ended."""
+        buf = self.buf
+        at = self.at
+        size = len(buf)
+        done = 0
+        while done < count and size - at >= 5 and buf[at] in _OWN_REPLIES:
+            (length,) = _LENGTH.unpack_from(buf, at + 1)
+            if length < 4 or at + 1 + length > size:
+                break
+            if buf[at] == _COMMAND_COMPLETE:
+                done += 1
+            at += 1 + length
+        if at == size:
+            buf.clear()
+            self.at = 0
+        else:
+            self.at = at
+        return done
+
     def next_message(self) -> tuple[bytes, bytes] | None:
         """(type byte, body) of the next message when all of it is here already, else None:
         a statement's replies come in one read, and taking them from the buffer without a
@@ -330,6 +352,9 @@ _LENGTH = struct.Struct("!i")
 # ReadyForQuery, CopyInResponse, EmptyQueryResponse, PortalSuspended. The others pass on as
 # they are.
 _LOOKED_AT = frozenset(b"CEZGIs")
+# What the server answers a bookkeeping statement that succeeds (Upstream.skip_prefix).
+_OWN_REPLIES = frozenset(b"12C")
+_COMMAND_COMPLETE = ord("C")
 # The agent's extended-query messages a bookkeeping query can go ahead of (`Upstream.send`).
 _EXTENDED = (b"P", b"B", b"D", b"E", b"C")
 
@@ -564,6 +589,16 @@ class Upstream:
         if self.own or self.out or self.unread:
             return b""
         return self.wire.take_run()
+
+    def skip_prefix(self) -> None:
+        """The replies of the bookkeeping ahead of the agent's statement that are here and
+        succeeded, dropped at once (Wire.skip_own), when nothing is to be sent or settled
+        first: two statements of it, as six extended-query replies, are read before every
+        statement of an agent outside a transaction block."""
+        if self.own or self.out or self.unread:
+            return
+        for _ in range(self.wire.skip_own(len(self.prefix))):
+            self.prefix.popleft()
 
     def ready(self) -> tuple[bytes, bytes] | None:
         """The next message when it is here and nothing is to be sent or settled first."""
