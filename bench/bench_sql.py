@@ -19,10 +19,20 @@ direct as savepoints inside one long transaction (what the booth's design costs 
 without the proxy) and through the proxy. `cpu_us` is the CPU this process spent per
 statement (client and proxy; `overhead_cpu_us` the proxy's share), which a busy machine
 inflates far less than wall time.
+
+The three single statements are also measured through a proxy in a process of its own
+(`PROXY_PROCESS`, `python -m bench.bench_sql --serve URL`), as in a booth, where the proxy runs in
+the supervisor and the agent is another process: in this process the client's Python and the
+proxy thread take turns on one GIL, so whatever the proxy does after an answer (its `sql`
+frame) delays the client reading it, which never happens to an agent. Its `cpu_us` adds the
+proxy process's CPU per statement (from /proc, over the whole case) to this one's.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +44,7 @@ from bench.harness import overhead_rows
 GROUP = "sql proxy"
 DIRECT = "direct"
 PROXY = "proxy, recording"
+PROXY_PROCESS = "proxy in its own process, recording"
 DIRECT_ONE_TX = "direct, one transaction of savepoints"
 TPCB = "TPC-B-like transaction (7 statements), psycopg"
 SIMPLE = "SELECT 1, simple query"
@@ -43,10 +54,13 @@ WARMUP = 20
 
 
 def _take_turns(
-    systems: list[tuple[str, Any]], statement: Callable[[Any, int], object], n: int
+    systems: list[tuple[str, Any]], statement: Callable[[Any, int], object], n: int,
+    elsewhere: dict[str, Callable[[], float]] | None = None,
 ) -> dict[str, tuple[list[float], float]]:
+    """`elsewhere`: for a system served by another process, that process's CPU µs so far."""
     samples: dict[str, list[float]] = {name: [] for name, _ in systems}
     cpu: dict[str, float] = dict.fromkeys(samples, 0.0)
+    others = {name: read() for name, read in (elsewhere or {}).items()}
     for i in range(WARMUP + n):
         for name, conn in systems:
             c0 = time.process_time_ns()
@@ -56,7 +70,39 @@ def _take_turns(
             if i >= WARMUP:
                 samples[name].append(took)
                 cpu[name] += (time.process_time_ns() - c0) / 1000.0
+    for name, read in (elsewhere or {}).items():
+        cpu[name] += (read() - others[name]) * n / (WARMUP + n)
     return {name: (samples[name], cpu[name] / n) for name in samples}
+
+
+def _cpu_us(pid: int) -> float:
+    """User and system CPU of process `pid` so far, µs (clock ticks: fine over a case)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) * 1e6 / os.sysconf("SC_CLK_TCK")
+
+
+def _serve(url: str) -> None:
+    """The proxy in a process of its own, recording to a tape as a booth does: prints its
+    port, serves until its stdin closes."""
+    from jukebox.booth.supervisor import GroupTape
+    from jukebox.sql.server import SqlProxy
+    from jukebox.sql.upstream import Target
+    from jukebox.tape.tape import TapeWriter
+    from shadowfs.store import Store
+
+    with tempfile.TemporaryDirectory(prefix="bench-sql-proc-") as tmp:
+        store = Store.open(Path(tmp) / "store", create=True)
+        writer = GroupTape(TapeWriter.create(Path(tmp) / "t.jbx", store, "bench", fsync=False),
+                           store)
+        writer.start()
+        writer.append("run_start", {"name": "bench"})
+        proxy = SqlProxy({"main": Target.parse(url)}, writer.append, "bench").start()
+        print(proxy.databases["main"].port, flush=True)
+        sys.stdin.read()
+        proxy.stop()
+        writer.close()
+        store.close()
 
 
 
@@ -168,7 +214,17 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             direct = psycopg.connect(cluster.url("bench"), autocommit=True)
             proxied = psycopg.connect(f"postgresql://agent@127.0.0.1:{port}/bench",
                                       autocommit=True)
-            systems = [(DIRECT, direct), (PROXY, proxied)]
+            server = subprocess.Popen(
+                [sys.executable, "-m", "bench.bench_sql", "--serve", cluster.url("bench")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            assert server.stdout is not None
+            other = psycopg.connect(
+                f"postgresql://agent@127.0.0.1:{int(server.stdout.readline())}/bench",
+                autocommit=True,
+            )
+            systems = [(DIRECT, direct), (PROXY, proxied), (PROXY_PROCESS, other)]
+            elsewhere = {PROXY_PROCESS: lambda: _cpu_us(server.pid)}
             try:
                 for case, statement in (
                     (SIMPLE, lambda c, i: c.execute("SELECT 1").fetchone()),
@@ -177,13 +233,20 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     (INSERT, lambda c, i: c.execute("INSERT INTO w (v) VALUES (%s)",
                                                     (f"row {i}",))),
                 ):
-                    rows += overhead_rows(GROUP, case, _take_turns(systems, statement, n))
+                    rows += overhead_rows(GROUP, case,
+                                          _take_turns(systems, statement, n, elsewhere))
+                other.close()
+                server.communicate("", timeout=30)
                 rows += _pgbench(cluster, port, 3 if quick else 15)
                 # After pgbench: the proxy's transactions keep pgbench's rows locked.
                 rows += _tpcb_rows(cluster, proxied, 100 if quick else 1000)
             finally:
                 direct.close()
                 proxied.close()
+                other.close()
+                if server.poll() is None:
+                    server.kill()
+                    server.wait()
                 proxy.stop()
                 writer.close()
                 store.close()
@@ -193,5 +256,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    for r in run(quick=True):
-        print(r)
+    if sys.argv[1:2] == ["--serve"]:
+        _serve(sys.argv[2])
+    else:
+        for r in run(quick=True):
+            print(r)
