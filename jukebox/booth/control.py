@@ -27,6 +27,8 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+
+# The C encoder's private names: typeshed does not declare them (a fallback covers their absence).
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 

@@ -122,6 +122,7 @@ class Relay:
     async def _cancelled(self, line: bytes) -> bool:
         try:
             note = json.loads(line)
+            # An untrusted value: a wrong type raises below and the note is passed on as it is.
             key = coerce_request_id(as_request_id(note["params"]["requestId"]))  # type: ignore[arg-type]
         except (ValueError, KeyError, TypeError):
             return False
