@@ -25,13 +25,14 @@ import anyio
 import mcp_types as types
 from mcp.shared.dispatcher import as_request_id, coerce_request_id
 
+from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Decision
 from jukebox.mcp.relay import RELAY_ID_BASE, answered
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-class RelayFailed(Exception):
+class RelayFailed(JukeboxError):
     """The server's answer was not one: said to the agent as this JSON-RPC error."""
 
     def __init__(self, code: int, message: str) -> None:
