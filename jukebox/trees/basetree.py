@@ -248,6 +248,12 @@ def build_base_tree(
         _write_stats(tape_dir, tree_path, tree, seen)
     if sigs.new != sigs.old and dev >= 0:
         _write_dirs(tape_dir, tree_path, tree, dev, sigs.new)
+    if unchanged and sigs.rebuilt == 0 and sigs.new == sigs.old:
+        # Every directory was taken whole from its signature, and a signature is recorded only
+        # for a directory none of whose entries was racily clean: the later start time would
+        # let the next build trust no file it cannot trust now. The record stays as it is (an
+        # older reference only ever trusts fewer files), and the file is not rewritten.
+        return tree
     known[tree_path] = {"tree": tree.hex(), "started_ns": began}
     _write(tape_dir, known)
     return tree

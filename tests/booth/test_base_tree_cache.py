@@ -72,8 +72,11 @@ def test_directory_signatures_spare_the_identities_until_something_changes(
         stats = next((tapes.state / "base-tree-stats").iterdir())
         assert len(dirs) == 1
         stamp = stats.stat().st_mtime_ns
+        record = tapes.state / "base-trees.json"
+        written = record.stat().st_ino  # each write replaces the file: a new inode
         assert build_base_tree(store, tapes, str(src)) == first
         assert stats.stat().st_mtime_ns == stamp  # not read, not rewritten
+        assert record.stat().st_ino == written  # nothing learnt: not rewritten either
         # A same-size rewrite with its mtime put back: b is built again and its file read.
         target = src / "b" / "f"
         subprocess.run([sys.executable, "-c", REWRITE, str(target)], check=True)
@@ -82,3 +85,4 @@ def test_directory_signatures_spare_the_identities_until_something_changes(
         assert entry is not None and entry.oid is not None
         assert store.read_bytes(entry.oid) == b"EVILb"
         assert tree.lookup(store, third, b"a") == tree.lookup(store, first, b"a")
+        assert record.stat().st_ino != written  # a new tree: recorded
