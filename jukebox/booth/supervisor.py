@@ -2173,8 +2173,6 @@ def _opened_tape(o: _BoothOptions, store: ObjectStore) -> Iterator[tuple[GroupTa
 
 def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
     """The gate the agent's MCP calls pass: staged for the verdict, asked about, replayed."""
-    from jukebox.mcp import verdict as mcp_verdict
-    from jukebox.mcp.approvals import read_answer
     from jukebox.mcp.staging import StageGate
 
     writer = run.writer
@@ -2196,12 +2194,21 @@ def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
         o.mcp_replay.record = writer.append
         run.mcp.replay = o.mcp_replay
 
+    # The modules of staged calls and approvals are imported when the agent stages a call or
+    # asks about one, not at every booth's start.
     def keep_staged(calls: list[Any]) -> None:
+        from jukebox.mcp import verdict as mcp_verdict
+
         mcp_verdict.keep(record, o.mcp_servers, calls)
         save_record(o.tapes, record)
 
+    def answer_of(ask_id: str) -> str | None:
+        from jukebox.mcp.approvals import read_answer
+
+        return read_answer(o.tapes, o.booth_id, ask_id)
+
     run.mcp.on_change = keep_staged
-    run.mcp.answer_of = functools.partial(read_answer, o.tapes, o.booth_id)
+    run.mcp.answer_of = answer_of
     run.mcp.tell = lambda ask_id, what: _alert(
         f"booth {o.booth_id}: the agent asks to call {what}: `jukebox booth approve "
         f"{o.booth_id} {ask_id}` (or --deny; --tape-dir {o.tapes.path})"

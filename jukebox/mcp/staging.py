@@ -14,7 +14,6 @@ stops the rest. Their effects are outside the booth: nothing here can undo them.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
@@ -61,7 +60,11 @@ class StagedCall(values.Record):
         self.compensate = compensate
 
     def to_json(self) -> dict[str, Any]:
-        # A copy as deep as dataclasses.asdict's: the caller may change what it gets.
+        # A copy as deep as dataclasses.asdict's: the caller may change what it gets. `copy`
+        # (with `weakref`) is imported here, by a booth whose agent stages a call: every booth
+        # imports this module at its start.
+        import copy
+
         return copy.deepcopy(self.fields_dict())
 
     @classmethod

@@ -59,6 +59,21 @@ def test_a_booth_whose_agent_calls_no_model_imports_no_proxy(tmp_path: Path) -> 
     assert collector_after(tmp_path)["enabled"] and collector_after(tmp_path)["frozen"] > 0
 
 
+def test_a_booth_that_changes_nothing_imports_no_commit(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    modules = _imported(
+        tmp_path, "booth", "run", "--tree", str(tree), "--tape-dir", str(tmp_path / "tapes"),
+        "--", "true",
+    )  # fmt: skip
+    assert "jukebox.booth.supervisor" in modules
+    # No change, no commit: its module (with concurrent.futures, logging and subprocess) was a
+    # tenth of such a booth's CPU. Nor the modules of MCP calls staged or asked about.
+    assert not {"shadowfs.commit", "concurrent.futures", "logging", "subprocess"} & modules
+    assert not {"jukebox.mcp.verdict", "jukebox.mcp.approvals", "copy"} & modules
+
+
 def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "jukebox"), "booth", "run", *args],
