@@ -59,10 +59,16 @@ async def write_all(stream: trio.abc.Stream, fd: int | None, data: bytes) -> Non
         await stream.send_all(memoryview(data)[sent:] if sent else data)
 
 
-async def read_some(stream: trio.abc.Stream, fd: int | None, size: int) -> bytes:
-    """`stream.receive_some(size)`: at once when bytes (or the end) are there already."""
+async def read_some(
+    stream: trio.abc.Stream, fd: int | None, size: int, *, wait_first: bool = False
+) -> bytes:
+    """`stream.receive_some(size)`: at once when bytes (or the end) are there already.
+    `wait_first`: the caller has just found nothing there (`try_read`), so the read that
+    would fail is not tried again before waiting."""
     if fd is None:
         return bytes(await stream.receive_some(size))
+    if wait_first:
+        await trio.lowlevel.wait_readable(fd)
     while True:
         data = try_read(fd, size)
         if data is not None:

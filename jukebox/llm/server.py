@@ -41,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from secrets import token_urlsafe
 from typing import Any
 
@@ -174,16 +174,6 @@ def _recorded_size(ex: Exchange) -> int:
     for event in ex.events or ():
         size += len(event.data)
     return size
-
-
-async def _after(
-    first: list[bytes], rest: AsyncIterator[list[bytes]]
-) -> AsyncIterator[list[bytes]]:
-    """`first` (when not empty), then `rest`."""
-    if first:
-        yield first
-    async for parts in rest:
-        yield parts
 
 
 def _peer_closed(stream: trio.SocketStream) -> bool:
@@ -720,24 +710,27 @@ class ProxyServer:
         client_gone = False
         # An agent that did not ask for usage gets the events without the usage chunk.
         hide_usage = ex.usage_asked_body is not None
+        parts = first
         try:
-            async for parts in _after(first, upstream.aiter_chunks()):
+            while parts or (parts := await upstream.next_chunks()):
                 # Each HTTP chunk is parsed and framed as it came; what one read brought goes
                 # to the agent in one write.
                 out: list[bytes] = [head] if head else []
                 sent: list[SSEEvent] = []
+                t_ms = (time.perf_counter() - opened) * 1000  # the read's: its chunks came at once
                 for chunk in parts:
-                    events = parser.feed(chunk, (time.perf_counter() - opened) * 1000)
+                    events = parser.feed(chunk, t_ms)
                     ready = parser.take_ready()
                     if hide_usage:
                         ready = _without_usage_chunk(events, ready)
                     if ready:
                         framed = conn.data(ready)
-                        if held or any(is_final(event) for event in events):
+                        if held or any(map(is_final, events)):
                             held.append(framed)
                             continue
                         out.append(framed)
                     sent += events
+                parts = []
                 if len(out) > bool(head) and not client_gone:
                     head = b""
                     try:
@@ -937,7 +930,8 @@ class ProxyServer:
         costs more than the write. Otherwise in a worker thread: a large exchange takes long
         to build, a body moved to the store makes the writer flush it (an fsync), and another
         sink may sync each frame."""
-        if self._record_inline(ex):
+        size = _recorded_size(ex)  # once: it walks every event of a stream
+        if self._record_inline(ex, size):
             turn = self._build_turn(ex)
             if self.record is not None:
                 # Encoded once, here: the writer reuses it, and a value it moves to the store
@@ -949,7 +943,7 @@ class ProxyServer:
                     self.record(LLM_TURN, payload)
         else:
             turn = await trio.to_thread.run_sync(self._record_turn, ex)
-        self.recorded_bytes += _recorded_size(ex) - len(ex.request_body)
+        self.recorded_bytes += size - len(ex.request_body)
         if self.breaker is not None and self.trip is None and ex.endpoint not in UNBILLED:
             s = turn.summary
             trip = self.breaker.observe(
@@ -965,10 +959,13 @@ class ProxyServer:
                 # The call that tripped still gets its answer; the agent is stopped after.
                 await self._tripped(trip)
 
-    def _record_inline(self, ex: Exchange) -> bool:
-        """Whether `ex`'s turn is built on the loop (see `_finish`)."""
+    def _record_inline(self, ex: Exchange, size: int | None = None) -> bool:
+        """Whether `ex`'s turn is built on the loop (see `_finish`); `size`: its
+        `_recorded_size`, when known."""
         inline = self.record_inline or self.record is None
-        return inline and _recorded_size(ex) <= INLINE_TURN_BYTES
+        if size is None:
+            size = _recorded_size(ex)
+        return inline and size <= INLINE_TURN_BYTES
 
     def _price_table(self) -> PriceTable:
         """The prices, with the breaker's `--unknown-cost price=IN/OUT` as the fallback (read

@@ -30,7 +30,7 @@ import ssl
 import time
 import urllib.request
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -81,6 +81,8 @@ class UpstreamResponse(Protocol):
     def header(self, name: str) -> str | None: ...
 
     def buffered(self) -> list[bytes]: ...
+
+    async def next_chunks(self) -> list[bytes]: ...
 
     def aiter_chunks(self) -> AsyncIterator[list[bytes]]: ...
 
@@ -219,10 +221,25 @@ class _Response:
         return None
 
     def buffered(self) -> list[bytes]:
-        """The body's HTTP chunks already received, decoded, taken without waiting."""
-        if self._conn is None or self._done:
+        """The body's HTTP chunks already received, decoded, taken without waiting: those that
+        came with the head, else those the socket holds by now (one read that does not wait).
+        An upstream that writes its head and its first events apart has often sent both by
+        the time the proxy is scheduled to pass the head on: taken now, they go to the agent
+        with the head in one write, which wakes it once instead of twice."""
+        conn = self._conn
+        if conn is None or self._done:
             return []
-        return self._drain(self._conn)
+        parts = self._drain(conn)
+        if parts or self._done:
+            return parts
+        try:
+            data = try_read(conn.fd, READ_SIZE)
+        except (trio.BrokenResourceError, OSError) as error:
+            raise UpstreamError(f"{self._origin.name} broke the connection: {error}") from None
+        if data is None:
+            return []
+        conn.reader.feed(data)
+        return self._drain(conn)
 
     def _drain(self, conn: _Connection) -> list[bytes]:
         """The HTTP chunks the last reads brought, all of them: an upstream writing each SSE
@@ -243,17 +260,24 @@ class _Response:
                 parts.append(tail)
         return parts
 
-    async def aiter_chunks(self) -> AsyncIterator[list[bytes]]:
-        """The body's HTTP chunks, decoded, as each read brings them (never an empty list)."""
+    async def next_chunks(self) -> list[bytes]:
+        """The body's next HTTP chunks, decoded: those received and not yet taken, else those
+        the next read brings; [] at the end of the body. A plain call per read, where an async
+        generator costs two of them per step on every stream's path."""
         conn = self._conn
-        if conn is None:
-            return
-        while not self._done:
+        while conn is not None and not self._done:
             parts = self._drain(conn)
             if parts:
-                yield parts
-            if not self._done:
-                await self._client._receive(conn, self._origin)
+                return parts
+            if self._done:
+                break
+            await self._client._receive(conn, self._origin)
+        return []
+
+    async def aiter_chunks(self) -> AsyncIterator[list[bytes]]:
+        """The body's HTTP chunks, decoded, as each read brings them (never an empty list)."""
+        while parts := await self.next_chunks():
+            yield parts
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         async for parts in self.aiter_chunks():
@@ -287,6 +311,7 @@ class _ProxiedResponse:
         self._response = response
         self.status_code = response.status_code
         self.headers = list(response.headers.multi_items())
+        self._chunks: AsyncGenerator[bytes, None] | None = None  # next_chunks' place in the body
 
     def buffered(self) -> list[bytes]:
         return []
@@ -295,7 +320,7 @@ class _ProxiedResponse:
         value = self._response.headers.get(name)
         return value if isinstance(value, str) else None
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+    async def aiter_bytes(self) -> AsyncGenerator[bytes, None]:
         import httpx
 
         try:
@@ -303,6 +328,14 @@ class _ProxiedResponse:
                 yield chunk
         except httpx.HTTPError as error:
             raise UpstreamError(repr(error)) from None
+
+    async def next_chunks(self) -> list[bytes]:
+        if self._chunks is None:
+            self._chunks = self.aiter_bytes()
+        async for chunk in self._chunks:  # resumed where the last call left it
+            if chunk:
+                return [chunk]
+        return []
 
     async def aiter_chunks(self) -> AsyncIterator[list[bytes]]:
         async for chunk in self.aiter_bytes():
@@ -313,6 +346,8 @@ class _ProxiedResponse:
         return b"".join([chunk async for chunk in self.aiter_bytes()])
 
     async def aclose(self) -> None:
+        if self._chunks is not None:
+            await self._chunks.aclose()
         await self._response.aclose()
 
 
@@ -389,9 +424,9 @@ class UpstreamClient:
     async def _receive(self, conn: _Connection, origin: _Origin) -> None:
         try:
             data = try_read(conn.fd, READ_SIZE)  # there already: no deadline needed
-            if data is None:
+            if data is None:  # not tried again before the wait
                 with trio.fail_after(self._timeouts.read):
-                    data = await read_some(conn.stream, conn.fd, READ_SIZE)
+                    data = await read_some(conn.stream, conn.fd, READ_SIZE, wait_first=True)
         except trio.TooSlowError:
             raise UpstreamError(
                 f"{origin.name} sent nothing for {self._timeouts.read:g} s"

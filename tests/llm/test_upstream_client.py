@@ -192,3 +192,49 @@ def test_an_upstream_header_that_is_not_ascii_reaches_the_agent_byte_for_byte(
     (turn,) = proxy.turns
     assert turn.payload["status"] == 200
     assert turn.payload["response_headers"]["x-note"] == "caf\xe9, d\xe9j\xe0 vu"
+
+
+@pytest.mark.trio
+async def test_events_that_follow_the_head_are_taken_without_waiting() -> None:
+    """An upstream writes a stream's head and its first event apart: whatever has arrived by
+    the time the proxy passes the head on is taken at once (`buffered`), to go to the agent in
+    the head's write rather than a wake-up later; nothing is waited for."""
+    import trio
+
+    from jukebox.llm.upstream_client import UpstreamClient
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    head_taken = threading.Event()
+    event = b'data: {"n": 1}\n\n'
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            buf = b""
+            while b"\r\n\r\n" not in buf or not buf.endswith(b"{}"):
+                buf += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            head_taken.wait(30)  # the event comes only after the client has the head
+            conn.sendall(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
+            conn.recv(1)  # until the client closes
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = UpstreamClient()
+    try:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        response = await client.send(client.request("POST", url, [], b"{}"))
+        assert response.buffered() == []  # the head came alone: nothing to take yet
+        head_taken.set()
+        with trio.fail_after(30):  # a bound, not a timing: the event is on its way
+            while not (taken := response.buffered()):
+                await trio.sleep(0.001)
+        assert taken == [event]
+        assert await response.next_chunks() == []  # and the body's end came with it
+        await response.aclose()
+    finally:
+        await client.aclose()
+        listener.close()
