@@ -547,6 +547,8 @@ class NodeStat(Value):
 
 
 PathLike = str | bytes | os.PathLike[str]
+# `Layer.snapshot`'s early reply: (tree id, journal id or None).
+Answer = Callable[[ObjectId, "ObjectId | None"], None]
 _F = Any
 
 
@@ -1998,14 +2000,22 @@ class Layer:
                 self._folded_journal = (journal.changes, oid)
 
     @_routed(sync=True, stores=True)
-    def snapshot(self, durable: bool = True) -> tuple[ObjectId, ObjectId | None]:
+    def snapshot(
+        self, durable: bool = True, answer: Answer | None = None
+    ) -> tuple[ObjectId, ObjectId | None]:
         """Store what changed since the last snapshot; return (tree id, journal id or None).
 
         ``durable=True``: the objects are on disk and indexed when this returns (one fsync, one
         index commit). ``durable=False`` (a group commit, what a booth's checkpoints use): they
         are in the store at once, readable through it, and made durable by its background flush
         within FLUSH_DELAY (`Store.flush_soon`); whoever then records these ids durably (a tape
-        frame, a commit claim) must `store.flush()` first, as `TapeWriter.append` does."""
+        frame, a commit claim) must `store.flush()` first, as `TapeWriter.append` does.
+
+        ``answer(tree id, journal id or None)`` is called as soon as both are known, still under
+        the layer lock (no write lands in between), before the flush and the journal's own
+        bookkeeping: a caller replies to whoever asked from there, and what follows runs while
+        that reply travels. With ``durable=True`` the objects are not durable yet when it runs.
+        Not through a mount served from a child process, which cannot carry a function."""
         journal = self.journal
         folded, self._folded_journal = self._folded_journal, None
         if (
@@ -2014,8 +2024,11 @@ class Layer:
             and len(journal)
             and not self.root.dirty_names
         ):
-            # `fold` stored it all and nothing was recorded since: only the journal to take.
+            # `fold` stored it all and nothing was recorded since: the snapshot is only a
+            # marker, and its answer needs nothing more than the ids the fold left.
             tree_id = self._fold()
+            if answer is not None:
+                answer(tree_id, folded[1])
             journal.clear()
             self._flush(durable)
             return tree_id, folded[1]
@@ -2025,6 +2038,8 @@ class Layer:
                 journal_id = None
                 if len(journal):
                     journal_id = self.store.put("journal", journal.take_encoded())
+            if answer is not None:
+                answer(tree_id, journal_id)
             self._flush(durable)
         return tree_id, journal_id
 

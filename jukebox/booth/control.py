@@ -26,7 +26,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 # The C encoder's private names: typeshed does not declare them (a fallback covers their absence).
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
@@ -96,6 +96,11 @@ class Peer(Value):
 
 # A handler takes the validated request and the peer, and returns the response's extra fields.
 Handler = Callable[[dict[str, Any], Peer], dict[str, Any]]
+# A handler of one exact request line (ControlServer's `quick`), given the peer and `reply`: it
+# calls `reply(fields)` once, as soon as it knows the answer, and may go on working after it
+# (still holding the handlers' turn); or returns False without replying, and the plain
+# handler serves the request.
+QuickHandler = Callable[[Peer, Callable[[dict[str, Any]], None]], bool]
 
 
 def validate(raw: bytes) -> dict[str, Any]:
@@ -165,12 +170,22 @@ class ControlServer:
     every frame on the path costs). Handlers take turns under one lock, so two checkpoints never
     race inside the layer; at most MAX_CONNECTIONS connections (and threads) are served."""
 
-    def __init__(self, path: str, handlers: dict[str, Handler]) -> None:
+    def __init__(
+        self,
+        path: str,
+        handlers: dict[str, Handler],
+        quick: Mapping[bytes, QuickHandler] | None = None,
+    ) -> None:
         missing = set(CORE_OPS) - set(handlers)
         if missing:
             raise ValueError(f"handlers missing for {sorted(missing)}")
         self.path = path
         self.handlers = handlers
+        # Request lines answered without parsing them, by the bytes `request` sends (the
+        # unlabelled checkpoint an agent asks for after each step: `CHECKPOINT_LINE`). After the
+        # agent's pause every step of the plain path (framing, JSON, validation, dispatch)
+        # runs from cold caches; this one is a dictionary lookup.
+        self.quick: Mapping[bytes, QuickHandler] = quick or {}
         self.requests = 0
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
@@ -251,6 +266,9 @@ class ControlServer:
                 data = sock.recv(65536)
                 if not data:
                     return
+                quick = None if buf else self.quick.get(data)
+                if quick is not None and self._answer_quick(sock, quick, peer):
+                    continue
                 buf += data
                 if b"\n" in buf:
                     *lines, buf = buf.split(b"\n")
@@ -282,6 +300,40 @@ class ControlServer:
                 sent = 0
         if sent < len(out):
             sock.sendall(out[sent:])
+
+    def _answer_quick(self, sock: socket.socket, quick: QuickHandler, peer: Peer) -> bool:
+        """A request line of `quick`'s: whether it served it (answered, or failed and said so)."""
+        rest = b""
+        answered = False
+
+        def reply(fields: dict[str, Any]) -> None:
+            nonlocal rest, answered
+            answered = True
+            out = _encode({"ok": True, **fields})
+            if self._stop:
+                return  # nobody reads answers any more: close() shut the connection
+            # Under the handler's locks: never wait here for an agent that stopped reading.
+            try:
+                sent = sock.send(out, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            rest = out[sent:]
+
+        with wakeups.deferred(), self._turn:
+            try:
+                served = quick(peer, reply)
+            except Exception as error:
+                if answered:
+                    raise  # after its answer: the connection ends, the agent reconnects
+                failure: dict[str, Any] = {"ok": False, "error": str(error) or type(error).__name__}
+                if isinstance(error, RequestError):
+                    failure["refused"] = True
+                rest, served = _encode(failure), True
+            if served:
+                self.requests += 1
+        if rest and not self._stop:
+            sock.sendall(rest)
+        return served
 
     def dispatch(self, line: bytes, peer: Peer) -> bytes:
         """One request line to one response line; never raises."""
@@ -321,6 +373,10 @@ def _encode(response: dict[str, Any]) -> bytes:
 def encode_request(request: dict[str, Any]) -> bytes:
     """One request as its line on the socket."""
     return _encode(request)
+
+
+# The line `request({"op": "checkpoint"})` sends: a server's `quick` handlers are keyed by it.
+CHECKPOINT_LINE = encode_request({"op": "checkpoint"})
 
 
 # The C scanner behind `json.loads`, without its Python frames, encoding detection and the

@@ -44,7 +44,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox.booth import isolation, procs
 from jukebox.booth.cgroups import BoothCgroup
-from jukebox.booth.control import SOCKET_ENV, ControlServer, Peer, RequestError
+from jukebox.booth.control import (
+    CHECKPOINT_LINE,
+    SOCKET_ENV,
+    ControlServer,
+    Peer,
+    RequestError,
+)
 from jukebox.booth.images import Image, load_image
 from jukebox.booth.paths import SET_ID_WALK_LIMIT, BoothPaths, strip_set_id
 from jukebox.booth.protections import Protections, booth_protections, strict_refusal
@@ -118,6 +124,8 @@ class BoothLayer(Protocol):
 
     # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
     # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
+    # Optional: `snapshot_answering(answer)`, `snapshot` that calls `answer(tree id, journal id
+    # or None)` as soon as they are known, before its own bookkeeping (`_Run.checkpoint_answering`).
     # Optional: `scratch_usage() -> (staged bytes, limit or None)`, for `booth status`.
 
 
@@ -242,6 +250,10 @@ class _FuseBoothLayer:
         # before any frame naming these objects is written (GroupTape).
         with self._waiting_on_layer("a snapshot"):
             return self.layer.snapshot(durable=False)
+
+    def snapshot_answering(self, answer: Callable[[ObjectId, ObjectId | None], None]) -> None:
+        with self._waiting_on_layer("a snapshot"):
+            self.layer.snapshot(durable=False, answer=answer)
 
     def restore(self, tree_id: ObjectId) -> None:
         with self._waiting_on_layer("a rollback"):
@@ -1234,23 +1246,57 @@ class _Run(Record):
             if self.databases is not None:
                 self.databases.checkpoint(n)
             tree, journal = self.layer.snapshot()
-            # The label as the agent gave it stays the one `rollback --to` finds.
-            payload: dict[str, Any] = {"id": n, "label": self.scrubbed(label), "reason": reason}
-            if journal is not None:
-                payload["journal"] = journal.hex()
-            if peer is not None:
-                payload["peer"] = peer.as_dict()
-            # Acknowledged now; the frame reaches the tape once its objects are durable.
-            seq = self.writer.append(
-                "checkpoint",
-                payload,
-                refs=[journal] if journal is not None else (),
-                tree=tree,
-                defer=True,
-            )
-            cp = RollbackPoint(n, label, tree, seq)
-            self.checkpoints.append(cp)
-            return cp
+            return self._taken(n, label, tree, journal, peer, reason)
+
+    def checkpoint_answering(self, peer: Peer, reply: Callable[[dict[str, Any]], None]) -> bool:
+        """An unlabelled checkpoint the agent asked for, answered (``reply``, the control
+        socket's) as soon as its tree and frame are known: the layer's bookkeeping after that
+        (the journal let go, the store's flush scheduled) runs while the answer travels, still
+        under the locks, so no request or write comes between. After a fold that is all a
+        checkpoint is (`Layer.snapshot`). False, with nothing done, where the booth has no
+        such layer or has databases to checkpoint first: the plain handler serves it."""
+        snapshot = getattr(self.layer, "snapshot_answering", None)
+        if snapshot is None:
+            return False
+        with self.lock:
+            if self.databases is not None:
+                return False
+            n = len(self.checkpoints)
+
+            def taken(tree: ObjectId, journal: ObjectId | None) -> None:
+                cp = self._taken(n, None, tree, journal, peer, "request")
+                reply({"checkpoint": n, "label": None, "tree": tree.hex(), "frame": cp.frame})
+
+            snapshot(taken)
+        return True
+
+    def _taken(
+        self,
+        n: int,
+        label: str | None,
+        tree: ObjectId,
+        journal: ObjectId | None,
+        peer: Peer | None,
+        reason: str,
+    ) -> RollbackPoint:
+        """Checkpoint ``n``, whose snapshot is (tree, journal), recorded (under the lock)."""
+        # The label as the agent gave it stays the one `rollback --to` finds.
+        payload: dict[str, Any] = {"id": n, "label": self.scrubbed(label), "reason": reason}
+        if journal is not None:
+            payload["journal"] = journal.hex()
+        if peer is not None:
+            payload["peer"] = peer.as_dict()
+        # Acknowledged now; the frame reaches the tape once its objects are durable.
+        seq = self.writer.append(
+            "checkpoint",
+            payload,
+            refs=[journal] if journal is not None else (),
+            tree=tree,
+            defer=True,
+        )
+        cp = RollbackPoint(n, label, tree, seq)
+        self.checkpoints.append(cp)
+        return cp
 
     def find(self, to: str | int) -> RollbackPoint:
         found = find_checkpoint(self.checkpoints, to)
@@ -2228,7 +2274,9 @@ def _start_services(
     the agent's environment learns how to reach them. Returns the LLM proxy's session."""
     from jukebox.llm.session import LlmSession
 
-    server = ControlServer(sock_path, run.handlers()).start()
+    server = ControlServer(
+        sock_path, run.handlers(), quick={CHECKPOINT_LINE: run.checkpoint_answering}
+    ).start()
     services.callback(server.close)
     writer = run.writer
     llm_session = LlmSession.start(

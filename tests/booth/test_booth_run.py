@@ -181,6 +181,65 @@ def test_a_pending_booth_commits_one_of_its_checkpoints(work) -> None:
     assert leftovers(tapes) == []
 
 
+# Checkpoints an agent asks for over its kept connection: one after the booth folded its step
+# (the checkpoint is then only a marker, answered before the layer's bookkeeping), then some
+# while another thread keeps replacing a file, each rolled back to afterwards.
+RACING = r"""
+import json, os, sys, threading, time
+from jukebox.booth.control import request
+with open("a.txt", "w") as f:
+    f.write("folded\n")
+time.sleep(0.3)  # still for longer than the booth waits before folding a step
+folded = request({"op": "checkpoint"})
+done, state = threading.Event(), {"started": -1, "closed": -1}
+def replace():
+    i = 0
+    while not done.is_set():
+        state["started"] = i
+        with open("c.tmp", "w") as f:
+            f.write("%d\n" % i)
+        os.replace("c.tmp", "c.txt")
+        state["closed"] = i
+        i += 1
+writer = threading.Thread(target=replace)
+writer.start()
+raced = []
+for _ in range(5):
+    time.sleep(0.02)
+    low = state["closed"]
+    cp = request({"op": "checkpoint"})
+    raced.append((cp["checkpoint"], low, state["started"]))
+done.set()
+writer.join()
+seen = []
+for n, low, high in raced:
+    request({"op": "rollback", "to": n})
+    value = int(open("c.txt").read()) if os.path.exists("c.txt") else -1  # none replaced yet
+    seen.append((low, value, high))
+request({"op": "rollback", "to": folded["checkpoint"]})
+print(json.dumps({"folded": folded, "a": open("a.txt").read(),
+                  "c": os.path.exists("c.txt"), "seen": seen}))
+"""
+
+
+def test_checkpoints_after_a_fold_and_racing_writes_roll_back_to_what_they_answered(work) -> None:
+    tree, tapes = work
+    proc = jb(
+        "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "t1",
+        "--commit", "never", "--", sys.executable, "-c", RACING,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["a"] == "folded\n" and out["c"] is False
+    for low, value, high in out["seen"]:
+        assert low <= value <= high, "a checkpoint holds the file as it was when asked for"
+    checkpoints = {f["payload"]["id"]: f for f in frames(tapes) if f["kind"] == "checkpoint"}
+    folded = out["folded"]
+    assert checkpoints[folded["checkpoint"]]["tree"] == folded["tree"]
+    assert checkpoints[folded["checkpoint"]]["seq"] == folded["frame"]
+    assert len(checkpoints) == 6
+
+
 def test_pending_commit_conflict_exits_1_and_lists_paths_then_discard(work) -> None:
     tree, tapes = work
     assert booth_run(tree, tapes, "echo agent > a.txt", "--commit", "never").returncode == 0

@@ -321,3 +321,60 @@ def test_socket_is_private_and_removed_on_close(tmp_path: Path) -> None:
     assert (path.stat().st_mode & 0o777) == 0o600
     server.close()
     assert not path.exists()
+
+
+class Quick:
+    """A quick checkpoint handler (ControlServer's `quick`) that replies, then finishes its
+    work only once the test lets it: the agent must have its answer before that."""
+
+    def __init__(self, serve: bool = True, fail: Exception | None = None) -> None:
+        self.serve = serve
+        self.fail = fail
+        self.finish = threading.Event()
+        self.finished = False
+        self.peers: list[Peer] = []
+
+    def __call__(self, peer: Peer, reply) -> bool:
+        if self.fail is not None:
+            raise self.fail
+        if not self.serve:
+            return False
+        self.peers.append(peer)
+        reply({"checkpoint": 7, "label": None})
+        assert self.finish.wait(slow(10)), "the test never saw the answer"
+        self.finished = True
+        return True
+
+
+def test_the_checkpoint_line_is_answered_before_its_handler_finishes(tmp_path: Path) -> None:
+    booth, quick = Booth(), Quick()
+    path = str(tmp_path / "c.sock")
+    with ControlServer(path, booth.handlers(), quick={control.CHECKPOINT_LINE: quick}) as server:
+        assert control.encode_request({"op": "checkpoint"}) == control.CHECKPOINT_LINE
+        answer = control.request({"op": "checkpoint"}, path, timeout=slow(5))
+        assert answer == {"ok": True, "checkpoint": 7, "label": None}
+        assert not quick.finished, "answered while its handler still worked"
+        quick.finish.set()
+        # The handler's turn ends once it finishes; the next request waits for that.
+        assert control.request({"op": "status"}, path)["count"] == 1
+        assert quick.finished and server.requests == 2
+        assert quick.peers == [Peer(os.getpid(), os.getuid(), os.getgid())]
+        # A label is another line: the plain handler takes it.
+        assert control.request({"op": "checkpoint", "label": "x"}, path)["checkpoint"] == 1
+    assert booth.checkpoints == ["start", "x"]
+
+
+def test_a_quick_handler_that_declines_or_fails(tmp_path: Path) -> None:
+    booth = Booth()
+    path = str(tmp_path / "c.sock")
+    declines = Quick(serve=False)
+    with ControlServer(path, booth.handlers(), quick={control.CHECKPOINT_LINE: declines}):
+        assert control.request({"op": "checkpoint"}, path)["checkpoint"] == 1  # the plain one
+    failures = ((OSError("disk gone"), ControlError), (control.RequestError("no"), ControlRefused))
+    for fail, error in failures:
+        quick = {control.CHECKPOINT_LINE: Quick(fail=fail)}
+        with ControlServer(path, booth.handlers(), quick=quick):
+            with pytest.raises(error, match=str(fail)):
+                control.request({"op": "checkpoint"}, path)
+            assert control.request({"op": "status"}, path)["count"] == 2  # the server goes on
+    assert booth.checkpoints == ["start", None]

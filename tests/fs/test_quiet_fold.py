@@ -41,6 +41,14 @@ def until(pred: Callable[[], bool], what: str) -> None:
         time.sleep(0.002)
 
 
+@pytest.fixture
+def mnt(tmp_path: Path) -> Path:
+    """An empty mount point."""
+    path = tmp_path / "mnt"
+    path.mkdir()
+    return path
+
+
 def test_a_snapshot_after_a_fold_takes_what_the_fold_stored(layer: Layer, store: Store) -> None:
     t0, _ = layer.snapshot()
     layer.write_file("src/main.py", b"folded\n")
@@ -134,10 +142,8 @@ def test_quiet_fold_folds_once_writes_stop_and_again_after_new_ones(
 @pytest.mark.fuse
 @needs_fuse
 def test_a_checkpoint_through_a_mount_after_a_quiet_fold(
-    layer: Layer, store: Store, tmp_path: Path
+    layer: Layer, store: Store, mnt: Path
 ) -> None:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
     with Mount(layer, mnt):
         layer.snapshot()
         quiet = QuietFold(layer, quiet=0.01).start()
@@ -157,3 +163,58 @@ def test_a_checkpoint_through_a_mount_after_a_quiet_fold(
     assert {op for op, _ in ops(store, j1)} >= {"create", "write"}
     assert content(store, t2, "f3.txt") == b"step one 3\nstep two\n"
     assert ("write", (b"f3.txt",)) in ops(store, j2)
+
+
+def test_a_snapshot_answers_with_its_ids_before_its_bookkeeping(layer: Layer, store: Store) -> None:
+    layer.snapshot()
+    seen: list[tuple[ObjectId, ObjectId | None, int]] = []
+
+    def answer(tree_id: ObjectId, journal_id: ObjectId | None) -> None:
+        assert journal_id is not None
+        decode_journal(store.get(journal_id))  # readable through the store already
+        seen.append((tree_id, journal_id, len(layer.journal)))
+
+    layer.write_file("src/main.py", b"folded\n")
+    layer.fold()
+    folded = layer.snapshot(answer=answer)  # the fold left it all: only a marker
+    layer.write_file("src/main.py", b"not folded\n")
+    plain = layer.snapshot(answer=answer)
+    assert [(t, j) for t, j, _ in seen] == [folded, plain]
+    assert seen[0][2] > 0, "after a fold the answer comes before the journal is let go"
+    assert content(store, folded[0], "src/main.py") == b"folded\n"
+    assert content(store, plain[0], "src/main.py") == b"not folded\n"
+
+
+@pytest.mark.fuse
+@needs_fuse
+def test_a_write_racing_an_answered_checkpoint_is_in_the_next_one(
+    layer: Layer, store: Store, mnt: Path
+) -> None:
+    racer: list[threading.Thread] = []
+
+    def race(tree_id: ObjectId, journal_id: ObjectId | None) -> None:
+        # Sent while the snapshot still holds the layer: the write waits for its end.
+        def write() -> None:
+            with open(mnt / "racing.txt", "w") as f:
+                f.write("raced\n")
+
+        racer.append(threading.Thread(target=write))
+        racer[0].start()
+        time.sleep(0.05)  # long enough for the write to reach the layer lock; either way right
+
+    with Mount(layer, mnt):
+        layer.snapshot()
+        quiet = QuietFold(layer, quiet=0.01).start()
+        try:
+            (mnt / "step.txt").write_text("step\n")
+            until(lambda: not layer.root.dirty_names, "the step is folded")
+            t1, j1 = layer.snapshot(durable=False, answer=race)
+            racer[0].join(slow(10))
+            t2, j2 = layer.snapshot(durable=False)
+        finally:
+            quiet.close()
+    assert content(store, t1, "step.txt") == b"step\n"
+    assert tree.lookup(store, t1, b"racing.txt") is None
+    assert ("create", (b"racing.txt",)) not in ops(store, j1)
+    assert content(store, t2, "racing.txt") == b"raced\n"
+    assert ("create", (b"racing.txt",)) in ops(store, j2)
