@@ -2245,6 +2245,10 @@ def _stage_mcp_calls(o: _BoothOptions, run: _Run, record: BoothRecord) -> None:
     def keep_staged(calls: list[Any]) -> None:
         from jukebox.mcp import verdict as mcp_verdict
 
+        # A staged call names the newest checkpoint, which may still wait for its group commit:
+        # the tape holds it before the record names it, or a crash here would leave a pending
+        # booth whose `commit --at` cannot find the checkpoint its calls were staged under.
+        writer.sync()
         mcp_verdict.keep(record, o.mcp_servers, calls)
         save_record(o.tapes, record)
 

@@ -163,3 +163,29 @@ def test_supervisor_killed_with_calls_held_and_while_its_commit_runs_them(tmp_pa
     (begun,) = payloads(running["tape"], "note", "mcp_commit_begin")
     assert begun["ids"] == ["stage-1", "stage-2", "stage-3"]
     assert not payloads(running["tape"], "note", "mcp_commit")  # it never finished
+
+
+def test_a_checkpoint_named_by_a_staged_call_survives_the_supervisor_killed_at_once(
+    tmp_path: Path,
+) -> None:
+    # A checkpoint is answered before its frame is on the tape (group commit); a call staged
+    # after it is kept in the booth's record at once, naming it. Killed right after that call,
+    # the record must not name a checkpoint the tape lost: `commit --at cp1` must find it.
+    held = _start(tmp_path, "held", "write", "one", "checkpoint", "cp1", "write", "two",
+                  "wait", "-")  # fmt: skip
+    try:
+        said = [held["proc"].stdout.readline() for _ in range(3)]
+        assert said[-1] == "ready\n", said
+        os.kill(held["proc"].pid, signal.SIGKILL)
+        held["proc"].communicate(timeout=60)
+        _until(lambda: not _booth_processes(str(tmp_path)), "the booth's processes are gone")
+    finally:
+        if held["proc"].poll() is None:
+            held["proc"].kill()
+            held["proc"].wait()
+    record = json.loads((tmp_path / "tapes" / ".jukebox" / "booths" / "held.json").read_text())
+    assert [c["id"] for c in record["mcp_staged"]] == ["stage-1", "stage-2"]
+    done = jb(tmp_path, "booth", "commit", "held", "--at", "cp1")
+    assert done.returncode == 0, done.stderr
+    assert "ran 1 staged MCP call(s) of booth held: stage-1" in done.stderr, done.stderr
+    assert _lines(held["log"]) == ["one"]
