@@ -473,3 +473,32 @@ def test_a_rollback_undoes_other_connections_open_transactions(
     assert gone.startswith("2 ") and "cannot go to checkpoint 2" in gone
     assert last == "1,2,8"
     assert table(pg, db) == "1,2,8"
+
+
+# The unlabelled checkpoint's line, which a booth answers without parsing it, takes the database
+# along like any checkpoint (with --pg its plain handler serves it: a savepoint first).
+UNLABELLED = """
+import os, psycopg
+from jukebox.booth.control import request
+url = os.environ["DATABASE_URL"]
+def sql(q):
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(q).fetchall() if q.startswith("SELECT") else conn.execute(q)
+sql("INSERT INTO t VALUES (4, 'before')")
+cp = request({"op": "checkpoint"})
+sql("INSERT INTO t VALUES (5, 'after')")
+open("b.txt", "w").write("b")
+request({"op": "rollback", "to": cp["checkpoint"]})
+seen = sql("SELECT id FROM t ORDER BY id")
+open("seen.txt", "w").write(",".join(str(r[0]) for r in seen))
+"""
+
+
+def test_an_unlabelled_checkpoint_request_takes_the_database_along(
+    pg: Cluster, db: str, tmp_path: Path
+) -> None:
+    out = booth(tmp_path, pg.url(db), UNLABELLED, "--verify", "true", "--tape-id", "quick")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tree" / "seen.txt").read_text() == "1,2,4"
+    assert not (tmp_path / "tree" / "b.txt").exists()
+    assert table(pg, db) == "1,2,4"
