@@ -28,7 +28,7 @@ from mcp.shared.exceptions import MCPError
 from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Decision, Policy
 from jukebox.mcp.record import Sink, wire
-from jukebox.mcp.relay import RELAY_ID_BASE, Relay, upstream_stdio
+from jukebox.mcp.relay import CANCELLED, LEFT, RELAY_ID_BASE, Relay, upstream_stdio
 
 T = TypeVar("T")
 
@@ -187,6 +187,14 @@ class Gateway:
             frame.update(error={"message": str(error)}, ok=False, latency_ms=_ms(started))
             self.sink.record("tool_call", frame)
             raise MCPError(types.INTERNAL_ERROR, f"jukebox: {error}") from None
+        except anyio.get_cancelled_exc_class():
+            # The agent's notifications/cancelled, or the agent gone (its session's end cancels
+            # what it still runs): the SDK answers nobody, and the tape says which.
+            why = CANCELLED if _cancel_requested(ctx) else LEFT
+            frame.update(error={"message": why}, ok=False, cancelled=True,
+                         latency_ms=_ms(started))  # fmt: skip
+            self.sink.record("tool_call", frame)
+            raise
         # The model itself: the sink turns it into JSON after the agent has its answer.
         frame.update(result=result, ok=not getattr(result, "is_error", False),
                      latency_ms=_ms(started))  # fmt: skip
@@ -290,6 +298,15 @@ def _refusal(tool: str, server: str, why: str) -> types.CallToolResult:
         ))],
         is_error=True,
     )  # fmt: skip
+
+
+def _cancel_requested(ctx: Any) -> bool:
+    """Whether the agent sent notifications/cancelled for the request of `ctx` (the SDK sets
+    its dispatch context's event; the handler's context does not expose it, its session does,
+    privately)."""
+    outbound = getattr(getattr(ctx, "session", None), "_request_outbound", None)
+    event = getattr(outbound, "cancel_requested", None)
+    return bool(event is not None and event.is_set())
 
 
 def _ms(started: float) -> float:

@@ -39,6 +39,9 @@ from jukebox.mcp.policy import Decision
 RELAY_ID_BASE = 1 << 40
 # A server that does not leave when its stdin closes gets SIGTERM, then SIGKILL (as the SDK's).
 STOP_WAIT = 2.0
+# What a tool_call frame says of a call nobody waits for any more (with `cancelled: true`).
+CANCELLED = "cancelled by the agent"
+LEFT = "the agent closed the connection first"
 
 
 class _Call:
@@ -131,7 +134,7 @@ class Relay:
             return False
         assert self.upstream is not None
         await self.upstream.write(line + b"\n")
-        call.frame.update(error={"message": "cancelled by the agent"}, ok=False,
+        call.frame.update(error={"message": CANCELLED}, ok=False, cancelled=True,
                           latency_ms=_ms(call.started))  # fmt: skip
         self.gateway.sink.record("tool_call", call.frame)
         return True
@@ -204,8 +207,8 @@ class Relay:
     def close(self) -> None:
         """The agent is gone: the calls it did not get an answer to are recorded so."""
         for call in self.pending.values():
-            call.frame.update(error={"message": "the agent closed the connection first"},
-                              ok=False, latency_ms=_ms(call.started))  # fmt: skip
+            call.frame.update(error={"message": LEFT}, ok=False, cancelled=True,
+                              latency_ms=_ms(call.started))  # fmt: skip
             self.gateway.sink.record("tool_call", call.frame)
         self.pending.clear()
 

@@ -274,3 +274,55 @@ def test_mcp_config_is_rewritten_through_the_gateway(tmp_path: Path) -> None:
         assert proc.returncode == 2 and 'no "mcpServers" object' in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "tapes").exists()
+
+
+def test_a_call_on_the_sdk_path_cancelled_or_left_is_recorded(tmp_path: Path) -> None:
+    # Called before any listing, so through the gateway's SDK server and client, not relayed:
+    # a call the agent cancels, and one the agent leaves without a word (its pipe closed
+    # mid-call), each end in a tool_call frame that says so, as a relayed call's does.
+    import os
+
+    cancelled_dir, left_dir = tmp_path / "cancelled", tmp_path / "left"
+
+    async def agent() -> None:
+        async with wrapped(hostile_server(), "--tape-dir", str(cancelled_dir)) as s:
+            with anyio.move_on_after(1) as waited:
+                await s.call_tool("hang", {})
+            assert waited.cancelled_caught  # the SDK's client sends notifications/cancelled
+            echoed = await s.call_tool("echo", {"text": "after"})
+            assert echoed.content[0].text == "after"
+
+    anyio.run(agent)
+    hang, echo = payloads(only_tape(cancelled_dir), "tool_call")
+    assert hang["ok"] is False and hang["error"] == {"message": "cancelled by the agent"}
+    assert hang["cancelled"] is True and echo["ok"] is True
+
+    # An agent that goes away: its lines, then its end of the pipe closed while `hang` runs.
+    wrapper = subprocess.Popen(
+        [JUKEBOX, "mcp", "wrap", "--tape-dir", str(left_dir), "--", *hostile_server()],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ),
+    )  # fmt: skip
+    assert wrapper.stdin is not None and wrapper.stdout is not None
+    for message in (
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "leaver", "version": "1"}}},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+         "params": {"name": "hang", "arguments": {}}},
+    ):  # fmt: skip
+        wrapper.stdin.write(json.dumps(message).encode() + b"\n")
+        wrapper.stdin.flush()
+        if message.get("id") == 1:
+            assert b'"result"' in wrapper.stdout.readline()  # initialized
+    import time
+
+    deadline = time.monotonic() + 30
+    while not list(left_dir.glob("*.jbx")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)  # the call is on its way to the server
+    wrapper.stdin.close()
+    assert wrapper.wait(timeout=30) == 0
+    [left] = payloads(only_tape(left_dir), "tool_call")
+    assert left["tool"] == "hang" and left["ok"] is False and left["cancelled"] is True, left
+    assert left["error"] == {"message": "the agent closed the connection first"}
