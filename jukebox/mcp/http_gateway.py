@@ -30,6 +30,11 @@ from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Policy
 
 START_TIMEOUT = 30.0
+NO_RESUME = (
+    b'{"jsonrpc": "2.0", "id": null, "error": {"code": -32600, "message": "jukebox: the MCP '
+    b"gateway does not resume event streams (Last-Event-ID): its answers carry no event ids, "
+    b'so a call whose answer was lost must be made again"}}'
+)
 
 
 class HttpGatewayError(JukeboxError):
@@ -266,6 +271,14 @@ class _Router:
             await send({"type": "http.response.start", "status": 404,
                         "headers": [(b"content-type", b"text/plain")]})  # fmt: skip
             await send({"type": "http.response.body", "body": b"not found\n"})
+            return
+        if scope["method"] == "GET" and any(k == b"last-event-id" for k, _ in scope["headers"]):
+            # The gateway's answers carry no event ids (it keeps no history of them), so there
+            # is nothing to resume: said plainly (the SDK's server, without an event store,
+            # would send no answer at all).
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": NO_RESUME})
             return
         relay = self.relays.get(parts[3])
         if relay is not None and scope["method"] == "POST":

@@ -12,11 +12,22 @@ call was most of what the gateway executed per call (docs/mcp.md, "Speed").
 The gateway's own client numbers its requests from jukebox.mcp.relay.RELAY_ID_BASE up, and an
 id already in flight here goes through the SDK's path, so that no two requests in the server's
 session share an id.
+
+What the SDK's client did for a call, the relay does too. A request the server makes in the
+middle of the call (sampling, elicitation) goes on to the agent: the agent's answer then becomes
+an event stream (the request, under an id of the relay's own so that it meets none of the
+gateway's SDK server, then the call's answer), and the agent's answer to it, POSTed to the
+gateway, goes back to the server under the server's id; the gateway's timeout waits for the
+server, not for the agent. A call's event stream that the server ends before the answer, having
+given event ids, is resumed with Last-Event-ID (GET), as the SDK's client resumes it. The
+gateway's own answers carry no event ids: it keeps no event history, so an agent's
+Last-Event-ID is refused with a clear error (jukebox.mcp.http_gateway).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +38,7 @@ from mcp.shared.dispatcher import as_request_id, coerce_request_id
 
 from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Decision
-from jukebox.mcp.relay import RELAY_ID_BASE, answered
+from jukebox.mcp.relay import CANCELLED, RELAY_ID_BASE, answered
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -41,25 +52,90 @@ class RelayFailed(JukeboxError):
         self.message = message
 
 
+class _Reply:
+    """The agent's answer to its POST: a JSON body, or, once the server has something to say to
+    the agent before the call's answer, an event stream (the agent's SDK client accepts both)."""
+
+    __slots__ = ("can_stream", "send", "session", "streaming")
+
+    def __init__(self, send: Send, session: bytes, can_stream: bool) -> None:
+        self.send = send
+        self.session = session
+        self.can_stream = can_stream
+        self.streaming = False
+
+    async def event(self, data: bytes) -> None:
+        if not self.streaming:
+            self.streaming = True
+            await self.send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"mcp-session-id", self.session)]})  # fmt: skip
+        await self.send({"type": "http.response.body", "body": _event(data), "more_body": True})
+
+    async def end(self, data: bytes) -> None:
+        if self.streaming:
+            await self.send({"type": "http.response.body", "body": _event(_one_line(data))})
+        else:
+            await _reply(self.send, self.session, data)
+
+    async def end_empty(self) -> None:
+        """No answer (a call the agent cancelled): 202, or the stream's end."""
+        if self.streaming:
+            await self.send({"type": "http.response.body", "body": b""})
+        else:
+            await self.send({"type": "http.response.start", "status": 202, "headers": [
+                (b"content-length", b"0"), (b"mcp-session-id", self.session)]})  # fmt: skip
+            await self.send({"type": "http.response.body", "body": b""})
+
+
+class _Call:
+    """A relayed call in flight."""
+
+    __slots__ = ("deadline", "frame", "last_event_id", "reply", "retry", "session")
+
+    def __init__(self, frame: dict[str, Any], reply: _Reply, session: bytes) -> None:
+        self.frame = frame
+        self.reply = reply
+        self.session = session
+        self.deadline: Any = None  # the call's anyio CancelScope, past which it times out
+        self.last_event_id: str | None = None  # the server's, to resume its stream
+        self.retry: int | None = None  # ms, the server's wish before a resumption
+
+
+class _Asked:
+    """A request of the server's gone on to the agent, under the relay's id."""
+
+    __slots__ = ("call", "id", "said")
+
+    def __init__(self, id: Any, call: _Call, said: dict[str, Any]) -> None:
+        self.id = id  # the server's
+        self.call = call
+        self.said = said  # its entry in the call's frame (`asked`)
+
+
 class HttpRelay:
     def __init__(self, gateway: Any, link: Any, sessions: Callable[[str], bool]) -> None:
         self.gateway = gateway
         self.link = link  # jukebox.mcp.servers.HttpLink
         self.sessions = sessions  # whether the SDK's server holds this agent session
-        self.in_flight: set[Any] = set()
+        self.in_flight: dict[Any, _Call] = {}  # by the agent's request id
+        # The server's requests the agent has not answered yet, by the id the agent saw.
+        self.asked: dict[str, _Asked] = {}
+        self._asked_count = 0
 
     async def handle(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
-        """Answers a tools/call POST the policy allows; False leaves it to the SDK's server."""
+        """Answers a tools/call POST the policy allows, and an agent's answer to a request the
+        server made in one; False leaves it to the SDK's server."""
         if b'"tools/call"' not in body:
+            if self.asked and b'"method"' not in body:
+                return await self._answered(scope, body, send)
+            if self.in_flight and b'"notifications/cancelled"' in body:
+                return await self._cancelled(scope, body, send)
             return False
         link = self.link
         if link.session_id is None:
             return False
-        session = None
-        for name, value in scope["headers"]:
-            if name == b"mcp-session-id":
-                session = value
-                break
+        session = _header(scope, b"mcp-session-id")
         if session is None or not self.sessions(session.decode("latin-1")):
             return False
         try:
@@ -93,10 +169,14 @@ class HttpRelay:
                 by_alias=True, mode="json", exclude_none=True))  # fmt: skip
             await _reply(send, session, answer.model_dump_json(by_alias=True).encode())
             return True
-        self.in_flight.add(key)
+        accept = _header(scope, b"accept") or b""
+        call = _Call(frame, _Reply(send, session, b"text/event-stream" in accept
+                                   or b"*/*" in accept), session)  # fmt: skip
+        self.in_flight[key] = call
+        data = message = None
         try:
-            with anyio.fail_after(gateway.timeout):
-                data, message = await self._post(body, request.id)
+            with anyio.fail_after(gateway.timeout) as call.deadline:
+                data, message = await self._post(body, request.id, call)
         except TimeoutError:
             data = self._error(frame, request.id, gateway.TIMEOUT_CODE,
                                gateway.timeout_message(f"tools/call {tool!r}"))  # fmt: skip
@@ -107,13 +187,21 @@ class HttpRelay:
                 f"jukebox: the MCP server {gateway.name!r} failed: {type(error).__name__}: {error}"
             )
             data = self._error(frame, request.id, types.INTERNAL_ERROR, failed)
-        else:
-            answered(frame, message)
         finally:
-            self.in_flight.discard(key)
+            self.in_flight.pop(key, None)
+            if self.asked:
+                for left in [i for i, a in self.asked.items() if a.call is call]:
+                    del self.asked[left]
+        if message is not None:
+            answered(frame, message)
+        elif data is None:  # the agent cancelled it (_cancelled): no answer is due
+            frame.update(error={"message": CANCELLED}, ok=False, cancelled=True)
         frame["latency_ms"] = _ms(started)
         gateway.sink.record("tool_call", frame)
-        await _reply(send, session, data)
+        if data is None:
+            await call.reply.end_empty()
+        else:
+            await call.reply.end(data)
         return True
 
     def _error(self, frame: dict[str, Any], id: Any, code: int, message: str) -> bytes:
@@ -122,23 +210,27 @@ class HttpRelay:
                                    error=types.ErrorData(code=code, message=message))  # fmt: skip
         return error.model_dump_json(by_alias=True).encode()
 
-    async def _post(self, body: bytes, id: Any) -> tuple[bytes, dict[str, Any]]:
-        """The server's answer to the request `body`: its JSON text and the message. What
-        goes wrong is said as the SDK's client says it (RelayFailed)."""
-        import httpx2
-        from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
-
+    def _headers(self, accept: str) -> dict[str, str]:
         link = self.link
-        headers = {
-            "accept": "application/json, text/event-stream",
-            "content-type": "application/json",
-            "mcp-session-id": link.session_id,
-        }
+        headers = {"accept": accept, "content-type": "application/json",
+                   "mcp-session-id": link.session_id}  # fmt: skip
         if link.protocol_version is not None:
             headers["mcp-protocol-version"] = link.protocol_version
+        return headers
+
+    async def _post(self, body: bytes, id: Any, call: _Call) -> tuple[bytes, dict[str, Any]]:
+        """The server's answer to the request `body`: its JSON text and the message. What
+        goes wrong is said as the SDK's client says it (RelayFailed)."""
+        from mcp.client.streamable_http import (
+            DEFAULT_RECONNECTION_DELAY_MS,
+            MAX_RECONNECTION_ATTEMPTS,
+        )
+
+        link = self.link
+        headers = self._headers("application/json, text/event-stream")
         want = coerce_request_id(id)
+        server = f"jukebox: the MCP server {self.gateway.name!r}"
         async with link.client.stream("POST", link.url, content=body, headers=headers) as response:
-            server = f"jukebox: the MCP server {self.gateway.name!r}"
             if response.status_code != 200:
                 failed = f"{server} answered HTTP {response.status_code}"
                 raise RelayFailed(types.INTERNAL_ERROR, failed)
@@ -154,28 +246,161 @@ class HttpRelay:
                     failed = f"{server} answered another request than this call"
                     raise RelayFailed(types.INTERNAL_ERROR, failed)
                 return data, message
+            found = await self._events(response, want, call)
+            if found is not None:
+                return found
+        # The stream ended before the answer: resumed where it stopped, if the server gave
+        # event ids (the SDK's client's rule: a few tries, the server's `retry` apart).
+        attempts = 0
+        while call.last_event_id is not None and attempts < MAX_RECONNECTION_ATTEMPTS:
+            await anyio.sleep((call.retry or DEFAULT_RECONNECTION_DELAY_MS) / 1000)
+            resume = {**self._headers("text/event-stream"), "last-event-id": call.last_event_id}
+            del resume["content-type"]
             try:
-                events = httpx2.EventSource(response, max_event_size=DEFAULT_MAX_SSE_EVENT_SIZE)
-                async for event in events:
-                    if not event.data:
+                async with link.client.stream("GET", link.url, headers=resume) as response:
+                    kind = response.headers.get("content-type", "")
+                    if response.status_code == 200 and kind.startswith("text/event-stream"):
+                        found = await self._events(response, want, call)
+                        if found is not None:
+                            return found
+                        attempts = 0  # resumed, then ended again: resumed again
                         continue
-                    message = json.loads(event.data)
-                    if (
-                        isinstance(message, dict)
-                        and "method" not in message
-                        and _id(message) == want
-                    ):
-                        return event.data.encode(), message
-                    # A notification about the call (progress, logging): the SDK's client
-                    # would have dropped it too (the gateway asks for none).
-            except httpx2.SSEError as error:
-                raise RelayFailed(types.CONNECTION_CLOSED, f"SSE stream failed: {error}") from None
+            except RelayFailed:
+                raise
+            except Exception:  # httpx's errors: tried again, as the SDK's client does
+                pass
+            attempts += 1
         raise RelayFailed(types.CONNECTION_CLOSED, "SSE stream ended without a response")
+
+    async def _events(self, response: Any, want: Any,
+                      call: _Call) -> tuple[bytes, dict[str, Any]] | None:  # fmt: skip
+        """The answer among the server's events in `response`; what comes before it goes on to
+        the agent; None when the stream ends first."""
+        import httpx2
+        from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
+
+        try:
+            events = httpx2.EventSource(response, max_event_size=DEFAULT_MAX_SSE_EVENT_SIZE)
+            async for event in events:
+                if event.id:
+                    call.last_event_id = event.id
+                if event.retry is not None:
+                    call.retry = event.retry
+                if not event.data:
+                    continue  # a priming event: an id to resume from, nothing said
+                message = json.loads(event.data)
+                if not isinstance(message, dict):
+                    continue
+                if "method" in message:
+                    await self._from_server(message, event.data, call)
+                elif _id(message) == want:
+                    return event.data.encode(), message
+        except httpx2.SSEError as error:
+            raise RelayFailed(types.CONNECTION_CLOSED, f"SSE stream failed: {error}") from None
+        except httpx2.TransportError:
+            pass  # the stream broke: resumed if it can be (_post)
+        return None
+
+    # -- the server's requests, the agent's answers ------------------------------------------
+
+    async def _from_server(self, message: dict[str, Any], data: str, call: _Call) -> None:
+        """A message of the server's within the call: a request goes on to the agent under an
+        id of the relay's; a notification (progress, logging) as it came."""
+        if "id" not in message:
+            if call.reply.can_stream:
+                await call.reply.event(_one_line(data))
+            return
+        said: dict[str, Any] = {"method": message.get("method"), "params": message.get("params")}
+        call.frame.setdefault("asked", []).append(said)
+        if not call.reply.can_stream:
+            said["answer"] = {"error": {"code": types.INVALID_REQUEST, "message": (
+                "jukebox: the agent's client takes no event stream, so nothing could be asked "
+                "of it")}}  # fmt: skip
+            await self._to_server({"jsonrpc": "2.0", "id": message["id"], **said["answer"]})
+            return
+        self._asked_count += 1
+        ours = f"jukebox-{self._asked_count}"
+        self.asked[ours] = _Asked(message["id"], call, said)
+        # The agent's turn: the gateway's timeout is the server's, and starts again with the
+        # answer.
+        call.deadline.deadline = math.inf
+        await call.reply.event(json.dumps({**message, "id": ours}).encode())
+
+    async def _answered(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
+        """The agent's answer to a request of the server's: on to the server, under its id."""
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return False
+        if not isinstance(message, dict):
+            return False
+        ours = message.get("id")
+        if not isinstance(ours, str):
+            return False
+        asked = self.asked.get(ours)
+        if asked is None or _header(scope, b"mcp-session-id") != asked.call.session:
+            return False
+        del self.asked[ours]
+        answer = {k: message[k] for k in ("result", "error") if k in message}
+        asked.said["answer"] = answer
+        asked.call.deadline.deadline = anyio.current_time() + self.gateway.timeout
+        status = await self._to_server({"jsonrpc": "2.0", "id": asked.id, **answer})
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-length", b"0"), (b"mcp-session-id", asked.call.session)]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b""})
+        return True
+
+    async def _cancelled(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
+        """The agent's notifications/cancelled of a relayed call: on to the server (the call
+        has the same id there), and the call ends, recorded so."""
+        try:
+            note = json.loads(body)
+            # An untrusted value: a wrong type raises below and the note goes to the SDK.
+            key = coerce_request_id(as_request_id(note["params"]["requestId"]))  # type: ignore[arg-type]
+        except (ValueError, KeyError, TypeError):
+            return False
+        call = self.in_flight.get(key)
+        if call is None or _header(scope, b"mcp-session-id") != call.session:
+            return False
+        await self._to_server(note)
+        call.deadline.cancel()
+        await send({"type": "http.response.start", "status": 202, "headers": [
+            (b"content-length", b"0"), (b"mcp-session-id", call.session)]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b""})
+        return True
+
+    async def _to_server(self, message: dict[str, Any]) -> int:
+        """POSTs `message` (an answer) to the server; its HTTP status (502: no answer)."""
+        try:
+            response = await self.link.client.post(
+                self.link.url, content=json.dumps(message).encode(),
+                headers=self._headers("application/json, text/event-stream"),
+            )  # fmt: skip
+        except Exception:  # httpx's errors: the call then ends in the server's own time
+            return 502
+        return 202 if response.status_code in (200, 202) else 502
 
 
 def _id(message: dict[str, Any]) -> Any:
     found = as_request_id(message.get("id"))
     return None if found is None else coerce_request_id(found)
+
+
+def _header(scope: dict[str, Any], name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _one_line(data: str | bytes) -> bytes:
+    """JSON text as one line: an event's `data:` field."""
+    raw = data.encode() if isinstance(data, str) else data
+    return raw if b"\n" not in raw else json.dumps(json.loads(raw)).encode()
+
+
+def _event(data: bytes) -> bytes:
+    return b"event: message\ndata: " + data + b"\n\n"
 
 
 async def _reply(send: Send, session: bytes, data: bytes) -> None:
