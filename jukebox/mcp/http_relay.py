@@ -26,6 +26,7 @@ Last-Event-ID is refused with a clear error (jukebox.mcp.http_gateway).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -122,6 +123,8 @@ class HttpRelay:
         # The server's requests the agent has not answered yet, by the id the agent saw.
         self.asked: dict[str, _Asked] = {}
         self._asked_count = 0
+        self._direct_cache: Any = False  # _direct, worked out at the first call
+        self._merged: tuple[dict[str, str], Any] | None = None  # (ours, with the client's)
 
     async def handle(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
         """Answers a tools/call POST the policy allows, and an agent's answer to a request the
@@ -174,9 +177,13 @@ class HttpRelay:
                                    or b"*/*" in accept), session)  # fmt: skip
         self.in_flight[key] = call
         data = message = None
+        # What is left of the server's answer (the end of its event stream, read so that the
+        # connection is kept: jukebox.mcp.servers._keep_alive) is read after the agent has its
+        # answer, not before.
+        later = contextlib.AsyncExitStack()
         try:
             with anyio.fail_after(gateway.timeout) as call.deadline:
-                data, message = await self._post(body, request.id, call)
+                data, message = await self._post(body, request.id, call, later)
         except TimeoutError:
             data = self._error(frame, request.id, gateway.TIMEOUT_CODE,
                                gateway.timeout_message(f"tools/call {tool!r}"))  # fmt: skip
@@ -198,10 +205,13 @@ class HttpRelay:
             frame.update(error={"message": CANCELLED}, ok=False, cancelled=True)
         frame["latency_ms"] = _ms(started)
         gateway.sink.record("tool_call", frame)
-        if data is None:
-            await call.reply.end_empty()
-        else:
-            await call.reply.end(data)
+        try:
+            if data is None:
+                await call.reply.end_empty()
+            else:
+                await call.reply.end(data)
+        finally:
+            await later.aclose()
         return True
 
     def _error(self, frame: dict[str, Any], id: Any, code: int, message: str) -> bytes:
@@ -218,9 +228,11 @@ class HttpRelay:
             headers["mcp-protocol-version"] = link.protocol_version
         return headers
 
-    async def _post(self, body: bytes, id: Any, call: _Call) -> tuple[bytes, dict[str, Any]]:
-        """The server's answer to the request `body`: its JSON text and the message. What
-        goes wrong is said as the SDK's client says it (RelayFailed)."""
+    async def _post(self, body: bytes, id: Any, call: _Call,
+                    later: contextlib.AsyncExitStack) -> tuple[bytes, dict[str, Any]]:  # fmt: skip
+        """The server's answer to the request `body`: its JSON text and the message; the
+        response is closed by `later`. What goes wrong is said as the SDK's client says it
+        (RelayFailed)."""
         from mcp.client.streamable_http import (
             DEFAULT_RECONNECTION_DELAY_MS,
             MAX_RECONNECTION_ATTEMPTS,
@@ -230,25 +242,25 @@ class HttpRelay:
         headers = self._headers("application/json, text/event-stream")
         want = coerce_request_id(id)
         server = f"jukebox: the MCP server {self.gateway.name!r}"
-        async with link.client.stream("POST", link.url, content=body, headers=headers) as response:
-            if response.status_code != 200:
-                failed = f"{server} answered HTTP {response.status_code}"
+        response = await self._send(body, headers, later)
+        if response.status_code != 200:
+            failed = f"{server} answered HTTP {response.status_code}"
+            raise RelayFailed(types.INTERNAL_ERROR, failed)
+        kind = response.headers.get("content-type", "")
+        if kind.startswith("application/json"):
+            data = await response.aread()
+            try:
+                message = json.loads(data)
+            except ValueError as error:  # as the SDK's client says it
+                failed = f"Failed to parse JSON response: {error}"
+                raise RelayFailed(types.PARSE_ERROR, failed) from None
+            if not isinstance(message, dict) or _id(message) != want:
+                failed = f"{server} answered another request than this call"
                 raise RelayFailed(types.INTERNAL_ERROR, failed)
-            kind = response.headers.get("content-type", "")
-            if kind.startswith("application/json"):
-                data = await response.aread()
-                try:
-                    message = json.loads(data)
-                except ValueError as error:  # as the SDK's client says it
-                    failed = f"Failed to parse JSON response: {error}"
-                    raise RelayFailed(types.PARSE_ERROR, failed) from None
-                if not isinstance(message, dict) or _id(message) != want:
-                    failed = f"{server} answered another request than this call"
-                    raise RelayFailed(types.INTERNAL_ERROR, failed)
-                return data, message
-            found = await self._events(response, want, call)
-            if found is not None:
-                return found
+            return data, message
+        found = await self._events(response, want, call)
+        if found is not None:
+            return found
         # The stream ended before the answer: resumed where it stopped, if the server gave
         # event ids (the SDK's client's rule: a few tries, the server's `retry` apart).
         attempts = 0
@@ -271,6 +283,59 @@ class HttpRelay:
                 pass
             attempts += 1
         raise RelayFailed(types.CONNECTION_CLOSED, "SSE stream ended without a response")
+
+    async def _send(self, body: bytes, headers: dict[str, str],
+                    later: contextlib.AsyncExitStack) -> Any:  # fmt: skip
+        """POSTs `body` to the server; the response, its body not read yet, closed by `later`.
+
+        The request goes straight to the transport the gateway's client would have chosen
+        (its connection pool), built once per session: what the client does per request
+        besides (merging the URL, headers, cookies and timeouts, the auth and redirect
+        hooks, the response's timer) was a fifth of what the gateway executed per call
+        (docs/mcp.md, "Speed"). Unless its cookie jar holds something (a server that set
+        one): then through the client, which sends them."""
+        link = self.link
+        client = link.client
+        direct = self._direct
+        if direct is None or client.cookies:
+            return await later.enter_async_context(
+                client.stream("POST", link.url, content=body, headers=headers)
+            )
+        import httpx2
+
+        transport, url, extensions = direct
+        merged = self._merged
+        if merged is None or merged[0] != headers:
+            merged = self._merged = (headers, httpx2.Headers(client.headers))
+            merged[1].update(headers)
+        request = httpx2.Request("POST", url, content=body, headers=merged[1],
+                                 extensions=extensions)  # fmt: skip
+        response = await transport.handle_async_request(request)
+        later.push_async_callback(response.aclose)
+        response.request = request
+        if "set-cookie" in response.headers:
+            client.cookies.extract_cookies(response)
+        return response
+
+    @property
+    def _direct(self) -> tuple[Any, Any, dict[str, Any]] | None:
+        """(the transport, the URL, the request's extensions) of the fast path (_send), or
+        None: no transport known (a link made elsewhere), or a proxy's (the client's own
+        choice is then kept)."""
+        if self._direct_cache is False:
+            link = self.link
+            transport = getattr(link, "transport", None)
+            found = None
+            if transport is not None:
+                import httpx2
+
+                url = httpx2.URL(link.url)
+                # The client's own choice of transport for this URL (a proxy of the
+                # environment's is a mount of its).
+                if link.client._transport_for_url(url) is transport:
+                    found = (transport, url, {"timeout": link.client.timeout.as_dict()})
+            self._direct_cache = found
+        return self._direct_cache
 
     async def _events(self, response: Any, want: Any,
                       call: _Call) -> tuple[bytes, dict[str, Any]] | None:  # fmt: skip

@@ -118,6 +118,7 @@ class HttpLink:
         self.client = client
         self.session_id: str | None = None
         self.protocol_version: str | None = None
+        self.transport: Any = None  # the client's transport (its pool), for the relay
 
 
 @contextlib.asynccontextmanager
@@ -136,6 +137,7 @@ async def _http_client(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
         streamable_http_client(url, http_client=client) as (read, write),
     ):
         transport.link = HttpLink(url, client)
+        transport.link.transport = transport
         yield read, write, transport.link
 
 
