@@ -30,7 +30,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -345,7 +345,11 @@ class HttpRelay:
         from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE
 
         try:
-            events = httpx2.EventSource(response, max_event_size=DEFAULT_MAX_SSE_EVENT_SIZE)
+            events: Any
+            if response.headers.get("content-encoding", "identity") == "identity":
+                events = _events_of(response, DEFAULT_MAX_SSE_EVENT_SIZE)
+            else:
+                events = httpx2.EventSource(response, max_event_size=DEFAULT_MAX_SSE_EVENT_SIZE)
             async for event in events:
                 if event.id:
                     call.last_event_id = event.id
@@ -444,6 +448,23 @@ class HttpRelay:
         except Exception:  # httpx's errors: the call then ends in the server's own time
             return 502
         return 202 if response.status_code in (200, 202) else 502
+
+
+async def _events_of(response: Any, max_event_size: int) -> AsyncIterator[Any]:
+    """The events of `response` (not content-encoded) as httpx's EventSource gives them, by
+    its own parser, from the body's bytes as they come: without the response's layers of
+    iterators (raw, decoded, text), each a step per chunk."""
+    import codecs
+
+    from httpx2._sse import _SSEParser
+
+    parser = _SSEParser(max_event_size)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    async for chunk in response.stream:
+        for event in parser.decode(text.decode(chunk)):
+            yield event
+    for event in parser.flush():
+        yield event
 
 
 def _id(message: dict[str, Any]) -> Any:
