@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from jukebox.sql.server import DatabaseProxy
 
 SYNC = m.message(b"S")
+# Undoes the unit or block whose savepoint jukebox_tx is the session's last, and drops it.
+UNDO_TX = "ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx"
 CLOSE_UNNAMED = m.Close("S", "").encode()
 WRITE_TAGS = ("INSERT", "UPDATE", "DELETE", "MERGE")
 # How long a statement's frame may wait, when the agent pipelined its next statement, for that
@@ -127,6 +129,13 @@ class AgentConnection:
         # statement is no longer this one (Upstream.unnamed).
         self.unnamed: tuple[AgentConnection, bytes] | None = None
         self.runs: deque[_Run] = deque()
+        # Inside a block the server keeps the unnamed portal across a Sync, and the agent may
+        # Execute (a row limit: the rest of it) or Describe it in a later round trip. The
+        # proxy's bookkeeping and other connections' units replace the server's one unnamed
+        # portal meanwhile, so a portal the agent binds in a block is a named one of its
+        # connection's on the server (`portal`), closed before its next such Bind.
+        self.portal = ""
+        self.portal_open = False
         self.copying_in = False
         # Characters of bookkeeping ahead of the agent's text in its Query (Upstream.send_query)
         self.shift = 0
@@ -136,6 +145,10 @@ class AgentConnection:
         # An open block of this connection undone under it (a rollback of the booth, or its
         # bookkeeping failed): the error its statements get until the agent's ROLLBACK.
         self.undone: bytes | None = None
+        # Another connection's failed bookkeeping left its unit's savepoint over this
+        # connection's block's (the server's last jukebox_tx): this block's end undoes it
+        # first (`clear_stray`).
+        self.stray = False
         # Its last unit, outside a block, undone after it had completed (its bookkeeping
         # failed, read by another connection): the error its next statement gets, once.
         self.lost: bytes | None = None
@@ -243,7 +256,7 @@ class AgentConnection:
         server would fail a transaction it had to roll back; the agent's ROLLBACK ends it."""
         self.up = None
         self.attached = self.wrote = self.unit_wrote = self.unit_failed = self.parked = False
-        self.marked = False
+        self.marked = self.stray = False
         self.state = "E"
         self.undone = m.error(
             "25P02",
@@ -281,6 +294,30 @@ class AgentConnection:
         up.send_own(RELEASE_TX, self)
         self.attached = False
 
+    async def clear_stray(self, up: Upstream) -> None:
+        """Before this block's end (COMMIT, ROLLBACK, ROLLBACK TO, its undoing): another
+        connection's unit nested in it (a read) may have left its savepoint on top, its
+        RELEASE failed, still unread or read by this block's last statement (`stray`). The
+        block's ROLLBACK would roll back to that one and keep the block's work, its RELEASE
+        would fail in the aborted transaction: that savepoint is undone first. Only when
+        another connection's bookkeeping is still unread is it read first (a round trip)."""
+        if self.attached and not self.stray and any(owner is not self for _, owner in up.own):
+            await up.settle()
+            spoiled = up.spoiled
+            self.stray = (up.status == "E" and spoiled is not None
+                          and spoiled[0] != self.number)
+        if self.stray:
+            self.stray = False
+            up.send_own(UNDO_TX, self)
+
+    async def end_block(self, up: Upstream, how: str) -> None:
+        """The block ends (`how`) while checkpoints wait for it (SqlSession.block_ends)."""
+        try:
+            await up.query(self.session.block_ends(self, how))
+        except UpstreamError:
+            self.session.block_end_failed()
+            raise
+
     async def end_unit(self) -> None:
         """The unit is over: outside a block it is kept or undone; a block keeps its
         savepoint on the session while it has one of its own; other connections go on."""
@@ -288,11 +325,16 @@ class AgentConnection:
             return
         up = self.up
         if self.state == "I":
+            if self.attached and (self.unit_failed or up.status == "E"
+                                  or self.session.pending_on is self):
+                await self.clear_stray(up)  # its block undone (a disconnect)
             if self.session.pending_on is self:  # its block undone at its end (a disconnect)
-                up.send_own(self.session.block_ends(self, "rollback"), self)
+                try:
+                    await self.end_block(up, "rollback")
+                except UpstreamError:  # undone as a failed unit, its checkpoint placed then
+                    up.send_own(UNDO_TX + self.session.place_stranded(), self)
             elif self.unit_failed or up.status == "E":
-                up.send_own("ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx"
-                            + self.session.place_stranded(), self)
+                up.send_own(UNDO_TX + self.session.place_stranded(), self)
             else:
                 up.send_own(RELEASE_TX, self)
             self.wrote = False
@@ -419,7 +461,8 @@ class AgentConnection:
 
     async def cleanup(self) -> None:
         """The agent went away: what it left open is undone, as a server would on disconnect."""
-        if ((self.up is not None or self.named or self.attached or self.state != "I")
+        if ((self.up is not None or self.named or self.attached or self.state != "I"
+             or self.portal_open)
                 and not self.session.finished):
             try:
                 while True:
@@ -448,7 +491,9 @@ class AgentConnection:
                     await self.relay(drop_only=True)
                 for name in self.named:
                     up.send(m.Close("S", name).encode())
-                if self.named:
+                if self.portal_open:
+                    up.send(m.Close("P", self.portal).encode())
+                if self.named or self.portal_open:
                     up.send(SYNC)
                     await self.relay(drop_only=True)
                 self.unit_failed = True
@@ -542,6 +587,8 @@ class AgentConnection:
         ):
             up.send_own("SAVEPOINT jukebox_in", self)
             self.marked = True
+        if kind == st.SAVEPOINT and self.state != "I" and stmt.text[:8].upper() == "ROLLBACK":
+            await self.clear_stray(up)  # the agent's ROLLBACK TO goes below it anyway
         if kind == st.PLAIN or (kind == st.SAVEPOINT and self.state != "I") or (
             kind == st.BEGIN and self.state == "E"
         ):
@@ -571,8 +618,9 @@ class AgentConnection:
         elif self.state == "I":
             self.send(m.notice("25P01", "there is no transaction in progress"))
         elif kind == st.COMMIT and self.state == "T":
+            await self.clear_stray(up)
             if self.session.pending_on is self:
-                await up.query(self.session.block_ends(self, "commit"))
+                await self.end_block(up, "commit")
             else:
                 await up.query(RELEASE_TX)
             self.marked = False
@@ -581,8 +629,10 @@ class AgentConnection:
             up.send_own(SAVEPOINT_TX, self)
             self.state = "I"
         else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
+            if self.undone is None:
+                await self.clear_stray(up)
             if self.session.pending_on is self:
-                await up.query(self.session.block_ends(self, "rollback"))
+                await self.end_block(up, "rollback")
                 up.send_own(SAVEPOINT_TX, self)  # for what follows in this unit
             elif self.undone is None:  # else the booth's rollback took its savepoint already
                 await up.query("ROLLBACK TO SAVEPOINT jukebox_tx")
@@ -676,6 +726,8 @@ class AgentConnection:
             fields = m.decode_fields(body)
             up.spoiled = (owner.number, fields.get("M", "error"))
             owner.own_failed(fields)
+            # Its unit's savepoint stays over this block's, which sent none of its own.
+            self.stray = self.stray or (self.attached and owner is not self)
             if not drop_only:
                 error = self.not_run(up.spoiled)
                 self.reply(kind, error)
@@ -708,6 +760,7 @@ class AgentConnection:
         if up.spoiled is not None and fields.get("C") == "25P02":
             # Aborted by a bookkeeping query that failed just before (Upstream.settle), not
             # by anything of this unit: nothing of it ran, so it can run again.
+            self.stray = self.stray or (self.attached and up.spoiled[0] != self.number)
             body = self.not_run(up.spoiled)
             fields = m.decode_fields(body)
         elif self.shift and "P" in fields:  # its position in the agent's own text
@@ -800,9 +853,21 @@ class AgentConnection:
         self.portals[bind.portal] = _Run(self.texts.get(bind.statement, ""), bind=bind)
         if not bind.statement:
             self.own_unnamed()
-        if bind.portal or bind.statement:
+        if bind.portal:
+            portal = self.up_name(bind.portal)
+        elif self.state == "I":
+            portal = self.portal = ""  # gone at the Sync, as the server's would be
+        else:
+            portal = self.portal = f"jb{self.number}_"
+            if self.portal_open:  # the last one, which a Bind of the unnamed one replaces
+                up = self.up
+                assert up is not None
+                up.send(m.Close("P", portal).encode())
+                up.dropping.append(b"3")
+            self.portal_open = True
+        if portal or bind.statement:
             head = len(bind.portal.encode()) + len(bind.statement.encode()) + 2
-            body = (self.up_name(bind.portal).encode() + b"\0"
+            body = (portal.encode() + b"\0"
                     + self.up_name(bind.statement).encode() + b"\0" + body[head:])
         self.forward(m.message(b"B", body))
 
@@ -812,7 +877,8 @@ class AgentConnection:
         if stmt is None:
             if what.what == "S" and not what.name:
                 self.own_unnamed()
-            what.name = self.up_name(what.name)
+            what.name = (self.up_name(what.name) if what.name or what.what == "S"
+                         else self.portal)
             self.forward(what.encode())
             return
         await self.drain()
@@ -825,8 +891,8 @@ class AgentConnection:
         if stmt is None:
             run = self.portals.get(execute.portal) or _Run("")
             self.runs.append(_Run(run.text, run.params, run.bind))
-            if execute.portal:
-                execute.portal = self.up_name(execute.portal)
+            if execute.portal or self.portal:
+                execute.portal = self.up_name(execute.portal) if execute.portal else self.portal
                 self.forward(execute.encode())
             else:
                 self.forward(m.message(b"E", body))
@@ -843,7 +909,11 @@ class AgentConnection:
             if not self.skipping:
                 self.send(m.CLOSE_COMPLETE)
             return
-        close.name = self.up_name(close.name)
+        if close.what == "P" and not close.name and self.portal:
+            self.portal_open = False
+            close.name = self.portal
+        else:
+            close.name = self.up_name(close.name)
         if close.what == "S":
             self.named.discard(close.name)
             if not close.name:

@@ -92,6 +92,7 @@ class SqlSession:
         # Checkpoints whose block a failed bookkeeping query undid, until the rollback that
         # follows takes their savepoint (`block_lost`).
         self.stranded: list[int] = []
+        self.placing = 0  # the checkpoint the last `block_ends` placed
         self._opening = asyncio.Lock()
         self._waiting = 0  # takers waiting for the wire (a free wire goes to them first)
 
@@ -292,6 +293,7 @@ class SqlSession:
         first = self.pending[0]
         self.pending, self.pending_on = [], None
         self.points.append(first)
+        self.placing = first
         if how == "rollback":
             sql = "ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx; "
             other = self.attached
@@ -306,6 +308,17 @@ class SqlSession:
         self.deferred.add(first)
         release = "RELEASE SAVEPOINT jukebox_in; " if conn.marked else ""
         return f"{release}SAVEPOINT jukebox_cp_{first}"
+
+    def block_end_failed(self) -> None:
+        """The query `block_ends` made failed: the checkpoint it was to place has no savepoint
+        (a rollback to it would abort the booth's transaction). Its block is undone next,
+        back to its savepoint, the state the checkpoint is: it is taken there, as for a block
+        a failed bookkeeping query undid (`place_stranded`)."""
+        first = self.placing
+        if first in self.points:
+            self.points.remove(first)
+            self.deferred.discard(first)
+            self.stranded.append(first)
 
     def block_lost(self, conn: Any) -> None:
         """`conn`'s block is undone by a failed bookkeeping query of its own, read by another

@@ -772,3 +772,190 @@ def test_a_database_the_agent_never_used_is_never_opened(pg: Cluster) -> None:
     assert p.frames == []
     assert pg.psql("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE "
                    "'jukebox booth%'") == "0"
+
+
+# ---------------------------------------------------------------------- edge cases of the wire
+
+
+def _fail_pending_release(proxied: Proxied, conn: Any) -> None:
+    """Swaps `conn`'s queued RELEASE for a query the real server refuses: its unit's savepoint
+    stays in place, in an aborted transaction, as a RELEASE that failed leaves it."""
+
+    async def swap() -> None:
+        up = proxied.session().upstream
+        assert up is not None and up.own == [(RELEASE_TX, conn)], up and up.own
+        up.own[0] = ("SELECT 1/0", conn)
+
+    proxied.proxy.call(swap(), timeout=10)
+
+
+@pytest.mark.parametrize("end", ["rollback", "statement", "close", "commit"])
+def test_another_connections_failed_bookkeeping_leaves_a_blocks_end_whole(
+    pg: Cluster, db: str, proxied: Proxied, end: str
+) -> None:
+    """A read of another connection runs inside a block that wrote, with a savepoint of its own
+    over the block's. When that read's RELEASE fails, its savepoint stays on top: the block's
+    ROLLBACK (or its undoing at a disconnect) used to roll back to it, which kept the block's
+    rows, and its COMMIT closed the connection. The block ends whole, the reading connection
+    is told its read was undone."""
+    w = psycopg.connect(proxied.url)
+    r = psycopg.connect(proxied.url, autocommit=True)
+    try:
+        w.execute("INSERT INTO t VALUES (3, 'in the block')")
+        assert r.execute("SELECT count(*) FROM t").fetchone() == (3,)  # inside w's block
+        _fail_pending_release(proxied, proxied.proxy.databases["main"].connections[2])
+        if end == "statement":  # w reads the failure: its statement did not run
+            with pytest.raises(psycopg.errors.SerializationFailure):
+                w.execute("SELECT 1")
+            w.rollback()
+        elif end == "rollback":
+            w.rollback()
+        elif end == "commit":
+            w.commit()
+        else:
+            w.close()
+            wait_for(lambda: 1 not in proxied.proxy.databases["main"].connections)
+        if end != "close":
+            want = (3,) if end == "commit" else (2,)
+            assert w.execute("SELECT count(*) FROM t").fetchone() == want
+            w.commit()
+        with pytest.raises(psycopg.errors.StatementCompletionUnknown):
+            r.execute("SELECT 1")
+        assert r.execute("SELECT count(*) FROM t").fetchone() == ((3,) if end == "commit"
+                                                                  else (2,))
+        r.execute("INSERT INTO t VALUES (4, 'after')")
+    finally:
+        w.close()
+        r.close()
+    proxied.end("COMMIT")
+    kept = "3:in the block," if end == "commit" else ""
+    assert rows(pg, db) == f"1:one,2:two,{kept}4:after"
+
+
+def test_a_failed_block_end_leaves_its_checkpoint_reachable(
+    pg: Cluster, db: str, proxied: Proxied
+) -> None:
+    """A checkpoint taken while a block that wrote is open gets its savepoint when the block
+    ends. When the query that ends the block fails (faulted here by queueing, as the block's
+    own, a query the server refuses), the checkpoint used to be listed with no savepoint: a
+    rollback to it failed and aborted the booth's transaction. It is the state before the
+    block, taken where the block's undoing leaves the session."""
+    w = psycopg.connect(proxied.url)
+    b = psycopg.connect(proxied.url, autocommit=True)
+    session = proxied.session()
+    try:
+        b.execute("INSERT INTO t VALUES (3, 'before the block')")
+        w.execute("INSERT INTO t VALUES (4, 'in the block')")
+        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
+        conn_w = proxied.proxy.databases["main"].connections[1]
+
+        async def fail_its_bookkeeping() -> None:
+            up = session.upstream
+            assert up is not None and session.pending_on is conn_w
+            up.send_own("SELECT 1/0", conn_w)
+
+        proxied.proxy.call(fail_its_bookkeeping(), timeout=10)
+        with pytest.raises(psycopg.Error):
+            w.commit()  # the session failed under it: the connection ends
+        assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)  # the block went
+        b.execute("INSERT INTO t VALUES (5, 'after the checkpoint')")
+        proxied.proxy.call(session.rollback_to(1, 10), timeout=10)
+        assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)
+        b.execute("INSERT INTO t VALUES (6, 'after the rollback')")
+    finally:
+        w.close()
+        b.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,3:before the block,6:after the rollback"
+
+
+def test_the_unnamed_portal_outlives_its_round_trip_in_a_block(proxied: Proxied) -> None:
+    """Inside a transaction block the server keeps the unnamed portal across a Sync: libpq's
+    PQdescribePortal(conn, "") after a statement describes that statement's portal. The
+    proxy's bookkeeping and other connections' units replace the server's one unnamed portal
+    in between; the agent still gets its own."""
+    a = psycopg.connect(proxied.url)
+    b = psycopg.connect(proxied.url, autocommit=True)
+    try:
+        pa = a.pgconn
+        assert a.execute("SELECT id, v FROM t WHERE id = %s", (1,)).fetchone() == (1, "one")
+        assert b.execute("SELECT 42 AS other").fetchone() == (42,)  # inside a's block
+        b.execute("INSERT INTO t VALUES (3, 'b')")  # after a's block: it only read
+        # PQdescribePortal holds the GIL while it waits (the proxy runs in this process): its
+        # asynchronous form, waited for here.
+        pa.send_describe_portal(b"")
+        while pa.flush():
+            select.select([], [pa.socket], [], 10)
+        while pa.consume_input() or pa.is_busy():
+            select.select([pa.socket], [], [], 10)
+        got = pa.get_result()
+        assert got is not None and got.error_message == b""
+        assert [got.fname(i) for i in range(got.nfields)] == [b"id", b"v"]
+        assert pa.get_result() is None
+        assert a.execute("SELECT count(*) FROM t").fetchone() == (3,)
+        a.commit()
+    finally:
+        a.close()
+        b.close()
+
+
+def _wire(port: int) -> socket.socket:
+    """A connection of the protocol's own messages, past its startup."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    startup = b"\x00\x03\x00\x00user\x00agent\x00database\x00x\x00\x00"
+    s.sendall((len(startup) + 4).to_bytes(4, "big") + startup)
+    _until_ready(s)
+    return s
+
+
+def _until_ready(s: socket.socket) -> list[tuple[bytes, bytes]]:
+    """The server's messages up to ReadyForQuery, as (type, body)."""
+    out: list[tuple[bytes, bytes]] = []
+    buf = b""
+    while True:
+        while len(buf) < 5 or len(buf) < 1 + int.from_bytes(buf[1:5], "big"):
+            chunk = s.recv(65536)
+            assert chunk, out
+            buf += chunk
+        size = int.from_bytes(buf[1:5], "big")
+        kind, body, buf = buf[:1], buf[5 : 1 + size], buf[1 + size :]
+        out.append((kind, body))
+        if kind == b"Z":
+            assert not buf
+            return out
+
+
+def test_a_suspended_unnamed_portal_goes_on_after_a_sync(proxied: Proxied) -> None:
+    """A client fetching the unnamed portal a row at a time (Execute with a row limit), one
+    round trip each, inside a block: the rows go on where they stopped, while another
+    connection's statements run between its round trips."""
+    def msg(kind: bytes, body: bytes = b"") -> bytes:
+        return kind + (len(body) + 4).to_bytes(4, "big") + body
+
+    def rows_of(replies: list[tuple[bytes, bytes]]) -> list[bytes]:
+        return [body for kind, body in replies if kind == b"D"]
+
+    execute_one = msg(b"E", b"\0" + (1).to_bytes(4, "big")) + msg(b"S")
+    b = psycopg.connect(proxied.url, autocommit=True)
+    s = _wire(proxied.port)
+    try:
+        b.execute("INSERT INTO t VALUES (3, 'three')")
+        s.sendall(msg(b"Q", b"BEGIN\0"))
+        assert _until_ready(s)[-1] == (b"Z", b"T")
+        s.sendall(msg(b"P", b"\0SELECT id FROM t ORDER BY id\0\0\0")
+                  + msg(b"B", b"\0\0\0\0\0\0\0\0") + execute_one)
+        first = _until_ready(s)
+        assert [k for k, _ in first] == [b"1", b"2", b"D", b"s", b"Z"], first
+        seen = rows_of(first)
+        for _ in range(2):
+            assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)  # between
+            s.sendall(execute_one)
+            more = _until_ready(s)
+            assert [k for k, _ in more] == [b"D", b"s", b"Z"], more
+            seen += rows_of(more)
+        assert [r[-1:] for r in seen] == [b"1", b"2", b"3"]
+        s.sendall(msg(b"Q", b"COMMIT\0"))
+        assert _until_ready(s)[-1] == (b"Z", b"I")
+    finally:
+        s.close()
+        b.close()
