@@ -959,3 +959,162 @@ def test_a_suspended_unnamed_portal_goes_on_after_a_sync(proxied: Proxied) -> No
     finally:
         s.close()
         b.close()
+
+
+def _pipelines(connect: Any) -> list[Any]:
+    """Pipelines, errors in their middle, COPY failed from either side, transaction control in
+    one query string: what each step answered (rows, or the error's SQLSTATE), and the table."""
+    out: list[Any] = []
+
+    def step(conn: Any, run: Any) -> None:
+        try:
+            out.append(run())
+        except psycopg.Error as error:
+            out.append(error.sqlstate or type(error).__name__)
+            if not conn.autocommit and not conn.closed:
+                out.append(str(conn.info.transaction_status))
+
+    def table(conn: Any) -> list[Any]:
+        return conn.execute("SELECT id, v FROM t ORDER BY id").fetchall()
+
+    def pipeline(conn: Any, *statements: str, sync_after: int = -1) -> list[Any]:
+        curs = []
+        with conn.pipeline() as p:
+            for i, sql in enumerate(statements):
+                curs.append(conn.execute(sql))
+                if i == sync_after:
+                    p.sync()
+        return [c.fetchall() if c.description else c.rowcount for c in curs]
+
+    def copy_in(conn: Any, rows: list[str], fail: bool) -> None:
+        with conn.cursor().copy("COPY t (id, v) FROM STDIN") as copy:
+            for line in rows:
+                copy.write(line)
+            if fail:
+                raise psycopg.DataError("the client gives up")  # CopyFail
+
+    auto = connect(autocommit=True)
+    block = connect()
+    try:
+        # One Sync: an implicit transaction, undone whole by the error in its middle.
+        step(auto, lambda: pipeline(auto, "INSERT INTO t VALUES (3, 'p')",
+                                    "INSERT INTO t VALUES (1, 'dup')",
+                                    "INSERT INTO t VALUES (4, 'p')"))
+        # A Sync between: the first part stays.
+        step(auto, lambda: pipeline(auto, "INSERT INTO t VALUES (5, 'p')",
+                                    "INSERT INTO t VALUES (1, 'dup')",
+                                    "INSERT INTO t VALUES (6, 'p')", sync_after=0))
+        # BEGIN and COMMIT inside one Sync, then an error after the COMMIT.
+        step(auto, lambda: pipeline(auto, "BEGIN", "INSERT INTO t VALUES (7, 'p')", "COMMIT",
+                                    "INSERT INTO t VALUES (1, 'dup')"))
+        step(auto, lambda: table(auto))
+        # In a block: an error mid-pipeline fails the block, ROLLBACK TO a savepoint saves it.
+        step(block, lambda: pipeline(block, "INSERT INTO t VALUES (8, 'b')", "SAVEPOINT s",
+                                     "INSERT INTO t VALUES (9, 'b')", "SELECT 1/0",
+                                     "INSERT INTO t VALUES (10, 'b')"))
+        step(block, lambda: block.execute("SELECT 1").fetchall())
+        step(block, lambda: block.execute("ROLLBACK TO SAVEPOINT s").rowcount)
+        step(block, lambda: table(block))
+        block.commit()
+        # COPY given up by the client (CopyFail) and refused by the server (bad data).
+        step(auto, lambda: copy_in(auto, ["11\tc\n"], fail=True))
+        step(auto, lambda: copy_in(auto, ["12\tc\n", "oops\tc\n"], fail=False))
+        step(block, lambda: copy_in(block, ["13\tc\n"], fail=True))
+        step(block, lambda: block.execute("SELECT 1").fetchall())
+        block.rollback()
+        step(block, lambda: copy_in(block, ["14\tc\n"], fail=False))
+        block.commit()
+        # Several statements in one simple query: one implicit transaction, or the blocks it
+        # opens and ends itself.
+        step(auto, lambda: auto.execute("INSERT INTO t VALUES (15, 'q'); "
+                                        "INSERT INTO t VALUES (1, 'dup'); "
+                                        "INSERT INTO t VALUES (16, 'q')", prepare=False))
+        step(auto, lambda: auto.execute("BEGIN; INSERT INTO t VALUES (17, 'q'); COMMIT; "
+                                        "INSERT INTO t VALUES (1, 'dup')", prepare=False))
+        step(auto, lambda: table(auto))
+    finally:
+        auto.close()
+        block.close()
+    return out
+
+
+def test_pipelines_errors_and_copy_behave_as_on_the_server(pg: Cluster, db: str,
+                                                           proxied: Proxied) -> None:
+    """The same client work, straight to the server and through the proxy, answers the same
+    and leaves the same rows: pipelines with an error in their middle (one Sync or several),
+    transaction control inside a pipeline or a query string, COPY given up by the client or
+    refused by the server, in a block and outside."""
+    direct = f"{db}_direct"
+    pg.psql(f"CREATE DATABASE {direct} TEMPLATE {db}")
+    want = _pipelines(lambda **kw: psycopg.connect(pg.url(direct), **kw))
+    got = _pipelines(lambda **kw: psycopg.connect(proxied.url, **kw))
+    assert got == want
+    proxied.end("COMMIT")
+    assert rows(pg, db) == rows(pg, direct)
+
+
+@pytest.mark.parametrize("gone", ["mid-pipeline", "mid-copy", "failed"])
+def test_a_connection_gone_mid_block_lets_the_waiting_write_go(
+    pg: Cluster, db: str, proxied: Proxied, gone: str
+) -> None:
+    """A block that wrote, whose connection ends abruptly (extended messages sent with no
+    Sync, in the middle of COPY FROM STDIN, or in a failed block) while another connection's
+    write waits for it: the block is undone whole, the write goes on, the session serves."""
+    def msg(kind: bytes, body: bytes = b"") -> bytes:
+        return kind + (len(body) + 4).to_bytes(4, "big") + body
+
+    s = _wire(proxied.port)
+    other = psycopg.connect(proxied.url, autocommit=True)
+    try:
+        s.sendall(msg(b"Q", b"BEGIN; INSERT INTO t VALUES (3, 'in the block')\0"))
+        assert _until_ready(s)[-1] == (b"Z", b"T")
+        if gone == "mid-pipeline":
+            s.sendall(msg(b"P", b"\0INSERT INTO t VALUES (4, 'no sync')\0\0\0")
+                      + msg(b"B", b"\0\0\0\0\0\0\0\0") + msg(b"E", b"\0\0\0\0\0") + msg(b"H"))
+            wait_for(lambda: len(s.recv(65536, socket.MSG_PEEK)) > 0)  # the INSERT ran
+        elif gone == "mid-copy":
+            s.sendall(msg(b"Q", b"COPY t (id, v) FROM STDIN\0"))
+            assert s.recv(1) == b"G"
+            s.sendall(msg(b"d", b"5\tcopied\n"))
+        else:
+            s.sendall(msg(b"Q", b"SELECT 1/0\0"))
+            assert _until_ready(s)[-1] == (b"Z", b"E")
+        got: list[Any] = []
+        writer = threading.Thread(target=lambda: got.append(
+            other.execute("INSERT INTO t VALUES (6, 'waited')").rowcount))
+        writer.start()
+        wait_for(lambda: writes_waiting(proxied) == 1 or bool(got))
+        assert not got  # it waits for the block
+        s.close()
+        writer.join(30)
+        assert got == [1]
+        assert other.execute("SELECT id FROM t ORDER BY id").fetchall() == [(1,), (2,), (6,)]
+    finally:
+        s.close()
+        other.close()
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,6:waited"
+
+
+def test_an_asyncpg_cursor_goes_on_while_another_connection_works(proxied: Proxied) -> None:
+    """asyncpg's cursor in a transaction fetches its portal a row at a time, a round trip
+    each; another connection's reads and the proxy's bookkeeping run between."""
+    import asyncpg
+
+    async def main() -> list[int]:
+        a = await asyncpg.connect(proxied.url)
+        b = await asyncpg.connect(proxied.url)
+        try:
+            await b.execute("INSERT INTO t VALUES (3, 'three')")
+            seen = []
+            async with a.transaction():
+                async for row in a.cursor("SELECT id FROM t ORDER BY id", prefetch=1):
+                    seen.append(row["id"])
+                    assert await b.fetchval("SELECT count(*) FROM t") == 3
+                    assert await a.fetchval("SELECT $1::int + 1", row["id"]) == row["id"] + 1
+            return seen
+        finally:
+            await a.close()
+            await b.close()
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [1, 2, 3]
