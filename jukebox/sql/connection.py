@@ -43,6 +43,7 @@ from jukebox.sql.upstream import (
     SAVEPOINT_TX,
     Upstream,
     UpstreamError,
+    Wire,
     quote_literal,
 )
 
@@ -95,14 +96,15 @@ class AgentConnection:
     def __init__(
         self,
         db: DatabaseProxy,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        sock: socket.socket,
         number: int,
     ) -> None:
         self.db = db
         self.session = db.session
-        self.stream = m.AgentStream(reader)
-        self.writer = writer
+        # The agent's socket, read and written as the server's is (upstream.Wire), not
+        # through asyncio's streams: their Python layers (StreamReader's buffer and futures,
+        # the transport's write and drain) were a share of every statement.
+        self.stream = self.wire = Wire(sock)
         self.loop = asyncio.get_running_loop()
         self.number = number
         self.key = secrets.randbits(31)
@@ -162,8 +164,7 @@ class AgentConnection:
         self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
                                 dict[str, Any] | None, float]] = []
         self.frame_timer: asyncio.TimerHandle | None = None
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # ------------------------------------------------------------------ plumbing
@@ -175,7 +176,7 @@ class AgentConnection:
 
     def flush(self) -> None:
         if self.out:
-            self.writer.write(bytes(self.out))
+            self.wire.write(self.out)
             self.out.clear()
         if self.frames:
             if not self.stream.pending():
@@ -193,7 +194,7 @@ class AgentConnection:
 
     async def drain_agent(self) -> None:
         self.flush()
-        await self.writer.drain()
+        await self.wire.drain()
 
     def up_name(self, name: str) -> str:
         return f"jb{self.number}_{name}" if name else ""
@@ -505,7 +506,7 @@ class AgentConnection:
         if self.frame_timer is not None:
             self.frame_timer.cancel()
             self.frame_timer = None
-        self.writer.close()
+        self.wire.close()
 
     # ------------------------------------------------------------------ messages
 

@@ -9,7 +9,6 @@ manual.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,8 +39,8 @@ class Startup:
 
 
 class Reads(Protocol):
-    """What messages are read from: an asyncio.StreamReader, the agent's AgentStream or the
-    upstream's Wire."""
+    """What messages are read from: an asyncio.StreamReader or a socket's Wire (the agent's,
+    the server's)."""
 
     async def readexactly(self, n: int) -> bytes: ...
 
@@ -78,59 +77,6 @@ async def read_message(reader: Reads) -> tuple[bytes, bytes]:
     if length < 4 or length > MAX_MESSAGE:
         raise ProtocolError(f"message {kind!r} claims {length} bytes")
     return kind, await reader.readexactly(length - 4)
-
-
-class AgentStream:
-    """The agent's bytes, read a chunk at a time and cut into messages where they lie: a
-    client sends Parse, Bind, Describe, Execute and Sync in one packet, and reading each
-    message through StreamReader (two readexactly and their awaits a message) was a large
-    part of what the proxy spent on a statement."""
-
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self.reader = reader
-        self.buf = bytearray()
-        self.at = 0
-
-    def pending(self) -> bool:
-        """Whether more of the agent's bytes are here already (it pipelined)."""
-        return len(self.buf) > self.at or bool(getattr(self.reader, "_buffer", None))
-
-    def next_message(self) -> tuple[bytes, bytes] | None:
-        """(type byte, body) of the next message when all of it is here, else None (also
-        for a length out of bounds, which read_message refuses)."""
-        buf, at = self.buf, self.at
-        if len(buf) - at < 5:
-            return None
-        (length,) = _LENGTH.unpack_from(buf, at + 1)
-        end = at + 1 + length
-        if length < 4 or length > MAX_MESSAGE or len(buf) < end:
-            return None
-        kind, body = bytes(buf[at : at + 1]), bytes(buf[at + 5 : end])
-        if end == len(buf):
-            buf.clear()
-            self.at = 0
-        else:
-            self.at = end
-        return kind, body
-
-    async def readexactly(self, n: int) -> bytes:
-        while len(self.buf) - self.at < n:
-            chunk = await self.reader.read(262_144)
-            if not chunk:
-                raise asyncio.IncompleteReadError(bytes(self.buf[self.at :]), n)
-            if self.at:
-                del self.buf[: self.at]
-                self.at = 0
-            self.buf += chunk
-        data = bytes(self.buf[self.at : self.at + n])
-        self.at += n
-        if self.at == len(self.buf):
-            self.buf.clear()
-            self.at = 0
-        return data
-
-    async def read_message(self) -> tuple[bytes, bytes]:
-        return self.next_message() or await read_message(self)
 
 
 _LENGTH = struct.Struct("!i")

@@ -41,7 +41,8 @@ class DatabaseProxy:
         self.session = SqlSession(name, target, f"jukebox booth {owner.booth_id}",
                                   lock_timeout=owner.max_lock_seconds)
         self.connections: dict[int, AgentConnection] = {}
-        self.server: asyncio.AbstractServer | None = None
+        self.server: asyncio.Future[None] | None = None  # the accepting task
+        self.serving: set[asyncio.Task[None]] = set()
         self.noted = False
         self.watcher: asyncio.Future[None] | None = None
 
@@ -50,7 +51,8 @@ class DatabaseProxy:
         return int(self.sock.getsockname()[1])
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._accept, sock=self.sock)
+        self.sock.setblocking(False)
+        self.server = asyncio.ensure_future(self._accepting())
         if self.owner.max_lock_seconds is not None:
             self.watcher = asyncio.ensure_future(self._watch_locks(self.owner.max_lock_seconds))
 
@@ -83,9 +85,23 @@ class DatabaseProxy:
             if watch is not None:
                 await watch.close()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accepting(self) -> None:
+        """Each agent connection served by a task of its own, on its plain socket."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self.sock)
+            except OSError:  # out of descriptors, or the agent gave up at once: the next one
+                await asyncio.sleep(0.01)
+                continue
+            sock.setblocking(False)
+            task = asyncio.ensure_future(self._accept(sock))
+            self.serving.add(task)
+            task.add_done_callback(self.serving.discard)
+
+    async def _accept(self, sock: socket.socket) -> None:
         number = next(self.owner.numbers)
-        conn = AgentConnection(self, reader, writer, number)
+        conn = AgentConnection(self, sock, number)
         self.connections[number] = conn
         try:
             await conn.serve()
@@ -293,10 +309,10 @@ class SqlProxy:
         async def shutdown() -> None:
             for db in self.databases.values():
                 if db.server is not None:
-                    db.server.close()
+                    db.server.cancel()
                 for conn in list(db.connections.values()):
                     conn.write_frames()
-                    conn.writer.close()
+                    conn.wire.close()
                 await db.session.close()
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]

@@ -152,6 +152,13 @@ class Wire:
 
     # ------------------------------------------------------------------ reading
 
+    def pending(self) -> bool:
+        """Whether more bytes are here already (the agent pipelined its next message)."""
+        return len(self.buf) > self.at
+
+    async def read_message(self) -> tuple[bytes, bytes]:
+        return self.next_message() or await m.read_message(self)
+
     async def readexactly(self, n: int) -> bytes:
         while len(self.buf) - self.at < n:
             await self._fill()
@@ -282,7 +289,7 @@ class Wire:
 
     # ------------------------------------------------------------------ writing
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         self.out += data
         if not self.writing:
             self._send()
