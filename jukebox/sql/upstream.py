@@ -147,7 +147,7 @@ class Wire:
         # The socket stays registered for reading with the loop between waits (`_readable`):
         # adding and removing it around every wait cost two epoll_ctl calls a statement.
         self.watching = False
-        self.waiter: asyncio.Future[None] | None = None
+        self.waiter: _Waiter | None = None
         self.unasked = 0  # calls of `_readable` in a row with nobody waiting
 
     # ------------------------------------------------------------------ reading
@@ -258,7 +258,7 @@ class Wire:
         if not self.watching:
             self.loop.add_reader(self.fd, self._readable)
             self.watching = True
-        self.waiter = self.loop.create_future()
+        self.waiter = _Waiter(self.loop)
         self.unasked = 0
         try:
             await self.waiter
@@ -277,7 +277,7 @@ class Wire:
                 self.loop.remove_reader(self.fd)
                 self.watching = False
         elif not waiter.done():
-            waiter.set_result(None)
+            waiter.wake()
 
     async def _ready(self, add: Any, remove: Any) -> None:
         done = self.loop.create_future()
@@ -374,6 +374,79 @@ def _extended(sql: str) -> bytes:
     return (m.message(b"P", b"\0" + sql.encode() + b"\0\0\0")
             + m.message(b"B", b"\0\0" + b"\0\0" * 3)
             + m.message(b"E", b"\0\0\0\0\0"))
+
+
+class _Waiter:
+    """What a Wire's reader waits on until its socket is readable: an awaitable the event
+    loop's Task takes as it takes a Future, except that the readiness callback resumes the
+    waiting task at once, in the same turn of the loop. A Future's set_result schedules the
+    task for the next turn instead: a second epoll and a turn of Python's loop on each of the
+    two waits of every statement (the agent's message, the server's answer), and a readiness
+    callback for nothing in between, as the socket was still unread."""
+
+    _asyncio_future_blocking = False
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._callbacks: list[tuple[Any, Any]] = []
+        self._done = False
+        self._cancelled = False
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        if self._done:
+            self._loop.call_soon(fn, self, context=context)
+        else:
+            self._callbacks.append((fn, context))
+
+    def remove_done_callback(self, fn: Any) -> int:
+        before = len(self._callbacks)
+        self._callbacks = [(f, c) for f, c in self._callbacks if f != fn]
+        return before - len(self._callbacks)
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self._done:
+            return False
+        self._done = self._cancelled = True
+        callbacks, self._callbacks = self._callbacks, []
+        for fn, context in callbacks:  # as a Future does: on the next turn
+            self._loop.call_soon(fn, self, context=context)
+        return True
+
+    def result(self) -> None:
+        if self._cancelled:
+            raise asyncio.CancelledError
+        return None
+
+    def exception(self) -> BaseException | None:
+        if self._cancelled:
+            raise asyncio.CancelledError
+        return None
+
+    def wake(self) -> None:
+        """Readable: the waiting task runs now (only ever called by the loop's readiness
+        callback, never from inside a task)."""
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        for fn, context in callbacks:
+            if context is None:
+                fn(self)
+            else:
+                context.run(fn, self)
+
+    def __await__(self) -> Any:
+        if not self._done:
+            self._asyncio_future_blocking = True
+            yield self
+        return self.result()
 
 
 def _settle(done: asyncio.Future[None]) -> None:
