@@ -19,11 +19,13 @@ the old or exactly the new state:
    for big files) withdraws the journal, undoes the staging and raises ConflictError.
 5. **Apply.** The operations run (each idempotent: a redo after a crash runs them all again),
    every touched directory is fsynced, then the journal and the prepare record are removed.
-   A file that an operation replaces or removes is not freed there: it is renamed into
-   ``<journal_dir>/trash/`` (when that is on the target's file system), which frees nothing and
-   costs a rename, where freeing its blocks can cost milliseconds (a synchronous discard on a
-   file system mounted with ``discard``). A rename op moves the old file aside only while its
-   staged file is still there, so a redo never moves the new file away.
+   A file that an operation replaces or removes is not freed there: it goes to
+   ``<journal_dir>/trash/`` (when that is on the target's file system), which frees nothing,
+   where freeing its blocks can cost milliseconds (a synchronous discard on a file system
+   mounted with ``discard``). A file a rename replaces is hard-linked into the trash first, so
+   the rename drops one of its links and frees nothing; a link is harmless whatever the path
+   holds (at worst a second name of the new file, freed with the trash), so neither the first
+   run nor a redo checks anything before it. A removed file is renamed into the trash.
 6. **Free.** The trash is emptied (shadowfs.trash) once the journal is gone, or left for the
    caller to free later (``free_trash=False``). It holds only garbage: recovery empties it.
 
@@ -44,8 +46,8 @@ test can change the target at exactly that moment. In ``apply``, in order: ``pre
 ``stage:K``, ``staged``, ``journal``, ``op:K``, ``applied``, ``prepare-deleted``
 (``torn-journal`` instead leaves half a journal and dies), or an integer step index into that
 sequence, then ``freeing`` (the journal is gone, the trash not yet emptied). By name only (no
-step index): ``aside:K``, inside op K once the file it replaces is in the trash and before the
-staged file takes its place. In ``recover``: ``recover-op:K``, ``recover-applied``,
+step index): ``aside:K``, inside op K once the file it replaces is linked into the trash and
+before the staged file takes its place. In ``recover``: ``recover-op:K``, ``recover-applied``,
 ``recover-prepare-deleted``. The booth's database verdict reads the same variable for
 ``sql-prepare`` and ``sql-prepared`` (PREPARE TRANSACTION sent; answered: jukebox.sql.booth_link).
 """
@@ -1409,38 +1411,77 @@ def _identity(fd: int) -> list[int]:
 
 
 class _Trash:
-    """``<journal_dir>/trash``, where operations move the files they replace or remove (one
-    rename, nothing freed) instead of freeing them. Names are ``<token>-<op index>``: fixed by the
-    journal, so a redo moves a file to the same name."""
+    """``<journal_dir>/trash``, where operations put the files they replace or remove instead of
+    freeing them. Names are ``<token>-<op index>``: fixed by the journal, so a redo puts a file
+    at the same name. A big commit's trash is spread over ``shards`` sub-directories (op k in
+    ``k % shards``): 16 threads adding 50,000 names to one directory would queue on its lock."""
 
-    __slots__ = ("fd", "prefix")
+    __slots__ = ("fd", "prefix", "shards")
 
-    def __init__(self, fd: int, token: str) -> None:
+    def __init__(self, fd: int, token: str, shards: int = 0) -> None:
         self.fd = fd
         self.prefix = token.encode() + b"-"
+        self.shards: list[int] = []
+        try:
+            for i in range(shards):
+                name = str(i).encode()
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                self.shards.append(os.open(name, _DIR_FLAGS, dir_fd=fd))
+        except BaseException:
+            self.close()
+            raise
 
-    def name(self, k: int) -> bytes:
-        return self.prefix + str(k).encode()
+    def place(self, k: int) -> tuple[int, bytes]:
+        """The directory fd and name of op ``k``'s trash entry."""
+        fd = self.shards[k % len(self.shards)] if self.shards else self.fd
+        return fd, self.prefix + str(k).encode()
 
     def take(self, dfd: int, name: bytes, k: int) -> bool:
         """Move ``name`` (not a directory) from ``dfd`` into the trash; False when it is not
         there, or cannot be moved here (another file system): then the caller frees it."""
+        tfd, tname = self.place(k)
         try:
-            os.rename(name, self.name(k), src_dir_fd=dfd, dst_dir_fd=self.fd)
+            os.rename(name, tname, src_dir_fd=dfd, dst_dir_fd=tfd)
         except OSError:
             return False
         return True
 
+    def keep(self, dfd: int, name: bytes, k: int) -> bool:
+        """Link ``name`` in ``dfd`` (the file a rename is about to replace) into the trash, so
+        that the rename drops a link and frees nothing. A link is harmless whatever the file
+        (an extra name of garbage, freed with the trash), so a redo needs no check first, and
+        unlike a rename into the trash it is no cross-directory rename (those queue on the file
+        system's rename lock). False when nothing was linked (no file there, a directory, a
+        link the kernel refuses): the rename then frees the file in place. An entry already
+        at the name is a previous run's link of this op: kept."""
+        tfd, tname = self.place(k)
+        try:
+            os.link(name, tname, src_dir_fd=dfd, dst_dir_fd=tfd, follow_symlinks=False)
+        except FileExistsError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def sync(self) -> None:
+        for fd in (self.fd, *self.shards):
+            os.fsync(fd)
+
     def close(self) -> None:
+        for fd in self.shards:
+            os.close(fd)
+        self.shards = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
 @contextlib.contextmanager
-def _trash(jfd: int, root: int, token: str) -> Iterator[_Trash | None]:
-    """The trash for a (re)run of a journal: None when the journal directory is not on the
-    target's file system (a rename there would fail: files are freed in place, as before)."""
+def _trash(jfd: int, root: int, token: str, n_ops: int = 0) -> Iterator[_Trash | None]:
+    """The trash for a (re)run of a journal of ``n_ops`` operations: None when the journal
+    directory is not on the target's file system (a rename there would fail: files are freed in
+    place, as before). Sharded when the operations run in threads."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(TRASH_NAME, 0o700, dir_fd=jfd)
     fd = os.open(TRASH_NAME, _DIR_FLAGS, dir_fd=jfd)
@@ -1450,7 +1491,7 @@ def _trash(jfd: int, root: int, token: str) -> Iterator[_Trash | None]:
             os.rmdir(TRASH_NAME, dir_fd=jfd)
         yield None
         return
-    trash = _Trash(fd, token)
+    trash = _Trash(fd, token, _THREADS if n_ops >= SYNCFS_FROM else 0)
     try:
         yield trash
     finally:
@@ -1514,7 +1555,7 @@ def _run_op(
                 if (
                     old is not None
                     and not stat.S_ISDIR(old.st_mode)
-                    and trash.take(dst, _name(path), k)
+                    and trash.keep(dst, _name(path), k)
                     and crash is not None
                 ):
                     crash.named(f"aside:{k}")
@@ -1588,14 +1629,10 @@ def _fast_op(
     again with all its checks."""
     try:
         if kind == "rename" and trash is not None:
-            os.stat(name, dir_fd=dfd, follow_symlinks=False)  # staged, still to be renamed
-            try:
-                old = os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                old = None
-            if old is not None:
-                if stat.S_ISDIR(old.st_mode) or not trash.take(dst_fd, dst_name, k):
-                    return False
+            # No stat first: a link into the trash is harmless whatever is at the path (see
+            # `_Trash.keep`), and a rename that finds no staged file (a redo) or a directory at
+            # the path fails, leaving the op to `_run_op`.
+            if trash.keep(dst_fd, dst_name, k):
                 crash.named(f"aside:{k}")
             os.rename(name, dst_name, src_dir_fd=dfd, dst_dir_fd=dst_fd)
         elif kind == "rename":
@@ -1738,7 +1775,7 @@ def _redo(
                 if exc.errno not in _GONE:
                     raise
         if trash is not None:
-            os.fsync(trash.fd)
+            trash.sync()
     if progress is not None:
         progress("apply", total, total)
 
@@ -1956,7 +1993,7 @@ def _staged_and_applied(
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt) and _read_sealed(jfd, JOURNAL_NAME, key)[1]:
             # Ctrl-C past the commit point (between the journal and its check): finish.
-            with _trash(jfd, dirs.root, token) as trash:
+            with _trash(jfd, dirs.root, token, len(plan.ops)) as trash:
                 _redo(dirs, plan.ops, plan.fsync, crash, "", None, trash)
             _finish(jfd, crash, "prepare-deleted")
             raise
@@ -1972,7 +2009,7 @@ def _staged_and_applied(
         raise
     # Committed. A failure from here on leaves the journal for recover() to finish the job.
     try:
-        with _trash(jfd, dirs.root, token) as trash:
+        with _trash(jfd, dirs.root, token, len(plan.ops)) as trash:
             _redo(dirs, plan.ops, plan.fsync, crash, "", progress, trash, threads)
     except OSError as exc:
         raise ShadowfsError(
@@ -2049,7 +2086,7 @@ def _recover_locked(dirs: _Dirs, jfd: int, crash: _Crash, key: bytes | None = No
         token = journal.get("token")
         if not isinstance(token, str) or not token.isalnum():
             raise TreeError("the commit journal's token is no plain name; the journal is corrupt")
-        with _trash(jfd, dirs.root, token) as trash:
+        with _trash(jfd, dirs.root, token, len(ops)) as trash:
             _redo(dirs, ops, fsync, crash, "recover-", None, trash)
         crash.at("recover-applied")
         redone = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -142,8 +143,14 @@ def _run(script: str, args: list[str], point: str | None) -> int:
     return proc.returncode
 
 
-def _trial(w: World, point: str, recover_point: str | None = None) -> tuple[int, bool]:
-    """Crash apply at ``point`` (and recovery at ``recover_point``), then recover for real.
+def _trial(
+    w: World,
+    point: str,
+    recover_point: str | None = None,
+    between: Callable[[Path, Path], None] | None = None,
+) -> tuple[int, bool]:
+    """Crash apply at ``point`` (and recovery at ``recover_point``), then recover for real;
+    ``between(target, journal_dir)`` runs after the crash, before any recovery.
     Returns (apply's exit status, whether the tree ended in the new state)."""
     n = next(_counter)
     target = w.tmp / f"target-{n}"
@@ -151,6 +158,8 @@ def _trial(w: World, point: str, recover_point: str | None = None) -> tuple[int,
     materialize(w.store, w.base, target)
     args = [str(w.tmp / "store"), str(target), w.base.hex(), w.new.hex(), str(journal)]
     status = _run(_APPLY, args, point)
+    if between is not None:
+        between(target, journal)
     if recover_point is not None:
         assert _run(_RECOVER, [str(target), str(journal)], recover_point) == -9
     recover(target, journal)
@@ -197,8 +206,8 @@ def test_named_points_of_a_commit_synced_as_a_whole(big_world: World) -> None:
 def test_a_crash_between_moving_a_file_aside_and_renaming_in_its_successor(
     world: World, big_world: World
 ) -> None:
-    """The replaced file is in the trash and its path empty: past the commit point, so the
-    redo renames the staged file in (never moving it aside) and recovery frees the trash."""
+    """The replaced file is linked into the trash and still at its path: past the commit
+    point, so the redo renames the staged file in and recovery frees the trash."""
     for w in (world, big_world):  # one by one, and in threads
         assert len(w.asides) > 2
         for k in (w.asides[0], w.asides[len(w.asides) // 2], w.asides[-1]):
@@ -206,6 +215,26 @@ def test_a_crash_between_moving_a_file_aside_and_renaming_in_its_successor(
     # Recovery killed right after its own aside, then run again.
     k = world.asides[1]
     assert _trial(world, f"aside:{world.asides[0]}", f"aside:{k}") == (-9, True)
+
+
+def test_a_redo_needs_nothing_from_the_trash(big_world: World) -> None:
+    """Killed in threads between linking a replaced file into the (sharded) trash and renaming
+    its successor in: the old file is at both names. With the trash then gone altogether, the
+    redo's unchecked links put the already renamed new files into a fresh trash, which is
+    freed: harmless, the tree still ends exactly new."""
+    w = big_world
+    k = w.asides[len(w.asides) // 2]
+    linked: list[int] = []
+
+    def inspect_and_wipe(target: Path, journal: Path) -> None:
+        trash = journal / commit.TRASH_NAME
+        kept = [p for p in trash.rglob(f"*-{k}") if p.is_file()]
+        assert len(kept) == 1 and kept[0].parent.name == str(k % 16), kept
+        linked.append(kept[0].stat().st_nlink)
+        shutil.rmtree(trash)
+
+    assert _trial(w, f"aside:{k}", between=inspect_and_wipe) == (-9, True)
+    assert linked == [2]  # the trash's name and the path's: nothing freed, nothing moved yet
 
 
 def test_a_torn_journal_is_no_commit(world: World) -> None:
