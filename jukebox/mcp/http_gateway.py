@@ -168,7 +168,7 @@ class HttpGateways:
                 manager = _manager(gateway, init)
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
-                relays[name] = HttpRelay(gateway, link, _sessions_of(manager))
+                relays[name] = HttpRelay(gateway, link, _sessions_of(manager), self.ask_timeout)
             config = uvicorn.Config(_Router(self.secret, managers, relays), log_level="warning",
                                     lifespan="off", access_log=False)  # fmt: skip
             self._server = uvicorn.Server(config)

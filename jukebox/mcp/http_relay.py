@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -115,8 +114,11 @@ class _Asked:
 
 
 class HttpRelay:
-    def __init__(self, gateway: Any, link: Any, sessions: Callable[[str], bool]) -> None:
+    def __init__(self, gateway: Any, link: Any, sessions: Callable[[str], bool],
+                 agent_timeout: float = 300.0) -> None:  # fmt: skip
         self.gateway = gateway
+        # How long the agent may take to answer a request of the server's.
+        self.agent_timeout = agent_timeout
         self.link = link  # jukebox.mcp.servers.HttpLink
         self.sessions = sessions  # whether the SDK's server holds this agent session
         self.in_flight: dict[Any, _Call] = {}  # by the agent's request id
@@ -130,7 +132,7 @@ class HttpRelay:
         """Answers a tools/call POST the policy allows, and an agent's answer to a request the
         server made in one; False leaves it to the SDK's server."""
         if b'"tools/call"' not in body:
-            if self.asked and b'"method"' not in body:
+            if self.asked and b'"jukebox-' in body:
                 return await self._answered(scope, body, send)
             if self.in_flight and b'"notifications/cancelled"' in body:
                 return await self._cancelled(scope, body, send)
@@ -390,9 +392,9 @@ class HttpRelay:
         self._asked_count += 1
         ours = f"jukebox-{self._asked_count}"
         self.asked[ours] = _Asked(message["id"], call, said)
-        # The agent's turn: the gateway's timeout is the server's, and starts again with the
-        # answer.
-        call.deadline.deadline = math.inf
+        # The agent's turn (a person may be asked): as long as an operator's answer may take;
+        # the gateway's own timeout is the server's, and starts again with the answer.
+        call.deadline.deadline = anyio.current_time() + self.agent_timeout
         await call.reply.event(json.dumps({**message, "id": ours}).encode())
 
     async def _answered(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
@@ -401,7 +403,7 @@ class HttpRelay:
             message = json.loads(body)
         except ValueError:
             return False
-        if not isinstance(message, dict):
+        if not isinstance(message, dict) or "method" in message:
             return False
         ours = message.get("id")
         if not isinstance(ours, str):

@@ -65,9 +65,17 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         server.wait(timeout=10)
 
 
+ELICITED = 0
+
+
 async def elicited(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
+    global ELICITED
     assert params.message == "What is your name?"
-    return types.ElicitResult(action="accept", content={"name": "agent-7"})
+    ELICITED += 1
+    # From the second time on the answer holds a key "method" (which the server ignores): an
+    # answer, all the same, that must reach the server.
+    extra = {"method": "x"} if ELICITED > 1 else {}
+    return types.ElicitResult(action="accept", content={"name": "agent-7", **extra})
 
 
 async def sampled(ctx: Any, params: types.CreateMessageRequestParams) -> types.CreateMessageResult:
