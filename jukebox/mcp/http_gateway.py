@@ -169,8 +169,12 @@ class HttpGateways:
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
                 relays[name] = HttpRelay(gateway, link, _sessions_of(manager), self.ask_timeout)
+            # No proxy headers (nothing stands between the agent and this listener, and the
+            # peer's address is not used), no `server` or `date` header on each answer: work
+            # per request for nobody.
             config = uvicorn.Config(_Router(self.secret, managers, relays), log_level="warning",
-                                    lifespan="off", access_log=False)  # fmt: skip
+                                    lifespan="off", access_log=False, proxy_headers=False,
+                                    server_header=False, date_header=False)  # fmt: skip
             self._server = uvicorn.Server(config)
             self._ready.set()
             await self._server.serve(sockets=[listener])
