@@ -699,19 +699,18 @@ class ProxyServer:
         parser = SSEParser()
         opened = time.perf_counter()
         ahead = self._record_inline(ex)
-        # The head goes out at once, unless the upstream's first bytes came with it: then both
-        # go in one write, which wakes the agent once.
+        # The head goes out at once, unless the upstream's first bytes came with it or are there
+        # by now (`buffered`): then both go in one write, which wakes the agent once.
         head = conn.head(ex.status, checked=headers)
-        first = upstream.buffered()
-        if not first:
-            await self._write(stream, head)
-            head = b""
         held: list[bytes] = []  # from the event that ends the stream on: sent after the frame
         client_gone = False
         # An agent that did not ask for usage gets the events without the usage chunk.
         hide_usage = ex.usage_asked_body is not None
-        parts = first
         try:
+            parts = upstream.buffered()
+            if not parts:
+                await self._write(stream, head)
+                head = b""
             while parts or (parts := await upstream.next_chunks()):
                 # Each HTTP chunk is parsed and framed as it came; what one read brought goes
                 # to the agent in one write.

@@ -3,6 +3,7 @@ upstream completes it, and the end of the stream only once the call's frame is w
 
 from __future__ import annotations
 
+import socket
 import threading
 from typing import Any
 
@@ -100,3 +101,41 @@ def test_a_stream_the_agent_left_early_is_recorded_though_the_proxy_stops(
     (turn,) = [f.resolve_payload(recording.store) for f in recording.tape().frames[1:]]
     assert turn["stream"] is True and turn["response"]  # what came before the agent left
     assert "closed the connection mid-stream" in turn["error"]
+
+
+def test_an_upstream_that_closes_right_after_the_head_is_a_broken_stream_on_the_tape() -> None:
+    """The proxy looks for the first events as soon as it has the head; an upstream that has
+    closed by then breaks the stream there, as it would later: the agent gets the head and a
+    broken body, the tape a streamed turn that says so."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            buf = b""
+            while not buf.endswith(b"}"):  # the head, then the JSON body
+                buf += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )  # and closes: no event, no end
+
+    threading.Thread(target=serve, daemon=True).start()
+    frames: list[Any] = []
+    upstreams = {"openai": f"http://127.0.0.1:{listener.getsockname()[1]}/v1"}
+    with ProxyServer(upstreams=upstreams, record=lambda k, p: frames.append(p)) as proxy:
+        body = b'{"model": "m", "messages": [], "stream": true}'
+        with socket.create_connection(("127.0.0.1", proxy.port)) as agent:
+            agent.sendall(
+                b"POST /%b/openai/v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                % (proxy.secret.encode(), len(body), body)
+            )
+            answer = b""
+            while data := agent.recv(65536):
+                answer += data
+    listener.close()
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")  # head only
+    (turn,) = frames
+    assert turn["stream"] is True and turn["response"] == []
+    assert "upstream stream broke" in turn["error"]
