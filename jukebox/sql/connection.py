@@ -534,7 +534,12 @@ class AgentConnection:
             if self.skipping:
                 return
             try:
-                await self.hold(self.writes(kind, body))
+                # Held already, and nothing new to wait for (a write once the unit has one):
+                # `hold` would only hand the upstream back, a coroutine a message.
+                if self.up is None or not self.unit_wrote:
+                    write = self.writes(kind, body)
+                    if self.up is None or write:
+                        await self.hold(write)
             except TurnTimeout as error:
                 self.send(error.reply if isinstance(error, BlockUndone) else
                           m.error("55P03", str(error)))  # fmt: skip
