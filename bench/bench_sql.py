@@ -20,6 +20,10 @@ without the proxy) and through the proxy. `cpu_us` is the CPU this process spent
 statement (client and proxy; `overhead_cpu_us` the proxy's share), which a busy machine
 inflates far less than wall time.
 
+`python -m bench.bench_sql --instructions [select lookup insert]` counts instead the
+instructions of the proxy's process per statement (callgrind), which the machine's load does
+not move (see `instructions`).
+
 The three single statements are also measured through a proxy in a process of its own
 (`PROXY_PROCESS`, `python -m bench.bench_sql --serve URL`), as in a booth, where the proxy runs in
 the supervisor and the agent is another process: in this process the client's Python and the
@@ -255,9 +259,69 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+def instructions(case: str, n: int = 500, warm: int = 200) -> float:
+    """Instructions the proxy's process runs per statement of `case` (select, lookup, insert),
+    what does not move with the machine's load: the proxy in a process of its own recording
+    to a tape (`--serve`) under callgrind, its instrumentation switched on after `warm`
+    statements and off after `n` more (psycopg in autocommit, PYTHONHASHSEED=0). Needs
+    valgrind; a few minutes a case."""
+    import re
+
+    import psycopg
+
+    from tests.sql.cluster import Cluster, bindir
+
+    where = bindir()
+    if where is None:
+        raise RuntimeError("PostgreSQL is not installed (make setup installs it)")
+    cluster = Cluster(where)
+    out = Path(tempfile.mkdtemp(prefix="bench-sql-cg-")) / "callgrind.out"
+    try:
+        cluster.init()
+        cluster.psql("CREATE DATABASE bench")
+        cluster.psql("CREATE TABLE k (id int PRIMARY KEY, v text); INSERT INTO k SELECT i, "
+                     "'value ' || i FROM generate_series(1, 1000) i; "
+                     "CREATE TABLE w (id bigserial PRIMARY KEY, v text)", db="bench")
+        server = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+             f"--callgrind-out-file={out}", sys.executable, "-m", "bench.bench_sql", "--serve",
+             cluster.url("bench")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, env=dict(os.environ, PYTHONHASHSEED="0"),
+        )
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        with psycopg.connect(f"postgresql://agent@127.0.0.1:{port}/bench",
+                             autocommit=True) as conn:
+            statement = {
+                "select": lambda i: conn.execute("SELECT 1").fetchone(),
+                "lookup": lambda i: conn.execute("SELECT v FROM k WHERE id = %s",
+                                                 (i % 1000 + 1,)).fetchone(),
+                "insert": lambda i: conn.execute("INSERT INTO w (v) VALUES (%s)", (f"r{i}",)),
+            }[case]
+            for i in range(warm):
+                statement(i)
+            toggle = ["callgrind_control", "-i"]
+            subprocess.run([*toggle, "on", str(server.pid)], check=True, capture_output=True)
+            for i in range(n):
+                statement(i)
+            time.sleep(0.5)  # the last statements' frames written
+            subprocess.run([*toggle, "off", str(server.pid)], check=True, capture_output=True)
+        server.communicate("", timeout=300)
+        totals = re.search(r"^totals: (\d+)", out.read_text(), re.M)
+        assert totals is not None, "callgrind wrote no totals"
+        return int(totals.group(1)) / n
+    finally:
+        cluster.remove()
+        subprocess.run(["rm", "-rf", "--", str(out.parent)], check=False)
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
         _serve(sys.argv[2])
+    elif sys.argv[1:2] == ["--instructions"]:
+        for name in sys.argv[2:] or ["select", "lookup", "insert"]:
+            print(f"{name}: {instructions(name) / 1000:.0f} k instructions a statement")
     else:
         for r in run(quick=True):
             print(r)
