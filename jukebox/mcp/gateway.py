@@ -124,6 +124,26 @@ class Gateway:
         return self.policy.decide(self.name, tool, self.annotations.get(tool))
 
     async def call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> Any:
+        started = time.perf_counter()
+        # The call's frame once it has one; every path records it with no await after, so a
+        # cancellation reaches the handler below only for a call not recorded yet.
+        held: list[dict[str, Any]] = []
+        try:
+            return await self._call_tool(ctx, params, held)
+        except anyio.get_cancelled_exc_class():
+            # The agent's notifications/cancelled, or the agent gone (its session's end cancels
+            # what it still runs): the SDK answers nobody, and the tape says which.
+            frame: dict[str, Any] = held[0] if held else {
+                "server": self.name, "tool": params.name, "args": dict(params.arguments or {})
+            }  # fmt: skip
+            why = CANCELLED if _cancel_requested(ctx) else LEFT
+            frame.update(error={"message": why}, ok=False, cancelled=True,
+                         latency_ms=_ms(started))  # fmt: skip
+            self.sink.record("tool_call", frame)
+            raise
+
+    async def _call_tool(self, ctx: Any, params: types.CallToolRequestParams,
+                         held: list[dict[str, Any]]) -> Any:  # fmt: skip
         tool, args = params.name, dict(params.arguments or {})
         if self.replay is not None:
             served = await self._replayed_call(tool, args)
@@ -135,6 +155,7 @@ class Gateway:
         decision = self.decide(tool)
         frame: dict[str, Any] = {"server": self.name, "tool": tool, "args": args,
                                  **decision.as_dict()}  # fmt: skip
+        held.append(frame)
         self.calls += 1
         started = time.perf_counter()
         trip = self.limits.observe(self.name, tool, args) if self.limits is not None else None
@@ -187,14 +208,6 @@ class Gateway:
             frame.update(error={"message": str(error)}, ok=False, latency_ms=_ms(started))
             self.sink.record("tool_call", frame)
             raise MCPError(types.INTERNAL_ERROR, f"jukebox: {error}") from None
-        except anyio.get_cancelled_exc_class():
-            # The agent's notifications/cancelled, or the agent gone (its session's end cancels
-            # what it still runs): the SDK answers nobody, and the tape says which.
-            why = CANCELLED if _cancel_requested(ctx) else LEFT
-            frame.update(error={"message": why}, ok=False, cancelled=True,
-                         latency_ms=_ms(started))  # fmt: skip
-            self.sink.record("tool_call", frame)
-            raise
         # The model itself: the sink turns it into JSON after the agent has its answer.
         frame.update(result=result, ok=not getattr(result, "is_error", False),
                      latency_ms=_ms(started))  # fmt: skip
