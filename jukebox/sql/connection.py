@@ -151,6 +151,10 @@ class AgentConnection:
         # connection's block's (the server's last jukebox_tx): this block's end undoes it
         # first (`clear_stray`).
         self.stray = False
+        self.fresh = False  # the unit running sent a SAVEPOINT of its own (`hold`)
+        # Its last unit, outside a block, undone by its own bookkeeping that this unit's
+        # statement read: the error that statement gets (`own_failed`).
+        self.lost_now: bytes | None = None
         # Its last unit, outside a block, undone after it had completed (its bookkeeping
         # failed, read by another connection): the error its next statement gets, once.
         self.lost: bytes | None = None
@@ -210,7 +214,9 @@ class AgentConnection:
                 # the booth): what it was about to send belongs to that block, so not run.
                 self.session.give_back(self)
                 raise BlockUndone(self.undone)
-            if not self.attached:  # an attached block's own savepoint covers its units
+            self.fresh = not self.attached
+            self.lost_now = None
+            if self.fresh:  # an attached block's own savepoint covers its units
                 up.send_own(SAVEPOINT_TX, self)
             self.up = up
             self.unit_failed = False
@@ -233,15 +239,14 @@ class AgentConnection:
         booth's transaction; the next failed unit's ROLLBACK TO SAVEPOINT jukebox_tx then
         undoes this connection's last unit too. A unit of its own running now fails; else it
         is told at its next message, and an open block is failed until its ROLLBACK."""
+        error = self.lost_error(fields)
         if self.up is not None:
             self.unit_failed = True
+            if self.state == "I" and fields.get("C") != "25P02":
+                # Read by this connection's own next unit (as a Query of its own: settle):
+                # the statement before, not only this one, is to run again.
+                self.lost_now = error
             return
-        error = m.error(
-            "40003",  # statement_completion_unknown: it completed, then was undone
-            f"jukebox: the booth's bookkeeping after this connection's last statement failed "
-            f"({fields.get('M', 'error')}), which undid that statement's work after it had "
-            "completed; run it again",
-        )
         if self.state == "I":
             self.lost = error
         else:
@@ -250,6 +255,15 @@ class AgentConnection:
             self.session.block_lost(self)
             if self.session.attached is self:
                 self.session.set_attached(self, False)
+
+    @staticmethod
+    def lost_error(fields: dict[str, str]) -> bytes:
+        return m.error(
+            "40003",  # statement_completion_unknown: it completed, then was undone
+            f"jukebox: the booth's bookkeeping after this connection's last statement failed "
+            f"({fields.get('M', 'error')}), which undid that statement's work after it had "
+            "completed; run it again",
+        )
 
     def undo(self, n: int) -> None:
         """The booth rolls back to checkpoint `n` under this connection's open block (it wrote,
@@ -728,14 +742,22 @@ class AgentConnection:
             # It failed, which aborted the booth's transaction: the agent's statement did not
             # run. The error is its owner's (see Upstream.settle).
             owner = up.prefix[0]
+            # This connection's own, ahead of the SAVEPOINT its unit sent (if it sent one):
+            # the previous unit's RELEASE, which kept work that is now undone.
+            earlier = owner is self and self.state == "I" and sum(
+                o is self for o in up.prefix) > int(self.fresh)
             up.prefix.clear()
             fields = m.decode_fields(body)
             up.spoiled = (owner.number, fields.get("M", "error"))
             owner.own_failed(fields)
+            if owner is self:
+                self.lost_now = self.lost_error(fields) if earlier else None
             # Its unit's savepoint stays over this block's, which sent none of its own.
             self.stray = self.stray or (self.attached and owner is not self)
             if not drop_only:
                 error = self.not_run(up.spoiled)
+                if self.lost_now is not None:
+                    error, self.lost_now = self.lost_now[5:], None
                 self.reply(kind, error)
                 if self.runs:
                     self.record(self.runs.popleft(), failure=m.decode_fields(error))
@@ -768,6 +790,8 @@ class AgentConnection:
             # by anything of this unit: nothing of it ran, so it can run again.
             self.stray = self.stray or (self.attached and up.spoiled[0] != self.number)
             body = self.not_run(up.spoiled)
+            if self.lost_now is not None:
+                body, self.lost_now = self.lost_now[5:], None
             fields = m.decode_fields(body)
         elif self.shift and "P" in fields:  # its position in the agent's own text
             fields["P"] = str(max(1, int(fields["P"]) - self.shift))

@@ -1118,3 +1118,21 @@ def test_an_asyncpg_cursor_goes_on_while_another_connection_works(proxied: Proxi
             await b.close()
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == [1, 2, 3]
+
+
+def test_a_failed_bookkeeping_read_by_its_own_connection_is_told(pg: Cluster, db: str,
+                                                                  proxied: Proxied) -> None:
+    """The RELEASE that keeps a statement's work fails and the same connection's next
+    statement is the one that reads it: that statement did not run, and the one before, which
+    had completed, was undone. The connection is told both, not only that its statement can
+    be retried (which would lose the first)."""
+    a = psycopg.connect(proxied.url, autocommit=True)
+    try:
+        a.execute("INSERT INTO t VALUES (3, 'kept, then undone')")
+        _fail_pending_release(proxied, proxied.proxy.databases["main"].connections[1])
+        with pytest.raises(psycopg.errors.StatementCompletionUnknown) as lost:
+            a.execute("INSERT INTO t VALUES (4, 'next')")
+        assert "undid that statement's work" in str(lost.value)
+        assert a.execute("SELECT count(*) FROM t").fetchone() == (2,)
+    finally:
+        a.close()
