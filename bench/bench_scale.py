@@ -278,7 +278,7 @@ def commit_case(s: Sizes, scratch: Path) -> list[Row]:
         _row(case, "jukebox booth commit", booth_s, base,
              freed_s=statistics.median(freed_s),
              note="check, stage, journal, apply, fsyncs; atomic and crash-safe; replaced "
-                  "files moved to a trash, freed in the background (freed_s: from the "
+                  "files linked into a trash, freed in the background (freed_s: from the "
                   "commit's start until they were)"),
         _row(case, "git add -A && git commit", git_s, base,
              note="hash and store the changed files, write index and commit"),
