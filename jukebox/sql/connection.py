@@ -138,6 +138,9 @@ class AgentConnection:
         # connection's on the server (`portal`), closed before its next such Bind.
         self.portal = ""
         self.portal_open = False
+        # Outside a block: the unit bound the unnamed portal (else the server's one is not the
+        # agent's, which the server dropped at its Sync: `unbound_portal`).
+        self.bound = False
         self.copying_in = False
         # Characters of bookkeeping ahead of the agent's text in its Query (Upstream.send_query)
         self.shift = 0
@@ -339,6 +342,7 @@ class AgentConnection:
         if self.up is None:
             return
         up = self.up
+        self.bound = False
         if self.state == "I":
             if self.attached and (self.unit_failed or up.status == "E"
                                   or self.session.pending_on is self):
@@ -887,6 +891,7 @@ class AgentConnection:
             portal = self.up_name(bind.portal)
         elif self.state == "I":
             portal = self.portal = ""  # gone at the Sync, as the server's would be
+            self.bound = True
         else:
             portal = self.portal = f"jb{self.number}_"
             if self.portal_open:  # the last one, which a Bind of the unnamed one replaces
@@ -907,6 +912,8 @@ class AgentConnection:
         if stmt is None:
             if what.what == "S" and not what.name:
                 self.own_unnamed()
+            if what.what == "P" and not what.name and not self.portal and not self.bound:
+                self.unbound_portal()
             what.name = (self.up_name(what.name) if what.name or what.what == "S"
                          else self.portal)
             self.forward(what.encode())
@@ -925,6 +932,8 @@ class AgentConnection:
                 execute.portal = self.up_name(execute.portal) if execute.portal else self.portal
                 self.forward(execute.encode())
             else:
+                if not self.bound:
+                    self.unbound_portal()
                 self.forward(m.message(b"E", body))
             return
         await self.drain()
@@ -953,6 +962,18 @@ class AgentConnection:
                 self.up.unnamed = None
                 return
         self.forward(close.encode())
+
+    def unbound_portal(self) -> None:
+        """Before an Execute or Describe of the unnamed portal outside a block: when this unit
+        did not bind it, the server's is not the agent's (the agent's ended at its Sync, as
+        its implicit transaction; the server's outlived it inside the booth's transaction, or
+        is the bookkeeping's or another connection's): closed first, so the agent gets the
+        server's error, as straight to a server."""
+        up = self.up
+        assert up is not None
+        up.send(m.Close("P", "").encode())
+        up.dropping.append(b"3")
+        self.bound = True  # closed: the server's error says the rest
 
     def own_unnamed(self) -> None:
         """Before a Bind or Describe of the agent's unnamed statement: the server's unnamed

@@ -899,10 +899,11 @@ def test_the_unnamed_portal_outlives_its_round_trip_in_a_block(proxied: Proxied)
         b.close()
 
 
-def _wire(port: int) -> socket.socket:
+def _wire(port: int, user: str = "agent", database: str = "x") -> socket.socket:
     """A connection of the protocol's own messages, past its startup."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    startup = b"\x00\x03\x00\x00user\x00agent\x00database\x00x\x00\x00"
+    startup = (b"\x00\x03\x00\x00user\x00" + user.encode() + b"\x00database\x00"
+               + database.encode() + b"\x00\x00")
     s.sendall((len(startup) + 4).to_bytes(4, "big") + startup)
     _until_ready(s)
     return s
@@ -1136,3 +1137,30 @@ def test_a_failed_bookkeeping_read_by_its_own_connection_is_told(pg: Cluster, db
         assert a.execute("SELECT count(*) FROM t").fetchone() == (2,)
     finally:
         a.close()
+
+
+def test_the_unnamed_portal_outside_a_block_ends_at_its_sync(pg: Cluster, db: str,
+                                                            proxied: Proxied) -> None:
+    """Outside a block the server drops the unnamed portal at the Sync (its implicit
+    transaction ends): an Execute of it in a later round trip is an error, straight to the
+    server and through the proxy alike (where the server's portal outlived the Sync, inside
+    the booth's transaction)."""
+    def msg(kind: bytes, body: bytes = b"") -> bytes:
+        return kind + (len(body) + 4).to_bytes(4, "big") + body
+
+    def exchange(port: int) -> list[Any]:
+        s = _wire(port, "postgres", db)
+        try:
+            s.sendall(msg(b"P", b"\0SELECT id FROM t ORDER BY id\0\0\0")
+                      + msg(b"B", b"\0\0\0\0\0\0\0\0") + msg(b"E", b"\0" + (1).to_bytes(4, "big"))
+                      + msg(b"S"))
+            first = [k for k, _ in _until_ready(s)]
+            s.sendall(msg(b"E", b"\0" + (1).to_bytes(4, "big")) + msg(b"S"))
+            again = [(k, m.decode_fields(b).get("C") if k == b"E" else None)
+                     for k, b in _until_ready(s)]
+            s.sendall(msg(b"Q", b"SELECT 1\0"))
+            return [first, again, [k for k, _ in _until_ready(s)]]
+        finally:
+            s.close()
+
+    assert exchange(proxied.port) == exchange(pg.port)
