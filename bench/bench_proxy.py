@@ -7,7 +7,8 @@ numbers are the proxy's own cost: parsing, forwarding (jukebox.llm.upstream_clie
 parsing on the side, and writing the llm_turn frame before the agent sees the end of the
 response. Calls go through
 one keep-alive httpx client per system, as an SDK's would, and the systems take turns call by
-call, so a noisy neighbour slows them alike.
+call, each round starting one system further on, so a noisy neighbour slows them alike and no
+system always comes first or right after the same one (`_take_turns`).
 
 Rows: a JSON chat completion and a streamed one (about 12 SSE events), whole call, direct,
 and through the proxy recording to a tape as a booth does (jukebox.booth.supervisor.GroupTape:
@@ -165,7 +166,10 @@ def _take_turns(
     for i in range(n + WARMUP):
         if i == WARMUP:
             child_cpu = {name: p.cpu_ns() for name, _, _, p in systems if p is not None}
-        for name, client, _url, _ in systems:
+        # Each round starts one system further on: in a fixed order a system's place moved its
+        # figures by more than the code did (docs/benchmarks.md, the paused first token).
+        turn = i % len(systems)
+        for name, client, _url, _ in systems[turn:] + systems[:turn]:
             cpu = time.process_time_ns()
             took = measure(client, _url)
             cpu = time.process_time_ns() - cpu
