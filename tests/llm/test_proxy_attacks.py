@@ -486,7 +486,9 @@ import anthropic, openai
 side, cli = sys.argv[1:3]
 base, abase = os.environ["OPENAI_BASE_URL"], os.environ["ANTHROPIC_API_URL"]
 secret, token = base.split("/")[3], os.environ["MY_SERVICE_TOKEN"]
-for host in (secret + ".example.org", token.upper() + ".example.org",
+# "x" first: the secret is random base64url, and glibc sends no query at all for a label that
+# starts with "-" (1 run in 64 saw two lookups of three).
+for host in ("x" + secret + ".example.org", token.upper() + ".example.org",
              token[:6] + "." + token[6:] + ".example.org"):
     try:
         socket.getaddrinfo(host, 443)
@@ -573,9 +575,9 @@ def test_the_secret_reaches_no_byte_of_the_tape_dir_nor_the_booths_output(
     assert checkpoint["label"] == rollback["label"] == f"at {base.replace(secret, REDACTED)}"
     looked_up = [p["host"] for kind, p in frames if kind == "note"
                  and p["event"] == "lookup_refused"]  # fmt: skip
-    assert looked_up == [f"{REDACTED}.example.org"] * 3
-    assert sum(f"looked up {REDACTED}.example.org" in line
-               for line in proc.stderr.splitlines()) == 3  # fmt: skip
+    assert looked_up == [f"x{REDACTED}.example.org", *[f"{REDACTED}.example.org"] * 2]
+    assert sum(f"looked up {name}" in line for line in proc.stderr.splitlines()
+               for name in set(looked_up)) == 3  # fmt: skip
     (verify,) = [p for kind, p in frames if kind == "verify"]
     assert verify["output"].splitlines() == [
         upstream.openai_url, base.replace(secret, REDACTED)
