@@ -184,6 +184,25 @@ def _tpcb_rows(cluster: Any, proxied: Any, n: int) -> list[dict[str, Any]]:
     return overhead_rows(GROUP, TPCB, measured)
 
 
+def _cluster() -> Any:
+    """A private PostgreSQL cluster (tests/sql/cluster.py), not started yet."""
+    from tests.sql.cluster import Cluster, bindir
+
+    where = bindir()
+    if where is None:
+        raise RuntimeError("PostgreSQL is not installed (make setup installs it)")
+    return Cluster(where)
+
+
+def _fill(cluster: Any) -> None:
+    """Start `cluster` with the bench's database: 1,000 rows to look up, a table to insert in."""
+    cluster.init()
+    cluster.psql("CREATE DATABASE bench")
+    cluster.psql("CREATE TABLE k (id int PRIMARY KEY, v text); INSERT INTO k SELECT i, "
+                 "'value ' || i FROM generate_series(1, 1000) i; "
+                 "CREATE TABLE w (id bigserial PRIMARY KEY, v text)", db="bench")
+
+
 def run(quick: bool = False) -> list[dict[str, Any]]:
     import psycopg
 
@@ -192,20 +211,12 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     from jukebox.sql.upstream import Target
     from jukebox.tape.tape import TapeWriter
     from shadowfs.store import Store
-    from tests.sql.cluster import Cluster, bindir
 
-    where = bindir()
-    if where is None:
-        raise RuntimeError("PostgreSQL is not installed (make setup installs it)")
     n = 300 if quick else 3000
-    cluster = Cluster(where)
+    cluster = _cluster()
     rows: list[dict[str, Any]] = []
     try:
-        cluster.init()
-        cluster.psql("CREATE DATABASE bench")
-        cluster.psql("CREATE TABLE k (id int PRIMARY KEY, v text); INSERT INTO k SELECT i, "
-                     "'value ' || i FROM generate_series(1, 1000) i; "
-                     "CREATE TABLE w (id bigserial PRIMARY KEY, v text)", db="bench")
+        _fill(cluster)
         with tempfile.TemporaryDirectory(prefix="bench-sql-") as tmp:
             store = Store.open(Path(tmp) / "store", create=True)
             writer = GroupTape(TapeWriter.create(Path(tmp) / "t.jbx", store, "bench",
@@ -269,19 +280,10 @@ def instructions(case: str, n: int = 500, warm: int = 200) -> float:
 
     import psycopg
 
-    from tests.sql.cluster import Cluster, bindir
-
-    where = bindir()
-    if where is None:
-        raise RuntimeError("PostgreSQL is not installed (make setup installs it)")
-    cluster = Cluster(where)
+    cluster = _cluster()
     out = Path(tempfile.mkdtemp(prefix="bench-sql-cg-")) / "callgrind.out"
     try:
-        cluster.init()
-        cluster.psql("CREATE DATABASE bench")
-        cluster.psql("CREATE TABLE k (id int PRIMARY KEY, v text); INSERT INTO k SELECT i, "
-                     "'value ' || i FROM generate_series(1, 1000) i; "
-                     "CREATE TABLE w (id bigserial PRIMARY KEY, v text)", db="bench")
+        _fill(cluster)
         server = subprocess.Popen(
             ["valgrind", "--tool=callgrind", "--instr-atstart=no",
              f"--callgrind-out-file={out}", sys.executable, "-m", "bench.bench_sql", "--serve",

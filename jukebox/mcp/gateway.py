@@ -28,7 +28,14 @@ from mcp.shared.exceptions import MCPError
 from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Decision, Policy
 from jukebox.mcp.record import Sink, wire
-from jukebox.mcp.relay import CANCELLED, LEFT, RELAY_ID_BASE, Relay, upstream_stdio
+from jukebox.mcp.relay import (
+    CANCELLED,
+    LEFT,
+    RELAY_ID_BASE,
+    Relay,
+    ms_since,
+    upstream_stdio,
+)
 
 T = TypeVar("T")
 
@@ -101,7 +108,7 @@ class Gateway:
         result = await self._bounded(what, call)
         self.sink.record("note", {
             "event": "mcp_list", "server": self.name, "what": what, "result": wire(result),
-            "latency_ms": _ms(started),
+            "latency_ms": ms_since(started),
         })  # fmt: skip
         return result
 
@@ -138,7 +145,7 @@ class Gateway:
             }  # fmt: skip
             why = CANCELLED if _cancel_requested(ctx) else LEFT
             frame.update(error={"message": why}, ok=False, cancelled=True,
-                         latency_ms=_ms(started))  # fmt: skip
+                         latency_ms=ms_since(started))  # fmt: skip
             self.sink.record("tool_call", frame)
             raise
 
@@ -181,8 +188,8 @@ class Gateway:
                 staged_id = await anyio.to_thread.run_sync(self.stager, self.name, tool, args)
             except JukeboxError as error:  # the booth refused: the agent hears why
                 result = _refusal(tool, self.name, str(error))
-                frame.update(decision="deny", why=f"stage refused: {error}",
-                             result=wire(result), ok=False, latency_ms=_ms(started))  # fmt: skip
+                frame.update(decision="deny", why=f"stage refused: {error}", result=wire(result),
+                             ok=False, latency_ms=ms_since(started))  # fmt: skip
                 self.sink.record("tool_call", frame)
                 return result
             result = types.CallToolResult(
@@ -192,7 +199,7 @@ class Gateway:
                 structured_content={"jukebox": {"staged": True, "id": staged_id}},
             )  # fmt: skip
             frame.update(result=wire(result), ok=True, staged_id=staged_id,
-                         latency_ms=_ms(started))  # fmt: skip
+                         latency_ms=ms_since(started))  # fmt: skip
             self.sink.record("tool_call", frame)
             return result
         try:
@@ -201,16 +208,16 @@ class Gateway:
             )
         except MCPError as error:
             frame.update(error={"code": error.code, "message": error.message}, ok=False,
-                         latency_ms=_ms(started))  # fmt: skip
+                         latency_ms=ms_since(started))  # fmt: skip
             self.sink.record("tool_call", frame)
             raise
         except RuntimeError as error:  # the SDK's check of the result against its schema
-            frame.update(error={"message": str(error)}, ok=False, latency_ms=_ms(started))
+            frame.update(error={"message": str(error)}, ok=False, latency_ms=ms_since(started))
             self.sink.record("tool_call", frame)
             raise MCPError(types.INTERNAL_ERROR, f"jukebox: {error}") from None
         # The model itself: the sink turns it into JSON after the agent has its answer.
         frame.update(result=result, ok=not getattr(result, "is_error", False),
-                     latency_ms=_ms(started))  # fmt: skip
+                     latency_ms=ms_since(started))  # fmt: skip
         replayed = getattr(self.upstream, "replayed_from", None)
         if replayed is not None:
             frame["replayed_from"] = replayed
@@ -222,7 +229,7 @@ class Gateway:
         """The refusal the agent gets for a call `decision` denies, recorded."""
         result = _refusal(tool, self.name, decision.why)
         frame.update(decision.as_dict(), **extra)
-        frame.update(result=wire(result), ok=False, latency_ms=_ms(started))
+        frame.update(result=wire(result), ok=False, latency_ms=ms_since(started))
         self.sink.record("tool_call", frame)
         return result
 
@@ -244,11 +251,11 @@ class Gateway:
             frame["overridden"] = True
         if "error" in answer:
             error = answer["error"]
-            frame.update(error=error, ok=False, latency_ms=_ms(started))
+            frame.update(error=error, ok=False, latency_ms=ms_since(started))
             self.sink.record("tool_call", frame)
             raise MCPError(int(error.get("code", types.INTERNAL_ERROR)), str(error.get("message")))
         result = types.CallToolResult.model_validate(answer["result"])
-        frame.update(result=answer["result"], ok=not result.is_error, latency_ms=_ms(started))
+        frame.update(result=answer["result"], ok=not result.is_error, latency_ms=ms_since(started))
         self.sink.record("tool_call", frame)
         return result
 
@@ -268,7 +275,8 @@ class Gateway:
         uri = str(params.uri)
         result = await self._bounded(f"resources/read {uri}", self.upstream.read_resource(uri))
         self.sink.record("note", {"event": "mcp_read", "server": self.name, "uri": uri,
-                                  "result": wire(result), "latency_ms": _ms(started)})  # fmt: skip
+                                  "result": wire(result),
+                                  "latency_ms": ms_since(started)})  # fmt: skip
         return result
 
     async def get_prompt(self, ctx: Any, params: types.GetPromptRequestParams) -> Any:
@@ -279,7 +287,8 @@ class Gateway:
         )
         self.sink.record("note", {"event": "mcp_prompt", "server": self.name,
                                   "prompt": params.name, "args": params.arguments or {},
-                                  "result": wire(result), "latency_ms": _ms(started)})  # fmt: skip
+                                  "result": wire(result),
+                                  "latency_ms": ms_since(started)})  # fmt: skip
         return result
 
     def server(self, init: types.InitializeResult) -> Server[Any]:
@@ -321,9 +330,6 @@ def _cancel_requested(ctx: Any) -> bool:
     event = getattr(outbound, "cancel_requested", None)
     return bool(event is not None and event.is_set())
 
-
-def _ms(started: float) -> float:
-    return round((time.perf_counter() - started) * 1000, 3)
 
 
 async def serve_stdio(

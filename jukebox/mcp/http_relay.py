@@ -38,7 +38,7 @@ from mcp.shared.dispatcher import as_request_id, coerce_request_id
 
 from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Decision
-from jukebox.mcp.relay import CANCELLED, RELAY_ID_BASE, answered
+from jukebox.mcp.relay import CANCELLED, RELAY_ID_BASE, answered, as_response, ms_since
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -205,7 +205,7 @@ class HttpRelay:
             answered(frame, message)
         elif data is None:  # the agent cancelled it (_cancelled): no answer is due
             frame.update(error={"message": CANCELLED}, ok=False, cancelled=True)
-        frame["latency_ms"] = _ms(started)
+        frame["latency_ms"] = ms_since(started)
         gateway.sink.record("tool_call", frame)
         try:
             if data is None:
@@ -399,11 +399,8 @@ class HttpRelay:
 
     async def _answered(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
         """The agent's answer to a request of the server's: on to the server, under its id."""
-        try:
-            message = json.loads(body)
-        except ValueError:
-            return False
-        if not isinstance(message, dict) or "method" in message:
+        message = as_response(body)
+        if message is None:
             return False
         ours = message.get("id")
         if not isinstance(ours, str):
@@ -412,7 +409,7 @@ class HttpRelay:
         if asked is None or _header(scope, b"mcp-session-id") != asked.call.session:
             return False
         del self.asked[ours]
-        answer = {k: message[k] for k in ("result", "error") if k in message}
+        answer: dict[str, Any] = {k: message[k] for k in ("result", "error") if k in message}
         asked.said["answer"] = answer
         asked.call.deadline.deadline = anyio.current_time() + self.gateway.timeout
         status = await self._to_server({"jsonrpc": "2.0", "id": asked.id, **answer})
@@ -497,6 +494,3 @@ async def _reply(send: Send, session: bytes, data: bytes) -> None:
         (b"mcp-session-id", session)]})  # fmt: skip
     await send({"type": "http.response.body", "body": data})
 
-
-def _ms(started: float) -> float:
-    return round((time.perf_counter() - started) * 1000, 3)

@@ -135,7 +135,7 @@ class Relay:
         assert self.upstream is not None
         await self.upstream.write(line + b"\n")
         call.frame.update(error={"message": CANCELLED}, ok=False, cancelled=True,
-                          latency_ms=_ms(call.started))  # fmt: skip
+                          latency_ms=ms_since(call.started))  # fmt: skip
         self.gateway.sink.record("tool_call", call.frame)
         return True
 
@@ -145,11 +145,8 @@ class Relay:
         """Takes the server's answer to a relayed call; False leaves the line to the SDK."""
         if not self.pending:
             return False
-        try:
-            message = json.loads(line)
-        except ValueError:
-            return False
-        if not isinstance(message, dict) or "method" in message:
+        message = as_response(line)
+        if message is None:
             return False
         found = as_request_id(message.get("id"))
         if found is None:
@@ -159,7 +156,7 @@ class Relay:
             return False
         frame = call.frame
         answered(frame, message)
-        frame["latency_ms"] = _ms(call.started)
+        frame["latency_ms"] = ms_since(call.started)
         # Recorded before the agent has its answer: inside a booth that is a write to the
         # supervisor's socket (jukebox.mcp.record.BoothSink), which outlives this process.
         self.gateway.sink.record("tool_call", frame)
@@ -196,7 +193,7 @@ class Relay:
         if call is None:
             return
         call.frame.update(error={"code": code, "message": message}, ok=False,
-                          latency_ms=_ms(call.started))  # fmt: skip
+                          latency_ms=ms_since(call.started))  # fmt: skip
         self.gateway.sink.record("tool_call", call.frame)
         if self.agent is not None:
             error = types.JSONRPCError(
@@ -208,7 +205,7 @@ class Relay:
         """The agent is gone: the calls it did not get an answer to are recorded so."""
         for call in self.pending.values():
             call.frame.update(error={"message": LEFT}, ok=False, cancelled=True,
-                              latency_ms=_ms(call.started))  # fmt: skip
+                              latency_ms=ms_since(call.started))  # fmt: skip
             self.gateway.sink.record("tool_call", call.frame)
         self.pending.clear()
 
@@ -229,8 +226,21 @@ def _response(id: Any, result: dict[str, Any]) -> bytes:
     return message.model_dump_json(by_alias=True).encode() + b"\n"
 
 
-def _ms(started: float) -> float:
+def ms_since(started: float) -> float:
+    """Milliseconds since `started` (a `time.perf_counter()`), as a tool_call frame keeps them."""
     return round((time.perf_counter() - started) * 1000, 3)
+
+
+def as_response(data: bytes | str) -> dict[str, Any] | None:
+    """`data` as a JSON-RPC message that answers a request (no "method"), or None: not JSON,
+    not an object, or a request or notification of its own."""
+    try:
+        message = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(message, dict) or "method" in message:
+        return None
+    return message
 
 
 @contextlib.asynccontextmanager

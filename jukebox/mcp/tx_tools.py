@@ -20,6 +20,7 @@ from typing import Any
 
 from jukebox.mcp.policy import Policy
 from jukebox.mcp.record import wire
+from jukebox.mcp.relay import ms_since
 
 Append = Callable[..., Any]  # (kind, payload) -> Frame
 
@@ -146,7 +147,7 @@ class ToolStage:
         result = await session.call_tool(name, args)
         self.append("tool_call", {**base, "result": wire(result),
                                   "ok": not getattr(result, "is_error", False),
-                                  "latency_ms": _ms(started)})  # fmt: skip
+                                  "latency_ms": ms_since(started)})  # fmt: skip
         return result
 
     # -- the commit -----------------------------------------------------------------------------
@@ -195,7 +196,7 @@ class ToolStage:
 
     def _ran(self, call: _Staged, value: Any, report: dict[str, Any], started: float) -> None:
         frame = self._frame(call, decision="commit", ok=True, result=_jsonable(value),
-                            latency_ms=_ms(started))  # fmt: skip
+                            latency_ms=ms_since(started))  # fmt: skip
         self.append("tool_call", frame)
         report["ran"].append(call.id)
 
@@ -236,7 +237,7 @@ class ToolStage:
     def _fail_frame(self, calls: list[_Staged], i: int, report: dict[str, Any], error: str,
                     started: float, value: Any) -> None:  # fmt: skip
         fields: dict[str, Any] = {"decision": "commit", "ok": False, "error": {"message": error},
-                                  "latency_ms": _ms(started)}  # fmt: skip
+                                  "latency_ms": ms_since(started)}  # fmt: skip
         if value is not None:
             fields["result"] = _jsonable(value)
         self.append("tool_call", self._frame(calls[i], **fields))
@@ -256,7 +257,7 @@ class ToolStage:
         frame: dict[str, Any] = {"tool": call.compensate_tool or call.tool,
                                  "args": call.compensate_args or {},
                                  "staged_id": call.id, "decision": "compensate",
-                                 "ok": error is None, "latency_ms": _ms(started)}  # fmt: skip
+                                 "ok": error is None, "latency_ms": ms_since(started)}  # fmt: skip
         if call.server is not None:
             frame["server"] = call.server
         if value is not None:
@@ -277,6 +278,3 @@ def _jsonable(value: Any) -> Any:
         return repr(value)[:2000]
     return value
 
-
-def _ms(started: float) -> float:
-    return round((time.perf_counter() - started) * 1000, 3)

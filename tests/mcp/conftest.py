@@ -8,7 +8,7 @@ import contextlib
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +84,44 @@ def only_tape(tape_dir: Path) -> Path:
     tapes = sorted(tape_dir.glob("*.jbx"))
     assert len(tapes) == 1, tapes
     return tapes[0]
+
+
+@contextlib.contextmanager
+def http_gateway_before(script: Path, name: str, tmp: Path, timeout: float,
+                        *args: str) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """The booth's HTTP gateway as the supervisor runs it (a real stage gate recording on a real
+    tape) in front of the streamable-HTTP server `script` (which prints its port), served as
+    server `name`: yields the gateway's URL for it and the tape."""
+    import socket
+    import subprocess
+
+    from jukebox.mcp.http_gateway import HttpGateways
+    from jukebox.mcp.policy import Policy
+    from jukebox.mcp.servers import ServerSpec
+    from jukebox.mcp.staging import StageGate
+    from jukebox.tape.tape import TapeWriter
+    from shadowfs.store import Store
+
+    server = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    assert server.stdout is not None
+    url = f"http://127.0.0.1:{int(server.stdout.readline())}/mcp"
+    store = Store.open(tmp / ".jukebox" / "store", create=True)
+    tape = tmp / f"{name}.jbx"
+    writer = TapeWriter.create(tape, store, name, fsync=False)
+    writer.append("run_start", {"name": name})
+    gate = StageGate({name: ServerSpec(name, "", url=url)}, writer.append)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    gateways = HttpGateways({name: url}, gate, Policy("staged_acid"),
+                            lambda server, tool, args: "never", lambda p: p,
+                            timeout=timeout).start(listener)  # fmt: skip
+    try:
+        yield {"url": gateways.urls()[name], "tape": tape}
+    finally:
+        gateways.stop()
+        writer.close()
+        store.close()
+        server.terminate()
+        server.wait(timeout=10)

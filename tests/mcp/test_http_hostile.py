@@ -7,9 +7,6 @@ client within the gateway's timeout, and the gateway keeps serving."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +18,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
-from jukebox.mcp.http_gateway import HttpGateways
-from jukebox.mcp.policy import Policy
-from jukebox.mcp.servers import ServerSpec
-from jukebox.mcp.staging import StageGate
-from jukebox.tape.tape import TapeWriter
-from shadowfs.store import Store
-from tests.mcp.conftest import payloads
+from tests.mcp.conftest import http_gateway_before, payloads
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 2.0
@@ -35,29 +26,9 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    server = subprocess.Popen([sys.executable, str(HERE / "hostile_http_server.py")],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert server.stdout is not None
-    url = f"http://127.0.0.1:{int(server.stdout.readline())}/mcp"
-    store = Store.open(tmp_path / ".jukebox" / "store", create=True)
-    tape = tmp_path / "hostile.jbx"
-    writer = TapeWriter.create(tape, store, "hostile", fsync=False)
-    writer.append("run_start", {"name": "hostile"})
-    gate = StageGate({"h": ServerSpec("h", "", url=url)}, writer.append)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    gateways = HttpGateways({"h": url}, gate, Policy("staged_acid"),
-                            lambda server, tool, args: "never", lambda p: p,
-                            timeout=TIMEOUT).start(listener)  # fmt: skip
-    try:
-        yield {"url": gateways.urls()["h"], "tape": tape}
-    finally:
-        gateways.stop()
-        writer.close()
-        store.close()
-        server.terminate()
-        server.wait(timeout=10)
+    script = HERE / "hostile_http_server.py"
+    with http_gateway_before(script, "h", tmp_path, TIMEOUT) as gateway:
+        yield gateway
 
 
 def test_a_hostile_http_upstream_ends_in_clear_errors(gateway: dict[str, Any]) -> None:

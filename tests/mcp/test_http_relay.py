@@ -8,9 +8,6 @@ call the agent cancels is cancelled on the server and recorded so."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,13 +20,7 @@ import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from jukebox.mcp.http_gateway import HttpGateways
-from jukebox.mcp.policy import Policy
-from jukebox.mcp.servers import ServerSpec
-from jukebox.mcp.staging import StageGate
-from jukebox.tape.tape import TapeWriter
-from shadowfs.store import Store
-from tests.mcp.conftest import payloads
+from tests.mcp.conftest import http_gateway_before, payloads
 
 HERE = Path(__file__).resolve().parent
 # Long enough that a request left unanswered shows as this timeout's error, not a hang.
@@ -40,29 +31,9 @@ TIMEOUT = 10.0
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("relay")
     marker = tmp / "cancelled.txt"
-    server = subprocess.Popen([sys.executable, str(HERE / "asking_http_server.py"), str(marker)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert server.stdout is not None
-    url = f"http://127.0.0.1:{int(server.stdout.readline())}/mcp"
-    store = Store.open(tmp / ".jukebox" / "store", create=True)
-    tape = tmp / "asking.jbx"
-    writer = TapeWriter.create(tape, store, "asking", fsync=False)
-    writer.append("run_start", {"name": "asking"})
-    gate = StageGate({"a": ServerSpec("a", "", url=url)}, writer.append)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    gateways = HttpGateways({"a": url}, gate, Policy("staged_acid"),
-                            lambda server, tool, args: "never", lambda p: p,
-                            timeout=TIMEOUT).start(listener)  # fmt: skip
-    try:
-        yield {"url": gateways.urls()["a"], "tape": tape, "marker": marker}
-    finally:
-        gateways.stop()
-        writer.close()
-        store.close()
-        server.terminate()
-        server.wait(timeout=10)
+    script = HERE / "asking_http_server.py"
+    with http_gateway_before(script, "a", tmp, TIMEOUT, str(marker)) as gateway:
+        yield {**gateway, "marker": marker}
 
 
 ELICITED = 0

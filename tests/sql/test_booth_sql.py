@@ -29,13 +29,17 @@ with psycopg.connect(url) as conn:
 open("done.txt", "w").write(os.environ["PGPORT"])
 """
 
-# Checkpoints and rolls back while running: row 4 survives, row 5 is undone with its file.
-CHECKPOINTS = """
+# What the agents below start with: sql(q) runs q on a connection of its own (autocommit).
+SQL_AGENT = """
 import os, subprocess, psycopg
 url = os.environ["DATABASE_URL"]
 def sql(q):
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute(q).fetchall() if q.startswith("SELECT") else conn.execute(q)
+"""
+
+# Checkpoints and rolls back while running: row 4 survives, row 5 is undone with its file.
+CHECKPOINTS = SQL_AGENT + """
 sql("INSERT INTO t VALUES (4, 'before')")
 open("a.txt", "w").write("a")
 subprocess.run(["jukebox", "booth", "checkpoint", "--label", "a"], check=True)
@@ -477,13 +481,8 @@ def test_a_rollback_undoes_other_connections_open_transactions(
 
 # The unlabelled checkpoint's line, which a booth answers without parsing it, takes the database
 # along like any checkpoint (with --pg its plain handler serves it: a savepoint first).
-UNLABELLED = """
-import os, psycopg
+UNLABELLED = SQL_AGENT + """
 from jukebox.booth.control import request
-url = os.environ["DATABASE_URL"]
-def sql(q):
-    with psycopg.connect(url, autocommit=True) as conn:
-        return conn.execute(q).fetchall() if q.startswith("SELECT") else conn.execute(q)
 sql("INSERT INTO t VALUES (4, 'before')")
 cp = request({"op": "checkpoint"})
 sql("INSERT INTO t VALUES (5, 'after')")

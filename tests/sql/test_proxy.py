@@ -459,6 +459,24 @@ def test_a_rollback_leaves_a_block_that_only_read_alone_beside_a_failed_one(
     assert rows(pg, db) == "1:one,2:two,3:again,4:again"
 
 
+def _checkpoint_in_a_block_then_fail_its_bookkeeping(
+    proxied: Proxied, session: Any, w: psycopg.Connection, b: psycopg.Connection
+) -> None:
+    """`b` writes a row outside any block, `w` opens a block that writes one, checkpoint 1 is
+    taken, then a query the server refuses is queued as `w`'s own bookkeeping (the fault)."""
+    b.execute("INSERT INTO t VALUES (3, 'before the block')")
+    w.execute("INSERT INTO t VALUES (4, 'in the block')")
+    proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
+    conn_w = proxied.proxy.databases["main"].connections[1]
+
+    async def fail_its_bookkeeping() -> None:
+        up = session.upstream
+        assert up is not None and session.pending_on is conn_w
+        up.send_own("SELECT 1/0", conn_w)
+
+    proxied.proxy.call(fail_its_bookkeeping(), timeout=10)
+
+
 def test_a_checkpoint_outlives_the_failed_bookkeeping_that_undid_its_block(
     pg: Cluster, db: str, proxied: Proxied
 ) -> None:
@@ -471,17 +489,7 @@ def test_a_checkpoint_outlives_the_failed_bookkeeping_that_undid_its_block(
     b = psycopg.connect(proxied.url, autocommit=True)
     session = proxied.session()
     try:
-        b.execute("INSERT INTO t VALUES (3, 'before the block')")
-        w.execute("INSERT INTO t VALUES (4, 'in the block')")
-        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
-        conn_w = proxied.proxy.databases["main"].connections[1]
-
-        async def fail_its_bookkeeping() -> None:
-            up = session.upstream
-            assert up is not None and session.pending_on is conn_w
-            up.send_own("SELECT 1/0", conn_w)
-
-        proxied.proxy.call(fail_its_bookkeeping(), timeout=10)
+        _checkpoint_in_a_block_then_fail_its_bookkeeping(proxied, session, w, b)
         with pytest.raises(psycopg.errors.SerializationFailure):
             b.execute("SELECT count(*) FROM t")
         assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)  # the block went
@@ -844,17 +852,7 @@ def test_a_failed_block_end_leaves_its_checkpoint_reachable(
     b = psycopg.connect(proxied.url, autocommit=True)
     session = proxied.session()
     try:
-        b.execute("INSERT INTO t VALUES (3, 'before the block')")
-        w.execute("INSERT INTO t VALUES (4, 'in the block')")
-        proxied.proxy.call(session.checkpoint(1, 10), timeout=10)
-        conn_w = proxied.proxy.databases["main"].connections[1]
-
-        async def fail_its_bookkeeping() -> None:
-            up = session.upstream
-            assert up is not None and session.pending_on is conn_w
-            up.send_own("SELECT 1/0", conn_w)
-
-        proxied.proxy.call(fail_its_bookkeeping(), timeout=10)
+        _checkpoint_in_a_block_then_fail_its_bookkeeping(proxied, session, w, b)
         with pytest.raises(psycopg.Error):
             w.commit()  # the session failed under it: the connection ends
         assert b.execute("SELECT count(*) FROM t").fetchone() == (3,)  # the block went
