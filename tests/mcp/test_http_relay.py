@@ -8,6 +8,7 @@ call the agent cancels is cancelled on the server and recorded so."""
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -136,3 +137,50 @@ def test_a_relayed_call_the_agent_cancels_is_cancelled_upstream(gateway: dict[st
     assert wait["error"] == {"message": "cancelled by the agent"}
     # The cancellation reached the server (its tool saw it), as the SDK's client sends it.
     assert gateway["marker"].read_text() == "cancelled\n"
+
+
+def test_another_client_cannot_answer_a_request_the_server_put_to_this_one(
+    gateway: dict[str, Any],
+) -> None:
+    # The gateway's ids for the server's requests are guessable (jukebox-N): while the agent
+    # is being asked, another client (no session, or a made-up one) posts answers under every
+    # such id. None may reach the server as the agent's: only the asked session answers.
+    intruders: list[int] = []
+
+    def intrude() -> None:
+        for session_id in (None, "x"):
+            for n in range(1, 20):
+                headers = {"content-type": "application/json",
+                           "accept": "application/json, text/event-stream"}  # fmt: skip
+                if session_id is not None:
+                    headers["mcp-session-id"] = session_id
+                said = {"action": "accept", "content": {"name": "intruder"}}
+                body = {"jsonrpc": "2.0", "id": f"jukebox-{n}", "result": said}
+                request = urllib.request.Request(gateway["url"], data=json.dumps(body).encode(),
+                                                 headers=headers, method="POST")  # fmt: skip
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as answer:
+                        intruders.append(answer.status)
+                except urllib.error.HTTPError as refused:
+                    intruders.append(refused.code)
+
+    async def asked_while_intruded(ctx: Any, params: Any) -> types.ElicitResult:
+        await anyio.to_thread.run_sync(intrude)
+        return types.ElicitResult(action="accept", content={"name": "agent-7"})
+
+    async def agent() -> str:
+        async with (
+            streamable_http_client(gateway["url"]) as (read, write, *_),
+            ClientSession(read, write, read_timeout_seconds=30,
+                          elicitation_callback=asked_while_intruded) as session,  # fmt: skip
+        ):
+            await session.initialize()
+            await session.list_tools()
+            result = await session.call_tool("ask", {})
+            assert not result.is_error, result
+            return str(result.content[0].text)
+
+    assert anyio.run(agent) == "hello agent-7"
+    assert len(intruders) == 38 and all(code >= 400 for code in intruders), intruders
+    last = [c for c in payloads(gateway["tape"], "tool_call") if c["tool"] == "ask"][-1]
+    assert last["asked"][0]["answer"]["result"]["content"] == {"name": "agent-7"}
