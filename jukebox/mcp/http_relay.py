@@ -91,7 +91,7 @@ class _Reply:
 class _Call:
     """A relayed call in flight."""
 
-    __slots__ = ("deadline", "frame", "last_event_id", "reply", "retry", "session")
+    __slots__ = ("cancelled", "deadline", "frame", "last_event_id", "reply", "retry", "session")
 
     def __init__(self, frame: dict[str, Any], reply: _Reply, session: bytes) -> None:
         self.frame = frame
@@ -100,6 +100,7 @@ class _Call:
         self.deadline: Any = None  # the call's anyio CancelScope, past which it times out
         self.last_event_id: str | None = None  # the server's, to resume its stream
         self.retry: int | None = None  # ms, the server's wish before a resumption
+        self.cancelled = False  # by the agent (HttpRelay._cancelled)
 
 
 class _Asked:
@@ -201,10 +202,13 @@ class HttpRelay:
             if self.asked:
                 for left in [i for i, a in self.asked.items() if a.call is call]:
                     del self.asked[left]
-        if message is not None:
-            answered(frame, message)
-        elif data is None:  # the agent cancelled it (_cancelled): no answer is due
+        if call.cancelled:
+            # No answer is due, whatever the server said: it may answer its own cancellation
+            # (the SDK's server does, "Request cancelled") before the call has ended here.
+            data = None
             frame.update(error={"message": CANCELLED}, ok=False, cancelled=True)
+        elif message is not None:
+            answered(frame, message)
         frame["latency_ms"] = ms_since(started)
         gateway.sink.record("tool_call", frame)
         try:
@@ -430,6 +434,7 @@ class HttpRelay:
         call = self.in_flight.get(key)
         if call is None or _header(scope, b"mcp-session-id") != call.session:
             return False
+        call.cancelled = True
         await self._to_server(note)
         call.deadline.cancel()
         await send({"type": "http.response.start", "status": 202, "headers": [
