@@ -378,3 +378,74 @@ def test_a_quick_handler_that_declines_or_fails(tmp_path: Path) -> None:
                 control.request({"op": "checkpoint"}, path)
             assert control.request({"op": "status"}, path)["count"] == 2  # the server goes on
     assert booth.checkpoints == ["start", None]
+
+
+def _asleep_in_recv(tid: int) -> bool:
+    """Whether a thread of this process sleeps reading a unix socket (not, say, waiting for
+    the interpreter lock, which a polling thread does too)."""
+    return "unix_stream" in Path(f"/proc/self/task/{tid}/wchan").read_text()
+
+
+def _raw_booth(path: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    return listener
+
+
+def test_the_answer_is_polled_for_in_pieces_and_the_end_of_the_stream_seen_while_polling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A poll long enough that the whole exchange happens inside it: a poll that missed the
+    # answer's second piece or the end of the stream would keep the caller for a minute.
+    monkeypatch.setattr(control, "SPIN", 60.0)
+    path = str(tmp_path / "raw.sock")
+    listener = _raw_booth(path)
+    results: list[object] = []
+
+    def agent() -> None:
+        results.append(control.request({"op": "status"}, path))
+        try:
+            control.request({"op": "checkpoint"}, path)
+        except ControlError as error:
+            results.append(error)
+
+    caller = threading.Thread(target=agent, daemon=True)
+    caller.start()
+    conn, _ = listener.accept()
+    with conn:
+        assert conn.recv(100) == b'{"op":"status"}\n'
+        conn.sendall(b'{"ok":true,"pie')
+        conn.sendall(b'ces":2}\n')
+        assert conn.recv(100) == control.CHECKPOINT_LINE  # sent as the line it always is
+    caller.join(slow(10))
+    listener.close()
+    assert not caller.is_alive(), "the poll missed the end of the stream"
+    assert results[0] == {"ok": True, "pieces": 2}
+    assert isinstance(results[1], ControlError) and "mid-request" in str(results[1])
+
+
+def test_an_answer_later_than_the_poll_is_waited_for_asleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "SPIN", 0.001)
+    path = str(tmp_path / "raw.sock")
+    listener = _raw_booth(path)
+    results: list[dict] = []
+    caller = threading.Thread(
+        target=lambda: results.append(control.request({"op": "checkpoint"}, path)), daemon=True
+    )
+    caller.start()
+    conn, _ = listener.accept()
+    with conn:
+        assert conn.recv(100) == control.CHECKPOINT_LINE
+        # The booth answers only once the caller has stopped polling and sleeps in recv: a
+        # poll without an end would never get there.
+        deadline = time.monotonic() + slow(10)
+        while not _asleep_in_recv(caller.native_id or 0):
+            assert time.monotonic() < deadline, "the caller never stopped polling"
+            time.sleep(0.001)
+        conn.sendall(b'{"ok":true,"checkpoint":1}\n')
+        caller.join(slow(10))
+    listener.close()
+    assert results == [{"ok": True, "checkpoint": 1}]
