@@ -16,6 +16,8 @@ an agent does while a model answers: the checkpoint then wakes idle threads and 
 that pause the booth has stored the step's files, trees and journal already (50 ms after the
 layer's last change, `shadowfs.quiet_fold`), as it would for any agent that pauses, so a paused
 row times what is left of the checkpoint: the request and its answer, the syncfs, the frame.
+The checkpoint rows' `agent_cpu_p50_us` is the CPU the agent's thread spent in the request:
+its client's code and its poll for the answer (`jukebox.booth.control.SPIN`).
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ for i in range(n):
             f.write("x" * 100 + str(i))
     if pause:
         time.sleep(pause)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     request({"op": "checkpoint"})
-    out.append((time.perf_counter() - t) * 1e6)
+    out.append(((time.perf_counter() - t) * 1e6, (time.thread_time() - c) * 1e6))
 print(json.dumps(out))
 """
 
@@ -90,8 +92,9 @@ def _row(case: str, system: str, samples: list[float], **extra: Any) -> dict[str
 
 def _checkpoints(
     tree: Path, tapes: Path, tape_id: str, n: int, k: int, pause: float = 0.0
-) -> list[float]:
-    """µs per checkpoint an agent in a booth asks for after each k-file step (and a pause)."""
+) -> list[list[float]]:
+    """[wall µs, the agent's CPU µs] per checkpoint an agent in a booth asks for after each
+    k-file step (and a pause)."""
     proc = subprocess.run(
         [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
          tape_id, "--commit", "never", "--", sys.executable, "-c", CHECKPOINTS, str(n), str(k),
@@ -174,8 +177,11 @@ def run(quick: bool = False) -> list[dict]:
         )  # fmt: skip
         for pause, n, _when, note in (back_to_back, paused):
             for k in (1, 10):
-                samples = _checkpoints(tree, tapes, TAPE_IDS[k, pause], n, k, pause)
-                rows.append(_row(checkpoint_case(k, pause), SYSTEM, samples, note=note))
+                pairs = _checkpoints(tree, tapes, TAPE_IDS[k, pause], n, k, pause)
+                rows.append(_row(
+                    checkpoint_case(k, pause), SYSTEM, [wall for wall, _ in pairs], note=note,
+                    agent_cpu_p50_us=percentile([cpu for _, cpu in pairs], 50),
+                ))  # fmt: skip
     finally:
         for tape_id in TAPE_IDS.values():
             subprocess.run(

@@ -422,6 +422,9 @@ class ControlClient:
                 "is the booth still running?"
             ) from None
         self._buf = b""
+        # Whether `answer` polls before it sleeps: not after a poll that ran out (a busy
+        # machine, a long request), where polling again would likely only burn the CPU.
+        self.polls = True
 
     def set_timeout(self, timeout: float) -> None:
         """The longest a request may wait for the socket (each send and each recv)."""
@@ -462,10 +465,16 @@ class ControlClient:
 
     def answer(self, spin: float = 0.0) -> dict[str, Any]:
         """Reads the answer to the request sent last; polls for it for up to ``spin`` seconds
-        before sleeping in `recv` (`SPIN`)."""
+        before sleeping in `recv` (`SPIN`), unless the last poll ran out: then it sleeps at
+        once, and polls again after an answer that came within ``spin``."""
         buf = self._buf
+        slept_from = 0.0
         if spin and b"\n" not in buf:
-            buf = self._spin(buf, spin)
+            if self.polls:
+                buf = self._spin(buf, spin)
+                self.polls = b"\n" in buf
+            else:
+                slept_from = time.perf_counter()
         try:
             while b"\n" not in buf:
                 chunk = self.sock.recv(65536)
@@ -476,6 +485,8 @@ class ControlClient:
                 buf += chunk
         except BlockingIOError:  # SO_RCVTIMEO ran out
             raise ControlError(f"the booth did not answer on {self.path} in time") from None
+        if slept_from:
+            self.polls = time.perf_counter() - slept_from <= spin
         line, self._buf = buf.split(b"\n", 1)
         answer: dict[str, Any] = _loads(line)
         return answer
@@ -509,7 +520,8 @@ class ControlClient:
 # hundred microseconds a checkpoint takes, and the booth's reading of the request no longer
 # wakes the caller for nothing (the kernel wakes a unix socket's sleeping writer once its bytes
 # are read). It costs at most SPIN of this process's CPU per request, and nothing once the
-# answer is in; a longer request (a checkpoint of many files) then sleeps as before.
+# answer is in; a longer request (a checkpoint of many files) then sleeps as before, and the
+# connection's next requests sleep at once until an answer comes within SPIN again.
 SPIN = 0.002
 SPUN_OPS = frozenset({"checkpoint", "rollback", "status"})
 

@@ -425,7 +425,7 @@ def test_the_answer_is_polled_for_in_pieces_and_the_end_of_the_stream_seen_while
     assert isinstance(results[1], ControlError) and "mid-request" in str(results[1])
 
 
-def test_an_answer_later_than_the_poll_is_waited_for_asleep(
+def test_an_answer_later_than_the_poll_is_waited_for_asleep_and_the_next_one_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(control, "SPIN", 0.001)
@@ -447,5 +447,20 @@ def test_an_answer_later_than_the_poll_is_waited_for_asleep(
             time.sleep(0.001)
         conn.sendall(b'{"ok":true,"checkpoint":1}\n')
         caller.join(slow(10))
+        assert results == [{"ok": True, "checkpoint": 1}]
+        # After a poll that ran out, the next request sleeps at once: a caller polling for a
+        # minute would not be seen asleep.
+        monkeypatch.setattr(control, "SPIN", 60.0)
+        caller = threading.Thread(
+            target=lambda: results.append(control.request({"op": "status"}, path)), daemon=True
+        )
+        caller.start()
+        assert conn.recv(100) == b'{"op":"status"}\n'
+        deadline = time.monotonic() + slow(10)
+        while not _asleep_in_recv(caller.native_id or 0):
+            assert time.monotonic() < deadline, "the caller polled again"
+            time.sleep(0.001)
+        conn.sendall(b'{"ok":true,"status":2}\n')
+        caller.join(slow(10))
     listener.close()
-    assert results == [{"ok": True, "checkpoint": 1}]
+    assert results[1] == {"ok": True, "status": 2}
