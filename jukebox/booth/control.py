@@ -496,10 +496,18 @@ class ControlClient:
         in, the stream ends or the time is up (the caller's `recv` then waits as usual)."""
         sock, clock = self.sock, time.perf_counter
         until = clock() + spin
+        looked = False
         while True:
             try:
                 chunk = sock.recv(65536, socket.MSG_DONTWAIT)
             except BlockingIOError:
+                if not looked:
+                    # Looked at while the booth works, so it costs no time: with more tasks
+                    # runnable than CPUs, no CPU goes idle (nothing to save) and the poll would
+                    # hold one that other work is waiting for.
+                    looked = True
+                    if _runnable() > _CPUS:
+                        return buf
                 # No sched_yield between polls: a task that yielded is not woken by the answer
                 # (it never slept), and behind another process it would wait out that one's
                 # slice; a thread of the booth's put on this CPU preempts the poll anyway.
@@ -517,13 +525,30 @@ class ControlClient:
 # before it sleeps in `recv`. A caller asleep in `recv` leaves its CPU idle, and on a virtual
 # machine an idle CPU halts: the answer then waits for that CPU to be woken (an interrupt
 # through the host) and for the caller's cold code; polling keeps the CPU awake for the few
-# hundred microseconds a checkpoint takes, and the booth's reading of the request no longer
+# hundred microseconds a checkpoint takes (only where a CPU would go idle: not while more tasks
+# are runnable than there are CPUs), and the booth's reading of the request no longer
 # wakes the caller for nothing (the kernel wakes a unix socket's sleeping writer once its bytes
 # are read). It costs at most SPIN of this process's CPU per request, and nothing once the
 # answer is in; a longer request (a checkpoint of many files) then sleeps as before, and the
 # connection's next requests sleep at once until an answer comes within SPIN again.
 SPIN = 0.002
 SPUN_OPS = frozenset({"checkpoint", "rollback", "status"})
+_CPUS = os.cpu_count() or 1
+
+
+def _runnable() -> int:
+    """Tasks running or waiting for a CPU on the whole machine now, this one included (the
+    fourth field of /proc/loadavg); 0 when it cannot be read."""
+    try:
+        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return int(os.read(fd, 128).split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    finally:
+        os.close(fd)
 
 # This process's connections, by socket path. A fresh connection per request cost the booth an
 # accept and a second wake-up: 130-380 µs of each checkpoint an agent asks for after a pause.

@@ -397,8 +397,10 @@ def test_the_answer_is_polled_for_in_pieces_and_the_end_of_the_stream_seen_while
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A poll long enough that the whole exchange happens inside it: a poll that missed the
-    # answer's second piece or the end of the stream would keep the caller for a minute.
+    # answer's second piece or the end of the stream would keep the caller for a minute. The
+    # machine as idle, whatever other tests run meanwhile.
     monkeypatch.setattr(control, "SPIN", 60.0)
+    monkeypatch.setattr(control, "_runnable", lambda: 1)
     path = str(tmp_path / "raw.sock")
     listener = _raw_booth(path)
     results: list[object] = []
@@ -429,6 +431,7 @@ def test_an_answer_later_than_the_poll_is_waited_for_asleep_and_the_next_one_too
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(control, "SPIN", 0.001)
+    monkeypatch.setattr(control, "_runnable", lambda: 1)
     path = str(tmp_path / "raw.sock")
     listener = _raw_booth(path)
     results: list[dict] = []
@@ -464,3 +467,34 @@ def test_an_answer_later_than_the_poll_is_waited_for_asleep_and_the_next_one_too
         caller.join(slow(10))
     listener.close()
     assert results[1] == {"ok": True, "status": 2}
+
+
+def test_no_poll_while_more_tasks_are_runnable_than_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No CPU would go idle: the caller sleeps in recv at once instead of polling for a minute.
+    monkeypatch.setattr(control, "SPIN", 60.0)
+    monkeypatch.setattr(control, "_runnable", lambda: control._CPUS + 1)
+    path = str(tmp_path / "raw.sock")
+    listener = _raw_booth(path)
+    results: list[dict] = []
+    caller = threading.Thread(
+        target=lambda: results.append(control.request({"op": "checkpoint"}, path)), daemon=True
+    )
+    caller.start()
+    conn, _ = listener.accept()
+    with conn:
+        assert conn.recv(100) == control.CHECKPOINT_LINE
+        deadline = time.monotonic() + slow(10)
+        while not _asleep_in_recv(caller.native_id or 0):
+            assert time.monotonic() < deadline, "the caller polled on a busy machine"
+            time.sleep(0.001)
+        conn.sendall(b'{"ok":true,"checkpoint":1}\n')
+        caller.join(slow(10))
+    listener.close()
+    assert results == [{"ok": True, "checkpoint": 1}]
+
+
+def test_runnable_tasks_are_read_from_the_kernel() -> None:
+    # This thread runs while it reads them.
+    assert control._runnable() >= 1
