@@ -169,6 +169,7 @@ class HttpGateways:
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
                 relays[name] = HttpRelay(gateway, link, _sessions_of(manager), self.ask_timeout)
+                stack.callback(relays[name].close)
             # No proxy headers (nothing stands between the agent and this listener, and the
             # peer's address is not used), no `server` or `date` header on each answer: work
             # per request for nobody.

@@ -127,7 +127,9 @@ class HttpRelay:
         self.asked: dict[str, _Asked] = {}
         self._asked_count = 0
         self._direct_cache: Any = False  # _direct, worked out at the first call
-        self._merged: tuple[dict[str, str], Any] | None = None  # (ours, with the client's)
+        # (ours, with the client's, as (name, value) pairs)
+        self._merged: tuple[dict[str, str], list[tuple[str, str]]] | None = None
+        self._plain_cache: Any = False  # _plain, worked out at the first call
 
     async def handle(self, scope: dict[str, Any], body: bytes, send: Send) -> bool:
         """Answers a tools/call POST the policy allows, and an agent's answer to a request the
@@ -307,13 +309,19 @@ class HttpRelay:
             return await later.enter_async_context(
                 client.stream("POST", link.url, content=body, headers=headers)
             )
+        merged = self._merged
+        if merged is None or merged[0] != headers:
+            merged = self._merged = (headers, _merged(client.headers, headers))
+        plain = self._plain
+        if plain is not None:
+            response: Any = await plain.post(body, merged[1])
+            later.push_async_callback(response.aclose)
+            if "set-cookie" in response.headers:
+                self._cookies(response)
+            return response
         import httpx2
 
         transport, url, extensions = direct
-        merged = self._merged
-        if merged is None or merged[0] != headers:
-            merged = self._merged = (headers, httpx2.Headers(client.headers))
-            merged[1].update(headers)
         request = httpx2.Request("POST", url, content=body, headers=merged[1],
                                  extensions=extensions)  # fmt: skip
         response = await transport.handle_async_request(request)
@@ -322,6 +330,34 @@ class HttpRelay:
         if "set-cookie" in response.headers:
             client.cookies.extract_cookies(response)
         return response
+
+    def _cookies(self, response: Any) -> None:
+        """The cookies a server set in an answer to the plain path: into the client's jar (the
+        next requests then go through the client, which sends them)."""
+        import httpx2
+
+        request = httpx2.Request("POST", self.link.url)
+        headers = [(k, v) for k, v in response.headers.items() if k != "set-cookie"]
+        headers += [("set-cookie", v.strip()) for v in response.headers["set-cookie"].split(", ")]
+        self.link.client.cookies.extract_cookies(
+            httpx2.Response(response.status_code, headers=headers, request=request)
+        )
+
+    @property
+    def _plain(self) -> Any:
+        """The plain-HTTP path (jukebox.mcp.http_upstream.PlainUpstream) for this server, or
+        None: TLS, credentials in the URL."""
+        if self._plain_cache is False:
+            from jukebox.mcp.http_upstream import PlainUpstream
+
+            url = self.link.url
+            self._plain_cache = PlainUpstream(url) if PlainUpstream.serves(url) else None
+        return self._plain_cache
+
+    def close(self) -> None:
+        """Closes the plain path's kept connections (the gateway's end)."""
+        if self._plain_cache:
+            self._plain_cache.close()
 
     @property
     def _direct(self) -> tuple[Any, Any, dict[str, Any]] | None:
@@ -469,6 +505,16 @@ async def _events_of(response: Any, max_event_size: int) -> AsyncIterator[Any]:
             yield event
     for event in parser.flush():
         yield event
+
+
+def _merged(client: Any, ours: dict[str, str]) -> list[tuple[str, str]]:
+    """The client's headers (the server's own, from the config) with ours over them, as pairs.
+    No accept-encoding: the server's events are read as they come, not decoded."""
+    import httpx2
+
+    merged = httpx2.Headers(client)
+    merged.update(ours)
+    return [(k, v) for k, v in merged.multi_items() if k not in ("accept-encoding", "host")]
 
 
 def _id(message: dict[str, Any]) -> Any:
