@@ -26,6 +26,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
 from jukebox.errors import JukeboxError
+from jukebox.mcp.back_channel import BackChannel
 from jukebox.mcp.policy import Decision, Policy
 from jukebox.mcp.record import Sink, wire
 from jukebox.mcp.relay import (
@@ -52,6 +53,8 @@ class UpstreamSession(ClientSession):
 
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_START_TIMEOUT = 30.0
+# How long the agent may take to answer what the server asks it (a person may be asked).
+ASK_TIMEOUT = 300.0
 # JSON-RPC's "server error" range, as the SDK uses it for its own request timeout.
 TIMEOUT_CODE = -32001
 STAGED_NOTICE = (
@@ -89,6 +92,9 @@ class Gateway:
     calls: int = 0
     # Where the operator sets the timeout, as the timeout's message says it.
     timeout_hint: str = " (jukebox mcp wrap --timeout)"
+    # The server's requests outside a relayed call, to the agent (jukebox.mcp.back_channel): a
+    # middleware of the agent-facing server, which learns the agent's sessions.
+    back: Any = None
 
     TIMEOUT_CODE = TIMEOUT_CODE
 
@@ -306,10 +312,13 @@ class Gateway:
         if caps.prompts is not None:
             handlers.update(on_list_prompts=self.list_prompts, on_get_prompt=self.get_prompt)
         info = init.server_info
-        return Server(
+        server: Server[Any] = Server(
             info.name, version=info.version, title=info.title,
             instructions=init.instructions, **handlers,
         )  # fmt: skip
+        if self.back is not None:
+            server.middleware.append(self.back)
+        return server
 
 
 def _refusal(tool: str, server: str, why: str) -> types.CallToolResult:
@@ -381,11 +390,19 @@ async def serve_stdio(
         else:
             params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
             transport = stdio_client(params, errlog=sys.stderr)
-        async with transport as (read, write), UpstreamSession(read, write) as upstream:
+        # The server's requests of its client go on to the agent (the gateway's client then
+        # declares sampling, elicitation and roots to it).
+        back = BackChannel(name, sink, ASK_TIMEOUT)
+        async with (
+            transport as (read, write),
+            UpstreamSession(read, write, **back.callbacks()) as upstream,
+        ):
+            back.upstream = upstream
             if relay is not None:
                 # Its own requests numbered apart from the agent's, which reach the same pipe.
                 upstream._dispatcher._next_id = RELAY_ID_BASE  # type: ignore[attr-defined]
-            gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits, asker)
+            gateway = Gateway(name, upstream, sink, policy, timeout, stager, limits, asker,
+                              back=back)  # fmt: skip
             if relay is not None:
                 relay.gateway = gateway
             try:

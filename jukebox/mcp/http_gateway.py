@@ -128,6 +128,7 @@ class HttpGateways:
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.shared.exceptions import MCPError
 
+        from jukebox.mcp.back_channel import BackChannel
         from jukebox.mcp.gateway import Gateway, UpstreamSession
         from jukebox.mcp.http_relay import HttpRelay
         from jukebox.mcp.record import DeferredSink, wire
@@ -145,16 +146,26 @@ class HttpGateways:
                     if served is not None:
                         managers[name] = served
                         continue
+                # The server's requests outside a relayed call go on to the agent; so the
+                # gateway's client declares what they need (sampling, elicitation, roots).
+                back = BackChannel(name, self._sink, self.ask_timeout)
                 try:
                     read, write, link = await stack.enter_async_context(
                         self.specs[name].http_transport()
                     )
-                    upstream = await stack.enter_async_context(UpstreamSession(read, write))
+                    upstream = await stack.enter_async_context(
+                        UpstreamSession(read, write, **back.callbacks())
+                    )
+                    back.upstream = upstream
                     # Its own requests numbered apart from the agents' relayed ones, which
                     # reach the server in the same session.
                     upstream._dispatcher._next_id = RELAY_ID_BASE  # type: ignore[attr-defined]
                     with anyio.fail_after(START_TIMEOUT):
                         init = await upstream.initialize()
+                    # The server's standalone stream open (or refused) before the agent is
+                    # served: what the server asks there from the first call on is heard.
+                    with anyio.move_on_after(START_TIMEOUT):
+                        await link.listening.wait()
                 except (TimeoutError, MCPError, OSError, Exception) as error:
                     raise HttpGatewayError(
                         f"the MCP server {name!r} at {_origin(url)} did not start a session "
@@ -164,8 +175,11 @@ class HttpGateways:
                 self._record("note", {"event": "mcp_server", "server": name,
                                       "initialize": wire(init), "transport": "http"})  # fmt: skip
                 gateway = Gateway(name, upstream, self._sink, self.policy, self.timeout,
-                                  self._stage, None, self._ask, timeout_hint="")  # fmt: skip
+                                  self._stage, None, self._ask, timeout_hint="",
+                                  back=back)  # fmt: skip
                 manager = _manager(gateway, init)
+                back.stream_open = _stream_opened(manager)
+                back.open = _session_open(manager)
                 await stack.enter_async_context(manager.run())
                 managers[name] = manager
                 relays[name] = HttpRelay(gateway, link, _sessions_of(manager), self.ask_timeout)
@@ -329,6 +343,39 @@ def _sessions_of(manager: Any) -> Any:
         return session in held
 
     return holds
+
+
+def _session_open(manager: Any) -> Any:
+    """Whether the SDK's server `manager` holds this session, not ended (its transport's own
+    flag, set before the answer to the agent's DELETE)."""
+    held = manager._server_instances
+
+    def open_(session: str | None) -> bool:
+        transport = held.get(session)
+        return transport is not None and not transport.is_terminated
+
+    return open_
+
+
+def _stream_opened(manager: Any) -> Any:
+    """Waits until the agent session's standalone stream (its GET) is open, at most
+    back_channel.STREAM_WAIT: the SDK's server drops what it sends on that stream before
+    (without an event store), and the agent's client opens it only after `initialize`, beside
+    its first requests. The SDK says it nowhere but in its transport's table of streams."""
+    import anyio
+    from mcp.server.streamable_http import GET_STREAM_KEY
+
+    from jukebox.mcp.back_channel import STREAM_WAIT
+
+    async def opened(session: str | None) -> None:
+        with anyio.move_on_after(STREAM_WAIT):
+            while True:
+                transport = manager._server_instances.get(session)
+                if transport is None or GET_STREAM_KEY in transport._request_streams:
+                    return
+                await anyio.sleep(0.005)
+
+    return opened
 
 
 def _manager(gateway: Any, init: Any) -> Any:

@@ -4,7 +4,9 @@ A call is a `tool_call` frame: `server`, `tool`, `args`, `result` (the server's 
 `structuredContent` and `isError`, as on the wire), `error` (a protocol error or a timeout),
 `latency_ms`, `decision` and `why` (jukebox.mcp.policy), `ok`, and `staged_id` for a staged call.
 Lists (tools, resources, resource templates, prompts), resource reads and prompt gets are `note`
-frames with `event: mcp_list` / `mcp_read` / `mcp_prompt`, so a replay can answer them.
+frames with `event: mcp_list` / `mcp_read` / `mcp_prompt`, so a replay can answer them. A request
+the server made of the agent outside a relayed call is a note `event: mcp_asked` (`method`,
+`params`, `answer`: jukebox.mcp.back_channel).
 
 Known secret values (the wrapper's secret-looking environment variables) are replaced by
 `[REDACTED]` in every payload before it leaves this module.
@@ -27,7 +29,7 @@ from jukebox.redact import Scrubber, is_secret_env_name, redact_argv
 
 FRAME_KINDS = ("tool_call", "note")
 SYNC_EVERY = 1.0
-NOTE_EVENTS = ("mcp_list", "mcp_read", "mcp_prompt", "mcp_server")
+NOTE_EVENTS = ("mcp_list", "mcp_read", "mcp_prompt", "mcp_server", "mcp_asked")
 ASK_POLL = 0.2
 # Set by the booth of a replay or fork: its gateways ask the supervisor for the recorded answers.
 REPLAY_ENV = "JUKEBOX_MCP_REPLAY"

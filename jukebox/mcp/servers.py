@@ -119,6 +119,10 @@ class HttpLink:
         self.session_id: str | None = None
         self.protocol_version: str | None = None
         self.transport: Any = None  # the client's transport (its pool), for the relay
+        # Set once the server answered the client's standalone GET (its stream for what the
+        # server sends outside any call), whatever the answer: the gateway serves the agent
+        # after it, so that nothing the server sends there is sent before anyone listens.
+        self.listening: Any = None
 
 
 @contextlib.asynccontextmanager
@@ -126,6 +130,7 @@ async def _http_client(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
     # The SDK's client with an httpx client of jukebox's making: the SDK's timeouts, the
     # server's headers, and a transport that keeps the connection (_keep_alive). The SDK leaves
     # a client it was given open: closed here.
+    import anyio
     import httpx2
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
@@ -138,6 +143,7 @@ async def _http_client(url: str, headers: dict[str, str]) -> AsyncIterator[Any]:
     ):
         transport.link = HttpLink(url, client)
         transport.link.transport = transport
+        transport.link.listening = anyio.Event()
         yield read, write, transport.link
 
 
@@ -197,8 +203,13 @@ def _keep_alive(inner: Any) -> Any:
             self.link: HttpLink | None = None
 
         async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-            response = await inner.handle_async_request(request)
             link = self.link
+            standalone = request.method == "GET" and "last-event-id" not in request.headers
+            try:
+                response = await inner.handle_async_request(request)
+            finally:
+                if standalone and link is not None and link.listening is not None:
+                    link.listening.set()
             if link is not None:
                 version = request.headers.get("mcp-protocol-version")
                 if version is not None:

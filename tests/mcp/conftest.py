@@ -41,9 +41,10 @@ def git_server(repo: Path) -> list[str]:
 @contextlib.asynccontextmanager
 async def wrapped(
     server: list[str], *wrap_args: str, env: dict[str, str] | None = None,
-    timeout: float = 30.0,
+    timeout: float = 30.0, **callbacks: Any,
 ) -> AsyncIterator[Any]:  # fmt: skip
-    """A ClientSession (the SDK's) talking to `jukebox mcp wrap WRAP_ARGS -- SERVER`."""
+    """A ClientSession (the SDK's, with `callbacks`: sampling_callback...) talking to `jukebox
+    mcp wrap WRAP_ARGS -- SERVER`."""
     from mcp import ClientSession
     from mcp.client.stdio import StdioServerParameters, stdio_client
 
@@ -54,7 +55,7 @@ async def wrapped(
     )
     async with (
         stdio_client(params) as (read, write),
-        ClientSession(read, write, read_timeout_seconds=timeout) as session,
+        ClientSession(read, write, read_timeout_seconds=timeout, **callbacks) as session,
     ):
         await session.initialize()
         yield session

@@ -5,6 +5,7 @@ MODE `mute` never answers anything (not even initialize); `garbage` answers ever
 line that is not JSON and a JSON-RPC response to a request nobody sent; otherwise it serves tools:
 `huge` (a result of N bytes), `hang` (never answers), `die` (the server exits mid-call), `echo`
 (its arguments back, read-only),
+`aside` (asks the client's model and its roots, outside the call as far as the protocol says),
 `write` (appends a line to $HOSTILE_LOG: an external effect the tests can see).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 
 app = MCPServer("hostile")
@@ -40,6 +41,19 @@ def die() -> str:
 @app.tool(annotations=ToolAnnotations(read_only_hint=True))
 def echo(text: str) -> str:
     return text
+
+
+@app.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def aside(ctx: Context) -> str:
+    """Asks the client's model (sampling, with no related request) and its roots."""
+    from mcp.types import SamplingMessage, TextContent
+
+    said = await ctx.session.create_message(
+        [SamplingMessage(role="user", content=TextContent(type="text", text="3+3"))], max_tokens=9
+    )
+    assert isinstance(said.content, TextContent)
+    roots = await ctx.session.list_roots()
+    return f"the model said {said.content.text}; roots {' '.join(str(r.uri) for r in roots.roots)}"
 
 
 @app.tool()
