@@ -22,6 +22,11 @@ calls), a figure the machine's load does not move: the stdio server on its own a
 anchor), and the booth's HTTP gateway in front of it,
 in a process of its own (`python -m bench.bench_mcp gateway URL`: jukebox.mcp.http_gateway with
 a stage gate recording on a tape, as the supervisor runs it).
+
+Old against new, in the same minutes: `python -m bench.bench_mcp compare N NAME=REPO[:PATH] ...`
+(wall clock, each checkout's HTTP gateway in a process of its own in front of one server, one
+client taking turns, the order reversed every round) and `compare-instructions` (the same under
+callgrind). `:PATH` is put before the checkout on its gateway's PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -241,11 +246,16 @@ def http_instructions(n: int, tmp: Path) -> dict[str, int]:
             out[name] = _totals(f"{tmp}/cg-{name}.out", n)
         return out
     finally:
-        for proc in procs.values():
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.terminate()
-            proc.wait(timeout=60)
+        _stop(procs.values())
+
+
+def _stop(procs: Any) -> None:
+    """Ends processes that serve until their stdin closes."""
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def _pid_of(marker: str) -> int:
@@ -265,6 +275,26 @@ def _totals(out: str, n: int) -> int:
     totals = [int(x) for d in glob.glob(f"{out}*")
               for x in re.findall(r"^totals: (\d+)", Path(d).read_text(), re.M)]  # fmt: skip
     return round(max(totals) / n)
+
+
+async def _counted_rounds(sessions: list[Any], pids: Any, n: int) -> None:
+    """WARMUP uncounted rounds of `echo` on every session, then n counted by callgrind in the
+    processes `pids()` names, dumped."""
+    import anyio
+
+    for _ in range(WARMUP):
+        for session in sessions:
+            await session.call_tool("echo", ARGS)
+    counted = pids()
+    for pid in counted:
+        _callgrind(pid, "--instr=on")
+    for _ in range(n):
+        for session in sessions:
+            await session.call_tool("echo", ARGS)
+    await anyio.sleep(1)  # the gateways' frames threads write the last frames
+    for pid in counted:
+        _callgrind(pid, "--instr=off")
+        _callgrind(pid, "--dump")
 
 
 def stdio_instructions(n: int, tmp: Path) -> dict[str, int]:
@@ -304,22 +334,147 @@ def stdio_instructions(n: int, tmp: Path) -> dict[str, int]:
                 await session.initialize()
                 await session.list_tools()
                 sessions.append(session)
-            for _ in range(WARMUP):
-                for session in sessions:
-                    await session.call_tool("echo", ARGS)
-            pids = {name: _pid_of(out) for name, out in outs.items()}
-            for pid in pids.values():
-                _callgrind(pid, "--instr=on")
-            for _ in range(n):
-                for session in sessions:
-                    await session.call_tool("echo", ARGS)
-            await anyio.sleep(1)  # the wrapper's frames thread writes the last frames
-            for pid in pids.values():
-                _callgrind(pid, "--instr=off")
-                _callgrind(pid, "--dump")
+            await _counted_rounds(sessions, lambda: [_pid_of(out) for out in outs.values()], n)
         return {name: _totals(out, n) for name, out in outs.items()}
 
     return anyio.run(calls)
+
+
+def _checkouts(specs: list[str]) -> dict[str, tuple[str, str]]:
+    """NAME=REPO[:EXTRA_PYTHONPATH] -> (the checkout, the PYTHONPATH of its gateway)."""
+    out = {}
+    for spec in specs:
+        name, _, where = spec.partition("=")
+        repo, _, extra = where.partition(":")
+        out[name] = (repo, f"{repo}:{extra}" if extra else repo)
+    return out
+
+
+def compare(n: int, specs: list[str]) -> None:
+    """`python -m bench.bench_mcp compare N NAME=REPO[:PYTHONPATH] ...`: the booth's HTTP gateway
+    of each checkout, each in a process of its own (`gateway URL`), in front of one HTTP server;
+    one client calls `echo` through each and directly, in turns call by call, the order reversed
+    every round; prints each p50, what it adds to the direct call, and the load before and
+    after. Old against new in the same minutes, whatever else the machine runs."""
+    import statistics
+
+    import anyio
+
+    tmp = Path(tempfile.mkdtemp(prefix="jukebox-bench-mcp-cmp-"))
+    server = subprocess.Popen([*HTTP_SERVER, str(tmp / "notes.txt")], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    gateways: list[subprocess.Popen[str]] = []
+    try:
+        assert server.stdout is not None
+        urls = {DIRECT: f"http://127.0.0.1:{int(server.stdout.readline())}/mcp"}
+        for name, (repo, path) in _checkouts(specs).items():
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.bench_mcp", "gateway", urls[DIRECT]], cwd=repo,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True, env={**os.environ, "PYTHONPATH": path},
+            )  # fmt: skip
+            gateways.append(proc)
+            assert proc.stdout is not None
+            urls[name] = proc.stdout.readline().strip()
+
+        async def turns() -> dict[str, list[float]]:
+            import contextlib
+
+            from mcp import ClientSession
+            from mcp.client.streamable_http import streamable_http_client
+
+            out: dict[str, list[float]] = {name: [] for name in urls}
+            async with contextlib.AsyncExitStack() as stack:
+                sessions = {}
+                for name, url in urls.items():
+                    read, write, *_ = await stack.enter_async_context(streamable_http_client(url))
+                    session = await stack.enter_async_context(ClientSession(read, write))
+                    await session.initialize()
+                    await session.list_tools()
+                    sessions[name] = session
+                for i in range(n + WARMUP):
+                    order = list(sessions.items())
+                    for name, session in order[::-1] if i % 2 else order:
+                        started = time.perf_counter()
+                        await session.call_tool("echo", ARGS)
+                        if i >= WARMUP:
+                            out[name].append((time.perf_counter() - started) * 1e6)
+            return out
+
+        before = os.getloadavg()
+        samples = anyio.run(turns)
+        after = os.getloadavg()
+    finally:
+        for proc in gateways:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+        server.terminate()
+        server.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"load (1 min) {before[0]:.2f} -> {after[0]:.2f}; {n} calls each after {WARMUP}")
+    direct = statistics.median(samples[DIRECT])
+    for name, values in samples.items():
+        p50 = statistics.median(values)
+        print(f"{name:>24}: p50 {p50:8,.0f} us  added {p50 - direct:+7,.0f} us  "
+              f"{p50 / direct:.2f}x")  # fmt: skip
+
+
+def compare_instructions(n: int, specs: list[str]) -> None:
+    """`python -m bench.bench_mcp compare-instructions N NAME=REPO[:PYTHONPATH] ...`: as
+    `compare`, each process under callgrind (the HTTP server and each checkout's gateway), n
+    echo calls after WARMUP uncounted; prints the instructions per call of each."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("compare-instructions needs valgrind (callgrind_control)")
+    import anyio
+
+    tmp = Path(tempfile.mkdtemp(prefix="jukebox-bench-mcp-cg-"))
+    procs: dict[str, subprocess.Popen[str]] = {}
+
+    def counted(name: str, command: list[str], cwd: str, path: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+             f"--callgrind-out-file={tmp}/cg-{name}.out", *command],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            cwd=cwd, env={**os.environ, "PYTHONPATH": path, "PYTHONHASHSEED": "0"},
+        )  # fmt: skip
+
+    try:
+        proc = procs["server"] = counted("server", [*HTTP_SERVER, str(tmp / "notes.txt")],
+                                         str(REPO), str(REPO))  # fmt: skip
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}/mcp"
+        urls = {}
+        for name, (repo, path) in _checkouts(specs).items():
+            proc = procs[name] = counted(
+                name, [sys.executable, "-m", "bench.bench_mcp", "gateway", url], repo, path)
+            assert proc.stdout is not None
+            urls[name] = proc.stdout.readline().strip()
+
+        async def calls() -> None:
+            import contextlib
+
+            from mcp import ClientSession
+            from mcp.client.streamable_http import streamable_http_client
+
+            async with contextlib.AsyncExitStack() as stack:
+                sessions = []
+                for url in urls.values():
+                    read, write, *_ = await stack.enter_async_context(streamable_http_client(url))
+                    session = await stack.enter_async_context(ClientSession(read, write))
+                    await session.initialize()
+                    await session.list_tools()
+                    sessions.append(session)
+                await _counted_rounds(sessions, lambda: [p.pid for p in procs.values()], n)
+
+        anyio.run(calls)
+        for name in procs:
+            calls_seen = n * len(urls) if name == "server" else n
+            print(f"{name:>24}: {_totals(f'{tmp}/cg-{name}.out', calls_seen):,} instructions "
+                  "per call")  # fmt: skip
+    finally:
+        _stop(procs.values())
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -350,6 +505,10 @@ if __name__ == "__main__":
         _booth_agent(int(sys.argv[2]))
     elif sys.argv[1:2] == ["gateway"]:
         _gateway(sys.argv[2])
+    elif sys.argv[1:2] == ["compare"]:
+        compare(int(sys.argv[2]), sys.argv[3:])
+    elif sys.argv[1:2] == ["compare-instructions"]:
+        compare_instructions(int(sys.argv[2]), sys.argv[3:])
     else:
         for r in run(quick="--quick" in sys.argv):
             print(r)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from urllib.parse import urlsplit
 
 import anyio
@@ -56,7 +56,7 @@ class Response:
         self._closed = False
         self.stream = self._body()
 
-    async def _body(self) -> AsyncIterator[bytes]:
+    async def _body(self) -> AsyncGenerator[bytes, None]:
         import httpx2
 
         reader = self._reader
@@ -98,7 +98,7 @@ class Response:
             except Exception:  # a broken stream: the connection is closed below
                 pass
         with contextlib.suppress(Exception):
-            await self.stream.aclose()  # type: ignore[attr-defined]
+            await self.stream.aclose()
         self._upstream.release(self._sock, reader.reusable)
 
 

@@ -2,7 +2,7 @@
 127.0.0.1): `read_notes` (read-only) and `add_note` (destructive) over a notes file named on
 the command line, so a test sees from outside whether a call reached it, and with --log-auth
 the Authorization header of every request (NOTES.auth) and the client's port (NOTES.peers: one
-port per connection). Prints its port."""
+port per connection); with --json it answers every POST with a JSON body. Prints its port."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 
 NOTES = Path(sys.argv[1])
-LOG_AUTH = sys.argv[2:] == ["--log-auth"]  # off for bench/bench_mcp.py: no file write per call
+LOG_AUTH = "--log-auth" in sys.argv[2:]  # off for bench/bench_mcp.py: no file write per call
+JSON = "--json" in sys.argv[2:]  # answers as JSON bodies, not an event stream per request
 server = MCPServer("notes")
 
 
@@ -46,7 +47,7 @@ if __name__ == "__main__":
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     print(sock.getsockname()[1], flush=True)
-    app = server.streamable_http_app()
+    app = server.streamable_http_app(json_response=JSON)
 
     async def seen_headers(scope: dict, receive: object, send: object) -> None:
         # Each request's Authorization header, a line each in NOTES.auth: the test sees what
