@@ -5,10 +5,6 @@ booth's gateway relays them as they came, jukebox.mcp.http_relay):
 
 - `ask`: asks the client its name (elicitation) and answers `hello NAME` (or what it got);
 - `sample`: asks the client's model (sampling) and answers `the model said TEXT`;
-- `caps`: the capabilities the client declared;
-- `aside`: asks the client (its name, its model, or its roots) on the session's standalone
-  stream, outside any call as far as the protocol says, and answers with what it got, or
-  `refused: ...`;
 - `pause`: closes the call's event stream before answering (the client must resume it with
   Last-Event-ID to get the answer), then answers `resumed`;
 - `wait`: never answers; when cancelled, writes `cancelled` to the file named on the command
@@ -27,7 +23,6 @@ import anyio
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.streamable_http import EventMessage, EventStore
-from mcp.shared.exceptions import MCPError
 from mcp.types import SamplingMessage, TextContent, ToolAnnotations
 from pydantic import BaseModel
 
@@ -58,34 +53,6 @@ async def sample(ctx: Context, prompt: str) -> str:
     )
     text = said.content.text if isinstance(said.content, TextContent) else str(said.content)
     return f"the model said {text}"
-
-
-@server.tool(annotations=READ_ONLY)
-async def caps(ctx: Context) -> str:
-    """The capabilities the client declared (JSON)."""
-    declared = ctx.session.client_capabilities
-    return declared.model_dump_json(exclude_none=True) if declared is not None else "{}"
-
-
-@server.tool(annotations=READ_ONLY)
-async def aside(ctx: Context, what: str) -> str:
-    """Asks the client on the session's standalone stream (no related request: outside any
-    call, as far as the protocol says), `what` being name, model or roots."""
-    try:
-        if what == "name":
-            answer = await ctx.session.elicit("What is your name?", Name.model_json_schema())
-            return f"hello {answer.content['name']}" if answer.content else answer.action
-        if what == "model":
-            said = await ctx.session.create_message(
-                [SamplingMessage(role="user", content=TextContent(type="text", text="3+3"))],
-                max_tokens=20,
-            )
-            assert isinstance(said.content, TextContent)
-            return f"the model said {said.content.text}"
-        roots = await ctx.session.list_roots()
-        return " ".join(str(root.uri) for root in roots.roots)
-    except MCPError as error:
-        return f"refused: {error.message}"
 
 
 @server.tool(annotations=READ_ONLY)

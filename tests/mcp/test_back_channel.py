@@ -1,10 +1,11 @@
 """A server's requests of its client outside any call (jukebox.mcp.back_channel), the SDK's
-client in front. Over streamable HTTP (tests/mcp/asking_http_server.py's `aside`, on its
-standalone stream) through the booth's HTTP gateway as the supervisor runs it (a real stage gate
-on a real tape): the gateway's client declares sampling, elicitation and roots to the server;
-each request reaches the one agent session and its answer the server; with a second session
-open, nobody is asked; and nobody else can answer in the agent's place. Over stdio
-(tests/mcp/hostile_server.py's `aside`) through `jukebox mcp wrap`: the same."""
+client in front. Over streamable HTTP (tests/mcp/http_server.py's `aside`, on its standalone
+stream) through the booth's HTTP gateway as the supervisor runs it (a real stage gate on a real
+tape): the gateway's client declares sampling, elicitation and roots to the server; each
+request reaches the one agent session and its answer the server; with a second session open,
+nobody is asked; and nobody else can answer in the agent's place. Over stdio
+(tests/mcp/hostile_server.py's `aside`) through `jukebox mcp wrap`: the same. And, with the same
+gateway, the relay's calls to a plain-HTTP server share one kept connection."""
 
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ HERE = Path(__file__).resolve().parent
 TIMEOUT = 10.0
 
 
-@pytest.fixture()
-def gateway(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    # One gateway per test: each counts the agent sessions open from its start.
-    script = HERE / "asking_http_server.py"
-    with http_gateway_before(script, "a", tmp_path, TIMEOUT, str(tmp_path / "x.txt")) as gateway:
-        yield gateway
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    # The notes server answering JSON bodies; each test's agent sessions end (a DELETE) with it,
+    # so the next test's is the one session open.
+    tmp = tmp_path_factory.mktemp("back")
+    notes = tmp / "notes.txt"
+    script = HERE / "http_server.py"
+    with http_gateway_before(script, "n", tmp, TIMEOUT, str(notes), "--log-auth",
+                             "--json") as gateway:  # fmt: skip
+        yield {**gateway, "peers": notes.with_suffix(".peers")}
 
 
 async def named(ctx: Any, params: types.ElicitRequestParams) -> types.ElicitResult:
@@ -56,6 +61,14 @@ def asides(tape: Path) -> list[dict[str, Any]]:
     return [n for n in payloads(tape, "note") if n.get("event") == "mcp_asked"]
 
 
+def asides_since(gateway: dict[str, Any]) -> list[dict[str, Any]]:
+    """The mcp_asked notes since the last call of this (the module's gateway is shared)."""
+    said = asides(gateway["tape"])
+    seen = gateway.get("seen", 0)
+    gateway["seen"] = len(said)
+    return said[seen:]
+
+
 def test_the_servers_requests_outside_any_call_reach_the_agent(gateway: dict[str, Any]) -> None:
     async def agent() -> list[str]:
         async with (
@@ -77,7 +90,7 @@ def test_the_servers_requests_outside_any_call_reach_the_agent(gateway: dict[str
     declared = json.loads(caps)
     assert {"sampling", "elicitation", "roots"} <= declared.keys(), declared
     assert (name, model, roots) == ("hello agent-7", "the model said 3+3=6", "file:///work/agent-7")
-    said = asides(gateway["tape"])
+    said = asides_since(gateway)
     assert [a["method"] for a in said] == ["elicitation/create", "sampling/createMessage",
                                            "roots/list"]  # fmt: skip
     assert said[0]["answer"]["result"]["content"] == {"name": "agent-7"}
@@ -96,6 +109,7 @@ def test_an_agent_that_declared_nothing_is_not_asked(gateway: dict[str, Any]) ->
             return str(result.content[0].text)
 
     said = anyio.run(agent)
+    asides_since(gateway)
     assert said.startswith(
         "refused: jukebox: the MCP gateway asks no agent this sampling/createMessage: the "
         "agent's client did not declare sampling"
@@ -159,7 +173,7 @@ def test_no_other_client_is_asked_or_answers_in_the_agents_place(gateway: dict[s
                            "elicitation/create: it came outside any call and 2 agent sessions "
                            "are open"), then  # fmt: skip
     assert second_asked == []
-    said = asides(gateway["tape"])
+    said = asides_since(gateway)
     assert said[0]["answer"]["result"]["content"] == {"name": "agent-7"}
     assert "2 agent sessions are open" in said[1]["answer"]["error"]["message"]
 
@@ -180,3 +194,33 @@ def test_over_stdio_the_servers_requests_reach_the_agent(tmp_path: Path) -> None
     said = asides(tape)
     assert [a["method"] for a in said] == ["sampling/createMessage", "roots/list"]
     assert said[0]["answer"]["result"]["content"]["text"] == "3+3=6"
+
+
+def test_relayed_calls_share_a_kept_connection(gateway: dict[str, Any]) -> None:
+    # The relay's POSTs to a plain-HTTP server (jukebox.mcp.http_upstream) go on a socket it
+    # keeps: six relayed calls, one after the other, reach the server on one connection. (The
+    # server answers with JSON bodies: each read to its end, and the socket given back, before
+    # the agent has its answer.)
+    peers = gateway["peers"]
+
+    async def agent() -> list[str]:
+        async with (
+            streamable_http_client(gateway["url"]) as (read, write, *_),
+            ClientSession(read, write, read_timeout_seconds=30) as session,
+        ):
+            await session.initialize()
+            await session.list_tools()
+            peers.unlink(missing_ok=True)  # the gateway's own requests so far
+            texts = []
+            for i in range(6):
+                result = await session.call_tool("echo", {"text": f"n{i}"})
+                texts.append(str(result.content[0].text))
+            return texts
+
+    assert anyio.run(agent) == [f"n{i}" for i in range(6)]
+    posts = [line.split()[1] for line in peers.read_text().splitlines()
+             if line.startswith("POST")]  # fmt: skip
+    assert len(posts) == 6, posts
+    assert len(set(posts)) == 1, posts
+    calls = payloads(gateway["tape"], "tool_call")[-6:]
+    assert [c["result"]["content"][0]["text"] for c in calls] == [f"n{i}" for i in range(6)]

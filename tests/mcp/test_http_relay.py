@@ -185,36 +185,3 @@ def test_another_client_cannot_answer_a_request_the_server_put_to_this_one(
     last = [c for c in payloads(gateway["tape"], "tool_call") if c["tool"] == "ask"][-1]
     assert last["asked"][0]["answer"]["result"]["content"] == {"name": "agent-7"}
 
-
-def test_relayed_calls_share_a_kept_connection(tmp_path: Path) -> None:
-    # The relay's POSTs to a plain-HTTP server (jukebox.mcp.http_upstream) go on a socket it
-    # keeps: six relayed calls, one after the other, reach the server on one connection. (The
-    # server answers with JSON bodies: each read to its end, and the socket given back, before
-    # the agent has its answer.)
-    notes = tmp_path / "notes.txt"
-    script = HERE / "http_server.py"
-    with http_gateway_before(script, "n", tmp_path, TIMEOUT, str(notes), "--log-auth",
-                             "--json") as gateway:  # fmt: skip
-        peers = notes.with_suffix(".peers")
-
-        async def agent() -> list[str]:
-            async with (
-                streamable_http_client(gateway["url"]) as (read, write, *_),
-                ClientSession(read, write, read_timeout_seconds=30) as session,
-            ):
-                await session.initialize()
-                await session.list_tools()
-                peers.unlink(missing_ok=True)  # the gateway's own requests so far
-                texts = []
-                for i in range(6):
-                    result = await session.call_tool("echo", {"text": f"n{i}"})
-                    texts.append(str(result.content[0].text))
-                return texts
-
-        assert anyio.run(agent) == [f"n{i}" for i in range(6)]
-        posts = [line.split()[1] for line in peers.read_text().splitlines()
-                 if line.startswith("POST")]  # fmt: skip
-        assert len(posts) == 6, posts
-        assert len(set(posts)) == 1, posts
-        calls = payloads(gateway["tape"], "tool_call")
-        assert [c["result"]["content"][0]["text"] for c in calls] == [f"n{i}" for i in range(6)]
