@@ -30,6 +30,9 @@ from jukebox.errors import JukeboxError
 from jukebox.mcp.policy import Policy
 
 START_TIMEOUT = 30.0
+# How long the gateway waits for a server to answer its standalone GET before serving the agent
+# all the same (a server that holds the GET without a word delays the booth that long, once).
+LISTEN_WAIT = 5.0
 NO_RESUME = (
     b'{"jsonrpc": "2.0", "id": null, "error": {"code": -32600, "message": "jukebox: the MCP '
     b"gateway does not resume event streams (Last-Event-ID): its answers carry no event ids, "
@@ -164,7 +167,7 @@ class HttpGateways:
                         init = await upstream.initialize()
                     # The server's standalone stream open (or refused) before the agent is
                     # served: what the server asks there from the first call on is heard.
-                    with anyio.move_on_after(START_TIMEOUT):
+                    with anyio.move_on_after(LISTEN_WAIT):
                         await link.listening.wait()
                 except (TimeoutError, MCPError, OSError, Exception) as error:
                     raise HttpGatewayError(
