@@ -26,9 +26,12 @@ event. Besides wall time, `cpu_us` is the CPU spent per call, whole call: this p
 (`overhead_cpu_us`: the proxy's share), which a busy machine inflates far less than wall time
 on two shared cores; and `instructions`, on the recording proxy's JSON and stream rows, the
 instructions it executes per call, counted by valgrind's callgrind in a proxy process of its
-own (`instructions_per_call`, the group commit's flusher held off): a figure the machine's
-load moves by about 1%, not 2x, to compare code with code. Without valgrind that column stays
-empty.
+own (`instructions_per_call`, the group commit's flusher held off, and the proxy's busy-polls
+off, which would count the wait rather than the work): a figure the machine's load moves by
+about 1%, not 2x, to compare code with code. Without valgrind that column stays empty. And
+`sleeps_per_call`, on the rows of the proxy in a process of its own: the times its threads
+went to sleep (voluntary context switches) per call, each a wake-up paid later, which on
+these VMs costs more than most of the proxy's code (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ WARMUP = 5
 # many uncounted ones.
 COUNTED_CALLS = 40
 INSTRUCTIONS = "instructions"
+SLEEPS = "sleeps_per_call"
 
 MESSAGES = [
     {"role": "system", "content": "You are a coding agent. Keep changes small. " * 20},
@@ -126,6 +130,7 @@ class _ProxyProcess:
         command = [sys.executable, "-m", "bench.bench_proxy", "serve", base]
         if valgrind is not None:
             command = [*valgrind, *command, "--hold-flush"]
+            env["JUKEBOX_LLM_SPIN"] = "0"  # a poll's instructions count the wait, not the work
         self.child = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             text=True, cwd=Path(__file__).resolve().parents[1], env=env,
@@ -143,6 +148,16 @@ class _ProxyProcess:
         self.stdin.flush()
         return int(self.stdout.readline())
 
+    def sleeps(self) -> int:
+        """The times the child's threads went to sleep so far (voluntary context switches)."""
+        total = 0
+        for task in glob.glob(f"/proc/{self.child.pid}/task/*/status"):
+            with contextlib.suppress(OSError), open(task) as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        return total
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.stdin.close()
@@ -157,15 +172,19 @@ def _take_turns(
     systems: list[tuple[str, httpx.Client, str, _ProxyProcess | None]],
     measure: Callable[[httpx.Client, str], float],
     n: int,
+    sleeps: dict[str, float] | None = None,
 ) -> dict[str, tuple[list[float], float]]:
     """`measure` on every system in turn, n times after WARMUP untimed rounds: each system's
     samples, and the CPU time spent per call, in µs: this process's (the client's and an
-    in-process proxy's) and a proxy process's (the upstream has a process of its own)."""
+    in-process proxy's) and a proxy process's (the upstream has a process of its own).
+    `sleeps` gets a proxy process's sleeps per call."""
     out: dict[str, tuple[list[float], float]] = {name: ([], 0.0) for name, _, _, _ in systems}
     child_cpu: dict[str, int] = {}
+    child_sleeps: dict[str, int] = {}
     for i in range(n + WARMUP):
         if i == WARMUP:
             child_cpu = {name: p.cpu_ns() for name, _, _, p in systems if p is not None}
+            child_sleeps = {name: p.sleeps() for name, _, _, p in systems if p is not None}
         # Each round starts one system further on: in a fixed order a system's place moved its
         # figures by more than the code did (docs/benchmarks.md, the paused first token).
         turn = i % len(systems)
@@ -179,6 +198,8 @@ def _take_turns(
                 out[name] = (samples, spent + cpu / 1000.0 / n)
     for name, _, _, proxy in systems:
         if proxy is not None:
+            if sleeps is not None:
+                sleeps[name] = round((proxy.sleeps() - child_sleeps[name]) / n, 2)
             samples, spent = out[name]
             out[name] = (samples, spent + (proxy.cpu_ns() - child_cpu[name]) / 1000.0 / n)
     return out
@@ -187,10 +208,11 @@ def _take_turns(
 
 def _recording_proxy(
     root: Path, store: Store, upstreams: dict[str, str], fsync_each: bool = False,
-    delay: float | None = None,
+    delay: float | None = None, spin: bool = False,
 ) -> tuple[ProxyServer, TapeWriter | GroupTape]:
     """A proxy recording as a booth does (GroupTape, frames written on the proxy's loop), or
-    with a TapeWriter syncing each frame. `delay`: the group commit's, when not the booth's."""
+    with a TapeWriter syncing each frame. `delay`: the group commit's, when not the booth's;
+    `spin`: its waits busy-poll, as a booth's proxy apart from its agent does."""
     writer: TapeWriter | GroupTape
     writer = TapeWriter.create(root / f"{fsync_each}.jbx", store, "bench", fsync=fsync_each)
     if not fsync_each:
@@ -198,7 +220,7 @@ def _recording_proxy(
         writer.start()  # as run_booth records
     writer.append("run_start", {"name": "bench"})
     proxy = ProxyServer(
-        upstreams=upstreams, record=writer.append, record_inline=not fsync_each
+        upstreams=upstreams, record=writer.append, record_inline=not fsync_each, spin=spin
     ).start()
     return proxy, writer
 
@@ -212,7 +234,7 @@ def _serve(base: str, hold_flush: bool) -> None:
         store = Store.open(Path(tmp) / "store", create=True)
         proxy, writer = _recording_proxy(
             Path(tmp), store, {"openai": base + "/v1", "anthropic": base},
-            delay=3600.0 if hold_flush else None,
+            delay=3600.0 if hold_flush else None, spin=True,
         )  # fmt: skip
         print(proxy.url, flush=True)
         for line in sys.stdin:
@@ -303,7 +325,14 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 (FIRST_TOKEN, _first_token, n),
                 (PAUSED_FIRST_TOKEN, lambda c, u: _first_token(c, u, PAUSE_MS), n // 5),
             ):
-                rows += overhead_rows(GROUP, case, _take_turns(systems, measure, times))
+                slept: dict[str, float] = {}
+                case_rows = overhead_rows(
+                    GROUP, case, _take_turns(systems, measure, times, slept)
+                )
+                for row in case_rows:
+                    if row["system"] in slept:
+                        row[SLEEPS] = slept[row["system"]]
+                rows += case_rows
             for proxy, writer in proxies:
                 proxy.stop()
                 writer.close()

@@ -53,7 +53,7 @@ from jukebox.display.render import size as human
 from jukebox.errors import JukeboxError
 from jukebox.guard.breaker import Trip
 from jukebox.llm.budget import worst_case
-from jukebox.llm.fastio import fileno, read_some, write_all
+from jukebox.llm.fastio import Spin, fileno, read_some, read_spun, write_all
 from jukebox.llm.http1_agent import AgentConnection, BadRequest, Request
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
@@ -139,6 +139,13 @@ INLINE_TURN_BYTES = 64 * 1024
 # How long a trip waits for the agent to take the answer that explains it before `stop_agent`
 # is called anyway.
 TRIP_NOTICE_S = 1.0
+# The longest the proxy busy-polls for the rest of a request whose head came alone (httpx and
+# the SDKs on it write a request's head and body apart, the body microseconds later): the
+# poll spares the proxy a sleep and a wake-up on most calls (jukebox.llm.fastio.Spin).
+AGENT_BODY_SPIN_CAP_NS = 500_000
+# Set to 0, no busy-poll at all, `spin` or not: every wait sleeps (less CPU, one more wake-up
+# per wait).
+SPIN_ENV = "JUKEBOX_LLM_SPIN"
 # How long stop() lets calls in flight finish: a client may return once it has what it needs
 # (the last content chunk of a stream) while the proxy still reads the stream's end to record it.
 STOP_GRACE_S = 3.0
@@ -200,7 +207,11 @@ class ProxyServer:
     called from a worker thread, unless `record_inline` says that it never waits for the disk
     (it writes, and leaves the fsync to a group commit: a booth's GroupTape, a transaction's
     writer): then a small turn is recorded on the proxy's own loop, which spares every call a
-    hand-off to a thread and back (see `_finish`). `secret` is the first path segment every
+    hand-off to a thread and back (see `_finish`). `spin`: a wait for what is about to come (a
+    request's body, an upstream that answers fast) polls before it sleeps (see
+    jukebox.llm.fastio.Spin), unless `JUKEBOX_LLM_SPIN=0`: for a proxy in a process apart from
+    its agent, as a booth's is; a poll would fight an agent in the same process for the GIL.
+    `secret` is the first path segment every
     request must carry (a fresh random one by default); `record_limit` the bytes of bodies
     the proxy records in all (DEFAULT_RECORD_LIMIT by default). `breaker` needs
     `admit(reservation) -> Trip | None`, `observe(cost_usd=, tokens=, text=, tool_calls=,
@@ -231,6 +242,7 @@ class ProxyServer:
         secret: str | None = None,
         record_limit: int | None = None,
         record_inline: bool = False,
+        spin: bool = False,
     ) -> None:
         # Named upstreams: their protocols apart, their values plain URLs; a replay serves the
         # names its tape used, and nothing is forwarded to them.
@@ -285,6 +297,9 @@ class ProxyServer:
         self._scope: trio.CancelScope | None = None
         self._error: BaseException | None = None
         self._in_flight = 0  # requests being handled, changed on the proxy's event loop only
+        # Busy-polls for what is about to come (jukebox.llm.fastio.Spin), unless turned off.
+        self.spin = spin and os.environ.get(SPIN_ENV, "1") != "0"
+        self._body_spin = Spin(AGENT_BODY_SPIN_CAP_NS if self.spin else 0)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -354,6 +369,8 @@ class ProxyServer:
         self._token = trio.lowlevel.current_trio_token()
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
         self._client = UpstreamClient(UPSTREAM_TIMEOUT)
+        # A busy-poll holds the loop: only while this call is the only one being served.
+        self._client.may_spin = (lambda: self._in_flight <= 1) if self.spin else (lambda: False)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -450,7 +467,7 @@ class ProxyServer:
                 raise _ClientGone()
             if size > MAX_REQUEST_BYTES:
                 break
-            conn.feed(await read_some(stream, fd, READ_SIZE))
+            conn.feed(await read_spun(stream, fd, READ_SIZE, self._body_spin, not self._in_flight))
             for part in conn.body():
                 size += len(part)
                 parts.append(part)

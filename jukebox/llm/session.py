@@ -114,6 +114,7 @@ class LlmSession:
                 upstreams=upstreams,
                 record=record,
                 record_inline=True,  # the booth's GroupTape writes; its group commit syncs
+                spin=True,  # in the supervisor, apart from the agent: no GIL to fight for
                 replay=replay,
                 rewriter=options.rewriter,
                 breaker=options.breaker,

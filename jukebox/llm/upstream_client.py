@@ -10,6 +10,9 @@ TCP or TLS handshake per call once one is open), the timeouts, and the decoding 
 compressions the proxy asks for (gzip, deflate). Requests and responses are encoded and parsed
 by jukebox.llm.http1 (h11's events cost about 150 µs a streamed call), and a plain TCP socket
 is read and written without trio's scheduling rounds when it is ready (jukebox.llm.fastio).
+When the caller allows it (`may_spin`), a wait for an upstream that answered fast last time
+polls the socket before it sleeps (jukebox.llm.fastio.Spin), learnt per origin for the head
+and for the body's next bytes apart.
 
 Bytes go upstream as the agent sent them: the target is the agent's own
 (jukebox.llm.http1_agent validated it on the way in), never re-encoded. An idle connection is
@@ -38,7 +41,7 @@ from urllib.parse import urlsplit
 import trio
 
 from jukebox.errors import JukeboxError
-from jukebox.llm.fastio import fileno, read_some, try_read, try_write, write_all
+from jukebox.llm.fastio import Spin, fileno, read_some, spin_read, try_read, try_write, write_all
 from jukebox.llm.http1 import ClosedEarly, Head, ProtocolError, ResponseReader, encode_request
 
 # What the client asks upstream for (the agent's own accept-encoding is not forwarded: it gets
@@ -52,6 +55,11 @@ MAX_IDLE_PER_ORIGIN = 20
 KEEPALIVE_EXPIRY_S = 5.0
 # URLs parsed once: an agent calls the same few endpoints again and again.
 _URL_CACHE_SIZE = 256
+# The longest the client busy-polls for an upstream's answer (jukebox.llm.fastio.Spin): its
+# head after the request, and the body's next bytes. An upstream on this host (a local model
+# server, the tests' fake one) answers within it, a remote API never does, and from its
+# second call on costs no spinning at all.
+SPIN_CAP_NS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,9 @@ class _Connection:
         self.fd = fileno(stream)  # a plain TCP stream's, read and written without trio's rounds
         self.reader = ResponseReader()
         self.idle_since = 0.0
+        # The origin's (shared by its connections): how long its head, and its body's next
+        # bytes, were last waited for.
+        self.head_spin = self.body_spin = _NO_SPIN
 
     def usable(self, now: float) -> bool:
         """An idle connection the upstream still holds open (nothing to read, no EOF)."""
@@ -192,6 +203,9 @@ class _Connection:
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await trio.aclose_forcefully(self.stream)
+
+
+_NO_SPIN = Spin(0)
 
 
 class _Response:
@@ -232,8 +246,15 @@ class _Response:
         parts = self._drain(conn)
         if parts or self._done:
             return parts
+        spin = conn.body_spin
         try:
             data = try_read(conn.fd, READ_SIZE)
+            if data is None and conn.fd is not None and spin.budget_ns and self._client.may_spin():
+                started = time.monotonic_ns()
+                data = spin_read(conn.fd, READ_SIZE, spin.budget_ns)
+                # Not there within the budget: no poll again until a wait is short again.
+                waited = time.monotonic_ns() - started if data is not None else spin.cap_ns + 1
+                spin.observed(waited)
         except (trio.BrokenResourceError, OSError) as error:
             raise UpstreamError(f"{self._origin.name} broke the connection: {error}") from None
         if data is None:
@@ -271,7 +292,7 @@ class _Response:
                 return parts
             if self._done:
                 break
-            await self._client._receive(conn, self._origin)
+            await self._client._receive(conn, self._origin, conn.body_spin)
         return []
 
     async def aiter_chunks(self) -> AsyncIterator[list[bytes]]:
@@ -291,7 +312,7 @@ class _Response:
         while conn is not None and not self._done:
             parts += self._drain(conn)
             if not self._done:
-                await self._client._receive(conn, self._origin)
+                await self._client._receive(conn, self._origin, conn.body_spin)
         return b"".join(parts)
 
     async def aclose(self) -> None:
@@ -360,6 +381,11 @@ class UpstreamClient:
         self._routes: dict[tuple[str, str, int], Any] = {}
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
+        self._spins: dict[tuple[str, str, int], tuple[Spin, Spin]] = {}
+        # Whether a wait may busy-poll (never, unless the caller says): a poll holds the event
+        # loop, so the caller says when no other exchange is being served (the proxy: one call
+        # in flight).
+        self.may_spin: Callable[[], bool] = lambda: False
 
     def request(
         self, method: str, url: str, headers: Sequence[tuple[str, str]], content: bytes
@@ -404,7 +430,7 @@ class UpstreamClient:
                 head = conn.reader.head()
                 if head is not None:
                     return _Response(self, origin, conn, head)
-                await self._receive(conn, origin)
+                await self._receive(conn, origin, conn.head_spin)
         except trio.TooSlowError:
             await conn.aclose()
             raise UpstreamError(f"sending to {origin.name} timed out") from None
@@ -421,12 +447,20 @@ class UpstreamClient:
             await conn.aclose()
             raise
 
-    async def _receive(self, conn: _Connection, origin: _Origin) -> None:
+    async def _receive(self, conn: _Connection, origin: _Origin, spin: Spin) -> None:
         try:
             data = try_read(conn.fd, READ_SIZE)  # there already: no deadline needed
-            if data is None:  # not tried again before the wait
+            if data is None and conn.fd is not None:  # not tried again before the wait
+                started = time.monotonic_ns()
+                if spin.budget_ns and self.may_spin():
+                    data = spin_read(conn.fd, READ_SIZE, spin.budget_ns)
+                if data is None:
+                    with trio.fail_after(self._timeouts.read):
+                        data = await read_some(conn.stream, conn.fd, READ_SIZE, wait_first=True)
+                spin.observed(time.monotonic_ns() - started)
+            elif data is None:
                 with trio.fail_after(self._timeouts.read):
-                    data = await read_some(conn.stream, conn.fd, READ_SIZE, wait_first=True)
+                    data = await read_some(conn.stream, conn.fd, READ_SIZE)
         except trio.TooSlowError:
             raise UpstreamError(
                 f"{origin.name} sent nothing for {self._timeouts.read:g} s"
@@ -463,7 +497,12 @@ class UpstreamClient:
                 if conn.usable(now):
                     return conn
                 await conn.aclose()
-        return await self._connect(origin)
+        conn = await self._connect(origin)
+        spins = self._spins.get(origin.key)
+        if spins is None:
+            spins = self._spins[origin.key] = (Spin(SPIN_CAP_NS), Spin(SPIN_CAP_NS))
+        conn.head_spin, conn.body_spin = spins
+        return conn
 
     async def _connect(self, origin: _Origin) -> _Connection:
         try:
