@@ -100,6 +100,7 @@ from jukebox.llm.upstreams import resolve as resolve_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
 from jukebox.tape.frame import encode_payload, spills
+from shadowfs import wakeups
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones the client library sets itself.
 _HOP = frozenset(
@@ -701,8 +702,11 @@ class ProxyServer:
             raise _ClientGone() from None  # the agent sees a broken response, as it would
         finally:
             await upstream.aclose()
-        await self._finish(ex)
-        await self._send_simple(conn, stream, ex.status, ex.response_body, out_headers, True)
+        # The tape's flusher (a booth's GroupTape) woken once the answer has left, not while
+        # it is on its way (shadowfs.wakeups): a thread woken then takes the GIL from this one.
+        with wakeups.deferred():
+            await self._finish(ex)
+            await self._send_simple(conn, stream, ex.status, ex.response_body, out_headers, True)
 
     async def _pipe_stream(
         self,
@@ -769,14 +773,15 @@ class ProxyServer:
         client_gone = client_gone or _peer_closed(stream)
         if client_gone:
             ex.error = ex.error or "the agent closed the connection mid-stream"
-        await self._finish(ex)
-        if client_gone or ex.error is not None:
-            if head and not client_gone:  # a broken stream, as without the proxy
-                with contextlib.suppress(_ClientGone):
-                    await self._write(stream, head)
-            raise _ClientGone()
-        end = conn.end()
-        await self._write(stream, b"".join([head, *held, end]))
+        with wakeups.deferred():  # as a JSON answer's (`_forward`)
+            await self._finish(ex)
+            if client_gone or ex.error is not None:
+                if head and not client_gone:  # a broken stream, as without the proxy
+                    with contextlib.suppress(_ClientGone):
+                        await self._write(stream, head)
+                raise _ClientGone()
+            end = conn.end()
+            await self._write(stream, b"".join([head, *held, end]))
 
     async def _passthrough(
         self, conn: AgentConnection, stream: trio.SocketStream, where: Route, ex: Exchange

@@ -3,6 +3,7 @@ upstream completes it, and the end of the stream only once the call's frame is w
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 
 from jukebox.llm.server import ProxyServer
 from jukebox.llm.sse import SSEParser
+from shadowfs import wakeups
 from tests.llm.conftest import Recording, clients
 from tests.llm.upstream import FakeUpstream
 
@@ -139,3 +141,52 @@ def test_an_upstream_that_closes_right_after_the_head_is_a_broken_stream_on_the_
     (turn,) = frames
     assert turn["stream"] is True and turn["response"] == []
     assert "upstream stream broke" in turn["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_tapes_flusher_is_woken_only_once_the_agent_has_the_answer(
+    stream: bool, upstream: FakeUpstream, recording: Recording
+) -> None:
+    # A booth's GroupTape notifies its flusher thread when a frame comes; woken before the
+    # answer leaves, that thread would take the interpreter lock from the proxy's meanwhile.
+    seen: list[bool] = []
+    notified = threading.Event()
+
+    end = b"0\r\n\r\n" if stream else b"}"
+
+    class Flusher(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            # Whether the answer's end is in the agent's socket by now (loopback delivers at
+            # once; the agent reads nothing before this).
+            try:
+                there = sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                there = b""
+            seen.append(there.endswith(end))
+            notified.set()
+            super().notify(n)
+
+    flusher = Flusher()
+
+    def record(kind: str, payload: Any) -> None:
+        recording.writer.append(kind, payload)
+        with flusher:
+            wakeups.notify(flusher)
+
+    upstreams = {"openai": upstream.openai_url}
+    with ProxyServer(upstreams=upstreams, record=record, record_inline=True) as proxy:
+        sock = socket.create_connection((proxy.host, proxy.port))
+        messages = [{"role": "user", "content": "hi"}]
+        body = json.dumps({"model": "gpt-4o-mini", "stream": stream, "messages": messages}).encode()
+        path = f"/{proxy.secret}/openai/v1/chat/completions"
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode() + body
+        )
+        assert notified.wait(10)
+        answer = b""
+        while not answer.endswith(end):
+            answer += sock.recv(65536)
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert seen == [True]
