@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -184,12 +185,16 @@ def _gateway(url: str) -> None:
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
     gateways.start(listener)
+    # Terminated (as the benches end it after closing stdin) or not, its files go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(gateways.urls()["notes"], flush=True)
-    sys.stdin.read()
-    gateways.stop()
-    writer.close()
-    store.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        sys.stdin.read()
+    finally:
+        gateways.stop()
+        writer.close()
+        store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _callgrind(pid: int, *command: str) -> None:
