@@ -34,6 +34,7 @@ proxy process's CPU per statement (from /proc, over the whole case) to this one'
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -318,12 +319,40 @@ def instructions(case: str, n: int = 500, warm: int = 200) -> float:
         subprocess.run(["rm", "-rf", "--", str(out.parent)], check=False)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:
-        _serve(sys.argv[2])
-    elif sys.argv[1:2] == ["--instructions"]:
-        for name in sys.argv[2:] or ["select", "lookup", "insert"]:
+CASES = ("select", "lookup", "insert")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_sql",
+        description="What the SQL savepoint proxy adds to a statement, against the server "
+        "directly (a private PostgreSQL cluster). Without options: the quick run (300 "
+        "statements a case, pgbench 3 s), its rows printed; `python -m bench --only sql` "
+        "runs the full one.",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--instructions", nargs="*", choices=CASES, metavar="CASE",
+        help="count instead the instructions of the proxy's process a statement (callgrind; "
+        f"needs valgrind, a few minutes a case); CASE is one of {', '.join(CASES)} "
+        "(default: all three)",
+    )
+    what.add_argument(
+        "--serve", metavar="URL",
+        help="serve a proxy of the database URL recording to a throwaway tape, print its "
+        "port, stop when stdin closes (what the bench starts in a process of its own)",
+    )
+    args = p.parse_args(argv)
+    if args.serve is not None:
+        _serve(args.serve)
+    elif args.instructions is not None:
+        for name in args.instructions or CASES:
             print(f"{name}: {instructions(name) / 1000:.0f} k instructions a statement")
     else:
         for r in run(quick=True):
             print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
