@@ -146,6 +146,57 @@ def test_canonical_json_rules() -> None:
         canonical_json({"x": {1, 2}})
 
 
+def test_the_formatted_envelope_is_the_encoders_bytes() -> None:
+    # A frame's fields around its payload are formatted, not encoded (encode_frame): the bytes
+    # must be the canonical JSON of the whole frame, for every shape the fields take.
+    ids = [hash_object("blob", b"%d" % i) for i in range(3)]
+    payload = {"é": [1, 2.5, None, {"z": "\u2615"}], "a": "x"}
+    for kind in ("run_start", "sql", "note", "hologram"):  # the last: not a known kind
+        for parent in (None, ids[0]):
+            for tree in (None, ids[1]):
+                for refs in ((), [ids[2], ids[0], ids[2]]):
+                    for seq, t in ((0, 0), (7, -1), (10**17, 1_767_225_600_000_000_000)):
+                        whole = canonical_json({
+                            "v": 1, "seq": seq, "kind": kind, "time_ns": t,
+                            "parent": parent.hex() if parent else None, "mroot": ids[1].hex(),
+                            "payload": payload, "refs": sorted({r.hex() for r in refs}),
+                            "tree": tree.hex() if tree else None,
+                        })
+                        kw = {"seq": seq, "kind": kind, "time_ns": t, "parent": parent,
+                              "mroot": ids[1], "payload": payload, "refs": refs, "tree": tree}
+                        assert encode_frame(**kw) == whole
+                        assert encode_frame(**kw, payload_json=canonical_json(payload)) == whole
+
+
+def test_the_writer_still_writes_the_golden_tapes_bytes(tmp_path: Path) -> None:
+    # tests/make_golden.py reproduces the committed tape byte for byte: the writer's encoding
+    # of today is the one the golden tape's ids commit to.
+    from tests.make_golden import build
+
+    build(tmp_path / "golden")
+    assert (tmp_path / "golden" / "tape.jbx").read_bytes() == (GOLDEN / "tape.jbx").read_bytes()
+
+
+def test_a_payload_holding_itself_or_the_blob_key(tmp_path: Path) -> None:
+    looped: dict = {"a": 1}
+    looped["self"] = [looped]
+    with pytest.raises(ValueError, match="nested too deeply"):
+        canonical_json(looped)
+    with TapeWriter.create(tmp_path / "t.jbx", None, "t") as w:
+        w.append("run_start", {})
+        with pytest.raises(ValueError, match="nested too deeply"):
+            w.append("note", looped)
+        # Said first, whatever else is wrong with the payload.
+        with pytest.raises(ValueError, match="reserved key"):
+            w.append("note", {"x": {"$blob": "00"}, "y": {1, 2}})
+        with pytest.raises(TypeError, match="cannot hold a set"):
+            w.append("note", {"y": {1, 2}})
+        # The key's text as a value, or a key deeper than a top-level value's, is no spill.
+        kept = w.append("note", {"text": "$blob", "x": [{"$blob": "00"}], "y": {"z": "$blob"}})
+    assert Tape.load(tmp_path / "t.jbx").frames[-1].payload == kept.payload
+    assert len(Tape.load(tmp_path / "t.jbx").frames) == 2
+
+
 def test_writer_refuses_bad_frames(tmp_path: Path, store: Store) -> None:
     with TapeWriter.create(tmp_path / "t.jbx", store, "t") as w:
         with pytest.raises(ValueError, match="first frame of a tape must be run_start"):

@@ -14,13 +14,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from binascii import b2a_hex
 from collections.abc import Iterable, Mapping
+
+# The C encoder's private name: typeshed does not declare it (a fallback covers its absence).
+from json.encoder import c_make_encoder  # type: ignore[attr-defined]
 from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
 from jukebox.tape.errors import TamperedTape
-from shadowfs.oid import ObjectId
+from shadowfs.oid import ObjectId, unchecked_oid
 
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader, ObjectWriter
@@ -88,6 +92,18 @@ _ENCODER = json.JSONEncoder(
     separators=(",", ":"),
     default=_default,
 )
+# The C encoder `_ENCODER.encode` builds on every call (through two Python frames), built once
+# and called directly: a tape append encodes a payload, and the set-up was most of a small
+# one's encoding. It is the same C function with the same settings, so its bytes are the same
+# (tests/test_tape.py compares them), except that it keeps no table of the containers it is in
+# to detect a structure holding itself: a payload is built from JSON-able data, and one holding
+# itself fails all the same, on the depth limit (a ValueError from `canonical_json`).
+try:
+    _C_ENCODE: Any = c_make_encoder(
+        None, _default, json.encoder.encode_basestring, None, ":", ",", True, False, False
+    )
+except TypeError:  # no C accelerator (None), or another interpreter's private signature
+    _C_ENCODE = None
 
 
 # What the encoder above makes of a string (ensure_ascii=False), of an int and a finite
@@ -120,7 +136,13 @@ def canonical_json(value: object) -> bytes:
     if fast is not None:
         return fast
     try:
-        return _ENCODER.encode(value).encode("utf-8")
+        if _C_ENCODE is None:
+            return _ENCODER.encode(value).encode("utf-8")
+        return "".join(_C_ENCODE(value, 0)).encode("utf-8")
+    except RecursionError:
+        raise ValueError(
+            "a frame payload is nested too deeply (or holds itself); flatten it"
+        ) from None
     except UnicodeEncodeError:
         raise ValueError(
             "a frame payload holds a string that is not valid Unicode (a lone surrogate); "
@@ -151,6 +173,26 @@ def encode_frame(
 ) -> bytes:
     """The frame's canonical bytes. `payload_json`: `canonical_json(payload)` when the caller
     has it already (`spill_encoded`), spliced in rather than encoded again."""
+    if payload_json is None:
+        payload_json = canonical_json(payload)
+    ref_hex = sorted({bytes(r).hex() for r in refs}) if refs else []
+    if type(seq) is int and type(time_ns) is int and kind in KNOWN_KINDS:
+        # Every other field is a known kind (an identifier), an int, a hex string, null or a
+        # list of hex strings, which JSON writes as they are: the envelope is formatted
+        # rather than encoded (the encoder's set-up and a dict of nine keys were a third of
+        # a small frame's append). Sorted keys put them in this order; tests/test_tape.py
+        # checks it makes the encoder's bytes.
+        return _ENVELOPE % (
+            kind.encode(),
+            b2a_hex(mroot),
+            b'"%s"' % b2a_hex(parent) if parent is not None else b"null",
+            payload_json,
+            ",".join(['"' + h + '"' for h in ref_hex]).encode() if ref_hex else b"",
+            seq,
+            time_ns,
+            b'"%s"' % b2a_hex(tree) if tree is not None else b"null",
+            FORMAT_VERSION,
+        )
     obj = {
         "v": FORMAT_VERSION,
         "seq": seq,
@@ -158,12 +200,10 @@ def encode_frame(
         "time_ns": time_ns,
         "parent": parent.hex() if parent is not None else None,
         "mroot": mroot.hex(),
-        "payload": payload if payload_json is None else 0,
-        "refs": sorted({bytes(r).hex() for r in refs}),
+        "payload": 0,
+        "refs": ref_hex,
         "tree": tree.hex() if tree is not None else None,
     }
-    if payload_json is None:
-        return canonical_json(obj)
     # Keys sort as kind, mroot, parent, payload, ...: the marker's first occurrence is the
     # payload's own key (kind and the hex fields before it cannot hold a bare quote).
     head, tail = canonical_json(obj).split(_PAYLOAD_MARK, 1)
@@ -171,6 +211,10 @@ def encode_frame(
 
 
 _PAYLOAD_MARK = b',"payload":0,'
+_ENVELOPE = (
+    b'{"kind":"%s","mroot":"%s","parent":%s,"payload":%s,"refs":[%s],"seq":%d,"time_ns":%d,'
+    b'"tree":%s,"v":%d}'
+)
 
 
 class EncodedPayload(dict[str, Any]):
@@ -249,25 +293,28 @@ def spill_payload(
 
 def spill_encoded(
     payload: Mapping[str, Any], store: ObjectWriter | None
-) -> tuple[dict[str, Any], list[ObjectId], bytes | None]:
-    """`spill_payload`, and the canonical JSON of the payload to record when it was had for
-    free: an `EncodedPayload`'s (its values' encodings joined, a spilled one's reference in
-    its place), or the whole encoding that showed nothing spills; None otherwise."""
+) -> tuple[dict[str, Any], list[ObjectId], bytes]:
+    """`spill_payload`, and the canonical JSON of the payload to record: an `EncodedPayload`'s
+    is its values' encodings joined (a spilled one's reference in its place)."""
     out = dict(payload)
-    for key, value in out.items():
-        if isinstance(value, dict) and BLOB_KEY in value:
-            raise ValueError(
-                f"payload key {key!r} holds a dict with the reserved key {BLOB_KEY!r}; "
-                "rename that key"
-            )
     encoded = payload.encoded if isinstance(payload, EncodedPayload) else None
     whole = b""
     if encoded is not None and all(isinstance(key, str) for key in encoded):
+        _refuse_blob_keys(out)
         # an EncodedPayload is what payload_size measures; typed as the mapping it wraps
         if payload_size(payload) <= SPILL_THRESHOLD:  # type: ignore[arg-type]
             return out, [], _join(encoded)
     else:
-        whole = canonical_json(out)
+        try:
+            whole = canonical_json(out)
+        except (TypeError, ValueError):
+            _refuse_blob_keys(out)  # the reserved key is said first, whatever else is wrong
+            raise
+        # A dict holding the key anywhere in the payload puts it in the bytes, quoted as it
+        # is: the values are looked into only then (a Python loop over every value was a
+        # tenth of a small frame's append).
+        if _BLOB_MARK in whole:
+            _refuse_blob_keys(out)
         if len(whole) <= SPILL_THRESHOLD:
             return out, [], whole
         encoded = None
@@ -291,7 +338,19 @@ def spill_encoded(
     # turn's write).
     if kept is not None:
         return out, refs, _join(kept)
-    return out, refs, None if refs else whole
+    return out, refs, canonical_json(out) if refs else whole
+
+
+_BLOB_MARK = canonical_json(BLOB_KEY)
+
+
+def _refuse_blob_keys(payload: Mapping[str, Any]) -> None:
+    for key, value in payload.items():
+        if isinstance(value, dict) and BLOB_KEY in value:
+            raise ValueError(
+                f"payload key {key!r} holds a dict with the reserved key {BLOB_KEY!r}; "
+                "rename that key"
+            )
 
 
 def _join(encoded: Mapping[str, bytes]) -> bytes:
@@ -333,7 +392,6 @@ class Frame:
         cls,
         raw: bytes,
         digest: bytes,
-        *,
         seq: int,
         kind: str,
         time_ns: int,
@@ -343,12 +401,17 @@ class Frame:
         refs: tuple[ObjectId, ...],
         tree: ObjectId | None,
     ) -> Frame:
-        f = cls(raw, digest)
+        """The frame a writer just encoded, its fields known (positional: once per append)."""
+        f = cls.__new__(cls)
+        f._raw = raw
+        f._id = digest
+        f._resolved = None
         f._seq = seq
         f._kind = kind
         f._time_ns = time_ns
-        f._parent = ObjectId(parent) if parent is not None else None
-        f._mroot = ObjectId(mroot)
+        # both 32 bytes by construction: a frame id and a Merkle root
+        f._parent = unchecked_oid(ObjectId, parent) if parent is not None else None
+        f._mroot = unchecked_oid(ObjectId, mroot)
         f._payload = payload
         f._refs = refs
         f._tree = tree

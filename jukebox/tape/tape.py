@@ -531,6 +531,8 @@ class TapeWriter:
         self._size = size
         self._fsync = fsync
         self._lock = threading.Lock()
+        # Resetting one hasher costs a third of constructing one (used under the lock).
+        self._hasher = blake3()
         # Called with each frame written and the payload it was given (before spilling), after
         # the write: a live export (jukebox.export.otel_live) watches a booth's tape this way.
         self.listener: Callable[[Frame, Mapping[str, Any]], None] | None = None
@@ -711,7 +713,7 @@ class TapeWriter:
             raise ValueError(
                 f"unknown frame kind {kind!r}; use one of {', '.join(sorted(KNOWN_KINDS))}"
             )
-        if not isinstance(payload, Mapping):
+        if type(payload) is not dict and not isinstance(payload, Mapping):  # ABCs cost more
             raise TypeError(f"a frame payload is a dict, got {type(payload).__name__}")
         with self._lock:
             fd = self._fd
@@ -732,7 +734,7 @@ class TapeWriter:
                     )
                 payload = {**payload, "tape_id": self.tape_id}
             body, spilled, body_json = spill_encoded(payload, self.store)
-            ref_set = {ObjectId(bytes(r)) for r in refs}
+            ref_set = {ObjectId(bytes(r)) for r in refs} if refs else set()
             ref_set.update(spilled)
             tree_id = ObjectId(bytes(tree)) if tree is not None else None
             if tree_id is not None:
@@ -752,7 +754,10 @@ class TapeWriter:
                 tree=tree_id,
                 payload_json=body_json,
             )
-            digest = blake3((_FRAME_HEADER % len(raw)) + raw).digest()
+            hasher = self._hasher
+            hasher.update((_FRAME_HEADER % len(raw)) + raw)
+            digest = hasher.digest()
+            hasher.reset()
             if ref_set:
                 if self.store is None:
                     raise ValueError(
@@ -777,16 +782,8 @@ class TapeWriter:
             self._last = digest
             self._acc.append(digest)
         frame = Frame._built(
-            raw,
-            digest,
-            seq=seq,
-            kind=kind,
-            time_ns=time_ns,
-            parent=parent,
-            mroot=mroot,
-            payload=body,
-            refs=tuple(sorted(ref_set)),
-            tree=tree_id,
+            raw, digest, seq, kind, time_ns, parent, mroot, body,
+            tuple(sorted(ref_set)) if ref_set else (), tree_id,
         )
         if self.listener is not None:
             self.listener(frame, payload)
