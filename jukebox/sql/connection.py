@@ -124,6 +124,13 @@ class AgentConnection:
         self.texts: dict[str, str] = {}  # statement name → its text, for frames
         self.portals: dict[str, _Run] = {}
         self.named: set[str] = set()  # upstream names of this connection's statements
+        # The agent's named portals bound and not closed (its names). A server drops them when
+        # the transaction ends (the Sync outside a block, COMMIT, ROLLBACK); the booth's
+        # transaction does not, so the proxy closes them then (`close_portals`): an agent
+        # connection's cursors would otherwise pile up on the session until it disconnects
+        # (asyncpg leaves a cursor's portal to the transaction's end), and a name bound again
+        # would be refused as in use.
+        self.open_portals: set[str] = set()
         # The agent's unnamed statement, as its Parse went to the server. The server's one
         # unnamed statement is replaced by any Parse of it and by any Query: the proxy's own
         # bookkeeping and other connections' units do both between this connection's round
@@ -205,6 +212,19 @@ class AgentConnection:
 
     def up_name(self, name: str) -> str:
         return f"jb{self.number}_{name}" if name else ""
+
+    def ended_portals(self) -> list[str]:
+        """The server's names of the agent's portals that outlive a Sync (its named ones, and
+        the unnamed one of a block: `portal`), forgotten here: the agent's transaction ended,
+        and the caller closes them (a Close of a portal already gone is no error)."""
+        names = [self.up_name(name) for name in sorted(self.open_portals)]
+        for name in self.open_portals:
+            self.portals.pop(name, None)
+        self.open_portals.clear()
+        if self.portal_open:
+            names.append(self.portal)
+            self.portal_open = False
+        return names
 
     async def hold(self, write: bool = False) -> Upstream:
         """The upstream, held for this unit (see jukebox.sql.session for when a unit that
@@ -481,7 +501,7 @@ class AgentConnection:
     async def cleanup(self) -> None:
         """The agent went away: what it left open is undone, as a server would on disconnect."""
         if ((self.up is not None or self.named or self.attached or self.state != "I"
-             or self.portal_open)
+             or self.portal_open or self.open_portals)
                 and not self.session.finished):
             try:
                 while True:
@@ -510,9 +530,10 @@ class AgentConnection:
                     await self.relay(drop_only=True)
                 for name in self.named:
                     up.send(m.Close("S", name).encode())
-                if self.portal_open:
-                    up.send(m.Close("P", self.portal).encode())
-                if self.named or self.portal_open:
+                closing = self.ended_portals()
+                for name in closing:
+                    up.send(m.Close("P", name).encode())
+                if self.named or closing:
                     up.send(SYNC)
                     await self.relay(drop_only=True)
                 self.unit_failed = True
@@ -643,6 +664,7 @@ class AgentConnection:
             self.send(m.notice("25P01", "there is no transaction in progress"))
         elif kind == st.COMMIT and self.state == "T":
             await self.clear_stray(up)
+            up.close_portals(self.ended_portals())  # read with the query that ends the block
             if self.session.pending_on is self:
                 await self.end_block(up, "commit")
             else:
@@ -655,6 +677,10 @@ class AgentConnection:
         else:  # ROLLBACK, or COMMIT of a failed block, which the server answers ROLLBACK
             if self.undone is None:
                 await self.clear_stray(up)
+            if self.state == "T" and self.undone is None:
+                # Read with the query below. In a failed transaction they are left named:
+                # closed at the next end, or dropped with the block's savepoint.
+                up.close_portals(self.ended_portals())
             if self.session.pending_on is self:
                 await self.end_block(up, "rollback")
                 up.send_own(SAVEPOINT_TX, self)  # for what follows in this unit
@@ -889,6 +915,7 @@ class AgentConnection:
             self.own_unnamed()
         if bind.portal:
             portal = self.up_name(bind.portal)
+            self.open_portals.add(bind.portal)
         elif self.state == "I":
             portal = self.portal = ""  # gone at the Sync, as the server's would be
             self.bound = True
@@ -952,6 +979,9 @@ class AgentConnection:
             self.portal_open = False
             close.name = self.portal
         else:
+            if close.what == "P":
+                self.open_portals.discard(close.name)
+                self.portals.pop(close.name, None)
             close.name = self.up_name(close.name)
         if close.what == "S":
             self.named.discard(close.name)
@@ -999,6 +1029,13 @@ class AgentConnection:
     async def on_sync(self) -> None:
         self.skipping = False
         if self.up is not None and self.inflight:
+            if self.state == "I" and (self.open_portals or self.portal_open):
+                # The agent's transaction ends at this Sync: its portals with it (an error
+                # before them in this round trip skips these Closes, and the unit's undoing
+                # drops the portals it bound).
+                for name in self.ended_portals():
+                    self.up.send(m.Close("P", name).encode())
+                    self.up.dropping.append(b"3")
             self.up.send(SYNC)
             self.inflight = False
             await self.relay()

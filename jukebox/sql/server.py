@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from jukebox.redact import Scrubber, redact_text
 from jukebox.sql import messages as m
-from jukebox.sql.connection import AgentConnection, _Run, cancel_message
+from jukebox.sql.connection import AgentConnection, _Run, cancel_message, rows_of
 from jukebox.sql.session import SqlSession
 from jukebox.sql.upstream import Target, Upstream, UpstreamError
 
@@ -150,8 +150,6 @@ class DatabaseProxy:
     ) -> None:
         """The statement's `sql` frame; `ended` is when its answer came (the frame itself is
         written after the answer went to the agent, off the reply's path)."""
-        from jukebox.sql.connection import rows_of
-
         payload: dict[str, Any] = {
             "db": self.name,
             "conn": conn,

@@ -603,6 +603,17 @@ class Upstream:
         self.out += m.message(b"Q", (head + text).encode() + b"\0")
         return len(head)
 
+    def close_portals(self, names: list[str]) -> None:
+        """Closes of these portals ahead of the proxy's next `query`, which reads their
+        CloseComplete with its own replies; the bookkeeping waiting goes first, as a Query of
+        its own (`settle` reads it), so no reply of theirs is left for a reader to expect."""
+        if not names:
+            return
+        if self.own:
+            self._put_own()
+        for name in names:
+            self.out += m.Close("P", name).encode()
+
     def send_own(self, sql: str, owner: Any = None) -> None:
         """A bookkeeping query of the proxy's own for `owner` (the agent connection whose unit
         it keeps or undoes; None: the booth's own step), its reply read (and dropped) later,

@@ -7,6 +7,7 @@ through a direct connection of its own, what another client of the database sees
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import select
@@ -1135,6 +1136,70 @@ def test_a_failed_bookkeeping_read_by_its_own_connection_is_told(pg: Cluster, db
         assert a.execute("SELECT count(*) FROM t").fetchone() == (2,)
     finally:
         a.close()
+
+
+def test_named_portals_end_with_the_agents_transaction(pg: Cluster, db: str,
+                                                        proxied: Proxied) -> None:
+    """A server drops a named portal when the transaction that bound it ends (the Sync
+    outside a block): an Execute of it in a later round trip is an error, and its name can be
+    bound again. The booth's transaction outlives the agent's, so the proxy closes it then,
+    straight to the server and through the proxy alike."""
+    def msg(kind: bytes, body: bytes = b"") -> bytes:
+        return kind + (len(body) + 4).to_bytes(4, "big") + body
+
+    parse = msg(b"P", b"\0SELECT id FROM t ORDER BY id\0\0\0")
+    bind = msg(b"B", b"c1\0\0\0\0\0\0\0\0")  # portal c1 of the unnamed statement
+    execute = msg(b"E", b"c1\0" + (1).to_bytes(4, "big"))  # one row
+
+    def exchange(port: int) -> list[Any]:
+        s = _wire(port, "postgres", db)
+        try:
+            seen = []
+            for sent in (parse + bind + execute + msg(b"S"), execute + msg(b"S"),
+                         parse + bind + execute + msg(b"S")):
+                s.sendall(sent)
+                seen.append([(k, m.decode_fields(b).get("C") if k == b"E" else None)
+                             for k, b in _until_ready(s)])
+            return seen
+        finally:
+            s.close()
+
+    direct = exchange(pg.port)
+    assert direct[1][0] == (b"E", "34000")  # portal "c1" does not exist
+    assert exchange(proxied.port) == direct
+
+
+def test_an_asyncpg_cursor_left_open_ends_with_its_transaction(pg: Cluster, db: str,
+                                                                proxied: Proxied) -> None:
+    """asyncpg leaves a cursor's portal, not fetched to its end, to the transaction's end
+    (its COMMIT and ROLLBACK are simple queries): one connection's cursors must not pile up
+    on the booth's session, which outlives the agent's transactions."""
+    import asyncpg
+
+    cursors = "SELECT count(*) FROM pg_cursors WHERE name LIKE '%asyncpg_portal%'"
+
+    async def main(url: str) -> list[int]:
+        conn = await asyncpg.connect(url)
+        try:
+            left = []
+            for _ in range(3):
+                async with conn.transaction():
+                    cursor = await conn.cursor("SELECT generate_series(1, 100)")
+                    assert len(await cursor.fetch(2)) == 2
+                    left.append(await conn.fetchval(cursors))
+                left.append(await conn.fetchval(cursors))
+            with contextlib.suppress(RuntimeError):
+                async with conn.transaction():
+                    await conn.cursor("SELECT generate_series(1, 100)")
+                    raise RuntimeError("the agent's code fails")  # its ROLLBACK
+            left.append(await conn.fetchval(cursors))
+            return left
+        finally:
+            await conn.close()
+
+    direct = asyncio.run(asyncio.wait_for(main(pg.url(db)), 60))
+    assert direct == [1, 0, 1, 0, 1, 0, 0]
+    assert asyncio.run(asyncio.wait_for(main(proxied.url), 60)) == direct
 
 
 def test_the_unnamed_portal_outside_a_block_ends_at_its_sync(pg: Cluster, db: str,
