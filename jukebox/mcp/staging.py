@@ -116,6 +116,7 @@ class StageGate:
         # The booth's jukebox.mcp.policy.Policy: the compensations its file declares.
         self.policy: Any = None
         self._next = 1
+        self._unframed: set[str] = set()  # the staged calls whose frame has not come yet
         self._lock = threading.Lock()
 
     # -- control socket handlers (the request is untrusted: the agent wrote it) ------------------
@@ -127,9 +128,15 @@ class StageGate:
         if kind == "note" and payload.get("event") not in NOTE_EVENTS:
             raise RequestError(f"an MCP note's event must be one of {', '.join(NOTE_EVENTS)}")
         if kind == "tool_call" and payload.get("decision") == "stage":
-            with self._lock:  # a staged call's frame must name a call this gate staged
-                if payload.get("staged_id") not in {c.id for c in self.staged}:
-                    raise RequestError("a staged tool_call frame must name a call staged here")
+            # A staged call's frame names a call this gate staged, once. That call may be gone
+            # already: the gateway sends its frame after the agent has its answer, and the
+            # agent's rollback, on its own connection, can be served first.
+            with self._lock:
+                if payload.get("staged_id") not in self._unframed:
+                    raise RequestError(
+                        "a staged tool_call frame must name a call staged here, once"
+                    )
+                self._unframed.discard(payload["staged_id"])
         result = payload.get("result")
         if isinstance(result, dict) and "blob" in result:
             payload = {**payload, "result": self._take_blob(result)}
@@ -225,6 +232,7 @@ class StageGate:
                               shown if shown != args else None, compensate)  # fmt: skip
             self._next += 1
             self.staged.append(call)
+            self._unframed.add(call.id)
             self._changed()
         return {"id": call.id}
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -259,3 +260,38 @@ def test_an_agent_that_leaves_at_once_loses_no_frame(setup: dict) -> None:
     assert [(c["tool"], c["args"]["query"], c["ok"]) for c in calls] == [
         ("search_nodes", q, True) for q in "abc"
     ]
+
+
+def test_a_staged_calls_frame_served_after_the_agents_rollback_is_recorded_once(
+    tmp_path: Path,
+) -> None:
+    # The gateway sends a staged call's frame after the agent has its answer; the agent's
+    # rollback, on its own connection, may be served first (seen at load 10). The frame is
+    # still recorded; one naming a call never staged here, or a second one for the same call,
+    # is refused.
+    from jukebox.booth.control import RequestError
+    from jukebox.mcp.servers import ServerSpec
+    from jukebox.mcp.staging import StageGate
+    from jukebox.tape.tape import TapeWriter
+    from shadowfs.store import Store
+
+    store = Store.open(tmp_path / "store", create=True)
+    writer = TapeWriter.create(tmp_path / "t.jbx", store, "t", fsync=False)
+    writer.append("run_start", {"name": "t"})
+    gate = StageGate({"memory": ServerSpec("memory", "memory-server")}, writer.append)
+    staged = gate.stage_declared("memory", "create", {"name": "beta"}, 1)["id"]
+    assert gate.drop_after(1, "rollback to cp1") == [staged]
+
+    def frame(staged_id: str) -> dict[str, Any]:
+        payload = {"server": "memory", "tool": "create", "args": {"name": "beta"},
+                   "decision": "stage", "staged_id": staged_id}  # fmt: skip
+        return {"kind": "tool_call", "payload": payload}
+
+    gate.handle_record(frame(staged))
+    for wrong in (staged, "stage-9"):
+        with pytest.raises(RequestError, match="staged here, once"):
+            gate.handle_record(frame(wrong))
+    writer.close()
+    store.close()
+    calls = payloads(tmp_path / "t.jbx", "tool_call")
+    assert [(c["staged_id"], c["reported_by"]) for c in calls] == [(staged, "gateway")]
