@@ -508,11 +508,13 @@ class ControlClient:
                     looked = True
                     if _runnable() > _CPUS:
                         return buf
-                # No sched_yield between polls: a task that yielded is not woken by the answer
-                # (it never slept), and behind another process it would wait out that one's
-                # slice; a thread of the booth's put on this CPU preempts the poll anyway.
                 if clock() > until:
                     return buf
+                # The booth's thread may have been woken onto this CPU (no other was idle):
+                # it runs now, not once this poll's slice ends. Another process's task here
+                # would take the CPU for its slice, but then more tasks are runnable than
+                # CPUs, and the poll has stopped already.
+                os.sched_yield()
                 continue
             if not chunk:
                 return buf  # the end of the stream: the caller's `recv` says so
