@@ -59,12 +59,28 @@ def run_on_terminal(
                     os.write(leader, answer[1].encode() + b"\n")
                     answered = True
             elif proc.poll() is not None:
+                # It may have written its last output and exited after the select above found
+                # nothing: read what the terminal still holds (seen at load 8: an empty screen).
+                seen += _left_in(leader)
                 break
         return proc.wait(timeout=30), seen.decode(errors="replace")
     finally:
         os.close(leader)
         if proc.poll() is None:
             proc.kill()
+
+
+def _left_in(leader: int) -> bytes:
+    left = b""
+    while select.select([leader], [], [], 0)[0]:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # every holder of the follower closed it, nothing left
+            break
+        if not chunk:
+            break
+        left += chunk
+    return left
 
 
 def plain(screen: str) -> str:
