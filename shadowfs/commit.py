@@ -1965,6 +1965,18 @@ def _staged_and_applied(
                     staged(-1, _stage_one(store, dirs, plan.stages[i], syncer, interrupted,
                                           umask))  # fmt: skip
                     staged(i, 0)
+            # The journal's bytes depend on the plan alone: made while the last write-back of
+            # the staged files still runs (`_Syncer.kick`), not after `close` waited for it
+            # (encoding and sealing 150,000 paths of a 50,000-file commit: about 0.1 s).
+            sealed = _seal(
+                {
+                    "target": identity,
+                    "token": token,
+                    "ops": _encode_ops(plan.ops),
+                    "fsync": [_enc(d) for d in plan.fsync],
+                },
+                key,
+            )
         finally:
             syncer.close()
         if not whole_fs:
@@ -1972,13 +1984,6 @@ def _staged_and_applied(
                 os.fsync(dirs.get(_dec(d)))
         crash.at("staged")
         _check_interrupt(interrupted)
-        record = {
-            "target": identity,
-            "token": token,
-            "ops": _encode_ops(plan.ops),
-            "fsync": [_enc(d) for d in plan.fsync],
-        }
-        sealed = _seal(record, key)
         if crash.point == "torn-journal":
             _tear(jfd, sealed)
         _write_sealed(jfd, JOURNAL_NAME, sealed)
