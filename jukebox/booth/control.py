@@ -319,6 +319,11 @@ class ControlServer:
             except BlockingIOError:
                 sent = 0
             rest = out[sent:]
+            # The agent's send woke this thread onto the agent's own CPU (the scheduler packs
+            # a woken task onto its waker's vCPU here, even with the other one idle): the
+            # agent, preempted there, reads its answer now, and the bookkeeping after it runs
+            # once the agent sleeps or waits again. Quiet: 591-606 µs against 674-700.
+            os.sched_yield()
 
         with wakeups.deferred(), self._turn:
             try:
