@@ -410,9 +410,9 @@ class Tape:
                 if not roots:
                     pass
                 elif stack:
-                    root = stack[-1]
+                    root = stack[-1][1:]
                     for k in range(len(stack) - 2, -1, -1):
-                        update(b"\x01" + stack[k] + root)
+                        update(stack[k] + root)
                         root = digest_of()
                         reset()
                 else:
@@ -433,11 +433,11 @@ class Tape:
             reset()
             n = i
             while n & 1:
-                update(b"\x01" + stack.pop() + h)
+                update(stack.pop() + h)
                 h = digest_of()
                 reset()
                 n >>= 1
-            stack.append(h)
+            stack.append(b"\x01" + h)  # as merkle.Accumulator keeps it
         acc = merkle.Accumulator()
         if roots:
             acc._stack = stack
