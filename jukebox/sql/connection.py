@@ -26,6 +26,7 @@ proxy then skips to the agent's Sync after an error as the server would have.
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import socket
 import struct
@@ -71,7 +72,7 @@ class BlockUndone(TurnTimeout):
         self.reply = reply
 
 
-@dataclass
+@dataclass(slots=True)
 class _Run:
     """A statement on its way: what a `sql` frame says of it. `bind`: its bound values, made
     fit for the tape (scrubbed) only when its frame is written, off the reply's path."""
@@ -79,12 +80,21 @@ class _Run:
     text: str
     params: list[Any] | None = None
     bind: m.Bind | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: int = field(default_factory=time.monotonic_ns)
 
 
+# A Describe of the unnamed portal, as the agent sends it and as it goes on.
+_UNNAMED_PORTAL = b"P\0"
+_DESCRIBE_UNNAMED_PORTAL = m.message(b"D", _UNNAMED_PORTAL)
+# The extended-query messages `AgentConnection.writes` looks into.
+_MAY_WRITE = frozenset((b"P", b"B", b"E"))
+
+
+@functools.lru_cache(maxsize=1024)
 def rows_of(tag: str) -> tuple[int | None, bool]:
     """(rows, whether they were changed) from a CommandComplete tag (`INSERT 0 3`,
-    `UPDATE 2`, `SELECT 5`, `COPY 10`)."""
+    `UPDATE 2`, `SELECT 5`, `COPY 10`). Cached: asked twice a statement (its reply, its
+    frame), and an agent's tags repeat."""
     word, _, rest = tag.partition(" ")
     last = rest.rpartition(" ")[2]
     if not last.isdigit():
@@ -176,7 +186,7 @@ class AgentConnection:
         self.out = bytearray()
         # The frames of statements answered, waiting for their answer to leave (`record`).
         self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
-                                dict[str, Any] | None, float]] = []
+                                dict[str, Any] | None, int]] = []
         self.frame_timer: asyncio.TimerHandle | None = None
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -208,7 +218,9 @@ class AgentConnection:
 
     async def drain_agent(self) -> None:
         self.flush()
-        await self.wire.drain()
+        wire = self.wire
+        if wire.writing or wire.error is not None:  # else Wire.drain has nothing to wait for
+            await wire.drain()
 
     def up_name(self, name: str) -> str:
         return f"jb{self.number}_{name}" if name else ""
@@ -402,21 +414,23 @@ class AgentConnection:
         """Whether an extended-query message may lead to a write: a Parse of a statement that
         may write, and its Bind and Execute (so a unit takes its turn at its start). Reads
         only the names and text it needs: the message is decoded whole (and checked) after."""
+        if kind not in _MAY_WRITE:
+            return False
         fields = body.split(b"\0", 2)
         try:
             if kind == b"P" and len(fields) > 2:
-                return not st.reads_only(st.split(fields[1].decode()))
+                return st.may_write(fields[1].decode())
             if kind == b"B" and len(fields) > 2:
                 name = fields[1].decode()
                 if name in self.special:
                     return False
-                return not st.reads_only(st.split(self.texts.get(name, "")))
+                return st.may_write(self.texts.get(name, ""))
             if kind == b"E":
                 portal = fields[0].decode()
                 if portal in self.special_portals:
                     return False
                 run = self.portals.get(portal)
-                return not st.reads_only(st.split(run.text if run else ""))
+                return st.may_write(run.text if run else "")
         except UnicodeDecodeError:
             return True  # the decoder refuses it next
         return False
@@ -426,7 +440,7 @@ class AgentConnection:
         """The statement's frame, written once its answer has gone to the agent (`flush`):
         the agent does not wait for the redaction and the tape's write."""
         result = self.kept.take() if self.kept is not None else None
-        self.frames.append((run, tag, failure, rows_changed, result, time.monotonic()))
+        self.frames.append((run, tag, failure, rows_changed, result, time.monotonic_ns()))
 
     def write_frames(self) -> None:
         frames, self.frames = self.frames, []
@@ -449,7 +463,7 @@ class AgentConnection:
                 return
             stream = self.stream
             while True:
-                kind, body = stream.next_message() or await m.read_message(stream)
+                kind, body = stream.next_message() or await stream.read_message()
                 if kind == b"X":
                     return
                 await self.handle(kind, body)
@@ -934,6 +948,15 @@ class AgentConnection:
         self.forward(m.message(b"B", body))
 
     async def on_describe(self, body: bytes) -> None:
+        if body == _UNNAMED_PORTAL and "" not in self.special_portals:
+            # The usual one, the portal the Bind before it made: forwarded without decoding
+            # it into a Describe to encode again.
+            if not self.portal and not self.bound:
+                self.unbound_portal()
+            portal = self.portal
+            self.forward(m.message(b"D", b"P" + portal.encode() + b"\0") if portal
+                         else _DESCRIBE_UNNAMED_PORTAL)
+            return
         what = m.decode_describe(body)
         stmt = (self.special if what.what == "S" else self.special_portals).get(what.name)
         if stmt is None:
@@ -950,6 +973,18 @@ class AgentConnection:
             self.send(m.NO_PARAMETERS + m.NO_DATA if what.what == "S" else m.NO_DATA)
 
     async def on_execute(self, body: bytes) -> None:
+        if len(body) == 5 and body[0] == 0 and "" not in self.special_portals:
+            # The usual one, of the unnamed portal (its name empty, then the row limit):
+            # forwarded without decoding it into an Execute to encode again.
+            run = self.portals.get("") or _Run("")
+            self.runs.append(_Run(run.text, run.params, run.bind))
+            if self.portal:
+                self.forward(m.message(b"E", self.portal.encode() + body))
+            else:
+                if not self.bound:
+                    self.unbound_portal()
+                self.forward(m.message(b"E", body))
+            return
         execute = m.decode_execute(body)
         stmt = self.special_portals.get(execute.portal)
         if stmt is None:

@@ -83,7 +83,7 @@ _LENGTH = struct.Struct("!i")
 
 
 def message(kind: bytes, body: bytes = b"") -> bytes:
-    return kind + struct.pack("!i", len(body) + 4) + body
+    return kind + _LENGTH.pack(len(body) + 4) + body
 
 
 def startup_message(params: dict[str, str]) -> bytes:
@@ -230,9 +230,7 @@ def decode_bind(body: bytes) -> Bind:
     at, size = mid + 1, len(body)
     params: list[bytes | None] = []
     try:
-        (n,) = _INT16.unpack_from(body, at)
-        formats = list(struct.unpack_from(f"!{_count(n)}h", body, at + 2))
-        at += 2 + 2 * n
+        formats, at = _codes(body, at)
         (n,) = _INT16.unpack_from(body, at)
         at += 2
         for _ in range(_count(n)):
@@ -245,18 +243,31 @@ def decode_bind(body: bytes) -> Bind:
                 raise ProtocolError("a message is shorter than its fields")
             params.append(body[at : at + length])
             at += length
-        (n,) = _INT16.unpack_from(body, at)
-        results = list(struct.unpack_from(f"!{_count(n)}h", body, at + 2))
-        at += 2 + 2 * n
+        results, at = _codes(body, at)
     except struct.error:
         raise ProtocolError("a message is shorter than its fields") from None
     if at != size:
         raise ProtocolError("a message is longer than its fields")
-    if any(f not in (0, 1) for f in formats + results):
+    if (formats and not _FORMATS.issuperset(formats)) or (
+            results and not _FORMATS.issuperset(results)):
         raise ProtocolError("a format code other than text (0) or binary (1)")
     if len(formats) not in (0, 1, len(params)):
         raise ProtocolError("parameter formats do not match the parameters")
     return Bind(portal, statement, formats, params, results)
+
+
+_FORMATS = frozenset((0, 1))
+
+
+def _codes(body: bytes, at: int) -> tuple[list[int], int]:
+    """A Bind's format codes at `at` (a count, then as many int16), and where they end: none
+    or one, as almost every Bind has, without a struct format built for the count."""
+    (n,) = _INT16.unpack_from(body, at)
+    if n == 0:
+        return [], at + 2
+    if n == 1:
+        return [_INT16.unpack_from(body, at + 2)[0]], at + 4
+    return list(struct.unpack_from(f"!{_count(n)}h", body, at + 2)), at + 2 + 2 * n
 
 
 def _count(n: int) -> int:
@@ -312,8 +323,12 @@ NO_DATA = message(b"n")
 NO_PARAMETERS = message(b"t", struct.pack("!h", 0))
 
 
+_READY = {status: message(b"Z", status.encode()) for status in ("I", "T", "E")}
+
+
 def ready(status: str) -> bytes:
-    return message(b"Z", status.encode())
+    # Made once: the proxy says it at the end of every statement.
+    return _READY.get(status) or message(b"Z", status.encode())
 
 
 def command_complete(tag: str) -> bytes:

@@ -177,6 +177,13 @@ def _split(query: str) -> list[Statement]:
     return out
 
 
+@functools.lru_cache(maxsize=2048)
+def may_write(query: str) -> bool:
+    """`not reads_only(split(query))`, cached: asked for every Bind and Execute of an agent's
+    prepared statements, which repeat."""
+    return not reads_only(split(query))
+
+
 def reads_only(stmts: tuple[Statement, ...] | list[Statement]) -> bool:
     """Whether running `stmts` writes nothing (a refused statement runs nothing)."""
     return all(s.reads or s.kind == REFUSED for s in stmts)

@@ -157,7 +157,18 @@ class Wire:
         return len(self.buf) > self.at
 
     async def read_message(self) -> tuple[bytes, bytes]:
-        return self.next_message() or await m.read_message(self)
+        """(type byte, body) of the next message, waiting for the socket as long as it is not
+        all here: one coroutine, where m.read_message and its two readexactly were three
+        (and their copies), at each of a statement's two waits."""
+        while True:
+            found = self.next_message()
+            if found is not None:
+                return found
+            if len(self.buf) - self.at >= 5:
+                (length,) = _LENGTH.unpack_from(self.buf, self.at + 1)
+                if length < 4 or length > m.MAX_MESSAGE:
+                    return await m.read_message(self)  # its ProtocolError
+            await self._fill()
 
     async def readexactly(self, n: int) -> bytes:
         while len(self.buf) - self.at < n:
@@ -657,7 +668,7 @@ class Upstream:
             owner = self.unread.popleft()
             failed: dict[str, str] | None = None
             while True:
-                kind, body = self.wire.next_message() or await m.read_message(self.wire)
+                kind, body = self.wire.next_message() or await self.wire.read_message()
                 if kind == b"E" and failed is None:
                     failed = m.decode_fields(body)
                 if kind == b"Z":
@@ -702,7 +713,7 @@ class Upstream:
             self.flush()
         if self.unread:
             await self.settle()
-        return self.wire.next_message() or await m.read_message(self.wire)
+        return self.wire.next_message() or await self.wire.read_message()
 
     async def query(self, sql: str) -> list[tuple[bytes, bytes]]:
         """Runs the proxy's own `sql` (simple protocol); raises UpstreamError on its error.
