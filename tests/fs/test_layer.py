@@ -650,6 +650,29 @@ def _grid(base: Path, dirs: int, files: int) -> None:
             (base / f"d{d}" / f"f{f:02d}.txt").write_text(f"{d}/{f}\n")
 
 
+def test_forgotten_base_paths_take_exactly_what_lies_beneath_them(tmp_path: Path) -> None:
+    import random
+
+    from jukebox.tape.tapedir import TapeDir
+    from jukebox.trees import basetree
+
+    tapes = TapeDir(tmp_path / "tapes")
+    rng = random.Random(7)
+    names = [b"a", b"a.txt", b"a0", b"b", b"sub", b"sub2"]
+    paths = {b"/".join(rng.choices(names, k=rng.randint(1, 4))) for _ in range(400)}
+    records = {p: (1, i, 2) for i, p in enumerate(sorted(paths))}
+    for trial in range(30):
+        basetree._write_stats(tapes, "/t", b"\1" * 32, records)
+        # gone paths: recorded files, directories of records, and paths recorded nowhere
+        gone = set(rng.sample(sorted(paths), trial % 5))
+        gone |= {p.rpartition(b"/")[0] for p in rng.sample(sorted(paths), trial % 4)} - {b""}
+        gone |= {b"absent", b"a/absent"}
+        basetree.forget_base_paths(tapes, "/t", gone)
+        beneath = {p for p in records if any(p.startswith(g + b"/") for g in gone)}
+        want = {p: i for p, i in records.items() if p not in gone | beneath}
+        assert basetree._read_stats(tapes, "/t") == (b"\1" * 32, want)
+
+
 def test_every_snapshot_tree_is_canonical_across_many_small_steps(
     tmp_path: Path, store: Store
 ) -> None:
