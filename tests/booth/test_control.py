@@ -386,6 +386,22 @@ def _asleep_in_recv(tid: int) -> bool:
     return "unix_stream" in Path(f"/proc/self/task/{tid}/wchan").read_text()
 
 
+def _asking(results: list, request: dict, path: str) -> threading.Thread:
+    """A thread sending `request` to the booth at `path`, its answer put in `results`."""
+    caller = threading.Thread(
+        target=lambda: results.append(control.request(request, path)), daemon=True
+    )
+    caller.start()
+    return caller
+
+
+def _until_asleep_in_recv(caller: threading.Thread, otherwise: str) -> None:
+    deadline = time.monotonic() + slow(10)
+    while not _asleep_in_recv(caller.native_id or 0):
+        assert time.monotonic() < deadline, otherwise
+        time.sleep(0.001)
+
+
 def _raw_booth(path: str) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -435,34 +451,22 @@ def test_an_answer_later_than_the_poll_is_waited_for_asleep_and_the_next_one_too
     path = str(tmp_path / "raw.sock")
     listener = _raw_booth(path)
     results: list[dict] = []
-    caller = threading.Thread(
-        target=lambda: results.append(control.request({"op": "checkpoint"}, path)), daemon=True
-    )
-    caller.start()
+    caller = _asking(results, {"op": "checkpoint"}, path)
     conn, _ = listener.accept()
     with conn:
         assert conn.recv(100) == control.CHECKPOINT_LINE
         # The booth answers only once the caller has stopped polling and sleeps in recv: a
         # poll without an end would never get there.
-        deadline = time.monotonic() + slow(10)
-        while not _asleep_in_recv(caller.native_id or 0):
-            assert time.monotonic() < deadline, "the caller never stopped polling"
-            time.sleep(0.001)
+        _until_asleep_in_recv(caller, "the caller never stopped polling")
         conn.sendall(b'{"ok":true,"checkpoint":1}\n')
         caller.join(slow(10))
         assert results == [{"ok": True, "checkpoint": 1}]
         # After a poll that ran out, the next request sleeps at once: a caller polling for a
         # minute would not be seen asleep.
         monkeypatch.setattr(control, "SPIN", 60.0)
-        caller = threading.Thread(
-            target=lambda: results.append(control.request({"op": "status"}, path)), daemon=True
-        )
-        caller.start()
+        caller = _asking(results, {"op": "status"}, path)
         assert conn.recv(100) == b'{"op":"status"}\n'
-        deadline = time.monotonic() + slow(10)
-        while not _asleep_in_recv(caller.native_id or 0):
-            assert time.monotonic() < deadline, "the caller polled again"
-            time.sleep(0.001)
+        _until_asleep_in_recv(caller, "the caller polled again")
         conn.sendall(b'{"ok":true,"status":2}\n')
         caller.join(slow(10))
     listener.close()
@@ -478,17 +482,11 @@ def test_no_poll_while_more_tasks_are_runnable_than_cpus(
     path = str(tmp_path / "raw.sock")
     listener = _raw_booth(path)
     results: list[dict] = []
-    caller = threading.Thread(
-        target=lambda: results.append(control.request({"op": "checkpoint"}, path)), daemon=True
-    )
-    caller.start()
+    caller = _asking(results, {"op": "checkpoint"}, path)
     conn, _ = listener.accept()
     with conn:
         assert conn.recv(100) == control.CHECKPOINT_LINE
-        deadline = time.monotonic() + slow(10)
-        while not _asleep_in_recv(caller.native_id or 0):
-            assert time.monotonic() < deadline, "the caller polled on a busy machine"
-            time.sleep(0.001)
+        _until_asleep_in_recv(caller, "the caller polled on a busy machine")
         conn.sendall(b'{"ok":true,"checkpoint":1}\n')
         caller.join(slow(10))
     listener.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import trio
@@ -16,7 +15,7 @@ from jukebox.llm.fastio import Spin, spin_read
 from jukebox.llm.server import SPIN_ENV, ProxyServer
 from tests.llm import scenario
 from tests.llm.conftest import Recording, direct_urls
-from tests.llm.test_stream_forwarding import first_event_then_rest
+from tests.llm.test_stream_forwarding import first_event_then_rest, logged_in
 from tests.llm.upstream import FakeUpstream
 
 
@@ -88,11 +87,7 @@ def test_a_polling_proxy_passes_the_first_event_on_before_the_upstream_sends_the
     provider: str, upstream: FakeUpstream, recording: Recording, always_polling: None
 ) -> None:
     log = upstream.server.log
-
-    def record(kind: str, payload: Any) -> None:
-        recording.writer.append(kind, payload)
-        log.append(f"{kind} frame written")
-
+    record = logged_in(recording, log)
     upstreams = {"openai": upstream.openai_url, "anthropic": upstream.url}
     with ProxyServer(upstreams=upstreams, record=record, spin=True) as proxy:
         # A first stream, whole: every kind of wait has been measured, so the next polls.

@@ -17,6 +17,17 @@ from tests.llm.conftest import Recording, clients
 from tests.llm.upstream import FakeUpstream
 
 
+def logged_in(recording: Recording, log: list[str]) -> Any:
+    """A `record` for the proxy: the frame goes on the recording's tape, then into `log`
+    (beside the upstream's own entries), so a test can say what came before what."""
+
+    def record(kind: str, payload: Any) -> None:
+        recording.writer.append(kind, payload)
+        log.append(f"{kind} frame written")
+
+    return record
+
+
 def first_event_then_rest(provider: str, upstream: FakeUpstream, base_urls: dict[str, str]):
     """Streams one answer through the real SDK whose upstream holds everything after the first
     event until the agent has that first event; returns the events' types (or deltas)."""
@@ -51,11 +62,7 @@ def test_the_first_event_reaches_the_agent_before_the_upstream_sends_the_second(
     provider: str, upstream: FakeUpstream, recording: Recording
 ) -> None:
     log = upstream.server.log
-
-    def record(kind: str, payload: Any) -> None:
-        recording.writer.append(kind, payload)
-        log.append(f"{kind} frame written")
-
+    record = logged_in(recording, log)
     upstreams = {"openai": upstream.openai_url, "anthropic": upstream.url}
     with ProxyServer(upstreams=upstreams, record=record) as proxy:
         seen = first_event_then_rest(provider, upstream, proxy.base_urls())

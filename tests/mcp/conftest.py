@@ -87,6 +87,21 @@ def only_tape(tape_dir: Path) -> Path:
     return tapes[0]
 
 
+@contextlib.asynccontextmanager
+async def agent_session(url: str, **callbacks: Any) -> AsyncIterator[Any]:
+    """An agent's ClientSession (the SDK's, with `callbacks`: elicitation_callback...) with the
+    streamable-HTTP gateway at `url`, initialized."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async with (
+        streamable_http_client(url) as (read, write, *_),
+        ClientSession(read, write, read_timeout_seconds=30, **callbacks) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
 @contextlib.contextmanager
 def http_gateway_before(script: Path, name: str, tmp: Path, timeout: float,
                         *args: str) -> Iterator[dict[str, Any]]:  # fmt: skip

@@ -19,10 +19,8 @@ from typing import Any
 import anyio
 import mcp.types as types
 import pytest
-from mcp import ClientSession
-from mcp.client.streamable_http import streamable_http_client
 
-from tests.mcp.conftest import hostile_server, http_gateway_before, payloads, wrapped
+from tests.mcp.conftest import agent_session, hostile_server, http_gateway_before, payloads, wrapped
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 10.0
@@ -71,12 +69,12 @@ def asides_since(gateway: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_the_servers_requests_outside_any_call_reach_the_agent(gateway: dict[str, Any]) -> None:
     async def agent() -> list[str]:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30, elicitation_callback=named,
-                          sampling_callback=sampled, list_roots_callback=rooted) as session,
-        ):  # fmt: skip
-            await session.initialize()
+        async with agent_session(
+            gateway["url"],
+            elicitation_callback=named,
+            sampling_callback=sampled,
+            list_roots_callback=rooted,
+        ) as session:
             await session.list_tools()
             texts = []
             for args in ({}, {"what": "name"}, {"what": "model"}, {"what": "roots"}):
@@ -100,11 +98,7 @@ def test_the_servers_requests_outside_any_call_reach_the_agent(gateway: dict[str
 
 def test_an_agent_that_declared_nothing_is_not_asked(gateway: dict[str, Any]) -> None:
     async def agent() -> str:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30) as session,
-        ):
-            await session.initialize()
+        async with agent_session(gateway["url"]) as session:
             result = await session.call_tool("aside", {"what": "model"})
             return str(result.content[0].text)
 
@@ -150,19 +144,12 @@ def test_no_other_client_is_asked_or_answers_in_the_agents_place(gateway: dict[s
         return types.ElicitResult(action="accept", content={"name": "second"})
 
     async def agent() -> tuple[str, str]:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30,
-                          elicitation_callback=asked_while_intruded) as session,  # fmt: skip
-        ):
-            await session.initialize()
+        async with agent_session(
+            gateway["url"], elicitation_callback=asked_while_intruded
+        ) as session:
             first = await session.call_tool("aside", {"what": "name"})
-            async with (
-                streamable_http_client(gateway["url"]) as (read2, write2, *_),
-                ClientSession(read2, write2, read_timeout_seconds=30,
-                              elicitation_callback=second) as other,  # fmt: skip
-            ):
-                await other.initialize()
+            # A second agent session, opened (initialized) and held while the first calls.
+            async with agent_session(gateway["url"], elicitation_callback=second):
                 then = await session.call_tool("aside", {"what": "name"})
             return str(first.content[0].text), str(then.content[0].text)
 
@@ -204,11 +191,7 @@ def test_relayed_calls_share_a_kept_connection(gateway: dict[str, Any]) -> None:
     peers = gateway["peers"]
 
     async def agent() -> list[str]:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30) as session,
-        ):
-            await session.initialize()
+        async with agent_session(gateway["url"]) as session:
             await session.list_tools()
             peers.unlink(missing_ok=True)  # the gateway's own requests so far
             texts = []

@@ -18,10 +18,8 @@ from typing import Any
 import anyio
 import mcp.types as types
 import pytest
-from mcp import ClientSession
-from mcp.client.streamable_http import streamable_http_client
 
-from tests.mcp.conftest import http_gateway_before, payloads
+from tests.mcp.conftest import agent_session, http_gateway_before, payloads
 
 HERE = Path(__file__).resolve().parent
 # Long enough that a request left unanswered shows as this timeout's error, not a hang.
@@ -60,12 +58,9 @@ async def sampled(ctx: Any, params: types.CreateMessageRequestParams) -> types.C
 
 def test_the_servers_requests_mid_call_reach_the_agent(gateway: dict[str, Any]) -> None:
     async def agent() -> list[str]:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30, elicitation_callback=elicited,
-                          sampling_callback=sampled) as session,  # fmt: skip
-        ):
-            await session.initialize()
+        async with agent_session(
+            gateway["url"], elicitation_callback=elicited, sampling_callback=sampled
+        ) as session:
             await session.list_tools()  # the gateway knows the tools are read-only: relayed
             texts = []
             for tool, args in (("ask", {}), ("sample", {"prompt": "2+2"}), ("ask", {})):
@@ -90,11 +85,7 @@ def test_a_closed_stream_is_resumed_and_the_gateway_refuses_to_resume_its_own(
     gateway: dict[str, Any],
 ) -> None:
     async def agent() -> str:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30) as session,
-        ):
-            await session.initialize()
+        async with agent_session(gateway["url"]) as session:
             await session.list_tools()
             result = await session.call_tool("pause", {})
             assert not result.is_error, result
@@ -118,12 +109,7 @@ def test_a_closed_stream_is_resumed_and_the_gateway_refuses_to_resume_its_own(
 
 def test_a_relayed_call_the_agent_cancels_is_cancelled_upstream(gateway: dict[str, Any]) -> None:
     async def agent() -> str:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30,
-                          elicitation_callback=elicited) as session,  # fmt: skip
-        ):
-            await session.initialize()
+        async with agent_session(gateway["url"], elicitation_callback=elicited) as session:
             await session.list_tools()
             with anyio.move_on_after(1) as waited:
                 await session.call_tool("wait", {})
@@ -169,12 +155,9 @@ def test_another_client_cannot_answer_a_request_the_server_put_to_this_one(
         return types.ElicitResult(action="accept", content={"name": "agent-7"})
 
     async def agent() -> str:
-        async with (
-            streamable_http_client(gateway["url"]) as (read, write, *_),
-            ClientSession(read, write, read_timeout_seconds=30,
-                          elicitation_callback=asked_while_intruded) as session,  # fmt: skip
-        ):
-            await session.initialize()
+        async with agent_session(
+            gateway["url"], elicitation_callback=asked_while_intruded
+        ) as session:
             await session.list_tools()
             result = await session.call_tool("ask", {})
             assert not result.is_error, result
