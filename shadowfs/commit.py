@@ -6,6 +6,10 @@ the old or exactly the new state:
 1. **Check.** Every touched path must still hold what the base tree says (kind, mode, size and
    content for files, target for symlinks, absence for added paths, no extra entries in a
    directory about to be removed). Any mismatch raises ConflictError having written nothing.
+   A commit of ``SYNCFS_FROM`` staged files or more runs the check beside the staging instead
+   (in a thread: the staging waits on the kernel creating files, the check on lstats and
+   reads, and one after the other they left a core idle); a mismatch then undoes the
+   staging, as the re-check's does, and the tree is exactly the old one again.
 2. **Stage.** New files and symlinks are written next to their targets under hidden names
    (``.jbx-stage-<token>-<n>``) with their final mode and mtime, and fsynced. A *prepare* record
    in the journal directory names the token and the staging directories first, so a crash while
@@ -43,13 +47,15 @@ the commit point it is no longer asked, and the commit finishes.
 Fault injection for crash tests: ``SHADOWFS_CRASH_AT`` names a point where the process SIGKILLs
 itself; ``SHADOWFS_PAUSE_AT`` names one where it stops itself (SIGSTOP) until a SIGCONT, so a
 test can change the target at exactly that moment. In ``apply``, in order: ``prepare``,
-``stage:K``, ``staged``, ``journal``, ``op:K``, ``applied``, ``prepare-deleted``
-(``torn-journal`` instead leaves half a journal and dies), or an integer step index into that
-sequence, then ``freeing`` (the journal is gone, the trash not yet emptied). By name only (no
-step index): ``aside:K``, inside op K once the file it replaces is linked into the trash and
-before the staged file takes its place. In ``recover``: ``recover-op:K``, ``recover-applied``,
-``recover-prepare-deleted``. The booth's database verdict reads the same variable for
-``sql-prepare`` and ``sql-prepared`` (PREPARE TRANSACTION sent; answered: jukebox.sql.booth_link).
+``stage:K``, ``checked`` (only where the check runs beside the staging: both ended),
+``staged``, ``journal``, ``op:K``, ``applied``, ``prepare-deleted`` (``torn-journal`` instead
+leaves half a journal and dies), or an integer step index into that sequence, then
+``freeing`` (the journal is gone, the trash not yet emptied). By name only (no step index):
+``aside:K``, inside op K once the file it replaces is linked into the trash and before the
+staged file takes its place; ``check:K``, in the check's thread at its K-th path. In
+``recover``: ``recover-op:K``, ``recover-applied``, ``recover-prepare-deleted``. The booth's
+database verdict reads the same variable for ``sql-prepare`` and ``sql-prepared`` (PREPARE
+TRANSACTION sent; answered: jukebox.sql.booth_link).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ import resource
 import secrets
 import signal
 import stat
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -265,10 +272,15 @@ class _ChunkDirs:
 
 
 class _Threads:
-    """The threads independent operations run in (see ``_THREADS``), started on first use."""
+    """The threads independent operations run in (see ``_THREADS``), started on first use.
+    The main thread and `_Checker`'s may both hand them work."""
 
     def __init__(self) -> None:
-        self.pool: ThreadPoolExecutor | None = None
+        # Made here, not at the first call, so two threads calling never make two; it starts
+        # no thread before its first task.
+        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            _THREADS, thread_name_prefix="jbx-commit"
+        )
 
     def run(self, fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> list[Any]:
         """``fn(*args)`` for every ``args`` of ``calls``, concurrently: their results, or the
@@ -738,20 +750,13 @@ def _holds(
     st = _lstat(dirs, path) if st is None else st
     if st is None:
         return False
-    fmt = stat.S_IFMT(st.st_mode)
-    if e.kind == DIR:
-        return fmt == stat.S_IFDIR and stat.S_IMODE(st.st_mode) == e.mode
-    if e.kind == SYMLINK:
-        if fmt != stat.S_IFLNK:
-            return False
-        return os.readlink(_name(path), dir_fd=dirs.get(_parent(path))) == e.target
-    if e.kind in SPECIALS:
-        return (
-            fmt == SPECIAL_FMT[e.kind]
-            and stat.S_IMODE(st.st_mode) == e.mode
-            and (e.kind not in DEVICES or st.st_rdev == e.rdev)
-        )
-    if fmt != stat.S_IFREG or stat.S_IMODE(st.st_mode) != e.mode or st.st_size != e.size:
+    if e.kind != FILE:
+        return _holds_unread(dirs, path, e, st)
+    if (
+        not stat.S_ISREG(st.st_mode)
+        or stat.S_IMODE(st.st_mode) != e.mode
+        or st.st_size != e.size
+    ):
         return False
     if known is not None and known.get(path) == (st.st_dev, st.st_ino, st.st_ctime_ns):
         return True  # the very file the caller hashed into the base, unwritten since
@@ -832,15 +837,94 @@ def _conflicts(
     anything unusual (a chunked file, a symlink, a special file) is checked here
     by `_holds`."""
     threads = threads if threads is not None else _Threads()
+    total = len(plan.changes)
+    bad, reads = _scan(dirs, plan, seen, known, progress)
+    blobs: list[tuple[bytes, int, ObjectId]] = []
+    for path, e, oid in reads:
+        if store.kind(oid) == "blob":
+            blobs.append((path, e.size, oid))
+        elif not _holds(store, dirs, path, e, None, known):
+            bad.append(path)
+    bad += _unlike_blobs(dirs, blobs, threads, progress, total)
+    bad.extend(_extra_names(dirs, plan, set(bad)))
+    if progress is not None:
+        progress("check", total, total)
+    return [_show(p) for p in sorted(set(bad))]
+
+
+def _unlike_blobs(
+    dirs: _Dirs,
+    blobs: list[tuple[bytes, int, ObjectId]],
+    threads: _Threads,
+    progress: Progress | None = None,
+    total: int = 0,
+    stopped: Callable[[], bool] | None = None,
+) -> list[bytes]:
+    """The paths of ``blobs`` (path, size, blob id) whose file does not hash to that blob,
+    read and hashed in ``threads`` a chunk at a time (`_same_blob_at`); ``stopped()`` true
+    ends it early (what it returns then means nothing)."""
+    unlike: list[bytes] = []
+    i = 0
+    while i < len(blobs) and not (stopped is not None and stopped()):
+        own = _ChunkDirs(dirs)
+        try:
+            calls: list[tuple[Any, ...]] = []
+            paths: list[bytes] = []
+            while i < len(blobs) and len(calls) < _CHUNK_OPS:
+                path, size, oid = blobs[i]
+                parent = _parent(path)
+                if parent not in own.fds and len(own.fds) >= _CHUNK_DIRS:
+                    break
+                i += 1
+                try:
+                    dfd = own.get(parent)
+                except OSError as exc:
+                    if exc.errno not in _GONE:
+                        raise
+                    unlike.append(path)
+                    continue
+                calls.append((dfd, _name(path), size, oid))
+                paths.append(path)
+            # A few files are read here: starting the threads would cost more.
+            many = len(calls) >= _THREADED_FROM
+            fine = threads.run(_same_blob_at, calls) if many else _batch(_same_blob_at, calls)
+        finally:
+            own.close()
+        unlike.extend(path for path, ok in zip(paths, fine, strict=True) if not ok)
+        if progress is not None:
+            progress("check", total - len(blobs) + i, total)
+    return unlike
+
+
+Read = tuple[bytes, Entry, ObjectId]
+"""A regular file whose content the conflict check must compare: path, base entry, its oid."""
+
+
+def _scan(
+    dirs: _Dirs,
+    plan: _Plan,
+    seen: dict[bytes, Seen] | None,
+    known: Known | None,
+    progress: Progress | None = None,
+    crash: _Crash | None = None,
+) -> tuple[list[bytes], list[Read]]:
+    """The conflict check's stat pass, which needs no store (the threaded staging runs it in
+    a thread of its own, see `_Checker`): the touched paths whose kind, mode, size, symlink
+    target or absence already differ from the base, and the regular files whose content is
+    still to compare. ``seen`` as in `_conflicts`; ``crash``: the point ``check:K`` at the
+    K-th path, for the crash tests."""
     created = {op[1] for op in plan.ops if op[0] == "mkdir"}
     checked = [c for c in plan.changes if _parent(c.path) not in created]
     # Beneath a directory this commit creates: the directory's check covers it.
     total = len(plan.changes)
+    faults = crash is not None and crash.point is not None
     bad: list[bytes] = []
-    reads: list[tuple[bytes, Entry, ObjectId]] = []  # regular files whose content must be compared
+    reads: list[Read] = []
     for k, c in enumerate(checked):
         if progress is not None and k % 256 == 0:
             progress("check", k - len(reads), total)  # the files still to read count later
+        if faults:
+            crash.named(f"check:{k}")  # type: ignore[union-attr]  # faults: crash is set
         st = _lstat(dirs, c.path)
         if seen is not None:
             seen[c.path] = _seen(st)
@@ -865,45 +949,35 @@ def _conflicts(
                 else:
                     reads.append((c.path, e, e.oid))
             # else: the very file the caller hashed into the base, unwritten since
-        elif not _holds(store, dirs, c.path, e, st, known):
-            bad.append(c.path)
-    blobs: list[tuple[bytes, int, ObjectId]] = []
-    for path, e, oid in reads:
-        if store.kind(oid) == "blob":
-            blobs.append((path, e.size, oid))
-        elif not _holds(store, dirs, path, e, None, known):
-            bad.append(path)
-    i = 0
-    while i < len(blobs):
-        own = _ChunkDirs(dirs)
-        try:
-            calls: list[tuple[Any, ...]] = []
-            paths: list[bytes] = []
-            while i < len(blobs) and len(calls) < _CHUNK_OPS:
-                path, size, oid = blobs[i]
-                parent = _parent(path)
-                if parent not in own.fds and len(own.fds) >= _CHUNK_DIRS:
-                    break
-                i += 1
-                try:
-                    dfd = own.get(parent)
-                except OSError as exc:
-                    if exc.errno not in _GONE:
-                        raise
-                    bad.append(path)
-                    continue
-                calls.append((dfd, _name(path), size, oid))
-                paths.append(path)
-            # A few files are read here: starting the threads would cost more.
-            many = len(calls) >= _THREADED_FROM
-            fine = threads.run(_same_blob_at, calls) if many else _batch(_same_blob_at, calls)
-        finally:
-            own.close()
-        bad.extend(path for path, ok in zip(paths, fine, strict=True) if not ok)
-        if progress is not None:
-            progress("check", total - len(blobs) + i, total)
+        elif e.kind == FILE or not _holds_unread(dirs, c.path, e, st):
+            bad.append(c.path)  # a file whose kind, mode or size differ, or another entry
+    return bad, reads
+
+
+def _holds_unread(dirs: _Dirs, path: bytes, e: Entry, st: os.stat_result) -> bool:
+    """`_holds` for an entry that is no regular file, whose ``st`` the caller took: decided
+    without the store (`_scan` runs it in a thread)."""
+    fmt = stat.S_IFMT(st.st_mode)
+    if e.kind == DIR:
+        return fmt == stat.S_IFDIR and stat.S_IMODE(st.st_mode) == e.mode
+    if e.kind == SYMLINK:
+        if fmt != stat.S_IFLNK:
+            return False
+        return os.readlink(_name(path), dir_fd=dirs.get(_parent(path))) == e.target
+    return (
+        e.kind in SPECIALS
+        and fmt == SPECIAL_FMT[e.kind]
+        and stat.S_IMODE(st.st_mode) == e.mode
+        and (e.kind not in DEVICES or st.st_rdev == e.rdev)
+    )
+
+
+def _extra_names(dirs: _Dirs, plan: _Plan, skip: set[bytes]) -> list[bytes]:
+    """The names in directories the commit removes that the base does not list (the commit
+    would remove them too) but for directories in ``skip`` (already reported)."""
+    extra: list[bytes] = []
     for d, names in plan.removed_dirs.items():
-        if d in bad:
+        if d in skip:
             continue
         try:
             real = {os.fsencode(n) for n in os.listdir(dirs.get(d))}
@@ -911,24 +985,82 @@ def _conflicts(
             if exc.errno in _GONE:
                 continue  # already reported through the directory's own entry
             raise
-        bad.extend(d + b"/" + extra for extra in sorted(real - names))
-    if progress is not None:
-        progress("check", total, total)
-    return [_show(p) for p in sorted(set(bad))]
+        extra.extend(d + b"/" + name for name in sorted(real - names))
+    return extra
+
+
+class _Checker:
+    """The conflict check of a threaded staging, run in a thread beside it: the staging's
+    threads wait on the kernel creating files (about one core of two), and the check's
+    50,000 lstats and its reads of the files not ``known`` would otherwise run before, alone.
+
+    Its thread uses directory fds of its own and never the store (whose connection belongs
+    to the main thread): a file it reads is held when its bytes hash to the base's blob id;
+    any other file (a mismatch, a big file the store may keep in chunks) is checked again by
+    `result`, in the main thread, with the store. The staging writes only names of its own
+    (`STAGE_PREFIX`), never a checked path, and the check compares directories by inode and
+    mode only (`_seen`), so neither sees the other."""
+
+    def __init__(
+        self,
+        root: int,
+        plan: _Plan,
+        seen: dict[bytes, Seen],
+        known: Known | None,
+        threads: _Threads,
+        crash: _Crash,
+    ) -> None:
+        self.dirs = _Dirs(root)
+        self.plan = plan
+        self.seen = seen
+        self.known = known
+        self.threads = threads
+        self.crash = crash
+        self.bad: list[bytes] = []
+        self.again: list[Read] = []  # for `result`, with the store
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="jbx-check", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            bad, reads = _scan(self.dirs, self.plan, self.seen, self.known, crash=self.crash)
+            # In the staging's threads, a chunk at a time: its chunks and these take turns.
+            small = [(path, e.size, oid) for path, e, oid in reads if e.size <= _SMALL_FILE]
+            unlike = set(_unlike_blobs(self.dirs, small, self.threads, stopped=self._stopped))
+            self.again = [r for r in reads if r[1].size > _SMALL_FILE or r[0] in unlike]
+            bad.extend(_extra_names(self.dirs, self.plan, set(bad)))
+            self.bad = bad
+        except BaseException as exc:  # handed to the main thread by `result`
+            self.error = exc
+        finally:
+            self.dirs.close()
+
+    def _stopped(self) -> bool:
+        return self.stopped
+
+    def stop(self) -> None:
+        """Ends the thread early (the commit stops) and waits for it."""
+        self.stopped = True
+        self.thread.join()
+
+    def result(self, store: ObjectReader, dirs: _Dirs) -> list[str]:
+        """The conflicts, as `_conflicts` reports them, once the thread has ended."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        bad = self.bad + [
+            path for path, e, _ in self.again if not _holds(store, dirs, path, e, None, self.known)
+        ]
+        return [_show(p) for p in sorted(set(bad))]
 
 
 def _changed_since(dirs: _Dirs, plan: _Plan, seen: dict[bytes, Seen]) -> list[str]:
     """The touched paths that are no longer the very entries the conflict check saw, and the
     extra names that appeared in directories the commit removes."""
     bad = [path for path, was in seen.items() if _seen(_lstat(dirs, path)) != was]
-    for d, names in plan.removed_dirs.items():
-        try:
-            real = {os.fsencode(n) for n in os.listdir(dirs.get(d))}
-        except OSError as exc:
-            if exc.errno in _GONE:
-                continue  # the directory's own entry changed: reported above
-            raise
-        bad.extend(d + b"/" + extra for extra in sorted(real - names))
+    bad.extend(_extra_names(dirs, plan, set()))
     return [_show(p) for p in sorted(set(bad))]
 
 
@@ -1917,25 +2049,40 @@ def _staged_and_applied(
     n_changes: int,
 ) -> CommitReport:
     """`_apply_locked` from the conflict check on; ``threads``: the threads of its steps, each
-    step's work in them ended before the next step begins."""
-    with _prefetched(store, unknown):
-        conflicts = _conflicts(store, dirs, plan, progress, seen, known, threads)
-    if conflicts:
-        raise ConflictError(conflicts)
+    step's work in them ended before the next step begins.
 
+    A commit staged in threads (``whole_fs``) runs its conflict check beside the staging
+    (`_Checker`), and a conflict then undoes the staging like the re-check's; a smaller one
+    checks first and writes nothing when it finds a conflict."""
+    total = len(plan.stages)
+    whole_fs = total >= SYNCFS_FROM
+
+    def check_first() -> None:
+        with _prefetched(store, unknown):
+            conflicts = _conflicts(store, dirs, plan, progress, seen, known, threads)
+        if conflicts:
+            raise ConflictError(conflicts)
+
+    if not whole_fs:
+        check_first()
     identity = _identity(dirs.root)
     # Staging bumps these directories' mtimes; undoing it must put them back, or the tree would
     # not be exactly the old one.
-    stage_dirs: list[list[Any]] = [
-        [_enc(d), _mtime(dirs, d)] for d in sorted({s.dir for s in plan.stages})
-    ]
+    try:
+        stage_dirs: list[list[Any]] = [
+            [_enc(d), _mtime(dirs, d)] for d in sorted({s.dir for s in plan.stages})
+        ]
+    except OSError as exc:
+        if not whole_fs or exc.errno not in _GONE:
+            raise
+        check_first()  # a staging directory is gone or swapped: the conflicts say which
+        raise
     prepare = {"target": identity, "token": token, "dirs": stage_dirs}
     written = 0
+    checker: _Checker | None = None
     try:
         _write_sealed(jfd, PREPARE_NAME, _seal(prepare, key))
         crash.at("prepare")
-        total = len(plan.stages)
-        whole_fs = total >= SYNCFS_FROM
         syncer = _Syncer(dirs.root if whole_fs else None)
         umask = _umask()
 
@@ -1958,8 +2105,18 @@ def _staged_and_applied(
                 _prefetched(store, (oid for oid in rest if oid)),
             ):
                 if whole_fs:
+                    # Started once the index rows are in: beside that query its lstats cost
+                    # the main thread as much again (sqlite lets go of the GIL at each row).
+                    checker = _Checker(dirs.root, plan, seen, known, threads, crash)
                     _stage_threaded(store, dirs, plan.stages, syncer, threads, interrupted,
                                     staged, umask)  # fmt: skip
+                    conflicts = checker.result(store, dirs)
+                    checker = None
+                    if progress is not None:
+                        progress("check", len(plan.changes), len(plan.changes))
+                    crash.at("checked")
+                    if conflicts:
+                        raise ConflictError(conflicts)
                 for i in range(0 if whole_fs else total):
                     _check_interrupt(interrupted)
                     staged(-1, _stage_one(store, dirs, plan.stages[i], syncer, interrupted,
@@ -1996,6 +2153,7 @@ def _staged_and_applied(
             os.fsync(jfd)
             raise ConflictError(changed)
     except BaseException as exc:
+        explained = _ended(checker, exc, store, dirs)
         if isinstance(exc, KeyboardInterrupt) and _read_sealed(jfd, JOURNAL_NAME, key)[1]:
             # Ctrl-C past the commit point (between the journal and its check): finish.
             with _trash(jfd, dirs.root, token, len(plan.ops)) as trash:
@@ -2005,6 +2163,8 @@ def _staged_and_applied(
         _undo_staging(dirs, prepare)
         _remove(jfd, JOURNAL_NAME, PREPARE_NAME, PREPARE_NAME + ".tmp", JOURNAL_NAME + ".tmp")
         os.fsync(jfd)
+        if explained:
+            raise ConflictError(explained) from None
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ShadowfsError(
                 f"commit stopped before the commit point: {exc.strerror} while staging "
@@ -2024,6 +2184,25 @@ def _staged_and_applied(
     crash.at("applied")
     _finish(jfd, crash, "prepare-deleted")
     return CommitReport(n_changes, written)
+
+
+def _ended(
+    checker: _Checker | None, exc: BaseException, store: ObjectReader, dirs: _Dirs
+) -> list[str]:
+    """Ends a conflict check still running beside a staging that stopped with ``exc``. A
+    staging that failed on the tree (a directory the host removed or swapped for a symlink
+    meanwhile) is explained by the check's conflicts, returned to be raised instead; any
+    other stop (an interrupt, a full disk) ends the check unread."""
+    if checker is None:
+        return []
+    if not isinstance(exc, OSError) or exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        checker.stop()
+        return []
+    try:
+        return checker.result(store, dirs)
+    except Exception:  # the staging's own error is the one to report
+        checker.stop()
+        return []
 
 
 def _tear(jfd: int, sealed: bytes) -> None:

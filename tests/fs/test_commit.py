@@ -399,6 +399,38 @@ def test_conflict_is_refused_with_nothing_written(tmp_path: Path, store: Store, 
     assert not os.listdir(s.journal)
 
 
+def _base_and_many(src: Path) -> None:
+    base_tree(src)
+    for i in range(commit.SYNCFS_FROM + 20):
+        write(src / "many" / f"d{i:03d}" / "f", b"old %d\n" % i)
+
+
+def _everything_and_many(src: Path) -> None:
+    everything(src)
+    for i in range(commit.SYNCFS_FROM + 20):
+        write(src / "many" / f"d{i:03d}" / "f", b"new %d\n" % i)
+
+
+@pytest.mark.parametrize("name", list(CONFLICTS))
+def test_a_commit_staged_in_threads_refuses_a_conflict_leaving_no_trace(
+    tmp_path: Path, store: Store, name: str
+) -> None:
+    """Past SYNCFS_FROM staged files the conflict check runs beside the staging: a conflict
+    then undoes what was staged, and the tree is exactly as before (the staging directories'
+    mtimes too); a staging that fails on the tampered tree (a parent swapped for a symlink)
+    is reported by its conflicts."""
+    tamper, expected = CONFLICTS[name]
+    s = Scenario(tmp_path, store, _base_and_many, _everything_and_many)
+    tamper(s.target)
+    before = snapshot(s.target, with_root=True)
+    with pytest.raises(ConflictError) as info:
+        s.apply()
+    assert info.value.conflicts == expected
+    assert snapshot(s.target, with_root=True) == before
+    assert not os.listdir(s.journal)
+    assert commit.clean_residue(s.target) == 0
+
+
 def test_every_conflict_is_listed(tmp_path: Path, store: Store) -> None:
     s = Scenario(tmp_path, store, base_tree, everything)
     _same_size_edit_keeping_mtime(s.target)

@@ -25,6 +25,7 @@ from shadowfs.oid import ObjectId
 from shadowfs.store import Store
 from shadowfs.tree import build_tree, materialize
 from tests.fs.test_commit import REPO, Snapshot, base_tree, everything, snapshot
+from tests.reliability.pending_booth import resume, wait_stopped
 
 TRIALS = int(os.environ.get("JUKEBOX_TORTURE_TRIALS", "6"))
 SEED = int(os.environ.get("JUKEBOX_TORTURE_SEED", "20240611"))
@@ -61,6 +62,8 @@ class World:
         return [
             "prepare",
             *(f"stage:{i}" for i in range(self.stages)),
+            # Staged in threads, the conflict check runs beside the staging and ends here.
+            *(["checked"] if self.stages >= commit.SYNCFS_FROM else []),
             "staged",
             "journal",
             *(f"op:{i}" for i in range(self.ops)),
@@ -201,6 +204,56 @@ def test_named_points_of_a_commit_synced_as_a_whole(big_world: World) -> None:
     # Recovery redoes a big journal in threads too; killed midway, it is run again.
     assert _trial(w, f"op:{w.ops // 3}", f"recover-op:{w.ops // 2}") == (-9, True)
     assert _trial(w, "no-such-point") == (0, True)
+
+
+def test_a_crash_while_the_check_runs_beside_the_staging(big_world: World) -> None:
+    """Killed in the conflict check's thread (at its first, middle and last path, the staging
+    going on in the other threads) or once both ended: the prepare record undoes whatever
+    was staged, and the tree is exactly the old one."""
+    w = big_world
+    staged: list[int] = []
+
+    def count_staged(target: Path, journal: Path) -> None:
+        staged.append(sum(1 for _, _, names in os.walk(target)
+                          for n in names if n.startswith(".jbx-stage-")))  # fmt: skip
+
+    checked = len(_world_changes(w))
+    for point in ("check:0", f"check:{checked // 2}", f"check:{checked - 1}", "checked"):
+        assert _trial(w, point, between=count_staged) == (-9, False), point
+    assert staged[-1] == w.stages  # at "checked" everything is staged, and then undone
+    assert _trial(w, str(w.sequence.index("checked"))) == (-9, False)
+
+
+def test_a_staging_directory_removed_before_the_staging_is_reported_as_conflicts(
+    big_world: World,
+) -> None:
+    """The host removes a directory the commit stages into once the commit has planned (it
+    stops itself at "prepare"): the staging fails there, and the check running beside it
+    says why, as conflicts; what was staged elsewhere is undone and nothing else changes."""
+    w = big_world
+    target, journal = w.tmp / "target-removed-dir", w.tmp / "journal-removed-dir"
+    materialize(w.store, w.base, target)
+    env = dict(os.environ, **{commit.PAUSE_ENV: "prepare"})
+    env.pop(CRASH_ENV, None)
+    args = [str(w.tmp / "store"), str(target), w.base.hex(), w.new.hex(), str(journal)]
+    proc = subprocess.Popen([sys.executable, "-c", _APPLY, *args], env=env, cwd=REPO,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_stopped(proc)
+        shutil.rmtree(target / "d005")
+        left = snapshot(target)
+    finally:
+        resume(proc)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr
+    assert "ConflictError" in stderr and "(d005, d005/added, d005/f, d005/gone)" in stderr, stderr
+    assert snapshot(target) == left
+    assert not os.listdir(journal)
+    assert recover(target, journal) is False
+
+
+def _world_changes(w: World) -> list[tree.Change]:
+    return commit._changes(w.store, w.base, w.new)
 
 
 def test_a_crash_between_moving_a_file_aside_and_renaming_in_its_successor(
