@@ -2043,6 +2043,15 @@ class Layer:
             self._flush(durable)
         return tree_id, journal_id
 
+    def took_fold(self, durable: bool = True) -> None:
+        """What `snapshot` does after its answer when `fold` had stored everything, for a
+        caller that took the fold's ids itself (`_folded_journal`, `last_tree`, with
+        `journal.changes` as the fold left it) under the layer lock, which it still holds."""
+        self._folded_journal = None
+        self._fold()
+        self.journal.clear()
+        self._flush(durable)
+
     def _foreground(self) -> contextlib.AbstractContextManager[None]:
         """The store's foreground section (`Store.foreground`), if it has one: its background
         flush stands aside meanwhile."""

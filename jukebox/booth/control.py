@@ -31,11 +31,22 @@ from collections.abc import Callable, Mapping
 
 # The C encoder's private names: typeshed does not declare them (a fallback covers their absence).
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any
+from types import ModuleType
+from typing import Any, Protocol
 
 from jukebox.errors import JukeboxError
 from shadowfs import sched, wakeups
 from shadowfs.values import Value, setfield
+
+_quickline: ModuleType | None
+try:
+    # The checkpoint line after a fold answered in C (_quickline.c), built by the install.
+    from jukebox.booth import _quickline
+except ImportError:  # not built (no compiler at install): the Python path serves every line
+    _quickline = None
+# `JUKEBOX_QUICKLINE=off`: every line served by the Python path, the compiled one's reference.
+if os.environ.get("JUKEBOX_QUICKLINE") == "off":
+    _quickline = None
 
 SOCKET_ENV = "JUKEBOX_SOCKET"
 MAX_LINE = 64 * 1024
@@ -104,6 +115,20 @@ Handler = Callable[[dict[str, Any], Peer], dict[str, Any]]
 QuickHandler = Callable[[Peer, Callable[[dict[str, Any]], None]], bool]
 
 
+class FastCheckpoint(Protocol):
+    """What the compiled path (`_quickline.serve`) needs to answer `CHECKPOINT_LINE` itself
+    after a fold, and finish afterwards (the booth's `_Run`)."""
+
+    def quick_gate(self) -> tuple[int, bytes, int, tuple[Any, ...]] | None:
+        """(the mount's fd, its fusectl `waiting` file, its connection number, (the run's
+        lock, the run, the layer lock, the layer, the tape queue)), or None: not now."""
+
+    def fast_taken(self, n: int, seq: int, tree: bytes) -> None:
+        """Checkpoint ``n`` answered with frame ``seq`` and tree ``tree``, the frame queued:
+        finish it (the layer's bookkeeping, the flush scheduled) under the run's lock and the
+        layer lock, which the compiled path took and releases after this."""
+
+
 def validate(raw: bytes) -> dict[str, Any]:
     """The request as a dict with exactly the keys its op allows, or RequestError."""
     try:
@@ -155,6 +180,11 @@ def _check_label(label: object) -> None:
         raise RequestError(f"a label must be printable and at most {MAX_LABEL} characters")
 
 
+def quickline_answers() -> int:
+    """Checkpoints this process answered through the compiled path (0 without it)."""
+    return 0 if _quickline is None else int(_quickline.answered())
+
+
 def peer_of(sock: socket.socket) -> Peer:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
@@ -176,6 +206,7 @@ class ControlServer:
         path: str,
         handlers: dict[str, Handler],
         quick: Mapping[bytes, QuickHandler] | None = None,
+        fast: FastCheckpoint | None = None,
     ) -> None:
         missing = set(CORE_OPS) - set(handlers)
         if missing:
@@ -187,6 +218,9 @@ class ControlServer:
         # agent's pause every step of the plain path (framing, JSON, validation, dispatch)
         # runs from cold caches; this one is a dictionary lookup.
         self.quick: Mapping[bytes, QuickHandler] = quick or {}
+        # The same line after a fold answered before any Python runs (`_quickline`), where it
+        # was built; `CHECKPOINT_LINE`'s quick handler stays its fallback for any doubt.
+        self.fast = fast if _quickline is not None and CHECKPOINT_LINE in self.quick else None
         self.requests = 0
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(FileNotFoundError):
@@ -260,11 +294,24 @@ class ControlServer:
         try:
             peer = peer_of(sock)
             buf = b""
+            fast, fields, fd = self.fast, peer.as_dict(), sock.fileno()
             # Until the end of the stream, also once close() shut it: what a client wrote
             # before is still read first (an MCP gateway's frames, written without waiting for
             # their answers by a wrapper the agent's end killed: jukebox.mcp.record.BoothSink).
             while True:
-                data = sock.recv(65536)
+                if fast is None or _quickline is None:
+                    data = sock.recv(65536)
+                else:
+                    gate = None if buf else fast.quick_gate()
+                    if gate is not None:
+                        gate = (*gate[:3], (self._turn, *gate[3]))
+                    got = _quickline.serve(fd, CHECKPOINT_LINE, gate, fields)
+                    if type(got) is tuple:
+                        # `got` says it answered, so `gate` was given
+                        if self._fast_taken(sock, fast, got, gate[3]):  # type: ignore[index]
+                            continue
+                        return
+                    data = got
                 if not data:
                     return
                 quick = None if buf else self.quick.get(data)
@@ -301,6 +348,31 @@ class ControlServer:
                 sent = 0
         if sent < len(out):
             sock.sendall(out[sent:])
+
+    def _fast_taken(
+        self,
+        sock: socket.socket,
+        fast: FastCheckpoint,
+        got: tuple[int, int, bytes, bytes, int],
+        locks: tuple[Any, ...],
+    ) -> bool:
+        """After `_quickline.serve` answered a checkpoint, holding the gate's ``locks`` (the
+        turn, the run's lock, the layer lock): its bookkeeping, the locks released, then the
+        rest of the answer; whether the connection goes on (not when the agent had gone)."""
+        n, seq, tree, rest, error = got
+        turn, run_lock, _, layer_lock = locks[:4]
+        try:
+            fast.fast_taken(n, seq, tree)
+        finally:
+            self.requests += 1
+            layer_lock.release()
+            run_lock.release()
+            turn.release()
+        if error:
+            return False
+        if rest and not self._stop:
+            sock.sendall(rest)
+        return True
 
     def _answer_quick(self, sock: socket.socket, quick: QuickHandler, peer: Peer) -> bool:
         """A request line of `quick`'s: whether it served it (answered, or failed and said so)."""

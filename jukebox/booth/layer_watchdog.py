@@ -23,6 +23,7 @@ import time
 from types import TracebackType
 
 from jukebox.booth import fusectl
+from jukebox.booth.control import _quickline
 from jukebox.errors import JukeboxError
 
 STUCK_SECONDS = 120.0
@@ -73,6 +74,11 @@ class LayerWatchdog:
         while not self._stop.wait(POLL):
             with self._lock:
                 calls = list(self._calls.values())
+            if _quickline is not None:
+                # A checkpoint's syncfs in the control socket's compiled path (its `serve`).
+                since = _quickline.syncing(self.connection)
+                if since is not None:
+                    calls.append(("a checkpoint's syncfs", since))
             if not calls or self.fired is not None:
                 continue
             what, since = min(calls, key=lambda call: call[1])

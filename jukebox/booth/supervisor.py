@@ -50,6 +50,7 @@ from jukebox.booth.control import (
     ControlServer,
     Peer,
     RequestError,
+    quickline_answers,
 )
 from jukebox.booth.images import Image, load_image
 from jukebox.booth.paths import SET_ID_WALK_LIMIT, BoothPaths, strip_set_id
@@ -213,6 +214,7 @@ class _FuseBoothLayer:
         self._mount: Any = None
         self._watchdog: Any = None
         self._quiet: Any = None
+        self._connection: int | None = None
 
     def _waiting_on_layer(self, what: str) -> contextlib.AbstractContextManager[None]:
         watchdog = self._watchdog
@@ -235,7 +237,7 @@ class _FuseBoothLayer:
         from shadowfs.quiet_fold import QuietFold
 
         self._mount = fuse.mount(self.layer, self.mountpoint).start()
-        connection = connection_at(os.path.realpath(self.mountpoint))
+        self._connection = connection = connection_at(os.path.realpath(self.mountpoint))
         if connection is not None:
             self._watchdog = LayerWatchdog(connection).start()
         # A checkpoint asked for after the agent's pause finds its step's files stored.
@@ -254,6 +256,27 @@ class _FuseBoothLayer:
     def snapshot_answering(self, answer: Callable[[ObjectId, ObjectId | None], None]) -> None:
         with self._waiting_on_layer("a snapshot"):
             self.layer.snapshot(durable=False, answer=answer)
+
+    def quick_gate(self) -> tuple[int, bytes, int, Any, Any] | None:
+        """What the compiled checkpoint path needs of the mount (`control.FastCheckpoint`): its
+        root's fd (the syncfs), its fusectl `waiting` file and number, the layer lock and the
+        layer; None where it is not served in this process by a watched FUSE mount."""
+        from jukebox.booth.fusectl import FUSECTL
+
+        mount, connection = self._mount, self._connection
+        # The mount's own handles (shadowfs.mountctl.Mount): its layer lock is the handlers'.
+        fd = getattr(mount, "_root_fd", -1)
+        ops = getattr(mount, "_ops", None)
+        if connection is None or self._watchdog is None or fd < 0 or ops is None:
+            return None
+        if getattr(mount, "process", False):
+            return None
+        waiting = f"{FUSECTL}/{connection}/waiting".encode()
+        return fd, waiting, connection, ops.lock, self.layer
+
+    def took_fold(self) -> None:
+        """After a checkpoint answered from the fold's ids (under the layer lock)."""
+        self.layer.took_fold(durable=False)
 
     def restore(self, tree_id: ObjectId) -> None:
         with self._waiting_on_layer("a rollback"):
@@ -591,6 +614,11 @@ class GroupTape:
                 self._unsynced = True
             self._schedule()
             return seq
+
+    def schedule(self) -> None:
+        """The flush of a frame queued without `append` (the compiled checkpoint path's)."""
+        with self._lock:
+            self._schedule()
 
     def _schedule(self) -> None:
         if self._thread is None:
@@ -1270,6 +1298,26 @@ class _Run(Record):
             snapshot(taken)
         return True
 
+    def quick_gate(self) -> tuple[int, bytes, int, tuple[Any, ...]] | None:
+        """For the control socket's compiled path (`control.FastCheckpoint`): None where the
+        plain quick handler must serve (no such layer: the overlay backend, a layer in a child
+        process; --pg databases are checked by the compiled path under the run's lock)."""
+        gate = getattr(self.layer, "quick_gate", None)
+        got = gate() if gate is not None else None
+        if got is None or not isinstance(self.writer, GroupTape):
+            return None
+        fd, waiting, connection, layer_lock, layer = got
+        return fd, waiting, connection, (self.lock, self, layer_lock, layer, self.writer)
+
+    def fast_taken(self, n: int, seq: int, tree: bytes) -> None:
+        """The compiled path answered checkpoint ``n`` (frame ``seq``, already queued) from the
+        fold's tree, holding the run's lock and the layer lock: what `checkpoint_answering`
+        does after its answer."""
+        self.checkpoints.append(RollbackPoint(n, None, ObjectId(tree), seq))
+        # it answered, so the layer gave it a gate: a _FuseBoothLayer
+        self.layer.took_fold()  # type: ignore[attr-defined]
+        self.writer.schedule()
+
     def _taken(
         self,
         n: int,
@@ -1348,6 +1396,8 @@ class _Run(Record):
                 "frames": self.writer.count,
                 "uptime_s": round(time.monotonic() - self.started, 3),
                 "rollbacks": self.rollbacks,
+                # Checkpoints the control socket's compiled path answered (`control._quickline`).
+                "compiled_answers": quickline_answers(),
                 "checkpoints": [
                     {"n": c.n, "label": c.label, "tree": c.tree.hex(), "frame": c.frame}
                     for c in self.checkpoints
@@ -2279,7 +2329,7 @@ def _start_services(
     from jukebox.llm.session import LlmSession
 
     server = ControlServer(
-        sock_path, run.handlers(), quick={CHECKPOINT_LINE: run.checkpoint_answering}
+        sock_path, run.handlers(), quick={CHECKPOINT_LINE: run.checkpoint_answering}, fast=run
     ).start()
     services.callback(server.close)
     writer = run.writer

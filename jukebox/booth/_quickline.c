@@ -1,0 +1,410 @@
+/* The booth's control socket, read by compiled code: the unlabelled checkpoint an agent asks
+ * for after a step the booth has already folded is answered here, without the interpreter
+ * running any Python code before the answer leaves.
+ *
+ * Why: an agent asks for its checkpoint after waiting for its model, and by then every Python
+ * frame on the path runs from cold caches, at 2-4 times its warm cost (docs/benchmarks.md, the
+ * paused checkpoint). After a quiet fold (shadowfs.quiet_fold) the checkpoint is only a marker:
+ * the tree and the journal are stored, and what is left is the syncfs, the fusectl count of
+ * unanswered FUSE requests, the check that nothing changed since the fold, the checkpoint's
+ * number and tape seq, and the answer. That is what this file does; the bookkeeping after the
+ * answer (the journal let go, the store's flush scheduled, the checkpoint listed) stays in
+ * Python (ControlServer._fast_taken, `_Run.fast_taken`), run while this path still holds every
+ * lock it took, exactly as the Python path (`_Run.checkpoint_answering`) holds them.
+ *
+ * `serve(fd, line, gate, peer)` reads the connection once, with the interpreter lock released.
+ * Bytes that are not exactly `line`, a `gate` of None, and any doubt return the bytes read,
+ * for the Python path to serve unchanged (any doubt: a FUSE request unanswered after the
+ * syncfs, a lock another thread holds, a change since the fold, an attribute missing, an
+ * error). Answered, it returns (n, seq, tree, rest, errno): the checkpoint's number, frame seq
+ * and tree id, what of the answer the socket did not take at once, and the send's errno (0 if none), with
+ * the gate's four locks still held for the caller to finish and release.
+ *
+ * The locks are the Python objects themselves (`threading.Lock`, the mount's `RLock`), taken
+ * by their C methods without blocking, in the order the Python path takes them: the control
+ * server's turn, the run's lock, the layer lock, then the tape queue's lock for the frame.
+ * The state is read from the same objects the Python path reads: the layer's
+ * `_folded_journal`, `journal.changes`, `journal._count`, `root.dirty_names`, `last_tree`
+ * (shadowfs.layer.Layer.snapshot's marker condition) and the tape queue's `_count`,
+ * `_in_flight`, `_queue`, `_error`, `_thread` (jukebox.booth.supervisor.GroupTape.append).
+ *
+ * The syncfs can wait on the layer's workers, which the booth's watchdog must be able to see
+ * (jukebox.booth.layer_watchdog): `syncing(key)` gives when the oldest syncfs of `key` (the
+ * fusectl connection number) began, in time.monotonic() seconds, or None.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BUFSIZE 65536
+#define SLOTS 64
+
+static unsigned long long answered; /* changed with the interpreter lock held */
+
+static pthread_mutex_t slots_mutex = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+    long key;
+    double since; /* CLOCK_MONOTONIC seconds; 0: a free slot */
+} slots[SLOTS];
+
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* syncfs(fd), seen by the watchdog meanwhile. Without the interpreter lock. */
+static int watched_syncfs(int fd, long key) {
+    int slot = -1;
+    pthread_mutex_lock(&slots_mutex);
+    for (int i = 0; i < SLOTS; i++) {
+        if (slots[i].since == 0) {
+            slots[i].key = key;
+            slots[i].since = monotonic();
+            slot = i;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&slots_mutex);
+    if (slot < 0)
+        return -1; /* more syncfs calls than connections: let the watched Python path do it */
+    int rc = syncfs(fd);
+    pthread_mutex_lock(&slots_mutex);
+    slots[slot].since = 0;
+    pthread_mutex_unlock(&slots_mutex);
+    return rc;
+}
+
+/* fusectl's count of unanswered requests, or -1. The file cannot seek: opened each time. */
+static long requests_waiting(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    char buf[32];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    char *end;
+    long value = strtol(buf, &end, 10);
+    if (end == buf)
+        return -1;
+    return value;
+}
+
+/* lock.acquire(False); 1 taken, 0 not (an error cleared). */
+static int try_acquire(PyObject *lock) {
+    PyObject *got = PyObject_CallMethod(lock, "acquire", "O", Py_False);
+    if (got == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int taken = got == Py_True;
+    Py_DECREF(got);
+    return taken;
+}
+
+static void release(PyObject *lock) {
+    PyObject *r = PyObject_CallMethod(lock, "release", NULL);
+    if (r == NULL)
+        PyErr_Clear();
+    Py_XDECREF(r);
+}
+
+/* An attribute as a C long; -1 with no error set when absent or not an int. */
+static long long attr_long(PyObject *obj, const char *name) {
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    long long r = PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
+    Py_DECREF(v);
+    if (r == -1 && PyErr_Occurred())
+        PyErr_Clear();
+    return r;
+}
+
+static void hex32(const char *raw, char *out) {
+    static const char digits[] = "0123456789abcdef";
+    for (int i = 0; i < 32; i++) {
+        out[2 * i] = digits[((unsigned char)raw[i]) >> 4];
+        out[2 * i + 1] = digits[((unsigned char)raw[i]) & 15];
+    }
+    out[64] = 0;
+}
+
+/* The layer's state says a checkpoint now would be the fold's marker (Layer.snapshot's
+ * condition): new references to its tree and journal ids, else 0. Under the layer lock. */
+static int folded_ids(PyObject *layer, PyObject **tree, PyObject **journal_id) {
+    int ok = 0;
+    PyObject *folded = NULL, *journal = NULL, *changes = NULL, *root = NULL, *dirty = NULL;
+    PyObject *last = NULL;
+    folded = PyObject_GetAttrString(layer, "_folded_journal");
+    if (folded == NULL || !PyTuple_Check(folded) || PyTuple_GET_SIZE(folded) != 2)
+        goto done;
+    journal = PyObject_GetAttrString(layer, "journal");
+    if (journal == NULL)
+        goto done;
+    changes = PyObject_GetAttrString(journal, "changes");
+    if (changes == NULL || PyObject_RichCompareBool(PyTuple_GET_ITEM(folded, 0), changes, Py_EQ) != 1)
+        goto done;
+    if (attr_long(journal, "_count") <= 0)
+        goto done;
+    root = PyObject_GetAttrString(layer, "root");
+    if (root == NULL)
+        goto done;
+    dirty = PyObject_GetAttrString(root, "dirty_names");
+    if (dirty == NULL || PyObject_IsTrue(dirty) != 0)
+        goto done;
+    last = PyObject_GetAttrString(layer, "last_tree");
+    PyObject *jid = PyTuple_GET_ITEM(folded, 1);
+    if (last == NULL || !PyBytes_Check(last) || PyBytes_GET_SIZE(last) != 32 || !PyBytes_Check(jid) ||
+        PyBytes_GET_SIZE(jid) != 32)
+        goto done;
+    *tree = last;
+    last = NULL;
+    Py_INCREF(jid);
+    *journal_id = jid;
+    ok = 1;
+done:
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    Py_XDECREF(folded);
+    Py_XDECREF(journal);
+    Py_XDECREF(changes);
+    Py_XDECREF(root);
+    Py_XDECREF(dirty);
+    Py_XDECREF(last);
+    return ok;
+}
+
+/* The checkpoint frame queued as GroupTape.append(defer=True) queues it, under its lock:
+ * its seq, or -1 with nothing queued. */
+static long long queue_frame(PyObject *tape, PyObject *payload, PyObject *journal_id, PyObject *tree) {
+    long long seq = -1;
+    PyObject *lock = PyObject_GetAttrString(tape, "_lock");
+    if (lock == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (!try_acquire(lock)) {
+        Py_DECREF(lock);
+        return -1;
+    }
+    PyObject *error = NULL, *thread = NULL, *writer = NULL, *queue = NULL, *entry = NULL;
+    error = PyObject_GetAttrString(tape, "_error");
+    thread = PyObject_GetAttrString(tape, "_thread");
+    writer = PyObject_GetAttrString(tape, "writer");
+    queue = PyObject_GetAttrString(tape, "_queue");
+    /* An earlier flush failed (append raises), or no flusher yet (append writes at once). */
+    if (error != Py_None || thread == NULL || thread == Py_None || writer == NULL || queue == NULL ||
+        !PyList_Check(queue))
+        goto done;
+    long long count = attr_long(writer, "_count");
+    long long in_flight = attr_long(tape, "_in_flight");
+    if (count < 0 || in_flight < 0)
+        goto done;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    entry = Py_BuildValue(
+        "(sO(O)OLO)", "checkpoint", payload, journal_id, tree,
+        (long long)now.tv_sec * 1000000000LL + now.tv_nsec, Py_True);
+    if (entry == NULL)
+        goto done;
+    long long at = count + in_flight + PyList_GET_SIZE(queue);
+    if (PyList_Append(queue, entry) == 0)
+        seq = at;
+done:
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    release(lock);
+    Py_DECREF(lock);
+    Py_XDECREF(error);
+    Py_XDECREF(thread);
+    Py_XDECREF(writer);
+    Py_XDECREF(queue);
+    Py_XDECREF(entry);
+    return seq;
+}
+
+/* The checkpoint taken and answered, or NULL (no error set) with nothing done. */
+static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
+    PyObject *turn, *run_lock, *run, *layer_lock, *layer, *tape;
+    if (!PyArg_ParseTuple(gate, "OOOOOO", &turn, &run_lock, &run, &layer_lock, &layer, &tape) ||
+        !PyDict_Check(peer)) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *held[3] = {turn, run_lock, layer_lock};
+    int n_held = 0;
+    for (; n_held < 3; n_held++)
+        if (!try_acquire(held[n_held]))
+            break;
+    PyObject *tree = NULL, *journal_id = NULL, *payload = NULL, *peer_copy = NULL, *result = NULL;
+    PyObject *checkpoints = NULL, *databases = NULL;
+    if (n_held < 3)
+        goto fail;
+    /* A booth with databases checkpoints them first: the Python path's. */
+    databases = PyObject_GetAttrString(run, "databases");
+    checkpoints = PyObject_GetAttrString(run, "checkpoints");
+    if (databases != Py_None || checkpoints == NULL || !PyList_Check(checkpoints) ||
+        !folded_ids(layer, &tree, &journal_id))
+        goto fail;
+    Py_ssize_t n = PyList_GET_SIZE(checkpoints);
+    char tree_hex[65], journal_hex[65];
+    hex32(PyBytes_AS_STRING(tree), tree_hex);
+    hex32(PyBytes_AS_STRING(journal_id), journal_hex);
+    /* `_Run._taken`'s payload for an unlabelled checkpoint the agent asked for. */
+    peer_copy = PyDict_Copy(peer);
+    if (peer_copy == NULL)
+        goto fail;
+    payload = Py_BuildValue(
+        "{s:n,s:O,s:s,s:s,s:O}", "id", n, "label", Py_None, "reason", "request", "journal",
+        journal_hex, "peer", peer_copy);
+    if (payload == NULL)
+        goto fail;
+    long long seq = queue_frame(tape, payload, journal_id, tree);
+    if (seq < 0)
+        goto fail;
+    /* From here the checkpoint is taken: whatever the send does, the caller finishes it. */
+    answered++;
+    char out[256];
+    int len = snprintf(
+        out, sizeof out, "{\"ok\":true,\"checkpoint\":%zd,\"label\":null,\"tree\":\"%s\",\"frame\":%lld}\n",
+        n, tree_hex, seq);
+    ssize_t sent;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    sent = send(fd, out, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent < 0) {
+        err = errno == EAGAIN || errno == EWOULDBLOCK ? 0 : errno;
+        sent = 0;
+    }
+    /* The agent's send woke this thread onto the agent's own CPU: the agent, preempted
+     * there, reads its answer now, and the bookkeeping runs once it sleeps or waits again. */
+    sched_yield();
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(nLOy#i)", n, seq, tree, out + sent, (Py_ssize_t)(len - sent), err);
+    if (result == NULL) {
+        /* Out of memory with the locks held and the frame queued: the caller must still
+         * finish, so it hears at least the numbers. */
+        PyErr_Clear();
+        result = Py_BuildValue("(nLOy#i)", n, seq, tree, "", (Py_ssize_t)0, err);
+    }
+    Py_DECREF(tree);
+    Py_DECREF(journal_id);
+    Py_DECREF(payload);
+    Py_DECREF(peer_copy);
+    Py_DECREF(checkpoints);
+    Py_DECREF(databases);
+    return result;
+fail:
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    while (n_held > 0)
+        release(held[--n_held]);
+    Py_XDECREF(tree);
+    Py_XDECREF(journal_id);
+    Py_XDECREF(payload);
+    Py_XDECREF(peer_copy);
+    Py_XDECREF(checkpoints);
+    Py_XDECREF(databases);
+    return NULL;
+}
+
+static PyObject *serve(PyObject *self, PyObject *args) {
+    int fd;
+    const char *line;
+    Py_ssize_t line_len;
+    PyObject *gate, *peer;
+    int mount_fd = -1;
+    long key = 0;
+    const char *waiting_path = NULL;
+    PyObject *locks = NULL;
+    if (!PyArg_ParseTuple(args, "iy#OO", &fd, &line, &line_len, &gate, &peer))
+        return NULL;
+    if (gate != Py_None) {
+        if (!PyArg_ParseTuple(gate, "iylO", &mount_fd, &waiting_path, &key, &locks)) {
+            PyErr_Clear();
+            gate = Py_None;
+        }
+    }
+    char *buf = PyMem_RawMalloc(BUFSIZE);
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    ssize_t n;
+    int err = 0;
+    long waiting = -1;
+    int matched = 0;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        n = recv(fd, buf, BUFSIZE, 0);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0)
+        err = errno;
+    matched = gate != Py_None && n == line_len && memcmp(buf, line, (size_t)n) == 0;
+    /* Make the kernel's dirty pages reach the layer; none unanswered means they are in it. */
+    if (matched && watched_syncfs(mount_fd, key) == 0)
+        waiting = requests_waiting(waiting_path);
+    Py_END_ALLOW_THREADS
+    if (n < 0) {
+        PyMem_RawFree(buf);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (matched && waiting == 0) {
+        PyObject *done = take(fd, locks, peer);
+        if (done != NULL) {
+            PyMem_RawFree(buf);
+            return done;
+        }
+    }
+    PyObject *data = PyBytes_FromStringAndSize(buf, n);
+    PyMem_RawFree(buf);
+    return data;
+}
+
+static PyObject *syncing(PyObject *self, PyObject *arg) {
+    long key = PyLong_AsLong(arg);
+    if (key == -1 && PyErr_Occurred())
+        return NULL;
+    double oldest = 0;
+    pthread_mutex_lock(&slots_mutex);
+    for (int i = 0; i < SLOTS; i++)
+        if (slots[i].since != 0 && slots[i].key == key && (oldest == 0 || slots[i].since < oldest))
+            oldest = slots[i].since;
+    pthread_mutex_unlock(&slots_mutex);
+    if (oldest == 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(oldest);
+}
+
+static PyObject *answered_count(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(answered);
+}
+
+static PyMethodDef methods[] = {
+    {"serve", serve, METH_VARARGS,
+     "serve(fd, line, gate, peer) -> bytes read, or (n, seq, tree, rest, errno) once answered"},
+    {"syncing", syncing, METH_O, "syncing(key) -> when the oldest syncfs of key began, or None"},
+    {"answered", answered_count, METH_NOARGS, "answered() -> checkpoints this module answered"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_quickline",
+    "The booth's quick checkpoint line answered in C (see _quickline.c).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__quickline(void) { return PyModule_Create(&module); }

@@ -1,0 +1,198 @@
+"""The checkpoint an agent asks for after a folded step, answered by the control socket's
+compiled path (`jukebox/booth/_quickline.c`): taken when it may be, and then recording on the
+tape and in the layer exactly what the Python path records, with writes, rollbacks and other
+checkpoints racing it on other connections. A real booth, its real FUSE layer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from jukebox.booth import control
+from shadowfs.journal import decode_journal
+from shadowfs.oid import ObjectId
+from shadowfs.store import Store
+from tests.booth.test_booth_run import frames, jb
+
+pytestmark = [
+    pytest.mark.usefixtures("root_only", "dev_fuse"),
+    pytest.mark.skipif(control._quickline is None, reason="the compiled path was not built"),
+]
+
+# Three folded steps (still for longer than the booth waits before folding), a checkpoint after
+# each on the kept connection, the answers' raw bytes read on a socket of its own for the last;
+# then each rolled back to, and the counter of compiled answers.
+STEPS = r"""
+import json, os, socket, time
+from jukebox.booth.control import request
+answers = []
+for step in range(3):
+    for j in range(4):
+        with open("f%d.txt" % j, "w") as f:
+            f.write("%d-%d\n" % (step, j))
+    time.sleep(0.3)
+    if step < 2:
+        answers.append(request({"op": "checkpoint"}))
+    else:
+        raw = socket.socket(socket.AF_UNIX)
+        raw.connect(os.environ["JUKEBOX_SOCKET"])
+        raw.sendall(b'{"op":"checkpoint"}\n')
+        line = b""
+        while not line.endswith(b"\n"):
+            line += raw.recv(4096)
+        raw.close()
+        answers.append(json.loads(line))
+        answers[-1]["raw"] = line.decode()
+seen = []
+for cp in answers:
+    request({"op": "rollback", "to": cp["checkpoint"]})
+    seen.append([open("f%d.txt" % j).read() for j in range(4)])
+status = request({"op": "status"})
+print(json.dumps({"answers": answers, "seen": seen, "compiled": status["compiled_answers"]}))
+"""
+
+
+def _run(tree: Path, tapes: Path, script: str, env: dict | None = None) -> dict:
+    proc = jb(
+        "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id", "t1",
+        "--commit", "never", "--", sys.executable, "-c", script, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _checkpoints(tapes: Path) -> dict[int, dict]:
+    return {f["payload"]["id"]: f for f in frames(tapes) if f["kind"] == "checkpoint"}
+
+
+def _journal(tapes: Path, hex_id: str) -> list[tuple[str, tuple[bytes, ...], int]]:
+    store = Store.open(tapes / ".jukebox" / "store")
+    try:
+        ops = decode_journal(store.get(ObjectId(bytes.fromhex(hex_id))))
+    finally:
+        store.close()
+    return [(op.op, op.paths, op.pid) for op in ops]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_checkpoint_after_a_fold_records_what_the_python_path_records(
+    tmp_path: Path, compiled: bool
+) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    env = None if compiled else {"JUKEBOX_QUICKLINE": "off"}
+    out = _run(tree, tapes, STEPS, env)
+    # Every checkpoint was folded first, so each one took the compiled path, or none did.
+    assert out["compiled"] == (3 if compiled else 0)
+    answers = out["answers"]
+    raw = answers[2].pop("raw")
+    assert raw.encode() == control.encode_request({"ok": True, **answers[2]})
+    assert [a["checkpoint"] for a in answers] == [1, 2, 3]
+    assert out["seen"] == [[f"{step}-{j}\n" for j in range(4)] for step in range(3)]
+    recorded = _checkpoints(tapes)
+    # The agent's pid as the supervisor sees it (the agent has a pid namespace of its own).
+    pid = recorded[answers[0]["checkpoint"]]["payload"]["peer"]["pid"]
+    for cp in answers:
+        frame = recorded[cp["checkpoint"]]
+        assert frame["seq"] == cp["frame"] and frame["tree"] == cp["tree"]
+        payload = frame["payload"]
+        assert set(payload) == {"id", "label", "reason", "journal", "peer"}
+        assert payload["label"] is None and payload["reason"] == "request"
+        assert payload["peer"]["pid"] == pid
+        # The step's writes, each file's once: the journal let go after the previous one.
+        ops = _journal(tapes, payload["journal"])
+        paths = sorted({p for _, paths, _ in ops for p in paths})
+        assert paths == [b"f%d.txt" % j for j in range(4)]
+        assert {op_pid for _, _, op_pid in ops} == {pid}
+    seqs = [recorded[n]["seq"] for n in sorted(recorded)]
+    assert seqs == sorted(seqs)
+    assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
+
+
+# Two connections: one takes checkpoints after folded steps (the compiled path's case) while the
+# other, on a thread of its own, replaces a file at the moment each is asked for, then takes a
+# labelled checkpoint and asks for the status. Each checkpoint must hold the files as they were
+# when it was asked for, whichever of the two came first: rolled back to at the end, each shows
+# its step's file and the other file as it was before the race or after it. And no change is
+# lost or recorded twice: every replace is in exactly one checkpoint's journal.
+RACING = r"""
+import json, os, threading, time
+from jukebox.booth.control import ControlClient, request
+os.makedirs("other", exist_ok=True)
+go, went, stop = threading.Event(), threading.Event(), False
+labelled = []
+def other():
+    client = ControlClient(os.environ["JUKEBOX_SOCKET"])
+    i = 0
+    while True:
+        go.wait()
+        go.clear()
+        if stop:
+            return
+        try:
+            with open("other/n.tmp", "w") as f:
+                f.write("%d\n" % i)
+            os.replace("other/n.tmp", "other/n.txt")
+            got = client.call({"op": "checkpoint", "label": "o%d" % i})
+            labelled.append(got["checkpoint"])
+            client.call({"op": "status"})
+            i += 1
+        finally:
+            went.set()  # a failure here fails the run, and does not leave it waiting
+racer = threading.Thread(target=other)
+racer.start()
+mine = []
+for step in range(4):
+    with open("mine.txt", "w") as f:
+        f.write("%d\n" % step)
+    time.sleep(0.15)  # folded
+    go.set()
+    cp = request({"op": "checkpoint"})
+    went.wait()
+    went.clear()
+    mine.append((cp["checkpoint"], cp["frame"], cp["tree"], step))
+stop = True
+go.set()
+racer.join()
+seen = []
+for n, _, _, step in mine:
+    request({"op": "rollback", "to": n})
+    other = open("other/n.txt").read() if os.path.exists("other/n.txt") else None
+    seen.append((step, open("mine.txt").read(), other))
+status = request({"op": "status"})
+print(json.dumps({"mine": mine, "other": labelled, "seen": seen,
+                  "compiled": status["compiled_answers"], "count": len(status["checkpoints"])}))
+"""
+
+
+def test_racing_writes_and_checkpoints_on_another_connection(tmp_path: Path) -> None:
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    out = _run(tree, tapes, RACING)
+    for step, mine, other in out["seen"]:
+        assert mine == f"{step}\n"
+        # before this step's replace (the previous one's, none at the first) or after it
+        assert other in ({None, "0\n"} if step == 0 else {f"{step - 1}\n", f"{step}\n"})
+    numbers = sorted([n for n, *_ in out["mine"]] + out["other"])
+    assert numbers == list(range(1, out["count"]))  # none twice, none lost (0 is the start)
+    recorded = _checkpoints(tapes)
+    assert sorted(recorded) == list(range(1, out["count"]))
+    for n, seq, tree_hex, _ in out["mine"]:
+        assert recorded[n]["seq"] == seq and recorded[n]["tree"] == tree_hex
+    seqs = [recorded[n]["seq"] for n in sorted(recorded)]
+    assert seqs == sorted(seqs)  # the tape in the order the checkpoints were numbered
+    replaces = [
+        op
+        for frame in recorded.values()
+        if "journal" in frame["payload"]
+        for op, paths, _ in _journal(tapes, frame["payload"]["journal"])
+        if op == "rename" and paths[-1] == b"other/n.txt"
+    ]
+    assert len(replaces) == 4
+    # Which of the four were compiled depends on which came first, the replace or the request;
+    # each held either way. Those answered after the replace landed took the Python path.
+    assert 0 <= out["compiled"] <= 4
+    assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
