@@ -50,6 +50,15 @@
 
 static unsigned long long answered; /* changed with the interpreter lock held */
 
+/* Names looked up on the path, made once: a string built per lookup costs, run cold. */
+#define NAMES(X) X(acquire) X(release) X(_folded_journal) X(journal) X(changes) X(_count) \
+    X(root) X(dirty_names) X(last_tree) X(databases) X(checkpoints) X(_lock) X(_error) \
+    X(_thread) X(writer) X(_queue) X(_in_flight) X(id) X(label) X(reason) X(peer) \
+    X(checkpoint) X(request)
+#define DECLARE(name) static PyObject *s_##name;
+NAMES(DECLARE)
+#undef DECLARE
+
 static pthread_mutex_t slots_mutex = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     long key;
@@ -84,9 +93,10 @@ static int watched_syncfs(int fd, long key) {
     return rc;
 }
 
-/* fusectl's count of unanswered requests, or -1. The file cannot seek: opened each time. */
-static long requests_waiting(const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+/* fusectl's count of unanswered requests, or -1. The file cannot seek: opened each time,
+ * from its connection's directory (one name to look up, not six). */
+static long requests_waiting(int dir_fd) {
+    int fd = openat(dir_fd, "waiting", O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -1;
     char buf[32];
@@ -104,7 +114,8 @@ static long requests_waiting(const char *path) {
 
 /* lock.acquire(False); 1 taken, 0 not (an error cleared). */
 static int try_acquire(PyObject *lock) {
-    PyObject *got = PyObject_CallMethod(lock, "acquire", "O", Py_False);
+    PyObject *args[2] = {lock, Py_False};
+    PyObject *got = PyObject_VectorcallMethod(s_acquire, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (got == NULL) {
         PyErr_Clear();
         return 0;
@@ -115,15 +126,15 @@ static int try_acquire(PyObject *lock) {
 }
 
 static void release(PyObject *lock) {
-    PyObject *r = PyObject_CallMethod(lock, "release", NULL);
+    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
     if (r == NULL)
         PyErr_Clear();
     Py_XDECREF(r);
 }
 
 /* An attribute as a C long; -1 with no error set when absent or not an int. */
-static long long attr_long(PyObject *obj, const char *name) {
-    PyObject *v = PyObject_GetAttrString(obj, name);
+static long long attr_long(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
     if (v == NULL) {
         PyErr_Clear();
         return -1;
@@ -150,24 +161,24 @@ static int folded_ids(PyObject *layer, PyObject **tree, PyObject **journal_id) {
     int ok = 0;
     PyObject *folded = NULL, *journal = NULL, *changes = NULL, *root = NULL, *dirty = NULL;
     PyObject *last = NULL;
-    folded = PyObject_GetAttrString(layer, "_folded_journal");
+    folded = PyObject_GetAttr(layer, s__folded_journal);
     if (folded == NULL || !PyTuple_Check(folded) || PyTuple_GET_SIZE(folded) != 2)
         goto done;
-    journal = PyObject_GetAttrString(layer, "journal");
+    journal = PyObject_GetAttr(layer, s_journal);
     if (journal == NULL)
         goto done;
-    changes = PyObject_GetAttrString(journal, "changes");
+    changes = PyObject_GetAttr(journal, s_changes);
     if (changes == NULL || PyObject_RichCompareBool(PyTuple_GET_ITEM(folded, 0), changes, Py_EQ) != 1)
         goto done;
-    if (attr_long(journal, "_count") <= 0)
+    if (attr_long(journal, s__count) <= 0)
         goto done;
-    root = PyObject_GetAttrString(layer, "root");
+    root = PyObject_GetAttr(layer, s_root);
     if (root == NULL)
         goto done;
-    dirty = PyObject_GetAttrString(root, "dirty_names");
+    dirty = PyObject_GetAttr(root, s_dirty_names);
     if (dirty == NULL || PyObject_IsTrue(dirty) != 0)
         goto done;
-    last = PyObject_GetAttrString(layer, "last_tree");
+    last = PyObject_GetAttr(layer, s_last_tree);
     PyObject *jid = PyTuple_GET_ITEM(folded, 1);
     if (last == NULL || !PyBytes_Check(last) || PyBytes_GET_SIZE(last) != 32 || !PyBytes_Check(jid) ||
         PyBytes_GET_SIZE(jid) != 32)
@@ -193,7 +204,7 @@ done:
  * its seq, or -1 with nothing queued. */
 static long long queue_frame(PyObject *tape, PyObject *payload, PyObject *journal_id, PyObject *tree) {
     long long seq = -1;
-    PyObject *lock = PyObject_GetAttrString(tape, "_lock");
+    PyObject *lock = PyObject_GetAttr(tape, s__lock);
     if (lock == NULL) {
         PyErr_Clear();
         return -1;
@@ -203,23 +214,26 @@ static long long queue_frame(PyObject *tape, PyObject *payload, PyObject *journa
         return -1;
     }
     PyObject *error = NULL, *thread = NULL, *writer = NULL, *queue = NULL, *entry = NULL;
-    error = PyObject_GetAttrString(tape, "_error");
-    thread = PyObject_GetAttrString(tape, "_thread");
-    writer = PyObject_GetAttrString(tape, "writer");
-    queue = PyObject_GetAttrString(tape, "_queue");
+    PyObject *refs = NULL, *time_ns = NULL;
+    error = PyObject_GetAttr(tape, s__error);
+    thread = PyObject_GetAttr(tape, s__thread);
+    writer = PyObject_GetAttr(tape, s_writer);
+    queue = PyObject_GetAttr(tape, s__queue);
     /* An earlier flush failed (append raises), or no flusher yet (append writes at once). */
     if (error != Py_None || thread == NULL || thread == Py_None || writer == NULL || queue == NULL ||
         !PyList_Check(queue))
         goto done;
-    long long count = attr_long(writer, "_count");
-    long long in_flight = attr_long(tape, "_in_flight");
+    long long count = attr_long(writer, s__count);
+    long long in_flight = attr_long(tape, s__in_flight);
     if (count < 0 || in_flight < 0)
         goto done;
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
-    entry = Py_BuildValue(
-        "(sO(O)OLO)", "checkpoint", payload, journal_id, tree,
-        (long long)now.tv_sec * 1000000000LL + now.tv_nsec, Py_True);
+    refs = PyTuple_Pack(1, journal_id);
+    time_ns = PyLong_FromLongLong((long long)now.tv_sec * 1000000000LL + now.tv_nsec);
+    if (refs == NULL || time_ns == NULL)
+        goto done;
+    entry = PyTuple_Pack(6, s_checkpoint, payload, refs, tree, time_ns, Py_True);
     if (entry == NULL)
         goto done;
     long long at = count + in_flight + PyList_GET_SIZE(queue);
@@ -235,6 +249,8 @@ done:
     Py_XDECREF(writer);
     Py_XDECREF(queue);
     Py_XDECREF(entry);
+    Py_XDECREF(refs);
+    Py_XDECREF(time_ns);
     return seq;
 }
 
@@ -252,12 +268,12 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
         if (!try_acquire(held[n_held]))
             break;
     PyObject *tree = NULL, *journal_id = NULL, *payload = NULL, *peer_copy = NULL, *result = NULL;
-    PyObject *checkpoints = NULL, *databases = NULL;
+    PyObject *checkpoints = NULL, *databases = NULL, *number = NULL, *journal_str = NULL;
     if (n_held < 3)
         goto fail;
     /* A booth with databases checkpoints them first: the Python path's. */
-    databases = PyObject_GetAttrString(run, "databases");
-    checkpoints = PyObject_GetAttrString(run, "checkpoints");
+    databases = PyObject_GetAttr(run, s_databases);
+    checkpoints = PyObject_GetAttr(run, s_checkpoints);
     if (databases != Py_None || checkpoints == NULL || !PyList_Check(checkpoints) ||
         !folded_ids(layer, &tree, &journal_id))
         goto fail;
@@ -269,10 +285,13 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
     peer_copy = PyDict_Copy(peer);
     if (peer_copy == NULL)
         goto fail;
-    payload = Py_BuildValue(
-        "{s:n,s:O,s:s,s:s,s:O}", "id", n, "label", Py_None, "reason", "request", "journal",
-        journal_hex, "peer", peer_copy);
-    if (payload == NULL)
+    number = PyLong_FromSsize_t(n);
+    journal_str = PyUnicode_FromStringAndSize(journal_hex, 64);
+    payload = PyDict_New();
+    if (number == NULL || journal_str == NULL || payload == NULL ||
+        PyDict_SetItem(payload, s_id, number) || PyDict_SetItem(payload, s_label, Py_None) ||
+        PyDict_SetItem(payload, s_reason, s_request) ||
+        PyDict_SetItem(payload, s_journal, journal_str) || PyDict_SetItem(payload, s_peer, peer_copy))
         goto fail;
     long long seq = queue_frame(tape, payload, journal_id, tree);
     if (seq < 0)
@@ -308,6 +327,8 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
     Py_DECREF(peer_copy);
     Py_DECREF(checkpoints);
     Py_DECREF(databases);
+    Py_DECREF(number);
+    Py_DECREF(journal_str);
     return result;
 fail:
     if (PyErr_Occurred())
@@ -320,6 +341,8 @@ fail:
     Py_XDECREF(peer_copy);
     Py_XDECREF(checkpoints);
     Py_XDECREF(databases);
+    Py_XDECREF(number);
+    Py_XDECREF(journal_str);
     return NULL;
 }
 
@@ -328,14 +351,13 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     const char *line;
     Py_ssize_t line_len;
     PyObject *gate, *peer;
-    int mount_fd = -1;
+    int mount_fd = -1, fusectl_dir = -1;
     long key = 0;
-    const char *waiting_path = NULL;
     PyObject *locks = NULL;
     if (!PyArg_ParseTuple(args, "iy#OO", &fd, &line, &line_len, &gate, &peer))
         return NULL;
     if (gate != Py_None) {
-        if (!PyArg_ParseTuple(gate, "iylO", &mount_fd, &waiting_path, &key, &locks)) {
+        if (!PyArg_ParseTuple(gate, "iilO", &mount_fd, &fusectl_dir, &key, &locks)) {
             PyErr_Clear();
             gate = Py_None;
         }
@@ -356,7 +378,7 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     matched = gate != Py_None && n == line_len && memcmp(buf, line, (size_t)n) == 0;
     /* Make the kernel's dirty pages reach the layer; none unanswered means they are in it. */
     if (matched && watched_syncfs(mount_fd, key) == 0)
-        waiting = requests_waiting(waiting_path);
+        waiting = requests_waiting(fusectl_dir);
     Py_END_ALLOW_THREADS
     if (n < 0) {
         PyMem_RawFree(buf);
@@ -373,6 +395,106 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     PyObject *data = PyBytes_FromStringAndSize(buf, n);
     PyMem_RawFree(buf);
     return data;
+}
+
+/* Tasks running or runnable on the machine (/proc/loadavg's fourth field), 0 if unknown. */
+static long runnable(void) {
+    int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    char buf[128];
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = buf;
+    for (int field = 0; field < 3 && p != NULL; field++) {
+        p = strchr(p, ' ');
+        if (p != NULL)
+            p++;
+    }
+    return p == NULL ? 0 : strtol(p, NULL, 10);
+}
+
+/* The agent's side: `ControlClient.ask_compiled`, a request line sent and its answer read as
+ * `ControlClient.answer` reads it (polled for up to `spin` seconds when `polls`, unless more
+ * tasks are runnable than `cpus`), without the interpreter lock and its cold frames. Returns
+ * (bytes read, polls for the next request, errno of the read: 0, or -1 for the end of the
+ * stream); an error of the send raises OSError (the request did not go out whole). */
+static PyObject *ask(PyObject *self, PyObject *args) {
+    int fd, polls, cpus;
+    const char *line;
+    Py_ssize_t line_len;
+    double spin;
+    if (!PyArg_ParseTuple(args, "iy#dpi", &fd, &line, &line_len, &spin, &polls, &cpus))
+        return NULL;
+    char buf[4096];
+    size_t have = 0;
+    int send_err = 0, recv_err = 0, polls_after = polls;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t off = 0;
+    while (off < line_len) {
+        ssize_t n = send(fd, line + off, (size_t)(line_len - off), MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            send_err = errno;
+            break;
+        }
+        off += n;
+    }
+    if (!send_err) {
+        double started = monotonic();
+        int newline = 0;
+        if (spin > 0 && polls) {
+            int looked = 0;
+            while (have < sizeof buf) {
+                ssize_t n = recv(fd, buf + have, sizeof buf - have, MSG_DONTWAIT);
+                if (n > 0) {
+                    newline = memchr(buf + have, '\n', (size_t)n) != NULL;
+                    have += (size_t)n;
+                    if (newline)
+                        break;
+                    continue;
+                }
+                if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+                    break;
+                if (!looked) {
+                    looked = 1;
+                    if (runnable() > cpus)
+                        break;
+                }
+                if (monotonic() - started > spin)
+                    break;
+                sched_yield();
+            }
+            polls_after = newline;
+        }
+        while (!newline && have < sizeof buf) {
+            ssize_t n = recv(fd, buf + have, sizeof buf - have, 0);
+            if (n == 0) {
+                recv_err = -1;
+                break;
+            }
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                recv_err = errno;
+                break;
+            }
+            newline = memchr(buf + have, '\n', (size_t)n) != NULL;
+            have += (size_t)n;
+        }
+        if (spin > 0 && !polls && newline)
+            polls_after = monotonic() - started <= spin;
+    }
+    Py_END_ALLOW_THREADS
+    if (send_err) {
+        errno = send_err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(y#Oi)", buf, (Py_ssize_t)have, polls_after ? Py_True : Py_False, recv_err);
 }
 
 static PyObject *syncing(PyObject *self, PyObject *arg) {
@@ -397,6 +519,8 @@ static PyObject *answered_count(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"serve", serve, METH_VARARGS,
      "serve(fd, line, gate, peer) -> bytes read, or (n, seq, tree, rest, errno) once answered"},
+    {"ask", ask, METH_VARARGS,
+     "ask(fd, line, spin, polls, cpus) -> (bytes read, polls, errno of the read)"},
     {"syncing", syncing, METH_O, "syncing(key) -> when the oldest syncfs of key began, or None"},
     {"answered", answered_count, METH_NOARGS, "answered() -> checkpoints this module answered"},
     {NULL, NULL, 0, NULL},
@@ -407,4 +531,11 @@ static struct PyModuleDef module = {
     "The booth's quick checkpoint line answered in C (see _quickline.c).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__quickline(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__quickline(void) {
+#define INTERN(name) \
+    if ((s_##name = PyUnicode_InternFromString(#name)) == NULL) \
+        return NULL;
+    NAMES(INTERN)
+#undef INTERN
+    return PyModule_Create(&module);
+}

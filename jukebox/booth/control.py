@@ -21,6 +21,7 @@ so the tape can say who asked.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -119,8 +120,8 @@ class FastCheckpoint(Protocol):
     """What the compiled path (`_quickline.serve`) needs to answer `CHECKPOINT_LINE` itself
     after a fold, and finish afterwards (the booth's `_Run`)."""
 
-    def quick_gate(self) -> tuple[int, bytes, int, tuple[Any, ...]] | None:
-        """(the mount's fd, its fusectl `waiting` file, its connection number, (the run's
+    def quick_gate(self) -> tuple[int, int, int, tuple[Any, ...]] | None:
+        """(the mount's fd, its fusectl directory's fd, its connection number, (the run's
         lock, the run, the layer lock, the layer, the tape queue)), or None: not now."""
 
     def fast_taken(self, n: int, seq: int, tree: bytes) -> None:
@@ -568,6 +569,33 @@ class ControlClient:
         answer: dict[str, Any] = _loads(line)
         return answer
 
+    def ask_compiled(self, line: bytes, spin: float) -> dict[str, Any]:
+        """`send_line(line)` then `answer(spin)`, the socket's part in C (`_quickline.ask`):
+        after the agent's pause each Python frame on the way runs cold. Without the compiled
+        module, or with an answer already buffered, the Python path."""
+        if _quickline is None or self._buf:
+            self.send_line(line)
+            return self.answer(spin)
+        try:
+            got, self.polls, error = _quickline.ask(
+                self.sock.fileno(), line, spin, self.polls, _CPUS
+            )
+        except BlockingIOError:  # SO_SNDTIMEO ran out
+            raise ControlError(f"the booth did not take a request on {self.path} in time") from None
+        if b"\n" not in got:
+            if error == -1:
+                raise ControlError(f"the booth closed the control socket {self.path} mid-request")
+            if error in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_RCVTIMEO ran out
+                raise ControlError(f"the booth did not answer on {self.path} in time")
+            if error:
+                # Not an OSError: one of `request`'s _GONE would send the request again.
+                raise ControlError(f"control socket {self.path} failed: {os.strerror(error)}")
+            self._buf = got  # longer than the compiled read's buffer: read on here
+            return self.answer()
+        line, self._buf = got.split(b"\n", 1)
+        answer: dict[str, Any] = _loads(line)
+        return answer
+
     def _spin(self, buf: bytes, spin: float) -> bytes:
         """What arrives within ``spin`` seconds, read without sleeping: until a whole line is
         in, the stream ends or the time is up (the caller's `recv` then waits as usual)."""
@@ -671,18 +699,23 @@ def request(
     with _kept_lock:
         client = _kept.get(key)
         try:
+            response = None
             if client is not None:
                 try:
                     if timeout != client.timeout:
                         client.set_timeout(timeout)
-                    client.send_line(line)
-                except _GONE:
+                    if line is CHECKPOINT_LINE:
+                        response = client.ask_compiled(line, SPIN)
+                    else:
+                        client.send_line(line)
+                except _GONE:  # raised by the send: the booth never had the request
                     client.close()
                     client = None
             if client is None:
                 client = _kept[key] = ControlClient(path, timeout)
                 client.send_line(line)
-            response = client.answer(SPIN if op in SPUN_OPS else 0.0)
+            if response is None:
+                response = client.answer(SPIN if op in SPUN_OPS else 0.0)
         except BaseException as failure:
             # A failure, a garbled answer or an interrupt mid-request: whatever the booth made
             # of it, this connection is out of step now.

@@ -215,6 +215,7 @@ class _FuseBoothLayer:
         self._watchdog: Any = None
         self._quiet: Any = None
         self._connection: int | None = None
+        self._fusectl_dir = -1  # the connection's fusectl directory, for the compiled path
 
     def _waiting_on_layer(self, what: str) -> contextlib.AbstractContextManager[None]:
         watchdog = self._watchdog
@@ -231,7 +232,7 @@ class _FuseBoothLayer:
         self.layer.on_write_refused = callback
 
     def mount(self) -> None:
-        from jukebox.booth.fusectl import connection_at
+        from jukebox.booth.fusectl import FUSECTL, connection_at
         from jukebox.booth.layer_watchdog import LayerWatchdog
         from shadowfs import fuse
         from shadowfs.quiet_fold import QuietFold
@@ -240,6 +241,11 @@ class _FuseBoothLayer:
         self._connection = connection = connection_at(os.path.realpath(self.mountpoint))
         if connection is not None:
             self._watchdog = LayerWatchdog(connection).start()
+            # Opened while this mount holds the number: another mount's later is another dir.
+            with contextlib.suppress(OSError):
+                self._fusectl_dir = os.open(
+                    f"{FUSECTL}/{connection}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+                )
         # A checkpoint asked for after the agent's pause finds its step's files stored.
         self._quiet = QuietFold(self.layer, fold=self._fold).start()
 
@@ -257,22 +263,19 @@ class _FuseBoothLayer:
         with self._waiting_on_layer("a snapshot"):
             self.layer.snapshot(durable=False, answer=answer)
 
-    def quick_gate(self) -> tuple[int, bytes, int, Any, Any] | None:
+    def quick_gate(self) -> tuple[int, int, int, Any, Any] | None:
         """What the compiled checkpoint path needs of the mount (`control.FastCheckpoint`): its
-        root's fd (the syncfs), its fusectl `waiting` file and number, the layer lock and the
+        root's fd (the syncfs), its fusectl directory's fd and number, the layer lock and the
         layer; None where it is not served in this process by a watched FUSE mount."""
-        from jukebox.booth.fusectl import FUSECTL
-
-        mount, connection = self._mount, self._connection
+        mount, connection, fusectl_dir = self._mount, self._connection, self._fusectl_dir
         # The mount's own handles (shadowfs.mountctl.Mount): its layer lock is the handlers'.
         fd = getattr(mount, "_root_fd", -1)
         ops = getattr(mount, "_ops", None)
         if connection is None or self._watchdog is None or fd < 0 or ops is None:
             return None
-        if getattr(mount, "process", False):
+        if fusectl_dir < 0 or getattr(mount, "process", False):
             return None
-        waiting = f"{FUSECTL}/{connection}/waiting".encode()
-        return fd, waiting, connection, ops.lock, self.layer
+        return fd, fusectl_dir, connection, ops.lock, self.layer
 
     def took_fold(self) -> None:
         """After a checkpoint answered from the fold's ids (under the layer lock)."""
@@ -293,6 +296,9 @@ class _FuseBoothLayer:
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
+        if self._fusectl_dir >= 0:
+            fd, self._fusectl_dir = self._fusectl_dir, -1
+            os.close(fd)
 
     def discard(self) -> None:
         if self._quiet is not None:
@@ -1298,7 +1304,7 @@ class _Run(Record):
             snapshot(taken)
         return True
 
-    def quick_gate(self) -> tuple[int, bytes, int, tuple[Any, ...]] | None:
+    def quick_gate(self) -> tuple[int, int, int, tuple[Any, ...]] | None:
         """For the control socket's compiled path (`control.FastCheckpoint`): None where the
         plain quick handler must serve (no such layer: the overlay backend, a layer in a child
         process; --pg databases are checked by the compiled path under the run's lock)."""
