@@ -496,3 +496,81 @@ def test_no_poll_while_more_tasks_are_runnable_than_cpus(
 def test_runnable_tasks_are_read_from_the_kernel() -> None:
     # This thread runs while it reads them.
     assert control._runnable() >= 1
+
+
+# The agent's checkpoint on its kept connection goes through the compiled client
+# (`ControlClient.ask_compiled`, `_quickline.ask`): the same poll, the same errors.
+compiled = pytest.mark.skipif(control._quickline is None, reason="the compiled path was not built")
+
+
+def _not_in_python(*args: object, **kwargs: object) -> dict:
+    raise AssertionError("the compiled client read this answer in Python")
+
+
+@compiled
+def test_the_compiled_client_reads_an_answer_in_pieces_and_never_resends_after_a_read_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control, "SPIN", 60.0)
+    monkeypatch.setattr(control, "_CPUS", 1 << 20)  # the machine as idle: the poll runs
+    path = str(tmp_path / "raw.sock")
+    listener = _raw_booth(path)
+    results: list[object] = []
+
+    def agent() -> None:
+        results.append(control.request({"op": "status"}, path))  # opens the kept connection
+        monkeypatch.setattr(ControlClient, "answer", _not_in_python)
+        results.append(control.request({"op": "checkpoint"}, path))
+        try:
+            control.request({"op": "checkpoint"}, path)
+        except ControlError as error:
+            results.append(error)
+
+    caller = threading.Thread(target=agent, daemon=True)
+    caller.start()
+    conn, _ = listener.accept()
+    with conn:
+        assert conn.recv(100) == b'{"op":"status"}\n'
+        conn.sendall(b'{"ok":true,"status":1}\n')
+        assert conn.recv(100) == control.CHECKPOINT_LINE
+        conn.sendall(b'{"ok":true,"che')
+        conn.sendall(b'ckpoint":1}\n')
+        assert conn.recv(100) == control.CHECKPOINT_LINE
+    caller.join(slow(10))
+    assert not caller.is_alive(), "the poll missed the end of the stream"
+    # The request had reached the booth: it is not sent again on a new connection.
+    assert select.select([listener], [], [], 0)[0] == []
+    listener.close()
+    assert results[:2] == [{"ok": True, "status": 1}, {"ok": True, "checkpoint": 1}]
+    assert isinstance(results[2], ControlError) and "mid-request" in str(results[2])
+
+
+@compiled
+@pytest.mark.parametrize("busy", [False, True], ids=["poll-runs-out", "busy-machine"])
+def test_the_compiled_client_sleeps_after_its_poll_runs_out_or_at_once_on_a_busy_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: bool
+) -> None:
+    # Busy: more tasks runnable than CPUs (at least this one, against none), so no poll, even
+    # for a minute. Otherwise a poll of 1 ms that runs out, and then the next request sleeps at
+    # once: a caller polling for a minute would not be seen asleep.
+    monkeypatch.setattr(control, "SPIN", 60.0 if busy else 0.001)
+    monkeypatch.setattr(control, "_CPUS", 0 if busy else 1 << 20)
+    path = str(tmp_path / "raw.sock")
+    listener = _raw_booth(path)
+    results: list[dict] = []
+    caller = _asking(results, {"op": "status"}, path)
+    conn, _ = listener.accept()
+    with conn:
+        assert conn.recv(100) == b'{"op":"status"}\n'
+        conn.sendall(b'{"ok":true,"status":1}\n')
+        caller.join(slow(10))
+        monkeypatch.setattr(ControlClient, "answer", _not_in_python)
+        for n in (1, 2):
+            caller = _asking(results, {"op": "checkpoint"}, path)
+            assert conn.recv(100) == control.CHECKPOINT_LINE
+            _until_asleep_in_recv(caller, "the caller never stopped polling")
+            conn.sendall(b'{"ok":true,"checkpoint":%d}\n' % n)
+            caller.join(slow(10))
+            monkeypatch.setattr(control, "SPIN", 60.0)
+    listener.close()
+    assert results[1:] == [{"ok": True, "checkpoint": 1}, {"ok": True, "checkpoint": 2}]

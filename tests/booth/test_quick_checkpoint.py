@@ -33,7 +33,7 @@ for step in range(3):
     for j in range(4):
         with open("f%d.txt" % j, "w") as f:
             f.write("%d-%d\n" % (step, j))
-    time.sleep(0.3)
+    time.sleep(0.2)
     if step < 2:
         answers.append(request({"op": "checkpoint"}))
     else:
