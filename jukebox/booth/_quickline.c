@@ -417,11 +417,58 @@ static long runnable(void) {
     return p == NULL ? 0 : strtol(p, NULL, 10);
 }
 
+/* Digits at *p up to `stop` as a number (at most 18 of them), *p moved past; -1 if none. */
+static long long digits_at(const char **p, char stop) {
+    long long v = 0;
+    int n = 0;
+    while (**p >= '0' && **p <= '9' && n < 18) {
+        v = v * 10 + (**p - '0');
+        (*p)++;
+        n++;
+    }
+    return n == 0 || **p != stop || (n > 1 && (*p)[-n] == '0') ? -1 : v;
+}
+
+/* An answer exactly as `take` writes it (and as the Python path encodes the same fields), and
+ * nothing after it, as the dict `json` would make of it; NULL (no error set) for any other
+ * bytes, which `_loads` then reads. */
+static PyObject *compiled_answer(const char *buf, size_t have) {
+    static const char head[] = "{\"ok\":true,\"checkpoint\":";
+    static const char mid[] = ",\"label\":null,\"tree\":\"";
+    static const char tail[] = "\",\"frame\":";
+    if (have < 2 || buf[have - 1] != '\n' || memchr(buf, '\n', have - 1) != NULL)
+        return NULL;
+    const char *p = buf;
+    if (strncmp(p, head, sizeof head - 1) != 0)
+        return NULL;
+    p += sizeof head - 1;
+    long long n = digits_at(&p, ',');
+    if (n < 0 || strncmp(p, mid, sizeof mid - 1) != 0)
+        return NULL;
+    p += sizeof mid - 1;
+    for (int i = 0; i < 64; i++)
+        if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f')))
+            return NULL;
+    const char *tree = p;
+    p += 64;
+    if (strncmp(p, tail, sizeof tail - 1) != 0)
+        return NULL;
+    p += sizeof tail - 1;
+    long long seq = digits_at(&p, '}');
+    if (seq < 0 || p + 2 != buf + have)
+        return NULL;
+    return Py_BuildValue(
+        "{s:O,s:L,s:O,s:s#,s:L}", "ok", Py_True, "checkpoint", n, "label", Py_None, "tree", tree,
+        (Py_ssize_t)64, "frame", seq);
+}
+
 /* The agent's side: `ControlClient.ask_compiled`, a request line sent and its answer read as
  * `ControlClient.answer` reads it (polled for up to `spin` seconds when `polls`, unless more
  * tasks are runnable than `cpus`), without the interpreter lock and its cold frames. Returns
- * (bytes read, polls for the next request, errno of the read: 0, or -1 for the end of the
- * stream); an error of the send raises OSError (the request did not go out whole). */
+ * (the answer, polls for the next request, errno of the read: 0, or -1 for the end of the
+ * stream), the answer as a dict when it is a compiled checkpoint answer (`compiled_answer`),
+ * else the bytes read; an error of the send raises OSError (the request did not go out whole).
+ */
 static PyObject *ask(PyObject *self, PyObject *args) {
     int fd, polls, cpus;
     const char *line;
@@ -494,7 +541,14 @@ static PyObject *ask(PyObject *self, PyObject *args) {
         errno = send_err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    return Py_BuildValue("(y#Oi)", buf, (Py_ssize_t)have, polls_after ? Py_True : Py_False, recv_err);
+    PyObject *answer = compiled_answer(buf, have);
+    if (answer == NULL && PyErr_Occurred())
+        return NULL;
+    if (answer == NULL)
+        answer = PyBytes_FromStringAndSize(buf, (Py_ssize_t)have);
+    if (answer == NULL)
+        return NULL;
+    return Py_BuildValue("(NOi)", answer, polls_after ? Py_True : Py_False, recv_err);
 }
 
 static PyObject *syncing(PyObject *self, PyObject *arg) {
@@ -520,7 +574,7 @@ static PyMethodDef methods[] = {
     {"serve", serve, METH_VARARGS,
      "serve(fd, line, gate, peer) -> bytes read, or (n, seq, tree, rest, errno) once answered"},
     {"ask", ask, METH_VARARGS,
-     "ask(fd, line, spin, polls, cpus) -> (bytes read, polls, errno of the read)"},
+     "ask(fd, line, spin, polls, cpus) -> (answer dict or bytes read, polls, errno of the read)"},
     {"syncing", syncing, METH_O, "syncing(key) -> when the oldest syncfs of key began, or None"},
     {"answered", answered_count, METH_NOARGS, "answered() -> checkpoints this module answered"},
     {NULL, NULL, 0, NULL},

@@ -574,3 +574,42 @@ def test_the_compiled_client_sleeps_after_its_poll_runs_out_or_at_once_on_a_busy
             monkeypatch.setattr(control, "SPIN", 60.0)
     listener.close()
     assert results[1:] == [{"ok": True, "checkpoint": 1}, {"ok": True, "checkpoint": 2}]
+
+
+ANSWERS_READ_IN_C = [
+    b'{"ok":true,"checkpoint":12,"label":null,"tree":"' + b"ab" * 32 + b'","frame":345}\n',
+    b'{"ok":true,"checkpoint":0,"label":null,"tree":"' + b"09" * 32 + b'","frame":0}\n',
+]
+
+
+@compiled
+@pytest.mark.parametrize(
+    "answer",
+    [
+        *ANSWERS_READ_IN_C,
+        # Any other bytes are left to `json`: a label, a leading zero, upper case, spaces, two
+        # lines, an error.
+        b'{"ok":true,"checkpoint":1,"label":"a","tree":"' + b"ab" * 32 + b'","frame":3}\n',
+        b'{"ok":true,"checkpoint":01,"label":null,"tree":"' + b"ab" * 32 + b'","frame":3}\n',
+        b'{"ok":true,"checkpoint":1,"label":null,"tree":"' + b"AB" * 32 + b'","frame":3}\n',
+        b'{"ok": true, "checkpoint": 1, "label": null, "tree": "'
+        + b"ab" * 32
+        + b'", "frame": 3}\n',
+        b'{"ok":true,"checkpoint":1,"label":null,"tree":"' + b"ab" * 32 + b'","frame":3}\n{}\n',
+        b'{"ok":false,"error":"no"}\n',
+    ],
+)
+def test_the_compiled_client_reads_its_answers_as_json_does_and_leaves_it_the_rest(
+    answer: bytes,
+) -> None:
+    assert control._quickline is not None
+    agent, booth = socket.socketpair()
+    with agent, booth:
+        booth.sendall(answer)
+        got, _, error = control._quickline.ask(agent.fileno(), control.CHECKPOINT_LINE, 0, 0, 1)
+        assert booth.recv(100) == control.CHECKPOINT_LINE and error == 0
+    if answer in ANSWERS_READ_IN_C:
+        assert isinstance(got, dict)
+        assert list(got.items()) == list(json.loads(answer).items())
+    else:
+        assert got == answer
