@@ -478,14 +478,23 @@ static PyObject *ask(PyObject *self, PyObject *args) {
         return NULL;
     char buf[4096];
     size_t have = 0;
-    int send_err = 0, recv_err = 0, polls_after = polls;
+    int send_err = 0, recv_err = 0, polls_after = polls, interrupted = 0;
     Py_BEGIN_ALLOW_THREADS
+/* A signal's Python handler runs now, as it would in socket.send and recv (PEP 475): Ctrl-C
+ * does not wait for the booth's answer. */
     Py_ssize_t off = 0;
     while (off < line_len) {
         ssize_t n = send(fd, line + off, (size_t)(line_len - off), MSG_NOSIGNAL);
         if (n < 0) {
-            if (errno == EINTR)
-                continue;
+            if (errno == EINTR) {
+                int signalled;
+                Py_BLOCK_THREADS
+                signalled = PyErr_CheckSignals() < 0;
+                Py_UNBLOCK_THREADS
+                if (!signalled)
+                    continue;
+                interrupted = 1;
+            }
             send_err = errno;
             break;
         }
@@ -525,8 +534,15 @@ static PyObject *ask(PyObject *self, PyObject *args) {
                 break;
             }
             if (n < 0) {
-                if (errno == EINTR)
-                    continue;
+                if (errno == EINTR) {
+                    int signalled;
+                    Py_BLOCK_THREADS
+                    signalled = PyErr_CheckSignals() < 0;
+                    Py_UNBLOCK_THREADS
+                    if (!signalled)
+                        continue;
+                    interrupted = 1;
+                }
                 recv_err = errno;
                 break;
             }
@@ -537,6 +553,8 @@ static PyObject *ask(PyObject *self, PyObject *args) {
             polls_after = monotonic() - started <= spin;
     }
     Py_END_ALLOW_THREADS
+    if (interrupted)
+        return NULL; /* the handler's exception */
     if (send_err) {
         errno = send_err;
         return PyErr_SetFromErrno(PyExc_OSError);

@@ -613,3 +613,57 @@ def test_the_compiled_client_reads_its_answers_as_json_does_and_leaves_it_the_re
         assert list(got.items()) == list(json.loads(answer).items())
     else:
         assert got == answer
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@compiled
+def test_a_signal_interrupts_the_compiled_client_waiting_for_its_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As socket.recv does (PEP 475): the handler runs at once, and its exception ends the
+    # request, whose connection is then dropped. The booth here never answers.
+    monkeypatch.setattr(control, "SPIN", 0.0)
+    path = str(tmp_path / "raw.sock")
+    listener = _raw_booth(path)
+    main = threading.main_thread()
+    assert threading.current_thread() is main
+    old = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    booth: list[socket.socket] = []
+    ended: list[bool] = []
+
+    def serve_then_interrupt() -> None:
+        conn, _ = listener.accept()
+        booth.append(conn)
+        conn.recv(100)
+        conn.sendall(b'{"ok":true,"status":1}\n')
+        assert conn.recv(100) == control.CHECKPOINT_LINE
+        _until_asleep_in_recv(main, "the caller never slept in recv")
+        signal.pthread_kill(main.ident or 0, signal.SIGUSR1)
+        # The caller, interrupted, drops its connection. One still waiting is freed here (and
+        # the request then fails otherwise) instead of holding the test.
+        conn.settimeout(slow(10))
+        try:
+            ended.append(conn.recv(100) == b"")
+        except TimeoutError:
+            ended.append(False)
+        finally:
+            conn.shutdown(socket.SHUT_RDWR)
+
+    server = threading.Thread(target=serve_then_interrupt, daemon=True)
+    server.start()
+    try:
+        assert control.request({"op": "status"}, path, 3600.0) == {"ok": True, "status": 1}
+        monkeypatch.setattr(ControlClient, "answer", _not_in_python)
+        # A client that waited for the answer instead would hold the test past its timeout.
+        with pytest.raises(_Interrupted):
+            control.request({"op": "checkpoint"}, path, timeout=3600.0)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        server.join(slow(10))
+        for conn in booth:
+            conn.close()
+        listener.close()
+    assert ended == [True] and path not in control._kept
