@@ -109,7 +109,6 @@ def test_a_checkpoint_after_a_fold_records_what_the_python_path_records(
         assert {op_pid for _, _, op_pid in ops} == {pid}
     seqs = [recorded[n]["seq"] for n in sorted(recorded)]
     assert seqs == sorted(seqs)
-    assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
 
 
 # Two connections: one takes checkpoints after folded steps (the compiled path's case) while the
@@ -195,4 +194,3 @@ def test_racing_writes_and_checkpoints_on_another_connection(tmp_path: Path) -> 
     # Which of the four were compiled depends on which came first, the replace or the request;
     # each held either way. Those answered after the replace landed took the Python path.
     assert 0 <= out["compiled"] <= 4
-    assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
