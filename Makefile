@@ -74,7 +74,8 @@ system-packages:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): pyproject.toml
+# The editable install also compiles the booth's C extension in place: rebuilt when it changes.
+$(STAMP): pyproject.toml jukebox/booth/_quickline.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# setuptools warns about any flat layout on every editable build: noise for a user
