@@ -9,9 +9,9 @@ through trio only when the socket would block, so a call waits (and yields) exac
 is something to wait for. They take the stream's file descriptor (`fileno`), which is a plain
 TCP socket's: a TLS stream goes through trio as before.
 
-`Spin` and `spin_read` poll a socket for a bounded time before the caller sleeps on it: a
-sleep in `epoll_wait` costs a wake-up, which on these VMs costs more than most of the proxy's
-code.
+`spin_read` and `read_spun` poll a socket for a bounded time (`Spin`, jukebox.spin) before the
+caller sleeps on it: a sleep in `epoll_wait` costs a wake-up, which on these VMs costs more than
+most of the proxy's code.
 
 Errors read as trio's: a reset or closed peer is `trio.BrokenResourceError`.
 """
@@ -22,6 +22,8 @@ import os
 import time
 
 import trio
+
+from jukebox.spin import Spin
 
 
 def fileno(stream: trio.abc.Stream) -> int | None:
@@ -79,28 +81,6 @@ async def read_some(
         if data is not None:
             return data
         await trio.lowlevel.wait_readable(fd)
-
-
-class Spin:
-    """How long to busy-poll a socket before sleeping on it, learnt from how long the last wait
-    of the same kind took (what the kernel's guest halt-polling does for a vCPU, per wait).
-
-    On this project's VMs a process that sleeps in `epoll_wait` and is woken by a loopback
-    write pays the wake-up of an idle vCPU (100+ µs, up to a millisecond after a pause), and a
-    proxy pays it twice per call where a direct call pays it once. An answer that comes within
-    `cap_ns` is polled for, up to twice as long as the last one took; an answer slower than the
-    cap (a remote API's, a model thinking) is slept for, and its wait sets the budget to 0 until
-    a wait of that kind is short again. The CPU spent spinning is at most the budget per wait,
-    and nothing while the waits of that kind are longer than the cap."""
-
-    __slots__ = ("budget_ns", "cap_ns")
-
-    def __init__(self, cap_ns: int) -> None:
-        self.cap_ns = cap_ns
-        self.budget_ns = 0  # nothing known yet: the first wait sleeps, and is measured
-
-    def observed(self, waited_ns: int) -> None:
-        self.budget_ns = min(2 * waited_ns, self.cap_ns) if waited_ns <= self.cap_ns else 0
 
 
 def spin_read(fd: int, size: int, budget_ns: int) -> bytes | None:

@@ -53,7 +53,7 @@ from jukebox.display.render import size as human
 from jukebox.errors import JukeboxError
 from jukebox.guard.breaker import Trip
 from jukebox.llm.budget import worst_case
-from jukebox.llm.fastio import Spin, fileno, read_some, read_spun, write_all
+from jukebox.llm.fastio import fileno, read_some, read_spun, write_all
 from jukebox.llm.http1_agent import AgentConnection, BadRequest, Request
 from jukebox.llm.pacing import Pacer, headers_after_s, latency_s
 from jukebox.llm.paths import PathRefused
@@ -99,6 +99,7 @@ from jukebox.llm.upstreams import proxy_env, upstreams_from_env
 from jukebox.llm.upstreams import resolve as resolve_upstreams
 from jukebox.llm.usage import ask_for_usage, is_usage_chunk
 from jukebox.redact import Scrubber, redact_query, redact_text, url_origin, url_secrets
+from jukebox.spin import Spin
 from jukebox.tape.frame import encode_payload, spills
 from shadowfs import wakeups
 
@@ -142,7 +143,7 @@ INLINE_TURN_BYTES = 64 * 1024
 TRIP_NOTICE_S = 1.0
 # The longest the proxy busy-polls for the rest of a request whose head came alone (httpx and
 # the SDKs on it write a request's head and body apart, the body microseconds later): the
-# poll spares the proxy a sleep and a wake-up on most calls (jukebox.llm.fastio.Spin).
+# poll spares the proxy a sleep and a wake-up on most calls (jukebox.spin.Spin).
 AGENT_BODY_SPIN_CAP_NS = 500_000
 # Set to 0, no busy-poll at all, `spin` or not: every wait sleeps (less CPU, one more wake-up
 # per wait).
@@ -210,7 +211,7 @@ class ProxyServer:
     writer): then a small turn is recorded on the proxy's own loop, which spares every call a
     hand-off to a thread and back (see `_finish`). `spin`: a wait for what is about to come (a
     request's body, an upstream that answers fast) polls before it sleeps (see
-    jukebox.llm.fastio.Spin), unless `JUKEBOX_LLM_SPIN=0`: for a proxy in a process apart from
+    jukebox.spin.Spin), unless `JUKEBOX_LLM_SPIN=0`: for a proxy in a process apart from
     its agent, as a booth's is; a poll would fight an agent in the same process for the GIL.
     `secret` is the first path segment every
     request must carry (a fresh random one by default); `record_limit` the bytes of bodies
@@ -298,7 +299,7 @@ class ProxyServer:
         self._scope: trio.CancelScope | None = None
         self._error: BaseException | None = None
         self._in_flight = 0  # requests being handled, changed on the proxy's event loop only
-        # Busy-polls for what is about to come (jukebox.llm.fastio.Spin), unless turned off.
+        # Busy-polls for what is about to come (jukebox.spin.Spin), unless turned off.
         self.spin = spin and os.environ.get(SPIN_ENV, "1") != "0"
         self._body_spin = Spin(AGENT_BODY_SPIN_CAP_NS if self.spin else 0)
 

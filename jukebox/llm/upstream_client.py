@@ -11,7 +11,7 @@ compressions the proxy asks for (gzip, deflate). Requests and responses are enco
 by jukebox.llm.http1 (h11's events cost about 150 µs a streamed call), and a plain TCP socket
 is read and written without trio's scheduling rounds when it is ready (jukebox.llm.fastio).
 When the caller allows it (`may_spin`), a wait for an upstream that answered fast last time
-polls the socket before it sleeps (jukebox.llm.fastio.Spin), learnt per origin for the head
+polls the socket before it sleeps (jukebox.spin.Spin), learnt per origin for the head
 and for the body's next bytes apart.
 
 Bytes go upstream as the agent sent them: the target is the agent's own
@@ -41,8 +41,9 @@ from urllib.parse import urlsplit
 import trio
 
 from jukebox.errors import JukeboxError
-from jukebox.llm.fastio import Spin, fileno, read_some, spin_read, try_read, try_write, write_all
+from jukebox.llm.fastio import fileno, read_some, spin_read, try_read, try_write, write_all
 from jukebox.llm.http1 import ClosedEarly, Head, ProtocolError, ResponseReader, encode_request
+from jukebox.spin import Spin
 
 # What the client asks upstream for (the agent's own accept-encoding is not forwarded: it gets
 # the decoded bytes the tape records).
@@ -55,7 +56,7 @@ MAX_IDLE_PER_ORIGIN = 20
 KEEPALIVE_EXPIRY_S = 5.0
 # URLs parsed once: an agent calls the same few endpoints again and again.
 _URL_CACHE_SIZE = 256
-# The longest the client busy-polls for an upstream's answer (jukebox.llm.fastio.Spin): its
+# The longest the client busy-polls for an upstream's answer (jukebox.spin.Spin): its
 # head after the request, and the body's next bytes. An upstream on this host (a local model
 # server, the tests' fake one) answers within it, a remote API never does, and from its
 # second call on costs no spinning at all.
