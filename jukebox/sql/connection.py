@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jukebox.spin import Spin
 from jukebox.sql import messages as m
 from jukebox.sql import statements as st
 from jukebox.sql.results import Results
@@ -188,6 +189,9 @@ class AgentConnection:
         self.frames: list[tuple[_Run, str | None, dict[str, str] | None, int,
                                 dict[str, Any] | None, int]] = []
         self.frame_timer: asyncio.TimerHandle | None = None
+        # How long to poll for the server's answer to this connection's statements before
+        # sleeping on it (`relay`), learnt from how long its last answers took.
+        self.spin = Spin(db.owner.spin_cap_ns)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -458,12 +462,24 @@ class AgentConnection:
     # ------------------------------------------------------------------ the connection
 
     async def serve(self) -> None:
+        owner = self.db.owner
+        busy = False
         try:
             if not await self.startup():
                 return
             stream = self.stream
+            owner.busy += 1
+            busy = True
             while True:
-                kind, body = stream.next_message() or await stream.read_message()
+                found = stream.next_message()
+                if found is None:
+                    # Waiting for the agent: not at work, so another connection may poll.
+                    owner.busy -= 1
+                    busy = False
+                    found = await stream.read_message()
+                    owner.busy += 1
+                    busy = True
+                kind, body = found
                 if kind == b"X":
                     return
                 await self.handle(kind, body)
@@ -479,6 +495,8 @@ class AgentConnection:
             self.send(m.error(error.code or "08006",
                               f"jukebox: the booth's database session failed: {error}", "FATAL"))
         finally:
+            if busy:
+                owner.busy -= 1
             await self.cleanup()
 
     async def startup(self) -> bool:
@@ -720,6 +738,9 @@ class AgentConnection:
             up.flush()
             self.write_frames()
         bulk = self.kept is None and not drop_only
+        # The server's answer is polled for rather than slept for, when this connection's
+        # answers come quickly and no other connection is at work (the poll holds the loop).
+        up.wire.spin = self.spin if self.db.owner.busy <= 1 else None
         while True:
             if up.prefix and not drop_only:
                 up.skip_prefix()
@@ -736,6 +757,7 @@ class AgentConnection:
                     continue
             kind, body = up.ready() or await up.read()
             if kind == b"Z":
+                up.wire.spin = None
                 up.status = body.decode()
                 if up.status != "E":
                     up.spoiled = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 import threading
 import time
@@ -26,6 +27,15 @@ T = TypeVar("T")
 # What a frame keeps of one statement and one bound value: enough to read, not a dump.
 MAX_STATEMENT_CHARS = 16_384
 MAX_PARAM_CHARS = 1_024
+# The longest the proxy polls for the server's answer to a statement before it sleeps on it
+# (jukebox.spin.Spin, learnt per agent connection): a statement the server answers within it
+# (most, inside the booth's transaction: nothing commits) spares the proxy a wake-up, which on
+# these VMs costs more than its own work on the statement; a connection whose statements take
+# longer polls for none of them until one is quick again.
+SPIN_CAP_NS = 1_000_000
+# Set to 0, no poll at all: every wait for the server sleeps (less CPU, one more wake-up per
+# statement).
+SPIN_ENV = "JUKEBOX_SQL_SPIN"
 
 FrameSink = Callable[[str, dict[str, Any]], Any]
 
@@ -239,6 +249,10 @@ class SqlProxy:
         self.on_trip = on_trip
         self.tripped = False
         self.numbers = itertools.count(1)
+        self.spin_cap_ns = 0 if os.environ.get(SPIN_ENV, "1") == "0" else SPIN_CAP_NS
+        # Agent connections at work on the loop (not waiting for their agent): a poll for the
+        # server holds the loop, so a connection polls only while it is the only one.
+        self.busy = 0
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, name="jukebox-sql", daemon=True)
         make = listen or _listen_loopback

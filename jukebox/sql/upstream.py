@@ -15,12 +15,14 @@ import os
 import socket
 import ssl
 import struct
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from jukebox.errors import JukeboxError
+from jukebox.spin import Spin
 from jukebox.sql import messages as m
 
 # The savepoint of the agent's unit of work or transaction block (jukebox.sql.session).
@@ -149,6 +151,9 @@ class Wire:
         self.watching = False
         self.waiter: _Waiter | None = None
         self.unasked = 0  # calls of `_readable` in a row with nobody waiting
+        # While an agent connection reads the server's answer to its statement: how long to
+        # poll for it before sleeping (its own, learnt from its last answers); None: sleep.
+        self.spin: Spin | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -250,8 +255,20 @@ class Wire:
             try:
                 chunk = self.sock.recv(262_144)
             except (BlockingIOError, ssl.SSLWantReadError):
-                await self._wait_readable()
-                continue
+                spin = self.spin
+                if spin is None:
+                    await self._wait_readable()
+                    continue
+                # The server's answer to a statement: polled for when the answers of this
+                # agent connection come quickly (jukebox.spin.Spin), slept for otherwise.
+                started = time.monotonic_ns()
+                got = self._poll(spin.budget_ns) if spin.budget_ns else None
+                if got is None:
+                    await self._wait_readable()
+                spin.observed(time.monotonic_ns() - started)
+                if got is None:
+                    continue
+                chunk = got
             except ssl.SSLWantWriteError:
                 await self._ready(self.loop.add_writer, self.loop.remove_writer)
                 continue
@@ -264,6 +281,25 @@ class Wire:
                 self.at = 0
             self.buf += chunk
             return
+
+    def _poll(self, budget_ns: int) -> bytes | None:
+        """`recv` again and again for up to `budget_ns`, yielding the CPU between tries (to the
+        server's backend, when it shares this CPU): the bytes, or None when the budget ran out
+        or the socket has something else to say (the caller's next `recv` reads it as usual).
+        Blocks the event loop meanwhile: callers poll only while no other agent connection is
+        at work (SqlProxy.busy)."""
+        end = time.monotonic_ns() + budget_ns
+        recv, pause, now = self.sock.recv, os.sched_yield, time.monotonic_ns
+        while True:
+            try:
+                return recv(262_144)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                pass
+            except OSError:  # an end, a reset, a TLS error: `_fill` says it as it always does
+                return None
+            if now() >= end:
+                return None
+            pause()
 
     async def _wait_readable(self) -> None:
         if not self.watching:

@@ -1,0 +1,151 @@
+"""The proxy's poll for the server's answer (jukebox.spin.Spin, jukebox.sql.upstream.Wire): what it
+learns per agent connection, that it ends at its bound, that a slow statement stops the polls,
+that `JUKEBOX_SQL_SPIN=0` turns them off, and that answers polled for reach the agent whole.
+
+No timing is asserted: the caps are set far from what the statements take (a minute against a
+SELECT, 0.1 s against a 0.5 s pg_sleep), so the machine's load cannot move the outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from jukebox.sql.connection import AgentConnection
+from jukebox.sql.server import SPIN_ENV
+from jukebox.sql.upstream import Wire
+from tests.sql.cluster import Cluster, wait_for
+from tests.sql.test_proxy import Proxied, writes_waiting
+
+MINUTE_NS = 60_000_000_000
+
+
+@pytest.fixture
+def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """Each poll of a server's socket: (its budget, whether the answer came within it)."""
+    seen: list[tuple[int, bool]] = []
+    poll = Wire._poll
+
+    def counted(self: Wire, budget_ns: int) -> bytes | None:
+        got = poll(self, budget_ns)
+        seen.append((budget_ns, got is not None))
+        return got
+
+    monkeypatch.setattr(Wire, "_poll", counted)
+    return seen
+
+
+@pytest.fixture
+def proxied(pg: Cluster, db: str) -> Iterator[Proxied]:
+    p = Proxied(pg, db)
+    try:
+        yield p
+    finally:
+        p.proxy.stop()
+
+
+def the_connection(proxied: Proxied) -> AgentConnection:
+    (conn,) = proxied.proxy.databases["main"].connections.values()
+    return conn
+
+
+def test_quick_answers_are_polled_for_and_a_slow_one_stops_the_polls(
+    proxied: Proxied, polls: list[tuple[int, bool]]
+) -> None:
+    with psycopg.connect(proxied.url, autocommit=True) as agent:
+        conn = the_connection(proxied)
+        conn.spin.cap_ns = MINUTE_NS  # every answer is "quick": each teaches a poll
+        for i in range(1, 21):
+            assert agent.execute("SELECT %s::int * 2", (i,)).fetchone() == (2 * i,)
+            assert agent.execute("SELECT v FROM t WHERE id = 1").fetchone() == ("one",)
+        # A statement the proxy surely waits for (10 ms of the server's), twice: the first
+        # wait teaches a poll, which the second takes, and finds its answer within.
+        for _ in range(2):
+            assert agent.execute("SELECT pg_sleep(0.01)").fetchone() == ("",)
+        assert polls and polls[-1][1], "no answer was polled for"
+        assert all(0 < budget <= MINUTE_NS for budget, _ in polls)
+        # Between statements nobody is at work (once the frame is written after the answer).
+        wait_for(lambda: proxied.proxy.busy == 0)
+
+        conn.spin.cap_ns = 100_000_000  # 0.1 s: the next statement takes 0.5 s
+        before = len(polls)
+        agent.execute("SELECT pg_sleep(0.5)")
+        assert conn.spin.budget_ns == 0  # slower than the cap: no poll until one is quick
+        assert len(polls) == before + 1 and not polls[-1][1]  # that one gave up at its bound
+
+        assert agent.execute("SELECT v FROM t WHERE id = 2").fetchone() == ("two",)
+        assert len(polls) == before + 1  # slept for, not polled for
+
+    # The statements, answered through polls, were recorded as ever, in their order.
+    wait_for(lambda: len(proxied.frames) == 44)
+    statements = [f["statement"] for f in proxied.frames]
+    assert statements[-2:] == ["SELECT pg_sleep(0.5)", "SELECT v FROM t WHERE id = 2"]
+    assert statements.count("SELECT v FROM t WHERE id = 1") == 20
+
+
+def test_the_environment_turns_the_polls_off(
+    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SPIN_ENV, "0")
+    p = Proxied(pg, db)
+    try:
+        assert p.proxy.spin_cap_ns == 0
+        with psycopg.connect(p.url, autocommit=True) as agent:
+            for _ in range(20):
+                assert agent.execute("SELECT v FROM t WHERE id = 1").fetchone() == ("one",)
+            assert the_connection(p).spin.budget_ns == 0
+        assert polls == []
+    finally:
+        p.proxy.stop()
+
+
+def test_a_poll_returns_what_came_and_gives_up_at_its_budget() -> None:
+    async def main() -> list[Any]:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        wire = Wire(a)
+        try:
+            out: list[Any] = [wire._poll(1_000_000)]  # nothing comes within 1 ms
+            b.sendall(b"answer")
+            out.append(wire._poll(0))  # there already: even with no budget
+            b.close()
+            out.append(wire._poll(1_000_000))  # the end, as a read says it
+            return out
+        finally:
+            wire.close()
+
+    assert asyncio.run(main()) == [None, b"answer", b""]
+
+
+def test_a_poll_is_not_taken_while_another_connection_is_at_work(
+    proxied: Proxied, polls: list[tuple[int, bool]]
+) -> None:
+    """The poll holds the proxy's loop: while a second connection has a statement in the
+    works (here a write waiting for the first connection's block that wrote to end), the
+    first sleeps for its answers."""
+    with psycopg.connect(proxied.url) as first, psycopg.connect(proxied.url) as second:
+        first.execute("UPDATE t SET v = 'uno' WHERE id = 1")  # its block keeps the session
+        conn = proxied.proxy.databases["main"].connections[1]
+        conn.spin.cap_ns = MINUTE_NS
+        first.execute("SELECT pg_sleep(0.01)")  # surely waited for: it teaches a poll
+        first.execute("SELECT pg_sleep(0.01)")
+        assert polls
+        waiting = threading.Thread(
+            target=lambda: second.execute("UPDATE t SET v = 'dos' WHERE id = 2"), daemon=True)
+        waiting.start()
+        wait_for(lambda: writes_waiting(proxied) == 1)
+        wait_for(lambda: proxied.proxy.busy == 1)  # the waiting one; the first is idle
+        before = len(polls)
+        assert first.execute("SELECT v FROM t WHERE id = 1").fetchone() == ("uno",)
+        assert len(polls) == before  # slept: the other connection is at work
+        first.commit()
+        waiting.join(30)
+        second.commit()
+    with psycopg.connect(proxied.url) as third:
+        assert third.execute("SELECT string_agg(v, ',' ORDER BY id) FROM t").fetchone() == (
+            "uno,dos",)
