@@ -30,6 +30,11 @@ the supervisor and the agent is another process: in this process the client's Py
 proxy thread take turns on one GIL, so whatever the proxy does after an answer (its `sql`
 frame) delays the client reading it, which never happens to an agent. Its `cpu_us` adds the
 proxy process's CPU per statement (from /proc, over the whole case) to this one's.
+
+Last, the three single statements once more, direct and through two proxies in processes of
+their own, one polling for the server's answer (jukebox.spin.Spin, the default) and one not
+(`JUKEBOX_SQL_SPIN=0`), the order of the turn rotating each round so that neither always
+follows the other's frame work: what the poll saves, side by side.
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ GROUP = "sql proxy"
 DIRECT = "direct"
 PROXY = "proxy, recording"
 PROXY_PROCESS = "proxy in its own process, recording"
+# The same two ways, taking turns in a rotating order: the proxy's poll for the server's
+# answer (jukebox.spin.Spin) against none (JUKEBOX_SQL_SPIN=0).
+POLLING = "proxy in its own process, polling (rotating turns)"
+NOT_POLLING = "proxy in its own process, JUKEBOX_SQL_SPIN=0 (rotating turns)"
 DIRECT_ONE_TX = "direct, one transaction of savepoints"
 TPCB = "TPC-B-like transaction (7 statements), psycopg"
 SIMPLE = "SELECT 1, simple query"
@@ -60,14 +69,19 @@ WARMUP = 20
 
 def _take_turns(
     systems: list[tuple[str, Any]], statement: Callable[[Any, int], object], n: int,
-    elsewhere: dict[str, Callable[[], float]] | None = None,
+    elsewhere: dict[str, Callable[[], float]] | None = None, rotate: bool = False,
 ) -> dict[str, tuple[list[float], float]]:
-    """`elsewhere`: for a system served by another process, that process's CPU µs so far."""
+    """`elsewhere`: for a system served by another process, that process's CPU µs so far.
+    `rotate`: the order of the turn moves by one each round, so that each system follows
+    each other one as often (a proxy's work after its answer, its frame, runs while the next
+    system in the turn serves, which the fixed order always hands to the same one)."""
     samples: dict[str, list[float]] = {name: [] for name, _ in systems}
     cpu: dict[str, float] = dict.fromkeys(samples, 0.0)
-    others = {name: read() for name, read in (elsewhere or {}).items()}
+    apart = {name: read for name, read in (elsewhere or {}).items() if name in samples}
+    others = {name: read() for name, read in apart.items()}
     for i in range(WARMUP + n):
-        for name, conn in systems:
+        turn = systems[i % len(systems):] + systems[:i % len(systems)] if rotate else systems
+        for name, conn in turn:
             c0 = time.process_time_ns()
             t0 = time.perf_counter_ns()
             statement(conn, i)
@@ -75,7 +89,7 @@ def _take_turns(
             if i >= WARMUP:
                 samples[name].append(took)
                 cpu[name] += (time.process_time_ns() - c0) / 1000.0
-    for name, read in (elsewhere or {}).items():
+    for name, read in apart.items():
         cpu[name] += (read() - others[name]) * n / (WARMUP + n)
     return {name: (samples[name], cpu[name] / n) for name in samples}
 
@@ -85,6 +99,15 @@ def _cpu_us(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) * 1e6 / os.sysconf("SC_CLK_TCK")
+
+
+def _serve_apart(url: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`--serve` in a process of its own, with `env` added to its environment."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.bench_sql", "--serve", url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def _serve(url: str) -> None:
@@ -230,39 +253,51 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             direct = psycopg.connect(cluster.url("bench"), autocommit=True)
             proxied = psycopg.connect(f"postgresql://agent@127.0.0.1:{port}/bench",
                                       autocommit=True)
-            server = subprocess.Popen(
-                [sys.executable, "-m", "bench.bench_sql", "--serve", cluster.url("bench")],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            )
-            assert server.stdout is not None
-            other = psycopg.connect(
-                f"postgresql://agent@127.0.0.1:{int(server.stdout.readline())}/bench",
-                autocommit=True,
-            )
+            server = _serve_apart(cluster.url("bench"))
+            still = _serve_apart(cluster.url("bench"), {"JUKEBOX_SQL_SPIN": "0"})
+            apart = []
+            for process in (server, still):
+                assert process.stdout is not None
+                apart.append(psycopg.connect(
+                    f"postgresql://agent@127.0.0.1:{int(process.stdout.readline())}/bench",
+                    autocommit=True,
+                ))
+            other, quiet = apart
             systems = [(DIRECT, direct), (PROXY, proxied), (PROXY_PROCESS, other)]
-            elsewhere = {PROXY_PROCESS: lambda: _cpu_us(server.pid)}
+            elsewhere = {PROXY_PROCESS: lambda: _cpu_us(server.pid),
+                         POLLING: lambda: _cpu_us(server.pid),
+                         NOT_POLLING: lambda: _cpu_us(still.pid)}
             try:
-                for case, statement in (
+                cases: list[tuple[str, Callable[[Any, int], object]]] = [
                     (SIMPLE, lambda c, i: c.execute("SELECT 1").fetchone()),
                     (LOOKUP, lambda c, i: c.execute("SELECT v FROM k WHERE id = %s",
                                                     (i % 1000 + 1,)).fetchone()),
                     (INSERT, lambda c, i: c.execute("INSERT INTO w (v) VALUES (%s)",
                                                     (f"row {i}",))),
-                ):
+                ]
+                for case, statement in cases:
                     rows += overhead_rows(GROUP, case,
                                           _take_turns(systems, statement, n, elsewhere))
-                other.close()
+                polls = [(DIRECT, direct), (POLLING, other), (NOT_POLLING, quiet)]
+                for case, statement in cases:
+                    rows += overhead_rows(GROUP, case, _take_turns(
+                        polls, statement, n, elsewhere, rotate=True))
+                for conn in apart:
+                    conn.close()
                 server.communicate("", timeout=30)
+                still.communicate("", timeout=30)
                 rows += _pgbench(cluster, port, 3 if quick else 15)
                 # After pgbench: the proxy's transactions keep pgbench's rows locked.
                 rows += _tpcb_rows(cluster, proxied, 100 if quick else 1000)
             finally:
                 direct.close()
                 proxied.close()
-                other.close()
-                if server.poll() is None:
-                    server.kill()
-                    server.wait()
+                for conn in apart:
+                    conn.close()
+                for process in (server, still):
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
                 proxy.stop()
                 writer.close()
                 store.close()
