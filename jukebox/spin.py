@@ -11,6 +11,8 @@ poll to answers known to be quick, and to a bound.
 
 from __future__ import annotations
 
+import os
+
 
 class Spin:
     """How long to busy-poll before sleeping, learnt from how long the last wait of the same
@@ -30,3 +32,23 @@ class Spin:
 
     def observed(self, waited_ns: int) -> None:
         self.budget_ns = min(2 * waited_ns, self.cap_ns) if waited_ns <= self.cap_ns else 0
+
+
+CPUS = os.cpu_count() or 1
+
+
+def runnable() -> int:
+    """Tasks running or waiting for a CPU on the whole machine now, the caller included (the
+    fourth field of /proc/loadavg); 0 when it cannot be read. A poll is worth its CPU only
+    when a CPU would otherwise go idle: with more tasks runnable than CPUs, none does, and the
+    poll would hold one that other work waits for."""
+    try:
+        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        return int(os.read(fd, 128).split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    finally:
+        os.close(fd)

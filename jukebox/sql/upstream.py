@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from jukebox.errors import JukeboxError
-from jukebox.spin import Spin
+from jukebox.spin import CPUS, Spin, runnable
 from jukebox.sql import messages as m
 
 # The savepoint of the agent's unit of work or transaction block (jukebox.sql.session).
@@ -262,7 +262,8 @@ class Wire:
                 # The server's answer to a statement: polled for when the answers of this
                 # agent connection come quickly (jukebox.spin.Spin), slept for otherwise.
                 started = time.monotonic_ns()
-                got = self._poll(spin.budget_ns) if spin.budget_ns else None
+                got = (self._poll(spin.budget_ns)
+                       if spin.budget_ns and runnable() <= CPUS else None)
                 if got is None:
                     await self._wait_readable()
                 spin.observed(time.monotonic_ns() - started)
@@ -287,7 +288,8 @@ class Wire:
         server's backend, when it shares this CPU): the bytes, or None when the budget ran out
         or the socket has something else to say (the caller's next `recv` reads it as usual).
         Blocks the event loop meanwhile: callers poll only while no other agent connection is
-        at work (SqlProxy.busy)."""
+        at work (SqlProxy.busy), and only while no more tasks are runnable than there are CPUs
+        (else no CPU would go idle for the poll to save a wake-up of)."""
         end = time.monotonic_ns() + budget_ns
         recv, pause, now = self.sock.recv, os.sched_yield, time.monotonic_ns
         while True:

@@ -16,6 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from jukebox.spin import CPUS
+from jukebox.sql import upstream
 from jukebox.sql.connection import AgentConnection
 from jukebox.sql.server import SPIN_ENV
 from jukebox.sql.upstream import Wire
@@ -27,7 +29,9 @@ MINUTE_NS = 60_000_000_000
 
 @pytest.fixture
 def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Each poll of a server's socket: (its budget, whether the answer came within it)."""
+    """Each poll of a server's socket: (its budget, whether the answer came within it). The
+    machine reads as having a CPU to spare (`runnable`), whatever else the suite runs."""
+    monkeypatch.setattr(upstream, "runnable", lambda: 1)
     seen: list[tuple[int, bool]] = []
     poll = Wire._poll
 
@@ -86,6 +90,24 @@ def test_quick_answers_are_polled_for_and_a_slow_one_stops_the_polls(
     statements = [f["statement"] for f in proxied.frames]
     assert statements[-2:] == ["SELECT pg_sleep(0.5)", "SELECT v FROM t WHERE id = 2"]
     assert statements.count("SELECT v FROM t WHERE id = 1") == 20
+
+
+def test_no_poll_while_more_tasks_are_runnable_than_cpus(
+    proxied: Proxied, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every CPU taken (the machine says more tasks are runnable than it has CPUs), no
+    CPU would go idle for a poll to spare a wake-up of: answers are slept for."""
+    with psycopg.connect(proxied.url, autocommit=True) as agent:
+        the_connection(proxied).spin.cap_ns = MINUTE_NS
+        agent.execute("SELECT pg_sleep(0.01)")
+        agent.execute("SELECT pg_sleep(0.01)")
+        assert polls  # an idle machine: polled for
+        monkeypatch.setattr(upstream, "runnable", lambda: CPUS + 1)
+        before = len(polls)
+        for _ in range(3):
+            assert agent.execute("SELECT pg_sleep(0.01), 7").fetchone() == ("", 7)
+        assert len(polls) == before
+        assert the_connection(proxied).spin.budget_ns > 0  # still learning, for later
 
 
 def test_the_environment_turns_the_polls_off(
