@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import secrets
 import socket
 import struct
@@ -209,7 +210,12 @@ class AgentConnection:
         if self.frames:
             if not self.stream.pending():
                 # Now, while the agent reads its answer and works out its next statement (the
-                # frame of a statement costs about as much as the server's answer to it).
+                # frame of a statement costs about as much as the server's answer to it). The
+                # write above woke the agent, which the scheduler here often puts on this very
+                # CPU (a woken task goes to its waker's vCPU, even with the other one idle):
+                # the CPU is the agent's first, so that it reads its answer now rather than
+                # once the frames are written.
+                os.sched_yield()
                 self.write_frames()
             elif self.frame_timer is None:
                 # Its next message is here already (a pipeline): once that has left for the
