@@ -125,7 +125,8 @@ def _serve(url: str) -> None:
                            store)
         writer.start()
         writer.append("run_start", {"name": "bench"})
-        proxy = SqlProxy({"main": Target.parse(url)}, writer.append, "bench").start()
+        proxy = SqlProxy({"main": Target.parse(url)}, writer.append, "bench",
+                         apart=True).start()  # its agent is another process, as a booth's
         print(proxy.databases["main"].port, flush=True)
         sys.stdin.read()
         proxy.stop()
@@ -310,7 +311,8 @@ def instructions(case: str, n: int = 500, warm: int = 200) -> float:
     """Instructions the proxy's process runs per statement of `case` (select, lookup, insert),
     what does not move with the machine's load: the proxy in a process of its own recording
     to a tape (`--serve`) under callgrind, its instrumentation switched on after `warm`
-    statements and off after `n` more (psycopg in autocommit, PYTHONHASHSEED=0). Needs
+    statements and off after `n` more (psycopg in autocommit, PYTHONHASHSEED=0, no poll for
+    the server's answers: `JUKEBOX_SQL_SPIN=0`). Needs
     valgrind; a few minutes a case."""
     import re
 
@@ -325,7 +327,9 @@ def instructions(case: str, n: int = 500, warm: int = 200) -> float:
              f"--callgrind-out-file={out}", sys.executable, "-m", "bench.bench_sql", "--serve",
              cluster.url("bench")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env=dict(os.environ, PYTHONHASHSEED="0"),
+            # No poll for the server's answer: its instructions would count the wait, not
+            # the work (and under callgrind every wait is long).
+            text=True, env=dict(os.environ, PYTHONHASHSEED="0", JUKEBOX_SQL_SPIN="0"),
         )
         assert server.stdout is not None
         port = int(server.stdout.readline())

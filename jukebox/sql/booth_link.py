@@ -116,7 +116,7 @@ class BoothDatabases:
         proxy = SqlProxy(targets, record, booth_id, secrets=secrets, listen=listen,
                          max_rows_changed=max_rows_changed, on_trip=on_trip,
                          record_results=record_results,
-                         max_lock_seconds=max_lock_seconds).start()
+                         max_lock_seconds=max_lock_seconds, apart=True).start()
         return cls(proxy, dict(urls))
 
     def agent_env(self) -> dict[str, str]:

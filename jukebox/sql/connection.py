@@ -214,8 +214,9 @@ class AgentConnection:
                 # write above woke the agent, which the scheduler here often puts on this very
                 # CPU (a woken task goes to its waker's vCPU, even with the other one idle):
                 # the CPU is the agent's first, so that it reads its answer now rather than
-                # once the frames are written.
-                os.sched_yield()
+                # once the frames are written (an agent in another process: SqlProxy.give_way).
+                if self.db.owner.give_way:
+                    os.sched_yield()
                 self.write_frames()
             elif self.frame_timer is None:
                 # Its next message is here already (a pipeline): once that has left for the

@@ -236,6 +236,7 @@ class SqlProxy:
         on_trip: Callable[[Any], Any] | None = None,
         record_results: bool = False,
         max_lock_seconds: float | None = None,
+        apart: bool = False,
     ) -> None:
         self.record = record
         self.record_results = record_results
@@ -249,7 +250,11 @@ class SqlProxy:
         self.on_trip = on_trip
         self.tripped = False
         self.numbers = itertools.count(1)
-        self.spin_cap_ns = 0 if os.environ.get(SPIN_ENV, "1") == "0" else SPIN_CAP_NS
+        # `apart`: the agents are processes apart from this one (a booth's), so the proxy may
+        # poll for the server's answers and hand its CPU to the agent after each answer; an
+        # agent in this process would get the GIL in the middle of the proxy's work instead.
+        self.spin_cap_ns = SPIN_CAP_NS if apart and os.environ.get(SPIN_ENV, "1") != "0" else 0
+        self.give_way = apart
         # Agent connections at work on the loop (not waiting for their agent): a poll for the
         # server holds the loop, so a connection polls only while it is the only one.
         self.busy = 0

@@ -46,7 +46,7 @@ def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 
 @pytest.fixture
 def proxied(pg: Cluster, db: str) -> Iterator[Proxied]:
-    p = Proxied(pg, db)
+    p = Proxied(pg, db, apart=True)  # as a booth's: its agents are other processes
     try:
         yield p
     finally:
@@ -114,13 +114,29 @@ def test_the_environment_turns_the_polls_off(
     pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SPIN_ENV, "0")
-    p = Proxied(pg, db)
+    p = Proxied(pg, db, apart=True)
     try:
         assert p.proxy.spin_cap_ns == 0
         with psycopg.connect(p.url, autocommit=True) as agent:
             for _ in range(20):
                 assert agent.execute("SELECT v FROM t WHERE id = 1").fetchone() == ("one",)
             assert the_connection(p).spin.budget_ns == 0
+        assert polls == []
+    finally:
+        p.proxy.stop()
+
+
+def test_a_proxy_whose_agents_share_its_process_neither_polls_nor_yields(
+    pg: Cluster, db: str, polls: list[tuple[int, bool]]
+) -> None:
+    """Without `apart` (an agent in the proxy's own process, as these tests' clients are), a
+    poll or a yield would hand the agent the GIL in the middle of the proxy's work."""
+    p = Proxied(pg, db)
+    try:
+        assert p.proxy.spin_cap_ns == 0 and not p.proxy.give_way
+        with psycopg.connect(p.url, autocommit=True) as agent:
+            for _ in range(3):
+                agent.execute("SELECT pg_sleep(0.01)")
         assert polls == []
     finally:
         p.proxy.stop()
