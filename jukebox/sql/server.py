@@ -33,8 +33,10 @@ MAX_PARAM_CHARS = 1_024
 # these VMs costs more than its own work on the statement; a connection whose statements take
 # longer polls for none of them until one is quick again.
 SPIN_CAP_NS = 1_000_000
-# Set to 0, no poll at all: every wait for the server sleeps (less CPU, one more wake-up per
-# statement).
+# Set to 1, a booth's proxy polls for the server's answers and yields its CPU to the agent
+# after each answer (see docs/sql.md, "Cost"); unset or 0, it sleeps for every answer and
+# writes the frames at once. Off by default: side by side on the shared 2-core development VM
+# neither showed a gain in the bench's wall clock (2026-12-07), and the polls cost CPU.
 SPIN_ENV = "JUKEBOX_SQL_SPIN"
 
 FrameSink = Callable[[str, dict[str, Any]], Any]
@@ -251,10 +253,11 @@ class SqlProxy:
         self.tripped = False
         self.numbers = itertools.count(1)
         # `apart`: the agents are processes apart from this one (a booth's), so the proxy may
-        # poll for the server's answers and hand its CPU to the agent after each answer; an
-        # agent in this process would get the GIL in the middle of the proxy's work instead.
-        self.spin_cap_ns = SPIN_CAP_NS if apart and os.environ.get(SPIN_ENV, "1") != "0" else 0
-        self.give_way = apart
+        # poll for the server's answers and hand its CPU to the agent after each answer, when
+        # JUKEBOX_SQL_SPIN=1; an agent in this process would get the GIL in the middle of the
+        # proxy's work instead.
+        self.give_way = apart and os.environ.get(SPIN_ENV, "0") == "1"
+        self.spin_cap_ns = SPIN_CAP_NS if self.give_way else 0
         # Agent connections at work on the loop (not waiting for their agent): a poll for the
         # server holds the loop, so a connection polls only while it is the only one.
         self.busy = 0

@@ -1,6 +1,7 @@
-"""The proxy's poll for the server's answer (jukebox.spin.Spin, jukebox.sql.upstream.Wire): what it
-learns per agent connection, that it ends at its bound, that a slow statement stops the polls,
-that `JUKEBOX_SQL_SPIN=0` turns them off, and that answers polled for reach the agent whole.
+"""The proxy's poll for the server's answer (jukebox.spin.Spin, jukebox.sql.upstream.Wire), on
+with `JUKEBOX_SQL_SPIN=1` in a booth's proxy: what it learns per agent connection, that it ends
+at its bound, that a slow statement stops the polls, that it is off by default and without
+`apart`, and that answers polled for reach the agent whole and recorded in order.
 
 No timing is asserted: the caps are set far from what the statements take (a minute against a
 SELECT, 0.1 s against a 0.5 s pg_sleep), so the machine's load cannot move the outcome."""
@@ -45,7 +46,8 @@ def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 
 
 @pytest.fixture
-def proxied(pg: Cluster, db: str) -> Iterator[Proxied]:
+def proxied(pg: Cluster, db: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxied]:
+    monkeypatch.setenv(SPIN_ENV, "1")
     p = Proxied(pg, db, apart=True)  # as a booth's: its agents are other processes
     try:
         yield p
@@ -110,16 +112,21 @@ def test_no_poll_while_more_tasks_are_runnable_than_cpus(
         assert the_connection(proxied).spin.budget_ns > 0  # still learning, for later
 
 
-def test_the_environment_turns_the_polls_off(
-    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_without_the_environment_a_booths_proxy_neither_polls_nor_yields(
+    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
 ) -> None:
-    monkeypatch.setenv(SPIN_ENV, "0")
+    if setting is None:
+        monkeypatch.delenv(SPIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SPIN_ENV, setting)
     p = Proxied(pg, db, apart=True)
     try:
-        assert p.proxy.spin_cap_ns == 0
+        assert p.proxy.spin_cap_ns == 0 and not p.proxy.give_way
         with psycopg.connect(p.url, autocommit=True) as agent:
-            for _ in range(20):
-                assert agent.execute("SELECT v FROM t WHERE id = 1").fetchone() == ("one",)
+            for _ in range(3):
+                agent.execute("SELECT pg_sleep(0.01)")
             assert the_connection(p).spin.budget_ns == 0
         assert polls == []
     finally:
@@ -127,10 +134,12 @@ def test_the_environment_turns_the_polls_off(
 
 
 def test_a_proxy_whose_agents_share_its_process_neither_polls_nor_yields(
-    pg: Cluster, db: str, polls: list[tuple[int, bool]]
+    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without `apart` (an agent in the proxy's own process, as these tests' clients are), a
-    poll or a yield would hand the agent the GIL in the middle of the proxy's work."""
+    poll or a yield would hand the agent the GIL in the middle of the proxy's work, whatever
+    the environment says."""
+    monkeypatch.setenv(SPIN_ENV, "1")
     p = Proxied(pg, db)
     try:
         assert p.proxy.spin_cap_ns == 0 and not p.proxy.give_way
