@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -667,3 +668,11 @@ def test_a_signal_interrupts_the_compiled_client_waiting_for_its_answer(
             conn.close()
         listener.close()
     assert ended == [True] and path not in control._kept
+
+
+def test_the_install_built_the_compiled_checkpoint_path() -> None:
+    # The extension is optional to pip (no compiler: the Python path serves every line), but
+    # `make setup` installs gcc and python3-dev: a build that failed there would only show as
+    # every compiled test skipped.
+    module = importlib.import_module("jukebox.booth._quickline")
+    assert callable(module.answered)
