@@ -73,7 +73,7 @@ from jukebox.tape.tapedir import (
     make_tape_dir,
     remove_unused_tape_dir,
 )
-from jukebox.trees.basetree import build_base_tree, forget_committed, known_files
+from jukebox.trees.basetree import build_base_tree, forget_committed, known_files, read_stats
 from shadowfs import wakeups
 from shadowfs.oid import ObjectId
 from shadowfs.values import Record, Value, setfield
@@ -884,9 +884,10 @@ def commit_tree(
                 "base": base.hex(), "final": final.hex(), "changes": changes, "by": by,
                 "checkpoint": cp, "partial": partial,
             })
+            stats = read_stats(tape_dir, record.tree)  # read once for before and after
             try:
                 job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted,
-                          known=known_files(tape_dir, record.tree, base))  # fmt: skip
+                          known=known_files(tape_dir, record.tree, base, stats))  # fmt: skip
             except CommitInterrupted:
                 write("note", {"event": "commit_interrupted", "outcome": "undone", "by": by}, None)
                 raise realtree.Interrupted(
@@ -897,7 +898,7 @@ def commit_tree(
                 raise CheckFailed(
                     f"commit of booth {record.id} not started: {error} (--lock-timeout)"
                 ) from None
-            forget_committed(tape_dir, record.tree, store, base, final)
+            forget_committed(tape_dir, record.tree, store, base, final, stats)
             payload: dict[str, Any] = {"ok": True, "changes": changes}
             if by is not None:
                 payload["by"] = by

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -86,3 +87,36 @@ def test_directory_signatures_spare_the_identities_until_something_changes(
         assert store.read_bytes(entry.oid) == b"EVILb"
         assert tree.lookup(store, third, b"a") == tree.lookup(store, first, b"a")
         assert record.stat().st_ino != written  # a new tree: recorded
+
+
+def test_a_commit_reads_the_identities_once_and_forgets_what_it_touched(tmp_path: Path) -> None:
+    """`booth commit` reads the recorded identities once (`read_stats`) for the files its
+    conflict check trusts and for the records it drops after: the same records as reading
+    them at each step, and those of another build's tree are never trusted."""
+    from jukebox.trees import basetree
+
+    tree_dir, tapes_dir = tmp_path / "tree", tmp_path / "tapes"
+    for name in ("a", "b", "sub/c"):
+        (tree_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree_dir / name).write_bytes(name.encode())
+        os.utime(tree_dir / name, ns=(OLD_NS, OLD_NS))
+    tapes = TapeDir(tapes_dir)
+    with Store.open(tapes.store_path, create=True) as store:
+        base = basetree.build_base_tree(store, tapes, str(tree_dir))
+        # The files' ctimes are from just now, racily clean for the build that just ran: its
+        # start moved 10 s on, as a build seconds after the last write would have it.
+        cache = tapes.state / "base-trees.json"
+        known = json.loads(cache.read_text())
+        known[str(tree_dir)]["started_ns"] += 10_000_000_000
+        cache.write_text(json.dumps(known))
+        (tree_dir / "a").write_bytes(b"A")
+        final = tree.build_tree(store, tree_dir)
+        store.flush()
+        stats = basetree.read_stats(tapes, str(tree_dir))
+        assert sorted(stats[1]) == [b"a", b"b", b"sub/c"]
+        trusted = basetree.known_files(tapes, str(tree_dir), base, stats)
+        assert sorted(trusted) == [b"a", b"b", b"sub/c"]
+        assert trusted == basetree.known_files(tapes, str(tree_dir), base)
+        assert basetree.known_files(tapes, str(tree_dir), final, stats) == {}
+        basetree.forget_committed(tapes, str(tree_dir), store, base, final, stats)
+        assert sorted(basetree.read_stats(tapes, str(tree_dir))[1]) == [b"b", b"sub/c"]
