@@ -54,7 +54,8 @@ static unsigned long long answered; /* changed with the interpreter lock held */
 #define NAMES(X) X(acquire) X(release) X(_folded_journal) X(journal) X(changes) X(_count) \
     X(root) X(dirty_names) X(last_tree) X(databases) X(checkpoints) X(_lock) X(_error) \
     X(_thread) X(writer) X(_queue) X(_in_flight) X(id) X(label) X(reason) X(peer) \
-    X(checkpoint) X(request)
+    X(checkpoint) X(request) X(timeout) X(_buf) X(polls) X(sock) \
+    X(fileno) X(close)
 #define DECLARE(name) static PyObject *s_##name;
 NAMES(DECLARE)
 #undef DECLARE
@@ -469,14 +470,18 @@ static PyObject *compiled_answer(const char *buf, size_t have) {
  * stream), the answer as a dict when it is a compiled checkpoint answer (`compiled_answer`),
  * else the bytes read; an error of the send raises OSError (the request did not go out whole).
  */
-static PyObject *ask(PyObject *self, PyObject *args) {
-    int fd, polls, cpus;
-    const char *line;
-    Py_ssize_t line_len;
-    double spin;
-    if (!PyArg_ParseTuple(args, "iy#dpi", &fd, &line, &line_len, &spin, &polls, &cpus))
-        return NULL;
+/* What `exchange` did: the answer's bytes, and how the send and the read ended. */
+struct exchanged {
     char buf[4096];
+    size_t have;
+    int send_err, recv_err, polls_after, interrupted;
+};
+
+/* `line` sent on `fd` and its answer read into `x`, as `ask` describes, without the
+ * interpreter lock (taken back only for a signal's handler). */
+static void exchange(int fd, const char *line, Py_ssize_t line_len, double spin, int polls, int cpus,
+                     struct exchanged *x) {
+    char *buf = x->buf;
     size_t have = 0;
     int send_err = 0, recv_err = 0, polls_after = polls, interrupted = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -505,8 +510,8 @@ static PyObject *ask(PyObject *self, PyObject *args) {
         int newline = 0;
         if (spin > 0 && polls) {
             int looked = 0;
-            while (have < sizeof buf) {
-                ssize_t n = recv(fd, buf + have, sizeof buf - have, MSG_DONTWAIT);
+            while (have < sizeof x->buf) {
+                ssize_t n = recv(fd, buf + have, sizeof x->buf - have, MSG_DONTWAIT);
                 if (n > 0) {
                     newline = memchr(buf + have, '\n', (size_t)n) != NULL;
                     have += (size_t)n;
@@ -527,8 +532,8 @@ static PyObject *ask(PyObject *self, PyObject *args) {
             }
             polls_after = newline;
         }
-        while (!newline && have < sizeof buf) {
-            ssize_t n = recv(fd, buf + have, sizeof buf - have, 0);
+        while (!newline && have < sizeof x->buf) {
+            ssize_t n = recv(fd, buf + have, sizeof x->buf - have, 0);
             if (n == 0) {
                 recv_err = -1;
                 break;
@@ -553,20 +558,151 @@ static PyObject *ask(PyObject *self, PyObject *args) {
             polls_after = monotonic() - started <= spin;
     }
     Py_END_ALLOW_THREADS
-    if (interrupted)
-        return NULL; /* the handler's exception */
-    if (send_err) {
-        errno = send_err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    PyObject *answer = compiled_answer(buf, have);
+    x->have = have;
+    x->send_err = send_err;
+    x->recv_err = recv_err;
+    x->polls_after = polls_after;
+    x->interrupted = interrupted;
+}
+
+/* (the answer, polls for the next request, errno of the read) of a read `exchange` did: the
+ * answer as a dict when it is a compiled checkpoint answer, else the bytes read. */
+static PyObject *outcome(struct exchanged *x) {
+    PyObject *answer = compiled_answer(x->buf, x->have);
     if (answer == NULL && PyErr_Occurred())
         return NULL;
     if (answer == NULL)
-        answer = PyBytes_FromStringAndSize(buf, (Py_ssize_t)have);
+        answer = PyBytes_FromStringAndSize(x->buf, (Py_ssize_t)x->have);
     if (answer == NULL)
         return NULL;
-    return Py_BuildValue("(NOi)", answer, polls_after ? Py_True : Py_False, recv_err);
+    return Py_BuildValue("(NOi)", answer, x->polls_after ? Py_True : Py_False, x->recv_err);
+}
+
+/* The agent's side: `ControlClient.ask_compiled`, a request line sent and its answer read as
+ * `ControlClient.answer` reads it (polled for up to `spin` seconds when `polls`, unless more
+ * tasks are runnable than `cpus`), without the interpreter lock and its cold frames. Returns
+ * (the answer, polls for the next request, errno of the read: 0, or -1 for the end of the
+ * stream), the answer as a dict when it is a compiled checkpoint answer (`compiled_answer`),
+ * else the bytes read; an error of the send raises OSError (the request did not go out whole).
+ */
+static PyObject *ask(PyObject *self, PyObject *args) {
+    int fd, polls, cpus;
+    const char *line;
+    Py_ssize_t line_len;
+    double spin;
+    if (!PyArg_ParseTuple(args, "iy#dpi", &fd, &line, &line_len, &spin, &polls, &cpus))
+        return NULL;
+    struct exchanged x;
+    exchange(fd, line, line_len, spin, polls, cpus, &x);
+    if (x.interrupted)
+        return NULL; /* the handler's exception */
+    if (x.send_err) {
+        errno = x.send_err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return outcome(&x);
+}
+
+/* The kept client of `kept` (control._kept) for $JUKEBOX_SOCKET, if `ask` may use it now: set
+ * and not empty, the client's timeout `timeout`, nothing of an earlier answer buffered, its
+ * socket open. A borrowed reference (NULL, no error set: not now), and its fd and poll flag.
+ * With the interpreter lock held, as os.environ's putenv is: getenv sees what it set. */
+static PyObject *kept_client(PyObject *kept, double timeout, PyObject **key, int *fd, int *polls) {
+    const char *path = getenv("JUKEBOX_SOCKET");
+    PyObject *client = NULL, *value = NULL, *sock = NULL;
+    *key = NULL;
+    if (path == NULL || path[0] == 0 || !PyDict_Check(kept))
+        return NULL;
+    /* os.environ's decoding of the value: the key `request` keeps the client under. */
+    *key = PyUnicode_DecodeFSDefault(path);
+    if (*key == NULL)
+        goto fail;
+    client = PyDict_GetItemWithError(kept, *key);
+    if (client == NULL)
+        goto fail;
+    value = PyObject_GetAttr(client, s_timeout);
+    if (value == NULL || !PyFloat_CheckExact(value) || PyFloat_AS_DOUBLE(value) != timeout)
+        goto fail;
+    Py_DECREF(value);
+    value = PyObject_GetAttr(client, s__buf);
+    if (value == NULL || !PyBytes_CheckExact(value) || PyBytes_GET_SIZE(value) != 0)
+        goto fail;
+    Py_DECREF(value);
+    value = PyObject_GetAttr(client, s_polls);
+    if (value == NULL || (*polls = PyObject_IsTrue(value)) < 0)
+        goto fail;
+    Py_DECREF(value);
+    sock = PyObject_GetAttr(client, s_sock);
+    value = sock == NULL ? NULL : PyObject_CallMethodNoArgs(sock, s_fileno);
+    if (value == NULL || !PyLong_Check(value) || (*fd = PyLong_AsLong(value)) < 0)
+        goto fail;
+    Py_DECREF(value);
+    Py_DECREF(sock);
+    return client;
+fail:
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    Py_XDECREF(value);
+    Py_XDECREF(sock);
+    Py_CLEAR(*key);
+    return NULL;
+}
+
+/* `request({"op": "checkpoint"})` with the default path and timeout, from its first bytecode
+ * after the lock to the answer in one call (control.request, under `_kept_lock`): the kept
+ * connection for $JUKEBOX_SOCKET found and asked (`kept_client`, `exchange`). Returns None
+ * with nothing sent (no such client: `request`'s Python path does what it always did), the
+ * answer's dict (a compiled checkpoint answer; the client's poll flag updated), or (the
+ * client's key in `kept`, the client, what `ask` would have returned or the send's errno) for
+ * `request` to finish as after `ask`. A signal's exception ends the request here: the connection, out of step, is closed
+ * and forgotten first, as `request` does for any failure. */
+static PyObject *ask_kept(PyObject *self, PyObject *args) {
+    PyObject *kept;
+    const char *line;
+    Py_ssize_t line_len;
+    double timeout, spin;
+    int cpus, fd = -1, polls = 0;
+    if (!PyArg_ParseTuple(args, "Oy#ddi", &kept, &line, &line_len, &timeout, &spin, &cpus))
+        return NULL;
+    PyObject *key;
+    PyObject *client = kept_client(kept, timeout, &key, &fd, &polls);
+    if (client == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(client);
+    struct exchanged x;
+    exchange(fd, line, line_len, spin, polls, cpus, &x);
+    PyObject *result = NULL;
+    if (x.interrupted) {
+        /* the handler's exception, below */
+    } else if (x.send_err) {
+        result = Py_BuildValue("(OOi)", key, client, x.send_err);
+    } else {
+        PyObject *got = outcome(&x);
+        if (got != NULL && PyDict_CheckExact(PyTuple_GET_ITEM(got, 0)) &&
+            PyObject_SetAttr(client, s_polls, PyTuple_GET_ITEM(got, 1)) == 0) {
+            result = PyTuple_GET_ITEM(got, 0);
+            Py_INCREF(result);
+            Py_DECREF(got);
+        } else if (got != NULL) {
+            PyErr_Clear();
+            result = Py_BuildValue("(OON)", key, client, got);
+        }
+    }
+    if (result == NULL) {
+        /* A signal's exception, or no memory left, with the request sent. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *closed = PyObject_CallMethodNoArgs(client, s_close);
+        Py_XDECREF(closed);
+        if (PyDict_GetItemWithError(kept, key) == client)
+            PyDict_DelItem(kept, key);
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    Py_DECREF(client);
+    Py_DECREF(key);
+    return result;
 }
 
 static PyObject *syncing(PyObject *self, PyObject *arg) {
@@ -593,6 +729,8 @@ static PyMethodDef methods[] = {
      "serve(fd, line, gate, peer) -> bytes read, or (n, seq, tree, rest, errno) once answered"},
     {"ask", ask, METH_VARARGS,
      "ask(fd, line, spin, polls, cpus) -> (answer dict or bytes read, polls, errno of the read)"},
+    {"ask_kept", ask_kept, METH_VARARGS,
+     "ask_kept(kept, line, timeout, spin, cpus) -> None, the answer's dict, or (key, client, asked)"},
     {"syncing", syncing, METH_O, "syncing(key) -> when the oldest syncfs of key began, or None"},
     {"answered", answered_count, METH_NOARGS, "answered() -> checkpoints this module answered"},
     {NULL, NULL, 0, NULL},

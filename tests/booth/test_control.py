@@ -508,22 +508,38 @@ def _not_in_python(*args: object, **kwargs: object) -> dict:
     raise AssertionError("the compiled client read this answer in Python")
 
 
+def _socket_given(monkeypatch: pytest.MonkeyPatch, path: str, via_env: bool) -> str | None:
+    """The `path` argument of a test's requests: `path` itself, or None with $JUKEBOX_SOCKET
+    naming it, as an agent asks (`_quickline.ask_kept` then sends its checkpoints, never
+    `ControlClient.ask_compiled`)."""
+    if not via_env:
+        return path
+    monkeypatch.setenv(control.SOCKET_ENV, path)
+    monkeypatch.setattr(ControlClient, "ask_compiled", _not_in_python)
+    return None
+
+
+via_env = pytest.mark.parametrize("via_env", [False, True], ids=["path", "env"])
+
+
 @compiled
+@via_env
 def test_the_compiled_client_reads_an_answer_in_pieces_and_never_resends_after_a_read_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via_env: bool
 ) -> None:
     monkeypatch.setattr(control, "SPIN", 60.0)
     monkeypatch.setattr(control, "_CPUS", 1 << 20)  # the machine as idle: the poll runs
     path = str(tmp_path / "raw.sock")
     listener = _raw_booth(path)
     results: list[object] = []
+    given = _socket_given(monkeypatch, path, via_env)
 
     def agent() -> None:
-        results.append(control.request({"op": "status"}, path))  # opens the kept connection
+        results.append(control.request({"op": "status"}, given))  # opens the kept connection
         monkeypatch.setattr(ControlClient, "answer", _not_in_python)
-        results.append(control.request({"op": "checkpoint"}, path))
+        results.append(control.request({"op": "checkpoint"}, given))
         try:
-            control.request({"op": "checkpoint"}, path)
+            control.request({"op": "checkpoint"}, given)
         except ControlError as error:
             results.append(error)
 
@@ -621,8 +637,9 @@ class _Interrupted(Exception):
 
 
 @compiled
+@via_env
 def test_a_signal_interrupts_the_compiled_client_waiting_for_its_answer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via_env: bool
 ) -> None:
     # As socket.recv does (PEP 475): the handler runs at once, and its exception ends the
     # request, whose connection is then dropped. The booth here never answers.
@@ -655,12 +672,15 @@ def test_a_signal_interrupts_the_compiled_client_waiting_for_its_answer(
 
     server = threading.Thread(target=serve_then_interrupt, daemon=True)
     server.start()
+    given = _socket_given(monkeypatch, path, via_env)
+    # The agent's own requests have the default timeout (`ask_kept` takes only those).
+    timeout = 30.0 if via_env else 3600.0
     try:
-        assert control.request({"op": "status"}, path, 3600.0) == {"ok": True, "status": 1}
+        assert control.request({"op": "status"}, given, timeout) == {"ok": True, "status": 1}
         monkeypatch.setattr(ControlClient, "answer", _not_in_python)
         # A client that waited for the answer instead would hold the test past its timeout.
         with pytest.raises(_Interrupted):
-            control.request({"op": "checkpoint"}, path, timeout=3600.0)
+            control.request({"op": "checkpoint"}, given, timeout=timeout)
     finally:
         signal.signal(signal.SIGUSR1, old)
         server.join(slow(10))
@@ -668,6 +688,51 @@ def test_a_signal_interrupts_the_compiled_client_waiting_for_its_answer(
             conn.close()
         listener.close()
     assert ended == [True] and path not in control._kept
+
+
+@compiled
+def test_the_agents_checkpoint_goes_where_its_socket_variable_points_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The compiled branch of `request` reads $JUKEBOX_SOCKET itself: a value changed in the
+    # process (os.environ) is the booth asked next, on its own connection, and a booth
+    # restarted on the same path gets the checkpoint on a new one (the send on the old one
+    # failed: the request never reached a booth).
+    first, second = Booth(), Booth()
+    a, b = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    accepted: list[str] = []
+
+    def counting(server: ControlServer, name: str) -> ControlServer:
+        admit = server._admit
+
+        def counting_admit(sock: socket.socket) -> None:
+            accepted.append(name)
+            admit(sock)
+
+        server._admit = counting_admit  # type: ignore[method-assign]
+        return server
+
+    checkpoint = {"op": "checkpoint"}
+    with (
+        counting(ControlServer(a, first.handlers()), "a"),
+        counting(ControlServer(b, second.handlers()), "b"),
+    ):
+        _socket_given(monkeypatch, a, via_env=True)
+        assert [control.request(checkpoint)["checkpoint"] for _ in range(2)] == [1, 2]
+        monkeypatch.setenv(control.SOCKET_ENV, b)
+        assert control.request(checkpoint)["checkpoint"] == 1
+        monkeypatch.setenv(control.SOCKET_ENV, a)
+        assert control.request(checkpoint)["checkpoint"] == 3
+        assert accepted == ["a", "b"]
+        assert [len(first.checkpoints), len(second.checkpoints)] == [4, 2]
+    third = Booth()
+    with counting(ControlServer(a, third.handlers()), "a again"):
+        assert control.request(checkpoint)["checkpoint"] == 1
+        assert control.request(checkpoint)["checkpoint"] == 2
+    assert accepted == ["a", "b", "a again"] and len(third.checkpoints) == 3
+    monkeypatch.delenv(control.SOCKET_ENV)
+    with pytest.raises(ControlRefused, match="JUKEBOX_SOCKET is not set"):
+        control.request(checkpoint)
 
 
 def test_the_install_built_the_compiled_checkpoint_path() -> None:
