@@ -605,7 +605,7 @@ static PyObject *ask(PyObject *self, PyObject *args) {
 
 /* The kept client of `kept` (control._kept) for $JUKEBOX_SOCKET, if `ask` may use it now: set
  * and not empty, the client's timeout `timeout`, nothing of an earlier answer buffered, its
- * socket open. A borrowed reference (NULL, no error set: not now), and its fd and poll flag.
+ * socket open: a new reference (NULL, no error set: not now), and its fd and poll flag.
  * With the interpreter lock held, as os.environ's putenv is: getenv sees what it set. */
 static PyObject *kept_client(PyObject *kept, double timeout, PyObject **key, int *fd, int *polls) {
     const char *path = getenv("JUKEBOX_SOCKET");
@@ -620,6 +620,7 @@ static PyObject *kept_client(PyObject *kept, double timeout, PyObject **key, int
     client = PyDict_GetItemWithError(kept, *key);
     if (client == NULL)
         goto fail;
+    Py_INCREF(client);
     value = PyObject_GetAttr(client, s_timeout);
     if (value == NULL || !PyFloat_CheckExact(value) || PyFloat_AS_DOUBLE(value) != timeout)
         goto fail;
@@ -644,6 +645,7 @@ fail:
         PyErr_Clear();
     Py_XDECREF(value);
     Py_XDECREF(sock);
+    Py_XDECREF(client);
     Py_CLEAR(*key);
     return NULL;
 }
@@ -668,7 +670,6 @@ static PyObject *ask_kept(PyObject *self, PyObject *args) {
     PyObject *client = kept_client(kept, timeout, &key, &fd, &polls);
     if (client == NULL)
         Py_RETURN_NONE;
-    Py_INCREF(client);
     struct exchanged x;
     exchange(fd, line, line_len, spin, polls, cpus, &x);
     PyObject *result = NULL;
