@@ -411,7 +411,14 @@ def _everything_and_many(src: Path) -> None:
         write(src / "many" / f"d{i:03d}" / "f", b"new %d\n" % i)
 
 
-@pytest.mark.parametrize("name", list(CONFLICTS))
+# One of each way the check beside the staging finds a conflict: a read (the main thread
+# checks it again), a name in a removed directory, an entry decided without the store, and a
+# staging directory that is no directory any more.
+@pytest.mark.parametrize(
+    "name",
+    ["file edited underneath", "extra entry in a deleted dir", "symlink changed underneath",
+     "parent swapped for a symlink"],
+)  # fmt: skip
 def test_a_commit_staged_in_threads_refuses_a_conflict_leaving_no_trace(
     tmp_path: Path, store: Store, name: str
 ) -> None:
