@@ -32,10 +32,10 @@ frame) delays the client reading it, which never happens to an agent. Its `cpu_u
 proxy process's CPU per statement (from /proc, over the whole case) to this one's.
 
 Last, the three single statements once more, direct and through two proxies in processes of
-their own, one with `JUKEBOX_SQL_SPIN=1` (it polls for the server's answer, jukebox.spin.Spin,
-and yields its CPU to the agent after it) and one without (the default), the order of the turn
-rotating each round so that neither always follows the other's frame work: what those save,
-side by side.
+their own, one as a booth runs it (the default: it polls for the server's answer,
+jukebox.spin.Spin, and yields its CPU to the agent after it) and one with
+`JUKEBOX_SQL_SPIN=0`, the order of the turn rotating each round so that neither always follows
+the other's frame work: what those save, side by side.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ DIRECT = "direct"
 PROXY = "proxy, recording"
 PROXY_PROCESS = "proxy in its own process, recording"
 # The same two ways, taking turns in a rotating order: with the proxy's poll for the server's
-# answer and its yield to the agent after it (JUKEBOX_SQL_SPIN=1), and without (the default).
-POLLING = "proxy in its own process, JUKEBOX_SQL_SPIN=1 (rotating turns)"
-NOT_POLLING = "proxy in its own process, the default (rotating turns)"
+# answer and its yield to the agent after it (the default), and without (JUKEBOX_SQL_SPIN=0).
+POLLING = "proxy in its own process, the default: polling (rotating turns)"
+NOT_POLLING = "proxy in its own process, JUKEBOX_SQL_SPIN=0 (rotating turns)"
 DIRECT_ONE_TX = "direct, one transaction of savepoints"
 TPCB = "TPC-B-like transaction (7 statements), psycopg"
 SIMPLE = "SELECT 1, simple query"
@@ -256,19 +256,19 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             proxied = psycopg.connect(f"postgresql://agent@127.0.0.1:{port}/bench",
                                       autocommit=True)
             server = _serve_apart(cluster.url("bench"))
-            spun = _serve_apart(cluster.url("bench"), {"JUKEBOX_SQL_SPIN": "1"})
+            still = _serve_apart(cluster.url("bench"), {"JUKEBOX_SQL_SPIN": "0"})
             apart = []
-            for process in (server, spun):
+            for process in (server, still):
                 assert process.stdout is not None
                 apart.append(psycopg.connect(
                     f"postgresql://agent@127.0.0.1:{int(process.stdout.readline())}/bench",
                     autocommit=True,
                 ))
-            other, polling = apart
+            other, not_polling = apart
             systems = [(DIRECT, direct), (PROXY, proxied), (PROXY_PROCESS, other)]
             elsewhere = {PROXY_PROCESS: lambda: _cpu_us(server.pid),
-                         POLLING: lambda: _cpu_us(spun.pid),
-                         NOT_POLLING: lambda: _cpu_us(server.pid)}
+                         POLLING: lambda: _cpu_us(server.pid),
+                         NOT_POLLING: lambda: _cpu_us(still.pid)}
             try:
                 cases: list[tuple[str, Callable[[Any, int], object]]] = [
                     (SIMPLE, lambda c, i: c.execute("SELECT 1").fetchone()),
@@ -280,14 +280,14 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 for case, statement in cases:
                     rows += overhead_rows(GROUP, case,
                                           _take_turns(systems, statement, n, elsewhere))
-                polls = [(DIRECT, direct), (POLLING, polling), (NOT_POLLING, other)]
+                polls = [(DIRECT, direct), (POLLING, other), (NOT_POLLING, not_polling)]
                 for case, statement in cases:
                     rows += overhead_rows(GROUP, case, _take_turns(
                         polls, statement, n, elsewhere, rotate=True))
                 for conn in apart:
                     conn.close()
                 server.communicate("", timeout=30)
-                spun.communicate("", timeout=30)
+                still.communicate("", timeout=30)
                 rows += _pgbench(cluster, port, 3 if quick else 15)
                 # After pgbench: the proxy's transactions keep pgbench's rows locked.
                 rows += _tpcb_rows(cluster, proxied, 100 if quick else 1000)
@@ -296,7 +296,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 proxied.close()
                 for conn in apart:
                     conn.close()
-                for process in (server, spun):
+                for process in (server, still):
                     if process.poll() is None:
                         process.kill()
                         process.wait()

@@ -253,10 +253,10 @@ class SqlProxy:
         self.tripped = False
         self.numbers = itertools.count(1)
         # `apart`: the agents are processes apart from this one (a booth's), so the proxy may
-        # poll for the server's answers and hand its CPU to the agent after each answer, when
-        # JUKEBOX_SQL_SPIN=1; an agent in this process would get the GIL in the middle of the
+        # poll for the server's answers and hand its CPU to the agent after each answer, unless
+        # JUKEBOX_SQL_SPIN=0; an agent in this process would get the GIL in the middle of the
         # proxy's work instead.
-        self.give_way = apart and os.environ.get(SPIN_ENV, "0") == "1"
+        self.give_way = apart and os.environ.get(SPIN_ENV, "1") != "0"
         self.spin_cap_ns = SPIN_CAP_NS if self.give_way else 0
         # Agent connections at work on the loop (not waiting for their agent): a poll for the
         # server holds the loop, so a connection polls only while it is the only one.

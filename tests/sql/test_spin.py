@@ -1,6 +1,6 @@
 """The proxy's poll for the server's answer (jukebox.spin.Spin, jukebox.sql.upstream.Wire), on
-with `JUKEBOX_SQL_SPIN=1` in a booth's proxy: what it learns per agent connection, that it ends
-at its bound, that a slow statement stops the polls, that it is off by default and without
+by default in a booth's proxy: what it learns per agent connection, that it ends at its bound,
+that a slow statement stops the polls, that it is off with `JUKEBOX_SQL_SPIN=0` and without
 `apart`, and that answers polled for reach the agent whole and recorded in order.
 
 No timing is asserted: the caps are set far from what the statements take (a minute against a
@@ -47,7 +47,7 @@ def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 
 @pytest.fixture
 def proxied(pg: Cluster, db: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Proxied]:
-    monkeypatch.setenv(SPIN_ENV, "1")
+    monkeypatch.delenv(SPIN_ENV, raising=False)  # on by default
     p = Proxied(pg, db, apart=True)  # as a booth's: its agents are other processes
     try:
         yield p
@@ -112,15 +112,10 @@ def test_no_poll_while_more_tasks_are_runnable_than_cpus(
         assert the_connection(proxied).spin.budget_ns > 0  # still learning, for later
 
 
-@pytest.mark.parametrize("setting", [None, "0"])
-def test_without_the_environment_a_booths_proxy_neither_polls_nor_yields(
-    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch,
-    setting: str | None,
+def test_with_spin_off_a_booths_proxy_neither_polls_nor_yields(
+    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if setting is None:
-        monkeypatch.delenv(SPIN_ENV, raising=False)
-    else:
-        monkeypatch.setenv(SPIN_ENV, setting)
+    monkeypatch.setenv(SPIN_ENV, "0")
     p = Proxied(pg, db, apart=True)
     try:
         assert p.proxy.spin_cap_ns == 0 and not p.proxy.give_way
