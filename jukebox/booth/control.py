@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from jukebox.errors import JukeboxError
+from jukebox.spin import runnable as _runnable
 from shadowfs import sched, wakeups
 from shadowfs.values import Value, setfield
 
@@ -653,21 +654,6 @@ class ControlClient:
 SPIN = 0.002
 SPUN_OPS = frozenset({"checkpoint", "rollback", "status"})
 _CPUS = os.cpu_count() or 1
-
-
-def _runnable() -> int:
-    """Tasks running or waiting for a CPU on the whole machine now, this one included (the
-    fourth field of /proc/loadavg); 0 when it cannot be read."""
-    try:
-        fd = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return 0
-    try:
-        return int(os.read(fd, 128).split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-    finally:
-        os.close(fd)
 
 
 # This process's connections, by socket path. A fresh connection per request cost the booth an
