@@ -148,7 +148,7 @@ class DatabaseProxy:
                                        "parameters": dict(parameters)})
 
     def params_for_tape(self, bind: m.Bind) -> list[Any]:
-        return params_for_tape(bind, self.owner.scrubber)
+        return params_for_tape(bind, self.owner.scrubber, self.owner.param_for_tape)
 
     def record_statement(
         self,
@@ -209,7 +209,10 @@ def statement_for_tape(text: str, scrubber: Scrubber) -> str:
     return redact_text(text, scrubber)
 
 
-def params_for_tape(bind: m.Bind, scrubber: Scrubber) -> list[Any]:
+def params_for_tape(bind: m.Bind, scrubber: Scrubber,
+                    clean: Callable[[str], str] | None = None) -> list[Any]:
+    """`clean`: what redacts one text value (SqlProxy.param_for_tape remembers them), else
+    redact_text with `scrubber`."""
     out: list[Any] = []
     for i, value in enumerate(bind.params):
         if value is None:
@@ -220,7 +223,7 @@ def params_for_tape(bind: m.Bind, scrubber: Scrubber) -> list[Any]:
             text = value.decode("utf-8", "replace")
             if len(text) > MAX_PARAM_CHARS:
                 text = text[:MAX_PARAM_CHARS] + "…"
-            out.append(redact_text(text, scrubber))
+            out.append(clean(text) if clean is not None else redact_text(text, scrubber))
     return out
 
 
@@ -247,6 +250,7 @@ class SqlProxy:
         self.scrubber = Scrubber(secrets)
         self.scrubber.add(t.password for t in databases.values() if t.password)
         self._redacted: dict[str, str] = {}
+        self._redacted_params: dict[str, str] = {}
         self.max_rows_changed = max_rows_changed
         self.rows_changed = 0
         self.on_trip = on_trip
@@ -276,6 +280,17 @@ class SqlProxy:
             if len(self._redacted) >= 4096:
                 self._redacted.clear()
             done = self._redacted[text] = statement_for_tape(text, self.scrubber)
+        return done
+
+    def param_for_tape(self, text: str) -> str:
+        """A parameter's text redacted, remembered as statements are (`statement_for_tape`):
+        an agent's parameters repeat too (its ids, its flags), and redact_text's checks over
+        each were a share of every statement's frame."""
+        done = self._redacted_params.get(text)
+        if done is None:
+            if len(self._redacted_params) >= 4096:
+                self._redacted_params.clear()
+            done = self._redacted_params[text] = redact_text(text, self.scrubber)
         return done
 
     def _serve(self) -> None:

@@ -234,14 +234,15 @@ class Wire:
         coroutine per message (m.read_message and its two readexactly) is most of reading
         them."""
         buf, at = self.buf, self.at
-        if len(buf) - at < 5:
+        size = len(buf)
+        if size - at < 5:
             return None
         (length,) = _LENGTH.unpack_from(buf, at + 1)
         end = at + 1 + length
-        if length < 4 or length > m.MAX_MESSAGE or len(buf) < end:
+        if length < 4 or length > m.MAX_MESSAGE or size < end:
             return None  # too long or too short: m.read_message says so
         kind, body = bytes(buf[at : at + 1]), bytes(buf[at + 5 : end])
-        if end == len(buf):
+        if end == size:
             buf.clear()
             self.at = 0
         else:
@@ -416,13 +417,14 @@ _EXTENDED = (b"P", b"B", b"D", b"E", b"C")
 
 
 @functools.lru_cache(maxsize=64)
-def _extended(sql: str) -> bytes:
-    """Parse, Bind and Execute of one statement of the proxy's own, unnamed (as a Query would,
-    they replace the agent's unnamed statement and portal; the agent's messages that follow
-    make their own)."""
-    return (m.message(b"P", b"\0" + sql.encode() + b"\0\0\0")
-            + m.message(b"B", b"\0\0" + b"\0\0" * 3)
-            + m.message(b"E", b"\0\0\0\0\0"))
+def _extended(sql: str) -> tuple[bytes, int]:
+    """Parse, Bind and Execute of each statement of the proxy's own `sql` (statements joined
+    by "; "), unnamed (as a Query would, they replace the agent's unnamed statement and
+    portal; the agent's messages that follow make their own), and how many statements."""
+    parts = sql.split("; ")
+    return b"".join(m.message(b"P", b"\0" + part.encode() + b"\0\0\0")
+                    + m.message(b"B", b"\0\0" + b"\0\0" * 3)
+                    + m.message(b"E", b"\0\0\0\0\0") for part in parts), len(parts)
 
 
 class _Waiter:
@@ -609,16 +611,23 @@ class Upstream:
             self.unnamed = None
         if self.own:
             self.unnamed = None
-            if data[:1] in _EXTENDED and not self.prefix and all(
-                    owner is not None for _, owner in self.own):
+            # A loop rather than all() over a generator: this runs before every statement
+            # an agent sends outside a transaction block.
+            ahead = data[:1] in _EXTENDED and not self.prefix
+            if ahead:
+                for _, owner in self.own:
+                    if owner is None:
+                        ahead = False
+                        break
+            if ahead:
                 # Ahead of the agent's extended-query messages, as extended messages of their
                 # own: the server flushes once, at the agent's Sync, where a Query of them
                 # was answered with a flush (a wake-up of the proxy, a TLS record) of its own.
                 # Their replies are the reader's to drop (`prefix`), as `send_query`'s.
                 for sql, owner in self.own:
-                    for part in sql.split("; "):
-                        self.out += _extended(part)
-                        self.prefix.append(owner)
+                    messages, count = _extended(sql)
+                    self.out += messages
+                    self.prefix.extend((owner,) * count)
                 self.own.clear()
             else:
                 self._put_own()
