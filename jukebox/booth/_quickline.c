@@ -463,13 +463,16 @@ static PyObject *compiled_answer(const char *buf, size_t have) {
         (Py_ssize_t)64, "frame", seq);
 }
 
-/* The agent's side: `ControlClient.ask_compiled`, a request line sent and its answer read as
- * `ControlClient.answer` reads it (polled for up to `spin` seconds when `polls`, unless more
- * tasks are runnable than `cpus`), without the interpreter lock and its cold frames. Returns
- * (the answer, polls for the next request, errno of the read: 0, or -1 for the end of the
- * stream), the answer as a dict when it is a compiled checkpoint answer (`compiled_answer`),
- * else the bytes read; an error of the send raises OSError (the request did not go out whole).
- */
+/* A send or recv interrupted by a signal: its Python handler runs now, with the interpreter
+ * lock taken back from `*save` and given up again, as it would in socket.send and recv (PEP
+ * 475), so Ctrl-C does not wait for the booth's answer. True when the handler raised. */
+static int signal_raised(PyThreadState **save) {
+    PyEval_RestoreThread(*save);
+    int raised = PyErr_CheckSignals() < 0;
+    *save = PyEval_SaveThread();
+    return raised;
+}
+
 /* What `exchange` did: the answer's bytes, and how the send and the read ended. */
 struct exchanged {
     char buf[4096];
@@ -485,18 +488,12 @@ static void exchange(int fd, const char *line, Py_ssize_t line_len, double spin,
     size_t have = 0;
     int send_err = 0, recv_err = 0, polls_after = polls, interrupted = 0;
     Py_BEGIN_ALLOW_THREADS
-/* A signal's Python handler runs now, as it would in socket.send and recv (PEP 475): Ctrl-C
- * does not wait for the booth's answer. */
     Py_ssize_t off = 0;
     while (off < line_len) {
         ssize_t n = send(fd, line + off, (size_t)(line_len - off), MSG_NOSIGNAL);
         if (n < 0) {
             if (errno == EINTR) {
-                int signalled;
-                Py_BLOCK_THREADS
-                signalled = PyErr_CheckSignals() < 0;
-                Py_UNBLOCK_THREADS
-                if (!signalled)
+                if (!signal_raised(&_save))
                     continue;
                 interrupted = 1;
             }
@@ -540,11 +537,7 @@ static void exchange(int fd, const char *line, Py_ssize_t line_len, double spin,
             }
             if (n < 0) {
                 if (errno == EINTR) {
-                    int signalled;
-                    Py_BLOCK_THREADS
-                    signalled = PyErr_CheckSignals() < 0;
-                    Py_UNBLOCK_THREADS
-                    if (!signalled)
+                    if (!signal_raised(&_save))
                         continue;
                     interrupted = 1;
                 }

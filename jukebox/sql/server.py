@@ -8,6 +8,7 @@ The booth (jukebox.sql.booth_link) calls in from other threads: checkpoint, roll
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import socket
@@ -249,8 +250,14 @@ class SqlProxy:
         self.booth_id = booth_id
         self.scrubber = Scrubber(secrets)
         self.scrubber.add(t.password for t in databases.values() if t.password)
-        self._redacted: dict[str, str] = {}
-        self._redacted_params: dict[str, str] = {}
+        # Redacted texts remembered: an agent repeats its statements (prepared ones always) and
+        # their parameters (its ids, its flags), and the redaction's regular expressions over
+        # each were a tenth of what the proxy spent on a statement. The secrets to scrub are
+        # fixed for the proxy's life.
+        self.statement_for_tape: Callable[[str], str] = functools.lru_cache(maxsize=4096)(
+            functools.partial(statement_for_tape, scrubber=self.scrubber))
+        self.param_for_tape: Callable[[str], str] = functools.lru_cache(maxsize=4096)(
+            functools.partial(redact_text, known=self.scrubber))
         self.max_rows_changed = max_rows_changed
         self.rows_changed = 0
         self.on_trip = on_trip
@@ -270,28 +277,6 @@ class SqlProxy:
         make = listen or _listen_loopback
         self.databases = {name: DatabaseProxy(self, name, t, make())
                           for name, t in databases.items()}
-
-    def statement_for_tape(self, text: str) -> str:
-        """`text` redacted, remembered: an agent repeats its statements (prepared ones
-        always), and seven regular expressions over each were a tenth of what the proxy
-        spent on a statement. The secrets to scrub are fixed for the proxy's life."""
-        done = self._redacted.get(text)
-        if done is None:
-            if len(self._redacted) >= 4096:
-                self._redacted.clear()
-            done = self._redacted[text] = statement_for_tape(text, self.scrubber)
-        return done
-
-    def param_for_tape(self, text: str) -> str:
-        """A parameter's text redacted, remembered as statements are (`statement_for_tape`):
-        an agent's parameters repeat too (its ids, its flags), and redact_text's checks over
-        each were a share of every statement's frame."""
-        done = self._redacted_params.get(text)
-        if done is None:
-            if len(self._redacted_params) >= 4096:
-                self._redacted_params.clear()
-            done = self._redacted_params[text] = redact_text(text, self.scrubber)
-        return done
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
