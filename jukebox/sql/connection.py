@@ -399,6 +399,8 @@ class AgentConnection:
                 up.send_own(UNDO_TX + self.session.place_stranded(), self)
             else:
                 up.send_own(RELEASE_TX, self)
+                if not self.attached and self.session.attached is None and self.session.idle():
+                    up.take_ahead(self)  # its next unit's savepoint, off that unit's path
             self.wrote = False
             if self.attached:
                 self.attached = False

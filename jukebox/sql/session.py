@@ -176,6 +176,11 @@ class SqlSession:
             self.give_back(holder)
             raise
 
+    def idle(self) -> bool:
+        """Nobody waits for the wire (nor for a block to end): the holder's next unit is
+        likely the next to use it."""
+        return not self._waiting and not self._watching
+
     def give_back(self, holder: Any) -> None:
         if self.holder is holder:
             self.holder = None

@@ -154,6 +154,9 @@ class Wire:
         # While an agent connection reads the server's answer to its statement: how long to
         # poll for it before sleeping (its own, learnt from its last answers); None: sleep.
         self.spin: Spin | None = None
+        # Whether a wait teaches `spin` how long the next may take: not a wait for the
+        # answer to the proxy's own bookkeeping (Upstream.settle), quicker than a statement's.
+        self.learning = True
 
     # ------------------------------------------------------------------ reading
 
@@ -267,7 +270,8 @@ class Wire:
                        if spin.budget_ns and runnable() <= CPUS else None)
                 if got is None:
                     await self._wait_readable()
-                spin.observed(time.monotonic_ns() - started)
+                if self.learning:
+                    spin.observed(time.monotonic_ns() - started)
                 if got is None:
                     continue
                 chunk = got
@@ -303,6 +307,13 @@ class Wire:
             if now() >= end:
                 return None
             pause()
+
+    def unwatch(self) -> None:
+        """The socket no longer watched by the loop until the next wait: an answer nobody
+        waits for yet (Upstream.take_ahead's) is read when someone does, and wakes nobody."""
+        if self.watching:
+            self.watching = False
+            self.loop.remove_reader(self.fd)
 
     async def _wait_readable(self) -> None:
         if not self.watching:
@@ -538,6 +549,10 @@ class Upstream:
         # Replies to the proxy's Parse or Close of the agent's unnamed statement sent again
         # (b"1", b"3"), for the relay to drop, until the unit's ReadyForQuery.
         self.dropping: list[bytes] = []
+        # The agent connection that took the next unit's savepoint jukebox_tx ahead, at the
+        # end of its last unit (`take_ahead`), until a unit asks for its savepoint (`send_own`)
+        # or anything else is sent, which releases it first (`_unstand`).
+        self.standing: Any = None
 
     @classmethod
     async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
@@ -607,6 +622,8 @@ class Upstream:
                                         "proxy does not speak")
 
     def send(self, data: bytes) -> None:
+        if self.standing is not None:
+            self._unstand()
         if data[:1] == b"Q":
             self.unnamed = None
         if self.own:
@@ -649,6 +666,8 @@ class Upstream:
         and a TLS record each). Their replies are the reader's to drop (`prefix`). Returns
         how many characters went ahead of the agent's text (an error's position is shifted
         back by as many)."""
+        if self.standing is not None:
+            self._unstand()
         own = self.own
         self.unnamed = None
         if not own or self.prefix or any(owner is None for _, owner in own):
@@ -667,6 +686,8 @@ class Upstream:
         its own (`settle` reads it), so no reply of theirs is left for a reader to expect."""
         if not names:
             return
+        if self.standing is not None:
+            self._unstand()
         if self.own:
             self._put_own()
         for name in names:
@@ -679,11 +700,39 @@ class Upstream:
         answers a Query with a flush of its own, which is a wake-up of the proxy, and a
         savepoint taken and released with nothing in between (the agent's COMMIT, then the
         end of its unit) is not sent at all. Those of different owners go as Queries of their
-        own, still in the same write, so that an error names its owner (see `settle`)."""
+        own, still in the same write, so that an error names its owner (see `settle`).
+        A savepoint taken ahead (`take_ahead`) is the SAVEPOINT jukebox_tx of the next unit,
+        whichever connection's it is: nothing ran since it was taken."""
+        if self.standing is not None:
+            if sql == SAVEPOINT_TX:
+                self.standing = None
+                return
+            self._unstand()
         if sql == RELEASE_TX and self.own and self.own[-1] == (SAVEPOINT_TX, owner):
             self.own.pop()
             return
         self.own.append((sql, owner))
+
+    def take_ahead(self, owner: Any) -> None:
+        """At the end of `owner`'s unit, once its answer has left (its RELEASE waiting in
+        `own`): the savepoint of the next unit is taken now, with that RELEASE, as one Query
+        the server runs while the agent reads its answer and writes its next statement,
+        rather than ahead of that statement, on its path. An error in it is `owner`'s. Its
+        answer is read (`settle`) by whoever reads next, from the socket, without a wake-up of
+        the loop for it (the socket is not watched meanwhile). The next unit, whichever
+        connection's, takes that savepoint as its own (`send_own`): nothing ran since. Anything
+        else sent first releases it (`_unstand`): the session's savepoints are then as they
+        would have been."""
+        self.own.append((SAVEPOINT_TX, owner))
+        self.flush()
+        self.standing = owner
+        self.wire.unwatch()
+
+    def _unstand(self) -> None:
+        """The savepoint taken ahead for a unit that has not come, released before anything
+        else goes (a checkpoint, another connection's unit, the verdict)."""
+        owner, self.standing = self.standing, None
+        self.own.append((RELEASE_TX, owner))
 
     def _put_own(self) -> None:
         self.unnamed = None
@@ -711,11 +760,19 @@ class Upstream:
         first error of the booth's own steps is raised, once every reply is read."""
         self.flush()
         raised: dict[str, str] | None = None
+        wire = self.wire
         while self.unread:
             owner = self.unread.popleft()
             failed: dict[str, str] | None = None
             while True:
-                kind, body = self.wire.next_message() or await self.wire.read_message()
+                found = wire.next_message()
+                if found is None:
+                    wire.learning = False
+                    try:
+                        found = await wire.read_message()
+                    finally:
+                        wire.learning = True
+                kind, body = found
                 if kind == b"E" and failed is None:
                     failed = m.decode_fields(body)
                 if kind == b"Z":

@@ -182,24 +182,21 @@ def test_a_pool_reads_its_own_writes_across_connections(proxied: Proxied) -> Non
 def test_a_failed_bookkeeping_query_is_told_to_its_own_connection(
     pg: Cluster, db: str, proxied: Proxied
 ) -> None:
-    """The RELEASE that keeps a unit's work is sent with the next connection's statement and
-    read by it. Should it fail (a late cancel, the server's own trouble: faulted here by
-    swapping the queued RELEASE for a query the real server refuses, which leaves the unit's
-    savepoint in place as a failed RELEASE does), the error is its own connection's: the
-    other connection's statement did not run and says so, retryable, its connection alive;
-    the connection whose work was undone is told at its next statement."""
+    """The RELEASE that keeps a unit's work is sent as the unit ends, with the next unit's
+    savepoint (Upstream.take_ahead), and read by whoever reads the server next. Should it
+    fail (a late cancel, the server's own trouble: faulted here by swapping the RELEASE for a
+    query the real server refuses, which leaves the unit's savepoint in place as a failed
+    RELEASE does), the error is its own connection's: the other connection's statement did
+    not run and says so, retryable, its connection alive; the connection whose work was
+    undone is told at its next statement."""
     a = psycopg.connect(proxied.url, autocommit=True)
     b = psycopg.connect(proxied.url, autocommit=True)
     try:
-        a.execute("INSERT INTO t VALUES (3, 'kept, then undone')")
+        a.execute("SELECT 1")
         conn_a = proxied.proxy.databases["main"].connections[1]
 
-        async def fail_the_release() -> None:
-            up = proxied.session().upstream
-            assert up is not None and up.own == [(RELEASE_TX, conn_a)]
-            up.own[0] = ("SELECT 1/0", conn_a)
-
-        proxied.proxy.call(fail_the_release(), timeout=10)
+        _fail_next_release(proxied, conn_a)
+        a.execute("INSERT INTO t VALUES (3, 'kept, then undone')")
         with pytest.raises(psycopg.errors.SerializationFailure) as not_run:
             b.execute("SELECT count(*) FROM t")
         assert "did not run: the booth's bookkeeping for its connection 1 failed just before " \
@@ -212,10 +209,9 @@ def test_a_failed_bookkeeping_query_is_told_to_its_own_connection(
             in str(lost.value)
         a.execute("INSERT INTO t VALUES (3, 'again')")
         assert b.execute("SELECT v FROM t WHERE id = 3").fetchone() == ("again",)
-        # A simple query (psql) carries the bookkeeping ahead of its statement in one query
-        # string: the same error, its own position in an error of its own.
+        # A simple query (psql): the same error, its own position in an error of its own.
+        _fail_next_release(proxied, conn_a)
         a.execute("INSERT INTO t VALUES (4, 'kept, then undone')")
-        proxied.proxy.call(fail_the_release(), timeout=10)
         out = proxied.psql("SELECT count(*) FROM t")
         assert out.returncode == 1 and "did not run: the booth's bookkeeping for its " \
             "connection 1 failed just before it (division by zero)" in out.stderr
@@ -798,6 +794,25 @@ def _fail_pending_release(proxied: Proxied, conn: Any) -> None:
     proxied.proxy.call(swap(), timeout=10)
 
 
+def _fail_next_release(proxied: Proxied, conn: Any) -> None:
+    """As `_fail_pending_release`, for the RELEASE that `conn`'s next unit sends as it ends,
+    with the next unit's savepoint (Upstream.take_ahead): swapped before it leaves."""
+
+    async def arm() -> None:
+        up = proxied.session().upstream
+        assert up is not None
+
+        def failing(owner: object) -> None:
+            assert owner is conn and up.own == [(RELEASE_TX, conn)], up.own
+            up.own[0] = ("SELECT 1/0", conn)
+            del up.take_ahead  # once
+            up.take_ahead(owner)
+
+        up.take_ahead = failing  # type: ignore[method-assign]
+
+    proxied.proxy.call(arm(), timeout=10)
+
+
 @pytest.mark.parametrize("end", ["rollback", "statement", "close", "commit"])
 def test_another_connections_failed_bookkeeping_leaves_a_blocks_end_whole(
     pg: Cluster, db: str, proxied: Proxied, end: str
@@ -1128,8 +1143,9 @@ def test_a_failed_bookkeeping_read_by_its_own_connection_is_told(pg: Cluster, db
     be retried (which would lose the first)."""
     a = psycopg.connect(proxied.url, autocommit=True)
     try:
+        a.execute("SELECT 1")
+        _fail_next_release(proxied, proxied.proxy.databases["main"].connections[1])
         a.execute("INSERT INTO t VALUES (3, 'kept, then undone')")
-        _fail_pending_release(proxied, proxied.proxy.databases["main"].connections[1])
         with pytest.raises(psycopg.errors.StatementCompletionUnknown) as lost:
             a.execute("INSERT INTO t VALUES (4, 'next')")
         assert "undid that statement's work" in str(lost.value)
