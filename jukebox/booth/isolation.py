@@ -21,15 +21,19 @@ The shim is three processes, so that nothing the command starts can outlive the 
 * The relay starts a session of its own (so no terminal's signals reach it, nor the init),
   unshares a PID namespace and forks the init. It passes the supervisor's signals on to the
   init and, once the init is gone, exits exactly as CMD did (its status, or killed by
-  the same signal), so the supervisor sees CMD's outcome as if it were its own child.
+  the same signal), so the supervisor sees CMD's outcome as if it were its own child. A relay
+  pre-forked as root does this as soon as it has joined the booth's cgroups, before its spec
+  comes; its init then waits for the spec (`_relay_with_waiting_init`).
 * The init enters a mount namespace of its own (a child of the supervisor's, so it still sees
-  the layer) with new IPC and UTS namespaces, hides what CMD must not see, makes the host
-  read-only, nosuid and nodev, gives CMD a minimal /dev of its own (jukebox.booth.private_dev),
-  mounts a fresh /proc for the new PID namespace (CMD sees its own processes only, the supervisor
-  not at all), then forks CMD, which starts a session of its own (with the booth's pty as its
-  controlling terminal when the supervisor made one, see jukebox/booth/terminal.py: never the
-  caller's), sets limits, joins a fresh session keyring, keeps only the capabilities of
-  jukebox.booth.credentials, sets PR_SET_NO_NEW_PRIVS and execs. The init passes
+  the layer) with new IPC and UTS namespaces and forks CMD into them. While CMD starts a
+  session of its own (with the booth's pty as its controlling terminal when the supervisor made
+  one, see jukebox/booth/terminal.py: never the caller's), sets limits, joins a fresh session
+  keyring, keeps only the capabilities of jukebox.booth.credentials and sets
+  PR_SET_NO_NEW_PRIVS, the init builds the view: it hides what CMD must not see, makes the host
+  read-only, nosuid and nodev, gives CMD a minimal /dev of its own (jukebox.booth.private_dev)
+  and mounts a fresh /proc for the new PID namespace (CMD sees its own processes only, the
+  supervisor not at all). Only then, told so over a pipe, does CMD enter its working directory
+  and exec; a view that fails ends the init, and the namespace with CMD in it. The init passes
   signals on to CMD, reaps every orphan, and exits when CMD does: the kernel then kills whatever
   is left in the namespace (setsid, nohup and double forks included).
 * The relay joins the booth's cgroup (jukebox.booth.cgroups) before it forks; CMD installs the
@@ -56,7 +60,7 @@ import stat
 import struct
 import sys
 import termios
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -142,6 +146,7 @@ SUPERVISOR_WAITED = frozenset(
     {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGWINCH}
 )
 INIT_TITLE = "jukebox-init"
+VIEW_BUILT = b"v"  # the init to CMD: the view is whole, go on to the exec
 # The pre-forked relay's command line (the exec'd one shows
 # `python -I -m jukebox.booth.isolation exec`): `jukebox booth stop` finds the agent's relay
 # among the supervisor's children by it.
@@ -771,10 +776,13 @@ def _preforked_main(
         if kind != _PREPARE:
             break
         prepared = json.loads(body)
-        joined += _join_cgroups(prepared["cgroup_procs"])
+        wanted = prepared["cgroup_procs"]
+        joined += _join_cgroups(wanted)
         if prepared["preload_seccomp"]:
             with contextlib.suppress(Exception):
                 syscall_filter.preload()
+        if join_later and not makes_user_namespace() and set(wanted) <= set(joined):
+            _relay_with_waiting_init(sock, supervisor, status_fd, joined)
     sock.close()
     if kind != _SPEC or len(fds) != 3:
         return
@@ -783,13 +791,80 @@ def _preforked_main(
             _join_namespaces_of(supervisor)
         except OSError as error:
             _setup_failed(status_fd, "joining the supervisor's namespaces", error)
+    _take_stdio(fds)
+    # As the exec'd shim is started: a session of its own, out of the caller's process group.
+    os.setsid()
+    _relay_main(ChildSpec.from_json(body), status_fd, joined)
+
+
+def _take_stdio(fds: Sequence[int]) -> None:
+    """CMD's stdin, stdout and stderr, as they came with the spec, at 0, 1 and 2."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
-    # As the exec'd shim is started: a session of its own, out of the caller's process group.
-    os.setsid()
-    _relay_main(ChildSpec.from_json(body), status_fd, joined)
+
+
+def _relay_with_waiting_init(
+    sock: socket.socket, supervisor: int | OSError | None, status_fd: int, joined: list[str]
+) -> NoReturn:
+    """The relay of a pre-forked shim that has joined the booth's cgroups, as root (no user
+    namespace to join first): it makes the PID namespace and forks the init now, while the
+    supervisor still mounts the layer, instead of after the spec arrives; the init waits for
+    the spec (`_waiting_init_main`), then joins the supervisor's mount namespace, and the
+    rest is as `_relay_main`'s. The relay's own set-up and the init's start are then off the
+    agent's way to its start. A failure here is reported when the spec comes, by the init."""
+    os.setsid()  # as _preforked_main does, before the init is born into the session
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+    # A failure leaves the init forked next outside pid 1: _waiting_init_main reports it.
+    with contextlib.suppress(OSError):
+        unshare(CLONE_NEWPID)
+
+    def in_the_relay() -> None:  # the socket and the pidfd are the waiting init's only
+        sock.close()
+        if isinstance(supervisor, int):
+            os.close(supervisor)
+
+    _fork_init_and_relay(
+        lambda alive_r, result_w: _waiting_init_main(
+            sock, supervisor, status_fd, alive_r, result_w, joined
+        ),
+        status_fd,
+        in_the_relay,
+    )
+
+
+def _waiting_init_main(
+    sock: socket.socket, supervisor: int | OSError | None, status_fd: int, alive_r: int,
+    result_w: int, joined: list[str],
+) -> None:  # fmt: skip
+    """The init forked by `_relay_with_waiting_init`, until its spec arrives; then the
+    supervisor's mount namespace and `_init_main`. The socket's EOF (the shim closed unused):
+    it exits, and the relay with it."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getpid() != 1:
+        error = OSError(errno.EPERM, "the relay could not make a PID namespace")
+        _setup_failed(status_fd, "entering a new PID namespace", error)
+    while True:
+        message = _receive(sock)
+        if message is None:
+            os._exit(0)
+        kind, body, fds = message
+        if kind != _PREPARE:
+            break
+        joined += _join_cgroups(json.loads(body)["cgroup_procs"])
+    sock.close()
+    if kind != _SPEC or len(fds) != 3:
+        os._exit(SETUP_FAILED_STATUS)
+    try:
+        _join_namespaces_of(supervisor)
+    except OSError as error:
+        _setup_failed(status_fd, "joining the supervisor's namespaces", error)
+    _take_stdio(fds)
+    spec = ChildSpec.from_json(body)
+    # Before CMD forks: it and all it starts are born in the booth's cgroup.
+    _join_the_rest(spec, status_fd, joined)
+    _init_main(spec, status_fd, alive_r, result_w)
 
 
 # --------------------------------------------------------------------------- the shim side
@@ -867,8 +942,22 @@ def hidden_tools(
     return sorted(c for c in hidden if not any(o != c and _is_under(c, o) for o in hidden))
 
 
-def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
-    """Shapes this process's (new) mount namespace as the image asks. Order matters:
+def enter_view_namespaces(spec: ChildSpec) -> None:
+    """The namespaces `build_view` shapes: a mount namespace of this process's own (a child of
+    the one it is in, private from there on), new IPC and UTS namespaces, and a network
+    namespace with only its loopback up under --net none. A process forked after this is in
+    them too, and sees every mount made here later (see `_init_main`)."""
+    extra = CLONE_NEWNET if spec.net == "none" else 0
+    unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | extra)
+    socket.sethostname(HOSTNAME)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if spec.net == "none":
+        _lo_up()
+
+
+def build_view(spec: ChildSpec, *, fresh_proc: bool = False, entered: bool = False) -> None:
+    """Shapes this process's (new) mount namespace as the image asks (`entered`: the caller
+    made the namespaces with `enter_view_namespaces` already). Order matters:
 
     the kept mounts and the host's device nodes are cloned first, so making the host read-only,
     nodev and nosuid and covering /dev, /tmp or a home directory cannot take them away; covers
@@ -880,12 +969,8 @@ def build_view(spec: ChildSpec, *, fresh_proc: bool = False) -> None:
     """
     from jukebox.booth import private_dev
 
-    extra = CLONE_NEWNET if spec.net == "none" else 0
-    unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | extra)
-    socket.sethostname(HOSTNAME)
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    if spec.net == "none":
-        _lo_up()
+    if not entered:
+        enter_view_namespaces(spec)
     readonly = {os.path.realpath(p) for p in spec.keep_readonly}
     tools = {os.path.realpath(p) for p in spec.keep_tools} - readonly
     keep = sorted({os.path.realpath(p) for p in spec.keep} | readonly | tools)
@@ -1018,6 +1103,21 @@ def _relay_main(spec: ChildSpec, status_fd: int, joined: Sequence[str] = ()) -> 
     if spec.parent_pid and os.getppid() != spec.parent_pid:
         os._exit(SETUP_FAILED_STATUS)  # the supervisor died before pdeathsig was armed
     # Before anything forks: the init, CMD and all they start are born in the booth's cgroup.
+    _join_the_rest(spec, status_fd, joined)
+    # Blocked from here on, and inherited by the init: both take them with sigwaitinfo.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
+    try:
+        unshare(CLONE_NEWPID)
+    except OSError as error:
+        _setup_failed(status_fd, "entering a new PID namespace", error)
+    _fork_init_and_relay(
+        lambda alive_r, result_w: _init_main(spec, status_fd, alive_r, result_w), status_fd
+    )
+
+
+def _join_the_rest(spec: ChildSpec, status_fd: int, joined: Sequence[str]) -> None:
+    """This process into each of the spec's cgroups not `joined` already; a failure ends it,
+    reported."""
     for procs in spec.cgroup_procs:
         if procs in joined:
             continue
@@ -1025,21 +1125,27 @@ def _relay_main(spec: ChildSpec, status_fd: int, joined: Sequence[str] = ()) -> 
             Path(procs).write_text(str(os.getpid()))
         except OSError as error:
             _setup_failed(status_fd, f"joining the booth's cgroup {os.path.dirname(procs)}", error)
-    # Blocked from here on, and inherited by the init: both take them with sigwaitinfo.
-    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
-    try:
-        unshare(CLONE_NEWPID)
-    except OSError as error:
-        _setup_failed(status_fd, "entering a new PID namespace", error)
+
+
+def _fork_init_and_relay(
+    init_main: Callable[[int, int], None], status_fd: int,
+    in_the_relay: Callable[[], None] | None = None,
+) -> NoReturn:  # fmt: skip
+    """Forks the init, `init_main(alive_r, result_w)`; closes what only the init keeps (the
+    status pipe; `in_the_relay` closes the rest), passes signals on to it until it is gone,
+    and exits as CMD did."""
     alive_r, alive_w = os.pipe2(os.O_CLOEXEC)  # EOF for the init once the relay is gone
     result_r, result_w = os.pipe2(os.O_CLOEXEC)  # CMD's raw wait status, from the init
     init = os.fork()
     if init == 0:
         os.close(alive_w)
         os.close(result_r)
-        _init_main(spec, status_fd, alive_r, result_w)
+        init_main(alive_r, result_w)
+        os._exit(SETUP_FAILED_STATUS)  # init_main ends the process itself
     os.close(alive_r)
     os.close(result_w)
+    if in_the_relay is not None:
+        in_the_relay()
     # Only the init and CMD may hold the status pipe: its EOF is what says CMD was exec'd.
     os.close(status_fd)
     status = _relay(init)
@@ -1063,7 +1169,7 @@ def _relay(init: int) -> int:
                 os.kill(init, info.si_signo)
 
 
-def _exit_as(status: int) -> None:
+def _exit_as(status: int) -> NoReturn:
     """Ends this process the way CMD ended: its exit status, or killed by its signal."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -1095,16 +1201,30 @@ def _init_main(spec: ChildSpec, status_fd: int, alive_r: int, result_w: int) -> 
         except Exception as error:
             _setup_failed(status_fd, "building the system call filter", error)
     try:
-        build_view(spec, fresh_proc=True)
+        enter_view_namespaces(spec)
     except Exception as error:
         _setup_failed(status_fd, "building the booth's view of the file system", error)
+    # CMD is forked into those namespaces before the view is built, and makes its own set-up
+    # (its session, limits, keyring, capabilities) on the other core meanwhile; it goes on
+    # to its working directory and its exec only once the view is whole (`view_r` readable).
+    # A failed view ends this process, and with it the namespace and CMD.
+    view_r, view_w = os.pipe2(os.O_CLOEXEC)
     try:
         cmd = os.fork()
     except OSError as error:
         _setup_failed(status_fd, "starting the command's process", error)
     if cmd == 0:
         os.close(result_w)
-        _exec_cmd(spec, status_fd)
+        os.close(view_w)
+        _exec_cmd(spec, status_fd, view_r)
+    os.close(view_r)
+    try:
+        build_view(spec, fresh_proc=True, entered=True)
+    except Exception as error:
+        _setup_failed(status_fd, "building the booth's view of the file system", error)
+    with contextlib.suppress(OSError):  # CMD gone already (its set-up failed): reaped below
+        os.write(view_w, VIEW_BUILT)
+    os.close(view_w)
     os.close(status_fd)
     status = _reap_until(cmd)
     os.write(result_w, struct.pack("i", status))
@@ -1133,8 +1253,9 @@ def _reap_until(cmd: int) -> int:
                 return status
 
 
-def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
-    """CMD's process: session, limits, privileges, working directory, then exec."""
+def _exec_cmd(spec: ChildSpec, status_fd: int, view_r: int) -> None:
+    """CMD's process: session, limits, privileges; then, once the init says the view is built
+    (`view_r`), working directory and exec."""
     step = "starting a session of its own"
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -1159,6 +1280,11 @@ def _exec_cmd(spec: ChildSpec, status_fd: int) -> None:
                 seccomp = syscall_filter.build(spec.seccomp)
         step = "dropping privileges"
         drop_privileges()
+        # Nothing of the booth's view may be missing when CMD looks up a path: its cwd, its
+        # program. No byte here means the init failed and reports why, and is ending us.
+        if os.read(view_r, 1) != VIEW_BUILT:
+            os._exit(SETUP_FAILED_STATUS)
+        os.close(view_r)
         step = f"entering the working directory {spec.cwd}"
         os.chdir(spec.cwd)
         # The supervisor blocks the signals it waits for, and so do the relay and the init;

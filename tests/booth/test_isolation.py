@@ -28,8 +28,8 @@ tree = cfg["tree"]
 userns = iso.enter_private_namespace()
 iso.mount("tmpfs", tree, "tmpfs", 0, "mode=0777")
 env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SUPERVISOR_PID": str(os.getpid())}
-spec = iso.ChildSpec(argv=cfg["argv"], cwd=tree, env=env,
-                     keep=[tree], hide=cfg["hide"], limits=cfg.get("limits", {}),
+spec = iso.ChildSpec(argv=cfg["argv"], cwd=tree, env=env, keep=[tree, *cfg.get("keep", [])],
+                     hide=cfg["hide"], limits=cfg.get("limits", {}),
                      net=cfg.get("net", "host"), private_tmp=cfg.get("private_tmp", True))
 child = iso.spawn(spec, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 started = child.wait_started()
@@ -290,3 +290,50 @@ def test_images_carry_a_file_size_limit(tmp_path: Path) -> None:
     spec.write_text("[limits]\nfile_size = 0\n")
     with pytest.raises(ImageError, match="must be a positive size"):
         load_image(str(spec))
+
+
+def test_cmd_waits_for_the_whole_view_and_never_runs_when_it_fails(tmp_path: Path) -> None:
+    # CMD is forked before the init builds the view (isolation._init_main) and must not go on
+    # to its exec without it: a kept path that is not there fails the view, and the command,
+    # which would write the marker on the host's file system, never runs.
+    tree, marker = tmp_path / "tree", tmp_path / "ran"
+    tree.mkdir()
+    cfg = {
+        "tree": str(tree), "argv": ["sh", "-c", f"echo ran > {marker}"], "hide": [],
+        "keep": [str(tmp_path / "missing")],
+    }  # fmt: skip
+    report, _ = booth_helper(cfg)
+    assert report["started"] is False and report["rc"] == 125, report
+    assert "building the booth's view of the file system" in report["error"], report
+    assert not marker.exists()
+
+
+WAITING_INIT = r"""
+import json, os, sys, time
+from jukebox.booth import isolation as iso
+shim = iso.PreforkedShim.fork(join_later=True)
+shim.prepare([], preload_seccomp=False)
+children = f"/proc/{shim.pid}/task/{shim.pid}/children"
+deadline = time.monotonic() + float(sys.argv[1])
+while not open(children).read().split() and time.monotonic() < deadline:
+    time.sleep(0.01)
+kids = open(children).read().split()
+nspid = [ln.split() for ln in open(f"/proc/{kids[0]}/status") if ln.startswith("NSpid:")]
+shim.close()
+print(json.dumps({"kids": kids, "nspid": nspid[0][1:], "left": os.path.exists(f"/proc/{kids[0]}")}))
+"""
+
+
+def test_a_prepared_shim_has_its_init_waiting_before_the_spec(tmp_path: Path) -> None:
+    # As root, the pre-forked relay makes the PID namespace and forks the init as soon as it
+    # is prepared (isolation._relay_with_waiting_init), off the agent's way to its start; a
+    # shim closed unused ends both.
+    proc = subprocess.run(
+        [sys.executable, "-c", WAITING_INIT, str(slow(10))], capture_output=True, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), cwd="/", timeout=slow(30),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert len(report["kids"]) == 1, report
+    assert report["nspid"][-1] == "1", report  # pid 1 of a namespace of its own
+    assert report["left"] is False, report
