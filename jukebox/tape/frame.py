@@ -11,6 +11,7 @@ the same values the id commits to.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -51,27 +52,42 @@ KNOWN_KINDS = frozenset(
     }
 )
 
-# Every kind, known or from a later version, is a short lowercase identifier: this keeps the
-# fixed-position fast parse in `FAST_FRAME` valid for frames this version does not understand.
-KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
-
 # A top-level payload value whose canonical JSON is longer than this goes to the store.
 SPILL_THRESHOLD = 4096
 BLOB_KEY = "$blob"
 
-# The canonical encoding puts keys in sorted order, so the first three fields sit at the start of
-# the bytes and the last four at the end, whatever the payload holds: verification reads them
-# with one anchored regex instead of decoding the JSON (twice as fast as two regexes, measured).
-# The greedy `.*` backtracks from the end to the last `,"seq":`, which is the top-level one: `,"`
-# cannot occur inside a JSON string (the quote would be escaped) and nothing nested follows the
-# top-level "seq". Hex fields are matched loosely here and checked by a2b_hex where they are used.
-FAST_FRAME = re.compile(
-    rb'\{"kind":"([a-z][a-z0-9_]{0,31})","mroot":"(.{64})","parent":(?:null|"(.{64})"),'
-    rb'"payload":\{.*,"seq":(0|[1-9][0-9]{0,17}),"time_ns":(-?[0-9]{1,20}),'
-    rb'"tree":(?:null|"(.{64})"),"v":([0-9]{1,5})\}\Z',
-    re.DOTALL,
-)
-FAST_SEQ = re.compile(rb',"seq":(0|[1-9][0-9]{0,17}),"time_ns":')
+
+# The patterns below are compiled at their first use, not at import: a booth writes its tape
+# without reading a frame back, and compiling them cost its start about 0.6 ms.
+@functools.cache
+def kind_pattern() -> re.Pattern[str]:
+    """Every kind, known or from a later version, is a short lowercase identifier: this keeps
+    the fixed-position fast parse of `frame_pattern` valid for frames this version does not
+    understand."""
+    return re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+
+
+@functools.cache
+def frame_pattern() -> re.Pattern[bytes]:
+    """The canonical encoding puts keys in sorted order, so the first three fields sit at the
+    start of the bytes and the last four at the end, whatever the payload holds: verification
+    reads them with one anchored regex instead of decoding the JSON (twice as fast as two
+    regexes, measured). The greedy `.*` backtracks from the end to the last `,"seq":`, which is
+    the top-level one: `,"` cannot occur inside a JSON string (the quote would be escaped) and
+    nothing nested follows the top-level "seq". Hex fields are matched loosely here and checked
+    by a2b_hex where they are used."""
+    return re.compile(
+        rb'\{"kind":"([a-z][a-z0-9_]{0,31})","mroot":"(.{64})","parent":(?:null|"(.{64})"),'
+        rb'"payload":\{.*,"seq":(0|[1-9][0-9]{0,17}),"time_ns":(-?[0-9]{1,20}),'
+        rb'"tree":(?:null|"(.{64})"),"v":([0-9]{1,5})\}\Z',
+        re.DOTALL,
+    )
+
+
+@functools.cache
+def seq_pattern() -> re.Pattern[bytes]:
+    return re.compile(rb',"seq":(0|[1-9][0-9]{0,17}),"time_ns":')
+
 
 _FRAME_HEADER = b"frame %d\x00"
 
@@ -434,7 +450,7 @@ class Frame:
                 and type(time_ns) is int
                 and type(v) is int
                 and isinstance(kind, str)
-                and KIND_RE.match(kind)
+                and kind_pattern().match(kind)
                 and isinstance(payload, dict)
                 and isinstance(obj["refs"], list)
             ):
@@ -460,7 +476,7 @@ class Frame:
         self._kind = kind
 
     def _seq_hint(self) -> int:
-        found = FAST_SEQ.findall(self._raw)
+        found = seq_pattern().findall(self._raw)
         return int(found[-1]) if found else -1
 
     def _ensure(self) -> None:

@@ -8,7 +8,7 @@ whole history and a fork shares its prefix byte for byte.
 Loading is built for speed (a 50-frame tape loads and verifies in a fraction of a millisecond):
 the file is read once, records are split and hashed, and frames decode their JSON only when a
 field is read. Verification reads the few fields it needs from fixed positions in the canonical
-bytes (see `jukebox.tape.frame.FAST_FRAME`).
+bytes (see `jukebox.tape.frame.frame_pattern`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from jukebox.tape.errors import (
     UnsupportedVersion,
 )
 from jukebox.tape.frame import (
-    FAST_FRAME,
     FORMAT_VERSION,
     KNOWN_KINDS,
     Frame,
     encode_frame,
+    frame_pattern,
     spill_encoded,
 )
 from shadowfs.errors import ObjectCorrupt, ObjectMissing
@@ -377,7 +377,7 @@ class Tape:
         stack: list[bytes] = []
         prev: bytes | None = None
         path = self.path
-        match = FAST_FRAME.match
+        match = frame_pattern().match
         hasher = blake3()
         update, digest_of, reset = hasher.update, hasher.digest, hasher.reset
         for i, f in enumerate(self.frames):

@@ -72,6 +72,9 @@ def test_a_booth_that_changes_nothing_imports_no_commit(tmp_path: Path) -> None:
     # tenth of such a booth's CPU. Nor the modules of MCP calls staged or asked about.
     assert not {"shadowfs.commit", "concurrent.futures", "logging", "subprocess"} & modules
     assert not {"jukebox.mcp.verdict", "jukebox.mcp.approvals", "copy"} & modules
+    # The store's index through the C module alone: the `sqlite3` package's date and time
+    # adapters (with `datetime`) are of no use to it (shadowfs.store_index).
+    assert "_sqlite3" in modules and not {"sqlite3", "datetime"} & modules
 
 
 def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
