@@ -94,6 +94,55 @@ MODE_MASK = 0o7777
 # (git's "racily clean" entries). Two seconds covers coarse file systems (1 s, FAT's 2 s).
 RACY_NS = 2_000_000_000
 
+# Local file systems whose inodes take their times from the kernel's clock, in nanoseconds
+# (statfs f_type): ext2/3/4, XFS, Btrfs, tmpfs. A write at instant t is stamped with the coarse
+# clock (or, since Linux 6.13, a finer one), which lags t by less than a few ticks: the kernel
+# forces the jiffies forward after 5 stalled ticks (MAX_STALLED_JIFFIES), when the CPU that
+# keeps time is held up, a VM's exit for one. So a file whose ctime lies FINE_RACY_TICKS ticks
+# before a reference instant cannot be written after that instant and keep its ctime. An ext4
+# made with 128-byte inodes keeps whole seconds: a ctime with no sub-second part gets RACY_NS.
+FINE_FS_TYPES = frozenset({0xEF53, 0x58465342, 0x9123683E, 0x01021994})
+FINE_RACY_TICKS = 20
+_MAX_TICK_NS = 10_000_000  # HZ=100; a coarser clock gets RACY_NS
+_CLOCK_REALTIME_COARSE = 5  # linux/time.h; the os module does not name it
+
+
+class RacyWindow:
+    """How close to a reference instant a file's ctime may lie before its stat no longer proves
+    it unwritten since (`racy_ns`): RACY_NS, but for the files of one device (``dev``) on a
+    file system of FINE_FS_TYPES, whose nanosecond stamps get ``fine_ns`` (FINE_RACY_TICKS of
+    the kernel's coarse clock). Made by `racy_window`."""
+
+    __slots__ = ("dev", "fine_ns")
+
+    def __init__(self, dev: int = -1, fine_ns: int = RACY_NS) -> None:
+        self.dev = dev
+        self.fine_ns = fine_ns
+
+    def racy_ns(self, dev: int, ctime_ns: int) -> int:
+        """The window for a file of device ``dev`` whose ctime is ``ctime_ns``."""
+        if dev == self.dev and ctime_ns % 1_000_000_000:
+            return self.fine_ns
+        return RACY_NS
+
+
+def racy_window(fd: int) -> RacyWindow:
+    """The racy window of the files on ``fd``'s device (a directory of the tree): the fine one
+    where its file system is one of FINE_FS_TYPES and the coarse clock ticks at least every
+    10 ms, else RACY_NS for all. Any doubt (no statfs, no clock) keeps RACY_NS."""
+    from shadowfs.libc import fstatfs_type
+
+    try:
+        tick = round(time.clock_getres(_CLOCK_REALTIME_COARSE) * 1e9)
+        fs_type = fstatfs_type(fd)
+        dev = os.fstat(fd).st_dev
+    except (OSError, ValueError):
+        return RacyWindow()
+    if fs_type not in FINE_FS_TYPES or not 0 < tick <= _MAX_TICK_NS:
+        return RacyWindow()
+    return RacyWindow(dev, FINE_RACY_TICKS * tick)
+
+
 # Recursion in build_tree/materialize is bounded so a hostile tree cannot exhaust the stack or
 # the fd table; real trees stay far below this (PATH_MAX alone caps path-based access).
 MAX_DEPTH = 400

@@ -273,21 +273,36 @@ def known_files(
     tape_dir: TapeDir, tree_path: str, tree: ObjectId, stats: Stats | None = None
 ) -> dict[bytes, FileIdentity]:
     """The files the last build of ``tree_path`` read whole into ``tree`` (it must be that
-    build's tree), with their identities then, leaving out those racily clean at the build: a
+    build's tree), with their identities then, leaving out those racily clean at the build
+    (a ctime within the tree's racy window of the build's start, shadowfs.tree.racy_window): a
     commit from ``tree`` trusts these unread (shadowfs.commit.apply's ``known``). ``stats``:
     what `read_stats` gave, or None to read them here."""
-    from shadowfs.tree import RACY_NS
+    from shadowfs.tree import RacyWindow, racy_window
 
     prev = _read(tape_dir).get(tree_path)
     try:
         # prev None raises TypeError, caught below as an unusable record
-        cutoff = int(prev["started_ns"]) - RACY_NS  # type: ignore[index]
+        started = int(prev["started_ns"])  # type: ignore[index]
     except (TypeError, ValueError, KeyError):
         return {}
     built_with, identities = stats if stats is not None else _read_stats(tape_dir, tree_path)
     if built_with != tree:  # another build's: no file is trusted on a mismatch
         return {}
-    return {p: ident for p, ident in identities.items() if ident[2] < cutoff}
+    try:
+        fd = os.open(tree_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        window = RacyWindow()  # RACY_NS for all; the commit says what is wrong with the tree
+    else:
+        try:
+            window = racy_window(fd)
+        finally:
+            os.close(fd)
+    racy_ns = window.racy_ns
+    return {
+        p: ident
+        for p, ident in identities.items()
+        if ident[2] < started - racy_ns(ident[0], ident[2])
+    }
 
 
 def forget_base_paths(
