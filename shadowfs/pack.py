@@ -24,11 +24,10 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import zstandard
-
 from shadowfs.errors import StoreError
 from shadowfs.oid import OID_SIZE, ObjectId
 from shadowfs.values import Value, setfield
+from shadowfs.zstd import zstandard
 
 PACK_MAGIC = b"SFPACK\x00\x01"
 PACK_HEADER_LEN = len(PACK_MAGIC)

@@ -875,3 +875,33 @@ def test_puts_go_on_while_a_flush_writes_the_index(tmp_path: Path) -> None:
         assert not flusher.is_alive()
         st.flush()
         assert _indexed(st.root, [first], within=5)
+
+
+ZSTD_IN_A_FRESH_PROCESS = r"""
+import json, sys
+from shadowfs.store import Store
+store = Store.open(sys.argv[1], create=True)
+oid = store.put("blob", b"compressible " * 4096)
+store.flush()
+store.close()
+before = sorted(m for m in ("platform", "zstandard") if m in sys.modules)
+again = Store.open(sys.argv[1])
+data = again.get(oid)
+again.close()
+import zstandard
+from shadowfs.zstd import zstandard as used
+print(json.dumps({"before": before, "same": zstandard.ZstdCompressor is used.ZstdCompressor,
+                  "ok": data == b"compressible " * 4096}))
+"""
+
+
+def test_the_store_compresses_through_zstandards_c_backend_alone(tmp_path: Path) -> None:
+    # shadowfs.zstd: the package's __init__ (with `platform`) is not imported by a process
+    # that only opens a store, puts, flushes and reads back; a later `import zstandard` gets
+    # the very classes the store used.
+    proc = subprocess.run(
+        [sys.executable, "-c", ZSTD_IN_A_FRESH_PROCESS, str(tmp_path / "store")],
+        capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"before": [], "same": True, "ok": True}
