@@ -8,11 +8,12 @@ from typing import NamedTuple
 MOUNTINFO = "/proc/self/mountinfo"
 
 
-class MountEntry(NamedTuple):
-    mount_id: int
-    mount_point: str
-    fstype: str  # "fuse.SUBTYPE" for a FUSE mount
-    source: str  # a FUSE mount's fsname
+# fstype: "fuse.SUBTYPE" for a FUSE mount; source: a FUSE mount's fsname. The functional
+# form, with the types themselves: the class form's annotations are strings here, which
+# NamedTuple compiles one by one (shadowfs.store's _Staged says why that matters).
+MountEntry = NamedTuple(  # noqa: UP014 - see above
+    "MountEntry", [("mount_id", int), ("mount_point", str), ("fstype", str), ("source", str)]
+)
 
 
 def unescape(field: str) -> str:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 setfield = object.__setattr__
 
-V = TypeVar("V", bound="Value")
-F = TypeVar("F", bound="_Fields")
+if TYPE_CHECKING:  # annotations only: a bound named by a string is compiled at runtime
+    from typing import TypeVar
+
+    V = TypeVar("V", bound="Value")
+    F = TypeVar("F", bound="_Fields")
 
 
 def _key_of(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:

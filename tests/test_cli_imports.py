@@ -19,8 +19,19 @@ PROXY_STACK = ("trio", "httpx", "h11", "genai_prices", "pydantic", "jukebox.llm.
 
 # Runs the CLI in this interpreter, then writes what it imported: at exit, which commands that
 # skip the interpreter's teardown (jukebox.cli.skip_teardown) still run.
+# It also lists the source text given to compile() (the import system's, bytes, aside): a
+# process's first compile() sets up the AST types, about 10 M instructions.
 WRAPPER = """
-import atexit, gc, json, sys
+import atexit, builtins, gc, json, sys
+compiled = []
+_compile = builtins.compile
+
+def compile(source, *args, **kwargs):
+    if isinstance(source, str):
+        compiled.append(source[:60])
+    return _compile(source, *args, **kwargs)
+
+builtins.compile = compile
 from jukebox.cli import main
 out = sys.argv.pop(1)
 sys.argv[0] = "jukebox"
@@ -28,7 +39,7 @@ sys.argv[0] = "jukebox"
 def dump():
     with open(out, "w") as f:
         gc_state = {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
-        json.dump({"modules": sorted(sys.modules), "gc": gc_state}, f)
+        json.dump({"modules": sorted(sys.modules), "gc": gc_state, "compiled": compiled}, f)
 
 atexit.register(dump)
 main()
@@ -99,6 +110,12 @@ def collector_after(tmp_path: Path) -> dict[str, Any]:
     whether it ran, and how many objects were frozen (jukebox.cli.fast.resume_gc)."""
     state: dict[str, Any] = json.loads((tmp_path / "modules.json").read_text())["gc"]
     return state
+
+
+def compiled_after(tmp_path: Path) -> list[str]:
+    """The source text the last `imported` run in `tmp_path` gave to compile(), each cut."""
+    texts: list[str] = json.loads((tmp_path / "modules.json").read_text())["compiled"]
+    return texts
 
 
 def _jukebox(cwd: Path, env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.llm.upstream import FakeUpstream
-from tests.test_cli_imports import PROXY_STACK, collector_after, imported
+from tests.test_cli_imports import PROXY_STACK, collector_after, compiled_after, imported
 
 pytestmark = pytest.mark.usefixtures("root_only", "dev_fuse")
 # What a booth imports only when its agent calls a model or a --max-* flag is set.
@@ -75,6 +75,11 @@ def test_a_booth_that_changes_nothing_imports_no_commit(tmp_path: Path) -> None:
     # The store's index through the C module alone: the `sqlite3` package's date and time
     # adapters (with `datetime`) are of no use to it (shadowfs.store_index).
     assert "_sqlite3" in modules and not {"sqlite3", "datetime"} & modules
+    # And zstandard's C backend alone, without the package's `platform` (shadowfs.zstd).
+    assert "zstandard.backend_c" in modules and not {"zstandard", "platform"} & modules
+    # Nothing compiled: no NamedTuple's or TypeVar's annotation written as a string on the
+    # way (typing compiles each), so the AST types are never set up (shadowfs.store._Staged).
+    assert compiled_after(tmp_path) == []
 
 
 def _booth(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
