@@ -88,6 +88,12 @@ class _Run:
 # A Describe of the unnamed portal, as the agent sends it and as it goes on.
 _UNNAMED_PORTAL = b"P\0"
 _DESCRIBE_UNNAMED_PORTAL = m.message(b"D", _UNNAMED_PORTAL)
+# What follows a prepared statement's Bind in the unit `AgentConnection.prepared_unit` runs:
+# Describe of the unnamed portal, Execute of it (then its row limit, any) and Sync.
+_DESCRIBE_EXECUTE = _DESCRIBE_UNNAMED_PORTAL + b"E\0\0\0\x09\0"
+_HEAD = len(_DESCRIBE_EXECUTE)
+_TAIL = _HEAD + 4
+_DESCRIBE_EXECUTE_SYNC = _TAIL + len(SYNC)
 # The extended-query messages `AgentConnection.writes` looks into.
 _MAY_WRITE = frozenset((b"P", b"B", b"E"))
 
@@ -491,6 +497,8 @@ class AgentConnection:
                 kind, body = found
                 if kind == b"X":
                     return
+                if kind == b"B" and self.up is None and await self.prepared_unit(body):
+                    continue
                 await self.handle(kind, body)
                 # Replies wait while the agent's next messages are already here (a pipeline:
                 # Parse, Bind, Execute, Sync in one packet), so they leave together.
@@ -589,6 +597,60 @@ class AgentConnection:
         self.wire.close()
 
     # ------------------------------------------------------------------ messages
+
+    async def prepared_unit(self, body: bytes) -> bool:
+        """A unit that is one Bind of a prepared statement of the agent's, then Describe and
+        Execute of the unnamed portal and Sync, all here and nothing after them, outside a
+        transaction block: what psycopg, libpq and most drivers send for every statement
+        they have prepared (after its fifth run, for psycopg). Run here in one go, as `handle`
+        would run its four messages (the same savepoint, messages, frame and replies), without
+        the four dispatches, the two looks at whether it writes and the messages taken apart
+        and put together again one by one. False, having done nothing: not such a unit, for
+        `handle` to take its messages."""
+        wire = self.wire
+        buf, at = wire.buf, wire.at
+        if (len(buf) - at != _DESCRIBE_EXECUTE_SYNC or body[:1] != b"\0"
+                or buf[at : at + _HEAD] != _DESCRIBE_EXECUTE or buf[at + _TAIL :] != SYNC
+                or self.state != "I" or self.skipping or self.inflight or self.copying_in
+                or self.lost is not None or self.undone is not None or self.open_portals
+                or self.portal_open or "" in self.special_portals):
+            return False
+        end = body.find(b"\0", 1)
+        if end < 2:  # the unnamed statement (see `own_unnamed`), or no end: `handle`'s
+            return False
+        try:
+            name = body[1:end].decode()
+        except UnicodeDecodeError:
+            return False
+        text = self.texts.get(name)
+        if text is None or name in self.special:
+            return False
+        bind = m.decode_bind(body)  # checked whole before anything of it goes on
+        self.parked = False
+        try:
+            await self.hold(st.may_write(text))
+        except TurnTimeout as error:  # as `handle`: the rest is skipped up to the Sync
+            self.send(error.reply if isinstance(error, BlockUndone) else
+                      m.error("55P03", str(error)))  # fmt: skip
+            self.skipping = True
+            return True
+        up = self.up
+        assert up is not None
+        rest = bytes(buf[at:])
+        buf.clear()
+        wire.at = 0
+        run = _Run(text, bind=bind)
+        self.portals[""] = run
+        self.portal = ""
+        self.bound = True
+        self.runs.append(run)
+        up.send(m.message(b"B", b"\0" + self.up_name(name).encode() + body[end:]) + rest)
+        await self.relay()
+        self.runs.clear()
+        self.send(m.ready(self.state))
+        await self.drain_agent()
+        await self.end_unit()
+        return True
 
     async def handle(self, kind: bytes, body: bytes) -> None:
         self.parked = False  # at work again: the wire it holds is in use

@@ -674,6 +674,10 @@ def _hostile_seeds() -> list[bytes]:
         + m.Execute("p1", 0).encode() + m.Close("S", "s1").encode() + msg(b"S", b""),
         m.Parse("", "COMMIT", []).encode() + m.Bind("", "", [], [], []).encode()
         + m.Execute("", 1).encode() + msg(b"H", b"") + msg(b"S", b""),
+        # A prepared statement's unit in one packet (AgentConnection.prepared_unit).
+        m.Parse("s1", "SELECT $1::int", [23]).encode() + msg(b"S", b"")
+        + m.Bind("", "s1", [0], [b"7"], [0]).encode() + m.Describe("P", "").encode()
+        + m.Execute("", 0).encode() + msg(b"S", b""),
         msg(b"Q", b"COPY t FROM STDIN\0") + msg(b"d", b"5\tcopied\n") + msg(b"c", b""),
         msg(b"Q", b"COPY t TO STDOUT\0") + msg(b"X", b""),
     ]
@@ -1243,3 +1247,62 @@ def test_the_unnamed_portal_outside_a_block_ends_at_its_sync(pg: Cluster, db: st
             s.close()
 
     assert exchange(proxied.port) == exchange(pg.port)
+
+
+def test_a_prepared_statements_unit_in_one_packet_is_the_servers_own(
+    pg: Cluster, db: str, proxied: Proxied, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bind of a prepared statement, then Describe and Execute of the unnamed portal and Sync,
+    in one packet: what drivers send for every statement they prepared, which the proxy runs
+    in one go (AgentConnection.prepared_unit), not message by message. The agent gets the
+    replies the server gives straight; a failed one is undone and the connection goes on;
+    each is a frame with its parameters; the writes are kept."""
+    from jukebox.sql.connection import AgentConnection
+
+    def msg(kind: bytes, body: bytes = b"") -> bytes:
+        return kind + (len(body) + 4).to_bytes(4, "big") + body
+
+    def text(value: bytes) -> bytes:
+        return len(value).to_bytes(4, "big") + value
+
+    parse = msg(b"P", b"ins\0INSERT INTO t VALUES ($1, $2) RETURNING id\0\0\0") + msg(b"S")
+
+    def unit(ident: bytes, value: bytes) -> bytes:
+        bind = msg(b"B", b"\0ins\0\0\0\0\x02" + text(ident) + text(value) + b"\0\0")
+        return (bind + msg(b"D", b"P\0") + msg(b"E", b"\0\0\0\0\0") + msg(b"S"))
+
+    def exchange(port: int, first: int) -> list[Any]:
+        s = _wire(port, "postgres", db)
+        try:
+            s.sendall(parse)
+            _until_ready(s)
+            seen = []
+            for ident, value in ((first, b"a"), (first, b"b"), (first + 1, b"c")):
+                s.sendall(unit(str(ident).encode(), value))
+                seen.append([(k, m.decode_fields(b).get("C") if k == b"E" else None)
+                             for k, b in _until_ready(s)])
+            return seen
+        finally:
+            s.close()
+
+    handled: list[bytes] = []
+    handle = AgentConnection.handle
+
+    async def seen(self: AgentConnection, kind: bytes, body: bytes) -> None:
+        handled.append(kind)
+        await handle(self, kind, body)
+
+    monkeypatch.setattr(AgentConnection, "handle", seen)
+    direct = exchange(pg.port, 5)
+    assert (b"E", "23505") in direct[1]  # the duplicate key
+    assert exchange(proxied.port, 7) == direct
+    assert handled == [b"P", b"S"]  # the three units went in one go each
+    def mine() -> list[dict[str, Any]]:
+        return [f for f in proxied.frames if f["statement"].startswith("INSERT")]
+
+    wait_for(lambda: len(mine()) == 3)  # each written once its answer has left
+    assert [(f["params"], f.get("tag"), f.get("error", {}).get("code")) for f in mine()] == [
+        (["7", "a"], "INSERT 0 1", None), (["7", "b"], None, "23505"),
+        (["8", "c"], "INSERT 0 1", None)]
+    proxied.end("COMMIT")
+    assert rows(pg, db) == "1:one,2:two,5:a,6:c,7:a,8:c"
