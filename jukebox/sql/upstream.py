@@ -155,7 +155,8 @@ class Wire:
         # poll for it before sleeping (its own, learnt from its last answers); None: sleep.
         self.spin: Spin | None = None
         # Whether a wait teaches `spin` how long the next may take: not a wait for the
-        # answer to the proxy's own bookkeeping (Upstream.settle), quicker than a statement's.
+        # replies to the proxy's own bookkeeping (Upstream.settle), which come before the
+        # statement's (Upstream.take_ahead's, when the unit is a Query).
         self.learning = True
 
     # ------------------------------------------------------------------ reading
@@ -308,13 +309,6 @@ class Wire:
                 return None
             pause()
 
-    def unwatch(self) -> None:
-        """The socket no longer watched by the loop until the next wait: an answer nobody
-        waits for yet (Upstream.take_ahead's) is read when someone does, and wakes nobody."""
-        if self.watching:
-            self.watching = False
-            self.loop.remove_reader(self.fd)
-
     async def _wait_readable(self) -> None:
         if not self.watching:
             self.loop.add_reader(self.fd, self._readable)
@@ -425,6 +419,9 @@ _OWN_REPLIES = frozenset(b"12C")
 _COMMAND_COMPLETE = ord("C")
 # The agent's extended-query messages a bookkeeping query can go ahead of (`Upstream.send`).
 _EXTENDED = (b"P", b"B", b"D", b"E", b"C")
+# Those that may follow the bookkeeping `Upstream.take_ahead` sent before a Sync.
+_EXTENDED_AHEAD = (b"P", b"B", b"D", b"E", b"C", b"H")
+_SYNC = m.message(b"S")
 
 
 @functools.lru_cache(maxsize=64)
@@ -553,6 +550,12 @@ class Upstream:
         # end of its last unit (`take_ahead`), until a unit asks for its savepoint (`send_own`)
         # or anything else is sent, which releases it first (`_unstand`).
         self.standing: Any = None
+        # The savepoint taken ahead went as extended messages with no Sync after them yet: the
+        # server ran them and holds their replies until the next Sync, for the relay of the
+        # unit that takes that savepoint to read (`prefix`). Anything else that reads the
+        # server sends that Sync first (`_sync_ahead`): a Query after them would otherwise be
+        # skipped by the server, were they to fail.
+        self.unsynced = False
 
     @classmethod
     async def connect(cls, target: Target, application_name: str = "jukebox") -> Upstream:
@@ -624,6 +627,11 @@ class Upstream:
     def send(self, data: bytes) -> None:
         if self.standing is not None:
             self._unstand()
+        if self.unsynced:
+            if data[:1] == b"S":
+                self.unsynced = False  # the unit's own Sync: its relay reads them
+            elif data[:1] not in _EXTENDED_AHEAD:
+                self._sync_ahead()
         if data[:1] == b"Q":
             self.unnamed = None
         if self.own:
@@ -668,6 +676,8 @@ class Upstream:
         back by as many)."""
         if self.standing is not None:
             self._unstand()
+        if self.unsynced:
+            self._sync_ahead()
         own = self.own
         self.unnamed = None
         if not own or self.prefix or any(owner is None for _, owner in own):
@@ -715,26 +725,49 @@ class Upstream:
 
     def take_ahead(self, owner: Any) -> None:
         """At the end of `owner`'s unit, once its answer has left (its RELEASE waiting in
-        `own`): the savepoint of the next unit is taken now, with that RELEASE, as one Query
-        the server runs while the agent reads its answer and writes its next statement,
-        rather than ahead of that statement, on its path. An error in it is `owner`'s. Its
-        answer is read (`settle`) by whoever reads next, from the socket, without a wake-up of
-        the loop for it (the socket is not watched meanwhile). The next unit, whichever
-        connection's, takes that savepoint as its own (`send_own`): nothing ran since. Anything
-        else sent first releases it (`_unstand`): the session's savepoints are then as they
-        would have been."""
-        self.own.append((SAVEPOINT_TX, owner))
+        `own`): the savepoint of the next unit is taken now, with that RELEASE, as extended
+        messages the server runs while the agent reads its answer and writes its next
+        statement, rather than ahead of that statement, on its path. No Sync follows them:
+        the server sends their replies with the next unit's, in the same write, where the
+        relay drops them as it drops the bookkeeping sent ahead of a statement (`prefix`);
+        an error in them is `owner`'s. The next unit, whichever connection's, takes that
+        savepoint as its own (`send_own`): nothing ran since. Anything else sent first
+        releases it (`_unstand`): the session's savepoints are then as they would have been.
+        Only when nothing else is waiting to be sent or read; else the RELEASE stays queued."""
+        own = self.own
+        if self.prefix or self.out or self.unread or any(o is not owner for _, o in own):
+            return
+        own.append((SAVEPOINT_TX, owner))
+        for sql, _ in own:
+            messages, count = _extended(sql)
+            self.out += messages
+            self.prefix.extend((owner,) * count)
+        own.clear()
+        self.unnamed = None
         self.flush()
         self.standing = owner
-        self.wire.unwatch()
+        self.unsynced = True
 
     def _unstand(self) -> None:
         """The savepoint taken ahead for a unit that has not come, released before anything
         else goes (a checkpoint, another connection's unit, the verdict)."""
         owner, self.standing = self.standing, None
+        self._sync_ahead()
         self.own.append((RELEASE_TX, owner))
 
+    def _sync_ahead(self) -> None:
+        """A Sync after the bookkeeping `take_ahead` sent, before something other than the
+        unit's own extended messages: their replies, up to its ReadyForQuery, are then read
+        as a bookkeeping Query's are (`settle`)."""
+        if self.unsynced:
+            self.unsynced = False
+            self.out += _SYNC
+            self.unread.append(self.prefix[0])
+            self.prefix.clear()
+
     def _put_own(self) -> None:
+        if self.unsynced:
+            self._sync_ahead()
         self.unnamed = None
         own = self.own
         first = own[0][1]
@@ -760,18 +793,17 @@ class Upstream:
         first error of the booth's own steps is raised, once every reply is read."""
         self.flush()
         raised: dict[str, str] | None = None
-        wire = self.wire
         while self.unread:
             owner = self.unread.popleft()
             failed: dict[str, str] | None = None
             while True:
-                found = wire.next_message()
+                found = self.wire.next_message()
                 if found is None:
-                    wire.learning = False
+                    self.wire.learning = False
                     try:
-                        found = await wire.read_message()
+                        found = await self.wire.read_message()
                     finally:
-                        wire.learning = True
+                        self.wire.learning = True
                 kind, body = found
                 if kind == b"E" and failed is None:
                     failed = m.decode_fields(body)

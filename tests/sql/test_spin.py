@@ -29,16 +29,18 @@ MINUTE_NS = 60_000_000_000
 
 
 @pytest.fixture
-def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Each poll of a server's socket: (its budget, whether the answer came within it). The
-    machine reads as having a CPU to spare (`runnable`), whatever else the suite runs."""
+def polls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool, bool]]:
+    """Each poll of a server's socket: (its budget, whether the answer came within it, whether
+    it was for a statement's answer: not for the replies to the proxy's bookkeeping, which
+    a simple Query's unit reads first, Upstream.take_ahead). The machine reads as having a
+    CPU to spare (`runnable`), whatever else the suite runs."""
     monkeypatch.setattr(upstream, "runnable", lambda: 1)
-    seen: list[tuple[int, bool]] = []
+    seen: list[tuple[int, bool, bool]] = []
     poll = Wire._poll
 
     def counted(self: Wire, budget_ns: int) -> bytes | None:
         got = poll(self, budget_ns)
-        seen.append((budget_ns, got is not None))
+        seen.append((budget_ns, got is not None, self.learning))
         return got
 
     monkeypatch.setattr(Wire, "_poll", counted)
@@ -60,8 +62,12 @@ def the_connection(proxied: Proxied) -> AgentConnection:
     return conn
 
 
+def answers(polls: list[tuple[int, bool, bool]]) -> list[tuple[int, bool, bool]]:
+    return [poll for poll in polls if poll[2]]
+
+
 def test_quick_answers_are_polled_for_and_a_slow_one_stops_the_polls(
-    proxied: Proxied, polls: list[tuple[int, bool]]
+    proxied: Proxied, polls: list[tuple[int, bool, bool]]
 ) -> None:
     with psycopg.connect(proxied.url, autocommit=True) as agent:
         conn = the_connection(proxied)
@@ -74,18 +80,19 @@ def test_quick_answers_are_polled_for_and_a_slow_one_stops_the_polls(
         for _ in range(2):
             assert agent.execute("SELECT pg_sleep(0.01)").fetchone() == ("",)
         assert polls and polls[-1][1], "no answer was polled for"
-        assert all(0 < budget <= MINUTE_NS for budget, _ in polls)
+        assert all(0 < budget <= MINUTE_NS for budget, *_ in polls)
         # Between statements nobody is at work (once the frame is written after the answer).
         wait_for(lambda: proxied.proxy.busy == 0)
 
         conn.spin.cap_ns = 100_000_000  # 0.1 s: the next statement takes 0.5 s
-        before = len(polls)
+        before = len(answers(polls))
         agent.execute("SELECT pg_sleep(0.5)")
         assert conn.spin.budget_ns == 0  # slower than the cap: no poll until one is quick
-        assert len(polls) == before + 1 and not polls[-1][1]  # that one gave up at its bound
+        # That one gave up at its bound.
+        assert len(answers(polls)) == before + 1 and not answers(polls)[-1][1]
 
         assert agent.execute("SELECT v FROM t WHERE id = 2").fetchone() == ("two",)
-        assert len(polls) == before + 1  # slept for, not polled for
+        assert len(answers(polls)) == before + 1  # slept for, not polled for
 
     # The statements, answered through polls, were recorded as ever, in their order.
     wait_for(lambda: len(proxied.frames) == 44)
@@ -95,7 +102,7 @@ def test_quick_answers_are_polled_for_and_a_slow_one_stops_the_polls(
 
 
 def test_no_poll_while_more_tasks_are_runnable_than_cpus(
-    proxied: Proxied, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
+    proxied: Proxied, polls: list[tuple[int, bool, bool]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With every CPU taken (the machine says more tasks are runnable than it has CPUs), no
     CPU would go idle for a poll to spare a wake-up of: answers are slept for."""
@@ -113,7 +120,7 @@ def test_no_poll_while_more_tasks_are_runnable_than_cpus(
 
 
 def test_with_spin_off_a_booths_proxy_neither_polls_nor_yields(
-    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
+    pg: Cluster, db: str, polls: list[tuple[int, bool, bool]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SPIN_ENV, "0")
     p = Proxied(pg, db, apart=True)
@@ -129,7 +136,7 @@ def test_with_spin_off_a_booths_proxy_neither_polls_nor_yields(
 
 
 def test_a_proxy_whose_agents_share_its_process_neither_polls_nor_yields(
-    pg: Cluster, db: str, polls: list[tuple[int, bool]], monkeypatch: pytest.MonkeyPatch
+    pg: Cluster, db: str, polls: list[tuple[int, bool, bool]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without `apart` (an agent in the proxy's own process, as these tests' clients are), a
     poll or a yield would hand the agent the GIL in the middle of the proxy's work, whatever
@@ -165,7 +172,7 @@ def test_a_poll_returns_what_came_and_gives_up_at_its_budget() -> None:
 
 
 def test_a_poll_is_not_taken_while_another_connection_is_at_work(
-    proxied: Proxied, polls: list[tuple[int, bool]]
+    proxied: Proxied, polls: list[tuple[int, bool, bool]]
 ) -> None:
     """The poll holds the proxy's loop: while a second connection has a statement in the
     works (here a write waiting for the first connection's block that wrote to end), the
