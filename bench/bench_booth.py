@@ -18,6 +18,12 @@ layer's last change, `shadowfs.quiet_fold`), as it would for any agent that paus
 row times what is left of the checkpoint: the request and its answer, the syncfs, the frame.
 The checkpoint rows' `agent_cpu_p50_us` is the CPU the agent's thread spent in the request:
 its client's code and its poll for the answer (`jukebox.booth.control.SPIN`).
+
+The wake-up floor rows are the paused row's anchor, in the same run: two C processes, a request
+and its answer over a unix socket after the same pause, nothing else (bench/wakeup_floor.c,
+built here with the C compiler the install needs). No design of the checkpoint's transport can
+answer faster than this on the machine; what the paused checkpoint costs above it is the
+booth's own work.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ JUKEBOX = str(Path(sys.executable).parent / "jukebox")
 GROUP = "booth"
 SYSTEM = "jukebox booth (fuse)"
 PAUSE = 0.2  # seconds between a step and its checkpoint in the paused rows
+FLOOR_SOURCE = Path(__file__).with_name("wakeup_floor.c")
+FLOOR_CASE = f"wake-up floor: request and answer over a unix socket, {PAUSE} s after a pause"
 TAPE_IDS = {(1, 0.0): "cp1", (10, 0.0): "cp10", (1, PAUSE): "cp1p", (10, PAUSE): "cp10p"}
 
 CHECKPOINTS = r"""
@@ -105,6 +113,25 @@ def _checkpoints(
     if proc.returncode != 0:
         raise RuntimeError(f"checkpoint run failed: {proc.stderr.strip()[-300:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _floor_rows(base: Path, rounds: int) -> list[dict[str, Any]]:
+    """The wake-up floor's two rows (bench/wakeup_floor.c), or one saying why not."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return [{"group": GROUP, "case": FLOOR_CASE, "system": "C", "note": "skipped: no cc"}]
+    binary = base / "wakeup_floor"
+    subprocess.run([compiler, "-O2", "-o", str(binary), str(FLOOR_SOURCE)], check=True)
+    proc = subprocess.run(
+        [str(binary), str(rounds), str(PAUSE)], capture_output=True, text=True, check=True
+    )
+    samples = json.loads(proc.stdout)
+    return [
+        _row(FLOOR_CASE, "C, both sides block in recv", samples["block"],
+             note="the kernel's and the hypervisor's part of any paused request: two wake-ups"),
+        _row(FLOOR_CASE, "C, the client polls 2 ms for the answer", samples["poll"],
+             note="as jukebox.booth.control's client polls (control.SPIN)"),
+    ]  # fmt: skip
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -182,6 +209,7 @@ def run(quick: bool = False) -> list[dict]:
                     checkpoint_case(k, pause), SYSTEM, [wall for wall, _ in pairs], note=note,
                     agent_cpu_p50_us=percentile([cpu for _, cpu in pairs], 50),
                 ))  # fmt: skip
+        rows.extend(_floor_rows(base, n_paused))
     finally:
         for tape_id in TAPE_IDS.values():
             subprocess.run(

@@ -41,6 +41,8 @@
 #include <sched.h>
 #include <stdio.h>
 #include <string.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -55,7 +57,7 @@ static unsigned long long answered; /* changed with the interpreter lock held */
     X(root) X(dirty_names) X(last_tree) X(databases) X(checkpoints) X(_lock) X(_error) \
     X(_thread) X(writer) X(_queue) X(_in_flight) X(id) X(label) X(reason) X(peer) \
     X(checkpoint) X(request) X(timeout) X(_buf) X(polls) X(sock) \
-    X(fileno) X(close)
+    X(fileno) X(close) X(pid)
 #define DECLARE(name) static PyObject *s_##name;
 NAMES(DECLARE)
 #undef DECLARE
@@ -111,6 +113,78 @@ static long requests_waiting(int dir_fd) {
     if (end == buf)
         return -1;
     return value;
+}
+
+/* The CPU the process `pid` (its main thread) last ran on, /proc/PID/stat's 39th field, or -1. */
+static int last_cpu(long pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    /* The command's name, field 2, may hold spaces and parentheses: the fields after it
+     * start at its last ')'; the CPU is the 37th of them. */
+    char *p = strrchr(buf, ')');
+    for (int field = 0; field < 37 && p != NULL; field++) {
+        p = strchr(p + 1, ' ');
+    }
+    if (p == NULL)
+        return -1;
+    char *end;
+    long cpu = strtol(p + 1, &end, 10);
+    return end == p + 1 || cpu < 0 || cpu >= CPU_SETSIZE ? -1 : (int)cpu;
+}
+
+/* Where the connection's thread waits for a checkpoint after a pause. On a virtual machine an
+ * idle vCPU is halted, and a wake-up sent to it goes through the host: traced here (a paused
+ * 10-file checkpoint, docs/benchmarks.md), this thread returned from its recv 31-48 us after
+ * the agent's send when woken on the agent's CPU, 67-105 us on the other one, and the
+ * scheduler chose the agent's CPU by itself in 28-55 of 57 requests, least often with the
+ * other CPU idle. So while it waits it is bound to the CPU the agent last ran on, which the
+ * agent, back from its sleep, usually runs on again (`wait_beside_agent`; 46-55 of 57), and
+ * its own mask is back (`restore_own`) once the answer has left or the request goes to the
+ * Python path: the binding is a hint for one wake-up, never a constraint on the work. Per
+ * thread: each connection has its own. */
+static __thread int bound;
+static __thread cpu_set_t own_mask;
+
+static void restore_own(void) {
+    if (bound)
+        sched_setaffinity(0, sizeof own_mask, &own_mask);
+    bound = 0;
+}
+
+static void wait_beside_agent(long pid) {
+    int cpu = last_cpu(pid);
+    if (cpu < 0 || sched_getaffinity(0, sizeof own_mask, &own_mask) != 0 ||
+        !CPU_ISSET(cpu, &own_mask) || CPU_COUNT(&own_mask) < 2)
+        return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    bound = sched_setaffinity(0, sizeof one, &one) == 0;
+}
+
+/* After the answer has left on `fd`: the agent reads it now, and the bookkeeping runs after
+ * it or elsewhere. Woken beside the agent, this thread yields its CPU to it, but with its
+ * short slice (shadowfs.sched) a yield is not always enough: traced, the agent beside it read
+ * its answer 9-10 us after it left in some runs and 150-230 us at the median in others, after
+ * the whole bookkeeping. So while the answer is still unread in the socket it sleeps a moment
+ * too (then: 22-36 us), and gets its own mask back after that, not before: that syscall would
+ * be one more the agent waits for. */
+static void let_agent_read(int fd) {
+    sched_yield();
+    int unread = 0;
+    if (ioctl(fd, SIOCOUTQ, &unread) == 0 && unread > 0) {
+        struct timespec moment = {0, 20000};
+        nanosleep(&moment, NULL);
+    }
+    restore_own();
 }
 
 /* lock.acquire(False); 1 taken, 0 not (an error cleared). */
@@ -311,9 +385,9 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
         err = errno == EAGAIN || errno == EWOULDBLOCK ? 0 : errno;
         sent = 0;
     }
-    /* The agent's send woke this thread onto the agent's own CPU: the agent, preempted
-     * there, reads its answer now, and the bookkeeping runs once it sleeps or waits again. */
-    sched_yield();
+    /* The agent, beside this thread on its CPU (woken there by the agent's send), reads its
+     * answer now, and the bookkeeping runs elsewhere or once the agent sleeps again. */
+    let_agent_read(fd);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(nLOy#i)", n, seq, tree, out + sent, (Py_ssize_t)(len - sent), err);
     if (result == NULL) {
@@ -363,6 +437,15 @@ static PyObject *serve(PyObject *self, PyObject *args) {
             gate = Py_None;
         }
     }
+    long pid = -1;
+    if (gate != Py_None) {
+        PyObject *value = PyDict_Check(peer) ? PyDict_GetItemWithError(peer, s_pid) : NULL;
+        pid = value != NULL && PyLong_Check(value) ? PyLong_AsLong(value) : -1;
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            pid = -1;
+        }
+    }
     char *buf = PyMem_RawMalloc(BUFSIZE);
     if (buf == NULL)
         return PyErr_NoMemory();
@@ -371,6 +454,8 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     long waiting = -1;
     int matched = 0;
     Py_BEGIN_ALLOW_THREADS
+    if (pid > 0)
+        wait_beside_agent(pid);
     do {
         n = recv(fd, buf, BUFSIZE, 0);
     } while (n < 0 && errno == EINTR);
@@ -382,6 +467,7 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         waiting = requests_waiting(fusectl_dir);
     Py_END_ALLOW_THREADS
     if (n < 0) {
+        restore_own();
         PyMem_RawFree(buf);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -393,6 +479,7 @@ static PyObject *serve(PyObject *self, PyObject *args) {
             return done;
         }
     }
+    restore_own();
     PyObject *data = PyBytes_FromStringAndSize(buf, n);
     PyMem_RawFree(buf);
     return data;

@@ -5,8 +5,13 @@ checkpoints racing it on other connections. A real booth, its real FUSE layer.""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,8 @@ from jukebox.booth import control
 from shadowfs.journal import decode_journal
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store
-from tests.booth.test_booth_run import frames, jb
+from tests.booth.test_booth_run import JUKEBOX, frames, jb
+from tests.conftest import slow
 
 pytestmark = [
     pytest.mark.usefixtures("root_only", "dev_fuse"),
@@ -194,3 +200,94 @@ def test_racing_writes_and_checkpoints_on_another_connection(tmp_path: Path) -> 
     # Which of the four were compiled depends on which came first, the replace or the request;
     # each held either way. Those answered after the replace landed took the Python path.
     assert 0 <= out["compiled"] <= 4
+
+
+# An agent on one CPU asks for checkpoints after its pauses, then waits for the test to look at
+# the booth's threads before it asks for its status.
+BESIDE = r"""
+import json, os, sys, time
+from jukebox.booth.control import request
+os.sched_setaffinity(0, {int(sys.argv[1])})
+for step in range(2):
+    with open("f.txt", "w") as f:
+        f.write("%d\n" % step)
+    time.sleep(0.2)
+    request({"op": "checkpoint"})
+print("asked", flush=True)
+sys.stdin.readline()
+print(json.dumps({"compiled": request({"op": "status"})["compiled_answers"]}))
+"""
+
+
+def _masks(pid: int) -> dict[int, set[int]]:
+    masks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            masks[int(tid)] = os.sched_getaffinity(int(tid))
+    return masks
+
+
+def _masks_while_waiting(
+    tree: Path, tapes: Path, agent_cpu: int, booth_cpus: set[int] | None
+) -> tuple[dict[int, set[int]], set[int], dict]:
+    """The booth's threads' CPU masks (by thread id) while the agent, on ``agent_cpu``, waits
+    after its checkpoints, once a thread is bound to ``agent_cpu`` (the connection's, back in
+    its wait after the bookkeeping of the last answer) or after 100 looks; the booth's own
+    mask; the agent's last line. ``booth_cpus``: the CPUs the booth is started on (None: the
+    test's)."""
+    cmd = [
+        JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
+        "t1", "--commit", "never", "--", sys.executable, "-c", BESIDE, str(agent_cpu),
+    ]  # fmt: skip
+    cpus = None if booth_cpus is None else functools.partial(os.sched_setaffinity, 0, booth_cpus)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd="/", preexec_fn=cpus,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        assert proc.stdout.readline() == "asked\n", proc.stderr.read() if proc.stderr else ""
+        own = os.sched_getaffinity(proc.pid)
+        for _ in range(100):
+            masks = _masks(proc.pid)
+            if {agent_cpu} in masks.values():
+                break
+            time.sleep(0.05)
+        out, err = proc.communicate("\n", timeout=slow(60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    return masks, own, json.loads(out.splitlines()[-1])
+
+
+def _two_cpus() -> tuple[int, int]:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    return cpus[0], cpus[-1]
+
+
+def test_the_connection_waits_beside_the_agent(tmp_path: Path) -> None:
+    # Bound to the agent's CPU while it waits, so the agent's send wakes it on a running CPU;
+    # every other thread of the booth keeps the booth's own mask.
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    _, agent_cpu = _two_cpus()
+    masks, own, out = _masks_while_waiting(tree, tapes, agent_cpu, None)
+    assert out["compiled"] >= 1
+    bound = [tid for tid, mask in masks.items() if mask == {agent_cpu}]
+    assert len(bound) == 1 and len(own) >= 2
+    assert all(mask == own for tid, mask in masks.items() if tid not in bound)
+
+
+def test_the_booths_own_cpus_are_kept(tmp_path: Path) -> None:
+    # A booth started on fewer CPUs than the agent runs on never binds a thread outside them.
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    booth_cpu, agent_cpu = _two_cpus()
+    masks, own, out = _masks_while_waiting(tree, tapes, agent_cpu, {booth_cpu})
+    assert out["compiled"] >= 1
+    assert own == {booth_cpu}
+    assert all(mask == {booth_cpu} for mask in masks.values())
