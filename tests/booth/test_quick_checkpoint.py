@@ -20,6 +20,7 @@ from jukebox.booth import control
 from shadowfs.journal import decode_journal
 from shadowfs.oid import ObjectId
 from shadowfs.store import Store
+from tests.booth.conftest import NOBODY
 from tests.booth.test_booth_run import JUKEBOX, frames, jb
 from tests.conftest import slow
 
@@ -227,32 +228,51 @@ def _masks(pid: int) -> dict[int, set[int]]:
     return masks
 
 
+def _in_recv(pid: int) -> bool:
+    """Whether a thread of ``pid`` waits in a unix socket's recv (the kernel's wait channel)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/wchan") as f:
+            if f.read().startswith("unix_stream_read"):
+                return True
+    return False
+
+
 def _masks_while_waiting(
-    tree: Path, tapes: Path, agent_cpu: int, booth_cpus: set[int] | None
+    tree: Path,
+    tapes: Path,
+    agent_cpu: int,
+    booth_cpus: set[int] | None,
+    python: str = sys.executable,
+    user: int | None = None,
 ) -> tuple[dict[int, set[int]], set[int], dict]:
     """The booth's threads' CPU masks (by thread id) while the agent, on ``agent_cpu``, waits
-    after its checkpoints, once a thread is bound to ``agent_cpu`` (the connection's, back in
-    its wait after the bookkeeping of the last answer) or after 100 looks; the booth's own
+    after its checkpoints, once the connection's thread is back in its recv after the
+    bookkeeping of the last answer (or after 100 looks); the booth's own
     mask; the agent's last line. ``booth_cpus``: the CPUs the booth is started on (None: the
-    test's)."""
+    test's); ``python`` and ``user``: the booth's and the agent's interpreter, and who runs
+    them."""
+    jukebox = [JUKEBOX] if user is None else [
+        "setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", python, "-c",
+        "from jukebox.cli import main; main()",
+    ]  # fmt: skip
     cmd = [
-        JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
-        "t1", "--commit", "never", "--", sys.executable, "-c", BESIDE, str(agent_cpu),
+        *jukebox, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
+        "t1", "--commit", "never", "--", python, "-c", BESIDE, str(agent_cpu),
     ]  # fmt: skip
     cpus = None if booth_cpus is None else functools.partial(os.sched_setaffinity, 0, booth_cpus)
     proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd="/", preexec_fn=cpus,
+        cwd=tree.parent if user is not None else "/", preexec_fn=cpus,
     )  # fmt: skip
     assert proc.stdout is not None and proc.stdin is not None
     try:
         assert proc.stdout.readline() == "asked\n", proc.stderr.read() if proc.stderr else ""
         own = os.sched_getaffinity(proc.pid)
         for _ in range(100):
-            masks = _masks(proc.pid)
-            if {agent_cpu} in masks.values():
+            if _in_recv(proc.pid):
                 break
             time.sleep(0.05)
+        masks = _masks(proc.pid)
         out, err = proc.communicate("\n", timeout=slow(60))
     finally:
         if proc.poll() is None:
@@ -291,3 +311,21 @@ def test_the_booths_own_cpus_are_kept(tmp_path: Path) -> None:
     assert out["compiled"] >= 1
     assert own == {booth_cpu}
     assert all(mask == {booth_cpu} for mask in masks.values())
+
+
+def test_an_unprivileged_booths_connection_waits_beside_its_agent(
+    nobody_python: str, nobody_dir: Path, open_dev_fuse: None
+) -> None:
+    # The same, the booth and its agent run by nobody: the agent's /proc entry is still the
+    # booth's to read, and its own thread its own to bind.
+    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
+    tree.mkdir()
+    os.chown(tree, NOBODY, NOBODY)
+    _, agent_cpu = _two_cpus()
+    masks, own, out = _masks_while_waiting(
+        tree, tapes, agent_cpu, None, python=nobody_python, user=NOBODY
+    )
+    assert out["compiled"] >= 1
+    bound = [tid for tid, mask in masks.items() if mask == {agent_cpu}]
+    assert len(bound) == 1 and len(own) >= 2
+    assert all(mask == own for tid, mask in masks.items() if tid not in bound)
