@@ -461,7 +461,8 @@ CHECKPOINT_LINE = encode_request({"op": "checkpoint"})
 
 # The C scanner behind `json.loads`, without its Python frames, encoding detection and the
 # regular expressions it strips whitespace with. A line it cannot take whole (whitespace around
-# the value, another encoding, bad JSON) goes through `json.loads`, which names the problem.
+# the value, bytes that are not UTF-8, bad JSON) goes through `json.loads`, which names the
+# problem.
 _SCAN = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
@@ -473,7 +474,9 @@ def _loads(raw: bytes) -> Any:
             return value
     except (StopIteration, ValueError):  # UnicodeDecodeError and JSONDecodeError among them
         pass
-    return json.loads(raw)
+    # UTF-8 only, as the protocol says: json.loads would guess UTF-16 or UTF-32 from NUL bytes,
+    # and then name an error in an encoding nobody sent.
+    return json.loads(raw.decode())
 
 
 class ControlClient:

@@ -144,7 +144,9 @@ def test_a_handler_that_fails_is_an_error_not_a_refusal(served) -> None:
         (b'{"op": "checkpoint", "label": ""}', "non-empty"),
         (b'{"op": "checkpoint", "label": "a\\nb"}', "printable"),
         (b'{"op": "checkpoint", "label": 3}', "non-empty string"),
-        (b"\xff\xfe", "not JSON"),
+        (b"\xff\xfe", "not JSON: 'utf-8' codec can't decode"),
+        # NUL bytes are not read as UTF-32: the error is about the JSON that was sent
+        (b"\0" * 19, "not JSON: Expecting value: line 1 column 1"),
     ],
 )
 def test_malformed_requests(served, line: bytes, error: str) -> None:
