@@ -5,7 +5,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := fuse3 libfuse3-dev libcap-dev pkg-config fuse-overlayfs sqlite3 git python3-venv python3-dev gcc xfsprogs libseccomp2 postgresql chromium openssl bubblewrap
+APT_PACKAGES := fuse3 libfuse3-dev libcap-dev pkg-config fuse-overlayfs sqlite3 git python3-venv python3-dev gcc xfsprogs libseccomp2 postgresql chromium openssl bubblewrap strace
 STAMP := $(VENV)/.installed
 # Real MCP servers from npm the tests run (tests/mcp/node/package-lock.json).
 NODE_SERVERS := tests/mcp/node

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -61,10 +63,11 @@ echo NOFILE=$(ulimit -n)
 
 
 def booth_helper(
-    cfg: dict, python: str = sys.executable, user: int | None = None
+    cfg: dict, python: str = sys.executable, user: int | None = None, under: Sequence[str] = ()
 ) -> tuple[dict, str]:
-    """Runs HELPER; returns its report and the test process's own mountinfo while it ran."""
-    cmd = [python, "-c", HELPER, json.dumps(cfg)]
+    """Runs HELPER (``under`` a tracer, when given); returns its report and the test process's
+    own mountinfo while it ran."""
+    cmd = [*under, python, "-c", HELPER, json.dumps(cfg)]
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -337,3 +340,29 @@ def test_a_prepared_shim_has_its_init_waiting_before_the_spec(tmp_path: Path) ->
     assert len(report["kids"]) == 1, report
     assert report["nspid"][-1] == "1", report  # pid 1 of a namespace of its own
     assert report["left"] is False, report
+
+
+def test_cmd_never_runs_before_the_view_is_whole(tmp_path: Path) -> None:
+    # CMD is forked before the init builds the view (isolation._init_main). strace holds each
+    # mount_setattr the init makes for 0.15 s, the first of them the one that makes the host
+    # read-only: a CMD that went on to its exec without waiting for the whole view would run
+    # meanwhile and write on the host.
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("no strace (make installs it)")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    escaped = Path("/var/tmp") / f"jukebox-view-race-{os.getpid()}"
+    script = f"{{ echo x > {escaped}; }} 2>/dev/null && echo WROTE; echo DONE"
+    delay = ["-f", "-qq", "-o", "/dev/null", "-e", "trace=mount_setattr",
+             "-e", "inject=mount_setattr:delay_enter=150000"]  # fmt: skip
+    try:
+        report, _ = booth_helper(
+            {"tree": str(tree), "argv": ["sh", "-c", script], "hide": []},
+            under=[strace, *delay],
+        )
+        assert report["started"] and report["rc"] == 0, report
+        assert report["out"].splitlines() == ["DONE"], report["out"]
+        assert not escaped.exists()
+    finally:
+        escaped.unlink(missing_ok=True)
