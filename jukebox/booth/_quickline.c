@@ -96,15 +96,23 @@ static int watched_syncfs(int fd, long key) {
     return rc;
 }
 
-/* fusectl's count of unanswered requests, or -1. The file cannot seek: opened each time,
- * from its connection's directory (one name to look up, not six). */
-static long requests_waiting(int dir_fd) {
-    int fd = openat(dir_fd, "waiting", O_RDONLY | O_CLOEXEC);
+/* fusectl's `waiting` file of a connection's directory, opened for one `requests_waiting`, or
+ * -1. The file cannot seek, so each count needs a file of its own; the kernel counts at the
+ * first read, not at the open (fs/fuse/control.c, fuse_conn_waiting_read), so the file is
+ * opened while the connection's thread waits for its request: after the agent's pause the
+ * open's path lookup and file set-up ran cold on the checkpoint's path (31-39 us with the
+ * read and close, traced idle and loaded, docs/benchmarks.md). */
+static int open_waiting(int dir_fd) {
+    return dir_fd < 0 ? -1 : openat(dir_fd, "waiting", O_RDONLY | O_CLOEXEC);
+}
+
+/* The count of unanswered requests now, read from `fd` (`open_waiting`, never read before), or
+ * -1. */
+static long requests_waiting(int fd) {
     if (fd < 0)
         return -1;
     char buf[32];
     ssize_t n = read(fd, buf, sizeof buf - 1);
-    close(fd);
     if (n <= 0)
         return -1;
     buf[n] = 0;
@@ -452,8 +460,10 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     ssize_t n;
     int err = 0;
     long waiting = -1;
-    int matched = 0;
+    int matched = 0, waiting_fd = -1;
     Py_BEGIN_ALLOW_THREADS
+    if (gate != Py_None)
+        waiting_fd = open_waiting(fusectl_dir);
     if (pid > 0)
         wait_beside_agent(pid);
     do {
@@ -464,20 +474,23 @@ static PyObject *serve(PyObject *self, PyObject *args) {
     matched = gate != Py_None && n == line_len && memcmp(buf, line, (size_t)n) == 0;
     /* Make the kernel's dirty pages reach the layer; none unanswered means they are in it. */
     if (matched && watched_syncfs(mount_fd, key) == 0)
-        waiting = requests_waiting(fusectl_dir);
+        waiting = requests_waiting(waiting_fd);
     Py_END_ALLOW_THREADS
     if (n < 0) {
+        if (waiting_fd >= 0)
+            close(waiting_fd);
         restore_own();
         PyMem_RawFree(buf);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (matched && waiting == 0) {
-        PyObject *done = take(fd, locks, peer);
-        if (done != NULL) {
-            PyMem_RawFree(buf);
-            return done;
-        }
+    PyObject *done = matched && waiting == 0 ? take(fd, locks, peer) : NULL;
+    /* After the answer has left: the close is no longer on the agent's way. */
+    if (waiting_fd >= 0)
+        close(waiting_fd);
+    if (done != NULL) {
+        PyMem_RawFree(buf);
+        return done;
     }
     restore_own();
     PyObject *data = PyBytes_FromStringAndSize(buf, n);

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -329,3 +330,41 @@ def test_an_unprivileged_booths_connection_waits_beside_its_agent(
     bound = [tid for tid, mask in masks.items() if mask == {agent_cpu}]
     assert len(bound) == 1 and len(own) >= 2
     assert all(mask == own for tid, mask in masks.items() if tid not in bound)
+
+
+def test_a_waiting_file_opened_before_a_request_counts_it_when_read(tmp_path: Path) -> None:
+    # The compiled path opens its connection's fusectl `waiting` file while it waits for the
+    # agent and reads it only after the request's syncfs: the kernel must count the unanswered
+    # requests at that read, not at the open, or a WRITE sent in between would go unseen.
+    from shadowfs.fuse_wire import FUSECTL, ensure_fusectl
+    from shadowfs.layer import Layer
+    from shadowfs.mountctl import Mount
+    from tests.fs.conftest import populate
+
+    if not ensure_fusectl():
+        pytest.skip("fusectl is not mounted at /sys/fs/fuse/connections")
+    base, mnt = tmp_path / "base", tmp_path / "mnt"
+    populate(base)
+    mnt.mkdir()
+    store = Store.open(tmp_path / "store")
+    layer = Layer(base, store, tmp_path / "scratch")
+    try:
+        with Mount(layer, mnt) as m:
+            assert m._channel is not None and m._ops is not None
+            waiting = os.open(f"{FUSECTL}/{m._channel.minor}/waiting", os.O_RDONLY)
+            try:
+                with m._ops.lock:  # the layer's workers wait for it: the request stays unanswered
+                    asked = threading.Thread(target=os.path.exists, args=(mnt / "new-name",))
+                    asked.start()
+                    for _ in range(1000):
+                        with open(f"{FUSECTL}/{m._channel.minor}/waiting") as f:
+                            if int(f.read()) > 0:
+                                break
+                        time.sleep(0.005)
+                    assert int(os.read(waiting, 32)) >= 1
+                asked.join()
+            finally:
+                os.close(waiting)
+    finally:
+        layer.close()
+        store.close()
