@@ -230,10 +230,12 @@ def _masks(pid: int) -> dict[int, set[int]]:
 
 
 def _in_recv(pid: int) -> bool:
-    """Whether a thread of ``pid`` waits in a unix socket's recv (the kernel's wait channel)."""
+    """Whether a thread of ``pid`` waits for a request: in a unix socket's recv, or in the poll
+    before it (`look_again_later`), by the kernel's wait channel."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/wchan") as f:
-            if f.read().startswith("unix_stream_read"):
+            channel = f.read()
+            if channel.startswith("unix_stream_read") or "poll" in channel:
                 return True
     return False
 
@@ -301,6 +303,66 @@ def test_the_connection_waits_beside_the_agent(tmp_path: Path) -> None:
     bound = [tid for tid, mask in masks.items() if mask == {agent_cpu}]
     assert len(bound) == 1 and len(own) >= 2
     assert all(mask == own for tid, mask in masks.items() if tid not in bound)
+
+
+# The agent of BESIDE, which moves to the CPU the test names once the connection's thread waits
+# bound to its first one, then sleeps there until the test has looked again.
+MOVING = r"""
+import os, sys, time
+from jukebox.booth.control import request
+os.sched_setaffinity(0, {int(sys.argv[1])})
+with open("f.txt", "w") as f:
+    f.write("0\n")
+time.sleep(0.2)
+request({"op": "checkpoint"})
+print("asked", flush=True)
+os.sched_setaffinity(0, {int(sys.stdin.readline())})
+print("moved", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_connection_follows_an_agent_that_sleeps_on_another_cpu(tmp_path: Path) -> None:
+    # The agent's CPU read after an answer is not always where it sleeps through its pause
+    # (its step's FUSE requests move it): the connection's thread looks again while it waits.
+    tree, tapes = tmp_path / "tree", tmp_path / "tapes"
+    tree.mkdir()
+    first, then = _two_cpus()
+    cmd = [
+        JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
+        "t1", "--commit", "never", "--", sys.executable, "-c", MOVING, str(first),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+
+    def bound_to(cpu: int) -> bool:
+        return {cpu} in _masks(proc.pid).values()
+
+    try:
+        assert proc.stdout.readline() == "asked\n", proc.stderr.read() if proc.stderr else ""
+        for _ in range(100):
+            if _in_recv(proc.pid) and bound_to(first):
+                break
+            time.sleep(0.05)
+        assert bound_to(first)
+        proc.stdin.write(f"{then}\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "moved\n"
+        for _ in range(100):  # the thread looks again 50 ms, then 1 s into its wait
+            if bound_to(then):
+                break
+            time.sleep(0.05)
+        masks = _masks(proc.pid)
+        proc.communicate("\n", timeout=slow(60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert sum(mask == {then} for mask in masks.values()) == 1
+    assert not any(mask == {first} for mask in masks.values())
 
 
 def test_the_booths_own_cpus_are_kept(tmp_path: Path) -> None:
