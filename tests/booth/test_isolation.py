@@ -342,7 +342,7 @@ def test_a_prepared_shim_has_its_init_waiting_before_the_spec(tmp_path: Path) ->
     assert report["left"] is False, report
 
 
-def test_cmd_never_runs_before_the_view_is_whole(tmp_path: Path) -> None:
+def _view_race(tree: Path, python: str = sys.executable, user: int | None = None) -> None:
     # CMD is forked before the init builds the view (isolation._init_main). strace holds each
     # mount_setattr the init makes for 0.15 s, the first of them the one that makes the host
     # read-only: a CMD that went on to its exec without waiting for the whole view would run
@@ -350,8 +350,6 @@ def test_cmd_never_runs_before_the_view_is_whole(tmp_path: Path) -> None:
     strace = shutil.which("strace")
     if strace is None:
         pytest.skip("no strace (make installs it)")
-    tree = tmp_path / "tree"
-    tree.mkdir()
     escaped = Path("/var/tmp") / f"jukebox-view-race-{os.getpid()}"
     script = f"{{ echo x > {escaped}; }} 2>/dev/null && echo WROTE; echo DONE"
     delay = ["-f", "-qq", "-o", "/dev/null", "-e", "trace=mount_setattr",
@@ -359,6 +357,8 @@ def test_cmd_never_runs_before_the_view_is_whole(tmp_path: Path) -> None:
     try:
         report, _ = booth_helper(
             {"tree": str(tree), "argv": ["sh", "-c", script], "hide": []},
+            python=python,
+            user=user,
             under=[strace, *delay],
         )
         assert report["started"] and report["rc"] == 0, report
@@ -366,3 +366,18 @@ def test_cmd_never_runs_before_the_view_is_whole(tmp_path: Path) -> None:
         assert not escaped.exists()
     finally:
         escaped.unlink(missing_ok=True)
+
+
+def test_cmd_never_runs_before_the_view_is_whole(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    _view_race(tree)
+
+
+def test_cmd_never_runs_before_the_view_is_whole_as_nobody(
+    nobody_python: str, nobody_dir: Path
+) -> None:
+    # /var/tmp is writable by nobody on the host: only the view keeps the agent from it.
+    tree = nobody_dir / "tree"
+    tree.mkdir()
+    _view_race(tree, nobody_python, NOBODY)
