@@ -174,7 +174,7 @@ static void wait_beside_agent(long pid) {
         return;
     /* Bound already (a later look): `own_mask` is the thread's own, kept from the first. */
     if (!bound && (sched_getaffinity(0, sizeof own_mask, &own_mask) != 0 ||
-                   !CPU_ISSET(cpu, &own_mask) || CPU_COUNT(&own_mask) < 2))
+                   CPU_COUNT(&own_mask) < 2))
         return;
     if (!CPU_ISSET(cpu, &own_mask))
         return;

@@ -44,6 +44,7 @@ from jukebox.sql.session import TurnTimeout
 from jukebox.sql.upstream import (
     RELEASE_TX,
     SAVEPOINT_TX,
+    SYNC,
     Upstream,
     UpstreamError,
     Wire,
@@ -53,7 +54,6 @@ from jukebox.sql.upstream import (
 if TYPE_CHECKING:
     from jukebox.sql.server import DatabaseProxy
 
-SYNC = m.message(b"S")
 # Undoes the unit or block whose savepoint jukebox_tx is the session's last, and drops it.
 UNDO_TX = "ROLLBACK TO SAVEPOINT jukebox_tx; RELEASE SAVEPOINT jukebox_tx"
 CLOSE_UNNAMED = m.Close("S", "").encode()

@@ -420,8 +420,8 @@ _COMMAND_COMPLETE = ord("C")
 # The agent's extended-query messages a bookkeeping query can go ahead of (`Upstream.send`).
 _EXTENDED = (b"P", b"B", b"D", b"E", b"C")
 # Those that may follow the bookkeeping `Upstream.take_ahead` sent before a Sync.
-_EXTENDED_AHEAD = (b"P", b"B", b"D", b"E", b"C", b"H")
-_SYNC = m.message(b"S")
+_EXTENDED_AHEAD = (*_EXTENDED, b"H")
+SYNC = m.message(b"S")
 
 
 @functools.lru_cache(maxsize=64)
@@ -761,7 +761,7 @@ class Upstream:
         as a bookkeeping Query's are (`settle`)."""
         if self.unsynced:
             self.unsynced = False
-            self.out += _SYNC
+            self.out += SYNC
             self.unread.append(self.prefix[0])
             self.prefix.clear()
 
