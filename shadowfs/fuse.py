@@ -8,6 +8,18 @@ lock (`shadowfs.mountctl.Mount.call`: a booth's snapshot or restore) sees the la
 requests. A reply is written before the lock is released, so a restore never slips between a
 handler reading the layer and the kernel caching what it read.
 
+One reader at a time. The kernel hands each request to the worker that has waited longest in
+read(2), so with every worker reading, each request went to another thread than the one that
+answered the last, and that thread then waited for the interpreter lock the other still held:
+two wake-ups per request, and on a machine whose cores are busy each wake-up can wait out
+another task's slice (milliseconds, about one in a hundred). So the workers take turns: the
+one holding the turn reads and serves request after request, and hands the turn on only before
+it blocks (the layer lock held by another thread, big I/O and copy-ups without the lock, a
+barrier waiting for earlier requests; `Operations.before_block`). The others wait for the turn,
+so a slow request still never stalls the mount. The workers also ask for the shortest
+scheduler slice (`shadowfs.sched`): woken by a request, one then runs at once instead of
+waiting for whatever holds its core. docs/benchmarks.md ("FUSE under load") has the figures.
+
 Zero-message opens. OPEN, OPENDIR and CREATE are answered ENOSYS. The kernel then stops sending
 them (and RELEASE, RELEASEDIR and FLUSH), keeps file pages cached across opens and caches
 directory listings (``FOPEN_CACHE_DIR`` is its default without opendir). ``grep -r`` costs one
@@ -59,6 +71,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shadowfs import fuse_wire as w
+from shadowfs import sched
 from shadowfs.fuse_arrivals import Arrivals
 from shadowfs.layer import S_IFDIR, S_IFREG, SRC_SCRATCH, Layer, Node
 from shadowfs.lazylog import LazyLogger
@@ -68,6 +81,8 @@ log = LazyLogger(__name__)  # logging imported at the first message
 TIMEOUT = 300.0
 THREAD_IO = 1024 * 1024
 WORKERS = 4
+# The workers' scheduler slice: the shortest the kernel takes (shadowfs.sched).
+WORKER_SLICE = 0.0001
 MAX_BACKGROUND = 1024
 FSNAME = "shadowfs"
 # Listings kept for readers part-way through a directory (per mount, most recent).
@@ -98,6 +113,9 @@ class Operations:
         self._missing = w.ENTRY_ATTR.pack(0, 0, secs, 0, self._valid[1], 0, *(0,) * 16)
         self._no_entry = w.ENTRY_ATTR.pack(*(0,) * 22)
         self._copying: dict[int, threading.Event] = {}
+        # Called before a handler blocks (big I/O, another thread's copy-up): the server hands
+        # the reading of /dev/fuse to another worker meanwhile.
+        self.before_block: Callable[[], None] = _nothing
         # dir inode -> {generation: listing}; see the module docstring.
         self._listings: dict[int, dict[int, list[tuple[bytes, Node]]]] = {}
         self._next_gen = 1
@@ -177,6 +195,7 @@ class Operations:
     def _unlocked(self) -> Iterator[None]:
         """Let other threads have the layer for a while: never block on I/O or another
         thread holding the lock, or a thread waiting for it would wait for this one."""
+        self.before_block()
         lock = self.lock
         lock.release()
         try:
@@ -503,6 +522,10 @@ class Operations:
         )
 
 
+def _nothing() -> None:
+    pass
+
+
 def _without_set_id(mode: int) -> int:
     """``mode`` as Linux leaves it after an unprivileged write or truncate, or a chown (the
     kernel says when, ``HANDLE_KILLPRIV_V2``): no set-user-ID, and no set-group-ID if the group
@@ -546,6 +569,11 @@ class Server:
         self._live = 0
         self._exit_lock = threading.Lock()
         self._close_on_exit = False
+        # One worker at a time reads the channel (see the module docstring): it holds _turn,
+        # and _leader names it; the others wait for the turn.
+        self._turn = threading.Lock()
+        self._leader = 0
+        ops.before_block = self._yield_turn
 
     def start(self) -> None:
         self._live = self.workers
@@ -573,9 +601,28 @@ class Server:
                 return
         self.channel.close()
 
+    def _yield_turn(self) -> None:
+        """Let another worker read the next request: this one is about to block. A no-op on
+        a thread not reading (a follower, or a thread outside the server)."""
+        if self._leader == threading.get_ident():
+            self._leader = 0
+            self._turn.release()
+
+    def _lock_ops(self) -> None:
+        """Take the layer lock; if another thread has it, first hand the reading on."""
+        lock = self.ops.lock
+        if not lock.acquire(blocking=False):
+            self._yield_turn()
+            lock.acquire()
+
     def _work(self) -> None:
-        self.idents.add(threading.get_ident())
+        me = threading.get_ident()
+        self.idents.add(me)
         self.tids.add(threading.get_native_id())
+        # Woken for each request on a busy machine, a worker with the default slice waits for
+        # whatever runs on its core to use up its own (milliseconds, about one request in a
+        # hundred); with the shortest slice it runs at once (shadowfs.sched).
+        sched.short_slice(WORKER_SLICE)
         # Anonymous memory, not a bytearray: bytearray(n) zero-fills its megabyte, faulting
         # in every page of it (about 1,000 page faults for the four workers, at each mount,
         # which a booth's start waits for); the kernel gives these pages zeroed as a request
@@ -588,6 +635,9 @@ class Server:
         unique_at = w.IN_HEADER_UNIQUE.unpack_from
         try:
             while True:
+                if self._leader != me:
+                    self._turn.acquire()
+                    self._leader = me
                 try:
                     n = readv(fd, [buf])
                 except OSError as exc:
@@ -608,7 +658,7 @@ class Server:
                         # STATFS is the mount's barrier (`shadowfs.mountctl.Mount.sync`): its
                         # answer means every request the kernel handed out before it is in
                         # the layer (see shadowfs.fuse_arrivals).
-                        arrivals.wait_before(unique)
+                        arrivals.wait_before(unique, on_wait=self._yield_turn)
                     if self._serve(req):
                         return
                 finally:
@@ -621,8 +671,10 @@ class Server:
             log.exception("shadowfs: FUSE worker failed; aborting the connection")
             self.channel.abort()
         finally:
+            # The next worker reads on and sees the end of the connection too.
+            self._yield_turn()
             with contextlib.suppress(KeyError):
-                self.idents.remove(threading.get_ident())
+                self.idents.remove(me)
             with self._exit_lock:
                 self._live -= 1
                 close = self._live == 0 and self._close_on_exit
@@ -637,7 +689,7 @@ class Server:
         fn = ops.table.get(op)
         if fn is not None:
             lock = ops.lock
-            lock.acquire()
+            self._lock_ops()
             try:
                 try:
                     body = fn(ino, req, uid, gid, pid)
@@ -655,15 +707,21 @@ class Server:
             return False
         if op == w.FORGET:
             (n,) = w.U64.unpack_from(req, w.IN_HEADER_SIZE)
-            with ops.lock:
+            self._lock_ops()
+            try:
                 ops.forget([(ino, n)])
+            finally:
+                ops.lock.release()
             return False
         if op == w.BATCH_FORGET:
             count, _ = w.BATCH_FORGET_IN.unpack_from(req, w.IN_HEADER_SIZE)
             start = w.IN_HEADER_SIZE + w.BATCH_FORGET_IN.size
             items = [w.FORGET_ONE.unpack_from(req, start + 16 * i) for i in range(count)]
-            with ops.lock:
+            self._lock_ops()
+            try:
                 ops.forget(items)
+            finally:
+                ops.lock.release()
             return False
         if op == w.INTERRUPT:
             return False  # requests here do not block on anything a signal should cut short

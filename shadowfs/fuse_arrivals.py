@@ -77,8 +77,11 @@ class Arrivals:
         """Request ``unique`` has been answered."""
         self._serving.discard(unique)
 
-    def wait_before(self, unique: int, gap_wait: float = GAP_WAIT) -> None:
-        """Return once every request numbered below ``unique`` has been read and answered.
+    def wait_before(
+        self, unique: int, gap_wait: float = GAP_WAIT, on_wait: Callable[[], None] | None = None
+    ) -> None:
+        """Return once every request numbered below ``unique`` has been read and answered;
+        ``on_wait`` is called once, before the first pause, if there is anything to wait for.
 
         Called by the worker serving request ``unique``, which must have `arrived`."""
         clock = self._clock
@@ -94,6 +97,9 @@ class Arrivals:
                     read_all = True
                 if read_all and not any(u < unique for u in self._serving):
                     return
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
             self._pause(_POLL)
 
     def _advance(self, nxt: int) -> None:

@@ -41,9 +41,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shadowfs import mountinfo
+from shadowfs import mountinfo, sched
 from shadowfs.errors import ShadowfsError
-from shadowfs.fuse import FSNAME, TIMEOUT, Operations, Server
+from shadowfs.fuse import FSNAME, TIMEOUT, WORKER_SLICE, Operations, Server
 from shadowfs.fuse_wire import EXPIRE_ONLY_MINOR, Channel
 from shadowfs.layer import Layer
 from shadowfs.libc import libc as _libc
@@ -370,6 +370,8 @@ class Mount:
             for tid in batched:
                 with contextlib.suppress(OSError):
                     os.sched_setscheduler(tid, os.SCHED_OTHER, _SCHED_PARAM)
+                    # Which reset the worker's slice to the default: its own again.
+                    sched.short_slice(WORKER_SLICE, tid)
 
     # ------------------------------------------------------------------ conveniences
 

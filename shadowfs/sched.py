@@ -35,17 +35,18 @@ class _SchedAttr(ctypes.Structure):
     ]
 
 
-def short_slice(seconds: float) -> bool:
-    """Ask for a slice of ``seconds`` for the calling thread; whether the kernel accepted it.
+def short_slice(seconds: float, tid: int = 0) -> bool:
+    """Ask for a slice of ``seconds`` for thread ``tid`` (0: the calling thread); whether the
+    kernel accepted it.
 
     Only for a thread under the normal policy (SCHED_BATCH and SCHED_IDLE, which someone chose,
     stay as they are), and keeping its nice value: the call sets both."""
     if _SYS_SCHED_SETATTR is None:
         return False
     try:
-        if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        if os.sched_getscheduler(tid) != os.SCHED_OTHER:
             return False
-        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        nice = os.getpriority(os.PRIO_PROCESS, tid or threading.get_native_id())
     except OSError:
         return False
     attr = _SchedAttr(
@@ -54,5 +55,5 @@ def short_slice(seconds: float) -> bool:
         sched_nice=nice,
         sched_runtime=int(seconds * 1e9),
     )
-    result: int = libc.syscall(_SYS_SCHED_SETATTR, 0, ctypes.byref(attr), 0)
+    result: int = libc.syscall(_SYS_SCHED_SETATTR, tid, ctypes.byref(attr), 0)
     return result == 0

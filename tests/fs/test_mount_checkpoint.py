@@ -602,6 +602,8 @@ def test_a_served_childs_failed_worker_is_named_to_the_caller(
         op = int.from_bytes(bytes(req[4:8]), "little")
         if op == fuse_wire.WRITE:
             # Still unanswered when the checkpoint counts what is: the barrier's STATFS goes out.
+            # Blocking as a handler does, letting another worker read the STATFS meanwhile.
+            self.ops.before_block()
             counted.wait(10)
         elif op == fuse_wire.STATFS:
             raise RuntimeError("a worker's bug")
@@ -751,7 +753,10 @@ def test_a_checkpoint_skips_the_barrier_round_trip_only_when_no_request_is_unans
         op = int.from_bytes(bytes(req[4:8]), "little")
         seen.append(op)
         if op == fuse_wire.WRITE and held.is_set():
-            counted.wait(10)  # still unanswered when the checkpoint counts what is
+            # Still unanswered when the checkpoint counts what is; blocking as a handler does,
+            # letting another worker read the requests behind it meanwhile.
+            self.ops.before_block()
+            counted.wait(10)
         return serve(self, req)
 
     monkeypatch.setattr(fuse.Server, "_serve", counting)
