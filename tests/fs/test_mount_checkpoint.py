@@ -382,6 +382,46 @@ def test_a_rollback_leaves_the_fuse_workers_as_it_found_them(
     assert all(os.sched_getscheduler(t.native_id) == os.SCHED_OTHER for t in workers)
 
 
+def test_one_worker_serves_request_after_request_and_hands_the_reading_on_when_it_blocks(
+    served: tuple[Mount, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each request going to another worker cost a GIL hand-off and a wake-up; a worker that
+    # blocks must still not stall the mount.
+    from shadowfs import fuse, fuse_wire
+
+    _, mnt = served
+    serve = fuse.Server._serve
+    lookups: list[int] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def watching(self: fuse.Server, req: bytes) -> bool:
+        op = int.from_bytes(bytes(req[4:8]), "little")
+        if op == fuse_wire.LOOKUP:
+            lookups.append(threading.get_ident())
+        elif op == fuse_wire.MKDIR and b"held" in bytes(req):
+            self.ops.before_block()  # as a handler does before big I/O
+            holding.set()
+            release.wait(10)
+        return serve(self, req)
+
+    monkeypatch.setattr(fuse.Server, "_serve", watching)
+    for i in range(20):
+        assert not (mnt / f"missing-{i}").exists()
+    assert len(lookups) == 20 and len(set(lookups)) == 1, lookups
+    (mnt / "sub").mkdir()
+    # In another directory: the kernel holds the mkdir's directory against lookups in it.
+    maker = threading.Thread(target=os.mkdir, args=(mnt / "sub" / "held",))
+    maker.start()
+    try:
+        assert holding.wait(10), "the mkdir never reached the server"
+        assert not (mnt / "other").exists()  # served while the mkdir is held
+        assert maker.is_alive(), "the lookup waited for the held mkdir"
+    finally:
+        release.set()
+        maker.join()
+    assert (mnt / "sub" / "held").is_dir()
+
+
 def forgets_served(mnt: Path) -> None:
     """Return once every FORGET the kernel had queued for ``mnt`` before this call is in the
     layer. A STATFS is answered only after every request numbered below it (the mount's
