@@ -62,44 +62,17 @@ def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:
     return scratch / booth_id
 
 
-def _openable(path: Path) -> None:
-    """Gives every directory under ``path`` its owner's bits: an overlay's work dir is mode 000
-    (an unprivileged booth's, owned by its user, cannot be walked into until then), and so may
-    be a directory the agent made. Nothing is followed out of the dir."""
+def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
+    """Removes a booth's scratch dir whatever its supervisor left: an overlay's work dir is
+    mode 000 (an unprivileged booth's, owned by its user, cannot be walked into until it is
+    given its owner's bits back). Nothing is followed out of the dir."""
+    path = tapes.state / "scratch" / booth_id
     for root, dirs, _files in os.walk(path):
         for name in dirs:
             child = os.path.join(root, name)
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.lstat(child).st_mode):  # not a symlink to a directory
                     os.chmod(child, 0o700)
-
-
-def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
-    """Removes a booth's scratch dir whatever its supervisor left, now."""
-    path = tapes.state / "scratch" / booth_id
-    _openable(path)
     import shutil  # with bz2 and lzma: not at every start of a booth, whose end may not need it
 
     shutil.rmtree(path, ignore_errors=True)
-
-
-def retire_scratch(tapes: TapeDir, booth_id: str) -> None:
-    """Frees a committed booth's scratch dir (a pending booth keeps its staged files: see
-    docs/booth.md) in a detached process, as a commit's trash: it is moved into the tape dir's
-    commit trash, which whoever opens the tape dir next empties should that process die.
-    Where it cannot be moved, it is removed now."""
-    path = tapes.state / "scratch" / booth_id
-    if not os.path.lexists(path):
-        return
-    from shadowfs.privacy import make_private_dirs
-    from shadowfs.trash import empty_later
-
-    _openable(path)
-    away = tapes.trash_path / f"scratch-{os.urandom(4).hex()}"
-    try:
-        make_private_dirs(tapes.trash_path)
-        os.rename(path, away)
-    except OSError:
-        remove_scratch(tapes, booth_id)
-        return
-    empty_later(away)

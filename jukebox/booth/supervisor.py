@@ -61,7 +61,6 @@ from jukebox.booth.scratchdir import (
     booth_scratch,
     layer_mountpoint,
     remove_scratch,
-    retire_scratch,
     socket_dir_prefix,
 )
 from jukebox.booth.terminal import AgentTerminal, relayed, send_to_agent
@@ -121,10 +120,8 @@ class BoothLayer(Protocol):
 
     def unmount(self) -> None: ...
 
-    def discard(self, *, keep_files: bool = False) -> None:
-        """Remove the layer's scratch state; the real tree is untouched. With ``keep_files``
-        the staged files stay in the booth's scratch dir (a pending booth's: see
-        `retire_scratch`)."""
+    def discard(self) -> None:
+        """Remove the layer's scratch state; the real tree is untouched."""
 
     # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
     # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
@@ -198,8 +195,8 @@ class _OverlayBoothLayer:
     def unmount(self) -> None:
         self.inner.unmount(lazy=True)
 
-    def discard(self, *, keep_files: bool = False) -> None:
-        self.inner.discard(keep_files=keep_files)
+    def discard(self) -> None:
+        self.inner.discard()
 
 
 class _FuseBoothLayer:
@@ -303,13 +300,12 @@ class _FuseBoothLayer:
             fd, self._fusectl_dir = self._fusectl_dir, -1
             os.close(fd)
 
-    def discard(self, *, keep_files: bool = False) -> None:
+    def discard(self) -> None:
         if self._quiet is not None:
             self._quiet.close()
             self._quiet = None
-        self.layer.close(keep_files=keep_files)
-        if not keep_files:
-            _remove_dir(self.scratch)
+        self.layer.close()
+        _remove_dir(self.scratch)
 
 
 def _remove_dir(path: str | os.PathLike[str]) -> None:
@@ -953,7 +949,6 @@ def commit_booth(
     (jukebox.booth.partial); raises CheckFailed listing every conflict, or the hook-like files
     it changes unless ``allow_hooks`` (jukebox.review.host_hooks). Returns how many paths
     changed (a count: the lines of a summary were 0.1-0.3 s of a 50,000-file commit)."""
-    from jukebox.trees import realtree
     from shadowfs.commit import collector_paused
     from shadowfs.errors import ConflictError
 
@@ -997,16 +992,10 @@ def commit_booth(
             if sql is not None:
                 ledger.set_state(tape_dir, booth_id, ledger.COMMITTING)
             try:
-                try:
-                    changes = commit_tree(
-                        store, tape_dir, record, base, final, by="booth commit", write=verdict,
-                        checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
-                    )
-                except realtree.Interrupted:
-                    # Past its commit point the booth is finished all the same.
-                    if not _record_path(tape_dir, booth_id).exists():
-                        retire_scratch(tape_dir, booth_id)
-                    raise
+                changes = commit_tree(
+                    store, tape_dir, record, base, final, by="booth commit", write=verdict,
+                    checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
+                )
                 if record.mcp_staged and partial is None:
                     from jukebox.mcp import verdict as mcp_verdict
 
@@ -1036,8 +1025,6 @@ def commit_booth(
                                 {"event": "sql_commit", "databases": done, "by": "booth commit"})
         if record.status == "running" and partial is None:  # crashed, committed at a checkpoint
             _remove_leftovers(tape_dir, booth_id)
-        elif partial is None:  # the booth is done: its kept staged files go, off the clock
-            retire_scratch(tape_dir, booth_id)
         return changes
 
 
@@ -2631,10 +2618,7 @@ def _conclude(b: _Booth, out: _Outcome) -> int:
     elif decision == "keep":
         code = _kept(b, out, reason, code, hooks_refused=bool(hooks_refused))
     b.writer.sync()
-    # A pending booth's staged files stay until its commit or discard: freed now, they would be
-    # the free inodes that ext4 without a journal scans past at each file the commit creates
-    # in their groups, for a minute (docs/booth.md, "A pending booth's scratch").
-    b.layer.discard(keep_files=decision == "keep")
+    b.layer.discard()
     b.layer_open.pop_all()
     return code
 

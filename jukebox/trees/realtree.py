@@ -541,8 +541,6 @@ def _verdict(
         if tape.exists() and not _ends_with_commit(tape, store, final):
             booths._append_to_tape(store, str(tape), "commit", payload, tree=final)
         booths._finish(tapes, booth_id)
-        if record is not None and record.status != "running":  # a pending booth's kept files
-            booths.retire_scratch(tapes, booth_id)
         return
     if tape.exists():
         booths._append_to_tape(

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -250,34 +249,6 @@ def test_pending_commit_conflict_exits_1_and_lists_paths_then_discard(work) -> N
     assert (tree / "a.txt").read_text() == "someone else\n"
     assert jb("booth", "discard", "t1", "--tape-dir", str(tapes)).returncode == 0
     assert leftovers(tapes) == [] and (tree / "a.txt").read_text() == "someone else\n"
-
-
-def _drained(trash: Path) -> None:
-    """Waits (no timing asserted) for the detached process that empties the commit trash."""
-    deadline = time.monotonic() + slow(60)
-    while trash.is_dir() and any(trash.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-@pytest.mark.parametrize("fs", ["fuse", "overlay"])
-def test_a_pending_booth_keeps_its_staged_files_until_its_commit_or_discard(work, fs) -> None:
-    # Freed at the booth's end, they are what ext4 without a journal scans past, for a minute,
-    # at each file the commit then creates near them (docs/booth.md).
-    tree, tapes = work
-    state = tapes / ".jukebox"
-    for booth in ("t1", "t2"):
-        proc = jb("booth", "run", "--tree", str(tree), "--tape-dir", str(tapes), "--tape-id",
-                  booth, "--fs", fs, "--commit", "never", "--", "sh", "-c",
-                  f"echo {booth} > {booth}.txt && mkdir d && chmod 0 d")  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        assert any(p.is_file() for p in (state / "scratch" / booth).rglob("*")), booth
-    assert jb("booth", "commit", "t1", "--tape-dir", str(tapes)).returncode == 0
-    assert (tree / "t1.txt").read_text() == "t1\n"
-    assert not (state / "scratch" / "t1").exists()
-    _drained(state / "commit-trash")
-    assert not (state / "commit-trash").is_dir() or not any((state / "commit-trash").iterdir())
-    assert jb("booth", "discard", "t2", "--tape-dir", str(tapes)).returncode == 0
-    assert leftovers(tapes) == [] and not (tree / "t2.txt").exists()
 
 
 def test_run_start_records_env_names_never_values(work) -> None:
