@@ -705,18 +705,13 @@ class Server:
             finally:
                 lock.release()
             return False
-        if op == w.FORGET:
-            (n,) = w.U64.unpack_from(req, w.IN_HEADER_SIZE)
-            self._lock_ops()
-            try:
-                ops.forget([(ino, n)])
-            finally:
-                ops.lock.release()
-            return False
-        if op == w.BATCH_FORGET:
-            count, _ = w.BATCH_FORGET_IN.unpack_from(req, w.IN_HEADER_SIZE)
-            start = w.IN_HEADER_SIZE + w.BATCH_FORGET_IN.size
-            items = [w.FORGET_ONE.unpack_from(req, start + 16 * i) for i in range(count)]
+        if op == w.FORGET or op == w.BATCH_FORGET:
+            if op == w.FORGET:
+                items = [(ino, w.U64.unpack_from(req, w.IN_HEADER_SIZE)[0])]
+            else:
+                count, _ = w.BATCH_FORGET_IN.unpack_from(req, w.IN_HEADER_SIZE)
+                start = w.IN_HEADER_SIZE + w.BATCH_FORGET_IN.size
+                items = [w.FORGET_ONE.unpack_from(req, start + 16 * i) for i in range(count)]
             self._lock_ops()
             try:
                 ops.forget(items)
