@@ -11,7 +11,8 @@ follow. Every write then goes through that fd (`shadowfs.commit` works relative 
 **Commit job.** `.jukebox/commit-journals/<booth id>/` holds shadowfs's redo journal and an
 *intent* (the tree, its identity, the base and final trees, who committed), flocked by the
 committing process from before the intent is written until the verdict frame is on the tape and
-the booth record retired. A process killed anywhere in between leaves the directory behind.
+the booth record retired. A process killed anywhere in between leaves the directory behind
+(``SHADOWFS_CRASH_AT=retire`` kills it after the verdict, before the directory goes).
 
 **Recovery.** Every command that opens a tape dir (`TapeDir.resolve`) first recovers such
 directories whose lock nobody holds: shadowfs's journal is redone (exactly the new tree) or its
@@ -321,11 +322,13 @@ class CommitJob:
             )
 
     def __exit__(self, *exc: object) -> None:
-        from shadowfs.commit import pending
+        from shadowfs.commit import CRASH_ENV, pending
 
         try:
             # A journal past its commit point stays for recovery, and with it the intent.
             if not pending(self.path):
+                if os.environ.get(CRASH_ENV) == "retire":  # fault injection: past the verdict
+                    os.kill(os.getpid(), signal.SIGKILL)
                 _retire(self.path, self.tapes)
         finally:
             os.close(self.fd)
@@ -458,7 +461,9 @@ def _recover_one(
         )
     try:
         record: booths.BoothRecord | None = booths.load_record(tapes, booth_id)
-    except UsageError:
+    except (UsageError, CheckFailed):
+        # No pending record: never recorded, not a record, or already retired with its verdict
+        # on the tape (killed after the verdict, before the journal went); the intent decides.
         record = None
     if intent is None:
         if not journal_left:

@@ -78,6 +78,23 @@ def test_every_command_that_opens_the_tape_dir_recovers_first(
     assert quiet.returncode == 0 and not recovery_lines(quiet.stderr)
 
 
+def test_a_commit_killed_after_its_verdict_leaves_nothing_behind(world: PendingBooth) -> None:
+    """Killed with the commit frame written and the record retired, before its journal directory
+    went: the next command clears the directory, and the tape keeps its one commit frame."""
+    killed_at(world, "retire")
+    assert world.state() == "new" and not world.pending()
+    proc = jb("booth", "ls", "--tape-dir", str(world.tapes))
+    assert proc.returncode == 0, proc.stderr
+    assert "could not recover" not in proc.stderr
+    [line] = recovery_lines(proc.stderr)
+    assert "finished" in line
+    assert world.journals() == []
+    assert world.state() == "new" and not world.pending()
+    assert [f["kind"] for f in world.frames()].count("commit") == 1
+    again = world.commit()
+    assert again.returncode == 1 and "already committed" in again.stderr, again.stderr
+
+
 def test_discard_finishes_a_commit_past_its_commit_point(world: PendingBooth) -> None:
     killed_at(world, "op:5")
     proc = jb("booth", "discard", "rc", "--tape-dir", str(world.tapes))
