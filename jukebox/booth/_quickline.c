@@ -21,12 +21,18 @@
  * the gate's four locks still held for the caller to finish and release.
  *
  * The locks are the Python objects themselves (`threading.Lock`, the mount's `RLock`), taken
- * by their C methods without blocking, in the order the Python path takes them: the control
- * server's turn, the run's lock, the layer lock, then the tape queue's lock for the frame.
- * The state is read from the same objects the Python path reads: the layer's
- * `_folded_journal`, `journal.changes`, `journal._count`, `root.dirty_names`, `last_tree`
- * (shadowfs.layer.Layer.snapshot's marker condition) and the tape queue's `_count`,
- * `_in_flight`, `_queue`, `_error`, `_thread` (jukebox.booth.supervisor.GroupTape.append).
+ * without blocking as their own methods take them (`try_acquire`), in the order the Python path
+ * takes them: the control server's turn, the run's lock, the layer lock, then the tape queue's
+ * lock for the frame. The state is read from the same objects the Python path reads: the
+ * layer's `_folded_journal`, `journal.changes`, `journal._count`, `root.dirty_names`,
+ * `last_tree` (shadowfs.layer.Layer.snapshot's marker condition) and the tape queue's
+ * `_count`, `_in_flight`, `_queue`, `_error`, `_thread` (jukebox.booth.supervisor.GroupTape
+ * .append), each where its type keeps it (`slot_get`: a slot's offset, the instance dict).
+ * What a request finds before its wait (the payload's dict, the agent's peer) is made then.
+ *
+ * After the agent's pause every cache line this path touches is cold (the host refilled the
+ * caches while the vCPU was halted), so the path is written to touch few: no argument parsing,
+ * no method lookups, no format strings between the request and its answer.
  *
  * The syncfs can wait on the layer's workers, which the booth's watchdog must be able to see
  * (jukebox.booth.layer_watchdog): `syncing(key)` gives when the oldest syncfs of `key` (the
@@ -34,6 +40,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -58,7 +65,7 @@ static unsigned long long answered; /* changed with the interpreter lock held */
     X(root) X(dirty_names) X(last_tree) X(databases) X(checkpoints) X(_lock) X(_error) \
     X(_thread) X(writer) X(_queue) X(_in_flight) X(id) X(label) X(reason) X(peer) \
     X(checkpoint) X(request) X(timeout) X(_buf) X(polls) X(sock) \
-    X(fileno) X(close) X(pid)
+    X(fileno) X(close) X(pid) X(ok) X(tree) X(frame) X(op) X(_kept_lock) X(_request_kept) X(SPIN) X(_CPUS)
 #define DECLARE(name) static PyObject *s_##name;
 NAMES(DECLARE)
 #undef DECLARE
@@ -217,8 +224,35 @@ static void let_agent_read(int fd) {
     restore_own();
 }
 
-/* lock.acquire(False); 1 taken, 0 not (an error cleared). */
-static int try_acquire(PyObject *lock) {
+/* The locks on the path are `_thread.lock` and `_thread.RLock` objects (threading.Lock and
+ * RLock). Taken through their Python methods, each `acquire(False)` after the agent's pause ran
+ * the method lookup, an argument tuple and PyArg_ParseTupleAndKeywords from cold caches: the
+ * three locks took 15-18 us of a paused checkpoint's ~210 (traced, docs/benchmarks.md). So on
+ * the CPython this module is built for, whose lock objects are laid out as below
+ * (Modules/_threadmodule.c), they are taken as those methods take them: the same
+ * PyThread_acquire_lock_timed(lock, 0, 0) without blocking, the same fields set. The layout is
+ * checked once at import against the methods themselves (`probe_locks`); any other type, or a
+ * failed check, takes the methods. */
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock_lock;
+    PyObject *in_weakreflist;
+    char locked;
+} lock_layout;
+
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock rlock_lock;
+    unsigned long rlock_owner;
+    unsigned long rlock_count;
+    PyObject *in_weakreflist;
+} rlock_layout;
+
+/* Set by `probe_locks` when the layouts above are the interpreter's. */
+static PyTypeObject *lock_type, *rlock_type;
+
+/* lock.acquire(False) through the method; 1 taken, 0 not (an error cleared). */
+static int method_acquire(PyObject *lock) {
     PyObject *args[2] = {lock, Py_False};
     PyObject *got = PyObject_VectorcallMethod(s_acquire, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
     if (got == NULL) {
@@ -230,20 +264,230 @@ static int try_acquire(PyObject *lock) {
     return taken;
 }
 
-static void release(PyObject *lock) {
+static void method_release(PyObject *lock) {
     PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
     if (r == NULL)
         PyErr_Clear();
     Py_XDECREF(r);
 }
 
-/* An attribute as a C long; -1 with no error set when absent or not an int. */
-static long long attr_long(PyObject *obj, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        PyErr_Clear();
-        return -1;
+/* lock.acquire(False), with the interpreter lock held; 1 taken, 0 not. */
+static int try_acquire(PyObject *lock) {
+    if (lock_type != NULL && Py_IS_TYPE(lock, lock_type)) {
+        lock_layout *l = (lock_layout *)lock;
+        if (PyThread_acquire_lock_timed(l->lock_lock, 0, 0) != PY_LOCK_ACQUIRED)
+            return 0;
+        l->locked = 1;
+        return 1;
     }
+    if (rlock_type != NULL && Py_IS_TYPE(lock, rlock_type)) {
+        rlock_layout *r = (rlock_layout *)lock;
+        unsigned long tid = PyThread_get_thread_ident();
+        if (r->rlock_count > 0 && r->rlock_owner == tid) {
+            if (r->rlock_count + 1 == 0)
+                return 0;
+            r->rlock_count++;
+            return 1;
+        }
+        if (PyThread_acquire_lock_timed(r->rlock_lock, 0, 0) != PY_LOCK_ACQUIRED)
+            return 0;
+        r->rlock_owner = tid;
+        r->rlock_count = 1;
+        return 1;
+    }
+    return method_acquire(lock);
+}
+
+/* lock.release() of a lock `try_acquire` took, with the interpreter lock held. */
+static void release(PyObject *lock) {
+    if (lock_type != NULL && Py_IS_TYPE(lock, lock_type)) {
+        lock_layout *l = (lock_layout *)lock;
+        if (l->locked) {
+            PyThread_release_lock(l->lock_lock);
+            l->locked = 0;
+        }
+        return;
+    }
+    if (rlock_type != NULL && Py_IS_TYPE(lock, rlock_type)) {
+        rlock_layout *r = (rlock_layout *)lock;
+        if (r->rlock_count > 0 && r->rlock_owner == PyThread_get_thread_ident() &&
+            --r->rlock_count == 0) {
+            r->rlock_owner = 0;
+            PyThread_release_lock(r->rlock_lock);
+        }
+        return;
+    }
+    method_release(lock);
+}
+
+/* Whether `lock` (a new lock of its type) is laid out as `lock_layout` (`rlock`: 0) or
+ * `rlock_layout` (1): its fields must follow its own methods, and these functions' taking
+ * and letting go must be seen by the methods (`locked()`, a second acquire). */
+static int layout_holds(PyObject *lock, int rlock) {
+    PyTypeObject *saved_lock = lock_type, *saved_rlock = rlock_type;
+    int ok = 0;
+    lock_type = rlock_type = NULL;
+    if (!method_acquire(lock))
+        goto done;
+    if (rlock) {
+        rlock_layout *r = (rlock_layout *)lock;
+        ok = r->rlock_count == 1 && r->rlock_owner == PyThread_get_thread_ident() &&
+             r->rlock_lock != NULL;
+        method_release(lock);
+        ok = ok && r->rlock_count == 0 && r->rlock_owner == 0;
+        if (ok) {
+            rlock_type = Py_TYPE(lock);
+            ok = try_acquire(lock) && r->rlock_count == 1;
+            rlock_type = NULL;
+            /* The method sees it taken: its count goes to 2 and back. */
+            ok = ok && method_acquire(lock) && r->rlock_count == 2;
+            method_release(lock);
+            method_release(lock);
+            ok = ok && r->rlock_count == 0;
+        }
+    } else {
+        lock_layout *l = (lock_layout *)lock;
+        ok = l->locked == 1 && l->lock_lock != NULL;
+        method_release(lock);
+        ok = ok && l->locked == 0;
+        if (ok) {
+            lock_type = Py_TYPE(lock);
+            ok = try_acquire(lock) && l->locked == 1;
+            lock_type = NULL;
+            /* Taken: the method cannot take it again, and lets it go. */
+            ok = ok && !method_acquire(lock);
+            method_release(lock);
+            ok = ok && l->locked == 0 && method_acquire(lock);
+            if (l->locked)
+                method_release(lock);
+        }
+    }
+done:
+    lock_type = saved_lock;
+    rlock_type = saved_rlock;
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    return ok;
+}
+
+/* `lock_type` and `rlock_type` set where the layouts hold for _thread's lock types. */
+static void probe_locks(void) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030D0000
+    PyObject *thread = PyImport_ImportModule("_thread");
+    PyObject *lock = thread ? PyObject_CallMethod(thread, "allocate_lock", NULL) : NULL;
+    PyObject *rlock = thread ? PyObject_CallMethod(thread, "RLock", NULL) : NULL;
+    if (lock != NULL && layout_holds(lock, 0)) {
+        lock_type = Py_TYPE(lock);
+        Py_INCREF(lock_type);
+    }
+    if (rlock != NULL && layout_holds(rlock, 1)) {
+        rlock_type = Py_TYPE(rlock);
+        Py_INCREF(rlock_type);
+    }
+    Py_XDECREF(lock);
+    Py_XDECREF(rlock);
+    Py_XDECREF(thread);
+#endif
+    if (PyErr_Occurred())
+        PyErr_Clear();
+}
+
+/* Where an attribute of one type's objects lives, found once per type (and again if the type
+ * changes): after the agent's pause each PyObject_GetAttr ran the type's attribute lookup (its
+ * method cache, its MRO) from cold caches. A `__slots__` attribute is then one load at its
+ * offset; an attribute the type does not define at all (so the instance dict decides) one
+ * lookup in that dict; anything else PyObject_GetAttr, as before. */
+enum { ATTR_UNKNOWN, ATTR_SLOT, ATTR_DICT };
+
+struct slot {
+    PyTypeObject *type; /* the type `mode` was found for; NULL: none yet */
+    unsigned int version;
+    int mode;
+    Py_ssize_t offset;
+};
+
+static int cache_holds(struct slot *cache, PyTypeObject *type) {
+    return cache->type == type && cache->mode != ATTR_UNKNOWN &&
+           (type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && type->tp_version_tag == cache->version;
+}
+
+static void find_attr(struct slot *cache, PyTypeObject *type, PyObject *name) {
+    cache->type = NULL;
+    cache->mode = ATTR_UNKNOWN;
+    PyObject *found = _PyType_Lookup(type, name); /* borrowed; gives the type a version */
+    if (!(type->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
+        return;
+    if (found != NULL && Py_IS_TYPE(found, &PyMemberDescr_Type) &&
+        PyType_IsSubtype(type, PyDescr_TYPE(found)) &&
+        ((PyMemberDescrObject *)found)->d_member->type == T_OBJECT_EX) {
+        cache->mode = ATTR_SLOT;
+        cache->offset = ((PyMemberDescrObject *)found)->d_member->offset;
+    } else if (found == NULL && type->tp_dictoffset != 0 && type->tp_getattro == PyObject_GenericGetAttr) {
+        cache->mode = ATTR_DICT;
+    } else {
+        return;
+    }
+    cache->type = type;
+    cache->version = type->tp_version_tag;
+}
+
+/* `obj.<name>` through `cache`: a borrowed reference (*owned 0), or a new one (*owned 1); NULL
+ * (no error set) when there is none. */
+static PyObject *slot_get(PyObject *obj, PyObject *name, struct slot *cache, int *owned) {
+    PyTypeObject *type = Py_TYPE(obj);
+    *owned = 0;
+    if (!cache_holds(cache, type))
+        find_attr(cache, type, name);
+    if (cache->mode == ATTR_SLOT)
+        return *(PyObject **)((char *)obj + cache->offset);
+    if (cache->mode == ATTR_DICT) {
+        /* The object's dict (made from its inline values the first time, by CPython's own
+         * function, as `vars(obj)` would); absent there: no such attribute. */
+        PyObject **dict = _PyObject_GetDictPtr(obj);
+        if (dict != NULL && *dict != NULL && PyDict_CheckExact(*dict)) {
+            PyObject *value = PyDict_GetItemWithError(*dict, name);
+            if (value == NULL && PyErr_Occurred())
+                PyErr_Clear();
+            return value;
+        }
+        if (PyErr_Occurred())
+            PyErr_Clear();
+    }
+    *owned = 1;
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        PyErr_Clear();
+    return value;
+}
+
+/* `slot_get` as a new reference, or NULL (no error set). */
+static PyObject *slot_ref(PyObject *obj, PyObject *name, struct slot *cache) {
+    int owned;
+    PyObject *value = slot_get(obj, name, cache, &owned);
+    if (value != NULL && !owned)
+        Py_INCREF(value);
+    return value;
+}
+
+/* `obj.<name> = value` through `cache` (`slot_get`'s); -1 with an error set if it fails. */
+static int slot_put(PyObject *obj, PyObject *name, struct slot *cache, PyObject *value) {
+    if (!cache_holds(cache, Py_TYPE(obj)) || cache->mode != ATTR_SLOT)
+        return PyObject_SetAttr(obj, name, value);
+    Py_INCREF(value);
+    Py_XSETREF(*(PyObject **)((char *)obj + cache->offset), value);
+    return 0;
+}
+
+/* The attributes the compiled checkpoint reads, each with its own cache. */
+static struct slot journal_changes, journal_count, node_dirty_names, layer_folded, layer_journal,
+    layer_root, layer_last_tree, tape_lock, tape_error, tape_thread, tape_writer, tape_queue,
+    writer_count, tape_in_flight, run_databases, run_checkpoints;
+
+/* An attribute as a C long through its cache; -1 when absent or not an int. */
+static long long slot_long(PyObject *obj, PyObject *name, struct slot *cache) {
+    PyObject *v = slot_ref(obj, name, cache);
+    if (v == NULL)
+        return -1;
     long long r = PyLong_Check(v) ? PyLong_AsLongLong(v) : -1;
     Py_DECREF(v);
     if (r == -1 && PyErr_Occurred())
@@ -264,26 +508,28 @@ static void hex32(const char *raw, char *out) {
  * condition): new references to its tree and journal ids, else 0. Under the layer lock. */
 static int folded_ids(PyObject *layer, PyObject **tree, PyObject **journal_id) {
     int ok = 0;
-    PyObject *folded = NULL, *journal = NULL, *changes = NULL, *root = NULL, *dirty = NULL;
+    PyObject *folded = NULL, *journal = NULL, *changes = NULL, *count = NULL, *root = NULL, *dirty = NULL;
     PyObject *last = NULL;
-    folded = PyObject_GetAttr(layer, s__folded_journal);
+    folded = slot_ref(layer, s__folded_journal, &layer_folded);
     if (folded == NULL || !PyTuple_Check(folded) || PyTuple_GET_SIZE(folded) != 2)
         goto done;
-    journal = PyObject_GetAttr(layer, s_journal);
+    journal = slot_ref(layer, s_journal, &layer_journal);
     if (journal == NULL)
         goto done;
-    changes = PyObject_GetAttr(journal, s_changes);
+    /* The journal's and the nodes' are __slots__ attributes (`slot_get`). */
+    changes = slot_ref(journal, s_changes, &journal_changes);
     if (changes == NULL || PyObject_RichCompareBool(PyTuple_GET_ITEM(folded, 0), changes, Py_EQ) != 1)
         goto done;
-    if (attr_long(journal, s__count) <= 0)
+    count = slot_ref(journal, s__count, &journal_count);
+    if (count == NULL || !PyLong_CheckExact(count) || _PyLong_Sign(count) <= 0)
         goto done;
-    root = PyObject_GetAttr(layer, s_root);
+    root = slot_ref(layer, s_root, &layer_root);
     if (root == NULL)
         goto done;
-    dirty = PyObject_GetAttr(root, s_dirty_names);
-    if (dirty == NULL || PyObject_IsTrue(dirty) != 0)
+    dirty = slot_ref(root, s_dirty_names, &node_dirty_names);
+    if (dirty == NULL || (PyAnySet_CheckExact(dirty) ? PySet_GET_SIZE(dirty) != 0 : PyObject_IsTrue(dirty) != 0))
         goto done;
-    last = PyObject_GetAttr(layer, s_last_tree);
+    last = slot_ref(layer, s_last_tree, &layer_last_tree);
     PyObject *jid = PyTuple_GET_ITEM(folded, 1);
     if (last == NULL || !PyBytes_Check(last) || PyBytes_GET_SIZE(last) != 32 || !PyBytes_Check(jid) ||
         PyBytes_GET_SIZE(jid) != 32)
@@ -299,6 +545,7 @@ done:
     Py_XDECREF(folded);
     Py_XDECREF(journal);
     Py_XDECREF(changes);
+    Py_XDECREF(count);
     Py_XDECREF(root);
     Py_XDECREF(dirty);
     Py_XDECREF(last);
@@ -309,7 +556,7 @@ done:
  * its seq, or -1 with nothing queued. */
 static long long queue_frame(PyObject *tape, PyObject *payload, PyObject *journal_id, PyObject *tree) {
     long long seq = -1;
-    PyObject *lock = PyObject_GetAttr(tape, s__lock);
+    PyObject *lock = slot_ref(tape, s__lock, &tape_lock);
     if (lock == NULL) {
         PyErr_Clear();
         return -1;
@@ -320,16 +567,16 @@ static long long queue_frame(PyObject *tape, PyObject *payload, PyObject *journa
     }
     PyObject *error = NULL, *thread = NULL, *writer = NULL, *queue = NULL, *entry = NULL;
     PyObject *refs = NULL, *time_ns = NULL;
-    error = PyObject_GetAttr(tape, s__error);
-    thread = PyObject_GetAttr(tape, s__thread);
-    writer = PyObject_GetAttr(tape, s_writer);
-    queue = PyObject_GetAttr(tape, s__queue);
+    error = slot_ref(tape, s__error, &tape_error);
+    thread = slot_ref(tape, s__thread, &tape_thread);
+    writer = slot_ref(tape, s_writer, &tape_writer);
+    queue = slot_ref(tape, s__queue, &tape_queue);
     /* An earlier flush failed (append raises), or no flusher yet (append writes at once). */
     if (error != Py_None || thread == NULL || thread == Py_None || writer == NULL || queue == NULL ||
         !PyList_Check(queue))
         goto done;
-    long long count = attr_long(writer, s__count);
-    long long in_flight = attr_long(tape, s__in_flight);
+    long long count = slot_long(writer, s__count, &writer_count);
+    long long in_flight = slot_long(tape, s__in_flight, &tape_in_flight);
     if (count < 0 || in_flight < 0)
         goto done;
     struct timespec now;
@@ -359,26 +606,76 @@ done:
     return seq;
 }
 
-/* The checkpoint taken and answered, or NULL (no error set) with nothing done. */
-static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
-    PyObject *turn, *run_lock, *run, *layer_lock, *layer, *tape;
-    if (!PyArg_ParseTuple(gate, "OOOOOO", &turn, &run_lock, &run, &layer_lock, &layer, &tape) ||
-        !PyDict_Check(peer)) {
+/* `v` >= 0 in decimal at `p`; returns the end. */
+static char *put_decimal(char *p, long long v) {
+    char digits[20];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v > 0);
+    while (n > 0)
+        *p++ = digits[--n];
+    return p;
+}
+
+static char *put(char *p, const char *s, size_t n) {
+    memcpy(p, s, n);
+    return p + n;
+}
+
+/* The answer line (`compiled_answer` reads it back), written out by hand: snprintf's code was
+ * one more cold stretch on the path. Its length; `out` holds at least 256 bytes. */
+static int answer_line(char *out, Py_ssize_t n, const char *tree_hex, long long seq) {
+    static const char head[] = "{\"ok\":true,\"checkpoint\":";
+    static const char mid[] = ",\"label\":null,\"tree\":\"";
+    static const char tail[] = "\",\"frame\":";
+    char *p = put(out, head, sizeof head - 1);
+    p = put_decimal(p, n);
+    p = put(p, mid, sizeof mid - 1);
+    p = put(p, tree_hex, 64);
+    p = put(p, tail, sizeof tail - 1);
+    p = put_decimal(p, seq);
+    p = put(p, "}\n", 2);
+    return (int)(p - out);
+}
+
+/* `_Run._taken`'s payload for an unlabelled checkpoint the agent `peer` asked for, its number
+ * and journal left None for `take` to set (the keys in the Python path's order), or NULL (no
+ * error set). Made before the connection's wait, while this thread's caches are warm. */
+static PyObject *fresh_payload(PyObject *peer) {
+    PyObject *payload = PyDict_New(), *peer_copy = PyDict_Check(peer) ? PyDict_Copy(peer) : NULL;
+    if (payload == NULL || peer_copy == NULL || PyDict_SetItem(payload, s_id, Py_None) ||
+        PyDict_SetItem(payload, s_label, Py_None) || PyDict_SetItem(payload, s_reason, s_request) ||
+        PyDict_SetItem(payload, s_journal, Py_None) || PyDict_SetItem(payload, s_peer, peer_copy)) {
         PyErr_Clear();
-        return NULL;
+        Py_CLEAR(payload);
     }
+    Py_XDECREF(peer_copy);
+    return payload;
+}
+
+/* The checkpoint taken and answered, or NULL (no error set) with nothing done. `payload`:
+ * `fresh_payload`'s, the frame's from here on. */
+static PyObject *take(int fd, PyObject *gate, PyObject *payload) {
+    /* Read as a tuple, not through PyArg_ParseTuple: its code is one more cold stretch. */
+    if (!PyTuple_CheckExact(gate) || PyTuple_GET_SIZE(gate) != 6 || payload == NULL)
+        return NULL;
+    PyObject *turn = PyTuple_GET_ITEM(gate, 0), *run_lock = PyTuple_GET_ITEM(gate, 1);
+    PyObject *run = PyTuple_GET_ITEM(gate, 2), *layer_lock = PyTuple_GET_ITEM(gate, 3);
+    PyObject *layer = PyTuple_GET_ITEM(gate, 4), *tape = PyTuple_GET_ITEM(gate, 5);
     PyObject *held[3] = {turn, run_lock, layer_lock};
     int n_held = 0;
     for (; n_held < 3; n_held++)
         if (!try_acquire(held[n_held]))
             break;
-    PyObject *tree = NULL, *journal_id = NULL, *payload = NULL, *peer_copy = NULL, *result = NULL;
+    PyObject *tree = NULL, *journal_id = NULL, *result = NULL;
     PyObject *checkpoints = NULL, *databases = NULL, *number = NULL, *journal_str = NULL;
     if (n_held < 3)
         goto fail;
     /* A booth with databases checkpoints them first: the Python path's. */
-    databases = PyObject_GetAttr(run, s_databases);
-    checkpoints = PyObject_GetAttr(run, s_checkpoints);
+    databases = slot_ref(run, s_databases, &run_databases);
+    checkpoints = slot_ref(run, s_checkpoints, &run_checkpoints);
     if (databases != Py_None || checkpoints == NULL || !PyList_Check(checkpoints) ||
         !folded_ids(layer, &tree, &journal_id))
         goto fail;
@@ -386,17 +683,10 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
     char tree_hex[65], journal_hex[65];
     hex32(PyBytes_AS_STRING(tree), tree_hex);
     hex32(PyBytes_AS_STRING(journal_id), journal_hex);
-    /* `_Run._taken`'s payload for an unlabelled checkpoint the agent asked for. */
-    peer_copy = PyDict_Copy(peer);
-    if (peer_copy == NULL)
-        goto fail;
     number = PyLong_FromSsize_t(n);
     journal_str = PyUnicode_FromStringAndSize(journal_hex, 64);
-    payload = PyDict_New();
-    if (number == NULL || journal_str == NULL || payload == NULL ||
-        PyDict_SetItem(payload, s_id, number) || PyDict_SetItem(payload, s_label, Py_None) ||
-        PyDict_SetItem(payload, s_reason, s_request) ||
-        PyDict_SetItem(payload, s_journal, journal_str) || PyDict_SetItem(payload, s_peer, peer_copy))
+    if (number == NULL || journal_str == NULL || PyDict_SetItem(payload, s_id, number) ||
+        PyDict_SetItem(payload, s_journal, journal_str))
         goto fail;
     long long seq = queue_frame(tape, payload, journal_id, tree);
     if (seq < 0)
@@ -404,9 +694,7 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
     /* From here the checkpoint is taken: whatever the send does, the caller finishes it. */
     answered++;
     char out[256];
-    int len = snprintf(
-        out, sizeof out, "{\"ok\":true,\"checkpoint\":%zd,\"label\":null,\"tree\":\"%s\",\"frame\":%lld}\n",
-        n, tree_hex, seq);
+    int len = answer_line(out, n, tree_hex, seq);
     ssize_t sent;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -428,8 +716,6 @@ static PyObject *take(int fd, PyObject *gate, PyObject *peer) {
     }
     Py_DECREF(tree);
     Py_DECREF(journal_id);
-    Py_DECREF(payload);
-    Py_DECREF(peer_copy);
     Py_DECREF(checkpoints);
     Py_DECREF(databases);
     Py_DECREF(number);
@@ -442,8 +728,6 @@ fail:
         release(held[--n_held]);
     Py_XDECREF(tree);
     Py_XDECREF(journal_id);
-    Py_XDECREF(payload);
-    Py_XDECREF(peer_copy);
     Py_XDECREF(checkpoints);
     Py_XDECREF(databases);
     Py_XDECREF(number);
@@ -468,6 +752,7 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         }
     }
     long pid = -1;
+    PyObject *payload = NULL;
     if (gate != Py_None) {
         PyObject *value = PyDict_Check(peer) ? PyDict_GetItemWithError(peer, s_pid) : NULL;
         pid = value != NULL && PyLong_Check(value) ? PyLong_AsLong(value) : -1;
@@ -475,10 +760,13 @@ static PyObject *serve(PyObject *self, PyObject *args) {
             PyErr_Clear();
             pid = -1;
         }
+        payload = fresh_payload(peer);
     }
     char *buf = PyMem_RawMalloc(BUFSIZE);
-    if (buf == NULL)
+    if (buf == NULL) {
+        Py_XDECREF(payload);
         return PyErr_NoMemory();
+    }
     ssize_t n;
     int err = 0;
     long waiting = -1;
@@ -505,10 +793,12 @@ static PyObject *serve(PyObject *self, PyObject *args) {
             close(waiting_fd);
         restore_own();
         PyMem_RawFree(buf);
+        Py_XDECREF(payload);
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    PyObject *done = matched && waiting == 0 ? take(fd, locks, peer) : NULL;
+    PyObject *done = matched && waiting == 0 ? take(fd, locks, payload) : NULL;
+    Py_XDECREF(payload);
     /* After the answer has left: the close is no longer on the agent's way. */
     if (waiting_fd >= 0)
         close(waiting_fd);
@@ -582,9 +872,19 @@ static PyObject *compiled_answer(const char *buf, size_t have) {
     long long seq = digits_at(&p, '}');
     if (seq < 0 || p + 2 != buf + have)
         return NULL;
-    return Py_BuildValue(
-        "{s:O,s:L,s:O,s:s#,s:L}", "ok", Py_True, "checkpoint", n, "label", Py_None, "tree", tree,
-        (Py_ssize_t)64, "frame", seq);
+    /* Built item by item with interned keys: Py_BuildValue's format walk and its five new
+     * key strings ran cold in the agent after its pause. */
+    PyObject *answer = PyDict_New(), *number = PyLong_FromLongLong(n);
+    PyObject *tree_str = PyUnicode_FromStringAndSize(tree, 64), *frame = PyLong_FromLongLong(seq);
+    if (answer == NULL || number == NULL || tree_str == NULL || frame == NULL ||
+        PyDict_SetItem(answer, s_ok, Py_True) || PyDict_SetItem(answer, s_checkpoint, number) ||
+        PyDict_SetItem(answer, s_label, Py_None) || PyDict_SetItem(answer, s_tree, tree_str) ||
+        PyDict_SetItem(answer, s_frame, frame))
+        Py_CLEAR(answer);
+    Py_XDECREF(number);
+    Py_XDECREF(tree_str);
+    Py_XDECREF(frame);
+    return answer;
 }
 
 /* A send or recv interrupted by a signal: its Python handler runs now, with the interpreter
@@ -720,6 +1020,32 @@ static PyObject *ask(PyObject *self, PyObject *args) {
     return outcome(&x);
 }
 
+/* The key `kept` holds the client of $JUKEBOX_SOCKET under (os.environ's decoding of the
+ * value), kept for the value it was made of: decoding it and hashing the new string ran cold at
+ * every request. Changed with the interpreter lock held. */
+static char key_path[4096];
+static size_t key_len;
+static PyObject *key_str;
+
+static PyObject *key_of(const char *path) {
+    size_t len = strlen(path);
+    if (key_str != NULL && len == key_len && memcmp(path, key_path, len) == 0) {
+        Py_INCREF(key_str);
+        return key_str;
+    }
+    PyObject *key = PyUnicode_DecodeFSDefault(path);
+    if (key == NULL || len >= sizeof key_path)
+        return key;
+    Py_XSETREF(key_str, key);
+    Py_INCREF(key);
+    memcpy(key_path, path, len);
+    key_len = len;
+    return key;
+}
+
+/* ControlClient's __slots__ (`slot_get`). */
+static struct slot client_timeout, client_buf, client_polls, client_sock;
+
 /* The kept client of `kept` (control._kept) for $JUKEBOX_SOCKET, if `ask` may use it now: set
  * and not empty, the client's timeout `timeout`, nothing of an earlier answer buffered, its
  * socket open: a new reference (NULL, no error set: not now), and its fd and poll flag.
@@ -730,27 +1056,26 @@ static PyObject *kept_client(PyObject *kept, double timeout, PyObject **key, int
     *key = NULL;
     if (path == NULL || path[0] == 0 || !PyDict_Check(kept))
         return NULL;
-    /* os.environ's decoding of the value: the key `request` keeps the client under. */
-    *key = PyUnicode_DecodeFSDefault(path);
+    *key = key_of(path);
     if (*key == NULL)
         goto fail;
     client = PyDict_GetItemWithError(kept, *key);
     if (client == NULL)
         goto fail;
     Py_INCREF(client);
-    value = PyObject_GetAttr(client, s_timeout);
+    value = slot_ref(client, s_timeout, &client_timeout);
     if (value == NULL || !PyFloat_CheckExact(value) || PyFloat_AS_DOUBLE(value) != timeout)
         goto fail;
     Py_DECREF(value);
-    value = PyObject_GetAttr(client, s__buf);
+    value = slot_ref(client, s__buf, &client_buf);
     if (value == NULL || !PyBytes_CheckExact(value) || PyBytes_GET_SIZE(value) != 0)
         goto fail;
     Py_DECREF(value);
-    value = PyObject_GetAttr(client, s_polls);
+    value = slot_ref(client, s_polls, &client_polls);
     if (value == NULL || (*polls = PyObject_IsTrue(value)) < 0)
         goto fail;
     Py_DECREF(value);
-    sock = PyObject_GetAttr(client, s_sock);
+    sock = slot_ref(client, s_sock, &client_sock);
     value = sock == NULL ? NULL : PyObject_CallMethodNoArgs(sock, s_fileno);
     if (value == NULL || !PyLong_Check(value) || (*fd = PyLong_AsLong(value)) < 0)
         goto fail;
@@ -775,14 +1100,11 @@ fail:
  * client's key in `kept`, the client, what `ask` would have returned or the send's errno) for
  * `request` to finish as after `ask`. A signal's exception ends the request here: the connection, out of step, is closed
  * and forgotten first, as `request` does for any failure. */
-static PyObject *ask_kept(PyObject *self, PyObject *args) {
-    PyObject *kept;
-    const char *line;
-    Py_ssize_t line_len;
-    double timeout, spin;
-    int cpus, fd = -1, polls = 0;
-    if (!PyArg_ParseTuple(args, "Oy#ddi", &kept, &line, &line_len, &timeout, &spin, &cpus))
-        return NULL;
+static PyObject *ask_kept_with(PyObject *kept, PyObject *line_bytes, double timeout, double spin,
+                               int cpus) {
+    const char *line = PyBytes_AS_STRING(line_bytes);
+    Py_ssize_t line_len = PyBytes_GET_SIZE(line_bytes);
+    int fd = -1, polls = 0;
     PyObject *key;
     PyObject *client = kept_client(kept, timeout, &key, &fd, &polls);
     if (client == NULL)
@@ -795,15 +1117,17 @@ static PyObject *ask_kept(PyObject *self, PyObject *args) {
     } else if (x.send_err) {
         result = Py_BuildValue("(OOi)", key, client, x.send_err);
     } else {
-        PyObject *got = outcome(&x);
-        if (got != NULL && PyDict_CheckExact(PyTuple_GET_ITEM(got, 0)) &&
-            PyObject_SetAttr(client, s_polls, PyTuple_GET_ITEM(got, 1)) == 0) {
-            result = PyTuple_GET_ITEM(got, 0);
-            Py_INCREF(result);
-            Py_DECREF(got);
-        } else if (got != NULL) {
+        /* The compiled answer straight to the caller, no tuple on the way (`outcome`). */
+        PyObject *answer = compiled_answer(x.buf, x.have);
+        if (answer != NULL &&
+            slot_put(client, s_polls, &client_polls, x.polls_after ? Py_True : Py_False) == 0) {
+            result = answer;
+        } else {
+            Py_XDECREF(answer);
             PyErr_Clear();
-            result = Py_BuildValue("(OON)", key, client, got);
+            PyObject *got = outcome(&x);
+            if (got != NULL)
+                result = Py_BuildValue("(OON)", key, client, got);
         }
     }
     if (result == NULL) {
@@ -823,6 +1147,192 @@ static PyObject *ask_kept(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* `cpus` as a C int, or -1 with an error set. */
+static int as_cpus(PyObject *cpus) {
+    long n = PyLong_AsLong(cpus);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    return n < 1 ? 1 : n > 1 << 20 ? 1 << 20 : (int)n;
+}
+
+static PyObject *ask_kept(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* Its five arguments read one by one (a fast call): PyArg_ParseTuple's code ran cold. */
+    if (nargs != 5 || !PyBytes_Check(args[1]) || !PyFloat_Check(args[2]) || !PyFloat_Check(args[3]) ||
+        !PyLong_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "ask_kept(kept, line: bytes, timeout: float, spin: float, cpus: int)");
+        return NULL;
+    }
+    int cpus = as_cpus(args[4]);
+    if (cpus < 0)
+        return NULL;
+    return ask_kept_with(args[0], args[1], PyFloat_AS_DOUBLE(args[2]), PyFloat_AS_DOUBLE(args[3]), cpus);
+}
+
+/* `control.request` itself, where this module is built: `request(request, path=None,
+ * timeout=30.0)`. The unlabelled checkpoint an agent asks for after each step, called as
+ * `request({"op": "checkpoint"})`, goes from the agent's call to its send without a Python
+ * frame: traced after the agent's pause, `request`'s own bytecodes, its `with _kept_lock`
+ * (the lock's __enter__ parses its arguments) and its global lookups were 15-18 us of the
+ * 24 before `ask_kept`. Here: the argument's one key compared, `_kept_lock` (the module's
+ * current one: a fork makes a new one) taken without waiting, and `ask_kept`'s work; an
+ * answer to finish goes to the module's `_request_kept` under the same lock, as `request`
+ * does. Any other call, a lock another thread holds, or no kept client yet: the Python
+ * function (`fallback`), unchanged. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fallback;  /* the Python `request` */
+    PyObject *globals;   /* its module's dict: `_kept_lock`, SPIN, _CPUS, `_request_kept` */
+    PyObject *kept;      /* `_kept`, never rebound */
+    PyObject *line;      /* CHECKPOINT_LINE */
+    vectorcallfunc vectorcall;
+} QuickRequest;
+
+/* Whether `arg` is exactly {"op": "checkpoint"} as `request == _CHECKPOINT` sees it: a dict
+ * of one key "op" whose value is the str "checkpoint". -1 with an error set. */
+static int is_plain_checkpoint(PyObject *arg) {
+    if (!PyDict_CheckExact(arg) || PyDict_GET_SIZE(arg) != 1)
+        return 0;
+    PyObject *op = PyDict_GetItemWithError(arg, s_op);
+    if (op == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return PyUnicode_CheckExact(op) && PyUnicode_Compare(op, s_checkpoint) == 0;
+}
+
+static PyObject *quick_request_call(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                    PyObject *kwnames) {
+    QuickRequest *self = (QuickRequest *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs == 1 && kwnames == NULL) {
+        int plain = is_plain_checkpoint(args[0]);
+        if (plain < 0)
+            return NULL;
+        PyObject *lock = plain ? PyDict_GetItemWithError(self->globals, s__kept_lock) : NULL;
+        if (lock == NULL && PyErr_Occurred())
+            return NULL;
+        if (lock != NULL) {
+            Py_INCREF(lock);
+            /* SPIN and _CPUS as the module has them now (a test may set them). */
+            PyObject *spin = PyDict_GetItemWithError(self->globals, s_SPIN);
+            PyObject *cpus = PyDict_GetItemWithError(self->globals, s__CPUS);
+            int n_cpus = cpus != NULL && PyLong_CheckExact(cpus) ? as_cpus(cpus) : -1;
+            if (PyErr_Occurred()) {
+                Py_DECREF(lock);
+                return NULL;
+            }
+            if (spin == NULL || !PyFloat_CheckExact(spin) || n_cpus < 0) {
+                Py_DECREF(lock); /* not as the module defines them: the Python function */
+            } else if (try_acquire(lock)) {
+                PyObject *asked = ask_kept_with(self->kept, self->line, 30.0, PyFloat_AS_DOUBLE(spin), n_cpus);
+                PyObject *result = asked;
+                if (asked != NULL && PyTuple_CheckExact(asked) && PyTuple_GET_SIZE(asked) == 3) {
+                    /* `request`'s `_request_kept(request, key, timeout, (client, asked))` */
+                    PyObject *finish = PyDict_GetItemWithError(self->globals, s__request_kept);
+                    PyObject *rest = PyTuple_GetSlice(asked, 1, 3);
+                    result = finish == NULL || rest == NULL ? NULL :
+                        PyObject_CallFunction(finish, "OOdO", args[0], PyTuple_GET_ITEM(asked, 0),
+                                              30.0, rest);
+                    if (result == NULL && !PyErr_Occurred())
+                        PyErr_SetString(PyExc_RuntimeError, "control._request_kept is missing");
+                    Py_XDECREF(rest);
+                    Py_DECREF(asked);
+                }
+                release(lock);
+                Py_DECREF(lock);
+                if (result != Py_None)
+                    return result; /* the answer, or the exception */
+                Py_DECREF(result); /* nothing sent: the Python function serves it */
+            } else {
+                Py_DECREF(lock);
+            }
+        }
+    }
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+static int quick_request_traverse(PyObject *op, visitproc visit, void *arg) {
+    QuickRequest *self = (QuickRequest *)op;
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->globals);
+    Py_VISIT(self->kept);
+    Py_VISIT(self->line);
+    return 0;
+}
+
+static int quick_request_clear(PyObject *op) {
+    QuickRequest *self = (QuickRequest *)op;
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->globals);
+    Py_CLEAR(self->kept);
+    Py_CLEAR(self->line);
+    return 0;
+}
+
+static void quick_request_dealloc(PyObject *op) {
+    PyObject_GC_UnTrack(op);
+    quick_request_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+/* Looked up on the Python function, so help(), inspect.signature and `__name__` see it. */
+static PyObject *quick_request_getattro(PyObject *op, PyObject *name) {
+    PyObject *found = PyObject_GenericGetAttr(op, name);
+    if (found != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return found;
+    PyErr_Clear();
+    return PyObject_GetAttr(((QuickRequest *)op)->fallback, name);
+}
+
+static PyObject *quick_request_doc(PyObject *op, void *unused) {
+    return PyObject_GetAttrString(((QuickRequest *)op)->fallback, "__doc__");
+}
+
+static PyGetSetDef quick_request_getset[] = {
+    {"__doc__", quick_request_doc, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef quick_request_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(QuickRequest, fallback), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject QuickRequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "jukebox.booth._quickline.QuickRequest",
+    .tp_basicsize = sizeof(QuickRequest),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(QuickRequest, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = quick_request_traverse,
+    .tp_clear = quick_request_clear,
+    .tp_dealloc = quick_request_dealloc,
+    .tp_getattro = quick_request_getattro,
+    .tp_members = quick_request_members,
+    .tp_getset = quick_request_getset,
+};
+
+/* quick_request(fallback, globals, kept, line) -> a QuickRequest. */
+static PyObject *quick_request(PyObject *module, PyObject *args) {
+    PyObject *fallback, *globals, *kept, *line;
+    if (!PyArg_ParseTuple(args, "OO!O!O!", &fallback, &PyDict_Type, &globals, &PyDict_Type, &kept,
+                          &PyBytes_Type, &line))
+        return NULL;
+    QuickRequest *self = PyObject_GC_New(QuickRequest, &QuickRequestType);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(fallback);
+    Py_INCREF(globals);
+    Py_INCREF(kept);
+    Py_INCREF(line);
+    self->fallback = fallback;
+    self->globals = globals;
+    self->kept = kept;
+    self->line = line;
+    self->vectorcall = quick_request_call;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
 static PyObject *syncing(PyObject *self, PyObject *arg) {
     long key = PyLong_AsLong(arg);
     if (key == -1 && PyErr_Occurred())
@@ -838,6 +1348,12 @@ static PyObject *syncing(PyObject *self, PyObject *arg) {
     return PyFloat_FromDouble(oldest);
 }
 
+/* Whether the locks are taken directly (`try_acquire`): (threading.Lock, threading.RLock). */
+static PyObject *direct_locks(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("(OO)", lock_type != NULL ? Py_True : Py_False,
+                         rlock_type != NULL ? Py_True : Py_False);
+}
+
 static PyObject *answered_count(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLongLong(answered);
 }
@@ -847,10 +1363,14 @@ static PyMethodDef methods[] = {
      "serve(fd, line, gate, peer) -> bytes read, or (n, seq, tree, rest, errno) once answered"},
     {"ask", ask, METH_VARARGS,
      "ask(fd, line, spin, polls, cpus) -> (answer dict or bytes read, polls, errno of the read)"},
-    {"ask_kept", ask_kept, METH_VARARGS,
+    {"ask_kept", (PyCFunction)(void (*)(void))ask_kept, METH_FASTCALL,
      "ask_kept(kept, line, timeout, spin, cpus) -> None, the answer's dict, or (key, client, asked)"},
+    {"quick_request", quick_request, METH_VARARGS,
+     "quick_request(fallback, globals, kept, line) -> control.request, compiled"},
     {"syncing", syncing, METH_O, "syncing(key) -> when the oldest syncfs of key began, or None"},
     {"answered", answered_count, METH_NOARGS, "answered() -> checkpoints this module answered"},
+    {"direct_locks", direct_locks, METH_NOARGS,
+     "direct_locks() -> whether (Lock, RLock) are taken without their methods"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -865,5 +1385,8 @@ PyMODINIT_FUNC PyInit__quickline(void) {
         return NULL;
     NAMES(INTERN)
 #undef INTERN
+    probe_locks();
+    if (PyType_Ready(&QuickRequestType) < 0)
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -1,5 +1,8 @@
 # The compiled control-socket reader (_quickline.c): its types, for mypy.
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 def serve(
     fd: int, line: bytes, gate: tuple[int, int, int, tuple[Any, ...]] | None, peer: dict[str, int]
@@ -10,5 +13,9 @@ def ask(
 def ask_kept(
     kept: dict[str, Any], line: bytes, timeout: float, spin: float, cpus: int
 ) -> dict[str, Any] | tuple[str, Any, tuple[dict[str, Any] | bytes, bool, int] | int] | None: ...
+def quick_request(
+    fallback: _F, globals: dict[str, Any], kept: dict[str, Any], line: bytes
+) -> _F: ...
+def direct_locks() -> tuple[bool, bool]: ...
 def syncing(key: int, /) -> float | None: ...
 def answered() -> int: ...

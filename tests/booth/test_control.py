@@ -743,3 +743,51 @@ def test_the_install_built_the_compiled_checkpoint_path() -> None:
     # every compiled test skipped.
     module = importlib.import_module("jukebox.booth._quickline")
     assert callable(module.answered)
+
+
+@compiled
+def test_the_agents_plain_checkpoint_call_is_compiled_and_keeps_the_functions_ways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `request` itself is compiled (`_quickline.quick_request`) for `request({"op":
+    # "checkpoint"})`; the Python function stays behind it, with its signature, and serves
+    # every other call. The compiled call takes the module's `_kept_lock` as the function
+    # does: held by another thread, the checkpoint waits for it (the function's `with`), and
+    # it goes out only once the lock is let go.
+    import inspect
+
+    assert inspect.signature(control.request) == inspect.signature(control.request.__wrapped__)
+    assert control.request.__name__ == "request" and "One request" in control.request.__doc__
+    booth = Booth()
+    path = str(tmp_path / "quick.sock")
+    monkeypatch.setenv(control.SOCKET_ENV, path)
+    checkpoint = {"op": "checkpoint"}
+    with ControlServer(path, booth.handlers()):
+        assert control.request(checkpoint)["checkpoint"] == 1  # the kept connection opened
+        monkeypatch.setattr(ControlClient, "ask_compiled", _not_in_python)
+        monkeypatch.setattr(ControlClient, "answer", _not_in_python)
+        assert control.request(checkpoint) == {"ok": True, "checkpoint": 2, "label": None}
+        monkeypatch.undo()
+        monkeypatch.setenv(control.SOCKET_ENV, path)
+        results: list[dict] = []
+        with control._kept_lock:
+            asking = threading.Thread(target=lambda: results.append(control.request(checkpoint)))
+            asking.start()
+            asking.join(0.2)
+            assert asking.is_alive() and len(booth.checkpoints) == 3
+        asking.join(slow(10))
+        assert [r["checkpoint"] for r in results] == [3] and len(booth.checkpoints) == 4
+        # Not the plain line: the function, as before.
+        assert control.request({"op": "checkpoint", "label": "x"})["checkpoint"] == 4
+        assert control.request(checkpoint, path)["checkpoint"] == 5
+        assert control.request(checkpoint, timeout=30.0)["checkpoint"] == 6
+    with pytest.raises(TypeError):
+        control.request()  # type: ignore[call-arg]
+
+
+@compiled
+def test_the_locks_on_the_compiled_path_are_taken_as_their_methods_take_them() -> None:
+    # On the CPython it was built for, the compiled path takes threading.Lock and RLock
+    # without their methods (`try_acquire`), having checked their layout at import.
+    assert control._quickline is not None
+    assert control._quickline.direct_locks() == (True, True)
