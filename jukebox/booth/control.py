@@ -769,6 +769,8 @@ def _request_kept(
 # The plain checkpoint compiled from the agent's own call on, where the module is built
 # (`_quickline.quick_request`): after the agent's pause, `request`'s bytecodes, its `with
 # _kept_lock` and its global lookups were most of what ran before `ask_kept`. The function
-# above serves every other call, and is the reference (`request.__wrapped__`).
-if _quickline is not None:
+# above serves every other call, and is the reference (`request.__wrapped__`). A module built
+# from an older _quickline.c (an editable tree not rebuilt yet: `make` rebuilds it) has no
+# `quick_request`, and the function serves every call.
+if _quickline is not None and hasattr(_quickline, "quick_request"):
     request = _quickline.quick_request(request, globals(), _kept, CHECKPOINT_LINE)
