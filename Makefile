@@ -19,7 +19,7 @@ demo: setup
 test: setup receivers
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 bench: setup
 	$(PY) -m bench
