@@ -247,13 +247,15 @@ def _masks_while_waiting(
     booth_cpus: set[int] | None,
     python: str = sys.executable,
     user: int | None = None,
+    bound_to: int | None = None,
 ) -> tuple[dict[int, set[int]], set[int], dict]:
     """The booth's threads' CPU masks (by thread id) while the agent, on ``agent_cpu``, waits
     after its checkpoints, once the connection's thread is back in its recv after the
     bookkeeping of the last answer (or after 100 looks); the booth's own
     mask; the agent's last line. ``booth_cpus``: the CPUs the booth is started on (None: the
     test's); ``python`` and ``user``: the booth's and the agent's interpreter, and who runs
-    them."""
+    them; ``bound_to``: also wait (the same 100 looks) for a thread bound to that CPU alone, as
+    another thread's poll can make the booth look back in its wait before that thread is."""
     jukebox = [JUKEBOX] if user is None else [
         "setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", python, "-c",
         "from jukebox.cli import main; main()",
@@ -272,10 +274,10 @@ def _masks_while_waiting(
         assert proc.stdout.readline() == "asked\n", proc.stderr.read() if proc.stderr else ""
         own = os.sched_getaffinity(proc.pid)
         for _ in range(100):
-            if _in_recv(proc.pid):
+            masks = _masks(proc.pid)
+            if _in_recv(proc.pid) and (bound_to is None or {bound_to} in masks.values()):
                 break
             time.sleep(0.05)
-        masks = _masks(proc.pid)
         out, err = proc.communicate("\n", timeout=slow(60))
     finally:
         if proc.poll() is None:
@@ -298,7 +300,7 @@ def test_the_connection_waits_beside_the_agent(tmp_path: Path) -> None:
     tree, tapes = tmp_path / "tree", tmp_path / "tapes"
     tree.mkdir()
     _, agent_cpu = _two_cpus()
-    masks, own, out = _masks_while_waiting(tree, tapes, agent_cpu, None)
+    masks, own, out = _masks_while_waiting(tree, tapes, agent_cpu, None, bound_to=agent_cpu)
     assert out["compiled"] >= 1
     bound = [tid for tid, mask in masks.items() if mask == {agent_cpu}]
     assert len(bound) == 1 and len(own) >= 2
@@ -386,7 +388,7 @@ def test_an_unprivileged_booths_connection_waits_beside_its_agent(
     os.chown(tree, NOBODY, NOBODY)
     _, agent_cpu = _two_cpus()
     masks, own, out = _masks_while_waiting(
-        tree, tapes, agent_cpu, None, python=nobody_python, user=NOBODY
+        tree, tapes, agent_cpu, None, python=nobody_python, user=NOBODY, bound_to=agent_cpu
     )
     assert out["compiled"] >= 1
     bound = [tid for tid, mask in masks.items() if mask == {agent_cpu}]
