@@ -9,7 +9,8 @@ three times, one condition after the other: as the machine is, and with a CPU ho
 started by the bench itself (a busy loop each, at normal priority, stopped after), first in the
 bench's own session, then each in a session of its own. Rows carry the ratio to fuse-overlayfs in
 the same condition and the load average seen; the geometric mean row of the second condition is
-the figure issue 33 judges (at most 1.0 loaded; bench.goals).
+the figure issue 33 judges (at most 1.0 loaded; bench.goals). `--loaded-workloads` and
+`--loaded-conditions` (quiet, hogged, apart) run a subset, for a quicker look at one row.
 
 Why the third condition: with autogroup scheduling (Linux's default where processes are not put
 in cgroups) the kernel shares the CPU between sessions first. fuse-overlayfs daemonizes into a
@@ -24,7 +25,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from bench import backends as bk
@@ -39,6 +40,8 @@ QUIET = "as the machine is"
 HOGGED = "a busy loop per core"
 APART = "a busy loop per core, each in a session of its own"
 CONDITIONS = (QUIET, HOGGED, APART)
+# What --loaded-conditions names each condition.
+CONDITION_NAMES = {"quiet": QUIET, "hogged": HOGGED, "apart": APART}
 HOG = "while True: pass"
 
 
@@ -61,18 +64,45 @@ def _load() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
+def check_options(
+    workloads: Sequence[str] | None = None, conditions: Sequence[str] | None = None
+) -> None:
+    """Raise ValueError naming what is unknown, before anything runs."""
+    known = [w.id for w in fw.make_workloads(fw.Sizes.for_mode(True))]
+    unknown = [w for w in workloads or () if w not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown loaded workload(s) {', '.join(unknown)}; choose from {', '.join(known)}."
+        )
+    unknown = [c for c in conditions or () if c not in CONDITION_NAMES]
+    if unknown:
+        raise ValueError(
+            f"unknown loaded condition(s) {', '.join(unknown)}; "
+            f"choose from {', '.join(CONDITION_NAMES)}."
+        )
+
+
+def run(
+    quick: bool = False,
+    workloads: Sequence[str] | None = None,
+    conditions: Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Rows per condition, workload and system; `workloads` and `conditions` (names of
+    CONDITION_NAMES) run a subset, in the group's order."""
+    check_options(workloads, conditions)
     if os.geteuid() != 0:
         return [{"group": GROUP, "case": "all", "system": "-", "note": "skipped: needs root"}]
     sizes = fw.Sizes.for_mode(quick)
     fx = fw.Fixtures(sizes)
     every = {w.id: w for w in fw.make_workloads(sizes)}
-    chosen = [every[w] for w in (WORKLOADS[:3] if quick else WORKLOADS)]
+    ids = list(workloads) if workloads else list(WORKLOADS[:3] if quick else WORKLOADS)
+    chosen = [every[w] for w in ids]
+    wanted = [CONDITION_NAMES[c] for c in conditions] if conditions else list(CONDITIONS)
     runs = 1 if quick else 3
     cores = len(os.sched_getaffinity(0))
     rows: list[dict[str, Any]] = []
     with scratch_fs.place(scratch_fs.TMP) as where:
-        for condition in CONDITIONS:
+        for condition in (c for c in CONDITIONS if c in wanted):
             before = _load()
             busy = condition != QUIET
             hog = cpu_hog(cores, condition == APART) if busy else contextlib.nullcontext()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -121,6 +122,8 @@ def test_percentiles_interpolate_between_ranks() -> None:
         (["--only", "fs", "--fs-on", "zfs"], "unknown --fs-on value(s) zfs"),
         (["--only", "fs", "--fs-workloads", "nosuch"], "unknown fs workload(s) nosuch"),
         (["--only", "fs", "--fs-backends", "nosuch"], "unknown fs backend(s) nosuch"),
+        (["--only", "loaded", "--loaded-workloads", "nosuch"], "unknown loaded workload(s) nosuch"),
+        (["--only", "loaded", "--loaded-conditions", "idle"], "unknown loaded condition(s) idle"),
     ],
 )
 def test_bad_options_get_one_line_and_exit_2(args: list[str], named: str) -> None:
@@ -177,3 +180,25 @@ def test_quick_scale_suite_measures_every_case_side_by_side(tmp_path: Path) -> N
         "jukebox gc, 1,000-file tree, 4 checkpoints of 1 edit, 2 of them garbage",
     }
     assert "## scale" in report
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the loaded group runs as root only")
+def test_loaded_subset_runs_only_the_named_workloads_and_conditions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench import bench_loaded as loaded
+    from bench import fs_workloads as fw
+
+    seen: list[tuple[list[str], int]] = []
+
+    def run_on(where: object, chosen: list[fw.Workload], *_: object) -> list[dict[str, object]]:
+        seen.append(([w.id for w in chosen], len(os.sched_getaffinity(0))))
+        return [{"case": w.id, "system": "x"} for w in chosen]
+
+    monkeypatch.setattr(fw, "_run_on", run_on)
+    monkeypatch.setattr(loaded, "cpu_hog", lambda n, apart=False: contextlib.nullcontext())
+    rows = loaded.run(quick=True, workloads=["create", "grep"], conditions=["apart", "quiet"])
+
+    assert [ids for ids, _ in seen] == [["create", "grep"], ["create", "grep"]]
+    # In the group's own order, whatever order they were named in.
+    assert [r["condition"] for r in rows] == [loaded.QUIET] * 2 + [loaded.APART] * 2
