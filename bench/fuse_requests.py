@@ -52,8 +52,9 @@ def _threads_cpu() -> dict[int, tuple[str, float, float]]:
     return out
 
 
-def count(workload_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per workload: seconds, requests by kind, and CPU per serving thread."""
+def count(workload_ids: Sequence[str], quick: bool = False) -> list[dict[str, Any]]:
+    """One row per workload: seconds, requests by kind, and CPU per serving thread; ``quick``:
+    the fs suite's smaller fixtures."""
     counts: collections.Counter[int] = collections.Counter()
     serve = fuse.Server._serve
 
@@ -61,7 +62,7 @@ def count(workload_ids: Sequence[str]) -> list[dict[str, Any]]:
         counts[w.IN_HEADER.unpack_from(req)[1]] += 1
         return serve(self, req)
 
-    sizes = fw.Sizes.for_mode(False)
+    sizes = fw.Sizes.for_mode(quick)
     fx = fw.Fixtures(sizes)
     every = {x.id: x for x in fw.make_workloads(sizes)}
     rows = []

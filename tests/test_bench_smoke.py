@@ -202,3 +202,26 @@ def test_loaded_subset_runs_only_the_named_workloads_and_conditions(
     assert [ids for ids, _ in seen] == [["create", "grep"], ["create", "grep"]]
     # In the group's own order, whatever order they were named in.
     assert [r["condition"] for r in rows] == [loaded.QUIET] * 2 + [loaded.APART] * 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bench's FUSE mounts run as root only")
+def test_fuse_requests_counts_what_the_kernel_sends_for_each_new_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import fs_workloads as fw
+    from bench import fuse_requests
+    from shadowfs import fuse_wire as w
+
+    monkeypatch.setattr(fw, "CACHE", tmp_path / "cache")
+    (row,) = fuse_requests.count(["create"], quick=True)
+
+    files = fw.Sizes.for_mode(True).create_files
+    got = row["requests"]
+    assert got[w.MKNOD] == files and got[w.WRITE] == files
+    # Python's open() asks isatty of every file: the server answers ENOSYS, which the kernel
+    # does not remember for IOCTL, so it asks again at every open.
+    assert fuse_requests.NAMES[39] == "IOCTL" and got[39] == files
+    # The kernel's look for privileges to drop before a write: FUSE never marks an inode as
+    # having none, so each new file's write asks once.
+    assert got[w.GETXATTR] == files
+    assert any(thread.startswith("shadowfs-fuse") for thread in row["cpu_ms"])
