@@ -93,3 +93,104 @@ def _tighten_children(dir_path_fd: int, depth: int) -> None:
             tighten_tree(name, depth, dir_fd=listing)
     finally:
         os.close(listing)
+
+
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def make_private_tree(
+    path: str | os.PathLike[str],
+    *,
+    dir_fd: int | None = None,
+    owner: tuple[int, int] | None = None,
+) -> None:
+    """Makes the whole tree ``path`` private for good, however deep: directories 0700, every
+    other file with at most its owner's read and write bits (no execute, no set-id), owned by
+    ``owner`` (uid, gid) when given. For garbage that must stay on disk a while (a finished
+    booth's kept scratch: files an agent chose the modes and owners of), so where keeping a
+    name would not be safe it is removed instead: a non-directory with more than one link
+    (its other names may lie outside ``path``) is never changed, only unlinked here.
+
+    Nothing is followed: every step is relative to a directory fd opened with O_NOFOLLOW, a
+    symlink is left as it is, and a change is made through an O_PATH fd of exactly the inode
+    that was checked. Another file system mounted inside ``path`` raises OSError(EXDEV), as
+    does anything else that cannot be made private: the caller then removes the tree. Costs
+    one fstatat per file that is private already (a FUSE layer's staged files)."""
+    top = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(top)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, "not a directory", os.fspath(path))
+        _make_private_inode(top, st, owner)
+        listing = os.open(".", _DIR_OPEN, dir_fd=top)
+    finally:
+        os.close(top)
+    # One open directory per level, with the names of its directories still to do: an
+    # agent's depth meets no recursion limit.
+    stack: list[tuple[int, list[str]]] = []
+    try:
+        stack.append((listing, _private_files(listing, st.st_dev, owner)))
+        while stack:
+            listing, dirs = stack[-1]
+            if not dirs:
+                os.close(listing)
+                stack.pop()
+                continue
+            fd = os.open(dirs.pop(), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=listing)
+            try:
+                sub = os.fstat(fd)
+                if not stat.S_ISDIR(sub.st_mode) or sub.st_dev != st.st_dev:
+                    raise OSError(errno.EXDEV, "not a directory of this file system")
+                _make_private_inode(fd, sub, owner)
+                inner = os.open(".", _DIR_OPEN, dir_fd=fd)
+            finally:
+                os.close(fd)
+            stack.append((inner, []))  # closed below should its files fail
+            stack[-1] = (inner, _private_files(inner, st.st_dev, owner))
+    finally:
+        for listing, _dirs in stack:
+            os.close(listing)
+
+
+def _make_private_inode(fd: int, st: os.stat_result, owner: tuple[int, int] | None) -> None:
+    """Through the O_PATH ``fd``: its /proc link reaches exactly this inode."""
+    proc = f"/proc/self/fd/{fd}"
+    if owner is not None and (st.st_uid, st.st_gid) != owner:
+        os.chown(proc, *owner)  # which clears a file's set-id bits too
+    # A directory gets its owner's bits back as well: an overlay's work dir, or one the agent
+    # made mode 0, must stay walkable and removable.
+    keep = PRIVATE_DIR if stat.S_ISDIR(st.st_mode) else stat.S_IMODE(st.st_mode) & PRIVATE_FILE
+    if stat.S_IMODE(st.st_mode) != keep:
+        os.chmod(proc, keep)
+
+
+def _private_files(listing: int, dev: int, owner: tuple[int, int] | None) -> list[str]:
+    """Makes every non-directory in the directory open as ``listing`` private (or unlinks it,
+    see `make_private_tree`); returns the names of its directories."""
+    dirs: list[str] = []
+    with os.scandir(listing) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(entry.name)
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if st.st_dev != dev:
+                raise OSError(errno.EXDEV, "another file system inside the tree", entry.name)
+            if st.st_nlink > 1:
+                os.unlink(entry.name, dir_fd=listing)
+                continue
+            if (owner is None or (st.st_uid, st.st_gid) == owner) and not (
+                stat.S_IMODE(st.st_mode) & ~PRIVATE_FILE
+            ):
+                continue  # private already: the common case
+            fd = os.open(entry.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=listing)
+            try:
+                now = os.fstat(fd)
+                if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or now.st_nlink > 1:
+                    raise OSError(errno.EAGAIN, "changed while made private", entry.name)
+                _make_private_inode(fd, now, owner)
+            finally:
+                os.close(fd)
+    return dirs
