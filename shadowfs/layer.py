@@ -723,8 +723,10 @@ class Layer:
 
     # ------------------------------------------------------------------ life cycle
 
-    def close(self) -> None:
-        """Close fds and remove the layer's scratch files (the base is untouched). Idempotent."""
+    def close(self, *, keep_files: bool = False) -> None:
+        """Close fds and remove the layer's scratch files (the base is untouched). Idempotent.
+        With ``keep_files`` the staged files stay in the scratch dir for the caller to free
+        later (files of dropped nodes waiting for the worker are still removed)."""
         if self._closed:
             return
         self._closed = True
@@ -735,6 +737,8 @@ class Layer:
         self.handles.clear()
         os.close(self.base_fd)
         self._files.close()
+        if keep_files:
+            return
         with os.scandir(self.scratch_dir) as it:
             names = [e.name for e in it]
         for name in names:

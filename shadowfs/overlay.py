@@ -298,15 +298,16 @@ class OverlayLayer:
         finally:
             self.discard()
 
-    def discard(self) -> None:
-        """Throw the layer away: unmount, remove the booth dir entirely; the base is untouched."""
+    def discard(self, *, keep_files: bool = False) -> None:
+        """Throw the layer away: unmount, remove the booth dir entirely (with ``keep_files``,
+        leave it for the caller to free later); the base is untouched."""
         if self.mountpoint is not None:
             try:
                 self.unmount()
             except OverlayError:
                 self.unmount(lazy=True)
         self._unbind()
-        if os.path.lexists(self.booth_dir):
+        if not keep_files and os.path.lexists(self.booth_dir):
             shutil.rmtree(self.booth_dir)
         self._cache.clear()
         self._dir_cache.clear()

@@ -23,7 +23,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from jukebox.booth import isolation
-from jukebox.tape.tapedir import TapeDir
+from jukebox.tape.tapedir import KEPT_SCRATCH, TapeDir
 
 
 def layer_mountpoint(tapes: TapeDir, booth_id: str, *, make: bool = False) -> Path:
@@ -63,16 +63,60 @@ def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:
 
 
 def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
-    """Removes a booth's scratch dir whatever its supervisor left: an overlay's work dir is
-    mode 000 (an unprivileged booth's, owned by its user, cannot be walked into until it is
-    given its owner's bits back). Nothing is followed out of the dir."""
-    path = tapes.state / "scratch" / booth_id
+    """Removes a booth's scratch dir whatever its supervisor left, and its kept scratch, now."""
+    _remove(tapes.state / "scratch" / booth_id)
+    _remove(tapes.kept_path / booth_id)
+
+
+def _remove(path: Path) -> None:
+    """An overlay's work dir is mode 000 (an unprivileged booth's, owned by its user, cannot be
+    walked into until it is given its owner's bits back). Nothing is followed out of ``path``."""
+    if not os.path.lexists(path):
+        return
     for root, dirs, _files in os.walk(path):
         for name in dirs:
             child = os.path.join(root, name)
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.lstat(child).st_mode):  # not a symlink to a directory
                     os.chmod(child, 0o700)
-    import shutil  # with bz2 and lzma: not at every start of a booth, whose end may not need it
+    import shutil  # with bz2 and lzma: not at every end of a booth, whose end may not need it
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def keep_scratch(tapes: TapeDir, booth_id: str, state_fd: int) -> bool:
+    """At a pending booth's end, once its layer is gone: its scratch dir is kept until its
+    commit or discard (docs/booth.md, "A pending booth's scratch"), made private for good and
+    moved to ``.jukebox/kept/<booth_id>``. Private: an overlay's upper dir holds the agent's
+    files with the modes and owners it gave them (a setuid copy of a shell, a world-readable
+    file), and out of the booth's namespace no nosuid bind covers them any more; so every
+    directory becomes 0700, every file keeps at most its owner's read and write bits, all
+    owned by this process's user, and a file with other links is unlinked (see
+    `shadowfs.privacy.make_private_tree`: nothing is followed). Moved: the tape dir's
+    tightening on opening walks kept/ whole, while a running booth's scratch/<id> is only
+    ever the supervisor's. ``state_fd`` is the state dir opened on the host's mounts: the
+    namespace's bind of scratch/ is another mount, which a rename cannot leave.
+
+    False when it could not be made private or moved: then it is removed now, as before."""
+    from shadowfs.privacy import make_private_tree
+
+    name = f"scratch/{booth_id}"
+    # As root (or a user namespace's root): every file the agent chowned is taken back.
+    owner = (os.geteuid(), os.getegid()) if os.geteuid() == 0 else None
+    try:
+        make_private_tree(name, dir_fd=state_fd, owner=owner)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(KEPT_SCRATCH, 0o700, dir_fd=state_fd)
+        os.rename(name, f"{KEPT_SCRATCH}/{booth_id}", src_dir_fd=state_fd, dst_dir_fd=state_fd)
+    except OSError:
+        remove_scratch(tapes, booth_id)
+        return False
+    return True
+
+
+def retire_scratch(tapes: TapeDir, booth_id: str) -> None:
+    """Frees a committed booth's kept scratch in a detached process, as a commit's trash
+    (`TapeDir.retire_kept`); a scratch dir its supervisor, killed at its end, did not get to
+    keep is removed now."""
+    _remove(tapes.state / "scratch" / booth_id)
+    tapes.retire_kept(booth_id)

@@ -59,8 +59,10 @@ from jukebox.booth.record_binding import bound_tape, record_seal
 from jukebox.booth.recorded_image import image_record
 from jukebox.booth.scratchdir import (
     booth_scratch,
+    keep_scratch,
     layer_mountpoint,
     remove_scratch,
+    retire_scratch,
     socket_dir_prefix,
 )
 from jukebox.booth.terminal import AgentTerminal, relayed, send_to_agent
@@ -120,8 +122,10 @@ class BoothLayer(Protocol):
 
     def unmount(self) -> None: ...
 
-    def discard(self) -> None:
-        """Remove the layer's scratch state; the real tree is untouched."""
+    def discard(self, *, keep_files: bool = False) -> None:
+        """Remove the layer's scratch state; the real tree is untouched. With ``keep_files``
+        the staged files stay in the booth's scratch dir (a pending booth's: see
+        `scratchdir.keep_scratch`)."""
 
     # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
     # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
@@ -195,8 +199,8 @@ class _OverlayBoothLayer:
     def unmount(self) -> None:
         self.inner.unmount(lazy=True)
 
-    def discard(self) -> None:
-        self.inner.discard()
+    def discard(self, *, keep_files: bool = False) -> None:
+        self.inner.discard(keep_files=keep_files)
 
 
 class _FuseBoothLayer:
@@ -300,12 +304,13 @@ class _FuseBoothLayer:
             fd, self._fusectl_dir = self._fusectl_dir, -1
             os.close(fd)
 
-    def discard(self) -> None:
+    def discard(self, *, keep_files: bool = False) -> None:
         if self._quiet is not None:
             self._quiet.close()
             self._quiet = None
-        self.layer.close()
-        _remove_dir(self.scratch)
+        self.layer.close(keep_files=keep_files)
+        if not keep_files:
+            _remove_dir(self.scratch)
 
 
 def _remove_dir(path: str | os.PathLike[str]) -> None:
@@ -1025,6 +1030,8 @@ def commit_booth(
                                 {"event": "sql_commit", "databases": done, "by": "booth commit"})
         if record.status == "running" and partial is None:  # crashed, committed at a checkpoint
             _remove_leftovers(tape_dir, booth_id)
+        elif partial is None:  # the booth is done: its kept staged files go, off the clock
+            retire_scratch(tape_dir, booth_id)
         return changes
 
 
@@ -2004,7 +2011,7 @@ class _Booth(Record):
 
     FIELDS = (
         "options", "store", "writer", "record", "base_tree", "recorded_verify", "layer",
-        "layer_open", "run", "services", "databases_open", "spec", "verifier_env",
+        "layer_open", "run", "services", "databases_open", "spec", "verifier_env", "state_fd",
     )  # fmt: skip
     options: _BoothOptions
     store: ObjectStore
@@ -2019,6 +2026,7 @@ class _Booth(Record):
     databases_open: contextlib.ExitStack
     spec: isolation.ChildSpec
     verifier_env: dict[str, str]  # the agent's, without its stopped proxies (_verifier_env)
+    state_fd: int  # the tape dir's state dir as the host sees it (scratchdir.keep_scratch)
 
     def __init__(
         self,
@@ -2035,6 +2043,7 @@ class _Booth(Record):
         databases_open: contextlib.ExitStack,
         spec: isolation.ChildSpec,
         verifier_env: dict[str, str],
+        state_fd: int,
     ) -> None:
         self.options = options
         self.store = store
@@ -2049,6 +2058,7 @@ class _Booth(Record):
         self.databases_open = databases_open
         self.spec = spec
         self.verifier_env = verifier_env
+        self.state_fd = state_fd
 
 
 class _Outcome(Record):
@@ -2179,6 +2189,10 @@ def _set_up(
     )
     save_record(tapes, record)
 
+    # Opened on the host's mounts: a pending booth's scratch leaves the namespace's nosuid bind
+    # of scratch/ for kept/ through it at the end (scratchdir.keep_scratch).
+    state_fd = os.open(tapes.state, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    stack.callback(os.close, state_fd)
     # From here on this process lives in the booth's mount namespace.
     userns = isolation.enter_private_namespace()
     with contextlib.suppress(OSError):
@@ -2227,7 +2241,7 @@ def _set_up(
         env, before_proxies, [*llm_session.proxy.base_urls(), MCP_URL_ENV]
     )
     return _Booth(o, store, writer, record, base_tree, recorded_verify, layer, layer_open, run,
-                  services, databases_open, spec, verifier_env)  # fmt: skip
+                  services, databases_open, spec, verifier_env, state_fd)  # fmt: skip
 
 
 def _verifier_env(
@@ -2618,8 +2632,13 @@ def _conclude(b: _Booth, out: _Outcome) -> int:
     elif decision == "keep":
         code = _kept(b, out, reason, code, hooks_refused=bool(hooks_refused))
     b.writer.sync()
-    b.layer.discard()
+    # A pending booth's staged files stay until its commit or discard: freed now, they would be
+    # the free inodes that ext4 without a journal scans past at each file the commit creates
+    # in their groups, for a minute (docs/booth.md, "A pending booth's scratch").
+    b.layer.discard(keep_files=decision == "keep")
     b.layer_open.pop_all()
+    if decision == "keep":
+        keep_scratch(o.tapes, o.booth_id, b.state_fd)
     return code
 
 

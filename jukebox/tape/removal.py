@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jukebox.errors import UsageError
-from jukebox.tape.tapedir import TAPE_SUFFIX, TapeDir, check_tape_id
+from jukebox.tape.tapedir import KEPT_SCRATCH, TAPE_SUFFIX, TapeDir, check_tape_id
 
 TRASH_MARK = ".removing-"
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
@@ -247,15 +247,16 @@ def disk_usage(home: TapeDir) -> dict[str, dict[str, int]]:
     packs_dir = home.store_path / "packs"
     packs, pack_bytes = _disk_bytes(_walk_sizes(packs_dir))
     _, store_bytes = _disk_bytes(_walk_sizes(home.store_path))
-    scratch = home.state / "scratch"
-    booths = len(os.listdir(scratch)) if scratch.is_dir() else 0
-    _, scratch_bytes = _disk_bytes(_walk_sizes(scratch))
+    # Running booths' scratch, and pending booths' kept until their commit or discard.
+    scratch_dirs = (home.state / "scratch", home.kept_path)
+    booths = sum(len(os.listdir(d)) for d in scratch_dirs if d.is_dir())
+    _, scratch_bytes = _disk_bytes(info for d in scratch_dirs for info in _walk_sizes(d))
     cache_files, cache_bytes = _disk_bytes(
         info
         for part in ("base-trees.json", "base-tree-stats")
         for info in _walk_sizes(home.state / part)
     )
-    accounted = {"store", "scratch", "base-trees.json", "base-tree-stats", "mnt"}
+    accounted = {"store", "scratch", KEPT_SCRATCH, "base-trees.json", "base-tree-stats", "mnt"}
     # mnt/ holds running booths' mount points: walking one would read an agent's view.
     _, other_bytes = _disk_bytes(_walk_sizes(home.state, skip=accounted.__contains__))
     usage = {

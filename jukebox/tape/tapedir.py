@@ -10,12 +10,19 @@ no command ever reads or acts on a tape dir whose real trees are left half-commi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
 
 from jukebox.errors import UsageError
-from shadowfs.privacy import is_loose, make_private_dirs, tighten, tighten_tree
+from shadowfs.privacy import (
+    is_loose,
+    make_private_dirs,
+    make_private_tree,
+    tighten,
+    tighten_tree,
+)
 from shadowfs.values import Value, setfield
 
 TAPE_SUFFIX = ".jbx"
@@ -23,6 +30,7 @@ TAPE_DIR_ENV = "JUKEBOX_TAPE_DIR"
 STATE_DIRNAME = ".jukebox"
 COMMIT_JOURNALS = "commit-journals"
 COMMIT_TRASH = "commit-trash"
+KEPT_SCRATCH = "kept"  # pending booths' scratch dirs (jukebox.booth.scratchdir.keep_scratch)
 # Tape dirs this process has recovered already: one look per command is enough.
 _recovered: set[str] = set()
 _TAPE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -128,8 +136,9 @@ class TapeDir(Value):
     def _tighten(self) -> None:
         # Two levels reach every file of ours (store/packs/*, booths/*, commits/<key>/*); in
         # scratch and mnt only one: scratch/<id>/upper holds a running overlay booth's files
-        # with the agent's own modes, and mnt/<id> is a layer's mount point. The tape dir
-        # itself is the user's: left as it is.
+        # with the agent's own modes, and mnt/<id> is a layer's mount point. kept/ holds only
+        # finished booths' scratch dirs: all of it, however deep. The tape dir itself is the
+        # user's: left as it is.
         # Through an fd opened without following: a received tape dir's `.jukebox` may be a
         # symlink to /etc, and whoever runs jukebox (root) must not chmod what it points to.
         try:
@@ -141,6 +150,10 @@ class TapeDir(Value):
             with os.scandir(state) as entries:
                 names = [entry.name for entry in entries if not entry.is_symlink()]
             for name in names:
+                if name == KEPT_SCRATCH:
+                    with contextlib.suppress(OSError):  # someone else's: theirs to tighten
+                        make_private_tree(name, dir_fd=state)
+                    continue
                 tighten_tree(name, depth=1 if name in ("scratch", "mnt") else 2, dir_fd=state)
         finally:
             os.close(state)
@@ -185,6 +198,15 @@ class TapeDir(Value):
             for name in trash:
                 empty_later(home.trash_path / name)
         try:
+            kept = os.listdir(home.kept_path)  # pending booths' scratch: a few names
+        except OSError:
+            kept = []
+        for name in kept:
+            # A booth finished by a commit that was killed before it freed its kept scratch,
+            # or by the recovery of such a commit.
+            if not (home.booths_path / f"{name}.json").exists():
+                home.retire_kept(name)
+        try:
             prepared = bool(os.listdir(home.state / "sql"))  # jukebox.sql.ledger
         except OSError:
             prepared = False
@@ -216,6 +238,30 @@ class TapeDir(Value):
         """Where finished commits leave the files they replaced, freed by a background process
         (jukebox.trees.realtree, shadowfs.trash)."""
         return self.state / COMMIT_TRASH
+
+    @property
+    def kept_path(self) -> Path:
+        """Where pending booths keep their scratch dirs until their commit or discard
+        (jukebox.booth.scratchdir.keep_scratch)."""
+        return self.state / KEPT_SCRATCH
+
+    def retire_kept(self, booth_id: str) -> None:
+        """Frees a finished booth's kept scratch in a detached process: it is moved into the
+        commit trash, which whoever opens the tape dir next empties should that process die."""
+        from shadowfs.trash import empty_later
+
+        away = self.trash_path / f"kept-{booth_id}-{os.urandom(4).hex()}"
+        try:
+            make_private_dirs(self.trash_path)
+            os.rename(self.kept_path / booth_id, away)
+        except FileNotFoundError:
+            return  # none, or retired by another process meanwhile
+        except OSError:
+            import shutil
+
+            shutil.rmtree(self.kept_path / booth_id, ignore_errors=True)
+            return
+        empty_later(away)
 
     def tape_path(self, tape_id: str) -> Path:
         return self.path / f"{check_tape_id(tape_id)}{TAPE_SUFFIX}"

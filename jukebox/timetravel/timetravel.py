@@ -390,8 +390,8 @@ class _Watch:
             def unmount(self) -> None:
                 self.inner.unmount()
 
-            def discard(self) -> None:
-                self.inner.discard()
+            def discard(self, *, keep_files: bool = False) -> None:
+                self.inner.discard(keep_files=keep_files)
 
         return WatchedLayer
 

@@ -110,6 +110,17 @@ def nobody_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def nobody_tree(nobody_dir: Path) -> tuple[Path, Path]:
+    """A tree owned by nobody (``a.txt`` holding "one"), and where its tapes go."""
+    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
+    tree.mkdir()
+    (tree / "a.txt").write_text("one\n")
+    for path in (tree, tree / "a.txt"):
+        os.chown(path, NOBODY, NOBODY)
+    return tree, tapes
+
+
+@pytest.fixture
 def dev_fuse() -> None:
     """Booth runs mount the FUSE layer."""
     if not os.path.exists("/dev/fuse"):

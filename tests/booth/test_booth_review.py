@@ -250,13 +250,9 @@ def test_booth_commit_only_commits_part_and_keeps_the_rest_pending(tmp_path: Pat
 
 
 def test_booth_commit_only_as_nobody_is_conflict_checked(
-    nobody_python: str, nobody_dir: Path, open_dev_fuse: None
+    nobody_python: str, nobody_dir: Path, nobody_tree: tuple[Path, Path], open_dev_fuse: None
 ) -> None:
-    tree, tapes = nobody_dir / "tree", nobody_dir / "tapes"
-    tree.mkdir()
-    (tree / "a.txt").write_text("one\n")
-    for path in (tree, tree / "a.txt"):
-        os.chown(path, NOBODY, NOBODY)
+    tree, tapes = nobody_tree
 
     def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
         return jb(*args, python=nobody_python, user=NOBODY, cwd=nobody_dir)

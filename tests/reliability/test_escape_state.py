@@ -7,9 +7,11 @@ connects. While it waits, an attacker
 running as `nobody` on the host connects, executes the fd it got, and tries to reach the copy
 through the tape dir's scratch dir and through the supervisor's /proc root. Then the modes of
 everything under the tape dir are checked, once for booths run as root (FUSE and overlay) and
-once for a booth run as nobody; an old-style, world-readable tape dir must be tightened the next
-time a command opens it, without following a received tape dir's symlinks; and a mounted view
-of the tape shows the `.env` no more openly than the agent left it.
+once for a booth run as nobody (a pending booth's kept scratch included: the agent's setuid
+copy, kept on the host out of the booth's nosuid bind, must be a plain 0600 file); an
+old-style, world-readable tape dir must be tightened the next time a command opens it, without
+following a received tape dir's symlinks; and a mounted view of the tape shows the `.env` no
+more openly than the agent left it.
 """
 
 from __future__ import annotations
@@ -272,19 +274,28 @@ def test_everything_under_the_tape_dir_is_private(runs: dict[str, Run], which: s
     assert ".jukebox/store/index.sqlite" in modes and f"{runs[which].booth_id}.jbx" in modes
     assert _loose(modes) == {}
     assert modes[".jukebox"] == 0o700 and modes[f"{runs[which].booth_id}.jbx"] == 0o600
+    # The pending booth's kept scratch (jukebox.booth.scratchdir.keep_scratch): out of the
+    # booth's nosuid bind, the agent's setuid copy is a plain private file.
+    kept = {p: m for p, m in modes.items() if p.startswith(f".jukebox/kept/{runs[which].booth_id}")}
+    assert kept and {p: oct(m) for p, m in kept.items() if m & 0o7000} == {}
+    if which == "overlay":
+        assert kept[f".jukebox/kept/{runs[which].booth_id}/upper/sid"] == 0o600
 
 
 def test_an_old_world_readable_tape_dir_is_tightened_on_open(runs: dict[str, Run]) -> None:
-    run = runs["fuse"]
-    for rel in run.modes:
-        path = run.tapes / rel
-        path.chmod(LOOSE_DIR if path.is_dir() else LOOSE_FILE)
-    listed = jb("booth", "ls", "--tape-dir", str(run.tapes))
-    assert listed.returncode == 0 and run.booth_id in listed.stdout, listed.stderr
-    after = _modes(run.tapes)
-    assert _loose(after) == {}
-    assert after["."] == LOOSE_DIR, "the tape dir itself is the user's: left as it was"
+    for which in ("fuse", "overlay"):  # the overlay's kept upper dir is deeper than depth 2
+        run = runs[which]
+        for rel in run.modes:
+            path = run.tapes / rel
+            path.chmod(LOOSE_DIR if path.is_dir() else LOOSE_FILE)
+        assert any(rel.startswith(".jukebox/kept/") for rel in run.modes)  # walked whole
+        listed = jb("booth", "ls", "--tape-dir", str(run.tapes))
+        assert listed.returncode == 0 and run.booth_id in listed.stdout, listed.stderr
+        after = _modes(run.tapes)
+        assert _loose(after) == {}, which
+        assert after["."] == LOOSE_DIR, "the tape dir itself is the user's: left as it was"
     # Still usable after tightening: the store and the pending booth are intact.
+    run = runs["fuse"]
     diff = jb("booth", "diff", run.booth_id, "--tape-dir", str(run.tapes))
     assert diff.returncode == 0 and ".env" in diff.stdout, diff.stderr
 
