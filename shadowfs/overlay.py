@@ -29,7 +29,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import shutil
 import signal
 import stat
 import time
@@ -42,6 +41,7 @@ from shadowfs.errors import ShadowfsError, TreeError
 from shadowfs.libc import libc as _libc
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
+from shadowfs.removal import remove_tree
 from shadowfs.tree import (
     DIR,
     FILE,
@@ -308,7 +308,7 @@ class OverlayLayer:
                 self.unmount(lazy=True)
         self._unbind()
         if not keep_files and os.path.lexists(self.booth_dir):
-            shutil.rmtree(self.booth_dir)
+            remove_tree(self.booth_dir)  # however deep the agent nested its files
         self._cache.clear()
         self._dir_cache.clear()
         self._opaque_cache.clear()
@@ -717,7 +717,7 @@ class OverlayLayer:
 
     def _remove(self, path: bytes, rel: bytes, x: os.stat_result) -> None:
         if stat.S_ISDIR(x.st_mode):
-            shutil.rmtree(path)
+            remove_tree(path)
             prefix = rel + b"/"
             for k in [k for k in self._cache if k.startswith(prefix)]:
                 del self._cache[k]

@@ -14,7 +14,6 @@ it; `empty` with ``wait=False`` leaves a trash alone while another process is on
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import stat
@@ -22,43 +21,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from shadowfs.removal import remove_tree
+
 __all__ = ["empty", "empty_later"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Frees overlap in the file system (each waits on the device), not in Python: a few threads.
 _THREADS = 8
-_THREADED_FROM = 64
-
-
-def _unlink(dfd: int, name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=dfd)
-
-
-def _clear(dfd: int, threads: ThreadPoolExecutor | None) -> None:
-    """Remove everything inside the directory ``dfd``, never following a symlink."""
-    with os.scandir(dfd) as it:
-        entries = [(de.name, de.is_dir(follow_symlinks=False)) for de in it]
-    files = [name for name, is_dir in entries if not is_dir]
-    if threads is not None and len(files) >= _THREADED_FROM:
-        list(threads.map(lambda n: _unlink(dfd, n), files))
-    else:
-        for name in files:
-            _unlink(dfd, name)
-    for name in (name for name, is_dir in entries if is_dir):
-        try:
-            sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                _unlink(dfd, name)  # replaced by a file or a symlink meanwhile
-                continue
-            raise
-        try:
-            _clear(sub, threads)
-        finally:
-            os.close(sub)
-        with contextlib.suppress(FileNotFoundError):
-            os.rmdir(name, dir_fd=dfd)
 
 
 def empty(
@@ -82,8 +51,9 @@ def empty(
             return False
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             return False
+        # However deep the agent nested what the commit threw away (shadowfs.removal).
         with ThreadPoolExecutor(_THREADS, thread_name_prefix="shadowfs-trash") as threads:
-            _clear(fd, threads)
+            remove_tree(".", dir_fd=fd, keep_top=True, threads=threads)
         if remove:
             with contextlib.suppress(FileNotFoundError, OSError):
                 os.rmdir(path, dir_fd=dir_fd)
