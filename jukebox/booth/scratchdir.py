@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from pathlib import Path
 
 from blake3 import blake3
@@ -69,19 +68,14 @@ def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
 
 
 def _remove(path: Path) -> None:
-    """An overlay's work dir is mode 000 (an unprivileged booth's, owned by its user, cannot be
-    walked into until it is given its owner's bits back). Nothing is followed out of ``path``."""
-    if not os.path.lexists(path):
-        return
-    for root, dirs, _files in os.walk(path):
-        for name in dirs:
-            child = os.path.join(root, name)
-            with contextlib.suppress(OSError):
-                if stat.S_ISDIR(os.lstat(child).st_mode):  # not a symlink to a directory
-                    os.chmod(child, 0o700)
-    import shutil  # with bz2 and lzma: not at every end of a booth, whose end may not need it
+    """However deep the agent nested its files (an overlay's upper dir holds them as it made
+    them), fd by fd; a directory it made mode 0, or an overlay's work dir (mode 000, owned by
+    an unprivileged booth's user), is given its owner's bits back first; nothing is followed
+    out of ``path`` (`shadowfs.removal.remove_tree`)."""
+    from shadowfs.removal import remove_tree
 
-    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        remove_tree(path)
 
 
 def keep_scratch(tapes: TapeDir, booth_id: str, state_fd: int) -> bool:

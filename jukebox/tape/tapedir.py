@@ -257,9 +257,10 @@ class TapeDir(Value):
         except FileNotFoundError:
             return  # none, or retired by another process meanwhile
         except OSError:
-            import shutil
+            from shadowfs.removal import remove_tree
 
-            shutil.rmtree(self.kept_path / booth_id, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(self.kept_path / booth_id)  # however deep the agent nested it
             return
         empty_later(away)
 

@@ -360,9 +360,10 @@ def _retire(path: Path, tapes: TapeDir) -> None:
             make_private_dirs(away.parent)
             os.rename(trash, away)
             empty_later(away)
-    import shutil  # with bz2 and lzma: not at every start of a booth, whose end may not need it
+    from shadowfs.removal import remove_tree
 
-    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        remove_tree(path)  # the trash itself, should it not have moved: however deep
     with contextlib.suppress(OSError):
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
