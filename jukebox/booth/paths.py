@@ -23,6 +23,7 @@ go on top again. Everything here is recorded in run_start under ``policy.paths``
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -138,6 +139,7 @@ class BoothPaths(Value):
 
 # Bounds the walk after a run: a --rw over a huge directory must not make every run slow.
 SET_ID_WALK_LIMIT = 200_000
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def strip_set_id(paths: Iterable[str], since_ns: int) -> tuple[list[str], bool]:
@@ -145,34 +147,82 @@ def strip_set_id(paths: Iterable[str], since_ns: int) -> tuple[list[str], bool]:
     status changed at or after `since_ns` (the run's start): what the agent left there. Inside
     the booth every mount is nosuid, but on the host a root agent's `chmod 4755` copy of a
     shell in a --rw directory would be a setuid-root program anyone could run, as a booth
-    commit never lets through. Returns (the files changed, whether the walk stopped at
-    SET_ID_WALK_LIMIT entries). Never follows a symlink; call it once nothing of the booth
-    runs any more."""
+    commit never lets through. Returns (the files changed, whether the walk stopped short: at
+    SET_ID_WALK_LIMIT entries, or out of file descriptors). Never follows a symlink; call it
+    once nothing of the booth runs any more.
+
+    Every step is relative to an open directory: the agent chooses the depth, and a file past
+    PATH_MAX (4,096 bytes of path) could not be stat'ed or opened by its path, and was skipped."""
     stripped: list[str] = []
     seen = 0
     for top in paths:
-        for root, dirs, files in os.walk(top):
-            for name in (*files, *dirs):
-                seen += 1
-                if seen > SET_ID_WALK_LIMIT:
-                    return stripped, True
-                path = os.path.join(root, name)
+        try:
+            top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's
+        except OSError:
+            continue  # gone, or not a directory: nothing under it
+        # One open directory per level, with its path (for the report) and its directories to do.
+        dirs: list[str] = []
+        stack = [(top_fd, top, dirs)]
+        try:
+            seen, stopped = _strip_in(top_fd, top, since_ns, stripped, seen, dirs)
+            while stack and not stopped:
+                fd, where, todo = stack[-1]
+                if not todo:
+                    stack.pop()
+                    os.close(fd)
+                    continue
+                name = todo.pop()
                 try:
-                    st = os.lstat(path)
-                except OSError:
+                    sub = os.open(name, _DIR_OPEN, dir_fd=fd)
+                except OSError as exc:
+                    stopped = exc.errno in (errno.EMFILE, errno.ENFILE)
                     continue
-                if not (stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID)):
-                    continue
-                if st.st_ctime_ns < since_ns:
-                    continue  # the user's own, from before the run
-                if _drop_set_id(path):
-                    stripped.append(path)
+                path = os.path.join(where, name)
+                sub_dirs: list[str] = []
+                stack.append((sub, path, sub_dirs))
+                seen, stopped = _strip_in(sub, path, since_ns, stripped, seen, sub_dirs)
+        finally:
+            for fd, _where, _todo in stack:
+                os.close(fd)
+        if stopped:
+            return stripped, True
     return stripped, False
 
 
-def _drop_set_id(path: str) -> bool:
+def _strip_in(
+    fd: int, where: str, since_ns: int, stripped: list[str], seen: int, dirs: list[str]
+) -> tuple[int, bool]:
+    """The set-id files directly in the directory open as ``fd``; its directories into
+    ``dirs``. Returns the entries seen so far, and whether SET_ID_WALK_LIMIT was reached."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.scandir(fd) as entries:
+            listed = list(entries)
+    except OSError:
+        return seen, False
+    for entry in listed:
+        seen += 1
+        if seen > SET_ID_WALK_LIMIT:
+            return seen, True
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                dirs.append(entry.name)
+                continue
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not (stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID)):
+            continue
+        if st.st_ctime_ns < since_ns:
+            continue  # the user's own, from before the run
+        if _drop_set_id(entry.name, fd):
+            stripped.append(os.path.join(where, entry.name))
+    return seen, False
+
+
+def _drop_set_id(name: str, dir_fd: int) -> bool:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)  # fmt: skip
     except OSError:
         return False
     try:

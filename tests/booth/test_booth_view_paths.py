@@ -30,6 +30,11 @@ BATTERY = """
 "$B/tool.sh"
 echo installed > "$B/venv/installed" && echo RW-WRITTEN
 cp /bin/true "$B/venv/suid" && chmod 6755 "$B/venv/suid" && echo SUID-MADE
+python3 -c "import os, shutil
+os.chdir('$B/venv')
+for _ in range(120):
+    os.mkdir('d' * 48); os.chdir('d' * 48)
+shutil.copy('/bin/true', 'suid'); os.chmod('suid', 0o4755); print('DEEP-SUID-MADE')"
 echo bad > "$B/tool.sh" 2>/dev/null || echo TOOL-READ-ONLY
 ls "$B/venv/to-tapes/" | wc -l | sed 's/^/TAPES-SEEN-/'
 cat private/key 2>/dev/null || echo KEY-HIDDEN
@@ -90,14 +95,25 @@ def test_kept_and_hidden_paths_and_the_hints_after_the_run(config) -> None:
     proc = jb(*argv, python=python, user=user)
     out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, (out, err)
-    markers = ("TOOL-RAN", "RW-WRITTEN", "SUID-MADE", "TOOL-READ-ONLY", "TAPES-SEEN-0")
+    markers = ("TOOL-RAN", "RW-WRITTEN", "SUID-MADE", "DEEP-SUID-MADE", "TOOL-READ-ONLY",
+               "TAPES-SEEN-0")  # fmt: skip
     for marker in (*markers, "KEY-HIDDEN"):
         assert marker in out, (marker, out, err)
     # The hole: written on the host directly. The rest: untouched.
     assert (base / "venv" / "installed").read_text() == "installed\n"
     # ...but never a set-id program: a root agent's would be one for anyone on the host.
     assert stat.S_IMODE((base / "venv" / "suid").stat().st_mode) == 0o755
-    assert "took the set-user/group-ID bits off 1 file(s)" in err, err
+    # Nor one past PATH_MAX (120 levels of 48 bytes), which no path reaches: only an fd walk.
+    level = os.open(base / "venv", os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(120):
+        deeper = os.open("d" * 48, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=level)
+        os.close(level)
+        level = deeper
+    try:
+        assert stat.S_IMODE(os.stat("suid", dir_fd=level, follow_symlinks=False).st_mode) == 0o755
+    finally:
+        os.close(level)
+    assert "took the set-user/group-ID bits off 2 file(s)" in err, err
     assert (base / "tool.sh").read_text() == "#!/bin/sh\necho TOOL-RAN\n"
     assert not (base / "ro-dir" / "new").exists()
     assert (tree / "a.txt").read_text() == "changed\n"  # committed through the layer
