@@ -4,9 +4,10 @@ An agent chooses the depth of what it leaves in a booth's scratch (an overlay's 
 a commit's trash: `mkdir d; cd d` in a loop makes a tree thousands of levels deep. Python 3.11's
 `shutil.rmtree` and `os.walk` recurse, one frame per level, and raised RecursionError past about
 a thousand: the trash's freeing process died at each of its restarts, and a booth's discard left
-its scratch behind. `remove_tree` keeps an explicit stack instead, holds at most `OPEN_DIRS`
-directories open however deep the tree (above them a directory is opened again through its
-child's ``..``, and must be the very inode it left), and never follows a symlink.
+its scratch behind. `remove_tree` walks with `shadowfs.fdwalk.FdWalk` instead: an explicit stack
+holding at most `fdwalk.OPEN_DIRS` directories open however deep the tree (above them a
+directory is opened again through its child's ``..``, and must be the very inode it left), and
+never following a symlink.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import os
 import stat
 from typing import TYPE_CHECKING
 
+from shadowfs.fdwalk import DIR_OPEN, FdWalk
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
     from concurrent.futures import Executor
 
-__all__ = ["OPEN_DIRS", "remove_tree"]
+__all__ = ["remove_tree"]
 
-_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# Open directories at once, at most, besides the top: a 100,000-deep tree takes no 100,000 fds.
-OPEN_DIRS = 64
 # A directory with this many files or more has them unlinked by the given threads: freeing
 # blocks can be slow (shadowfs.trash), and unlinks overlap in the file system, not in Python.
 _THREADED_FROM = 64
@@ -45,7 +45,7 @@ def remove_tree(
     given its owner's bits back first. What is gone meanwhile is no error; whatever else cannot
     be removed is left, all the rest removed, and the first such OSError raised at the end."""
     try:
-        top = _open_dir(path, dir_fd)
+        top, top_st = _open_dir(path, dir_fd)
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             return
@@ -57,7 +57,9 @@ def remove_tree(
         return
     errors: list[OSError] = []
     try:
-        _clear(top, errors, threads)
+        _Removal(top_st.st_dev, errors, threads).walk(top)
+    except OSError as exc:  # the walk itself cannot go on: what is left stays
+        errors.append(exc)
     finally:
         os.close(top)
     if not keep_top:
@@ -73,9 +75,11 @@ def remove_tree(
 
 def _open_dir(
     name: str | bytes | os.PathLike[str] | os.PathLike[bytes], dir_fd: int | None
-) -> int:
+) -> tuple[int, os.stat_result]:
+    """The directory ``name`` opened (never through a symlink) and its status, its owner's
+    bits given back first where they are missing."""
     try:
-        fd = os.open(name, _DIR_OPEN, dir_fd=dir_fd)
+        fd = os.open(name, DIR_OPEN, dir_fd=dir_fd)
     except PermissionError:
         # Its owner's bits back, through an O_PATH fd of exactly the directory checked: its
         # /proc link reaches that inode and no other.
@@ -85,17 +89,17 @@ def _open_dir(
             if not stat.S_ISDIR(st.st_mode):
                 raise OSError(errno.ENOTDIR, "not a directory", name) from None
             os.chmod(f"/proc/self/fd/{at}", stat.S_IMODE(st.st_mode) | 0o700)
-            fd = os.open(".", _DIR_OPEN, dir_fd=at)
+            fd = os.open(".", DIR_OPEN, dir_fd=at)
         finally:
             os.close(at)
     try:
-        mode = os.fstat(fd).st_mode
-        if mode & 0o700 != 0o700 and os.geteuid() != 0:  # readable, not writable: 0500
-            os.fchmod(fd, stat.S_IMODE(mode) | 0o700)
+        st = os.fstat(fd)
+        if st.st_mode & 0o700 != 0o700 and os.geteuid() != 0:  # readable, not writable: 0500
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
     except OSError:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def _unlink(
@@ -110,94 +114,48 @@ def _unlink(
     return None
 
 
-class _Level:
-    """One directory of the walk: its fd (-1 once closed, above the window), its name in its
-    parent, its inode, and the names of its directories still to do."""
+class _Removal(FdWalk):
+    """Unlinks each non-directory, enters each directory (given its owner's bits back first,
+    never one on another file system) and removes it once emptied; what cannot be removed is
+    noted in ``errors`` and left, the rest removed."""
 
-    __slots__ = ("dirs", "fd", "ino", "name")
+    def __init__(self, dev: int, errors: list[OSError], threads: Executor | None) -> None:
+        super().__init__()
+        self.dev, self.errors, self.threads = dev, errors, threads
 
-    def __init__(self, fd: int, name: str, ino: int) -> None:
-        self.fd, self.name, self.ino = fd, name, ino
-        self.dirs: list[str] = []
+    def enter(self, name: str, parent_fd: int) -> int | None:
+        try:
+            sub, st = _open_dir(name, parent_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or symlink now
+                error = _unlink(parent_fd, name)
+                if error is not None:
+                    self.errors.append(error)
+            elif exc.errno != errno.ENOENT:
+                self.errors.append(exc)
+            return None
+        if st.st_dev != self.dev:  # another file system mounted there: left alone
+            os.close(sub)
+            self.errors.append(OSError(errno.EXDEV, "another file system inside", name))
+            return None
+        return sub
 
+    def files(self, dir_fd: int, entries: Iterator[os.DirEntry[str]]) -> None:
+        found: Iterable[OSError | None]
+        names = [entry.name for entry in entries]  # listed whole first: unlinks then overlap
+        if self.threads is not None and len(names) >= _THREADED_FROM:
+            found = self.threads.map(lambda name: _unlink(dir_fd, name), names)
+        else:
+            found = (_unlink(dir_fd, name) for name in names)
+        self.errors.extend(error for error in found if error is not None)
 
-def _clear(top: int, errors: list[OSError], threads: Executor | None) -> None:
-    """Empties the directory open as ``top`` (the caller closes it)."""
-    st = os.fstat(top)
-    dev = st.st_dev
-    levels = [_Level(top, "", st.st_ino)]
-    levels[0].dirs = _files_out(top, errors, threads)
-    try:
-        while True:
-            level = levels[-1]
-            if level.dirs:
-                name = level.dirs.pop()
-                try:
-                    sub = _open_dir(name, level.fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or symlink now
-                        error = _unlink(level.fd, name)
-                        if error is not None:
-                            errors.append(error)
-                    elif exc.errno != errno.ENOENT:
-                        errors.append(exc)
-                    continue
-                levels.append(_Level(sub, name, -1))
-                sub_st = os.fstat(sub)
-                if sub_st.st_dev != dev:  # another file system mounted there: left alone
-                    levels.pop()
-                    os.close(sub)
-                    errors.append(OSError(errno.EXDEV, "another file system inside", name))
-                    continue
-                levels[-1].ino = sub_st.st_ino
-                if len(levels) > OPEN_DIRS + 1:
-                    above = levels[-OPEN_DIRS - 1]
-                    if above.fd >= 0:
-                        os.close(above.fd)
-                        above.fd = -1
-                levels[-1].dirs = _files_out(sub, errors, threads)
-                continue
-            if len(levels) == 1:
-                return
-            levels.pop()  # emptied: closed here, then removed from its parent
-            parent = levels[-1]
-            try:
-                if parent.fd < 0:
-                    up = os.open("..", _DIR_OPEN, dir_fd=level.fd)
-                    parent.fd = up
-                    up_st = os.fstat(up)
-                    if (up_st.st_dev, up_st.st_ino) != (dev, parent.ino):
-                        raise OSError(errno.ESTALE, "moved while it was removed", level.name)
-            finally:
-                os.close(level.fd)
-            try:
-                os.rmdir(level.name, dir_fd=parent.fd)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                errors.append(exc)
-    except OSError as exc:  # the walk itself cannot go on: what is left stays
-        errors.append(exc)
-    finally:
-        for level in levels[1:]:
-            if level.fd >= 0:
-                os.close(level.fd)
+    def leave(self, name: str, parent_fd: int) -> None:
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.errors.append(exc)
 
-
-def _files_out(fd: int, errors: list[OSError], threads: Executor | None) -> list[str]:
-    """Unlinks every non-directory in the directory open as ``fd``; returns its directories."""
-    files: list[str] = []
-    dirs: list[str] = []
-    try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                (dirs if entry.is_dir(follow_symlinks=False) else files).append(entry.name)
-    except OSError as exc:
-        errors.append(exc)
-    found: Iterable[OSError | None]
-    if threads is not None and len(files) >= _THREADED_FROM:
-        found = threads.map(lambda name: _unlink(fd, name), files)
-    else:
-        found = (_unlink(fd, name) for name in files)
-    errors.extend(error for error in found if error is not None)
-    return dirs
+    def unlisted(self, error: OSError, dir_fd: int) -> None:
+        self.errors.append(error)  # what was listed is removed all the same

@@ -8,9 +8,12 @@ that the base is byte-for-byte untouched when it ends.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +62,28 @@ def tree_state(root: Path | str) -> dict[bytes, tuple[object, ...]]:
             size = 0 if stat.S_ISDIR(st.st_mode) else st.st_size
             out[rel] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777, size, st.st_mtime_ns, digest)
     return out
+
+
+NOBODY = 65534
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_attack(code: str, work: Path, user: int | None) -> dict[str, object]:
+    """Runs ``code`` with the work dir and this checkout as argv[1] and argv[2], as root (this
+    python) or as ``user`` (the system python3 through setpriv: shadowfs needs no venv's
+    packages for it), and returns the JSON it prints. ``work`` is handed to ``user``."""
+    if user is None:
+        argv = [sys.executable]
+    else:
+        python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
+        if os.geteuid() != 0 or not shutil.which("setpriv") or python is None:
+            pytest.skip("needs root, setpriv and a system python3 to run as nobody")
+        os.chown(work, user, user)
+        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", python]
+    proc = subprocess.run([*argv, "-c", code, str(work), str(REPO)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 def populate(base: Path) -> None:

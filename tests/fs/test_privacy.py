@@ -3,20 +3,15 @@ choosing) made private for good, without ever touching a file outside it."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from shadowfs.privacy import make_private_tree
-
-NOBODY = 65534
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fs.conftest import NOBODY, run_attack
 
 # Builds the hostile tree in argv[1] (and a victim beside it), makes it private, reports.
 ATTACK = r"""
@@ -72,21 +67,6 @@ print(json.dumps(out))
 """
 
 
-def _attack(work: Path, user: int | None) -> dict[str, object]:
-    if user is None:
-        argv = [sys.executable]
-    else:
-        python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
-        if os.geteuid() != 0 or not shutil.which("setpriv") or python is None:
-            pytest.skip("needs root, setpriv and a system python3 to run as nobody")
-        os.chown(work, user, user)
-        argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", python]
-    proc = subprocess.run([*argv, "-c", ATTACK, str(work), str(ROOT)], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
 @pytest.mark.parametrize("user", [None, NOBODY], ids=["root", "nobody"])
 def test_an_agents_tree_is_made_private_and_nothing_outside_is_touched(
     tmp_path: Path, user: int | None
@@ -98,7 +78,7 @@ def test_an_agents_tree_is_made_private_and_nothing_outside_is_touched(
     work = base / f"jukebox-privacy-{os.getpid()}-{tmp_path.name}"
     work.mkdir()
     try:
-        out = _attack(work, user)
+        out = run_attack(ATTACK, work, user)
     finally:
         subprocess.run(["rm", "-rf", str(work)])  # shutil.rmtree recurses: not this deep
     assert out["loose"] == [] and out["deepest"] == 1202
