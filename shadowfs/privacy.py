@@ -12,6 +12,8 @@ import errno
 import os
 import stat
 
+from shadowfs.fdwalk import DIR_OPEN, FdWalk
+
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 
@@ -95,9 +97,6 @@ def _tighten_children(dir_path_fd: int, depth: int) -> None:
         os.close(listing)
 
 
-_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
 def make_private_tree(
     path: str | os.PathLike[str],
     *,
@@ -113,43 +112,24 @@ def make_private_tree(
 
     Nothing is followed: every step is relative to a directory fd opened with O_NOFOLLOW, a
     symlink is left as it is, and a change is made through an O_PATH fd of exactly the inode
-    that was checked. Another file system mounted inside ``path`` raises OSError(EXDEV), as
-    does anything else that cannot be made private: the caller then removes the tree. Costs
-    one fstatat per file that is private already (a FUSE layer's staged files)."""
+    that was checked. At most `shadowfs.fdwalk.OPEN_DIRS` directories are open at once, so
+    no depth runs it out of file descriptors. Another file system mounted inside ``path``
+    raises OSError(EXDEV), as does anything else that cannot be made private (a directory
+    moved away while it was walked: ESTALE): the caller then removes the tree. Costs one
+    fstatat per file that is private already (a FUSE layer's staged files)."""
     top = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(top)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(errno.ENOTDIR, "not a directory", os.fspath(path))
         _make_private_inode(top, st, owner)
-        listing = os.open(".", _DIR_OPEN, dir_fd=top)
+        listing = os.open(".", DIR_OPEN, dir_fd=top)
     finally:
         os.close(top)
-    # One open directory per level, with the names of its directories still to do: an
-    # agent's depth meets no recursion limit.
-    stack: list[tuple[int, list[str]]] = []
     try:
-        stack.append((listing, _private_files(listing, st.st_dev, owner)))
-        while stack:
-            listing, dirs = stack[-1]
-            if not dirs:
-                os.close(listing)
-                stack.pop()
-                continue
-            fd = os.open(dirs.pop(), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=listing)
-            try:
-                sub = os.fstat(fd)
-                if not stat.S_ISDIR(sub.st_mode) or sub.st_dev != st.st_dev:
-                    raise OSError(errno.EXDEV, "not a directory of this file system")
-                _make_private_inode(fd, sub, owner)
-                inner = os.open(".", _DIR_OPEN, dir_fd=fd)
-            finally:
-                os.close(fd)
-            stack.append((inner, []))  # closed below should its files fail
-            stack[-1] = (inner, _private_files(inner, st.st_dev, owner))
+        _Private(st.st_dev, owner).walk(listing)
     finally:
-        for listing, _dirs in stack:
-            os.close(listing)
+        os.close(listing)
 
 
 def _make_private_inode(fd: int, st: os.stat_result, owner: tuple[int, int] | None) -> None:
@@ -164,33 +144,45 @@ def _make_private_inode(fd: int, st: os.stat_result, owner: tuple[int, int] | No
         os.chmod(proc, keep)
 
 
-def _private_files(listing: int, dev: int, owner: tuple[int, int] | None) -> list[str]:
-    """Makes every non-directory in the directory open as ``listing`` private (or unlinks it,
-    see `make_private_tree`); returns the names of its directories."""
-    dirs: list[str] = []
-    with os.scandir(listing) as entries:
-        for entry in entries:
-            if entry.is_symlink():
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                dirs.append(entry.name)
-                continue
-            st = entry.stat(follow_symlinks=False)
-            if st.st_dev != dev:
-                raise OSError(errno.EXDEV, "another file system inside the tree", entry.name)
-            if st.st_nlink > 1:
-                os.unlink(entry.name, dir_fd=listing)
-                continue
-            if (owner is None or (st.st_uid, st.st_gid) == owner) and not (
-                stat.S_IMODE(st.st_mode) & ~PRIVATE_FILE
-            ):
-                continue  # private already: the common case
-            fd = os.open(entry.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=listing)
-            try:
-                now = os.fstat(fd)
-                if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or now.st_nlink > 1:
-                    raise OSError(errno.EAGAIN, "changed while made private", entry.name)
-                _make_private_inode(fd, now, owner)
-            finally:
-                os.close(fd)
-    return dirs
+class _Private(FdWalk):
+    """Makes each directory private before it is entered, and each non-directory in it (or
+    unlinks it, see `make_private_tree`); raises at the first thing it cannot."""
+
+    def __init__(self, dev: int, owner: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.dev, self.owner = dev, owner
+
+    def enter(self, name: str, parent_fd: int) -> int:
+        # Checked and changed through an O_PATH fd, then opened through it: the directory
+        # walked is the very inode made private, whatever is renamed in meanwhile.
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        try:
+            sub = os.fstat(fd)
+            if not stat.S_ISDIR(sub.st_mode) or sub.st_dev != self.dev:
+                raise OSError(errno.EXDEV, "not a directory of this file system", name)
+            _make_private_inode(fd, sub, self.owner)
+            return os.open(".", DIR_OPEN, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def file(self, dir_fd: int, entry: os.DirEntry[str]) -> None:
+        if entry.is_symlink():
+            return
+        st = entry.stat(follow_symlinks=False)
+        if st.st_dev != self.dev:
+            raise OSError(errno.EXDEV, "another file system inside the tree", entry.name)
+        if st.st_nlink > 1:
+            os.unlink(entry.name, dir_fd=dir_fd)
+            return
+        if (self.owner is None or (st.st_uid, st.st_gid) == self.owner) and not (
+            stat.S_IMODE(st.st_mode) & ~PRIVATE_FILE
+        ):
+            return  # private already: the common case
+        fd = os.open(entry.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            now = os.fstat(fd)
+            if (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev) or now.st_nlink > 1:
+                raise OSError(errno.EAGAIN, "changed while made private", entry.name)
+            _make_private_inode(fd, now, self.owner)
+        finally:
+            os.close(fd)

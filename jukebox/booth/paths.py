@@ -29,7 +29,8 @@ import stat
 from collections.abc import Iterable
 from typing import Any
 
-from jukebox.errors import UsageError
+from jukebox.errors import JukeboxError, UsageError
+from shadowfs.fdwalk import DIR_OPEN, FdWalk
 from shadowfs.values import Value, setfield
 
 # The kernel's and the booth's own: never a host path to keep.
@@ -139,7 +140,6 @@ class BoothPaths(Value):
 
 # Bounds the walk after a run: a --rw over a huge directory must not make every run slow.
 SET_ID_WALK_LIMIT = 200_000
-_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def strip_set_id(paths: Iterable[str], since_ns: int) -> tuple[list[str], bool]:
@@ -148,75 +148,78 @@ def strip_set_id(paths: Iterable[str], since_ns: int) -> tuple[list[str], bool]:
     the booth every mount is nosuid, but on the host a root agent's `chmod 4755` copy of a
     shell in a --rw directory would be a setuid-root program anyone could run, as a booth
     commit never lets through. Returns (the files changed, whether the walk stopped short: at
-    SET_ID_WALK_LIMIT entries, or out of file descriptors). Never follows a symlink; call it
-    once nothing of the booth runs any more.
+    SET_ID_WALK_LIMIT entries, out of file descriptors, or at a directory moved while it was
+    walked). Never follows a symlink; call it once nothing of the booth runs any more.
 
-    Every step is relative to an open directory: the agent chooses the depth, and a file past
-    PATH_MAX (4,096 bytes of path) could not be stat'ed or opened by its path, and was skipped."""
+    Every step is relative to an open directory (`shadowfs.fdwalk.FdWalk`): the agent chooses
+    the depth, and a file past PATH_MAX (4,096 bytes of path) could not be stat'ed or opened by
+    its path, and was skipped; one open directory per level ran out of file descriptors a few
+    hundred levels down, where the walk holds a bounded number however deep."""
     stripped: list[str] = []
-    seen = 0
+    walk = _SetIdStrip(since_ns, stripped)
     for top in paths:
         try:
             top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the user's
         except OSError:
             continue  # gone, or not a directory: nothing under it
-        # One open directory per level, with its path (for the report) and its directories to do.
-        dirs: list[str] = []
-        stack = [(top_fd, top, dirs)]
+        walk.top = top
         try:
-            seen, stopped = _strip_in(top_fd, top, since_ns, stripped, seen, dirs)
-            while stack and not stopped:
-                fd, where, todo = stack[-1]
-                if not todo:
-                    stack.pop()
-                    os.close(fd)
-                    continue
-                name = todo.pop()
-                try:
-                    sub = os.open(name, _DIR_OPEN, dir_fd=fd)
-                except OSError as exc:
-                    stopped = exc.errno in (errno.EMFILE, errno.ENFILE)
-                    continue
-                path = os.path.join(where, name)
-                sub_dirs: list[str] = []
-                stack.append((sub, path, sub_dirs))
-                seen, stopped = _strip_in(sub, path, since_ns, stripped, seen, sub_dirs)
+            walk.walk(top_fd)
+        except (_WalkStopped, OSError):  # OSError: a directory moved while walked (ESTALE)
+            return stripped, True  # what lies further in was not looked at: the caller says so
         finally:
-            for fd, _where, _todo in stack:
-                os.close(fd)
-        if stopped:
-            return stripped, True
+            os.close(top_fd)
     return stripped, False
 
 
-def _strip_in(
-    fd: int, where: str, since_ns: int, stripped: list[str], seen: int, dirs: list[str]
-) -> tuple[int, bool]:
-    """The set-id files directly in the directory open as ``fd``; its directories into
-    ``dirs``. Returns the entries seen so far, and whether SET_ID_WALK_LIMIT was reached."""
-    try:
-        with os.scandir(fd) as entries:
-            listed = list(entries)
-    except OSError:
-        return seen, False
-    for entry in listed:
-        seen += 1
-        if seen > SET_ID_WALK_LIMIT:
-            return seen, True
+class _WalkStopped(JukeboxError):
+    """SET_ID_WALK_LIMIT entries seen, or no file descriptor left to go on with (never leaves
+    `strip_set_id`)."""
+
+
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+
+
+class _SetIdStrip(FdWalk):
+    """Counts every entry against SET_ID_WALK_LIMIT (the paths together), and strips the set-id
+    files the agent left; whatever it cannot open or stat is passed over, as the agent's."""
+
+    def __init__(self, since_ns: int, stripped: list[str]) -> None:
+        super().__init__()
+        self.since_ns, self.stripped = since_ns, stripped
+        self.top = ""  # the path walked, for the report
+        self.seen = 0
+
+    def _count(self) -> None:
+        self.seen += 1
+        if self.seen > SET_ID_WALK_LIMIT:
+            raise _WalkStopped
+
+    def enter(self, name: str, parent_fd: int) -> int | None:
+        self._count()
         try:
-            if entry.is_dir(follow_symlinks=False):
-                dirs.append(entry.name)
-                continue
+            return os.open(name, DIR_OPEN, dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno in _OUT_OF_FDS:  # the rest would be skipped in silence: say so
+                raise _WalkStopped from exc
+            return None
+
+    def unlisted(self, error: OSError, dir_fd: int) -> None:
+        if error.errno in _OUT_OF_FDS:
+            raise _WalkStopped from error
+
+    def file(self, dir_fd: int, entry: os.DirEntry[str]) -> None:
+        self._count()
+        try:
             st = entry.stat(follow_symlinks=False)
         except OSError:
-            continue
+            return
         if not (stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID)):
-            continue
-        if st.st_ctime_ns < since_ns:
-            continue  # the user's own, from before the run
-        if _drop_set_id(entry.name, fd):
-            stripped.append(os.path.join(where, entry.name))
-    return seen, False
+            return
+        if st.st_ctime_ns < self.since_ns:
+            return  # the user's own, from before the run
+        if _drop_set_id(entry.name, dir_fd):
+            self.stripped.append(os.path.join(self.top, *self.names(), entry.name))
 
 
 def _drop_set_id(name: str, dir_fd: int) -> bool:
