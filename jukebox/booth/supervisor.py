@@ -61,6 +61,7 @@ from jukebox.booth.scratchdir import (
     booth_scratch,
     keep_scratch,
     layer_mountpoint,
+    remove_dir,
     remove_scratch,
     retire_scratch,
     socket_dir_prefix,
@@ -310,22 +311,7 @@ class _FuseBoothLayer:
             self._quiet = None
         self.layer.close(keep_files=keep_files)
         if not keep_files:
-            _remove_dir(self.scratch)
-
-
-def _remove_dir(path: str | os.PathLike[str]) -> None:
-    """Removes a booth's scratch dir, however deep (`shadowfs.removal.remove_tree`), at the
-    cost of one rmdir when it is empty, as it is when its agent staged nothing or the layer
-    removed what it staged."""
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return
-    except OSError:
-        from shadowfs.removal import remove_tree
-
-        with contextlib.suppress(OSError):
-            remove_tree(path)
+            remove_dir(self.scratch)
 
 
 def default_layer_factory(ctx: LayerContext) -> BoothLayer:
