@@ -2940,9 +2940,9 @@ def _strip_rw_set_id(writer: Any, rw: Sequence[str], started: float) -> None:
         )
     if stopped:
         _alert(
-            f"looked at the first {SET_ID_WALK_LIMIT} entries of the --rw paths only: set-id "
-            f"files the agent left further in stay set-id; check them (`find {rw[0]} -perm "
-            "/6000`)"
+            f"stopped short in the --rw paths (at {SET_ID_WALK_LIMIT} entries, out of file "
+            "descriptors, or at a directory moved while walked): set-id files the agent left "
+            f"further in stay set-id; check them (`find {rw[0]} -perm /6000`)"
         )
 
 
