@@ -7,7 +7,6 @@ The Python API is loaded on first use of a name (``from jukebox import Jukebox``
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -51,7 +50,10 @@ __all__ = [
     "track",
 ]
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from jukebox.api.api import BSide, Jukebox, Report, SandboxPolicy, Tape, track
     from jukebox.api.state import State, StateVersion
     from jukebox.api.transaction import Checkpoint, Outcome, Transaction, TransactionClosed, TxFS

@@ -21,10 +21,13 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from jukebox.errors import UsageError
 from shadowfs.values import Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 CONFIG_ENV = "JUKEBOX_CONFIG"
 

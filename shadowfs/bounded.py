@@ -7,10 +7,22 @@ of computing it again.
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Generic, TypeVar
 
-K = TypeVar("K")
-V = TypeVar("V")
+    K = TypeVar("K")
+    V = TypeVar("V")
+else:
+    # typing.Generic's subscription, for a class every booth and replay builds, without
+    # importing typing: `BoundedMap[K, V]` is BoundedMap itself at run time.
+    K = V = None
+
+    class Generic:
+        __slots__ = ()
+
+        def __class_getitem__(cls, params: object) -> type:
+            return cls
 
 
 class BoundedMap(Generic[K, V]):

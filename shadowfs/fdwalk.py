@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     from collections.abc import Generator, Iterator
 

@@ -68,13 +68,16 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from shadowfs import fuse_wire as w
 from shadowfs import sched
 from shadowfs.fuse_arrivals import Arrivals
 from shadowfs.layer import S_IFDIR, S_IFREG, SRC_SCRATCH, Layer, Node
 from shadowfs.lazylog import LazyLogger
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 log = LazyLogger(__name__)  # logging imported at the first message
 

@@ -96,7 +96,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
 
 from shadowfs import tree as trees
 from shadowfs.bounded import BoundedMap
@@ -120,8 +119,13 @@ from shadowfs.tree import (
 )
 from shadowfs.values import Value, setfield
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from shadowfs.objects import ObjectReader, ObjectStore
+
+    _F = Any
 
 SRC_BASE = 0
 SRC_STORE = 1
@@ -549,7 +553,6 @@ class NodeStat(Value):
 PathLike = str | bytes | os.PathLike[str]
 # `Layer.snapshot`'s early reply: (tree id, journal id or None).
 Answer = Callable[[ObjectId, "ObjectId | None"], None]
-_F = Any
 
 
 def _routed(sync: bool = False, stores: bool = False) -> Callable[[_F], _F]:

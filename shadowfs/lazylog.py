@@ -6,7 +6,9 @@ no trouble never needs it (docs/benchmarks.md, "Where a user waits")."""
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class LazyLogger:

@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from shadowfs import mountinfo, sched
 from shadowfs.errors import ShadowfsError
@@ -48,8 +47,10 @@ from shadowfs.fuse_wire import EXPIRE_ONLY_MINOR, Channel
 from shadowfs.layer import Layer
 from shadowfs.libc import libc as _libc
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
+    from typing import Any
 
 FSTYPE = "fuse.shadowfs"
 PR_SET_PDEATHSIG = 1

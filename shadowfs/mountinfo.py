@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from collections import namedtuple
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import NamedTuple
 
 MOUNTINFO = "/proc/self/mountinfo"
 
 
-# fstype: "fuse.SUBTYPE" for a FUSE mount; source: a FUSE mount's fsname. The functional
-# form, with the types themselves: the class form's annotations are strings here, which
-# NamedTuple compiles one by one (shadowfs.store's _Staged says why that matters).
-MountEntry = NamedTuple(  # noqa: UP014 - see above
-    "MountEntry", [("mount_id", int), ("mount_point", str), ("fstype", str), ("source", str)]
-)
+# fstype: "fuse.SUBTYPE" for a FUSE mount; source: a FUSE mount's fsname. At run time the
+# collections.namedtuple that typing.NamedTuple makes, without typing (shadowfs.store's _Staged
+# says why that matters).
+if TYPE_CHECKING:
+
+    class MountEntry(NamedTuple):
+        mount_id: int
+        mount_point: str
+        fstype: str
+        source: str
+
+else:
+    MountEntry = namedtuple("MountEntry", ("mount_id", "mount_point", "fstype", "source"))
 
 
 def unescape(field: str) -> str:

@@ -18,7 +18,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 # How long the layer must go without a recorded change before its changes are folded: longer
 # than the gaps between one step's writes, shorter than a model's answer.

@@ -42,23 +42,26 @@ import time
 # command reading a tape needs nothing else of, costs about 2.5 M instructions to import, and
 # _weakrefset is loaded already (threading, abc).
 from _weakrefset import WeakSet
+from collections import namedtuple
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from stat import S_ISREG
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 from shadowfs import pack as pk
 from shadowfs import wakeups
 from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
 from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
-from shadowfs.progress import Progress
 from shadowfs.store_index import IndexEntry, StoreIndex
 from shadowfs.values import Value, setfield
 from shadowfs.zstd import zstandard
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import BinaryIO, NamedTuple
+
     from shadowfs.objects import ByteSink
+    from shadowfs.progress import Progress
 
 CHUNK_SIZE = 4 * 1024 * 1024
 # The longest a `flush_soon()` leaves objects unflushed (plus at most FOREGROUND_WAIT).
@@ -106,13 +109,21 @@ class Problem(Value):
 
 
 # An object put but not yet appended to a pack (see `Store._drain`). A tuple: a snapshot makes
-# one per object, and a frozen dataclass costs several times as much to build. The functional
-# form, with the types themselves: the class form's annotations are strings in this module,
-# which NamedTuple compiles one by one, and a process's first compile() sets up the AST types
-# (about 10 M instructions, 2 ms; a booth's start compiles nothing else).
-_Staged = NamedTuple(  # noqa: UP014 - see above
-    "_Staged", [("kind", str), ("data", bytes), ("size", int), ("delta_base", ObjectId | None)]
-)
+# one per object, and a frozen dataclass costs several times as much to build. At run time the
+# collections.namedtuple that typing.NamedTuple makes, without importing typing (a tenth of a
+# replay's instructions) nor its class form, whose annotations are strings in this module that
+# it compiles one by one (a process's first compile() sets up the AST types: about 10 M
+# instructions, 2 ms; a booth's start compiles nothing else).
+if TYPE_CHECKING:
+
+    class _Staged(NamedTuple):
+        kind: str
+        data: bytes
+        size: int
+        delta_base: ObjectId | None
+
+else:
+    _Staged = namedtuple("_Staged", ("kind", "data", "size", "delta_base"))
 
 
 # _Staged(...) goes through a generated Python __new__; this is the same tuple built in C.

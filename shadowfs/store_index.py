@@ -16,13 +16,16 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 from shadowfs.errors import StoreError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
 from shadowfs.pack import header_len, pack_name_ok
 from shadowfs.privacy import PRIVATE_FILE
 from shadowfs.values import Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 FORMAT = "1"
 BUSY_TIMEOUT_S = 60.0

@@ -55,18 +55,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
 from shadowfs.bounded import BoundedMap
 from shadowfs.errors import TreeError
 from shadowfs.oid import OID_SIZE, ObjectId, unchecked_oid
-from shadowfs.progress import Progress
 from shadowfs.values import Value, setfield
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     from shadowfs.objects import ObjectReader, ObjectStore
+    from shadowfs.progress import Progress
 
 FILE = "file"
 DIR = "dir"

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, ClassVar
 
 setfield = object.__setattr__
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:  # annotations only: a bound named by a string is compiled at runtime
-    from typing import TypeVar
+    from typing import Any, ClassVar, TypeVar
 
     V = TypeVar("V", bound="Value")
     F = TypeVar("F", bound="_Fields")

@@ -15,7 +15,6 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 BACKEND = "zstandard.backend_c"
 
@@ -50,6 +49,7 @@ def _c_backend() -> ModuleType:
     return module
 
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     import zstandard as zstandard
 else:

@@ -142,6 +142,9 @@ def test_replay_runs_without_click_and_says_what_click_says(tmp_path: Path) -> N
     # The classes on its path are shadowfs.values.Value: dataclasses (with inspect, ast, dis
     # and tokenize behind it) was a third of a replay's instructions.
     assert not {"dataclasses", "inspect", "ast"} & modules
+    # typing is for type checking only on its path (a module's `TYPE_CHECKING = False`): its
+    # import was a fifth of what a replay runs above `python -c pass`.
+    assert "typing" not in modules
     # The collector was paused while it started (jukebox.cli.fast.pause_gc), and runs again,
     # what the start made frozen, once the tape is read; likewise after a refusal.
     assert collector_after(tmp_path)["enabled"] and collector_after(tmp_path)["frozen"] > 0

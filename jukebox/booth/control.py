@@ -33,12 +33,15 @@ from collections.abc import Callable, Mapping
 # The C encoder's private names: typeshed does not declare them (a fallback covers their absence).
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from types import ModuleType
-from typing import Any, Protocol
 
 from jukebox.errors import JukeboxError
 from jukebox.spin import runnable as _runnable
 from shadowfs import sched, wakeups
 from shadowfs.values import Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any, Protocol
 
 _quickline: ModuleType | None
 try:
@@ -109,26 +112,28 @@ class Peer(Value):
 
 
 # A handler takes the validated request and the peer, and returns the response's extra fields.
-Handler = Callable[[dict[str, Any], Peer], dict[str, Any]]
+Handler = Callable[[dict[str, "Any"], Peer], dict[str, "Any"]]
 # A handler of one exact request line (ControlServer's `quick`), given the peer and `reply`: it
 # calls `reply(fields)` once, as soon as it knows the answer, and may go on working after it
 # (still holding the handlers' turn); or returns False without replying, and the plain
 # handler serves the request.
-QuickHandler = Callable[[Peer, Callable[[dict[str, Any]], None]], bool]
+QuickHandler = Callable[[Peer, Callable[[dict[str, "Any"]], None]], bool]
 
 
-class FastCheckpoint(Protocol):
-    """What the compiled path (`_quickline.serve`) needs to answer `CHECKPOINT_LINE` itself
-    after a fold, and finish afterwards (the booth's `_Run`)."""
+if TYPE_CHECKING:
 
-    def quick_gate(self) -> tuple[int, int, int, tuple[Any, ...]] | None:
-        """(the mount's fd, its fusectl directory's fd, its connection number, (the run's
-        lock, the run, the layer lock, the layer, the tape queue)), or None: not now."""
+    class FastCheckpoint(Protocol):
+        """What the compiled path (`_quickline.serve`) needs to answer `CHECKPOINT_LINE` itself
+        after a fold, and finish afterwards (the booth's `_Run`)."""
 
-    def fast_taken(self, n: int, seq: int, tree: bytes) -> None:
-        """Checkpoint ``n`` answered with frame ``seq`` and tree ``tree``, the frame queued:
-        finish it (the layer's bookkeeping, the flush scheduled) under the run's lock and the
-        layer lock, which the compiled path took and releases after this."""
+        def quick_gate(self) -> tuple[int, int, int, tuple[Any, ...]] | None:
+            """(the mount's fd, its fusectl directory's fd, its connection number, (the run's
+            lock, the run, the layer lock, the layer, the tape queue)), or None: not now."""
+
+        def fast_taken(self, n: int, seq: int, tree: bytes) -> None:
+            """Checkpoint ``n`` answered with frame ``seq`` and tree ``tree``, the frame queued:
+            finish it (the layer's bookkeeping, the flush scheduled) under the run's lock and the
+            layer lock, which the compiled path took and releases after this."""
 
 
 def validate(raw: bytes) -> dict[str, Any]:

@@ -31,12 +31,15 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from jukebox.booth.syscall_filter import GROUPS, check_groups
 from jukebox.errors import UsageError
 from jukebox.redact import SECRET_ENV_PATTERNS
 from shadowfs.values import Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 # Package data, so that a wheel install has them too.
 IMAGES_DIR = Path(__file__).resolve().parent / "sandbox_images"

@@ -62,7 +62,6 @@ import sys
 import termios
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
 
 from jukebox.booth import credentials
 from jukebox.errors import JukeboxError
@@ -70,8 +69,10 @@ from shadowfs.libc import check as _check
 from shadowfs.libc import libc as _libc
 from shadowfs.values import Record
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     import subprocess
+    from typing import Any, NoReturn
 
     from jukebox.booth.images import Image
 

@@ -27,11 +27,14 @@ import errno
 import os
 import stat
 from collections.abc import Iterable
-from typing import Any
 
 from jukebox.errors import JukeboxError, UsageError
 from shadowfs.fdwalk import DIR_OPEN, FdWalk
 from shadowfs.values import Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 # The kernel's and the booth's own: never a host path to keep.
 NOT_HOST = ("/proc", "/sys", "/dev")

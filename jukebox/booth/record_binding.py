@@ -24,10 +24,10 @@ A user with no writable home has no key: their seals are plain hashes, which bin
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from jukebox.errors import CheckFailed
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     from jukebox.booth.supervisor import BoothRecord
     from jukebox.tape.tape import Tape

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from blake3 import blake3
 
 from jukebox.booth.images import Image, parse_image
 from jukebox.errors import CheckFailed, UsageError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 RECORDED = "recorded"  # the --image value that asks for the tape's own image
 # Fields that are the image's identity, not its policy.

@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
 
 from jukebox.booth import isolation, procs
 from jukebox.booth.cgroups import BoothCgroup
@@ -81,7 +80,10 @@ from shadowfs import wakeups
 from shadowfs.oid import ObjectId
 from shadowfs.values import Record, Value, setfield
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any, Protocol
+
     from jukebox.llm.session import LlmOptions
     from shadowfs.objects import ObjectReader, ObjectStore
 
@@ -109,30 +111,34 @@ class BoothError(JukeboxError):
 # --------------------------------------------------------------------------- the layer seam
 
 
-class BoothLayer(Protocol):
-    """What the supervisor needs from a copy-on-write layer mounted over the tree."""
+if TYPE_CHECKING:
 
-    def mount(self) -> None:
-        """Serve base + layer at `LayerContext.mountpoint`, in the current mount namespace."""
+    class BoothLayer(Protocol):
+        """What the supervisor needs from a copy-on-write layer mounted over the tree."""
 
-    def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
-        """(tree id, write-journal blob id or None) of the layer now; objects are in the store."""
+        def mount(self) -> None:
+            """Serve base + layer at `LayerContext.mountpoint`, in the current mount namespace."""
 
-    def restore(self, tree_id: ObjectId) -> None:
-        """Make the mounted view show `tree_id`, while processes keep running."""
+        def snapshot(self) -> tuple[ObjectId, ObjectId | None]:
+            """(tree id, write-journal blob id or None) of the layer now; objects are in the
+            store."""
 
-    def unmount(self) -> None: ...
+        def restore(self, tree_id: ObjectId) -> None:
+            """Make the mounted view show `tree_id`, while processes keep running."""
 
-    def discard(self, *, keep_files: bool = False) -> None:
-        """Remove the layer's scratch state; the real tree is untouched. With ``keep_files``
-        the staged files stay in the booth's scratch dir (a pending booth's: see
-        `scratchdir.keep_scratch`)."""
+        def unmount(self) -> None: ...
 
-    # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
-    # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the agent.
-    # Optional: `snapshot_answering(answer)`, `snapshot` that calls `answer(tree id, journal id
-    # or None)` as soon as they are known, before its own bookkeeping (`_Run.checkpoint_answering`).
-    # Optional: `scratch_usage() -> (staged bytes, limit or None)`, for `booth status`.
+        def discard(self, *, keep_files: bool = False) -> None:
+            """Remove the layer's scratch state; the real tree is untouched. With ``keep_files``
+            the staged files stay in the booth's scratch dir (a pending booth's: see
+            `scratchdir.keep_scratch`)."""
+
+        # Optional: `watch_refused_writes(callback)`, for a layer that may refuse a write the
+        # kernel had already accepted (see `_FuseBoothLayer`); the supervisor then stops the
+        # agent. Optional: `snapshot_answering(answer)`, `snapshot` that calls `answer(tree id,
+        # journal id or None)` as soon as they are known, before its own bookkeeping
+        # (`_Run.checkpoint_answering`). Optional: `scratch_usage() -> (staged bytes, limit or
+        # None)`, for `booth status`.
 
 
 class LayerContext(Record):
@@ -176,7 +182,7 @@ class LayerContext(Record):
         self.mountpoint = mountpoint
 
 
-LayerFactory = Callable[[LayerContext], BoothLayer]
+LayerFactory = Callable[[LayerContext], "BoothLayer"]
 
 
 class _OverlayBoothLayer:
@@ -822,7 +828,7 @@ def pending_changes(
         yield store, base, target, diff_trees(store, base, target)
 
 
-Verdict = Callable[[str, dict[str, Any], "ObjectId | None"], None]
+Verdict = Callable[[str, dict[str, "Any"], "ObjectId | None"], None]
 """verdict(kind, payload, tree): append a frame to the booth's tape, durably."""
 
 

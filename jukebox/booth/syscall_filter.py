@@ -38,13 +38,16 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from blake3 import blake3
 
 from jukebox.errors import JukeboxError
 from shadowfs.libc import libc
 from shadowfs.values import Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 LOW32 = 0xFFFFFFFF
 # The comparison operators of libseccomp (scmp_compare), named here so the rules below can be

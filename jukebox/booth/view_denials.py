@@ -23,12 +23,14 @@ import contextlib
 import os
 import re
 import threading
-from typing import TYPE_CHECKING, Any
 
 from jukebox.booth.paths import NOT_HOST
 from shadowfs.values import Value, setfield
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from jukebox.booth.isolation import ChildSpec
 
 TAIL_BYTES = 64 << 10

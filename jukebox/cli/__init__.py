@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any, NoReturn, TypeVar
+
     from jukebox.cli.app import JukeboxGroup as JukeboxGroup
     from jukebox.cli.app import cli as cli
 
-T = TypeVar("T")
+    T = TypeVar("T")
 
 # The modules that register each command (importing one registers its commands). A command
 # line imports only its command's: each module costs its imports at every start.

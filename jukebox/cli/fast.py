@@ -18,7 +18,10 @@ import gc
 import os
 import sys
 from pathlib import Path
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 # The output flags every command takes (jukebox.cli.options.OUTPUT_FLAGS), by parameter name.
 OUTPUT_FLAGS = {

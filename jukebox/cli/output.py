@@ -3,7 +3,9 @@ click's flags, jukebox.cli.fast from the command lines it parses itself."""
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def configure_output(quiet: bool, verbose: bool, no_color: bool, config: Any, told: bool) -> bool:

@@ -28,7 +28,10 @@ import binascii
 import os
 import re
 import unicodedata
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 # Printable ASCII but the backslash: the common case, returned unchanged without a loop.
 _PLAIN = re.compile(r"[\x20-\x5b\x5d-\x7e]*")

@@ -23,7 +23,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 QUIET, NORMAL, VERBOSE = -1, 0, 1
 SHOW_AFTER_S = 0.3

@@ -12,7 +12,10 @@ that reach the terminal are ours.
 from __future__ import annotations
 
 import os
-from typing import IO, Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import IO, Any
 
 
 class _Settings:

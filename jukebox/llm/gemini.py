@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from jukebox.llm.providers import Summary
 
 GEMINI = "gemini"

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from jukebox.llm import gemini
 from jukebox.llm.gemini import GEMINI
 from jukebox.llm.paths import confine
 from shadowfs.values import Record, Value, setfield
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"

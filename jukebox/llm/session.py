@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
 
 from jukebox.llm.defaults import named_price_files
 from jukebox.llm.providers import OPENAI
@@ -26,14 +25,17 @@ from jukebox.llm.upstreams import NOTE_EVENT as UPSTREAMS_NOTE
 from jukebox.llm.upstreams import resolve, upstreams_from_env
 from shadowfs.values import Record
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any, TypeVar
+
     from jukebox.llm.lookups import LookupWatch
     from jukebox.llm.netns import PrivateNetwork
     from jukebox.llm.recorder import FrameSink
     from jukebox.llm.replay import Divergence, ReplaySource
     from jukebox.llm.rewrite import RequestRewriter
 
-T = TypeVar("T")
+    T = TypeVar("T")
 
 
 class LlmOptions(Record):

@@ -25,9 +25,12 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from jukebox.llm.upstreams import proxy_env
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 _URLSAFE = bytes.maketrans(b"+/", b"-_")  # base64's URL-safe alphabet
 

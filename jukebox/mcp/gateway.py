@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import mcp.types as types
@@ -28,7 +28,7 @@ from mcp.shared.exceptions import MCPError
 from jukebox.errors import JukeboxError
 from jukebox.mcp.back_channel import BackChannel
 from jukebox.mcp.policy import Decision, Policy
-from jukebox.mcp.record import Sink, wire
+from jukebox.mcp.record import wire
 from jukebox.mcp.relay import (
     CANCELLED,
     LEFT,
@@ -37,6 +37,9 @@ from jukebox.mcp.relay import (
     ms_since,
     upstream_stdio,
 )
+
+if TYPE_CHECKING:
+    from jukebox.mcp.record import Sink
 
 T = TypeVar("T")
 

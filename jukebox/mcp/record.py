@@ -23,9 +23,12 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
 
 from jukebox.redact import Scrubber, is_secret_env_name, redact_argv
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any, Protocol
 
 FRAME_KINDS = ("tool_call", "note")
 SYNC_EVERY = 1.0
@@ -53,10 +56,12 @@ def scrub(payload: dict[str, Any], scrubber: Scrubber) -> dict[str, Any]:
     return json.loads(scrubber.text(json.dumps(payload)))
 
 
-class Sink(Protocol):
-    def record(self, kind: str, payload: dict[str, Any]) -> None: ...
+if TYPE_CHECKING:
 
-    def close(self) -> None: ...
+    class Sink(Protocol):
+        def record(self, kind: str, payload: dict[str, Any]) -> None: ...
+
+        def close(self) -> None: ...
 
 
 class TapeSink:
@@ -383,7 +388,7 @@ class DeferredSink:
         self.inner.close()
 
 
-class _Done(list[Any]):
+class _Done(list["Any"]):
     event: Any
 
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from jukebox.booth.control import RequestError
 from jukebox.mcp.record import FRAME_KINDS, MAX_BLOB, NOTE_EVENTS, blob_ref, wire
 from jukebox.mcp.servers import ServerSpec
 from shadowfs import values
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_STAGED = 10_000
 # How long a question waits on the terminal (the gateway's --ask-timeout is 300 s by default).
@@ -34,7 +37,7 @@ RUN_TIMEOUT = 60.0
 # The note written before a commit runs its staged calls (their ids, in order).
 MCP_COMMIT_BEGIN = "mcp_commit_begin"
 
-Record = Callable[[str, dict[str, Any]], Any]  # (kind, payload): append a frame
+Record = Callable[[str, dict[str, "Any"]], "Any"]  # (kind, payload): append a frame
 
 
 class StagedCall(values.Record):

@@ -20,14 +20,16 @@ from collections.abc import Iterable, Mapping
 
 # The C encoder's private name: typeshed does not declare it (a fallback covers its absence).
 from json.encoder import c_make_encoder  # type: ignore[attr-defined]
-from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
 from jukebox.tape.errors import TamperedTape
 from shadowfs.oid import ObjectId, unchecked_oid
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from shadowfs.objects import ObjectReader, ObjectWriter
 
 FORMAT_VERSION = 1
@@ -233,7 +235,7 @@ _ENVELOPE = (
 )
 
 
-class EncodedPayload(dict[str, Any]):
+class EncodedPayload(dict[str, "Any"]):
     """A payload with the canonical JSON of each value computed once (`encode_payload`): the
     tape writer then neither encodes it again to decide what spills nor to write the frame.
     Read-only, so the encoding cannot go stale."""

@@ -19,7 +19,6 @@ import threading
 import time
 from binascii import a2b_hex
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -43,11 +42,14 @@ from jukebox.tape.frame import (
 )
 from shadowfs.errors import ObjectCorrupt, ObjectMissing
 from shadowfs.oid import ObjectId
-from shadowfs.progress import Progress
 from shadowfs.values import Value, setfield
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from shadowfs.objects import ObjectReader, ObjectStore
+    from shadowfs.progress import Progress
 
 __all__ = [
     "HEADER_SIZE",

@@ -34,7 +34,6 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -42,7 +41,10 @@ from jukebox.tape.tapedir import TapeDir
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from shadowfs.objects import ObjectReader, ObjectStore
 
 _STATS_MAGIC = b"JBXSTAT2"

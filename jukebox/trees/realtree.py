@@ -39,7 +39,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from blake3 import blake3
 
@@ -48,7 +47,10 @@ from jukebox.tape.tapedir import TapeDir, check_tape_id
 from shadowfs.oid import ObjectId
 from shadowfs.privacy import make_private_dirs
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
+    from typing import Any
+
     from shadowfs.objects import ObjectReader, ObjectStore
 
 INTENT_NAME = "intent.json"

@@ -75,6 +75,9 @@ def test_a_booth_that_changes_nothing_imports_no_commit(tmp_path: Path) -> None:
     # The store's index through the C module alone: the `sqlite3` package's date and time
     # adapters (with `datetime`) are of no use to it (shadowfs.store_index).
     assert "_sqlite3" in modules and not {"sqlite3", "datetime"} & modules
+    # typing is for type checking only on its path (a module's `TYPE_CHECKING = False`): its
+    # import was a tenth of what the supervisor runs above `python -c pass`.
+    assert "typing" not in modules
     # And zstandard's C backend alone, without the package's `platform` (shadowfs.zstd).
     assert "zstandard.backend_c" in modules and not {"zstandard", "platform"} & modules
     # Nothing compiled: no NamedTuple's or TypeVar's annotation written as a string on the
