@@ -31,25 +31,27 @@ EMBED = "embedContent"
 BATCH_EMBED = "batchEmbedContents"
 COUNT = "countTokens"
 METHODS = (GENERATE, STREAM_GENERATE, EMBED, BATCH_EMBED, COUNT)
-_PATH = re.compile(r"/(?:v1|v1beta|v1alpha)/(?:models|tunedModels)/([^/:]+):([A-Za-z]+)")
+# Compiled at first use (re's cache): a booth imports this module at its start, and only an agent
+# calling Gemini matches it.
+_PATH = r"/(?:v1|v1beta|v1alpha)/(?:models|tunedModels)/([^/:]+):([A-Za-z]+)"
 
 
 def endpoint_of(path: str) -> str | None:
     """The recorded method a decoded path calls, or None."""
-    match = _PATH.fullmatch(path)
+    match = re.fullmatch(_PATH, path)
     return match.group(2) if match and match.group(2) in METHODS else None
 
 
 def model_of(path: str) -> str | None:
     """The model named in a path (the part before `?` of the frame's `path` will do)."""
-    match = _PATH.fullmatch(path.partition("?")[0])
+    match = re.fullmatch(_PATH, path.partition("?")[0])
     return match.group(1) if match else None
 
 
 def with_model(path: str, model: str) -> str | None:
     """A decoded path (no query) calling `model` instead of the one it names, or None when it
     names none. `model` may be `models/M` or `tunedModels/M`, as the SDKs accept it."""
-    match = _PATH.fullmatch(path)
+    match = re.fullmatch(_PATH, path)
     if match is None:
         return None
     collection, _, name = model.rpartition("/")

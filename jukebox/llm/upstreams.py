@@ -33,7 +33,7 @@ from jukebox.llm.providers import DEFAULT_UPSTREAMS, NAMED_PREFIX, OPENAI, PREFI
 
 AZURE = "azure"
 AZURE_ENDPOINT_ENV = "AZURE_OPENAI_ENDPOINT"
-_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_NAME = r"[a-z][a-z0-9_]{0,31}"  # compiled at first use: most booths name no upstream
 # Where a replay's named upstreams point: nothing listens on the discard port, so a call that
 # would go live there (a bug) fails instead of reaching anything.
 OFFLINE_URL = "http://127.0.0.1:9"
@@ -47,7 +47,7 @@ class BadUpstream(UsageError, ValueError):
 
 
 def check_name(name: str) -> str:
-    if not _NAME.fullmatch(name):
+    if not re.fullmatch(_NAME, name):
         raise BadUpstream(
             f"bad upstream name {name!r}: use lower-case letters, digits and _, starting with "
             "a letter (like local or openrouter)"
