@@ -2,9 +2,10 @@
 
 A pending booth keeps its layer's staged files (``<ino>`` files in its scratch dir, made
 private and moved to the tape dir's ``kept/<id>``) until its commit. Most of them hold exactly
-what the commit is about to write into the real tree. Moving one there (a rename into the
-staging name) costs no new inode, no data write and no read from the store; writing it anew
-from the store costs all three, and was most of a 50,000-file commit (docs/benchmarks.md).
+what the commit is about to write into the real tree. Moving one there (a link at the staging
+name, the kept name unlinked) costs no new inode, no data write and no read from the store;
+writing it anew from the store costs all three, and was most of a 50,000-file commit
+(docs/benchmarks.md).
 
 The layer writes `MAP_NAME` beside its staged files when it closes keeping them: which tree
 path each staged file was at (`write_map`). The commit (`shadowfs.commit.apply`'s ``kept``)
@@ -14,10 +15,11 @@ O_NOFOLLOW|O_NONBLOCK and held under a read lease (which the kernel grants only 
 has the file open for writing, a shared writable mapping included, and which makes any later
 open for writing wait until the fd is closed), it is a regular file with a single link, owned
 as a file the commit creates would be, on the tree's file system, with no extended attributes,
-exactly the size its tree entry says and content whose object id is the entry's. After the
-rename the staging name must be that very inode (a name swapped meanwhile is moved back); the
-mode and times are then set through the fd. Anything else, and any error, leaves the file where
-it is and stages that path from the store, as before.
+exactly the size its tree entry says and content whose object id is the entry's. That fd is
+then linked at the staging name and the kept name unlinked; the file must then have exactly
+one link (a name swapped in the kept dir meanwhile was not this file's), and its mode and times
+are set through the fd. Anything else, and any error, leaves the staging name free and stages
+that path from the store, as before.
 """
 
 from __future__ import annotations
@@ -134,9 +136,13 @@ def stage_from_kept(
 ) -> bool:
     """Moves kept file ``name`` to ``staged_name`` in the directory ``dfd`` with ``mode`` and
     ``mtime_ns``, if it passes every check in the module's doc; ``owner``: the (uid, gid) a
-    file created in ``dfd`` now would get. False when it was not used (nothing changed then,
-    but for a name swapped in the kept dir meanwhile, moved back under another name). Raises
-    only when the staging name holds something it could not take back out."""
+    file created in ``dfd`` now would get. False when it was not used: the staging name is
+    then free, and the kept file as it was (but for its name, when it had another one).
+
+    The move is a link of the checked fd (through /proc: exactly that inode, whatever the
+    name holds by then) and an unlink of the kept name, not a rename: a rename into another
+    directory takes the file system's rename lock, which queued the threads one behind the
+    other (46 µs a file, threads or not). The file must be down to one link again after."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=kept.fd)
     except OSError:
@@ -160,24 +166,22 @@ def stage_from_kept(
         if len(data) != size or hash_object("blob", data) != oid:
             return False
         try:
-            os.rename(name, staged_name, src_dir_fd=kept.fd, dst_dir_fd=dfd)
+            os.link(f"/proc/self/fd/{fd}", staged_name, dst_dir_fd=dfd)
         except OSError as exc:
             if exc.errno == errno.EXDEV:
                 kept.off = True
             return False
-        there = os.stat(staged_name, dir_fd=dfd, follow_symlinks=False)
-        if (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
-            # Swapped between the open and the rename: whatever it is goes back.
-            os.rename(staged_name, name + b".swapped", src_dir_fd=dfd, dst_dir_fd=kept.fd)
-            return False
         try:
-            os.fchmod(fd, mode)
-            os.utime(fd, ns=(mtime_ns, mtime_ns))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=kept.fd)
+            if os.fstat(fd).st_nlink == 1:  # the kept name was this file's, and is gone
+                os.fchmod(fd, mode)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+                return True
         except OSError:
-            with contextlib.suppress(OSError):
-                os.rename(staged_name, name, src_dir_fd=dfd, dst_dir_fd=kept.fd)
-            return False
-        return True
+            pass
+        os.unlink(staged_name, dir_fd=dfd)  # our own link of the checked file
+        return False
     finally:
         os.close(fd)  # which ends the lease
 
