@@ -13,7 +13,9 @@ the old or exactly the new state:
 2. **Stage.** New files and symlinks are written next to their targets under hidden names
    (``.jbx-stage-<token>-<n>``) with their final mode and mtime, and fsynced. A *prepare* record
    in the journal directory names the token and the staging directories first, so a crash while
-   staging leaves residue that recovery can find without walking the whole tree.
+   staging leaves residue that recovery can find without walking the whole tree. A commit given
+   a finished layer's kept staged files (``kept``, shadowfs.kept) moves those that pass every
+   check to their staging names instead of writing them; nothing else changes.
 3. **Journal.** A redo journal (every operation, in a safe order) is written, fsynced, renamed
    into place and the journal directory fsynced. Its presence is the commit point. It carries a
    BLAKE3 checksum (keyed, when the caller passes a key), so a torn journal counts as absent (the

@@ -15,7 +15,8 @@ O_NOFOLLOW|O_NONBLOCK and held under a read lease (which the kernel grants only 
 has the file open for writing, a shared writable mapping included, and which makes any later
 open for writing wait until the fd is closed), it is a regular file with a single link, owned
 as a file the commit creates would be, on the tree's file system, with no extended attributes,
-exactly the size its tree entry says and content whose object id is the entry's. That fd is
+exactly the size its tree entry says and content whose object id is the entry's (so on a
+system that labels every file, SELinux, no kept file is used). That fd is
 then linked at the staging name and the kept name unlinked; the file must then have exactly
 one link (a name swapped in the kept dir meanwhile was not this file's), and its mode and times
 are set through the fd. Anything else, and any error, leaves the staging name free and stages
@@ -157,7 +158,7 @@ def stage_from_kept(
                 or st.st_nlink != 1
                 or st.st_size != size
                 or (st.st_uid, st.st_gid) != owner
-                or os.listxattr(fd)
+                or _xattrs(fd)
             ):
                 return False
             data = os.read(fd, size + 1)
@@ -188,9 +189,25 @@ def stage_from_kept(
 
 def create_owner(dfd: int, dev: int) -> tuple[int, int] | None:
     """The (uid, gid) a file this process creates in directory ``dfd`` gets; None when the
-    directory is not on file system ``dev``."""
+    directory is not on file system ``dev``, or gives the files made in it a default ACL
+    (which a file linked there would not get)."""
     st = os.fstat(dfd)
     if st.st_dev != dev:
         return None
+    try:
+        if "system.posix_acl_default" in _xattrs(dfd):
+            return None
+    except OSError:
+        return None
     gid = st.st_gid if st.st_mode & stat.S_ISGID else os.getegid()
     return os.geteuid(), gid
+
+
+def _xattrs(fd: int) -> list[str]:
+    """The names of the extended attributes of ``fd``; none where the file system has none."""
+    try:
+        return os.listxattr(fd)
+    except OSError as exc:
+        if exc.errno == errno.EOPNOTSUPP:
+            return []
+        raise

@@ -11,7 +11,9 @@ kept files are used); before its commit the owner of the tape dir
 - replaces one with a symlink to such a file;
 - replaces one with a fifo (the commit must not hang on it);
 - holds one open for writing, unchanged, and writes through that fd once the commit is done;
-- points the map's entry of one path at the kept file of another.
+- points the map's entry of one path at the kept file of another;
+- gives one directory of the tree a default ACL (its new files must inherit it, which a file
+  linked there would not).
 
 The untouched files are moved into place: their inode in the tree is the kept one's. Root's
 commit is killed just past its commit point first, and recovery finishes it.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 from pathlib import Path
 
@@ -77,6 +80,15 @@ print("wrote", flush=True)
 """
 
 
+# A default ACL granting nobody rw- (acl_ea_header version 2, then tag, perm, id per entry).
+_ANY = 0xFFFFFFFF
+DEFAULT_ACL = struct.pack("<I", 2) + b"".join(
+    struct.pack("<HHI", tag, perm, uid)
+    for tag, perm, uid in ((0x01, 6, _ANY), (0x02, 6, NOBODY), (0x04, 4, _ANY), (0x10, 6, _ANY),
+                           (0x20, 4, _ANY))
+)  # fmt: skip
+
+
 def _body(d: int, f: int) -> bytes:
     return (f"new {d} {f}\n" * 20).encode()
 
@@ -119,6 +131,7 @@ def test_kept_files_that_fail_a_check_are_written_from_the_store(
         assert attacker.stdout is not None and attacker.stdin is not None
         assert attacker.stdout.readline() == "ready\n", attacker.stderr
         victims = {how: os.lstat(outside / f"{how}-victim") for how in ("link", "symlink")}
+        os.setxattr(tree / "d2", "system.posix_acl_default", DEFAULT_ACL)
         assert victims["link"].st_nlink == 2  # the kept name is a second name of it
         commit = ("booth", "commit", "k1", "--tape-dir", str(tapes))
         if who == "root":  # killed past its commit point, with the kept files staged
@@ -144,7 +157,10 @@ def test_kept_files_that_fail_a_check_are_written_from_the_store(
     for p, st in got.items():
         assert st.st_nlink == 1 and st.st_mode & 0o777 == 0o644, p
         assert st.st_uid == (user if user is not None else 0), p
-        if p not in attacked:
+        if p.startswith("d2/"):  # written anew, inheriting the default ACL
+            assert "system.posix_acl_access" in os.listxattr(tree / p), p
+            assert st.st_ino != inodes[p], p
+        elif p not in attacked:
             assert st.st_ino == inodes[p], p  # moved into place, not written anew
     for how, before in victims.items():
         victim = outside / f"{how}-victim"
