@@ -15,8 +15,10 @@ kept files are used); before its commit the owner of the tape dir
 - gives one directory of the tree a default ACL (its new files must inherit it, which a file
   linked there would not).
 
-The untouched files are moved into place: their inode in the tree is the kept one's. Root's
-commit is killed just past its commit point first, and recovery finishes it.
+Root's commit is killed just past its commit point first, and recovery finishes it: the
+untouched files are moved into place, their inode in the tree the kept one's. Nobody's is
+killed just before it, and recovery undoes it: the tree is the old one, with no staged file
+left, and the commit after it writes everything from the store.
 """
 
 from __future__ import annotations
@@ -89,8 +91,16 @@ DEFAULT_ACL = struct.pack("<I", 2) + b"".join(
 )  # fmt: skip
 
 
-def _body(d: int, f: int) -> bytes:
-    return (f"new {d} {f}\n" * 20).encode()
+def _body(d: int, f: int, what: str = "new") -> bytes:
+    return (f"{what} {d} {f}\n" * 20).encode()
+
+
+def _all() -> list[tuple[int, int]]:
+    return [(d, f) for d in range(N_DIRS) for f in range(PER_DIR)]
+
+
+def _bodies(tree: Path) -> dict[tuple[int, int], bytes]:
+    return {(d, f): (tree / f"d{d}" / f"f{f:03d}").read_bytes() for d, f in _all()}
 
 
 @pytest.mark.parametrize("who", ["root", "nobody"])
@@ -99,6 +109,7 @@ def test_kept_files_that_fail_a_check_are_written_from_the_store(
 ) -> None:
     user = None
     python = None
+    left: set[str] = set()
     if who == "nobody":
         python = request.getfixturevalue("nobody_python")
         request.getfixturevalue("open_dev_fuse")
@@ -134,9 +145,18 @@ def test_kept_files_that_fail_a_check_are_written_from_the_store(
         os.setxattr(tree / "d2", "system.posix_acl_default", DEFAULT_ACL)
         assert victims["link"].st_nlink == 2  # the kept name is a second name of it
         commit = ("booth", "commit", "k1", "--tape-dir", str(tapes))
-        if who == "root":  # killed past its commit point, with the kept files staged
-            killed = jb(*commit, cwd=work, env={CRASH_ENV: "journal"})
-            assert killed.returncode == -signal.SIGKILL, killed.stderr
+        # Killed with the kept files staged: root's just past its commit point, nobody's just
+        # before it (the check done), which recovery undoes.
+        point = "journal" if who == "root" else "checked"
+        killed = jb(*commit, cwd=work, python=python, user=user, env={CRASH_ENV: point})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        if who == "nobody":
+            listed = jb("booth", "ls", "--tape-dir", str(tapes), cwd=work, python=python,
+                        user=user)  # fmt: skip
+            assert "undone" in listed.stderr, listed.stderr
+            assert _bodies(tree) == {(d, f): _body(d, f, "old") for d, f in _all()}
+            assert not [p for p in tree.rglob(".jbx-stage-*")]
+            left = set(os.listdir(kept))
         done = jb(*commit, cwd=work, python=python, user=user)
         assert done.returncode == 0, done.stderr
         if who == "root":
@@ -148,10 +168,7 @@ def test_kept_files_that_fail_a_check_are_written_from_the_store(
         attacker.kill()
         attacker.wait()
 
-    for d in range(N_DIRS):
-        for f in range(PER_DIR):
-            path = tree / f"d{d}" / f"f{f:03d}"
-            assert path.read_bytes() == _body(d, f), path
+    assert _bodies(tree) == {(d, f): _body(d, f) for d, f in _all()}
     got = {p: os.lstat(tree / p) for p in names}
     attacked = {"d0/f000", "d0/f001", "d0/f002", "d0/f003", "d0/f004", "d0/f005"}
     for p, st in got.items():
@@ -160,8 +177,10 @@ def test_kept_files_that_fail_a_check_are_written_from_the_store(
         if p.startswith("d2/"):  # written anew, inheriting the default ACL
             assert "system.posix_acl_access" in os.listxattr(tree / p), p
             assert st.st_ino != inodes[p], p
-        elif p not in attacked:
+        elif p not in attacked and who == "root":
             assert st.st_ino == inodes[p], p  # moved into place, not written anew
+        elif p not in attacked:  # moved into staging, then undone: gone from the kept dir
+            assert names[p] not in left and st.st_ino != inodes[p], p
     for how, before in victims.items():
         victim = outside / f"{how}-victim"
         now = os.lstat(victim)
