@@ -146,11 +146,14 @@ def test_upstream_errors_are_recorded_and_returned_unchanged(
 
 
 def _tcp_sockets_of_this_process() -> list[socket.socket]:
-    """Duplicates of every connected TCP socket this process holds (close them)."""
-    out = []
+    """A duplicate of every connected TCP socket this process holds, once each however many fds
+    name it (close them). Once each: an fd the proxy's threads close after the listing may be
+    taken by one of these duplicates, and then name the same socket again."""
+    out, seen = [], set()
     for name in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")  # socket:[inode]
+            if not link.startswith("socket:") or link in seen:
                 continue
             sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:  # gone meanwhile, or not a socket after all
@@ -158,6 +161,7 @@ def _tcp_sockets_of_this_process() -> list[socket.socket]:
         try:
             if sock.type == socket.SOCK_STREAM and sock.family == socket.AF_INET:
                 sock.getpeername()  # connected, not a listener
+                seen.add(link)
                 out.append(sock)
                 continue
         except OSError:
