@@ -104,8 +104,16 @@ def record_tape(root: Path, upstream: FakeUpstream) -> Recorded:
     return Recorded(root, root / "otelrun.jbx", "otelrun")
 
 
-# At collection, not at the first test: see tests.export.phoenix.start_early.
-phoenix_server.start_early()
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected what they deselect
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Start Phoenix at collection, not at the first test that needs it (see
+    tests.export.phoenix.start_early), when a selected test needs it. Not in a worker of
+    `pytest -n`: every worker collects every test and most run none of these; the one the
+    "phoenix" group lands on starts it at the group's first test."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if any("phoenix" in getattr(item, "fixturenames", ()) for item in items):
+        phoenix_server.start_early()
 
 
 @pytest.fixture(scope="package")
