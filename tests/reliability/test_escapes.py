@@ -803,6 +803,8 @@ def test_killing_the_supervisor_ends_every_process_of_the_booth(runner: tuple) -
         while len(_processes_with(marker)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_processes_with(marker)) == 4  # the agent and its three runaways
+        # The control socket's mount point, which the discard below must take away.
+        assert list(Path("/tmp").glob(socket_dir_prefix(tapes, booth) + "*")) != []
         proc.kill()
         assert proc.wait(timeout=slow(10)) == -9
     finally:
@@ -822,7 +824,7 @@ def test_killing_the_supervisor_ends_every_process_of_the_booth(runner: tuple) -
     assert not (tapes / ".jukebox" / "scratch" / booth).exists()
     # The control socket lived in a tmpfs that died with the supervisor's namespace; the empty
     # mount point it left in /tmp goes with the discard.
-    assert list(Path("/tmp").glob(f"jukebox-{booth}-*")) == []
+    assert list(Path("/tmp").glob(socket_dir_prefix(tapes, booth) + "*")) == []
     assert tree_state(tree) == before
     assert jb("verify", str(tapes / f"{booth}.jbx"), "--tape-dir", str(tapes)).returncode == 0
 
