@@ -13,9 +13,7 @@ the old or exactly the new state:
 2. **Stage.** New files and symlinks are written next to their targets under hidden names
    (``.jbx-stage-<token>-<n>``) with their final mode and mtime, and fsynced. A *prepare* record
    in the journal directory names the token and the staging directories first, so a crash while
-   staging leaves residue that recovery can find without walking the whole tree. A commit given
-   a finished layer's kept staged files (``kept``, shadowfs.kept) moves those that pass every
-   check to their staging names instead of writing them; nothing else changes.
+   staging leaves residue that recovery can find without walking the whole tree.
 3. **Journal.** A redo journal (every operation, in a safe order) is written, fsynced, renamed
    into place and the journal directory fsynced. Its presence is the commit point. It carries a
    BLAKE3 checksum (keyed, when the caller passes a key), so a torn journal counts as absent (the
@@ -89,8 +87,6 @@ from shadowfs.errors import (
     TargetBusy,
     TreeError,
 )
-from shadowfs.kept import MAX_SIZE as kept_max
-from shadowfs.kept import KeptFiles, create_owner, stage_from_kept
 from shadowfs.oid import ObjectHasher, ObjectId, hash_object
 
 # progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
@@ -1333,12 +1329,7 @@ def _small(s: _Stage) -> bool:
 
 
 def _read_chunk(
-    store: ObjectReader,
-    dirs: _Dirs,
-    stages: list[_Stage],
-    i: int,
-    umask: int | None,
-    skip: set[int] | frozenset[int] = frozenset(),
+    store: ObjectReader, dirs: _Dirs, stages: list[_Stage], i: int, umask: int | None
 ) -> _Chunk:
     """The chunk from ``stages[i]`` on, its small files' content read from the store (here, in
     the main thread: the store is not shared with the threads), in one bulk read."""
@@ -1350,8 +1341,6 @@ def _read_chunk(
             s = stages[c.end]
             e = s.entry
             c.end += 1
-            if c.end - 1 in skip:  # staged from a kept file already
-                continue
             if not _small(s):
                 c.rest.append(s)
                 continue
@@ -1385,20 +1374,19 @@ def _stage_threaded(
     interrupted: Interrupted | None,
     done: Callable[[int, int], None],
     umask: int | None = None,
-    skip: set[int] | frozenset[int] = frozenset(),
 ) -> None:
     """Stage everything, for a commit synced as a whole (``syncer.whole_fs``): each chunk's
     small files are read while the threads write the previous chunk's, and the rest of a
     chunk is staged once its small files are written (a hard link's first name is then in
-    place). ``done(k, nbytes)`` is told of each stage staged, in order; those in ``skip`` are
-    staged already (`_stage_kept`). Returns or raises only once no thread writes any more."""
+    place). ``done(k, nbytes)`` is told of each stage staged, in order. Returns or raises only
+    once no thread writes any more."""
     live: list[_Chunk] = []
     try:
         i = 0
         while i < len(stages) or live:
             if i < len(stages):
                 _check_interrupt(interrupted)
-                c = _read_chunk(store, dirs, stages, i, umask, skip)
+                c = _read_chunk(store, dirs, stages, i, umask)
                 live.append(c)
                 c.futures = threads.start(_write_staged, c.calls)
                 i = c.end
@@ -1419,75 +1407,6 @@ def _stage_threaded(
             with contextlib.suppress(BaseException):
                 _Threads.finish(c.futures)
             c.own.close()
-
-
-def _stage_kept(
-    kept: KeptFiles | None,
-    dirs: _Dirs,
-    stages: list[_Stage],
-    threads: _Threads,
-    interrupted: Interrupted | None,
-    done: Callable[[int, int], None],
-) -> set[int]:
-    """Stages what it can by moving a kept file of the booth into place (shadowfs.kept):
-    the indices of ``stages`` so staged (``done(-1, nbytes)`` told of each). In threads, a
-    chunk of at most ``_CHUNK_OPS`` files and ``_CHUNK_DIRS`` directories at a time; the rest
-    is left to the store. Returns or raises only once no thread works any more."""
-    if kept is None:
-        return set()
-    names = kept.names
-    todo = [
-        (i, name) for i, s in enumerate(stages)
-        if s.link_to is None and s.entry.kind == FILE and s.entry.size <= kept_max
-        and (name := names.get(s.path)) is not None
-    ]  # fmt: skip
-    staged: set[int] = set()
-    # Per directory: the owner a file created there gets, or None on another file system
-    # than the kept files' (a mount inside the tree): those stage from the store.
-    owners: dict[bytes, tuple[int, int] | None] = {}
-    at = 0
-    while at < len(todo) and not kept.off:
-        _check_interrupt(interrupted)
-        own = _ChunkDirs(dirs)
-        try:
-            calls: list[tuple[Any, ...]] = []
-            chunk: list[int] = []
-            while at < len(todo) and len(calls) < _CHUNK_OPS and len(own.fds) < _CHUNK_DIRS:
-                i, name = todo[at]
-                at += 1
-                s = stages[i]
-                e = s.entry
-                if s.dir in owners:
-                    owner = owners[s.dir]
-                    if owner is None:
-                        continue
-                    dfd = own.get(s.dir)
-                else:
-                    dfd = own.get(s.dir)
-                    owner = owners[s.dir] = create_owner(dfd, kept.dev)
-                    if owner is None:
-                        continue
-                calls.append((kept, name, dfd, s.name, e.size, e.oid, e.mode, e.mtime_ns, owner))
-                chunk.append(i)
-            for i, ok in zip(chunk, threads.run(stage_from_kept, calls), strict=True):
-                if ok:
-                    staged.add(i)
-                    done(-1, stages[i].entry.size)
-        finally:
-            own.close()
-    return staged
-
-
-def _to_prefetch(
-    stages: list[_Stage], whole_fs: bool, skip: set[int]
-) -> tuple[list[ObjectId | None], Iterator[ObjectId | None]]:
-    """The blobs a staging reads from the store: the small files of a threaded one (not
-    ``skip``, staged already), and the rest."""
-    small = [
-        s.entry.oid for i, s in enumerate(stages) if whole_fs and _small(s) and i not in skip
-    ]
-    rest = (s.entry.oid for s in stages if not (whole_fs and _small(s)))
-    return small, rest
 
 
 def _mtime(dirs: _Dirs, d: bytes) -> int:
@@ -2027,7 +1946,6 @@ def apply(
     interrupted: Interrupted | None = None,
     known: Known | None = None,
     free_trash: bool = True,
-    kept: KeptFiles | None = None,
 ) -> CommitReport:
     """Make the real directory ``target`` go from ``base_tree`` to ``new_tree``, all or nothing.
 
@@ -2057,11 +1975,6 @@ def apply(
     doc). ``free_trash`` frees them before returning; with False they are left there for the
     caller to free when it likes (shadowfs.trash.empty, or moved elsewhere first): garbage that
     the next `apply` or `recover` with this journal directory frees if still there.
-
-    ``kept``: a finished layer's staged files (shadowfs.kept). A commit staged as a whole
-    (``SYNCFS_FROM`` files or more) moves each that passes every check into its staging name
-    instead of writing it from the store; they leave ``kept`` whether the commit then
-    completes or is undone.
     """
     if base_tree == new_tree:
         return CommitReport(0, 0)
@@ -2073,7 +1986,7 @@ def apply(
             _recover_locked(dirs, jfd, _Crash(steps=False), key)
             report = _apply_locked(
                 store, dirs, jfd, base_tree, new_tree, crash, progress, drop_setid, key,
-                interrupted, known, kept,
+                interrupted, known,
             )
             if free_trash:
                 crash.at("freeing")
@@ -2096,7 +2009,6 @@ def _apply_locked(
     key: bytes | None = None,
     interrupted: Interrupted | None = None,
     known: Known | None = None,
-    kept: KeptFiles | None = None,
 ) -> CommitReport:
     changes = _changes(store, base_tree, new_tree)
     if not changes:
@@ -2114,7 +2026,7 @@ def _apply_locked(
     try:
         return _staged_and_applied(
             store, dirs, jfd, plan, token, unknown, seen, threads, crash, progress, key,
-            interrupted, known, len(changes), kept,
+            interrupted, known, len(changes),
         )
     finally:
         threads.close()
@@ -2135,7 +2047,6 @@ def _staged_and_applied(
     interrupted: Interrupted | None,
     known: Known | None,
     n_changes: int,
-    kept: KeptFiles | None = None,
 ) -> CommitReport:
     """`_apply_locked` from the conflict check on; ``threads``: the threads of its steps, each
     step's work in them ended before the next step begins.
@@ -2185,16 +2096,10 @@ def _staged_and_applied(
                     progress("stage", k + 1, total)
 
         try:
-            # Kept files first (a whole-fs staging only): what they stage needs no store.
-            checker = (  # the check runs beside it
-                _Checker(dirs.root, plan, seen, known, threads, crash)
-                if whole_fs and kept is not None else None
-            )  # fmt: skip
-            from_kept = _stage_kept(kept if checker else None, dirs, plan.stages, threads,
-                                    interrupted, staged)  # fmt: skip
             # The small files of a threaded staging are located for the bulk reads, all of
             # them before any thread runs (see Store.prefetched_blobs); the rest prefetched.
-            small, rest = _to_prefetch(plan.stages, whole_fs, from_kept)
+            small = [s.entry.oid for s in plan.stages if whole_fs and _small(s)]
+            rest = (s.entry.oid for s in plan.stages if not (whole_fs and _small(s)))
             with (
                 _prefetched(store, (oid for oid in small if oid), "prefetched_blobs"),
                 _prefetched(store, (oid for oid in rest if oid)),
@@ -2202,9 +2107,9 @@ def _staged_and_applied(
                 if whole_fs:
                     # Started once the index rows are in: beside that query its lstats cost
                     # the main thread as much again (sqlite lets go of the GIL at each row).
-                    checker = checker or _Checker(dirs.root, plan, seen, known, threads, crash)
+                    checker = _Checker(dirs.root, plan, seen, known, threads, crash)
                     _stage_threaded(store, dirs, plan.stages, syncer, threads, interrupted,
-                                    staged, umask, from_kept)  # fmt: skip
+                                    staged, umask)  # fmt: skip
                     conflicts = checker.result(store, dirs)
                     checker = None
                     if progress is not None:

@@ -753,25 +753,6 @@ class Layer:
             with contextlib.suppress(OSError):
                 os.rmdir(self.scratch_dir)
 
-    def staged_files(self) -> list[tuple[bytes, int]]:
-        """(path, inode number) of every regular file whose content is a staged file of the
-        layer's (``scratch_dir/<ino>``) and was stored by the last snapshot: the paths a commit
-        of that snapshot may stage from those files (shadowfs.kept). Walks the loaded
-        directories only; a hard-linked file is listed at each of its names."""
-        out: list[tuple[bytes, int]] = []
-        stack: list[tuple[bytes, Node]] = [(b"", self.root)]
-        while stack:
-            prefix, d = stack.pop()
-            kids = d.children
-            if kids is None:
-                continue
-            for name, c in kids.items():
-                if c.fmt == S_IFDIR:
-                    stack.append((prefix + name + b"/", c))
-                elif c.fmt == S_IFREG and c.src == SRC_SCRATCH and not c.dirty and c.oid:
-                    out.append((prefix + name, c.ino))
-        return out
-
     def __enter__(self) -> Layer:
         return self
 

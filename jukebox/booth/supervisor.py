@@ -315,29 +315,9 @@ class _FuseBoothLayer:
         if self._quiet is not None:
             self._quiet.close()
             self._quiet = None
-        if keep_files:
-            _write_kept_map(self.layer, self.scratch)
         self.layer.close(keep_files=keep_files)
         if not keep_files:
             remove_dir(self.scratch)
-
-
-def _write_kept_map(layer: Any, scratch: str | os.PathLike[str]) -> None:
-    """Which tree path each staged file kept for the commit holds (shadowfs.kept): the
-    commit moves those that pass its checks into place instead of writing them anew. Best
-    effort: without the map the commit writes every file from the store."""
-    from shadowfs.kept import write_map
-
-    try:
-        fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        write_map(fd, layer.staged_files())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def default_layer_factory(ctx: LayerContext) -> BoothLayer:
@@ -864,14 +844,12 @@ def commit_tree(
     checkpoint: RollbackPoint | None = None,
     lock_timeout: float | None = None,
     partial: list[str] | None = None,
-    kept: bool = False,
 ) -> int:
     """Commit ``final`` into the booth's real tree (the very directory the booth ran over, see
     jukebox.trees.realtree), then write the verdict frame and retire the booth record, all under the
     commit job's lock so recovery never races it. Returns the number of changes. A ``partial``
     commit (of those paths, jukebox.booth.partial) writes a `partial_commit` note instead and
-    keeps the booth pending. ``kept``: stage from the booth's kept scratch files where they
-    pass the commit's checks (shadowfs.kept), not from the store alone.
+    keeps the booth pending.
 
     Raises ConflictError (nothing applied), CheckFailed (the tree is another directory now, or
     locked past the timeout) or realtree.Interrupted (exit 130: a signal came, and the commit
@@ -907,8 +885,7 @@ def commit_tree(
             stats = read_stats(tape_dir, record.tree)  # read once for before and after
             try:
                 job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted,
-                          known=known_files(tape_dir, record.tree, base, stats),
-                          kept=tape_dir.kept_path / record.id if kept else None)  # fmt: skip
+                          known=known_files(tape_dir, record.tree, base, stats))  # fmt: skip
             except CommitInterrupted:
                 write("note", {"event": "commit_interrupted", "outcome": "undone", "by": by}, None)
                 raise realtree.Interrupted(
@@ -1016,7 +993,6 @@ def commit_booth(
                 changes = commit_tree(
                     store, tape_dir, record, base, final, by="booth commit", write=verdict,
                     checkpoint=checkpoint, lock_timeout=lock_timeout, partial=partial,
-                    kept=record.status != "running",
                 )
                 if record.mcp_staged and partial is None:
                     from jukebox.mcp import verdict as mcp_verdict

@@ -310,28 +310,18 @@ class CommitJob:
         timeout: float,
         interrupted: Callable[[], bool],
         known: Mapping[bytes, tuple[int, int, int]] | None = None,
-        kept: Path | None = None,
     ) -> Any:
-        """``kept``: a booth's kept scratch dir, whose files may stage the commit
-        (shadowfs.kept); missing or without its map, the store stages everything."""
         from jukebox.display.progress import step
         from shadowfs.commit import apply
-        from shadowfs.kept import open_kept
-
-        files = open_kept(kept) if kept is not None else None
 
         # The agent's setuid/setgid bits never reach the real tree (see docs/reliability.md).
         # The files the commit replaced stay in its trash, freed in the background on retiring.
-        try:
-            with step("committing", "paths", done="committed") as tick:
-                return apply(
-                    store, target_fd, base, final, journal_dir=self.fd, drop_setid=True,
-                    key=self.key, lock_timeout=timeout, interrupted=interrupted,
-                    progress=tick.phased, known=known, free_trash=False, kept=files,
-                )
-        finally:
-            if files is not None:
-                files.close()
+        with step("committing", "paths", done="committed") as tick:
+            return apply(
+                store, target_fd, base, final, journal_dir=self.fd, drop_setid=True, key=self.key,
+                lock_timeout=timeout, interrupted=interrupted, progress=tick.phased, known=known,
+                free_trash=False,
+            )
 
     def __exit__(self, *exc: object) -> None:
         from shadowfs.commit import CRASH_ENV, pending
