@@ -12,18 +12,19 @@ never following a symlink.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from typing import TYPE_CHECKING
 
 from shadowfs.fdwalk import DIR_OPEN, FdWalk
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start's cost)
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
     from concurrent.futures import Executor
 
-__all__ = ["remove_tree"]
+__all__ = ["remove_quietly", "remove_tree"]
 
 # A directory with this many files or more has them unlinked by the given threads: freeing
 # blocks can be slow (shadowfs.trash), and unlinks overlap in the file system, not in Python.
@@ -71,6 +72,21 @@ def remove_tree(
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+def remove_quietly(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> None:
+    """`remove_tree` for leftovers that a later opening of the tape dir retires should they stay
+    (a booth's scratch, a commit's trash, a kept scratch): removes what it can, raises nothing.
+    An empty directory costs one rmdir, the common case of a booth that staged nothing."""
+    try:
+        os.rmdir(path)
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        remove_tree(path)
 
 
 def _open_dir(

@@ -62,28 +62,12 @@ def booth_scratch(tapes: TapeDir, booth_id: str) -> Path:
 
 
 def remove_scratch(tapes: TapeDir, booth_id: str) -> None:
-    """Removes a booth's scratch dir whatever its supervisor left, and its kept scratch, now."""
-    remove_dir(tapes.state / "scratch" / booth_id)
-    remove_dir(tapes.kept_path / booth_id)
+    """Removes a booth's scratch dir whatever its supervisor left, and its kept scratch, now;
+    what cannot be removed stays for the next opening of the tape dir."""
+    from shadowfs.removal import remove_quietly
 
-
-def remove_dir(path: str | os.PathLike[str]) -> None:
-    """Removes a booth's scratch dir (or kept scratch), quietly: what cannot be removed stays
-    for `booth discard` or the next opening of the tape dir. At the cost of one rmdir when it
-    is empty (as when its agent staged nothing, or the layer removed what it staged); else
-    however deep the agent nested its files (an overlay's upper dir holds them as it made
-    them), fd by fd; a directory it made mode 0, or an overlay's work dir (mode 000, owned by
-    an unprivileged booth's user), is given its owner's bits back first; nothing is followed
-    out of ``path`` (`shadowfs.removal.remove_tree`)."""
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return
-    except OSError:
-        from shadowfs.removal import remove_tree
-
-        with contextlib.suppress(OSError):
-            remove_tree(path)
+    remove_quietly(tapes.state / "scratch" / booth_id)
+    remove_quietly(tapes.kept_path / booth_id)
 
 
 def keep_scratch(tapes: TapeDir, booth_id: str, state_fd: int) -> bool:
@@ -120,5 +104,7 @@ def retire_scratch(tapes: TapeDir, booth_id: str) -> None:
     """Frees a committed booth's kept scratch in a detached process, as a commit's trash
     (`TapeDir.retire_kept`); a scratch dir its supervisor, killed at its end, did not get to
     keep is removed now."""
-    remove_dir(tapes.state / "scratch" / booth_id)
+    from shadowfs.removal import remove_quietly
+
+    remove_quietly(tapes.state / "scratch" / booth_id)
     tapes.retire_kept(booth_id)

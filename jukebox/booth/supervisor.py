@@ -60,7 +60,6 @@ from jukebox.booth.scratchdir import (
     booth_scratch,
     keep_scratch,
     layer_mountpoint,
-    remove_dir,
     remove_scratch,
     retire_scratch,
     socket_dir_prefix,
@@ -317,7 +316,9 @@ class _FuseBoothLayer:
             self._quiet = None
         self.layer.close(keep_files=keep_files)
         if not keep_files:
-            remove_dir(self.scratch)
+            from shadowfs.removal import remove_quietly  # not at a booth's start
+
+            remove_quietly(self.scratch)
 
 
 def default_layer_factory(ctx: LayerContext) -> BoothLayer:

@@ -257,10 +257,9 @@ class TapeDir(Value):
         except FileNotFoundError:
             return  # none, or retired by another process meanwhile
         except OSError:
-            from shadowfs.removal import remove_tree
+            from shadowfs.removal import remove_quietly
 
-            with contextlib.suppress(OSError):
-                remove_tree(self.kept_path / booth_id)  # however deep the agent nested it
+            remove_quietly(self.kept_path / booth_id)  # however deep the agent nested it
             return
         empty_later(away)
 

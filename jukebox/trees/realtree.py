@@ -362,10 +362,9 @@ def _retire(path: Path, tapes: TapeDir) -> None:
             make_private_dirs(away.parent)
             os.rename(trash, away)
             empty_later(away)
-    from shadowfs.removal import remove_tree
+    from shadowfs.removal import remove_quietly
 
-    with contextlib.suppress(OSError):
-        remove_tree(path)  # the trash itself, should it not have moved: however deep
+    remove_quietly(path)  # the trash itself, should it not have moved: however deep
     with contextlib.suppress(OSError):
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:

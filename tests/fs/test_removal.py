@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shadowfs.removal import remove_tree
+from shadowfs.removal import remove_quietly, remove_tree
 
 
 def test_symlinks_are_removed_never_followed(tmp_path: Path) -> None:
@@ -44,5 +44,24 @@ def test_another_file_system_inside_is_left_alone(tmp_path: Path) -> None:
         assert refused.value.errno == errno.EXDEV
         # The rest is removed; what the mount holds is not (shutil.rmtree emptied it).
         assert os.listdir(tree) == ["m"] and (tree / "m" / "kept").read_text() == "theirs"
+        (tree / "again").mkdir()
+        remove_quietly(tree)  # the same refusal, said to no one: the rest goes all the same
+        assert os.listdir(tree) == ["m"] and (tree / "m" / "kept").read_text() == "theirs"
     finally:
         subprocess.run(["umount", str(tree / "m")])
+
+
+def test_quiet_removal_follows_nothing_and_takes_what_it_can(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f").write_text("host")
+    empty, tree = tmp_path / "empty", tmp_path / "tree"
+    empty.mkdir()
+    (tree / "deep" / "er").mkdir(parents=True)
+    (tree / "deep" / "er" / "out").symlink_to(victim)
+    (tree / "deep" / "er" / "locked").mkdir(mode=0)  # as an agent or an overlay's work dir
+    (tmp_path / "top").symlink_to(victim)
+    for path in (empty, tree, tmp_path / "top", tmp_path / "gone"):
+        remove_quietly(path)
+    assert sorted(os.listdir(tmp_path)) == ["victim"]
+    assert (victim / "f").read_text() == "host"
