@@ -20,6 +20,21 @@ so a slow request still never stalls the mount. The workers also ask for the sho
 scheduler slice (`shadowfs.sched`): woken by a request, one then runs at once instead of
 waiting for whatever holds its core. docs/benchmarks.md ("FUSE under load") has the figures.
 
+A raised priority, within a CPU budget. The workers are threads of the process that serves the
+mount, so they share its scheduling group (its session, with autogroups) with whatever else
+runs there, and at the same nice value the fair scheduler pays every microsecond a worker
+serves back to those tasks: the process that sent the request then waits for their slices
+before it runs again. fuse-overlayfs escapes that by daemonizing into a session of its own.
+Where the process may (CAP_SYS_NICE: a supervisor running as root), the worker holding the turn
+runs `WORKER_BOOST` nice steps above the process, so the time it serves is charged at a
+tenth of the rate; a worker handing the turn on before big I/O or a wait drops back to the
+process's value. The agent decides how many requests the workers serve, so the raised
+priority has a budget: a worker that has used more than `BOOST_BUDGET` seconds of CPU within
+`BOOST_WINDOW` runs at the process's value for the rest of that window. An agent keeping the
+mount busy gets the workers at most half a core at the raised priority; the rest it gets at
+the priority everything else in the session has. Where the process may not raise a
+thread's priority (an unprivileged supervisor), nothing changes.
+
 Zero-message opens. OPEN, OPENDIR and CREATE are answered ENOSYS. The kernel then stops sending
 them (and RELEASE, RELEASEDIR and FLUSH), keeps file pages cached across opens and caches
 directory listings (``FOPEN_CACHE_DIR`` is its default without opendir). ``grep -r`` costs one
@@ -86,6 +101,13 @@ THREAD_IO = 1024 * 1024
 WORKERS = 4
 # The workers' scheduler slice: the shortest the kernel takes (shadowfs.sched).
 WORKER_SLICE = 0.0001
+# Nice steps the worker holding the turn runs above the process, where it may, and the CPU it
+# may use so raised within a window (see the module docstring).
+WORKER_BOOST = 10
+BOOST_WINDOW = 0.1
+BOOST_BUDGET = 0.05
+# Requests served between two looks at the budget (a look is a system call).
+BOOST_CHECK_EVERY = 8
 MAX_BACKGROUND = 1024
 FSNAME = "shadowfs"
 # Listings kept for readers part-way through a directory (per mount, most recent).
@@ -576,6 +598,8 @@ class Server:
         # and _leader names it; the others wait for the turn.
         self._turn = threading.Lock()
         self._leader = 0
+        # Thread ident -> the raised priority of a worker that may raise it.
+        self._boosts: dict[int, sched.Boost] = {}
         ops.before_block = self._yield_turn
 
     def start(self) -> None:
@@ -606,8 +630,13 @@ class Server:
 
     def _yield_turn(self) -> None:
         """Let another worker read the next request: this one is about to block. A no-op on
-        a thread not reading (a follower, or a thread outside the server)."""
-        if self._leader == threading.get_ident():
+        a thread not reading (a follower, or a thread outside the server). The worker's
+        raised priority drops meanwhile: what it blocks on (big I/O, a copy-up) may take long."""
+        me = threading.get_ident()
+        if self._leader == me:
+            boost = self._boosts.get(me)
+            if boost is not None:
+                boost.drop()
             self._leader = 0
             self._turn.release()
 
@@ -626,6 +655,13 @@ class Server:
         # whatever runs on its core to use up its own (milliseconds, about one request in a
         # hundred); with the shortest slice it runs at once (shadowfs.sched).
         sched.short_slice(WORKER_SLICE)
+        # Whether this process may raise the worker's priority: tried once, then set back.
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        boost = None
+        if WORKER_BOOST > 0 and sched.set_nice(base - WORKER_BOOST):
+            sched.set_nice(base)
+            boost = self._boosts[me] = sched.Boost(base, WORKER_BOOST, BOOST_BUDGET, BOOST_WINDOW)
+        served = 0
         # Anonymous memory, not a bytearray: bytearray(n) zero-fills its megabyte, faulting
         # in every page of it (about 1,000 page faults for the four workers, at each mount,
         # which a booth's start waits for); the kernel gives these pages zeroed as a request
@@ -641,6 +677,12 @@ class Server:
                 if self._leader != me:
                     self._turn.acquire()
                     self._leader = me
+                    if boost is not None:
+                        boost.check()
+                elif boost is not None:
+                    served += 1
+                    if served % BOOST_CHECK_EVERY == 0:
+                        boost.check()
                 try:
                     n = readv(fd, [buf])
                 except OSError as exc:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from shadowfs.libc import libc
 
@@ -57,3 +59,64 @@ def short_slice(seconds: float, tid: int = 0) -> bool:
     )
     result: int = libc.syscall(_SYS_SCHED_SETATTR, tid, ctypes.byref(attr), 0)
     return result == 0
+
+
+def set_nice(nice: int, tid: int = 0) -> bool:
+    """Give thread ``tid`` (0: the calling thread) the nice value ``nice``; whether the kernel
+    allowed it. Raising a thread's priority (a lower value) needs CAP_SYS_NICE or an
+    RLIMIT_NICE that allows it; lowering it is always allowed."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid or threading.get_native_id(), nice)
+    except OSError:
+        return False
+    return True
+
+
+class Boost:
+    """A thread's priority raised ``steps`` nice values above ``base``, within a CPU budget: once
+    the thread has used more than ``budget`` seconds of CPU within ``window`` seconds, it runs
+    at ``base`` for the rest of that window. Only the thread itself calls `check` and `drop`.
+
+    ``cpu`` and ``clock`` read the thread's CPU time and the time: a test passes its own, to use
+    up the budget without spinning. Where the process may not raise a thread's priority, the
+    thread stays at ``base``."""
+
+    __slots__ = ("base", "budget", "clock", "cpu", "cpu0", "high", "start", "steps", "window")
+
+    def __init__(
+        self,
+        base: int,
+        steps: int,
+        budget: float,
+        window: float,
+        cpu: Callable[[], float] = time.thread_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.base = base
+        self.steps = steps
+        self.budget = budget
+        self.window = window
+        self.cpu = cpu
+        self.clock = clock
+        self.high = False
+        self.start = clock()
+        self.cpu0 = cpu()
+
+    def check(self) -> None:
+        """Raise the priority if the window's budget allows it, else drop it."""
+        cpu = self.cpu()
+        if cpu - self.cpu0 > self.budget:
+            now = self.clock()
+            if now - self.start < self.window:
+                self.drop()
+                return
+            self.start = now
+            self.cpu0 = cpu
+        if not self.high:
+            self.high = set_nice(self.base - self.steps)
+
+    def drop(self) -> None:
+        """Back to ``base`` (before the thread blocks on something that may take long)."""
+        if self.high:
+            set_nice(self.base)
+            self.high = False
