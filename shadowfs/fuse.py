@@ -654,13 +654,13 @@ class Server:
         # Woken for each request on a busy machine, a worker with the default slice waits for
         # whatever runs on its core to use up its own (milliseconds, about one request in a
         # hundred); with the shortest slice it runs at once (shadowfs.sched).
-        sched.short_slice(WORKER_SLICE)
-        # Whether this process may raise the worker's priority: tried once, then set back.
-        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        # Whether this process may raise the worker's priority (see the module docstring):
+        # before the slice, which the reset-on-fork mark set here would reset.
+        base = sched.may_boost(WORKER_BOOST)
         boost = None
-        if WORKER_BOOST > 0 and sched.set_nice(base - WORKER_BOOST):
-            sched.set_nice(base)
+        if base is not None:
             boost = self._boosts[me] = sched.Boost(base, WORKER_BOOST, BOOST_BUDGET, BOOST_WINDOW)
+        sched.short_slice(WORKER_SLICE)
         served = 0
         # Anonymous memory, not a bytearray: bytearray(n) zero-fills its megabyte, faulting
         # in every page of it (about 1,000 page faults for the four workers, at each mount,

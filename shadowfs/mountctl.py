@@ -351,14 +351,18 @@ class Mount:
         # each FORGET (tens of µs apiece on a busy machine); as SCHED_BATCH it does not preempt
         # on wake-up and reads them later in one batch. Any user may switch its own threads
         # between SCHED_OTHER and SCHED_BATCH.
-        batched: list[int] = []
+        # A worker's reset-on-fork mark (shadowfs.sched.Boost) goes along both ways: a
+        # privileged caller's switch would clear it.
+        batched: list[tuple[int, int]] = []
         drops = channel.protocol_minor < EXPIRE_ONLY_MINOR
         if drops and any(it[0] == "entry" for it in items):
             for tid in list(server.tids):
                 with contextlib.suppress(OSError):
-                    if os.sched_getscheduler(tid) == os.SCHED_OTHER:
-                        os.sched_setscheduler(tid, os.SCHED_BATCH, _SCHED_PARAM)
-                        batched.append(tid)
+                    policy = os.sched_getscheduler(tid)
+                    mark = policy & os.SCHED_RESET_ON_FORK
+                    if policy & ~mark == os.SCHED_OTHER:
+                        os.sched_setscheduler(tid, os.SCHED_BATCH | mark, _SCHED_PARAM)
+                        batched.append((tid, mark))
         try:
             for it in items:
                 # ENOENT: the kernel forgot that inode or entry already; nothing to drop.
@@ -368,9 +372,9 @@ class Mount:
                     else:
                         channel.invalidate_inode(it[1], attr_only=it[2])
         finally:
-            for tid in batched:
+            for tid, mark in batched:
                 with contextlib.suppress(OSError):
-                    os.sched_setscheduler(tid, os.SCHED_OTHER, _SCHED_PARAM)
+                    os.sched_setscheduler(tid, os.SCHED_OTHER | mark, _SCHED_PARAM)
                     # Which reset the worker's slice to the default: its own again.
                     sched.short_slice(WORKER_SLICE, tid)
 

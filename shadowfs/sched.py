@@ -7,6 +7,11 @@ sleeps most of the time and must answer quickly when woken (the booth's control 
 for a short one: its earlier deadline lets it preempt a task that was running when it woke,
 instead of waiting for that task's slice to end (milliseconds on a machine whose cores are
 busy). Older kernels ignore the field; other systems have no such call.
+
+A thread's priority (its nice value) is its share of the CPU against the other tasks of its
+scheduling group. `Boost` raises a thread's priority within a CPU budget where the process may
+(the FUSE workers, shadowfs.fuse); such a thread is marked reset-on-fork, so that the threads
+and processes it starts begin at nice 0, not at its raised value.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from shadowfs.libc import libc
 # sched_setattr(2) by architecture; libc has no wrapper for it.
 _SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(os.uname().machine)
 _SCHED_ATTR_SIZE_VER0 = 48
+_SCHED_FLAG_RESET_ON_FORK = 1
 
 
 class _SchedAttr(ctypes.Structure):
@@ -37,23 +43,29 @@ class _SchedAttr(ctypes.Structure):
     ]
 
 
-def short_slice(seconds: float, tid: int = 0) -> bool:
+def short_slice(seconds: float, tid: int = 0, *, reset_on_fork: bool | None = None) -> bool:
     """Ask for a slice of ``seconds`` for thread ``tid`` (0: the calling thread); whether the
-    kernel accepted it.
+    kernel accepted it. ``reset_on_fork``: mark the thread so that the threads and processes it
+    starts take neither its slice nor a negative nice value (None: as the thread has it now;
+    the call would otherwise clear the mark).
 
     Only for a thread under the normal policy (SCHED_BATCH and SCHED_IDLE, which someone chose,
     stay as they are), and keeping its nice value: the call sets both."""
     if _SYS_SCHED_SETATTR is None:
         return False
     try:
-        if os.sched_getscheduler(tid) != os.SCHED_OTHER:
+        policy = os.sched_getscheduler(tid)
+        if policy & ~os.SCHED_RESET_ON_FORK != os.SCHED_OTHER:
             return False
         nice = os.getpriority(os.PRIO_PROCESS, tid or threading.get_native_id())
     except OSError:
         return False
+    if reset_on_fork is None:
+        reset_on_fork = bool(policy & os.SCHED_RESET_ON_FORK)
     attr = _SchedAttr(
         size=_SCHED_ATTR_SIZE_VER0,
         sched_policy=os.SCHED_OTHER,
+        sched_flags=_SCHED_FLAG_RESET_ON_FORK if reset_on_fork else 0,
         sched_nice=nice,
         sched_runtime=int(seconds * 1e9),
     )
@@ -75,7 +87,9 @@ def set_nice(nice: int, tid: int = 0) -> bool:
 class Boost:
     """A thread's priority raised ``steps`` nice values above ``base``, within a CPU budget: once
     the thread has used more than ``budget`` seconds of CPU within ``window`` seconds, it runs
-    at ``base`` for the rest of that window. Only the thread itself calls `check` and `drop`.
+    at ``base`` for the rest of that window. Only the thread itself calls `check` and `drop`,
+    and only for a ``base`` of 0 or below (`may_boost`), with the thread marked reset-on-fork:
+    what it starts then begins at nice 0, never at the raised value.
 
     ``cpu`` and ``clock`` read the thread's CPU time and the time: a test passes its own, to use
     up the budget without spinning. Where the process may not raise a thread's priority, the
@@ -120,3 +134,29 @@ class Boost:
         if self.high:
             set_nice(self.base)
             self.high = False
+
+
+def may_boost(steps: int) -> int | None:
+    """Prepare the calling thread for a `Boost` of ``steps``: its nice value (the boost's base)
+    if the process may raise it that far, with the thread marked reset-on-fork; else None.
+
+    Not for a thread running at a positive nice value (someone asked it to yield, and what it
+    starts would inherit the raised value: reset-on-fork only resets a negative one), nor under
+    another policy than the normal one."""
+    tid = threading.get_native_id()
+    try:
+        policy = os.sched_getscheduler(0)
+        base = os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:
+        return None
+    if steps <= 0 or base > 0 or policy & ~os.SCHED_RESET_ON_FORK != os.SCHED_OTHER:
+        return None
+    if not policy & os.SCHED_RESET_ON_FORK:
+        try:
+            os.sched_setscheduler(0, policy | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+        except OSError:
+            return None
+    if not set_nice(base - steps):
+        return None
+    set_nice(base)
+    return base
