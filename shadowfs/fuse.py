@@ -25,15 +25,17 @@ mount, so they share its scheduling group (its session, with autogroups) with wh
 runs there, and at the same nice value the fair scheduler pays every microsecond a worker
 serves back to those tasks: the process that sent the request then waits for their slices
 before it runs again. fuse-overlayfs escapes that by daemonizing into a session of its own.
-Where the process may (CAP_SYS_NICE: a supervisor running as root), the worker holding the turn
-runs `WORKER_BOOST` nice steps above the process, so the time it serves is charged at a
-tenth of the rate; a worker handing the turn on before big I/O or a wait drops back to the
-process's value. The agent decides how many requests the workers serve, so the raised
+Where the process may (CAP_SYS_NICE: a supervisor running as root, at nice 0 or below), the
+worker holding the turn runs `WORKER_BOOST` nice steps above the process, so the time it serves
+is charged at a tenth of the rate; a worker handing the turn on before big I/O or a wait drops
+back to the process's value, and what a worker starts begins at nice 0 (reset-on-fork,
+`shadowfs.sched.may_boost`). The agent decides how many requests the workers serve, so the raised
 priority has a budget: a worker that has used more than `BOOST_BUDGET` seconds of CPU within
 `BOOST_WINDOW` runs at the process's value for the rest of that window. An agent keeping the
 mount busy gets the workers at most half a core at the raised priority; the rest it gets at
 the priority everything else in the session has. Where the process may not raise a
-thread's priority (an unprivileged supervisor), nothing changes.
+thread's priority (an unprivileged supervisor), or runs at a positive nice value (an operator
+asked it to yield), nothing changes.
 
 Zero-message opens. OPEN, OPENDIR and CREATE are answered ENOSYS. The kernel then stops sending
 them (and RELEASE, RELEASEDIR and FLUSH), keeps file pages cached across opens and caches
