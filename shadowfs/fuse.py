@@ -30,10 +30,11 @@ worker holding the turn runs `WORKER_BOOST` nice steps above the process, so the
 is charged at a tenth of the rate; a worker handing the turn on before big I/O or a wait drops
 back to the process's value, and what a worker starts begins at nice 0 (reset-on-fork,
 `shadowfs.sched.may_boost`). The agent decides how many requests the workers serve, so the raised
-priority has a budget: a worker that has used more than `BOOST_BUDGET` seconds of CPU within
-`BOOST_WINDOW` runs at the process's value for the rest of that window. An agent keeping the
-mount busy gets the workers at most half a core at the raised priority; the rest it gets at
-the priority everything else in the session has. Where the process may not raise a
+priority has a budget, one for all the workers of a mount: once they have used
+`BOOST_BUDGET` seconds of CPU raised within `BOOST_WINDOW`, they run at the process's value for
+the rest of that window. An agent keeping the mount busy gets the workers at most half a core
+at the raised priority, however it makes them hand the turn on; the rest it gets at the
+priority everything else in the session has. Where the process may not raise a
 thread's priority (an unprivileged supervisor), or runs at a positive nice value (an operator
 asked it to yield), nothing changes.
 
@@ -602,6 +603,7 @@ class Server:
         self._leader = 0
         # Thread ident -> the raised priority of a worker that may raise it.
         self._boosts: dict[int, sched.Boost] = {}
+        self._boost_budget = sched.BoostBudget(BOOST_BUDGET, BOOST_WINDOW)
         ops.before_block = self._yield_turn
 
     def start(self) -> None:
@@ -661,7 +663,7 @@ class Server:
         base = sched.may_boost(WORKER_BOOST)
         boost = None
         if base is not None:
-            boost = self._boosts[me] = sched.Boost(base, WORKER_BOOST, BOOST_BUDGET, BOOST_WINDOW)
+            boost = self._boosts[me] = sched.Boost(base, WORKER_BOOST, self._boost_budget)
         sched.short_slice(WORKER_SLICE)
         served = 0
         # Anonymous memory, not a bytearray: bytearray(n) zero-fills its megabyte, faulting

@@ -84,54 +84,82 @@ def set_nice(nice: int, tid: int = 0) -> bool:
     return True
 
 
+class BoostBudget:
+    """The CPU that raised threads may use together: ``budget`` seconds within each ``window``
+    seconds. Shared by all the threads one `Boost` each raises, so that threads raised in turn
+    (a worker handing the turn on before it blocks, the next one taking it) use one budget
+    between them, not one each. Written under the GIL; a check's worth of CPU may go over."""
+
+    __slots__ = ("budget", "clock", "spent", "start", "window")
+
+    def __init__(
+        self, budget: float, window: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.budget = budget
+        self.window = window
+        self.clock = clock
+        self.start = clock()
+        self.spent = 0.0
+
+    def spend(self, seconds: float) -> None:
+        self._roll()
+        self.spent += seconds
+
+    def left(self) -> bool:
+        self._roll()
+        return self.spent <= self.budget
+
+    def _roll(self) -> None:
+        now = self.clock()
+        if now - self.start >= self.window:
+            self.start = now
+            self.spent = 0.0
+
+
 class Boost:
-    """A thread's priority raised ``steps`` nice values above ``base``, within a CPU budget: once
-    the thread has used more than ``budget`` seconds of CPU within ``window`` seconds, it runs
-    at ``base`` for the rest of that window. Only the thread itself calls `check` and `drop`,
-    and only for a ``base`` of 0 or below (`may_boost`), with the thread marked reset-on-fork:
-    what it starts then begins at nice 0, never at the raised value.
+    """A thread's priority raised ``steps`` nice values above ``base``, within a shared CPU
+    budget (`BoostBudget`): the CPU the thread uses while raised is charged to it, and once
+    the window's budget is used up the thread runs at ``base`` for the rest of that window.
+    Only the thread itself calls `check` and `drop`, and only for a ``base`` of 0 or below
+    (`may_boost`), with the thread marked reset-on-fork: what it starts then begins at nice 0,
+    never at the raised value.
 
-    ``cpu`` and ``clock`` read the thread's CPU time and the time: a test passes its own, to use
-    up the budget without spinning. Where the process may not raise a thread's priority, the
-    thread stays at ``base``."""
+    ``cpu`` reads the thread's CPU time: a test passes its own, to use up the budget without
+    spinning. Where the process may not raise a thread's priority, the thread stays at
+    ``base``."""
 
-    __slots__ = ("base", "budget", "clock", "cpu", "cpu0", "high", "start", "steps", "window")
+    __slots__ = ("base", "budget", "cpu", "high", "since", "steps")
 
     def __init__(
         self,
         base: int,
         steps: int,
-        budget: float,
-        window: float,
+        budget: BoostBudget,
         cpu: Callable[[], float] = time.thread_time,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.base = base
         self.steps = steps
         self.budget = budget
-        self.window = window
         self.cpu = cpu
-        self.clock = clock
         self.high = False
-        self.start = clock()
-        self.cpu0 = cpu()
+        self.since = 0.0
 
     def check(self) -> None:
-        """Raise the priority if the window's budget allows it, else drop it."""
-        cpu = self.cpu()
-        if cpu - self.cpu0 > self.budget:
-            now = self.clock()
-            if now - self.start < self.window:
-                self.drop()
-                return
-            self.start = now
-            self.cpu0 = cpu
-        if not self.high:
+        """Raise the priority if the budget has some left, else drop it."""
+        if self.high:
+            now = self.cpu()
+            self.budget.spend(now - self.since)
+            self.since = now
+        if not self.budget.left():
+            self.drop()
+        elif not self.high:
             self.high = set_nice(self.base - self.steps)
+            self.since = self.cpu()
 
     def drop(self) -> None:
         """Back to ``base`` (before the thread blocks on something that may take long)."""
         if self.high:
+            self.budget.spend(self.cpu() - self.since)
             set_nice(self.base)
             self.high = False
 

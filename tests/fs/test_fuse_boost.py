@@ -28,13 +28,26 @@ start = os.getpriority(os.PRIO_PROCESS, 0)
 base = sched.may_boost(10)
 out = {"base": base}
 if base is not None:
-    cpu, now = [0.0], [0.0]
-    boost = sched.Boost(base, 10, 0.05, 0.1, cpu=lambda: cpu[0], clock=lambda: now[0])
+    # Two workers taking the turn in turn (here on one thread: the nice value read is its
+    # own), each handing it on before it blocks, as an agent's big writes make them do.
+    cpu_a, cpu_b, now = [0.0], [0.0], [0.0]
+    budget = sched.BoostBudget(0.05, 0.1, clock=lambda: now[0])
+    a = sched.Boost(base, 10, budget, cpu=lambda: cpu_a[0])
+    b = sched.Boost(base, 10, budget, cpu=lambda: cpu_b[0])
     seen = []
-    for spent, at in ((0.0, 0.0), (0.03, 0.01), (0.06, 0.02), (0.09, 0.05), (0.10, 0.12)):
+    for boost, cpu, spent, at, how in (
+        (a, cpu_a, 0.0, 0.0, "check"),
+        (a, cpu_a, 0.03, 0.01, "check"),
+        (a, cpu_a, 0.03, 0.015, "drop"),
+        (b, cpu_b, 0.0, 0.02, "check"),
+        (b, cpu_b, 0.03, 0.03, "check"),
+        (a, cpu_a, 0.03, 0.05, "check"),
+        (a, cpu_a, 0.03, 0.12, "check"),
+    ):
         cpu[0], now[0] = spent, at
-        boost.check()
+        getattr(boost, how)()
         seen.append(os.getpriority(os.PRIO_PROCESS, 0) - base)
+    boost = a
     out["seen"] = seen
     # What the raised worker starts (the scratch thread, a callback's process) begins at the
     # process's priority, not at the raised one.
@@ -65,10 +78,13 @@ def test_an_agent_keeping_the_worker_busy_gets_the_raised_priority_only_within_t
     work.mkdir()
     out = run_attack(BUSY, work, user)
     if user is None:
-        # Raised; still within 0.05 s of CPU; over it inside the window: back to the base, and
-        # there for the rest of the window; a new window: raised again.
+        # Raised; still within 0.05 s of CPU; back to the base while the turn is handed on;
+        # the next worker raised on what is left; over the budget between the two inside the
+        # window: back to the base, and there for the rest of the window, whichever worker
+        # holds the turn (one budget each would have let the agent have the worker raised
+        # without end by making them hand the turn on); a new window: raised again.
         assert out["base"] == 0
-        assert out["seen"] == [-10, -10, 0, 0, -10]
+        assert out["seen"] == [-10, -10, 0, -10, 0, 0, -10]
         assert out["started"] == [0, 0]
     else:
         # An unprivileged supervisor cannot raise a thread's priority: nothing changes.
