@@ -7,12 +7,15 @@ whose .pth pulls in this checkout and the project venv's packages.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,15 +91,42 @@ def nobody_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     shutil.rmtree(base, ignore_errors=True)
 
 
+# Who holds /dev/fuse open to all, and its mode before the first of them: the suite's workers
+# (pytest -n) share the device, so the last one to finish restores it, not the first.
+DEV_FUSE_USERS = Path(tempfile.gettempdir()) / "jukebox-tests-dev-fuse.json"
+
+
+@contextlib.contextmanager
+def _dev_fuse_users() -> Iterator[dict]:
+    """The users' record under an exclusive lock, written back as the block leaves it; pids
+    that died (a worker killed before its teardown) are dropped."""
+    with open(DEV_FUSE_USERS, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        raw = f.read()
+        state = json.loads(raw) if raw.strip() else {"mode": None, "users": []}
+        state["users"] = [pid for pid in state["users"] if os.path.exists(f"/proc/{pid}")]
+        yield state
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(state))
+
+
 @pytest.fixture(scope="session")
 def open_dev_fuse() -> Iterator[None]:
     """/dev/fuse is 0600 on this machine; an unprivileged booth needs to open it."""
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse")
-    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
-    os.chmod("/dev/fuse", 0o666)
+    with _dev_fuse_users() as state:
+        if not state["users"]:
+            state["mode"] = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+        state["users"].append(os.getpid())
+        os.chmod("/dev/fuse", 0o666)
     yield
-    os.chmod("/dev/fuse", mode)
+    with _dev_fuse_users() as state:
+        state["users"] = [pid for pid in state["users"] if pid != os.getpid()]
+        if not state["users"]:
+            os.chmod("/dev/fuse", state["mode"])
 
 
 @pytest.fixture
