@@ -16,10 +16,14 @@ NODE_STAMP := $(NODE_SERVERS)/node_modules/.installed
 demo: setup
 	$(PY) -m jukebox.demo
 
+# The suite on two workers (pytest-xdist; the "phoenix" group's tests on one of them), then, alone,
+# the tests marked `serial` (pyproject.toml's markers: CPU hogs, and tests an idle CPU or the
+# CPU affinity decides). Serially it took 16 minutes on CI's 2-core VM.
 test: setup receivers
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup -m "not serial" tests
+	$(PY) -m pytest -q --durations=20 -m serial tests
 
 bench: setup
 	$(PY) -m bench

@@ -82,3 +82,30 @@ def no_user_config() -> None:
     os.environ["XDG_CONFIG_HOME"] = os.path.join(
         tempfile.gettempdir(), f"jukebox-tests-no-config-{os.getpid()}"
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `pytest -n` (make test), a test sharing a module- or package-scoped fixture runs
+    on the same worker as the other tests of that module or package, so the fixture (a booth
+    run, a recorded tape, a wheel, Arize Phoenix) is made once, not once per worker or each
+    time a worker comes back to the module. Every other test goes to whichever worker is free."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process runs everything (and pytest-xdist may not even be loaded)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        group = None
+        for name in item.fixturenames:
+            defs = info.name2fixturedefs.get(name)
+            scope = defs[-1].scope if defs else None
+            if scope == "package":
+                group = defs[-1].baseid or "tests"
+                break
+            if scope == "module":
+                group = item.nodeid.split("::", 1)[0]
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

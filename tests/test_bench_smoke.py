@@ -32,6 +32,7 @@ def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
     return proc, out_md.read_text(), json.loads(out_json.read_text())
 
 
+@pytest.mark.serial  # a bench: a CPU hog, alone
 def test_quick_git_baseline_reports_a_table_with_every_case(tmp_path: Path) -> None:
     proc, report, data = _bench(tmp_path, "--only", "git_baseline")
 
@@ -53,6 +54,7 @@ def test_quick_git_baseline_reports_a_table_with_every_case(tmp_path: Path) -> N
     assert proc.stdout == report  # stdout carries the same report
 
 
+@pytest.mark.serial  # a bench: a CPU hog, alone
 def test_quick_fs_suite_runs_side_by_side_and_reports_missing_backends(tmp_path: Path) -> None:
     systems = ["native", "kernel-overlay"] if os.geteuid() == 0 else ["native"]
     _, report, data = _bench(
@@ -137,6 +139,7 @@ def test_bad_options_get_one_line_and_exit_2(args: list[str], named: str) -> Non
     assert proc.stdout == ""
 
 
+@pytest.mark.serial  # a bench: a CPU hog, alone
 def test_quick_booth_suite_reports_checkpoints_back_to_back_and_after_a_pause(
     tmp_path: Path,
 ) -> None:
@@ -152,6 +155,7 @@ def test_quick_booth_suite_reports_checkpoints_back_to_back_and_after_a_pause(
     assert "| checkpoint over the socket (10 dirty files, 0.2 s after the step) |" in report
 
 
+@pytest.mark.serial  # a bench: a CPU hog, alone
 def test_quick_scale_suite_measures_every_case_side_by_side(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("the scale group mounts overlays and runs booths as root")
@@ -205,6 +209,7 @@ def test_loaded_subset_runs_only_the_named_workloads_and_conditions(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the bench's FUSE mounts run as root only")
+@pytest.mark.serial  # a bench: a CPU hog, alone
 def test_fuse_requests_counts_what_the_kernel_sends_for_each_new_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -110,6 +110,7 @@ def interrupt_once_stuck(connection: int) -> threading.Thread:
     return thread
 
 
+@pytest.mark.serial  # its 60 s backstop fired beside another worker under load
 def test_a_call_stuck_past_the_limit_is_aborted(served) -> None:
     mnt, connection, server = served
     watchdog = LayerWatchdog(connection, limit=1.0).start()
@@ -126,6 +127,7 @@ def test_a_call_stuck_past_the_limit_is_aborted(served) -> None:
     assert "a snapshot" in message and f"connection {connection}" in message
 
 
+@pytest.mark.serial  # its 60 s backstop fired beside another worker under load
 def test_an_interrupt_frees_a_stuck_call_before_the_limit(interrupts_blocked, served) -> None:
     mnt, connection, server = served
     watchdog = LayerWatchdog(connection, limit=3600).start()

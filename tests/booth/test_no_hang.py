@@ -201,6 +201,7 @@ def running(command: str) -> bool:
     return False
 
 
+@pytest.mark.serial  # failed under load before; finds its agent by command line
 def test_abort_frees_an_agent_stuck_on_the_layer(started, who) -> None:
     python, user, base = who
     tree, tapes = base / "tree", base / "tapes"

@@ -294,6 +294,7 @@ def _two_cpus() -> tuple[int, int]:
     return cpus[0], cpus[-1]
 
 
+@pytest.mark.serial  # its thread's CPU mask is read while an agent is pinned: alone, on idle CPUs
 def test_the_connection_waits_beside_the_agent(tmp_path: Path) -> None:
     # Bound to the agent's CPU while it waits, so the agent's send wakes it on a running CPU;
     # every other thread of the booth keeps the booth's own mask.
@@ -324,6 +325,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.serial  # its thread's CPU mask is read while an agent is pinned: alone, on idle CPUs
 def test_the_connection_follows_an_agent_that_sleeps_on_another_cpu(tmp_path: Path) -> None:
     # The agent's CPU read after an answer is not always where it sleeps through its pause
     # (its step's FUSE requests move it): the connection's thread looks again while it waits.
@@ -367,6 +369,7 @@ def test_the_connection_follows_an_agent_that_sleeps_on_another_cpu(tmp_path: Pa
     assert not any(mask == {first} for mask in masks.values())
 
 
+@pytest.mark.serial  # its thread's CPU mask is read while an agent is pinned: alone, on idle CPUs
 def test_the_booths_own_cpus_are_kept(tmp_path: Path) -> None:
     # A booth started on fewer CPUs than the agent runs on never binds a thread outside them.
     tree, tapes = tmp_path / "tree", tmp_path / "tapes"
@@ -378,6 +381,7 @@ def test_the_booths_own_cpus_are_kept(tmp_path: Path) -> None:
     assert all(mask == {booth_cpu} for mask in masks.values())
 
 
+@pytest.mark.serial  # its thread's CPU mask is read while an agent is pinned: alone, on idle CPUs
 def test_an_unprivileged_booths_connection_waits_beside_its_agent(
     nobody_python: str, nobody_dir: Path, open_dev_fuse: None
 ) -> None:

@@ -337,6 +337,7 @@ except OSError as exc:
 """
 
 
+@pytest.mark.serial  # a timed bound (stop within 10 s): 42 s beside another worker under load
 def test_stop_ends_the_connection_even_while_a_process_holds_files_in_the_mount(
     layer: Layer, tmp_path: Path
 ) -> None:

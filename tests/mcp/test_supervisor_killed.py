@@ -83,6 +83,7 @@ def jb(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
+@pytest.mark.serial  # failed under load before (CI: the held booth ended first)
 def test_supervisor_killed_with_calls_held_and_while_its_commit_runs_them(tmp_path: Path) -> None:
     # Side by side, for time: `held` is killed while its agent waits with two calls staged;
     # `running` while its commit waits on the second of three (the `hang` tool, staged by a rule).
