@@ -533,6 +533,7 @@ def test_missing_names_are_cached_until_a_restore_or_the_layer_adds_them(
         assert (mnt / "api-dir").is_dir()
 
 
+@pytest.mark.serial  # unmounts fusectl, machine-wide: another worker's aborts need it
 def test_a_mount_brings_up_fusectl_where_the_machine_did_not(
     layer: Layer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
