@@ -24,6 +24,24 @@ def _absolute_pythonpath() -> None:
 _absolute_pythonpath()
 
 
+def _terminal_keys() -> None:
+    """The commands a test starts get Ctrl-C and Ctrl-\\ as from a terminal, however the suite
+    was started. A shell starts a background job (`make test &`, `nohup ... &`, some CI runners)
+    with SIGINT and SIGQUIT ignored; an ignore is inherited across exec, and Python keeps an
+    inherited one instead of raising KeyboardInterrupt. `jukebox view`, `jukebox log -f` and
+    every other child would then ignore the SIGINT a test sends as Ctrl-C, and the test wait
+    out its timeout (what failed `make test` in the background, serially or under -n 2)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+_terminal_keys()
+
+
 def _slowdown() -> float:
     raw = os.environ.get("JUKEBOX_TEST_SLOWDOWN", "1")
     try:
