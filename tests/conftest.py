@@ -127,3 +127,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 group = item.nodeid.split("::", 1)[0]
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+            _name_group(item, group)
+
+
+def _name_group(item: pytest.Item, group: str) -> None:
+    """What pytest-xdist does with an xdist_group mark, done here: the group goes at the end of
+    the test's id (`...::test@group`), which is all its scheduler groups by. pytest-xdist 3.8
+    sets `item._nodeid`, which pytest 9 no longer reads (an item's id is `item._id`): without
+    this every test was scheduled alone, its module's fixtures made again on each worker."""
+    if item.nodeid.endswith(f"@{group}"):
+        return  # named already (a pytest-xdist that does it itself)
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")

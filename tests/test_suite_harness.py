@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -28,3 +30,31 @@ def test_a_tests_commands_get_ctrl_c_however_the_suite_was_started() -> None:
         ignored = int(out.stdout)
         for sig in (signal.SIGINT, signal.SIGQUIT):
             assert bool(ignored & (1 << (sig - 1))) is expect_ignored, (code, hex(ignored))
+
+
+def test_tests_sharing_a_module_fixture_run_on_one_worker_of_pytest_n(tmp_path: Path) -> None:
+    # Under `pytest -n 2 --dist loadgroup` two tests using a module-scoped fixture run on one
+    # worker, which makes the fixture once; a third sharing nothing may go to the other.
+    made = tmp_path / "made"
+    (tmp_path / "test_shared.py").write_text(
+        "import os, pytest\n"
+        "@pytest.fixture(scope='module')\n"
+        "def made_once():\n"
+        f"    with open({str(made)!r}, 'a') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        "def test_one(made_once):\n    pass\n"
+        "def test_two(made_once):\n    pass\n"
+        "def test_alone():\n    pass\n"
+    )  # fmt: skip
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "tests.conftest",
+         "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-rA",
+         "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "test_shared.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Named `...@group`, which is what pytest-xdist's scheduler groups by.
+    assert "PASSED test_shared.py::test_one@test_shared.py" in out.stdout, out.stdout
+    assert "PASSED test_shared.py::test_alone\n" in out.stdout, out.stdout
+    assert len(made.read_text().splitlines()) == 1, made.read_text()
