@@ -3,8 +3,8 @@
 
 MODE `mute` never answers anything (not even initialize); `garbage` answers every request with a
 line that is not JSON and a JSON-RPC response to a request nobody sent; otherwise it serves tools:
-`huge` (a result of N bytes), `hang` (never answers), `die` (the server exits mid-call), `echo`
-(its arguments back, read-only),
+`huge` (a result of N bytes), `hang` (never answers; appends a line to $HOSTILE_HANG_LOG, when
+set, as it starts), `die` (the server exits mid-call), `echo` (its arguments back, read-only),
 `aside` (asks the client's model and its roots, outside the call as far as the protocol says),
 `write` (appends a line to $HOSTILE_LOG: an external effect the tests can see).
 """
@@ -29,6 +29,9 @@ def huge(size: int) -> str:
 async def hang() -> str:
     import anyio
 
+    if "HOSTILE_HANG_LOG" in os.environ:  # the call reached the server: a test waits on this
+        with open(os.environ["HOSTILE_HANG_LOG"], "a") as f:
+            f.write("hang\n")
     await anyio.sleep_forever()
     return "never"
 

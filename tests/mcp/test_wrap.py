@@ -298,9 +298,11 @@ def test_a_call_on_the_sdk_path_cancelled_or_left_is_recorded(tmp_path: Path) ->
     assert hang["cancelled"] is True and echo["ok"] is True
 
     # An agent that goes away: its lines, then its end of the pipe closed while `hang` runs.
+    reached = tmp_path / "reached"  # the server notes there that `hang` has started
     wrapper = subprocess.Popen(
         [JUKEBOX, "mcp", "wrap", "--tape-dir", str(left_dir), "--", *hostile_server()],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "HOSTILE_HANG_LOG": str(reached)},
     )  # fmt: skip
     assert wrapper.stdin is not None and wrapper.stdout is not None
     for message in (
@@ -318,9 +320,9 @@ def test_a_call_on_the_sdk_path_cancelled_or_left_is_recorded(tmp_path: Path) ->
     import time
 
     deadline = time.monotonic() + 30
-    while not list(left_dir.glob("*.jbx")) and time.monotonic() < deadline:
+    while not (reached.exists() and list(left_dir.glob("*.jbx"))):  # the call is at the server
+        assert time.monotonic() < deadline, "the hang call never reached the server"
         time.sleep(0.05)
-    time.sleep(1)  # the call is on its way to the server
     wrapper.stdin.close()
     assert wrapper.wait(timeout=30) == 0
     [left] = payloads(only_tape(left_dir), "tool_call")
