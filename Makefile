@@ -16,9 +16,10 @@ NODE_STAMP := $(NODE_SERVERS)/node_modules/.installed
 demo: setup
 	$(PY) -m jukebox.demo
 
-# The suite on two workers (pytest-xdist; the "phoenix" group's tests on one of them), then, alone,
-# the tests marked `serial` (pyproject.toml's markers: CPU hogs, and tests an idle CPU or the
-# CPU affinity decides). Serially it took 16 minutes on CI's 2-core VM.
+# The suite on two workers (pytest-xdist; tests sharing a module- or package-scoped fixture on one
+# of them, tests/conftest.py), then, alone, the tests marked `serial` (pyproject.toml's markers:
+# CPU hogs, tests an idle CPU or the CPU affinity decides, machine-wide state). Serially pytest
+# took 16 to 18 minutes on CI's 2-core VM.
 test: setup receivers
 	$(VENV)/bin/ruff check shadowfs jukebox tests bench vm
 	$(VENV)/bin/mypy
