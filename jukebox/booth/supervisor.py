@@ -857,10 +857,12 @@ def commit_tree(
     was undone before its commit point or finished after it)."""
     from jukebox.trees import realtree
     from shadowfs.errors import CommitInterrupted, TargetBusy
+    from shadowfs.steptimes import lap
     from shadowfs.tree import diff_trees
 
     timeout = realtree.lock_timeout(lock_timeout)
     changes = len(diff_trees(store, base, final))  # remembered: the commit diffs the same
+    lap("diff count")
     target = realtree.open_recorded_tree(record.id, record.tree, record.tree_dev, record.tree_ino)
     try:
         if _read_only_fs(target):
@@ -884,9 +886,11 @@ def commit_tree(
                 "checkpoint": cp, "partial": partial,
             })
             stats = read_stats(tape_dir, record.tree)  # read once for before and after
+            known = known_files(tape_dir, record.tree, base, stats)
+            lap("intent, stats, known files")
             try:
                 job.apply(store, target, base, final, timeout=timeout, interrupted=interrupted,
-                          known=known_files(tape_dir, record.tree, base, stats))  # fmt: skip
+                          known=known)  # fmt: skip
             except CommitInterrupted:
                 write("note", {"event": "commit_interrupted", "outcome": "undone", "by": by}, None)
                 raise realtree.Interrupted(
@@ -898,6 +902,7 @@ def commit_tree(
                     f"commit of booth {record.id} not started: {error} (--lock-timeout)"
                 ) from None
             forget_committed(tape_dir, record.tree, store, base, final, stats)
+            lap("forget committed stats")
             payload: dict[str, Any] = {"ok": True, "changes": changes}
             if by is not None:
                 payload["by"] = by
@@ -911,6 +916,7 @@ def commit_tree(
             else:
                 write("commit", payload, final)
                 _finish(tape_dir, record.id)
+            lap("verdict written")
             if interrupted():
                 raise realtree.Interrupted(
                     f"interrupted past the commit point: the commit of booth {record.id} was "
@@ -950,6 +956,7 @@ def commit_booth(
     changed (a count: the lines of a summary were 0.1-0.3 s of a 50,000-file commit)."""
     from shadowfs.commit import collector_paused
     from shadowfs.errors import ConflictError
+    from shadowfs.steptimes import lap
 
     # The hook check, the summary and the commit diff the same trees: 50,000 changes are
     # millions of objects that Python's cyclic collector would walk again and again.
@@ -958,6 +965,7 @@ def commit_booth(
         with _open_store(tape_dir) as store:
             bound_tape(tape_dir, booth_id, record, store, sealed=True)  # before any write
             base, final, checkpoint = _target_tree(record, at)
+            lap("store opened, tape bound, trees")
             partial = None
             if only:
                 from jukebox.booth.partial import select, tree_paths
@@ -975,6 +983,7 @@ def commit_booth(
                     f"`jukebox booth discard {booth_id}`"
                 )
             refused = "" if allow_hooks else _host_hooks_refusal(store, base, final)
+            lap("host-hook check")
             if refused:
                 raise CheckFailed(
                     f"booth {booth_id} not committed: {refused}; review them "
@@ -1026,6 +1035,7 @@ def commit_booth(
             _remove_leftovers(tape_dir, booth_id)
         elif partial is None:  # the booth is done: its kept staged files go, off the clock
             retire_scratch(tape_dir, booth_id)
+        lap("job retired, scratch retired")
         return changes
 
 
