@@ -80,7 +80,7 @@ system-packages:
 	fi
 
 # The editable install also compiles the booth's C extension in place: rebuilt when it changes.
-$(STAMP): pyproject.toml jukebox/booth/_quickline.c
+$(STAMP): pyproject.toml jukebox/booth/_quickline.c shadowfs/_batchio.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@# setuptools warns about any flat layout on every editable build: noise for a user

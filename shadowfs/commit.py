@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import gc
 import json
 import os
@@ -91,6 +92,7 @@ from shadowfs.oid import ObjectHasher, ObjectId, hash_object
 
 # progress(phase, done, total) with phase "check" | "stage" | "apply" (counts of paths/ops).
 from shadowfs.progress import PhasedProgress as Progress
+from shadowfs.steptimes import lap
 from shadowfs.syncfs import syncfs
 from shadowfs.trash import empty as empty_trash
 from shadowfs.tree import (
@@ -110,7 +112,21 @@ from shadowfs.tree import (
 from shadowfs.values import Record, Value, setfield
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from shadowfs.objects import ObjectReader
+
+_batchio: ModuleType | None
+try:
+    # A big commit's per-file calls, a batch per call with the interpreter lock released once
+    # (_batchio.c), built by the install; where it is not, the same calls are made from Python.
+    from shadowfs import _batchio
+except ImportError:
+    _batchio = None
+# `SHADOWFS_BATCHIO=off`: the Python calls, the compiled ones' reference.
+BATCHIO_ENV = "SHADOWFS_BATCHIO"
+if os.environ.get(BATCHIO_ENV) == "off":
+    _batchio = None
 
 __all__ = [
     "CRASH_ENV",
@@ -294,11 +310,17 @@ class _Threads:
         """One batch of consecutive calls per thread, not one task per call: a task costs the
         pool tens of µs of Python (a future, its lock), more than the system call it runs. A
         batch stops at its first exception."""
+        return self.start_slices(functools.partial(_batch, fn), calls)
+
+    def start_slices(
+        self, fn: Callable[[list[tuple[Any, ...]]], Iterable[Any]], calls: list[tuple[Any, ...]]
+    ) -> list[Future[Any]]:
+        """As `start`, for an ``fn`` taking a whole slice of ``calls`` (a compiled batch,
+        _batchio) and returning the slice's results."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="jbx-commit")
         size = -(-len(calls) // _THREADS) if calls else 1
-        return [self.pool.submit(_batch, fn, calls[i : i + size])
-                for i in range(0, len(calls), size)]  # fmt: skip
+        return [self.pool.submit(fn, calls[i : i + size]) for i in range(0, len(calls), size)]
 
     @staticmethod
     def finish(futures: list[Future[Any]]) -> list[Any]:
@@ -1056,12 +1078,49 @@ class _Checker:
         return [_show(p) for p in sorted(set(bad))]
 
 
-def _changed_since(dirs: _Dirs, plan: _Plan, seen: dict[bytes, Seen]) -> list[str]:
+def _changed_since(
+    dirs: _Dirs, plan: _Plan, seen: dict[bytes, Seen], threads: _Threads | None = None
+) -> list[str]:
     """The touched paths that are no longer the very entries the conflict check saw, and the
-    extra names that appeared in directories the commit removes."""
-    bad = [path for path, was in seen.items() if _seen(_lstat(dirs, path)) != was]
+    extra names that appeared in directories the commit removes. With ``threads`` and many
+    paths, their lstats are made in those threads a slice at a time (_batchio.seen_many)."""
+    if _batchio is not None and threads is not None and len(seen) >= SYNCFS_FROM:
+        bad = _changed_batched(dirs, seen, threads)
+    else:
+        bad = [path for path, was in seen.items() if _seen(_lstat(dirs, path)) != was]
     bad.extend(_extra_names(dirs, plan, set()))
+    lap("commit: re-check")
     return [_show(p) for p in sorted(set(bad))]
+
+
+def _changed_batched(dirs: _Dirs, seen: dict[bytes, Seen], threads: _Threads) -> list[bytes]:
+    """`_changed_since`'s paths that changed, each chunk's lstats made by compiled calls in
+    ``threads`` through duplicates of its directories' fds (`_ChunkDirs`)."""
+    paths = list(seen)
+    bad: list[bytes] = []
+    i = 0
+    while i < len(paths):
+        own = _ChunkDirs(dirs)
+        calls: list[tuple[Any, ...]] = []
+        try:
+            j = i
+            while j < len(paths) and j - i < _CHUNK_OPS and len(own.fds) < _CHUNK_DIRS:
+                path = paths[j]
+                try:
+                    fd = own.get(_parent(path))
+                except OSError as exc:  # as `_lstat`: an unreachable parent, nothing there
+                    if exc.errno not in _GONE:
+                        raise
+                    fd = -1
+                calls.append((fd, _name(path)))
+                j += 1
+            # called only where it is built
+            now = threads.finish(threads.start_slices(_batchio.seen_many, calls))  # type: ignore[union-attr]
+        finally:
+            own.close()
+        bad.extend(p for p, st in zip(paths[i:j], now, strict=True) if st != seen[p])
+        i = j
+    return bad
 
 
 def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
@@ -1292,6 +1351,12 @@ def _write_staged(
         os.close(fd)
 
 
+def _write_slice(calls: list[tuple[Any, ...]]) -> list[Any]:
+    """`_write_staged` for each of ``calls``, in one compiled call (_batchio.write_files)."""
+    _batchio.write_files(calls)  # type: ignore[union-attr]  # called only where it is built
+    return []
+
+
 class _Chunk(Record):
     """Stages written together: small files by threads, then the rest one by one."""
 
@@ -1380,6 +1445,7 @@ def _stage_threaded(
     chunk is staged once its small files are written (a hard link's first name is then in
     place). ``done(k, nbytes)`` is told of each stage staged, in order. Returns or raises only
     once no thread writes any more."""
+    lap("commit: prepare record, blob index prefetch")
     live: list[_Chunk] = []
     try:
         i = 0
@@ -1388,7 +1454,10 @@ def _stage_threaded(
                 _check_interrupt(interrupted)
                 c = _read_chunk(store, dirs, stages, i, umask)
                 live.append(c)
-                c.futures = threads.start(_write_staged, c.calls)
+                if _batchio is not None:
+                    c.futures = threads.start_slices(_write_slice, c.calls)
+                else:
+                    c.futures = threads.start(_write_staged, c.calls)
                 i = c.end
             if len(live) > 1 or i >= len(stages):
                 c = live[0]
@@ -1407,6 +1476,7 @@ def _stage_threaded(
             with contextlib.suppress(BaseException):
                 _Threads.finish(c.futures)
             c.own.close()
+    lap("commit: staged (the check beside)")
 
 
 def _mtime(dirs: _Dirs, d: bytes) -> int:
@@ -1803,6 +1873,9 @@ def _run_ops_threaded(
 ) -> None:
     """Independent operations (see ``_THREADED_OPS``), ops ``first``.. of the journal, run in
     threads; those a thread left undone then run one by one, as `_redo` runs any operation."""
+    if _batchio is not None and trash is not None and chunk[0][0] == "rename":
+        _run_renames_batched(dirs, chunk, first, threads, trash, crash)
+        return
     own = _ChunkDirs(dirs)
     calls: list[tuple[Any, ...]] = []
     try:
@@ -1822,6 +1895,49 @@ def _run_ops_threaded(
     for k, (op, ok) in enumerate(zip(chunk, done, strict=True), first):
         if not ok:
             _run_op(dirs, op, trash, k, crash)
+
+
+def _rename_slice(aside: int, part: list[tuple[Any, ...]]) -> bytes:
+    """_batchio.keep_and_rename of a slice of (trash fd, trash name, staged dir fd, staged name,
+    dir fd, name, op index) calls; ``aside``: the op index where the crash tests die."""
+    die_at = next((i for i, c in enumerate(part) if c[6] == aside), -1)
+    # called only where it is built
+    return _batchio.keep_and_rename([c[:6] for c in part], die_at)  # type: ignore[union-attr,no-any-return]
+
+
+def _run_renames_batched(
+    dirs: _Dirs,
+    chunk: list[list[Any]],
+    first: int,
+    threads: _Threads,
+    trash: _Trash,
+    crash: _Crash,
+) -> None:
+    """`_run_ops_threaded` of renames with a trash, each thread's slice in one compiled call
+    (_batchio.keep_and_rename: `_fast_op`'s link into the trash and rename, the same calls);
+    those it left undone then run one by one, as `_redo` runs any operation."""
+    own = _ChunkDirs(dirs)
+    calls: list[tuple[Any, ...]] = []
+    slow: list[int] = []  # ops whose directories are not there: `_run_op` decides
+    aside = -1
+    if crash.point is not None and crash.point.startswith("aside:"):
+        with contextlib.suppress(ValueError):
+            aside = int(crash.point[6:])
+    try:
+        for k, op in enumerate(chunk, first):
+            try:
+                src, dst = own.get(op[1]), own.get(_parent(op[3]))
+            except OSError:
+                slow.append(k)
+                continue
+            tfd, tname = trash.place(k)
+            calls.append((tfd, tname, src, op[2], dst, _name(op[3]), k))
+        done = threads.finish(threads.start_slices(functools.partial(_rename_slice, aside), calls))
+    finally:
+        own.close()
+    slow.extend(c[6] for c, ok in zip(calls, done, strict=True) if not ok)
+    for k in sorted(slow):
+        _run_op(dirs, chunk[k - first], trash, k, crash)
 
 
 def _encode_ops(ops: list[list[Any]]) -> list[list[Any]]:
@@ -1897,6 +2013,7 @@ def _redo(
     finally:
         if own:
             threads.close()
+    lap("commit: ops run")
     if len(fsync) >= SYNCFS_FROM:
         syncfs(dirs.root)
     else:
@@ -1908,6 +2025,7 @@ def _redo(
                     raise
         if trash is not None:
             trash.sync()
+    lap("commit: synced")
     if progress is not None:
         progress("apply", total, total)
 
@@ -2010,11 +2128,14 @@ def _apply_locked(
     interrupted: Interrupted | None = None,
     known: Known | None = None,
 ) -> CommitReport:
+    lap("commit: opened, locked, recovered")
     changes = _changes(store, base_tree, new_tree)
+    lap("commit: _changes")
     if not changes:
         return CommitReport(0, 0)
     token = secrets.token_hex(8)
     plan = _plan(store, new_tree, changes, token, drop_setid)
+    lap("commit: _plan")
     seen: dict[bytes, Seen] = {}
     known_ = known or {}
     unknown = (
@@ -2147,7 +2268,8 @@ def _staged_and_applied(
         crash.at("journal")
         # The host may have edited a touched file while we staged: the journal is withdrawn
         # (nothing was applied yet) rather than overwriting that edit.
-        changed = _changed_since(dirs, plan, seen)
+        lap("commit: journal sealed, staging synced, journal written")
+        changed = _changed_since(dirs, plan, seen, threads)
         if changed:
             _remove(jfd, JOURNAL_NAME)
             os.fsync(jfd)

@@ -411,21 +411,37 @@ def _everything_and_many(src: Path) -> None:
         write(src / "many" / f"d{i:03d}" / "f", b"new %d\n" % i)
 
 
+def _calls(calls: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big commit's per-file calls in compiled batches (shadowfs/_batchio.c, built by the
+    install) or, as where they are not built, from Python; "default": whichever is there."""
+    if calls == "python":
+        monkeypatch.setattr(commit, "_batchio", None)
+
+
+CALLS = ["python", pytest.param("compiled", marks=pytest.mark.skipif(
+    commit._batchio is None, reason="shadowfs/_batchio.c was not built (`make setup`)"
+))]  # fmt: skip
+
+
 # One of each way the check beside the staging finds a conflict: a read (the main thread
 # checks it again), a name in a removed directory, an entry decided without the store, and a
 # staging directory that is no directory any more.
+# The last one again with the per-file calls made from Python (the staging fails in a thread).
 @pytest.mark.parametrize(
-    "name",
-    ["file edited underneath", "extra entry in a deleted dir", "symlink changed underneath",
-     "parent swapped for a symlink"],
+    ("name", "calls"),
+    [("file edited underneath", "default"), ("extra entry in a deleted dir", "default"),
+     ("symlink changed underneath", "default"), ("parent swapped for a symlink", "default"),
+     ("parent swapped for a symlink", "python")],
 )  # fmt: skip
 def test_a_commit_staged_in_threads_refuses_a_conflict_leaving_no_trace(
-    tmp_path: Path, store: Store, name: str
+    tmp_path: Path, store: Store, name: str, calls: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past SYNCFS_FROM staged files the conflict check runs beside the staging: a conflict
     then undoes what was staged, and the tree is exactly as before (the staging directories'
     mtimes too); a staging that fails on the tampered tree (a parent swapped for a symlink)
-    is reported by its conflicts."""
+    is reported by its conflicts. So it is with the per-file calls made in batches by
+    compiled code (shadowfs/_batchio.c) and from Python."""
+    _calls(calls, monkeypatch)
     tamper, expected = CONFLICTS[name]
     s = Scenario(tmp_path, store, _base_and_many, _everything_and_many)
     tamper(s.target)
@@ -436,6 +452,25 @@ def test_a_commit_staged_in_threads_refuses_a_conflict_leaving_no_trace(
     assert snapshot(s.target, with_root=True) == before
     assert not os.listdir(s.journal)
     assert commit.clean_residue(s.target) == 0
+
+
+@pytest.mark.parametrize("calls", CALLS)
+def test_a_big_commit_of_every_change_is_exact_either_way(
+    tmp_path: Path, store: Store, calls: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SYNCFS_FROM files the staging, the re-check and the renames run in batches of
+    compiled calls where those are built, else the same calls from Python: every kind of
+    change lands exactly either way, and the trash holds each replaced file."""
+    _calls(calls, monkeypatch)
+    s = Scenario(tmp_path, store, _base_and_many, _everything_and_many)
+    many = [s.target / "many" / f"d{i:03d}" / "f" for i in range(commit.SYNCFS_FROM + 20)]
+    inodes = {os.lstat(p).st_ino for p in many}
+    apply(store, s.target, s.base, s.new, journal_dir=s.journal, free_trash=False)
+    assert snapshot(s.target) == snapshot(s.reference)
+    trash = s.journal / commit.TRASH_NAME
+    assert inodes <= {os.lstat(p).st_ino for p in trash.rglob("*") if p.is_file()}
+    assert recover(s.target, s.journal) is False  # frees the trash
+    assert_committed(s)
 
 
 def test_every_conflict_is_listed(tmp_path: Path, store: Store) -> None:
