@@ -137,6 +137,9 @@ def _name_group(item: pytest.Item, group: str) -> None:
     this every test was scheduled alone, its module's fixtures made again on each worker."""
     if item.nodeid.endswith(f"@{group}"):
         return  # named already (a pytest-xdist that does it itself)
-    from _pytest.nodeid import coerce_node_id
-
+    try:
+        from _pytest.nodeid import coerce_node_id  # private: a later pytest may move it
+    except ImportError:  # a pytest that reads item._nodeid (8), or one without the function:
+        item._nodeid = f"{item.nodeid}@{group}"  # grouped as pytest-xdist does, or not at all
+        return
     item._id = coerce_node_id(f"{item.nodeid}@{group}")
