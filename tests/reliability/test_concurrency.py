@@ -92,6 +92,7 @@ class Barrier:
     n: int
     sock: socket.socket = field(default_factory=socket.socket)
     seen: dict[int, list[str]] = field(default_factory=dict)
+    arrived: list[int] = field(default_factory=list)  # in order: a failure names who never came
     error: BaseException | None = None
 
     def __post_init__(self) -> None:
@@ -112,6 +113,7 @@ class Barrier:
                 conn, _ = self.sock.accept()
                 f = conn.makefile("rwb")
                 conns.append((int(f.readline()), conn, f))
+                self.arrived.append(conns[-1][0])
             for _, _, f in conns:
                 f.write(b"go\n")
                 f.flush()
@@ -191,7 +193,7 @@ def test_eight_booths_commit_at_once_serializably(work: tuple[Path, Path]) -> No
     barrier = Barrier(N)
     results = finish(start_booths(tree, tapes, barrier.port, "--commit", "auto"))
     barrier.thread.join(10)
-    assert barrier.error is None, barrier.error
+    assert barrier.error is None, (barrier.error, barrier.arrived, results)
     # Isolated while running: each agent saw its own file only, though all eight had written.
     assert barrier.seen == {i: [f"own-{i}.txt"] for i in range(N)}
     winners = check_serializable(tree, results)
