@@ -52,7 +52,7 @@ from shadowfs import wakeups
 from shadowfs.errors import ObjectCorrupt, ObjectMissing, StoreBusy, StoreError
 from shadowfs.oid import OID_SIZE, ObjectHasher, ObjectId, hash_object
 from shadowfs.privacy import is_loose, make_private_dirs, tighten_tree
-from shadowfs.store_index import IndexEntry, StoreIndex
+from shadowfs.store_index import IndexEntry, StoreIndex, make_wal
 from shadowfs.values import Value, setfield
 from shadowfs.zstd import zstandard
 
@@ -327,6 +327,7 @@ class Store:
         finally:
             self._index.close()
             self._index = None
+        make_wal(tmp)
         # A WAL left by a deleted index would otherwise be replayed into the new one.
         for suffix in ("-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)

@@ -14,6 +14,7 @@ import _sqlite3 as sqlite3
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -176,6 +177,37 @@ def _damaged(path: Path, exc: Exception) -> StoreError:
     )
 
 
+def make_wal(path: Path) -> None:
+    """Puts an index file nobody else has open yet into WAL mode, which its header keeps: the
+    store names a new index only once it is, so processes opening it at once never switch it."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+    finally:
+        conn.close()
+
+
+def _switch_to_wal(conn: sqlite3.Connection, path: Path) -> None:
+    """Switches an index in another journal mode (made by hand, or by an older version) to WAL.
+    The switch needs the file alone, and two connections making it at once fail one of them with
+    "database is locked" at once, without sqlite's busy wait (its deadlock avoidance): so it is
+    retried, for as long as the busy timeout would have waited."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            if conn.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() == "wal":
+                return
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
+                raise
+        if time.monotonic() > deadline:
+            raise StoreError(
+                f"cannot switch the store index {path} to WAL mode: another process holds it "
+                f"({BUSY_TIMEOUT_S:.0f} s); retry when it is done"
+            )
+        time.sleep(0.005)
+
+
 class StoreIndex:
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
@@ -197,7 +229,7 @@ class StoreIndex:
         index = cls(path, conn)
         try:
             if wal and conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                conn.execute("PRAGMA journal_mode=WAL")
+                _switch_to_wal(conn, path)
             # NORMAL loses at most the last commits on power loss; the packs hold those records
             # and Store re-adopts any pack tail the index does not cover.
             conn.execute("PRAGMA synchronous=NORMAL")

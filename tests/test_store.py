@@ -6,9 +6,11 @@ import filecmp
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -413,6 +415,60 @@ def test_damaged_index_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "index.sqlite").write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(StoreError, match="delete it and reopen"):
         Store.open(tmp_path)
+
+
+def _journal_mode(path: Path) -> str:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+    finally:
+        conn.close()
+
+
+def test_a_rebuilt_index_is_in_wal_mode_before_anyone_opens_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes opening a new store at once each switched its index to WAL, and two switching
+    together failed one of them at once ("database is locked": sqlite's deadlock avoidance
+    skips the busy wait there), which stopped one of eight booths starting on a fresh tape dir.
+    The index is now switched before it is named, so no opener has anything to switch."""
+    with Store.open(tmp_path) as store:
+        store.put("blob", b"x")
+    drop_index(tmp_path)
+    built: list[str] = []
+    real_rename = os.rename
+
+    def watch(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).name == "index.sqlite":
+            built.append(_journal_mode(Path(src)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", watch)  # watched: the real rename runs
+    Store.open(tmp_path).close()
+    assert built == ["wal"]
+
+
+def test_an_index_in_another_journal_mode_is_switched_while_a_writer_holds_it(
+    tmp_path: Path,
+) -> None:
+    """An index made in rollback mode (by hand, or by an older version) is switched at open.
+    With another connection holding the write lock, sqlite fails the switch at once instead of
+    waiting: the open waits for the writer instead of calling a healthy index unusable."""
+    with Store.open(tmp_path) as store:
+        oid = store.put("blob", b"kept")
+    index = tmp_path / "index.sqlite"
+    conn = sqlite3.connect(index, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.3, conn.rollback)
+    release.start()
+    try:
+        with Store.open(tmp_path) as store:
+            assert store.get(oid) == b"kept"
+    finally:
+        release.join()
+        conn.close()
+    assert _journal_mode(index) == "wal"
 
 
 CRASH_WRITER = """
