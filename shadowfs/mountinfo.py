@@ -29,6 +29,11 @@ else:
 
 def unescape(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    if "\\" not in field:
+        # Nearly every field: the loop below is a Python step per character, and a booth's
+        # start and end unescape every mount point of mountinfo two or three times (its mount,
+        # its FUSE connection, its unmount).
+        return field
     out = []
     i = 0
     while i < len(field):
