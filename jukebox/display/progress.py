@@ -73,9 +73,14 @@ def detail(message: str) -> None:
 
 
 def _write(message: str) -> None:
-    from jukebox.display.names import printable
+    # Printable ASCII is what `printable` gives back unchanged (its str.isprintable() is true
+    # for 0x20-0x7e and nothing else below 0x80): a booth's last line ("no changes to commit")
+    # then needs neither jukebox.display.names nor its unicodedata, about 1 ms of its end.
+    if not (message.isascii() and message.isprintable()):
+        from jukebox.display.names import printable
 
-    sys.stderr.write(f"jukebox: {printable(message)}\n")
+        message = printable(message)
+    sys.stderr.write(f"jukebox: {message}\n")
     sys.stderr.flush()
 
 
