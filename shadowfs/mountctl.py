@@ -155,9 +155,18 @@ class Mount:
         self._channel = channel
         self._ops = Operations(self.layer, timeout=self._timeout)
         self._server = Server(self._ops, channel)
+        try:
+            self._server.answer_init()  # see there: spares the start a wait for the workers
+        except OSError as exc:
+            self.stop()
+            raise MountError(
+                f"shadowfs mounted at {self.mountpoint} but could not answer the kernel "
+                f"({exc.strerror or exc})"
+            ) from None
         self._server.start()
         try:
-            # Blocks until the workers have answered the kernel's INIT.
+            # Blocks until the kernel's INIT is answered (here above, or by a worker) and a
+            # worker answers the root's requests: the workers serve.
             self._root_fd = os.open(self.mountpoint, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             self.stop()

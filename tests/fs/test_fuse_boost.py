@@ -140,3 +140,34 @@ def test_the_worker_serving_runs_above_the_process_and_drops_back_before_big_io(
         assert (mnt / "big.bin").stat().st_size == 2 * fuse.THREAD_IO
     finally:
         m.stop()
+
+
+@needs_fuse
+def test_the_thread_that_mounts_answers_the_kernels_init(
+    layer: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Left to a worker, INIT cost the mounting thread a wait for the interpreter lock at each
+    # worker's start (shadowfs.fuse.Server.answer_init); the mount serves the same either way.
+    from shadowfs.mountctl import Mount
+
+    answered: list[int] = []
+    init = fuse.Server._init
+
+    def spy(self: fuse.Server, req: bytes, unique: int) -> None:
+        answered.append(threading.get_ident())
+        init(self, req, unique)
+
+    monkeypatch.setattr(fuse.Server, "_init", spy)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    m = Mount(layer, mnt).start()  # type: ignore[arg-type]
+    try:
+        assert answered == [threading.get_ident()]
+        server = m._server
+        assert server is not None and server.channel.protocol_minor > 0
+        assert (mnt / "README").read_text() == "readme\n"
+        # Nothing waits on the channel now: a second call reads nothing, answers nothing.
+        assert server.answer_init() is False
+        assert answered == [threading.get_ident()]
+    finally:
+        m.stop()
