@@ -2611,8 +2611,13 @@ def _conclude(b: _Booth, out: _Outcome) -> int:
     if dbs is not None:
         decision, reason, code = _databases_before(dbs, o.tapes, o.booth_id, decision, reason,
                                                    code)  # fmt: skip
-    # Everything recorded so far is on disk before the real tree changes or a verdict lands.
-    b.writer.sync()
+    # Everything recorded so far is on disk before the real tree changes, a database's
+    # transaction ends, an MCP call runs or a booth is kept pending. A verdict that does none of
+    # that (no change to commit, a discard) is synced with the frames before it, by one
+    # fdatasync, before its booth's record goes (_verdict_landed): a crash before that sync
+    # leaves the record of a booth that did not finish, and only a suffix of its tape unsynced.
+    if not _verdict_alone(decision, final_tree == base_tree, dbs, run.mcp.staged):
+        b.writer.sync()
     if decision == "commit":
         decision, code = _commit_run(store, o.tapes, b.writer, record, base_tree, final_tree,
                                      code)  # fmt: skip
@@ -2646,6 +2651,24 @@ def _conclude(b: _Booth, out: _Outcome) -> int:
     return code
 
 
+def _verdict_alone(decision: str, unchanged: bool, dbs: Any, staged: Any) -> bool:
+    """Whether the verdict touches nothing outside the tape and the booth's own files: a discard,
+    or a commit with nothing to commit, with no database transaction to end and no staged MCP
+    call to run. Such a verdict needs no sync of the frames before it of its own: the one after
+    its frame covers them too (`_verdict_landed`)."""
+    if dbs is not None or staged:
+        return False
+    return decision == "discard" or (decision == "commit" and unchanged)
+
+
+def _verdict_landed(writer: Any, tape_dir: TapeDir, booth_id: str) -> None:
+    """The verdict's frame, and every frame before it, on disk; only then the booth's record
+    goes: a crash before the sync leaves a record of a booth that did not finish, never a tape
+    without its verdict and no record to say so."""
+    writer.sync()
+    _finish(tape_dir, booth_id)
+
+
 def _discarded(b: _Booth, out: _Outcome, reason: str, code: int) -> int:
     o = b.options
     b.run.mcp.drop_all(reason or "discard")
@@ -2667,7 +2690,7 @@ def _discarded(b: _Booth, out: _Outcome, reason: str, code: int) -> int:
             sys.stderr.write(verified["output"][-4000:])
         if o.commit_mode == "auto" and code == 0:
             code = 1
-    _finish(o.tapes, o.booth_id)
+    _verdict_landed(b.writer, o.tapes, o.booth_id)
     return code
 
 
@@ -2801,7 +2824,7 @@ def _commit_run(
 ) -> tuple[str, int]:
     if final == base:
         writer.append("commit", {"ok": True, "changes": 0}, tree=final)
-        _finish(tapes, record.id)
+        _verdict_landed(writer, tapes, record.id)
         note(f"no changes to commit: {record.tree} is as it was (tape {record.tape})")
         return "done", code
     # Imported only when there is something to commit: with its threads' and staging's

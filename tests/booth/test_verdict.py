@@ -73,3 +73,25 @@ def test_decide_verdict(
         commit_mode, status, verified, interrupted=interrupted, tripped=tripped, changed=changed
     )
     assert verdict == expected
+
+
+@pytest.mark.parametrize(
+    ("decision", "unchanged", "dbs", "staged", "alone"),
+    [
+        ("commit", True, None, [], True),  # nothing to commit: the tape alone
+        ("discard", False, None, [], True),  # the layer goes; the real tree is not touched
+        ("discard", True, None, [], True),
+        ("commit", False, None, [], False),  # the real tree changes after the sync
+        ("keep", False, None, [], False),  # a pending record must name a durable tape
+        ("keep", True, None, [], False),
+        ("commit", True, {"db": object()}, [], False),  # a transaction ends with it
+        ("discard", False, {"db": object()}, [], False),
+        ("commit", True, None, [object()], False),  # staged MCP calls run after it
+    ],
+)
+def test_which_verdicts_need_no_sync_of_their_own_before_them(
+    decision: str, unchanged: bool, dbs: Any, staged: list[Any], alone: bool
+) -> None:
+    from jukebox.booth.supervisor import _verdict_alone
+
+    assert _verdict_alone(decision, unchanged, dbs, staged) is alone
