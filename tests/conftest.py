@@ -110,24 +110,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     time a worker comes back to the module. Every other test goes to whichever worker is free."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # one process runs everything (and pytest-xdist may not even be loaded)
+    groups: dict[pytest.Item, str] = {}
+    package_of: dict[str, str] = {}  # a module to the package group one of its tests is in
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
-        group = None
+        module = item.nodeid.split("::", 1)[0]
         for name in item.fixturenames:
             defs = info.name2fixturedefs.get(name)
             scope = defs[-1].scope if defs else None
             if scope == "package":
-                group = defs[-1].baseid or "tests"
+                groups[item] = package_of[module] = defs[-1].baseid or "tests"
                 break
             if scope == "module":
-                group = item.nodeid.split("::", 1)[0]
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-            _name_group(item, group)
+                groups[item] = module
+    for item, group in groups.items():
+        # A module's tests stay together: one of them in its package's group takes the others
+        # (their module-scoped fixtures would be made again on the other worker).
+        group = package_of.get(group, group)
+        item.add_marker(pytest.mark.xdist_group(group))
+        _name_group(item, group)
 
 
 def _name_group(item: pytest.Item, group: str) -> None:

@@ -34,27 +34,50 @@ def test_a_tests_commands_get_ctrl_c_however_the_suite_was_started() -> None:
 
 def test_tests_sharing_a_module_fixture_run_on_one_worker_of_pytest_n(tmp_path: Path) -> None:
     # Under `pytest -n 2 --dist loadgroup` two tests using a module-scoped fixture run on one
-    # worker, which makes the fixture once; a third sharing nothing may go to the other.
+    # worker, which makes the fixture once; a third sharing nothing may go to the other. Tests
+    # using a package-scoped fixture run on one worker too, and with them the other tests of
+    # their modules that share a module-scoped one (else made again on the other worker).
     made = tmp_path / "made"
+
+    def once(name: str, scope: str) -> str:
+        return (
+            f"@pytest.fixture(scope={scope!r})\n"
+            f"def {name}():\n"
+            f"    with open({str(made)!r}, 'a') as f:\n"
+            f"        f.write({name!r} + ' ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        )
+
     (tmp_path / "test_shared.py").write_text(
-        "import os, pytest\n"
-        "@pytest.fixture(scope='module')\n"
-        "def made_once():\n"
-        f"    with open({str(made)!r}, 'a') as f:\n"
-        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        "import os, pytest\n" + once("made_once", "module") +
         "def test_one(made_once):\n    pass\n"
         "def test_two(made_once):\n    pass\n"
         "def test_alone():\n    pass\n"
     )  # fmt: skip
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "conftest.py").write_text("import os, pytest\n" + once("per_package", "package"))
+    (pkg / "test_a.py").write_text(
+        "import os, pytest\n" + once("per_module", "module") +
+        "def test_a1(per_package, per_module):\n    pass\n"
+        "def test_a2(per_module):\n    pass\n"
+    )  # fmt: skip
+    (pkg / "test_b.py").write_text("def test_b1(per_package):\n    pass\n")
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "tests.conftest",
          "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-rA",
-         "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "test_shared.py"],
+         "--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "test_shared.py", "pkg"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     # Named `...@group`, which is what pytest-xdist's scheduler groups by.
     assert "PASSED test_shared.py::test_one@test_shared.py" in out.stdout, out.stdout
     assert "PASSED test_shared.py::test_alone\n" in out.stdout, out.stdout
-    assert len(made.read_text().splitlines()) == 1, made.read_text()
+    assert "PASSED pkg/test_b.py::test_b1@pkg\n" in out.stdout, out.stdout
+    assert "PASSED pkg/test_a.py::test_a2@pkg\n" in out.stdout, out.stdout
+    lines = made.read_text().splitlines()
+    assert sorted(line.split()[0] for line in lines) == ["made_once", "per_module", "per_package"]
+    # The module's fixture on the worker of its package's.
+    workers = dict(line.split() for line in lines)
+    assert workers["per_module"] == workers["per_package"], lines

@@ -1,5 +1,6 @@
 """A recorded booth run shared by the time-travel tests: the agent in agent.py, three turns,
-recorded once per session against the fake upstream, which keeps running (forks go live)."""
+recorded once (package-scoped: under `pytest -n` its tests run on one worker,
+tests/conftest.py) against the fake upstream, which keeps running (forks go live)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Recording:
         )  # fmt: skip
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recording]:
     if os.geteuid() != 0:
         pytest.skip("booths here run as root")

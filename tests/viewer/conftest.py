@@ -45,7 +45,9 @@ def jukebox(
     )
 
 
-@pytest.fixture(scope="session")
+# Package-scoped, not session: under `pytest -n` the tests using it then run on one worker
+# (tests/conftest.py), which records these runs once instead of once per worker.
+@pytest.fixture(scope="package")
 def tapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tapes]:
     if os.geteuid() != 0:
         pytest.skip("booths here run as root")
