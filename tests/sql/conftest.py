@@ -13,7 +13,9 @@ from tests.sql.cluster import Cluster, bindir
 _names = itertools.count(1)
 
 
-@pytest.fixture(scope="session")
+# Package-scoped, not session: under `pytest -n` the tests using it then run on one worker
+# (tests/conftest.py), which starts one cluster instead of one per worker.
+@pytest.fixture(scope="package")
 def pg() -> Iterator[Cluster]:
     where = bindir()
     if where is None:
