@@ -317,10 +317,18 @@ class _Threads:
     ) -> list[Future[Any]]:
         """As `start`, for an ``fn`` taking a whole slice of ``calls`` (a compiled batch,
         _batchio) and returning the slice's results."""
+        return self.start_parts(lambda _, part: fn(part), calls)
+
+    def start_parts(
+        self,
+        fn: Callable[[int, list[tuple[Any, ...]]], Iterable[Any]],
+        calls: list[tuple[Any, ...]],
+    ) -> list[Future[Any]]:
+        """As `start_slices`, ``fn(start, slice)`` given the index of the slice's first call."""
         if self.pool is None:
             self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="jbx-commit")
         size = -(-len(calls) // _THREADS) if calls else 1
-        return [self.pool.submit(fn, calls[i : i + size]) for i in range(0, len(calls), size)]
+        return [self.pool.submit(fn, i, calls[i : i + size]) for i in range(0, len(calls), size)]
 
     @staticmethod
     def finish(futures: list[Future[Any]]) -> list[Any]:
@@ -1807,11 +1815,21 @@ def _chunk_end(ops: list[list[Any]], i: int) -> int:
     kind = ops[i][0]
     dirs: set[bytes] = set()
     j = i
-    while j < len(ops) and ops[j][0] == kind and j - i < _CHUNK_OPS:
-        more = dirs.union(_op_dirs(ops[j]))
-        if len(more) > _CHUNK_DIRS and j > i:
+    end = min(len(ops), i + _CHUNK_OPS)
+    while j < end and ops[j][0] == kind:
+        op = ops[j]
+        # A rename's directories (the staging one is the destination's or an ancestor of it),
+        # else the parent of op[1]: added one by one, not as a new set per operation.
+        if kind == "rename":
+            a, b = op[1], _parent(op[3])
+            grow = (a not in dirs) + (b != a and b not in dirs)
+        else:
+            a = b = _parent(op[1])
+            grow = a not in dirs
+        if grow and len(dirs) + grow > _CHUNK_DIRS and j > i:
             break
-        dirs = more
+        dirs.add(a)
+        dirs.add(b)
         j += 1
     return j
 
@@ -1874,7 +1892,9 @@ def _run_ops_threaded(
     """Independent operations (see ``_THREADED_OPS``), ops ``first``.. of the journal, run in
     threads; those a thread left undone then run one by one, as `_redo` runs any operation."""
     if _batchio is not None and trash is not None and chunk[0][0] == "rename":
-        _run_renames_batched(dirs, chunk, first, threads, trash, crash)
+        r = _Renames(dirs, chunk, first, trash, crash)
+        r.start(threads)
+        r.finish(dirs, trash)
         return
     own = _ChunkDirs(dirs)
     calls: list[tuple[Any, ...]] = []
@@ -1897,47 +1917,81 @@ def _run_ops_threaded(
             _run_op(dirs, op, trash, k, crash)
 
 
-def _rename_slice(aside: int, part: list[tuple[Any, ...]]) -> bytes:
+def _rename_slice(die_at: int, start: int, part: list[tuple[Any, ...]]) -> bytes:
     """_batchio.keep_and_rename of a slice of (trash fd, trash name, staged dir fd, staged name,
-    dir fd, name, op index) calls; ``aside``: the op index where the crash tests die."""
-    die_at = next((i for i, c in enumerate(part) if c[6] == aside), -1)
+    dir fd, name) calls, the ``start``-th call of its chunk first; ``die_at``: the index in
+    the chunk of the call where the crash tests die (`aside:K`), or -1."""
+    at = die_at - start if start <= die_at < start + len(part) else -1
     # called only where it is built
-    return _batchio.keep_and_rename([c[:6] for c in part], die_at)  # type: ignore[union-attr,no-any-return]
+    return _batchio.keep_and_rename(part, at)  # type: ignore[union-attr,no-any-return]
 
 
-def _run_renames_batched(
-    dirs: _Dirs,
-    chunk: list[list[Any]],
-    first: int,
-    threads: _Threads,
-    trash: _Trash,
-    crash: _Crash,
-) -> None:
-    """`_run_ops_threaded` of renames with a trash, each thread's slice in one compiled call
-    (_batchio.keep_and_rename: `_fast_op`'s link into the trash and rename, the same calls);
-    those it left undone then run one by one, as `_redo` runs any operation."""
-    own = _ChunkDirs(dirs)
-    calls: list[tuple[Any, ...]] = []
-    slow: list[int] = []  # ops whose directories are not there: `_run_op` decides
-    aside = -1
-    if crash.point is not None and crash.point.startswith("aside:"):
-        with contextlib.suppress(ValueError):
-            aside = int(crash.point[6:])
-    try:
-        for k, op in enumerate(chunk, first):
-            try:
-                src, dst = own.get(op[1]), own.get(_parent(op[3]))
-            except OSError:
-                slow.append(k)
-                continue
-            tfd, tname = trash.place(k)
-            calls.append((tfd, tname, src, op[2], dst, _name(op[3]), k))
-        done = threads.finish(threads.start_slices(functools.partial(_rename_slice, aside), calls))
-    finally:
-        own.close()
-    slow.extend(c[6] for c, ok in zip(calls, done, strict=True) if not ok)
-    for k in sorted(slow):
-        _run_op(dirs, chunk[k - first], trash, k, crash)
+class _Renames:
+    """A chunk of renames with a trash (`_run_ops_threaded`'s common case in a big commit),
+    each thread's slice in one compiled call (_batchio.keep_and_rename: `_fast_op`'s link into
+    the trash and rename, the same calls); those it left undone then run one by one, as `_redo`
+    runs any operation.
+
+    Made (`__init__`: the calls, the directory fds) while the previous chunk's threads still
+    run, and `start`ed only once that chunk has `finish`ed: the chunks run one after another as
+    before, and the main thread's Python for the next one no longer leaves the cores idle
+    between them."""
+
+    __slots__ = ("calls", "chunk", "crash", "die_at", "first", "futures", "keys", "own", "slow")
+
+    def __init__(
+        self, dirs: _Dirs, chunk: list[list[Any]], first: int, trash: _Trash, crash: _Crash
+    ) -> None:
+        self.chunk = chunk
+        self.first = first
+        self.crash = crash
+        self.own = own = _ChunkDirs(dirs)
+        self.calls: list[tuple[Any, ...]] = []
+        self.keys: list[int] = []  # each call's op index
+        self.slow: list[int] = []  # ops whose directories are not there: `_run_op` decides
+        self.futures: list[Future[Any]] = []
+        aside = -1
+        if crash.point is not None and crash.point.startswith("aside:"):
+            with contextlib.suppress(ValueError):
+                aside = int(crash.point[6:])
+        self.die_at = -1
+        shards, prefix = trash.shards, trash.prefix
+        nshards = len(shards)
+        calls, keys = self.calls, self.keys
+        get = own.get
+        try:
+            for k, op in enumerate(chunk, first):
+                try:
+                    src, dst = get(op[1]), get(_parent(op[3]))
+                except OSError:
+                    self.slow.append(k)
+                    continue
+                if k == aside:
+                    self.die_at = len(calls)
+                tfd = shards[k % nshards] if nshards else trash.fd
+                calls.append((tfd, prefix + str(k).encode(), src, op[2], dst, _name(op[3])))
+                keys.append(k)
+        except BaseException:
+            own.close()
+            raise
+
+    def start(self, threads: _Threads) -> None:
+        try:
+            self.futures = threads.start_parts(
+                functools.partial(_rename_slice, self.die_at), self.calls
+            )
+        except BaseException:
+            self.own.close()
+            raise
+
+    def finish(self, dirs: _Dirs, trash: _Trash) -> None:
+        try:
+            done = _Threads.finish(self.futures)
+        finally:
+            self.own.close()
+        self.slow.extend(k for k, ok in zip(self.keys, done, strict=True) if not ok)
+        for k in sorted(self.slow):
+            _run_op(dirs, self.chunk[k - self.first], trash, k, self.crash)
 
 
 def _encode_ops(ops: list[list[Any]]) -> list[list[Any]]:
@@ -1997,10 +2051,36 @@ def _redo(
     threaded = total >= SYNCFS_FROM
     own = threads is None
     threads = _Threads() if threads is None else threads
+    running: _Renames | None = None  # a chunk of renames started, not yet finished
+
+    def ended(r: _Renames) -> None:
+        r.finish(dirs, trash)  # type: ignore[arg-type]  # a _Renames has a trash
+        for k in range(r.first, r.first + len(r.chunk)):
+            crash.at(f"{point}op:{k}")
+            if progress is not None and k % 256 == 0:
+                progress("apply", k, total)
+
     try:
         i = 0
         while i < total:
             j = _chunk_end(ops, i) if threaded and ops[i][0] in _THREADED_OPS else i + 1
+            if j - i > 1 and _batchio is not None and trash is not None and ops[i][0] == "rename":
+                # Made while the previous chunk runs, started once it has ended.
+                r = _Renames(dirs, ops[i:j], i, trash, crash)
+                if running is not None:
+                    done, running = running, None
+                    try:
+                        ended(done)
+                    except BaseException:
+                        r.own.close()
+                        raise
+                r.start(threads)
+                running = r
+                i = j
+                continue
+            if running is not None:
+                done, running = running, None
+                ended(done)
             if j - i > 1:
                 _run_ops_threaded(dirs, ops[i:j], i, threads, trash, crash)
             else:
@@ -2010,7 +2090,14 @@ def _redo(
                 if progress is not None and k % 256 == 0:
                     progress("apply", k, total)
             i = j
+        if running is not None:
+            done, running = running, None
+            ended(done)
     finally:
+        if running is not None:
+            with contextlib.suppress(BaseException):
+                _Threads.finish(running.futures)
+            running.own.close()
         if own:
             threads.close()
     lap("commit: ops run")
