@@ -106,9 +106,9 @@ from shadowfs.tree import (
     Entry,
     lookup,
     make_special,
-    read_tree,
     walk,
 )
+from shadowfs.tree import entries as tree_entries
 from shadowfs.values import Record, Value, setfield
 
 if TYPE_CHECKING:
@@ -501,8 +501,9 @@ def _changes(store: ObjectReader, a: ObjectId, b: ObjectId) -> list[Change]:
         prefix, ta, tb = stack.pop()
         if ta == tb:
             continue
-        olds = {e.name: e for e in read_tree(store, ta)}
-        news = {e.name: e for e in read_tree(store, tb)}
+        # The cached dicts themselves (name -> entry, read only): not copied per tree.
+        olds = tree_entries(store, ta)
+        news = tree_entries(store, tb)
         for name, old in olds.items():
             path = prefix + b"/" + name if prefix else name
             new = news.get(name)
@@ -513,7 +514,12 @@ def _changes(store: ObjectReader, a: ObjectId, b: ObjectId) -> list[Change]:
                 out.append(Change(path, "type", old, new))
                 _below(store, old, path, out, added=False)
                 _below(store, new, path, out, added=True)
-            elif old != new:
+            elif (
+                # Decoded entries carry their canonical bytes: equal bytes, equal entries.
+                old.record != new.record
+                if old.record is not None and new.record is not None
+                else old != new
+            ):
                 if old.kind == DIR:
                     status = "mode" if old.mode != new.mode else "mtime"
                     if old.mode != new.mode or old.mtime_ns != new.mtime_ns:
@@ -950,11 +956,39 @@ def _scan(
     faults = crash is not None and crash.point is not None
     bad: list[bytes] = []
     reads: list[Read] = []
+    # A big commit's regular files are lstat'ed by compiled calls, a chunk per call (the rest,
+    # and every path of a small commit, one by one below).
+    files = (
+        _seen_files(dirs, checked)
+        if _batchio is not None and len(checked) >= SYNCFS_FROM
+        else {}
+    )
     for k, c in enumerate(checked):
         if progress is not None and k % 256 == 0:
             progress("check", k - len(reads), total)  # the files still to read count later
         if faults:
             crash.named(f"check:{k}")  # type: ignore[union-attr]  # faults: crash is set
+        e = c.old
+        if e is not None and c.path in files:
+            was = files[c.path]  # `_seen` of a regular file: dev, ino, mode, size, mtime, ctime
+            if seen is not None:
+                seen[c.path] = was
+            if was is None:
+                bad.append(c.path)
+            elif (
+                len(was) == 6
+                and stat.S_ISREG(was[2])
+                and stat.S_IMODE(was[2]) == e.mode
+                and was[3] == e.size
+            ):
+                if known is None or known.get(c.path) != (was[0], was[1], was[5]):
+                    if e.oid is None:
+                        bad.append(c.path)  # as below
+                    else:
+                        reads.append((c.path, e, e.oid))
+            else:
+                bad.append(c.path)  # a file whose kind, mode or size differ
+            continue
         st = _lstat(dirs, c.path)
         if seen is not None:
             seen[c.path] = _seen(st)
@@ -982,6 +1016,46 @@ def _scan(
         elif e.kind == FILE or not _holds_unread(dirs, c.path, e, st):
             bad.append(c.path)  # a file whose kind, mode or size differ, or another entry
     return bad, reads
+
+
+def _seen_files(dirs: _Dirs, checked: list[Change]) -> dict[bytes, Seen]:
+    """`_seen` of each path of ``checked`` whose base entry is a regular file, taken by
+    _batchio.seen_many a chunk at a time in this thread, through duplicates of the chunk's
+    directory fds (`_ChunkDirs`: ``dirs`` may close its least recently used ones)."""
+    paths = [c.path for c in checked if c.old is not None and c.old.kind == FILE]
+    return dict(zip(paths, _seen_batched(dirs, paths, None), strict=True))
+
+
+def _seen_batched(dirs: _Dirs, paths: list[bytes], threads: _Threads | None) -> list[Seen]:
+    """`_seen` of the lstat of each of ``paths`` (None where its parent is not a reachable
+    directory, as `_lstat`), by compiled calls a chunk at a time: in ``threads``, a slice of
+    the chunk each, or else in this thread."""
+    out: list[Seen] = []
+    i = 0
+    while i < len(paths):
+        own = _ChunkDirs(dirs)
+        calls: list[tuple[Any, ...]] = []
+        try:
+            j = i
+            while j < len(paths) and j - i < _CHUNK_OPS and len(own.fds) < _CHUNK_DIRS:
+                path = paths[j]
+                try:
+                    fd = own.get(_parent(path))
+                except OSError as exc:  # as `_lstat`: an unreachable parent, nothing there
+                    if exc.errno not in _GONE:
+                        raise
+                    fd = -1
+                calls.append((fd, _name(path)))
+                j += 1
+            # called only where it is built
+            if threads is not None:
+                out.extend(threads.finish(threads.start_slices(_batchio.seen_many, calls)))  # type: ignore[union-attr]
+            else:
+                out.extend(_batchio.seen_many(calls))  # type: ignore[union-attr]
+        finally:
+            own.close()
+        i = j
+    return out
 
 
 def _holds_unread(dirs: _Dirs, path: bytes, e: Entry, st: os.stat_result) -> bool:
@@ -1103,32 +1177,10 @@ def _changed_since(
 
 def _changed_batched(dirs: _Dirs, seen: dict[bytes, Seen], threads: _Threads) -> list[bytes]:
     """`_changed_since`'s paths that changed, each chunk's lstats made by compiled calls in
-    ``threads`` through duplicates of its directories' fds (`_ChunkDirs`)."""
+    ``threads`` (`_seen_batched`)."""
     paths = list(seen)
-    bad: list[bytes] = []
-    i = 0
-    while i < len(paths):
-        own = _ChunkDirs(dirs)
-        calls: list[tuple[Any, ...]] = []
-        try:
-            j = i
-            while j < len(paths) and j - i < _CHUNK_OPS and len(own.fds) < _CHUNK_DIRS:
-                path = paths[j]
-                try:
-                    fd = own.get(_parent(path))
-                except OSError as exc:  # as `_lstat`: an unreachable parent, nothing there
-                    if exc.errno not in _GONE:
-                        raise
-                    fd = -1
-                calls.append((fd, _name(path)))
-                j += 1
-            # called only where it is built
-            now = threads.finish(threads.start_slices(_batchio.seen_many, calls))  # type: ignore[union-attr]
-        finally:
-            own.close()
-        bad.extend(p for p, st in zip(paths[i:j], now, strict=True) if st != seen[p])
-        i = j
-    return bad
+    now = _seen_batched(dirs, paths, threads)
+    return [p for p, st in zip(paths, now, strict=True) if st != seen[p]]
 
 
 def _reachable_dir(dirs: _Dirs, path: bytes) -> bool:
@@ -1401,37 +1453,58 @@ def _small(s: _Stage) -> bool:
     return s.link_to is None and s.entry.kind == FILE and s.entry.size <= _SMALL_FILE
 
 
+def _split_reads(stages: list[_Stage], whole_fs: bool) -> tuple[list[ObjectId], list[ObjectId]]:
+    """The object ids of the stages a threaded staging (``whole_fs``) reads in bulk (`_small`),
+    and of the rest."""
+    small: list[ObjectId] = []
+    rest: list[ObjectId] = []
+    for s in stages:
+        oid = s.entry.oid
+        if oid is not None:
+            (small if whole_fs and _small(s) else rest).append(oid)
+    return small, rest
+
+
 def _read_chunk(
     store: ObjectReader, dirs: _Dirs, stages: list[_Stage], i: int, umask: int | None
 ) -> _Chunk:
     """The chunk from ``stages[i]`` on, its small files' content read from the store (here, in
     the main thread: the store is not shared with the threads), in one bulk read."""
     c = _Chunk(i, i, _ChunkDirs(dirs), [], [], 0, [])
+    fds = c.own.fds
+    get = c.own.get
+    direct: dict[int, bool] = {}  # `_direct` of each mode met, asked once
     try:
         small: list[_Stage] = []
-        while (c.end < len(stages) and c.end - i < _CHUNK_OPS and c.held < _CHUNK_BYTES
-               and len(c.own.fds) < _CHUNK_DIRS):  # fmt: skip
+        fd_of: list[int] = []
+        end = min(len(stages), i + _CHUNK_OPS)
+        held = 0
+        while c.end < end and held < _CHUNK_BYTES and len(fds) < _CHUNK_DIRS:
             s = stages[c.end]
             e = s.entry
             c.end += 1
-            if not _small(s):
+            if s.link_to is not None or e.kind != FILE or e.size > _SMALL_FILE:  # not `_small`
                 c.rest.append(s)
                 continue
             small.append(s)
-            c.own.get(s.dir)
-            c.held += e.size  # checked against what the store gives, below
+            fd_of.append(get(s.dir))
+            held += e.size  # checked against what the store gives, below
+        c.held = held
         # a file entry has an oid (only a symlink's is None)
         contents = store.read_blobs([s.entry.oid for s in small])  # type: ignore[misc]
-        for s, data in zip(small, contents, strict=True):
+        calls = c.calls
+        for s, dfd, data in zip(small, fd_of, contents, strict=True):
             e = s.entry
             if len(data) != e.size:
                 raise ShadowfsError(
                     f"the store gave {len(data)} bytes for {_show(s.path)!r}, whose tree entry "
                     f"says {e.size}; run `jukebox verify` on the store"
                 )
-            c.calls.append(
-                (c.own.get(s.dir), s.name, data, e.mode, e.mtime_ns, _direct(e.mode, umask))
-            )
+            mode = e.mode
+            d = direct.get(mode)
+            if d is None:
+                d = direct[mode] = _direct(mode, umask)
+            calls.append((dfd, s.name, data, mode, e.mtime_ns, d))
     except BaseException:
         c.own.close()
         raise
@@ -2306,11 +2379,10 @@ def _staged_and_applied(
         try:
             # The small files of a threaded staging are located for the bulk reads, all of
             # them before any thread runs (see Store.prefetched_blobs); the rest prefetched.
-            small = [s.entry.oid for s in plan.stages if whole_fs and _small(s)]
-            rest = (s.entry.oid for s in plan.stages if not (whole_fs and _small(s)))
+            small, rest = _split_reads(plan.stages, whole_fs)
             with (
-                _prefetched(store, (oid for oid in small if oid), "prefetched_blobs"),
-                _prefetched(store, (oid for oid in rest if oid)),
+                _prefetched(store, small, "prefetched_blobs"),
+                _prefetched(store, rest),
             ):
                 if whole_fs:
                     # Started once the index rows are in: beside that query its lstats cost

@@ -752,7 +752,7 @@ class Store:
                     if w is None or pack != w.name:
                         for i in ask[oid_b]:  # type: ignore[index]  # bytes hash as their ObjectId
                             todo.append((pack, offset, i, oid_b, raw_len, stored_len))
-            todo.sort(key=_pack_order)
+            todo.sort()  # by pack, then offset (an index apiece breaks every tie)
             for span in _spans(todo):
                 self._read_span(span, out)
         left = [oid for oid, data in zip(oids, out, strict=True) if data is None]
@@ -1543,10 +1543,6 @@ _SPAN_MAX = 8 << 20
 # A plain blob's record: (pack, offset, index in the caller's list, oid, raw_len, stored_len).
 _Span = tuple[str, int, int, bytes, int, int]
 _BLOB_RECORD_HEADER = pk.header_len("blob", False)
-
-
-def _pack_order(item: _Span) -> tuple[str, int]:
-    return item[0], item[1]
 
 
 def _spans(todo: list[_Span]) -> Iterator[list[_Span]]:

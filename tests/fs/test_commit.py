@@ -473,6 +473,42 @@ def test_a_big_commit_of_every_change_is_exact_either_way(
     assert_committed(s)
 
 
+@pytest.mark.parametrize("calls", CALLS)
+def test_a_big_check_decides_every_file_from_its_lstat_either_way(
+    tmp_path: Path, store: Store, calls: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SYNCFS_FROM paths the check's lstats of the base's regular files are made in
+    compiled batches (where built) and compared afterwards: each way a file can differ is
+    still found, and only those; a vouched-for file written since (its ctime moved) is read
+    and found edited; the others pass unread. Then, untouched, the commit lands."""
+    _calls(calls, monkeypatch)
+    s = Scenario(tmp_path, store, _base_and_many, _everything_and_many)
+    many = s.target / "many"
+    known = _identities(s.target)
+    os.chmod(many / "d001" / "f", 0o600)  # mode
+    (many / "d002" / "f").write_bytes(b"longer than before\n")  # size
+    (many / "d003" / "f").unlink()  # gone
+    (many / "d004" / "f").unlink()
+    (many / "d004" / "f").mkdir()  # a directory where the file was
+    (many / "d005" / "f").unlink()
+    os.symlink("elsewhere", many / "d005" / "f")  # a symlink where the file was
+    edited = many / "d006" / "f"
+    st = edited.stat()
+    edited.write_bytes(b"odl 6\n")  # same size, mtime put back: the ctime and content tell
+    os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns))
+    before = snapshot(s.target, with_root=True)
+    with pytest.raises(ConflictError) as info:
+        apply(store, s.target, s.base, s.new, journal_dir=s.journal, known=known)
+    assert info.value.conflicts == [f"many/d{i:03d}/f" for i in range(1, 7)]
+    assert snapshot(s.target, with_root=True) == before
+
+    (tmp_path / "again").mkdir()
+    fresh = Scenario(tmp_path / "again", store, _base_and_many, _everything_and_many)
+    apply(store, fresh.target, fresh.base, fresh.new, journal_dir=fresh.journal,
+          known=_identities(fresh.target))  # fmt: skip
+    assert snapshot(fresh.target) == snapshot(fresh.reference)
+
+
 def test_every_conflict_is_listed(tmp_path: Path, store: Store) -> None:
     s = Scenario(tmp_path, store, base_tree, everything)
     _same_size_edit_keeping_mtime(s.target)

@@ -270,6 +270,36 @@ def test_a_crash_between_moving_a_file_aside_and_renaming_in_its_successor(
     assert _trial(world, f"aside:{world.asides[0]}", f"aside:{k}") == (-9, True)
 
 
+def test_the_renames_run_a_chunk_at_a_time(big_world: World) -> None:
+    """A big commit's renames run in threads a chunk at a time; the next chunk is made ready
+    while one runs, but started only once it has ended: killed at a chunk's last op, every
+    rename before it is done and every one after it still waits at its staging name."""
+    w = big_world
+    plan = commit._plan(w.store, w.new, _world_changes(w), "x")
+    first = next(k for k, op in enumerate(plan.ops) if op[0] == "rename")
+    end = commit._chunk_end(plan.ops, first)
+    later = [op for op in plan.ops[end:] if op[0] == "rename"]
+    assert later and plan.ops[end - 1][0] == "rename"
+    waiting: list[list[bool]] = []
+
+    def staged(target: Path, journal: Path) -> None:
+        def there(op: list[object]) -> bool:
+            d = target / os.fsdecode(op[1])  # type: ignore[arg-type]
+            suffix = b"-" + op[2].rpartition(b"-")[2]  # type: ignore[union-attr]
+            return any(
+                n.startswith(commit.STAGE_PREFIX) and n.endswith(suffix)
+                for n in map(os.fsencode, os.listdir(d))
+            )
+
+        waiting.append([there(op) for op in plan.ops[first:end]])
+        waiting.append([there(op) for op in later])
+
+    assert _trial(w, f"op:{end - 1}", between=staged) == (-9, True)
+    done, after = waiting
+    assert not any(done)
+    assert all(after)
+
+
 def test_a_redo_needs_nothing_from_the_trash(big_world: World) -> None:
     """Killed in threads between linking a replaced file into the (sharded) trash and renaming
     its successor in: the old file is at both names. With the trash then gone altogether, the
