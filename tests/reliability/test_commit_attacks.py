@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from shadowfs.commit import PAUSE_ENV
+from shadowfs.commit import PAUSE_ENV, SYNCFS_FROM
 from tests.booth.conftest import nobody_dir  # noqa: F401  (fixture)
 from tests.reliability.conftest import AGENT_PYTHON, NOBODY, booth_argv, jb, tree_state
 from tests.reliability.pending_booth import PendingBooth, resume, wait_stopped
@@ -105,10 +105,32 @@ def world(recorded: PendingBooth) -> PendingBooth:
     return recorded
 
 
-@pytest.mark.parametrize("pause", ["stage:0", "staged"])
+@pytest.fixture(scope="module")
+def recorded_big() -> Iterator[PendingBooth]:
+    """A booth of 264 changed files, past SYNCFS_FROM: its commit stages in threads, checks
+    beside the staging with batched lstats and renames a chunk at a time."""
+    work = Path(tempfile.mkdtemp(prefix="jukebox-commit-attacks-big-", dir="/tmp"))
+    try:
+        yield PendingBooth.record(work, "edit", per_dir=88)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def big_world(recorded_big: PendingBooth) -> PendingBooth:
+    recorded_big.reset()
+    return recorded_big
+
+
+@pytest.mark.parametrize(
+    ("pause", "size"), [("stage:0", "small"), ("staged", "small"), ("stage:0", "big")]
+)
 def test_a_host_edit_during_staging_is_a_conflict_not_overwritten(
-    world: PendingBooth, pause: str
+    request: pytest.FixtureRequest, pause: str, size: str
 ) -> None:
+    world: PendingBooth = request.getfixturevalue("world" if size == "small" else "big_world")
+    changed = sum(1 for k, v in world.new.items() if world.old.get(k) != v)
+    assert (changed >= SYNCFS_FROM) == (size == "big")
     victim = world.tree / "d3" / "f4.txt"  # the booth appended to it: the commit replaces it
     proc = world.start_commit({PAUSE_ENV: pause})
     wait_stopped(proc)
