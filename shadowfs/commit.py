@@ -1047,10 +1047,11 @@ def _seen_batched(dirs: _Dirs, paths: list[bytes], threads: _Threads | None) -> 
                     fd = -1
                 calls.append((fd, _name(path)))
                 j += 1
-            # called only where it is built
             if threads is not None:
+                # called only where it is built
                 out.extend(threads.finish(threads.start_slices(_batchio.seen_many, calls)))  # type: ignore[union-attr]
             else:
+                # called only where it is built
                 out.extend(_batchio.seen_many(calls))  # type: ignore[union-attr]
         finally:
             own.close()

@@ -283,9 +283,9 @@ def test_the_renames_run_a_chunk_at_a_time(big_world: World) -> None:
     waiting: list[list[bool]] = []
 
     def staged(target: Path, journal: Path) -> None:
-        def there(op: list[object]) -> bool:
-            d = target / os.fsdecode(op[1])  # type: ignore[arg-type]
-            suffix = b"-" + op[2].rpartition(b"-")[2]  # type: ignore[union-attr]
+        def there(op: list[bytes]) -> bool:  # a rename: [kind, staging dir, staged name, path]
+            d = target / os.fsdecode(op[1])
+            suffix = b"-" + op[2].rpartition(b"-")[2]
             return any(
                 n.startswith(commit.STAGE_PREFIX) and n.endswith(suffix)
                 for n in map(os.fsencode, os.listdir(d))
