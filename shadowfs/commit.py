@@ -2029,10 +2029,8 @@ class _Renames:
             with contextlib.suppress(ValueError):
                 aside = int(crash.point[6:])
         self.die_at = -1
-        shards, prefix = trash.shards, trash.prefix
-        nshards = len(shards)
         calls, keys = self.calls, self.keys
-        get = own.get
+        get, place = own.get, trash.place
         try:
             for k, op in enumerate(chunk, first):
                 try:
@@ -2042,8 +2040,8 @@ class _Renames:
                     continue
                 if k == aside:
                     self.die_at = len(calls)
-                tfd = shards[k % nshards] if nshards else trash.fd
-                calls.append((tfd, prefix + str(k).encode(), src, op[2], dst, _name(op[3])))
+                # Where recovery and `_run_op` look for op k's kept file: `place` alone says.
+                calls.append((*place(k), src, op[2], dst, _name(op[3])))
                 keys.append(k)
         except BaseException:
             own.close()
