@@ -39,7 +39,8 @@ def booth(*args):
     subprocess.run(["jukebox", "booth", *args], check=True)
 
 def tests_pass():
-    return subprocess.run(["python3", "test_calc.py"], capture_output=True).returncode == 0
+    # -B: no __pycache__ left in the project, for the commit to carry into the real tree
+    return subprocess.run(["python3", "-B", "test_calc.py"], capture_output=True).returncode == 0
 
 calc = pathlib.Path("calc.py")
 step("adding multiply() to calc.py")
@@ -114,7 +115,7 @@ def main() -> int:
             "--commit",
             "auto",
             "--verify",
-            "python3 test_calc.py",
+            "python3 -B test_calc.py",  # -B: no __pycache__ written into the project
             "--",
             "python3",
             "-c",

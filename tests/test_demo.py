@@ -12,6 +12,7 @@ from pathlib import Path
 def test_demo_commits_the_good_work_and_not_the_mistake(tmp_path: Path) -> None:
     root = tmp_path / "demo"
     env = dict(os.environ, JUKEBOX_DEMO_DIR=str(root))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as on a user's machine: Python writes bytecode
     proc = subprocess.run(
         [sys.executable, "-m", "jukebox.demo"], capture_output=True, text=True, env=env, timeout=120
     )
@@ -21,6 +22,9 @@ def test_demo_commits_the_good_work_and_not_the_mistake(tmp_path: Path) -> None:
     assert "def multiply" in calc and "return a + b" in calc
     assert (project / "CHANGELOG.md").exists()
     assert not (project / "scratch.tmp").exists()
+    # Python run in the booth (the verifier, the agent's own test run) leaves no bytecode for the
+    # commit to carry into the project, whatever the caller's PYTHONDONTWRITEBYTECODE.
+    assert sorted(p.name for p in project.iterdir()) == ["CHANGELOG.md", "calc.py", "test_calc.py"]
     assert "tests pass after the refactor? False" in proc.stdout
     assert "tests pass after the rollback? True" in proc.stdout
     assert "COMMITTED" in proc.stdout and "verified: hash chain" in proc.stdout
@@ -32,7 +36,7 @@ def test_demo_commits_the_good_work_and_not_the_mistake(tmp_path: Path) -> None:
     shown = [line[2:] for line in proc.stdout.splitlines() if line.startswith("$ jukebox booth")]
     (booth_run,) = shown
     argv = shlex.split(booth_run.split(' "$(cat')[0])
-    assert argv[argv.index("--verify") + 1] == "python3 test_calc.py"
+    assert argv[argv.index("--verify") + 1] == "python3 -B test_calc.py"
     yours = proc.stdout.split("Your turn", 1)[1].splitlines()[1:4]
     script = "\n".join(line.split("#")[0].strip() for line in yours)
     assert script.startswith("source ") and script.endswith("jukebox ls"), script
