@@ -87,16 +87,20 @@ def test_a_tree_swapped_by_its_parents_owner_is_refused(
     assert tree_state(victim) == victim_before
 
 
-@pytest.fixture(scope="module")
-def recorded() -> Iterator[PendingBooth]:
+def _recorded_in_tmp(prefix: str, per_dir: int = 30) -> Iterator[PendingBooth]:
     # Under a directory nobody can reach (pytest's own are 0700), so that nobody can open the
     # tree and lock it.
-    work = Path(tempfile.mkdtemp(prefix="jukebox-commit-attacks-", dir="/tmp"))
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     os.chmod(work, 0o755)
     try:
-        yield PendingBooth.record(work, "edit")
+        yield PendingBooth.record(work, "edit", per_dir=per_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def recorded() -> Iterator[PendingBooth]:
+    yield from _recorded_in_tmp("jukebox-commit-attacks-")
 
 
 @pytest.fixture
@@ -109,11 +113,7 @@ def world(recorded: PendingBooth) -> PendingBooth:
 def recorded_big() -> Iterator[PendingBooth]:
     """A booth of 264 changed files, past SYNCFS_FROM: its commit stages in threads, checks
     beside the staging with batched lstats and renames a chunk at a time."""
-    work = Path(tempfile.mkdtemp(prefix="jukebox-commit-attacks-big-", dir="/tmp"))
-    try:
-        yield PendingBooth.record(work, "edit", per_dir=88)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    yield from _recorded_in_tmp("jukebox-commit-attacks-big-", per_dir=88)
 
 
 @pytest.fixture
