@@ -34,10 +34,11 @@ COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "mcp": ("mcp",),
     "export": ("export",),
     "view": ("view",),
+    "warm": ("warm_server",),
 }
 ALL_COMMAND_MODULES = (
     "booth", "booth_review", "disk", "export", "help", "mcp", "mount", "show", "tapes",
-    "timetravel", "view",
+    "timetravel", "view", "warm_server",
 )  # fmt: skip
 COMPLETE_ENV = "_JUKEBOX_COMPLETE"  # click's shell completion asks with it set
 
@@ -213,9 +214,14 @@ def _leave(code: object) -> NoReturn:
 
 
 def main() -> None:
-    from jukebox.cli import fast
+    from jukebox.cli import warm
 
     argv = sys.argv[1:]
+    handed = warm.run(argv)  # on a `jukebox warm` server, when one runs and may take it
+    if handed is not None:
+        _leave(handed)
+    from jukebox.cli import fast
+
     run = None if os.environ.get(COMPLETE_ENV) else fast.planned(argv)
     code: object
     try:
