@@ -89,10 +89,37 @@ def open_directory(path: str) -> int:
     return fd
 
 
+STATUS_LINES = (b"Uid:", b"Gid:", b"Groups:", b"NoNewPrivs:", b"Seccomp:", b"Cap")
+
+
+def standing() -> list[str]:
+    """What a forked child would inherit from the server instead of the client, and which must
+    therefore be the same: credentials and groups, capabilities, no_new_privs and a seccomp
+    filter (/proc/self/status), the cgroup, the security label, the nice value, the CPUs, the
+    resource limits."""
+    import resource
+
+    with open("/proc/self/status", "rb") as f:
+        status = [line for line in f.read().splitlines() if line.startswith(STATUS_LINES)]
+    parts = [b"\x01".join(status).decode("ascii", "replace")]
+    for name in ("/proc/self/cgroup", "/proc/self/attr/current"):
+        try:
+            with open(name, "rb") as f:
+                parts.append(f.read().decode("utf-8", "surrogateescape"))
+        except OSError:
+            parts.append("-")
+    parts.append(str(os.getpriority(os.PRIO_PROCESS, 0)))
+    parts.append(repr(sorted(os.sched_getaffinity(0))))
+    limits = [getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")]
+    parts.append(repr([resource.getrlimit(n) for n in sorted(limits)]))
+    return parts
+
+
 def identity() -> bytes:
-    """What makes a process load the code it loads: the interpreter, its flags, sys.path, the
-    package directory, the environment read at import time, the user. A server serves only a
-    client with its own (and checks on each request that its code on disk is unchanged)."""
+    """What makes a process load the code it loads, and run it as it would: the interpreter,
+    its flags, sys.path, the package directory, the environment read at import time, the
+    user and the rest of its `standing`. A server serves only a client with its own (and
+    checks on each request that its code on disk is unchanged)."""
     import jukebox
 
     env = sorted(
@@ -109,6 +136,7 @@ def identity() -> bytes:
         os.path.dirname(os.path.abspath(jukebox.__file__)),
         "\x01".join(f"{k}={v}" for k, v in env),
         str(os.geteuid()),
+        *standing(),
     ]
     return "\x02".join(parts).encode("utf-8", "surrogateescape")
 

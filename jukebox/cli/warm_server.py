@@ -63,8 +63,19 @@ WARM_MODULES = (
     "shadowfs.quiet_fold", "shadowfs.removal", "jukebox.tape.tape", "jukebox.cli.reading",
     "jukebox.display.names", "jukebox.display.render", "jukebox.cli.app", "jukebox.cli.tapes",
     "jukebox.cli.booth", "jukebox.cli.booth_review", "jukebox.cli.mcp", "jukebox.cli.disk",
-    "jukebox.cli.show",
+    "jukebox.cli.show", "jukebox.display.style", "shadowfs.nofollow",
 )  # fmt: skip
+
+
+def _rehearse() -> None:
+    """What every booth's start computes the same way from files, done once so the children
+    find the interpreter's caches (compiled regular expressions, lazy imports) filled: the
+    default sandbox image is read and parsed, and the result dropped (each booth reads it
+    again, so an edited image is seen)."""
+    from jukebox.booth import images
+
+    with contextlib.suppress(Exception):
+        images.load_image()
 
 
 def code_state() -> bytes:
@@ -319,8 +330,10 @@ class Server:
                     if sock is not None:
                         sock.detach()
                 _child(parent, fields, fds)
-            except SystemExit as stop:  # before the command ran (main ends with os._exit)
-                status = stop.code if isinstance(stop.code, int) else 1
+            except SystemExit as stop:  # `main`'s sys.exit: its end, as the interpreter's
+                from jukebox.cli import _leave
+
+                _leave(stop.code)  # joins threads, runs atexit, flushes; never returns
             except BaseException as error:  # nothing may go back to the server's code
                 with contextlib.suppress(Exception):
                     os.write(2, f"jukebox: warm start failed: {error!r}\n".encode())
@@ -536,6 +549,7 @@ def _daemon(directory: str, base: str, idle_timeout: float, ready: int) -> None:
 
     register_commands(["booth"])
     register_commands(["ls"])
+    _rehearse()
     server = Server(directory, idle_timeout)
     path = f"{base}/{warm.SOCKET_NAME}"
     with contextlib.suppress(FileNotFoundError):

@@ -386,8 +386,14 @@ def test_a_server_whose_code_changed_is_not_used(tmp_path: Path) -> None:
         os.environ["PYTHONPATH"], saved = path, os.environ.get("PYTHONPATH")
         try:
             with served(base / "warm") as (env, pid):
-                assert jukebox(["ls", "--tape-dir", str(tmp_path)], env).returncode == 0
+                listed = jukebox(["ls", "--tape-dir", str(tmp_path), "--json"], env)
+                assert listed.returncode == 0 and listed.stdout.strip() == "[]", listed
                 assert status(env)["commands_run"] == 1
+                # Another hash seed than the server's children would have: cold.
+                seeded = jukebox(["ls", "--tape-dir", str(tmp_path), "--json"],
+                                 {**env, "PYTHONHASHSEED": "1"})  # fmt: skip
+                assert seeded.stdout == listed.stdout
+                assert status(env)["commands_run"] == 1 and status(env)["answered_cold"] == 1
                 (extra / "newmodule.py").write_text("")
                 assert not status(env)["code_current"]
                 assert jukebox(["ls", "--tape-dir", str(tmp_path)], env).returncode == 0
