@@ -22,7 +22,8 @@ no site (no .pth, no editable finder): what is left of a warm command's wait onc
 Python starts as fast as Python can. The cold rows run with JUKEBOX_WARM=off, so a server the
 user keeps does not touch them.
 
-Where valgrind is installed, the replay and the floor are also counted once in instructions
+Where valgrind is installed, the replay and the floor (not the warm client: under valgrind its
+resource limits differ from the server's, so it runs cold) are also counted once in instructions
 (`instructions`, cachegrind, PYTHONHASHSEED fixed): a figure the machine's load cannot move, so
 two runs of different code compare even when their wall times were taken at different loads.
 """
@@ -262,6 +263,10 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         _note_warm(replay_rows, REPLAY_WARM_SYSTEM, server_cpu, REPLAY_GOAL_MS)
         floor_count = _instructions(floor)
         for row in replay_rows:
+            if row["system"] in WARM_SYSTEMS:
+                # valgrind lowers the client's resource limits, so a server would find it
+                # another process than itself and the client ran cold: not counted.
+                continue
             count = _instructions(replays[row["system"]])
             if count is not None:
                 row["instructions"] = count

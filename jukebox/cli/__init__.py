@@ -41,6 +41,23 @@ ALL_COMMAND_MODULES = (
     "timetravel", "view", "warm_server",
 )  # fmt: skip
 COMPLETE_ENV = "_JUKEBOX_COMPLETE"  # click's shell completion asks with it set
+WARM_ENV = "JUKEBOX_WARM"  # "off": never hand a command to a `jukebox warm` server
+WARM_DIR_ENV = "JUKEBOX_WARM_DIR"  # where its socket lives (default: `warm_directory`)
+
+
+def warm_directory() -> str:
+    """Where this user's `jukebox warm` server has its socket: $JUKEBOX_WARM_DIR, else
+    $XDG_RUNTIME_DIR/jukebox when the runtime dir is set (the user's own, 0700 by its spec),
+    else /tmp/jukebox-warm-UID (made 0700; one already there of another user or mode makes the
+    warm start unusable, never used: jukebox.cli.warm.open_directory). Here, not in
+    jukebox.cli.warm: a cold start only looks whether it exists, without importing that."""
+    named = os.environ.get(WARM_DIR_ENV)
+    if named:
+        return os.path.abspath(named)
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "jukebox")
+    return f"/tmp/jukebox-warm-{os.geteuid()}"
 
 
 def __getattr__(name: str) -> Any:
@@ -214,12 +231,13 @@ def _leave(code: object) -> NoReturn:
 
 
 def main() -> None:
-    from jukebox.cli import warm
-
     argv = sys.argv[1:]
-    handed = warm.run(argv)  # on a `jukebox warm` server, when one runs and may take it
-    if handed is not None:
-        _leave(handed)
+    if os.environ.get(WARM_ENV) != "off" and os.path.exists(warm_directory()):
+        from jukebox.cli import warm
+
+        handed = warm.run(argv)  # on a `jukebox warm` server, when one runs and may take it
+        if handed is not None:
+            _leave(handed)
     from jukebox.cli import fast
 
     run = None if os.environ.get(COMPLETE_ENV) else fast.planned(argv)

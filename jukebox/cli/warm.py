@@ -26,12 +26,14 @@ from __future__ import annotations
 import os
 import sys
 
+from jukebox.cli import WARM_DIR_ENV, WARM_ENV, warm_directory
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket as socket_module
 
-WARM_ENV = "JUKEBOX_WARM"  # "off": never use a server
-DIR_ENV = "JUKEBOX_WARM_DIR"  # where the socket lives (default: `default_directory`)
+DIR_ENV = WARM_DIR_ENV
+default_directory = warm_directory
 SOCKET_NAME = "warm.sock"
 PROTOCOL = b"jukebox-warm/1"
 # The commands a server runs: they read no terminal and start no pager. By the first word
@@ -52,19 +54,6 @@ RUNNING = b"R"  # forked: the child runs the command; an exit status follows
 COLD = b"C"  # not run: the client runs it itself (a reason follows, for `warm status`)
 REFUSED = b"N"  # a peer the server does not serve
 EXITED = b"X"  # + 4 bytes, the child's wait status (big-endian)
-
-
-def default_directory() -> str:
-    """$XDG_RUNTIME_DIR/jukebox when the runtime dir is set (the user's own, 0700 by its
-    spec), else /tmp/jukebox-warm-UID (made 0700; one already there of another user or mode
-    makes the warm start unusable, never used)."""
-    named = os.environ.get(DIR_ENV)
-    if named:
-        return os.path.abspath(named)
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
-        return os.path.join(runtime, "jukebox")
-    return f"/tmp/jukebox-warm-{os.geteuid()}"
 
 
 def open_directory(path: str) -> int:
