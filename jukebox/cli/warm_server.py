@@ -4,8 +4,8 @@ that forks a child for each command a client hands it (jukebox.cli.warm, the cli
 The server is one thread and one poll loop. It listens on `warm.sock` in a directory only its
 user may enter (jukebox.cli.warm.open_directory), and serves a peer only when
 * its uid (SO_PEERCRED) is the server's, and
-* it lives in the server's mount, user and PID namespaces (an agent in a booth lives in its
-  own: it must never get a command started for it outside its sandbox). The peer is the
+* it lives in the server's mount, user and PID namespaces and under its root directory (an
+  agent in a booth lives in its own: it must never get a command started for it outside its sandbox). The peer is the
   process that connected, held by a pidfd the kernel gives with the connection
   (SO_PEERPIDFD), so a pid reused meanwhile is not the one checked;
 * it runs the server's interpreter with the server's sys.path, flags and import-time
@@ -114,10 +114,12 @@ def code_state() -> bytes:
 
 
 def _namespaces(pid: int | str) -> tuple[tuple[int, int], ...]:
+    """A process's mount, user and PID namespaces, and its root directory (a chroot)."""
     return tuple(
         (st.st_dev, st.st_ino)
-        for st in (os.stat(f"/proc/{pid}/ns/{kind}") for kind in ("mnt", "user", "pid"))
-    )
+        for st in (os.stat(f"/proc/{pid}/{name}") for name in ("ns/mnt", "ns/user", "ns/pid",
+                                                                "root"))
+    )  # fmt: skip
 
 
 def _pidfd_pid(pidfd: int) -> int:
@@ -135,6 +137,8 @@ def peer_refusal(conn: socket.socket) -> str | None:
         i : i + 4], sys.byteorder) for i in (0, 4, 8))  # fmt: skip
     if uid != os.geteuid():
         return f"peer uid {uid}"
+    if pid <= 0:
+        return "peer has no pid in this PID namespace"  # one in an ancestor's
     pidfd = -1
     try:
         try:
@@ -143,8 +147,6 @@ def peer_refusal(conn: socket.socket) -> str | None:
             )
         except OSError:
             pidfd = os.pidfd_open(pid)  # before Linux 6.5: the pid, checked alive below
-        if pid <= 0:
-            return "peer has no pid in this PID namespace"
         theirs = _namespaces(pid)
         if _pidfd_pid(pidfd) != pid:
             return "peer gone"  # so the /proc/PID read may have been another process's
@@ -442,6 +444,7 @@ def _reopen_streams() -> None:
         made.append(io.TextIOWrapper(buffered, encoding=encoding, errors=errors,
                                      line_buffering=line_buffered))  # fmt: skip
     sys.stdin, sys.stdout, sys.stderr = made
+    # typeshed makes the originals Final; the interpreter lets them be set, as here.
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = made  # type: ignore[misc]
 
 
