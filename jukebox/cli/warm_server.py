@@ -5,9 +5,9 @@ The server is one thread and one poll loop. It listens on `warm.sock` in a direc
 user may enter (jukebox.cli.warm.open_directory), and serves a peer only when
 * its uid (SO_PEERCRED) is the server's, and
 * it lives in the server's mount, user and PID namespaces and under its root directory (an
-  agent in a booth lives in its own: it must never get a command started for it outside its sandbox). The peer is the
-  process that connected, held by a pidfd the kernel gives with the connection
-  (SO_PEERPIDFD), so a pid reused meanwhile is not the one checked;
+  agent in a booth lives in its own: it must never get a command started for it outside its
+  sandbox). The peer is the process that connected, held by a pidfd the kernel gives with the
+  connection (SO_PEERPIDFD), so a pid reused meanwhile is not the one checked;
 * it runs the server's interpreter with the server's sys.path, flags and import-time
   environment (`warm.identity`), and the code on disk is still what the server imported
   (`code_state`, checked at each request: a server whose code changed answers cold and ends).
@@ -71,11 +71,21 @@ def _rehearse() -> None:
     """What every booth's start computes the same way from files, done once so the children
     find the interpreter's caches (compiled regular expressions, lazy imports) filled: the
     default sandbox image is read and parsed, and the result dropped (each booth reads it
-    again, so an edited image is seen)."""
+    again, so an edited image is seen); its environment patterns are matched against a name no
+    environment has, which compiles them (fnmatch's cache); the tape's frame patterns, compiled
+    at their first use, are compiled."""
     from jukebox.booth import images
+    from jukebox.tape import frame
+
+    frame.kind_pattern()
+    frame.frame_pattern()
+    frame.seq_pattern()
 
     with contextlib.suppress(Exception):
-        images.load_image()
+        image = images.load_image()
+        name = "JUKEBOX_WARM_REHEARSAL_"
+        image.is_secret(name)
+        image.filter_env({name: ""})
 
 
 def code_state() -> bytes:

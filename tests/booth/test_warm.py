@@ -89,16 +89,18 @@ def status(env: dict[str, str], python: str = sys.executable, user: int | None =
 
 
 def _gone(pid: int, seconds: float = 10) -> bool:
+    """Whether `pid` has ended (gone, or a zombie) within `seconds`; looks at least once."""
     deadline = time.monotonic() + slow(seconds)
-    while time.monotonic() < deadline:
+    while True:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(") ")[-1][:1] == "Z":
                     return True
         except FileNotFoundError:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.02)
-    return False
 
 
 @contextlib.contextmanager
@@ -114,7 +116,8 @@ def served(
     try:
         yield env, pid
     finally:
-        jukebox(["warm", "stop"], env, python, user)
+        if not _gone(pid, 0):  # a stale server ended by itself
+            jukebox(["warm", "stop"], env, python, user)
         if not _gone(pid):
             os.kill(pid, signal.SIGKILL)
 
