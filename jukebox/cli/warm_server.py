@@ -310,13 +310,22 @@ class Server:
                 os.close(fd)
         self.runs += 1
         self.last_active = time.monotonic()
-        conn.settimeout(None)
-        conn.setblocking(False)
         self.children[pidfd] = (pid, conn)
         poller.register(pidfd, select.POLLIN)
+        try:
+            conn.sendall(warm.RUNNING)
+        except OSError:  # the client went meanwhile: its child is hung up as at any loss
+            self._hang_up(pidfd)
+            return True
+        conn.setblocking(False)
         poller.register(conn, select.POLLIN)
-        conn.sendall(warm.RUNNING)
         return True
+
+    def _hang_up(self, pidfd: int) -> None:
+        """The client is gone: SIGHUP to its child now, and again after HANGUP_GRACE."""
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGHUP)
+        self.hung_up[pidfd] = time.monotonic() + HANGUP_GRACE
 
     def _cold_reason(self, fields: list[bytes], fds: list[int]) -> str | None:
         if len(fields) < 6 or len(fds) != 4:
@@ -366,9 +375,7 @@ class Server:
             data = b""
         if not data:  # the client is gone: hang the child up, as a terminal's end does
             poller.unregister(fd)
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(pidfd, signal.SIGHUP)
-            self.hung_up[pidfd] = time.monotonic() + HANGUP_GRACE
+            self._hang_up(pidfd)
             return
         for i in range(0, len(data) - 1, 2):
             if data[i : i + 1] == b"S" and data[i + 1] in warm.PASSED_SIGNALS:
