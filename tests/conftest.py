@@ -102,12 +102,43 @@ def no_user_config() -> None:
     )
 
 
+def left_out_of_serial_pass(path: Path) -> bool:
+    """Whether `pytest -m serial` skips a file without importing it: a test file whose text
+    never names `serial` (in any case: `@pytest.mark.serial`, `pytestmark = ...`, an alias
+    `SERIAL = ...`) holds no serial test."""
+    if path.suffix != ".py" or not path.name.startswith("test_") or not path.is_file():
+        return False
+    return b"serial" not in path.read_bytes().lower()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`pytest -m serial` (make test's second pass) imports only the test files that can hold
+    a serial test: collecting the whole suite to select 17 tests took 12 s. A serial mark that
+    comes from elsewhere (a conftest adding it) is refused at every full collection, as make
+    test's first pass is (`_no_serial_test_left_out`), so no such test is silently dropped."""
+    if config.getoption("markexpr", "") == "serial" and left_out_of_serial_pass(collection_path):
+        return True
+    return None
+
+
+def _no_serial_test_left_out(session: pytest.Session, items: list[pytest.Item]) -> None:
+    left_out = sorted({item.nodeid.split("::", 1)[0] for item in items
+                       if item.get_closest_marker("serial") is not None
+                       and left_out_of_serial_pass(item.path)})  # fmt: skip
+    if left_out:  # stops the run (a UsageError in a worker of pytest -n loses its message)
+        session.shouldfail = (
+            f"`pytest -m serial` would never run the serial tests of {', '.join(left_out)}: "
+            "it skips a test file whose text never says 'serial' (tests/conftest.py)"
+        )
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
     """Under `pytest -n` (make test), a test sharing a module- or package-scoped fixture runs
     on the same worker as the other tests of that module or package, so the fixture (a booth
     run, a recorded tape, a wheel, Arize Phoenix) is made once, not once per worker or each
     time a worker comes back to the module. Every other test goes to whichever worker is free."""
+    _no_serial_test_left_out(session, items)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # one process runs everything (and pytest-xdist may not even be loaded)
     groups: dict[pytest.Item, str] = {}

@@ -81,3 +81,46 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker_of_pytest_n(tmp_path: 
     # The module's fixture on the worker of its package's.
     workers = dict(line.split() for line in lines)
     assert workers["per_module"] == workers["per_package"], lines
+
+
+def test_the_serial_pass_imports_only_files_that_name_serial_and_misses_no_serial_test(
+    tmp_path: Path,
+) -> None:
+    # `pytest -m serial` (make test's second pass) skips, unimported, a test file that never
+    # says "serial"; a serial test such a file would hide (its mark added by a conftest) stops
+    # every full collection, as make test's first pass under -n 2 is, and fails it.
+    imported = tmp_path / "imported"  # named in no test file: its path says "serial"
+    note = "open(__import__('os').environ['IMPORTED'], 'a').write(__name__ + '\\n')\n"
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n" + note +
+        "@pytest.mark.serial\ndef test_alone():\n    pass\n"
+        "def test_beside():\n    pass\n"
+    )  # fmt: skip
+    (tmp_path / "test_plain.py").write_text(note + "def test_plain():\n    pass\n")
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(REPO),
+           "IMPORTED": str(imported)}  # fmt: skip
+
+    def pytest(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "tests.conftest",
+             "-p", "no:cacheprovider", "-rA", "--rootdir", str(tmp_path),
+             "--confcutdir", str(tmp_path), *args, "."],
+            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
+        )  # fmt: skip
+
+    out = pytest("-m", "serial")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASSED test_marked.py::test_alone" in out.stdout, out.stdout
+    assert "1 passed, 1 deselected" in out.stdout, out.stdout
+    assert imported.read_text() == "test_marked\n"  # test_plain.py was never imported
+
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n"
+        "def pytest_itemcollected(item):\n"
+        "    if item.name == 'test_plain':\n"
+        "        item.add_marker(pytest.mark.serial)\n"
+    )  # fmt: skip
+    out = pytest("-m", "not serial", "-n", "2")  # make test's first pass
+    assert out.returncode != 0, out.stdout
+    said = out.stdout + out.stderr
+    assert "would never run the serial tests of test_plain.py" in said, said
