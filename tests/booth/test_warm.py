@@ -1,7 +1,8 @@
 """`jukebox warm`: commands run by a kept-alive server's child, with real processes.
 
 A warm booth run gives what a cold one gives (exit code, output, tape); a client killed mid-run
-ends its booth as a hang-up does, leaving no process or mount; a server whose code changed is
+ends its booth as a hang-up does, leaving no process or mount; SIGINT or SIGTERM sent to the
+client ends the booth with the cold run's exit code and record; a server whose code changed is
 not used; and the attacks are refused: an agent in a booth that reaches the server's socket (as
 root and as nobody), another uid that connects, a socket directory that is a symlink or that
 others may enter (as root and as nobody).
@@ -217,6 +218,42 @@ def test_a_client_killed_mid_run_ends_its_booth_and_leaves_nothing(
     while status(env)["commands_running"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert status(env)["commands_running"] == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_client_ends_the_booth_as_it_ends_a_cold_one(
+    signum: int, root_server: tuple[dict[str, str], int, Path]
+) -> None:
+    """The client passes the signal on: the warm booth ends with the cold one's exit code and
+    record, and the server ran it (a signal the client swallowed would leave the agent
+    sleeping for an hour)."""
+    env, _, base = root_server
+    cold_env = {**env, "JUKEBOX_WARM_DIR": str(base / "none")}
+    outcomes = {}
+    for mode, run_env in (("warm", env), ("cold", cold_env)):
+        before = status(env)["commands_run"]
+        tree, tapes = base / f"tree-{mode}-{signum}", base / f"tapes-{mode}-{signum}"
+        tree.mkdir()
+        cmd = [sys.executable, "-c", LAUNCH, "booth", "run", "--tree", str(tree), "--tape-dir",
+               str(tapes), "--", "sh", "-c", "echo started; exec sleep 3600"]  # fmt: skip
+        client = subprocess.Popen(cmd, env=run_env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd="/")  # fmt: skip
+        try:
+            assert client.stdout is not None
+            assert client.stdout.readline().strip() == "started"
+            client.send_signal(signum)
+            code = client.wait(timeout=slow(20))
+        finally:
+            if client.poll() is None:
+                client.kill()
+        record = json.loads(jukebox(["booth", "ls", "--tape-dir", str(tapes), "--json"],
+                                    {**env, "JUKEBOX_WARM": "off"}).stdout)  # fmt: skip
+        ran_warm = status(env)["commands_run"] - before
+        outcomes[mode] = (code, [b["status"] for b in record], ran_warm)
+    assert outcomes["warm"][2] == 1 and outcomes["cold"][2] == 0, outcomes
+    assert outcomes["warm"][:2] == outcomes["cold"][:2], outcomes
+    assert outcomes["cold"][0] != 0, outcomes
 
 
 def _ppid(pid: int) -> int:
