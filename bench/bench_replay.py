@@ -1,6 +1,6 @@
 """`jukebox replay --exec` against the live run it replays.
 
-The agent is the time-travel tests' (tests/timetravel/agent.py: the real openai SDK, one tool
+The agent is the time-travel tests' (tests/timetravel/agent.py --sdk: the real openai SDK, one tool
 call, one file and one checkpoint per turn, then a streamed Responses call). It is recorded in a
 booth against the fake upstream (tests/llm/upstream.py, a process of its own) answering each call
 after 500 ms, as a remote model would; then the tape is replayed offline with `--exec`. Both are
@@ -63,7 +63,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         )
         live = _timed(
             [JUKEBOX, "booth", "run", "--tree", str(tree), "--tape-dir", str(tapes),
-             "--tape-id", "live", "--", sys.executable, str(AGENT)],
+             "--tape-id", "live", "--", sys.executable, str(AGENT), "--sdk"],
             env,
         )  # fmt: skip
         # Offline: the replay must not need the upstream at all.
