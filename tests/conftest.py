@@ -100,6 +100,9 @@ def no_user_config() -> None:
     os.environ["XDG_CONFIG_HOME"] = os.path.join(
         tempfile.gettempdir(), f"jukebox-tests-no-config-{os.getpid()}"
     )
+    # Nor the developer's own `jukebox warm` server: a test's jukebox would run in its child,
+    # not as the test's own child process (tests/booth/test_warm.py starts its own servers).
+    os.environ["JUKEBOX_WARM"] = "off"
 
 
 def left_out_of_serial_pass(path: Path) -> bool:
