@@ -26,14 +26,12 @@ from __future__ import annotations
 import os
 import sys
 
-from jukebox.cli import WARM_DIR_ENV, WARM_ENV, warm_directory
+from jukebox.cli import WARM_ENV, warm_directory
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket as socket_module
 
-DIR_ENV = WARM_DIR_ENV
-default_directory = warm_directory
 SOCKET_NAME = "warm.sock"
 PROTOCOL = b"jukebox-warm/1"
 # The commands a server runs: they read no terminal and start no pager. By the first word
@@ -152,7 +150,7 @@ def connect(path: str | None = None) -> socket_module.socket | None:
     import _socket
 
     try:
-        dirfd = open_directory(path or default_directory())
+        dirfd = open_directory(path or warm_directory())
     except OSError:
         return None
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)

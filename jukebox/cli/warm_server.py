@@ -41,7 +41,7 @@ from typing import Any
 
 import click
 
-from jukebox.cli import cli, warm
+from jukebox.cli import cli, warm, warm_directory
 from jukebox.cli.options import json_option
 
 DEFAULT_IDLE_TIMEOUT = 900.0
@@ -491,7 +491,7 @@ def _ask(kind: bytes) -> bytes | None:
 
 def server_status() -> dict[str, Any]:
     reply = _ask(b"status")
-    directory = warm.default_directory()
+    directory = warm_directory()
     if reply is None or not reply.startswith(b"{"):
         return {"running": False, "socket": os.path.join(directory, warm.SOCKET_NAME)}
     status: dict[str, Any] = json.loads(reply)
@@ -510,7 +510,7 @@ def start_server(idle_timeout: float) -> int:
     """Starts a server in the background; returns its pid once it listens."""
     from jukebox.errors import JukeboxError
 
-    directory = warm.default_directory()
+    directory = warm_directory()
     try:
         dirfd = ensure_directory(directory)
     except OSError as error:

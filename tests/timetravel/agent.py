@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 
 
 def checkpoint(label: str) -> None:
@@ -52,86 +53,88 @@ def _checked(response) -> None:  # httpx.Response
         raise APIError(f"Error code: {response.status_code} - {response.text}")
 
 
-def sdk_main() -> None:
-    """The same run over the real openai SDK: what bench/bench_replay.py times (`--sdk`)."""
-    import openai
+class OverHttp:
+    """The calls over httpx, as strict as the SDK's: what the tests run."""
 
-    delay = os.environ.get("JB_DELAY_MS")
-    headers = {"x-fake-delay-ms": delay} if delay else None
-    key = None if os.environ.get("JB_KEY_FROM_ENV") else "sk-test-SECRET123"
-    o = openai.OpenAI(api_key=key, max_retries=0, default_headers=headers)
-    if os.environ.get("JB_LIST_MODELS"):
-        try:
-            o.models.list()
-        except openai.APIError as error:
-            print(f"listing the models failed, going on: {error}", file=sys.stderr)
-    tools = [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
-    turns = int(os.environ.get("JB_TURNS", "3"))
-    for i in range(1, turns + 1):
-        prompt = os.environ.get(f"JB_PROMPT_{i}") or os.environ.get("JB_PROMPT", "write hello")
-        started = time.monotonic()
-        reply = o.chat.completions.create(
-            model="gpt-4o-mini",
-            messages=[
-                {"role": "system", "content": "You are a file agent."},
-                {"role": "user", "content": f"{prompt} #{i}"},
-            ],
-            tools=tools,
-        )
-        if os.environ.get("JB_TIMES"):
-            took = (time.monotonic() - started) * 1000
-            print(f"took_ms turn {i}: {took:.3f}", file=sys.stderr, flush=True)
-        print(reply.model_dump_json(), flush=True)
-        args = json.loads(reply.choices[0].message.tool_calls[0].function.arguments)
-        with open(f"file{i}.txt", "w") as f:
-            f.write(args["text"] + "\n")
-        if i == 1 and os.environ.get("JB_STRAY"):
-            with open("stray.txt", "w") as f:
-                f.write("not on the tape\n")
-        checkpoint(f"turn-{i}")
-    text = []
-    for event in o.responses.create(model="gpt-4.1", input=f"summarize {turns} turns", stream=True):
-        print(event.model_dump_json(), flush=True)
-        if event.type == "response.output_text.delta":
-            text.append(event.delta)
-    with open("summary.txt", "w") as f:
-        f.write("".join(text) + "\n")
-    sys.exit(int(os.environ.get("JB_EXIT", "0")))
+    def __init__(self) -> None:
+        import httpx
+
+        base = (os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
+        from_env = os.environ.get("JB_KEY_FROM_ENV")
+        key = os.environ.get("OPENAI_API_KEY") if from_env else "sk-test-SECRET123"
+        if not key:  # as openai.OpenAI() refuses to start
+            sys.exit(
+                "The api_key client option must be set ... OPENAI_API_KEY environment variable"
+            )
+        headers = {"authorization": f"Bearer {key}"}
+        delay = os.environ.get("JB_DELAY_MS")
+        if delay:
+            headers["x-fake-delay-ms"] = delay
+        self.client = httpx.Client(base_url=base + "/", headers=headers, timeout=600)
+        self.errors = (APIError, httpx.HTTPError)
+
+    def list_models(self) -> None:
+        _checked(self.client.get("models"))
+
+    def chat(self, body: dict) -> tuple[str, str]:
+        """The reply as printed, and its tool call's arguments."""
+        response = self.client.post("chat/completions", json=body)
+        _checked(response)
+        reply = response.json()
+        arguments = reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+        return json.dumps(reply, sort_keys=True), arguments
+
+    def summary(self, body: dict) -> Iterator[tuple[str, dict]]:
+        """The stream's events, as printed and as a dict."""
+        with self.client.stream("POST", "responses", json=body) as response:
+            _checked(response)
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue  # event: names, blank lines between events
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                yield json.dumps(event, sort_keys=True), event
+
+
+class OverSdk:
+    """The same calls over the real openai SDK: what bench/bench_replay.py times (`--sdk`)."""
+
+    def __init__(self) -> None:
+        import openai
+
+        delay = os.environ.get("JB_DELAY_MS")
+        headers = {"x-fake-delay-ms": delay} if delay else None
+        key = None if os.environ.get("JB_KEY_FROM_ENV") else "sk-test-SECRET123"
+        self.client = openai.OpenAI(api_key=key, max_retries=0, default_headers=headers)
+        self.errors = (openai.APIError,)
+
+    def list_models(self) -> None:
+        self.client.models.list()
+
+    def chat(self, body: dict) -> tuple[str, str]:
+        reply = self.client.chat.completions.create(**body)
+        return reply.model_dump_json(), reply.choices[0].message.tool_calls[0].function.arguments
+
+    def summary(self, body: dict) -> Iterator[tuple[str, dict]]:
+        for event in self.client.responses.create(**body):
+            yield event.model_dump_json(), event.model_dump()
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--sdk"]:
-        return sdk_main()
-    import httpx
-
-    base = (os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
-    from_env = os.environ.get("JB_KEY_FROM_ENV")
-    key = os.environ.get("OPENAI_API_KEY") if from_env else "sk-test-SECRET123"
-    if not key:  # as openai.OpenAI() refuses to start
-        sys.exit("The api_key client option must be set ... OPENAI_API_KEY environment variable")
-    headers = {"authorization": f"Bearer {key}"}
-    delay = os.environ.get("JB_DELAY_MS")
-    if delay:
-        headers["x-fake-delay-ms"] = delay
-    o = httpx.Client(base_url=base + "/", headers=headers, timeout=600)
-
-    def post(path: str, body: dict) -> dict:
-        response = o.post(path, json=body)
-        _checked(response)
-        return response.json()
-
+    o = OverSdk() if sys.argv[1:] == ["--sdk"] else OverHttp()
     if os.environ.get("JB_LIST_MODELS"):
         try:
-            _checked(o.get("models"))
-        except (APIError, httpx.HTTPError) as error:
+            o.list_models()
+        except o.errors as error:
             print(f"listing the models failed, going on: {error}", file=sys.stderr)
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {}}}]
     turns = int(os.environ.get("JB_TURNS", "3"))
     for i in range(1, turns + 1):
         prompt = os.environ.get(f"JB_PROMPT_{i}") or os.environ.get("JB_PROMPT", "write hello")
         started = time.monotonic()
-        reply = post(
-            "chat/completions",
+        printed, arguments = o.chat(
             {
                 "messages": [
                     {"role": "system", "content": "You are a file agent."},
@@ -139,13 +142,13 @@ def main() -> None:
                 ],
                 "model": "gpt-4o-mini",
                 "tools": tools,
-            },
+            }
         )
         if os.environ.get("JB_TIMES"):
             took = (time.monotonic() - started) * 1000
             print(f"took_ms turn {i}: {took:.3f}", file=sys.stderr, flush=True)
-        print(json.dumps(reply, sort_keys=True), flush=True)
-        args = json.loads(reply["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+        print(printed, flush=True)
+        args = json.loads(arguments)
         with open(f"file{i}.txt", "w") as f:
             f.write(args["text"] + "\n")
         if i == 1 and os.environ.get("JB_STRAY"):
@@ -154,18 +157,10 @@ def main() -> None:
         checkpoint(f"turn-{i}")
     text = []
     body = {"input": f"summarize {turns} turns", "model": "gpt-4.1", "stream": True}
-    with o.stream("POST", "responses", json=body) as response:
-        _checked(response)
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue  # event: names, blank lines between events
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            print(json.dumps(event, sort_keys=True), flush=True)
-            if event.get("type") == "response.output_text.delta":
-                text.append(event["delta"])
+    for printed, event in o.summary(body):
+        print(printed, flush=True)
+        if event.get("type") == "response.output_text.delta":
+            text.append(event["delta"])
     with open("summary.txt", "w") as f:
         f.write("".join(text) + "\n")
     sys.exit(int(os.environ.get("JB_EXIT", "0")))
