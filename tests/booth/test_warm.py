@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from jukebox.cli import warm
+from jukebox.cli import WARM_DIR_ENV, warm
 from tests.booth.conftest import NOBODY
 from tests.conftest import slow
 
@@ -322,14 +322,104 @@ def test_another_uid_is_refused(root_server: tuple[dict[str, str], int, Path]) -
     assert after["commands_run"] == before["commands_run"]
 
 
+def test_a_peer_in_a_chroot_is_refused(root_server: tuple[dict[str, str], int, Path]) -> None:
+    """Root in a chroot that holds the socket: the same uid and namespaces, another root
+    directory (paths it would hand over resolve elsewhere), refused. Root only: an unprivileged
+    user can chroot only in a user namespace of its own, refused by the namespace check (the
+    nobody booth test)."""
+    env, _, base = root_server
+    before = status(env)
+    # The agent's modules imported before the chroot, which holds no Python.
+    chrooted = (
+        "import array, json, os, socket, sys; agent = sys.argv[2]; os.chroot(sys.argv[1]); "
+        "os.chdir('/'); sys.argv = ['agent', '/warm/warm.sock']; exec(agent)"
+    )
+    run = subprocess.run([sys.executable, "-c", chrooted, str(base), AGENT],
+                         capture_output=True, text=True, timeout=slow(30))  # fmt: skip
+    assert _agent_attack(run) == {"reply": "N"}
+    after = status(env)
+    assert after["peers_refused"] == before["peers_refused"] + 1
+    assert after["commands_run"] == before["commands_run"]
+
+
+# A listener of `uid` at argv[1], moved by the test to the client's socket path once ready; it
+# reports what the client sent it: a client that hands its streams over would send fds.
+PLANTED = r"""
+import array, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+os.chmod(sys.argv[1], 0o666)
+s.listen(8)
+s.settimeout(10)
+print("ready", flush=True)
+got = {"connections": 0, "bytes": 0, "fds": 0}
+try:
+    while got["connections"] < 2:
+        conn, _ = s.accept()
+        got["connections"] += 1
+        conn.settimeout(10)
+        data, anc, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(64))
+        got["bytes"] += len(data)
+        got["fds"] += sum(len(raw) // 4 for _, _, raw in anc)
+except OSError:
+    pass
+print(json.dumps(got), flush=True)
+"""
+
+
+@pytest.mark.parametrize("client_is_nobody", [False, True], ids=["root", "nobody"])
+def test_another_uids_server_at_the_users_own_socket_gets_nothing(
+    client_is_nobody: bool, request: pytest.FixtureRequest
+) -> None:
+    """A listener of another uid at the socket path in the client's own (valid) directory: the
+    client checks the server's uid (SO_PEERCRED) and hangs up, never handing over its streams,
+    and runs cold."""
+    python = request.getfixturevalue("nobody_python")
+    client, server = (NOBODY, 0) if client_is_nobody else (0, NOBODY)
+    root = Path(f"/var/tmp/jukebox-test-warm-planted-{os.getpid()}-{int(client_is_nobody)}")
+    root.mkdir(mode=0o711)
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    staging, directory = root / "staging", root / "warm"
+    staging.mkdir(mode=0o700)
+    os.chown(staging, server, server)
+    directory.mkdir(mode=0o700)
+    os.chown(directory, client, client)
+    listener = subprocess.Popen(
+        [*(["setpriv", f"--reuid={server}", f"--regid={server}", "--clear-groups"]
+           if server else []), "/usr/bin/python3", "-c", PLANTED, str(staging / "l.sock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert listener.stdout is not None
+        assert listener.stdout.readline().strip() == "ready"
+        os.rename(staging / "l.sock", directory / warm.SOCKET_NAME)  # root moves it in
+        check = ("from jukebox.cli import warm; "
+                 "print(warm.connect() is None, warm.run(['ls']) is None)")  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "JUKEBOX_WARM"}
+        env[WARM_DIR_ENV] = str(directory)
+        cmd = [python if client else sys.executable, "-c", check]
+        if client:
+            cmd = ["setpriv", f"--reuid={client}", f"--regid={client}", "--clear-groups", *cmd]
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              cwd="/", env=env, timeout=slow(30))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["True", "True"]
+        got = json.loads(listener.communicate(timeout=slow(30))[0].splitlines()[-1])
+    finally:
+        if listener.poll() is None:
+            listener.kill()
+    # It reached the listener (so the uid check, not the path, stopped it) and sent nothing.
+    assert got == {"connections": 2, "bytes": 0, "fds": 0}, got
+
+
 # Run as the user under test: for each bad directory, the client must not connect and the
 # server must not start.
 DIR_CHECK = r"""
 import json, os, sys
-from jukebox.cli import warm, warm_server
+from jukebox.cli import WARM_DIR_ENV, warm, warm_server
 out = {}
 for name, path in json.loads(sys.argv[1]).items():
-    os.environ[warm.DIR_ENV] = path
+    os.environ[WARM_DIR_ENV] = path
     try:
         warm_server.start_server(60.0)
         started = "started"
